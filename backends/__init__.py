@@ -1,0 +1,36 @@
+"""Backends: numpy (reference), torch (CPU/CUDA fast path), sympy (symbolic checks)."""
+
+from __future__ import annotations
+
+__all__ = ["get_backend", "available_backends"]
+
+
+def available_backends() -> list[str]:
+    out = ["numpy"]
+    try:
+        import torch  # noqa: F401
+
+        out.insert(0, "torch")
+    except ImportError:
+        pass
+    return out
+
+
+def get_backend(name=None, device=None):
+    """A backend by name ("torch", "numpy"), or an already built Backend.
+    Default: torch when importable (on ``device``, CPU by default), else numpy."""
+    from .base import Backend
+
+    if isinstance(name, Backend):
+        return name
+    if name is None:
+        name = available_backends()[0]
+    if name == "numpy":
+        from .numpy import NumpyBackend
+
+        return NumpyBackend()
+    if name == "torch":
+        from .torch import TorchBackend
+
+        return TorchBackend(device=device)
+    raise ValueError(f"unknown backend '{name}'; available: {available_backends()}")

@@ -1,0 +1,51 @@
+"""What every backend provides: a rule table keyed by MapKind and a few array ops."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from pathir.errors import BackendError
+from pathir.ir import Map, MapKind, Node
+
+__all__ = ["Backend", "RuleTable"]
+
+Rule = Optional[Callable[..., Any]]
+RuleTable = dict[MapKind, tuple[Rule, Rule, Rule]]
+
+
+class Backend:
+    """A backend = ``rules`` (apply, adjoint, weight_grad per MapKind) + array ops.
+
+    The walks in :mod:`pathir.execute` use only these; a missing rule raises
+    "backend X has no rule for Y"."""
+
+    name = "abstract"
+    rules: RuleTable = {}
+
+    def _rule(self, m: Map, which: int):
+        rule = self.rules.get(m.kind, (None, None, None))[which]
+        if rule is None:
+            op = ("apply", "adjoint", "weight_grad")[which]
+            raise BackendError(f"backend {self.name} has no rule for {op} of {m.kind.value}")
+        return rule
+
+    def apply(self, m: Map, x, in_shape):
+        return self._rule(m, 0)(m, x, tuple(in_shape))
+
+    def adjoint(self, m: Map, g, in_shape):
+        return self._rule(m, 1)(m, g, tuple(in_shape))
+
+    def weight_grad(self, m: Map, x, g, in_shape):
+        return self._rule(m, 2)(m, x, g, tuple(in_shape))
+
+    # array ops every backend implements
+    def asarray(self, value): raise NotImplementedError
+    def to_numpy(self, x): raise NotImplementedError
+    def ones(self, shape): raise NotImplementedError
+    def zeros(self, shape): raise NotImplementedError
+    def bias(self, node: Node, ndim: int): raise NotImplementedError
+    def relu(self, x): raise NotImplementedError
+    def kth_max_pool(self, node: Node, x, in_shape): raise NotImplementedError
+    def amax(self, x) -> float: raise NotImplementedError
+    def total(self, x) -> float: raise NotImplementedError
+    def channel_sum(self, g): raise NotImplementedError

@@ -1,0 +1,1 @@
+"""Frontends: torch_fx (nn.Module) and onnx (ModelProto / .onnx files) -> Graph."""

@@ -1,0 +1,76 @@
+"""fold_batchnorm: an inference batch-norm folded into the affine layer before it.
+
+Pattern: node v reads node u only through a per-channel ``Scale`` edge
+(s = gamma / sqrt(var + eps), v's bias holding c = beta - mean * s), u is an
+identity node read by nothing else, not an output, whose incoming edges are all
+parameterized (dense, conv, scale). Then, for every edge W of u and u's bias b,
+
+    W' = W * s[out channel],    b' = s * b + c     (c: v's own bias)
+
+and v reads u's sources directly (the onnxscript fusion rule
+W' = W * gamma / sigma, b' = (b - mu) * gamma / sigma + beta). The batch-norm's
+gamma and beta become OUT_SCALE sources of W' and b', so a rescaling of the
+unit is written back onto the batch-norm affine (exact in train and eval mode).
+Where the pattern does not hold the Scale edge stays (an identity-neuron layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from pathir.ir import PARAMETERIZED, Edge, Graph, MapKind, NodeKind, Param, Role, SourceRef
+
+__all__ = ["fold_batchnorm"]
+
+
+def _out_scale_refs(scale: Param) -> tuple[SourceRef, ...]:
+    return tuple(r for r in scale.sources if r.role is Role.OUT_SCALE)
+
+
+def _scaled_weight(w: Param, s: np.ndarray, refs) -> Param:
+    value = w.value * s.reshape(-1, *([1] * (w.value.ndim - 1)))
+    sources = tuple(r for r in w.sources if r.role is not Role.OUT_SCALE) + refs
+    return Param(w.name, value, sources, (w.how or w.name) + f" * {refs[0].name if refs else 'scale'}/sigma")
+
+
+def fold_batchnorm(graph: Graph) -> Graph:
+    """Requires: a verified graph. Ensures: no foldable Scale edge remains.
+    Preserves: the function R_theta (exactly, up to rounding) and the units
+    (each folded channel stays one unit)."""
+    nodes = {n.name: n for n in graph.nodes}
+    removed: set[str] = set()
+    for v in graph.nodes:
+        if len(v.edges) == 0:
+            continue
+        new_edges, bias, changed = [], v.bias, False
+        for e in v.edges:
+            u = nodes.get(e.source)
+            if not (e.map.kind is MapKind.SCALE and _foldable(graph, u)):
+                new_edges.append(e)
+                continue
+            s, refs = e.map.W.value, _out_scale_refs(e.map.W)
+            for ue in u.edges:
+                new_edges.append(Edge(ue.source, replace(ue.map, W=_scaled_weight(ue.map.W, s, refs))))
+            if u.bias is not None:
+                folded = s * u.bias.value
+                if bias is None:
+                    bias = Param(f"{u.bias.name}", folded, u.bias.sources + refs, f"{u.bias.name} * scale")
+                else:
+                    bias = Param(bias.name, bias.value + folded, bias.sources, (bias.how or bias.name) + f" + scale * {u.bias.name}")
+            removed.add(u.name)
+            changed = True
+        if changed:
+            nodes[v.name] = replace(v, edges=tuple(new_edges), bias=bias)
+    return graph.replace_nodes(nodes[n.name] for n in graph.nodes if n.name not in removed)
+
+
+def _foldable(graph: Graph, u) -> bool:
+    return (
+        u is not None
+        and u.kind is NodeKind.IDENTITY
+        and u.name not in graph.outputs
+        and len(graph.consumers[u.name]) == 1
+        and all(e.map.kind in PARAMETERIZED for e in u.edges)
+    )

@@ -1,0 +1,56 @@
+"""pathir.compile: the one entry point from a model to a Compiled object."""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from .compiled import Compiled
+from .ir import Graph, verify
+
+__all__ = ["compile"]
+
+
+def _is_onnx(model) -> bool:
+    if isinstance(model, (str, bytes, bytearray, os.PathLike)):
+        return True
+    return type(model).__name__ == "ModelProto"
+
+
+def compile(model, input_shape: Sequence[int] | None = None, example_input=None, passes: Sequence = (),
+            backend=None, check: bool = True) -> Compiled:
+    """Lower ``model`` to the pathir IR and run the compile pipeline.
+
+    Parameters
+    ----------
+    model : torch.nn.Module, onnx.ModelProto, path or bytes of an .onnx file, or Graph
+    input_shape : shape of one input without the batch dimension, e.g. ``(3, 224, 224)``
+    example_input : a batched example tensor (alternative to ``input_shape``)
+    passes : extra ``Graph -> Graph`` passes run after the default pipeline
+    backend : default backend of the result ("torch", "numpy")
+    check : verify the graph after every pass
+
+    The model is never modified.
+
+    >>> import torch, pathir
+    >>> net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    >>> cm = pathir.compile(net, input_shape=(4,))
+    >>> round(cm.num_paths())   # 4*3*2 input paths + 3*2 bias paths from the hidden layer + 2
+    32
+    """
+    from pathir.passes import DEFAULT_PIPELINE, run_passes
+
+    if isinstance(model, Graph):
+        graph, writer, n_src, name = verify(model), None, None, model.name
+    elif _is_onnx(model):
+        from pathir.frontends.onnx import lower
+
+        low = lower(model, input_shape=input_shape)
+        graph, writer, n_src, name = low.graph, low.writer, low.source_num_params, low.name
+    else:
+        from pathir.frontends.torch_fx import lower
+
+        low = lower(model, input_shape=input_shape, example_input=example_input)
+        graph, writer, n_src, name = low.graph, low.writer, low.source_num_params, low.name
+    graph = run_passes(graph, (*DEFAULT_PIPELINE, *passes), check=check)
+    return Compiled(graph, model=model, frontend=writer, source_num_params=n_src, backend=backend, name=name)

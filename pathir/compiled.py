@@ -1,0 +1,167 @@
+"""The Compiled object: a lowered model, its graph, and every computation on it.
+
+Each method is a thin door to the module that implements it; the user's model
+is touched only by the write-back methods (pathcond, enorm, normalize, prune),
+all at once, after everything else succeeded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from .ir import Conv, Dense, Graph, MapKind, NodeKind
+
+__all__ = ["Compiled", "Summary"]
+
+
+@dataclass
+class Summary:
+    """What ``cm.summary()`` reports; ``str()`` is a table, ``to_dict()`` is JSON-ready."""
+
+    name: str
+    params: int
+    graph_params: int
+    nodes: int
+    hidden_neurons: int
+    hidden_channels: int
+    log10_paths: float
+    log10_path_norms: dict[float, float]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "params": self.params,
+            "graph_params": self.graph_params,
+            "nodes": self.nodes,
+            "hidden_neurons": self.hidden_neurons,
+            "hidden_channels": self.hidden_channels,
+            "log10_paths": self.log10_paths,
+            "path_norms": {f"l{q:g}": _maybe_exp10(v) for q, v in self.log10_path_norms.items()},
+            "log10_path_norms": {f"l{q:g}": v for q, v in self.log10_path_norms.items()},
+            **self.extra,
+        }
+
+    def __str__(self) -> str:
+        rows = [
+            ("model", self.name),
+            ("parameters", f"{self.params:,}"),
+            ("parameters in the graph (batch-norms folded)", f"{self.graph_params:,}"),
+            ("nodes", f"{self.nodes}"),
+            ("hidden neurons", f"{self.hidden_neurons:,}"),
+            ("hidden channels", f"{self.hidden_channels:,}"),
+            ("log10 #paths", f"{self.log10_paths:.3f}"),
+        ]
+        for q, v in self.log10_path_norms.items():
+            rows.append((f"l{q:g} path-norm", _sci(v)))
+        for k, v in self.extra.items():
+            rows.append((k, str(v)))
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _maybe_exp10(log10_value: float) -> float | None:
+    return 10.0**log10_value if log10_value < 308 else None
+
+
+def _sci(log10_value: float) -> str:
+    if not math.isfinite(log10_value):
+        return "0" if log10_value < 0 else "inf"
+    e = math.floor(log10_value)
+    return f"{10 ** (log10_value - e):.4f}e{e:+d}"
+
+
+class Compiled:
+    """A model lowered to the pathir IR.
+
+    Attributes
+    ----------
+    graph : Graph
+        The IR after the compile pipeline (batch-norms folded).
+    model : object
+        The user's model (nn.Module or onnx.ModelProto); changed only by write-back.
+    frontend : object
+        The frontend's write-back handle (``None`` for a bare Graph).
+    """
+
+    def __init__(self, graph: Graph, model=None, frontend=None, source_num_params: int | None = None,
+                 backend=None, name: str | None = None):
+        self.graph = graph
+        self.model = model
+        self.frontend = frontend
+        self.source_num_params = source_num_params if source_num_params is not None else graph.num_params()
+        self.backend = backend
+        self.name = name or graph.name
+
+    def __repr__(self) -> str:
+        return f"<pathir.Compiled {self.name}: {len(self.graph)} nodes, {self.graph.num_params():,} params>"
+
+    # ---------------------------------------------------------------- basics
+    def _backend(self, backend=None):
+        from pathir.backends import get_backend
+
+        return get_backend(backend if backend is not None else self.backend)
+
+    def forward(self, x, backend=None):
+        """The IR's own forward R_theta(x) (float64); x of shape (B, *input shape).
+        Returns the output array (dict if several outputs), as the backend's array type."""
+        from .execute import forward
+
+        out = forward(self.graph, self._backend(backend), x)
+        return out[self.graph.outputs[0]] if len(out) == 1 else out
+
+    def path_norm(self, q: float = 1.0, log10: bool = False, backend=None) -> float:
+        """The l_q path-norm ||Phi(theta)||_q (MATH.md §3), exact in float64 without
+        overflow; ``log10=True`` gives its log10 (for norms beyond 1e308)."""
+        from .pathnorm import path_norm
+
+        return path_norm(self.graph, q, self._backend(backend), log10)
+
+    def path_norms(self, qs: Iterable[float] = (1, 2, 4), log10: bool = False, backend=None) -> dict[float, float]:
+        from .pathnorm import path_norms
+
+        return path_norms(self.graph, qs, self._backend(backend), log10)
+
+    def num_paths(self, log10: bool = False, backend=None) -> float:
+        """Number of paths of the DAG (MATH.md §2); ``log10=True`` for its log10."""
+        from .pathnorm import num_paths
+
+        return num_paths(self.graph, self._backend(backend), log10)
+
+    def hidden_neurons(self) -> int:
+        return sum(n.numel for n in self.graph.nodes if self.graph.is_hidden(n.name))
+
+    def hidden_channels(self) -> int:
+        """Sum of output channels of every conv / linear layer except those feeding an
+        output (the classifier): the PathCond paper's count of hidden units."""
+        total = 0
+        for n in self.graph.nodes:
+            if n.name in self.graph.outputs:
+                continue
+            total += sum(n.channels for e in n.edges if e.map.kind in (MapKind.DENSE, MapKind.CONV))
+        return total
+
+    def summary(self, qs: Sequence[float] = (1, 2, 4), backend=None) -> Summary:
+        """Parameters, hidden neurons and channels, log10 #paths and path-norms."""
+        be = self._backend(backend)
+        return Summary(
+            name=self.name,
+            params=self.source_num_params,
+            graph_params=self.graph.num_params(),
+            nodes=len(self.graph),
+            hidden_neurons=self.hidden_neurons(),
+            hidden_channels=self.hidden_channels(),
+            log10_paths=self.num_paths(log10=True, backend=be),
+            log10_path_norms=self.path_norms(qs, log10=True, backend=be),
+        )
+
+    def apply(self, *passes, check: bool = True) -> "Compiled":
+        """A new Compiled whose graph is this one's after ``passes`` (verified between them)."""
+        from pathir.passes import run_passes
+
+        graph = run_passes(self.graph, passes, check=check)
+        return Compiled(graph, self.model, self.frontend, self.source_num_params, self.backend, self.name)

@@ -1,0 +1,49 @@
+"""The exceptions pathir raises. Each names the node, its op and where it came from."""
+
+from __future__ import annotations
+
+__all__ = [
+    "PathirError",
+    "UnsupportedOperation",
+    "GraphVerificationError",
+    "GraphTooLarge",
+    "PathNormOverflow",
+    "BackendError",
+]
+
+
+class PathirError(Exception):
+    """Base class of every error pathir raises on purpose."""
+
+
+class UnsupportedOperation(PathirError):
+    """An operation outside the ReLU DAG model (MATH.md §1) was met while lowering.
+
+    The user's model is never modified when this is raised.
+    """
+
+    def __init__(self, node: str, op: str, where: str = "", why: str = ""):
+        self.node, self.op, self.where, self.why = node, op, where, why
+        text = f"node '{node}' (op {op})"
+        if where:
+            text += f" from {where}"
+        text += " is not supported"
+        if why:
+            text += f": {why}"
+        super().__init__(text)
+
+
+class GraphVerificationError(PathirError):
+    """The graph breaks an invariant of the IR; the message shows the graph."""
+
+
+class GraphTooLarge(PathirError):
+    """A neuron-level computation was asked of a graph above the size limit."""
+
+
+class PathNormOverflow(PathirError, OverflowError):
+    """A path quantity does not fit in float64; ask for its log10 instead."""
+
+
+class BackendError(PathirError):
+    """A backend failed while evaluating a node; the message names the node."""

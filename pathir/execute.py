@@ -1,0 +1,181 @@
+"""Backend-agnostic walks over a Graph.
+
+- ``forward``: the network's own function R_theta(x) (MATH.md §1).
+- ``path_forward`` / ``path_backward``: the linear walks behind every path
+  quantity. They run on a *path graph* (all nodes identity, e.g. the output of
+  ``path_view``) and keep each node's tensor as ``(m, L)`` with value
+  ``m * exp(L)`` and max|m| = 1, so that no path sum overflows or underflows
+  float64 however deep the network (the l1 path-norm of ResNet-50 is ~1e73,
+  path counts far beyond 1e308).
+"""
+
+from __future__ import annotations
+
+import math
+
+from .errors import BackendError, PathirError
+from .ir import Graph, Node, NodeKind
+
+__all__ = ["forward", "path_forward", "path_backward", "log_total"]
+
+
+def _context(node: Node) -> str:
+    return f"while evaluating node '{node.name}' ({node.kind.value}, {'x'.join(map(str, node.shape))})"
+
+
+def forward(graph: Graph, backend, inputs, all_nodes: bool = False):
+    """Evaluate the graph on a batch. ``inputs``: one array (single input) or
+    {input name: array}, each of shape (B, *shape). Returns {output name: array}
+    (every node with ``all_nodes``)."""
+    names = graph.inputs
+    if not isinstance(inputs, dict):
+        if len(names) != 1:
+            raise ValueError(f"graph has inputs {list(names)}: pass a dict")
+        inputs = {names[0]: inputs}
+    acts = {}
+    for node in graph.nodes:
+        try:
+            if node.kind is NodeKind.INPUT:
+                x = backend.asarray(inputs[node.name])
+                if tuple(x.shape[1:]) != node.shape:
+                    raise ValueError(f"input '{node.name}' expects (B, {', '.join(map(str, node.shape))}), got {tuple(x.shape)}")
+                acts[node.name] = x
+                continue
+            if node.kind is NodeKind.MAXPOOL:
+                src = graph.node(node.edges[0].source)
+                pre = backend.kth_max_pool(node, acts[src.name], src.shape)
+            else:
+                pre = None
+                for e in node.edges:
+                    t = backend.apply(e.map, acts[e.source], graph.node(e.source).shape)
+                    pre = t if pre is None else pre + t
+            if node.bias is not None:
+                pre = pre + backend.bias(node, len(node.shape) + 1)
+            acts[node.name] = backend.relu(pre) if node.kind is NodeKind.RELU else pre
+        except PathirError:
+            raise
+        except Exception as err:
+            raise BackendError(f"{_context(node)}: {type(err).__name__}: {err}") from err
+    return acts if all_nodes else {o: acts[o] for o in graph.outputs}
+
+
+def _combine(backend, terms):
+    """Sum of m_t * exp(L_t), rescaled: returns (m, L) with max|m| = 1 (or m = 0, L = 0)."""
+    terms = [(m, L) for m, L in terms if L != -math.inf]
+    if not terms:
+        return None, 0.0
+    top = max(L for _, L in terms)
+    acc = None
+    for m, L in terms:
+        t = m if L == top else m * math.exp(L - top)
+        acc = t if acc is None else acc + t
+    peak = backend.amax(acc)
+    if peak == 0.0 or not math.isfinite(peak):
+        if not math.isfinite(peak):
+            raise PathirError("non-finite value in a path computation (NaN or inf weights?)")
+        return acc, 0.0
+    return acc / peak, top + math.log(peak)
+
+
+def _require_path_graph(graph: Graph):
+    for node in graph.nodes:
+        if node.kind not in (NodeKind.INPUT, NodeKind.IDENTITY):
+            raise PathirError(
+                f"path walks need a path graph (identity nodes only); node '{node.name}' is {node.kind.value}: "
+                "run maxpool_to_sum and path_view first"
+            )
+
+
+def path_forward(graph: Graph, backend, inputs=None):
+    """Forward on a path graph with the all-ones input (or ``inputs``: {name: (B,*shape)}).
+
+    Returns {node name: (m, L)}; node value = m * exp(L)."""
+    _require_path_graph(graph)
+    acts = {}
+    for node in graph.nodes:
+        if node.kind is NodeKind.INPUT:
+            x = backend.ones((1, *node.shape)) if inputs is None else backend.asarray(inputs[node.name])
+            acts[node.name] = _combine(backend, [(x, 0.0)]) if inputs is not None else (x, 0.0)
+            continue
+        try:
+            terms = []
+            for e in node.edges:
+                m, L = acts[e.source]
+                if m is not None:
+                    terms.append((backend.apply(e.map, m, graph.node(e.source).shape), L))
+            if node.bias is not None:
+                b = backend.bias(node, len(node.shape) + 1)
+                ones = backend.ones((1, *node.shape))
+                terms.append((ones * b, 0.0))
+            acts[node.name] = _combine(backend, terms)
+        except PathirError:
+            raise
+        except Exception as err:
+            raise BackendError(f"{_context(node)}: {type(err).__name__}: {err}") from err
+    return acts
+
+
+def log_total(backend, acts, names) -> float:
+    """log of the sum of every entry of the named nodes (-inf if zero)."""
+    parts = []
+    for n in names:
+        m, L = acts[n]
+        if m is None:
+            continue
+        s = backend.total(m)
+        if s < 0:
+            raise PathirError(f"negative total at node '{n}' in a path computation")
+        if s > 0:
+            parts.append(math.log(s) + L)
+    if not parts:
+        return -math.inf
+    top = max(parts)
+    return top + math.log(sum(math.exp(p - top) for p in parts))
+
+
+def path_backward(graph: Graph, backend, acts, seeds=None):
+    """Reverse walk on a path graph: d(sum of outputs)/d(everything).
+
+    ``acts`` from :func:`path_forward`. Returns (node_grads, param_grads):
+    node_grads[name] = (m, M), gradient w.r.t. the node's output = m * exp(M),
+    i.e. B(v) of MATH.md §3: the sum over paths from v to an output of the
+    product of weights; param_grads[id(param)] = (array, log-scale) with the
+    weight-gradient (sum over paths through the parameter of the other factors).
+    """
+    _require_path_graph(graph)
+    grads: dict[str, tuple] = {}
+    pending: dict[str, list] = {n.name: [] for n in graph.nodes}
+    for o in graph.outputs:
+        seed = backend.ones((1, *graph.node(o).shape)) if seeds is None else backend.asarray(seeds[o])
+        pending[o].append((seed, 0.0))
+    param_grads: dict[int, tuple] = {}
+    for node in reversed(graph.nodes):
+        g, M = _combine(backend, pending.pop(node.name))
+        grads[node.name] = (g, M)
+        if g is None or node.kind is NodeKind.INPUT:
+            continue
+        try:
+            for e in node.edges:
+                src = graph.node(e.source)
+                x, L = acts[e.source]
+                pending[e.source].append((backend.adjoint(e.map, g, src.shape), M))
+                w = e.map.weight
+                if w is not None and x is not None:
+                    _accumulate(param_grads, w, backend.weight_grad(e.map, x, g, src.shape), L + M)
+            if node.bias is not None:
+                _accumulate(param_grads, node.bias, backend.channel_sum(g), M)
+        except PathirError:
+            raise
+        except Exception as err:
+            raise BackendError(f"{_context(node)} (backward): {type(err).__name__}: {err}") from err
+    return grads, param_grads
+
+
+def _accumulate(store, param, value, log_scale):
+    key = id(param)
+    if key in store:  # a shared weight: sum the contributions at a common scale
+        old, L = store[key]
+        top = max(L, log_scale)
+        store[key] = (old * math.exp(L - top) + value * math.exp(log_scale - top), top)
+    else:
+        store[key] = (value, log_scale)

@@ -1,0 +1,32 @@
+"""The pathir IR: Param, maps, Node, Edge, Graph, verify, GraphBuilder."""
+
+from .builder import GraphBuilder
+from .graph import Graph
+from .maps import (
+    FIXED,
+    PARAMETERIZED,
+    ChannelMap,
+    Conv,
+    Dense,
+    Gather,
+    Identity,
+    Map,
+    MapKind,
+    Pool,
+    Reshape,
+    Scale,
+    SpatialMatrix,
+    pool_output_size,
+)
+from .node import POSITIVELY_HOMOGENEOUS, Edge, Node, NodeKind
+from .param import Param, Role, SourceRef
+from .verify import verify
+
+__all__ = [
+    "Param", "Role", "SourceRef",
+    "Map", "MapKind", "PARAMETERIZED", "FIXED",
+    "Identity", "Reshape", "ChannelMap", "Pool", "SpatialMatrix", "Gather", "Dense", "Conv", "Scale",
+    "pool_output_size",
+    "Node", "Edge", "NodeKind", "POSITIVELY_HOMOGENEOUS",
+    "Graph", "verify", "GraphBuilder",
+]

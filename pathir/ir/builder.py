@@ -1,0 +1,97 @@
+"""GraphBuilder: the small helper frontends and tests use to wire a Graph."""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .graph import Graph
+from .maps import Map
+from .node import Edge, Node, NodeKind
+from .param import Param, SourceRef
+from .verify import verify
+
+__all__ = ["GraphBuilder"]
+
+
+class GraphBuilder:
+    """Append nodes in topological order, then ``build()`` a verified Graph.
+
+    >>> import numpy as np
+    >>> from pathir.ir import GraphBuilder, Dense
+    >>> b = GraphBuilder()
+    >>> x = b.input("x", (2,))
+    >>> h = b.relu("h", [(x, Dense(b.param("w1", np.ones((3, 2)))))], bias=b.param("b1", np.zeros(3)))
+    >>> y = b.identity("y", [(h, Dense(b.param("w2", np.ones((1, 3)))))])
+    >>> print(b.build(outputs=[y]))
+    graph(inputs=[x], outputs=[y])
+      0  x: input[2]
+      1  h: relu[3] = dense(w1)(x) + bias(b1)
+      2  y: identity[1] = dense(w2)(h)
+    """
+
+    def __init__(self, name: str = "graph"):
+        self.name = name
+        self._nodes: dict[str, Node] = {}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._nodes[name].shape
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._nodes
+
+    def unique(self, name: str) -> str:
+        """``name``, or ``name_1``, ``name_2``... if taken."""
+        if name not in self._nodes:
+            return name
+        i = 1
+        while f"{name}_{i}" in self._nodes:
+            i += 1
+        return f"{name}_{i}"
+
+    @staticmethod
+    def param(name: str, value, source: str | None = None, how: str = "") -> Param:
+        refs = (SourceRef(source if source is not None else name),)
+        return Param(name, np.asarray(value, dtype=np.float64), refs, how)
+
+    def input(self, name: str, shape: Sequence[int], origin: str = "") -> str:
+        return self.add(Node(self.unique(name), NodeKind.INPUT, tuple(int(s) for s in shape), origin=origin))
+
+    def node(
+        self,
+        name: str,
+        kind: NodeKind,
+        edges: Iterable[tuple[str, Map]],
+        bias: Param | None = None,
+        k: int = 1,
+        origin: str = "",
+        shape: Sequence[int] | None = None,
+    ) -> str:
+        """Add a node; its shape is inferred from the first edge unless given."""
+        edges = tuple(Edge(src, m) for src, m in edges)
+        if shape is None:
+            if not edges:
+                raise ValueError(f"node '{name}': give a shape or at least one edge")
+            shape = edges[0].map.out_shape(self._nodes[edges[0].source].shape)
+        node = Node(self.unique(name), kind, tuple(int(s) for s in shape), edges, bias, k, origin)
+        return self.add(node)
+
+    def identity(self, name, edges, bias=None, **kw) -> str:
+        return self.node(name, NodeKind.IDENTITY, edges, bias, **kw)
+
+    def relu(self, name, edges, bias=None, **kw) -> str:
+        return self.node(name, NodeKind.RELU, edges, bias, **kw)
+
+    def maxpool(self, name, source: str, window: Map, k: int = 1, bias=None, **kw) -> str:
+        return self.node(name, NodeKind.MAXPOOL, [(source, window)], bias, k=k, **kw)
+
+    def add(self, node: Node) -> str:
+        if node.name in self._nodes:
+            raise ValueError(f"node '{node.name}' defined twice")
+        self._nodes[node.name] = node
+        return node.name
+
+    def build(self, outputs: Sequence[str], check: bool = True) -> Graph:
+        graph = Graph(tuple(self._nodes.values()), tuple(outputs), self.name)
+        return verify(graph) if check else graph

@@ -1,0 +1,444 @@
+"""Linear maps carried by edges.
+
+A map sends the output of its source node (shape ``(C, *spatial)``, batch left
+out) to a contribution to the pre-activation of its target node. Maps are either
+parameterized (their weights are a free :class:`Param`: ``Dense``, ``Conv``,
+``Scale``) or fixed (constant weights: ``Identity``, ``Reshape``,
+``ChannelMap``, ``Pool``, ``SpatialMatrix``, ``Gather``).
+
+Every map states its structure here; the arithmetic (apply, adjoint,
+weight-gradient) lives in each backend's rule table, keyed by ``MapKind``.
+
+Rescaling structure (MATH.md §5) is read from two methods:
+
+- ``weight_channels(in_shape)`` (parameterized maps): for every weight entry, the
+  target channel and the source channel of the edges that read it;
+- ``channel_ties(in_shape)`` (fixed maps): the (source channel, target channel)
+  pairs joined by a constant edge, which must share one log-scale.
+
+A "channel" is the first axis of a node's shape; for a flat node it is a feature.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import numpy as np
+
+from .param import Param
+
+__all__ = [
+    "MapKind",
+    "PARAMETERIZED",
+    "FIXED",
+    "Map",
+    "Identity",
+    "Reshape",
+    "ChannelMap",
+    "Pool",
+    "SpatialMatrix",
+    "Gather",
+    "Dense",
+    "Conv",
+    "Scale",
+    "pool_output_size",
+]
+
+
+class MapKind(enum.Enum):
+    IDENTITY = "identity"
+    RESHAPE = "reshape"
+    CHANNEL_MAP = "channel_map"
+    POOL = "pool"
+    SPATIAL_MATRIX = "spatial_matrix"
+    GATHER = "gather"
+    DENSE = "dense"
+    CONV = "conv"
+    SCALE = "scale"
+
+
+PARAMETERIZED = frozenset({MapKind.DENSE, MapKind.CONV, MapKind.SCALE})
+FIXED = frozenset(MapKind) - PARAMETERIZED
+
+Shape = tuple[int, ...]
+WeightFn = Callable[[np.ndarray], np.ndarray]
+
+
+def _fmt(xs) -> str:
+    """[1,2] / [[1,1],[0,1]]: compact, space-free lists for the printer."""
+    return str([list(x) if isinstance(x, tuple) else x for x in xs]).replace(" ", "")
+
+
+def _prod(xs) -> int:
+    return int(math.prod(xs))
+
+
+def pool_output_size(length: int, kernel: int, stride: int, pad: tuple[int, int], dilation: int, ceil_mode: bool) -> int:
+    """Output length of a pooling window along one axis (torch/ONNX semantics)."""
+    span = length + pad[0] + pad[1] - dilation * (kernel - 1) - 1
+    if span < 0:
+        return 0
+    out = (-(-span // stride) if ceil_mode else span // stride) + 1
+    if ceil_mode and (out - 1) * stride >= length + pad[0]:
+        out -= 1  # the last window must start inside the input or its left padding
+    return out
+
+
+class Map:
+    """Base class: structure of a linear map. Subclasses are frozen dataclasses."""
+
+    kind: MapKind
+
+    @property
+    def weight(self) -> Param | None:
+        return None
+
+    @property
+    def fixed(self) -> bool:
+        return self.kind in FIXED
+
+    def out_shape(self, in_shape: Shape) -> Shape:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """Short text for the graph printer."""
+        return self.kind.value
+
+    def with_weights(self, fn: WeightFn, fixed_fn: WeightFn | None = None) -> "Map":
+        """This map with every free weight w replaced by fn(w) and every fixed,
+        non-unit weight c by fixed_fn(c) (default fn). Unit weights stay 1, so
+        fn must send 1 to 1 for the implicit ones to stay right."""
+        return self
+
+    def weight_channels(self, in_shape: Shape) -> tuple[np.ndarray, np.ndarray]:
+        raise TypeError(f"{self.kind.value} has no free weights")
+
+    def channel_ties(self, in_shape: Shape) -> np.ndarray:
+        """(k, 2) array of (source channel, target channel) pairs tied by constant edges."""
+        raise TypeError(f"{self.kind.value} is not a fixed map")
+
+
+def _element_channels(shape: Shape) -> np.ndarray:
+    """Channel index of each element of a tensor of ``shape`` in C order."""
+    return np.repeat(np.arange(shape[0]), _prod(shape[1:]))
+
+
+def _unique_pairs(src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
+    if src.size == 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    return np.unique(np.stack([src, tgt], axis=1).astype(np.int64), axis=0)
+
+
+# --------------------------------------------------------------------- fixed maps
+
+
+@dataclass(frozen=True)
+class Identity(Map):
+    """out = in (a skip connection, or an add operand)."""
+
+    kind = MapKind.IDENTITY
+
+    def out_shape(self, in_shape):
+        return tuple(in_shape)
+
+    def channel_ties(self, in_shape):
+        c = np.arange(in_shape[0])
+        return np.stack([c, c], axis=1)
+
+
+@dataclass(frozen=True)
+class Reshape(Map):
+    """Same elements in C order, another shape (flatten, view)."""
+
+    shape: Shape
+    kind = MapKind.RESHAPE
+
+    def out_shape(self, in_shape):
+        if _prod(in_shape) != _prod(self.shape):
+            raise ValueError(f"reshape {in_shape} -> {self.shape} changes the number of elements")
+        return tuple(self.shape)
+
+    def describe(self):
+        return f"reshape{_fmt(self.shape)}"
+
+    def channel_ties(self, in_shape):
+        return _unique_pairs(_element_channels(tuple(in_shape)), _element_channels(self.shape))
+
+
+@dataclass(frozen=True, eq=False)
+class ChannelMap(Map):
+    """Target channel t copies source channel ``index[t]`` (-1: none, zero).
+
+    Covers a concat operand (embedding into a slice), a channel slice and a
+    channel permutation (shuffle)."""
+
+    index: tuple[int, ...]
+    kind = MapKind.CHANNEL_MAP
+
+    def out_shape(self, in_shape):
+        if max(self.index, default=-1) >= in_shape[0]:
+            raise ValueError(f"channel map reads channel {max(self.index)} of a {in_shape[0]}-channel input")
+        return (len(self.index), *in_shape[1:])
+
+    def describe(self):
+        idx = np.asarray(self.index)
+        sel = np.flatnonzero(idx >= 0)
+        src = idx[sel]
+        if sel.size and np.all(np.diff(sel) == 1) and np.all(np.diff(src) == 1):
+            return f"channels[{src[0]}:{src[-1] + 1}]->[{sel[0]}:{sel[-1] + 1}] of {len(idx)}"
+        return f"channel_map({len(idx)} from {int(sel.size)})"
+
+    def channel_ties(self, in_shape):
+        idx = np.asarray(self.index)
+        t = np.flatnonzero(idx >= 0)
+        return np.stack([idx[t], t], axis=1).astype(np.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class Pool(Map):
+    """Per-channel window sum over the spatial axes, each output position p
+    multiplied by ``mult[p]`` (None: weight 1, a max-pool window).
+
+    Average pooling is a Pool whose ``mult`` is 1/divisor per output position;
+    ``padding`` holds (before, after) per spatial axis; windows never cross
+    channels. The edge from source position q to output position p exists iff
+    q lies in p's window inside the input; its weight is mult[p]."""
+
+    kernel: Shape
+    stride: Shape
+    padding: tuple[tuple[int, int], ...]
+    dilation: Shape
+    ceil_mode: bool = False
+    mult: np.ndarray | None = None
+    kind = MapKind.POOL
+
+    def __post_init__(self):
+        n = len(self.kernel)
+        if not (len(self.stride) == len(self.padding) == len(self.dilation) == n):
+            raise ValueError("pool geometry: kernel, stride, padding, dilation must have one entry per spatial axis")
+        if self.mult is not None:
+            m = np.array(self.mult, dtype=np.float64)
+            m.setflags(write=False)
+            object.__setattr__(self, "mult", m)
+
+    def out_shape(self, in_shape):
+        spatial = in_shape[1:]
+        if len(spatial) != len(self.kernel):
+            raise ValueError(f"{len(self.kernel)}-d pool on input of shape {in_shape}")
+        out = tuple(
+            pool_output_size(L, k, s, p, d, self.ceil_mode)
+            for L, k, s, p, d in zip(spatial, self.kernel, self.stride, self.padding, self.dilation)
+        )
+        if self.mult is not None and tuple(self.mult.shape) != out:
+            raise ValueError(f"pool multiplier has shape {self.mult.shape}, output positions {out}")
+        return (in_shape[0], *out)
+
+    def describe(self):
+        text = f"window{_fmt(self.kernel)}/s{_fmt(self.stride)}"
+        if any(p != (0, 0) for p in self.padding):
+            text += f"/p{_fmt(self.padding)}"
+        if any(d != 1 for d in self.dilation):
+            text += f"/d{_fmt(self.dilation)}"
+        if self.ceil_mode:
+            text += "/ceil"
+        if self.mult is not None:
+            u = np.unique(self.mult)
+            text += f" x{u[0]:.6g}" if u.size == 1 else f" x[{u.min():.4g}..{u.max():.4g}]"
+        return text
+
+    def extra_right_padding(self, in_shape: Shape) -> tuple[int, ...]:
+        """Zeros to add after each axis so that a plain strided window sum
+        yields exactly ``out_shape`` positions (ceil_mode windows)."""
+        out = self.out_shape(in_shape)[1:]
+        extra = []
+        for L, o, k, s, p, d in zip(in_shape[1:], out, self.kernel, self.stride, self.padding, self.dilation):
+            need = (o - 1) * s + d * (k - 1) + 1 - (L + p[0] + p[1])
+            extra.append(max(0, need))
+        return tuple(extra)
+
+    def with_weights(self, fn, fixed_fn=None):
+        if self.mult is None:
+            return self
+        return replace(self, mult=(fixed_fn or fn)(self.mult))
+
+    def channel_ties(self, in_shape):
+        c = np.arange(in_shape[0])
+        return np.stack([c, c], axis=1)
+
+
+@dataclass(frozen=True, eq=False)
+class SpatialMatrix(Map):
+    """Per-channel fixed matrix on the flattened spatial positions:
+    out[c, p] = sum_q matrix[p, q] in[c, q] (adaptive average pooling of any sizes)."""
+
+    matrix: np.ndarray
+    out_spatial: Shape
+    kind = MapKind.SPATIAL_MATRIX
+
+    def __post_init__(self):
+        m = np.array(self.matrix, dtype=np.float64)
+        m.setflags(write=False)
+        object.__setattr__(self, "matrix", m)
+
+    def out_shape(self, in_shape):
+        if self.matrix.shape != (_prod(self.out_spatial), _prod(in_shape[1:])):
+            raise ValueError(f"spatial matrix {self.matrix.shape} does not fit input {in_shape} -> {self.out_spatial}")
+        return (in_shape[0], *self.out_spatial)
+
+    def describe(self):
+        return f"spatial_matrix{_fmt(self.matrix.shape)}->{_fmt(self.out_spatial)}"
+
+    def with_weights(self, fn, fixed_fn=None):
+        m = np.where(self.matrix != 0, (fixed_fn or fn)(self.matrix), 0.0)
+        return replace(self, matrix=m)
+
+    def channel_ties(self, in_shape):
+        c = np.arange(in_shape[0])
+        return np.stack([c, c], axis=1)
+
+
+@dataclass(frozen=True, eq=False)
+class Gather(Map):
+    """General element selection: out.flat[t] = in.flat[index[t]] (-1: zero).
+
+    The fallback for index-moving ops no other fixed map describes."""
+
+    index: np.ndarray
+    shape: Shape
+    label: str = "gather"
+    kind = MapKind.GATHER
+
+    def __post_init__(self):
+        idx = np.array(self.index, dtype=np.int64).reshape(-1)
+        idx.setflags(write=False)
+        object.__setattr__(self, "index", idx)
+
+    def out_shape(self, in_shape):
+        if self.index.size != _prod(self.shape):
+            raise ValueError(f"gather of {self.index.size} elements into shape {self.shape}")
+        if self.index.size and self.index.max() >= _prod(in_shape):
+            raise ValueError(f"gather reads element {self.index.max()} of an input of {_prod(in_shape)}")
+        return tuple(self.shape)
+
+    def describe(self):
+        return f"{self.label}{_fmt(self.shape)}"
+
+    def channel_ties(self, in_shape):
+        t = np.flatnonzero(self.index >= 0)
+        src = _element_channels(tuple(in_shape))[self.index[t]]
+        tgt = _element_channels(self.shape)[t]
+        return _unique_pairs(src, tgt)
+
+
+# ---------------------------------------------------------- parameterized maps
+
+
+@dataclass(frozen=True, eq=False)
+class Dense(Map):
+    """out = W @ in.flatten(); W has shape (out_features, numel(in))."""
+
+    W: Param
+    kind = MapKind.DENSE
+
+    @property
+    def weight(self):
+        return self.W
+
+    def out_shape(self, in_shape):
+        if self.W.shape[1] != _prod(in_shape):
+            raise ValueError(f"dense weight {self.W.shape} on input of shape {in_shape} ({_prod(in_shape)} features)")
+        return (self.W.shape[0],)
+
+    def describe(self):
+        return f"dense({self.W.name})"
+
+    def with_weights(self, fn, fixed_fn=None):
+        return replace(self, W=self.W.with_value(fn(self.W.value)))
+
+    def weight_channels(self, in_shape):
+        per_channel = _prod(in_shape[1:])
+        out = np.arange(self.W.shape[0])[:, None]
+        inc = (np.arange(self.W.shape[1]) // per_channel)[None, :]
+        return out, inc
+
+
+@dataclass(frozen=True, eq=False)
+class Conv(Map):
+    """N-d convolution (cross-correlation, torch semantics): W has shape
+    (out_channels, in_channels // groups, *kernel); padding is (before, after)
+    per spatial axis."""
+
+    W: Param
+    stride: Shape
+    padding: tuple[tuple[int, int], ...]
+    dilation: Shape
+    groups: int = 1
+    kind = MapKind.CONV
+
+    @property
+    def weight(self):
+        return self.W
+
+    def out_shape(self, in_shape):
+        O, I_g, *k = self.W.shape
+        if in_shape[0] != I_g * self.groups or O % self.groups:
+            raise ValueError(f"conv weight {self.W.shape} (groups={self.groups}) on input of shape {in_shape}")
+        if len(in_shape) - 1 != len(k):
+            raise ValueError(f"{len(k)}-d conv on input of shape {in_shape}")
+        out = tuple(
+            pool_output_size(L, kk, s, p, d, False)
+            for L, kk, s, p, d in zip(in_shape[1:], k, self.stride, self.padding, self.dilation)
+        )
+        return (O, *out)
+
+    def describe(self):
+        text = f"conv({self.W.name}"
+        if any(s != 1 for s in self.stride):
+            text += f", s={_fmt(self.stride)}"
+        if any(p != (0, 0) for p in self.padding):
+            text += f", p={_fmt(self.padding)}"
+        if any(d != 1 for d in self.dilation):
+            text += f", d={_fmt(self.dilation)}"
+        if self.groups != 1:
+            text += f", g={self.groups}"
+        return text + ")"
+
+    def with_weights(self, fn, fixed_fn=None):
+        return replace(self, W=self.W.with_value(fn(self.W.value)))
+
+    def weight_channels(self, in_shape):
+        O, I_g = self.W.shape[:2]
+        extra = (1,) * (len(self.W.shape) - 2)
+        o = np.arange(O).reshape(O, 1, *extra)
+        i = np.arange(I_g).reshape(1, I_g, *extra)
+        return o, (o // (O // self.groups)) * I_g + i
+
+
+@dataclass(frozen=True, eq=False)
+class Scale(Map):
+    """out[c] = w[c] * in[c] (an unfolded batch-norm)."""
+
+    W: Param
+    kind = MapKind.SCALE
+
+    @property
+    def weight(self):
+        return self.W
+
+    def out_shape(self, in_shape):
+        if self.W.shape != (in_shape[0],):
+            raise ValueError(f"scale of shape {self.W.shape} on input of shape {in_shape}")
+        return tuple(in_shape)
+
+    def describe(self):
+        return f"scale({self.W.name})"
+
+    def with_weights(self, fn, fixed_fn=None):
+        return replace(self, W=self.W.with_value(fn(self.W.value)))
+
+    def weight_channels(self, in_shape):
+        c = np.arange(self.W.shape[0])
+        return c, c

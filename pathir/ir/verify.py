@@ -1,0 +1,95 @@
+"""The IR verifier."""
+
+from __future__ import annotations
+
+from ..errors import GraphVerificationError
+from .graph import Graph
+from .maps import MapKind, Pool
+from .node import NodeKind
+
+__all__ = ["verify"]
+
+
+def verify(graph: Graph) -> Graph:
+    """Check every invariant of the IR; return the graph unchanged or raise.
+
+    Checks:
+      1. node names are unique and non-empty;
+      2. every edge reads a node defined earlier (topological order, hence acyclic);
+      3. input nodes have no edges and no bias; every other node has at least one edge;
+      4. every edge's map fits its endpoints: map.out_shape(source.shape) == target.shape;
+      5. a bias has shape (channels,);
+      6. a maxpool node has exactly one edge, a Pool without multiplier, and 1 <= k <= window size;
+      7. distinct Param objects have distinct names (a shared weight is one object);
+      8. outputs name existing, non-input nodes; every non-output node feeds some node
+         and every node reaches an output.
+    The error message names the broken rule and prints the graph.
+    """
+    problems = _problems(graph)
+    if problems:
+        raise GraphVerificationError("graph failed verification:\n  - " + "\n  - ".join(problems) + "\n" + str(graph))
+    return graph
+
+
+def _problems(graph: Graph) -> list[str]:
+    out: list[str] = []
+    seen: dict[str, object] = {}
+    params: dict[str, int] = {}
+    for node in graph.nodes:
+        where = f"node '{node.name}'"
+        if not node.name:
+            out.append("a node has an empty name")
+        if node.name in seen:
+            out.append(f"{where}: name defined twice")
+        if node.kind is NodeKind.INPUT:
+            if node.edges or node.bias is not None:
+                out.append(f"{where}: an input node has no edges and no bias")
+        elif not node.edges:
+            out.append(f"{where}: a {node.kind.value} node needs at least one incoming edge")
+        for i, e in enumerate(node.edges):
+            if e.source not in seen:
+                out.append(f"{where}: edge {i} reads '{e.source}', which is not defined before it")
+                continue
+            src = seen[e.source]
+            try:
+                got = tuple(e.map.out_shape(src.shape))
+            except (ValueError, TypeError) as err:
+                out.append(f"{where}: edge {i} ({e.map.describe()}) does not fit source '{e.source}': {err}")
+                continue
+            if got != tuple(node.shape):
+                out.append(
+                    f"{where}: edge {i} ({e.map.describe()}) maps '{e.source}' {list(src.shape)} to {list(got)}, "
+                    f"node has shape {list(node.shape)}"
+                )
+        if node.bias is not None and node.bias.shape != (node.shape[0],):
+            out.append(f"{where}: bias '{node.bias.name}' has shape {list(node.bias.shape)}, expected [{node.shape[0]}]")
+        if node.kind is NodeKind.MAXPOOL:
+            if len(node.edges) != 1 or node.edges[0].map.kind is not MapKind.POOL or node.edges[0].map.mult is not None:
+                out.append(f"{where}: a maxpool node has exactly one edge, a pool window without multiplier")
+            else:
+                window = 1
+                for k in node.edges[0].map.kernel:
+                    window *= k
+                if not 1 <= node.k <= window:
+                    out.append(f"{where}: k = {node.k} outside 1..{window} (window size)")
+        for p in node.params():
+            if params.setdefault(p.name, id(p)) != id(p):
+                out.append(f"{where}: two different params are named '{p.name}'")
+        seen[node.name] = node
+    for name in graph.outputs:
+        if name not in seen:
+            out.append(f"output '{name}' is not a node")
+        elif seen[name].kind is NodeKind.INPUT:
+            out.append(f"output '{name}' is an input node")
+    if not graph.outputs:
+        out.append("the graph has no outputs")
+    out.extend(_unreached(graph, seen))
+    return out
+
+
+def _unreached(graph: Graph, seen) -> list[str]:
+    live = set(n for n in graph.outputs if n in seen)
+    for node in reversed(graph.nodes):
+        if node.name in live:
+            live.update(e.source for e in node.edges)
+    return [f"node '{n.name}' does not reach any output" for n in graph.nodes if n.name not in live]
