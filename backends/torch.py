@@ -1,0 +1,387 @@
+"""The torch backend: the numpy backend's rules on torch tensors, CPU or CUDA.
+
+Same contract as :mod:`pathir.backends.numpy` (the definition): batched
+tensors ``(B, *shape)``, one rule triple (apply, adjoint, weight_grad) per
+``MapKind``, float64 by default. Rules take the backend first so that they
+read weights through its device cache: each Param (and each fixed map's
+constant array) is converted once per backend and kept while the object lives.
+
+Window geometry. A map's padding is (before, after) per axis and a ceil-mode
+pool adds ``extra_right_padding``; every window then lives in the *frame*
+``[0, (o-1)*s + d*(k-1) + 1)`` of padded coordinates (o outputs). Apply pads
+(zeros, or -inf for a max) and cuts the padded input to the frame, so torch's
+own floor-mode ops give exactly ``out_shape``; adjoints compute the gradient on
+the frame and crop it back to the input ``[before, before + L)``.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn import grad as nn_grad
+
+from pathir.errors import BackendError
+from pathir.ir import MapKind, Node
+
+from .base import Backend, RuleTable
+
+__all__ = ["TorchBackend"]
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+_CONV_INPUT = {1: nn_grad.conv1d_input, 2: nn_grad.conv2d_input, 3: nn_grad.conv3d_input}
+_CONV_WEIGHT = {1: nn_grad.conv1d_weight, 2: nn_grad.conv2d_weight, 3: nn_grad.conv3d_weight}
+_MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+
+
+def _table(table, n, what):
+    if n not in table:
+        raise BackendError(f"backend torch has no rule for {n}-d {what} (1-d to 3-d only)")
+    return table[n]
+
+
+# ------------------------------------------------------------ window helpers
+
+
+def _pad(x, pads, value=0.0):
+    """Pad the spatial axes by (before, after) pairs (F.pad wants the last axis first)."""
+    if all(a == 0 and b == 0 for a, b in pads):
+        return x
+    flat = [p for a_b in reversed(pads) for p in a_b]
+    return F.pad(x, flat, value=value)
+
+
+def _symmetric(pads):
+    """The per-axis padding if every axis pads equally on both sides, else None."""
+    return tuple(a for a, _ in pads) if all(a == b for a, b in pads) else None
+
+
+def _frame_sizes(m, kernel, out):
+    return [(o - 1) * s + d * (k - 1) + 1 for o, k, s, d in zip(out, kernel, m.stride, m.dilation)]
+
+
+def _pool_pads(m, in_shape):
+    extra = m.extra_right_padding(in_shape)
+    return [(p[0], p[1] + e) for p, e in zip(m.padding, extra)]
+
+
+def _to_frame(x, m, in_shape, out, fill):
+    """The padded input cut to the windows' frame: floor-mode windows give ``out`` positions."""
+    xp = _pad(x, _pool_pads(m, in_shape), fill)
+    cut = tuple(slice(0, f) for f in _frame_sizes(m, m.kernel, out))
+    return xp[(slice(None), slice(None)) + cut]
+
+
+def _crop(gx, pads, spatial):
+    """From a gradient on padded coordinates (starting at 0) keep the input's [before, before + L)."""
+    short = [max(0, a + L - f) for (a, _), L, f in zip(pads, spatial, gx.shape[2:])]
+    gx = _pad(gx, [(0, r) for r in short])
+    crop = tuple(slice(a, a + L) for (a, _), L in zip(pads, spatial))
+    return gx[(slice(None), slice(None)) + crop]
+
+
+def _window_sum(xf, m):
+    """Sum over every window of a framed input (floor mode, no padding)."""
+    n = xf.ndim - 2
+    if all(d == 1 for d in m.dilation) and n in (1, 2, 3):
+        if n == 3:
+            return F.avg_pool3d(xf, m.kernel, m.stride, 0, False, True, 1)
+        if n == 2:
+            return F.avg_pool2d(xf, m.kernel, m.stride, 0, False, True, 1)
+        y = F.avg_pool2d(xf.unsqueeze(2), (1, *m.kernel), (1, *m.stride), 0, False, True, 1)
+        return y.squeeze(2)
+    C = xf.shape[1]
+    ones = xf.new_ones((C, 1, *m.kernel))
+    return _table(_CONV, n, "pool")(xf, ones, None, m.stride, 0, m.dilation, C)
+
+
+def _window_sum_adjoint(g, m, frame):
+    """Adjoint of :func:`_window_sum`: scatter each output's gradient over its window, on the frame."""
+    n = g.ndim - 2
+    B, C = g.shape[:2]
+    if all(d == 1 for d in m.dilation) and n in (1, 2, 3):
+        if n == 1:
+            shape = g.new_empty(1).expand(B, C, 1, *frame)
+            gx = torch.ops.aten.avg_pool2d_backward(
+                g.unsqueeze(2), shape, [1, *m.kernel], [1, *m.stride], [0, 0], False, True, 1
+            )
+            return gx.squeeze(2)
+        back = torch.ops.aten.avg_pool2d_backward if n == 2 else torch.ops.aten.avg_pool3d_backward
+        shape = g.new_empty(1).expand(B, C, *frame)
+        return back(g, shape, list(m.kernel), list(m.stride), [0] * n, False, True, 1)
+    ones = g.new_ones((C, 1, *m.kernel))
+    return _table(_CONV_T, n, "pool")(g, ones, None, m.stride, 0, 0, C, m.dilation)
+
+
+# ------------------------------------------------------------------ rules
+# Every rule is rule(backend, map, ...); TorchBackend binds the backend.
+
+
+def _identity_apply(be, m, x, s):
+    return x
+
+
+def _identity_adjoint(be, m, g, s):
+    return g
+
+
+def _reshape_apply(be, m, x, s):
+    return x.reshape(x.shape[0], *m.shape)
+
+
+def _reshape_adjoint(be, m, g, s):
+    return g.reshape(g.shape[0], *s)
+
+
+def _index_parts(be, m, index):
+    """(safe index, mask of kept targets or None, kept target positions, their sources), cached per map."""
+
+    def make():
+        idx = np.asarray(index, dtype=np.int64).reshape(-1)
+        keep = idx >= 0
+        dev = be.device
+        safe = torch.as_tensor(np.where(keep, idx, 0), device=dev)
+        mask = None if keep.all() else torch.as_tensor(keep, device=dev)
+        pos = torch.as_tensor(np.flatnonzero(keep), device=dev)
+        return safe, mask, pos, torch.as_tensor(idx[keep], device=dev)
+
+    return be.cached(m, make)
+
+
+def _channel_apply(be, m, x, s):
+    safe, mask, _, _ = _index_parts(be, m, m.index)
+    y = x[:, safe]
+    if mask is None:
+        return y
+    return torch.where(mask.reshape(1, -1, *([1] * (x.ndim - 2))), y, y.new_zeros(()))
+
+
+def _channel_adjoint(be, m, g, s):
+    _, _, pos, src = _index_parts(be, m, m.index)
+    out = g.new_zeros((g.shape[0], *s))
+    return out.index_add_(1, src, g[:, pos])
+
+
+def _pool_apply(be, m, x, s):
+    out = m.out_shape(s)[1:]
+    if 0 in out:
+        return x.new_zeros((x.shape[0], s[0], *out))
+    y = _window_sum(_to_frame(x, m, s, out, 0.0), m)
+    return y if m.mult is None else y * be.cached(m, lambda: be.constant(m.mult))
+
+
+def _pool_adjoint(be, m, g, s):
+    out = tuple(g.shape[2:])
+    if 0 in out:
+        return g.new_zeros((g.shape[0], *s))
+    if m.mult is not None:
+        g = g * be.cached(m, lambda: be.constant(m.mult))
+    gx = _window_sum_adjoint(g, m, _frame_sizes(m, m.kernel, out))
+    return _crop(gx, _pool_pads(m, s), s[1:])
+
+
+def _spatial_apply(be, m, x, s):
+    B, C = x.shape[:2]
+    M = be.cached(m, lambda: be.constant(m.matrix))
+    return (x.reshape(B, C, -1) @ M.T).reshape(B, C, *m.out_spatial)
+
+
+def _spatial_adjoint(be, m, g, s):
+    B, C = g.shape[:2]
+    M = be.cached(m, lambda: be.constant(m.matrix))
+    return (g.reshape(B, C, -1) @ M).reshape(B, *s)
+
+
+def _gather_apply(be, m, x, s):
+    safe, mask, _, _ = _index_parts(be, m, m.index)
+    y = x.reshape(x.shape[0], -1)[:, safe]
+    if mask is not None:
+        y = torch.where(mask, y, y.new_zeros(()))
+    return y.reshape(x.shape[0], *m.shape)
+
+
+def _gather_adjoint(be, m, g, s):
+    _, _, pos, src = _index_parts(be, m, m.index)
+    out = g.new_zeros((g.shape[0], math.prod(s)))
+    out.index_add_(1, src, g.reshape(g.shape[0], -1)[:, pos])
+    return out.reshape(g.shape[0], *s)
+
+
+def _dense_apply(be, m, x, s):
+    return x.reshape(x.shape[0], -1) @ be.param(m.W).T
+
+
+def _dense_adjoint(be, m, g, s):
+    return (g @ be.param(m.W)).reshape(g.shape[0], *s)
+
+
+def _dense_wgrad(be, m, x, g, s):
+    return g.T @ x.reshape(x.shape[0], -1)
+
+
+def _conv_apply(be, m, x, s):
+    n = len(s) - 1
+    conv = _table(_CONV, n, "conv")
+    sym = _symmetric(m.padding)
+    if sym is None:
+        x, sym = _pad(x, m.padding), 0
+    return conv(x, be.param(m.W), None, m.stride, sym, m.dilation, m.groups)
+
+
+def _conv_adjoint(be, m, g, s):
+    n = len(s) - 1
+    conv_input = _table(_CONV_INPUT, n, "conv")
+    W = be.param(m.W)
+    sym = _symmetric(m.padding)
+    if sym is not None:
+        return conv_input((g.shape[0], *s), W, g, m.stride, sym, m.dilation, m.groups)
+    padded = [L + a + b for L, (a, b) in zip(s[1:], m.padding)]
+    gx = conv_input((g.shape[0], s[0], *padded), W, g, m.stride, 0, m.dilation, m.groups)
+    return _crop(gx, m.padding, s[1:])
+
+
+def _conv_wgrad(be, m, x, g, s):
+    n = len(s) - 1
+    conv_weight = _table(_CONV_WEIGHT, n, "conv")
+    sym = _symmetric(m.padding)
+    if sym is None:
+        x, sym = _pad(x, m.padding), 0
+    return conv_weight(x, m.W.shape, g, m.stride, sym, m.dilation, m.groups)
+
+
+def _bcast(v, ndim):
+    return v.reshape(1, -1, *([1] * (ndim - 2)))
+
+
+def _scale_apply(be, m, x, s):
+    return x * _bcast(be.param(m.W), x.ndim)
+
+
+def _scale_adjoint(be, m, g, s):
+    return g * _bcast(be.param(m.W), g.ndim)
+
+
+def _scale_wgrad(be, m, x, g, s):
+    return (x * g).reshape(x.shape[0], x.shape[1], -1).sum(dim=(0, 2))
+
+
+RULES: RuleTable = {
+    MapKind.IDENTITY: (_identity_apply, _identity_adjoint, None),
+    MapKind.RESHAPE: (_reshape_apply, _reshape_adjoint, None),
+    MapKind.CHANNEL_MAP: (_channel_apply, _channel_adjoint, None),
+    MapKind.POOL: (_pool_apply, _pool_adjoint, None),
+    MapKind.SPATIAL_MATRIX: (_spatial_apply, _spatial_adjoint, None),
+    MapKind.GATHER: (_gather_apply, _gather_adjoint, None),
+    MapKind.DENSE: (_dense_apply, _dense_adjoint, _dense_wgrad),
+    MapKind.CONV: (_conv_apply, _conv_adjoint, _conv_wgrad),
+    MapKind.SCALE: (_scale_apply, _scale_adjoint, _scale_wgrad),
+}
+
+
+def _bind(rule, backend):
+    if rule is None:
+        return None
+    return lambda *args: rule(backend, *args)
+
+
+class TorchBackend(Backend):
+    """The fast backend: torch tensors on ``device`` (CPU by default, "cuda"), in ``dtype``.
+
+    Parameters
+    ----------
+    device : torch device or str, optional
+        Where every tensor lives; None means CPU.
+    dtype : torch.dtype
+        float64 by default (path quantities need it; see docs/backends.md).
+
+    >>> import numpy as np
+    >>> from pathir.ir import Dense, Param
+    >>> be = TorchBackend()
+    >>> m = Dense(Param("w", np.array([[1.0, 2.0], [3.0, 4.0]])))
+    >>> be.to_numpy(be.apply(m, be.asarray(np.ones((1, 2))), (2,)))
+    array([[3., 7.]])
+    """
+
+    name = "torch"
+
+    def __init__(self, device=None, dtype: torch.dtype = torch.float64):
+        self.device = torch.device("cpu" if device is None else device)
+        self.dtype = dtype
+        # Param / fixed map -> its tensors on this device; dies with the object.
+        self._cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.rules = {kind: tuple(_bind(r, self) for r in triple) for kind, triple in RULES.items()}
+
+    def __repr__(self) -> str:
+        return f"TorchBackend(device='{self.device}', dtype={self.dtype})"
+
+    # ---------------------------------------------------------- device cache
+    def cached(self, owner, make):
+        """``make()``'s result for ``owner`` (a Param or a fixed map), computed once while it lives."""
+        try:
+            return self._cache[owner]
+        except KeyError:
+            value = self._cache[owner] = make()
+            return value
+
+    def constant(self, array) -> torch.Tensor:
+        """A copy of a numpy array on this backend's device and dtype."""
+        return torch.tensor(np.asarray(array), dtype=self.dtype, device=self.device)
+
+    def param(self, p) -> torch.Tensor:
+        """The device tensor of Param ``p`` (converted on first use, then cached)."""
+        return self.cached(p, lambda: self.constant(p.value))
+
+    # ------------------------------------------------------------ array ops
+    def asarray(self, value):
+        if isinstance(value, torch.Tensor):
+            return value.to(device=self.device, dtype=self.dtype)
+        arr = np.asarray(value)
+        if not arr.flags.writeable:  # torch refuses to share read-only memory
+            return self.constant(arr)
+        return torch.as_tensor(arr, dtype=self.dtype, device=self.device)
+
+    def to_numpy(self, x):
+        if isinstance(x, torch.Tensor):
+            return x.detach().cpu().numpy()
+        return np.asarray(x)
+
+    def ones(self, shape):
+        return torch.ones(tuple(shape), dtype=self.dtype, device=self.device)
+
+    def zeros(self, shape):
+        return torch.zeros(tuple(shape), dtype=self.dtype, device=self.device)
+
+    def bias(self, node: Node, ndim: int):
+        return _bcast(self.param(node.bias), ndim)
+
+    def relu(self, x):
+        return torch.relu(x)
+
+    def kth_max_pool(self, node: Node, x, in_shape):
+        m = node.edges[0].map
+        in_shape = tuple(in_shape)
+        out = m.out_shape(in_shape)[1:]
+        n = len(out)
+        if 0 in out:
+            return x.new_zeros((x.shape[0], in_shape[0], *out))
+        xf = _to_frame(x, m, in_shape, out, -math.inf)
+        if node.k == 1:
+            return _table(_MAX_POOL, n, "max-pool")(xf, m.kernel, m.stride, 0, m.dilation)
+        for axis, (k, s, d) in enumerate(zip(m.kernel, m.stride, m.dilation)):
+            xf = xf.unfold(2 + axis, d * (k - 1) + 1, s)
+        windows = xf[(Ellipsis,) + tuple(slice(None, None, d) for d in m.dilation)]
+        windows = windows.reshape(*windows.shape[: 2 + n], -1)
+        return windows.topk(node.k, dim=-1).values[..., -1]
+
+    def amax(self, x) -> float:
+        return float(x.abs().max()) if x.numel() else 0.0
+
+    def total(self, x) -> float:
+        return float(x.sum())
+
+    def channel_sum(self, g):
+        return g.reshape(g.shape[0], g.shape[1], -1).sum(dim=(0, 2))

@@ -1,0 +1,260 @@
+"""The torch frontend's op semantics: what each supported op does to Values.
+
+``Lowering`` holds the GraphBuilder and the Param cache; its methods are the
+ops (linear, conv, batch_norm, relu, max_pool, avg_pool, adaptive_avg_pool,
+mean, add, index ops). The fx and torch.export front doors (torch_fx.py) only
+parse arguments and call these.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pathir.errors import UnsupportedOperation
+from pathir.ir import Conv, Dense, GraphBuilder, Identity, MapKind, NodeKind, Param, Pool, Role, Scale, SourceRef, SpatialMatrix
+from pathir.ir.maps import pool_output_size
+
+from .torch_values import SELECTION, ParamTensor, Value, run_index_op, selection_index, selection_map
+
+__all__ = ["Lowering"]
+
+
+def _tuple(x, n: int) -> tuple[int, ...]:
+    if isinstance(x, (list, tuple)):
+        if len(x) == 1 and n > 1:
+            return tuple(int(x[0]) for _ in range(n))
+        return tuple(int(v) for v in x)
+    return tuple(int(x) for _ in range(n))
+
+
+def _pairs(padding, n: int):
+    return tuple((p, p) for p in _tuple(padding, n))
+
+
+def _f64(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to("cpu", torch.float64).numpy()
+
+
+class Lowering:
+    """Builds the Graph while the interpreter walks the traced program."""
+
+    def __init__(self, name: str):
+        self.b = GraphBuilder(name)
+        self._params: dict[str, Param] = {}
+        self.where = ""  # module path / op of the fx node being lowered, for errors
+        self.op = ""
+        self.fx_name = ""
+        self.label = ""  # what new nodes are named after: the module path, else the fx node name
+
+    # ------------------------------------------------------------ helpers
+    def unsupported(self, why: str, op: str | None = None):
+        raise UnsupportedOperation(self.fx_name, op or self.op, self.where, why)
+
+    def param(self, name: str, value: np.ndarray, refs: tuple[SourceRef, ...], how: str = "") -> Param:
+        """One Param object per name, so a module called twice shares its weights."""
+        if name not in self._params:
+            self._params[name] = Param(name, value, refs, how)
+        return self._params[name]
+
+    def direct(self, pt: ParamTensor) -> Param:
+        return self.param(pt.name, _f64(pt.tensor), (SourceRef(pt.name),))
+
+    def materialize(self, v: Value, hint: str | None = None) -> str:
+        """The node holding v: v's own node, or a new identity node with v's terms."""
+        if v.node is not None:
+            return v.node
+        return self.b.identity(hint or v.origin or "node", v.terms, v.bias, origin=self.where, shape=v.shape)
+
+    def _source(self, v: Value, flat_ok: bool = False) -> str:
+        """A single node to feed a map; a Dense map also reads a flattened node directly."""
+        if flat_ok and len(v.terms) == 1 and v.bias is None:
+            src, m = v.terms[0]
+            if m.kind in (MapKind.IDENTITY, MapKind.RESHAPE) and len(v.shape) == 1:
+                return src
+        return self.materialize(v)
+
+    def _apply(self, v: Value, m, bias: Param | None, flat_ok: bool = False) -> Value:
+        src = self._source(v, flat_ok)
+        shape = m.out_shape(self.b.shape(src))
+        return Value([(src, m)], shape, bias, self.label)
+
+    def _value(self, v) -> Value:
+        if not isinstance(v, Value):
+            self.unsupported(f"expected an activation tensor, got {type(v).__name__}")
+        return v
+
+    # ------------------------------------------------------------ affine ops
+    def linear(self, v: Value, weight: ParamTensor, bias: ParamTensor | None) -> Value:
+        v = self._value(v)
+        if len(v.shape) != 1:
+            self.unsupported(f"linear layer applied to a tensor of shape {list(v.shape)}: it acts on the last axis only; flatten first")
+        W = self.direct(weight)
+        b = self.direct(bias) if bias is not None else None
+        if W.shape[1] != v.shape[0]:
+            self.unsupported(f"weight {list(W.shape)} does not fit {v.shape[0]} input features")
+        return self._apply(v, Dense(W), b, flat_ok=True)
+
+    def conv(self, v: Value, weight: ParamTensor, bias, stride, padding, dilation, groups) -> Value:
+        v = self._value(v)
+        n = weight.tensor.dim() - 2
+        if len(v.shape) != n + 1:
+            self.unsupported(f"{n}-d convolution on a tensor of shape {list(v.shape)}")
+        k = tuple(weight.tensor.shape[2:])
+        stride, dilation = _tuple(stride, n), _tuple(dilation, n)
+        if isinstance(padding, str):
+            if padding == "valid":
+                pads = ((0, 0),) * n
+            elif padding == "same":
+                total = [d * (kk - 1) for d, kk in zip(dilation, k)]
+                pads = tuple((t // 2, t - t // 2) for t in total)
+            else:
+                self.unsupported(f"padding '{padding}'")
+        else:
+            pads = _pairs(padding, n)
+        W = self.direct(weight)
+        b = self.direct(bias) if bias is not None else None
+        return self._apply(v, Conv(W, stride, pads, dilation, int(groups)), b)
+
+    def batch_norm(self, v: Value, prefix: str, weight, bias, mean: ParamTensor, var: ParamTensor, eps: float) -> Value:
+        """Inference batch-norm: a Scale edge (gamma/sigma) and a bias (beta - mean*gamma/sigma)."""
+        v = self._value(v)
+        if mean is None or var is None:
+            self.unsupported("batch-norm without running statistics uses batch statistics: input-dependent")
+        if weight is None or bias is None:
+            self.unsupported("batch-norm without affine parameters: a rescaling could not be written back")
+        sigma = np.sqrt(_f64(var.tensor) + eps)
+        gamma, beta, mu = _f64(weight.tensor), _f64(bias.tensor), _f64(mean.tensor)
+        out = (SourceRef(weight.name, Role.OUT_SCALE), SourceRef(bias.name, Role.OUT_SCALE))
+        stats = (SourceRef(mean.name, Role.IN_STATS), SourceRef(var.name, Role.IN_STATS))
+        s = self.param(weight.name, gamma / sigma, (SourceRef(weight.name),) + out + stats,
+                       f"{weight.name} / sqrt({var.name} + {eps:g})")
+        c = self.param(bias.name, beta - mu * gamma / sigma, (SourceRef(bias.name),) + out,
+                       f"{bias.name} - {mean.name} * {weight.name} / sqrt({var.name} + {eps:g})")
+        if v.shape[0] != s.shape[0]:
+            self.unsupported(f"batch-norm over {s.shape[0]} channels applied to shape {list(v.shape)}")
+        return self._apply(v, Scale(s), c)
+
+    # ------------------------------------------------------------ nonlinear ops
+    def relu(self, v: Value) -> Value:
+        v = self._value(v)
+        if v.node is not None and self.b._nodes[v.node].kind is NodeKind.RELU:
+            return v  # relu(relu(x)) = relu(x)
+        name = self.b.relu(self.label, v.terms, v.bias, origin=self.where, shape=v.shape)
+        return Value.of_node(name, v.shape)
+
+    def _window(self, v: Value, kernel, stride, padding, dilation, ceil_mode) -> tuple[str, Pool]:
+        n = len(v.shape) - 1
+        if n < 1:
+            self.unsupported(f"pooling on a tensor of shape {list(v.shape)}")
+        kernel = _tuple(kernel, n)
+        stride = _tuple(stride if stride not in (None, [], ()) else kernel, n)
+        pool = Pool(kernel, stride, _pairs(padding, n), _tuple(dilation, n), bool(ceil_mode))
+        return self.materialize(v), pool
+
+    def max_pool(self, v: Value, kernel, stride=None, padding=0, dilation=1, ceil_mode=False) -> Value:
+        src, pool = self._window(self._value(v), kernel, stride, padding, dilation, ceil_mode)
+        name = self.b.maxpool(self.label, src, pool, origin=self.where)
+        return Value.of_node(name, self.b.shape(name))
+
+    def avg_pool(self, v: Value, kernel, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
+                 divisor_override=None) -> Value:
+        v = self._value(v)
+        src, pool = self._window(v, kernel, stride, padding, 1, ceil_mode)
+        in_shape = self.b.shape(src)
+        n = len(in_shape) - 1
+        ones = torch.ones((1, 1, *in_shape[1:]), dtype=torch.float64)
+        avg = getattr(F, f"avg_pool{n}d")
+        kw = dict(kernel_size=pool.kernel, stride=pool.stride, padding=tuple(p[0] for p in pool.padding),
+                  ceil_mode=pool.ceil_mode, count_include_pad=count_include_pad)
+        if n == 2:
+            kw["divisor_override"] = divisor_override
+        elif divisor_override is not None:
+            self.unsupported("divisor_override on a 1-d average pool")
+        mean = avg(ones, **kw)[0, 0].numpy()
+        from pathir.backends.numpy import NumpyBackend  # counts the in-input entries of each window
+
+        count = NumpyBackend().apply(pool, np.ones((1, 1, *in_shape[1:])), (1, *in_shape[1:]))[0, 0]
+        mult = np.where(count > 0, mean / np.maximum(count, 1), 0.0)
+        pool = Pool(pool.kernel, pool.stride, pool.padding, pool.dilation, pool.ceil_mode, mult)
+        return Value([(src, pool)], pool.out_shape(in_shape), None, self.label)
+
+    def adaptive_avg_pool(self, v: Value, output_size) -> Value:
+        v = self._value(v)
+        n = len(v.shape) - 1
+        out = tuple(v.shape[1 + i] if o is None else int(o) for i, o in enumerate(_tuple_none(output_size, n)))
+        if out == tuple(v.shape[1:]):
+            return v  # each window is one position: the identity
+        src = self.materialize(v)
+        in_shape = self.b.shape(src)
+        if all(L % o == 0 for L, o in zip(in_shape[1:], out)):
+            k = tuple(L // o for L, o in zip(in_shape[1:], out))
+            pool = Pool(k, k, ((0, 0),) * n, (1,) * n, False, np.full(out, 1.0 / math.prod(k)))
+            return Value([(src, pool)], pool.out_shape(in_shape), None, self.label)
+        basis = torch.eye(math.prod(in_shape[1:]), dtype=torch.float64).reshape(-1, 1, *in_shape[1:])
+        fn = getattr(F, f"adaptive_avg_pool{n}d")
+        matrix = fn(basis, out).reshape(basis.shape[0], -1).T.numpy()
+        m = SpatialMatrix(matrix, out)
+        return Value([(src, m)], m.out_shape(in_shape), None, self.label)
+
+    def mean(self, v: Value, dims, keepdim=False) -> Value:
+        """Mean over every spatial axis (global average pooling)."""
+        v = self._value(v)
+        nd = len(v.shape) + 1
+        dims = sorted({d % nd for d in ((dims,) if isinstance(dims, int) else dims)})
+        if dims != list(range(2, nd)):
+            self.unsupported(f"mean over axes {dims} of a {nd}-d tensor: only the mean over all spatial axes is linear per channel")
+        pooled = self.adaptive_avg_pool(v, (1,) * (nd - 2))
+        if keepdim:
+            return pooled
+        return self.index_op(lambda t: t.reshape(t.shape[0], -1), [pooled])[0][0]
+
+    def add(self, a, b, alpha=1) -> Value:
+        if not isinstance(a, Value) or not isinstance(b, Value):
+            self.unsupported("adding a constant: a fixed non-zero bias breaks the rescaling symmetry")
+        if alpha != 1:
+            self.unsupported("add with alpha != 1 (a fixed weight other than 1)")
+        if a.shape != b.shape:
+            self.unsupported(f"add of shapes {list(a.shape)} and {list(b.shape)}: broadcasting is not supported")
+        if a.bias is not None and b.bias is not None:
+            b = Value.of_node(self.materialize(b), b.shape)
+        return Value(a.terms + b.terms, a.shape, a.bias if a.bias is not None else b.bias, self.label)
+
+    # ------------------------------------------------------------ index ops
+    def index_op(self, fn, inputs: list[Value]) -> tuple[list[Value], bool]:
+        """Run an index-moving op ``fn(*tensors)`` on the element ids of ``inputs``;
+        returns its output Values and whether the op returns a sequence."""
+        inputs = [self._value(v) for v in inputs]
+        try:
+            decoded, many = run_index_op(fn, [v.shape for v in inputs])
+        except ValueError as err:
+            self.unsupported(str(err))
+        prepared = [self._selectable(v) for v in inputs]
+        outs = []
+        for out_shape, per_input in decoded:
+            terms = []
+            for v, idx in zip(prepared, per_input):
+                for src, m in v.terms:
+                    src_idx = selection_index(m, self.b.shape(src))
+                    composed = np.where(idx >= 0, src_idx[np.maximum(idx, 0)], -1)
+                    new = selection_map(composed, self.b.shape(src), out_shape)
+                    if new is not None:
+                        terms.append((src, new))
+            if not terms:
+                self.unsupported("the op selects no element of its input")
+            outs.append(Value(terms, out_shape, None, self.label))
+        return outs, many
+
+    def _selectable(self, v: Value) -> Value:
+        if v.bias is None and all(m.kind in SELECTION for _, m in v.terms):
+            return v
+        return Value.of_node(self.materialize(v), v.shape)
+
+
+def _tuple_none(x, n):
+    if isinstance(x, (list, tuple)):
+        return tuple(x) if len(x) == n else tuple(x[0] for _ in range(n))
+    return tuple(x for _ in range(n))

@@ -1,0 +1,140 @@
+"""Values of the torch frontend's interpreter.
+
+An activation tensor is a ``Value``: a *pending* sum of terms ``map(node)`` plus
+at most one bias, not yet given a node of its own. Linear ops (conv, linear,
+batch-norm, pooling, add, cat, reshapes) extend or compose pending sums;
+non-linear ops (ReLU, max-pool) and ops that need one source materialize them
+into nodes. A value that is exactly one node is a single ``Identity`` term
+without bias.
+
+Index-moving ops (view, reshape, flatten, permute, transpose, chunk, split,
+slicing, cat) are lowered by *running them* on tensors of element ids: each
+input element gets a distinct integer, the op moves them, and the result says
+which input element lands where. Composed with the selection maps already
+pending (Identity, Reshape, ChannelMap, Gather), they stay pending, and are
+simplified back to the most specific map.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pathir.ir import ChannelMap, Gather, Identity, Map, MapKind, Param, Reshape
+
+__all__ = ["Value", "ParamTensor", "SELECTION", "selection_index", "selection_map", "run_index_op", "BATCH"]
+
+#: batch size of the element-id tensors (2 catches ops that mix samples)
+BATCH = 2
+
+SELECTION = frozenset({MapKind.IDENTITY, MapKind.RESHAPE, MapKind.CHANNEL_MAP, MapKind.GATHER})
+
+
+@dataclass
+class Value:
+    """A pending sum: pre-activation = sum of map(node output) + bias."""
+
+    terms: list[tuple[str, Map]]
+    shape: tuple[int, ...]
+    bias: Param | None = None
+    origin: str = ""  # the op that made it: names the node if it is materialized
+
+    @staticmethod
+    def of_node(name: str, shape) -> "Value":
+        return Value([(name, Identity())], tuple(shape), None, name)
+
+    @property
+    def node(self) -> str | None:
+        """The node this value is exactly, or None if it is a pending sum."""
+        if len(self.terms) == 1 and self.bias is None and self.terms[0][1].kind is MapKind.IDENTITY:
+            return self.terms[0][0]
+        return None
+
+    def size(self) -> torch.Size:
+        return torch.Size((BATCH, *self.shape))
+
+
+@dataclass
+class ParamTensor:
+    """A model parameter or buffer met as a value (module attribute, get_attr, export input)."""
+
+    name: str
+    tensor: torch.Tensor
+    kind: str = "parameter"  # or "buffer"
+
+
+def _numel(shape) -> int:
+    return int(math.prod(shape))
+
+
+def selection_index(m: Map, in_shape) -> np.ndarray:
+    """For a selection map: out.flat[t] = in.flat[index[t]] (-1: zero)."""
+    n = _numel(in_shape)
+    if m.kind in (MapKind.IDENTITY, MapKind.RESHAPE):
+        return np.arange(n)
+    if m.kind is MapKind.GATHER:
+        return np.asarray(m.index)
+    if m.kind is MapKind.CHANNEL_MAP:
+        per = _numel(in_shape[1:])
+        idx = np.asarray(m.index)
+        base = np.where(idx >= 0, idx * per, -1)
+        out = base[:, None] + np.arange(per)[None, :]
+        return np.where(base[:, None] >= 0, out, -1).reshape(-1)
+    raise TypeError(f"{m.kind.value} is not a selection map")
+
+
+def selection_map(index: np.ndarray, in_shape, out_shape) -> Map | None:
+    """The most specific selection map with this index; None if it selects nothing."""
+    index = np.asarray(index, dtype=np.int64)
+    in_shape, out_shape = tuple(in_shape), tuple(out_shape)
+    if not np.any(index >= 0):
+        return None
+    if index.size == _numel(in_shape) and np.array_equal(index, np.arange(index.size)):
+        return Identity() if in_shape == out_shape else Reshape(out_shape)
+    if len(in_shape) == len(out_shape) and in_shape[1:] == out_shape[1:]:
+        per = _numel(in_shape[1:])
+        blocks = index.reshape(out_shape[0], per)
+        first = blocks[:, :1]
+        expect = np.where(first >= 0, first + np.arange(per)[None, :], -1)
+        if np.array_equal(blocks, expect) and np.all((first < 0) | (first % per == 0)):
+            ch = np.where(first[:, 0] >= 0, first[:, 0] // per, -1)
+            return ChannelMap(tuple(int(c) for c in ch))
+    return Gather(index, out_shape)
+
+
+def run_index_op(fn, shapes: list[tuple[int, ...]]):
+    """Run an index-moving op on element-id tensors.
+
+    ``fn(*id_tensors)`` must return a tensor or a tuple/list of tensors.
+    Returns, for each output tensor, (out shape without batch, [index per input]),
+    where index[t] is the element of that input at output position t, or -1.
+    Raises ValueError if the op mixes samples of the batch or computes values.
+    """
+    sizes = [_numel(s) for s in shapes]
+    offsets = np.cumsum([0] + [BATCH * n for n in sizes])
+    ids = [
+        (torch.arange(BATCH * n, dtype=torch.int64) + int(off)).reshape(BATCH, *s)
+        for n, off, s in zip(sizes, offsets, shapes)
+    ]
+    result = fn(*ids)
+    many = isinstance(result, (tuple, list))
+    outs = list(result) if many else [result]
+    sizes_arr = np.asarray(sizes)
+    decoded = []
+    for r in outs:
+        if not isinstance(r, torch.Tensor) or r.dtype != torch.int64 or r.dim() == 0 or r.shape[0] != BATCH:
+            raise ValueError("the op does not keep the batch axis first")
+        flat = r.reshape(BATCH, -1).numpy()
+        which = np.searchsorted(offsets, flat, side="right") - 1
+        local = flat - offsets[which]
+        batch, elem = local // sizes_arr[which], local % sizes_arr[which]
+        same = np.all(which[0] == which[1]) and np.all(elem[0] == elem[1])
+        if not (np.all(batch == np.arange(BATCH)[:, None]) and same):
+            raise ValueError("the op mixes the samples of a batch")
+        per_input = [np.where(which[0] == i, elem[0], -1) for i in range(len(shapes))]
+        decoded.append((tuple(r.shape[1:]), per_input))
+    return decoded, many
+

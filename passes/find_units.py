@@ -1,0 +1,316 @@
+"""find_units: the rescaling units of a graph (MATH.md §5), by union-find.
+
+Every (node, channel) pair gets one log-scale s (all spatial positions of a
+channel share it: weight sharing of convolutions). Edge u->v is multiplied by
+e^{s_v - s_u}, the bias of v by e^{s_v}. Three relations tie pairs together
+(they must share one s):
+
+- a fixed map (skip, pooling window, concat slice, flatten, permutation) ties
+  each (source channel, target channel) of its ``channel_ties``;
+- a Param read by several edges must get one factor per entry: entry by entry,
+  the target channels of all its edges are tied together, and so are the source
+  channels (a bias shared by several nodes ties their channels). This is the
+  largest group of *independent* per-channel scales that keeps every entry's
+  factor well defined;
+- input and output channels are pinned (s = 0): their classes are no units.
+
+A unit is a class with no pinned member. Unit h acts through z_h: its channels
+get s = z_h / 2, so the parameters entering it (weights from outside the unit,
+biases of its neurons) are multiplied by e^{z_h/2} and those leaving it by
+e^{-z_h/2}; a weight with both ends in the unit is unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Iterator, Mapping
+
+import numpy as np
+
+from pathir.errors import PathirError
+from pathir.ir import Graph, NodeKind, Param
+
+__all__ = ["find_units", "Units", "Unit"]
+
+
+@dataclass(frozen=True, eq=False)
+class Unit:
+    """One rescaling unit, for reading.
+
+    ``incoming``: (param, flat C-order indices) of the weights entering the unit
+    from outside and of the biases of its neurons; ``outgoing``: of the weights
+    leaving it. Weights inside the unit are in neither.
+    """
+
+    index: int
+    name: str
+    members: tuple[tuple[str, int], ...]
+    incoming: tuple[tuple[Param, np.ndarray], ...]
+    outgoing: tuple[tuple[Param, np.ndarray], ...]
+
+    def __str__(self) -> str:
+        def side(items):
+            return ", ".join(f"{p.name}[{idx.size}]" for p, idx in items) or "-"
+
+        nodes = sorted({n for n, _ in self.members}, key=[n for n, _ in self.members].index)
+        return (
+            f"unit {self.index} '{self.name}': {len(self.members)} channels in {', '.join(nodes)}; "
+            f"in: {side(self.incoming)}; out: {side(self.outgoing)}"
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class Units:
+    """The rescaling units of one graph (a by-product of :func:`find_units`).
+
+    Compact form, from which B and the per-unit views are built:
+
+    - ``names[h]``: readable name of unit h (``conv1:c3``, ``stream:layer1/c5``);
+    - ``members[h]``: its (node name, channel) pairs, in node order;
+    - ``channel_units[node]``: (channels,) int array, the unit of each channel
+      (-1: pinned to an input or output);
+    - ``params``: the graph's ``params()`` (the flat θ order);
+    - ``ends[k]``: (target, source) unit arrays of param k, each broadcastable
+      to the param's shape; ``source`` is None for a bias.
+    """
+
+    names: tuple[str, ...]
+    members: tuple[tuple[tuple[str, int], ...], ...]
+    channel_units: Mapping[str, np.ndarray]
+    params: tuple[Param, ...]
+    ends: tuple[tuple[np.ndarray, np.ndarray | None], ...]
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __iter__(self) -> Iterator[Unit]:
+        return (self[h] for h in range(len(self)))
+
+    @cached_property
+    def _by_name(self) -> dict[str, int]:
+        return {n: h for h, n in enumerate(self.names)}
+
+    def index(self, name: str) -> int:
+        """The column of the unit called ``name``."""
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"no unit named '{name}'") from None
+
+    def __getitem__(self, key: int | str) -> Unit:
+        h = self.index(key) if isinstance(key, str) else int(key)
+        if not 0 <= h < len(self):
+            raise IndexError(f"unit {h} out of range (0..{len(self) - 1})")
+        incoming, outgoing = [], []
+        for p, (tgt, src) in zip(self.params, self.ends):
+            # test the compact arrays first: most params do not touch unit h
+            hit_t, hit_s = bool(np.any(tgt == h)), src is not None and bool(np.any(src == h))
+            if not (hit_t or hit_s):
+                continue
+            t = np.broadcast_to(tgt, p.shape).ravel()
+            s = None if src is None else np.broadcast_to(src, p.shape).ravel()
+            if hit_t:
+                sel = (t == h) if s is None else (t == h) & (s != h)
+                if sel.any():
+                    incoming.append((p, np.flatnonzero(sel)))
+            if hit_s:
+                sel = (s == h) & (t != h)
+                if sel.any():
+                    outgoing.append((p, np.flatnonzero(sel)))
+        return Unit(h, self.names[h], self.members[h], tuple(incoming), tuple(outgoing))
+
+    @cached_property
+    def sizes(self) -> tuple[np.ndarray, np.ndarray]:
+        """(|in_h|, |out_h|) for every unit: entries of the incoming and outgoing sides."""
+        H = len(self)
+        n_in, n_out = np.zeros(H, dtype=np.int64), np.zeros(H, dtype=np.int64)
+        for p, (tgt, src) in zip(self.params, self.ends):
+            t = np.broadcast_to(tgt, p.shape).ravel()
+            s = None if src is None else np.broadcast_to(src, p.shape).ravel()
+            inside = np.zeros(t.shape, bool) if s is None else t == s
+            n_in += np.bincount(t[(t >= 0) & ~inside], minlength=H)[:H]
+            if s is not None:
+                n_out += np.bincount(s[(s >= 0) & ~inside], minlength=H)[:H]
+        return n_in, n_out
+
+    def __str__(self) -> str:
+        H = len(self)
+        lines = [f"{H} rescaling units over {sum(len(m) for m in self.members)} channels"]
+        n_in, n_out = self.sizes
+        width = len(str(max(H - 1, 0)))
+        shown = H if H <= 24 else 20
+        for h in range(shown):
+            nodes = len({n for n, _ in self.members[h]})
+            lines.append(
+                f"  {h:>{width}}  {self.names[h]}: {len(self.members[h])} channels in {nodes} nodes, "
+                f"in {n_in[h]}, out {n_out[h]}"
+            )
+        if shown < H:
+            lines.append(f"  ... ({H - shown} more)")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+# ------------------------------------------------------------------ the pass
+
+
+def find_units(graph: Graph) -> tuple[Graph, Units]:
+    """The rescaling units of ``graph`` (MATH.md §5).
+
+    Requires: a verified graph. Ensures: the graph is returned unchanged, with
+    the units beside it. Preserves: everything (an analysis).
+
+    Raises PathirError if one Param is both an edge weight and a bias.
+
+    >>> import numpy as np
+    >>> from pathir.ir import GraphBuilder, Dense
+    >>> b = GraphBuilder()
+    >>> x = b.input("x", (2,))
+    >>> h = b.relu("h", [(x, Dense(b.param("fc1.weight", np.ones((3, 2)))))], bias=b.param("fc1.bias", np.zeros(3)))
+    >>> y = b.identity("y", [(h, Dense(b.param("fc2.weight", np.ones((1, 3)))))])
+    >>> _, units = find_units(b.build(outputs=[y]))
+    >>> len(units), units.names
+    (3, ('fc1:c0', 'fc1:c1', 'fc1:c2'))
+    >>> print(units[0])
+    unit 0 'fc1:c0': 1 channels in h; in: fc1.weight[2], fc1.bias[1]; out: fc2.weight[1]
+    """
+    offsets, total = {}, 0
+    for n in graph.nodes:
+        offsets[n.name] = total
+        total += n.channels
+    pinned = np.zeros(total, dtype=bool)
+    for n in graph.nodes:
+        if n.kind is NodeKind.INPUT or n.name in graph.outputs:
+            pinned[offsets[n.name] : offsets[n.name] + n.channels] = True
+
+    ties_a, ties_b = [], []
+    uses: dict[int, list] = {}  # id(param) -> [(param, source node or None, target node, map)]
+    for v in graph.nodes:
+        for e in v.edges:
+            u = graph.node(e.source)
+            if e.map.weight is None:
+                pairs = np.asarray(e.map.channel_ties(u.shape), dtype=np.int64).reshape(-1, 2)
+                ties_a.append(offsets[u.name] + pairs[:, 0])
+                ties_b.append(offsets[v.name] + pairs[:, 1])
+            else:
+                uses.setdefault(id(e.map.weight), []).append((e.map.weight, u, v, e.map))
+        if v.bias is not None:
+            uses.setdefault(id(v.bias), []).append((v.bias, None, v, None))
+
+    for group in uses.values():
+        if len(group) < 2:
+            continue
+        kinds = {u is None for _, u, _, _ in group}
+        if len(kinds) > 1:
+            raise PathirError(
+                f"param '{group[0][0].name}' is both an edge weight and a bias: "
+                "no per-channel rescaling keeps it one tensor"
+            )
+        ref_t, ref_s = _entry_channels(*group[0], offsets)
+        for use in group[1:]:
+            t, s = _entry_channels(*use, offsets)
+            ties_a.append(ref_t), ties_b.append(t)
+            if s is not None:
+                ties_a.append(ref_s), ties_b.append(s)
+
+    labels = _components(total, ties_a, ties_b)
+    n_classes = int(labels.max()) + 1 if total else 0
+    class_pinned = np.zeros(n_classes, dtype=bool)
+    np.logical_or.at(class_pinned, labels, pinned)
+    # units numbered by their first channel in node order
+    first = np.full(n_classes, total, dtype=np.int64)
+    np.minimum.at(first, labels, np.arange(total))
+    free = np.flatnonzero(~class_pinned)
+    order = free[np.argsort(first[free], kind="stable")]
+    unit_of_class = np.full(n_classes, -1, dtype=np.int64)
+    unit_of_class[order] = np.arange(order.size)
+    unit_of = unit_of_class[labels] if total else np.zeros(0, dtype=np.int64)
+
+    channel_units = {n.name: unit_of[offsets[n.name] : offsets[n.name] + n.channels] for n in graph.nodes}
+    for arr in channel_units.values():
+        arr.setflags(write=False)
+
+    H = int(order.size)
+    members: list[list[tuple[str, int]]] = [[] for _ in range(H)]
+    for n in graph.nodes:
+        cu = channel_units[n.name]
+        for c in np.flatnonzero(cu >= 0):
+            members[cu[c]].append((n.name, int(c)))
+
+    params = tuple(graph.params())
+    ends = []
+    for p in params:
+        group = uses[id(p)]
+        t, s = _entry_channels(*group[0], offsets, unit_of)
+        ends.append((t, s))
+    names = _names(graph, members)
+    return graph, Units(tuple(names), tuple(tuple(m) for m in members), channel_units, params, tuple(ends))
+
+
+def _entry_channels(param, u, v, m, offsets, lookup=None):
+    """Global channel ids (or, with ``lookup``, units) of the target and source
+    end of every entry of ``param`` read by this use, broadcastable to its shape."""
+    if u is None:
+        t = offsets[v.name] + np.arange(v.channels)
+        s = None
+    else:
+        o, i = m.weight_channels(u.shape)
+        t = offsets[v.name] + np.asarray(o, dtype=np.int64)
+        s = offsets[u.name] + np.asarray(i, dtype=np.int64)
+    if lookup is None:
+        # full arrays: the entries of different uses are paired one to one
+        return np.broadcast_to(t, param.shape).ravel(), None if s is None else np.broadcast_to(s, param.shape).ravel()
+    return lookup[t], None if s is None else lookup[s]
+
+
+def _components(total: int, a: list, b: list) -> np.ndarray:
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    rows = np.concatenate(a) if a else np.zeros(0, dtype=np.int64)
+    cols = np.concatenate(b) if b else np.zeros(0, dtype=np.int64)
+    adj = coo_matrix((np.ones(rows.size, dtype=np.int8), (rows, cols)), shape=(total, total))
+    _, labels = connected_components(adj, directed=False)
+    return labels.astype(np.int64)
+
+
+def _strip(name: str) -> str:
+    for suffix in (".weight", ".bias"):
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def _names(graph: Graph, members) -> list[str]:
+    """``<layer>:c<k>`` for a unit fed by one node's parameterized edge,
+    ``<node>:c<k>`` for a one-node unit fed by none, ``stream:<prefix>/c<k>``
+    for a class fed by several nodes (a residual stream, a concat)."""
+    out, seen = [], {}
+    for mem in members:
+        node_names = list(dict.fromkeys(n for n, _ in mem))
+        fed = [n for n in node_names if any(e.map.weight is not None for e in graph.node(n).edges)]
+        if len(fed) == 1:
+            node = graph.node(fed[0])
+            w = next(e.map.weight for e in node.edges if e.map.weight is not None)
+            ch = next(c for n, c in mem if n == fed[0])
+            name = f"{_strip(w.name)}:c{ch}"
+        elif len(node_names) == 1:
+            name = f"{node_names[0]}:c{mem[0][1]}"
+        else:
+            label = os.path.commonprefix([n.split(".") for n in node_names])
+            last = node_names[-1]
+            prefix = ".".join(label) if label else last.split(".")[0]
+            ch = next(c for n, c in mem if n == last)
+            name = f"stream:{prefix}/c{ch}"
+        if name in seen:
+            seen[name] += 1
+            name = f"{name}~{seen[name]}"
+        else:
+            seen[name] = 1
+        out.append(name)
+    return out

@@ -1,0 +1,147 @@
+"""incidence: the sparse matrix B of MATH.md §5, and the flat layout of θ.
+
+θ is the concatenation of ``graph.params()`` values, each flattened in C order.
+B is n × H (n = len θ, H units) with
+
+    B[i, h] = -1   θ_i is a bias of a neuron of unit h, or a free weight
+                   entering unit h from outside it;
+    B[i, h] = +1   θ_i is a free weight leaving unit h;
+    B[i, h] =  0   otherwise (a weight with both ends in unit h included).
+
+A rescaling with log-scales z ∈ R^H is θ ← θ ⊙ exp(-Bz/2). Each row has at most
+two non-zeros (a weight enters one unit and leaves one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+import numpy as np
+
+from pathir.errors import PathirError
+from pathir.ir import Graph, Param
+
+from .find_units import Units
+
+__all__ = ["incidence", "ParamLayout"]
+
+
+@dataclass(frozen=True, eq=False)
+class ParamLayout:
+    """Flat offsets of θ ↔ (param, index) ↔ source names.
+
+    Param k occupies ``offsets[k]:offsets[k+1]`` of θ, flattened in C order.
+
+    >>> import numpy as np
+    >>> from pathir.ir import Param
+    >>> lay = ParamLayout((Param("w", np.ones((2, 3))), Param("b", np.zeros(2))))
+    >>> len(lay), lay.slice("b"), lay.locate(4)
+    (8, slice(6, 8, None), ('w', (1, 1)))
+    """
+
+    params: tuple[Param, ...]
+
+    @cached_property
+    def offsets(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum([p.size for p in self.params], dtype=np.int64)])
+
+    @cached_property
+    def _index(self) -> dict[str, int]:
+        return {p.name: k for k, p in enumerate(self.params)}
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def position(self, param: Param | str) -> int:
+        """Index of ``param`` (object or name) in ``params``."""
+        name = param if isinstance(param, str) else param.name
+        try:
+            return self._index[name]
+        except KeyError:
+            raise KeyError(f"no param named '{name}' in the layout") from None
+
+    def slice(self, param: Param | str) -> slice:
+        k = self.position(param)
+        return slice(int(self.offsets[k]), int(self.offsets[k + 1]))
+
+    def locate(self, i: int) -> tuple[str, tuple[int, ...]]:
+        """(param name, index in the param) of flat entry ``i``."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"flat index {i} outside 0..{len(self) - 1}")
+        k = int(np.searchsorted(self.offsets, i, side="right")) - 1
+        p = self.params[k]
+        return p.name, tuple(int(j) for j in np.unravel_index(i - int(self.offsets[k]), p.shape))
+
+    def source_name(self, i: int) -> str:
+        """The source tensor name flat entry ``i`` is reported under."""
+        return self.params[self.position(self.locate(i)[0])].source_name
+
+    def theta(self) -> np.ndarray:
+        """θ: every param value flattened, in order (float64)."""
+        if not self.params:
+            return np.zeros(0)
+        return np.concatenate([p.value.ravel() for p in self.params])
+
+    def split(self, flat) -> dict[str, np.ndarray]:
+        """{param name: its entries of ``flat``, in the param's shape}."""
+        flat = np.asarray(flat)
+        if flat.shape != (len(self),):
+            raise ValueError(f"expected a flat vector of length {len(self)}, got shape {flat.shape}")
+        return {p.name: flat[self.slice(p)].reshape(p.shape) for p in self.params}
+
+    def by_source(self, flat) -> dict[str, np.ndarray]:
+        """{source name (``Param.source_name``): entries of ``flat`` in the param's shape}."""
+        out: dict[str, np.ndarray] = {}
+        for p, value in zip(self.params, self.split(flat).values()):
+            if p.source_name in out:
+                raise PathirError(f"two params are reported under the source name '{p.source_name}'")
+            out[p.source_name] = value
+        return out
+
+
+def _check_match(graph_params, units: Units) -> None:
+    if len(graph_params) != len(units.params) or any(
+        a.name != b.name or a.shape != b.shape for a, b in zip(graph_params, units.params)
+    ):
+        raise PathirError("the units were found on another graph (params differ): run find_units on this graph")
+
+
+def incidence(graph: Graph, units: Units):
+    """B (scipy.sparse CSR, n × H, float64 entries in {-1, 0, 1}) and the ParamLayout.
+
+    ``units`` from :func:`find_units` on this graph, or on one with the same
+    structure and param names (e.g. a rescaled copy).
+
+    >>> import numpy as np
+    >>> from pathir.ir import GraphBuilder, Dense
+    >>> from pathir.passes.find_units import find_units
+    >>> b = GraphBuilder()
+    >>> x = b.input("x", (2,))
+    >>> h = b.relu("h", [(x, Dense(b.param("w1", np.ones((1, 2)))))], bias=b.param("b1", np.zeros(1)))
+    >>> y = b.identity("y", [(h, Dense(b.param("w2", np.ones((1, 1)))))])
+    >>> g = b.build(outputs=[y])
+    >>> B, layout = incidence(g, find_units(g)[1])
+    >>> B.toarray().ravel().tolist()    # w1 (2 entries) and b1 enter unit h:c0, w2 leaves it
+    [-1.0, -1.0, -1.0, 1.0]
+    """
+    from scipy.sparse import csr_matrix
+
+    params = graph.params()
+    _check_match(params, units)
+    layout = ParamLayout(tuple(params))
+    H, n = len(units), len(layout)
+    rows, cols, vals = [], [], []
+    for k, (p, (tgt, src)) in enumerate(zip(params, units.ends)):
+        base = int(layout.offsets[k])
+        t = np.broadcast_to(tgt, p.shape).ravel()
+        s = None if src is None else np.broadcast_to(src, p.shape).ravel()
+        inside = np.zeros(t.shape, bool) if s is None else t == s
+        sel = np.flatnonzero((t >= 0) & ~inside)
+        rows.append(base + sel), cols.append(t[sel]), vals.append(np.full(sel.size, -1.0))
+        if s is not None:
+            sel = np.flatnonzero((s >= 0) & ~inside)
+            rows.append(base + sel), cols.append(s[sel]), vals.append(np.full(sel.size, 1.0))
+    cat = (lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt))
+    B = csr_matrix((cat(vals, np.float64), (cat(rows, np.int64), cat(cols, np.int64))), shape=(n, H))
+    B.sum_duplicates()
+    return B, layout

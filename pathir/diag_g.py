@@ -1,0 +1,113 @@
+"""diag G, the path-magnitude diagonal (MATH.md §6), in one forward + backward.
+
+    g_i = G_ii = Σ_{p ∋ i} (Φ_p(θ) / θ_i)^2 = Σ_{p ∋ i} Π_{other factors of p} factor^2
+
+With u = θ^2 as leaf variables, g = ∂(Σ outputs)/∂u of the q = 2 path-norm
+network ``path_view(maxpool_to_sum(graph), 2)`` (fixed weights squared too),
+fed all ones: the weight-gradient of each param in that network. The walks keep
+every value as (m, L) = m·e^L, so g is first known per param as a mantissa
+array and a log-scale; :func:`diag_g_flat` returns it normalised by its
+maximum together with the log of that maximum (PathCond's F only moves by a
+constant under a global scale of g), :func:`diag_g` the plain values, raising
+PathNormOverflow where one does not fit float64.
+
+Under a rescaling z, g ← g ⊙ exp(Bz).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .errors import PathirError, PathNormOverflow
+from .ir import Graph
+
+__all__ = ["diag_g", "diag_g_flat", "diag_g_log_parts"]
+
+_LOG_MAX = math.log(np.finfo(np.float64).max)
+
+
+def diag_g_log_parts(graph: Graph, backend) -> list[tuple[np.ndarray, float]]:
+    """For each param of ``graph.params()``: (m, L) with g = m·e^L, m ≥ 0 of
+    the param's shape and max m = 1 (m = 0, L = -inf where g vanishes)."""
+    from pathir.backends import get_backend
+    from pathir.execute import path_backward, path_forward
+    from pathir.passes import maxpool_to_sum, path_view
+
+    be = get_backend(backend)
+    view = path_view(maxpool_to_sum(graph), 2)
+    _, grads = path_backward(view, be, path_forward(view, be))
+    # path_view gives every edge its own Param object: gather a shared param's parts
+    parts: dict[int, list] = {}
+    for n, nv in zip(graph.nodes, view.nodes):
+        for e, ev in zip(n.edges, nv.edges):
+            if e.map.weight is not None:
+                parts.setdefault(id(e.map.weight), []).append(grads.get(id(ev.map.weight)))
+        if n.bias is not None:
+            parts.setdefault(id(n.bias), []).append(grads.get(id(nv.bias)))
+    out = []
+    for p in graph.params():
+        terms = []
+        for part in parts[id(p)]:
+            if part is None:
+                continue
+            m = np.asarray(be.to_numpy(part[0]), dtype=np.float64).reshape(p.shape)
+            peak = float(m.max()) if m.size else 0.0
+            if not math.isfinite(peak):
+                raise PathirError(f"diag G of param '{p.name}' is not finite (NaN or inf weights?)")
+            if peak > 0:
+                terms.append((m / peak, float(part[1]) + math.log(peak)))
+        if not terms:
+            out.append((np.zeros(p.shape), -math.inf))
+            continue
+        top = max(L for _, L in terms)
+        m = sum(mt * math.exp(L - top) for mt, L in terms)
+        peak = float(m.max())
+        out.append((m / peak, top + math.log(peak)))
+    return out
+
+
+def diag_g_flat(graph: Graph, backend=None) -> tuple[np.ndarray, float]:
+    """(g / max g, log max g): g flat in the order of θ (``graph.params()``, C order).
+
+    Never overflows; entries below ~1e-308 of the maximum underflow to 0.
+    ``log max g`` is -inf when g = 0 (a graph without paths).
+    """
+    parts = diag_g_log_parts(graph, backend)
+    if not parts:
+        return np.zeros(0), -math.inf
+    top = max(L for _, L in parts)
+    if top == -math.inf:
+        return np.concatenate([m.ravel() for m, _ in parts]), -math.inf
+    return np.concatenate([(m * math.exp(L - top)).ravel() for m, L in parts]), top
+
+
+def diag_g(graph: Graph, backend=None) -> dict[str, np.ndarray]:
+    """diag G per source parameter: {``Param.source_name``: array of the param's shape}.
+
+    Raises PathNormOverflow naming the param if an entry exceeds float64 (then
+    use :func:`diag_g_flat`, normalised, with its log-scale).
+
+    >>> import numpy as np
+    >>> from pathir.ir import GraphBuilder, Dense
+    >>> b = GraphBuilder()
+    >>> x = b.input("x", (1,))
+    >>> h = b.relu("h", [(x, Dense(b.param("w1", [[2.0]])))], bias=b.param("b1", [1.0]))
+    >>> y = b.identity("y", [(h, Dense(b.param("w2", [[3.0]])))])
+    >>> g = diag_g(b.build(outputs=[y]), "numpy")   # paths: x-h-y (w1 w2), bias b1-y (b1 w2)
+    >>> {k: np.round(v, 12).ravel().tolist() for k, v in g.items()}
+    {'w1': [9.0], 'b1': [9.0], 'w2': [5.0]}
+    """
+    out: dict[str, np.ndarray] = {}
+    for p, (m, L) in zip(graph.params(), diag_g_log_parts(graph, backend)):
+        if L > _LOG_MAX:
+            raise PathNormOverflow(
+                f"diag G of param '{p.name}' reaches about 10^{L / math.log(10):.1f}, beyond float64: "
+                "use pathir.diag_g.diag_g_flat (normalised, with its log-scale)"
+            )
+        name = p.source_name
+        if name in out:
+            raise PathirError(f"two params are reported under the source name '{name}'")
+        out[name] = m * math.exp(L) if L > -math.inf else np.zeros(p.shape)
+    return out

@@ -1,0 +1,147 @@
+"""Rescalings (MATH.md §5): z ∈ R^H on the units, as θ ⊙ exp(-Bz/2) or as
+per-channel log-scales.
+
+Two equivalent descriptions of one group element:
+
+- flat: θ_i ← θ_i · exp(-(Bz)_i / 2)                      (:func:`rescale_graph`);
+- per channel: unit h's channels get s = z_h / 2 (pinned ones s = 0); edge
+  entry u[i] → v[o] is multiplied by e^{s_v[o] - s_u[i]}, the bias of v[c] by
+  e^{s_v[c]}                                            (:func:`apply_log_scales`).
+
+The per-channel form is what write-back into a source model uses. Φ, the
+activations a(θ, x) and the function R_θ are unchanged (exactly, up to rounding).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from .errors import PathirError
+from .ir import Graph, NodeKind
+
+__all__ = ["rescale_graph", "log_scales", "apply_log_scales", "check_log_scales", "param_factors"]
+
+
+def _z(units, z) -> np.ndarray:
+    z = np.asarray(z, dtype=np.float64)
+    if z.shape != (len(units),):
+        raise ValueError(f"z must have one entry per unit, shape ({len(units)},); got {z.shape}")
+    if not np.all(np.isfinite(z)):
+        raise ValueError("z has non-finite entries")
+    return z
+
+
+def rescale_graph(graph: Graph, units, z) -> Graph:
+    """The graph with θ ← θ ⊙ exp(-Bz/2) (B from :func:`pathir.passes.incidence.incidence`).
+
+    Parameters
+    ----------
+    graph : Graph
+    units : Units of ``graph`` (from ``find_units``)
+    z : (H,) array of log-scales, one per unit
+
+    >>> import numpy as np
+    >>> from pathir.ir import GraphBuilder, Dense
+    >>> from pathir.passes.find_units import find_units
+    >>> b = GraphBuilder()
+    >>> x = b.input("x", (1,))
+    >>> h = b.relu("h", [(x, Dense(b.param("w1", [[2.0]])))], bias=b.param("b1", [1.0]))
+    >>> y = b.identity("y", [(h, Dense(b.param("w2", [[3.0]])))])
+    >>> g = b.build(outputs=[y])
+    >>> r = rescale_graph(g, find_units(g)[1], [2 * np.log(2)])   # unit h: in x2, out /2
+    >>> [p.value.ravel().tolist() for p in r.params()]
+    [[4.0], [2.0], [1.5]]
+    """
+    from pathir.passes.incidence import incidence
+
+    z = _z(units, z)
+    B, layout = incidence(graph, units)
+    theta = layout.theta() * np.exp(-(B @ z) / 2)
+    pos = {id(p): k for k, p in enumerate(layout.params)}
+    off = layout.offsets
+
+    def new(p):
+        k = pos[id(p)]
+        return p.with_value(theta[off[k] : off[k + 1]].reshape(p.shape))
+
+    return graph.map_params(new)
+
+
+def log_scales(graph: Graph, units, z) -> dict[str, np.ndarray]:
+    """{node name: (channels,) log-scale s}: s = z_h / 2 on the channels of unit h, 0 on pinned ones."""
+    z = _z(units, z)
+    half = np.concatenate([z / 2, [0.0]])  # index -1 (pinned) reads the 0
+    return {n.name: half[np.asarray(units.channel_units[n.name])] for n in graph.nodes}
+
+
+def _scales(graph: Graph, log_scales: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    out = {}
+    for n in graph.nodes:
+        s = log_scales.get(n.name)
+        s = np.zeros(n.channels) if s is None else np.asarray(s, dtype=np.float64)
+        if s.shape != (n.channels,):
+            raise ValueError(f"log-scale of node '{n.name}' has shape {s.shape}, expected ({n.channels},)")
+        out[n.name] = s
+    unknown = set(log_scales) - set(out)
+    if unknown:
+        raise KeyError(f"log-scales name nodes not in the graph: {sorted(unknown)}")
+    return out
+
+
+def check_log_scales(graph: Graph, log_scales: Mapping[str, np.ndarray], atol: float = 1e-9) -> dict[str, np.ndarray]:
+    """Check that ``log_scales`` is a rescaling of ``graph``: every node given,
+    zero on inputs and outputs, equal across every fixed edge's tied channels,
+    and one factor per entry of a shared param. Returns them as float64 arrays."""
+    s = _scales(graph, log_scales)
+    for n in graph.nodes:
+        if (n.kind is NodeKind.INPUT or n.name in graph.outputs) and np.any(np.abs(s[n.name]) > atol):
+            raise PathirError(f"log-scales move the input/output node '{n.name}', which is pinned")
+        for e in n.edges:
+            if e.map.weight is not None:
+                continue
+            pairs = np.asarray(e.map.channel_ties(graph.node(e.source).shape), dtype=np.int64).reshape(-1, 2)
+            gap = np.abs(s[e.source][pairs[:, 0]] - s[n.name][pairs[:, 1]])
+            if gap.size and gap.max() > atol:
+                raise PathirError(
+                    f"log-scales differ by {gap.max():.3g} across the fixed edge "
+                    f"{e.source} -> {n.name} ({e.map.describe()}), which ties them"
+                )
+    param_factors(graph, s, atol)
+    return s
+
+
+def param_factors(graph: Graph, s: Mapping[str, np.ndarray], atol: float = 1e-9):
+    """{id(param): (param, out log-factor, in log-factor, target node, source node or None)}.
+
+    For a weight on u -> v: out = s_v[target channel], in = -s_u[source channel],
+    both broadcast to the param's shape; for a bias of v: out = s_v, in = 0.
+    A param read by several edges must get the same factors from each."""
+    out = {}
+    for v in graph.nodes:
+        uses = [(e.map.weight, graph.node(e.source), e.map) for e in v.edges if e.map.weight is not None]
+        if v.bias is not None:
+            uses.append((v.bias, None, None))
+        for p, u, m in uses:
+            if u is None:
+                fo, fi = s[v.name], np.zeros(p.shape)
+            else:
+                o, i = m.weight_channels(u.shape)
+                fo = np.broadcast_to(s[v.name][np.asarray(o)], p.shape)
+                fi = np.broadcast_to(-s[u.name][np.asarray(i)], p.shape)
+            if id(p) in out:
+                _, po, pi, *_ = out[id(p)]
+                if not (np.allclose(po, fo, rtol=0, atol=atol) and np.allclose(pi, fi, rtol=0, atol=atol)):
+                    raise PathirError(f"param '{p.name}' is shared by edges that the log-scales rescale differently")
+                continue
+            out[id(p)] = (p, fo, fi, v, u)
+    return out
+
+
+def apply_log_scales(graph: Graph, log_scales: Mapping[str, np.ndarray]) -> Graph:
+    """The graph with every edge entry u[i] → v[o] multiplied by e^{s_v[o] - s_u[i]}
+    and every bias of v[c] by e^{s_v[c]} (after :func:`check_log_scales`)."""
+    s = check_log_scales(graph, log_scales)
+    factors = param_factors(graph, s)
+    return graph.map_params(lambda p: p.with_value(p.value * np.exp(factors[id(p)][1] + factors[id(p)][2])))
