@@ -134,7 +134,7 @@ class _FxInterpreter:
             self.low.fx_name = node.name
             self.low.label = str(node.target) if node.op == "call_module" else node.name
             self.low.where = _module_path(node)
-            self.low.op = _op_name(node)
+            self.low.op = _op_name(node, self.model)
             if node.op == "output":
                 return self._output(node)
             self.env[node] = self._eval(node, shape)
@@ -173,7 +173,7 @@ class _FxInterpreter:
             if node_name in self.low.b._nodes and self.low.b._nodes[node_name].kind.value == "input":
                 self.low.unsupported("the model returns its input unchanged", "output")
             names.append(node_name)
-        return self.low.b.build(outputs=names)
+        return self.low.b.build(outputs=names, prune_dead=True)
 
     # ------------------------------------------------------------ modules
     def _module(self, mod: nn.Module, path: str, args, kwargs):
@@ -354,7 +354,9 @@ def _module_path(node) -> str:
     return ""
 
 
-def _op_name(node) -> str:
+def _op_name(node, model) -> str:
+    if node.op == "call_module":
+        return type(_get(model, node.target)).__name__
     if node.op == "call_function":
         return getattr(node.target, "__name__", str(node.target))
     return str(node.target) if node.op in ("call_method", "get_attr") else node.op

@@ -1,16 +1,225 @@
 """Write-back into a torch nn.Module: rescalings and masks, all at once.
 
-CONTRACT (filled in by the PathCond work):
-    TorchWriter(model).rescale(graph, log_scales)   # log_scales: {node name: (channels,) array}
-    TorchWriter(model).mask(graph, masks)           # masks: {param name: bool array of the param's shape}
-Both compute every new tensor first and assign only when all succeeded.
+A rescaling arrives as per-channel log-scales s (``{node name: (channels,)}``,
+see :func:`pathir.rescale.log_scales`). A param on edge u -> v changes entry
+[o, i] by out[o] · in[i], out = e^{s_v}[target channel], in = e^{-s_u}[source
+channel] (``Map.weight_channels``); a bias of v by out = e^{s_v}. Each source
+tensor of the param (``Param.sources``) takes its share by role:
+
+- VALUE      the in-factor unless the param has IN_STATS sources, and the
+             out-factor unless it has OUT_SCALE sources;
+- OUT_SCALE  the out-factor e^{s_v} (batch-norm gamma and beta: a folded
+             batch-norm's output scales with them, in train and eval mode);
+- IN_STATS   the batch-norm's input is multiplied by λ = e^{s_u}: running_mean
+             ← λ·mean, running_var ← λ²(var + eps) − eps (exact in eval mode;
+             in train mode batch statistics scale with the input, only eps does not).
+
+One (tensor, role) reached through several params must get one factor (checked);
+each is applied once. Every new tensor is computed first (float64, then cast to
+the tensor's own dtype and device) and assigned only when all succeeded, so on
+any error the model is untouched.
+
+Masks go through ``torch.nn.utils.prune.custom_from_mask`` on the VALUE tensor,
+for params whose zeros are exactly its zeros.
 """
 
 from __future__ import annotations
 
+from typing import Mapping
+
+import numpy as np
+
+from pathir.errors import PathirError
+from pathir.ir import Graph, Param, Role
+
 __all__ = ["TorchWriter"]
+
+_SAME = dict(rtol=1e-9, atol=1e-300)
 
 
 class TorchWriter:
+    """Write-back handle of a torch model (``cm.frontend`` of a compiled nn.Module).
+
+    Examples
+    --------
+    >>> import numpy as np, torch, pathir
+    >>> from pathir.rescale import log_scales
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1)).double()
+    >>> cm = pathir.compile(net, input_shape=(2,))
+    >>> x = torch.randn(4, 2, dtype=torch.float64)
+    >>> before = net(x)
+    >>> TorchWriter(net).rescale(cm.graph, log_scales(cm.graph, cm.units, [1.0, -2.0, 0.5]))
+    >>> bool(torch.allclose(net(x), before, rtol=1e-12, atol=0))
+    True
+    """
+
     def __init__(self, model):
         self.model = model
+
+    # ------------------------------------------------------------ helpers
+    def _locate(self, name: str):
+        """(module, attribute) of a tensor name such as ``layer1.0.bn1.running_var``."""
+        path, _, attr = name.rpartition(".")
+        try:
+            module = self.model.get_submodule(path) if path else self.model
+        except AttributeError as err:
+            raise PathirError(f"source tensor '{name}' not found in the model: {err}") from None
+        return module, attr
+
+    def _tensor(self, name: str):
+        """The stored tensor behind ``name`` (``<attr>_orig`` when it is pruned)."""
+        import torch
+
+        module, attr = self._locate(name)
+        orig = getattr(module, attr + "_orig", None)
+        t = orig if isinstance(orig, torch.Tensor) else getattr(module, attr, None)
+        if not isinstance(t, torch.Tensor):
+            raise PathirError(f"source tensor '{name}' not found in the model")
+        return module, attr, t
+
+    # ------------------------------------------------------------ rescaling
+    def rescale(self, graph: Graph, log_scales: Mapping[str, np.ndarray]) -> None:
+        """Apply the rescaling given by per-channel ``log_scales`` to the model.
+
+        ``graph`` is the compiled graph whose params name the model's tensors.
+        Raises PathirError (model untouched) if the log-scales are not a
+        rescaling of the graph, a tensor is missing, or one tensor would get
+        two different factors.
+        """
+        import torch
+
+        from pathir.rescale import check_log_scales, param_factors
+
+        s = check_log_scales(graph, log_scales)
+        plan: dict[tuple[str, Role], tuple[np.ndarray, str]] = {}
+        for p, fo, fi, v, u in param_factors(graph, s).values():
+            if not p.sources:
+                raise PathirError(f"param '{p.name}' has no source tensor to write the rescaling to")
+            roles = {r.role for r in p.sources}
+            for ref in p.sources:
+                if ref.role is Role.VALUE:
+                    f = np.exp((0.0 if Role.IN_STATS in roles else fi) + (0.0 if Role.OUT_SCALE in roles else fo))
+                    f = np.broadcast_to(f, p.shape)
+                    f = f.T if ref.transposed else f
+                elif ref.role is Role.OUT_SCALE:
+                    f = np.exp(s[v.name])
+                else:
+                    if u is None:
+                        raise PathirError(f"bias '{p.name}' lists running statistics '{ref.name}', which only an edge can feed")
+                    f = np.exp(-np.asarray(fi))
+                key = (ref.name, ref.role)
+                if key in plan:
+                    old, via = plan[key]
+                    if old.shape != f.shape or not np.allclose(old, f, **_SAME):
+                        raise PathirError(
+                            f"source tensor '{ref.name}' ({ref.role.value}) would be rescaled differently "
+                            f"through params '{via}' and '{p.name}'"
+                        )
+                    continue
+                plan[key] = (np.array(f, dtype=np.float64), p.name)
+
+        by_tensor: dict[str, dict[Role, np.ndarray]] = {}
+        for (name, role), (f, _) in plan.items():
+            by_tensor.setdefault(name, {})[role] = f
+        updates = []  # (tensor, new value) computed before anything is written
+        seen: dict[int, tuple[str, object]] = {}
+        for name, sides in by_tensor.items():
+            module, attr, t = self._tensor(name)
+            old = t.detach().to("cpu", torch.float64).numpy()
+            new = self._new_value(name, module, attr, old, sides)
+            new_t = torch.as_tensor(new, dtype=torch.float64).to(dtype=t.dtype, device=t.device)
+            if id(t) in seen:  # one tensor under two names (tied weights)
+                other, other_new = seen[id(t)]
+                if not torch.allclose(other_new.double(), new_t.double(), rtol=1e-9, atol=0):
+                    raise PathirError(f"tensors '{other}' and '{name}' are one tensor but would be rescaled differently")
+                continue
+            seen[id(t)] = (name, new_t)
+            updates.append((t, new_t, module, attr))
+        with torch.no_grad():
+            for t, new_t, _, _ in updates:
+                t.copy_(new_t)
+        for _, _, module, attr in updates:
+            _refresh_pruned(module, attr)
+
+    @staticmethod
+    def _new_value(name, module, attr, old: np.ndarray, sides: dict[Role, np.ndarray]) -> np.ndarray:
+        def fit(f):
+            f = np.asarray(f)
+            if f.size != old.size:
+                raise PathirError(f"source tensor '{name}' has {old.size} entries, its rescaling factor {f.size}")
+            return f.reshape(old.shape)
+
+        if Role.IN_STATS in sides:
+            if len(sides) > 1:
+                raise PathirError(f"source tensor '{name}' is both running statistics and a rescaled value")
+            lam = fit(sides[Role.IN_STATS])
+            if attr == "running_mean":
+                return lam * old
+            if attr == "running_var":
+                eps = float(getattr(module, "eps"))
+                return lam**2 * (old + eps) - eps
+            raise PathirError(f"source tensor '{name}' has role in_stats but is neither running_mean nor running_var")
+        new = old
+        for f in sides.values():
+            new = new * fit(f)
+        return new
+
+    # ------------------------------------------------------------ masks
+    def mask(self, graph: Graph, masks: Mapping[str, np.ndarray]) -> None:
+        """Prune the model: ``masks`` maps a param name (or its source name) to a
+        bool array of the param's shape (True: keep). Applied with
+        ``torch.nn.utils.prune.custom_from_mask`` on the VALUE tensor, all at once.
+
+        Raises PathirError (model untouched) for a param whose value is not its
+        source tensor up to per-channel factors (an unfolded batch-norm, a folded
+        batch-norm bias): zeroing that tensor would not zero the param."""
+        import torch
+        from torch.nn.utils import prune
+
+        params = graph.params()
+        by_name = {p.name: p for p in params}
+        by_name.update({p.source_name: p for p in params if p.source_name not in by_name})
+        biases = {id(n.bias) for n in graph.nodes if n.bias is not None}
+        plan, targets = [], set()
+        for key, m in masks.items():
+            p = by_name.get(key)
+            if p is None:
+                raise PathirError(f"mask for '{key}': no such param in the graph")
+            m = np.asarray(m).astype(bool)
+            if m.shape != p.shape:
+                raise PathirError(f"mask for '{p.name}' has shape {m.shape}, the param {p.shape}")
+            ref = _value_ref(p, id(p) in biases)
+            m = m.T if ref.transposed else m
+            module, attr, t = self._tensor(ref.name)
+            if not isinstance(module._parameters.get(attr + "_orig", module._parameters.get(attr)), torch.nn.Parameter):
+                raise PathirError(f"'{ref.name}' is not a parameter of the model: it cannot be pruned")
+            if m.size != t.numel():
+                raise PathirError(f"mask for '{p.name}' has {m.size} entries, tensor '{ref.name}' {t.numel()}")
+            if (id(module), attr) in targets:
+                raise PathirError(f"two masks for the tensor '{ref.name}'")
+            targets.add((id(module), attr))
+            plan.append((module, attr, torch.as_tensor(m.reshape(tuple(t.shape)), device=t.device)))
+        for module, attr, mask in plan:
+            prune.custom_from_mask(module, name=attr, mask=mask)
+
+
+def _value_ref(p: Param, is_bias: bool):
+    roles = {r.role for r in p.sources}
+    refs = [r for r in p.sources if r.role is Role.VALUE]
+    if not refs:
+        raise PathirError(f"param '{p.name}' has no VALUE source tensor to mask")
+    if Role.IN_STATS in roles or (is_bias and roles != {Role.VALUE}):
+        raise PathirError(
+            f"param '{p.name}' = {p.how or p.name} is not its source tensor '{refs[0].name}' up to per-channel "
+            "factors: masking that tensor would not zero the param"
+        )
+    return refs[0]
+
+
+def _refresh_pruned(module, attr: str) -> None:
+    """Recompute a pruned tensor (orig * mask) after its orig changed, as the prune hook does."""
+    from torch.nn.utils.prune import BasePruningMethod
+
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, BasePruningMethod) and hook._tensor_name == attr:
+            setattr(module, attr, hook.apply_mask(module))

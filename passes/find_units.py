@@ -302,8 +302,9 @@ def _names(graph: Graph, members) -> list[str]:
         elif len(node_names) == 1:
             name = f"{node_names[0]}:c{mem[0][1]}"
         else:
-            label = os.path.commonprefix([n.split(".") for n in node_names])
-            last = node_names[-1]
+            named = fed or node_names  # the nodes that compute the class, not the pools after it
+            label = os.path.commonprefix([n.split(".") for n in named])
+            last = named[-1]
             prefix = ".".join(label) if label else last.split(".")[0]
             ch = next(c for n, c in mem if n == last)
             name = f"stream:{prefix}/c{ch}"

@@ -165,3 +165,45 @@ class Compiled:
 
         graph = run_passes(self.graph, passes, check=check)
         return Compiled(graph, self.model, self.frontend, self.source_num_params, self.backend, self.name)
+
+    # ---------------------------------------------------------------- rescaling units
+    @property
+    def units(self):
+        """The rescaling units of the graph (``pathir.passes.find_units.Units``;
+        MATH.md §5), found once per graph object."""
+        cached = self.__dict__.get("_units")
+        if cached is None or cached[0] is not self.graph:
+            from pathir.passes.find_units import find_units
+
+            cached = (self.graph, find_units(self.graph)[1])
+            self.__dict__["_units"] = cached
+        return cached[1]
+
+    def incidence(self):
+        """(B, layout): the sparse n x H matrix B of MATH.md §5 and the ParamLayout of θ."""
+        from pathir.passes.incidence import incidence
+
+        return incidence(self.graph, self.units)
+
+    def diag_g(self, backend=None) -> dict[str, np.ndarray]:
+        """diag G (MATH.md §6): {source param name: array of that param's shape}.
+        Raises PathNormOverflow beyond float64 (see ``pathir.diag_g.diag_g_flat``)."""
+        from .diag_g import diag_g
+
+        return diag_g(self.graph, self._backend(backend))
+
+    def rescaled(self, z) -> "Compiled":
+        """A new Compiled whose graph is rescaled by z (one log-scale per unit:
+        θ ← θ ⊙ exp(-Bz/2)). Φ and the function are unchanged; the model is not touched."""
+        from .rescale import rescale_graph
+
+        graph = rescale_graph(self.graph, self.units, z)
+        return Compiled(graph, self.model, self.frontend, self.source_num_params, self.backend, self.name)
+
+    def _write_rescaling(self, log_scales) -> None:
+        """Write per-channel log-scales ({node: (channels,)}) into the user's model."""
+        from .errors import PathirError
+
+        if self.frontend is None:
+            raise PathirError("this Compiled has no source model to write a rescaling into (compiled from a Graph)")
+        self.frontend.rescale(self.graph, log_scales)

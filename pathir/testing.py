@@ -197,7 +197,7 @@ class _Dag:
     def _window(self, src):
         """A random pool window over ``src`` (padding at most half the kernel, as torch asks)."""
         spatial = self.shape(src)[1:]
-        kernel = [self.draw(st.integers(1, min(3, L))) for L in spatial]
+        kernel = [min(L, self.draw(st.sampled_from([2, 3, 1]))) for L in spatial]
         stride = [self.draw(st.integers(1, 2)) for _ in spatial]
         padding = [(self.draw(st.integers(0, k // 2)), self.draw(st.integers(0, k // 2))) for k in kernel]
         dilation = [self.draw(st.sampled_from([1, 1, 2])) if L >= 2 * k - 1 else 1 for L, k in zip(spatial, kernel)]
@@ -271,7 +271,8 @@ class _Dag:
         choices = [self.dense]
         if spatial:
             choices += [f for f, on in [
-                (self.conv, o.conv), (self.conv, o.conv), (self.maxpool, o.maxpool), (self.avgpool, o.avgpool),
+                (self.conv, o.conv), (self.conv, o.conv), (self.conv, o.conv), (self.maxpool, o.maxpool),
+                (self.maxpool, o.maxpool), (self.avgpool, o.avgpool),
                 (self.adaptive_pool, o.adaptive_pool), (self.concat, o.concat), (self.flatten, o.flatten),
             ] if on]
         choices += [f for f, on in [(self.scale, o.scale), (self.channel_map, o.channel_maps), (self.gather, o.gather)] if on]
@@ -293,7 +294,7 @@ class _Dag:
 @st.composite
 def relu_dags(
     draw,
-    max_depth: int = 4,
+    max_depth: int = 5,
     max_width: int = 4,
     max_channels: int = 3,
     spatial_dims: Sequence[int] = (0, 1, 2),
@@ -333,13 +334,14 @@ def relu_dags(
     opts = _Options(max_width, max_channels, max_neurons, max_paths, bias, integer_weights, skip, concat,
                     channel_maps, maxpool, kmax, avgpool, adaptive_pool, gather, conv, scale, flatten)
     dag = _Dag(draw, opts, draw(st.integers(0, 2**32 - 1)))
-    dims = draw(st.sampled_from(list(spatial_dims)))
+    dims = draw(st.sampled_from([d for d in (1, 2, 0) if d in spatial_dims]))
     if dims == 0:
         x = dag.add_input((draw(st.integers(1, max_width)),))
     else:
         sizes = [draw(st.integers(2, 6 if dims == 1 else 4)) for _ in range(dims)]
         x = dag.add_input((draw(st.integers(1, max_channels)), *sizes))
-    extra = [dag.add_input((draw(st.integers(1, 3)),)) for _ in range(draw(st.integers(0, max(0, max_inputs - 1))))]
+    second = max_inputs > 1 and draw(st.integers(0, 3)) == 0
+    extra = [dag.add_input((draw(st.integers(1, 3)),))] if second else []
     current, added = x, 0
     for _ in range(draw(st.integers(1, max_depth))):
         if added and draw(st.integers(0, 4)) == 0:  # branch from an earlier node: the current one stays a sink

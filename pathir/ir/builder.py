@@ -92,6 +92,14 @@ class GraphBuilder:
         self._nodes[node.name] = node
         return node.name
 
-    def build(self, outputs: Sequence[str], check: bool = True) -> Graph:
-        graph = Graph(tuple(self._nodes.values()), tuple(outputs), self.name)
+    def build(self, outputs: Sequence[str], check: bool = True, prune_dead: bool = False) -> Graph:
+        """The Graph; with ``prune_dead`` the nodes that reach no output are dropped."""
+        nodes = tuple(self._nodes.values())
+        if prune_dead:
+            live = set(outputs)
+            for n in reversed(nodes):
+                if n.name in live:
+                    live.update(e.source for e in n.edges)
+            nodes = tuple(n for n in nodes if n.name in live or n.kind.value == "input")
+        graph = Graph(nodes, tuple(outputs), self.name)
         return verify(graph) if check else graph

@@ -1,0 +1,102 @@
+"""torch.export fallback of the torch frontend: interpret the exported ATen graph.
+
+Used when torch.fx symbolic tracing fails (e.g. Python control flow on shapes).
+ATen ops map onto the same op semantics (torch_ops.Lowering) as the fx path;
+parameters and buffers arrive as lifted placeholders named by their FQN.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from .torch_fx import _FxInterpreter, _bind, _values_in, _why
+from .torch_values import ParamTensor, Value
+
+__all__ = ["lower_exported"]
+
+aten = torch.ops.aten
+
+_VIEW_OPS = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+    aten.permute.default, aten.transpose.int, aten.slice.Tensor, aten.split.Tensor,
+    aten.split_with_sizes.default, aten.chunk.default, aten.unsqueeze.default, aten.squeeze.dim,
+    aten.squeeze.dims, aten.narrow.default, aten.cat.default, aten.select.int, aten.expand.default,
+}
+_SAME = {aten.clone.default, aten.alias.default, aten.detach.default, aten.contiguous.default,
+         aten.dropout.default, aten.feature_dropout.default, aten.lift_fresh_copy.default}
+
+
+def lower_exported(model, shape, name):
+    example = torch.zeros((2, *shape))
+    program = torch.export.export(model, (example,))
+    sig = program.graph_signature
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
+    return _ExportInterpreter(model, program.graph_module, name, lifted, tensors).run(shape)
+
+
+class _ExportInterpreter(_FxInterpreter):
+    def __init__(self, model, gm, name, lifted, tensors):
+        super().__init__(model, gm, name)
+        self.lifted, self.tensors = lifted, tensors
+
+    def _eval(self, node, shape):
+        if node.op == "placeholder" and node.name in self.lifted:
+            fqn = self.lifted[node.name]
+            return ParamTensor(fqn, self.tensors[fqn])
+        return super()._eval(node, shape)
+
+    def _function(self, fn, args, kwargs):
+        low = self.low
+        if not _values_in(args, kwargs) or fn is operator.getitem and not isinstance(args[0], Value):
+            if fn is operator.getitem or not isinstance(fn, torch._ops.OpOverload):
+                return super()._function(fn, args, kwargs)
+        if fn in _SAME:
+            return args[0]
+        if fn in (aten.relu.default, aten.relu_.default):
+            return low.relu(args[0])
+        if fn in (aten.add.Tensor, aten.add_.Tensor):
+            return low.add(args[0], args[1], kwargs.get("alpha", 1))
+        if fn in (aten.conv1d.default, aten.conv2d.default, aten.conv1d.padding, aten.conv2d.padding):
+            return low.conv(*_bind(args, kwargs, ["input", "weight", "bias", "stride", "padding", "dilation", "groups"],
+                                   {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}))
+        if fn is aten.convolution.default:
+            x, w, b, stride, padding, dilation, transposed, _, groups = args[:9]
+            if transposed:
+                low.unsupported(_why("ConvTranspose2d"), "convolution")
+            return low.conv(x, w, b, stride, padding, dilation, groups)
+        if fn is aten.linear.default:
+            return low.linear(*_bind(args, kwargs, ["input", "weight", "bias"], {"bias": None}))
+        if fn is aten.batch_norm.default:
+            x, w, b, mean, var, training, _, eps = args[:8]
+            return low.batch_norm(x, "", w, b, mean, var, eps)
+        if fn is aten._native_batch_norm_legit_no_training.default:
+            x, w, b, mean, var, _, eps = args[:7]
+            return (low.batch_norm(x, "", w, b, mean, var, eps), None, None)
+        if fn in (aten.max_pool1d.default, aten.max_pool2d.default, aten.max_pool2d_with_indices.default):
+            a = _bind(args, kwargs, ["input", "kernel_size", "stride", "padding", "dilation", "ceil_mode"],
+                      {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False})
+            out = low.max_pool(*a)
+            return (out, None) if fn is aten.max_pool2d_with_indices.default else out
+        if fn in (aten.avg_pool1d.default, aten.avg_pool2d.default):
+            return low.avg_pool(*_bind(args, kwargs, ["input", "kernel_size", "stride", "padding", "ceil_mode",
+                                                      "count_include_pad", "divisor_override"],
+                                       {"stride": None, "padding": 0, "ceil_mode": False, "count_include_pad": True,
+                                        "divisor_override": None}))
+        if fn in (aten.adaptive_avg_pool1d.default, aten.adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d.default):
+            return low.adaptive_avg_pool(args[0], args[1])
+        if fn is aten.mean.dim:
+            x, dim, keepdim = _bind(args, kwargs, ["input", "dim", "keepdim"], {"keepdim": False})
+            return low.mean(x, dim, keepdim)
+        if fn in _VIEW_OPS:
+            return self._index(lambda *ids: fn(*_sub(args, ids), **_sub(kwargs, ids)), _values_in(args, kwargs))
+        op = getattr(fn, "__name__", str(fn))
+        low.unsupported(_why(op.split(".")[0]), op)
+
+
+def _sub(obj, ids):
+    from .torch_fx import _substitute
+
+    return _substitute(obj, ids)

@@ -1,0 +1,186 @@
+"""The PathCond objective (MATH.md §7) on arrays, and the result its solvers return.
+
+With g = diag G (n,) and the unit incidence matrix B (n x H),
+
+    F(z) = n log Σ_i g_i e^{(Bz)_i} - Σ_i (Bz)_i,        ∇F(z) = n Bᵀp - Bᵀ1,  p = g e^{Bz} / S
+
+F is convex and constant along {d : Bd ∈ span(1)}. Rescaling by z multiplies
+θ_i by e^{-(Bz)_i/2} and g_i by e^{(Bz)_i}. Everything is computed from log g,
+so g may span the whole float64 range.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import scipy.sparse as sp
+
+__all__ = [
+    "objective", "gradient", "rescaled_log_g", "log_spread", "PathCondResult", "log_positive_root",
+]
+
+
+def _as_g(g, n: int | None = None) -> np.ndarray:
+    g = np.asarray(g, dtype=np.float64)
+    if g.ndim != 1:
+        raise ValueError(f"g must be a vector, got shape {g.shape}")
+    if n is not None and g.size != n:
+        raise ValueError(f"g has {g.size} entries but B has {n} rows")
+    if not np.all(np.isfinite(g)) or np.any(g < 0):
+        raise ValueError("g must be finite and non-negative")
+    return g
+
+
+def _log(x: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        return np.log(x)
+
+
+def _logsumexp(v: np.ndarray) -> float:
+    top = float(np.max(v))
+    if top == -math.inf:
+        return -math.inf
+    return top + math.log(float(np.sum(np.exp(v - top))))
+
+
+def rescaled_log_g(g, B, z) -> np.ndarray:
+    """log(g ⊙ e^{Bz}), -inf where g_i = 0."""
+    B = sp.csr_array(B)
+    return _log(_as_g(g, B.shape[0])) + B @ np.asarray(z, dtype=np.float64)
+
+
+def objective(g, B, z) -> float:
+    """F(z) = n log Σ_i g_i e^{(Bz)_i} - Σ_i (Bz)_i.
+
+    >>> import numpy as np, scipy.sparse as sp
+    >>> B = sp.csr_array(np.array([[-1.], [1.]]))   # one unit: one weight in, one out
+    >>> g = np.array([1.0, 4.0])
+    >>> print(f"{objective(g, B, [0.0]):.6f} {2 * np.log(5.0):.6f}")
+    3.218876 3.218876
+    >>> print(f"{objective(g, B, [-np.log(2)]):.6f} {2 * np.log(4.0):.6f}")   # balanced: the minimum
+    2.772589 2.772589
+    """
+    B = sp.csr_array(B)
+    bz = B @ np.asarray(z, dtype=np.float64)
+    return B.shape[0] * _logsumexp(_log(_as_g(g, B.shape[0])) + bz) - float(bz.sum())
+
+
+def gradient(g, B, z) -> np.ndarray:
+    """∇F(z) = n Bᵀp - Bᵀ1 with p_i = g_i e^{(Bz)_i} / Σ_j g_j e^{(Bz)_j}.
+
+    >>> import numpy as np, scipy.sparse as sp
+    >>> B = sp.csr_array(np.array([[-1.], [1.]]))
+    >>> np.allclose(gradient([1.0, 4.0], B, [-np.log(2)]), 0)
+    True
+    """
+    B = sp.csr_array(B)
+    ell = _log(_as_g(g, B.shape[0])) + B @ np.asarray(z, dtype=np.float64)
+    p = np.exp(ell - _logsumexp(ell))
+    return B.shape[0] * (B.T @ p) - B.T @ np.ones(B.shape[0])
+
+
+def _gradient_parts(g: np.ndarray, B: sp.csr_array, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(∇F, its scale n|B|ᵀp + |Bᵀ1|): their ratio is a unit's relative imbalance, in [0, 1]."""
+    ell = _log(g) + B @ z
+    p = np.exp(ell - _logsumexp(ell))
+    ones = B.T @ np.ones(B.shape[0])
+    n = B.shape[0]
+    return n * (B.T @ p) - ones, n * (abs(B).T @ p) + np.abs(ones)
+
+
+def log_spread(log_g: np.ndarray) -> float:
+    """max(log g) - min(log g) over the entries with g > 0 (natural log)."""
+    finite = log_g[np.isfinite(log_g)]
+    return float(finite.max() - finite.min()) if finite.size else 0.0
+
+
+def log_positive_root(A, log_r, alpha, gamma):
+    """log y for the positive root y of  alpha y² + A r y - gamma = 0  (alpha, gamma > 0), given log r.
+
+    Written so that nothing overflows or cancels: for A >= 0 the root is
+    2 gamma / (A r + sqrt(A² r² + 4 alpha gamma)), for A < 0 it is
+    (|A| r + sqrt(A² r² + 4 alpha gamma)) / (2 alpha). Works on scalars and arrays.
+    """
+    A = np.asarray(A, dtype=np.float64)
+    q = 4.0 * np.asarray(alpha, dtype=np.float64) * np.asarray(gamma, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log_t = np.where(A == 0, -np.inf, np.log(np.abs(A)) + log_r)
+    capped = np.minimum(log_t, 300.0)
+    t = np.exp(capped)
+    big = log_t > 300.0
+    # beyond e^300, sqrt(t² + q) = t sqrt(1 + q/t²) keeps t² from overflowing
+    log_sum = np.where(big, log_t + np.log1p(np.sqrt(1.0 + q * np.exp(-2.0 * np.maximum(log_t, 300.0)))),
+                       np.log(t + np.sqrt(t * t + q)))
+    return np.where(A >= 0, np.log(2.0 * gamma) - log_sum, log_sum - np.log(2.0 * alpha))
+
+
+@dataclass(frozen=True)
+class PathCondResult:
+    """What a PathCond solver returns.
+
+    ``z`` (H,) are the log-scales (θ_i ← θ_i e^{-(Bz)_i/2}); degenerate units
+    keep z = 0. ``history[k]`` is F after sweep k (``history[0]`` = F(0)) and
+    ``times[k]`` the seconds elapsed then. ``grad_max`` is max |∂F/∂z_h| and
+    ``grad_rel`` the largest relative imbalance |∂F/∂z_h| / (n|B|ᵀp + |Bᵀ1|)_h,
+    over the non-degenerate units.
+    """
+
+    z: np.ndarray
+    f_initial: float
+    f_final: float
+    sweeps: int
+    converged: bool
+    degenerate: np.ndarray
+    seconds: float
+    history: np.ndarray
+    times: np.ndarray
+    grad_max: float
+    grad_rel: float
+    log_spread_initial: float
+    log_spread_final: float
+    method: str
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def max_abs_z(self) -> float:
+        return float(np.max(np.abs(self.z))) if self.z.size else 0.0
+
+    def to_dict(self) -> dict:
+        """The PathCond report of MATH.md §7, JSON-ready."""
+        return {
+            "method": self.method, "f_initial": self.f_initial, "f_final": self.f_final,
+            "sweeps": self.sweeps, "converged": self.converged, "max_abs_z": self.max_abs_z,
+            "log_spread_initial": self.log_spread_initial, "log_spread_final": self.log_spread_final,
+            "grad_max": self.grad_max, "grad_rel": self.grad_rel, "seconds": self.seconds,
+            "degenerate": [int(h) for h in self.degenerate],
+        }
+
+
+def finish(g: np.ndarray, B, z: np.ndarray, *, method: str, sweeps: int, converged: bool,
+           degenerate: np.ndarray, start: float, history: list, times: list, extra=None) -> PathCondResult:
+    """Assemble a result; F(0), F(z), the gradient and the spreads are recomputed exactly from (g, B)."""
+    B = sp.csr_array(B)
+    log_g = _log(g)
+    bz = B @ z
+    n = B.shape[0]
+    f0 = n * _logsumexp(log_g)
+    f1 = n * _logsumexp(log_g + bz) - float(bz.sum())
+    grad, scale = _gradient_parts(g, B, z)
+    live = np.ones(z.size, dtype=bool)
+    live[degenerate] = False
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rel = np.where(scale > 0, np.abs(grad) / scale, 0.0)
+    history = list(history)
+    if history:
+        history[0], history[-1] = f0, f1
+    return PathCondResult(
+        z=z, f_initial=f0, f_final=f1, sweeps=sweeps, converged=converged,
+        degenerate=np.asarray(degenerate, dtype=np.int64), seconds=time.perf_counter() - start,
+        history=np.asarray(history, dtype=np.float64), times=np.asarray(times, dtype=np.float64),
+        grad_max=float(np.max(np.abs(grad[live]), initial=0.0)), grad_rel=float(np.max(rel[live], initial=0.0)),
+        log_spread_initial=log_spread(log_g), log_spread_final=log_spread(log_g + bz),
+        method=method, extra=dict(extra or {}),
+    )
