@@ -247,6 +247,12 @@ class _FxInterpreter:
             return low.mean(x, dim if dim is not None else list(range(len(x.shape) + 1)), keepdim)
         if fn is getattr:
             return _attr(args[0], args[1], low)
+        if fn in (torch.cat, torch.concat):
+            tensors_arg, dim = _bind(args, kwargs, ["tensors", "dim"], {"dim": 0})
+            if dim in (1, -len(tensors_arg[0].shape) - 1) and all(isinstance(t, Value) for t in tensors_arg):
+                out = low.cat_channels(list(tensors_arg))
+                if out is not None:
+                    return out
         if fn in _INDEX_FUNCS:
             return self._index(lambda *ids: fn(*_substitute(args, ids), **_substitute(kwargs, ids)), tensors)
         op = getattr(fn, "__name__", str(fn))

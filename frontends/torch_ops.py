@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pathir.errors import UnsupportedOperation
-from pathir.ir import Conv, Dense, GraphBuilder, Identity, MapKind, NodeKind, Param, Pool, Role, Scale, SourceRef, SpatialMatrix
+from pathir.ir import ChannelMap, Conv, Dense, GraphBuilder, Identity, MapKind, NodeKind, Param, Pool, Role, Scale, SourceRef, SpatialMatrix
 from pathir.ir.maps import pool_output_size
 
 from .torch_values import SELECTION, ParamTensor, Value, run_index_op, selection_index, selection_map
@@ -36,7 +36,8 @@ def _pairs(padding, n: int):
 
 
 def _f64(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to("cpu", torch.float64).numpy()
+    """A fresh float64 copy (never a view of the model's storage)."""
+    return t.detach().to("cpu", torch.float64, copy=True).numpy()
 
 
 class Lowering:
@@ -57,7 +58,7 @@ class Lowering:
     def param(self, name: str, value: np.ndarray, refs: tuple[SourceRef, ...], how: str = "") -> Param:
         """One Param object per name, so a module called twice shares its weights."""
         if name not in self._params:
-            self._params[name] = Param(name, value, refs, how)
+            self._params[name] = Param.adopt(name, value, refs, how)
         return self._params[name]
 
     def direct(self, pt: ParamTensor) -> Param:
@@ -222,6 +223,30 @@ class Lowering:
         if a.bias is not None and b.bias is not None:
             b = Value.of_node(self.materialize(b), b.shape)
         return Value(a.terms + b.terms, a.shape, a.bias if a.bias is not None else b.bias, self.label)
+
+    # ------------------------------------------------------------ index ops
+    def cat_channels(self, values: list[Value]) -> Value | None:
+        """torch.cat along the channel axis at channel granularity (no per-element ids);
+        None when some input is not a channel-level selection (use index_op)."""
+        values = [self._selectable(self._value(v)) for v in values]
+        spatial = {v.shape[1:] for v in values}
+        if len(spatial) != 1 or any(len(v.shape) < 2 for v in values):
+            return None
+        total = sum(v.shape[0] for v in values)
+        terms, offset = [], 0
+        for v in values:
+            for src, m in v.terms:
+                if m.kind is MapKind.IDENTITY:
+                    inner = np.arange(v.shape[0])
+                elif m.kind is MapKind.CHANNEL_MAP:
+                    inner = np.asarray(m.index)
+                else:
+                    return None
+                index = np.full(total, -1)
+                index[offset:offset + v.shape[0]] = inner
+                terms.append((src, ChannelMap(tuple(int(i) for i in index))))
+            offset += v.shape[0]
+        return Value(terms, (total, *values[0].shape[1:]), None, self.label)
 
     # ------------------------------------------------------------ index ops
     def index_op(self, fn, inputs: list[Value]) -> tuple[list[Value], bool]:

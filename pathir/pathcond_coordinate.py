@@ -117,5 +117,5 @@ def solve_coordinate(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10) -> Pat
         if abs(history[-2] - f) <= tol * max(1.0, abs(f)) or np.max(np.abs(z - z_before), initial=0.0) <= tol:
             converged = True
             break
-    return finish(g, B, z, method="coordinate", sweeps=sweeps, converged=converged, degenerate=degenerate,
+    return finish(g, enter, leave, A, z, method="coordinate", sweeps=sweeps, converged=converged, degenerate=degenerate,
                   start=start, history=history, times=times)

@@ -82,19 +82,13 @@ def gradient(g, B, z) -> np.ndarray:
     return B.shape[0] * (B.T @ p) - B.T @ np.ones(B.shape[0])
 
 
-def _gradient_parts(g: np.ndarray, B: sp.csr_array, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(∇F, its scale n|B|ᵀp + |Bᵀ1|): their ratio is a unit's relative imbalance, in [0, 1]."""
-    ell = _log(g) + B @ z
-    p = np.exp(ell - _logsumexp(ell))
-    ones = B.T @ np.ones(B.shape[0])
-    n = B.shape[0]
-    return n * (B.T @ p) - ones, n * (abs(B).T @ p) + np.abs(ones)
-
-
 def log_spread(log_g: np.ndarray) -> float:
     """max(log g) - min(log g) over the entries with g > 0 (natural log)."""
-    finite = log_g[np.isfinite(log_g)]
-    return float(finite.max() - finite.min()) if finite.size else 0.0
+    low = float(log_g.min(initial=math.inf))
+    if low == -math.inf:
+        log_g = log_g[np.isfinite(log_g)]
+        low = float(log_g.min(initial=math.inf))
+    return float(log_g.max() - low) if log_g.size else 0.0
 
 
 def log_positive_root(A, log_r, alpha, gamma):
@@ -159,17 +153,28 @@ class PathCondResult:
         }
 
 
-def finish(g: np.ndarray, B, z: np.ndarray, *, method: str, sweeps: int, converged: bool,
-           degenerate: np.ndarray, start: float, history: list, times: list, extra=None) -> PathCondResult:
-    """Assemble a result; F(0), F(z), the gradient and the spreads are recomputed exactly from (g, B)."""
-    B = sp.csr_array(B)
+def finish(g: np.ndarray, enter: np.ndarray, leave: np.ndarray, A: np.ndarray, z: np.ndarray, *, method: str,
+           sweeps: int, converged: bool, degenerate: np.ndarray, start: float, history: list, times: list,
+           extra=None) -> PathCondResult:
+    """Assemble a result; F(0), F(z), the gradient and the spreads are recomputed from the rows of (g, B).
+
+    ``enter``/``leave``/``A`` are `unit_pairs.row_units` and `unit_pairs.side_counts` of B.
+    """
+    n, H = g.size, z.size
     log_g = _log(g)
-    bz = B @ z
-    n = B.shape[0]
+    zp = np.append(z, 0.0)
+    ell = log_g + (zp[leave] - zp[enter])
     f0 = n * _logsumexp(log_g)
-    f1 = n * _logsumexp(log_g + bz) - float(bz.sum())
-    grad, scale = _gradient_parts(g, B, z)
-    live = np.ones(z.size, dtype=bool)
+    top = float(ell.max())
+    e = np.exp(ell - top)
+    total = float(e.sum())
+    f1 = n * (top + math.log(total)) + float(A @ z)
+    p = e / total
+    out_mass = np.bincount(leave, weights=p, minlength=H + 1)[:H]
+    in_mass = np.bincount(enter, weights=p, minlength=H + 1)[:H]
+    grad = n * (out_mass - in_mass) + A
+    scale = n * (out_mass + in_mass) + np.abs(A)
+    live = np.ones(H, dtype=bool)
     live[degenerate] = False
     with np.errstate(invalid="ignore", divide="ignore"):
         rel = np.where(scale > 0, np.abs(grad) / scale, 0.0)
@@ -181,6 +186,6 @@ def finish(g: np.ndarray, B, z: np.ndarray, *, method: str, sweeps: int, converg
         degenerate=np.asarray(degenerate, dtype=np.int64), seconds=time.perf_counter() - start,
         history=np.asarray(history, dtype=np.float64), times=np.asarray(times, dtype=np.float64),
         grad_max=float(np.max(np.abs(grad[live]), initial=0.0)), grad_rel=float(np.max(rel[live], initial=0.0)),
-        log_spread_initial=log_spread(log_g), log_spread_final=log_spread(log_g + bz),
+        log_spread_initial=log_spread(log_g), log_spread_final=log_spread(ell),
         method=method, extra=dict(extra or {}),
     )

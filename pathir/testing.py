@@ -42,11 +42,7 @@ from .ir import (
     SpatialMatrix, pool_output_size,
 )
 
-__all__ = ["relu_dags", "mlps", "random_inputs"]
-
-# rescalings(graph): random elements of the rescaling group (MATH.md §5), acting
-# per unit, belong here; they need the units pass (passes/find_units.py) and are
-# written with it.
+__all__ = ["relu_dags", "mlps", "random_inputs", "rescalings"]
 
 
 # ------------------------------------------------------------------ values
@@ -134,7 +130,11 @@ class _Dag:
         shape = edges[0][1].out_shape(src_shape)
         count = sum(_count_in(m, self.counts[s], self.shape(s)) for s, m in edges) + (bias is not None)
         count = np.broadcast_to(count, shape)
-        too_big = self.neurons() + count.size > self.opts.max_neurons or count.sum() > self.opts.max_paths // 4
+        # paths of the graph if built now: those ending at the sinks. A third of
+        # the budget leaves room for the forced head (at most 2 * paths + 8).
+        sinks = {n for n in self.counts if n not in self.consumed and not self._is_input(n)}
+        paths = sum(self.counts[n].sum() for n in sinks - {s for s, _ in edges}) + count.sum()
+        too_big = self.neurons() + count.size > self.opts.max_neurons or paths > self.opts.max_paths // 3
         if too_big and not force:
             return None
         name = self.b.node(self.b.unique(prefix), kind, edges, bias, k=k)
@@ -327,7 +327,9 @@ def relu_dags(
         switch each feature on or off (``kmax``: k-max-pools with k > 1)
     max_inputs : a second, flat input joining the dense head may be drawn when 2
     integer_weights : free weights and biases are nonzero integers in [-3, 3]
-    max_neurons, max_paths : soft budgets; layers that break them are not added
+    max_neurons, max_paths : budgets; layers that break them are not added. The
+        number of paths is at most ``max_paths`` (if >= 30); the head may add a
+        few neurons beyond ``max_neurons``.
 
     Every node reaches an output: the outputs are the nodes nothing reads.
     """
@@ -398,3 +400,15 @@ def random_inputs(draw, graph: Graph, batch: int | None = None, integer: bool = 
         shape = (B, *graph.node(name).shape)
         out[name] = rng.integers(-2, 3, size=shape).astype(np.float64) if integer else rng.normal(size=shape)
     return out
+
+
+@st.composite
+def rescalings(draw, graph: Graph, max_log: float = 2.0) -> np.ndarray:
+    """Strategy for a random element of the rescaling group (MATH.md §5) of
+    ``graph``: z, one log-scale per unit of ``find_units(graph)``, uniform in
+    [-max_log, max_log] (θ ← θ ⊙ exp(-Bz/2) scales by at most e^{max_log})."""
+    from pathir.passes.find_units import find_units
+
+    H = len(find_units(graph)[1])
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    return rng.uniform(-max_log, max_log, size=H)

@@ -25,7 +25,7 @@ import scipy.sparse as sp
 
 __all__ = [
     "row_units", "side_counts", "degenerate_units", "pad", "Pairs", "group_pairs",
-    "greedy_coloring", "segment_logsumexp", "SideSums", "side_sums",
+    "greedy_coloring", "segment_logsumexp", "stable_order", "SideSums", "side_sums",
 ]
 
 # A linear-domain sum below this (relative to its static bound 1) may have lost
@@ -39,22 +39,33 @@ def row_units(B) -> tuple[np.ndarray, np.ndarray, int]:
     Raises ValueError unless every non-zero of B is ±1 and no row has two
     entries of one sign.
     """
-    coo = sp.coo_array(B, copy=True)
-    coo.sum_duplicates()
-    n, H = coo.shape
-    keep = coo.data != 0
-    r, c, v = coo.row[keep], coo.col[keep], coo.data[keep]
-    if not np.all((v == 1) | (v == -1)):
-        raise ValueError("B may hold only -1, 0 and +1")
+    csr = sp.csr_array(B)
+    if not csr.has_canonical_format:
+        csr = csr.copy()
+        csr.sum_duplicates()
+    n, H = csr.shape
+    v = csr.data
+    if not np.all(np.abs(v) == 1):
+        csr = csr.copy()
+        csr.eliminate_zeros()
+        v = csr.data
+        if not np.all(np.abs(v) == 1):
+            raise ValueError("B may hold only -1, 0 and +1")
+    counts = np.diff(csr.indptr)
+    if counts.max(initial=0) > 2:
+        raise ValueError(f"row {int(np.argmax(counts))} of B has more than two non-zeros")
+    first = csr.indptr[:-1][counts == 2]
+    same = np.flatnonzero(v[first] == v[first + 1])
+    if same.size:
+        row = int(np.flatnonzero(counts == 2)[same[0]])
+        raise ValueError(f"row {row} of B has two {v[first[same[0]]]:+g} entries: a parameter enters/leaves at most one unit")
+    r = np.repeat(np.arange(n), counts)
     neg = v < 0
-    for sign, mask in (("-1", neg), ("+1", ~neg)):
-        twice = np.flatnonzero(np.bincount(r[mask], minlength=n) > 1)
-        if twice.size:
-            raise ValueError(f"row {twice[0]} of B has two {sign} entries: a parameter enters/leaves at most one unit")
     enter = np.full(n, H, dtype=np.int64)
     leave = np.full(n, H, dtype=np.int64)
-    enter[r[neg]] = c[neg]
-    leave[r[~neg]] = c[~neg]
+    enter[r[neg]] = csr.indices[neg]
+    pos = ~neg
+    leave[r[pos]] = csr.indices[pos]
     return enter, leave, H
 
 
@@ -63,10 +74,15 @@ def side_counts(enter: np.ndarray, leave: np.ndarray, H: int) -> np.ndarray:
     return np.bincount(enter, minlength=H + 1)[:H] - np.bincount(leave, minlength=H + 1)[:H]
 
 
-def degenerate_units(positive: np.ndarray, enter: np.ndarray, leave: np.ndarray, H: int) -> np.ndarray:
-    """Units with no positive mass on their whole incoming side or whole outgoing side (sorted)."""
-    has_in = np.bincount(enter[positive], minlength=H + 1)[:H] > 0
-    has_out = np.bincount(leave[positive], minlength=H + 1)[:H] > 0
+def degenerate_units(positive: np.ndarray | None, enter: np.ndarray, leave: np.ndarray, H: int) -> np.ndarray:
+    """Units with no positive mass on their whole incoming or whole outgoing side (sorted).
+
+    ``positive`` masks the rows with mass > 0 (None: all of them).
+    """
+    if positive is not None:
+        enter, leave = enter[positive], leave[positive]
+    has_in = np.bincount(enter, minlength=H + 1)[:H] > 0
+    has_out = np.bincount(leave, minlength=H + 1)[:H] > 0
     return np.flatnonzero(~(has_in & has_out))
 
 
@@ -83,34 +99,59 @@ def segment_logsumexp(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
         return top + np.log(np.add.reduceat(np.exp(values - np.repeat(top, lengths)), starts))
 
 
+def stable_order(keys: np.ndarray, bound: int) -> np.ndarray:
+    """``argsort(keys, kind="stable")`` for integer keys in [0, bound]; radix sort when they fit 16 bits."""
+    if bound < 1 << 15:
+        keys = keys.astype(np.int16)
+    return np.argsort(keys, kind="stable")
+
+
 @dataclass(frozen=True)
 class Pairs:
-    """Distinct (entered, left) unit pairs with log P_k = log Σ_{i in k} m_i > -inf."""
+    """Distinct (entered, left) unit pairs, sorted by (enter, leave), with log P_k > -inf."""
 
     log_mass: np.ndarray
     enter: np.ndarray
     leave: np.ndarray
     num_units: int
 
+    def degenerate(self) -> np.ndarray:
+        """Units missing from the entered side or from the left side of every pair."""
+        return degenerate_units(None, self.enter, self.leave, self.num_units)
 
-def group_pairs(m: np.ndarray, enter: np.ndarray, leave: np.ndarray, H: int, frozen=()) -> Pairs:
-    """Group the rows of B with mass m_i > 0 by unit pair; ``frozen`` units count as "no unit".
+    def freeze(self, units) -> "Pairs":
+        """The pairs with ``units`` read as "no unit" (their z fixed at 0), regrouped."""
+        units = np.asarray(units, dtype=np.int64)
+        if units.size == 0:
+            return self
+        H = self.num_units
+        remap = np.arange(H + 1)
+        remap[units] = H
+        key = remap[self.enter] * (H + 1) + remap[self.leave]
+        order = np.argsort(key, kind="stable")
+        sk = key[order]
+        starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
+        keys = sk[starts]
+        return Pairs(segment_logsumexp(self.log_mass[order], starts), keys // (H + 1), keys % (H + 1), H)
+
+
+def group_pairs(m: np.ndarray, enter: np.ndarray, leave: np.ndarray, H: int) -> Pairs:
+    """Group the rows of B with mass m_i > 0 by unit pair.
 
     Sums are linear (one bincount) when the masses span less than ~650 nats,
     and grouped log-sum-exps otherwise, so no mass is lost to underflow.
     """
-    remap = np.arange(H + 1)
-    remap[np.asarray(frozen, dtype=np.int64)] = H
     pos = m > 0
-    mass = m[pos]
-    key = remap[enter[pos]] * (H + 1) + remap[leave[pos]]
-    if mass.size == 0:
+    if not pos.all():
+        m, enter, leave = m[pos], enter[pos], leave[pos]
+    if m.size == 0:
         empty = np.zeros(0, dtype=np.int64)
         return Pairs(np.zeros(0), empty, empty, H)
-    top = mass.max()
-    if mass.min() > top * 1e-282:
-        w = mass / top
-        if (H + 1) ** 2 <= max(4 * mass.size, 1 << 22):
+    key = enter * (H + 1) + leave
+    top = m.max()
+    if m.min() > top * 1e-282:
+        w = m / top
+        if (H + 1) ** 2 <= max(4 * m.size, 1 << 22):
             sums = np.bincount(key, weights=w, minlength=(H + 1) ** 2)
             keys = np.flatnonzero(sums)
             total = sums[keys]
@@ -123,25 +164,28 @@ def group_pairs(m: np.ndarray, enter: np.ndarray, leave: np.ndarray, H: int, fro
         sk = key[order]
         starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
         keys = sk[starts]
-        log_mass = segment_logsumexp(np.log(mass[order]), starts)
+        log_mass = segment_logsumexp(np.log(m[order]), starts)
     return Pairs(log_mass, keys // (H + 1), keys % (H + 1), H)
 
 
-def greedy_coloring(pairs: Pairs, active: np.ndarray) -> np.ndarray:
+def greedy_coloring(pairs: Pairs, active: np.ndarray, by_leave: np.ndarray | None = None) -> np.ndarray:
     """Colour per unit (-1 for inactive ones) such that no pair joins two units of one colour.
 
     Greedy in unit order (smallest colour unused by the neighbours): layered
     networks, whose units are numbered layer by layer, get two colours.
+    ``by_leave`` is ``stable_order(pairs.leave, H)`` if already at hand.
     """
     H = pairs.num_units
-    e, l = pairs.enter, pairs.leave
-    both = (e < H) & (l < H) & active[np.minimum(e, H - 1)] & active[np.minimum(l, H - 1)] & (e != l)
-    e, l = e[both], l[both]
-    adj = sp.csr_array((np.ones(2 * e.size, dtype=np.int32), (np.r_[e, l], np.r_[l, e])), shape=(H, H))
-    indptr, indices = adj.indptr, adj.indices
-    colour = np.full(H, -1, dtype=np.int64)
+    if by_leave is None:
+        by_leave = stable_order(pairs.leave, H)
+    grid = np.arange(H + 2)
+    e_bounds = np.searchsorted(pairs.enter, grid)
+    l_sorted = pairs.leave[by_leave]
+    l_bounds = np.searchsorted(l_sorted, grid)
+    e_of_l = pairs.enter[by_leave]
+    colour = np.full(H + 1, -1, dtype=np.int64)  # colour[H] = -1: "no unit" constrains nothing
     for u in np.flatnonzero(active):
-        nb = colour[indices[indptr[u]:indptr[u + 1]]]
+        nb = np.concatenate((colour[pairs.leave[e_bounds[u]:e_bounds[u + 1]]], colour[e_of_l[l_bounds[u]:l_bounds[u + 1]]]))
         nb = nb[nb >= 0]
         if nb.size == 0:
             colour[u] = 0
@@ -149,7 +193,7 @@ def greedy_coloring(pairs: Pairs, active: np.ndarray) -> np.ndarray:
         used = np.zeros(nb.max() + 2, dtype=bool)
         used[nb] = True
         colour[u] = int(np.argmin(used))
-    return colour
+    return colour[:H]
 
 
 @dataclass(frozen=True)
@@ -179,14 +223,14 @@ class SideSums:
 
 
 def side_sums(row: np.ndarray, col: np.ndarray, log_mass: np.ndarray, num_cols: int) -> SideSums:
-    """Build the SideSums of the given pairs; ``rows`` lists the distinct row ids, in order."""
-    order = np.lexsort((col, row))
-    row, col, log_mass = row[order], col[order], log_mass[order]
-    starts = np.flatnonzero(np.r_[True, row[1:] != row[:-1]]) if row.size else np.zeros(0, dtype=np.int64)
-    rows = row[starts]
-    row_top = np.maximum.reduceat(log_mass, starts) if row.size else np.zeros(0)
+    """The SideSums of pairs given with ``row`` non-decreasing; ``rows`` lists the distinct row ids."""
+    if row.size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return SideSums(empty, sp.csr_array((0, num_cols)), np.zeros(0), np.zeros(0), empty)
+    starts = np.flatnonzero(np.r_[True, row[1:] != row[:-1]])
+    row_top = np.maximum.reduceat(log_mass, starts)
     lengths = np.diff(np.append(starts, row.size))
     data = np.exp(log_mass - np.repeat(row_top, lengths))
-    indptr = np.append(starts, row.size).astype(np.int64)
-    matrix = sp.csr_array((data, col.astype(np.int64), indptr), shape=(rows.size, num_cols))
-    return SideSums(rows, matrix, log_mass, row_top, starts)
+    indptr = np.append(starts, row.size)
+    matrix = sp.csr_array((data, col, indptr), shape=(starts.size, num_cols))
+    return SideSums(row[starts], matrix, log_mass, row_top, starts)

@@ -54,9 +54,18 @@ class Param:
     how: str = ""
 
     def __post_init__(self):
-        value = np.array(self.value, dtype=np.float64, copy=True)
-        value.setflags(write=False)
+        value = self.value
+        if not (isinstance(value, np.ndarray) and value.dtype == np.float64 and not value.flags.writeable):
+            value = np.array(value, dtype=np.float64, copy=True)  # never alias an array someone may write
+            value.setflags(write=False)
         object.__setattr__(self, "value", value)
+
+    @classmethod
+    def adopt(cls, name: str, value: np.ndarray, sources=(), how: str = "") -> "Param":
+        """A Param owning ``value`` (a fresh float64 array nobody else holds): no copy."""
+        value = np.ascontiguousarray(value, dtype=np.float64)
+        value.setflags(write=False)
+        return cls(name, value, tuple(sources), how)
 
     @property
     def shape(self) -> tuple[int, ...]:

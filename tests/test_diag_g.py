@@ -1,0 +1,134 @@
+"""diag G (MATH.md §6) against path enumeration, its rescaling law and its overflow handling."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pathir
+from pathir.diag_g import diag_g, diag_g_flat
+from pathir.errors import PathNormOverflow
+from pathir.ir import Conv, Dense, GraphBuilder, Identity, Pool, Reshape
+from pathir.neurons import expand
+from pathir.passes.find_units import find_units
+from pathir.passes.incidence import ParamLayout, incidence
+from pathir.paths import enumerate_paths
+from pathir.rescale import rescale_graph
+from pathir.testing import mlps, relu_dags, rescalings
+
+BACKENDS = ["numpy", "torch"]
+
+
+def enumerated_diag_g(graph) -> np.ndarray:
+    """g_i = sum over paths p through θ_i of the product of p's other factors, squared (fixed ones too)."""
+    layout = ParamLayout(tuple(graph.params()))
+    net = expand(graph)
+    g = np.zeros(len(layout))
+    for p in enumerate_paths(net):
+        const, free = 1.0, []
+        start = net.nodes[p.start]
+        if not start["is_input"]:
+            free.append((layout.slice(start["bias"][0]).start + start["bias"][1], start["bias"][2]))
+        for u, v, k in p.edges():
+            d = net.edges[u, v, k]
+            if d["param"] is None:
+                const *= d["weight"]
+            else:
+                free.append((layout.slice(d["param"][0]).start + d["param"][1], d["weight"]))
+        for j, (i, _) in enumerate(free):
+            others = [w for jj, (_, w) in enumerate(free) if jj != j]
+            g[i] += (const * math.prod(others)) ** 2
+    return g
+
+
+def _flat(graph, backend):
+    g, log_max = diag_g_flat(graph, backend)
+    return g * math.exp(log_max) if log_max > -math.inf else g
+
+
+def _close(a, b, rtol=1e-10):
+    return np.abs(a - b).max(initial=0) <= rtol * max(np.abs(b).max(initial=0), 1e-300)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=40)
+@given(graph=relu_dags())
+def test_diag_g_equals_enumeration(backend, graph):
+    assert _close(_flat(graph, backend), enumerated_diag_g(graph))
+
+
+@settings(max_examples=20)
+@given(mlps())
+def test_diag_g_equals_enumeration_on_mlps(graph):
+    assert _close(_flat(graph, "numpy"), enumerated_diag_g(graph))
+
+
+def test_diag_g_on_conv_maxpool_skip_and_shared_weights():
+    rng = np.random.default_rng(3)
+    b = GraphBuilder()
+    x = b.input("x", (2, 4, 4))
+    W = b.param("shared", rng.normal(size=(2, 2, 3, 3)))  # read by two convs
+    a = b.relu("a", [(x, Conv(W, (1, 1), ((1, 1), (1, 1)), (1, 1)))], bias=b.param("ba", rng.normal(size=2)))
+    c = b.relu("c", [(a, Conv(W, (1, 1), ((1, 1), (1, 1)), (1, 1))), (a, Identity())], bias=b.param("bc", rng.normal(size=2)))
+    p = b.maxpool("p", c, Pool((2, 2), (2, 2), ((0, 0), (0, 0)), (1, 1)), k=2)
+    avg = b.identity("avg", [(p, Pool((2, 2), (2, 2), ((0, 0), (0, 0)), (1, 1), mult=np.full((1, 1), 0.25)))])
+    y = b.identity("y", [(avg, Reshape((2,)))], bias=b.param("by", rng.normal(size=2)))
+    graph = b.build(outputs=[y])
+    expected = enumerated_diag_g(graph)
+    for backend in BACKENDS:
+        assert _close(_flat(graph, backend), expected)
+    per_source = diag_g(graph, "numpy")
+    assert list(per_source) == ["shared", "ba", "bc", "by"]
+    assert per_source["shared"].shape == (2, 2, 3, 3)
+    assert _close(np.concatenate([v.ravel() for v in per_source.values()]), expected)
+
+
+@settings(max_examples=30)
+@given(st.data())
+def test_diag_g_transforms_as_g_times_exp_bz(data):
+    graph = data.draw(relu_dags())
+    z = data.draw(rescalings(graph))
+    _, units = find_units(graph)
+    B, _ = incidence(graph, units)
+    before = _flat(graph, "numpy")
+    after = _flat(rescale_graph(graph, units, z), "numpy")
+    assert _close(after, before * np.exp(B @ z), rtol=1e-9)
+
+
+def _deep_chain(depth: int, weight: float):
+    b = GraphBuilder("chain")
+    v = b.input("x", (1,))
+    for k in range(depth):
+        v = b.relu(f"h{k}", [(v, Dense(b.param(f"w{k}", [[weight]])))])
+    y = b.identity("y", [(v, Dense(b.param("out", [[weight]])))])
+    return b.build(outputs=[y])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_diag_g_beyond_float64_raises_and_the_flat_form_keeps_its_log(backend):
+    graph = _deep_chain(depth=200, weight=100.0)  # g = 100^(2*200) = 1e800 for every weight
+    with pytest.raises(PathNormOverflow, match="diag G of param 'w0' reaches about 10\\^800"):
+        diag_g(graph, backend)
+    g, log_max = diag_g_flat(graph, backend)
+    assert np.allclose(g, 1.0, rtol=1e-12) and math.isclose(log_max, 400 * math.log(100.0), rel_tol=1e-12)
+
+
+def test_diag_g_flat_is_normalised_by_its_maximum():
+    graph = _deep_chain(depth=3, weight=2.0)
+    g, log_max = diag_g_flat(graph, "numpy")
+    assert g.max() == 1.0 and math.isclose(log_max, math.log(4.0**3), rel_tol=1e-14)
+
+
+def test_compiled_diag_g_reports_under_source_names():
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 2, 3), torch.nn.BatchNorm2d(2), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8, 2)
+    )
+    cm = pathir.compile(net, input_shape=(1, 4, 4))
+    g = cm.diag_g(backend="numpy")
+    assert list(g) == ["0.weight", "1.bias", "4.weight", "4.bias"]
+    assert g["0.weight"].shape == (2, 1, 3, 3) and g["4.weight"].shape == (2, 8)
+    assert _close(np.concatenate([v.ravel() for v in g.values()]), enumerated_diag_g(cm.graph))
