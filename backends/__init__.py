@@ -17,7 +17,7 @@ def available_backends() -> list[str]:
 
 
 def get_backend(name=None, device=None):
-    """A backend by name ("torch", "numpy"), or an already built Backend.
+    """A backend by name ("torch", "numpy", "sympy"), or an already built Backend.
     Default: torch when importable (on ``device``, CPU by default), else numpy."""
     from .base import Backend
 
@@ -33,4 +33,8 @@ def get_backend(name=None, device=None):
         from .torch import TorchBackend
 
         return TorchBackend(device=device)
+    if name == "sympy":  # exact, slow, small graphs: never the default
+        from .sympy import SympyBackend
+
+        return SympyBackend()
     raise ValueError(f"unknown backend '{name}'; available: {available_backends()}")

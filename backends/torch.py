@@ -17,6 +17,7 @@ the frame and crop it back to the input ``[before, before + L)``.
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 
 import numpy as np
@@ -328,12 +329,26 @@ class TorchBackend(Backend):
             return value
 
     def constant(self, array) -> torch.Tensor:
-        """A copy of a numpy array on this backend's device and dtype."""
-        return torch.tensor(np.asarray(array), dtype=self.dtype, device=self.device)
+        """A numpy array on this backend's device and dtype, read-only by contract:
+        float64 arrays on the CPU are shared, not copied (rules never write weights)."""
+        arr = np.asarray(array)
+        if self.device.type == "cpu" and arr.dtype == np.float64 and self.dtype == torch.float64:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # "not writable": we never write it
+                return torch.from_numpy(np.ascontiguousarray(arr))
+        return torch.tensor(arr, dtype=self.dtype, device=self.device)
 
     def param(self, p) -> torch.Tensor:
         """The device tensor of Param ``p`` (converted on first use, then cached)."""
         return self.cached(p, lambda: self.constant(p.value))
+
+    def power_view(self, q: float) -> "TorchBackend":
+        """This backend seeing every weight, bias and fixed constant w as |w|^q
+        (q = 0: every weight and existing bias is 1; a zero fixed entry stays 0).
+
+        With the walks' ``linearize=True`` this is the ``path_view(q)`` pass done
+        lazily on the device, from the already converted tensors."""
+        return _PowerView(self, q)
 
     # ------------------------------------------------------------ array ops
     def asarray(self, value):
@@ -378,10 +393,32 @@ class TorchBackend(Backend):
         return windows.topk(node.k, dim=-1).values[..., -1]
 
     def amax(self, x) -> float:
-        return float(x.abs().max()) if x.numel() else 0.0
+        if not x.numel():
+            return 0.0
+        lo, hi = torch.aminmax(x)  # no |x| temporary
+        return max(float(hi), -float(lo))
 
     def total(self, x) -> float:
         return float(x.sum())
 
     def channel_sum(self, g):
         return g.reshape(g.shape[0], g.shape[1], -1).sum(dim=(0, 2))
+
+
+class _PowerView(TorchBackend):
+    """A TorchBackend whose weights are |w|^q of a base backend's (see power_view)."""
+
+    def __init__(self, base: TorchBackend, q: float):
+        super().__init__(base.device, base.dtype)
+        self.base, self.q = base, float(q)
+
+    def _power(self, t: torch.Tensor, keep_zeros: bool) -> torch.Tensor:
+        if self.q == 0:
+            return (t != 0).to(t.dtype) if keep_zeros else torch.ones_like(t)
+        return t.abs() if self.q == 1 else t.abs().pow(self.q)
+
+    def constant(self, array) -> torch.Tensor:
+        return self._power(self.base.constant(array), keep_zeros=True)
+
+    def param(self, p) -> torch.Tensor:
+        return self.cached(p, lambda: self._power(self.base.param(p), keep_zeros=False))

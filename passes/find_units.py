@@ -212,9 +212,11 @@ def find_units(graph: Graph) -> tuple[Graph, Units]:
         ref_t, ref_s = _entry_channels(*group[0], offsets)
         for use in group[1:]:
             t, s = _entry_channels(*use, offsets)
-            ties_a.append(ref_t), ties_b.append(t)
-            if s is not None:
-                ties_a.append(ref_s), ties_b.append(s)
+            for a, b in ((ref_t, t), (ref_s, s)) if s is not None else ((ref_t, t),):
+                # entry by entry; equal compact shapes pair up without the param's full shape
+                if a.shape != b.shape:
+                    a, b = np.broadcast_to(a, group[0][0].shape), np.broadcast_to(b, group[0][0].shape)
+                ties_a.append(a.ravel()), ties_b.append(b.ravel())
 
     labels = _components(total, ties_a, ties_b)
     n_classes = int(labels.max()) + 1 if total else 0
@@ -254,15 +256,13 @@ def _entry_channels(param, u, v, m, offsets, lookup=None):
     """Global channel ids (or, with ``lookup``, units) of the target and source
     end of every entry of ``param`` read by this use, broadcastable to its shape."""
     if u is None:
-        t = offsets[v.name] + np.arange(v.channels)
-        s = None
+        t, s = offsets[v.name] + np.arange(v.channels), None
     else:
         o, i = m.weight_channels(u.shape)
         t = offsets[v.name] + np.asarray(o, dtype=np.int64)
         s = offsets[u.name] + np.asarray(i, dtype=np.int64)
     if lookup is None:
-        # full arrays: the entries of different uses are paired one to one
-        return np.broadcast_to(t, param.shape).ravel(), None if s is None else np.broadcast_to(s, param.shape).ravel()
+        return t, s
     return lookup[t], None if s is None else lookup[s]
 
 
@@ -287,18 +287,21 @@ def _strip(name: str) -> str:
 
 
 def _names(graph: Graph, members) -> list[str]:
-    """``<layer>:c<k>`` for a unit fed by one node's parameterized edge,
-    ``<node>:c<k>`` for a one-node unit fed by none, ``stream:<prefix>/c<k>``
-    for a class fed by several nodes (a residual stream, a concat)."""
+    """``<layer>:c<k>`` for a unit whose computing nodes (those with a
+    parameterized edge) are all fed by one param first (one layer, or copies of
+    it), ``<node>:c<k>`` for a one-node unit fed by none, ``stream:<prefix>/c<k>``
+    for a class computed by several layers (a residual stream, a concat)."""
+    first_param = {
+        n.name: next((e.map.weight for e in n.edges if e.map.weight is not None), None) for n in graph.nodes
+    }
     out, seen = [], {}
     for mem in members:
         node_names = list(dict.fromkeys(n for n, _ in mem))
-        fed = [n for n in node_names if any(e.map.weight is not None for e in graph.node(n).edges)]
-        if len(fed) == 1:
-            node = graph.node(fed[0])
-            w = next(e.map.weight for e in node.edges if e.map.weight is not None)
+        fed = [n for n in node_names if first_param[n] is not None]
+        layers = {id(first_param[n]) for n in fed}
+        if len(layers) == 1:
             ch = next(c for n, c in mem if n == fed[0])
-            name = f"{_strip(w.name)}:c{ch}"
+            name = f"{_strip(first_param[fed[0]].name)}:c{ch}"
         elif len(node_names) == 1:
             name = f"{node_names[0]}:c{mem[0][1]}"
         else:

@@ -130,18 +130,23 @@ def incidence(graph: Graph, units: Units):
     _check_match(params, units)
     layout = ParamLayout(tuple(params))
     H, n = len(units), len(layout)
-    rows, cols, vals = [], [], []
-    for k, (p, (tgt, src)) in enumerate(zip(params, units.ends)):
-        base = int(layout.offsets[k])
-        t = np.broadcast_to(tgt, p.shape).ravel()
-        s = None if src is None else np.broadcast_to(src, p.shape).ravel()
-        inside = np.zeros(t.shape, bool) if s is None else t == s
-        sel = np.flatnonzero((t >= 0) & ~inside)
-        rows.append(base + sel), cols.append(t[sel]), vals.append(np.full(sel.size, -1.0))
-        if s is not None:
-            sel = np.flatnonzero((s >= 0) & ~inside)
-            rows.append(base + sel), cols.append(s[sel]), vals.append(np.full(sel.size, 1.0))
-    cat = (lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt))
-    B = csr_matrix((cat(vals, np.float64), (cat(rows, np.int64), cat(cols, np.int64))), shape=(n, H))
-    B.sum_duplicates()
+    # CSR built row by row in θ order: per entry, the unit it enters (-1) then the
+    # one it leaves (+1), each where it exists and differs from the other end
+    counts, cols, vals = [], [], []
+    for p, (tgt, src) in zip(params, units.ends):
+        t = np.broadcast_to(tgt, p.shape).reshape(-1)
+        s = np.full(t.shape, -1, dtype=t.dtype) if src is None else np.broadcast_to(src, p.shape).reshape(-1)
+        both = np.stack([t, s], axis=1)
+        keep = (both >= 0) & (t != s)[:, None]
+        counts.append(keep.sum(axis=1, dtype=np.int64))
+        cols.append(both[keep])
+        vals.append(np.broadcast_to(np.array([-1.0, 1.0]), both.shape)[keep])
+    cat = (lambda xs, dt: np.concatenate(xs).astype(dt, copy=False) if xs else np.zeros(0, dt))
+    index_dtype = np.int32 if max(n, H) < 2**31 - 1 else np.int64
+    indptr = np.concatenate([[0], np.cumsum(cat(counts, np.int64))]).astype(np.int64)
+    indices = cat(cols, index_dtype)
+    if indptr[-1] < 2**31 - 1:
+        indptr = indptr.astype(index_dtype)
+    B = csr_matrix((cat(vals, np.float64), indices, indptr), shape=(n, H))
+    B.sort_indices()
     return B, layout

@@ -13,9 +13,20 @@ __version__ = "0.1.0"
 from .api import compile
 from .compiled import Compiled, Summary
 from .ir import Graph, GraphBuilder, verify
+from .path_metric import PathMetric, output_bound, path_metric
 
 __all__ = [
     "compile", "Compiled", "Summary", "Graph", "GraphBuilder", "verify",
     "PathirError", "UnsupportedOperation", "GraphVerificationError", "GraphTooLarge",
     "PathNormOverflow", "BackendError",
+    "path_metric", "output_bound", "PathMetric", "optim",
 ]
+
+
+def __getattr__(name):
+    # pathir.optim needs torch: imported on first use, not with pathir
+    if name == "optim":
+        import importlib
+
+        return importlib.import_module(".optim", __name__)
+    raise AttributeError(f"module 'pathir' has no attribute '{name}'")

@@ -102,9 +102,17 @@ class Compiled:
 
     # ---------------------------------------------------------------- basics
     def _backend(self, backend=None):
+        """The backend to use; named backends are built once per Compiled, so the
+        torch backend's device copies of the params are reused between calls."""
         from pathir.backends import get_backend
 
-        return get_backend(backend if backend is not None else self.backend)
+        choice = backend if backend is not None else self.backend
+        if choice is not None and not isinstance(choice, str):
+            return get_backend(choice)
+        cache = self.__dict__.setdefault("_backends", {})
+        if choice not in cache:
+            cache[choice] = get_backend(choice)
+        return cache[choice]
 
     def forward(self, x, backend=None):
         """The IR's own forward R_theta(x) (float64); x of shape (B, *input shape).
@@ -166,6 +174,24 @@ class Compiled:
         graph = run_passes(self.graph, passes, check=check)
         return Compiled(graph, self.model, self.frontend, self.source_num_params, self.backend, self.name)
 
+    # ---------------------------------------------------------------- ONNX models
+    def _onnx_writer(self, what: str):
+        from .errors import PathirError
+
+        if not (hasattr(self.frontend, "to_onnx") and hasattr(self.frontend, "save")):
+            source = type(self.model).__name__ if self.model is not None else "a Graph"
+            raise PathirError(f"cm.{what}() needs a model compiled from ONNX; this one was compiled from {source}")
+        return self.frontend
+
+    def to_onnx(self):
+        """The ONNX model with every write-back so far (pathcond, enorm, normalize,
+        prune), as a new onnx.ModelProto; the source model or file is untouched."""
+        return self._onnx_writer("to_onnx").to_onnx()
+
+    def save(self, path) -> None:
+        """Write :meth:`to_onnx` to ``path`` (through a temporary file: a failure leaves no file)."""
+        self._onnx_writer("save").save(path)
+
     # ---------------------------------------------------------------- rescaling units
     @property
     def units(self):
@@ -192,6 +218,23 @@ class Compiled:
 
         return diag_g(self.graph, self._backend(backend))
 
+    # ---------------------------------------------------------------- pruning
+    def path_magnitude_scores(self, backend=None) -> dict[str, np.ndarray]:
+        """S_i = Σ_{p ∋ i} |Φ_p(θ)| (MATH.md §4), one backward pass:
+        {source param name: array in the source tensor's layout}."""
+        from .pruning import path_magnitude_scores
+
+        return path_magnitude_scores(self.graph, self._backend(backend))
+
+    def prune(self, amount, criterion: str = "path-magnitude", scope: str = "global",
+              include_biases: bool = False, backend=None):
+        """Zero the ``amount`` (fraction or count) lowest-scoring weights of the
+        model, through the frontend writer, all at once; returns a PruneReport
+        (pruned count, bound Σ S_i, path-norm before/after). See docs/pruning.md."""
+        from .pruning import prune
+
+        return prune(self, amount, criterion, scope, include_biases, backend)
+
     def rescaled(self, z) -> "Compiled":
         """A new Compiled whose graph is rescaled by z (one log-scale per unit:
         θ ← θ ⊙ exp(-Bz/2)). Φ and the function are unchanged; the model is not touched."""
@@ -199,6 +242,26 @@ class Compiled:
 
         graph = rescale_graph(self.graph, self.units, z)
         return Compiled(graph, self.model, self.frontend, self.source_num_params, self.backend, self.name)
+
+    # ---------------------------------------------------------------- symbolic (small graphs)
+    def conservation_laws(self, symbolic: bool = False) -> dict:
+        """H_h = Σ_{in_h} θ_i² − Σ_{out_h} θ_i² for every unit (MATH.md §9):
+        {unit name: value at the graph's θ}; ``symbolic=True``: {unit name:
+        sympy expression in the parameter symbols}. See docs/symbolic.md."""
+        from .symbolic import conservation_law_expressions, conservation_laws
+
+        if symbolic:
+            return conservation_law_expressions(self.graph, self.units)
+        return conservation_laws(self.graph, self.units)
+
+    def verify_symbolic(self, seed: int = 0, max_paths: int | None = None, samples: int = 2):
+        """Exact checks on the neuron-level graph (small graphs only): rescaling
+        invariance, lifting identity, conservation laws, rank DΦ, path-norm pass.
+        Returns a SymbolicReport (``.passed``, ``.checks``). See docs/symbolic.md."""
+        from .symbolic import DEFAULT_MAX_PATHS, verify_symbolic
+
+        limit = DEFAULT_MAX_PATHS if max_paths is None else max_paths
+        return verify_symbolic(self.graph, self.units, seed=seed, max_paths=limit, samples=samples)
 
     def _write_rescaling(self, log_scales) -> None:
         """Write per-channel log-scales ({node: (channels,)}) into the user's model."""

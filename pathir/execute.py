@@ -4,7 +4,7 @@
 - ``path_forward`` / ``path_backward``: the linear walks behind every path
   quantity. They run on a *path graph* (all nodes identity, e.g. the output of
   ``path_view``) and keep each node's tensor as ``(m, L)`` with value
-  ``m * exp(L)`` and max|m| = 1, so that no path sum overflows or underflows
+  ``m * exp(L)`` and 1e-100 <= max|m| <= 1e100, so that no path sum overflows or underflows
   float64 however deep the network (the l1 path-norm of ResNet-50 is ~1e73,
   path counts far beyond 1e308).
 """
@@ -59,8 +59,16 @@ def forward(graph: Graph, backend, inputs, all_nodes: bool = False):
     return acts if all_nodes else {o: acts[o] for o in graph.outputs}
 
 
-def _combine(backend, terms):
-    """Sum of m_t * exp(L_t), rescaled: returns (m, L) with max|m| = 1 (or m = 0, L = 0)."""
+#: mantissas are renormalised only outside this band, so that a walk costs one
+#: max-reduction per node and products of two mantissas (weight-gradients) stay
+#: far from float64's limits
+_LOW, _HIGH = 1e-100, 1e100
+
+
+def _combine(backend, terms, shape=None):
+    """Sum of m_t * exp(L_t) as (m, L) with _LOW <= max|m| <= _HIGH (or m = 0, L = 0).
+
+    Terms may broadcast (a bias is (1, C, 1, ...)); ``shape`` is the full shape."""
     terms = [(m, L) for m, L in terms if L != -math.inf]
     if not terms:
         return None, 0.0
@@ -69,15 +77,21 @@ def _combine(backend, terms):
     for m, L in terms:
         t = m if L == top else m * math.exp(L - top)
         acc = t if acc is None else acc + t
+    if shape is not None and tuple(acc.shape) != tuple(shape):
+        acc = acc + backend.zeros(shape)
     peak = backend.amax(acc)
-    if peak == 0.0 or not math.isfinite(peak):
-        if not math.isfinite(peak):
-            raise PathirError("non-finite value in a path computation (NaN or inf weights?)")
+    if not math.isfinite(peak):
+        raise PathirError("non-finite value in a path computation (NaN or inf weights?)")
+    if peak == 0.0:
         return acc, 0.0
+    if _LOW <= peak <= _HIGH:
+        return acc, top
     return acc / peak, top + math.log(peak)
 
 
-def _require_path_graph(graph: Graph):
+def _require_path_graph(graph: Graph, linearize: bool = False):
+    if linearize:
+        return
     for node in graph.nodes:
         if node.kind not in (NodeKind.INPUT, NodeKind.IDENTITY):
             raise PathirError(
@@ -86,11 +100,14 @@ def _require_path_graph(graph: Graph):
             )
 
 
-def path_forward(graph: Graph, backend, inputs=None):
+def path_forward(graph: Graph, backend, inputs=None, linearize: bool = False):
     """Forward on a path graph with the all-ones input (or ``inputs``: {name: (B,*shape)}).
 
+    With ``linearize`` any graph is walked as its path graph: ReLU nodes as
+    identity, max-pool nodes as the sum of their window (maxpool_to_sum), so a
+    backend's ``power_view(q)`` stands for the ``path_view(q)`` pass.
     Returns {node name: (m, L)}; node value = m * exp(L)."""
-    _require_path_graph(graph)
+    _require_path_graph(graph, linearize)
     acts = {}
     for node in graph.nodes:
         if node.kind is NodeKind.INPUT:
@@ -104,10 +121,8 @@ def path_forward(graph: Graph, backend, inputs=None):
                 if m is not None:
                     terms.append((backend.apply(e.map, m, graph.node(e.source).shape), L))
             if node.bias is not None:
-                b = backend.bias(node, len(node.shape) + 1)
-                ones = backend.ones((1, *node.shape))
-                terms.append((ones * b, 0.0))
-            acts[node.name] = _combine(backend, terms)
+                terms.append((backend.bias(node, len(node.shape) + 1), 0.0))
+            acts[node.name] = _combine(backend, terms, (1, *node.shape))
         except PathirError:
             raise
         except Exception as err:
@@ -133,7 +148,7 @@ def log_total(backend, acts, names) -> float:
     return top + math.log(sum(math.exp(p - top) for p in parts))
 
 
-def path_backward(graph: Graph, backend, acts, seeds=None):
+def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = False):
     """Reverse walk on a path graph: d(sum of outputs)/d(everything).
 
     ``acts`` from :func:`path_forward`. Returns (node_grads, param_grads):
@@ -141,8 +156,9 @@ def path_backward(graph: Graph, backend, acts, seeds=None):
     i.e. B(v) of MATH.md §3: the sum over paths from v to an output of the
     product of weights; param_grads[id(param)] = (array, log-scale) with the
     weight-gradient (sum over paths through the parameter of the other factors).
+    ``linearize`` as in :func:`path_forward`.
     """
-    _require_path_graph(graph)
+    _require_path_graph(graph, linearize)
     grads: dict[str, tuple] = {}
     pending: dict[str, list] = {n.name: [] for n in graph.nodes}
     for o in graph.outputs:

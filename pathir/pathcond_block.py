@@ -29,58 +29,16 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
 from .pathcond_objective import PathCondResult, _as_g, finish, log_positive_root
 from .unit_pairs import (
-    Pairs, SideSums, degenerate_units, greedy_coloring, group_pairs, pad, row_units, side_counts, side_sums,
+    all_pairs, blocks_of, canonical, column_balance, greedy_coloring, group_pairs, log_pair_total, pad, row_keys,
+    stable_order,
 )
 
-__all__ = ["solve_block", "Block", "blocks_of"]
-
-
-@dataclass(frozen=True)
-class Block:
-    """One independent set of units and the pair sums its update reads.
-
-    ``outgoing(f)[j]`` = log Σ_{pairs leaving units[j]} P_k e^{f[other end]},
-    ``incoming(f)[j]`` likewise over the pairs entering units[j]; ``rest`` holds
-    the pairs touching no unit of the block, rows = left unit, cols = entered unit.
-    """
-
-    units: np.ndarray
-    outgoing: SideSums
-    incoming: SideSums
-    rest: SideSums
-
-    def rest_log(self, z_padded: np.ndarray) -> float:
-        """log Σ_{rest pairs} P_k e^{z_leave - z_enter}."""
-        return _log_total(self.rest, z_padded)
-
-
-def blocks_of(pairs: Pairs, colour: np.ndarray) -> list[Block]:
-    """The Blocks of a colouring (``colour[h] = -1``: unit not updated)."""
-    H = pairs.num_units
-    colour_pad = np.append(colour, -1)
-    local = np.full(H + 1, -1, dtype=np.int64)
-    e_col, l_col = colour_pad[pairs.enter], colour_pad[pairs.leave]
-    blocks = []
-    for c in range(int(colour.max(initial=-1)) + 1):
-        units = np.flatnonzero(colour == c)
-        local[:] = -1
-        local[units] = np.arange(units.size)
-        out_k, in_k = l_col == c, e_col == c
-        rest_k = ~(out_k | in_k)
-        outgoing = side_sums(local[pairs.leave[out_k]], pairs.enter[out_k], pairs.log_mass[out_k], H + 1)
-        incoming = side_sums(local[pairs.enter[in_k]], pairs.leave[in_k], pairs.log_mass[in_k], H + 1)
-        rest = side_sums(pairs.leave[rest_k], pairs.enter[rest_k], pairs.log_mass[rest_k], H + 1)
-        for side in (outgoing, incoming):
-            if side.rows.size != units.size:
-                raise ValueError(f"colour {c}: a unit has no mass on one side (it should have been found degenerate)")
-        blocks.append(Block(units, outgoing, incoming, rest))
-    return blocks
+__all__ = ["solve_block"]
 
 
 def _solve_s(log_b, log_c, log_d, a, log_s_prev):
@@ -93,7 +51,8 @@ def _solve_s(log_b, log_c, log_d, a, log_s_prev):
 
     def psi(s):
         r = np.sqrt(a2 * s * s + c)
-        return d + float(r.sum()) - s, float((a2 * s / r).sum()) - 1.0
+        slope = np.divide(a2 * s, r, out=np.zeros_like(r), where=r > 0)  # r = 0 only where a = c = 0
+        return d + float(r.sum()) - s, float(slope.sum()) - 1.0
 
     floor = d + float(np.sqrt(c).sum())
     s = math.exp(min(log_s_prev - shift, 700.0))
@@ -107,15 +66,6 @@ def _solve_s(log_b, log_c, log_d, a, log_s_prev):
             break
         s += step
     return shift + math.log(s)
-
-
-def _log_total(sums: SideSums, z_padded: np.ndarray) -> float:
-    """log Σ_k P_k e^{z_leave - z_enter} over the pairs of ``sums`` (rows = left unit, cols = entered unit)."""
-    if sums.rows.size == 0:
-        return -math.inf
-    v = sums(-z_padded) + z_padded[sums.rows]
-    top = float(v.max())
-    return top + math.log(float(np.exp(v - top).sum()))
 
 
 def solve_block(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, anderson: int = 5) -> PathCondResult:
@@ -148,38 +98,53 @@ def solve_block(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, anderson: i
     10.8322 -> 9.2103
     """
     start = time.perf_counter()
-    enter, leave, H = row_units(B)
-    n = enter.size
+    B = canonical(B)
+    key, H = row_keys(B)
+    n = key.size
     g = _as_g(g, n)
-    A = side_counts(enter, leave, H).astype(np.float64)
-    degenerate = degenerate_units(g > 0, enter, leave, H)
+    A = column_balance(B).astype(np.float64)
+    pairs = group_pairs(g, key, H)
+    degenerate = pairs.degenerate()
+    pairs = pairs.freeze(degenerate)
     live = np.ones(H, dtype=bool)
     live[degenerate] = False
-    pairs = group_pairs(g, enter, leave, H, frozen=degenerate)
+    by_leave = stable_order(pairs.leave, H)
     colour = greedy_coloring(pairs, live)
-    blocks = blocks_of(pairs, colour)
+    blocks = blocks_of(pairs, colour, by_leave)
     abs_a = [np.abs(A[b.units]) / n for b in blocks]
 
-    everything = side_sums(pairs.leave, pairs.enter, pairs.log_mass, H + 1)
+    def sums(blk, z):
+        zp = pad(z)
+        return blk.outgoing(-zp), blk.incoming(zp), blk.rest_log(zp)
 
-    def sweep(z, log_s):
+    def log_total(z, first):
+        """log S at z, from the first block's sums ``first`` = (log B_h, log C_h, log D) at z."""
+        if not blocks:
+            return log_pair_total(all_pairs(pairs, by_leave), pad(z))
+        log_b, log_c, log_d = first
+        zu = z[blocks[0].units]
+        terms = np.concatenate((log_b + zu, log_c - zu, [log_d]))
+        top = float(terms.max())
+        return top + math.log(float(np.exp(terms - top).sum()))
+
+    def sweep(z, log_s, first):
         z = z.copy()
-        for blk, a in zip(blocks, abs_a):
-            zp = pad(z)
-            log_b, log_c = blk.outgoing(-zp), blk.incoming(zp)
-            log_s = _solve_s(log_b, log_c, blk.rest_log(zp), a, log_s)
+        for i, (blk, a) in enumerate(zip(blocks, abs_a)):
+            log_b, log_c, log_d = first if i == 0 else sums(blk, z)
+            log_s = _solve_s(log_b, log_c, log_d, a, log_s)
             half = 0.5 * (log_b + log_c)
             z[blk.units] = 0.5 * (log_c - log_b) + log_positive_root(A[blk.units], log_s - half, n, n)
         return z, log_s
 
     z = np.zeros(H)
-    log_s = _log_total(everything, pad(z))
+    first = sums(blocks[0], z) if blocks else None
+    log_s = log_total(z, first)
     f = n * log_s
     history, times = [f], [time.perf_counter() - start]
     d_res, d_img, last = [], [], None
     converged, sweeps, accepted = False, 0, 0
     for sweeps in range(1, max_sweeps + 1):
-        image, log_s_image = sweep(z, log_s)
+        image, log_s_image = sweep(z, log_s, first)
         f_image = n * log_s_image + float(A @ image)
         res = image - z
         if anderson and last is not None:
@@ -187,19 +152,22 @@ def solve_block(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, anderson: i
             d_img.append(image - last[1])
             del d_res[:-anderson], d_img[:-anderson]
         last = (res, image)
-        new, log_s_new, f_new = image, log_s_image, f_image
+        new, log_s_new, f_new, first = image, log_s_image, f_image, None
         if d_res:
             # Anderson (type II): the image combination whose residual is smallest,
             # kept only if it beats the plain sweep, so F still decreases monotonically
             gamma = np.linalg.lstsq(np.column_stack(d_res), res, rcond=1e-12)[0]
             trial = image - np.column_stack(d_img) @ gamma
-            log_s_trial = _log_total(everything, pad(trial))
+            first_trial = sums(blocks[0], trial)
+            log_s_trial = log_total(trial, first_trial)
             f_trial = n * log_s_trial + float(A @ trial)
             if f_trial < f_image:
-                new, log_s_new, f_new = trial, log_s_trial, f_trial
+                new, log_s_new, f_new, first = trial, log_s_trial, f_trial, first_trial
                 accepted += 1
             else:
                 d_res.clear(), d_img.clear()
+        if first is None and blocks:
+            first = sums(blocks[0], new)
         step = float(np.max(np.abs(new - z), initial=0.0))
         z, log_s = new, log_s_new
         history.append(f_new)
@@ -208,6 +176,6 @@ def solve_block(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, anderson: i
             converged = True
             break
         f = f_new
-    return finish(g, B, z, method="block", sweeps=sweeps, converged=converged, degenerate=degenerate,
+    return finish(g, B, A, z, method="block", sweeps=sweeps, converged=converged, degenerate=degenerate,
                   start=start, history=history, times=times,
                   extra={"colours": len(blocks), "pairs": int(pairs.log_mass.size), "anderson_steps": accepted})

@@ -6,11 +6,15 @@ is the positive root of
 
     (n + A_h) B_h x² + A_h D_h x + (A_h - n) C_h = 0.
 
-As in the paper, the current vector g ⊙ e^{Bz} and its total S are kept and
+As in the paper, the vector w = g ⊙ e^{Bz} and its total S are kept and
 updated incrementally: a unit touches only its own rows, so a sweep costs
-O(nnz(B)), and D_h = S - (B_h x + C_h / x). S is recomputed exactly after
-every sweep. The vector is kept as its log, so g may span any range;
-x = sqrt(C_h / B_h) y is solved for y, which stays of order one.
+O(nnz(B)), and D_h = S - (B_h x + C_h / x). After every sweep w is divided by
+its max and S recomputed exactly. The root is taken as x = sqrt(C_h / B_h) y
+(`log_positive_root`), so y stays of order one.
+
+When w would leave the float64 range (g spanning more than ~600 nats, or a
+sweep that under/overflows) the solver keeps log w instead: same algorithm,
+exact for any range, about 2.5x slower per sweep.
 """
 
 from __future__ import annotations
@@ -21,15 +25,11 @@ import time
 import numpy as np
 
 from .pathcond_objective import PathCondResult, _as_g, _log, _logsumexp, finish
-from .unit_pairs import degenerate_units, row_units, side_counts
+from .unit_pairs import canonical, column_balance
 
 __all__ = ["solve_coordinate"]
 
-
-def _rows_by_unit(unit: np.ndarray, H: int) -> list[np.ndarray]:
-    order = np.argsort(unit, kind="stable")
-    bounds = np.searchsorted(unit[order], np.arange(H + 1))
-    return [order[bounds[h]:bounds[h + 1]] for h in range(H)]
+_SAFE = 1e-280  # linear-domain entries must stay within [_SAFE, 1 / _SAFE] of the max
 
 
 def _log_root(a: int, log_r: float, n: int) -> float:
@@ -55,7 +55,44 @@ def _lse(v: np.ndarray) -> float:
     return top + math.log(float(np.exp(v - top).sum()))
 
 
-def solve_coordinate(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10) -> PathCondResult:
+def _sweep_linear(w: np.ndarray, s: float, z: np.ndarray, units, n: int) -> float:
+    """One sweep on w = g e^{Bz} / scale (in place); returns the running S."""
+    for h, rin, rout, a in units:
+        wi, wo = w[rin], w[rout]
+        si, so = float(wi.sum()), float(wo.sum())
+        zh = z[h]
+        log_b, log_c = math.log(so) - zh, math.log(si) + zh
+        d = s - si - so
+        log_d = math.log(d) if d > 0 else -math.inf
+        new = 0.5 * (log_c - log_b) + _log_root(a, log_d - 0.5 * (log_b + log_c), n)
+        ratio = math.exp(new - zh)
+        w[rout] = wo * ratio
+        w[rin] = wi / ratio
+        z[h] = new
+        s = max(d, 0.0) + so * ratio + si / ratio
+    return s
+
+
+def _sweep_log(ell: np.ndarray, log_s: float, z: np.ndarray, units, n: int) -> float:
+    """One sweep on ell = log(g e^{Bz}) (in place); returns the running log S."""
+    for h, rin, rout, a in units:
+        li, lo = ell[rin], ell[rout]
+        l_in, l_out = _lse(li), _lse(lo)
+        zh = z[h]
+        log_b, log_c = l_out - zh, l_in + zh
+        frac = math.exp(_logaddexp(l_in, l_out) - log_s)
+        log_d = log_s + math.log1p(-frac) if frac < 1.0 else -math.inf
+        new = 0.5 * (log_c - log_b) + _log_root(a, log_d - 0.5 * (log_b + log_c), n)
+        step = new - zh
+        ell[rout] = lo + step
+        ell[rin] = li - step
+        z[h] = new
+        log_s = _logaddexp(log_d, _logaddexp(log_b + new, log_c - new))
+    return log_s
+
+
+def solve_coordinate(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10,
+                     log_domain: bool | None = None) -> PathCondResult:
     """Minimise F by cyclic coordinate descent over the units (the reference solver).
 
     Parameters
@@ -64,10 +101,11 @@ def solve_coordinate(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10) -> Pat
     B : (n, H) sparse matrix with entries in {-1, 0, +1}, at most one of each sign per row.
     max_sweeps : sweeps over all units at most.
     tol : stop when a sweep changes F by at most ``tol * max(1, |F|)`` or moves no z_h by more than ``tol``.
+    log_domain : keep log w rather than w; None chooses from the spread of g (and switches when needed).
 
     Returns
     -------
-    PathCondResult (``method == "coordinate"``).
+    PathCondResult (``method == "coordinate"``; ``extra["log_domain"]``: whether it ended on log w).
 
     Examples
     --------
@@ -78,44 +116,61 @@ def solve_coordinate(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10) -> Pat
     (True, 2)
     """
     start = time.perf_counter()
-    enter, leave, H = row_units(B)
-    n = enter.size
+    B = canonical(B)
+    n, H = B.shape
     g = _as_g(g, n)
-    A = side_counts(enter, leave, H)
-    degenerate = degenerate_units(g > 0, enter, leave, H)
-    live = np.ones(H, dtype=bool)
-    live[degenerate] = False
-    ins, outs = _rows_by_unit(enter, H), _rows_by_unit(leave, H)
-    units = [(h, ins[h], outs[h], int(A[h])) for h in np.flatnonzero(live)]
+    A = column_balance(B)
+    csc = B.tocsc()
+    units, degenerate = [], []
+    for h in range(H):
+        rows, sign = csc.indices[csc.indptr[h]:csc.indptr[h + 1]], csc.data[csc.indptr[h]:csc.indptr[h + 1]]
+        rin, rout = rows[sign < 0], rows[sign > 0]
+        if g[rin].any() and g[rout].any():
+            units.append((h, rin, rout, int(A[h])))
+        else:
+            degenerate.append(h)
+    positive = g > 0
+    all_positive = bool(positive.all())
 
-    ell = _log(g)
     z = np.zeros(H)
-    log_s = _logsumexp(ell)
-    history, times = [n * log_s], [time.perf_counter() - start]
+    top = float(g.max(initial=0.0))
+    if log_domain is None:
+        log_domain = not (top > 0 and float(g[positive].min()) > top * 1e-260)
+    log_domain = bool(log_domain) or top == 0
+    if log_domain:
+        ell = _log(g)
+        log_s = _logsumexp(ell)
+        f = n * log_s
+    else:
+        w = g / top
+        scale, s = math.log(top), float(w.sum())
+        f = n * (scale + math.log(s))
+    history, times = [f], [time.perf_counter() - start]
     converged, sweeps = False, 0
     for sweeps in range(1, max_sweeps + 1):
         z_before = z.copy()
-        for h, rin, rout, a in units:
-            li, lo = ell[rin], ell[rout]
-            l_in, l_out = _lse(li), _lse(lo)
-            zh = z[h]
-            log_b, log_c = l_out - zh, l_in + zh
-            l_unit = _logaddexp(l_in, l_out)
-            frac = math.exp(l_unit - log_s)
-            log_d = log_s + math.log1p(-frac) if frac < 1.0 else -math.inf
-            half = 0.5 * (log_b + log_c)
-            new = 0.5 * (log_c - log_b) + _log_root(a, log_d - half, n)
-            step = new - zh
-            ell[rout] = lo + step
-            ell[rin] = li - step
-            z[h] = new
-            log_s = _logaddexp(log_d, _logaddexp(log_b + new, log_c - new))
-        log_s = _logsumexp(ell)
-        f = n * log_s + float(A @ z)
-        history.append(f)
+        if not log_domain:
+            _sweep_linear(w, s, z, units, n)
+            big = float(w.max())
+            small = float(w.min() if all_positive else w[positive].min())
+            if math.isfinite(big) and big > 0 and small > big * _SAFE and big < 1 / _SAFE:
+                w /= big
+                scale, s = scale + math.log(big), float(w.sum())
+                f_new = n * (scale + math.log(s)) + float(A @ z)
+            else:  # the range outgrew float64: redo this sweep on log w
+                log_domain, z = True, z_before.copy()
+                ell = _log(g) + B @ z
+                log_s = _logsumexp(ell)
+        if log_domain:
+            _sweep_log(ell, log_s, z, units, n)
+            log_s = _logsumexp(ell)
+            f_new = n * log_s + float(A @ z)
+        history.append(f_new)
         times.append(time.perf_counter() - start)
-        if abs(history[-2] - f) <= tol * max(1.0, abs(f)) or np.max(np.abs(z - z_before), initial=0.0) <= tol:
+        if abs(f - f_new) <= tol * max(1.0, abs(f_new)) or np.max(np.abs(z - z_before), initial=0.0) <= tol:
             converged = True
             break
-    return finish(g, enter, leave, A, z, method="coordinate", sweeps=sweeps, converged=converged, degenerate=degenerate,
-                  start=start, history=history, times=times)
+        f = f_new
+    return finish(g, B, A, z, method="coordinate", sweeps=sweeps, converged=converged,
+                  degenerate=np.asarray(degenerate, dtype=np.int64), start=start, history=history, times=times,
+                  extra={"log_domain": log_domain})

@@ -153,27 +153,24 @@ class PathCondResult:
         }
 
 
-def finish(g: np.ndarray, enter: np.ndarray, leave: np.ndarray, A: np.ndarray, z: np.ndarray, *, method: str,
-           sweeps: int, converged: bool, degenerate: np.ndarray, start: float, history: list, times: list,
+def finish(g: np.ndarray, B: sp.csr_array, A: np.ndarray, z: np.ndarray, *, method: str, sweeps: int,
+           converged: bool, degenerate: np.ndarray, start: float, history: list, times: list,
            extra=None) -> PathCondResult:
     """Assemble a result; F(0), F(z), the gradient and the spreads are recomputed from the rows of (g, B).
 
-    ``enter``/``leave``/``A`` are `unit_pairs.row_units` and `unit_pairs.side_counts` of B.
+    ``A`` is ``-Bᵀ1`` (`unit_pairs.column_balance`).
     """
     n, H = g.size, z.size
     log_g = _log(g)
-    zp = np.append(z, 0.0)
-    ell = log_g + (zp[leave] - zp[enter])
+    ell = log_g + B @ z
     f0 = n * _logsumexp(log_g)
     top = float(ell.max())
     e = np.exp(ell - top)
     total = float(e.sum())
     f1 = n * (top + math.log(total)) + float(A @ z)
     p = e / total
-    out_mass = np.bincount(leave, weights=p, minlength=H + 1)[:H]
-    in_mass = np.bincount(enter, weights=p, minlength=H + 1)[:H]
-    grad = n * (out_mass - in_mass) + A
-    scale = n * (out_mass + in_mass) + np.abs(A)
+    grad = n * (B.T @ p) + A
+    scale = n * (abs(B).T @ p) + np.abs(A)
     live = np.ones(H, dtype=bool)
     live[degenerate] = False
     with np.errstate(invalid="ignore", divide="ignore"):

@@ -24,13 +24,47 @@ import numpy as np
 import scipy.sparse as sp
 
 __all__ = [
-    "row_units", "side_counts", "degenerate_units", "pad", "Pairs", "group_pairs",
-    "greedy_coloring", "segment_logsumexp", "stable_order", "SideSums", "side_sums",
+    "canonical", "row_keys", "row_units", "column_balance", "side_counts", "degenerate_units", "pad", "Pairs", "group_pairs",
+    "greedy_coloring", "segment_logsumexp", "stable_order", "SideSums", "side_sums", "log_pair_total",
+    "all_pairs", "Block", "blocks_of",
 ]
 
 # A linear-domain sum below this (relative to its static bound 1) may have lost
 # terms to underflow: recompute it in log-space.
 _TINY = 1e-280
+
+
+def canonical(B) -> sp.csr_array:
+    """B as a canonical CSR array, checked: non-zeros are ±1, at most one of each sign per row."""
+    csr = sp.csr_array(B)
+    if not csr.has_canonical_format:
+        csr = csr.copy()
+        csr.sum_duplicates()
+    if not np.all(np.abs(csr.data) == 1):
+        csr = csr.copy()
+        csr.eliminate_zeros()
+        if not np.all(np.abs(csr.data) == 1):
+            raise ValueError("B may hold only -1, 0 and +1")
+    counts = np.diff(csr.indptr)
+    if counts.max(initial=0) > 2:
+        raise ValueError(f"row {int(np.argmax(counts))} of B has more than two non-zeros")
+    v = csr.data
+    first = csr.indptr[:-1][counts == 2]
+    same = np.flatnonzero(v[first] == v[first + 1])
+    if same.size:
+        row = int(np.flatnonzero(counts == 2)[same[0]])
+        raise ValueError(f"row {row} of B has two {v[first[same[0]]]:+g} entries: a parameter enters/leaves at most one unit")
+    return csr
+
+
+def row_keys(B) -> tuple[np.ndarray, int]:
+    """``(key, H)`` with key_i = e(i) (H + 1) + l(i) (e, l = H for "no unit"), B checked by `canonical`."""
+    csr = canonical(B)
+    n, H = csr.shape
+    # one mat-vec: a -1 at column j adds (j - H)(H + 1) to the "no unit" key H(H + 1) + H, a +1 adds j - H
+    weight = np.where(csr.data < 0, float(H + 1), 1.0)
+    shift = sp.csr_array((weight, csr.indices, csr.indptr), shape=csr.shape) @ np.arange(-H, 0, dtype=np.float64)
+    return (shift + float(H * (H + 1) + H)).astype(np.int64), H
 
 
 def row_units(B) -> tuple[np.ndarray, np.ndarray, int]:
@@ -39,34 +73,15 @@ def row_units(B) -> tuple[np.ndarray, np.ndarray, int]:
     Raises ValueError unless every non-zero of B is ±1 and no row has two
     entries of one sign.
     """
-    csr = sp.csr_array(B)
-    if not csr.has_canonical_format:
-        csr = csr.copy()
-        csr.sum_duplicates()
-    n, H = csr.shape
-    v = csr.data
-    if not np.all(np.abs(v) == 1):
-        csr = csr.copy()
-        csr.eliminate_zeros()
-        v = csr.data
-        if not np.all(np.abs(v) == 1):
-            raise ValueError("B may hold only -1, 0 and +1")
-    counts = np.diff(csr.indptr)
-    if counts.max(initial=0) > 2:
-        raise ValueError(f"row {int(np.argmax(counts))} of B has more than two non-zeros")
-    first = csr.indptr[:-1][counts == 2]
-    same = np.flatnonzero(v[first] == v[first + 1])
-    if same.size:
-        row = int(np.flatnonzero(counts == 2)[same[0]])
-        raise ValueError(f"row {row} of B has two {v[first[same[0]]]:+g} entries: a parameter enters/leaves at most one unit")
-    r = np.repeat(np.arange(n), counts)
-    neg = v < 0
-    enter = np.full(n, H, dtype=np.int64)
-    leave = np.full(n, H, dtype=np.int64)
-    enter[r[neg]] = csr.indices[neg]
-    pos = ~neg
-    leave[r[pos]] = csr.indices[pos]
+    key, H = row_keys(B)
+    enter, leave = np.divmod(key, H + 1)
     return enter, leave, H
+
+
+def column_balance(B) -> np.ndarray:
+    """A_h = |in_h| - |out_h| = -(Bᵀ1)_h straight from B."""
+    B = sp.csr_array(B)
+    return -np.rint(B.T @ np.ones(B.shape[0])).astype(np.int64)
 
 
 def side_counts(enter: np.ndarray, leave: np.ndarray, H: int) -> np.ndarray:
@@ -135,19 +150,18 @@ class Pairs:
         return Pairs(segment_logsumexp(self.log_mass[order], starts), keys // (H + 1), keys % (H + 1), H)
 
 
-def group_pairs(m: np.ndarray, enter: np.ndarray, leave: np.ndarray, H: int) -> Pairs:
-    """Group the rows of B with mass m_i > 0 by unit pair.
+def group_pairs(m: np.ndarray, key: np.ndarray, H: int) -> Pairs:
+    """Group the rows with mass m_i > 0 by unit pair (``key`` from `row_keys`).
 
     Sums are linear (one bincount) when the masses span less than ~650 nats,
     and grouped log-sum-exps otherwise, so no mass is lost to underflow.
     """
     pos = m > 0
     if not pos.all():
-        m, enter, leave = m[pos], enter[pos], leave[pos]
+        m, key = m[pos], key[pos]
     if m.size == 0:
         empty = np.zeros(0, dtype=np.int64)
         return Pairs(np.zeros(0), empty, empty, H)
-    key = enter * (H + 1) + leave
     top = m.max()
     if m.min() > top * 1e-282:
         w = m / top
@@ -165,35 +179,35 @@ def group_pairs(m: np.ndarray, enter: np.ndarray, leave: np.ndarray, H: int) -> 
         starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
         keys = sk[starts]
         log_mass = segment_logsumexp(np.log(m[order]), starts)
-    return Pairs(log_mass, keys // (H + 1), keys % (H + 1), H)
+    enter, leave = np.divmod(keys, H + 1)
+    return Pairs(log_mass, enter, leave, H)
 
 
-def greedy_coloring(pairs: Pairs, active: np.ndarray, by_leave: np.ndarray | None = None) -> np.ndarray:
-    """Colour per unit (-1 for inactive ones) such that no pair joins two units of one colour.
+def greedy_coloring(pairs: Pairs, active: np.ndarray) -> np.ndarray:
+    """Colour per unit (-1 for inactive ones) such that no pair joins two active units of one colour.
 
-    Greedy in unit order (smallest colour unused by the neighbours): layered
-    networks, whose units are numbered layer by layer, get two colours.
-    ``by_leave`` is ``stable_order(pairs.leave, H)`` if already at hand.
+    Greedy in unit order (smallest colour unused by the lower-numbered
+    neighbours): layered networks, whose units are numbered layer by layer,
+    get two colours.
     """
     H = pairs.num_units
-    if by_leave is None:
-        by_leave = stable_order(pairs.leave, H)
-    grid = np.arange(H + 2)
-    e_bounds = np.searchsorted(pairs.enter, grid)
-    l_sorted = pairs.leave[by_leave]
-    l_bounds = np.searchsorted(l_sorted, grid)
-    e_of_l = pairs.enter[by_leave]
-    colour = np.full(H + 1, -1, dtype=np.int64)  # colour[H] = -1: "no unit" constrains nothing
+    e, l = pairs.enter, pairs.leave
+    keep = (e < H) & (l < H)
+    e, l = e[keep], l[keep]
+    keep = active[e] & active[l] & (e != l)
+    hi, lo = np.maximum(e, l)[keep], np.minimum(e, l)[keep]
+    order = stable_order(hi, H)
+    lo = lo[order]
+    bounds = np.searchsorted(hi[order], np.arange(H + 1))
+    colour = np.full(H, -1, dtype=np.int64)
     for u in np.flatnonzero(active):
-        nb = np.concatenate((colour[pairs.leave[e_bounds[u]:e_bounds[u + 1]]], colour[e_of_l[l_bounds[u]:l_bounds[u + 1]]]))
-        nb = nb[nb >= 0]
-        if nb.size == 0:
+        below = colour[lo[bounds[u]:bounds[u + 1]]]
+        if below.size == 0:
             colour[u] = 0
             continue
-        used = np.zeros(nb.max() + 2, dtype=bool)
-        used[nb] = True
-        colour[u] = int(np.argmin(used))
-    return colour[:H]
+        free = np.flatnonzero(np.bincount(below) == 0)
+        colour[u] = int(free[0]) if free.size else int(below.max()) + 1
+    return colour
 
 
 @dataclass(frozen=True)
@@ -234,3 +248,60 @@ def side_sums(row: np.ndarray, col: np.ndarray, log_mass: np.ndarray, num_cols: 
     indptr = np.append(starts, row.size)
     matrix = sp.csr_array((data, col, indptr), shape=(starts.size, num_cols))
     return SideSums(row[starts], matrix, log_mass, row_top, starts)
+
+
+def all_pairs(pairs: Pairs, by_leave: np.ndarray) -> SideSums:
+    """Every pair as one SideSums (rows = left unit, cols = entered unit), for `log_pair_total`."""
+    return side_sums(pairs.leave[by_leave], pairs.enter[by_leave], pairs.log_mass[by_leave], pairs.num_units + 1)
+
+
+def log_pair_total(sums: SideSums, z_padded: np.ndarray) -> float:
+    """log Σ_k P_k e^{z_leave - z_enter} over the pairs of ``sums`` (rows = left unit, cols = entered unit)."""
+    if sums.rows.size == 0:
+        return -math.inf
+    v = sums(-z_padded) + z_padded[sums.rows]
+    top = float(v.max())
+    return top + math.log(float(np.exp(v - top).sum()))
+
+
+@dataclass(frozen=True)
+class Block:
+    """One independent set of units and the pair sums its update reads.
+
+    ``outgoing(f)[j]`` = log Σ_{pairs leaving units[j]} P_k e^{f[other end]},
+    ``incoming(f)[j]`` likewise over the pairs entering units[j]; ``rest`` holds
+    the pairs touching no unit of the block, rows = left unit, cols = entered unit.
+    """
+
+    units: np.ndarray
+    outgoing: SideSums
+    incoming: SideSums
+    rest: SideSums
+
+    def rest_log(self, z_padded: np.ndarray) -> float:
+        """log Σ_{rest pairs} P_k e^{z_leave - z_enter}."""
+        return log_pair_total(self.rest, z_padded)
+
+
+def blocks_of(pairs: Pairs, colour: np.ndarray, by_leave: np.ndarray) -> list[Block]:
+    """The Blocks of a colouring (``colour[h] = -1``: unit not updated); ``by_leave`` orders the pairs by left unit."""
+    H = pairs.num_units
+    colour_pad = np.append(colour, -1)
+    local = np.full(H + 1, -1, dtype=np.int64)
+    e_col, l_col = colour_pad[pairs.enter], colour_pad[pairs.leave]
+    blocks = []
+    for c in range(int(colour.max(initial=-1)) + 1):
+        units = np.flatnonzero(colour == c)
+        local[:] = -1
+        local[units] = np.arange(units.size)
+        out_k = by_leave[l_col[by_leave] == c]
+        in_k = np.flatnonzero(e_col == c)
+        rest_k = by_leave[(l_col[by_leave] != c) & (e_col[by_leave] != c)]
+        outgoing = side_sums(local[pairs.leave[out_k]], pairs.enter[out_k], pairs.log_mass[out_k], H + 1)
+        incoming = side_sums(local[pairs.enter[in_k]], pairs.leave[in_k], pairs.log_mass[in_k], H + 1)
+        rest = side_sums(pairs.leave[rest_k], pairs.enter[rest_k], pairs.log_mass[rest_k], H + 1)
+        for side in (outgoing, incoming):
+            if side.rows.size != units.size:
+                raise ValueError(f"colour {c}: a unit has no mass on one side (it should have been found degenerate)")
+        blocks.append(Block(units, outgoing, incoming, rest))
+    return blocks

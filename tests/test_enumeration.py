@@ -168,7 +168,18 @@ def test_enumeration_refuses_too_many_paths():
     graph = b.build(outputs=[prev])
     with pytest.raises(pathir.GraphTooLarge, match=r"810,000 paths, above the limit max_paths=200,000"):
         enumerate_num_paths(graph)
-    assert enumerate_num_paths(graph, max_paths=10**6) == 30**4
+    small = _scalar_layers(4, 3)
+    with pytest.raises(pathir.GraphTooLarge, match=r"has 256 paths, above the limit max_paths=255 "):
+        enumerate_num_paths(small, max_paths=255)
+    assert enumerate_num_paths(small, max_paths=256) == 256
+
+
+def _scalar_layers(width, depth):
+    b = GraphBuilder("layers")
+    prev = b.input("x", (width,))
+    for i in range(depth):
+        prev = b.relu(f"h{i}", [(prev, Dense(b.param(f"w{i}", np.ones((width, width)))))])
+    return b.build(outputs=[prev])
 
 
 def test_expansion_refuses_too_many_neurons():
@@ -178,7 +189,10 @@ def test_expansion_refuses_too_many_neurons():
     graph = b.build(outputs=[y])
     with pytest.raises(pathir.GraphTooLarge, match=r"graph 'big' has 60,000 neurons, above the limit max_neurons=20,000"):
         expand(graph)
-    assert expand(graph, max_neurons=60_000).number_of_edges() == 30_000
+    small = _scalar_layers(5, 2)
+    with pytest.raises(pathir.GraphTooLarge, match=r"has 15 neurons, above the limit max_neurons=14 "):
+        expand(small, max_neurons=14)
+    assert expand(small, max_neurons=15).number_of_nodes() == 15
 
 
 def test_expansion_refuses_too_many_edges():
@@ -188,12 +202,13 @@ def test_expansion_refuses_too_many_edges():
     graph = b.build(outputs=[y])
     with pytest.raises(pathir.GraphTooLarge, match=r"has 20,000 neuron edges, above the limit max_edges=10,000"):
         expand(graph, max_edges=10_000)
+    assert expand(graph, max_edges=20_000).number_of_edges() == 20_000
 
 
 # --------------------------------------------------------------- lifting
 
 
-@settings(max_examples=80)
+@settings(max_examples=150)
 @given(data=st.data(), graph=relu_dags())
 def test_lifting_identity_on_random_dags(data, graph):
     x = data.draw(random_inputs(graph))
@@ -204,7 +219,7 @@ def test_lifting_identity_on_random_dags(data, graph):
         np.testing.assert_allclose(got[o], expected[o], rtol=1e-9, atol=1e-9 * scale)
 
 
-@settings(max_examples=80)
+@settings(max_examples=150)
 @given(data=st.data(), graph=relu_dags(integer_weights=True, avgpool=False, adaptive_pool=False))
 def test_lifting_identity_is_exact_with_integers_and_max_pool_ties(data, graph):
     """Integer weights and inputs: both sides are exact in float64, ties at max-pools are common."""

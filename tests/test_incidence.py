@@ -285,3 +285,27 @@ def test_log_scales_that_break_a_tie_or_move_a_pin_are_refused():
         rescale_graph(graph, units, np.ones(len(units) + 1))
     with pytest.raises(KeyError, match="not in the graph"):
         check_log_scales(graph, dict(s, ghost=np.ones(2)))
+
+
+def test_rescaling_with_shared_weights_and_biases_keeps_the_function():
+    b = GraphBuilder()
+    x = b.input("x", (2, 4, 4))
+    W = Conv(b.param("W", RNG.normal(size=(2, 2, 3, 3))), (1, 1), ((1, 1), (1, 1)), (1, 1))
+    bias = b.param("bias", RNG.normal(size=2))
+    a = b.relu("a", [(x, _conv(b, "c0", 2, 2))])
+    c = b.relu("c", [(a, W)], bias=bias)
+    d = b.relu("d", [(c, _conv(b, "c1", 2, 2))])
+    e = b.relu("e", [(d, W)], bias=bias)  # W and bias shared: (a, c) ~ (d, e) channel by channel
+    y = b.identity("y", [(e, Reshape((32,)))])
+    graph = b.build(outputs=[y])
+    _, units = find_units(graph)
+    assert units.members == ((("a", 0), ("d", 0)), (("a", 1), ("d", 1)))
+    assert units.channel_units["c"].tolist() == [-1, -1]  # tied to e, which the output pins
+    z = np.array([0.7, -1.3])
+    new = rescale_graph(graph, units, z)
+    other = apply_log_scales(graph, log_scales(graph, units, z))
+    for p, q in zip(new.params(), other.params()):
+        assert np.allclose(p.value, q.value, rtol=1e-13, atol=0)
+    xs = RNG.normal(size=(3, 2, 4, 4))
+    be = NumpyBackend()
+    assert _rel(forward(new, be, xs)["y"], forward(graph, be, xs)["y"]) <= 1e-12

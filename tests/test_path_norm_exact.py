@@ -28,10 +28,7 @@ BACKENDS = [
 QS = (0.5, 1, 2, 3)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=150)
-@given(graph=relu_dags())
-def test_path_norms_and_count_equal_enumeration(graph, backend):
+def _check_against_enumeration(graph, backend):
     cm = pathir.compile(graph, backend=backend)
     net = expand(cm.graph)
     paths = enumerate_paths(net)
@@ -42,6 +39,19 @@ def test_path_norms_and_count_equal_enumeration(graph, backend):
         if expected > 0:
             assert cm.path_norm(q, log10=True) == pytest.approx(math.log10(expected), rel=1e-12, abs=1e-12)
     assert cm.num_paths() == pytest.approx(len(paths), rel=1e-12, abs=0)
+
+
+@settings(max_examples=250)
+@given(graph=relu_dags())
+def test_path_norms_and_count_equal_enumeration_numpy(graph):
+    _check_against_enumeration(graph, "numpy")
+
+
+@pytest.mark.skipif(not _torch_backend_available(), reason="backends/torch.py not importable")
+@settings(max_examples=120)
+@given(graph=relu_dags())
+def test_path_norms_and_count_equal_enumeration_torch(graph):
+    _check_against_enumeration(graph, "torch")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -149,7 +149,7 @@ def test_weight_shared_by_two_edges_ties_their_ends():
     y = b.identity("y", [(a, Dense(b.param("va", RNG.normal(size=(1, 3))))), (c, Dense(b.param("vc", RNG.normal(size=(1, 3)))))])
     _, units = find_units(b.build(outputs=[y]))
     assert len(units) == 3
-    assert units.names[0] == "stream:c/c0" and units[0].members == (("a", 0), ("c", 0))
+    assert units.names[0] == "shared:c0" and units[0].members == (("a", 0), ("c", 0))
     assert units[1].members == (("a", 1), ("c", 1))
 
 

@@ -19,7 +19,8 @@ def verify(graph: Graph) -> Graph:
       3. input nodes have no edges and no bias; every other node has at least one edge;
       4. every edge's map fits its endpoints: map.out_shape(source.shape) == target.shape;
       5. a bias has shape (channels,);
-      6. a maxpool node has exactly one edge, a Pool without multiplier, and 1 <= k <= window size;
+      6. a maxpool node has exactly one edge, a Pool without multiplier, and 1 <= k <= the
+         number of in-input entries of its smallest window (padding positions are not neurons);
       7. distinct Param objects have distinct names (a shared weight is one object);
       8. outputs name existing, non-input nodes; every non-output node feeds some node
          and every node reaches an output.
@@ -66,12 +67,10 @@ def _problems(graph: Graph) -> list[str]:
         if node.kind is NodeKind.MAXPOOL:
             if len(node.edges) != 1 or node.edges[0].map.kind is not MapKind.POOL or node.edges[0].map.mult is not None:
                 out.append(f"{where}: a maxpool node has exactly one edge, a pool window without multiplier")
-            else:
-                window = 1
-                for k in node.edges[0].map.kernel:
-                    window *= k
+            elif node.edges[0].source in seen:
+                window = _smallest_window(node.edges[0].map, seen[node.edges[0].source].shape)
                 if not 1 <= node.k <= window:
-                    out.append(f"{where}: k = {node.k} outside 1..{window} (window size)")
+                    out.append(f"{where}: k = {node.k} outside 1..{window} (entries of its smallest window)")
         for p in node.params():
             if params.setdefault(p.name, id(p)) != id(p):
                 out.append(f"{where}: two different params are named '{p.name}'")
@@ -85,6 +84,18 @@ def _problems(graph: Graph) -> list[str]:
         out.append("the graph has no outputs")
     out.extend(_unreached(graph, seen))
     return out
+
+
+def _smallest_window(pool, in_shape) -> int:
+    """Fewest in-input entries over the windows of ``pool`` (per axis, then multiplied)."""
+    from .maps import pool_output_size
+
+    total = 1
+    for L, k, s, (a, b), d in zip(in_shape[1:], pool.kernel, pool.stride, pool.padding, pool.dilation):
+        n_out = pool_output_size(L, k, s, (a, b), d, pool.ceil_mode)
+        counts = [sum(0 <= o * s - a + j * d < L for j in range(k)) for o in range(n_out)]
+        total *= min(counts) if counts else 0
+    return total
 
 
 def _unreached(graph: Graph, seen) -> list[str]:

@@ -13,6 +13,7 @@
 import gc
 import math
 import weakref
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -51,6 +52,7 @@ NB = NumpyBackend()
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 TOL = 1e-12
+KINDS = [pytest.param(k, id=k.value) for k in MapKind]
 
 
 def rel_err(ref, got) -> float:
@@ -146,10 +148,11 @@ def _reference(m, x, w):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@settings(max_examples=150)
-@given(case=map_cases(), batch=st.integers(1, 3))
-def test_rules_equal_numpy(device, case, batch):
-    m, s, rng = case
+@pytest.mark.parametrize("kind", KINDS)
+@settings(max_examples=40)
+@given(data=st.data(), batch=st.integers(1, 3))
+def test_rules_equal_numpy(device, kind, data, batch):
+    m, s, rng = data.draw(map_cases(kinds=(kind,)))
     tb = TorchBackend(device)
     x = rng.normal(size=(batch, *s))
     y = NB.apply(m, x, s)
@@ -164,26 +167,29 @@ def test_rules_equal_numpy(device, case, batch):
 
 
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
-@settings(max_examples=100)
-@given(case=map_cases(), batch=st.integers(1, 3))
-def test_adjoint_identity(backend, case, batch):
+@pytest.mark.parametrize("kind", KINDS)
+@settings(max_examples=25)
+@given(data=st.data(), batch=st.integers(1, 3))
+def test_adjoint_identity(backend, kind, data, batch):
     """<M x, y> = <x, M^T y>."""
-    m, s, rng = case
+    m, s, rng = data.draw(map_cases(kinds=(kind,)))
     be = get_backend(backend)
     x = rng.normal(size=(batch, *s))
     y = rng.normal(size=(batch, *m.out_shape(s)))
     lhs = float(np.sum(be.to_numpy(be.apply(m, be.asarray(x), s)) * y))
     rhs = float(np.sum(x * be.to_numpy(be.adjoint(m, be.asarray(y), s))))
-    scale = float(np.abs(x).sum() * np.abs(y).sum()) * max(1.0, float(np.abs(getattr(m, "W", Param("1", 1.0)).value).max()))
+    weights = 1.0 if m.weight is None else max(1.0, float(np.abs(m.weight.value).max()))
+    scale = float(np.abs(x).sum() * np.abs(y).sum()) * weights
     assert abs(lhs - rhs) <= TOL * scale
 
 
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
-@settings(max_examples=100)
-@given(case=map_cases(), batch=st.integers(1, 3))
-def test_adjoint_and_weight_grad_equal_autograd(backend, case, batch):
+@pytest.mark.parametrize("kind", KINDS)
+@settings(max_examples=25)
+@given(data=st.data(), batch=st.integers(1, 3))
+def test_adjoint_and_weight_grad_equal_autograd(backend, kind, data, batch):
     """M^T g = d<g, M x>/dx and weight_grad = d<g, M x>/dW by torch.autograd."""
-    m, s, rng = case
+    m, s, rng = data.draw(map_cases(kinds=(kind,)))
     be = get_backend(backend)
     x = torch.tensor(rng.normal(size=(batch, *s)), requires_grad=True)
     if m.kind in PARAMETERIZED:
@@ -204,8 +210,7 @@ def test_adjoint_and_weight_grad_equal_autograd(backend, case, batch):
 @given(case=map_cases(kinds=(MapKind.POOL,)), k=st.integers(1, 3))
 def test_kth_max_pool_equals_numpy(device, case, k):
     window, s, rng = case
-    if window.mult is not None:
-        window = Pool(window.kernel, window.stride, window.padding, window.dilation, window.ceil_mode)
+    window = replace(window, mult=None)  # a max-pool window has no multiplier
     k = min(k, math.prod(window.kernel))  # the k-th largest of a window needs k entries
     node = Node("mp", NodeKind.MAXPOOL, window.out_shape(s), (Edge("x", window),), k=k)
     tb = TorchBackend(device)
@@ -227,7 +232,11 @@ def random_graph(rng):
 
     C = 2 * int(rng.integers(1, 3))
     x = b.input("x", (2, int(rng.integers(8, 11)), int(rng.integers(8, 11))))
-    geometry = [((1, 1), ((1, 1), (1, 1)), (1, 1)), ((1, 2), ((1, 2), (0, 1)), (2, 1)), ((2, 1), ((0, 1), (2, 0)), (1, 1))]
+    geometry = [  # (stride, padding, dilation) of the first conv
+        ((1, 1), ((1, 1), (1, 1)), (1, 1)),
+        ((1, 2), ((1, 2), (0, 1)), (2, 1)),
+        ((2, 1), ((0, 1), (2, 0)), (1, 1)),
+    ]
     stride, padding, dilation = geometry[int(rng.integers(len(geometry)))]
     c1 = b.relu("c1", [(x, Conv(P("c1.w", rng.normal(size=(C, 2, 3, 3))), stride, padding, dilation))], bias("c1.b", C))
     shared = P("c2.w", rng.normal(size=(C, C // 2, 3, 3)) / 2)
@@ -235,12 +244,12 @@ def random_graph(rng):
     c2 = b.relu("c2", [(c1, Conv(shared, **same)), (c1, Identity())], bias("c2.b", C))
     c3 = b.relu("c3", [(c2, Conv(shared, **same))], bias("c3.b", C))
     sc = b.identity("sc", [(c3, Scale(P("sc.w", rng.normal(size=C))))], bias("sc.b", C))
-    mp1 = b.maxpool("mp1", sc, Pool((2, 2), (2, 2), ((0, 1), (1, 0)), (1, 1), ceil_mode=True), k=1, bias=bias("mp1.b", C))
+    mp1_window = Pool((2, 2), (2, 2), ((0, 1), (1, 0)), (1, 1), ceil_mode=True)
+    mp1 = b.maxpool("mp1", sc, mp1_window, k=1, bias=bias("mp1.b", C))
     mp2 = b.maxpool("mp2", c1, Pool((3, 2), (1, 2), ((1, 1), (0, 0)), (2, 1)), k=2, bias=bias("mp2.b", C))
     avg_window = Pool((2, 2), (1, 1), ((1, 0), (0, 1)), (1, 1))
     h, w = avg_window.out_shape(b.shape(mp1))[1:]
-    avg = b.identity("avg", [(mp1, Pool(avg_window.kernel, avg_window.stride, avg_window.padding, avg_window.dilation,
-                                        mult=rng.uniform(0.2, 1.0, size=(h, w))))])
+    avg = b.identity("avg", [(mp1, replace(avg_window, mult=rng.uniform(0.2, 1.0, size=(h, w))))])
     ad_in = math.prod(b.shape(mp2)[1:])
     ad = b.identity("ad", [(mp2, SpatialMatrix(rng.uniform(0, 1, size=(h * w, ad_in)), (h, w)))])
     perm = rng.permutation(2 * C)

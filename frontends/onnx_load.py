@@ -1,0 +1,194 @@
+"""Reading an ONNX model for lowering: file, bytes or ModelProto -> a checked
+ModelProto, its per-sample input shapes and batch size.
+
+Every failure is one ``PathirError`` sentence naming the file: a missing file,
+bytes that do not parse, a file that is not an ONNX model, a model the ONNX
+checker or shape inference rejects, an input of dynamic (symbolic) spatial size
+without ``input_shape``. The caller's ModelProto is never modified (shape
+inference runs on a copy whose input sizes are fixed).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from pathir.errors import PathirError
+
+__all__ = ["OnnxModelError", "Source", "load", "input_shapes", "infer_shapes", "numpy_dtype"]
+
+
+class OnnxModelError(PathirError, ValueError):
+    """The model could not be read or checked as ONNX."""
+
+
+@dataclass
+class Source:
+    """A loaded model: the proto (the caller's own object when one was given:
+    read only), a display name, and the opset of the default domain."""
+
+    proto: object
+    name: str
+    opset: int
+
+
+def _parse(data: bytes, name: str):
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    try:
+        proto = onnx.load_model_from_string(bytes(data))
+    except (DecodeError, RuntimeError, ValueError) as err:
+        raise OnnxModelError(f"'{name}' cannot be read as an ONNX model (not ONNX, truncated or corrupt): {err}") from None
+    return proto
+
+
+def load(model) -> Source:
+    """The ModelProto behind ``model`` (path, bytes or ModelProto), checked."""
+    import onnx
+
+    if isinstance(model, onnx.ModelProto):
+        proto, name = model, model.graph.name or "model"
+    elif isinstance(model, (bytes, bytearray)):
+        proto, name = _parse(model, "<bytes>"), "model"
+    elif isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        name = os.path.basename(path)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no such file: {path}")
+        if os.path.isdir(path):
+            raise OnnxModelError(f"'{path}' is a directory, not an ONNX file")
+        with open(path, "rb") as f:
+            proto = _parse(f.read(), name)
+        if any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer):
+            from onnx.external_data_helper import load_external_data_for_model
+
+            try:
+                load_external_data_for_model(proto, os.path.dirname(os.path.abspath(path)))
+            except (OSError, ValueError) as err:
+                raise OnnxModelError(f"'{name}': cannot read its external tensor data: {err}") from None
+    else:
+        raise OnnxModelError(f"expected an ONNX path, bytes or onnx.ModelProto, got {type(model).__name__}")
+    _check(proto, name)
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
+    return Source(proto, name, opset)
+
+
+def _check(proto, name: str) -> None:
+    import onnx
+
+    if not proto.HasField("graph") or len(proto.graph.node) == 0 or not proto.opset_import:
+        raise OnnxModelError(f"'{name}' is not an ONNX model (no graph, nodes or opset)")
+    try:
+        onnx.checker.check_model(proto)
+    except (onnx.checker.ValidationError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise OnnxModelError(f"'{name}' is not a valid ONNX model: {first}") from None
+
+
+def _dims(value_info) -> list:
+    """Declared dims of a graph input: int, or the symbol / None when dynamic."""
+    t = value_info.type
+    if not t.HasField("tensor_type") or not t.tensor_type.HasField("shape"):
+        return []
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.tensor_type.shape.dim]
+
+
+def input_shapes(src: Source, input_shape=None) -> tuple[dict[str, tuple[int, ...]], int | None]:
+    """({input name: per-sample shape}, batch size or None if symbolic).
+
+    ``input_shape`` (without the batch axis) fixes dynamic sizes; a dict gives
+    one per input. Given sizes must agree with the declared static ones."""
+    g = src.proto.graph
+    inits = {t.name for t in g.initializer}
+    inputs = [vi for vi in g.input if vi.name not in inits]
+    if not inputs:
+        raise OnnxModelError(f"'{src.name}' has no graph input")
+    if input_shape is not None and not isinstance(input_shape, dict):
+        if len(inputs) != 1:
+            raise OnnxModelError(
+                f"'{src.name}' has inputs {[vi.name for vi in inputs]}: give input_shape as {{name: shape}}"
+            )
+        input_shape = {inputs[0].name: input_shape}
+    given = dict(input_shape or {})
+    unknown = set(given) - {vi.name for vi in inputs}
+    if unknown:
+        raise OnnxModelError(f"input_shape names {sorted(unknown)}, which are not inputs of '{src.name}'")
+    shapes, batches = {}, set()
+    for vi in inputs:
+        dims = _dims(vi)
+        if len(dims) < 2:
+            raise OnnxModelError(
+                f"input '{vi.name}' of '{src.name}' has shape {dims or 'unknown'}: pathir needs (batch, channels, ...)"
+            )
+        want = given.get(vi.name)
+        if want is not None:
+            want = tuple(int(s) for s in want)
+            if len(want) != len(dims) - 1:
+                raise OnnxModelError(
+                    f"input_shape {list(want)} has {len(want)} sizes; input '{vi.name}' {_show(dims)} needs "
+                    f"{len(dims) - 1} (the shape without the batch axis)"
+                )
+            for d, w in zip(dims[1:], want):
+                if isinstance(d, int) and d > 0 and d != w:
+                    raise OnnxModelError(
+                        f"input_shape {list(want)} disagrees with the static shape {_show(dims)} of input '{vi.name}'"
+                    )
+            shapes[vi.name] = want
+        else:
+            if not all(isinstance(d, int) and d > 0 for d in dims[1:]):
+                raise OnnxModelError(
+                    f"input '{vi.name}' of '{src.name}' has a dynamic size {_show(dims)}: pass "
+                    f"input_shape=(...) with its {len(dims) - 1} sizes after the batch axis"
+                )
+            shapes[vi.name] = tuple(int(d) for d in dims[1:])
+        b = dims[0]
+        batches.add(b if isinstance(b, int) and b > 0 else None)
+    batch = batches.pop() if len(batches) == 1 else None
+    return shapes, batch
+
+
+def _show(dims) -> str:
+    return "[" + ", ".join(str(d) if d is not None else "?" for d in dims) + "]"
+
+
+def infer_shapes(src: Source, shapes: dict[str, tuple[int, ...]]):
+    """ONNX shape inference (strict) on a copy with the per-sample input sizes fixed.
+
+    Returns {tensor name: elem_type} of every value it types; raises
+    OnnxModelError naming the first problem it reports."""
+    import onnx
+
+    model = onnx.ModelProto()
+    model.CopyFrom(src.proto)
+    for vi in model.graph.input:
+        if vi.name in shapes:
+            dims = vi.type.tensor_type.shape.dim
+            for d, size in zip(list(dims)[1:], shapes[vi.name]):
+                d.Clear()
+                d.dim_value = size
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, RuntimeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise OnnxModelError(f"ONNX shape inference failed on '{src.name}': {first}") from None
+    g = inferred.graph
+    types = {}
+    for vi in list(g.input) + list(g.value_info) + list(g.output):
+        if vi.type.HasField("tensor_type"):
+            types[vi.name] = vi.type.tensor_type.elem_type
+    for t in g.initializer:
+        types[t.name] = t.data_type
+    return types
+
+
+def numpy_dtype(elem_type: int):
+    """numpy dtype of an ONNX tensor element type (float32 when unknown)."""
+    import onnx
+
+    try:
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+    except (KeyError, TypeError, ValueError):
+        return np.dtype(np.float32)

@@ -1,0 +1,361 @@
+"""Write-back into an ONNX model: rescalings and masks, on a copy.
+
+The source ModelProto (or file) is never touched: the writer keeps its own
+current model, a deep copy made at the first write; ``to_onnx()`` returns it
+and ``save(path)`` writes it atomically (temporary file, then rename).
+
+Each IR param names its source tensors (``Param.sources``); the frontend
+records, per ref name, a ``Binding``: the tensor the node reads, the (node,
+input index) slots that read it for this param, its value and its role. The
+role rules are the torch writer's (frontends/torch_writer.py): a param on edge
+u -> v changes entry [o, i] by e^{s_v}[o] · e^{-s_u}[i] (``Map.weight_channels``),
+a bias of v by e^{s_v}; a VALUE tensor takes the in-factor unless the param
+has IN_STATS sources and the out-factor unless it has OUT_SCALE ones;
+OUT_SCALE tensors (batch-norm scale and bias) take e^{s_v}; IN_STATS tensors
+take the input factor λ = e^{s_u}: mean ← λ·mean, var ← λ²(var + eps) − eps.
+
+Factors are multiplicative, so they apply to the initializer whatever constant
+the frontend folded into the param (Gemm alpha/beta, a transpose, a broadcast
+bias, which is expanded to one value per channel when the factors differ).
+A tensor that other nodes also read (a deduplicated initializer, an Identity
+alias) is not overwritten: the bound slots get a new initializer; producers
+and initializers nothing reads any more are removed.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import numpy as np
+
+from pathir.errors import PathirError
+from pathir.ir import Graph, Param, Role
+
+__all__ = ["Binding", "OnnxWriter", "source_factors"]
+
+_SAME = dict(rtol=1e-9, atol=1e-300)
+
+
+@dataclass
+class Binding:
+    """Where one ref name lives in the ONNX graph.
+
+    ``kind``: weight, bias, bn_scale, bn_bias, bn_mean or bn_var; ``layout``
+    (all kinds but weight): the shape a per-channel vector takes to broadcast
+    against the tensor; ``eps``: the batch-norm epsilon (bn_var)."""
+
+    tensor: str
+    slots: list[tuple[str, int]]
+    value: np.ndarray
+    kind: str
+    layout: tuple[int, ...] | None = None
+    eps: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def source_factors(graph: Graph, log_scales: Mapping[str, np.ndarray]) -> dict[str, dict[Role, tuple[np.ndarray, bool]]]:
+    """{source tensor name: {role: (factor, transposed)}} of a rescaling.
+
+    VALUE factors have the param's shape, OUT_SCALE and IN_STATS ones one entry
+    per channel (IN_STATS: λ, the factor of the batch-norm's input). One
+    (tensor, role) reached through several params must get one factor."""
+    from pathir.rescale import check_log_scales, param_factors
+
+    s = check_log_scales(graph, log_scales)
+    plan: dict[tuple[str, Role], tuple[np.ndarray, bool, str]] = {}
+    for p, fo, fi, v, u in param_factors(graph, s).values():
+        if not p.sources:
+            raise PathirError(f"param '{p.name}' has no source tensor to write the rescaling to")
+        roles = {r.role for r in p.sources}
+        for ref in p.sources:
+            if ref.role is Role.VALUE:
+                f = np.exp((0.0 if Role.IN_STATS in roles else fi) + (0.0 if Role.OUT_SCALE in roles else fo))
+                f = np.broadcast_to(f, p.shape)
+            elif ref.role is Role.OUT_SCALE:
+                f = np.exp(s[v.name])
+            else:
+                if u is None:
+                    raise PathirError(f"bias '{p.name}' lists running statistics '{ref.name}', which only an edge can feed")
+                f = np.exp(-np.asarray(fi))
+            key = (ref.name, ref.role)
+            if key in plan:
+                old, _, via = plan[key]
+                if old.shape != f.shape or not np.allclose(old, f, **_SAME):
+                    raise PathirError(
+                        f"source tensor '{ref.name}' ({ref.role.value}) would be rescaled differently "
+                        f"through params '{via}' and '{p.name}'"
+                    )
+                continue
+            plan[key] = (np.array(f, dtype=np.float64), ref.transposed, p.name)
+    out: dict[str, dict[Role, tuple[np.ndarray, bool]]] = {}
+    for (name, role), (f, transposed, _) in plan.items():
+        out.setdefault(name, {})[role] = (f, transposed)
+    return out
+
+
+class OnnxWriter:
+    """Write-back handle of an ONNX model (``cm.frontend`` of a compiled .onnx).
+
+    Examples
+    --------
+    >>> import numpy as np, onnx, pathir
+    >>> from onnx import helper, numpy_helper, TensorProto
+    >>> rng = np.random.default_rng(0)
+    >>> W1, W2 = rng.normal(size=(2, 3)).astype(np.float32), rng.normal(size=(3, 1)).astype(np.float32)
+    >>> g = helper.make_graph(
+    ...     [helper.make_node("MatMul", ["x", "W1"], ["h"], name="fc1"), helper.make_node("Relu", ["h"], ["r"], name="relu"),
+    ...      helper.make_node("MatMul", ["r", "W2"], ["y"], name="fc2")], "mlp",
+    ...     [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2])],
+    ...     [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 1])],
+    ...     [numpy_helper.from_array(W1, "W1"), numpy_helper.from_array(W2, "W2")])
+    >>> model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    >>> cm = pathir.compile(model)
+    >>> cm.frontend.rescale(cm.graph, {"relu": np.log([2.0, 4.0, 0.5])})
+    >>> new = cm.to_onnx()
+    >>> new_W1 = numpy_helper.to_array(new.graph.initializer[0])
+    >>> bool(np.allclose(new_W1, W1 * [2.0, 4.0, 0.5]))
+    True
+    >>> bool(np.array_equal(numpy_helper.to_array(model.graph.initializer[0]), W1))   # the source is untouched
+    True
+    """
+
+    def __init__(self, model, bindings: Mapping[str, Binding] | None = None, outputs=None):
+        if bindings is None:
+            from .onnx import lower
+
+            low = lower(model)
+            model, bindings, outputs = low.writer.source, low.writer.bindings, low.writer.outputs
+        self.source = model
+        self.bindings = {k: copy.deepcopy(b) for k, b in bindings.items()}
+        #: ONNX output name -> (IR output node, whether the ONNX tensor has its batch on axis 1)
+        self.outputs = dict(outputs or {})
+        self._model = None
+
+    # ------------------------------------------------------------ the model
+    def to_onnx(self):
+        """The current model (the source plus every write-back so far), as a new ModelProto."""
+        import onnx
+
+        out = onnx.ModelProto()
+        out.CopyFrom(self._model if self._model is not None else self.source)
+        return out
+
+    def save(self, path) -> None:
+        """Write the current model to ``path``: a temporary file beside it, then a
+        rename, so a failure leaves no file behind."""
+        path = os.fspath(path)
+        model = self._model if self._model is not None else self.source
+        if model.ByteSize() > 2**31 - 1:
+            raise PathirError("the model is larger than 2 GB: protobuf cannot write it in one file")
+        data = model.SerializeToString()
+        folder = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+
+    # ------------------------------------------------------------ rescaling
+    def rescale(self, graph: Graph, log_scales: Mapping[str, np.ndarray]) -> None:
+        """Apply per-channel ``log_scales`` ({node: (channels,)}) to the model.
+
+        Every new tensor is computed before anything is written; on any error
+        (not a rescaling of ``graph``, an unknown tensor, two different factors
+        for one tensor) the current model is unchanged."""
+        updates = {}
+        for name, sides in source_factors(graph, log_scales).items():
+            b = self._binding(name)
+            updates[name] = self._rescaled(name, b, sides)
+        self._commit(updates)
+
+    def _binding(self, name: str) -> Binding:
+        b = self.bindings.get(name)
+        if b is None:
+            raise PathirError(f"source tensor '{name}' is not a tensor this ONNX model was lowered from")
+        return b
+
+    @staticmethod
+    def _per_channel(name, b: Binding, f: np.ndarray) -> np.ndarray:
+        f = np.asarray(f, dtype=np.float64)
+        if f.size != int(np.prod(b.layout)):
+            raise PathirError(f"source tensor '{name}': {f.size} factors for {int(np.prod(b.layout))} channels")
+        return f.reshape(b.layout)
+
+    def _in_layout(self, name: str, b: Binding, f: np.ndarray, transposed: bool) -> np.ndarray:
+        """A param-shaped (or per-channel) array in the source tensor's layout."""
+        if b.kind == "weight":
+            f = f.T if transposed else f
+            if f.size != b.value.size:
+                raise PathirError(f"source tensor '{name}' has {b.value.size} entries, its factor {f.size}")
+            return np.asarray(f).reshape(b.value.shape)
+        return self._per_channel(name, b, f)
+
+    def _rescaled(self, name: str, b: Binding, sides) -> np.ndarray:
+        old = np.asarray(b.value, dtype=np.float64)
+        if Role.IN_STATS in sides:
+            if len(sides) > 1:
+                raise PathirError(f"source tensor '{name}' is both running statistics and a rescaled value")
+            lam = self._per_channel(name, b, sides[Role.IN_STATS][0])
+            if b.kind == "bn_mean":
+                return lam * old
+            if b.kind == "bn_var":
+                return lam**2 * (old + b.eps) - b.eps
+            raise PathirError(f"source tensor '{name}' has role in_stats but is no batch-norm running statistic")
+        new = old
+        for f, transposed in sides.values():
+            f = self._in_layout(name, b, f, transposed)
+            if f.shape != old.shape and np.allclose(f, f.reshape(-1)[0], rtol=1e-15, atol=0):
+                f = f.reshape(-1)[0]  # one factor for a broadcast tensor: keep its shape
+            new = new * f
+        return new
+
+    # ------------------------------------------------------------ masks
+    def mask(self, graph: Graph, masks: Mapping[str, np.ndarray]) -> None:
+        """Zero the pruned entries: ``masks`` maps a param name (or its source
+        name) to a bool array of the param's shape (True: keep). The zeros land
+        in the VALUE initializer; all masks are applied at once.
+
+        Raises PathirError (model unchanged) for a param whose zeros are not its
+        source tensor's zeros (an unfolded batch-norm scale, a folded batch-norm bias)."""
+        params = graph.params()
+        by_name = {p.name: p for p in params}
+        by_name.update({p.source_name: p for p in params if p.source_name not in by_name})
+        biases = {id(n.bias) for n in graph.nodes if n.bias is not None}
+        updates = {}
+        for key, m in masks.items():
+            p = by_name.get(key)
+            if p is None:
+                raise PathirError(f"mask for '{key}': no such param in the graph")
+            m = np.asarray(m).astype(bool)
+            if m.shape != p.shape:
+                raise PathirError(f"mask for '{p.name}' has shape {m.shape}, the param {p.shape}")
+            ref = _value_ref(p, id(p) in biases)
+            if ref.name in updates:
+                raise PathirError(f"two masks for the tensor '{ref.name}'")
+            b = self._binding(ref.name)
+            keep = self._in_layout(ref.name, b, m.astype(np.float64), ref.transposed)
+            updates[ref.name] = np.asarray(b.value, dtype=np.float64) * keep
+        self._commit(updates)
+
+    # ------------------------------------------------------------ commit
+    def _commit(self, updates: Mapping[str, np.ndarray]) -> None:
+        """Write new values (float64, the source layout) into a copy of the current
+        model; swap it in only when every write succeeded and the checker agrees."""
+        import onnx
+        from onnx import numpy_helper
+
+        if not updates:
+            return
+        model = self.to_onnx()
+        bindings = {k: copy.deepcopy(b) for k, b in self.bindings.items()}
+        g = model.graph
+        nodes = {n.output[0]: n for n in g.node}
+        readers = _readers(g)
+        inits = {t.name: t for t in g.initializer}
+        outputs = {o.name for o in g.output}
+        rebind, orphans = [], set()
+        for ref, value in updates.items():
+            b = bindings[ref]
+            arr = np.asarray(value).astype(b.value.dtype)
+            if b.tensor in inits and b.tensor not in outputs and set(readers.get(b.tensor, [])) <= set(b.slots):
+                inits[b.tensor].CopyFrom(numpy_helper.from_array(arr, b.tensor))
+            else:
+                orphans.add(b.tensor)
+                rebind.append((ref, b, arr))
+                for key, k in b.slots:
+                    nodes[key].input[k] = ""  # detached until the new initializer has its name
+            b.value = arr
+        _remove_dead(g, orphans)
+        taken = _names(g)
+        for ref, b, arr in rebind:
+            name, i = ref, 1
+            while name in taken:
+                name, i = f"{ref}_{i}", i + 1
+            taken.add(name)
+            g.initializer.append(numpy_helper.from_array(arr, name))
+            for key, k in b.slots:
+                nodes[key].input[k] = name
+            b.tensor = name
+        try:
+            onnx.checker.check_model(model)
+        except (onnx.checker.ValidationError, ValueError) as err:
+            raise PathirError(f"write-back produced an invalid ONNX model (nothing was changed): {err}") from None
+        self._model, self.bindings = model, bindings
+
+
+def _value_ref(p: Param, is_bias: bool):
+    roles = {r.role for r in p.sources}
+    refs = [r for r in p.sources if r.role is Role.VALUE]
+    if not refs:
+        raise PathirError(f"param '{p.name}' has no VALUE source tensor to mask")
+    if Role.IN_STATS in roles or (is_bias and roles != {Role.VALUE}):
+        raise PathirError(
+            f"param '{p.name}' = {p.how or p.name} is not its source tensor '{refs[0].name}' up to per-channel "
+            "factors: masking that tensor would not zero the param"
+        )
+    return refs[0]
+
+
+def _subgraph_inputs(node):
+    """Names read inside a node's subgraphs (If/Loop/Scan bodies), conservatively."""
+    from onnx import AttributeProto
+
+    for a in node.attribute:
+        graphs = [a.g] if a.type == AttributeProto.GRAPH else list(a.graphs) if a.type == AttributeProto.GRAPHS else []
+        for sg in graphs:
+            for n in sg.node:
+                yield from (x for x in n.input if x)
+                yield from _subgraph_inputs(n)
+
+
+def _readers(g) -> dict[str, list[tuple[str, int]]]:
+    out: dict[str, list] = {}
+    for n in g.node:
+        for k, x in enumerate(n.input):
+            if x:
+                out.setdefault(x, []).append((n.output[0], k))
+        for x in _subgraph_inputs(n):
+            out.setdefault(x, []).append((n.output[0], -1))
+    return out
+
+
+def _remove_dead(g, candidates: set[str]) -> None:
+    """Remove the initializers and nodes producing ``candidates`` that nothing reads
+    any more (not a graph output), and, in turn, what only they read."""
+    while candidates:
+        readers = _readers(g)
+        outputs = {o.name for o in g.output}
+        dead = {t for t in candidates if t not in readers and t not in outputs}
+        if not dead:
+            return
+        candidates = set()
+        for t in list(g.initializer):
+            if t.name in dead:
+                g.initializer.remove(t)
+        for vi in list(g.input):
+            if vi.name in dead:
+                g.input.remove(vi)
+        for n in list(g.node):
+            if any(o in dead for o in n.output) and all((o in dead) or (o not in readers and o not in outputs)
+                                                        for o in n.output if o):
+                g.node.remove(n)
+                candidates.update(x for x in n.input if x)
+        for vi in list(g.value_info):
+            if vi.name in dead:
+                g.value_info.remove(vi)
+
+
+def _names(g) -> set[str]:
+    names = {t.name for t in g.initializer} | {vi.name for vi in g.input} | {vi.name for vi in g.output}
+    names |= {vi.name for vi in g.value_info}
+    for n in g.node:
+        names.update(o for o in n.output if o)
+    return names

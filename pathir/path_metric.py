@@ -1,0 +1,343 @@
+"""Path-metrics (MATH.md §3): brackets of d(θ, θ') = ‖Φ(θ) − Φ(θ')‖₁, and the
+output bound of Gonon et al. 2025 (Thm 4.1).
+
+Two models of one architecture, θ (``a``) and θ' (``b``):
+
+- lower = | ‖Φ(θ)‖₁ − ‖Φ(θ')‖₁ |                          (two path-norm passes);
+- upper = Σ_{edges u→v} |θ_e − θ'_e| F_{|θ'|}(u) B_{|θ|}(v) + Σ_{biased v} |b_v − b'_v| B_{|θ|}(v)
+
+with F_{|θ'|}(u) the sum over paths ending at u of |Φ_p(θ')| (``path_forward``
+on the path-norm network of θ') and B_{|θ|}(v) the sum over paths from v to an
+output of Π|θ| (``path_backward`` on that of θ). The edge sum of one map is its
+weight-gradient with input F and output gradient B, contracted with |W − W'|:
+``path_backward(view(θ), acts=path_forward(view(θ')))`` gives exactly these
+sums as its param grads. Fixed edges are equal in θ and θ' and add nothing;
+max-pools are summed (``maxpool_to_sum``) as in every path sum.
+
+Telescoping Φ_p(θ) − Φ_p(θ') along p gives one term per factor of p; the upper
+bracket is the triangle inequality on them. When θ_i θ'_i ≥ 0 for all i and
+|θ'| ≤ |θ| coordinatewise (or |θ| ≤ |θ'|), e.g. pruning, every term of a path
+has one sign, so the triangle inequality is an equality and upper = d = lower.
+Then ``exact`` is true and both brackets hold the telescoped sum, which has no
+cancellation (the difference of two path-norms loses digits when they are close).
+
+Both brackets are invariant under a rescaling applied to θ and θ' jointly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from .errors import PathirError
+from .ir import Graph, Param
+
+__all__ = ["PathMetric", "path_metric", "output_bound", "check_same_architecture"]
+
+_LOG_MAX = math.log(np.finfo(np.float64).max)
+_LN10 = math.log(10)
+
+
+@dataclass(frozen=True)
+class PathMetric:
+    """Brackets of the ℓ1 path-metric d(θ, θ') = ‖Φ(θ) − Φ(θ')‖₁.
+
+    Attributes
+    ----------
+    lower, upper : float
+        lower ≤ d ≤ upper (``math.inf`` where a value exceeds float64: read the log10 fields).
+    exact : bool
+        True when lower = d provably (same signs and |θ'| ≤ |θ| or |θ| ≤ |θ'|
+        coordinatewise, e.g. pruning); then upper = lower = d.
+    same_signs : bool
+        θ_i θ'_i ≥ 0 for every parameter: the output bound applies.
+    log10_lower, log10_upper : float
+        log10 of the brackets (-inf for 0).
+    norm_a, norm_b : float
+        ‖Φ(θ)‖₁ and ‖Φ(θ')‖₁ (``math.inf`` beyond float64).
+    """
+
+    lower: float
+    upper: float
+    exact: bool
+    same_signs: bool
+    log10_lower: float
+    log10_upper: float
+    norm_a: float
+    norm_b: float
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def __str__(self) -> str:
+        tag = "exact" if self.exact else "bracket"
+        return f"path-metric {_fmt(self.log10_lower)} <= d <= {_fmt(self.log10_upper)} ({tag})"
+
+
+def _fmt(log10_value: float) -> str:
+    if log10_value == -math.inf:
+        return "0"
+    e = math.floor(log10_value)
+    return f"{10 ** (log10_value - e):.6g}e{e:+d}"
+
+
+def _exp(log_value: float) -> float:
+    return math.exp(log_value) if log_value <= _LOG_MAX else math.inf
+
+
+def _logsumexp(logs) -> float:
+    logs = [v for v in logs if v > -math.inf]
+    if not logs:
+        return -math.inf
+    top = max(logs)
+    return top + math.log(math.fsum(math.exp(v - top) for v in logs))
+
+
+
+
+def _graph(obj) -> Graph:
+    from .compiled import Compiled
+
+    if isinstance(obj, Compiled):
+        return obj.graph
+    if isinstance(obj, Graph):
+        return obj
+    raise TypeError(f"expected a pathir.Compiled or a Graph, got {type(obj).__name__}")
+
+
+def _backend(a, backend):
+    from .compiled import Compiled
+
+    if isinstance(a, Compiled):
+        return a._backend(backend)
+    from pathir.backends import get_backend
+
+    return get_backend(backend)
+
+
+# ------------------------------------------------------------ architecture
+
+
+def _same_value(x, y) -> bool:
+    if isinstance(x, Param) or isinstance(y, Param):
+        return isinstance(x, Param) and isinstance(y, Param) and x.name == y.name and x.shape == y.shape
+    if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+        return x is None and y is None or (x is not None and y is not None and np.array_equal(x, y))
+    return x == y
+
+
+def _structure_difference(ga: Graph, gb: Graph) -> str | None:
+    if ga.outputs != gb.outputs:
+        return f"outputs {list(ga.outputs)} vs {list(gb.outputs)}"
+    if len(ga.nodes) != len(gb.nodes):
+        return f"{len(ga.nodes)} nodes vs {len(gb.nodes)}"
+    for i, (na, nb) in enumerate(zip(ga.nodes, gb.nodes)):
+        where = f"node {i} '{na.name}'"
+        if (na.name, na.kind, na.shape, na.k) != (nb.name, nb.kind, nb.shape, nb.k):
+            return f"{where}: {na.kind.value}{list(na.shape)} vs '{nb.name}': {nb.kind.value}{list(nb.shape)}"
+        if (na.bias is None) != (nb.bias is None) or (na.bias is not None and not _same_value(na.bias, nb.bias)):
+            return f"{where}: bias {getattr(na.bias, 'name', None)} vs {getattr(nb.bias, 'name', None)}"
+        if len(na.edges) != len(nb.edges):
+            return f"{where}: {len(na.edges)} incoming edges vs {len(nb.edges)}"
+        for ea, eb in zip(na.edges, nb.edges):
+            if ea.source != eb.source or type(ea.map) is not type(eb.map):
+                return f"{where}: edge {ea.map.describe()}({ea.source}) vs {eb.map.describe()}({eb.source})"
+            for f in fields(ea.map):
+                if not _same_value(getattr(ea.map, f.name), getattr(eb.map, f.name)):
+                    return f"{where}: edge from '{ea.source}' differs in {f.name} ({ea.map.describe()} vs {eb.map.describe()})"
+    return None
+
+
+def check_same_architecture(a, b) -> None:
+    """Raise PathirError unless ``a`` and ``b`` (Compiled or Graph) have the same
+    structure: node names, kinds, shapes, edges, map geometry, fixed weights,
+    param names and shapes. Only free parameter values may differ."""
+    ga, gb = _graph(a), _graph(b)
+    why = _structure_difference(ga, gb)
+    if why is not None:
+        raise PathirError(f"the two models do not have the same architecture: {why}")
+
+
+# ------------------------------------------------------------ the brackets
+
+
+def _pairs(ga: Graph, gb: Graph):
+    """(param of a, param of b) for every free param, in ``ga.params()`` order."""
+    out, seen = [], set()
+    for na, nb in zip(ga.nodes, gb.nodes):
+        for pa, pb in zip(na.params(), nb.params()):
+            if id(pa) not in seen:
+                seen.add(id(pa))
+                out.append((pa, pb))
+    return out
+
+
+def _sign_relations(pairs) -> tuple[bool, bool]:
+    """(same signs, |θ'| ≤ |θ| everywhere or |θ| ≤ |θ'| everywhere)."""
+    same, below, above = True, True, True
+    for pa, pb in pairs:
+        x, y = pa.value, pb.value
+        same = same and bool(np.all(x * y >= 0))
+        below = below and bool(np.all(np.abs(y) <= np.abs(x)))
+        above = above and bool(np.all(np.abs(x) <= np.abs(y)))
+    return same, below or above
+
+
+def view_parts(graph: Graph, view: Graph, grads: dict) -> dict[int, list]:
+    """{id(param of graph): [(array, log-scale) of each use]} from the param grads
+    of ``path_backward`` on ``view`` (a path view of ``graph``: path_view gives
+    every edge its own Param object, so a shared param has one part per use)."""
+    parts: dict[int, list] = {}
+    for n, nv in zip(graph.nodes, view.nodes):
+        for e, ev in zip(n.edges, nv.edges):
+            if e.map.weight is not None:
+                parts.setdefault(id(e.map.weight), []).append(grads.get(id(ev.map.weight)))
+        if n.bias is not None:
+            parts.setdefault(id(n.bias), []).append(grads.get(id(nv.bias)))
+    return parts
+
+
+def _log_upper(ga: Graph, gb: Graph, be) -> float:
+    from pathir.execute import path_backward, path_forward
+    from pathir.passes import maxpool_to_sum, path_view
+
+    va = path_view(maxpool_to_sum(ga), 1)
+    vb = path_view(maxpool_to_sum(gb), 1)
+    # F on |θ'| feeds the weight-gradients of the backward walk on |θ|
+    _, grads = path_backward(va, be, path_forward(vb, be))
+    parts = view_parts(ga, va, grads)
+    logs = []
+    for pa, pb in _pairs(ga, gb):
+        diff = np.abs(pa.value - pb.value)
+        if not diff.any():
+            continue
+        for part in parts[id(pa)]:
+            if part is None:
+                continue
+            s = float(np.sum(diff * np.asarray(be.to_numpy(part[0]), dtype=np.float64).reshape(pa.shape)))
+            if not math.isfinite(s):
+                raise PathirError(f"path-metric: non-finite contribution of param '{pa.name}'")
+            if s > 0:
+                logs.append(math.log(s) + float(part[1]))
+    return _logsumexp(logs)
+
+
+def path_metric(a, b, backend=None) -> PathMetric:
+    """Brackets of the ℓ1 path-metric ‖Φ(θ) − Φ(θ')‖₁ between two models of one architecture.
+
+    Parameters
+    ----------
+    a, b : Compiled or Graph
+        θ and θ' (same structure, checked: :func:`check_same_architecture`).
+    backend : "torch", "numpy" or a Backend (default: ``a``'s)
+
+    Returns
+    -------
+    PathMetric
+        ``lower ≤ d ≤ upper``; ``exact`` when lower = d provably (then upper = d too).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from pathir.ir import GraphBuilder, Dense
+    >>> def mlp(w1, w2):
+    ...     b = GraphBuilder()
+    ...     x = b.input("x", (2,))
+    ...     h = b.relu("h", [(x, Dense(b.param("w1", w1)))])
+    ...     return b.build(outputs=[b.identity("y", [(h, Dense(b.param("w2", w2)))])])
+    >>> a = mlp([[1.0, 2.0]], [[3.0]])              # paths: 1*3, 2*3
+    >>> pruned = mlp([[1.0, 0.0]], [[3.0]])         # the second path is cut
+    >>> m = path_metric(a, pruned, "numpy")
+    >>> m.lower, m.upper, m.exact                   # |6| exactly
+    (6.0, 6.0, True)
+    >>> m = path_metric(a, mlp([[-1.0, 2.0]], [[3.0]]), "numpy")
+    >>> m.lower, m.upper, m.exact                   # norms equal; d = |3 - (-3)| = 6
+    (0.0, 6.0, False)
+    """
+    from .pathnorm import log_path_sum
+
+    ga, gb = _graph(a), _graph(b)
+    check_same_architecture(ga, gb)
+    be = _backend(a, backend)
+    same, dominated = _sign_relations(_pairs(ga, gb))
+    exact = same and dominated
+    la, lb = log_path_sum(ga, 1, be), log_path_sum(gb, 1, be)
+    log_up = _log_upper(ga, gb, be)
+    if exact:
+        log_low = log_up
+    else:
+        top, low = max(la, lb), min(la, lb)
+        log_low = -math.inf if top == low else top + math.log(-math.expm1(low - top))
+        log_low = min(log_low, log_up)  # rounding must not invert the bracket
+    return PathMetric(
+        lower=_exp(log_low),
+        upper=_exp(log_up),
+        exact=exact,
+        same_signs=same,
+        log10_lower=log_low / _LN10,
+        log10_upper=log_up / _LN10,
+        norm_a=_exp(la),
+        norm_b=_exp(lb),
+    )
+
+
+def _sup_norms(x, graph: Graph) -> np.ndarray:
+    """max over every input coordinate of |x|, per sample: (B,)."""
+    if not isinstance(x, dict):
+        if len(graph.inputs) != 1:
+            raise ValueError(f"graph has inputs {list(graph.inputs)}: pass a dict")
+        x = {graph.inputs[0]: x}
+    out = None
+    for name in graph.inputs:
+        if name not in x:
+            raise ValueError(f"no value for input '{name}'")
+        v = x[name]
+        v = v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)
+        v = np.asarray(v, dtype=np.float64)
+        shape = graph.node(name).shape
+        if tuple(v.shape[1:]) != shape:
+            raise ValueError(f"input '{name}' expects (B, {', '.join(map(str, shape))}), got {tuple(v.shape)}")
+        m = np.abs(v.reshape(v.shape[0], -1)).max(axis=1, initial=0.0)
+        out = m if out is None else np.maximum(out, m)
+    return out
+
+
+def output_bound(a, b, x, backend=None, metric: PathMetric | None = None) -> np.ndarray:
+    """max(‖x‖∞, 1) · upper: a bound on ‖R_θ(x) − R_θ'(x)‖₁ for each sample of ``x``.
+
+    Gonon et al. 2025, Thm 4.1 (MATH.md §3): valid whenever θ_i θ'_i ≥ 0 for
+    every parameter; raises PathirError when the signs disagree somewhere.
+
+    Parameters
+    ----------
+    a, b : Compiled or Graph of one architecture
+    x : array or tensor (B, *input shape), or {input name: array}
+    metric : a :class:`PathMetric` of (a, b) already computed (else computed here)
+
+    Returns
+    -------
+    numpy array (B,), the bound per sample (summing over every output).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from pathir.ir import GraphBuilder, Dense
+    >>> def mlp(w1):
+    ...     b = GraphBuilder()
+    ...     x = b.input("x", (2,))
+    ...     h = b.relu("h", [(x, Dense(b.param("w1", w1)))])
+    ...     return b.build(outputs=[b.identity("y", [(h, Dense(b.param("w2", [[3.0]])))])])
+    >>> output_bound(mlp([[1.0, 2.0]]), mlp([[1.0, 0.0]]), np.array([[0.5, 0.5], [4.0, -1.0]]), "numpy")
+    array([ 6., 24.])
+    """
+    ga, gb = _graph(a), _graph(b)
+    if metric is None:
+        metric = path_metric(a, b, backend)
+    if not metric.same_signs:
+        raise PathirError(
+            "output_bound needs θ_i θ'_i >= 0 for every parameter (Gonon et al. 2025, Thm 4.1); "
+            "the two models have parameters of opposite signs"
+        )
+    return np.maximum(_sup_norms(x, ga), 1.0) * metric.upper

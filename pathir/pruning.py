@@ -1,0 +1,289 @@
+"""Path-magnitude pruning (MATH.md §4, Gonon et al. 2025 Def. 5.1).
+
+For every parameter i,
+
+    S_i = |θ_i| · ∂/∂|θ_i| ‖Φ(|θ|)‖₁ = Σ_{p ∋ i} |Φ_p(θ)|
+
+(a parameter read twice along one path, a weight tied across depth, counts
+that path twice). One forward and one backward walk on the ℓ1 path-norm network
+``path_view(maxpool_to_sum(graph), 1)`` give all of them: the param grads of
+``path_backward`` are ∂‖Φ‖₁/∂|θ|. The walks keep values as m·e^L, so scores are
+ranked by their logs and never overflow.
+
+S is invariant under rescaling (Φ is), |θ_i| is not: pruning by S selects the
+same weights on every representative of a rescaling orbit. Setting the set P to
+zero moves the path-lifting by exactly d = ‖Φ(θ)‖₁ − ‖Φ(θ ⊙ mask)‖₁ ≤ Σ_{i∈P} S_i,
+and for every input ‖R_θ(x) − R_{θ⊙mask}(x)‖₁ ≤ max(‖x‖∞, 1) · d.
+
+Candidates are the weights of dense and conv maps (biases with
+``include_biases``; per-channel scales of unfolded batch-norms never). A folded
+batch-norm weight W' = W·γ/σ is pruned through its VALUE source W: W'_i = 0 iff
+W_i = 0, and S_i is the same for both.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from .errors import PathirError, PathNormOverflow
+from .ir import Graph, MapKind, Param
+
+__all__ = ["PruneReport", "score_log_parts", "path_magnitude_scores", "prune_masks", "prune_graph", "prune"]
+
+_LOG_MAX = math.log(np.finfo(np.float64).max)
+CRITERIA = ("path-magnitude", "magnitude")
+SCOPES = ("global", "local")
+
+
+def score_log_parts(graph: Graph, backend=None) -> list[tuple[np.ndarray, float]]:
+    """For each param of ``graph.params()``: (m, L) with S = m·e^L, m ≥ 0 of the
+    param's shape, max m = 1 (m = 0, L = -inf where S vanishes)."""
+    from pathir.backends import get_backend
+    from pathir.execute import path_backward, path_forward
+    from pathir.passes import maxpool_to_sum, path_view
+
+    from .path_metric import view_parts
+
+    be = get_backend(backend)
+    view = path_view(maxpool_to_sum(graph), 1)
+    _, grads = path_backward(view, be, path_forward(view, be))
+    parts = view_parts(graph, view, grads)
+    out = []
+    for p in graph.params():
+        terms = []
+        for part in parts[id(p)]:
+            if part is None:
+                continue
+            m = np.abs(p.value) * np.asarray(be.to_numpy(part[0]), dtype=np.float64).reshape(p.shape)
+            peak = float(m.max()) if m.size else 0.0
+            if not math.isfinite(peak):
+                raise PathirError(f"path-magnitude score of param '{p.name}' is not finite (NaN or inf weights?)")
+            if peak > 0:
+                terms.append((m / peak, float(part[1]) + math.log(peak)))
+        if not terms:
+            out.append((np.zeros(p.shape), -math.inf))
+            continue
+        top = max(L for _, L in terms)
+        m = sum(mt * math.exp(L - top) for mt, L in terms)
+        peak = float(m.max())
+        out.append((m / peak, top + math.log(peak)))
+    return out
+
+
+def _source_layout(p: Param, value: np.ndarray) -> np.ndarray:
+    """``value`` (the param's shape) in the layout of the param's VALUE source tensor."""
+    for ref in p.sources:
+        if ref.role.value == "value":
+            return value.T if ref.transposed else value
+    return value
+
+
+def path_magnitude_scores(graph: Graph, backend=None) -> dict[str, np.ndarray]:
+    """S_i per source parameter: {``Param.source_name``: float64 array in the
+    source tensor's layout (ONNX transposed initializers transposed back)}.
+
+    Raises PathNormOverflow naming the param when a score exceeds float64.
+
+    >>> from pathir.ir import GraphBuilder, Dense
+    >>> b = GraphBuilder()
+    >>> x = b.input("x", (2,))
+    >>> h = b.relu("h", [(x, Dense(b.param("w1", [[1.0, -2.0]])))], bias=b.param("b1", [0.5]))
+    >>> y = b.identity("y", [(h, Dense(b.param("w2", [[3.0]])))])
+    >>> s = path_magnitude_scores(b.build(outputs=[y]), "numpy")  # paths: 1*3, -2*3, 0.5*3
+    >>> import numpy as np
+    >>> {k: np.round(v, 12).tolist() for k, v in s.items()}
+    {'w1': [[3.0, 6.0]], 'b1': [1.5], 'w2': [[10.5]]}
+    """
+    out: dict[str, np.ndarray] = {}
+    for p, (m, L) in zip(graph.params(), score_log_parts(graph, backend)):
+        if L > _LOG_MAX:
+            raise PathNormOverflow(
+                f"path-magnitude score of param '{p.name}' reaches about 10^{L / math.log(10):.1f}, beyond float64: "
+                "use pathir.pruning.score_log_parts (normalised, with its log-scale)"
+            )
+        name = p.source_name
+        if name in out:
+            raise PathirError(f"two params are reported under the source name '{name}'")
+        out[name] = _source_layout(p, m * math.exp(L) if L > -math.inf else np.zeros(p.shape))
+    return out
+
+
+# ------------------------------------------------------------ selection
+
+
+def _candidates(graph: Graph, include_biases: bool) -> list[Param]:
+    """Params pruning may zero, in ``graph.params()`` order."""
+    weights = {id(e.map.weight) for n in graph.nodes for e in n.edges if e.map.kind in (MapKind.DENSE, MapKind.CONV)}
+    biases = {id(n.bias) for n in graph.nodes if n.bias is not None}
+    keep = weights | (biases if include_biases else set())
+    return [p for p in graph.params() if id(p) in keep]
+
+
+def _log_scores(graph: Graph, criterion: str, backend) -> dict[int, np.ndarray]:
+    """{id(param): log of the criterion per entry} (-inf for a zero score)."""
+    with np.errstate(divide="ignore"):
+        if criterion == "magnitude":
+            return {id(p): np.log(np.abs(p.value)) for p in graph.params()}
+        parts = score_log_parts(graph, backend)
+        return {id(p): np.log(m) + L for p, (m, L) in zip(graph.params(), parts)}
+
+
+def _count(amount, n: int) -> int:
+    """Entries to prune out of n: a fraction in [0, 1] (rounded, as torch's prune) or a count."""
+    if isinstance(amount, (bool, np.bool_)):
+        raise ValueError(f"amount must be a fraction in [0, 1] or a number of entries, got {amount!r}")
+    if isinstance(amount, (int, np.integer)):
+        if not 0 <= amount <= n:
+            raise ValueError(f"amount={amount} entries, but there are {n} candidates")
+        return int(amount)
+    amount = float(amount)
+    if not 0.0 <= amount <= 1.0:
+        raise ValueError(f"amount must be a fraction in [0, 1] or a number of entries, got {amount}")
+    return int(round(amount * n))
+
+
+def prune_masks(graph: Graph, amount, criterion: str = "path-magnitude", scope: str = "global",
+                include_biases: bool = False, backend=None) -> dict[str, np.ndarray]:
+    """{param name: bool array of the param's shape, True = keep} for every candidate param.
+
+    ``global``: the ``amount`` smallest scores among all candidates; ``local``:
+    the ``amount`` smallest of each param. Ties go to the earlier entry in θ
+    order (stable sort), so the selection is deterministic."""
+    if criterion not in CRITERIA:
+        raise ValueError(f"criterion must be one of {CRITERIA}, got '{criterion}'")
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got '{scope}'")
+    params = _candidates(graph, include_biases)
+    if not params:
+        raise PathirError("nothing to prune: the graph has no dense or conv weight")
+    logs = _log_scores(graph, criterion, backend)
+    masks = {p.name: np.ones(p.shape, dtype=bool) for p in params}
+    if scope == "global":
+        flat = np.concatenate([logs[id(p)].ravel() for p in params])
+        k = _count(amount, flat.size)
+        chosen = np.argsort(flat, kind="stable")[:k]
+        drop = np.zeros(flat.size, dtype=bool)
+        drop[chosen] = True
+        start = 0
+        for p in params:
+            masks[p.name] = ~drop[start : start + p.size].reshape(p.shape)
+            start += p.size
+    else:
+        for p in params:
+            k = _count(amount, p.size)
+            chosen = np.argsort(logs[id(p)].ravel(), kind="stable")[:k]
+            keep = np.ones(p.size, dtype=bool)
+            keep[chosen] = False
+            masks[p.name] = keep.reshape(p.shape)
+    return masks
+
+
+def prune_graph(graph: Graph, masks) -> Graph:
+    """The graph with θ ⊙ mask (``masks``: {param name: bool array}, True = keep)."""
+    by_name = {p.name for p in graph.params()}
+    unknown = set(masks) - by_name
+    if unknown:
+        raise PathirError(f"masks name params not in the graph: {sorted(unknown)}")
+    return graph.map_params(lambda p: p.with_value(p.value * masks[p.name]) if p.name in masks else p)
+
+
+# ------------------------------------------------------------ the report
+
+
+@dataclass
+class PruneReport:
+    """What ``cm.prune`` did.
+
+    ``pruned`` entries of ``candidates`` were selected (already-zero ones
+    included); ``bound`` = Σ_{i∈P} S_i (MATH.md §4) and ``path_metric`` = the
+    exact ‖Φ(θ)‖₁ − ‖Φ(θ⊙mask)‖₁ ≤ bound: for every input,
+    ‖R_θ(x) − R_{θ⊙mask}(x)‖₁ ≤ max(‖x‖∞, 1) · path_metric. ``per_tensor``:
+    {source name: (pruned, size)}. Values beyond float64 are ``math.inf``.
+    """
+
+    criterion: str
+    scope: str
+    amount: float
+    pruned: int
+    candidates: int
+    bound: float
+    path_metric: float
+    path_norm_before: float
+    path_norm_after: float
+    per_tensor: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["per_tensor"] = {k: list(v) for k, v in self.per_tensor.items()}
+        return out
+
+    def __str__(self) -> str:
+        rows = [
+            ("criterion", f"{self.criterion} ({self.scope})"),
+            ("pruned", f"{self.pruned:,} of {self.candidates:,} ({self.pruned / max(self.candidates, 1):.1%})"),
+            ("l1 path-norm before", f"{self.path_norm_before:.6g}"),
+            ("l1 path-norm after", f"{self.path_norm_after:.6g}"),
+            ("path-metric d(θ, θ⊙mask)", f"{self.path_metric:.6g}"),
+            ("bound Σ S_i over pruned", f"{self.bound:.6g}"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _exp(log_value: float) -> float:
+    return math.exp(log_value) if log_value <= _LOG_MAX else math.inf
+
+
+def _log_bound(graph: Graph, masks, backend) -> float:
+    """log Σ_{i pruned} S_i."""
+    logs = _log_scores(graph, "path-magnitude", backend)
+    picked = [logs[id(p)][~masks[p.name]] for p in graph.params() if p.name in masks]
+    flat = np.concatenate(picked) if picked else np.zeros(0)
+    flat = flat[flat > -math.inf]
+    if not flat.size:
+        return -math.inf
+    top = float(flat.max())
+    return top + math.log(float(np.sum(np.exp(flat - top))))
+
+
+def prune(cm, amount, criterion: str = "path-magnitude", scope: str = "global", include_biases: bool = False,
+          backend=None) -> PruneReport:
+    """Prune ``cm``'s model: zero the ``amount`` lowest-scoring candidate entries.
+
+    The masks reach the user's model through the frontend writer's ``mask``
+    (torch: ``torch.nn.utils.prune.custom_from_mask``; ONNX: the initializers),
+    all at once; then ``cm.graph`` becomes θ ⊙ mask. On any error nothing changes.
+    A Compiled made from a bare Graph has only its graph pruned.
+    """
+    from .path_metric import path_metric
+    from .pathnorm import log_path_sum
+
+    be = cm._backend(backend)
+    graph = cm.graph
+    masks = prune_masks(graph, amount, criterion, scope, include_biases, be)
+    after = prune_graph(graph, masks)
+    metric = path_metric(graph, after, be)
+    log_bound = _log_bound(graph, masks, be)
+    sources = {p.name: p.source_name for p in graph.params()}
+    report = PruneReport(
+        criterion=criterion,
+        scope=scope,
+        amount=float(amount),
+        pruned=int(sum((~m).sum() for m in masks.values())),
+        candidates=int(sum(m.size for m in masks.values())),
+        bound=_exp(log_bound),
+        path_metric=metric.upper,
+        path_norm_before=_exp(log_path_sum(graph, 1, be)),
+        path_norm_after=_exp(log_path_sum(after, 1, be)),
+        per_tensor={sources[k]: (int((~m).sum()), int(m.size)) for k, m in masks.items()},
+    )
+    touched = {k: m for k, m in masks.items() if not m.all()}
+    if cm.frontend is not None and touched:
+        if not hasattr(cm.frontend, "mask"):
+            raise PathirError(f"the frontend of this model ({type(cm.frontend).__name__}) cannot write masks")
+        cm.frontend.mask(graph, touched)
+    cm.graph = after
+    return report

@@ -1,0 +1,242 @@
+"""Bad ONNX input: one clear message (naming the node and op type where there is
+one), a non-zero exit code from the CLI, no output file, the source untouched."""
+
+import importlib.util
+import numpy as np
+import pytest
+import torch
+
+import pathir
+from pathir.cli import main
+from pathir.errors import PathirError
+
+from onnx_cases import export, exported, make_model, node, tensor_info
+
+rng = np.random.default_rng(0)
+
+
+def _cli(capsys, *args):
+    """(exit code, stderr) of ``pathir ARGS``."""
+    capsys.readouterr()
+    code = main([str(a) for a in args])
+    return code, capsys.readouterr().err
+
+
+def _one_layer(op: str, opset: int = 17, **attrs):
+    """x -> Conv -> Relu -> OP -> Conv -> y, the op named 'the_op'."""
+    return make_model(
+        [node("Conv", ["x", "W"], ["h"], "conv"), node("Relu", ["h"], ["r"], "relu"),
+         node(op, ["r"], ["s"], "the_op", **attrs), node("Conv", ["s", "V"], ["y"], "head")],
+        [tensor_info("x", ["N", 3, 4, 4])], [tensor_info("y", ["N", 2, 4, 4])],
+        {"W": rng.normal(size=(4, 3, 1, 1)), "V": rng.normal(size=(2, 4, 1, 1))}, opset)
+
+
+def _layer_norm():
+    return make_model(
+        [node("Gemm", ["x", "W"], ["h"], "fc", transB=1),
+         node("LayerNormalization", ["h", "g", "b"], ["n"], "the_op"), node("Relu", ["n"], ["y"], "relu")],
+        [tensor_info("x", ["N", 3])], [tensor_info("y", ["N", 4])],
+        {"W": rng.normal(size=(4, 3)), "g": np.ones(4), "b": np.zeros(4)})
+
+
+def _attention():
+    return make_model(
+        [node("Gemm", ["x", "W"], ["h"], "fc", transB=1), node("Reshape", ["h", "shape"], ["q"], "reshape"),
+         node("Attention", ["q", "q", "q"], ["a"], "the_op"), node("Relu", ["a"], ["y"], "relu")],
+        [tensor_info("x", ["N", 4])], [tensor_info("y", ["N", 1, 2, 2])],
+        {"W": rng.normal(size=(4, 4)), "shape": np.array([-1, 1, 2, 2], dtype=np.int64)}, opset=23)
+
+
+UNSUPPORTED = {
+    "Sigmoid": lambda: _one_layer("Sigmoid"),
+    "Tanh": lambda: _one_layer("Tanh"),
+    "Gelu": lambda: _one_layer("Gelu", opset=20),
+    "Softmax": lambda: _one_layer("Softmax", axis=1),
+    "Clip": lambda: _one_layer("Clip", opset=11),
+    "LayerNormalization": _layer_norm,
+    "Attention": _attention,
+}
+
+
+@pytest.mark.parametrize("op", sorted(UNSUPPORTED))
+def test_unsupported_op_names_node_op_and_reason(op, tmp_path, capsys):
+    model = UNSUPPORTED[op]()
+    before = model.SerializeToString()
+    with pytest.raises(pathir.UnsupportedOperation) as info:
+        pathir.compile(model)
+    err = info.value
+    assert (err.node, err.op) == ("the_op", op)
+    assert err.why and "'the_op'" in str(err) and f"op {op}" in str(err)
+    assert model.SerializeToString() == before
+    path = tmp_path / "m.onnx"
+    path.write_bytes(before)
+    code, stderr = _cli(capsys, "summary", path)
+    assert code != 0 and stderr.count("\n") == 1 and "'the_op'" in stderr and op in stderr
+
+
+@pytest.mark.parametrize("layer,op", [(torch.nn.ReLU6(), "Clip"), (torch.nn.Sigmoid(), "Sigmoid"),
+                                      (torch.nn.Tanh(), "Tanh"), (torch.nn.Softmax(dim=1), "Softmax")])
+def test_unsupported_layers_exported_from_torch(layer, op):
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), layer, torch.nn.Linear(4, 2))
+    proto = export(net, (3,), "legacy")
+    with pytest.raises(pathir.UnsupportedOperation) as info:
+        pathir.compile(proto)
+    names = {n.name: n.op_type for n in proto.graph.node}
+    assert info.value.op == op and names[info.value.node] == op
+
+
+def test_gelu_exported_from_torch_names_the_first_node_outside_the_model():
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.GELU(), torch.nn.Linear(4, 2))
+    proto = export(net, (3,), "legacy")
+    with pytest.raises(pathir.UnsupportedOperation) as info:
+        pathir.compile(proto)
+    names = {n.name: n.op_type for n in proto.graph.node}
+    assert names[info.value.node] == info.value.op != "Gemm"
+
+
+def test_missing_file(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        pathir.compile(str(tmp_path / "nope.onnx"))
+    code, stderr = _cli(capsys, "summary", tmp_path / "nope.onnx")
+    assert code != 0 and "no such file" in stderr
+
+
+def _bad_files(tmp_path):
+    good = exported("mlp", "legacy")[2].SerializeToString()
+    files = {
+        "truncated": good[: len(good) // 2],
+        "truncated_near_end": good[:-3],
+        "random_bytes": rng.integers(0, 256, size=2000, dtype=np.uint8).tobytes(),
+        "text": b"this is not an onnx model\n",
+        "empty": b"",
+    }
+    paths = {}
+    for name, data in files.items():
+        paths[name] = tmp_path / f"{name}.onnx"
+        paths[name].write_bytes(data)
+    paths["numpy"] = tmp_path / "array.npy"
+    np.save(paths["numpy"], np.ones(5))
+    return paths
+
+
+def test_truncated_corrupt_or_not_onnx(tmp_path):
+    for kind, path in _bad_files(tmp_path).items():
+        with pytest.raises(PathirError, match=r"ONNX model") as info:
+            pathir.compile(str(path))
+        assert path.name in str(info.value), kind
+        with pytest.raises(PathirError):
+            pathir.compile(path.read_bytes())
+        assert main(["summary", str(path)]) != 0, kind
+
+
+def test_not_a_model_object():
+    from pathir.frontends.onnx import lower
+
+    with pytest.raises(PathirError, match="expected an ONNX path"):
+        lower(12)
+
+
+def test_dynamic_spatial_size_needs_an_input_shape(tmp_path, capsys):
+    model = make_model([node("Conv", ["x", "W"], ["h"], "conv"), node("Relu", ["h"], ["y"], "relu")],
+                       [tensor_info("x", ["N", 3, "H", "W"])], [tensor_info("y", ["N", 4, "H", "W"])],
+                       {"W": rng.normal(size=(4, 3, 1, 1))})
+    with pytest.raises(PathirError, match=r"input 'x' .* dynamic size \[N, 3, H, W\].*input_shape"):
+        pathir.compile(model)
+    with pytest.raises(PathirError, match="has 2 sizes"):
+        pathir.compile(model, input_shape=(3, 5))
+    assert pathir.compile(model, input_shape=(3, 5, 6)).graph.node("relu").shape == (4, 5, 6)
+    path = tmp_path / "dyn.onnx"
+    path.write_bytes(model.SerializeToString())
+    code, stderr = _cli(capsys, "summary", path)
+    assert code != 0 and "input_shape" in stderr
+    assert _cli(capsys, "summary", path, "--input-shape", "3,5,6")[0] == 0
+
+
+def test_given_input_shape_must_agree_with_static_sizes():
+    _, _, proto = exported("mlp", "legacy")
+    with pytest.raises(PathirError, match="disagrees"):
+        pathir.compile(proto, input_shape=(6,))
+
+
+def test_output_not_reached_by_the_relu_dag():
+    model = make_model(
+        [node("Gemm", ["x", "W"], ["h"], "fc", transB=1), node("Relu", ["h"], ["y"], "relu"),
+         node("Shape", ["h"], ["size"], "shape")],
+        [tensor_info("x", ["N", 3])],
+        [tensor_info("y", ["N", 4]), onnx_int_info("size", [2])],
+        {"W": rng.normal(size=(4, 3))})
+    with pytest.raises(PathirError, match=r"output 'size' .* does not depend on the input"):
+        pathir.compile(model)
+
+
+def test_returning_the_input_unchanged():
+    model = make_model(
+        [node("Gemm", ["x", "W"], ["h"], "fc", transB=1), node("Relu", ["h"], ["y"], "relu"),
+         node("Identity", ["x"], ["same"], "copy")],
+        [tensor_info("x", ["N", 3])], [tensor_info("y", ["N", 4]), tensor_info("same", ["N", 3])],
+        {"W": rng.normal(size=(4, 3))})
+    with pytest.raises(pathir.UnsupportedOperation, match="input unchanged"):
+        pathir.compile(model)
+
+
+def test_training_mode_batchnorm_and_product_of_activations():
+    bn = make_model(
+        [node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y", "rm", "rv"], "bn", training_mode=1)],
+        [tensor_info("x", ["N", 2, 3])], [tensor_info("y", ["N", 2, 3])],
+        {"s": np.ones(2), "b": np.zeros(2), "m": np.zeros(2), "v": np.ones(2)}, opset=15)
+    with pytest.raises(pathir.UnsupportedOperation, match="training"):
+        pathir.compile(bn)
+    mul = make_model([node("Relu", ["x"], ["r"], "relu"), node("Mul", ["r", "r"], ["y"], "square")],
+                     [tensor_info("x", ["N", 3])], [tensor_info("y", ["N", 3])])
+    with pytest.raises(pathir.UnsupportedOperation) as info:
+        pathir.compile(mul)
+    assert (info.value.node, info.value.op) == ("square", "Mul")
+
+
+def onnx_int_info(name, shape):
+    from onnx import TensorProto, helper
+
+    return helper.make_tensor_value_info(name, TensorProto.INT64, shape)
+
+
+# ------------------------------------------------------------------ no output file
+
+
+@pytest.mark.parametrize("command,extra", [("pathcond", []), ("enorm", []), ("prune", ["--amount", "0.5"])])
+def test_failing_commands_write_no_output_file(command, extra, tmp_path, capsys):
+    if importlib.util.find_spec(f"pathir.commands.{command}") is None:
+        pytest.skip(f"the '{command}' command is not written yet")
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(UNSUPPORTED["Sigmoid"]().SerializeToString())
+    out = tmp_path / "out.onnx"
+    code, stderr = _cli(capsys, command, bad, "-o", out, *extra)
+    assert code != 0 and "'the_op'" in stderr
+    code, _ = _cli(capsys, command, tmp_path / "missing.onnx", "-o", out, *extra)
+    assert code != 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.onnx"]
+
+
+def test_save_failure_leaves_no_file(tmp_path, monkeypatch):
+    cm = pathir.compile(exported("mlp", "legacy")[2])
+    with pytest.raises(OSError):
+        cm.save(tmp_path / "missing_dir" / "out.onnx")
+    assert not (tmp_path / "missing_dir").exists()
+
+    class Boom(Exception):
+        pass
+
+    def fail(*a, **k):
+        raise Boom()
+
+    monkeypatch.setattr("os.replace", fail)
+    with pytest.raises(Boom):
+        cm.save(tmp_path / "out.onnx")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_to_onnx_and_save_need_an_onnx_model():
+    cm = pathir.compile(torch.nn.Sequential(torch.nn.Linear(2, 2)), input_shape=(2,))
+    with pytest.raises(PathirError, match="compiled from ONNX"):
+        cm.to_onnx()
+    with pytest.raises(PathirError, match="compiled from ONNX"):
+        cm.save("never.onnx")

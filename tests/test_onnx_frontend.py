@@ -1,0 +1,277 @@
+"""The ONNX frontend: models exported from torch inside the test run (both
+exporters) and hand-built graphs compile, and the IR's forward equals
+onnxruntime's (float64 IR vs float32 ORT: relative error <= 1e-5) and torch's."""
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+import pathir
+from pathir.backends import available_backends
+from pathir.ir import MapKind, NodeKind, Role
+
+from onnx_cases import (
+    MODELS, UNFOLDED, export, exported, make_model, node, ort_run, rel, tensor_info,
+)
+
+BACKENDS = [b for b in ("numpy", "torch") if b in available_backends()]
+DYNAMO = ["residual", "pools_include_pad", "pools_exclude_pad", "concat", "shuffle", "bn_mlp"]
+CASES = (
+    [(m, e) for m in MODELS for e in ("legacy", "legacy-nofold")]
+    + [(m, "dynamo") for m in DYNAMO]
+    + [(m, "dynamo-noopt") for m in ("residual", "shuffle")]
+)
+rng = np.random.default_rng(0)
+
+
+def _ir_forward(cm, x, backend):
+    out = cm.forward(np.asarray(x, dtype=np.float64), backend=backend)
+    return out.cpu().numpy() if isinstance(out, torch.Tensor) else np.asarray(out)
+
+
+@pytest.mark.parametrize("name,exporter", CASES)
+def test_forward_equals_onnxruntime_and_torch(name, exporter):
+    model, shape, proto = exported(name, exporter)
+    cm = pathir.compile(proto)
+    x = rng.normal(size=(4, *shape)).astype(np.float32)
+    ref = ort_run(proto, x)[0]
+    with torch.no_grad():
+        expected = model(torch.from_numpy(x)).numpy()
+    for backend in BACKENDS:
+        out = _ir_forward(cm, x, backend)
+        assert rel(out, ref) <= 1e-5, backend
+        assert rel(out, expected) <= 1e-5, backend
+
+
+@pytest.mark.parametrize("name,exporter", [(m, e) for m, e in CASES if e in UNFOLDED])
+def test_same_graph_and_path_quantities_as_the_torch_frontend(name, exporter):
+    model, shape, proto = exported(name, exporter)
+    cm, ct = pathir.compile(proto), pathir.compile(model, input_shape=shape)
+    layout = lambda g: [(n.kind, n.shape, sorted(e.map.kind.value for e in n.edges), n.bias is not None) for n in g]
+    assert layout(cm.graph) == layout(ct.graph)
+    assert cm.source_num_params == ct.source_num_params == sum(p.numel() for p in model.parameters())
+    for q in (1, 2):
+        assert cm.path_norm(q) == pytest.approx(ct.path_norm(q), rel=1e-9)
+    assert cm.num_paths() == pytest.approx(ct.num_paths(), rel=1e-12)
+    g_onnx, g_torch = cm.diag_g(backend="numpy"), ct.diag_g(backend="numpy")
+    assert set(g_onnx) == set(g_torch)
+    for k in g_torch:
+        np.testing.assert_allclose(g_onnx[k], g_torch[k], rtol=1e-9, atol=1e-300, err_msg=k)
+
+
+def test_params_are_named_and_bound_by_initializer():
+    _, _, proto = exported("residual", "legacy-nofold")
+    cm = pathir.compile(proto)
+    inits = {t.name for t in proto.graph.initializer}
+    conv2 = next(p for p in cm.graph.params() if p.name == "conv2.weight")
+    # bn2 folded into conv2: the batch-norm affine takes the out-factor of a rescaling
+    assert [(r.name, r.role) for r in conv2.sources] == [
+        ("conv2.weight", Role.VALUE), ("bn2.weight", Role.OUT_SCALE), ("bn2.bias", Role.OUT_SCALE)]
+    assert all(r.name in inits for p in cm.graph.params() for r in p.sources)
+    origins = {n.origin for n in cm.graph if n.kind is not NodeKind.INPUT}
+    assert any("(Relu)" in o for o in origins) and any("(Gemm)" in o for o in origins)
+
+
+def test_symbolic_batch_and_shape_arithmetic_before_reshape():
+    model, shape, proto = exported("pools_include_pad", "legacy", dynamic_batch=True)
+    ops = {n.op_type for n in proto.graph.node}
+    assert {"Shape", "Gather", "Unsqueeze", "Concat", "Reshape"} <= ops  # x.reshape(x.size(0), -1)
+    assert proto.graph.input[0].type.tensor_type.shape.dim[0].dim_param
+    cm = pathir.compile(proto)
+    x = rng.normal(size=(5, *shape)).astype(np.float32)
+    assert rel(_ir_forward(cm, x, "numpy"), ort_run(proto, x)[0]) <= 1e-5
+
+
+@pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
+def test_symbolic_batch_from_both_exporters(exporter):
+    _, shape, proto = exported("shuffle", exporter, dynamic_batch=True)
+    cm = pathir.compile(proto)
+    x = rng.normal(size=(3, *shape)).astype(np.float32)
+    assert rel(_ir_forward(cm, x, "numpy"), ort_run(proto, x)[0]) <= 1e-5
+
+
+def test_path_bytes_and_modelproto_give_one_graph_and_the_source_is_untouched(tmp_path):
+    _, _, proto = exported("concat", "legacy-nofold")
+    before = proto.SerializeToString()
+    path = tmp_path / "concat.onnx"
+    path.write_bytes(before)
+    graphs = [str(pathir.compile(m).graph).split("\n", 1)[1] for m in (proto, before, str(path), path)]
+    assert len(set(graphs)) == 1
+    assert proto.SerializeToString() == before and path.read_bytes() == before
+
+
+def test_fresh_batchnorms_deduplicated_by_the_exporter():
+    # the legacy exporter shares equal initializers (fresh gamma = running_var = 1)
+    # through Identity nodes; each still lowers to its own source tensor
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                              torch.nn.Conv2d(4, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                              torch.nn.Flatten(), torch.nn.Linear(16, 2))
+    proto = export(net, (3, 6, 6), "legacy-nofold")
+    assert any(n.op_type == "Identity" for n in proto.graph.node)
+    cm = pathir.compile(proto)
+    names = {r.name for p in cm.graph.params() for r in p.sources}
+    assert {"1.weight", "1.bias", "4.weight", "4.bias"} <= names
+    x = rng.normal(size=(2, 3, 6, 6)).astype(np.float32)
+    assert rel(_ir_forward(cm, x, "numpy"), ort_run(proto, x)[0]) <= 1e-5
+
+
+# ------------------------------------------------------------------ hand-built graphs
+
+
+def _check(model, x, batch_second_output=False, **kw):
+    cm = pathir.compile(model, **kw)
+    ref = ort_run(model, x)[0]
+    out = _ir_forward(cm, x, "numpy")
+    assert rel(out.T if batch_second_output else out, ref) <= 1e-5
+    return cm
+
+
+@pytest.mark.parametrize("trans_b", [0, 1])
+@pytest.mark.parametrize("c_shape", [(3,), (1, 3), (), None])
+def test_gemm_trans_b_alpha_beta_and_broadcast_bias(trans_b, c_shape):
+    W = rng.normal(size=(3, 4) if trans_b else (4, 3))
+    inits = {"W": W}
+    inputs = ["x", "W"]
+    if c_shape is not None:
+        inits["C"] = rng.normal(size=c_shape)
+        inputs.append("C")
+    model = make_model(
+        [node("Gemm", inputs, ["h"], "fc", alpha=0.5, beta=2.0, transB=trans_b), node("Relu", ["h"], ["y"], "relu")],
+        [tensor_info("x", ["N", 4])], [tensor_info("y", ["N", 3])], inits)
+    cm = _check(model, rng.normal(size=(5, 4)).astype(np.float32))
+    (w,) = [p for p in cm.graph.params() if p.name == "W"]
+    np.testing.assert_allclose(w.value, 0.5 * (W if trans_b else W.T).astype(np.float32), rtol=1e-7)
+    assert w.sources[0].transposed == (not trans_b)
+
+
+def test_gemm_with_the_activation_as_b_and_trans_a():
+    # h = W1 @ x^T + C1 (batch on axis 1), y = relu(h)^T @ W2 (transA reads it back)
+    model = make_model(
+        [node("Gemm", ["W1", "x", "C1"], ["h"], "fc1", transB=1), node("Relu", ["h"], ["r"], "relu"),
+         node("Gemm", ["r", "W2", "C2"], ["y"], "fc2", transA=1, alpha=1.5)],
+        [tensor_info("x", ["N", 4])], [tensor_info("y", ["N", 2])],
+        {"W1": rng.normal(size=(6, 4)), "C1": rng.normal(size=(6, 1)), "W2": rng.normal(size=(6, 2)),
+         "C2": rng.normal(size=(1, 2))})
+    cm = _check(model, rng.normal(size=(5, 4)).astype(np.float32))
+    assert [n.kind for n in cm.graph] == [NodeKind.INPUT, NodeKind.RELU, NodeKind.IDENTITY]
+    w2 = next(p for p in cm.graph.params() if p.name == "W2")
+    assert w2.sources[0].transposed and w2.shape == (2, 6)
+
+
+def test_gemm_output_with_the_batch_on_axis_1():
+    model = make_model(
+        [node("Gemm", ["W1", "x", "C1"], ["h"], "fc1", transB=1), node("Relu", ["h"], ["y"], "relu")],
+        [tensor_info("x", ["N", 4])], [tensor_info("y", [6, "N"])],
+        {"W1": rng.normal(size=(6, 4)), "C1": rng.normal(size=(6, 1))})
+    cm = _check(model, rng.normal(size=(5, 4)).astype(np.float32), batch_second_output=True)
+    assert cm.frontend.outputs == {"y": ("relu", True)}
+
+
+def test_gemm_contracting_the_batch_is_refused():
+    model = make_model([node("Gemm", ["x", "W"], ["y"], "fc", transA=1)],
+                       [tensor_info("x", ["N", 4])], [tensor_info("y", [4, 3])], {"W": rng.normal(size=(4, 3))})
+    with pytest.raises(pathir.UnsupportedOperation, match="batch axis"):
+        pathir.compile(model, input_shape=(4,))
+
+
+def test_matmul_then_add_with_bias_on_either_side():
+    model = make_model(
+        [node("MatMul", ["x", "W"], ["h"], "mm"), node("Add", ["h", "b"], ["h2"], "add"), node("Relu", ["h2"], ["r"], "relu"),
+         node("MatMul", ["r", "W2"], ["h3"], "mm2"), node("Add", ["c", "h3"], ["y"], "add2")],
+        [tensor_info("x", ["N", 4])], [tensor_info("y", ["N", 2])],
+        {"W": rng.normal(size=(4, 6)), "b": rng.normal(size=(1, 6)), "W2": rng.normal(size=(6, 2)), "c": np.array(0.7)})
+    cm = _check(model, rng.normal(size=(5, 4)).astype(np.float32))
+    assert str(cm.graph).splitlines()[2:] == [
+        "  1  relu: relu[6] = dense(W)(x) + bias(b)",
+        "  2  add2: identity[2] = dense(W2)(relu) + bias(c)",
+    ]
+    np.testing.assert_allclose(cm.graph.node("add2").bias.value, [0.7, 0.7], rtol=1e-7)
+
+
+@pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER", "VALID", "NOTSET"])
+def test_conv_and_pools_with_auto_pad(auto_pad):
+    pad = {"pads": [1, 0, 2, 1]} if auto_pad == "NOTSET" else {}
+    pool_pad = {"pads": [1, 0, 0, 1]} if auto_pad == "NOTSET" else {}
+    model = make_model(
+        [node("Conv", ["x", "W", "B"], ["h"], "conv", auto_pad=auto_pad, strides=[2, 2], kernel_shape=[4, 3], **pad),
+         node("Relu", ["h"], ["r"], "relu"),
+         node("AveragePool", ["r"], ["p"], "avg", auto_pad=auto_pad, kernel_shape=[2, 2], strides=[2, 1], **pool_pad),
+         node("MaxPool", ["p"], ["y"], "max", auto_pad=auto_pad, kernel_shape=[2, 2], strides=[1, 1])],
+        [tensor_info("x", ["N", 3, 17, 15])], [tensor_info("y", ["N", "c", "h", "w"])],
+        {"W": rng.normal(size=(5, 3, 4, 3)), "B": rng.normal(size=(5,))})
+    _check(model, rng.normal(size=(2, 3, 17, 15)).astype(np.float32))
+
+
+@pytest.mark.parametrize("include_pad", [0, 1])
+@pytest.mark.parametrize("ceil", [0, 1])
+def test_pools_with_dilations_padding_and_ceil_mode(include_pad, ceil):
+    model = make_model(
+        [node("Conv", ["x", "W"], ["h"], "conv", group=2, dilations=[2, 1], pads=[1, 1, 1, 1]),
+         node("Relu", ["h"], ["r"], "relu"),
+         node("MaxPool", ["r"], ["m"], "max", kernel_shape=[3, 2], strides=[2, 2], pads=[1, 0, 1, 1],
+              dilations=[1, 2], ceil_mode=ceil),
+         node("AveragePool", ["m"], ["y"], "avg", kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1],
+              dilations=[2, 1], ceil_mode=ceil, count_include_pad=include_pad)],
+        [tensor_info("x", ["N", 4, 13, 12])], [tensor_info("y", ["N", "c", "h", "w"])],
+        {"W": rng.normal(size=(6, 2, 3, 3))}, opset=19)
+    cm = _check(model, rng.normal(size=(3, 4, 13, 12)).astype(np.float32))
+    assert cm.graph.node("conv" if "conv" in cm.graph else "relu").edges[0].map.groups == 2
+
+
+@pytest.mark.parametrize("opset,keepdims", [(13, 1), (18, 0), (18, 1)])
+def test_reduce_mean_over_the_spatial_axes(opset, keepdims):
+    axes = {"axes": [2, 3]} if opset < 18 else {}
+    inputs = ["r"] if opset < 18 else ["r", "axes"]
+    inits = {"W": rng.normal(size=(4, 3, 3, 3))}
+    if opset >= 18:
+        inits["axes"] = np.array([-1, 2], dtype=np.int64)
+    model = make_model(
+        [node("Conv", ["x", "W"], ["h"], "conv"), node("Relu", ["h"], ["r"], "relu"),
+         node("ReduceMean", inputs, ["y"], "mean", keepdims=keepdims, **axes)],
+        [tensor_info("x", ["N", 3, 6, 7])], [tensor_info("y", ["N", 4, 1, 1] if keepdims else ["N", 4])], inits, opset)
+    cm = _check(model, rng.normal(size=(2, 3, 6, 7)).astype(np.float32))
+    pool = next(e.map for n in cm.graph for e in n.edges if e.map.kind is MapKind.POOL)
+    np.testing.assert_allclose(pool.mult, np.full((1, 1), 1 / 20))
+
+
+def test_dynamic_spatial_size_with_input_shape():
+    model = make_model(
+        [node("Conv", ["x", "W"], ["h"], "conv", pads=[1, 1, 1, 1]), node("Relu", ["h"], ["r"], "relu"),
+         node("GlobalAveragePool", ["r"], ["g"], "gap"), node("Flatten", ["g"], ["f"], "flat"),
+         node("Gemm", ["f", "V"], ["y"], "fc", transB=1)],
+        [tensor_info("x", ["N", 3, "H", "W"])], [tensor_info("y", ["N", 2])],
+        {"W": rng.normal(size=(5, 3, 3, 3)), "V": rng.normal(size=(2, 5))})
+    cm = _check(model, rng.normal(size=(2, 3, 7, 5)).astype(np.float32), input_shape=(3, 7, 5))
+    assert cm.graph.node("x").shape == (3, 7, 5)
+
+
+def test_concat_transpose_slice_pad_and_global_max_pool():
+    model = make_model(
+        [node("Conv", ["x", "W"], ["a"], "conv"), node("Relu", ["a"], ["r"], "relu"),
+         node("Concat", ["r", "x"], ["c"], "cat", axis=1),
+         node("Transpose", ["c"], ["t"], "transpose", perm=[0, 1, 3, 2]),
+         node("Slice", ["t", "starts", "ends", "axes"], ["s"], "slice"),
+         node("Pad", ["s", "pads"], ["p"], "pad"),
+         node("GlobalMaxPool", ["p"], ["y"], "gmp")],
+        [tensor_info("x", ["N", 3, 5, 6])], [tensor_info("y", ["N", 7, 1, 1])],
+        {"W": rng.normal(size=(4, 3, 1, 1)), "starts": np.array([1], dtype=np.int64),
+         "ends": np.array([5], dtype=np.int64), "axes": np.array([2], dtype=np.int64),
+         "pads": np.array([0, 0, 1, 0, 0, 0, 0, 2], dtype=np.int64)})
+    _check(model, rng.normal(size=(2, 3, 5, 6)).astype(np.float32))
+
+
+def test_two_outputs_and_a_shared_output_node():
+    model = make_model(
+        [node("Gemm", ["x", "W"], ["h"], "fc", transB=1), node("Relu", ["h"], ["y1"], "relu"),
+         node("Identity", ["y1"], ["y2"], "copy")],
+        [tensor_info("x", ["N", 3])], [tensor_info("y1", ["N", 4]), tensor_info("y2", ["N", 4])],
+        {"W": rng.normal(size=(4, 3))})
+    cm = pathir.compile(model)
+    assert len(cm.graph.outputs) == 2 and len(set(cm.graph.outputs)) == 2
+    x = rng.normal(size=(3, 3)).astype(np.float32)
+    out = cm.forward(x.astype(np.float64), backend="numpy")
+    refs = ort_run(model, x)
+    for name, ref in zip(cm.graph.outputs, refs):
+        assert rel(out[name], ref) <= 1e-5

@@ -1,0 +1,231 @@
+"""Write-back into ONNX models: a rescaling leaves onnxruntime's outputs as
+they were (float32: relative error <= 1e-5), masks put zeros into the
+initializers, the source model is never touched, failures change nothing."""
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+
+import pathir
+from pathir.errors import PathirError
+from pathir.rescale import log_scales, rescale_graph
+
+from onnx_cases import export, exported, make_model, node, ort_run, rel, tensor_info
+
+CASES = [(m, e) for m in ("mlp", "bn_mlp", "residual", "pools_exclude_pad", "concat", "shuffle")
+         for e in ("legacy", "legacy-nofold")] + [("residual", "dynamo"), ("concat", "dynamo-noopt")]
+
+
+def _inits(model) -> dict[str, np.ndarray]:
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+
+
+def _random_rescaling(cm, seed=0):
+    z = np.random.default_rng(seed).normal(size=len(cm.units))
+    return z, log_scales(cm.graph, cm.units, z)
+
+
+@pytest.mark.parametrize("name,exporter", CASES)
+def test_random_rescaling_keeps_onnxruntime_outputs(name, exporter):
+    _, shape, proto = exported(name, exporter)
+    source = proto.SerializeToString()
+    cm = pathir.compile(proto)
+    z, scales = _random_rescaling(cm)
+    assert len(cm.units) > 0
+    x = np.random.default_rng(1).normal(size=(4, *shape)).astype(np.float32)
+    before = ort_run(proto, x)[0]
+    cm.frontend.rescale(cm.graph, scales)
+    new = cm.to_onnx()
+    onnx.checker.check_model(new)
+    after = ort_run(new, x)[0]
+    assert rel(after, before) <= 1e-5
+    assert proto.SerializeToString() == source
+    # the written model is the rescaled graph: compile it back and compare parameters
+    again = pathir.compile(new)
+    expected = rescale_graph(cm.graph, cm.units, z)
+    for p, q in zip(again.graph.params(), expected.params()):
+        np.testing.assert_allclose(p.value, q.value, rtol=2e-6, atol=1e-6 * np.abs(q.value).max(), err_msg=p.name)
+    assert rel(again.forward(x.astype(np.float64), backend="numpy"), after) <= 1e-5
+
+
+def test_hidden_neuron_rescaling_of_an_mlp_writes_the_expected_factors():
+    _, _, proto = exported("mlp", "legacy-nofold")
+    cm = pathir.compile(proto)
+    hidden = [n.name for n in cm.graph if cm.graph.is_hidden(n.name)]
+    assert len(hidden) == 2
+    s = {hidden[0]: np.log(np.arange(1, 8) / 2.0)}
+    cm.frontend.rescale(cm.graph, s)
+    old, new = _inits(proto), _inits(cm.to_onnx())
+    f = np.arange(1, 8) / 2.0
+    np.testing.assert_allclose(new["0.weight"], old["0.weight"] * f[:, None], rtol=1e-6)
+    np.testing.assert_allclose(new["0.bias"], old["0.bias"] * f, rtol=1e-6)
+    np.testing.assert_allclose(new["3.weight"], old["3.weight"] / f[None, :], rtol=1e-6)
+    np.testing.assert_array_equal(new["5.weight"], old["5.weight"])
+
+
+def test_unfolded_batchnorm_takes_the_factor_on_its_statistics():
+    # relu -> bn (a Scale edge: nothing to fold into) -> linear
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.ReLU(), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 2))
+    with torch.no_grad():
+        net[2].running_mean.uniform_(-1, 1)
+        net[2].running_var.uniform_(0.5, 2)
+        net[2].weight.uniform_(0.5, 2)
+    proto = export(net, (4,), "legacy-nofold")
+    cm = pathir.compile(proto)
+    relu = next(n.name for n in cm.graph if n.kind.value == "relu")
+    lam = np.array([2.0, 0.5, 3.0, 1.0, 0.25])
+    cm.frontend.rescale(cm.graph, {relu: np.log(lam)})
+    old, new = _inits(proto), _inits(cm.to_onnx())
+    eps = 1e-5
+    np.testing.assert_allclose(new["2.running_mean"], lam * old["2.running_mean"], rtol=1e-6)
+    np.testing.assert_allclose(new["2.running_var"] + eps, lam**2 * (old["2.running_var"] + eps), rtol=1e-5)
+    np.testing.assert_array_equal(new["2.weight"], old["2.weight"])
+    x = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32)
+    assert rel(ort_run(cm.to_onnx(), x)[0], ort_run(proto, x)[0]) <= 1e-5
+
+
+def test_deduplicated_initializers_are_split_not_overwritten():
+    # fresh batch-norms: the legacy exporter aliases equal tensors through Identity nodes
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                              torch.nn.Conv2d(4, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                              torch.nn.Flatten(), torch.nn.Linear(16, 2))
+    proto = export(net, (3, 6, 6), "legacy-nofold")
+    cm = pathir.compile(proto)
+    _, scales = _random_rescaling(cm, seed=3)
+    cm.frontend.rescale(cm.graph, scales)
+    new = cm.to_onnx()
+    onnx.checker.check_model(new)
+    x = np.random.default_rng(2).normal(size=(2, 3, 6, 6)).astype(np.float32)
+    assert rel(ort_run(new, x)[0], ort_run(proto, x)[0]) <= 1e-5
+    assert len({t.name for t in new.graph.initializer}) == len(new.graph.initializer)
+
+
+def test_gemm_alpha_beta_transposed_weights_and_broadcast_bias():
+    rng = np.random.default_rng(0)
+    model = make_model(
+        [node("Gemm", ["x", "W1", "c"], ["h"], "fc1", alpha=0.5, beta=2.0), node("Relu", ["h"], ["r"], "relu"),
+         node("Gemm", ["r", "W2"], ["y"], "fc2", transB=1, alpha=3.0)],
+        [tensor_info("x", ["N", 4])], [tensor_info("y", ["N", 2])],
+        {"W1": rng.normal(size=(4, 3)), "c": np.array(0.3), "W2": rng.normal(size=(2, 3))})
+    cm = pathir.compile(model)
+    f = np.array([2.0, 0.5, 4.0])
+    cm.frontend.rescale(cm.graph, {"relu": np.log(f)})
+    old, new = _inits(model), _inits(cm.to_onnx())
+    np.testing.assert_allclose(new["W1"], old["W1"] * f[None, :], rtol=1e-6)  # W1 is (in, out): transposed
+    np.testing.assert_allclose(new["c"], 0.3 * f, rtol=1e-6)  # the scalar bias became one per channel
+    np.testing.assert_allclose(new["W2"], old["W2"] / f[None, :], rtol=1e-6)
+    x = rng.normal(size=(5, 4)).astype(np.float32)
+    assert rel(ort_run(cm.to_onnx(), x)[0], ort_run(model, x)[0]) <= 1e-5
+
+
+def test_two_rescalings_compose_and_to_onnx_returns_copies():
+    _, shape, proto = exported("residual", "legacy-nofold")
+    cm = pathir.compile(proto)
+    z1, s1 = _random_rescaling(cm, 1)
+    cm.frontend.rescale(cm.graph, s1)
+    first = cm.to_onnx()
+    first.graph.initializer[0].raw_data = b""  # a caller editing the copy changes nothing inside
+    cm.graph = rescale_graph(cm.graph, cm.units, z1)
+    z2, s2 = _random_rescaling(cm, 2)
+    cm.frontend.rescale(cm.graph, s2)
+    x = np.random.default_rng(0).normal(size=(2, *shape)).astype(np.float32)
+    assert rel(ort_run(cm.to_onnx(), x)[0], ort_run(proto, x)[0]) <= 1e-5
+
+
+def test_a_failed_rescaling_changes_nothing():
+    _, _, proto = exported("mlp", "legacy-nofold")
+    cm = pathir.compile(proto)
+    before = cm.to_onnx().SerializeToString()
+    out = cm.graph.outputs[0]
+    with pytest.raises(PathirError, match="pinned"):
+        cm.frontend.rescale(cm.graph, {out: np.ones(cm.graph.node(out).channels)})
+    with pytest.raises((PathirError, ValueError), match="shape"):
+        cm.frontend.rescale(cm.graph, {cm.graph.nodes[1].name: np.ones(2)})
+    assert cm.to_onnx().SerializeToString() == before
+
+
+# ------------------------------------------------------------------ masks
+
+
+@pytest.mark.parametrize("name,exporter", [("residual", "legacy-nofold"), ("mlp", "legacy"), ("concat", "dynamo-noopt")])
+def test_masks_zero_the_initializers(name, exporter):
+    _, shape, proto = exported(name, exporter)
+    source = proto.SerializeToString()
+    cm = pathir.compile(proto)
+    rng = np.random.default_rng(0)
+    weights = [p for p in cm.graph.params() if p.value.ndim > 1]
+    masks = {p.name: rng.random(p.shape) > 0.4 for p in weights}
+    cm.frontend.mask(cm.graph, masks)
+    new = cm.to_onnx()
+    inits = _inits(new)
+    for p in weights:
+        ref = p.sources[0]
+        w = inits[ref.name].reshape(p.shape[::-1] if ref.transposed else p.shape)
+        w = w.T if ref.transposed else w
+        assert np.all(w[~masks[p.name]] == 0) and np.all(w[masks[p.name]] != 0), p.name
+    masked = cm.graph.map_params(lambda p: p.with_value(p.value * masks[p.name]) if p.name in masks else p)
+    x = rng.normal(size=(4, *shape)).astype(np.float32)
+    ir = pathir.compile(masked).forward(x.astype(np.float64), backend="numpy")
+    assert rel(ir, ort_run(new, x)[0]) <= 1e-5
+    assert proto.SerializeToString() == source
+
+
+def test_mask_of_a_folded_batchnorm_bias_is_refused_and_changes_nothing():
+    _, _, proto = exported("residual", "legacy-nofold")
+    cm = pathir.compile(proto)
+    before = cm.to_onnx().SerializeToString()
+    bias = cm.graph.node(cm.graph.outputs[0]).bias  # fc.bias: plain
+    folded = next(p for p in cm.graph.params() if p.name == "bn2.bias")
+    with pytest.raises(PathirError, match="would not zero the param"):
+        cm.frontend.mask(cm.graph, {bias.name: np.zeros(bias.shape, bool), folded.name: np.zeros(folded.shape, bool)})
+    assert cm.to_onnx().SerializeToString() == before
+
+
+def test_saved_file_round_trips(tmp_path):
+    _, shape, proto = exported("concat", "legacy")
+    cm = pathir.compile(proto)
+    cm.frontend.rescale(cm.graph, _random_rescaling(cm)[1])
+    path = tmp_path / "rescaled.onnx"
+    cm.save(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["rescaled.onnx"]
+    assert onnx.load(str(path)).SerializeToString() == cm.to_onnx().SerializeToString()
+
+
+# ------------------------------------------------------------------ the Compiled surface
+
+
+def _surface(method):
+    return pytest.mark.skipif(not hasattr(pathir.Compiled, method), reason=f"cm.{method}() is not written yet")
+
+
+@pytest.mark.parametrize("method,kwargs", [
+    pytest.param("pathcond", {}, marks=_surface("pathcond")),
+    pytest.param("enorm", {}, marks=_surface("enorm")),
+    pytest.param("normalize", {}, marks=_surface("normalize")),
+    pytest.param("prune", {"amount": 0.5}, marks=_surface("prune")),
+])
+def test_compiled_write_backs_give_a_new_onnx_model(method, kwargs, tmp_path):
+    _, shape, proto = exported("residual", "legacy-nofold")
+    path = tmp_path / "model.onnx"
+    path.write_bytes(proto.SerializeToString())
+    cm = pathir.compile(str(path))
+    x = np.random.default_rng(0).normal(size=(4, *shape)).astype(np.float32)
+    before = ort_run(proto, x)[0]
+    getattr(cm, method)(**kwargs)
+    assert path.read_bytes() == proto.SerializeToString()
+    new = cm.to_onnx()
+    onnx.checker.check_model(new)
+    after = ort_run(new, x)[0]
+    ir = cm.forward(x.astype(np.float64), backend="numpy")
+    assert rel(ir, after) <= 1e-5  # the compiled graph follows the written model
+    if method == "prune":
+        zeros = sum(int(np.sum(v == 0)) for v in _inits(new).values())
+        assert zeros >= 0.5 * sum(p.size for p in cm.graph.params() if p.value.ndim > 1) * 0.99
+    else:
+        assert rel(after, before) <= 1e-5
+    cm.save(tmp_path / "out.onnx")
+    assert onnx.load(str(tmp_path / "out.onnx")).SerializeToString() == new.SerializeToString()

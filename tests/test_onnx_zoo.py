@@ -1,0 +1,73 @@
+"""Every torchvision model the torch frontend compiles, exported with both torch
+exporters, compiles from ONNX with the same path-norms, path count and diag G
+(on the same weights: exports that keep every parameter as it is) and the same
+forward as onnxruntime (exports that fold batch-norms in float32)."""
+
+import numpy as np
+import pytest
+import torch
+
+import pathir
+from pathir import zoo
+
+from onnx_cases import export, ort_run, rel
+
+FAST = {"resnet18", "squeezenet1_1"}
+
+
+def _shape(name: str):
+    """Small inputs where the model allows them (adaptive pools export cleanly at 224 only for alexnet/vgg)."""
+    if name == "inception_v3":
+        return (3, 299, 299)
+    if name == "alexnet" or name.startswith("vgg"):
+        return (3, 224, 224)
+    return (3, 64, 64)
+
+
+def _model(name: str):
+    model = zoo.build(name)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # a non-trivial batch-norm affine as well (zoo.build draws the statistics)
+        for m in model.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                m.weight.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+                m.bias.copy_(torch.randn(m.num_features, generator=g) * 0.1)
+    return model.eval()
+
+
+def _params(names):
+    return [pytest.param(n, marks=[] if n in FAST else [pytest.mark.slow]) for n in names]
+
+
+@pytest.mark.parametrize("name", _params(zoo.SUPPORTED))
+def test_zoo_model_from_onnx_has_the_torch_frontends_path_quantities(name):
+    model, shape = _model(name), _shape(name)
+    ct = pathir.compile(model, input_shape=shape)
+    norms = {q: ct.path_norm(q, log10=True) for q in (1, 2)}
+    paths = ct.num_paths(log10=True)
+    g_torch = ct.diag_g()
+    for exporter in ("legacy-nofold", "dynamo-noopt"):
+        cm = pathir.compile(export(model, shape, exporter, batch=1))
+        assert cm.source_num_params == ct.source_num_params, exporter
+        for q in (1, 2):  # 1e-9 relative on the norm: log10 agrees to 1e-9 / ln(10)
+            assert abs(cm.path_norm(q, log10=True) - norms[q]) <= 5e-10, (exporter, q)
+        assert abs(cm.num_paths(log10=True) - paths) <= 5e-12, exporter
+        g = cm.diag_g()
+        assert set(g) == set(g_torch), exporter
+        for k, v in g_torch.items():
+            np.testing.assert_allclose(g[k], v, rtol=1e-9, atol=1e-300 + 1e-12 * np.abs(v).max(), err_msg=f"{exporter}: {k}")
+
+
+@pytest.mark.parametrize("name", _params(zoo.SUPPORTED))
+def test_zoo_model_from_optimised_onnx_matches_onnxruntime(name):
+    model, shape = _model(name), _shape(name)
+    ct = pathir.compile(model, input_shape=shape)
+    x = np.random.default_rng(0).normal(size=(2, *shape)).astype(np.float32)
+    for exporter in ("legacy", "dynamo"):
+        proto = export(model, shape, exporter, batch=1)
+        cm = pathir.compile(proto)
+        out = cm.forward(x.astype(np.float64))
+        out = out.cpu().numpy() if isinstance(out, torch.Tensor) else out
+        assert rel(out, ort_run(proto, x)[0]) <= 1e-5, exporter
+        # batch-norms folded by the exporter in float32: the same network up to rounding
+        assert abs(cm.path_norm(1, log10=True) - ct.path_norm(1, log10=True)) <= 1e-5, exporter

@@ -1,0 +1,203 @@
+"""Path-metric brackets and the output bound (MATH.md §3) against path enumeration."""
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pathir
+from pathir.errors import PathirError
+from pathir.execute import forward
+from pathir.ir import Dense, GraphBuilder
+from pathir.neurons import expand
+from pathir.passes.find_units import find_units
+from pathir.path_metric import check_same_architecture, output_bound, path_metric
+from pathir.paths import enumerate_paths, phi
+from pathir.rescale import rescale_graph
+from pathir.testing import random_inputs, relu_dags, rescalings
+
+BACKENDS = ["numpy", "torch"]
+#: how θ' is made from θ; the first three keep signs and order |θ'| against |θ|
+KINDS = ["prune", "shrink", "grow", "same_signs", "perturb"]
+
+
+def enumerated_metric(ga, gb) -> float:
+    """d(θ, θ') = Σ_p |Φ_p(θ) − Φ_p(θ')| over the enumerated paths (one structure)."""
+    na, nb = expand(ga), expand(gb)
+    pa, pb = enumerate_paths(na), enumerate_paths(nb)
+    assert [(p.neurons, p.keys) for p in pa] == [(p.neurons, p.keys) for p in pb]
+    return math.fsum(np.abs(phi(na, pa) - phi(nb, pb)))
+
+
+def variant(graph, kind: str, seed: int):
+    """θ' from θ: every param entry changed by the rule of ``kind``."""
+    rng = np.random.default_rng(seed)
+
+    def change(p):
+        v = p.value
+        if kind == "prune":
+            return p.with_value(v * (rng.random(v.shape) < 0.6))
+        if kind == "shrink":
+            return p.with_value(v * rng.uniform(0, 1, v.shape))
+        if kind == "grow":
+            return p.with_value(v * rng.uniform(1, 2, v.shape))
+        if kind == "same_signs":
+            return p.with_value(v * rng.uniform(0, 2, v.shape))
+        return p.with_value(v + rng.normal(scale=0.5, size=v.shape))
+
+    return graph.map_params(change)
+
+
+def _le(a, b, rtol=1e-9):
+    return a <= b * (1 + rtol) + 1e-12
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=40)
+@given(graph=relu_dags(), kind=st.sampled_from(KINDS), seed=st.integers(0, 2**32 - 1))
+def test_brackets_hold_around_enumeration(backend, graph, kind, seed):
+    other = variant(graph, kind, seed)
+    m = path_metric(graph, other, backend)
+    d = enumerated_metric(graph, other)
+    assert _le(m.lower, d) and _le(d, m.upper)
+    if kind in ("prune", "shrink", "grow"):
+        assert m.exact and m.same_signs
+    if m.exact:
+        assert m.lower == m.upper
+        assert m.lower == pytest.approx(d, rel=1e-9, abs=1e-12)
+    if kind != "perturb":
+        assert m.same_signs
+
+
+@settings(max_examples=30)
+@given(graph=relu_dags(), seed=st.integers(0, 2**32 - 1))
+def test_lower_bracket_is_the_difference_of_path_norms(graph, seed):
+    other = variant(graph, "perturb", seed)
+    m = path_metric(graph, other, "numpy")
+    assert m.norm_a == pytest.approx(pathir.compile(graph).path_norm(1), rel=1e-12, abs=0)
+    assert m.lower == pytest.approx(abs(m.norm_a - m.norm_b), rel=1e-9, abs=1e-12)
+
+
+@settings(max_examples=30)
+@given(data=st.data(), graph=relu_dags(), kind=st.sampled_from(KINDS), seed=st.integers(0, 2**32 - 1))
+def test_brackets_are_invariant_under_a_joint_rescaling(data, graph, kind, seed):
+    other = variant(graph, kind, seed)
+    z = data.draw(rescalings(graph))
+    units = find_units(graph)[1]
+    m = path_metric(graph, other, "numpy")
+    r = path_metric(rescale_graph(graph, units, z), rescale_graph(other, units, z), "numpy")
+    assert r.upper == pytest.approx(m.upper, rel=1e-9, abs=1e-12)
+    assert r.lower == pytest.approx(m.lower, rel=1e-7, abs=1e-9 * max(m.norm_a, 1))
+    assert (r.exact, r.same_signs) == (m.exact, m.same_signs)  # D scales θ_i and θ'_i alike
+
+
+@settings(max_examples=60)
+@given(data=st.data(), graph=relu_dags(), kind=st.sampled_from(["prune", "shrink", "grow", "same_signs"]),
+       seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([0.1, 1.0, 10.0]))
+def test_output_difference_never_exceeds_the_bound(data, graph, kind, seed, scale):
+    other = variant(graph, kind, seed)
+    x = {k: v * scale for k, v in data.draw(random_inputs(graph)).items()}
+    be = pathir.backends.get_backend("numpy")
+    ya, yb = forward(graph, be, x), forward(other, be, x)
+    diff = sum(np.abs(ya[o] - yb[o]).reshape(len(ya[o]), -1).sum(axis=1) for o in graph.outputs)
+    bound = output_bound(graph, other, x, "numpy")
+    assert bound.shape == diff.shape
+    assert np.all(diff <= bound * (1 + 1e-9) + 1e-12)
+    # the theorem itself, with the enumerated d
+    sup = np.maximum(np.max([np.abs(v).reshape(len(v), -1).max(axis=1) for v in x.values()], axis=0), 1)
+    assert np.all(diff <= sup * enumerated_metric(graph, other) * (1 + 1e-9) + 1e-12)
+
+
+def test_output_bound_on_torch_models():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                              torch.nn.Flatten(), torch.nn.Linear(3, 2)).double()
+    pruned = copy.deepcopy(net)
+    with torch.no_grad():
+        pruned[0].weight.mul_((torch.rand_like(pruned[0].weight) < 0.5).double())
+    a, b = pathir.compile(net, input_shape=(2, 4, 4)), pathir.compile(pruned, input_shape=(2, 4, 4))
+    m = pathir.path_metric(a, b)
+    assert m.exact and m.lower == m.upper > 0
+    x = 3 * torch.randn(16, 2, 4, 4, dtype=torch.float64)
+    diff = (net(x) - pruned(x)).abs().sum(dim=1).detach().numpy()
+    bound = pathir.output_bound(a, b, x)
+    assert np.all(diff <= bound) and np.allclose(bound, np.maximum(x.abs().amax(dim=(1, 2, 3)).numpy(), 1) * m.upper)
+
+
+def test_opposite_signs_refuse_the_output_bound():
+    g = next_mlp(((1.0, -2.0), (3.0,)))
+    flipped = next_mlp(((1.0, 2.0), (3.0,)))
+    m = path_metric(g, flipped, "numpy")
+    assert not m.same_signs and not m.exact
+    with pytest.raises(PathirError, match="opposite signs"):
+        output_bound(g, flipped, np.ones((1, 2)), "numpy")
+
+
+def next_mlp(weights, bias=None):
+    b = GraphBuilder()
+    x = b.input("x", (len(weights[0]),))
+    h = b.relu("h", [(x, Dense(b.param("w1", [weights[0]])))], bias=None if bias is None else b.param("b1", [bias]))
+    return b.build(outputs=[b.identity("y", [(h, Dense(b.param("w2", [weights[1]])))])])
+
+
+def test_different_architectures_are_refused_with_the_difference():
+    with pytest.raises(PathirError, match="same architecture.*bias"):
+        path_metric(next_mlp(((1.0, 2.0), (3.0,))), next_mlp(((1.0, 2.0), (3.0,)), bias=1.0))
+    with pytest.raises(PathirError, match=r"same architecture: node 0 'x': input\[2\] vs 'x': input\[3\]"):
+        check_same_architecture(next_mlp(((1.0, 2.0), (3.0,))), next_mlp(((1.0, 2.0, 3.0), (3.0,))))
+    with pytest.raises(TypeError, match="Compiled or a Graph"):
+        path_metric(object(), object())
+
+
+# ------------------------------------------------ the classical bound along a rescaling orbit
+
+
+def classical_bound(ga, gb, x) -> np.ndarray:
+    """A parameter-space Lipschitz bound for a layered network (hybrid argument):
+    ‖R_θ(x) − R_θ'(x)‖₁ ≤ √d_out Σ_ℓ Π_{k>ℓ} ‖W_k‖₂ (‖W_ℓ − W'_ℓ‖₂ a'_{ℓ−1} + ‖b_ℓ − b'_ℓ‖₂),
+    with a'_0 = ‖x‖₂ and a'_ℓ = ‖W'_ℓ‖₂ a'_{ℓ−1} + ‖b'_ℓ‖₂ bounding θ''s activations."""
+    layers_a = [(n.edges[0].map.W.value, n.bias.value) for n in ga.nodes[1:]]
+    layers_b = [(n.edges[0].map.W.value, n.bias.value) for n in gb.nodes[1:]]
+    norm = lambda m: np.linalg.norm(m, 2)  # noqa: E731
+    a = np.linalg.norm(x, axis=1)
+    total = 0.0
+    for l, ((Wa, ba), (Wb, bb)) in enumerate(zip(layers_a, layers_b)):
+        lip = math.prod(norm(W) for W, _ in layers_a[l + 1:])
+        total = total + lip * (norm(Wa - Wb) * a + np.linalg.norm(ba - bb))
+        a = norm(Wb) * a + np.linalg.norm(bb)
+    return math.sqrt(ga.node(ga.outputs[0]).numel) * total
+
+
+def layered(widths, rng):
+    b = GraphBuilder("mlp")
+    prev = b.input("x", (widths[0],))
+    for i, (d_in, d_out) in enumerate(zip(widths[:-1], widths[1:]), start=1):
+        last = i == len(widths) - 1
+        edges = [(prev, Dense(b.param(f"w{i}", rng.normal(size=(d_out, d_in)))))]
+        prev = (b.identity if last else b.relu)("out" if last else f"h{i}", edges, bias=b.param(f"b{i}", rng.normal(size=d_out)))
+    return b.build(outputs=[prev])
+
+
+def test_classical_bound_grows_along_a_rescaling_orbit_the_path_bound_does_not():
+    rng = np.random.default_rng(0)
+    graph = layered((3, 5, 4, 2), rng)
+    other = graph.map_params(lambda p: p.with_value(p.value * rng.uniform(0.5, 1.5, p.shape)))
+    units = find_units(graph)[1]
+    x = rng.normal(size=(8, 3))
+    be = pathir.backends.get_backend("numpy")
+    direction = rng.choice([-1.0, 1.0], size=len(units))
+    path_bounds, classical = [], []
+    for t in [0.0, 2.0, 4.0, 8.0, 16.0]:
+        a, b = rescale_graph(graph, units, t * direction), rescale_graph(other, units, t * direction)
+        diff = np.abs(forward(a, be, x)["out"] - forward(b, be, x)["out"]).sum(axis=1)
+        path_bounds.append(output_bound(a, b, x, "numpy"))
+        classical.append(classical_bound(a, b, x))
+        assert np.all(diff <= path_bounds[-1] * (1 + 1e-9)) and np.all(diff <= classical[-1] * (1 + 1e-9))
+    for pb in path_bounds[1:]:
+        np.testing.assert_allclose(pb, path_bounds[0], rtol=1e-9)
+    ratios = [float(np.min(c / classical[0])) for c in classical]
+    assert all(r2 > r1 for r1, r2 in zip(ratios[1:], ratios[2:])) and ratios[-1] > 1e3

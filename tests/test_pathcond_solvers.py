@@ -1,0 +1,337 @@
+"""PathCond solvers on arrays (MATH.md §7) against the definition of F.
+
+B matrices are built like real networks: a layered MLP (unit = hidden neuron;
+in = its weight row and bias, out = its column in the next layer) and a
+ResNet-like stack whose stream units are tied across every block. g is random,
+log-uniform over up to 600 nats.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.optimize import minimize_scalar
+from scipy.special import logsumexp
+
+from pathir.pathcond_solvers import gradient, objective, solve, solve_block, solve_coordinate
+from pathir.unit_pairs import Pairs, group_pairs, row_keys, row_units, side_sums
+
+# ---------------------------------------------------------------- networks
+
+
+def incidence(rows, H):
+    """B from one (entered unit, left unit) per parameter, None for "no unit"."""
+    r, c, v = [], [], []
+    for i, (e, l) in enumerate(rows):
+        if e is not None:
+            r, c, v = r + [i], c + [e], v + [-1.0]
+        if l is not None:
+            r, c, v = r + [i], c + [l], v + [1.0]
+    return sp.csr_array((np.array(v), (np.array(r, dtype=int), np.array(c, dtype=int))), shape=(len(rows), H))
+
+
+def mlp_rows(widths, biases=True):
+    unit, H = {}, 0
+    for layer in range(1, len(widths) - 1):
+        for j in range(widths[layer]):
+            unit[layer, j], H = H, H + 1
+    rows = []
+    for layer in range(1, len(widths)):
+        for j in range(widths[layer]):
+            rows += [(unit.get((layer, j)), unit.get((layer - 1, i))) for i in range(widths[layer - 1])]
+            if biases:
+                rows.append((unit.get((layer, j)), None))
+    return rows, H
+
+
+def resnet_rows(d_in, width, inner, blocks, d_out, biases=True):
+    stream = list(range(width))
+    H = width
+    rows = [(s, None) for s in stream for _ in range(d_in)] + ([(s, None) for s in stream] if biases else [])
+    for _ in range(blocks):
+        mids = list(range(H, H + inner))
+        H += inner
+        rows += [(m, s) for m in mids for s in stream] + ([(m, None) for m in mids] if biases else [])
+        rows += [(s, m) for s in stream for m in mids] + ([(s, None) for s in stream] if biases else [])
+    rows += [(None, s) for _ in range(d_out) for s in stream] + ([(None, None)] * d_out if biases else [])
+    return rows, H
+
+
+@st.composite
+def structures(draw):
+    if draw(st.booleans()):
+        return mlp_rows(draw(st.lists(st.integers(1, 4), min_size=3, max_size=5)), draw(st.booleans()))
+    sizes = [draw(st.integers(1, 3)) for _ in range(5)]
+    return resnet_rows(*sizes, biases=draw(st.booleans()))
+
+
+@st.composite
+def problems(draw, spreads=(0.1, 3.0, 30.0, 300.0)):
+    rows, H = draw(structures())
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    g = np.exp(rng.uniform(-1, 1, len(rows)) * draw(st.sampled_from(spreads)))
+    return g, incidence(rows, H)
+
+
+def f_reference(g, B, z):
+    bz = B.toarray() @ z
+    return g.size * logsumexp(np.log(g) + bz) - bz.sum()
+
+
+def rel(a, b):
+    return abs(a - b) / max(1.0, abs(b))
+
+
+def converged_pair(g, B):
+    coord = solve_coordinate(g, B, tol=1e-14, max_sweeps=20000)
+    block = solve_block(g, B, tol=1e-14, max_sweeps=2000)
+    return coord, block
+
+
+# ---------------------------------------------------------------- the objective
+
+
+@given(problems(), st.integers(0, 2**32 - 1))
+@settings(max_examples=40)
+def test_objective_convex_and_gradient_matches_finite_differences(problem, seed):
+    g, B = problem
+    rng = np.random.default_rng(seed)
+    z1, z2 = rng.normal(size=(2, B.shape[1]))
+    f1, f2 = objective(g, B, z1), objective(g, B, z2)
+    assert rel(f1, f_reference(g, B, z1)) < 1e-12
+    assert objective(g, B, (z1 + z2) / 2) <= (f1 + f2) / 2 + 1e-9 * max(1.0, abs(f1))
+    grad = gradient(g, B, z1)
+    h = 1e-5
+    for k in range(B.shape[1]):
+        e = np.zeros(B.shape[1])
+        e[k] = h
+        fd = (objective(g, B, z1 + e) - objective(g, B, z1 - e)) / (2 * h)
+        assert abs(fd - grad[k]) <= 1e-5 * (1 + abs(grad[k])) + 1e-9 * abs(f1)
+
+
+def test_objective_one_unit_by_hand():
+    B = incidence([(0, None), (None, 0)], 1)
+    g = np.array([1.0, 4.0])
+    assert objective(g, B, [0.0]) == pytest.approx(2 * math.log(5))
+    assert objective(g, B, [math.log(3)]) == pytest.approx(2 * math.log(1 / 3 + 12))
+
+
+# ---------------------------------------------------------------- the coordinate update
+
+
+@given(problems(), st.sampled_from([None, True]))
+@settings(max_examples=40)
+def test_coordinate_update_is_the_exact_1d_minimiser(problem, log_domain):
+    """After one sweep the first unit holds argmin_t F(t e_0) and the last the 1-D argmin given the rest."""
+    g, B = problem
+    r = solve_coordinate(g, B, max_sweeps=1, tol=0.0, log_domain=log_domain)
+    assert r.sweeps == 1
+    live = np.setdiff1d(np.arange(B.shape[1]), r.degenerate)
+    dense, log_g, n = B.toarray(), np.log(g), g.size
+    for h, base in ((live[0], np.zeros(B.shape[1])), (live[-1], r.z)):
+        bz = dense @ base - dense[:, h] * base[h]
+
+        def line(t, h=h, bz=bz):  # F with z_h = t, the other units at ``base``
+            u = bz + np.multiply.outer(np.atleast_1d(t), dense[:, h])
+            return n * logsumexp(log_g + u, axis=1) - u.sum(axis=1)
+
+        t_star = r.z[h]
+        f_star = line(t_star)[0]
+        assert line(t_star + np.linspace(-4, 4, 801)).min() >= f_star - 1e-10 * max(1.0, abs(f_star))
+        best = minimize_scalar(lambda t: line(t)[0], bracket=(t_star - 1, t_star + 1), tol=1e-12)
+        assert f_star <= best.fun + 1e-10 * max(1.0, abs(best.fun))
+
+
+def test_coordinate_linear_and_log_domains_agree():
+    rows, H = mlp_rows([3, 4, 2, 2])
+    g = np.exp(np.random.default_rng(0).uniform(-5, 5, len(rows)))
+    B = incidence(rows, H)
+    lin = solve_coordinate(g, B, max_sweeps=7, tol=0.0, log_domain=False)
+    log = solve_coordinate(g, B, max_sweeps=7, tol=0.0, log_domain=True)
+    assert not lin.extra["log_domain"] and log.extra["log_domain"]
+    np.testing.assert_allclose(lin.z, log.z, atol=1e-10)
+    np.testing.assert_allclose(lin.history, log.history, rtol=1e-12)
+
+
+# ---------------------------------------------------------------- solvers to convergence
+
+
+@given(problems())
+@settings(max_examples=30)
+def test_block_solver_reaches_coordinate_minimum(problem):
+    g, B = problem
+    coord, block = converged_pair(g, B)
+    plain = solve_block(g, B, tol=1e-14, max_sweeps=5000, anderson=0)
+    assert coord.converged and block.converged and plain.converged
+    for r in (coord, block, plain):
+        assert rel(r.f_final, f_reference(g, B, r.z)) < 1e-12
+        assert r.f_initial == pytest.approx(f_reference(g, B, np.zeros(B.shape[1])), rel=1e-12)
+        assert np.all(np.diff(r.history) <= 1e-12 * np.abs(r.history[1:]) + 1e-9)  # monotone
+    assert block.f_final <= coord.f_final + 1e-9 * max(1.0, abs(coord.f_final))
+    assert plain.f_final <= coord.f_final + 1e-9 * max(1.0, abs(coord.f_final))
+    assert block.grad_rel < 1e-6
+    np.testing.assert_allclose(gradient(g, B, block.z), 0, atol=1e-6 * g.size)
+
+
+@given(structures(), st.floats(1e-300, 1e300))
+@settings(max_examples=30)
+def test_constant_g_leaves_the_network_as_is(structure, value):
+    """MATH.md §11: all g_i equal => z* = 0."""
+    rows, H = structure
+    g, B = np.full(len(rows), value), incidence(rows, H)
+    for r in (solve_block(g, B), solve_coordinate(g, B)):
+        assert r.max_abs_z < 1e-9
+        assert r.f_final == pytest.approx(r.f_initial, rel=1e-12)
+
+
+@given(problems(spreads=(0.1, 3.0, 30.0)), st.integers(0, 2**32 - 1))
+@settings(max_examples=30)
+def test_rescaling_the_input_changes_nothing(problem, seed):
+    """Solving from g e^{Bz0} reaches F* + Σ(Bz0) and the same rescaled g (up to one factor)."""
+    g, B = problem
+    z0 = np.random.default_rng(seed).normal(scale=3.0, size=B.shape[1])
+    bz0 = B @ z0
+    g2 = g * np.exp(bz0)
+    a, b = solve(g, B, tol=1e-14), solve(g2, B, tol=1e-14)
+    assert b.f_initial == pytest.approx(f_reference(g, B, z0) + bz0.sum(), rel=1e-12)
+    assert rel(b.f_final, a.f_final + bz0.sum()) < 1e-10
+    ga, gb = np.log(g) + B @ a.z, np.log(g2) + B @ b.z
+    np.testing.assert_allclose(ga - logsumexp(ga), gb - logsumexp(gb), atol=1e-5)
+
+
+# ---------------------------------------------------------------- degenerate units
+
+
+def dead_units_by_definition(g, B):
+    dense = B.toarray()
+    return [h for h in range(B.shape[1]) if not ((g[dense[:, h] < 0] > 0).any() and (g[dense[:, h] > 0] > 0).any())]
+
+
+@given(problems(spreads=(0.1, 3.0)), st.data())
+@settings(max_examples=30)
+def test_degenerate_units_are_found_and_kept_at_zero(problem, data):
+    g, B = problem
+    H = B.shape[1]
+    dense = B.toarray()
+    h = data.draw(st.integers(0, H - 1))
+    side = data.draw(st.sampled_from([-1.0, 1.0]))
+    g = g.copy()
+    g[dense[:, h] == side] = 0.0  # a dead (or pruned) neuron: no mass on one whole side
+    expected = dead_units_by_definition(g, B)
+    assert h in expected
+    coord, block = converged_pair(g, B)
+    for r in (coord, block):
+        assert r.degenerate.tolist() == expected
+        assert np.all(r.z[expected] == 0.0)
+        assert math.isfinite(r.f_final) and r.f_final <= r.f_initial
+    assert block.f_final <= coord.f_final + 1e-9 * max(1.0, abs(coord.f_final))
+
+
+def test_all_units_degenerate_or_none():
+    rows, H = mlp_rows([2, 3, 1])
+    B = incidence(rows, H)
+    g = np.ones(len(rows))
+    g[[i for i, (e, l) in enumerate(rows) if l is not None]] = 0.0  # no unit has outgoing mass
+    for r in (solve_block(g, B), solve_coordinate(g, B)):
+        assert r.degenerate.tolist() == [0, 1, 2] and r.max_abs_z == 0.0 and r.converged
+    empty = sp.csr_array((4, 0))
+    r = solve(np.ones(4), empty)
+    assert r.z.shape == (0,) and r.f_final == pytest.approx(4 * math.log(4))
+
+
+# ---------------------------------------------------------------- inputs and plumbing
+
+
+def test_bad_inputs_are_rejected():
+    good = incidence([(0, None), (None, 0)], 1)
+    with pytest.raises(ValueError, match="only -1, 0 and"):
+        solve(np.ones(2), sp.csr_array(np.array([[-2.0], [1.0]])))
+    with pytest.raises(ValueError, match="two -1 entries"):
+        solve(np.ones(2), sp.csr_array(np.array([[-1.0, -1.0], [1.0, 1.0]])))
+    with pytest.raises(ValueError, match="non-negative"):
+        solve(np.array([1.0, -1.0]), good)
+    with pytest.raises(ValueError, match="3 entries but B has 2 rows"):
+        solve(np.ones(3), good)
+    with pytest.raises(ValueError, match="unknown PathCond method"):
+        solve(np.ones(2), good, method="newton")
+
+
+@given(structures(), st.integers(0, 2**32 - 1))
+@settings(max_examples=30)
+def test_unit_pairs_regroup_the_rows_exactly(structure, seed):
+    rows, H = structure
+    B = incidence(rows, H)
+    enter, leave, _ = row_units(B)
+    assert [(None if e == H else e, None if l == H else l) for e, l in zip(enter, leave)] == rows
+    rng = np.random.default_rng(seed)
+    m = np.exp(rng.uniform(-400, 400, len(rows))) * (rng.random(len(rows)) < 0.8)
+    z = rng.normal(scale=100.0, size=H)
+    pairs = group_pairs(m, row_keys(B)[0], H)
+    zp = np.append(z, 0.0)
+    with np.errstate(divide="ignore"):
+        direct = logsumexp(np.log(m) + B @ z)
+    via_pairs = logsumexp(pairs.log_mass + zp[pairs.leave] - zp[pairs.enter]) if pairs.log_mass.size else -np.inf
+    assert via_pairs == pytest.approx(direct, rel=1e-12, abs=1e-9)
+    order = np.argsort(pairs.leave, kind="stable")
+    sums = side_sums(pairs.leave[order], pairs.enter[order], pairs.log_mass[order], H + 1)
+    for row, value in zip(sums.rows, sums(-zp)):
+        k = pairs.leave == row
+        assert value == pytest.approx(logsumexp(pairs.log_mass[k] - zp[pairs.enter[k]]), rel=1e-12, abs=1e-9)
+
+
+def test_frozen_pairs_merge():
+    pairs = Pairs(np.log([1.0, 2.0, 4.0]), np.array([0, 1, 2]), np.array([2, 2, 1]), 2)
+    frozen = pairs.freeze([1])  # (1, none) and (none, 1) both become (none, none)
+    assert frozen.enter.tolist() == [0, 2] and frozen.leave.tolist() == [2, 2]
+    np.testing.assert_allclose(np.exp(frozen.log_mass), [1.0, 6.0])
+    assert pairs.degenerate().tolist() == [0]  # unit 0 is never left
+
+
+# ---------------------------------------------------------------- numerics at the edges
+
+
+@pytest.mark.parametrize("a", [-7, -1, 0, 1, 7])
+@pytest.mark.parametrize("log_r", [-900.0, -40.0, 0.0, 3.0, 299.0, 301.0, 900.0])
+def test_positive_root_in_log_space(a, log_r):
+    """log_positive_root (block: alpha = gamma = n) and the coordinate solver's scalar one vs mpmath."""
+    import mpmath
+
+    from pathir.pathcond_coordinate import _log_root
+    from pathir.pathcond_objective import log_positive_root
+
+    mpmath.mp.dps = 60
+    n = 10
+    r = mpmath.exp(log_r)
+    for alpha, gamma, got in ((n, n, log_positive_root(a, log_r, n, n)),
+                              (n + a, n - a, log_positive_root(a, log_r, n + a, n - a)),
+                              (n + a, n - a, _log_root(a, log_r, n))):
+        y = (-a * r + mpmath.sqrt(a * a * r * r + 4 * alpha * gamma)) / (2 * alpha) if a <= 0 else \
+            2 * gamma / (a * r + mpmath.sqrt(a * a * r * r + 4 * alpha * gamma))
+        assert alpha * y * y + a * r * y - gamma == pytest.approx(0, abs=mpmath.mpf(10) ** -40 * (1 + abs(a * r * y)))
+        assert float(got) == pytest.approx(float(mpmath.log(y)), rel=1e-13, abs=1e-13)
+
+
+def test_coordinate_switches_to_log_space_when_the_range_outgrows_float64():
+    rows, H = resnet_rows(2, 2, 2, 2, 2)
+    B = incidence(rows, H)
+    g = np.exp(np.random.default_rng(3).uniform(-360, 360, len(rows)))
+    forced = solve_coordinate(g, B, tol=1e-14, log_domain=False)
+    auto = solve_coordinate(g, B, tol=1e-14)
+    assert forced.extra["log_domain"] and auto.extra["log_domain"]
+    assert rel(forced.f_final, auto.f_final) < 1e-12
+    block = solve_block(g, B, tol=1e-14)
+    assert block.f_final <= auto.f_final + 1e-9 * abs(auto.f_final)
+
+
+def test_many_units_group_by_sorting():
+    """H large enough that the (H+1)² pair keys are grouped with np.unique rather than a dense bincount."""
+    rows, H = mlp_rows([2, 2100, 1])
+    B = incidence(rows, H)
+    g = np.exp(np.random.default_rng(4).uniform(-3, 3, len(rows)))
+    coord, block = solve_coordinate(g, B, tol=1e-14), solve_block(g, B, tol=1e-14)
+    assert block.extra["colours"] == 1 and block.extra["pairs"] == 2 * H + 1  # (h, in: 2 weights + bias), (out, h), output bias
+    assert block.f_final <= coord.f_final + 1e-9 * abs(coord.f_final)
+    assert block.grad_rel < 1e-8

@@ -1,0 +1,319 @@
+"""Path-magnitude scores and pruning (MATH.md §4) against enumeration, their
+rescaling invariance, and write-back into torch and ONNX models."""
+
+import copy
+import io
+import json
+import math
+import os
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
+
+import pathir
+from pathir.cli import main
+from pathir.errors import PathirError
+from pathir.execute import forward
+from pathir.frontends.torch_writer import TorchWriter
+from pathir.neurons import expand
+from pathir.passes.find_units import find_units
+from pathir.passes.incidence import ParamLayout
+from pathir.paths import enumerate_paths, phi
+from pathir.pruning import path_magnitude_scores, prune_graph, prune_masks
+from pathir.rescale import log_scales, rescale_graph
+from pathir.testing import mlps, random_inputs, relu_dags, rescalings
+
+BACKENDS = ["numpy", "torch"]
+
+
+def enumerated_scores(graph) -> np.ndarray:
+    """S_i = Σ_p |Φ_p| · (times θ_i is a factor of p), flat in θ order."""
+    layout = ParamLayout(tuple(graph.params()))
+    net = expand(graph)
+    paths = enumerate_paths(net)
+    S = np.zeros(len(layout))
+    for p, value in zip(paths, phi(net, paths)):
+        start = net.nodes[p.start]
+        if not start["is_input"]:
+            S[layout.slice(start["bias"][0]).start + start["bias"][1]] += abs(value)
+        for u, v, k in p.edges():
+            ref = net.edges[u, v, k]["param"]
+            if ref is not None:
+                S[layout.slice(ref[0]).start + ref[1]] += abs(value)
+    return S
+
+
+def flat_scores(graph, backend) -> np.ndarray:
+    s = path_magnitude_scores(graph, backend)
+    return np.concatenate([s[p.source_name].ravel() for p in graph.params()] + [np.zeros(0)])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=40)
+@given(graph=relu_dags())
+def test_scores_equal_enumeration(backend, graph):
+    expected = enumerated_scores(graph)
+    np.testing.assert_allclose(flat_scores(graph, backend), expected, rtol=1e-10, atol=1e-12 * max(expected.max(initial=0), 1))
+
+
+@settings(max_examples=15)
+@given(graph=mlps(), data=st.data())
+def test_score_is_the_path_norm_lost_by_zeroing_the_entry(graph, data):
+    cm = pathir.compile(graph, backend="numpy")
+    layout = ParamLayout(tuple(graph.params()))
+    i = data.draw(st.integers(0, len(layout) - 1))
+    name, idx = layout.locate(i)
+    keep = np.ones(graph.params()[layout.position(name)].shape, dtype=bool)
+    keep[idx] = False
+    zeroed = prune_graph(graph, {name: keep})
+    lost = cm.path_norm(1) - pathir.compile(zeroed, backend="numpy").path_norm(1)
+    assert flat_scores(graph, "numpy")[i] == pytest.approx(lost, rel=1e-9, abs=1e-12)
+
+
+@settings(max_examples=30)
+@given(data=st.data(), graph=relu_dags())
+def test_scores_are_invariant_under_rescaling(data, graph):
+    z = data.draw(rescalings(graph))
+    rescaled = rescale_graph(graph, find_units(graph)[1], z)
+    a, b = flat_scores(graph, "numpy"), flat_scores(rescaled, "numpy")
+    np.testing.assert_allclose(b, a, rtol=1e-9, atol=1e-12 * max(a.max(initial=0), 1))
+
+
+@settings(max_examples=30)
+@given(data=st.data(), graph=relu_dags(), amount=st.sampled_from([0.0, 0.3, 0.5, 1.0]),
+       criterion=st.sampled_from(["path-magnitude", "magnitude"]), scope=st.sampled_from(["global", "local"]))
+def test_pruning_report_and_guarantee(data, graph, amount, criterion, scope):
+    cm = pathir.compile(graph, backend="numpy")
+    if not report_names(graph):
+        with pytest.raises(PathirError, match="nothing to prune"):
+            cm.prune(amount)
+        return
+    s = path_magnitude_scores(graph, "numpy")
+    scores = {p.name: s[p.source_name] for p in graph.params()}
+    report = cm.prune(amount, criterion=criterion, scope=scope)
+    masks = {p.name: p.value != 0 for p in cm.graph.params()}
+    weights = [p for p in graph.params() if p.name in report_names(graph)]
+    assert report.candidates == sum(p.size for p in weights)
+    assert report.pruned == (round(amount * report.candidates) if scope == "global" else sum(round(amount * p.size) for p in weights))
+    # which entries: the smallest by the criterion (ties at the threshold aside)
+    key = (lambda p: scores[p.name]) if criterion == "path-magnitude" else (lambda p: np.abs(p.value))
+    if scope == "global" and 0 < report.pruned < report.candidates:
+        kept = np.concatenate([key(p)[masks[p.name]] for p in weights])
+        cut = np.concatenate([key(p)[~masks[p.name]] for p in weights if (~masks[p.name]).any()] or [np.zeros(0)])
+        assert cut.max() <= kept.min() * (1 + 1e-12)
+    # the exact path-metric of the pruning, and Σ S_i over the pruned set bound it
+    bound = math.fsum(scores[p.name][~masks[p.name]].sum() for p in weights)
+    assert report.bound == pytest.approx(bound, rel=1e-9, abs=1e-12)
+    assert report.path_metric == pytest.approx(report.path_norm_before - report.path_norm_after, rel=1e-7, abs=1e-9)
+    assert report.path_metric <= report.bound * (1 + 1e-9) + 1e-12
+    x = data.draw(random_inputs(graph))
+    be = pathir.backends.get_backend("numpy")
+    ya, yb = forward(graph, be, x), forward(cm.graph, be, x)
+    diff = sum(np.abs(ya[o] - yb[o]).reshape(len(ya[o]), -1).sum(axis=1) for o in graph.outputs)
+    sup = np.maximum(np.max([np.abs(v).reshape(len(v), -1).max(axis=1) for v in x.values()], axis=0), 1)
+    assert np.all(diff <= sup * report.path_metric * (1 + 1e-9) + 1e-12)
+
+
+def report_names(graph):
+    from pathir.ir import MapKind
+
+    return {e.map.weight.name for n in graph.nodes for e in n.edges if e.map.kind in (MapKind.DENSE, MapKind.CONV)}
+
+
+# ------------------------------------------------------------ trained torch networks
+
+
+def trained(model: nn.Module, shape, steps: int = 40, seed: int = 0) -> nn.Module:
+    """``model`` in float64 after a few SGD steps on a random regression task."""
+    torch.manual_seed(seed)
+    model = model.double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x = torch.randn(64, *shape, dtype=torch.float64)
+    y = torch.randn(64, model(x[:2]).shape[1], dtype=torch.float64)
+    for _ in range(steps):
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+    return model.eval()
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 3))
+
+
+def cnn():
+    return nn.Sequential(nn.Conv2d(2, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(6, 5, 3), nn.BatchNorm2d(5), nn.ReLU(), nn.Flatten(), nn.Linear(20, 3))
+
+
+def masks_of(model) -> dict[str, torch.Tensor]:
+    return {name: buf.clone() for name, buf in model.named_buffers() if name.endswith("_mask")}
+
+
+@pytest.mark.parametrize("make, shape", [(mlp, (6,)), (cnn, (2, 8, 8))], ids=["mlp", "cnn-bn"])
+def test_path_magnitude_selection_is_rescaling_invariant_magnitude_is_not(make, shape):
+    net = trained(make(), shape)
+    cm = pathir.compile(net, input_shape=shape)
+    z = np.random.default_rng(1).uniform(-2, 2, size=len(cm.units))
+    twin = copy.deepcopy(net)
+    TorchWriter(twin).rescale(cm.graph, log_scales(cm.graph, cm.units, z))
+    x = torch.randn(8, *shape, dtype=torch.float64)
+    torch.testing.assert_close(twin(x), net(x), rtol=1e-10, atol=1e-12)  # the same function
+    chosen = {}
+    for criterion in ("path-magnitude", "magnitude"):
+        pair = []
+        for model in (copy.deepcopy(net), copy.deepcopy(twin)):
+            pathir.compile(model, input_shape=shape).prune(0.5, criterion=criterion)
+            pair.append(masks_of(model))
+        chosen[criterion] = pair
+    a, b = chosen["path-magnitude"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    a, b = chosen["magnitude"]
+    assert not all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_torch_write_back_matches_the_pruned_graph_and_its_bound():
+    net = trained(cnn(), (2, 8, 8))
+    before = copy.deepcopy(net)
+    cm = pathir.compile(net, input_shape=(2, 8, 8))
+    scores = cm.path_magnitude_scores()
+    assert set(scores) == {"0.weight", "1.bias", "4.weight", "5.bias", "8.weight", "8.bias"}  # folded batch-norms
+    assert scores["0.weight"].shape == net[0].weight.shape
+    report = cm.prune(0.6)
+    assert report.pruned == round(0.6 * report.candidates)
+    masks = masks_of(net)
+    assert set(masks) == {"0.weight_mask", "4.weight_mask", "8.weight_mask"}
+    assert sum(int((m == 0).sum()) for m in masks.values()) == report.pruned
+    for p in cm.graph.params():  # the graph is θ ⊙ mask, the model agrees
+        if p.name.endswith("weight") and p.name in ("0.weight", "4.weight", "8.weight"):
+            np.testing.assert_array_equal(p.value != 0, masks[p.name + "_mask"].numpy() != 0)
+    x = 2 * torch.randn(32, 2, 8, 8, dtype=torch.float64)
+    np.testing.assert_allclose(cm.forward(x.numpy()), net(x).detach().numpy(), rtol=1e-9, atol=1e-12)
+    diff = (before(x) - net(x)).abs().sum(dim=1).detach().numpy()
+    sup = np.maximum(x.abs().amax(dim=(1, 2, 3)).numpy(), 1)
+    assert np.all(diff <= sup * report.path_metric) and report.path_metric <= report.bound * (1 + 1e-12)
+    assert report.path_norm_after == pytest.approx(cm.path_norm(1), rel=1e-12)
+
+
+def test_a_second_pruning_keeps_the_first_zeros():
+    net = trained(mlp(), (6,))
+    cm = pathir.compile(net, input_shape=(6,))
+    cm.prune(0.3)
+    first = masks_of(net)
+    report = cm.prune(0.6)
+    second = masks_of(net)
+    assert all(torch.all(second[k] <= first[k]) for k in first)
+    assert sum(int((m == 0).sum()) for m in second.values()) == report.pruned
+
+
+def test_folded_batchnorm_bias_cannot_be_pruned_and_nothing_changes():
+    net = trained(cnn(), (2, 8, 8))
+    state = copy.deepcopy(net.state_dict())
+    cm = pathir.compile(net, input_shape=(2, 8, 8))
+    graph = cm.graph
+    with pytest.raises(PathirError, match="not its source tensor"):
+        cm.prune(0.9, include_biases=True)
+    assert cm.graph is graph and masks_of(net) == {}
+    assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())
+
+
+def test_bad_arguments_are_refused():
+    cm = pathir.compile(trained(mlp(), (6,)), input_shape=(6,))
+    with pytest.raises(ValueError, match="criterion"):
+        cm.prune(0.5, criterion="random")
+    with pytest.raises(ValueError, match="scope"):
+        cm.prune(0.5, scope="layer")
+    with pytest.raises(ValueError, match="amount"):
+        cm.prune(1.5)
+    with pytest.raises(ValueError, match="amount"):
+        cm.prune(10**6)
+    assert masks_of(cm.model) == {}
+
+
+def test_count_amount_and_biases():
+    net = trained(mlp(), (6,))
+    cm = pathir.compile(net, input_shape=(6,))
+    report = cm.prune(7, include_biases=True)
+    assert report.pruned == 7 and report.candidates == sum(p.numel() for p in net.parameters())
+
+
+# ------------------------------------------------------------ ONNX models
+
+
+def matmul_model(rng) -> onnx.ModelProto:
+    """x @ W1 + b1 -> relu -> @ W2: MatMul initializers are the transposes of the dense weights."""
+    W1, b1, W2 = rng.normal(size=(3, 4)), rng.normal(size=4), rng.normal(size=(4, 2))
+    inits = [numpy_helper.from_array(a.astype(np.float32), n) for a, n in [(W1, "W1"), (b1, "b1"), (W2, "W2")]]
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["m1"]), helper.make_node("Add", ["m1", "b1"], ["a1"]),
+             helper.make_node("Relu", ["a1"], ["r1"]), helper.make_node("MatMul", ["r1", "W2"], ["y"])]
+    graph = helper.make_graph(nodes, "mm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_onnx_scores_in_source_layout_and_masks_in_initializers():
+    rng = np.random.default_rng(0)
+    model = matmul_model(rng)
+    cm = pathir.compile(model)
+    scores = cm.path_magnitude_scores()
+    assert scores["W1"].shape == (3, 4) and scores["W2"].shape == (4, 2)
+    W1 = numpy_helper.to_array(model.graph.initializer[0]).astype(np.float64)
+    W2 = numpy_helper.to_array(model.graph.initializer[2]).astype(np.float64)
+    b1 = numpy_helper.to_array(model.graph.initializer[1]).astype(np.float64)
+    # S of W1[i, j] (input i -> hidden j): |W1[i, j]| * Σ_k |W2[j, k]|
+    np.testing.assert_allclose(scores["W1"], np.abs(W1) * np.abs(W2).sum(axis=1)[None, :], rtol=1e-12)
+    report = cm.prune(0.5)
+    out = {t.name: numpy_helper.to_array(t) for t in cm.to_onnx().graph.initializer}
+    zeros = sum(int((out[n] == 0).sum()) for n in ("W1", "W2"))
+    assert zeros == report.pruned
+    np.testing.assert_array_equal(out["W1"] != 0, cm.graph.params()[0].value.T != 0)
+    x = rng.normal(size=(1, 3))
+    h = np.maximum(x @ (out["W1"].astype(np.float64)) + b1, 0)
+    np.testing.assert_allclose(cm.forward(x), h @ out["W2"].astype(np.float64), rtol=1e-6)
+    assert numpy_helper.to_array(model.graph.initializer[0]).all()  # the source model is untouched
+
+
+# ------------------------------------------------------------ the CLI
+
+
+def test_cli_prunes_a_torch_model_into_a_state_dict(tmp_path, monkeypatch, capsys):
+    (tmp_path / "tiny_models.py").write_text(
+        "import torch\n"
+        "def make():\n"
+        "    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "pruned.pt"
+    assert main(["prune", "tiny_models:make", "--input-shape", "4", "--amount", "0.5", "-o", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["pruned"] == 20 and report["path_metric"] <= report["bound"] * (1 + 1e-12)
+    state = torch.load(out)
+    assert set(state) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert int((state["0.weight"] == 0).sum() + (state["2.weight"] == 0).sum()) == 20
+    fresh = __import__("tiny_models").make()
+    fresh.load_state_dict(state)
+
+
+def test_cli_prunes_an_onnx_file_and_writes_nothing_on_failure(tmp_path, capsys):
+    src = tmp_path / "mm.onnx"
+    onnx.save(matmul_model(np.random.default_rng(2)), str(src))
+    out = tmp_path / "out.onnx"
+    assert main(["prune", str(src), "--amount", "0.25", "-o", str(out)]) == 0
+    assert "written to" in capsys.readouterr().out
+    zeros = sum(int((numpy_helper.to_array(t) == 0).sum()) for t in onnx.load(str(out)).graph.initializer)
+    assert zeros == round(0.25 * (12 + 8))
+    bad = tmp_path / "bad.onnx"
+    assert main(["prune", str(src), "--amount", "1.5", "-o", str(bad)]) == 2
+    assert "amount" in capsys.readouterr().err
+    assert main(["prune", str(src), "--amount", "0.5", "-o", str(tmp_path / "x.pt")]) == 2
+    assert main(["prune", str(src), "--amount", "0.5", "-o", str(tmp_path / "no" / "x.onnx")]) == 2
+    assert sorted(os.listdir(tmp_path)) == ["mm.onnx", "out.onnx"]

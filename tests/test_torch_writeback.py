@@ -1,0 +1,271 @@
+"""Write-back of rescalings and masks into real torch models (frontends/torch_writer.py)."""
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+import pathir  # noqa: E402
+from pathir.errors import PathirError  # noqa: E402
+from pathir.ir import MapKind, Role  # noqa: E402
+from pathir.rescale import log_scales  # noqa: E402
+
+from pathir.frontends.torch_writer import TorchWriter  # noqa: E402
+
+
+def _randomize_bn(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            with torch.no_grad():
+                m.running_mean.copy_(torch.randn(m.num_features, generator=g))
+                m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+                m.weight.copy_(torch.randn(m.num_features, generator=g))
+                m.bias.copy_(torch.randn(m.num_features, generator=g))
+    return model
+
+
+def _z(cm, seed=0, size=1.0):
+    return np.random.default_rng(seed).uniform(-size, size, len(cm.units))
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _rescale_and_compare(model, input_shape, train=False, seed=0, tol=1e-10):
+    """Rescale ``model`` through write-back; the forward must not change."""
+    torch.manual_seed(seed)
+    model = model.double().train(train)
+    cm = pathir.compile(model, input_shape=input_shape)
+    x = torch.randn(4, *input_shape, dtype=torch.float64)
+    reference = copy.deepcopy(model)  # train-mode forwards update running stats: compare on twins
+    z = _z(cm, seed)
+    cm._write_rescaling(log_scales(cm.graph, cm.units, z))
+    with torch.no_grad():
+        before, after = reference(x), model(x)
+    assert _rel(after, before) <= tol
+    return cm, z
+
+
+class _Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        h = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(h)) + x)
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3), nn.ReLU(), nn.Linear(3, 2))
+
+
+def _cnn():
+    return _randomize_bn(nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(4, 5, 3), nn.BatchNorm2d(5), nn.ReLU(), nn.Flatten(), nn.Linear(5 * 2 * 2, 3),
+    ))
+
+
+def _resnet_like():
+    return _randomize_bn(nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(), _Block(3), _Block(3),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 2),
+    ))
+
+
+def _unfolded_bn():
+    """A batch-norm after a ReLU cannot fold: a Scale edge whose input factor lands on the running stats."""
+    return _randomize_bn(nn.Sequential(
+        nn.Conv2d(2, 3, 3), nn.ReLU(), nn.BatchNorm2d(3), nn.Conv2d(3, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8, 2),
+    ))
+
+
+# --------------------------------------------------------------- rescaling keeps the function
+
+
+def test_mlp():
+    _rescale_and_compare(_mlp(), (4,))
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_cnn_with_batchnorm_in_eval_and_train_mode(train):
+    _rescale_and_compare(_cnn(), (3, 8, 8), train=train)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_resnet_like_block(train):
+    cm, _ = _rescale_and_compare(_resnet_like(), (2, 4, 4), train=train)
+    assert sum(n.startswith("stream:") for n in cm.units.names) == 3
+
+
+def test_unfolded_batchnorm_moves_its_running_statistics():
+    model = _unfolded_bn().double().eval()
+    cm = pathir.compile(model, input_shape=(2, 6, 6))
+    (v, edge), = [(n, e) for n in cm.graph.nodes for e in n.edges if e.map.kind is MapKind.SCALE]
+    assert Role.IN_STATS in {r.role for r in edge.map.W.sources}
+    bn = model[2]
+    mean, var, gamma = bn.running_mean.clone(), bn.running_var.clone(), bn.weight.clone()
+    s = log_scales(cm.graph, cm.units, _z(cm, seed=3))
+    x = torch.randn(3, 2, 6, 6, dtype=torch.float64)
+    with torch.no_grad():
+        before = model(x)
+    cm._write_rescaling(s)
+    with torch.no_grad():
+        assert _rel(model(x), before) <= 1e-10
+    lam, out = torch.as_tensor(np.exp(s[edge.source])), torch.as_tensor(np.exp(s[v.name]))
+    assert (lam - 1).abs().min() > 1e-3 and (out - 1).abs().min() > 1e-3  # both sides really move
+    assert torch.allclose(bn.running_mean, lam * mean, rtol=1e-12)
+    assert torch.allclose(bn.running_var + bn.eps, lam**2 * (var + bn.eps), rtol=1e-12)
+    assert torch.allclose(bn.weight, out * gamma, rtol=1e-12)
+
+
+def test_written_model_compiles_to_the_rescaled_graph():
+    model = _cnn().double().eval()
+    cm = pathir.compile(model, input_shape=(3, 8, 8))
+    z = _z(cm, seed=5)
+    expected = cm.rescaled(z).graph
+    cm._write_rescaling(log_scales(cm.graph, cm.units, z))
+    again = pathir.compile(model, input_shape=(3, 8, 8)).graph
+    for p, q in zip(again.params(), expected.params()):
+        assert p.name == q.name and np.allclose(p.value, q.value, rtol=1e-10, atol=1e-14)
+
+
+def test_float32_model_keeps_dtype():
+    model = _cnn().float().eval()
+    cm = pathir.compile(model, input_shape=(3, 8, 8))
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        before = model(x)
+    cm._write_rescaling(log_scales(cm.graph, cm.units, _z(cm, size=0.5)))
+    assert all(t.dtype == torch.float32 for t in model.state_dict().values() if t.is_floating_point())
+    with torch.no_grad():
+        assert _rel(model(x), before) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["resnet18", "densenet121"])
+def test_torchvision_models(name):
+    torchvision = pytest.importorskip("torchvision")
+    model = _randomize_bn(getattr(torchvision.models, name)())
+    _rescale_and_compare(model, (3, 32, 32))
+
+
+# --------------------------------------------------------------- all or nothing
+
+
+def _state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _same_state(model, state):
+    now = model.state_dict()
+    return now.keys() == state.keys() and all(torch.equal(now[k], state[k]) for k in state)
+
+
+def test_error_midway_leaves_the_model_untouched(monkeypatch):
+    model = _resnet_like().double().eval()
+    cm = pathir.compile(model, input_shape=(2, 4, 4))
+    state = _state(model)
+    calls = []
+    original = TorchWriter._new_value
+
+    def failing(name, *args):
+        calls.append(name)
+        if len(calls) == 5:
+            raise RuntimeError("injected failure")
+        return original(name, *args)
+
+    monkeypatch.setattr(TorchWriter, "_new_value", staticmethod(failing))
+    with pytest.raises(RuntimeError, match="injected failure"):
+        cm._write_rescaling(log_scales(cm.graph, cm.units, _z(cm)))
+    assert len(calls) == 5 and _same_state(model, state)
+
+
+def test_conflicting_factors_are_refused_before_writing():
+    from dataclasses import replace
+
+    model = _mlp().double()
+    cm = pathir.compile(model, input_shape=(4,))
+    # bind the second layer's bias to the first layer's bias tensor: two params, two factors, one tensor
+    graph = cm.graph.map_params(lambda p: replace(p, sources=cm.graph.params()[1].sources) if p.name == "2.bias" else p)
+    state = _state(model)
+    with pytest.raises(PathirError, match="'0.bias' .* rescaled differently"):
+        TorchWriter(model).rescale(graph, log_scales(graph, cm.units, _z(cm)))
+    assert _same_state(model, state)
+
+
+def test_log_scales_that_are_no_rescaling_are_refused():
+    model = _resnet_like().double()
+    cm = pathir.compile(model, input_shape=(2, 4, 4))
+    s = log_scales(cm.graph, cm.units, _z(cm))
+    out = cm.graph.outputs[0]
+    state = _state(model)
+    with pytest.raises(PathirError, match="pinned"):
+        cm._write_rescaling(dict(s, **{out: np.ones(2)}))
+    assert _same_state(model, state)
+
+
+def test_compiled_from_a_graph_has_nothing_to_write_into():
+    cm = pathir.compile(pathir.compile(_mlp(), input_shape=(4,)).graph)
+    with pytest.raises(PathirError, match="no source model"):
+        cm._write_rescaling({})
+
+
+# --------------------------------------------------------------- masks
+
+
+def _masked_graph(graph, masks):
+    return graph.map_params(lambda p: p.with_value(p.value * masks[p.name]) if p.name in masks else p)
+
+
+def test_masks_prune_through_torch_and_match_the_masked_graph():
+    from pathir.backends.numpy import NumpyBackend
+    from pathir.execute import forward
+
+    model = _cnn().double().eval()
+    cm = pathir.compile(model, input_shape=(3, 8, 8))
+    rng = np.random.default_rng(0)
+    masks = {p.name: rng.random(p.shape) > 0.4 for p in cm.graph.params() if p.name.endswith("weight")}
+    TorchWriter(model).mask(cm.graph, masks)
+    assert torch.equal(model[0].weight == 0, torch.as_tensor(~masks["0.weight"]))
+    assert hasattr(model[0], "weight_orig") and hasattr(model[8], "weight_mask")
+    x = np.random.default_rng(1).normal(size=(3, 3, 8, 8))
+    expected = forward(_masked_graph(cm.graph, masks), NumpyBackend(), x)[cm.graph.outputs[0]]
+    with torch.no_grad():
+        got = model(torch.as_tensor(x)).numpy()
+    assert np.allclose(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_rescaling_a_pruned_model_keeps_mask_and_function():
+    model = _cnn().double().eval()
+    cm = pathir.compile(model, input_shape=(3, 8, 8))
+    mask = np.random.default_rng(2).random((4, 3, 3, 3)) > 0.5
+    TorchWriter(model).mask(cm.graph, {"0.weight": mask})
+    cm = pathir.compile(model, input_shape=(3, 8, 8))
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    with torch.no_grad():
+        before = model(x)
+    cm._write_rescaling(log_scales(cm.graph, cm.units, _z(cm)))
+    assert torch.equal(model[0].weight == 0, torch.as_tensor(~mask))
+    with torch.no_grad():
+        assert _rel(model(x), before) <= 1e-10
+
+
+def test_masks_that_cannot_be_exact_are_refused_and_nothing_is_pruned():
+    model = _unfolded_bn().double()
+    cm = pathir.compile(model, input_shape=(2, 6, 6))
+    names = [p.name for p in cm.graph.params()]
+    good = {"0.weight": np.ones((3, 2, 3, 3), bool)}
+    for bad in ("2.weight", "2.bias"):  # the unfolded batch-norm's scale and shift
+        assert bad in names
+        with pytest.raises(PathirError, match=f"param '{bad}' = .* masking that tensor would not zero the param"):
+            TorchWriter(model).mask(cm.graph, {**good, bad: np.ones(3, bool)})
+        assert not hasattr(model[0], "weight_orig")
+    with pytest.raises(PathirError, match="has shape"):
+        TorchWriter(model).mask(cm.graph, {"0.weight": np.ones(3, bool)})
