@@ -175,6 +175,8 @@ class OnnxLowering(Lowering):
         ins = [self._input(x) for x in node.input]
         acts = [k for k, v in enumerate(ins) if isinstance(v, (Value, Sequence))]
         if not acts:
+            if node.op_type == "Identity" and node.input[0] in self.initializers:
+                self.initializers.add(node.output[0])  # an alias the exporter made of a stored tensor
             try:
                 return run_node(self.proto, node, ins)
             except Exception as err:  # the reference evaluator raises many types
@@ -238,8 +240,9 @@ class OnnxLowering(Lowering):
         return v
 
     def _bias_const(self, node, k: int):
-        """A bias input, or None when absent or a computed (not stored) all-zero
-        constant: exporters write a missing bias that way, torch has none there."""
+        """A bias input, or None when absent or a computed (neither stored nor an
+        alias of a stored tensor) all-zero constant: exporters write a missing
+        bias that way, torch has none there."""
         c = self.const(node, k, "bias", required=False)
         if c is not None and node.input[k] not in self.initializers and not np.any(c):
             return None

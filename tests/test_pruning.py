@@ -295,10 +295,10 @@ def test_cli_prunes_a_torch_model_into_a_state_dict(tmp_path, monkeypatch, capsy
     out = tmp_path / "pruned.pt"
     assert main(["prune", "tiny_models:make", "--input-shape", "4", "--amount", "0.5", "-o", str(out), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["pruned"] == 20 and report["path_metric"] <= report["bound"] * (1 + 1e-12)
+    assert report["pruned"] == 24 and report["path_metric"] <= report["bound"] * (1 + 1e-12)
     state = torch.load(out)
     assert set(state) == {"0.weight", "0.bias", "2.weight", "2.bias"}
-    assert int((state["0.weight"] == 0).sum() + (state["2.weight"] == 0).sum()) == 20
+    assert int((state["0.weight"] == 0).sum() + (state["2.weight"] == 0).sum()) == 24
     fresh = __import__("tiny_models").make()
     fresh.load_state_dict(state)
 
