@@ -185,10 +185,27 @@ def _sign_relations(pairs) -> tuple[bool, bool]:
     return same, below or above
 
 
-def view_parts(graph: Graph, view: Graph, grads: dict) -> dict[int, list]:
-    """{id(param of graph): [(array, log-scale) of each use]} from the param grads
-    of ``path_backward`` on ``view`` (a path view of ``graph``: path_view gives
-    every edge its own Param object, so a shared param has one part per use)."""
+def param_grads(graph: Graph, backend, q: float = 1.0, forward_graph: Graph | None = None) -> dict[int, list]:
+    """{id(param of graph): [(array, log-scale) per use]}: the param grads of the
+    backward walk on the path-norm network of ``graph`` (weights |w|^q), whose
+    weight-gradients read the forward walk of ``forward_graph`` (default
+    ``graph``; same structure). An entry is None where no path reaches it.
+
+    Backends with ``power_view`` walk the graph itself (``linearize``); others
+    walk ``path_view(maxpool_to_sum(graph), q)``, which gives every edge its own
+    Param object, so a shared param has one part per use."""
+    from pathir.execute import path_backward, path_forward
+    from pathir.passes import maxpool_to_sum, path_view
+
+    fwd = graph if forward_graph is None else forward_graph
+    if hasattr(backend, "power_view"):
+        view_be = backend.power_view(q)
+        acts = path_forward(fwd, view_be, linearize=True)
+        _, grads = path_backward(graph, view_be, acts, linearize=True)
+        return {id(p): [grads.get(id(p))] for p in graph.params()}
+    view = path_view(maxpool_to_sum(graph), q)
+    fview = view if forward_graph is None else path_view(maxpool_to_sum(fwd), q)
+    _, grads = path_backward(view, backend, path_forward(fview, backend))
     parts: dict[int, list] = {}
     for n, nv in zip(graph.nodes, view.nodes):
         for e, ev in zip(n.edges, nv.edges):
@@ -200,14 +217,8 @@ def view_parts(graph: Graph, view: Graph, grads: dict) -> dict[int, list]:
 
 
 def _log_upper(ga: Graph, gb: Graph, be) -> float:
-    from pathir.execute import path_backward, path_forward
-    from pathir.passes import maxpool_to_sum, path_view
-
-    va = path_view(maxpool_to_sum(ga), 1)
-    vb = path_view(maxpool_to_sum(gb), 1)
     # F on |θ'| feeds the weight-gradients of the backward walk on |θ|
-    _, grads = path_backward(va, be, path_forward(vb, be))
-    parts = view_parts(ga, va, grads)
+    parts = param_grads(ga, be, 1.0, forward_graph=gb)
     logs = []
     for pa, pb in _pairs(ga, gb):
         diff = np.abs(pa.value - pb.value)

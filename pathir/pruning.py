@@ -8,7 +8,8 @@ For every parameter i,
 that path twice). One forward and one backward walk on the ℓ1 path-norm network
 ``path_view(maxpool_to_sum(graph), 1)`` give all of them: the param grads of
 ``path_backward`` are ∂‖Φ‖₁/∂|θ|. The walks keep values as m·e^L, so scores are
-ranked by their logs and never overflow.
+ranked by their logs and never overflow. (The torch backend walks the graph
+itself with its ``power_view``, the same network done lazily on the device.)
 
 S is invariant under rescaling (Φ is), |θ_i| is not: pruning by S selects the
 same weights on every representative of a rescaling orbit. Setting the set P to
@@ -42,15 +43,11 @@ def score_log_parts(graph: Graph, backend=None) -> list[tuple[np.ndarray, float]
     """For each param of ``graph.params()``: (m, L) with S = m·e^L, m ≥ 0 of the
     param's shape, max m = 1 (m = 0, L = -inf where S vanishes)."""
     from pathir.backends import get_backend
-    from pathir.execute import path_backward, path_forward
-    from pathir.passes import maxpool_to_sum, path_view
 
-    from .path_metric import view_parts
+    from .path_metric import param_grads
 
     be = get_backend(backend)
-    view = path_view(maxpool_to_sum(graph), 1)
-    _, grads = path_backward(view, be, path_forward(view, be))
-    parts = view_parts(graph, view, grads)
+    parts = param_grads(graph, be, 1.0)
     out = []
     for p in graph.params():
         terms = []

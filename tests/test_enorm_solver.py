@@ -24,7 +24,7 @@ def sides(m, B, z):
 
 
 @st.composite
-def enorm_problems(draw, spreads=(0.1, 3.0, 30.0)):
+def enorm_problems(draw, spreads=(0.1, 1.0, 3.0)):
     w, B = draw(problems(spreads=spreads))
     c = None
     if draw(st.booleans()):
@@ -37,8 +37,8 @@ def enorm_problems(draw, spreads=(0.1, 3.0, 30.0)):
 def test_sweeps_decrease_e_and_reach_the_balanced_fixed_point(problem):
     w, B, c = problem
     m = w if c is None else w * c
-    results = [solve_enorm_coordinate(w, B, c, tol=1e-14, max_sweeps=20000),
-               solve_enorm_block(w, B, c, tol=1e-14, max_sweeps=20000)]
+    results = [solve_enorm_coordinate(w, B, c, tol=1e-14, max_sweeps=5000),
+               solve_enorm_block(w, B, c, tol=1e-14, max_sweeps=5000)]
     for r in results:
         assert r.converged and r.degenerate.size == 0
         assert np.all(np.diff(r.history) <= 1e-12 * r.history[1:])  # monotone

@@ -60,26 +60,21 @@ def test_rank_of_dphi_is_n_minus_h_on_layered_networks(widths, bias):
     check()
 
 
-def test_rank_reports_extra_degeneracy_below_n_minus_h():
-    """Two parallel dense edges x -> h: Φ only sees W1 + W2 along... no: each
-    edge is its own path, but h's input weights come in pairs that Φ can only
-    tell apart through products with the same outgoing weight. A width-1
-    output with a zero-free layer of one input gives rank < n − H."""
-    b = GraphBuilder("parallel")
-    x = b.input("x", (1,))
-    h = b.relu("h", [(x, Dense(b.param("w1", [[1.0]]))), (x, Dense(b.param("w2", [[2.0]])))])
-    y = b.identity("y", [(h, Dense(b.param("w3", [[3.0]])))])
+def test_rank_is_reported_below_n_minus_h_when_params_lie_on_no_path():
+    """h[1]'s output is dropped by a gather: its incoming weights are on no
+    path, so DΦ has two zero columns but only one unit direction among them."""
+    from pathir.ir import Gather
+
+    b = GraphBuilder("dropped")
+    x = b.input("x", (2,))
+    h = b.relu("h", [(x, Dense(b.param("w", [[1.0, -2.0], [0.5, 1.5]])))])
+    g = b.identity("g", [(h, Gather(np.array([0]), (1,)))])
+    y = b.identity("y", [(g, Dense(b.param("v", [[3.0]])))])
     report = verify_symbolic(b.build(outputs=[y]))
-    # paths: w1 w3 and w2 w3; n = 3, H = 1: rank 2 = n − H
-    assert report.passed and report.rank == 2
-    b = GraphBuilder("two-paths-one-output")
-    x = b.input("x", (1,))
-    h1 = b.relu("h1", [(x, Dense(b.param("a", [[1.0]])))])
-    h2 = b.relu("h2", [(h1, Dense(b.param("b", [[2.0]])))])
-    y = b.identity("y", [(h2, Dense(b.param("c", [[3.0]])))])
-    report = verify_symbolic(b.build(outputs=[y]))
-    # one path a b c: rank 1 = n − H = 3 − 2
-    assert report.passed and report.rank == 1 and report["rank"].data["n_minus_H"] == 1
+    data = report["rank"].data
+    assert report.passed
+    assert (data["rank"], data["n"], data["H"], data["paths"]) == (2, 5, 2, 2)
+    assert "rank DΦ = 2 < n − H = 3" in report["rank"].detail
 
 
 # ------------------------------------------------------------ broken inputs
@@ -101,14 +96,16 @@ def skip_pair():
     return build(False), build(True)
 
 
-def test_units_that_ignore_a_skip_fail_invariance_and_conservation():
+def test_units_that_ignore_a_skip_fail_invariance_conservation_and_rank():
     plain, skip = skip_pair()
     assert len(find_units(skip)[1]) == 0  # the skip ties h to the output
     report = verify_symbolic(skip, units=find_units(plain)[1])
     assert not report.passed
     failed = {c.name for c in report.failed}
-    assert failed == {"rescaling_invariance", "conservation_laws"}, str(report)
-    for name in failed:
+    # and the rank exceeds n − H: the wrong unit directions are not in ker DΦ
+    assert failed == {"rescaling_invariance", "conservation_laws", "rank"}, str(report)
+    assert report["rank"].counterexample == {"rank": 10, "bound": 8}
+    for name in ("rescaling_invariance", "conservation_laws"):
         ce = report[name].counterexample
         assert ce["unit"] in ("w1:c0", "w1:c1") and "h[" in ce["path"]
         assert isinstance(ce["Phi_p"], sp.Expr)
