@@ -31,10 +31,12 @@ def lower(model, input_shape=None) -> Lowered:
     ``input_shape`` (without the batch axis; a dict {input name: shape} for
     several inputs) fixes input sizes the model leaves dynamic.
 
-    >>> import io, torch, pathir
+    >>> import io, warnings, torch
     >>> net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
     >>> f = io.BytesIO()
-    >>> torch.onnx.export(net, (torch.randn(1, 4),), f, dynamo=False)
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore")
+    ...     torch.onnx.export(net, (torch.randn(1, 4),), f, dynamo=False)
     >>> low = lower(f.getvalue())
     >>> print(low.graph)
     model(inputs=[onnx::Gemm_0], outputs=[/2/Gemm])

@@ -46,7 +46,7 @@ def _solve_s(log_b, log_c, log_d, a, log_s_prev):
     half = 0.5 * (log_b + log_c)
     shift = max(log_d, float(half.max()) + math.log(2.0))
     c = np.exp(2.0 * (half + math.log(2.0) - shift))
-    d = math.exp(log_d - shift)
+    d = 0.0 * math.exp(log_d - shift)
     a2 = a * a
 
     def psi(s):

@@ -391,7 +391,8 @@ def _theta(layout, theta) -> np.ndarray:
     if theta is None:
         return layout.theta()
     if isinstance(theta, dict):
-        return np.concatenate([np.asarray(theta[p.name], dtype=np.float64).reshape(-1) for p in layout.params])
+        parts = [np.asarray(theta[p.name], dtype=np.float64).reshape(-1) for p in layout.params]
+        return np.concatenate(parts) if parts else np.zeros(0)
     theta = np.asarray(theta, dtype=np.float64)
     if theta.shape != (len(layout),):
         raise ValueError(f"theta must be flat of length {len(layout)} (the graph's params in order), got {theta.shape}")

@@ -45,8 +45,8 @@ def test_sweeps_decrease_e_and_reach_the_balanced_fixed_point(problem):
         assert r.e_initial == pytest.approx(e_reference(m, B, np.zeros(B.shape[1])), rel=1e-12)
         assert r.e_final == pytest.approx(e_reference(m, B, r.z), rel=1e-12)
         out_mass, in_mass = sides(m, B, r.z)
-        np.testing.assert_allclose(out_mass, in_mass, rtol=1e-6)  # every unit balanced
-        assert r.imbalance < 1e-6
+        np.testing.assert_allclose(out_mass, in_mass, rtol=1e-9)  # every unit balanced
+        assert r.imbalance < 1e-9
         np.testing.assert_allclose(unit_balance(w, B, r.z, c), np.log(out_mass / in_mass), atol=1e-12)
     coord, block = results
     assert block.e_final == pytest.approx(coord.e_final, rel=1e-9)
@@ -96,7 +96,7 @@ def test_degenerate_units_stay_at_zero(problem, data):
         assert np.all(r.z[expected] == 0.0)
         live = np.setdiff1d(np.arange(B.shape[1]), expected)
         out_mass, in_mass = sides(m, B, r.z)
-        np.testing.assert_allclose(out_mass[live], in_mass[live], rtol=1e-6)
+        np.testing.assert_allclose(out_mass[live], in_mass[live], rtol=1e-9)
 
 
 def test_costs_weight_the_balance():

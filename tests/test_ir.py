@@ -1,0 +1,128 @@
+"""The IR: each verifier rule broken on purpose, the printer, maps' shapes."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from pathir import GraphVerificationError
+from pathir.ir import (
+    ChannelMap, Conv, Dense, Edge, Gather, Graph, GraphBuilder, Identity, Node, NodeKind, Param, Pool,
+    Reshape, Scale, verify,
+)
+
+
+def small_graph():
+    b = GraphBuilder("small")
+    x = b.input("x", (2, 4, 4))
+    c = b.relu("c", [(x, Conv(b.param("w", np.ones((3, 2, 3, 3))), (1, 1), ((1, 1), (1, 1)), (1, 1)))],
+               bias=b.param("cb", np.zeros(3)))
+    p = b.maxpool("p", c, Pool((2, 2), (2, 2), ((0, 0), (0, 0)), (1, 1)))
+    y = b.identity("y", [(p, Dense(b.param("d", np.ones((2, 12)))))], bias=b.param("db", np.zeros(2)))
+    return b.build([y])
+
+
+def broken(graph, index, **changes):
+    nodes = list(graph.nodes)
+    nodes[index] = replace(nodes[index], **changes)
+    return Graph(tuple(nodes), graph.outputs, graph.name)
+
+
+def test_valid_graph_verifies():
+    g = small_graph()
+    assert verify(g) is g
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda g: Graph(g.nodes + (g.nodes[1],), g.outputs), "name defined twice"),
+        (lambda g: Graph(g.nodes[::-1], g.outputs), "which is not defined before it"),
+        (lambda g: broken(g, 0, bias=Param("xb", np.zeros(2))), "an input node has no edges and no bias"),
+        (lambda g: broken(g, 3, edges=()), "needs at least one incoming edge"),
+        (lambda g: broken(g, 3, shape=(5,)), "node has shape [5]"),
+        (lambda g: broken(g, 1, bias=Param("cb", np.zeros(4))), "bias 'cb' has shape [4], expected [3]"),
+        (lambda g: broken(g, 2, edges=(Edge("c", Identity()),)), "a maxpool node has exactly one edge"),
+        (lambda g: broken(g, 2, k=5), "k = 5 outside 1..4"),
+        (lambda g: broken(g, 3, bias=Param("d", np.zeros(2))), "two different params are named 'd'"),
+        (lambda g: Graph(g.nodes, ("nope",)), "output 'nope' is not a node"),
+        (lambda g: Graph(g.nodes, ("x",)), "is an input node"),
+        (lambda g: Graph(g.nodes, ()), "the graph has no outputs"),
+        (lambda g: Graph(g.nodes, ("c",)), "node 'y' does not reach any output"),
+        (lambda g: broken(g, 3, edges=(Edge("p", Dense(Param("d", np.ones((2, 7))))),)), "does not fit source 'p'"),
+    ],
+)
+def test_each_rule_breaks_with_its_message(make, message):
+    with pytest.raises(GraphVerificationError) as info:
+        verify(make(small_graph()))
+    text = str(info.value)
+    assert message in text
+    assert "x: input[2,4,4]" in text  # the error prints the graph
+
+
+def test_k_is_bounded_by_the_smallest_padded_window():
+    b = GraphBuilder()
+    x = b.input("x", (1, 3))
+    r = b.relu("r", [(x, Conv(b.param("w", np.ones((1, 1, 1))), (1,), ((0, 0),), (1,)))])
+    p = b.maxpool("p", r, Pool((2,), (1,), ((1, 1),), (1,)), k=2)
+    with pytest.raises(GraphVerificationError, match="k = 2 outside 1..1"):
+        b.build([p])
+
+
+def test_printer_is_deterministic_and_readable():
+    text = str(small_graph())
+    assert text.splitlines() == [
+        "small(inputs=[x], outputs=[y])",
+        "  0  x: input[2,4,4]",
+        "  1  c: relu[3,4,4] = conv(w, p=[[1,1],[1,1]])(x) + bias(cb)",
+        "  2  p: maxpool[3,2,2] = window[2,2]/s[2,2](c)",
+        "  3  y: identity[2] = dense(d)(p) + bias(db)",
+    ]
+    assert str(small_graph()) == text
+
+
+def test_params_flat_order_and_sharing():
+    b = GraphBuilder()
+    x = b.input("x", (2,))
+    w = b.param("w", np.eye(2))
+    h = b.relu("h", [(x, Dense(w))], bias=b.param("b", np.ones(2)))
+    y = b.identity("y", [(h, Dense(w))])
+    g = b.build([y])
+    assert [p.name for p in g.params()] == ["w", "b"]
+    assert g.num_params() == 6
+
+
+def test_params_are_read_only_copies():
+    value = np.ones(3)
+    p = Param("p", value)
+    value[0] = 5.0
+    assert p.value[0] == 1.0
+    with pytest.raises(ValueError):
+        p.value[1] = 2.0
+
+
+@pytest.mark.parametrize(
+    "m, in_shape, out_shape",
+    [
+        (Reshape((12,)), (3, 2, 2), (12,)),
+        (ChannelMap((2, -1, 0)), (3, 5), (3, 5)),
+        (Pool((3,), (2,), ((1, 1),), (1,), ceil_mode=True), (2, 6), (2, 4)),
+        (Pool((2, 2), (2, 2), ((0, 0), (0, 0)), (2, 2)), (1, 5, 5), (1, 2, 2)),
+        (Gather(np.array([3, -1, 0]), (3,)), (2, 2), (3,)),
+        (Conv(Param("w", np.ones((4, 1, 3))), (2,), ((1, 0),), (1,), groups=2), (2, 7), (4, 3)),
+        (Scale(Param("s", np.ones(3))), (3, 2), (3, 2)),
+    ],
+)
+def test_map_shapes(m, in_shape, out_shape):
+    assert m.out_shape(in_shape) == out_shape
+
+
+def test_channel_ties_and_weight_channels():
+    assert ChannelMap((2, -1, 0)).channel_ties((3, 5)).tolist() == [[2, 0], [0, 2]]
+    assert Reshape((6,)).channel_ties((2, 3)).tolist() == [[0, 0], [0, 1], [0, 2], [1, 3], [1, 4], [1, 5]]
+    conv = Conv(Param("w", np.ones((4, 1, 1))), (1,), ((0, 0),), (1,), groups=2)
+    out, inc = conv.weight_channels((2, 3))
+    assert np.broadcast_to(out, (4, 1, 1)).ravel().tolist() == [0, 1, 2, 3]
+    assert np.broadcast_to(inc, (4, 1, 1)).ravel().tolist() == [0, 0, 1, 1]
+    dense = Dense(Param("d", np.ones((1, 6))))
+    assert np.broadcast_to(dense.weight_channels((3, 2))[1], (1, 6)).ravel().tolist() == [0, 0, 1, 1, 2, 2]

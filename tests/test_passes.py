@@ -1,0 +1,122 @@
+"""Built-in passes: structure after, whether anything changed, numeric equivalence."""
+
+import numpy as np
+import pytest
+import torch.nn as nn
+from hypothesis import given, settings
+
+import pathir
+from pathir.backends.numpy import NumpyBackend
+from pathir.execute import forward
+from pathir.ir import Conv, Dense, GraphBuilder, Identity, MapKind, NodeKind, Param, Role, Scale, SourceRef
+from pathir.passes import PASSES, fold_batchnorm, maxpool_to_sum, path_view, run_passes
+from pathir.paths import enumerate_num_paths, enumerate_path_norm
+from pathir.testing import relu_dags
+
+BE = NumpyBackend()
+rng = np.random.default_rng(0)
+
+
+def conv_bn_graph(with_conv_bias=True, extra_consumer=False):
+    """conv -> (identity node) -> Scale (bn) -> relu; optionally the conv node read twice."""
+    b = GraphBuilder("cbr")
+    x = b.input("x", (2, 5))
+    conv_bias = b.param("conv.bias", rng.normal(size=3)) if with_conv_bias else None
+    c = b.identity("conv", [(x, Conv(b.param("conv.weight", rng.normal(size=(3, 2, 3))), (1,), ((1, 1),), (1,)))],
+                   bias=conv_bias)
+    out = (SourceRef("bn.weight", Role.OUT_SCALE), SourceRef("bn.bias", Role.OUT_SCALE))
+    s = Param("bn.weight", rng.uniform(0.5, 2, size=3), (SourceRef("bn.weight"),) + out)
+    shift = Param("bn.bias", rng.normal(size=3), (SourceRef("bn.bias"),) + out)
+    r = b.relu("relu", [(c, Scale(s))], bias=shift)
+    outputs = [r]
+    if extra_consumer:
+        outputs.append(b.identity("side", [(c, Identity())]))
+    return b.build(outputs)
+
+
+@pytest.mark.parametrize("with_conv_bias", [True, False])
+def test_fold_batchnorm_folds_and_preserves_the_function(with_conv_bias):
+    g = conv_bn_graph(with_conv_bias)
+    folded = fold_batchnorm(g)
+    assert [n.name for n in folded] == ["x", "relu"]
+    edge = folded.node("relu").edges[0]
+    assert edge.source == "x" and edge.map.kind is MapKind.CONV
+    roles = {(r.name, r.role) for r in edge.map.W.sources}
+    assert ("bn.weight", Role.OUT_SCALE) in roles and ("conv.weight", Role.VALUE) in roles
+    x = rng.normal(size=(4, 2, 5))
+    np.testing.assert_allclose(forward(folded, BE, x)["relu"], forward(g, BE, x)["relu"], rtol=1e-12, atol=1e-12)
+    assert len(g) == 3  # the input graph is untouched
+
+
+def test_fold_batchnorm_leaves_a_shared_node_alone():
+    g = conv_bn_graph(extra_consumer=True)
+    folded = fold_batchnorm(g)
+    assert [n.name for n in folded] == [n.name for n in g]
+    assert folded.node("relu").edges[0].map.kind is MapKind.SCALE
+
+
+def test_fold_batchnorm_on_torch_models_removes_every_scale():
+    net = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 2), nn.BatchNorm1d(2))
+    for m in net.modules():
+        if isinstance(m, nn.BatchNorm1d):
+            m.running_mean.normal_()
+            m.running_var.uniform_(0.5, 2)
+    cm = pathir.compile(net, input_shape=(4,))
+    assert all(e.map.kind is not MapKind.SCALE for n in cm.graph for e in n.edges)
+    assert len(cm.graph) == 3
+
+
+@settings(max_examples=40)
+@given(relu_dags())
+def test_maxpool_to_sum_keeps_paths(graph):
+    summed = maxpool_to_sum(graph)
+    assert all(n.kind is not NodeKind.MAXPOOL for n in summed)
+    assert [n.name for n in summed] == [n.name for n in graph]
+    assert enumerate_num_paths(summed) == enumerate_num_paths(graph)
+
+
+@settings(max_examples=40)
+@given(relu_dags())
+def test_path_view_is_the_path_norm_network(graph):
+    view = path_view(maxpool_to_sum(graph), 2.0)
+    assert all(n.kind in (NodeKind.INPUT, NodeKind.IDENTITY) for n in view)
+    assert all((p.value >= 0).all() for p in view.params())
+    ones = {name: np.ones((1, *view.node(name).shape)) for name in view.inputs}
+    total = sum(forward(view, BE, ones)[o].sum() for o in view.outputs)
+    np.testing.assert_allclose(total, enumerate_path_norm(graph, 2.0) ** 2, rtol=1e-10)
+
+
+def test_path_view_refuses_maxpool_and_negative_q():
+    with pytest.raises(ValueError):
+        path_view(conv_bn_graph(), -1)
+    from test_ir import small_graph
+
+    with pytest.raises(pathir.PathirError, match="run maxpool_to_sum first"):
+        path_view(small_graph(), 1)
+
+
+def test_pass_manager_names_the_failing_pass():
+    def break_shapes(graph):
+        n = graph.nodes[-1]
+        from dataclasses import replace
+
+        return graph.replace_nodes([*graph.nodes[:-1], replace(n, shape=(99,))])
+
+    g = conv_bn_graph()
+    with pytest.raises(pathir.GraphVerificationError, match=r"in pass 'break_shapes' after \['fold_batchnorm'\]"):
+        run_passes(g, [fold_batchnorm, break_shapes])
+    with pytest.raises(TypeError, match="returned int"):
+        run_passes(g, [lambda graph: 3])
+    assert set(PASSES) >= {"fold_batchnorm", "maxpool_to_sum", "path_view"}
+
+
+def test_compile_runs_user_passes_after_the_default_pipeline():
+    seen = []
+
+    def spy(graph):
+        seen.append([n.name for n in graph])
+        return graph
+
+    net = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.ReLU(), nn.Linear(3, 1))
+    pathir.compile(net, input_shape=(3,), passes=[spy])
+    assert len(seen) == 1 and len(seen[0]) == 3  # batch-norm already folded
