@@ -36,16 +36,21 @@ def diag_g_log_parts(graph: Graph, backend) -> list[tuple[np.ndarray, float]]:
     from pathir.passes import maxpool_to_sum, path_view
 
     be = get_backend(backend)
-    view = path_view(maxpool_to_sum(graph), 2)
-    _, grads = path_backward(view, be, path_forward(view, be))
-    # path_view gives every edge its own Param object: gather a shared param's parts
-    parts: dict[int, list] = {}
-    for n, nv in zip(graph.nodes, view.nodes):
-        for e, ev in zip(n.edges, nv.edges):
-            if e.map.weight is not None:
-                parts.setdefault(id(e.map.weight), []).append(grads.get(id(ev.map.weight)))
-        if n.bias is not None:
-            parts.setdefault(id(n.bias), []).append(grads.get(id(nv.bias)))
+    if hasattr(be, "power_view"):  # walk the graph itself, squares taken on the device
+        squared = be.power_view(2)
+        _, grads = path_backward(graph, squared, path_forward(graph, squared, linearize=True), linearize=True)
+        parts = {id(p): [grads.get(id(p))] for p in graph.params()}
+    else:
+        view = path_view(maxpool_to_sum(graph), 2)
+        _, grads = path_backward(view, be, path_forward(view, be))
+        # path_view gives every edge its own Param object: gather a shared param's parts
+        parts: dict[int, list] = {}
+        for n, nv in zip(graph.nodes, view.nodes):
+            for e, ev in zip(n.edges, nv.edges):
+                if e.map.weight is not None:
+                    parts.setdefault(id(e.map.weight), []).append(grads.get(id(ev.map.weight)))
+            if n.bias is not None:
+                parts.setdefault(id(n.bias), []).append(grads.get(id(nv.bias)))
     out = []
     for p in graph.params():
         terms = []
