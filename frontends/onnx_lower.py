@@ -25,83 +25,23 @@ import math
 import numpy as np
 
 from pathir.errors import PathirError, UnsupportedOperation
-from pathir.ir import Conv, Dense, Identity, Param, Pool, SourceRef, pool_output_size
+from pathir.ir import Identity, Param, SourceRef
 
 from .onnx_eval import run_node, run_on_ids
+from .onnx_layers import LayerOps, attrs as _attrs, f64 as _f64
+from .onnx_ops import AXIS1_OK, DEFAULT_WHY, INDEX_OPS, SECOND_OUTPUT, WHY
 from .onnx_writer import Binding
 from .torch_ops import Lowering
-from .torch_values import ParamTensor, Value, selection_index, selection_map
+from .torch_values import Value, selection_index, selection_map
 
-__all__ = ["OnnxLowering"]
-
-_NOT_HOMOGENEOUS = "not positively homogeneous: f(λx) ≠ λ·f(x) for λ > 0, so rescaling a neuron would change the function"
-_NORMALIZES = "normalizes by statistics of the activation itself (an input-dependent scale): not positively homogeneous"
-
-#: why an op has no place in a ReLU DAG (MATH.md §1)
-WHY = {
-    **{op: _NOT_HOMOGENEOUS for op in (
-        "Sigmoid", "Tanh", "Gelu", "FastGelu", "Elu", "Selu", "Celu", "Softplus", "Softsign", "Mish", "HardSigmoid",
-        "HardSwish", "Swish", "Exp", "Log", "Sqrt", "Erf", "Sin", "Cos", "Reciprocal", "Sign", "Round", "Floor", "Ceil",
-        "ThresholdedRelu", "Shrink",
-    )},
-    "Clip": "clips at fixed thresholds (ReLU6, hardtanh): rescaling the input moves where it saturates, so it is not positively homogeneous",
-    "LeakyRelu": "positively homogeneous, but pathir's neurons are identity, ReLU and max-pool only",
-    "PRelu": "positively homogeneous, but pathir's neurons are identity, ReLU and max-pool only",
-    "Abs": "positively homogeneous, but pathir's neurons are identity, ReLU and max-pool only",
-    "Softmax": "softmax inside the graph normalizes across features: not positively homogeneous",
-    "LogSoftmax": "log-softmax normalizes across features: not positively homogeneous",
-    "Hardmax": "not positively homogeneous",
-    **{op: _NORMALIZES for op in (
-        "LayerNormalization", "GroupNormalization", "InstanceNormalization", "LpNormalization", "LRN",
-        "MeanVarianceNormalization", "RMSNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization",
-    )},
-    "Attention": "attention multiplies activations together (queries by keys, weights by values)",
-    "MultiHeadAttention": "attention multiplies activations together (queries by keys, weights by values)",
-    "Mul": "a product with an activation (a gate between activations, or a constant factor pathir does not lower)",
-    "Div": "a division involving an activation",
-    "Pow": "a power of an activation: not positively homogeneous",
-    "Sub": "a difference: pathir lowers sums of activations (Add) and constant biases only",
-    "Max": "an elementwise max of activations is not a ReLU DAG neuron",
-    "Min": "an elementwise min of activations is not a ReLU DAG neuron",
-    "Neg": "a fixed weight of -1 between activations is not lowered",
-    "ConvTranspose": "transposed convolutions are not lowered yet",
-    "LpPool": "an Lp pool is not positively homogeneous of degree 1 per window",
-    "ReduceMax": "a max over an axis is not lowered (use MaxPool)",
-    "ReduceSum": "only the mean over all spatial axes is lowered (ReduceMean)",
-    "TopK": "selects by value: not a fixed map",
-    "Resize": "resizing is not lowered",
-    "Upsample": "upsampling is not lowered",
-    "If": "control flow on activations is not lowered",
-    "Loop": "control flow on activations is not lowered",
-    "Scan": "control flow on activations is not lowered",
-}
-
-#: ops that move elements without computing: lowered by running them on element ids
-INDEX_OPS = frozenset({
-    "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Concat", "Split", "Slice", "Gather", "Expand",
-    "Tile", "Pad", "DepthToSpace", "SpaceToDepth",
-})
+__all__ = ["OnnxLowering", "Sequence"]
 
 
 class Sequence(list):
     """An ONNX sequence of activations (SplitToSequence), read by SequenceAt."""
 
 
-def _attrs(node) -> dict:
-    from onnx import helper
-
-    out = {}
-    for a in node.attribute:
-        v = helper.get_attribute_value(a)
-        out[a.name] = v.decode() if isinstance(v, bytes) else v
-    return out
-
-
-def _f64(x) -> np.ndarray:
-    return np.asarray(x, dtype=np.float64)
-
-
-class OnnxLowering(Lowering):
+class OnnxLowering(LayerOps, Lowering):
     """Walks the live nodes of one ONNX graph and builds the IR."""
 
     def __init__(self, src, shapes: dict[str, tuple[int, ...]], batch: int | None, types: dict[str, int]):
@@ -114,8 +54,8 @@ class OnnxLowering(Lowering):
         self.bindings: dict[str, Binding] = {}
         self._claimed: set[str] = set()
         self._uses: dict[str, list] = {}
+        self.stored: set[str] = set()  # tensors holding data as stored (not computed by the graph)
         self.at = ""
-        self.node = None
 
     # ------------------------------------------------------------ errors
     def unsupported(self, why: str, op: str | None = None):
@@ -126,12 +66,12 @@ class OnnxLowering(Lowering):
 
     # ------------------------------------------------------------ the walk
     def run(self):
-        g = self.proto.graph
         from onnx import numpy_helper
 
+        g = self.proto.graph
         for t in g.initializer:
             self.env[t.name] = numpy_helper.to_array(t)
-        self.initializers = {t.name for t in g.initializer}
+            self.stored.add(t.name)
         inputs = [vi.name for vi in g.input if vi.name in self.shapes]
         for name in inputs:
             self.env[name] = Value.of_node(self.b.input(name, self.shapes[name], origin="ONNX graph input"), self.shapes[name])
@@ -139,14 +79,13 @@ class OnnxLowering(Lowering):
         for i, node in enumerate(g.node):
             if not live[i]:
                 continue
-            self.node = node
             self.fx_name = self.label = node.name or node.output[0]
             self.op = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
             self.at = f"ONNX node #{i} of '{self.src.name}'"
             self.where = f"{self.label} ({self.op})"
             for o in node.output[1:]:
                 if o and o in needed and node.op_type in ("BatchNormalization", "MaxPool", "Dropout"):
-                    self.unsupported(f"its output '{o}' is used ({_SECOND_OUTPUT[node.op_type]})")
+                    self.unsupported(f"its output '{o}' is used ({SECOND_OUTPUT[node.op_type]})")
             outs = self._lower(node)
             for name, value in zip(node.output, outs):
                 if name:
@@ -175,15 +114,15 @@ class OnnxLowering(Lowering):
         ins = [self._input(x) for x in node.input]
         acts = [k for k, v in enumerate(ins) if isinstance(v, (Value, Sequence))]
         if not acts:
-            if node.op_type == "Identity" and node.input[0] in self.initializers:
-                self.initializers.add(node.output[0])  # an alias the exporter made of a stored tensor
+            if node.op_type == "Constant" or (node.op_type == "Identity" and node.input[0] in self.stored):
+                self.stored.add(node.output[0])  # stored data, or an alias the exporter made of it
             try:
                 return run_node(self.proto, node, ins)
             except Exception as err:  # the reference evaluator raises many types
                 self.fail(f"constant folding failed: {type(err).__name__}: {err}")
         op = node.op_type if node.domain in ("", "ai.onnx") else None
         for k in acts:
-            if node.input[k] in self.axis1 and op not in _AXIS1_OK:
+            if node.input[k] in self.axis1 and op not in AXIS1_OK:
                 self.unsupported(f"'{node.input[k]}' has its batch on axis 1; only Gemm, MatMul, Relu and Add read that layout")
         handler = getattr(self, f"op_{op}", None) if op else None
         if handler is None and op in INDEX_OPS:
@@ -194,7 +133,7 @@ class OnnxLowering(Lowering):
                 if isinstance(v, Value) and math.prod(v.shape) == 0:
                     self.fail(f"its output has the empty per-sample shape {list(v.shape)}")
             return outs
-        why = WHY.get(op, "outside the ops pathir lowers from ONNX (see docs/onnx.md): not known to keep the network a ReLU DAG")
+        why = WHY.get(op, DEFAULT_WHY)
         if op in ("Softmax", "LogSoftmax") and any(o.name in node.output for o in self.proto.graph.output):
             why += "; at the output, export the model without it: pathir analyses the logits"
         self.unsupported(why)
@@ -244,7 +183,7 @@ class OnnxLowering(Lowering):
         alias of a stored tensor) all-zero constant: exporters write a missing
         bias that way, torch has none there."""
         c = self.const(node, k, "bias", required=False)
-        if c is not None and node.input[k] not in self.initializers and not np.any(c):
+        if c is not None and node.input[k] not in self.stored and not np.any(c):
             return None
         return c
 
@@ -383,181 +322,6 @@ class OnnxLowering(Lowering):
             self.axis1.add(node.output[0])
         return [Value(v.terms, v.shape, p, self.label)]
 
-    # ------------------------------------------------------------ affine layers
-    def op_Gemm(self, node, ins):
-        a = _attrs(node)
-        alpha, beta = float(a.get("alpha", 1.0)), float(a.get("beta", 1.0))
-        tA, tB = bool(a.get("transA", 0)), bool(a.get("transB", 0))
-        if isinstance(ins[0], Value) and isinstance(ins[1], Value):
-            self.unsupported(WHY["Mul"].replace("a product with an activation", "multiplies two activations"))
-        if isinstance(ins[0], Value):
-            k, wk, axis_in = 0, 1, 1 if node.input[0] in self.axis1 else 0
-            if axis_in != int(tA):
-                self.unsupported(f"transA={int(tA)} contracts over the batch axis of '{node.input[0]}'")
-            B = _f64(self.const(node, 1, "weight"))
-            W = B if tB else B.T  # W = op(B)^T
-            transposed, out_axis = not tB, 0
-            how = f"{alpha:g} * " * (alpha != 1) + node.input[1] + ("" if tB else "^T")
-        else:
-            k, wk, axis_in = 1, 0, 1 if node.input[1] in self.axis1 else 0
-            if axis_in == int(tB):
-                self.unsupported(f"transB={int(tB)} contracts over the batch axis of '{node.input[1]}'")
-            A = _f64(self.const(node, 0, "weight"))
-            W = A.T if tA else A  # W = op(A)
-            transposed, out_axis = tA, 1
-            how = f"{alpha:g} * " * (alpha != 1) + node.input[0] + ("^T" if tA else "")
-        v = self.act(node, k)
-        Wp = self.weight(node, wk, alpha * W, transposed, how)
-        bias = None
-        C = self._bias_const(node, 2)
-        if C is not None and beta != 0.0:
-            out = Value(v.terms, (W.shape[0],), None)
-            vec, layout = self.channel_vector(C, out, out_axis, beta)
-            bias = self.bias(node, 2, vec, layout, f"{beta:g} * " * (beta != 1) + node.input[2])
-        if out_axis:
-            self.axis1.add(node.output[0])
-        return [self._dense(v, Wp, bias)]
-
-    def _dense(self, v: Value, Wp: Param, bias) -> Value:
-        if math.prod(v.shape) != Wp.shape[1]:
-            self.unsupported(f"weight {list(Wp.shape)} does not fit an activation of per-sample shape {list(v.shape)}")
-        return self._apply(v, Dense(Wp), bias, flat_ok=True)
-
-    def op_MatMul(self, node, ins):
-        if isinstance(ins[0], Value) and isinstance(ins[1], Value):
-            self.unsupported("multiplies two activations: not positively homogeneous of degree 1")
-        if isinstance(ins[0], Value):
-            v = ins[0]
-            if node.input[0] in self.axis1 or len(v.shape) != 1:
-                self.unsupported(f"MatMul of an activation of per-sample shape {list(v.shape)}: only (batch, features) @ W is lowered")
-            B = _f64(self.const(node, 1, "weight"))
-            if B.ndim != 2:
-                self.unsupported(f"MatMul with a weight of rank {B.ndim}")
-            return [self._dense(v, self.weight(node, 1, B.T, True, node.input[1] + "^T"), None)]
-        v = ins[1]
-        if node.input[1] not in self.axis1:
-            self.unsupported("W @ activation contracts over the batch axis")
-        A = _f64(self.const(node, 0, "weight"))
-        if A.ndim != 2:
-            self.unsupported(f"MatMul with a weight of rank {A.ndim}")
-        self.axis1.add(node.output[0])
-        return [self._dense(v, self.weight(node, 0, A, False, node.input[0]), None)]
-
-    def op_Conv(self, node, ins):
-        v = self.act(node, 0)
-        W = _f64(self.const(node, 1, "weight"))
-        n = W.ndim - 2
-        if len(v.shape) != n + 1:
-            self.unsupported(f"{n}-d convolution on an activation of per-sample shape {list(v.shape)}")
-        a = _attrs(node)
-        k = tuple(W.shape[2:])
-        if tuple(a.get("kernel_shape", k)) != k:
-            self.fail(f"kernel_shape {a['kernel_shape']} disagrees with the weight {list(W.shape)}")
-        strides, dil = tuple(a.get("strides", (1,) * n)), tuple(a.get("dilations", (1,) * n))
-        pads = self._pads(a, v.shape[1:], k, strides, dil)
-        Wp = self.weight(node, 1, W, False, "")
-        B = self._bias_const(node, 2)
-        bias = self.bias(node, 2, _f64(B).reshape(-1), (W.shape[0],)) if B is not None else None
-        return [self._apply(v, Conv(Wp, strides, pads, dil, int(a.get("group", 1))), bias)]
-
-    def op_BatchNormalization(self, node, ins):
-        import torch
-
-        a = _attrs(node)
-        if a.get("training_mode", 0):
-            self.unsupported("batch-norm in training mode uses batch statistics: input-dependent")
-        v = self.act(node, 0)
-        eps = float(a.get("epsilon", 1e-5))
-        group = ("bn", tuple(node.input[1:5]), eps)  # a batch-norm applied twice shares all four
-        names = [self._ref(node, k, group)[0] for k in range(1, 5)]
-        what = ("scale", "bias", "running mean", "running variance")
-        tensors = [ParamTensor(n, torch.from_numpy(_f64(self.const(node, k, w)).reshape(-1).copy()))
-                   for k, (n, w) in enumerate(zip(names, what), start=1)]
-        out = self.batch_norm(v, "", *tensors, eps)
-        C = v.shape[0]
-        for k, (ref, kind) in enumerate(zip(names, ("bn_scale", "bn_bias", "bn_mean", "bn_var")), start=1):
-            self._bind(ref, node, k, kind, (C,), eps)
-        return [out]
-
-    # ------------------------------------------------------------ pools
-    def _pads(self, a, spatial, k, strides, dil):
-        n = len(k)
-        mode = a.get("auto_pad", "NOTSET") or "NOTSET"
-        if mode == "NOTSET":
-            p = list(a.get("pads", [0] * (2 * n)))
-            return tuple((int(p[i]), int(p[i + n])) for i in range(n))
-        if mode == "VALID":
-            return ((0, 0),) * n
-        if mode not in ("SAME_UPPER", "SAME_LOWER"):
-            self.fail(f"unknown auto_pad '{mode}'")
-        out = []
-        for L, kk, s, d in zip(spatial, k, strides, dil):
-            total = max(0, (-(-L // s) - 1) * s + (kk - 1) * d + 1 - L)
-            small = total // 2
-            out.append((small, total - small) if mode == "SAME_UPPER" else (total - small, small))
-        return tuple(out)
-
-    def _window(self, node, v: Value):
-        n = len(v.shape) - 1
-        if n < 1:
-            self.unsupported(f"pooling on an activation of per-sample shape {list(v.shape)}")
-        a = _attrs(node)
-        k = tuple(int(x) for x in a["kernel_shape"])
-        strides, dil = tuple(a.get("strides", (1,) * n)), tuple(a.get("dilations", (1,) * n))
-        pads = self._pads(a, v.shape[1:], k, strides, dil)
-        ceil = bool(a.get("ceil_mode", 0)) and a.get("auto_pad", "NOTSET") in ("NOTSET", "")
-        return Pool(k, strides, pads, dil, ceil), a
-
-    def op_MaxPool(self, node, ins):
-        v = self.act(node, 0)
-        pool, _ = self._window(node, v)
-        src = self.materialize(v)
-        name = self.b.maxpool(self.label, src, pool, origin=self.where)
-        return [Value.of_node(name, self.b.shape(name)), None]
-
-    def op_GlobalMaxPool(self, node, ins):
-        v = self.act(node, 0)
-        n = len(v.shape) - 1
-        pool = Pool(tuple(v.shape[1:]), (1,) * n, ((0, 0),) * n, (1,) * n)
-        name = self.b.maxpool(self.label, self.materialize(v), pool, origin=self.where)
-        return [Value.of_node(name, self.b.shape(name))]
-
-    def op_AveragePool(self, node, ins):
-        """mult[p] = 1 / (number of window positions counted at p): inside the
-        padded input with count_include_pad, inside the input without (ONNX Runtime)."""
-        v = self.act(node, 0)
-        pool, a = self._window(node, v)
-        include = bool(a.get("count_include_pad", 0))
-        counts = []
-        for L, kk, s, (p0, p1), d in zip(v.shape[1:], pool.kernel, pool.stride, pool.padding, pool.dilation):
-            out = pool_output_size(L, kk, s, (p0, p1), d, pool.ceil_mode)
-            pos = np.arange(out)[:, None] * s - p0 + np.arange(kk)[None, :] * d
-            lo, hi = (-p0, L + p1) if include else (0, L)
-            counts.append(((pos >= lo) & (pos < hi)).sum(axis=1))
-        count = counts[0]
-        for c in counts[1:]:
-            count = np.multiply.outer(count, c)
-        mult = np.where(count > 0, 1.0 / np.maximum(count, 1), 0.0)
-        pool = Pool(pool.kernel, pool.stride, pool.padding, pool.dilation, pool.ceil_mode, mult)
-        src = self.materialize(v)
-        return [Value([(src, pool)], pool.out_shape(self.b.shape(src)), None, self.label)]
-
-    def op_GlobalAveragePool(self, node, ins):
-        v = self.act(node, 0)
-        return [self.adaptive_avg_pool(v, (1,) * (len(v.shape) - 1))]
-
-    def op_ReduceMean(self, node, ins):
-        v = self.act(node, 0)
-        a = _attrs(node)
-        axes = a.get("axes")
-        if axes is None and len(node.input) > 1 and node.input[1]:
-            axes = self.const(node, 1, "axes").reshape(-1).tolist()
-        if not axes:
-            if a.get("noop_with_empty_axes", 0):
-                return [v]
-            self.unsupported("a mean over every axis, the batch included")
-        return [self.mean(v, [int(x) for x in axes], bool(a.get("keepdims", 1)))]
-
     # ------------------------------------------------------------ index ops
     def op_Concat(self, node, ins):
         """Along the channels at channel granularity when it can, else on element ids."""
@@ -636,12 +400,3 @@ def _same_key(a, b) -> bool:
         elif x != y:
             return False
     return True
-
-
-_SECOND_OUTPUT = {
-    "BatchNormalization": "running statistics updated in training mode",
-    "MaxPool": "max-pool indices",
-    "Dropout": "a dropout mask",
-}
-
-_AXIS1_OK = frozenset({"Gemm", "MatMul", "Relu", "Add", "Identity", "Dropout", "Cast", "CastLike", "Shape", "Size"})

@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
@@ -54,7 +54,6 @@ class Binding:
     kind: str
     layout: tuple[int, ...] | None = None
     eps: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 def source_factors(graph: Graph, log_scales: Mapping[str, np.ndarray]) -> dict[str, dict[Role, tuple[np.ndarray, bool]]]:

@@ -10,8 +10,9 @@ from pathir.ir import Graph, verify
 from .fold_batchnorm import fold_batchnorm
 from .maxpool_to_sum import maxpool_to_sum
 from .path_view import path_view
+from .remove_dead import remove_dead
 
-__all__ = ["Pass", "PASSES", "run_passes", "DEFAULT_PIPELINE"]
+__all__ = ["Pass", "PASSES", "run_passes", "DEFAULT_PIPELINE", "register"]
 
 Pass = Callable[[Graph], Graph]
 
@@ -20,6 +21,7 @@ PASSES: dict[str, Pass] = {
     "fold_batchnorm": fold_batchnorm,
     "maxpool_to_sum": maxpool_to_sum,
     "path_view": path_view,
+    "remove_dead": remove_dead,
 }
 
 #: What pathir.compile runs after lowering:
@@ -31,19 +33,49 @@ def _name(p: Pass) -> str:
     return getattr(p, "__name__", repr(p))
 
 
+def register(name: str, fn: Pass, replace: bool = False) -> Pass:
+    """Add a pass to ``PASSES`` so that it can be named wherever a pass is
+    accepted (``run_passes``, ``pathir.compile(passes=...)``, ``cm.apply``).
+    Returns ``fn``. A taken name is refused unless ``replace``."""
+    if not callable(fn):
+        raise TypeError(f"pass '{name}' must be a function Graph -> Graph, got {type(fn).__name__}")
+    if name in PASSES and PASSES[name] is not fn and not replace:
+        raise ValueError(f"a pass named '{name}' is already registered ({_name(PASSES[name])}); pass replace=True")
+    PASSES[name] = fn
+    return fn
+
+
+def _resolve(p) -> tuple[str, Pass]:
+    """(name, function) of a pass given as a function or a registered name."""
+    if isinstance(p, str):
+        if p not in PASSES:
+            raise KeyError(f"no pass named '{p}'; registered: {sorted(PASSES)}")
+        return p, PASSES[p]
+    if not callable(p):
+        raise TypeError(f"a pass is a function Graph -> Graph or a registered name, got {type(p).__name__}")
+    return _name(p), p
+
+
 def run_passes(graph: Graph, passes: Iterable[Pass], check: bool = True) -> Graph:
-    """Apply each pass in order; with ``check``, verify after each one and name
-    the failing pass and those before it."""
+    """Apply each pass (a function, or a name registered in ``PASSES``) in
+    order; with ``check``, verify after each one. Every failure names the pass
+    and those before it: "in pass 'X' after ['fold_batchnorm']"."""
     done: list[str] = []
     for p in passes:
-        out = p(graph)
+        name, fn = _resolve(p)
+        try:
+            out = fn(graph)
+        except Exception as err:
+            if hasattr(err, "add_note"):  # Python >= 3.11: keep the error's type, add where
+                err.add_note(f"in pass '{name}' after {done}")
+            raise
         if not isinstance(out, Graph):
-            raise TypeError(f"pass '{_name(p)}' returned {type(out).__name__}, not a Graph")
+            raise TypeError(f"in pass '{name}' after {done}: returned {type(out).__name__}, not a Graph")
         if check:
             try:
                 verify(out)
             except GraphVerificationError as err:
-                raise GraphVerificationError(f"in pass '{_name(p)}' after {done}: {err}") from None
-        done.append(_name(p))
+                raise GraphVerificationError(f"in pass '{name}' after {done}: {err}") from None
+        done.append(name)
         graph = out
     return graph

@@ -144,7 +144,7 @@ def solve_enorm_block(w, B, c=None, *, max_sweeps: int = 1000, tol: float = 1e-1
     """
     start = time.perf_counter()
     B = canonical(B)
-    key, H = row_keys(B)
+    key, H = row_keys(B, checked=True)
     m = _masses(w, c, key.size)
     pairs = group_pairs(m, key, H)
     degenerate = pairs.degenerate()

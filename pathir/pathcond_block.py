@@ -46,7 +46,7 @@ def _solve_s(log_b, log_c, log_d, a, log_s_prev):
     half = 0.5 * (log_b + log_c)
     shift = max(log_d, float(half.max()) + math.log(2.0))
     c = np.exp(2.0 * (half + math.log(2.0) - shift))
-    d = 0.0 * math.exp(log_d - shift)
+    d = math.exp(log_d - shift)
     a2 = a * a
 
     def psi(s):
@@ -99,7 +99,7 @@ def solve_block(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, anderson: i
     """
     start = time.perf_counter()
     B = canonical(B)
-    key, H = row_keys(B)
+    key, H = row_keys(B, checked=True)
     n = key.size
     g = _as_g(g, n)
     A = column_balance(B).astype(np.float64)

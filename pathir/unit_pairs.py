@@ -57,9 +57,12 @@ def canonical(B) -> sp.csr_array:
     return csr
 
 
-def row_keys(B) -> tuple[np.ndarray, int]:
-    """``(key, H)`` with key_i = e(i) (H + 1) + l(i) (e, l = H for "no unit"), B checked by `canonical`."""
-    csr = canonical(B)
+def row_keys(B, checked: bool = False) -> tuple[np.ndarray, int]:
+    """``(key, H)`` with key_i = e(i) (H + 1) + l(i) (e, l = H for "no unit").
+
+    B is checked by `canonical` unless ``checked`` says it already was.
+    """
+    csr = B if checked else canonical(B)
     n, H = csr.shape
     # one mat-vec: a -1 at column j adds (j - H)(H + 1) to the "no unit" key H(H + 1) + H, a +1 adds j - H
     weight = np.where(csr.data < 0, float(H + 1), 1.0)
@@ -81,7 +84,7 @@ def row_units(B) -> tuple[np.ndarray, np.ndarray, int]:
 def column_balance(B) -> np.ndarray:
     """A_h = |in_h| - |out_h| = -(Bᵀ1)_h straight from B."""
     B = sp.csr_array(B)
-    return -np.rint(B.T @ np.ones(B.shape[0])).astype(np.int64)
+    return -np.rint(np.bincount(B.indices, weights=B.data, minlength=B.shape[1])).astype(np.int64)
 
 
 def side_counts(enter: np.ndarray, leave: np.ndarray, H: int) -> np.ndarray:
@@ -286,20 +289,24 @@ class Block:
 def blocks_of(pairs: Pairs, colour: np.ndarray, by_leave: np.ndarray) -> list[Block]:
     """The Blocks of a colouring (``colour[h] = -1``: unit not updated); ``by_leave`` orders the pairs by left unit."""
     H = pairs.num_units
+    num = int(colour.max(initial=-1)) + 1
     colour_pad = np.append(colour, -1)
-    local = np.full(H + 1, -1, dtype=np.int64)
-    e_col, l_col = colour_pad[pairs.enter], colour_pad[pairs.leave]
-    blocks = []
-    for c in range(int(colour.max(initial=-1)) + 1):
+    # position of each unit within its colour, the block's row index
+    local = np.zeros(H + 1, dtype=np.int64)
+    for c in range(num):
         units = np.flatnonzero(colour == c)
-        local[:] = -1
         local[units] = np.arange(units.size)
-        out_k = by_leave[l_col[by_leave] == c]
-        in_k = np.flatnonzero(e_col == c)
-        rest_k = by_leave[(l_col[by_leave] != c) & (e_col[by_leave] != c)]
-        outgoing = side_sums(local[pairs.leave[out_k]], pairs.enter[out_k], pairs.log_mass[out_k], H + 1)
+    e_col = colour_pad[pairs.enter]
+    leave_s, enter_s, log_s = pairs.leave[by_leave], pairs.enter[by_leave], pairs.log_mass[by_leave]
+    l_col_s, e_col_s = colour_pad[leave_s], e_col[by_leave]
+    blocks = []
+    for c in range(num):
+        units = np.flatnonzero(colour == c)
+        out_k, in_k = l_col_s == c, e_col == c
+        rest_k = ~out_k & (e_col_s != c)
+        outgoing = side_sums(local[leave_s[out_k]], enter_s[out_k], log_s[out_k], H + 1)
         incoming = side_sums(local[pairs.enter[in_k]], pairs.leave[in_k], pairs.log_mass[in_k], H + 1)
-        rest = side_sums(pairs.leave[rest_k], pairs.enter[rest_k], pairs.log_mass[rest_k], H + 1)
+        rest = side_sums(leave_s[rest_k], enter_s[rest_k], log_s[rest_k], H + 1)
         for side in (outgoing, incoming):
             if side.rows.size != units.size:
                 raise ValueError(f"colour {c}: a unit has no mass on one side (it should have been found degenerate)")

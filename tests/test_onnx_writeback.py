@@ -122,6 +122,18 @@ def test_gemm_alpha_beta_transposed_weights_and_broadcast_bias():
     assert rel(ort_run(cm.to_onnx(), x)[0], ort_run(model, x)[0]) <= 1e-5
 
 
+def test_a_writer_made_from_the_model_alone():
+    from pathir.frontends.onnx_writer import OnnxWriter
+
+    _, shape, proto = exported("concat", "legacy")
+    cm = pathir.compile(proto)
+    _, scales = _random_rescaling(cm, seed=5)
+    writer = OnnxWriter(proto)
+    writer.rescale(cm.graph, scales)
+    cm.frontend.rescale(cm.graph, scales)
+    assert writer.to_onnx().SerializeToString() == cm.to_onnx().SerializeToString()
+
+
 def test_two_rescalings_compose_and_to_onnx_returns_copies():
     _, shape, proto = exported("residual", "legacy-nofold")
     cm = pathir.compile(proto)

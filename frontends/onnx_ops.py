@@ -1,0 +1,66 @@
+"""Which ONNX ops pathir lowers, and why the others have no place in a ReLU DAG
+(MATH.md §1): the reasons ``UnsupportedOperation`` gives."""
+
+from __future__ import annotations
+
+__all__ = ["WHY", "DEFAULT_WHY", "INDEX_OPS", "SECOND_OUTPUT", "AXIS1_OK"]
+
+_NOT_HOMOGENEOUS = "not positively homogeneous: f(λx) ≠ λ·f(x) for λ > 0, so rescaling a neuron would change the function"
+_NORMALIZES = "normalizes by statistics of the activation itself (an input-dependent scale): not positively homogeneous"
+
+#: why an op has no place in a ReLU DAG (MATH.md §1)
+WHY = {
+    **{op: _NOT_HOMOGENEOUS for op in (
+        "Sigmoid", "Tanh", "Gelu", "FastGelu", "Elu", "Selu", "Celu", "Softplus", "Softsign", "Mish", "HardSigmoid",
+        "HardSwish", "Swish", "Exp", "Log", "Sqrt", "Erf", "Sin", "Cos", "Reciprocal", "Sign", "Round", "Floor", "Ceil",
+        "ThresholdedRelu", "Shrink",
+    )},
+    "Clip": "clips at fixed thresholds (ReLU6, hardtanh): rescaling the input moves where it saturates, so it is not positively homogeneous",
+    "LeakyRelu": "positively homogeneous, but pathir's neurons are identity, ReLU and max-pool only",
+    "PRelu": "positively homogeneous, but pathir's neurons are identity, ReLU and max-pool only",
+    "Abs": "positively homogeneous, but pathir's neurons are identity, ReLU and max-pool only",
+    "Softmax": "softmax inside the graph normalizes across features: not positively homogeneous",
+    "LogSoftmax": "log-softmax normalizes across features: not positively homogeneous",
+    "Hardmax": "not positively homogeneous",
+    **{op: _NORMALIZES for op in (
+        "LayerNormalization", "GroupNormalization", "InstanceNormalization", "LpNormalization", "LRN",
+        "MeanVarianceNormalization", "RMSNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization",
+    )},
+    "Attention": "attention multiplies activations together (queries by keys, weights by values)",
+    "MultiHeadAttention": "attention multiplies activations together (queries by keys, weights by values)",
+    "Mul": "a product with an activation (a gate between activations, or a constant factor pathir does not lower)",
+    "Div": "a division involving an activation",
+    "Pow": "a power of an activation: not positively homogeneous",
+    "Sub": "a difference: pathir lowers sums of activations (Add) and constant biases only",
+    "Max": "an elementwise max of activations is not a ReLU DAG neuron",
+    "Min": "an elementwise min of activations is not a ReLU DAG neuron",
+    "Neg": "a fixed weight of -1 between activations is not lowered",
+    "ConvTranspose": "transposed convolutions are not lowered yet",
+    "LpPool": "an Lp pool is not positively homogeneous of degree 1 per window",
+    "ReduceMax": "a max over an axis is not lowered (use MaxPool)",
+    "ReduceSum": "only the mean over all spatial axes is lowered (ReduceMean)",
+    "TopK": "selects by value: not a fixed map",
+    "Resize": "resizing is not lowered",
+    "Upsample": "upsampling is not lowered",
+    "If": "control flow on activations is not lowered",
+    "Loop": "control flow on activations is not lowered",
+    "Scan": "control flow on activations is not lowered",
+}
+
+#: ops that move elements without computing: lowered by running them on element ids
+INDEX_OPS = frozenset({
+    "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Concat", "Split", "Slice", "Gather", "Expand",
+    "Tile", "Pad", "DepthToSpace", "SpaceToDepth",
+})
+
+DEFAULT_WHY = "outside the ops pathir lowers from ONNX (see docs/onnx.md): not known to keep the network a ReLU DAG"
+
+#: ops whose second output means training semantics or data pathir cannot give
+SECOND_OUTPUT = {
+    "BatchNormalization": "running statistics updated in training mode",
+    "MaxPool": "max-pool indices",
+    "Dropout": "a dropout mask",
+}
+
+#: ops that read a 2-d activation with its batch on axis 1
+AXIS1_OK = frozenset({"Gemm", "MatMul", "Relu", "Add", "Identity", "Dropout", "Cast", "CastLike", "Shape", "Size"})

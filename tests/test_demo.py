@@ -1,0 +1,39 @@
+"""`pathir demo` end to end on a tiny configuration (the full run is the README's main command)."""
+
+import json
+import os
+
+import numpy as np
+import torch
+
+import pathir.demo as demo
+from pathir.cli import main
+
+
+def test_demo_quick_writes_tables_and_plots(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--quick", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "PathCond at initialisation" in text and "Pruning under rescaling" in text
+    for name in ("results.json", "pathcond_autoencoder.png", "pruning_under_rescaling.png"):
+        assert (out / name).stat().st_size > 0
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["pathcond"]["compression_8"]) == {"baseline", "enorm", "pathcond"}
+    row = results["pruning"]["table"]["60%"]
+    # path-magnitude pruning is invariant under rescaling: the same weights go, the same accuracy stays
+    assert row["path-magnitude (original)"] == row["path-magnitude (rescaled)"]
+
+
+def test_random_rescaling_keeps_the_function():
+    X = torch.rand(5, 1, 8, 8)
+    model = demo.DigitsCNN()
+    before = model(X).detach()
+    params = [p.detach().clone() for p in model.parameters()]
+    demo.random_rescaling(model, spread=2.0, seed=3)
+    assert any(not torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    torch.testing.assert_close(model(X).detach(), before, rtol=1e-4, atol=1e-5)
+
+
+def test_epochs_to_reach():
+    assert demo.epochs_to_reach([3.0, 2.0, 1.0], 2.0) == 1
+    assert demo.epochs_to_reach([3.0, 2.5], 1.0) is None
