@@ -18,7 +18,6 @@ import numpy as np
 
 from pathir.ir import Conv, Dense, Param, Pool, pool_output_size
 
-from .onnx_ops import WHY
 from .torch_values import ParamTensor, Value
 
 __all__ = ["LayerOps", "attrs", "f64"]
@@ -47,7 +46,7 @@ class LayerOps:
         alpha, beta = float(a.get("alpha", 1.0)), float(a.get("beta", 1.0))
         tA, tB = bool(a.get("transA", 0)), bool(a.get("transB", 0))
         if isinstance(ins[0], Value) and isinstance(ins[1], Value):
-            self.unsupported(WHY["Mul"].replace("a product with an activation", "multiplies two activations"))
+            self.unsupported("multiplies two activations: not positively homogeneous of degree 1")
         if isinstance(ins[0], Value):
             k, wk, axis_in = 0, 1, 1 if node.input[0] in self.axis1 else 0
             if axis_in != int(tA):
@@ -87,7 +86,8 @@ class LayerOps:
         if isinstance(ins[0], Value):
             v = ins[0]
             if node.input[0] in self.axis1 or len(v.shape) != 1:
-                self.unsupported(f"MatMul of an activation of per-sample shape {list(v.shape)}: only (batch, features) @ W is lowered")
+                self.unsupported(f"MatMul of an activation of per-sample shape {list(v.shape)}: "
+                                 "only (batch, features) @ W is lowered")
             B = f64(self.const(node, 1, "weight"))
             if B.ndim != 2:
                 self.unsupported(f"MatMul with a weight of rank {B.ndim}")

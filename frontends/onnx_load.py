@@ -17,7 +17,7 @@ import numpy as np
 
 from pathir.errors import PathirError
 
-__all__ = ["OnnxModelError", "Source", "load", "input_shapes", "infer_shapes", "numpy_dtype"]
+__all__ = ["OnnxModelError", "Source", "load", "skeleton", "input_shapes", "infer_shapes", "numpy_dtype"]
 
 
 class OnnxModelError(PathirError, ValueError):
@@ -27,11 +27,47 @@ class OnnxModelError(PathirError, ValueError):
 @dataclass
 class Source:
     """A loaded model: the proto (the caller's own object when one was given:
-    read only), a display name, and the opset of the default domain."""
+    read only), a display name, the opset of the default domain, and its
+    skeleton (see :func:`skeleton`) on which checks and shape inference run."""
 
     proto: object
     name: str
     opset: int
+    skeleton: object = None
+
+
+#: initializers above this many elements are left out of the skeleton (weights, never shape data)
+_LARGE = 4096
+
+
+def skeleton(proto):
+    """A copy of ``proto`` without its large initializers' data: each becomes a
+    typed graph input of its shape. The checker and shape inference need
+    only their types, and the weights of a large model then never get copied
+    or serialized again."""
+    import math
+
+    import onnx
+    from onnx import helper
+
+    m = onnx.ModelProto()
+    m.ir_version = proto.ir_version
+    m.opset_import.extend(proto.opset_import)
+    m.functions.extend(proto.functions)
+    src, g = proto.graph, m.graph
+    g.name = src.name
+    g.node.extend(src.node)
+    g.input.extend(src.input)
+    g.output.extend(src.output)
+    g.value_info.extend(src.value_info)
+    g.sparse_initializer.extend(src.sparse_initializer)
+    declared = {vi.name for vi in src.input}
+    for t in src.initializer:
+        if math.prod(t.dims) <= _LARGE:
+            g.initializer.append(t)
+        elif t.name not in declared:
+            g.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    return m
 
 
 def _parse(data: bytes, name: str):
@@ -71,16 +107,17 @@ def load(model) -> Source:
                 raise OnnxModelError(f"'{name}': cannot read its external tensor data: {err}") from None
     else:
         raise OnnxModelError(f"expected an ONNX path, bytes or onnx.ModelProto, got {type(model).__name__}")
-    _check(proto, name)
+    if not proto.HasField("graph") or len(proto.graph.node) == 0 or not proto.opset_import:
+        raise OnnxModelError(f"'{name}' is not an ONNX model (no graph, nodes or opset)")
+    light = skeleton(proto)
+    _check(light, name)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
-    return Source(proto, name, opset)
+    return Source(proto, name, opset, light)
 
 
 def _check(proto, name: str) -> None:
     import onnx
 
-    if not proto.HasField("graph") or len(proto.graph.node) == 0 or not proto.opset_import:
-        raise OnnxModelError(f"'{name}' is not an ONNX model (no graph, nodes or opset)")
     try:
         onnx.checker.check_model(proto)
     except (onnx.checker.ValidationError, ValueError) as err:
@@ -155,14 +192,13 @@ def _show(dims) -> str:
 
 
 def infer_shapes(src: Source, shapes: dict[str, tuple[int, ...]]):
-    """ONNX shape inference (strict) on a copy with the per-sample input sizes fixed.
+    """ONNX shape inference (strict) on the skeleton with the per-sample input sizes fixed.
 
     Returns {tensor name: elem_type} of every value it types; raises
     OnnxModelError naming the first problem it reports."""
     import onnx
 
-    model = onnx.ModelProto()
-    model.CopyFrom(src.proto)
+    model = src.skeleton if src.skeleton is not None else skeleton(src.proto)
     for vi in model.graph.input:
         if vi.name in shapes:
             dims = vi.type.tensor_type.shape.dim

@@ -70,11 +70,15 @@ class OnnxLowering(LayerOps, Lowering):
 
         g = self.proto.graph
         for t in g.initializer:
-            self.env[t.name] = numpy_helper.to_array(t)
+            try:
+                self.env[t.name] = numpy_helper.to_array(t)
+            except (ValueError, TypeError) as err:
+                raise PathirError(f"initializer '{t.name}' of '{self.src.name}' is corrupt: {err}") from None
             self.stored.add(t.name)
         inputs = [vi.name for vi in g.input if vi.name in self.shapes]
         for name in inputs:
-            self.env[name] = Value.of_node(self.b.input(name, self.shapes[name], origin="ONNX graph input"), self.shapes[name])
+            node = self.b.input(name, self.shapes[name], origin="ONNX graph input")
+            self.env[name] = Value.of_node(node, self.shapes[name])
         live, needed = self._live()
         for i, node in enumerate(g.node):
             if not live[i]:
@@ -123,7 +127,8 @@ class OnnxLowering(LayerOps, Lowering):
         op = node.op_type if node.domain in ("", "ai.onnx") else None
         for k in acts:
             if node.input[k] in self.axis1 and op not in AXIS1_OK:
-                self.unsupported(f"'{node.input[k]}' has its batch on axis 1; only Gemm, MatMul, Relu and Add read that layout")
+                self.unsupported(f"'{node.input[k]}' has its batch on axis 1; "
+                                 "only Gemm, MatMul, Relu and Add read that layout")
         handler = getattr(self, f"op_{op}", None) if op else None
         if handler is None and op in INDEX_OPS:
             handler = self.index
@@ -304,7 +309,8 @@ class OnnxLowering(LayerOps, Lowering):
             if (node.input[0] in self.axis1) != (node.input[1] in self.axis1):
                 self.unsupported("adds two activations whose batch axes differ")
             if a.shape != b.shape:
-                self.unsupported(f"adds activations of shapes {list(a.shape)} and {list(b.shape)}: broadcasting is not lowered")
+                self.unsupported(f"adds activations of shapes {list(a.shape)} and {list(b.shape)}: "
+                                 "broadcasting is not lowered")
             self._same_axis(node)
             return [self.add(a, b)]
         k = 0 if isinstance(a, Value) else 1

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 __all__ = ["WHY", "DEFAULT_WHY", "INDEX_OPS", "SECOND_OUTPUT", "AXIS1_OK"]
 
-_NOT_HOMOGENEOUS = "not positively homogeneous: f(λx) ≠ λ·f(x) for λ > 0, so rescaling a neuron would change the function"
+_NOT_HOMOGENEOUS = ("not positively homogeneous: f(λx) ≠ λ·f(x) for λ > 0, "
+                    "so rescaling a neuron would change the function")
 _NORMALIZES = "normalizes by statistics of the activation itself (an input-dependent scale): not positively homogeneous"
 
 #: why an op has no place in a ReLU DAG (MATH.md §1)
@@ -15,7 +16,8 @@ WHY = {
         "HardSwish", "Swish", "Exp", "Log", "Sqrt", "Erf", "Sin", "Cos", "Reciprocal", "Sign", "Round", "Floor", "Ceil",
         "ThresholdedRelu", "Shrink",
     )},
-    "Clip": "clips at fixed thresholds (ReLU6, hardtanh): rescaling the input moves where it saturates, so it is not positively homogeneous",
+    "Clip": ("clips at fixed thresholds (ReLU6, hardtanh): rescaling the input moves where it saturates, "
+             "so it is not positively homogeneous"),
     "LeakyRelu": "positively homogeneous, but pathir's neurons are identity, ReLU and max-pool only",
     "PRelu": "positively homogeneous, but pathir's neurons are identity, ReLU and max-pool only",
     "Abs": "positively homogeneous, but pathir's neurons are identity, ReLU and max-pool only",

@@ -24,10 +24,9 @@ and initializers nothing reads any more are removed.
 
 from __future__ import annotations
 
-import copy
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 import numpy as np
@@ -129,7 +128,7 @@ class OnnxWriter:
             low = lower(model)
             model, bindings, outputs = low.writer.source, low.writer.bindings, low.writer.outputs
         self.source = model
-        self.bindings = {k: copy.deepcopy(b) for k, b in bindings.items()}
+        self.bindings = {k: _copy(b) for k, b in bindings.items()}
         #: ONNX output name -> (IR output node, whether the ONNX tensor has its batch on axis 1)
         self.outputs = dict(outputs or {})
         self._model = None
@@ -251,10 +250,12 @@ class OnnxWriter:
         import onnx
         from onnx import numpy_helper
 
+        from .onnx_load import skeleton
+
         if not updates:
             return
         model = self.to_onnx()
-        bindings = {k: copy.deepcopy(b) for k, b in self.bindings.items()}
+        bindings = {k: _copy(b) for k, b in self.bindings.items()}
         g = model.graph
         nodes = {n.output[0]: n for n in g.node}
         readers = _readers(g)
@@ -284,10 +285,15 @@ class OnnxWriter:
                 nodes[key].input[k] = name
             b.tensor = name
         try:
-            onnx.checker.check_model(model)
+            onnx.checker.check_model(skeleton(model))
         except (onnx.checker.ValidationError, ValueError) as err:
             raise PathirError(f"write-back produced an invalid ONNX model (nothing was changed): {err}") from None
         self._model, self.bindings = model, bindings
+
+
+def _copy(b: Binding) -> Binding:
+    """A binding whose slots can change; values are never written in place, so they are shared."""
+    return replace(b, slots=list(b.slots))
 
 
 def _value_ref(p: Param, is_bias: bool):
@@ -331,19 +337,16 @@ def _remove_dead(g, candidates: set[str]) -> None:
     any more (not a graph output), and, in turn, what only they read."""
     while candidates:
         readers = _readers(g)
-        outputs = {o.name for o in g.output}
-        dead = {t for t in candidates if t not in readers and t not in outputs}
+        keep = {o.name for o in g.output} | {vi.name for vi in g.input}  # the model's interface stays
+        dead = {t for t in candidates if t not in readers and t not in keep}
         if not dead:
             return
         candidates = set()
         for t in list(g.initializer):
             if t.name in dead:
                 g.initializer.remove(t)
-        for vi in list(g.input):
-            if vi.name in dead:
-                g.input.remove(vi)
         for n in list(g.node):
-            if any(o in dead for o in n.output) and all((o in dead) or (o not in readers and o not in outputs)
+            if any(o in dead for o in n.output) and all((o in dead) or (o not in readers and o not in keep)
                                                         for o in n.output if o):
                 g.node.remove(n)
                 candidates.update(x for x in n.input if x)

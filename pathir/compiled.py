@@ -206,10 +206,28 @@ class Compiled:
         return cached[1]
 
     def incidence(self):
-        """(B, layout): the sparse n x H matrix B of MATH.md §5 and the ParamLayout of θ."""
-        from pathir.passes.incidence import incidence
+        """(B, layout): the sparse n x H matrix B of MATH.md §5 and the ParamLayout of θ,
+        built once per graph object (do not modify B)."""
+        cached = self.__dict__.get("_incidence")
+        if cached is None or cached[0] is not self.graph:
+            from pathir.passes.incidence import incidence
 
-        return incidence(self.graph, self.units)
+            cached = (self.graph, incidence(self.graph, self.units))
+            self.__dict__["_incidence"] = cached
+        return cached[1]
+
+    def _adopt_rescaled(self, graph: Graph) -> None:
+        """Make ``graph``, a rescaling of ``self.graph`` (same structure, new values),
+        the current graph; the units and B carry over (only the params' values moved)."""
+        import dataclasses
+
+        from pathir.passes.incidence import ParamLayout
+
+        units, (B, _) = self.units, self.incidence()
+        params = tuple(graph.params())
+        self.graph = graph
+        self.__dict__["_units"] = (graph, dataclasses.replace(units, params=params))
+        self.__dict__["_incidence"] = (graph, (B, ParamLayout(params)))
 
     def diag_g(self, backend=None) -> dict[str, np.ndarray]:
         """diag G (MATH.md §6): {source param name: array of that param's shape}.
@@ -217,6 +235,33 @@ class Compiled:
         from .diag_g import diag_g
 
         return diag_g(self.graph, self._backend(backend))
+
+    # ---------------------------------------------------------------- rescaling the model
+    def pathcond(self, solver: str = "block", max_sweeps: int = 1000, tol: float = 1e-10,
+                 write_back: bool = True, backend=None):
+        """PathCond (MATH.md §7): minimise F(z) and rescale the model in place
+        (function preserved); returns a PathCondReport. ``write_back=False``
+        leaves model and graph as they are (apply ``report.z`` with
+        :meth:`rescaled`). See docs/pathcond.md."""
+        from .pathcond import pathcond
+
+        return pathcond(self, solver=solver, max_sweeps=max_sweeps, tol=tol, write_back=write_back, backend=backend)
+
+    def enorm(self, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, costs=None,
+              solver: str = "block", write_back: bool = True):
+        """ENorm (MATH.md §8): minimise Σ c_i |θ_i|^p over the rescalings and rescale
+        the model in place; returns an ENormReport. See docs/normalize.md."""
+        from .enorm import enorm
+
+        return enorm(self, p=p, max_sweeps=max_sweeps, tol=tol, costs=costs, solver=solver, write_back=write_back)
+
+    def normalize(self, p: float = 2.0, write_back: bool = True):
+        """The canonical representative (MATH.md §8): every unit's incoming weights and
+        bias get unit l_p norm; rescales the model in place; returns a NormalizeReport.
+        See docs/normalize.md."""
+        from .enorm import normalize
+
+        return normalize(self, p=p, write_back=write_back)
 
     # ---------------------------------------------------------------- pruning
     def path_magnitude_scores(self, backend=None) -> dict[str, np.ndarray]:

@@ -88,9 +88,9 @@ def _finish(m, B, z, degenerate, method, sweeps, converged, start, history) -> E
     live[degenerate] = False
     history = list(history)
     history[0], history[-1] = e0, e1
+    imbalance = float(np.max(np.abs(balance[live]), initial=0.0))
     return ENormResult(z, e0, e1, sweeps, converged, np.asarray(degenerate, dtype=np.int64),
-                       time.perf_counter() - start, np.asarray(history), float(np.max(np.abs(balance[live]), initial=0.0)),
-                       method)
+                       time.perf_counter() - start, np.asarray(history), imbalance, method)
 
 
 def solve_enorm_coordinate(w, B, c=None, *, max_sweeps: int = 1000, tol: float = 1e-10) -> ENormResult:

@@ -79,6 +79,8 @@ class PathMetric:
 def _fmt(log10_value: float) -> str:
     if log10_value == -math.inf:
         return "0"
+    if abs(log10_value) < 300:
+        return f"{10**log10_value:.6g}"
     e = math.floor(log10_value)
     return f"{10 ** (log10_value - e):.6g}e{e:+d}"
 

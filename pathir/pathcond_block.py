@@ -68,6 +68,24 @@ def _solve_s(log_b, log_c, log_d, a, log_s_prev):
     return shift + math.log(s)
 
 
+def _pair_state(pairs, A: np.ndarray, z: np.ndarray, n: int):
+    """(F(0), F(z), ∇F(z), its scale n|B|ᵀp + |A|) from the unit pairs: ∂F/∂z_h = n (out_h - in_h) / S + A_h."""
+    H = z.size
+    zp = pad(z)
+    v = pairs.log_mass + zp[pairs.leave] - zp[pairs.enter]
+    if v.size == 0:
+        return -math.inf, -math.inf, A.copy(), np.abs(A)
+    top0, top = float(pairs.log_mass.max()), float(v.max())
+    e = np.exp(v - top)
+    total = float(e.sum())
+    q = e / total
+    out_mass = np.bincount(pairs.leave, weights=q, minlength=H + 1)[:H]
+    in_mass = np.bincount(pairs.enter, weights=q, minlength=H + 1)[:H]
+    f0 = n * (top0 + math.log(float(np.exp(pairs.log_mass - top0).sum())))
+    return (f0, n * (top + math.log(total)) + float(A @ z), n * (out_mass - in_mass) + A,
+            n * (out_mass + in_mass) + np.abs(A))
+
+
 def solve_block(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, anderson: int = 5) -> PathCondResult:
     """Minimise F by exact block updates over independent sets of units (the default solver).
 
@@ -176,6 +194,6 @@ def solve_block(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, anderson: i
             converged = True
             break
         f = f_new
-    return finish(g, B, A, z, method="block", sweeps=sweeps, converged=converged, degenerate=degenerate,
-                  start=start, history=history, times=times,
+    return finish(g, B, z, _pair_state(pairs, A, z, n), method="block", sweeps=sweeps, converged=converged,
+                  degenerate=degenerate, start=start, history=history, times=times,
                   extra={"colours": len(blocks), "pairs": int(pairs.log_mass.size), "anderson_steps": accepted})

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from .pathcond_objective import PathCondResult, _as_g, _log, _logsumexp, finish
+from .pathcond_objective import PathCondResult, _as_g, _log, _logsumexp, finish, row_state
 from .unit_pairs import canonical, column_balance
 
 __all__ = ["solve_coordinate"]
@@ -171,6 +171,6 @@ def solve_coordinate(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10,
             converged = True
             break
         f = f_new
-    return finish(g, B, A, z, method="coordinate", sweeps=sweeps, converged=converged,
+    return finish(g, B, z, row_state(g, B, A, z), method="coordinate", sweeps=sweeps, converged=converged,
                   degenerate=np.asarray(degenerate, dtype=np.int64), start=start, history=history, times=times,
                   extra={"log_domain": log_domain})

@@ -153,36 +153,54 @@ class PathCondResult:
         }
 
 
-def finish(g: np.ndarray, B: sp.csr_array, A: np.ndarray, z: np.ndarray, *, method: str, sweeps: int,
-           converged: bool, degenerate: np.ndarray, start: float, history: list, times: list,
-           extra=None) -> PathCondResult:
-    """Assemble a result; F(0), F(z), the gradient and the spreads are recomputed from the rows of (g, B).
-
-    ``A`` is ``-Bᵀ1`` (`unit_pairs.column_balance`).
-    """
-    n, H = g.size, z.size
+def row_state(g: np.ndarray, B: sp.csr_array, A: np.ndarray, z: np.ndarray):
+    """(F(0), F(z), ∇F(z), its scale n|B|ᵀp + |A|) from the rows of (g, B); ``A`` = -Bᵀ1."""
+    n = g.size
     log_g = _log(g)
     ell = log_g + B @ z
-    f0 = n * _logsumexp(log_g)
     top = float(ell.max())
     e = np.exp(ell - top)
     total = float(e.sum())
-    f1 = n * (top + math.log(total)) + float(A @ z)
     p = e / total
-    grad = n * (B.T @ p) + A
-    scale = n * (abs(B).T @ p) + np.abs(A)
-    live = np.ones(H, dtype=bool)
+    return (n * _logsumexp(log_g), n * (top + math.log(total)) + float(A @ z),
+            n * (B.T @ p) + A, n * (abs(B).T @ p) + np.abs(A))
+
+
+def _spreads(g: np.ndarray, B: sp.csr_array, z: np.ndarray) -> tuple[float, float]:
+    """log_spread of g and of g e^{Bz}, without a log of every entry where the range allows."""
+    bz = B @ z
+    gp = g
+    if not g.min(initial=1.0) > 0:
+        positive = g > 0
+        if not positive.any():
+            return 0.0, 0.0
+        gp, bz = g[positive], bz[positive]
+    low, high = float(gp.min()), float(gp.max())
+    shift, span = float(bz.max()), float(bz.max() - bz.min())
+    if high < low * 1e250 and span < 50.0:
+        e = gp * np.exp(bz - shift)
+        return math.log(high / low), math.log(float(e.max()) / float(e.min()))
+    return log_spread(np.log(gp)), log_spread(np.log(gp) + bz)
+
+
+def finish(g: np.ndarray, B: sp.csr_array, z: np.ndarray, state, *, method: str, sweeps: int,
+           converged: bool, degenerate: np.ndarray, start: float, history: list, times: list,
+           extra=None) -> PathCondResult:
+    """Assemble a result from ``state`` = (F(0), F(z), ∇F(z), gradient scale) (`row_state`, or a
+    solver's own), adding the log-spreads of g before and after from the rows."""
+    f0, f1, grad, scale = state
+    live = np.ones(z.size, dtype=bool)
     live[degenerate] = False
     with np.errstate(invalid="ignore", divide="ignore"):
         rel = np.where(scale > 0, np.abs(grad) / scale, 0.0)
     history = list(history)
     if history:
         history[0], history[-1] = f0, f1
+    spread_0, spread_1 = _spreads(g, B, z)
     return PathCondResult(
         z=z, f_initial=f0, f_final=f1, sweeps=sweeps, converged=converged,
         degenerate=np.asarray(degenerate, dtype=np.int64), seconds=time.perf_counter() - start,
         history=np.asarray(history, dtype=np.float64), times=np.asarray(times, dtype=np.float64),
         grad_max=float(np.max(np.abs(grad[live]), initial=0.0)), grad_rel=float(np.max(rel[live], initial=0.0)),
-        log_spread_initial=log_spread(log_g), log_spread_final=log_spread(ell),
-        method=method, extra=dict(extra or {}),
+        log_spread_initial=spread_0, log_spread_final=spread_1, method=method, extra=dict(extra or {}),
     )

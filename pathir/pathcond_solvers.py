@@ -1,17 +1,25 @@
 """PathCond solvers on arrays (MATH.md §7): the one import point.
 
-``solve(g, B)`` is the default (exact block updates, `pathcond_block`);
-``solve_coordinate`` is the published cyclic coordinate descent
-(`pathcond_coordinate`), kept as the reference. Both take diag G as ``g``
-(n,) and the unit incidence matrix ``B`` (n x H, scipy.sparse, entries in
-{-1, 0, +1}) and return a `PathCondResult`; the parameters rescale as
-θ_i ← θ_i e^{-(Bz)_i / 2} and g ← g e^{Bz}.
+Inputs: ``g`` (n,) = diag G, non-negative, any range of magnitudes; ``B``
+(n x H) the unit incidence matrix, any scipy.sparse matrix/array (or dense)
+with entries in {-1, 0, +1} and at most one -1 (the unit a parameter enters)
+and one +1 (the unit it leaves) per row. Output: a `PathCondResult` whose
+``z`` (H,) rescales θ_i ← θ_i e^{-(Bz)_i/2} (so g ← g e^{Bz}); degenerate units
+(no mass on one whole side) are listed in ``degenerate`` and keep z = 0.
+
+- ``solve(g, B)``: the default, exact block updates over independent sets of
+  units with Anderson acceleration (`pathcond_block.solve_block`);
+- ``solve_coordinate(g, B)``: the published cyclic coordinate descent, kept as
+  the reference (`pathcond_coordinate`);
+- ``objective(g, B, z)``, ``gradient(g, B, z)``, ``rescaled_log_g(g, B, z)``.
 
 >>> import numpy as np, scipy.sparse as sp
->>> B = sp.csr_array(np.array([[-1.], [1.]]))
+>>> B = sp.csr_array(np.array([[-1.], [1.]]))   # one unit: a weight in, a weight out
 >>> r = solve(np.array([1.0, 4.0]), B)
 >>> round(float(r.z[0]), 6), r.converged, r.degenerate.tolist()
 (-0.693147, True, [])
+>>> sorted(r.to_dict())[:5]
+['converged', 'degenerate', 'f_final', 'f_initial', 'grad_max']
 """
 
 from __future__ import annotations
@@ -27,7 +35,12 @@ METHODS = {"block": solve_block, "coordinate": solve_coordinate}
 
 
 def solve(g, B, *, method: str = "block", max_sweeps: int = 1000, tol: float = 1e-10) -> PathCondResult:
-    """Minimise the PathCond objective F(z) = n log Σ g e^{Bz} - Σ Bz; ``method`` in METHODS."""
+    """Minimise F(z) = n log Σ_i g_i e^{(Bz)_i} - Σ_i (Bz)_i with ``method`` in METHODS.
+
+    Stops when a sweep changes F by at most ``tol * max(1, |F|)`` or moves no
+    z_h by more than ``tol``; ``result.converged`` says whether that happened
+    within ``max_sweeps``.
+    """
     if method not in METHODS:
         raise ValueError(f"unknown PathCond method {method!r}; choose one of {sorted(METHODS)}")
     return METHODS[method](g, B, max_sweeps=max_sweeps, tol=tol)

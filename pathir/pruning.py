@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from .errors import PathirError, PathNormOverflow
-from .ir import Graph, MapKind, Param
+from .ir import Graph, MapKind, Param, Role
 
 __all__ = ["PruneReport", "score_log_parts", "path_magnitude_scores", "prune_masks", "prune_graph", "prune"]
 
@@ -73,7 +73,7 @@ def score_log_parts(graph: Graph, backend=None) -> list[tuple[np.ndarray, float]
 def _source_layout(p: Param, value: np.ndarray) -> np.ndarray:
     """``value`` (the param's shape) in the layout of the param's VALUE source tensor."""
     for ref in p.sources:
-        if ref.role.value == "value":
+        if ref.role is Role.VALUE:
             return value.T if ref.transposed else value
     return value
 
@@ -142,13 +142,27 @@ def _count(amount, n: int) -> int:
     return int(round(amount * n))
 
 
+def _smallest(values: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k smallest entries; among equal values the earlier ones
+    (as a stable sort would pick them), in O(n)."""
+    if k <= 0:
+        return np.zeros(0, dtype=np.int64)
+    if k >= values.size:
+        return np.arange(values.size)
+    t = np.partition(values, k - 1)[k - 1]
+    below = np.flatnonzero(values < t)
+    ties = np.flatnonzero(values == t)[: k - below.size]
+    return np.concatenate([below, ties])
+
+
 def prune_masks(graph: Graph, amount, criterion: str = "path-magnitude", scope: str = "global",
-                include_biases: bool = False, backend=None) -> dict[str, np.ndarray]:
+                include_biases: bool = False, backend=None, log_scores=None) -> dict[str, np.ndarray]:
     """{param name: bool array of the param's shape, True = keep} for every candidate param.
 
     ``global``: the ``amount`` smallest scores among all candidates; ``local``:
     the ``amount`` smallest of each param. Ties go to the earlier entry in θ
-    order (stable sort), so the selection is deterministic."""
+    order, so the selection is deterministic. ``log_scores``: the criterion's
+    {id(param): log score} if already computed."""
     if criterion not in CRITERIA:
         raise ValueError(f"criterion must be one of {CRITERIA}, got '{criterion}'")
     if scope not in SCOPES:
@@ -156,24 +170,20 @@ def prune_masks(graph: Graph, amount, criterion: str = "path-magnitude", scope: 
     params = _candidates(graph, include_biases)
     if not params:
         raise PathirError("nothing to prune: the graph has no dense or conv weight")
-    logs = _log_scores(graph, criterion, backend)
-    masks = {p.name: np.ones(p.shape, dtype=bool) for p in params}
+    logs = _log_scores(graph, criterion, backend) if log_scores is None else log_scores
+    masks = {}
     if scope == "global":
         flat = np.concatenate([logs[id(p)].ravel() for p in params])
-        k = _count(amount, flat.size)
-        chosen = np.argsort(flat, kind="stable")[:k]
         drop = np.zeros(flat.size, dtype=bool)
-        drop[chosen] = True
+        drop[_smallest(flat, _count(amount, flat.size))] = True
         start = 0
         for p in params:
             masks[p.name] = ~drop[start : start + p.size].reshape(p.shape)
             start += p.size
     else:
         for p in params:
-            k = _count(amount, p.size)
-            chosen = np.argsort(logs[id(p)].ravel(), kind="stable")[:k]
             keep = np.ones(p.size, dtype=bool)
-            keep[chosen] = False
+            keep[_smallest(logs[id(p)].ravel(), _count(amount, p.size))] = False
             masks[p.name] = keep.reshape(p.shape)
     return masks
 
@@ -234,9 +244,8 @@ def _exp(log_value: float) -> float:
     return math.exp(log_value) if log_value <= _LOG_MAX else math.inf
 
 
-def _log_bound(graph: Graph, masks, backend) -> float:
-    """log Σ_{i pruned} S_i."""
-    logs = _log_scores(graph, "path-magnitude", backend)
+def _log_bound(graph: Graph, masks, logs) -> float:
+    """log Σ_{i pruned} S_i (``logs``: the path-magnitude log scores)."""
     picked = [logs[id(p)][~masks[p.name]] for p in graph.params() if p.name in masks]
     flat = np.concatenate(picked) if picked else np.zeros(0)
     flat = flat[flat > -math.inf]
@@ -256,14 +265,16 @@ def prune(cm, amount, criterion: str = "path-magnitude", scope: str = "global", 
     A Compiled made from a bare Graph has only its graph pruned.
     """
     from .path_metric import path_metric
-    from .pathnorm import log_path_sum
 
     be = cm._backend(backend)
     graph = cm.graph
-    masks = prune_masks(graph, amount, criterion, scope, include_biases, be)
+    if criterion not in CRITERIA:  # before the scores are computed
+        raise ValueError(f"criterion must be one of {CRITERIA}, got '{criterion}'")
+    scores = _log_scores(graph, "path-magnitude", be)
+    masks = prune_masks(graph, amount, criterion, scope, include_biases, be,
+                        log_scores=scores if criterion == "path-magnitude" else None)
     after = prune_graph(graph, masks)
     metric = path_metric(graph, after, be)
-    log_bound = _log_bound(graph, masks, be)
     sources = {p.name: p.source_name for p in graph.params()}
     report = PruneReport(
         criterion=criterion,
@@ -271,10 +282,10 @@ def prune(cm, amount, criterion: str = "path-magnitude", scope: str = "global", 
         amount=float(amount),
         pruned=int(sum((~m).sum() for m in masks.values())),
         candidates=int(sum(m.size for m in masks.values())),
-        bound=_exp(log_bound),
+        bound=_exp(_log_bound(graph, masks, scores)),
         path_metric=metric.upper,
-        path_norm_before=_exp(log_path_sum(graph, 1, be)),
-        path_norm_after=_exp(log_path_sum(after, 1, be)),
+        path_norm_before=metric.norm_a,
+        path_norm_after=metric.norm_b,
         per_tensor={sources[k]: (int((~m).sum()), int(m.size)) for k, m in masks.items()},
     )
     touched = {k: m for k, m in masks.items() if not m.all()}

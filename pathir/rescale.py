@@ -33,7 +33,7 @@ def _z(units, z) -> np.ndarray:
     return z
 
 
-def rescale_graph(graph: Graph, units, z) -> Graph:
+def rescale_graph(graph: Graph, units, z, incidence=None) -> Graph:
     """The graph with θ ← θ ⊙ exp(-Bz/2) (B from :func:`pathir.passes.incidence.incidence`).
 
     Parameters
@@ -41,6 +41,7 @@ def rescale_graph(graph: Graph, units, z) -> Graph:
     graph : Graph
     units : Units of ``graph`` (from ``find_units``)
     z : (H,) array of log-scales, one per unit
+    incidence : optional (B, layout) of ``graph`` (``cm.incidence()``), to skip rebuilding B
 
     >>> import numpy as np
     >>> from pathir.ir import GraphBuilder, Dense
@@ -54,10 +55,10 @@ def rescale_graph(graph: Graph, units, z) -> Graph:
     >>> [p.value.ravel().tolist() for p in r.params()]
     [[4.0], [2.0], [1.5]]
     """
-    from pathir.passes.incidence import incidence
+    from pathir.passes.incidence import incidence as build
 
     z = _z(units, z)
-    B, layout = incidence(graph, units)
+    B, layout = build(graph, units) if incidence is None else incidence
     theta = layout.theta() * np.exp(-(B @ z) / 2)
     pos = {id(p): k for k, p in enumerate(layout.params)}
     off = layout.offsets

@@ -27,7 +27,7 @@ descent with step η changes it by exactly η² gᵀ diag(−B_h) g per step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -158,16 +158,18 @@ class _Context:
             self.symbols.extend(symbol(p.name, i) for i in range(p.size))
         self.index = {s: i for i, s in enumerate(self.symbols)}
         self.phi = symbolic_phi(self.net, self.paths)
-        self.powers = [{self.index[s]: int(e) for s, e in f.as_powers_dict().items() if s in self.index} for f in self.phi]
+        # Φ_p = c · Π θ_i^e: the exponent of each parameter on each path
+        self.powers = [{self.index[s]: int(e) for s, e in f.as_powers_dict().items() if s in self.index}
+                       for f in self.phi]
         self.paths_of: dict[int, list[int]] = {}
         for k, pw in enumerate(self.powers):
             for i in pw:
                 self.paths_of.setdefault(i, []).append(k)
         Bc = self.B.tocsc()
-        self.columns = [
-            list(zip(Bc.indices[Bc.indptr[h]:Bc.indptr[h + 1]].tolist(), Bc.data[Bc.indptr[h]:Bc.indptr[h + 1]].astype(int).tolist()))
-            for h in range(self.H)
-        ]
+        self.columns = []  # unit h -> [(flat index i, B[i, h])]
+        for h in range(self.H):
+            cut = slice(Bc.indptr[h], Bc.indptr[h + 1])
+            self.columns.append(list(zip(Bc.indices[cut].tolist(), Bc.data[cut].astype(int).tolist())))
         self.rng = np.random.default_rng(seed)
         self.point = _random_point(self.layout, self.rng)
 

@@ -24,9 +24,9 @@ import numpy as np
 import scipy.sparse as sp
 
 __all__ = [
-    "canonical", "row_keys", "row_units", "column_balance", "side_counts", "degenerate_units", "pad", "Pairs", "group_pairs",
-    "greedy_coloring", "segment_logsumexp", "stable_order", "SideSums", "side_sums", "log_pair_total",
-    "all_pairs", "Block", "blocks_of",
+    "canonical", "row_keys", "row_units", "column_balance", "degenerate_units", "pad", "Pairs", "group_pairs",
+    "greedy_coloring", "segment_logsumexp", "stable_order", "SideSums", "side_sums", "all_pairs",
+    "log_pair_total", "Block", "blocks_of",
 ]
 
 # A linear-domain sum below this (relative to its static bound 1) may have lost
@@ -53,7 +53,8 @@ def canonical(B) -> sp.csr_array:
     same = np.flatnonzero(v[first] == v[first + 1])
     if same.size:
         row = int(np.flatnonzero(counts == 2)[same[0]])
-        raise ValueError(f"row {row} of B has two {v[first[same[0]]]:+g} entries: a parameter enters/leaves at most one unit")
+        raise ValueError(f"row {row} of B has two {v[first[same[0]]]:+g} entries: "
+                         "a parameter enters at most one unit and leaves at most one")
     return csr
 
 
@@ -85,11 +86,6 @@ def column_balance(B) -> np.ndarray:
     """A_h = |in_h| - |out_h| = -(Bᵀ1)_h straight from B."""
     B = sp.csr_array(B)
     return -np.rint(np.bincount(B.indices, weights=B.data, minlength=B.shape[1])).astype(np.int64)
-
-
-def side_counts(enter: np.ndarray, leave: np.ndarray, H: int) -> np.ndarray:
-    """A_h = |in_h| - |out_h| (MATH.md §7), so that -Σ_i (Bz)_i = A·z."""
-    return np.bincount(enter, minlength=H + 1)[:H] - np.bincount(leave, minlength=H + 1)[:H]
 
 
 def degenerate_units(positive: np.ndarray | None, enter: np.ndarray, leave: np.ndarray, H: int) -> np.ndarray:
@@ -170,7 +166,7 @@ def group_pairs(m: np.ndarray, key: np.ndarray, H: int) -> Pairs:
         w = m / top
         if (H + 1) ** 2 <= max(4 * m.size, 1 << 22):
             sums = np.bincount(key, weights=w, minlength=(H + 1) ** 2)
-            keys = np.flatnonzero(sums)
+            keys = np.flatnonzero(sums != 0)
             total = sums[keys]
         else:
             keys, inverse = np.unique(key, return_inverse=True)

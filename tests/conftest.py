@@ -13,3 +13,9 @@ settings.register_profile(
 )
 settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # each xdist worker gets one core: two torch threads per worker would oversubscribe
+    import torch
+
+    torch.set_num_threads(1)

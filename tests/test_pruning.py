@@ -2,11 +2,9 @@
 rescaling invariance, and write-back into torch and ONNX models."""
 
 import copy
-import io
 import json
 import math
 import os
-import warnings
 
 import numpy as np
 import onnx
@@ -26,7 +24,7 @@ from pathir.neurons import expand
 from pathir.passes.find_units import find_units
 from pathir.passes.incidence import ParamLayout
 from pathir.paths import enumerate_paths, phi
-from pathir.pruning import path_magnitude_scores, prune_graph, prune_masks
+from pathir.pruning import path_magnitude_scores, prune_graph
 from pathir.rescale import log_scales, rescale_graph
 from pathir.testing import mlps, random_inputs, relu_dags, rescalings
 

@@ -23,7 +23,7 @@ def names(report):
     return [c.name for c in report.checks]
 
 
-@settings(max_examples=40)
+@settings(max_examples=150)
 @given(relu_dags(max_paths=600, max_neurons=80))
 def test_every_check_passes_on_random_dags(graph):
     report = verify_symbolic(graph)

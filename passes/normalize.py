@@ -1,0 +1,197 @@
+"""normalize: the canonical representative of a rescaling orbit (MATH.md §8).
+
+Each unit is rescaled so that its incoming parameter vector (weights entering
+it from outside, biases of its neurons) has unit ℓ_p norm. With w = |θ|^p and
+y = p·z/2, a rescaling multiplies w_i by e^{-(By)_i}, so unit h's incoming mass
+is I_h = e^{y_h} Σ_{i ∈ in_h} w_i e^{-y_src(i)} (y_src = 0 for a bias or a weight
+from a pinned neuron). I_h = 1 for every h reads, with u = e^{-y},
+
+    u = M u + b,      M[h, k] = Σ_{i: k -> h} w_i,      b[h] = Σ_{i ∈ in_h, no source unit} w_i.
+
+On an acyclic unit graph this is forward substitution in topological order:
+the units are visited in order and each is normalised (MATH.md §8). Fixed
+edges can close cycles between units (a residual stream feeds a block's inner
+channels, which feed the stream back); the strongly connected components are
+then visited in topological order and each one's system is solved exactly. By
+Perron–Frobenius a component has a positive solution iff the spectral radius
+of its block of M is < 1, and then only one: the result depends on the orbit
+alone, normalize(θ) = normalize(Dθ). When the radius is ≥ 1 no rescaling gives
+every unit unit-norm incoming weights, and PathirError says so.
+
+Units with no nonzero incoming entry (dead) keep z = 0 (they are listed).
+Forward substitution runs in log-space, so the scales may span any range.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from pathir.errors import PathirError
+from pathir.ir import Graph
+
+__all__ = ["normalize", "normalize_log_scales", "Normalization"]
+
+
+@dataclass(frozen=True, eq=False)
+class Normalization:
+    """The log-scales z (θ ← θ ⊙ e^{-Bz/2}) of the canonical representative, the
+    degenerate units (kept at 0) and the number of unit cycles solved jointly."""
+
+    z: np.ndarray
+    degenerate: np.ndarray
+    cycles: int
+    p: float
+
+
+def _rows(B):
+    """(target unit, source unit) of every row of B (-1 where none)."""
+    B = B.tocsr()
+    n = B.shape[0]
+    row = np.repeat(np.arange(n), np.diff(B.indptr))
+    tgt, src = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
+    neg = B.data < 0
+    tgt[row[neg]] = B.indices[neg]
+    src[row[~neg]] = B.indices[~neg]
+    return tgt, src
+
+
+def _segment_logsumexp(vals: np.ndarray, seg: np.ndarray, count: int) -> np.ndarray:
+    top = np.full(count, -np.inf)
+    np.maximum.at(top, seg, vals)
+    safe = np.where(np.isfinite(top), top, 0.0)
+    total = np.zeros(count)
+    np.add.at(total, seg, np.exp(vals - safe[seg]))
+    with np.errstate(divide="ignore"):
+        return np.where(np.isfinite(top), safe + np.log(total), -np.inf)
+
+
+def _levels(n_comp: int, c_src: np.ndarray, c_tgt: np.ndarray) -> list[np.ndarray]:
+    """Components grouped by level of a topological order (Kahn) of the condensation."""
+    order = np.argsort(c_src, kind="stable")
+    c_src, c_tgt = c_src[order], c_tgt[order]
+    start = np.searchsorted(c_src, np.arange(n_comp + 1))
+    indeg = np.bincount(c_tgt, minlength=n_comp)
+    frontier = np.flatnonzero(indeg == 0)
+    levels = []
+    while frontier.size:
+        levels.append(frontier)
+        hit = np.concatenate([c_tgt[start[c]:start[c + 1]] for c in frontier]) if frontier.size else frontier
+        np.subtract.at(indeg, hit, 1)
+        frontier = np.unique(hit[indeg[hit] == 0])
+    return levels
+
+
+def normalize_log_scales(graph: Graph, units, p: float = 2.0, incidence=None) -> Normalization:
+    """The log-scales of the canonical representative of ``graph``'s orbit (module docstring).
+
+    ``incidence``: (B, layout) of ``graph`` if already built. Raises PathirError
+    when a cycle of units admits no normalisation.
+    """
+    import scipy.sparse as sp
+    from scipy.sparse.csgraph import connected_components
+
+    from pathir.passes.incidence import incidence as build
+
+    if not p > 0:
+        raise ValueError(f"p must be > 0, got {p}")
+    B, layout = build(graph, units) if incidence is None else incidence
+    H = B.shape[1]
+    w = np.abs(layout.theta()) ** p
+    tgt, src = _rows(B)
+    enters = (tgt >= 0) & (w > 0)
+    free = enters & (src < 0)
+    b = np.bincount(tgt[free], weights=w[free], minlength=H)
+    pair = enters & (src >= 0)
+    M = sp.csr_array((w[pair], (tgt[pair], src[pair])), shape=(H, H))  # duplicates summed
+    M.sum_duplicates()
+    M.eliminate_zeros()
+    with np.errstate(divide="ignore"):
+        log_b, log_m = np.log(b), np.log(M.data)
+    degenerate = np.flatnonzero((b == 0) & (np.diff(M.indptr) == 0))
+
+    n_comp, label = connected_components(M, directed=True, connection="strong")
+    m_rows = np.repeat(np.arange(H), np.diff(M.indptr))  # M[h, k] > 0: edge k -> h
+    cross = label[m_rows] != label[M.indices]
+    edges = np.unique(np.stack([label[M.indices[cross]], label[m_rows[cross]]]), axis=1)
+    members = np.split(np.argsort(label, kind="stable"), np.cumsum(np.bincount(label, minlength=n_comp))[:-1])
+    log_u = np.zeros(H)
+    live = np.ones(H, dtype=bool)
+    live[degenerate] = False
+    cycles = 0
+    for level in _levels(n_comp, edges[0], edges[1]):
+        rows = np.concatenate([members[c] for c in level])
+        rows = rows[live[rows]]
+        size = np.bincount(label[rows], minlength=n_comp)[label[rows]]
+        # every entering mass from outside the unit's own component: log b'_h
+        lo, hi = M.indptr[rows], M.indptr[rows + 1]
+        idx = np.concatenate([np.arange(a, z) for a, z in zip(lo, hi)]) if rows.size else np.zeros(0, np.int64)
+        seg = np.repeat(np.arange(rows.size), hi - lo)
+        outside = label[M.indices[idx]] != label[rows[seg]]
+        vals = np.concatenate([log_m[idx[outside]] + log_u[M.indices[idx[outside]]], log_b[rows]])
+        segs = np.concatenate([seg[outside], np.arange(rows.size)])
+        ext = _segment_logsumexp(vals, segs, rows.size)
+        single = size == 1
+        log_u[rows[single]] = ext[single]
+        for c in np.unique(label[rows[~single]]):
+            cycles += 1
+            sel = label[rows] == c
+            log_u[rows[sel]] = _solve_cycle(M, rows[sel], ext[sel], units, p)
+    z = np.where(live, -2.0 * log_u / p, 0.0)
+    return Normalization(z=z, degenerate=degenerate, cycles=cycles, p=float(p))
+
+
+def _solve_cycle(M, comp: np.ndarray, log_ext: np.ndarray, units, p: float) -> np.ndarray:
+    """log u on one strongly connected component: (I - M_CC) u = b' (b' = e^{log_ext})."""
+    import scipy.sparse as sp
+    import scipy.sparse.linalg as spla
+
+    shift = float(log_ext.max())
+    if not math.isfinite(shift):
+        raise PathirError(f"units {_names(units, comp)} only receive mass from each other: cannot normalise them")
+    rhs = np.exp(log_ext - shift)
+    block = M[comp][:, comp]
+    system = sp.identity(comp.size, format="csc") - block.tocsc()
+    with np.errstate(all="ignore"):
+        x = np.linalg.solve(system.toarray(), rhs) if comp.size <= 2000 else spla.spsolve(system, rhs)
+    residual = np.abs(system @ x - rhs).max() if np.all(np.isfinite(x)) else math.inf
+    if not (np.all(x > 0) and residual <= 1e-9 * max(1.0, float(np.abs(x).max()))):
+        raise PathirError(
+            f"no rescaling gives every unit unit l{p:g}-norm incoming weights: the units {_names(units, comp)} "
+            f"form a cycle (through fixed edges such as residual skips) whose incoming l{p:g} mass has spectral "
+            "radius >= 1; the canonical representative (MATH.md §8) exists only below 1"
+        )
+    return np.log(x) + shift
+
+
+def _names(units, comp) -> str:
+    shown = ", ".join(f"'{units.names[h]}'" for h in comp[:3])
+    return shown + (f", ... ({comp.size} in all)" if comp.size > 3 else "")
+
+
+def normalize(graph: Graph, p: float = 2.0, units=None) -> Graph:
+    """The canonical representative of ``graph``'s rescaling orbit (MATH.md §8).
+
+    Requires: a verified graph; ``units`` from ``find_units(graph)`` (found if
+    None). Ensures: every non-degenerate unit's incoming weights and bias have
+    unit ℓ_p norm; normalize(θ) = normalize(Dθ) for every rescaling D.
+    Preserves: Φ, the activations and the function (only rescales). Raises
+    PathirError when a cycle of units admits no normalisation (module docstring).
+
+    >>> import numpy as np
+    >>> from pathir.ir import GraphBuilder, Dense
+    >>> b = GraphBuilder()
+    >>> x = b.input("x", (2,))
+    >>> h = b.relu("h", [(x, Dense(b.param("w1", [[3.0, 4.0]])))])
+    >>> y = b.identity("y", [(h, Dense(b.param("w2", [[2.0]])))])
+    >>> [np.round(p.value, 12).ravel().tolist() for p in normalize(b.build(outputs=[y]), p=2).params()]
+    [[0.6, 0.8], [10.0]]
+    """
+    from pathir.passes.find_units import find_units
+    from pathir.rescale import rescale_graph
+
+    if units is None:
+        units = find_units(graph)[1]
+    return rescale_graph(graph, units, normalize_log_scales(graph, units, p).z)

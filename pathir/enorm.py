@@ -1,0 +1,219 @@
+"""ENorm and the canonical representative on a compiled model (MATH.md §8).
+
+ENorm (Stock et al. 2019) minimises the ℓ_p norm of the rescaled parameters,
+
+    E_p(z) = Σ_i c_i |θ_i|^p e^{-p (Bz)_i / 2}        (θ ← θ ⊙ e^{-Bz/2}),
+
+which is the array solver's criterion Σ c_i w_i e^{-(Bz')_i} with w = |θ|^p and
+z' = p z / 2 (``pathir.enorm_solver``); p = 2 is MATH.md's w = θ². E_p is
+convex and every sweep lowers it. Normalisation gives each unit's incoming
+weights and bias unit ℓ_p norm (``pathir.passes.normalize``). Both rescale
+the model in place through write-back (``pathir.write_back``), function
+preserved; units with an empty side (dead neurons) keep z = 0 and are listed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import PathirError
+
+__all__ = ["ENormReport", "NormalizeReport", "enorm", "normalize"]
+
+
+def _table(rows) -> str:
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _names(names) -> str:
+    shown = ", ".join(names[:4])
+    return f"{len(names)}" + (f": {shown}" if shown else "") + (f", ... ({len(names) - 4} more)" if len(names) > 4 else "")
+
+
+@dataclass(frozen=True, eq=False)
+class ENormReport:
+    """What ``cm.enorm()`` did: the criterion E_p before and after (``history[k]``
+    after sweep k), the largest remaining log-imbalance |log(O_h / I_h)| of a
+    unit (0 at the fixed point), max |z|, degenerate units by name, time."""
+
+    model: str
+    p: float
+    solver: str
+    units: int
+    params: int
+    criterion_before: float
+    criterion_after: float
+    sweeps: int
+    converged: bool
+    imbalance: float
+    max_abs_log_scale: float
+    degenerate_units: tuple[str, ...]
+    seconds: float
+    written: bool
+    history: tuple[float, ...] = ()
+    z: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+
+    def to_dict(self, z: bool = False) -> dict:
+        out = {k: getattr(self, k) for k in (
+            "model", "p", "solver", "units", "params", "criterion_before", "criterion_after", "sweeps",
+            "converged", "imbalance", "max_abs_log_scale", "seconds", "written")}
+        out["degenerate_units"] = list(self.degenerate_units)
+        out["history"] = list(self.history)
+        if z:
+            out["z"] = self.z.tolist()
+        return out
+
+    def __str__(self) -> str:
+        return _table([
+            ("model", f"{self.model}  (ENorm, p = {self.p:g}, {self.solver} solver)"),
+            ("units / parameters", f"{self.units:,} / {self.params:,}"),
+            (f"Σ c |θ|^{self.p:g}", f"{self.criterion_before:.10g} -> {self.criterion_after:.10g}"),
+            ("sweeps", f"{self.sweeps} ({'converged' if self.converged else 'NOT converged'})"),
+            ("max unit imbalance", f"{self.imbalance:.2e}"),
+            ("max |z|", f"{self.max_abs_log_scale:.4g}"),
+            ("degenerate units", _names(self.degenerate_units)),
+            ("model rescaled", "yes" if self.written else "no (write_back=False)"),
+            ("time", f"{self.seconds:.2f} s"),
+        ])
+
+
+@dataclass(frozen=True, eq=False)
+class NormalizeReport:
+    """What ``cm.normalize()`` did: units normalised, cycles of units solved jointly,
+    degenerate (dead) units left alone, max |z|, time."""
+
+    model: str
+    p: float
+    units: int
+    cycles: int
+    max_abs_log_scale: float
+    degenerate_units: tuple[str, ...]
+    seconds: float
+    written: bool
+    z: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+
+    def to_dict(self, z: bool = False) -> dict:
+        out = {k: getattr(self, k) for k in ("model", "p", "units", "cycles", "max_abs_log_scale", "seconds", "written")}
+        out["degenerate_units"] = list(self.degenerate_units)
+        if z:
+            out["z"] = self.z.tolist()
+        return out
+
+    def __str__(self) -> str:
+        return _table([
+            ("model", f"{self.model}  (normalised, l{self.p:g})"),
+            ("units", f"{self.units:,} ({self.cycles} cycles of units solved jointly)"),
+            ("max |z|", f"{self.max_abs_log_scale:.4g}"),
+            ("degenerate units", _names(self.degenerate_units)),
+            ("model rescaled", "yes" if self.written else "no (write_back=False)"),
+            ("time", f"{self.seconds:.2f} s"),
+        ])
+
+
+def _costs(costs, layout) -> np.ndarray | None:
+    """None, an (n,) array in θ order, or {param or source name: scalar or array of its shape}."""
+    if costs is None:
+        return None
+    if not isinstance(costs, dict):
+        c = np.asarray(costs, dtype=np.float64)
+        if c.shape != (len(layout),):
+            raise ValueError(f"costs must have one entry per parameter, shape ({len(layout)},); got {c.shape}")
+        return c
+    c = np.ones(len(layout))
+    names = {p.name: p for p in layout.params}
+    names.update({p.source_name: p for p in layout.params if p.source_name not in names})
+    for key, value in costs.items():
+        if key not in names:
+            raise KeyError(f"costs name '{key}', which is no parameter of the graph")
+        p = names[key]
+        c[layout.slice(p)] = np.broadcast_to(np.asarray(value, dtype=np.float64), p.shape).ravel()
+    return c
+
+
+def enorm(cm, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, costs=None, solver: str = "block",
+          write_back: bool = True) -> ENormReport:
+    """ENorm: minimise E_p(z) = Σ c_i |θ_i|^p e^{-p(Bz)_i/2} and rescale ``cm``'s model.
+
+    Parameters
+    ----------
+    cm : Compiled
+    p : the norm's exponent (> 0); p = 2 is Stock et al.'s default.
+    max_sweeps, tol : passed to ``pathir.enorm_solver.solve_enorm``.
+    costs : per-parameter weights c (Stock et al. weigh layers by depth): None
+        (all ones), an (n,) array in θ order, or {param name: scalar or array}.
+    solver : "block" or "coordinate".
+    write_back : rescale the model and ``cm.graph`` (False: only report).
+
+    Examples
+    --------
+    >>> import torch, pathir
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    >>> x = torch.randn(5, 3)
+    >>> before = net(x)
+    >>> report = pathir.compile(net, input_shape=(3,)).enorm()
+    >>> report.criterion_after < report.criterion_before
+    True
+    >>> bool(torch.allclose(net(x), before, atol=1e-6))
+    True
+    """
+    from .enorm_solver import solve_enorm
+    from .write_back import commit_rescaling
+
+    if not p > 0:
+        raise ValueError(f"p must be > 0, got {p}")
+    start = time.perf_counter()
+    units = cm.units
+    B, layout = cm.incidence()
+    c = _costs(costs, layout)
+    w = np.abs(layout.theta()) ** p
+    if not np.all(np.isfinite(w)):
+        raise PathirError(f"|θ|^{p:g} is not finite (huge or non-finite weights): ENorm cannot be computed")
+    result = solve_enorm(w, B, c, method=solver, max_sweeps=max_sweeps, tol=tol)
+    z = 2.0 * result.z / p
+    if write_back:
+        commit_rescaling(cm, z)
+    return ENormReport(
+        model=cm.name, p=float(p), solver=solver, units=len(units), params=len(layout),
+        criterion_before=result.e_initial, criterion_after=result.e_final, sweeps=result.sweeps,
+        converged=result.converged, imbalance=result.imbalance,
+        max_abs_log_scale=float(np.abs(z).max(initial=0.0)),
+        degenerate_units=tuple(units.names[int(h)] for h in result.degenerate),
+        seconds=time.perf_counter() - start, written=bool(write_back),
+        history=tuple(float(e) for e in result.history), z=z,
+    )
+
+
+def normalize(cm, p: float = 2.0, write_back: bool = True) -> NormalizeReport:
+    """Rescale ``cm``'s model to the canonical representative of its orbit: every
+    unit's incoming weights and bias get unit ℓ_p norm (``pathir.passes.normalize``).
+
+    Raises PathirError (model untouched) where a cycle of units admits no
+    normalisation (a residual stream whose blocks carry too much ℓ_p mass).
+
+    >>> import torch, pathir
+    >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    >>> report = pathir.compile(net, input_shape=(3,)).normalize(p=2)
+    >>> [round(v, 6) for v in torch.cat([net[0].weight, net[0].bias[:, None]], 1).norm(dim=1).tolist()]
+    [1.0, 1.0, 1.0, 1.0]
+    """
+    from pathir.passes.normalize import normalize_log_scales
+
+    from .write_back import commit_rescaling
+
+    start = time.perf_counter()
+    units = cm.units
+    result = normalize_log_scales(cm.graph, units, p, incidence=cm.incidence())
+    if write_back:
+        commit_rescaling(cm, result.z)
+    return NormalizeReport(
+        model=cm.name, p=float(p), units=len(units), cycles=result.cycles,
+        max_abs_log_scale=float(np.abs(result.z).max(initial=0.0)),
+        degenerate_units=tuple(units.names[int(h)] for h in result.degenerate),
+        seconds=time.perf_counter() - start, written=bool(write_back), z=result.z,
+    )
