@@ -130,10 +130,18 @@ def incidence(graph: Graph, units: Units):
     _check_match(params, units)
     layout = ParamLayout(tuple(params))
     H, n = len(units), len(layout)
-    # CSR built row by row in θ order: per entry, the unit it enters (-1) then the
-    # one it leaves (+1), each where it exists and differs from the other end
+    index_dtype = np.int32 if max(n, H) < 2**31 - 1 else np.int64
+    # CSR built row by row in θ order: per entry, the unit it enters (-1) and the
+    # one it leaves (+1), each where it exists and differs from the other end,
+    # in increasing column order
     counts, cols, vals = [], [], []
+    mixed = False
     for p, (tgt, src) in zip(params, units.ends):
+        fast = _uniform_rows(p, tgt, src, index_dtype)
+        if fast is not None:
+            counts.append(np.full(p.size, fast[0], np.int64)), cols.append(fast[1]), vals.append(fast[2])
+            continue
+        mixed = True
         t = np.broadcast_to(tgt, p.shape).reshape(-1)
         s = np.full(t.shape, -1, dtype=t.dtype) if src is None else np.broadcast_to(src, p.shape).reshape(-1)
         both = np.stack([t, s], axis=1)
@@ -142,11 +150,41 @@ def incidence(graph: Graph, units: Units):
         cols.append(both[keep])
         vals.append(np.broadcast_to(np.array([-1.0, 1.0]), both.shape)[keep])
     cat = (lambda xs, dt: np.concatenate(xs).astype(dt, copy=False) if xs else np.zeros(0, dt))
-    index_dtype = np.int32 if max(n, H) < 2**31 - 1 else np.int64
     indptr = np.concatenate([[0], np.cumsum(cat(counts, np.int64))]).astype(np.int64)
     indices = cat(cols, index_dtype)
     if indptr[-1] < 2**31 - 1:
         indptr = indptr.astype(index_dtype)
     B = csr_matrix((cat(vals, np.float64), indices, indptr), shape=(n, H))
-    B.sort_indices()
+    if mixed:
+        B.sort_indices()
+    else:
+        B.has_sorted_indices = True  # _uniform_rows writes every row in increasing column order
     return B, layout
+
+
+def _uniform_rows(p: Param, tgt, src, index_dtype):
+    """(entries per row, columns, values) of a param whose rows all look alike (both
+    ends in distinct units, or one end pinned everywhere), written from its compact
+    end arrays without per-entry masks; None otherwise."""
+
+    def fill(dtype, *parts):
+        out = np.empty((*p.shape, len(parts)), dtype)
+        for k, part in enumerate(parts):
+            out[..., k] = part
+        return out.reshape(-1)
+
+    t_ok, t_none = bool(np.all(tgt >= 0)), bool(np.all(tgt < 0))
+    s_ok, s_none = (False, True) if src is None else (bool(np.all(src >= 0)), bool(np.all(src < 0)))
+    if t_none and s_none:
+        return 0, np.zeros(0, index_dtype), np.zeros(0)
+    if t_ok and s_none:
+        return 1, fill(index_dtype, tgt), np.full(p.size, -1.0)
+    if t_none and s_ok:
+        return 1, fill(index_dtype, src), np.full(p.size, 1.0)
+    if not (t_ok and s_ok):
+        return None
+    t, s = np.broadcast_arrays(tgt, src)  # compact: no spatial axes
+    if np.any(t == s):
+        return None
+    first = np.where(t < s, -1.0, 1.0)  # the lower column is the unit the entry enters
+    return 2, fill(index_dtype, np.minimum(t, s), np.maximum(t, s)), fill(np.float64, first, -first)

@@ -9,6 +9,7 @@ from pathir.ir import Graph, verify
 
 from .fold_batchnorm import fold_batchnorm
 from .maxpool_to_sum import maxpool_to_sum
+from .normalize import normalize
 from .path_view import path_view
 from .remove_dead import remove_dead
 
@@ -20,6 +21,7 @@ Pass = Callable[[Graph], Graph]
 PASSES: dict[str, Pass] = {
     "fold_batchnorm": fold_batchnorm,
     "maxpool_to_sum": maxpool_to_sum,
+    "normalize": normalize,
     "path_view": path_view,
     "remove_dead": remove_dead,
 }

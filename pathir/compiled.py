@@ -285,7 +285,7 @@ class Compiled:
         θ ← θ ⊙ exp(-Bz/2)). Φ and the function are unchanged; the model is not touched."""
         from .rescale import rescale_graph
 
-        graph = rescale_graph(self.graph, self.units, z)
+        graph = rescale_graph(self.graph, self.units, z, incidence=self.incidence())
         return Compiled(graph, self.model, self.frontend, self.source_num_params, self.backend, self.name)
 
     # ---------------------------------------------------------------- symbolic (small graphs)

@@ -31,7 +31,8 @@ def _table(rows) -> str:
 
 def _names(names) -> str:
     shown = ", ".join(names[:4])
-    return f"{len(names)}" + (f": {shown}" if shown else "") + (f", ... ({len(names) - 4} more)" if len(names) > 4 else "")
+    more = f", ... ({len(names) - 4} more)" if len(names) > 4 else ""
+    return f"{len(names)}" + (f": {shown}{more}" if shown else "")
 
 
 @dataclass(frozen=True, eq=False)
@@ -97,7 +98,8 @@ class NormalizeReport:
     z: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
 
     def to_dict(self, z: bool = False) -> dict:
-        out = {k: getattr(self, k) for k in ("model", "p", "units", "cycles", "max_abs_log_scale", "seconds", "written")}
+        keys = ("model", "p", "units", "cycles", "max_abs_log_scale", "seconds", "written")
+        out = {k: getattr(self, k) for k in keys}
         out["degenerate_units"] = list(self.degenerate_units)
         if z:
             out["z"] = self.z.tolist()

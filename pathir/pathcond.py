@@ -101,8 +101,8 @@ class PathCondReport:
                             f"(ΔF = {self.objective_after - self.objective_before:.4g})"),
             ("sweeps", f"{self.sweeps} ({'converged' if self.converged else 'NOT converged'})"),
             ("max |z|", f"{self.max_abs_log_scale:.4g}"),
-            ("spread of log diag G", f"{self.log_spread_before:.4g} -> {self.log_spread_after:.4g}  "
-                                     f"(max/min g: {_ratio(self.log_spread_before)} -> {_ratio(self.log_spread_after)})"),
+            ("spread of log diag G", f"{self.log_spread_before:.4g} -> {self.log_spread_after:.4g}  (max/min g: "
+                                     f"{_ratio(self.log_spread_before)} -> {_ratio(self.log_spread_after)})"),
             ("log-det divergence", f"{self.divergence_before:.6g} -> {self.divergence_after:.6g}"),
             ("gradient at z*", f"max {self.gradient_max:.2e}, relative {self.gradient_relative:.2e}"),
             ("degenerate units", f"{len(self.degenerate_units)}" + (f": {dead}" if dead else "")),
@@ -117,16 +117,22 @@ def _ratio(log_spread: float) -> str:
     return f"{math.exp(log_spread):.3g}" if log_spread < 700 else f"1e{log_spread / math.log(10):.0f}"
 
 
-def _divergence(g, B, z) -> float:
-    """n'·log(mean g') − Σ log g' over the n' entries of g' = g ⊙ e^{Bz} that are > 0."""
+def _divergences(g, B, result) -> tuple[float, float]:
+    """n'·log(mean g') − Σ log g' over the n' entries of g' = g ⊙ e^{Bz} that are > 0, at z = 0
+    and z = z*. The log-sums come from F (F(z) = n log Σ g e^{Bz} − Σ Bz), so g is logged once."""
+    n, z = g.size, result.z
     keep = g > 0
-    ell = np.log(g[keep])
-    if z is not None:
-        ell = ell + (B @ z)[keep]
-    if not ell.size:
-        return 0.0
-    top = float(ell.max())
-    return float(ell.size * (top + math.log(float(np.exp(ell - top).mean()))) - ell.sum())
+    kept = int(keep.sum())
+    if not kept:
+        return 0.0, 0.0
+    sum_log = float(np.log(g[keep]).sum())
+    ones = np.ones(n) if kept == n else keep.astype(np.float64)
+    bz_all = float((B.T @ np.ones(n)) @ z)
+    bz_kept = bz_all if kept == n else float((B.T @ ones) @ z)
+    log_s0, log_s1 = result.f_initial / n, (result.f_final + bz_all) / n
+    before = kept * (log_s0 - math.log(kept)) - sum_log
+    after = kept * (log_s1 - math.log(kept)) - sum_log - bz_kept
+    return float(before), float(after)
 
 
 def pathcond(cm, solver: str = "block", max_sweeps: int = 1000, tol: float = 1e-10, write_back: bool = True,
@@ -194,12 +200,13 @@ def pathcond(cm, solver: str = "block", max_sweeps: int = 1000, tol: float = 1e-
         commit_rescaling(cm, result.z)
         lap("write")
     shift = n * log_top  # F of the true g: F(g / max g) + n log max g
+    divergence = _divergences(g, B, result)
     return PathCondReport(
         model=cm.name, solver=solver, units=len(units), params=n,
         objective_before=result.f_initial + shift, objective_after=result.f_final + shift,
         sweeps=result.sweeps, converged=result.converged, max_abs_log_scale=result.max_abs_z,
         log_spread_before=result.log_spread_initial, log_spread_after=result.log_spread_final,
-        divergence_before=_divergence(g, B, None), divergence_after=_divergence(g, B, result.z),
+        divergence_before=divergence[0], divergence_after=divergence[1],
         degenerate_units=tuple(units.names[int(h)] for h in result.degenerate),
         gradient_max=result.grad_max, gradient_relative=result.grad_rel,
         seconds=time.perf_counter() - start, written=bool(write_back),

@@ -8,8 +8,9 @@ is the positive root of
 
 As in the paper, the vector w = g ⊙ e^{Bz} and its total S are kept and
 updated incrementally: a unit touches only its own rows, so a sweep costs
-O(nnz(B)), and D_h = S - (B_h x + C_h / x). After every sweep w is divided by
-its max and S recomputed exactly. The root is taken as x = sqrt(C_h / B_h) y
+O(nnz(B)), and D_h = S - (B_h x + C_h / x) (summed directly instead when
+the unit holds more than 1 - 1e-4 of S, where the subtraction would cancel).
+After every sweep w is divided by its max and S recomputed exactly. The root is taken as x = sqrt(C_h / B_h) y
 (`log_positive_root`), so y stays of order one.
 
 When w would leave the float64 range (g spanning more than ~600 nats, or a
@@ -30,6 +31,7 @@ from .unit_pairs import canonical, column_balance
 __all__ = ["solve_coordinate"]
 
 _SAFE = 1e-280  # linear-domain entries must stay within [_SAFE, 1 / _SAFE] of the max
+_CANCEL = 1e-4  # D_h = S - (unit's mass) loses eps S / D_h to cancellation: below this, sum D_h directly
 
 
 def _log_root(a: int, log_r: float, n: int) -> float:
@@ -63,6 +65,9 @@ def _sweep_linear(w: np.ndarray, s: float, z: np.ndarray, units, n: int) -> floa
         zh = z[h]
         log_b, log_c = math.log(so) - zh, math.log(si) + zh
         d = s - si - so
+        if d < _CANCEL * s:  # the unit holds nearly all of S: sum the rest instead of subtracting
+            w[rin], w[rout] = 0.0, 0.0
+            d = float(w.sum())
         log_d = math.log(d) if d > 0 else -math.inf
         new = 0.5 * (log_c - log_b) + _log_root(a, log_d - 0.5 * (log_b + log_c), n)
         ratio = math.exp(new - zh)
@@ -81,7 +86,11 @@ def _sweep_log(ell: np.ndarray, log_s: float, z: np.ndarray, units, n: int) -> f
         zh = z[h]
         log_b, log_c = l_out - zh, l_in + zh
         frac = math.exp(_logaddexp(l_in, l_out) - log_s)
-        log_d = log_s + math.log1p(-frac) if frac < 1.0 else -math.inf
+        if frac < 1.0 - _CANCEL:
+            log_d = log_s + math.log1p(-frac)
+        else:  # the unit holds nearly all of S: sum the rest instead of subtracting
+            ell[rin], ell[rout] = -math.inf, -math.inf
+            log_d = _logsumexp(ell)
         new = 0.5 * (log_c - log_b) + _log_root(a, log_d - 0.5 * (log_b + log_c), n)
         step = new - zh
         ell[rout] = lo + step
@@ -100,7 +109,8 @@ def solve_coordinate(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10,
     g : (n,) array, diag G, non-negative.
     B : (n, H) sparse matrix with entries in {-1, 0, +1}, at most one of each sign per row.
     max_sweeps : sweeps over all units at most.
-    tol : stop when a sweep changes F by at most ``tol * max(1, |F|)`` or moves no z_h by more than ``tol``.
+    tol : stop when a sweep changes F by at most ``tol * max(1, |F|, |A·z|)`` (A = -Bᵀ1) or moves no
+        z_h by more than ``tol``.
     log_domain : keep log w rather than w; None chooses from the spread of g (and switches when needed).
 
     Returns
@@ -167,7 +177,8 @@ def solve_coordinate(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10,
             f_new = n * log_s + float(A @ z)
         history.append(f_new)
         times.append(time.perf_counter() - start)
-        if abs(f - f_new) <= tol * max(1.0, abs(f_new)) or np.max(np.abs(z - z_before), initial=0.0) <= tol:
+        size = max(1.0, abs(f_new), abs(float(A @ z)))  # F's rounding follows its largest term
+        if abs(f - f_new) <= tol * size or np.max(np.abs(z - z_before), initial=0.0) <= tol:
             converged = True
             break
         f = f_new

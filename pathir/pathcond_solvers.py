@@ -37,9 +37,9 @@ METHODS = {"block": solve_block, "coordinate": solve_coordinate}
 def solve(g, B, *, method: str = "block", max_sweeps: int = 1000, tol: float = 1e-10) -> PathCondResult:
     """Minimise F(z) = n log Σ_i g_i e^{(Bz)_i} - Σ_i (Bz)_i with ``method`` in METHODS.
 
-    Stops when a sweep changes F by at most ``tol * max(1, |F|)`` or moves no
-    z_h by more than ``tol``; ``result.converged`` says whether that happened
-    within ``max_sweeps``.
+    Stops when F has stopped moving (relative change at most ``tol``) or no
+    z_h moves by more than ``tol`` in a sweep (details in each solver);
+    ``result.converged`` says whether that happened within ``max_sweeps``.
     """
     if method not in METHODS:
         raise ValueError(f"unknown PathCond method {method!r}; choose one of {sorted(METHODS)}")

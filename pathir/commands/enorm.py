@@ -1,0 +1,28 @@
+"""pathir enorm MODEL [-o OUT]: ENorm rescaling (MATH.md §8), function preserved.
+
+Same inputs and outputs as ``pathir pathcond``; ``-p`` chooses the norm.
+"""
+
+from __future__ import annotations
+
+from .common import add_model_arguments, compile_model
+from .pathcond import add_output_arguments, check_output, report_and_exit, write_output
+
+HELP = "rescale a model by ENorm (minimises the l_p norm of the weights; the function is unchanged)"
+
+
+def add_arguments(parser):
+    add_model_arguments(parser)
+    add_output_arguments(parser)
+    parser.add_argument("-p", type=float, default=2.0, help="the norm's exponent (default 2)")
+    parser.add_argument("--solver", default="block", choices=["block", "coordinate"],
+                        help="block: all units of an independent set at once (default); coordinate: one at a time")
+
+
+def run(args) -> int:
+    check_output(args)
+    cm = compile_model(args)
+    report = cm.enorm(p=args.p, max_sweeps=args.max_sweeps, tol=args.tol, solver=args.solver,
+                      write_back=args.output is not None)
+    write_output(cm, args)
+    return report_and_exit(cm, report, args)
