@@ -48,12 +48,11 @@ def canonical(B) -> sp.csr_array:
     counts = np.diff(csr.indptr)
     if counts.max(initial=0) > 2:
         raise ValueError(f"row {int(np.argmax(counts))} of B has more than two non-zeros")
-    v = csr.data
-    first = csr.indptr[:-1][counts == 2]
-    same = np.flatnonzero(v[first] == v[first + 1])
+    # a row with two ±1 entries holds one of each sign iff it sums to 0
+    same = np.flatnonzero((counts == 2) & (csr @ np.ones(csr.shape[1]) != 0))
     if same.size:
-        row = int(np.flatnonzero(counts == 2)[same[0]])
-        raise ValueError(f"row {row} of B has two {v[first[same[0]]]:+g} entries: "
+        row = int(same[0])
+        raise ValueError(f"row {row} of B has two {csr.data[csr.indptr[row]]:+g} entries: "
                          "a parameter enters at most one unit and leaves at most one")
     return csr
 
@@ -85,7 +84,7 @@ def row_units(B) -> tuple[np.ndarray, np.ndarray, int]:
 def column_balance(B) -> np.ndarray:
     """A_h = |in_h| - |out_h| = -(Bᵀ1)_h straight from B."""
     B = sp.csr_array(B)
-    return -np.rint(np.bincount(B.indices, weights=B.data, minlength=B.shape[1])).astype(np.int64)
+    return -np.rint(B.T @ np.ones(B.shape[0])).astype(np.int64)
 
 
 def degenerate_units(positive: np.ndarray | None, enter: np.ndarray, leave: np.ndarray, H: int) -> np.ndarray:
