@@ -125,7 +125,8 @@ class LayerOps:
         if a.get("training_mode", 0):
             self.unsupported("batch-norm in training mode uses batch statistics: input-dependent")
         v = self.act(node, 0)
-        eps = float(a.get("epsilon", 1e-5))
+        # the attribute is float32: take the decimal it was written from (1e-3, not 0.0010000000475)
+        eps = float(str(np.float32(a.get("epsilon", 1e-5))))
         group = ("bn", tuple(node.input[1:5]), eps)  # a batch-norm applied twice shares all four
         names = [self._ref(node, k, group)[0] for k in range(1, 5)]
         what = ("scale", "bias", "running mean", "running variance")

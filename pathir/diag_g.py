@@ -32,45 +32,9 @@ def diag_g_log_parts(graph: Graph, backend) -> list[tuple[np.ndarray, float]]:
     """For each param of ``graph.params()``: (m, L) with g = m·e^L, m ≥ 0 of
     the param's shape and max m = 1 (m = 0, L = -inf where g vanishes)."""
     from pathir.backends import get_backend
-    from pathir.execute import path_backward, path_forward
-    from pathir.passes import maxpool_to_sum, path_view
+    from pathir.execute import param_log_parts
 
-    be = get_backend(backend)
-    if hasattr(be, "power_view"):  # walk the graph itself, squares taken on the device
-        squared = be.power_view(2)
-        _, grads = path_backward(graph, squared, path_forward(graph, squared, linearize=True), linearize=True)
-        parts = {id(p): [grads.get(id(p))] for p in graph.params()}
-    else:
-        view = path_view(maxpool_to_sum(graph), 2)
-        _, grads = path_backward(view, be, path_forward(view, be))
-        # path_view gives every edge its own Param object: gather a shared param's parts
-        parts: dict[int, list] = {}
-        for n, nv in zip(graph.nodes, view.nodes):
-            for e, ev in zip(n.edges, nv.edges):
-                if e.map.weight is not None:
-                    parts.setdefault(id(e.map.weight), []).append(grads.get(id(ev.map.weight)))
-            if n.bias is not None:
-                parts.setdefault(id(n.bias), []).append(grads.get(id(nv.bias)))
-    out = []
-    for p in graph.params():
-        terms = []
-        for part in parts[id(p)]:
-            if part is None:
-                continue
-            m = np.asarray(be.to_numpy(part[0]), dtype=np.float64).reshape(p.shape)
-            peak = float(m.max()) if m.size else 0.0
-            if not math.isfinite(peak):
-                raise PathirError(f"diag G of param '{p.name}' is not finite (NaN or inf weights?)")
-            if peak > 0:
-                terms.append((m / peak, float(part[1]) + math.log(peak)))
-        if not terms:
-            out.append((np.zeros(p.shape), -math.inf))
-            continue
-        top = max(L for _, L in terms)
-        m = sum(mt * math.exp(L - top) for mt, L in terms)
-        peak = float(m.max())
-        out.append((m / peak, top + math.log(peak)))
-    return out
+    return param_log_parts(graph, get_backend(backend), 2.0, what="diag G")
 
 
 def diag_g_flat(graph: Graph, backend=None) -> tuple[np.ndarray, float]:

@@ -16,7 +16,7 @@ import math
 from .errors import BackendError, PathirError
 from .ir import Graph, Node, NodeKind
 
-__all__ = ["forward", "path_forward", "path_backward", "log_total"]
+__all__ = ["forward", "path_forward", "path_backward", "log_total", "param_grads", "param_log_parts"]
 
 
 def _context(node: Node) -> str:
@@ -164,7 +164,7 @@ def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = Fal
     for o in graph.outputs:
         seed = backend.ones((1, *graph.node(o).shape)) if seeds is None else backend.asarray(seeds[o])
         pending[o].append((seed, 0.0))
-    param_grads: dict[int, tuple] = {}
+    by_param: dict[int, tuple] = {}
     for node in reversed(graph.nodes):
         g, M = _combine(backend, pending.pop(node.name))
         grads[node.name] = (g, M)
@@ -177,14 +177,14 @@ def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = Fal
                 pending[e.source].append((backend.adjoint(e.map, g, src.shape), M))
                 w = e.map.weight
                 if w is not None and x is not None:
-                    _accumulate(param_grads, w, backend.weight_grad(e.map, x, g, src.shape), L + M)
+                    _accumulate(by_param, w, backend.weight_grad(e.map, x, g, src.shape), L + M)
             if node.bias is not None:
-                _accumulate(param_grads, node.bias, backend.channel_sum(g), M)
+                _accumulate(by_param, node.bias, backend.channel_sum(g), M)
         except PathirError:
             raise
         except Exception as err:
             raise BackendError(f"{_context(node)} (backward): {type(err).__name__}: {err}") from err
-    return grads, param_grads
+    return grads, by_param
 
 
 def _accumulate(store, param, value, log_scale):
@@ -195,3 +195,69 @@ def _accumulate(store, param, value, log_scale):
         store[key] = (old * math.exp(L - top) + value * math.exp(log_scale - top), top)
     else:
         store[key] = (value, log_scale)
+
+
+def param_grads(graph: Graph, backend, q: float = 1.0, forward_graph: Graph | None = None) -> dict[int, list]:
+    """{id(param of graph): [(array, log-scale) per use]}: the param grads of the
+    backward walk on the path-norm network of ``graph`` (weights |w|^q), whose
+    weight-gradients read the forward walk of ``forward_graph`` (default
+    ``graph``; same structure). An entry is None where no path reaches it.
+
+    Backends with ``power_view`` walk the graph itself (``linearize``); others
+    walk ``path_view(maxpool_to_sum(graph), q)``, which gives every edge its own
+    Param object, so a shared param has one part per use."""
+    from pathir.passes import maxpool_to_sum, path_view
+
+    fwd = graph if forward_graph is None else forward_graph
+    if hasattr(backend, "power_view"):
+        view_be = backend.power_view(q)
+        acts = path_forward(fwd, view_be, linearize=True)
+        _, grads = path_backward(graph, view_be, acts, linearize=True)
+        return {id(p): [grads.get(id(p))] for p in graph.params()}
+    view = path_view(maxpool_to_sum(graph), q)
+    fview = view if forward_graph is None else path_view(maxpool_to_sum(fwd), q)
+    _, grads = path_backward(view, backend, path_forward(fview, backend))
+    parts: dict[int, list] = {}
+    for n, nv in zip(graph.nodes, view.nodes):
+        for e, ev in zip(n.edges, nv.edges):
+            if e.map.weight is not None:
+                parts.setdefault(id(e.map.weight), []).append(grads.get(id(ev.map.weight)))
+        if n.bias is not None:
+            parts.setdefault(id(n.bias), []).append(grads.get(id(nv.bias)))
+    return parts
+
+
+def param_log_parts(graph: Graph, backend, q: float, scale=None, what: str = "value") -> list[tuple]:
+    """Per param of ``graph.params()``: (m, L) with value = m·e^L, m ≥ 0 of the
+    param's shape, max m = 1 (m = 0, L = -inf where the value vanishes), where
+    value = scale(p) ⊙ (param grad of the path-norm network with weights |w|^q),
+    summed over the param's uses. ``scale`` (default 1) is a numpy array per param.
+
+    q = 2 gives diag G (MATH.md §6); q = 1 with scale |θ| the path-magnitude
+    scores (MATH.md §4)."""
+    import numpy as np
+
+    parts = param_grads(graph, backend, q)
+    out = []
+    for p in graph.params():
+        factor = None if scale is None else scale(p)
+        terms = []
+        for part in parts[id(p)]:
+            if part is None:
+                continue
+            m = np.asarray(backend.to_numpy(part[0]), dtype=np.float64).reshape(p.shape)
+            if factor is not None:
+                m = factor * m
+            peak = float(m.max()) if m.size else 0.0
+            if not math.isfinite(peak):
+                raise PathirError(f"{what} of param '{p.name}' is not finite (NaN or inf weights?)")
+            if peak > 0:
+                terms.append((m / peak, float(part[1]) + math.log(peak)))
+        if not terms:
+            out.append((np.zeros(p.shape), -math.inf))
+            continue
+        top = max(L for _, L in terms)
+        m = sum(mt * math.exp(L - top) for mt, L in terms)
+        peak = float(m.max())
+        out.append((m / peak, top + math.log(peak)))
+    return out

@@ -32,6 +32,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from .errors import PathirError
+from .execute import param_grads
 from .ir import Graph, Param
 
 __all__ = ["PathMetric", "path_metric", "output_bound", "check_same_architecture"]
@@ -187,37 +188,6 @@ def _sign_relations(pairs) -> tuple[bool, bool]:
     return same, below or above
 
 
-def param_grads(graph: Graph, backend, q: float = 1.0, forward_graph: Graph | None = None) -> dict[int, list]:
-    """{id(param of graph): [(array, log-scale) per use]}: the param grads of the
-    backward walk on the path-norm network of ``graph`` (weights |w|^q), whose
-    weight-gradients read the forward walk of ``forward_graph`` (default
-    ``graph``; same structure). An entry is None where no path reaches it.
-
-    Backends with ``power_view`` walk the graph itself (``linearize``); others
-    walk ``path_view(maxpool_to_sum(graph), q)``, which gives every edge its own
-    Param object, so a shared param has one part per use."""
-    from pathir.execute import path_backward, path_forward
-    from pathir.passes import maxpool_to_sum, path_view
-
-    fwd = graph if forward_graph is None else forward_graph
-    if hasattr(backend, "power_view"):
-        view_be = backend.power_view(q)
-        acts = path_forward(fwd, view_be, linearize=True)
-        _, grads = path_backward(graph, view_be, acts, linearize=True)
-        return {id(p): [grads.get(id(p))] for p in graph.params()}
-    view = path_view(maxpool_to_sum(graph), q)
-    fview = view if forward_graph is None else path_view(maxpool_to_sum(fwd), q)
-    _, grads = path_backward(view, backend, path_forward(fview, backend))
-    parts: dict[int, list] = {}
-    for n, nv in zip(graph.nodes, view.nodes):
-        for e, ev in zip(n.edges, nv.edges):
-            if e.map.weight is not None:
-                parts.setdefault(id(e.map.weight), []).append(grads.get(id(ev.map.weight)))
-        if n.bias is not None:
-            parts.setdefault(id(n.bias), []).append(grads.get(id(nv.bias)))
-    return parts
-
-
 def _log_upper(ga: Graph, gb: Graph, be) -> float:
     # F on |θ'| feeds the weight-gradients of the backward walk on |θ|
     parts = param_grads(ga, be, 1.0, forward_graph=gb)
@@ -345,7 +315,7 @@ def output_bound(a, b, x, backend=None, metric: PathMetric | None = None) -> np.
     >>> output_bound(mlp([[1.0, 2.0]]), mlp([[1.0, 0.0]]), np.array([[0.5, 0.5], [4.0, -1.0]]), "numpy")
     array([ 6., 24.])
     """
-    ga, gb = _graph(a), _graph(b)
+    ga = _graph(a)
     if metric is None:
         metric = path_metric(a, b, backend)
     if not metric.same_signs:

@@ -44,30 +44,10 @@ def score_log_parts(graph: Graph, backend=None) -> list[tuple[np.ndarray, float]
     param's shape, max m = 1 (m = 0, L = -inf where S vanishes)."""
     from pathir.backends import get_backend
 
-    from .path_metric import param_grads
+    from .execute import param_log_parts
 
-    be = get_backend(backend)
-    parts = param_grads(graph, be, 1.0)
-    out = []
-    for p in graph.params():
-        terms = []
-        for part in parts[id(p)]:
-            if part is None:
-                continue
-            m = np.abs(p.value) * np.asarray(be.to_numpy(part[0]), dtype=np.float64).reshape(p.shape)
-            peak = float(m.max()) if m.size else 0.0
-            if not math.isfinite(peak):
-                raise PathirError(f"path-magnitude score of param '{p.name}' is not finite (NaN or inf weights?)")
-            if peak > 0:
-                terms.append((m / peak, float(part[1]) + math.log(peak)))
-        if not terms:
-            out.append((np.zeros(p.shape), -math.inf))
-            continue
-        top = max(L for _, L in terms)
-        m = sum(mt * math.exp(L - top) for mt, L in terms)
-        peak = float(m.max())
-        out.append((m / peak, top + math.log(peak)))
-    return out
+    return param_log_parts(graph, get_backend(backend), 1.0, scale=lambda p: np.abs(p.value),
+                           what="path-magnitude score")
 
 
 def _source_layout(p: Param, value: np.ndarray) -> np.ndarray:
