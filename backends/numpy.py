@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from pathir.ir import MapKind, Node, NodeKind
+from pathir.ir import MapKind, Node
 
 from .base import Backend, RuleTable
 

@@ -26,7 +26,7 @@ from pathir.errors import PathirError, UnsupportedOperation
 
 from .common import Lowered
 from .torch_ops import Lowering
-from .torch_values import BATCH, ParamTensor, Value
+from .torch_values import ParamTensor, Value
 
 __all__ = ["lower", "trace"]
 

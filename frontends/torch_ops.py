@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pathir.errors import UnsupportedOperation
-from pathir.ir import ChannelMap, Conv, Dense, GraphBuilder, Identity, MapKind, NodeKind, Param, Pool, Role, Scale, SourceRef, SpatialMatrix
-from pathir.ir.maps import pool_output_size
+from pathir.ir import ChannelMap, Conv, Dense, GraphBuilder, MapKind, NodeKind, Param, Pool, Role, Scale, SourceRef, SpatialMatrix
 
 from .torch_values import SELECTION, ParamTensor, Value, run_index_op, selection_index, selection_map
 

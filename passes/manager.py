@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable
 
 from pathir.errors import GraphVerificationError
 from pathir.ir import Graph, verify

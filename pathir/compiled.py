@@ -13,7 +13,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from .ir import Conv, Dense, Graph, MapKind, NodeKind
+from .ir import Graph, MapKind
 
 __all__ = ["Compiled", "Summary"]
 

@@ -14,7 +14,7 @@ A node line is ``index  name: kind[shape] = term + term ...``; a term is
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Iterable, Iterator
 

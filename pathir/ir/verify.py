@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..errors import GraphVerificationError
 from .graph import Graph
-from .maps import MapKind, Pool
+from .maps import MapKind
 from .node import NodeKind
 
 __all__ = ["verify"]
