@@ -405,17 +405,54 @@ class TorchBackend(Backend):
         return g.reshape(g.shape[0], g.shape[1], -1).sum(dim=(0, 2))
 
 
+#: a dense weight larger than this is taken to the power q a block of rows at a
+#: time, so |W|^q is never written out whole (VGG's classifier: 0.8 GB in float64)
+_BLOCK_BYTES = 1 << 22
+
+
 class _PowerView(TorchBackend):
     """A TorchBackend whose weights are |w|^q of a base backend's (see power_view)."""
 
     def __init__(self, base: TorchBackend, q: float):
         super().__init__(base.device, base.dtype)
         self.base, self.q = base, float(q)
+        self.rules[MapKind.DENSE] = (self._dense_apply, self._dense_adjoint, self.rules[MapKind.DENSE][2])
 
     def _power(self, t: torch.Tensor, keep_zeros: bool) -> torch.Tensor:
         if self.q == 0:
             return (t != 0).to(t.dtype) if keep_zeros else torch.ones_like(t)
+        if self.q == 2:
+            return torch.square(t)
+        if self.q == 4:
+            return torch.square(torch.square(t))
         return t.abs() if self.q == 1 else t.abs().pow(self.q)
+
+    def _row_blocks(self, p):
+        """(first row, |W[rows]|^q) blocks of a large dense weight; None if it is small."""
+        W = self.base.param(p)
+        if W.numel() * W.element_size() <= _BLOCK_BYTES:
+            return None
+        rows = max(1, _BLOCK_BYTES // (W.shape[1] * W.element_size()))
+        return ((i, self._power(W[i:i + rows], keep_zeros=False)) for i in range(0, W.shape[0], rows))
+
+    def _dense_apply(self, m, x, s):
+        x = x.reshape(x.shape[0], -1)
+        blocks = self._row_blocks(m.W)
+        if blocks is None:
+            return x @ self.param(m.W).T
+        out = x.new_empty((x.shape[0], m.W.shape[0]))
+        for i, block in blocks:
+            out[:, i:i + block.shape[0]] = x @ block.T
+        return out
+
+    def _dense_adjoint(self, m, g, s):
+        blocks = self._row_blocks(m.W)
+        if blocks is None:
+            return (g @ self.param(m.W)).reshape(g.shape[0], *s)
+        out = g.new_zeros((g.shape[0], m.W.shape[1]))
+        for i, block in blocks:
+            out += g[:, i:i + block.shape[0]] @ block
+        return out.reshape(g.shape[0], *s)
 
     def constant(self, array) -> torch.Tensor:
         return self._power(self.base.constant(array), keep_zeros=True)

@@ -378,3 +378,22 @@ def test_cuda_tensors_stay_on_device():
     graph = random_graph(np.random.default_rng(1))
     out = forward(graph, tb, np.ones((2, *graph.node("x").shape)))
     assert all(t.device.type == "cuda" and t.dtype == torch.float64 for t in out.values())
+
+
+@pytest.mark.parametrize("q", [0, 0.5, 1, 2, 3, 4])
+def test_power_view_equals_the_path_view_pass_on_a_blocked_dense(q):
+    """A dense weight above the block size is taken to the power a block of rows
+    at a time; apply and adjoint must equal the numpy rules on |W|^q."""
+    from pathir.backends.torch import _BLOCK_BYTES
+
+    rng = np.random.default_rng(0)
+    rows = _BLOCK_BYTES // (8 * 300) * 2 + 7  # several blocks and a ragged last one
+    W = Param("w", rng.normal(size=(rows, 300)))
+    view = TorchBackend().power_view(q)
+    power = np.ones_like(W.value) if q == 0 else np.abs(W.value) ** q
+    ref, be = Dense(Param("w", power)), NumpyBackend()
+    x, g = np.abs(rng.normal(size=(2, 300))), rng.normal(size=(2, rows))
+    np.testing.assert_allclose(view.to_numpy(view.apply(Dense(W), view.asarray(x), (300,))),
+                               be.apply(ref, x, (300,)), rtol=1e-12)
+    np.testing.assert_allclose(view.to_numpy(view.adjoint(Dense(W), view.asarray(g), (300,))),
+                               be.adjoint(ref, g, (300,)), rtol=1e-11, atol=1e-11 * np.abs(g).sum())
