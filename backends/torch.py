@@ -428,12 +428,30 @@ class _PowerView(TorchBackend):
         return t.abs() if self.q == 1 else t.abs().pow(self.q)
 
     def _row_blocks(self, p):
-        """(first row, |W[rows]|^q) blocks of a large dense weight; None if it is small."""
+        """(first row, |W[rows]|^q) blocks of a large dense weight, computed into one
+        reused buffer (fresh allocations would cost a page fault per 4 KiB); None if small."""
         W = self.base.param(p)
         if W.numel() * W.element_size() <= _BLOCK_BYTES:
             return None
         rows = max(1, _BLOCK_BYTES // (W.shape[1] * W.element_size()))
-        return ((i, self._power(W[i:i + rows], keep_zeros=False)) for i in range(0, W.shape[0], rows))
+        buf = torch.empty((rows, W.shape[1]), dtype=W.dtype, device=W.device)
+
+        def blocks():
+            for i in range(0, W.shape[0], rows):
+                src, out = W[i:i + rows], buf[: min(rows, W.shape[0] - i)]
+                if self.q == 0:
+                    out.fill_(1.0)
+                elif self.q in (2, 4):
+                    torch.mul(src, src, out=out)
+                    if self.q == 4:
+                        out.mul_(out)
+                else:
+                    torch.abs(src, out=out)
+                    if self.q != 1:
+                        out.pow_(self.q)
+                yield i, out
+
+        return blocks()
 
     def _dense_apply(self, m, x, s):
         x = x.reshape(x.shape[0], -1)
