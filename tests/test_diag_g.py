@@ -53,7 +53,7 @@ def _close(a, b, rtol=1e-10):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=40)
+@settings(max_examples=100)
 @given(graph=relu_dags())
 def test_diag_g_equals_enumeration(backend, graph):
     assert _close(_flat(graph, backend), enumerated_diag_g(graph))

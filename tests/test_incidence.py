@@ -97,7 +97,7 @@ def small_concat():
 # --------------------------------------------------------------- structure
 
 
-@settings(max_examples=60)
+@settings(max_examples=150)
 @given(relu_dags())
 def test_b_rows_follow_the_neuron_level_definition(graph):
     _, units = find_units(graph)
@@ -181,7 +181,7 @@ def test_units_of_another_graph_are_refused():
 # --------------------------------------------------------------- kernel of DΦ
 
 
-@settings(max_examples=40)
+@settings(max_examples=150)
 @given(relu_dags(max_paths=1500))
 def test_unit_directions_lie_in_the_kernel_of_dphi(graph):
     _, units = find_units(graph)

@@ -210,7 +210,7 @@ def test_find_units_returns_the_graph_untouched():
 # --------------------------------------------------------------- random DAGs
 
 
-@settings(max_examples=60)
+@settings(max_examples=200)
 @given(relu_dags())
 def test_units_partition_the_free_channels_and_respect_every_tie(graph):
     _, units = find_units(graph)
