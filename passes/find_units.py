@@ -14,7 +14,9 @@ e^{s_v - s_u}, the bias of v by e^{s_v}. Three relations tie pairs together
   factor well defined;
 - input and output channels are pinned (s = 0): their classes are no units.
 
-A unit is a class with no pinned member. Unit h acts through z_h: its channels
+A unit is a class with no pinned member that some free parameter enters or
+leaves (a class that only a neuron with no free parameter around it forms is
+no direction of the group: rescaling it moves nothing). Unit h acts through z_h: its channels
 get s = z_h / 2, so the parameters entering it (weights from outside the unit,
 biases of its neurons) are multiplied by e^{z_h/2} and those leaving it by
 e^{-z_h/2}; a weight with both ends in the unit is unchanged.
@@ -70,7 +72,7 @@ class Units:
     - ``names[h]``: readable name of unit h (``conv1:c3``, ``stream:layer1/c5``);
     - ``members[h]``: its (node name, channel) pairs, in node order;
     - ``channel_units[node]``: (channels,) int array, the unit of each channel
-      (-1: pinned to an input or output);
+      (-1: no unit: pinned to an input or output, or reached by no free parameter);
     - ``params``: the graph's ``params()`` (the flat θ order);
     - ``ends[k]``: (target, source) unit arrays of param k, each broadcastable
       to the param's shape; ``source`` is None for a bias.
@@ -225,7 +227,20 @@ def find_units(graph: Graph) -> tuple[Graph, Units]:
     # units numbered by their first channel in node order
     first = np.full(n_classes, total, dtype=np.int64)
     np.minimum.at(first, labels, np.arange(total))
-    free = np.flatnonzero(~class_pinned)
+    # a class that no free parameter enters or leaves is no unit: rescaling it moves nothing
+    touched = np.zeros(n_classes, dtype=bool)
+    for group in uses.values():
+        t, src = _entry_channels(*group[0], offsets)
+        shape = group[0][0].shape
+        tc = labels[np.broadcast_to(t, shape) if src is not None else t]
+        if src is None:
+            touched[tc] = True
+            continue
+        sc = labels[np.broadcast_to(src, shape)]
+        crossing = tc != sc
+        touched[tc[crossing]] = True
+        touched[sc[crossing]] = True
+    free = np.flatnonzero(~class_pinned & touched)
     order = free[np.argsort(first[free], kind="stable")]
     unit_of_class = np.full(n_classes, -1, dtype=np.int64)
     unit_of_class[order] = np.arange(order.size)
