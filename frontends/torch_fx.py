@@ -137,7 +137,9 @@ class _FxInterpreter:
             self.low.op = _op_name(node, self.model)
             if node.op == "output":
                 return self._output(node)
-            self.env[node] = self._eval(node, shape)
+            value = self.env[node] = self._eval(node, shape)
+            if isinstance(value, Value) and value.node is None and len(node.users) > 1:
+                self.low.materialize(value)  # one node for every reader, not a copy per reader
         raise PathirError("the traced program has no output")
 
     def _args(self, node):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pathir.errors import UnsupportedOperation
-from pathir.ir import ChannelMap, Conv, Dense, GraphBuilder, MapKind, NodeKind, Param, Pool, Role, Scale, SourceRef, SpatialMatrix
+from pathir.ir import ChannelMap, Conv, Dense, GraphBuilder, Identity, MapKind, NodeKind, Param, Pool, Role, Scale, SourceRef, SpatialMatrix
 
 from .torch_values import SELECTION, ParamTensor, Value, run_index_op, selection_index, selection_map
 
@@ -64,10 +64,15 @@ class Lowering:
         return self.param(pt.name, _f64(pt.tensor), (SourceRef(pt.name),))
 
     def materialize(self, v: Value, hint: str | None = None) -> str:
-        """The node holding v: v's own node, or a new identity node with v's terms."""
+        """The node holding v: v's own node, or a new identity node with v's terms.
+
+        v becomes that node in place, so every later use reads the one node
+        (a value used twice must not become two copies of the same neurons)."""
         if v.node is not None:
             return v.node
-        return self.b.identity(hint or v.origin or "node", v.terms, v.bias, origin=self.where, shape=v.shape)
+        name = self.b.identity(hint or v.origin or "node", v.terms, v.bias, origin=self.where, shape=v.shape)
+        v.terms, v.bias = [(name, Identity())], None
+        return name
 
     def _source(self, v: Value, flat_ok: bool = False) -> str:
         """A single node to feed a map; a Dense map also reads a flattened node directly."""

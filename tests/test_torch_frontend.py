@@ -226,3 +226,23 @@ def test_example_input_gives_the_shape():
 def test_linear_on_unflattened_tensor_rejected():
     with pytest.raises(pathir.UnsupportedOperation, match="last axis"):
         pathir.compile(nn.Sequential(nn.Conv2d(1, 2, 1), nn.Linear(3, 2)), input_shape=(1, 3, 3))
+
+
+class UsedTwice(nn.Module):
+    """A pending value (conv + bn) read by two ops must become one node."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 1)
+        self.bn = nn.BatchNorm2d(3)
+        self.head = nn.Conv2d(3, 3, 1)
+
+    def forward(self, x):
+        y = self.bn(self.conv(x))
+        return self.head(torch.relu(y)) + y
+
+
+def test_a_value_used_twice_is_one_node():
+    cm = assert_same_function(UsedTwice(), (2, 4, 4))
+    assert sum(e.map.weight is not None and e.map.weight.name == "conv.weight" for n in cm.graph for e in n.edges) == 1
+    assert [n.name for n in cm.graph] == ["x", "bn", "relu", "add"]  # conv+bn once, read by relu and add

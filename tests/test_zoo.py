@@ -32,6 +32,16 @@ def test_zoo_model_reproduces_its_forward(name):
         assert (result["params"], result["hidden_channels"]) == FACTS[name]
 
 
+@pytest.mark.parametrize("name", ["mnasnet0_5", "densenet121", "shufflenet_v2_x1_0", "googlenet"])
+def test_every_weight_is_read_by_one_edge(name):
+    """No torchvision model calls a weighted module twice: a param read by two
+    edges would mean a value lowered twice (duplicated neurons)."""
+    cm = pathir.compile(zoo.build(name), input_shape=(3, 64, 64))
+    reads = [id(e.map.weight) for n in cm.graph for e in n.edges if e.map.weight is not None]
+    reads += [id(n.bias) for n in cm.graph if n.bias is not None]
+    assert len(reads) == len(set(reads))
+
+
 @pytest.mark.parametrize("name", sorted(zoo.REJECTED))
 def test_zoo_model_rejected_untouched(name):
     model = zoo.build(name).train()
