@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional
 
 from pathir.errors import BackendError
@@ -37,6 +38,10 @@ class Backend:
 
     def weight_grad(self, m: Map, x, g, in_shape):
         return self._rule(m, 2)(m, x, g, tuple(in_shape))
+
+    def flush_denormals(self):
+        """Context of the path walks: a backend may treat subnormal numbers as 0 there."""
+        return contextlib.nullcontext()
 
     # array ops every backend implements
     def asarray(self, value): raise NotImplementedError

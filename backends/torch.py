@@ -16,6 +16,7 @@ the frame and crop it back to the input ``[before, before + L)``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 import weakref
@@ -341,6 +342,17 @@ class TorchBackend(Backend):
     def param(self, p) -> torch.Tensor:
         """The device tensor of Param ``p`` (converted on first use, then cached)."""
         return self.cached(p, lambda: self.constant(p.value))
+
+    @contextlib.contextmanager
+    def flush_denormals(self):
+        """Subnormals (|x| < 2.2e-308) count as 0 inside the path walks: x86 arithmetic
+        on them is ~100x slower, and a walk's values are relative to a mantissa
+        of at least 1e-100 anyway (CPU only; a no-op where unsupported)."""
+        torch.set_flush_denormal(True)
+        try:
+            yield
+        finally:
+            torch.set_flush_denormal(False)
 
     def power_view(self, q: float) -> "TorchBackend":
         """This backend seeing every weight, bias and fixed constant w as |w|^q

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 from .errors import BackendError, PathirError
@@ -100,6 +101,18 @@ def _require_path_graph(graph: Graph, linearize: bool = False):
             )
 
 
+def _flushing(walk):
+    """Run a walk inside the backend's flush_denormals context."""
+
+    @functools.wraps(walk)
+    def wrapped(graph, backend, *args, **kwargs):
+        with backend.flush_denormals():
+            return walk(graph, backend, *args, **kwargs)
+
+    return wrapped
+
+
+@_flushing
 def path_forward(graph: Graph, backend, inputs=None, linearize: bool = False):
     """Forward on a path graph with the all-ones input (or ``inputs``: {name: (B,*shape)}).
 
@@ -148,6 +161,7 @@ def log_total(backend, acts, names) -> float:
     return top + math.log(sum(math.exp(p - top) for p in parts))
 
 
+@_flushing
 def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = False):
     """Reverse walk on a path graph: d(sum of outputs)/d(everything).
 
