@@ -79,7 +79,7 @@ class OnnxLowering(LayerOps, Lowering):
         for name in inputs:
             node = self.b.input(name, self.shapes[name], origin="ONNX graph input")
             self.env[name] = Value.of_node(node, self.shapes[name])
-        live, needed = self._live()
+        live, needed, readers = self._live()
         for i, node in enumerate(g.node):
             if not live[i]:
                 continue
@@ -94,18 +94,26 @@ class OnnxLowering(LayerOps, Lowering):
             for name, value in zip(node.output, outs):
                 if name:
                     self.env[name] = value
+                    if isinstance(value, Value) and value.node is None and readers.get(name, 0) > 1:
+                        self.materialize(value)  # one node for every reader, not a copy per reader
         return self._outputs(inputs)
 
     def _live(self):
+        """(live flag per node, tensors live nodes need, {tensor: live nodes and
+        graph outputs reading it as data}); Shape/Size read only the shape."""
         g = self.proto.graph
         needed = {o.name for o in g.output}
+        readers = dict.fromkeys(needed, 1)
         live = [False] * len(g.node)
         for i in range(len(g.node) - 1, -1, -1):
             node = g.node[i]
             if any(o in needed for o in node.output):
                 live[i] = True
                 needed.update(x for x in node.input if x)
-        return live, needed
+                data = node.input[:1] if node.op_type == "CastLike" else [] if node.op_type in ("Shape", "Size") else node.input
+                for x in set(data) - {""}:
+                    readers[x] = readers.get(x, 0) + 1
+        return live, needed, readers
 
     def _input(self, name: str):
         if not name:
