@@ -138,7 +138,7 @@ class _FxInterpreter:
             if node.op == "output":
                 return self._output(node)
             value = self.env[node] = self._eval(node, shape)
-            if isinstance(value, Value) and value.node is None and len(node.users) > 1:
+            if isinstance(value, Value) and value.node is None and _data_readers(node) > 1:
                 self.low.materialize(value)  # one node for every reader, not a copy per reader
         raise PathirError("the traced program has no output")
 
@@ -289,6 +289,12 @@ class _FxInterpreter:
     def _index(self, fn, tensors):
         outs, many = self.low.index_op(fn, tensors)
         return tuple(outs) if many else outs[0]
+
+
+def _data_readers(node) -> int:
+    """How many fx nodes read the values of ``node`` (shape queries do not)."""
+    shape_only = {("call_method", "size"), ("call_method", "dim"), ("call_function", getattr)}
+    return sum((u.op, u.target) not in shape_only for u in node.users)
 
 
 def _values_in(args, kwargs) -> list[Value]:
