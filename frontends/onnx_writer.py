@@ -32,11 +32,12 @@ from typing import Mapping
 import numpy as np
 
 from pathir.errors import PathirError
-from pathir.ir import Graph, Param, Role
+from pathir.ir import Graph, Role
 
-__all__ = ["Binding", "OnnxWriter", "source_factors"]
+from .write_rules import mask_ref as _value_ref
+from .write_rules import source_factors
 
-_SAME = dict(rtol=1e-9, atol=1e-300)
+__all__ = ["Binding", "OnnxWriter"]
 
 
 @dataclass
@@ -53,46 +54,6 @@ class Binding:
     kind: str
     layout: tuple[int, ...] | None = None
     eps: float = 0.0
-
-
-def source_factors(graph: Graph, log_scales: Mapping[str, np.ndarray]) -> dict[str, dict[Role, tuple[np.ndarray, bool]]]:
-    """{source tensor name: {role: (factor, transposed)}} of a rescaling.
-
-    VALUE factors have the param's shape, OUT_SCALE and IN_STATS ones one entry
-    per channel (IN_STATS: λ, the factor of the batch-norm's input). One
-    (tensor, role) reached through several params must get one factor."""
-    from pathir.rescale import check_log_scales, param_factors
-
-    s = check_log_scales(graph, log_scales)
-    plan: dict[tuple[str, Role], tuple[np.ndarray, bool, str]] = {}
-    for p, fo, fi, v, u in param_factors(graph, s).values():
-        if not p.sources:
-            raise PathirError(f"param '{p.name}' has no source tensor to write the rescaling to")
-        roles = {r.role for r in p.sources}
-        for ref in p.sources:
-            if ref.role is Role.VALUE:
-                f = np.exp((0.0 if Role.IN_STATS in roles else fi) + (0.0 if Role.OUT_SCALE in roles else fo))
-                f = np.broadcast_to(f, p.shape)
-            elif ref.role is Role.OUT_SCALE:
-                f = np.exp(s[v.name])
-            else:
-                if u is None:
-                    raise PathirError(f"bias '{p.name}' lists running statistics '{ref.name}', which only an edge can feed")
-                f = np.exp(-np.asarray(fi))
-            key = (ref.name, ref.role)
-            if key in plan:
-                old, _, via = plan[key]
-                if old.shape != f.shape or not np.allclose(old, f, **_SAME):
-                    raise PathirError(
-                        f"source tensor '{ref.name}' ({ref.role.value}) would be rescaled differently "
-                        f"through params '{via}' and '{p.name}'"
-                    )
-                continue
-            plan[key] = (np.array(f, dtype=np.float64), ref.transposed, p.name)
-    out: dict[str, dict[Role, tuple[np.ndarray, bool]]] = {}
-    for (name, role), (f, transposed, _) in plan.items():
-        out.setdefault(name, {})[role] = (f, transposed)
-    return out
 
 
 class OnnxWriter:
@@ -294,19 +255,6 @@ class OnnxWriter:
 def _copy(b: Binding) -> Binding:
     """A binding whose slots can change; values are never written in place, so they are shared."""
     return replace(b, slots=list(b.slots))
-
-
-def _value_ref(p: Param, is_bias: bool):
-    roles = {r.role for r in p.sources}
-    refs = [r for r in p.sources if r.role is Role.VALUE]
-    if not refs:
-        raise PathirError(f"param '{p.name}' has no VALUE source tensor to mask")
-    if Role.IN_STATS in roles or (is_bias and roles != {Role.VALUE}):
-        raise PathirError(
-            f"param '{p.name}' = {p.how or p.name} is not its source tensor '{refs[0].name}' up to per-channel "
-            "factors: masking that tensor would not zero the param"
-        )
-    return refs[0]
 
 
 def _subgraph_inputs(node):

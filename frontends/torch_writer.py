@@ -30,11 +30,12 @@ from typing import Mapping
 import numpy as np
 
 from pathir.errors import PathirError
-from pathir.ir import Graph, Param, Role
+from pathir.ir import Graph, Role
+
+from .write_rules import mask_ref, source_factors
 
 __all__ = ["TorchWriter"]
 
-_SAME = dict(rtol=1e-9, atol=1e-300)
 
 
 class TorchWriter:
@@ -88,39 +89,10 @@ class TorchWriter:
         """
         import torch
 
-        from pathir.rescale import check_log_scales, param_factors
-
-        s = check_log_scales(graph, log_scales)
-        plan: dict[tuple[str, Role], tuple[np.ndarray, str]] = {}
-        for p, fo, fi, v, u in param_factors(graph, s).values():
-            if not p.sources:
-                raise PathirError(f"param '{p.name}' has no source tensor to write the rescaling to")
-            roles = {r.role for r in p.sources}
-            for ref in p.sources:
-                if ref.role is Role.VALUE:
-                    f = np.exp((0.0 if Role.IN_STATS in roles else fi) + (0.0 if Role.OUT_SCALE in roles else fo))
-                    f = np.broadcast_to(f, p.shape)
-                    f = f.T if ref.transposed else f
-                elif ref.role is Role.OUT_SCALE:
-                    f = np.exp(s[v.name])
-                else:
-                    if u is None:
-                        raise PathirError(f"bias '{p.name}' lists running statistics '{ref.name}', which only an edge can feed")
-                    f = np.exp(-np.asarray(fi))
-                key = (ref.name, ref.role)
-                if key in plan:
-                    old, via = plan[key]
-                    if old.shape != f.shape or not np.allclose(old, f, **_SAME):
-                        raise PathirError(
-                            f"source tensor '{ref.name}' ({ref.role.value}) would be rescaled differently "
-                            f"through params '{via}' and '{p.name}'"
-                        )
-                    continue
-                plan[key] = (np.array(f, dtype=np.float64), p.name)
-
-        by_tensor: dict[str, dict[Role, np.ndarray]] = {}
-        for (name, role), (f, _) in plan.items():
-            by_tensor.setdefault(name, {})[role] = f
+        by_tensor = {
+            name: {role: (f.T if transposed and role is Role.VALUE else f) for role, (f, transposed) in sides.items()}
+            for name, sides in source_factors(graph, log_scales).items()
+        }
         updates = []  # (tensor, new value) computed before anything is written
         seen: dict[int, tuple[str, object]] = {}
         for name, sides in by_tensor.items():
@@ -188,7 +160,7 @@ class TorchWriter:
             m = np.asarray(m).astype(bool)
             if m.shape != p.shape:
                 raise PathirError(f"mask for '{p.name}' has shape {m.shape}, the param {p.shape}")
-            ref = _value_ref(p, id(p) in biases)
+            ref = mask_ref(p, id(p) in biases)
             m = m.T if ref.transposed else m
             module, attr, t = self._tensor(ref.name)
             if not isinstance(module._parameters.get(attr + "_orig", module._parameters.get(attr)), torch.nn.Parameter):
@@ -201,19 +173,6 @@ class TorchWriter:
             plan.append((module, attr, torch.as_tensor(m.reshape(tuple(t.shape)), device=t.device)))
         for module, attr, mask in plan:
             prune.custom_from_mask(module, name=attr, mask=mask)
-
-
-def _value_ref(p: Param, is_bias: bool):
-    roles = {r.role for r in p.sources}
-    refs = [r for r in p.sources if r.role is Role.VALUE]
-    if not refs:
-        raise PathirError(f"param '{p.name}' has no VALUE source tensor to mask")
-    if Role.IN_STATS in roles or (is_bias and roles != {Role.VALUE}):
-        raise PathirError(
-            f"param '{p.name}' = {p.how or p.name} is not its source tensor '{refs[0].name}' up to per-channel "
-            "factors: masking that tensor would not zero the param"
-        )
-    return refs[0]
 
 
 def _refresh_pruned(module, attr: str) -> None:
