@@ -16,16 +16,7 @@ from pathir.rescale import log_scales  # noqa: E402
 from pathir.frontends.torch_writer import TorchWriter  # noqa: E402
 
 
-def _randomize_bn(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            with torch.no_grad():
-                m.running_mean.copy_(torch.randn(m.num_features, generator=g))
-                m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
-                m.weight.copy_(torch.randn(m.num_features, generator=g))
-                m.bias.copy_(torch.randn(m.num_features, generator=g))
-    return model
+from torch_models import randomize_bn as _randomize_bn  # noqa: E402
 
 
 def _z(cm, seed=0, size=1.0):

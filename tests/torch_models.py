@@ -1,0 +1,18 @@
+"""Helpers the torch-model tests share."""
+
+import torch
+import torch.nn as nn
+
+
+def randomize_bn(model, seed=0):
+    """Give every batch-norm random statistics and affine parameters (in place), so
+    that folding and write-back are exercised; returns the model."""
+    g = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            with torch.no_grad():
+                m.running_mean.copy_(torch.randn(m.num_features, generator=g))
+                m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+                m.weight.copy_(torch.randn(m.num_features, generator=g))
+                m.bias.copy_(torch.randn(m.num_features, generator=g))
+    return model
