@@ -32,7 +32,7 @@ from .onnx_layers import LayerOps, attrs as _attrs, f64 as _f64
 from .onnx_ops import AXIS1_OK, DEFAULT_WHY, INDEX_OPS, SECOND_OUTPUT, WHY
 from .onnx_writer import Binding
 from .torch_ops import Lowering
-from .torch_values import Value, selection_index, selection_map
+from .torch_values import Value
 
 __all__ = ["OnnxLowering", "Sequence"]
 
@@ -381,18 +381,7 @@ class OnnxLowering(LayerOps, Lowering):
         out_shape, per_input = decoded
         if not out_shape:
             self.unsupported("the result has no per-sample axis")
-        terms = []
-        for k, v in prepared.items():
-            idx = per_input[k]
-            for src, m in v.terms:
-                src_idx = selection_index(m, self.b.shape(src))
-                composed = np.where(idx >= 0, src_idx[np.maximum(idx, 0)], -1)
-                new = selection_map(composed, self.b.shape(src), out_shape)
-                if new is not None:
-                    terms.append((src, new))
-        if not terms:
-            self.unsupported("the op selects no element of its input")
-        return Value(terms, out_shape, None, self.label)
+        return self.compose_selection(((v, per_input[k]) for k, v in prepared.items()), out_shape)
 
     def op_SplitToSequence(self, node, ins):
         return self.index(node, ins)

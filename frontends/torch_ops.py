@@ -262,20 +262,24 @@ class Lowering:
         except ValueError as err:
             self.unsupported(str(err))
         prepared = [self._selectable(v) for v in inputs]
-        outs = []
-        for out_shape, per_input in decoded:
-            terms = []
-            for v, idx in zip(prepared, per_input):
-                for src, m in v.terms:
-                    src_idx = selection_index(m, self.b.shape(src))
-                    composed = np.where(idx >= 0, src_idx[np.maximum(idx, 0)], -1)
-                    new = selection_map(composed, self.b.shape(src), out_shape)
-                    if new is not None:
-                        terms.append((src, new))
-            if not terms:
-                self.unsupported("the op selects no element of its input")
-            outs.append(Value(terms, out_shape, None, self.label))
+        outs = [self.compose_selection(zip(prepared, per_input), out_shape) for out_shape, per_input in decoded]
         return outs, many
+
+    def compose_selection(self, inputs, out_shape) -> Value:
+        """The Value of shape ``out_shape`` whose element t is element idx[t] of v
+        (-1: none), for each (v, idx) of ``inputs``; each v is a selectable Value,
+        whose selection maps are composed with idx (no new node)."""
+        terms = []
+        for v, idx in inputs:
+            for src, m in v.terms:
+                src_idx = selection_index(m, self.b.shape(src))
+                composed = np.where(idx >= 0, src_idx[np.maximum(idx, 0)], -1)
+                new = selection_map(composed, self.b.shape(src), out_shape)
+                if new is not None:
+                    terms.append((src, new))
+        if not terms:
+            self.unsupported("the op selects no element of its input")
+        return Value(terms, out_shape, None, self.label)
 
     def _selectable(self, v: Value) -> Value:
         if v.bias is None and all(m.kind in SELECTION for _, m in v.terms):
