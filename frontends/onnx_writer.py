@@ -34,8 +34,7 @@ import numpy as np
 from pathir.errors import PathirError
 from pathir.ir import Graph, Role
 
-from .write_rules import mask_ref as _value_ref
-from .write_rules import source_factors
+from .write_rules import mask_plan, source_factors
 
 __all__ = ["Binding", "OnnxWriter"]
 
@@ -184,19 +183,8 @@ class OnnxWriter:
 
         Raises PathirError (model unchanged) for a param whose zeros are not its
         source tensor's zeros (an unfolded batch-norm scale, a folded batch-norm bias)."""
-        params = graph.params()
-        by_name = {p.name: p for p in params}
-        by_name.update({p.source_name: p for p in params if p.source_name not in by_name})
-        biases = {id(n.bias) for n in graph.nodes if n.bias is not None}
         updates = {}
-        for key, m in masks.items():
-            p = by_name.get(key)
-            if p is None:
-                raise PathirError(f"mask for '{key}': no such param in the graph")
-            m = np.asarray(m).astype(bool)
-            if m.shape != p.shape:
-                raise PathirError(f"mask for '{p.name}' has shape {m.shape}, the param {p.shape}")
-            ref = _value_ref(p, id(p) in biases)
+        for p, m, ref in mask_plan(graph, masks):
             if ref.name in updates:
                 raise PathirError(f"two masks for the tensor '{ref.name}'")
             b = self._binding(ref.name)

@@ -32,7 +32,7 @@ import numpy as np
 from pathir.errors import PathirError
 from pathir.ir import Graph, Role
 
-from .write_rules import mask_ref, source_factors
+from .write_rules import mask_plan, source_factors
 
 __all__ = ["TorchWriter"]
 
@@ -148,19 +148,8 @@ class TorchWriter:
         import torch
         from torch.nn.utils import prune
 
-        params = graph.params()
-        by_name = {p.name: p for p in params}
-        by_name.update({p.source_name: p for p in params if p.source_name not in by_name})
-        biases = {id(n.bias) for n in graph.nodes if n.bias is not None}
         plan, targets = [], set()
-        for key, m in masks.items():
-            p = by_name.get(key)
-            if p is None:
-                raise PathirError(f"mask for '{key}': no such param in the graph")
-            m = np.asarray(m).astype(bool)
-            if m.shape != p.shape:
-                raise PathirError(f"mask for '{p.name}' has shape {m.shape}, the param {p.shape}")
-            ref = mask_ref(p, id(p) in biases)
+        for p, m, ref in mask_plan(graph, masks):
             m = m.T if ref.transposed else m
             module, attr, t = self._tensor(ref.name)
             if not isinstance(module._parameters.get(attr + "_orig", module._parameters.get(attr)), torch.nn.Parameter):

@@ -18,7 +18,7 @@ import numpy as np
 from pathir.errors import PathirError
 from pathir.ir import Graph, Param, Role, SourceRef
 
-__all__ = ["source_factors", "mask_ref"]
+__all__ = ["source_factors", "mask_ref", "mask_plan"]
 
 _SAME = dict(rtol=1e-9, atol=1e-300)
 
@@ -76,3 +76,23 @@ def mask_ref(p: Param, is_bias: bool) -> SourceRef:
             "factors: masking that tensor would not zero the param"
         )
     return refs[0]
+
+
+def mask_plan(graph: Graph, masks: Mapping[str, np.ndarray]) -> list[tuple[Param, np.ndarray, SourceRef]]:
+    """[(param, bool mask of the param's shape, its VALUE source)] for ``masks``
+    keyed by param name or source name; refuses unknown names, wrong shapes and
+    params whose zeros are not their source tensor's (see :func:`mask_ref`)."""
+    params = graph.params()
+    by_name = {p.name: p for p in params}
+    by_name.update({p.source_name: p for p in params if p.source_name not in by_name})
+    biases = {id(n.bias) for n in graph.nodes if n.bias is not None}
+    plan = []
+    for key, m in masks.items():
+        p = by_name.get(key)
+        if p is None:
+            raise PathirError(f"mask for '{key}': no such param in the graph")
+        m = np.asarray(m).astype(bool)
+        if m.shape != p.shape:
+            raise PathirError(f"mask for '{p.name}' has shape {m.shape}, the param {p.shape}")
+        plan.append((p, m, mask_ref(p, id(p) in biases)))
+    return plan
