@@ -11,32 +11,21 @@ import pathir
 from pathir.diag_g import diag_g, diag_g_flat
 from pathir.errors import PathNormOverflow
 from pathir.ir import Conv, Dense, GraphBuilder, Identity, Pool, Reshape
-from pathir.neurons import expand
 from pathir.passes.find_units import find_units
-from pathir.passes.incidence import ParamLayout, incidence
-from pathir.paths import enumerate_paths
+from pathir.passes.incidence import incidence
 from pathir.rescale import rescale_graph
 from pathir.testing import mlps, relu_dags, rescalings
+
+from enumerated import path_factors
 
 BACKENDS = ["numpy", "torch"]
 
 
 def enumerated_diag_g(graph) -> np.ndarray:
     """g_i = sum over paths p through θ_i of the product of p's other factors, squared (fixed ones too)."""
-    layout = ParamLayout(tuple(graph.params()))
-    net = expand(graph)
+    factors, layout = path_factors(graph)
     g = np.zeros(len(layout))
-    for p in enumerate_paths(net):
-        const, free = 1.0, []
-        start = net.nodes[p.start]
-        if not start["is_input"]:
-            free.append((layout.slice(start["bias"][0]).start + start["bias"][1], start["bias"][2]))
-        for u, v, k in p.edges():
-            d = net.edges[u, v, k]
-            if d["param"] is None:
-                const *= d["weight"]
-            else:
-                free.append((layout.slice(d["param"][0]).start + d["param"][1], d["weight"]))
+    for const, free in factors:
         for j, (i, _) in enumerate(free):
             others = [w for jj, (_, w) in enumerate(free) if jj != j]
             g[i] += (const * math.prod(others)) ** 2

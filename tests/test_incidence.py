@@ -12,31 +12,13 @@ from pathir.ir import ChannelMap, Conv, Dense, GraphBuilder, Identity, Pool, Res
 from pathir.neurons import expand
 from pathir.passes.find_units import find_units
 from pathir.passes.incidence import ParamLayout, incidence
-from pathir.paths import enumerate_paths
 from pathir.rescale import apply_log_scales, check_log_scales, log_scales, rescale_graph
 from pathir.testing import mlps, random_inputs, relu_dags, rescalings
 
 RNG = np.random.default_rng(1)
 
 
-def path_factors(graph):
-    """Per enumerated path: (product of its fixed weights, [(flat index in θ, value)] of its free factors)."""
-    layout = ParamLayout(tuple(graph.params()))
-    net = expand(graph)
-    out = []
-    for p in enumerate_paths(net):
-        const, free = 1.0, []
-        start = net.nodes[p.start]
-        if not start["is_input"]:
-            free.append((layout.slice(start["bias"][0]).start + start["bias"][1], start["bias"][2]))
-        for u, v, k in p.edges():
-            d = net.edges[u, v, k]
-            if d["param"] is None:
-                const *= d["weight"]
-            else:
-                free.append((layout.slice(d["param"][0]).start + d["param"][1], d["weight"]))
-        out.append((const, free))
-    return out, layout
+from enumerated import path_factors  # noqa: E402
 
 
 def jacobian(graph):
