@@ -9,7 +9,24 @@ B is n × H (n = len θ, H units) with
     B[i, h] =  0   otherwise (a weight with both ends in unit h included).
 
 A rescaling with log-scales z ∈ R^H is θ ← θ ⊙ exp(-Bz/2). Each row has at most
-two non-zeros (a weight enters one unit and leaves one).
+two non-zeros (a weight enters one unit and leaves one). The solvers read the
+rows as unit pairs: `row_keys` gives them (and A = -Bᵀ1) without B.
+
+>>> import numpy as np
+>>> from pathir.ir import GraphBuilder, Dense
+>>> from pathir.passes.find_units import find_units
+>>> b = GraphBuilder()
+>>> x = b.input("x", (2,))
+>>> h = b.relu("h", [(x, Dense(b.param("w1", np.ones((1, 2)))))], bias=b.param("b1", np.zeros(1)))
+>>> y = b.identity("y", [(h, Dense(b.param("w2", np.ones((1, 1)))))])
+>>> g = b.build(outputs=[y])
+>>> units = find_units(g)[1]
+>>> B, layout = incidence(g, units)
+>>> B.toarray().ravel().tolist()    # w1 (2 entries) and b1 enter unit h:c0, w2 leaves it
+[-1.0, -1.0, -1.0, 1.0]
+>>> rows = row_keys(units)          # H = 1: entering unit 0 is key 0*2 + 1, leaving it 1*2 + 0
+>>> rows.key.tolist(), rows.balance.tolist()
+([1, 1, 1, 2], [2])
 """
 
 from __future__ import annotations
@@ -23,7 +40,7 @@ from pathir.ir import Graph, Param
 
 from .find_units import Units
 
-__all__ = ["incidence", "ParamLayout"]
+__all__ = ["incidence", "row_keys", "ParamLayout"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -112,17 +129,7 @@ def incidence(graph: Graph, units: Units):
     ``units`` from :func:`find_units` on this graph, or on one with the same
     structure and param names (e.g. a rescaled copy).
 
-    >>> import numpy as np
-    >>> from pathir.ir import GraphBuilder, Dense
-    >>> from pathir.passes.find_units import find_units
-    >>> b = GraphBuilder()
-    >>> x = b.input("x", (2,))
-    >>> h = b.relu("h", [(x, Dense(b.param("w1", np.ones((1, 2)))))], bias=b.param("b1", np.zeros(1)))
-    >>> y = b.identity("y", [(h, Dense(b.param("w2", np.ones((1, 1)))))])
-    >>> g = b.build(outputs=[y])
-    >>> B, layout = incidence(g, find_units(g)[1])
-    >>> B.toarray().ravel().tolist()    # w1 (2 entries) and b1 enter unit h:c0, w2 leaves it
-    [-1.0, -1.0, -1.0, 1.0]
+    Example in the module docstring.
     """
     from scipy.sparse import csr_matrix
 
@@ -160,6 +167,38 @@ def incidence(graph: Graph, units: Units):
     else:
         B.has_sorted_indices = True  # _uniform_rows writes every row in increasing column order
     return B, layout
+
+
+def row_keys(units: Units):
+    """B's rows as a ``pathir.unit_pairs.RowKeys``: per row, key_i = e(i) (H + 1) + l(i), the unit θ_i
+    enters and the one it leaves (H for none), as ``unit_pairs.row_keys(B)`` reads them from B, and
+    the column balance A_h = #rows entering h - #rows leaving h, here straight from the units' ends.
+
+    Example in the module docstring.
+    """
+    from pathir.unit_pairs import RowKeys
+
+    H = len(units)
+    parts, balance = [], np.zeros(H + 1, dtype=np.int64)
+    for p, (tgt, src) in zip(units.params, units.ends):
+        t = np.asarray(tgt, dtype=np.int64)
+        s = np.full((), -1, dtype=np.int64) if src is None else np.asarray(src, dtype=np.int64)
+        same = t == s  # both ends in one unit: the row is empty
+        enter = np.where((t >= 0) & ~same, t, H)
+        leave = np.where((s >= 0) & ~same, s, H)
+        parts.append(np.broadcast_to(enter * (H + 1) + leave, p.shape).reshape(-1))
+        # each compact entry stands for p.size / its broadcast size rows
+        balance += _counts(enter, p.shape, H) - _counts(leave, p.shape, H)
+    key = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return RowKeys(key, balance[:H])
+
+
+def _counts(units: np.ndarray, shape: tuple[int, ...], H: int) -> np.ndarray:
+    """Rows per unit (0..H) of a param of ``shape`` whose rows get ``units`` broadcast to it: each
+    compact entry stands for prod(shape) / units.size of them."""
+    if units.size == 0:
+        return np.zeros(H + 1, dtype=np.int64)
+    return np.bincount(units.reshape(-1), minlength=H + 1) * (int(np.prod(shape)) // units.size)
 
 
 def _uniform_rows(p: Param, tgt, src, index_dtype):

@@ -216,6 +216,19 @@ class Compiled:
             self.__dict__["_incidence"] = cached
         return cached[1]
 
+    def row_keys(self):
+        """B's rows (``incidence()``) as a ``pathir.unit_pairs.RowKeys``: per row, e(i) (H + 1) + l(i),
+        the unit θ_i enters and the one it leaves (H for none), and A = -Bᵀ1, read from the units.
+        The PathCond and ENorm solvers take it with B (``row_key=``) instead of re-deriving it from B.
+        Built once per graph object."""
+        cached = self.__dict__.get("_row_keys")
+        if cached is None or cached[0] is not self.graph:
+            from pathir.passes.incidence import row_keys
+
+            cached = (self.graph, row_keys(self.units))
+            self.__dict__["_row_keys"] = cached
+        return cached[1]
+
     def _adopt_rescaled(self, graph: Graph) -> None:
         """Make ``graph``, a rescaling of ``self.graph`` (same structure, new values),
         the current graph; the units and B carry over (only the params' values moved)."""
@@ -228,6 +241,8 @@ class Compiled:
         self.graph = graph
         self.__dict__["_units"] = (graph, dataclasses.replace(units, params=params))
         self.__dict__["_incidence"] = (graph, (B, ParamLayout(params)))
+        if "_row_keys" in self.__dict__:
+            self.__dict__["_row_keys"] = (graph, self.__dict__["_row_keys"][1])
 
     def diag_g(self, backend=None) -> dict[str, np.ndarray]:
         """diag G (MATH.md §6): {source param name: array of that param's shape}.

@@ -176,7 +176,7 @@ def enorm(cm, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, costs=
     w = np.abs(layout.theta()) ** p
     if not np.all(np.isfinite(w)):
         raise PathirError(f"|θ|^{p:g} is not finite (huge or non-finite weights): ENorm cannot be computed")
-    result = solve_enorm(w, B, c, method=solver, max_sweeps=max_sweeps, tol=tol)
+    result = solve_enorm(w, B, c, method=solver, max_sweeps=max_sweeps, tol=tol, row_key=cm.row_keys())
     z = 2.0 * result.z / p
     if write_back:
         commit_rescaling(cm, z)

@@ -25,7 +25,7 @@ import numpy as np
 
 from .pathcond_objective import _as_g, _log, _logsumexp
 from .unit_pairs import (
-    all_pairs, blocks_of, canonical, greedy_coloring, group_pairs, log_pair_total, pad, row_keys, stable_order,
+    all_pairs, blocks_of, canonical, greedy_coloring, group_pairs, keys_for, log_pair_total, pad, stable_order,
 )
 
 __all__ = ["ENormResult", "enorm_objective", "unit_balance", "solve_enorm", "solve_enorm_block",
@@ -93,7 +93,8 @@ def _finish(m, B, z, degenerate, method, sweeps, converged, start, history) -> E
                        time.perf_counter() - start, np.asarray(history), imbalance, method)
 
 
-def solve_enorm_coordinate(w, B, c=None, *, max_sweeps: int = 1000, tol: float = 1e-10) -> ENormResult:
+def solve_enorm_coordinate(w, B, c=None, *, max_sweeps: int = 1000, tol: float = 1e-10,
+                           row_key=None) -> ENormResult:
     """ENorm one unit at a time, in index order (cyclic coordinate descent on E, in log-space).
 
     >>> import numpy as np, scipy.sparse as sp
@@ -102,14 +103,14 @@ def solve_enorm_coordinate(w, B, c=None, *, max_sweeps: int = 1000, tol: float =
     1.386294 32
     """
     start = time.perf_counter()
-    B = canonical(B)
+    B = canonical(B) if row_key is None else keys_for(B, row_key)[0]
     n, H = B.shape
     m = _masses(w, c, n)
     csc = B.tocsc()
     units, degenerate = [], []
     for h in range(H):
         rows, sign = csc.indices[csc.indptr[h]:csc.indptr[h + 1]], csc.data[csc.indptr[h]:csc.indptr[h + 1]]
-        rin, rout = rows[sign < 0], rows[sign > 0]
+        rin, rout = rows[sign < 0].astype(np.intp), rows[sign > 0].astype(np.intp)  # intp: no conversion per gather
         if m[rin].any() and m[rout].any():
             units.append((h, rin, rout))
         else:
@@ -133,7 +134,8 @@ def solve_enorm_coordinate(w, B, c=None, *, max_sweeps: int = 1000, tol: float =
     return _finish(m, B, z, degenerate, "coordinate", sweeps, converged, start, np.exp(history))
 
 
-def solve_enorm_block(w, B, c=None, *, max_sweeps: int = 1000, tol: float = 1e-10) -> ENormResult:
+def solve_enorm_block(w, B, c=None, *, max_sweeps: int = 1000, tol: float = 1e-10,
+                      row_key=None) -> ENormResult:
     """ENorm over the colours of the unit adjacency graph, all units of a colour at once.
 
     >>> import numpy as np, scipy.sparse as sp
@@ -143,8 +145,7 @@ def solve_enorm_block(w, B, c=None, *, max_sweeps: int = 1000, tol: float = 1e-1
     ([0.693147, 1.098612], '10', 2)
     """
     start = time.perf_counter()
-    B = canonical(B)
-    key, H = row_keys(B, checked=True)
+    B, key, H, _ = keys_for(B, row_key)
     m = _masses(w, c, key.size)
     pairs = group_pairs(m, key, H)
     degenerate = pairs.degenerate()
@@ -152,7 +153,7 @@ def solve_enorm_block(w, B, c=None, *, max_sweeps: int = 1000, tol: float = 1e-1
     live = np.ones(H, dtype=bool)
     live[degenerate] = False
     by_leave = stable_order(pairs.leave, H)
-    blocks = blocks_of(pairs, greedy_coloring(pairs, live), by_leave)
+    blocks = blocks_of(pairs, greedy_coloring(pairs, live, by_leave), by_leave)
     everything = all_pairs(pairs, by_leave)
     z = np.zeros(H)
     # E(z) = Σ_k P_k e^{z_enter - z_leave}: the PathCond pair sum at -z
@@ -170,7 +171,8 @@ def solve_enorm_block(w, B, c=None, *, max_sweeps: int = 1000, tol: float = 1e-1
     return _finish(m, B, z, degenerate, "block", sweeps, converged, start, np.exp(history))
 
 
-def solve_enorm(w, B, c=None, *, method: str = "block", max_sweeps: int = 1000, tol: float = 1e-10) -> ENormResult:
+def solve_enorm(w, B, c=None, *, method: str = "block", max_sweeps: int = 1000, tol: float = 1e-10,
+                row_key=None) -> ENormResult:
     """Minimise E(z) = Σ c_i w_i e^{-(Bz)_i} over the unit log-scales z.
 
     Parameters
@@ -180,6 +182,7 @@ def solve_enorm(w, B, c=None, *, method: str = "block", max_sweeps: int = 1000, 
     c : (n,) non-negative costs (Stock et al. weight layers by depth); None for all ones.
     method : "block" (all units of an independent set at once) or "coordinate" (one unit at a time).
     tol : stop when a sweep moves no z_h by more than ``tol`` (a unit's step is half its log-imbalance).
+    row_key : optional row keys of B, as ``Compiled.row_keys()`` builds them (`unit_pairs.keys_for`).
 
     Returns
     -------
@@ -196,4 +199,4 @@ def solve_enorm(w, B, c=None, *, method: str = "block", max_sweeps: int = 1000, 
     solvers = {"block": solve_enorm_block, "coordinate": solve_enorm_coordinate}
     if method not in solvers:
         raise ValueError(f"unknown ENorm method {method!r}; choose one of {sorted(solvers)}")
-    return solvers[method](w, B, c, max_sweeps=max_sweeps, tol=tol)
+    return solvers[method](w, B, c, max_sweeps=max_sweeps, tol=tol, row_key=row_key)

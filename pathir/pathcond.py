@@ -187,6 +187,7 @@ def pathcond(cm, solver: str = "block", max_sweeps: int = 1000, tol: float = 1e-
     units = cm.units
     lap("units")
     B, _ = cm.incidence()
+    row_key = cm.row_keys()
     lap("B")
     g, log_top = diag_g_flat(cm.graph, cm._backend(backend))
     lap("diag G")
@@ -194,7 +195,7 @@ def pathcond(cm, solver: str = "block", max_sweeps: int = 1000, tol: float = 1e-
     if not math.isfinite(log_top):
         raise PathirError("diag G vanishes everywhere (no path of the network has only nonzero weights): "
                           "PathCond has nothing to balance")
-    result = solve(g, B, method=solver, max_sweeps=max_sweeps, tol=tol)
+    result = solve(g, B, method=solver, max_sweeps=max_sweeps, tol=tol, row_key=row_key)
     lap("solve")
     if write_back:
         commit_rescaling(cm, result.z)

@@ -41,7 +41,7 @@ import numpy as np
 
 from .pathcond_objective import PathCondResult, _as_g, finish, log_positive_root
 from .unit_pairs import (
-    all_pairs, blocks_of, canonical, column_balance, greedy_coloring, group_pairs, log_pair_total, pad, row_keys,
+    all_pairs, blocks_of, greedy_coloring, group_pairs, keys_for, log_pair_total, pad, pair_terms,
     stable_order,
 )
 
@@ -79,13 +79,10 @@ def _pair_value(pairs, A: np.ndarray, z: np.ndarray, n: int):
     """(F(z), ∇F(z), out, in) from the unit pairs, out/in = each unit's share of S leaving/entering it:
     ∂F/∂z_h = n (out_h - in_h) + A_h."""
     H = z.size
-    zp = pad(z)
-    v = pairs.log_mass + zp[pairs.leave] - zp[pairs.enter]
-    if v.size == 0:
+    if pairs.size == 0:
         zero = np.zeros(H)
         return -math.inf, A.copy(), zero, zero
-    top = float(v.max())
-    e = np.exp(v - top)
+    top, e = pair_terms(pairs, pad(z))
     total = float(e.sum())
     q = e / total
     out_mass = np.bincount(pairs.leave, weights=q, minlength=H + 1)[:H]
@@ -97,9 +94,9 @@ def _pair_state(pairs, A: np.ndarray, z: np.ndarray, n: int):
     """(F(0), F(z), ∇F(z), its scale n|B|ᵀp + |A|) from the unit pairs."""
     f1, grad, out_mass, in_mass = _pair_value(pairs, A, z, n)
     f0 = -math.inf
-    if pairs.log_mass.size:
-        top = float(pairs.log_mass.max())
-        f0 = n * (top + math.log(float(np.exp(pairs.log_mass - top).sum())))
+    if pairs.size:
+        top, e = pair_terms(pairs, np.zeros(z.size + 1))
+        f0 = n * (top + math.log(float(e.sum())))
     return f0, f1, grad, n * (out_mass + in_mass) + np.abs(A)
 
 
@@ -135,7 +132,7 @@ def _polish(pairs, A: np.ndarray, n: int, z: np.ndarray, live: np.ndarray, itera
 
 
 def solve_block(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, anderson: int = 5,
-                polish_after: int | None = 50) -> PathCondResult:
+                polish_after: int | None = 50, row_key=None) -> PathCondResult:
     """Minimise F by exact block updates over independent sets of units (the default solver).
 
     Parameters
@@ -150,6 +147,9 @@ def solve_block(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, anderson: i
     tol : stop when a sweep moves no z_h by more than ``tol``, or when ``anderson + 1`` sweeps in a row
         each change F by at most ``tol * max(1, |F|, |A·z|)`` (A = -Bᵀ1) and the last moved no z_h by
         more than sqrt(tol).
+    row_key : optional (n,) int array, e(i) (H + 1) + l(i) per row of B (`unit_pairs.row_keys`), or a
+        `unit_pairs.RowKeys` with the column balance too, as ``Compiled.row_keys()`` builds them with B:
+        spares re-deriving (and re-checking) them from B.
 
     Returns
     -------
@@ -169,18 +169,17 @@ def solve_block(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, anderson: i
     10.8322 -> 9.2103
     """
     start = time.perf_counter()
-    B = canonical(B)
-    key, H = row_keys(B, checked=True)
+    B, key, H, A = keys_for(B, row_key)
     n = key.size
     g = _as_g(g, n)
-    A = column_balance(B).astype(np.float64)
+    A = A.astype(np.float64)
     pairs = group_pairs(g, key, H)
     degenerate = pairs.degenerate()
     pairs = pairs.freeze(degenerate)
     live = np.ones(H, dtype=bool)
     live[degenerate] = False
     by_leave = stable_order(pairs.leave, H)
-    colour = greedy_coloring(pairs, live)
+    colour = greedy_coloring(pairs, live, by_leave)
     blocks = blocks_of(pairs, colour, by_leave)
     abs_a = [np.abs(A[b.units]) / n for b in blocks]
 
@@ -259,5 +258,5 @@ def solve_block(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, anderson: i
         sweeps += polished
     return finish(g, B, z, _pair_state(pairs, A, z, n), method="block", sweeps=sweeps, converged=converged,
                   degenerate=degenerate, start=start, history=history, times=times,
-                  extra={"colours": len(blocks), "pairs": int(pairs.log_mass.size), "anderson_steps": accepted,
+                  extra={"colours": len(blocks), "pairs": pairs.size, "anderson_steps": accepted,
                          "lbfgs_iterations": polished})

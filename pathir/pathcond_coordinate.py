@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from .pathcond_objective import PathCondResult, _as_g, _log, _logsumexp, finish, row_state
-from .unit_pairs import canonical, column_balance
+from .unit_pairs import canonical, column_balance, keys_for
 
 __all__ = ["solve_coordinate"]
 
@@ -101,7 +101,7 @@ def _sweep_log(ell: np.ndarray, log_s: float, z: np.ndarray, units, n: int) -> f
 
 
 def solve_coordinate(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10,
-                     log_domain: bool | None = None) -> PathCondResult:
+                     log_domain: bool | None = None, row_key=None) -> PathCondResult:
     """Minimise F by cyclic coordinate descent over the units (the reference solver).
 
     Parameters
@@ -112,6 +112,7 @@ def solve_coordinate(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10,
     tol : stop when a sweep changes F by at most ``tol * max(1, |F|, |A·z|)`` (A = -Bᵀ1) or moves no
         z_h by more than ``tol``.
     log_domain : keep log w rather than w; None chooses from the spread of g (and switches when needed).
+    row_key : optional row keys of B (`unit_pairs.keys_for`), sparing the full check of B.
 
     Returns
     -------
@@ -126,15 +127,19 @@ def solve_coordinate(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10,
     (True, 2)
     """
     start = time.perf_counter()
-    B = canonical(B)
+    if row_key is None:
+        B = canonical(B)
+        A = column_balance(B)
+    else:
+        B, _, _, A = keys_for(B, row_key)
     n, H = B.shape
     g = _as_g(g, n)
-    A = column_balance(B)
     csc = B.tocsc()
     units, degenerate = [], []
     for h in range(H):
         rows, sign = csc.indices[csc.indptr[h]:csc.indptr[h + 1]], csc.data[csc.indptr[h]:csc.indptr[h + 1]]
-        rin, rout = rows[sign < 0], rows[sign > 0]
+        # intp rows: numpy converts any other index type on every gather and scatter of the sweep
+        rin, rout = rows[sign < 0].astype(np.intp), rows[sign > 0].astype(np.intp)
         if g[rin].any() and g[rout].any():
             units.append((h, rin, rout, int(A[h])))
         else:

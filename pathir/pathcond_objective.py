@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import scipy.sparse as sp
@@ -29,7 +30,7 @@ def _as_g(g, n: int | None = None) -> np.ndarray:
         raise ValueError(f"g must be a vector, got shape {g.shape}")
     if n is not None and g.size != n:
         raise ValueError(f"g has {g.size} entries but B has {n} rows")
-    if not np.all(np.isfinite(g)) or np.any(g < 0):
+    if g.size and not (g.min() >= 0 and g.max() < math.inf):  # NaN fails both
         raise ValueError("g must be finite and non-negative")
     return g
 
@@ -119,7 +120,9 @@ class PathCondResult:
     keep z = 0. ``history[k]`` is F after sweep k (``history[0]`` = F(0)) and
     ``times[k]`` the seconds elapsed then. ``grad_max`` is max |∂F/∂z_h| and
     ``grad_rel`` the largest relative imbalance |∂F/∂z_h| / (n|B|ᵀp + |Bᵀ1|)_h,
-    over the non-degenerate units.
+    over the non-degenerate units. ``log_spread_initial`` / ``log_spread_final``
+    (the log-spread of g and of g ⊙ e^{Bz}) are computed from ``g`` and ``B``
+    on first access: a report, not part of the solve.
     """
 
     z: np.ndarray
@@ -133,10 +136,22 @@ class PathCondResult:
     times: np.ndarray
     grad_max: float
     grad_rel: float
-    log_spread_initial: float
-    log_spread_final: float
     method: str
     extra: dict = field(default_factory=dict)
+    g: np.ndarray | None = field(default=None, repr=False, compare=False)
+    B: sp.csr_array | None = field(default=None, repr=False, compare=False)
+
+    @cached_property
+    def _spreads(self) -> tuple[float, float]:
+        return _spreads(self.g, self.B, self.z) if self.g is not None else (math.nan, math.nan)
+
+    @property
+    def log_spread_initial(self) -> float:
+        return self._spreads[0]
+
+    @property
+    def log_spread_final(self) -> float:
+        return self._spreads[1]
 
     @property
     def max_abs_z(self) -> float:
@@ -187,7 +202,7 @@ def finish(g: np.ndarray, B: sp.csr_array, z: np.ndarray, state, *, method: str,
            converged: bool, degenerate: np.ndarray, start: float, history: list, times: list,
            extra=None) -> PathCondResult:
     """Assemble a result from ``state`` = (F(0), F(z), ∇F(z), gradient scale) (`row_state`, or a
-    solver's own), adding the log-spreads of g before and after from the rows."""
+    solver's own); the log-spreads of g are left to the result's first access."""
     f0, f1, grad, scale = state
     live = np.ones(z.size, dtype=bool)
     live[degenerate] = False
@@ -196,11 +211,10 @@ def finish(g: np.ndarray, B: sp.csr_array, z: np.ndarray, state, *, method: str,
     history = list(history)
     if history:
         history[0], history[-1] = f0, f1
-    spread_0, spread_1 = _spreads(g, B, z)
     return PathCondResult(
         z=z, f_initial=f0, f_final=f1, sweeps=sweeps, converged=converged,
         degenerate=np.asarray(degenerate, dtype=np.int64), seconds=time.perf_counter() - start,
         history=np.asarray(history, dtype=np.float64), times=np.asarray(times, dtype=np.float64),
         grad_max=float(np.max(np.abs(grad[live]), initial=0.0)), grad_rel=float(np.max(rel[live], initial=0.0)),
-        log_spread_initial=spread_0, log_spread_final=spread_1, method=method, extra=dict(extra or {}),
+        method=method, extra=dict(extra or {}), g=g, B=B,
     )

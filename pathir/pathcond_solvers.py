@@ -34,13 +34,16 @@ __all__ = ["solve", "solve_block", "solve_coordinate", "objective", "gradient", 
 METHODS = {"block": solve_block, "coordinate": solve_coordinate}
 
 
-def solve(g, B, *, method: str = "block", max_sweeps: int = 1000, tol: float = 1e-10) -> PathCondResult:
+def solve(g, B, *, method: str = "block", max_sweeps: int = 1000, tol: float = 1e-10,
+          row_key=None) -> PathCondResult:
     """Minimise F(z) = n log Σ_i g_i e^{(Bz)_i} - Σ_i (Bz)_i with ``method`` in METHODS.
 
     Stops when F has stopped moving (relative change at most ``tol``) or no
     z_h moves by more than ``tol`` in a sweep (details in each solver);
     ``result.converged`` says whether that happened within ``max_sweeps``.
+    ``row_key``: B's rows as unit keys, where the caller built B from them
+    (``Compiled.row_keys()``; see `unit_pairs.keys_for`).
     """
     if method not in METHODS:
         raise ValueError(f"unknown PathCond method {method!r}; choose one of {sorted(METHODS)}")
-    return METHODS[method](g, B, max_sweeps=max_sweeps, tol=tol)
+    return METHODS[method](g, B, max_sweeps=max_sweeps, tol=tol, row_key=row_key)

@@ -24,9 +24,9 @@ import numpy as np
 import scipy.sparse as sp
 
 __all__ = [
-    "canonical", "row_keys", "row_units", "column_balance", "degenerate_units", "pad", "Pairs", "group_pairs",
+    "canonical", "row_keys", "RowKeys", "keys_for", "row_units", "column_balance", "key_balance", "degenerate_units", "pad", "Pairs", "group_pairs",
     "greedy_coloring", "segment_logsumexp", "stable_order", "SideSums", "side_sums", "all_pairs",
-    "log_pair_total", "Block", "blocks_of",
+    "log_pair_total", "pair_terms", "Block", "blocks_of",
 ]
 
 # A linear-domain sum below this (relative to its static bound 1) may have lost
@@ -36,7 +36,7 @@ _TINY = 1e-280
 
 def canonical(B) -> sp.csr_array:
     """B as a canonical CSR array, checked: non-zeros are ±1, at most one of each sign per row."""
-    csr = sp.csr_array(B)
+    csr = B if isinstance(B, sp.csr_array) else sp.csr_array(B)
     if not csr.has_canonical_format:
         csr = csr.copy()
         csr.sum_duplicates()
@@ -48,8 +48,8 @@ def canonical(B) -> sp.csr_array:
     counts = np.diff(csr.indptr)
     if counts.max(initial=0) > 2:
         raise ValueError(f"row {int(np.argmax(counts))} of B has more than two non-zeros")
-    # a row with two ±1 entries holds one of each sign iff it sums to 0
-    same = np.flatnonzero((counts == 2) & (csr @ np.ones(csr.shape[1]) != 0))
+    # a row of at most two ±1 entries sums to ±2 iff both have one sign
+    same = np.flatnonzero(np.abs(csr @ np.ones(csr.shape[1])) > 1)
     if same.size:
         row = int(same[0])
         raise ValueError(f"row {row} of B has two {csr.data[csr.indptr[row]]:+g} entries: "
@@ -66,8 +66,50 @@ def row_keys(B, checked: bool = False) -> tuple[np.ndarray, int]:
     n, H = csr.shape
     # one mat-vec: a -1 at column j adds (j - H)(H + 1) to the "no unit" key H(H + 1) + H, a +1 adds j - H
     weight = np.where(csr.data < 0, float(H + 1), 1.0)
-    shift = sp.csr_array((weight, csr.indices, csr.indptr), shape=csr.shape) @ np.arange(-H, 0, dtype=np.float64)
-    return (shift + float(H * (H + 1) + H)).astype(np.int64), H
+    key = sp.csr_array((weight, csr.indices, csr.indptr), shape=csr.shape) @ np.arange(-H, 0, dtype=np.float64)
+    key += float(H * (H + 1) + H)
+    return key.astype(np.int64), H
+
+
+@dataclass(frozen=True, eq=False)
+class RowKeys:
+    """B's rows as unit pairs, as whoever built B knows them: ``key`` (`row_keys`) and the
+    column balance A = -Bᵀ1 (`column_balance`) of an n x H matrix B."""
+
+    key: np.ndarray
+    balance: np.ndarray
+
+    @property
+    def num_units(self) -> int:
+        return int(self.balance.size)
+
+
+def keys_for(B, row_key=None) -> tuple[sp.csr_array, np.ndarray, int, np.ndarray]:
+    """``(B, key, H, A)`` for a solver: B checked by `canonical`, its `row_keys` and column balance
+    derived, or, where the caller passes the ``row_key`` it built B from (an array of keys or a
+    `RowKeys`, as ``Compiled.row_keys()`` gives), those, checked for shape and range and against
+    B on a sample of rows."""
+    if row_key is None:
+        csr = canonical(B)
+        key, H = row_keys(csr, checked=True)
+        return csr, key, H, key_balance(key, H)
+    csr = B if isinstance(B, sp.csr_array) else sp.csr_array(B)
+    n, H = csr.shape
+    balance = None
+    if isinstance(row_key, RowKeys):
+        row_key, balance = row_key.key, np.asarray(row_key.balance)
+        if balance.shape != (H,):
+            raise ValueError(f"RowKeys for {balance.size} units given with a B of {H} columns")
+    key = np.asarray(row_key)
+    if key.shape != (n,) or key.dtype.kind not in "iu":
+        raise ValueError(f"row_key must be an integer vector of length {n}, got {key.dtype} {key.shape}")
+    if n and not (key.min() >= 0 and key.max() < (H + 1) ** 2):
+        raise ValueError(f"row_key must lie in [0, (H + 1)²) = [0, {(H + 1) ** 2})")
+    sample = np.unique(np.linspace(0, n - 1, min(n, 1024)).astype(np.int64))
+    if n and not np.array_equal(row_keys(csr[sample])[0], key[sample]):
+        raise ValueError("row_key does not describe the rows of B")
+    key = key.astype(np.int64, copy=False)
+    return csr, key, H, key_balance(key, H) if balance is None else balance
 
 
 def row_units(B) -> tuple[np.ndarray, np.ndarray, int]:
@@ -85,6 +127,16 @@ def column_balance(B) -> np.ndarray:
     """A_h = |in_h| - |out_h| = -(Bᵀ1)_h straight from B."""
     B = sp.csr_array(B)
     return -np.rint(B.T @ np.ones(B.shape[0])).astype(np.int64)
+
+
+def key_balance(key: np.ndarray, H: int) -> np.ndarray:
+    """`column_balance` from the row keys: A_h = #rows entering h - #rows leaving h."""
+    size = (H + 1) ** 2
+    if size <= max(4 * key.size, 1 << 22):
+        counts = np.bincount(key, minlength=size).reshape(H + 1, H + 1)  # [enter, leave]
+        return (counts.sum(axis=1) - counts.sum(axis=0))[:H]
+    enter, leave = np.divmod(key, H + 1)
+    return (np.bincount(enter, minlength=H + 1) - np.bincount(leave, minlength=H + 1))[:H]
 
 
 def degenerate_units(positive: np.ndarray | None, enter: np.ndarray, leave: np.ndarray, H: int) -> np.ndarray:
@@ -119,14 +171,36 @@ def stable_order(keys: np.ndarray, bound: int) -> np.ndarray:
     return np.argsort(keys, kind="stable")
 
 
-@dataclass(frozen=True)
 class Pairs:
-    """Distinct (entered, left) unit pairs, sorted by (enter, leave), with log P_k > -inf."""
+    """Distinct (entered, left) unit pairs, sorted by (enter, leave), with masses P_k > 0.
 
-    log_mass: np.ndarray
-    enter: np.ndarray
-    leave: np.ndarray
-    num_units: int
+    ``log_mass`` = log P_k. ``mass``, when not None, is P_k / max P in the
+    linear domain (every P_k within 1e-282 of the max) and ``log_top`` = log
+    max P; ``log_mass`` is then derived from them on first use.
+    """
+
+    def __init__(self, log_mass, enter: np.ndarray, leave: np.ndarray, num_units: int,
+                 mass: np.ndarray | None = None, log_top: float | None = None):
+        if log_mass is None and (mass is None or log_top is None):
+            raise ValueError("Pairs needs log_mass, or mass with log_top")
+        self._log_mass = log_mass
+        self.enter, self.leave, self.num_units, self.mass = enter, leave, num_units, mass
+        if log_top is None:
+            log_top = float(log_mass.max(initial=-math.inf))
+        self.log_top = log_top
+
+    @property
+    def size(self) -> int:
+        return int(self.enter.size)
+
+    @property
+    def log_mass(self) -> np.ndarray:
+        if self._log_mass is None:
+            self._log_mass = np.log(self.mass) + self.log_top
+        return self._log_mass
+
+    def __repr__(self) -> str:
+        return f"Pairs({self.size} pairs over {self.num_units} units)"
 
     def degenerate(self) -> np.ndarray:
         """Units missing from the entered side or from the left side of every pair."""
@@ -148,21 +222,29 @@ class Pairs:
         return Pairs(segment_logsumexp(self.log_mass[order], starts), keys // (H + 1), keys % (H + 1), H)
 
 
+# masses within this factor of the largest are summed in the linear domain
+_LINEAR_RANGE = 1e-282
+
+
 def group_pairs(m: np.ndarray, key: np.ndarray, H: int) -> Pairs:
     """Group the rows with mass m_i > 0 by unit pair (``key`` from `row_keys`).
 
     Sums are linear (one bincount) when the masses span less than ~650 nats,
     and grouped log-sum-exps otherwise, so no mass is lost to underflow.
     """
-    pos = m > 0
-    if not pos.all():
+    low = m.min(initial=math.inf)
+    if not low > 0:
+        pos = m > 0
         m, key = m[pos], key[pos]
+        low = m.min(initial=math.inf)
     if m.size == 0:
         empty = np.zeros(0, dtype=np.int64)
         return Pairs(np.zeros(0), empty, empty, H)
-    top = m.max()
-    if m.min() > top * 1e-282:
-        w = m / top
+    top = float(m.max())
+    if low > top * _LINEAR_RANGE:
+        # sum m as is when neither the total can overflow nor a summand is subnormal
+        scale = 1.0 if top * m.size < 1e300 and low > 1e-290 else top
+        w = m if scale == 1.0 else m / scale
         if (H + 1) ** 2 <= max(4 * m.size, 1 << 22):
             sums = np.bincount(key, weights=w, minlength=(H + 1) ** 2)
             keys = np.flatnonzero(sums != 0)
@@ -170,41 +252,62 @@ def group_pairs(m: np.ndarray, key: np.ndarray, H: int) -> Pairs:
         else:
             keys, inverse = np.unique(key, return_inverse=True)
             total = np.bincount(inverse, weights=w)
-        log_mass = np.log(total) + math.log(top)
+        big = float(total.max())
+        pairs = (None, total / big, math.log(big) + math.log(scale))
     else:
         order = np.argsort(key, kind="stable")
         sk = key[order]
         starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
         keys = sk[starts]
-        log_mass = segment_logsumexp(np.log(m[order]), starts)
-    enter, leave = np.divmod(keys, H + 1)
-    return Pairs(log_mass, enter, leave, H)
+        pairs = (segment_logsumexp(np.log(m[order]), starts), None, None)
+    # keys are sorted: the entered unit of each from where its row of the (H + 1)² key grid begins
+    bounds = np.searchsorted(keys, np.arange(H + 2) * (H + 1))
+    enter = np.repeat(np.arange(H + 1), np.diff(bounds))
+    leave = keys - enter * (H + 1)
+    return Pairs(pairs[0], enter, leave, H, *pairs[1:])
 
 
-def greedy_coloring(pairs: Pairs, active: np.ndarray) -> np.ndarray:
+def greedy_coloring(pairs: Pairs, active: np.ndarray, by_leave: np.ndarray | None = None) -> np.ndarray:
     """Colour per unit (-1 for inactive ones) such that no pair joins two active units of one colour.
 
-    Greedy in unit order (smallest colour unused by the lower-numbered
-    neighbours): layered networks, whose units are numbered layer by layer,
-    get two colours.
+    Greedy in unit order: each unit takes the smallest colour unused by its
+    lower-numbered neighbours (layered networks, numbered layer by layer, get
+    two colours). Computed run by run: a run of consecutive units none of which
+    neighbours another unit of the run has all its lower neighbours coloured
+    before it, so the whole run is coloured at once. ``by_leave`` (optional)
+    orders the pairs by left unit, saving a sort.
     """
     H = pairs.num_units
-    e, l = pairs.enter, pairs.leave
-    keep = (e < H) & (l < H)
-    e, l = e[keep], l[keep]
-    keep = active[e] & active[l] & (e != l)
-    hi, lo = np.maximum(e, l)[keep], np.minimum(e, l)[keep]
-    order = stable_order(hi, H)
-    lo = lo[order]
-    bounds = np.searchsorted(hi[order], np.arange(H + 1))
+    if by_leave is None:
+        by_leave = stable_order(pairs.leave, H)
+    active_pad, every = np.append(active, False), bool(active.all())
+    # each edge once, grouped by its higher end: from the enter-sorted pairs where enter > leave,
+    # from the leave-sorted pairs where leave > enter ("no unit" = H is never the lower end)
+    sides = []
+    for hi, lo in ((pairs.enter, pairs.leave), (pairs.leave[by_leave], pairs.enter[by_leave])):
+        keep = (hi > lo) & (hi < H) if every else (hi > lo) & active_pad[hi] & active_pad[lo]
+        hi, lo = hi[keep], lo[keep]
+        sides.append((hi, lo, np.searchsorted(hi, np.arange(H + 1))))
+    max_low = np.full(H, -1, dtype=np.int64)
+    for hi, lo, bounds in sides:
+        has = np.flatnonzero(bounds[1:] > bounds[:-1])
+        if has.size:
+            max_low[has] = np.maximum(max_low[has], np.maximum.reduceat(lo, bounds[has]))
+    run_starts, start = [], 0
+    for u, low in enumerate(max_low.tolist()):
+        if low >= start:
+            run_starts.append(start)
+            start = u
+    run_starts.append(start)
     colour = np.full(H, -1, dtype=np.int64)
-    for u in np.flatnonzero(active):
-        below = colour[lo[bounds[u]:bounds[u + 1]]]
-        if below.size == 0:
-            colour[u] = 0
-            continue
-        free = np.flatnonzero(np.bincount(below) == 0)
-        colour[u] = int(free[0]) if free.size else int(below.max()) + 1
+    for a, b in zip(run_starts, run_starts[1:] + [H]):
+        width = int(colour.max(initial=-1)) + 2
+        used = np.zeros((b - a) * width, dtype=bool)
+        for hi, lo, bounds in sides:
+            k = slice(bounds[a], bounds[b])
+            used[(hi[k] - a) * width + colour[lo[k]]] = True
+        colour[a:b] = np.argmin(used.reshape(b - a, width), axis=1)  # the first colour no lower neighbour has
+    colour[~active] = -1
     return colour
 
 
@@ -219,7 +322,7 @@ class SideSums:
 
     rows: np.ndarray
     matrix: sp.csr_array
-    log_data: np.ndarray
+    log_data: np.ndarray | None  # log P_k in matrix order; None: log(data) + row_top is exact
     row_top: np.ndarray
     starts: np.ndarray
 
@@ -229,28 +332,71 @@ class SideSums:
             out = self.row_top + shift + np.log(self.matrix @ np.exp(f - shift))
         bad = ~(out - self.row_top - shift > math.log(_TINY))
         if bad.any():
-            exact = segment_logsumexp(self.log_data + f[self.matrix.indices], self.starts)
+            log_data = self.log_data
+            if log_data is None:
+                log_data = np.log(self.matrix.data) + np.repeat(self.row_top, np.diff(self.matrix.indptr))
+            exact = segment_logsumexp(log_data + f[self.matrix.indices], self.starts)
             out[bad] = exact[bad]
         return out
 
 
-def side_sums(row: np.ndarray, col: np.ndarray, log_mass: np.ndarray, num_cols: int) -> SideSums:
-    """The SideSums of pairs given with ``row`` non-decreasing; ``rows`` lists the distinct row ids."""
+def side_sums(row: np.ndarray, col: np.ndarray, log_mass: np.ndarray | None, num_cols: int,
+              mass: np.ndarray | None = None, log_top: float = 0.0) -> SideSums:
+    """The SideSums of pairs given with ``row`` non-decreasing; ``rows`` lists the distinct row ids.
+
+    P_k is given as ``log_mass``, or as linear ``mass`` = P_k e^{-log_top} with every
+    entry above 1e-282 of the largest (`Pairs.mass`), which skips the exponentials.
+    """
     if row.size == 0:
         empty = np.zeros(0, dtype=np.int64)
         return SideSums(empty, sp.csr_array((0, num_cols)), np.zeros(0), np.zeros(0), empty)
     starts = np.flatnonzero(np.r_[True, row[1:] != row[:-1]])
-    row_top = np.maximum.reduceat(log_mass, starts)
     lengths = np.diff(np.append(starts, row.size))
-    data = np.exp(log_mass - np.repeat(row_top, lengths))
+    if mass is not None:
+        row_max = np.maximum.reduceat(mass, starts)
+        data = mass / np.repeat(row_max, lengths)
+        row_top = np.log(row_max) + log_top
+    else:
+        row_top = np.maximum.reduceat(log_mass, starts)
+        data = np.exp(log_mass - np.repeat(row_top, lengths))
     indptr = np.append(starts, row.size)
     matrix = sp.csr_array((data, col, indptr), shape=(starts.size, num_cols))
-    return SideSums(row[starts], matrix, log_mass, row_top, starts)
+    return SideSums(row[starts], matrix, None if mass is not None else log_mass, row_top, starts)
+
+
+def _in_order(pairs: Pairs, order) -> tuple:
+    """(leave, enter, log_mass or None, mass or None) of the pairs in ``order`` (a slice, index or mask);
+    the log masses only where the linear ones are missing."""
+    linear = pairs.mass is not None
+    return (pairs.leave[order], pairs.enter[order], None if linear else pairs.log_mass[order],
+            pairs.mass[order] if linear else None)
 
 
 def all_pairs(pairs: Pairs, by_leave: np.ndarray) -> SideSums:
     """Every pair as one SideSums (rows = left unit, cols = entered unit), for `log_pair_total`."""
-    return side_sums(pairs.leave[by_leave], pairs.enter[by_leave], pairs.log_mass[by_leave], pairs.num_units + 1)
+    leave, enter, log_mass, mass = _in_order(pairs, by_leave)
+    return side_sums(leave, enter, log_mass, pairs.num_units + 1, mass, pairs.log_top)
+
+
+def pair_terms(pairs: Pairs, z_padded: np.ndarray) -> tuple[float, np.ndarray]:
+    """``(c, t)`` with P_k e^{z_leave - z_enter} = t_k e^c for every pair, max t = 1.
+
+    Linear (exponentials of the H + 1 log-scales only) when ``pairs.mass`` is
+    set and the spread of z cannot push a term below the float64 range;
+    exponentials of every log-term otherwise.
+    """
+    if pairs.size == 0:
+        return -math.inf, np.zeros(0)
+    if pairs.mass is not None:
+        high, low = float(z_padded.max()), float(z_padded.min())
+        if 2.0 * (high - low) < math.log(float(pairs.mass.min())) + 690.0:
+            # P e^{z_l - z_e} = P_top mass e^{z_l - high} e^{low - z_e} e^{high - low}, each factor in (1e-300, 1]
+            t = pairs.mass * np.exp(z_padded - high)[pairs.leave] * np.exp(low - z_padded)[pairs.enter]
+            top = float(t.max())
+            return pairs.log_top + (high - low) + math.log(top), t / top
+    v = pairs.log_mass + z_padded[pairs.leave] - z_padded[pairs.enter]
+    top = float(v.max())
+    return top, np.exp(v - top)
 
 
 def log_pair_total(sums: SideSums, z_padded: np.ndarray) -> float:
@@ -292,16 +438,20 @@ def blocks_of(pairs: Pairs, colour: np.ndarray, by_leave: np.ndarray) -> list[Bl
         units = np.flatnonzero(colour == c)
         local[units] = np.arange(units.size)
     e_col = colour_pad[pairs.enter]
-    leave_s, enter_s, log_s = pairs.leave[by_leave], pairs.enter[by_leave], pairs.log_mass[by_leave]
+    leave_s, enter_s, log_s, mass_s = _in_order(pairs, by_leave)
     l_col_s, e_col_s = colour_pad[leave_s], e_col[by_leave]
+    top = pairs.log_top
     blocks = []
     for c in range(num):
         units = np.flatnonzero(colour == c)
         out_k, in_k = l_col_s == c, e_col == c
         rest_k = ~out_k & (e_col_s != c)
-        outgoing = side_sums(local[leave_s[out_k]], enter_s[out_k], log_s[out_k], H + 1)
-        incoming = side_sums(local[pairs.enter[in_k]], pairs.leave[in_k], pairs.log_mass[in_k], H + 1)
-        rest = side_sums(leave_s[rest_k], enter_s[rest_k], log_s[rest_k], H + 1)
+        part = (lambda a, k: None if a is None else a[k])
+        outgoing = side_sums(local[leave_s[out_k]], enter_s[out_k], part(log_s, out_k), H + 1,
+                             part(mass_s, out_k), top)
+        leave_in, enter_in, log_in, mass_in = _in_order(pairs, in_k)
+        incoming = side_sums(local[enter_in], leave_in, log_in, H + 1, mass_in, top)
+        rest = side_sums(leave_s[rest_k], enter_s[rest_k], part(log_s, rest_k), H + 1, part(mass_s, rest_k), top)
         for side in (outgoing, incoming):
             if side.rows.size != units.size:
                 raise ValueError(f"colour {c}: a unit has no mass on one side (it should have been found degenerate)")

@@ -11,7 +11,7 @@ from pathir.execute import forward
 from pathir.ir import ChannelMap, Conv, Dense, GraphBuilder, Identity, Pool, Reshape, Scale
 from pathir.neurons import expand
 from pathir.passes.find_units import find_units
-from pathir.passes.incidence import ParamLayout, incidence
+from pathir.passes.incidence import ParamLayout, incidence, row_keys
 from pathir.rescale import apply_log_scales, check_log_scales, log_scales, rescale_graph
 from pathir.testing import mlps, random_inputs, relu_dags, rescalings
 
@@ -122,6 +122,19 @@ def test_b_rows_follow_the_neuron_level_definition(graph):
             put(layout.slice(d["bias"][0]).start + d["bias"][1], row)
     for i, row in expected.items():
         assert (dense[i] == row).all(), (layout.locate(i), dense[i], row)
+
+
+@given(relu_dags())
+def test_row_keys_from_the_units_are_those_of_b(graph):
+    """The solvers' row keys, read straight from the units' ends, equal those read back from B."""
+    from pathir.unit_pairs import key_balance, row_keys as keys_of_b, column_balance
+
+    _, units = find_units(graph)
+    B, _ = incidence(graph, units)
+    rows = row_keys(units)
+    expected, H = keys_of_b(B)
+    assert rows.key.dtype == np.int64 and np.array_equal(rows.key, expected)
+    assert np.array_equal(rows.balance, column_balance(B)) and np.array_equal(key_balance(expected, H), rows.balance)
 
 
 def test_bias_rows_enter_and_weight_rows_cross():

@@ -17,7 +17,9 @@ from scipy.optimize import minimize_scalar
 from scipy.special import logsumexp
 
 from pathir.pathcond_solvers import gradient, objective, solve, solve_block, solve_coordinate
-from pathir.unit_pairs import Pairs, group_pairs, row_keys, row_units, side_sums
+from pathir.unit_pairs import (
+    Pairs, RowKeys, column_balance, greedy_coloring, group_pairs, key_balance, keys_for, row_keys, row_units, side_sums,
+)
 
 # ---------------------------------------------------------------- networks
 
@@ -325,6 +327,91 @@ def test_unit_pairs_regroup_the_rows_exactly(structure, seed):
     for row, value in zip(sums.rows, sums(-zp)):
         k = pairs.leave == row
         assert value == pytest.approx(logsumexp(pairs.log_mass[k] - zp[pairs.enter[k]]), rel=1e-12, abs=1e-9)
+
+
+@given(structures(), st.integers(0, 2**32 - 1), st.sampled_from([0.0, 3.0, 500.0]))
+@settings(max_examples=30)
+def test_linear_and_log_grouping_agree(structure, seed, spread):
+    """Masses within ~650 nats are grouped linearly (``mass`` kept), wider ones in log-space; both
+    give the same pair masses, side sums and column balance."""
+    rows, H = structure
+    B = incidence(rows, H)
+    key, _ = row_keys(B)
+    rng = np.random.default_rng(seed)
+    m = np.exp(rng.uniform(-spread, spread, len(rows))) * (rng.random(len(rows)) < 0.8)
+    pairs = group_pairs(m, key, H)
+    positive = m[m > 0]
+    if positive.size:
+        assert (pairs.mass is not None) == (positive.min() > positive.max() * 1e-282)
+    via_sort = Pairs(*_log_grouped(m, key, H), H)
+    assert np.array_equal(pairs.enter, via_sort.enter) and np.array_equal(pairs.leave, via_sort.leave)
+    np.testing.assert_allclose(pairs.log_mass, via_sort.log_mass, rtol=1e-13, atol=1e-12)
+    if pairs.mass is not None:
+        np.testing.assert_allclose(np.log(pairs.mass) + pairs.log_top, pairs.log_mass, rtol=1e-13, atol=1e-12)
+        by_leave = np.argsort(pairs.leave, kind="stable")
+        zp = np.append(rng.normal(scale=3.0, size=H), 0.0)
+        args = (pairs.leave[by_leave], pairs.enter[by_leave])
+        linear = side_sums(*args, None, H + 1, pairs.mass[by_leave], pairs.log_top)
+        logged = side_sums(*args, pairs.log_mass[by_leave], H + 1)
+        np.testing.assert_allclose(linear(-zp), logged(-zp), rtol=1e-12, atol=1e-12)
+    assert np.array_equal(key_balance(key, H), column_balance(B))
+
+
+def _log_grouped(m, key, H):
+    """(log P_k, enter_k, leave_k) by the definition: sort the rows with m > 0 by key, log-sum-exp each run."""
+    keep = m > 0
+    m, key = m[keep], key[keep]
+    keys = np.unique(key)
+    log_mass = np.array([logsumexp(np.log(m[key == k])) for k in keys])
+    return log_mass, keys // (H + 1), keys % (H + 1)
+
+
+def _sequential_greedy(pairs, active):
+    """The definition: units in index order, each the smallest colour unused by its lower active neighbours."""
+    H = pairs.num_units
+    lower = [set() for _ in range(H)]
+    for e, l in zip(pairs.enter.tolist(), pairs.leave.tolist()):
+        if e < H and l < H and e != l and active[e] and active[l]:
+            lower[max(e, l)].add(min(e, l))
+    colour = np.full(H, -1)
+    for u in np.flatnonzero(active):
+        used = {colour[v] for v in lower[u]}
+        colour[u] = min(set(range(len(used) + 1)) - used)
+    return colour
+
+
+@given(st.integers(1, 40), st.integers(0, 200), st.integers(0, 2**32 - 1))
+@settings(max_examples=150)
+def test_greedy_colouring_by_runs_is_the_sequential_greedy(H, num_pairs, seed):
+    rng = np.random.default_rng(seed)
+    keys = np.unique(rng.integers(0, (H + 1) ** 2, num_pairs))
+    pairs = Pairs(np.zeros(keys.size), keys // (H + 1), keys % (H + 1), H)
+    active = rng.random(H) < 0.85
+    colour = greedy_coloring(pairs, active)
+    assert np.array_equal(colour, _sequential_greedy(pairs, active))
+    ends = (pairs.enter < H) & (pairs.leave < H) & (pairs.enter != pairs.leave)
+    e, l = pairs.enter[ends], pairs.leave[ends]
+    both = active[e] & active[l]
+    assert (colour[e[both]] != colour[l[both]]).all()
+
+
+def test_row_keys_given_by_the_caller_are_checked_and_used():
+    rows, H = resnet_rows(3, 2, 2, 2, 2)
+    B = incidence(rows, H)
+    key, _ = row_keys(B)
+    g = np.exp(np.random.default_rng(5).uniform(-2, 2, len(rows)))
+    for method in ("block", "coordinate"):
+        plain = solve(g, B, method=method, tol=1e-13)
+        for given in (key, RowKeys(key, column_balance(B))):
+            np.testing.assert_array_equal(plain.z, solve(g, B, method=method, tol=1e-13, row_key=given).z)
+    with pytest.raises(ValueError, match="RowKeys for 3 units"):
+        keys_for(B, RowKeys(key, np.zeros(3)))
+    with pytest.raises(ValueError, match="integer vector of length"):
+        keys_for(B, key[:-1])
+    with pytest.raises(ValueError, match="must lie in"):
+        keys_for(B, key + (H + 1) ** 2)
+    with pytest.raises(ValueError, match="does not describe the rows of B"):
+        keys_for(B, key[::-1].copy())
 
 
 def test_frozen_pairs_merge():

@@ -1,0 +1,49 @@
+"""The benchmark scripts still run (tiny sizes; the figures they print are not checked here)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import numpy as np  # noqa: E402
+
+from pathir.pathcond_solvers import solve  # noqa: E402
+from pathir.unit_pairs import column_balance, row_keys  # noqa: E402
+
+
+def test_solver_benchmark_mlp_is_the_closed_form_of_a_real_mlp():
+    import bench_pathcond_solvers as bench
+
+    g, B, rows = bench.mlp([6, 5, 4, 3], seed=1)
+    key, H = row_keys(B)
+    assert np.array_equal(rows.key, key) and np.array_equal(rows.balance, column_balance(B))
+    assert H == 9 and B.shape[0] == 6 * 5 + 5 + 5 * 4 + 4 + 4 * 3 + 3
+    assert np.all(g > 0)
+    # the closed-form diag G of the benchmark equals pathir's diag G of the same weights
+    import torch
+
+    import pathir
+    from pathir.diag_g import diag_g_flat
+
+    rng = np.random.default_rng(1)
+    layers, widths = [], [6, 5, 4, 3]
+    for d_in, d_out in zip(widths[:-1], widths[1:]):
+        bound = 1 / np.sqrt(d_in)
+        lin = torch.nn.Linear(d_in, d_out).double()
+        with torch.no_grad():
+            lin.weight.copy_(torch.from_numpy(rng.uniform(-bound, bound, (d_out, d_in))))
+            lin.bias.copy_(torch.from_numpy(rng.uniform(-bound, bound, d_out)))
+        layers += [lin, torch.nn.ReLU()]
+    cm = pathir.compile(torch.nn.Sequential(*layers[:-1]), input_shape=(6,))
+    g_ref, log_top = diag_g_flat(cm.graph)
+    np.testing.assert_allclose(g, g_ref * np.exp(log_top), rtol=1e-12)
+    assert np.array_equal(cm.row_keys().key, rows.key)
+    assert solve(g, B, row_key=rows).converged
+
+
+def test_solver_benchmark_runs(capsys):
+    import bench_pathcond_solvers as bench
+
+    speedups = bench.main(["--widths", "12", "8", "8", "3", "--repeat", "1"])
+    assert len(speedups) == 2 and all(s > 0 for s in speedups)
+    assert "speedup" in capsys.readouterr().out
