@@ -25,7 +25,7 @@ import numpy as np
 
 from .pathcond_objective import _as_g, _log, _logsumexp
 from .unit_pairs import (
-    all_pairs, blocks_of, canonical, greedy_coloring, group_pairs, keys_for, log_pair_total, pad, stable_order,
+    all_pairs, blocks_of, canonical, greedy_coloring, group_pairs, keys_for, log_pair_total, pad,
 )
 
 __all__ = ["ENormResult", "enorm_objective", "unit_balance", "solve_enorm", "solve_enorm_block",
@@ -152,9 +152,8 @@ def solve_enorm_block(w, B, c=None, *, max_sweeps: int = 1000, tol: float = 1e-1
     pairs = pairs.freeze(degenerate)
     live = np.ones(H, dtype=bool)
     live[degenerate] = False
-    by_leave = stable_order(pairs.leave, H)
-    blocks = blocks_of(pairs, greedy_coloring(pairs, live, by_leave), by_leave)
-    everything = all_pairs(pairs, by_leave)
+    blocks = blocks_of(pairs, greedy_coloring(pairs, live))
+    everything = all_pairs(pairs)
     z = np.zeros(H)
     # E(z) = Σ_k P_k e^{z_enter - z_leave}: the PathCond pair sum at -z
     history = [log_pair_total(everything, pad(-z))]

@@ -42,7 +42,6 @@ import numpy as np
 from .pathcond_objective import PathCondResult, _as_g, finish, log_positive_root
 from .unit_pairs import (
     all_pairs, blocks_of, greedy_coloring, group_pairs, keys_for, log_pair_total, pad, pair_terms,
-    stable_order,
 )
 
 __all__ = ["solve_block"]
@@ -94,8 +93,8 @@ def _pair_state(pairs, A: np.ndarray, z: np.ndarray, n: int):
     """(F(0), F(z), ∇F(z), its scale n|B|ᵀp + |A|) from the unit pairs."""
     f1, grad, out_mass, in_mass = _pair_value(pairs, A, z, n)
     f0 = -math.inf
-    if pairs.size:
-        top, e = pair_terms(pairs, np.zeros(z.size + 1))
+    if pairs.size:  # at z = 0 the terms are the masses
+        top, e = (pairs.log_top, pairs.mass) if pairs.mass is not None else pair_terms(pairs, np.zeros(z.size + 1))
         f0 = n * (top + math.log(float(e.sum())))
     return f0, f1, grad, n * (out_mass + in_mass) + np.abs(A)
 
@@ -178,9 +177,8 @@ def solve_block(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, anderson: i
     pairs = pairs.freeze(degenerate)
     live = np.ones(H, dtype=bool)
     live[degenerate] = False
-    by_leave = stable_order(pairs.leave, H)
-    colour = greedy_coloring(pairs, live, by_leave)
-    blocks = blocks_of(pairs, colour, by_leave)
+    colour = greedy_coloring(pairs, live)
+    blocks = blocks_of(pairs, colour)
     abs_a = [np.abs(A[b.units]) / n for b in blocks]
 
     def sums(blk, z):
@@ -190,7 +188,7 @@ def solve_block(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, anderson: i
     def log_total(z, first):
         """log S at z, from the first block's sums ``first`` = (log B_h, log C_h, log D) at z."""
         if not blocks:
-            return log_pair_total(all_pairs(pairs, by_leave), pad(z))
+            return log_pair_total(all_pairs(pairs), pad(z))
         log_b, log_c, log_d = first
         zu = z[blocks[0].units]
         terms = np.concatenate((log_b + zu, log_c - zu, [log_d]))

@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import scipy.sparse as sp
 
 __all__ = [
     "canonical", "row_keys", "RowKeys", "keys_for", "row_units", "column_balance", "key_balance", "degenerate_units", "pad", "Pairs", "group_pairs",
-    "greedy_coloring", "segment_logsumexp", "stable_order", "SideSums", "side_sums", "all_pairs",
-    "log_pair_total", "pair_terms", "Block", "blocks_of",
+    "greedy_coloring", "segment_logsumexp", "SideSums", "side_sums", "all_pairs",
+    "log_pair_total", "pair_terms", "Block", "blocks_of", "LeaveOrder",
 ]
 
 # A linear-domain sum below this (relative to its static bound 1) may have lost
@@ -164,13 +165,6 @@ def segment_logsumexp(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
         return top + np.log(np.add.reduceat(np.exp(values - np.repeat(top, lengths)), starts))
 
 
-def stable_order(keys: np.ndarray, bound: int) -> np.ndarray:
-    """``argsort(keys, kind="stable")`` for integer keys in [0, bound]; radix sort when they fit 16 bits."""
-    if bound < 1 << 15:
-        keys = keys.astype(np.int16)
-    return np.argsort(keys, kind="stable")
-
-
 class Pairs:
     """Distinct (entered, left) unit pairs, sorted by (enter, leave), with masses P_k > 0.
 
@@ -199,6 +193,16 @@ class Pairs:
             self._log_mass = np.log(self.mass) + self.log_top
         return self._log_mass
 
+    @cached_property
+    def by_leave(self) -> "LeaveOrder":
+        """The pairs sorted by (leave, enter), by a counting sort."""
+        H = self.num_units
+        indptr = np.searchsorted(self.enter, np.arange(H + 2))
+        # CSR -> CSC moves every entry to its column in row order: a stable counting sort by leave
+        by_column = sp.csr_array((np.arange(self.size), self.leave, indptr), shape=(H + 1, H + 1)).tocsc()
+        leave = np.repeat(np.arange(H + 1), np.diff(by_column.indptr))
+        return LeaveOrder(by_column.data, leave, by_column.indices.astype(np.int64))
+
     def __repr__(self) -> str:
         return f"Pairs({self.size} pairs over {self.num_units} units)"
 
@@ -220,6 +224,16 @@ class Pairs:
         starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
         keys = sk[starts]
         return Pairs(segment_logsumexp(self.log_mass[order], starts), keys // (H + 1), keys % (H + 1), H)
+
+
+@dataclass(frozen=True)
+class LeaveOrder:
+    """Pairs in (leave, enter) order: ``order`` indexes the (enter, leave)-sorted pairs; ``leave``
+    and ``enter`` are their ends in that order."""
+
+    order: np.ndarray
+    leave: np.ndarray
+    enter: np.ndarray
 
 
 # masses within this factor of the largest are summed in the linear domain
@@ -267,24 +281,21 @@ def group_pairs(m: np.ndarray, key: np.ndarray, H: int) -> Pairs:
     return Pairs(pairs[0], enter, leave, H, *pairs[1:])
 
 
-def greedy_coloring(pairs: Pairs, active: np.ndarray, by_leave: np.ndarray | None = None) -> np.ndarray:
+def greedy_coloring(pairs: Pairs, active: np.ndarray) -> np.ndarray:
     """Colour per unit (-1 for inactive ones) such that no pair joins two active units of one colour.
 
     Greedy in unit order: each unit takes the smallest colour unused by its
     lower-numbered neighbours (layered networks, numbered layer by layer, get
     two colours). Computed run by run: a run of consecutive units none of which
     neighbours another unit of the run has all its lower neighbours coloured
-    before it, so the whole run is coloured at once. ``by_leave`` (optional)
-    orders the pairs by left unit, saving a sort.
+    before it, so the whole run is coloured at once.
     """
     H = pairs.num_units
-    if by_leave is None:
-        by_leave = stable_order(pairs.leave, H)
     active_pad, every = np.append(active, False), bool(active.all())
     # each edge once, grouped by its higher end: from the enter-sorted pairs where enter > leave,
     # from the leave-sorted pairs where leave > enter ("no unit" = H is never the lower end)
     sides = []
-    for hi, lo in ((pairs.enter, pairs.leave), (pairs.leave[by_leave], pairs.enter[by_leave])):
+    for hi, lo in ((pairs.enter, pairs.leave), (pairs.by_leave.leave, pairs.by_leave.enter)):
         keep = (hi > lo) & (hi < H) if every else (hi > lo) & active_pad[hi] & active_pad[lo]
         hi, lo = hi[keep], lo[keep]
         sides.append((hi, lo, np.searchsorted(hi, np.arange(H + 1))))
@@ -364,18 +375,19 @@ def side_sums(row: np.ndarray, col: np.ndarray, log_mass: np.ndarray | None, num
     return SideSums(row[starts], matrix, None if mass is not None else log_mass, row_top, starts)
 
 
-def _in_order(pairs: Pairs, order) -> tuple:
-    """(leave, enter, log_mass or None, mass or None) of the pairs in ``order`` (a slice, index or mask);
-    the log masses only where the linear ones are missing."""
-    linear = pairs.mass is not None
-    return (pairs.leave[order], pairs.enter[order], None if linear else pairs.log_mass[order],
-            pairs.mass[order] if linear else None)
+def _masses(pairs: Pairs, order) -> tuple:
+    """(log_mass or None, mass or None) of the pairs in ``order`` (a slice, index or mask): the log
+    masses only where the linear ones are missing."""
+    if pairs.mass is not None:
+        return None, pairs.mass[order]
+    return pairs.log_mass[order], None
 
 
-def all_pairs(pairs: Pairs, by_leave: np.ndarray) -> SideSums:
+def all_pairs(pairs: Pairs) -> SideSums:
     """Every pair as one SideSums (rows = left unit, cols = entered unit), for `log_pair_total`."""
-    leave, enter, log_mass, mass = _in_order(pairs, by_leave)
-    return side_sums(leave, enter, log_mass, pairs.num_units + 1, mass, pairs.log_top)
+    by_leave = pairs.by_leave
+    log_mass, mass = _masses(pairs, by_leave.order)
+    return side_sums(by_leave.leave, by_leave.enter, log_mass, pairs.num_units + 1, mass, pairs.log_top)
 
 
 def pair_terms(pairs: Pairs, z_padded: np.ndarray) -> tuple[float, np.ndarray]:
@@ -427,8 +439,8 @@ class Block:
         return log_pair_total(self.rest, z_padded)
 
 
-def blocks_of(pairs: Pairs, colour: np.ndarray, by_leave: np.ndarray) -> list[Block]:
-    """The Blocks of a colouring (``colour[h] = -1``: unit not updated); ``by_leave`` orders the pairs by left unit."""
+def blocks_of(pairs: Pairs, colour: np.ndarray) -> list[Block]:
+    """The Blocks of a colouring (``colour[h] = -1``: unit not updated)."""
     H = pairs.num_units
     num = int(colour.max(initial=-1)) + 1
     colour_pad = np.append(colour, -1)
@@ -438,8 +450,10 @@ def blocks_of(pairs: Pairs, colour: np.ndarray, by_leave: np.ndarray) -> list[Bl
         units = np.flatnonzero(colour == c)
         local[units] = np.arange(units.size)
     e_col = colour_pad[pairs.enter]
-    leave_s, enter_s, log_s, mass_s = _in_order(pairs, by_leave)
-    l_col_s, e_col_s = colour_pad[leave_s], e_col[by_leave]
+    by_leave = pairs.by_leave
+    leave_s, enter_s = by_leave.leave, by_leave.enter
+    log_s, mass_s = _masses(pairs, by_leave.order)
+    l_col_s, e_col_s = colour_pad[leave_s], colour_pad[enter_s]
     top = pairs.log_top
     blocks = []
     for c in range(num):
@@ -449,8 +463,8 @@ def blocks_of(pairs: Pairs, colour: np.ndarray, by_leave: np.ndarray) -> list[Bl
         part = (lambda a, k: None if a is None else a[k])
         outgoing = side_sums(local[leave_s[out_k]], enter_s[out_k], part(log_s, out_k), H + 1,
                              part(mass_s, out_k), top)
-        leave_in, enter_in, log_in, mass_in = _in_order(pairs, in_k)
-        incoming = side_sums(local[enter_in], leave_in, log_in, H + 1, mass_in, top)
+        log_in, mass_in = _masses(pairs, in_k)
+        incoming = side_sums(local[pairs.enter[in_k]], pairs.leave[in_k], log_in, H + 1, mass_in, top)
         rest = side_sums(leave_s[rest_k], enter_s[rest_k], part(log_s, rest_k), H + 1, part(mass_s, rest_k), top)
         for side in (outgoing, incoming):
             if side.rows.size != units.size:

@@ -323,6 +323,9 @@ def test_unit_pairs_regroup_the_rows_exactly(structure, seed):
     via_pairs = logsumexp(pairs.log_mass + zp[pairs.leave] - zp[pairs.enter]) if pairs.log_mass.size else -np.inf
     assert via_pairs == pytest.approx(direct, rel=1e-12, abs=1e-9)
     order = np.argsort(pairs.leave, kind="stable")
+    assert np.array_equal(pairs.by_leave.order, order)  # the counting sort is the stable sort
+    assert np.array_equal(pairs.by_leave.leave, pairs.leave[order])
+    assert np.array_equal(pairs.by_leave.enter, pairs.enter[order])
     sums = side_sums(pairs.leave[order], pairs.enter[order], pairs.log_mass[order], H + 1)
     for row, value in zip(sums.rows, sums(-zp)):
         k = pairs.leave == row
