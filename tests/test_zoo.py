@@ -58,3 +58,59 @@ def test_resnet50_compiles_fast_enough_to_be_interactive():
     # not a timing assertion: the structure that makes compile cheap (no per-neuron work)
     cm = pathir.compile(zoo.build("resnet50"), input_shape=(3, 224, 224))
     assert len(cm.graph) < 100
+
+
+def _small_shape(name):
+    """Inputs just big enough for each model, so every zoo model runs here in float64."""
+    return (3, 96, 96) if name == "inception_v3" else (3, 64, 64)
+
+
+# over 60M parameters each: ~10 GB of float64 copies at the peak of write-back, so one at a time
+LARGEST = {"alexnet", "vgg11", "vgg11_bn", "vgg13", "vgg13_bn", "vgg16", "vgg16_bn", "vgg19", "vgg19_bn",
+           "wide_resnet50_2", "wide_resnet101_2", "resnext101_32x8d", "resnext101_64x4d"}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in HEAVY else n for n in zoo.SUPPORTED if n not in LARGEST]
+)
+def test_zoo_model_keeps_its_output_under_random_rescaling(name):
+    _check_random_rescaling(name)
+
+
+@pytest.mark.slow
+def test_largest_zoo_models_keep_their_output_under_random_rescaling():
+    for name in sorted(LARGEST & set(zoo.SUPPORTED)):
+        _check_random_rescaling(name)
+
+
+def _check_random_rescaling(name):
+    """θ ← θ ⊙ exp(-Bz/2) for random log-scales z, written back into the torch model itself (batch-norm
+    affines and running statistics included), leaves its float64 output unchanged; the row keys the
+    solvers read are B's (every row up to 30M parameters, a sample of rows beyond, for memory)."""
+    import numpy as np
+
+    from pathir.unit_pairs import column_balance, keys_for, row_keys
+    from pathir.write_back import commit_rescaling
+
+    model = zoo.build(name).double().eval()
+    shape = _small_shape(name)
+    cm = pathir.compile(model, input_shape=shape)
+    B, _ = cm.incidence()
+    rows = cm.row_keys()
+    if B.shape[0] <= 30_000_000:
+        assert np.array_equal(rows.key, row_keys(B)[0]) and np.array_equal(rows.balance, column_balance(B))
+    else:
+        keys_for(B, rows)  # raises unless the keys match B on a sample of rows
+    del B
+    x = torch.randn(2, *shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        before = model(x)
+    graph = cm.graph
+    z = np.random.default_rng(0).normal(scale=0.5, size=len(cm.units))
+    commit_rescaling(cm, z)
+    with torch.no_grad():
+        after = model(x)
+    moved = max(float(np.abs(q.value - p.value).max() / np.abs(p.value).max())
+                for p, q in zip(graph.params(), cm.graph.params()))
+    assert moved > 0.1, name  # the parameters really moved
+    assert float((after - before).abs().max() / before.abs().max()) <= 1e-10, name
