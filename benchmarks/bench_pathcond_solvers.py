@@ -25,7 +25,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from pathir.pathcond_solvers import solve_block, solve_coordinate
-from pathir.unit_pairs import RowKeys
+from pathir.unit_rows import RowKeys
 
 
 def mlp(widths, seed=0, scale=1.0):

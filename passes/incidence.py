@@ -170,13 +170,13 @@ def incidence(graph: Graph, units: Units):
 
 
 def row_keys(units: Units):
-    """B's rows as a ``pathir.unit_pairs.RowKeys``: per row, key_i = e(i) (H + 1) + l(i), the unit θ_i
-    enters and the one it leaves (H for none), as ``unit_pairs.row_keys(B)`` reads them from B, and
+    """B's rows as a ``pathir.unit_rows.RowKeys``: per row, key_i = e(i) (H + 1) + l(i), the unit θ_i
+    enters and the one it leaves (H for none), as ``unit_rows.row_keys(B)`` reads them from B, and
     the column balance A_h = #rows entering h - #rows leaving h, here straight from the units' ends.
 
     Example in the module docstring.
     """
-    from pathir.unit_pairs import RowKeys
+    from pathir.unit_rows import RowKeys
 
     H = len(units)
     parts, balance = [], np.zeros(H + 1, dtype=np.int64)

@@ -217,7 +217,7 @@ class Compiled:
         return cached[1]
 
     def row_keys(self):
-        """B's rows (``incidence()``) as a ``pathir.unit_pairs.RowKeys``: per row, e(i) (H + 1) + l(i),
+        """B's rows (``incidence()``) as a ``pathir.unit_rows.RowKeys``: per row, e(i) (H + 1) + l(i),
         the unit θ_i enters and the one it leaves (H for none), and A = -Bᵀ1, read from the units.
         The PathCond and ENorm solvers take it with B (``row_key=``) instead of re-deriving it from B.
         Built once per graph object."""

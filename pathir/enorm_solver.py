@@ -24,9 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .pathcond_objective import _as_g, _log, _logsumexp
-from .unit_pairs import (
-    all_pairs, blocks_of, canonical, greedy_coloring, group_pairs, keys_for, log_pair_total, pad,
-)
+from .unit_pairs import all_pairs, blocks_of, greedy_coloring, group_pairs, log_pair_total, pad
+from .unit_rows import canonical, keys_for
 
 __all__ = ["ENormResult", "enorm_objective", "unit_balance", "solve_enorm", "solve_enorm_block",
            "solve_enorm_coordinate"]
@@ -181,7 +180,7 @@ def solve_enorm(w, B, c=None, *, method: str = "block", max_sweeps: int = 1000, 
     c : (n,) non-negative costs (Stock et al. weight layers by depth); None for all ones.
     method : "block" (all units of an independent set at once) or "coordinate" (one unit at a time).
     tol : stop when a sweep moves no z_h by more than ``tol`` (a unit's step is half its log-imbalance).
-    row_key : optional row keys of B, as ``Compiled.row_keys()`` builds them (`unit_pairs.keys_for`).
+    row_key : optional row keys of B, as ``Compiled.row_keys()`` builds them (`unit_rows.keys_for`).
 
     Returns
     -------

@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from .pathcond_objective import PathCondResult, _as_g, _log, _logsumexp, finish, row_state
-from .unit_pairs import canonical, column_balance, keys_for
+from .unit_rows import canonical, column_balance, keys_for
 
 __all__ = ["solve_coordinate"]
 
@@ -112,7 +112,7 @@ def solve_coordinate(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10,
     tol : stop when a sweep changes F by at most ``tol * max(1, |F|, |A·z|)`` (A = -Bᵀ1) or moves no
         z_h by more than ``tol``.
     log_domain : keep log w rather than w; None chooses from the spread of g (and switches when needed).
-    row_key : optional row keys of B (`unit_pairs.keys_for`), sparing the full check of B.
+    row_key : optional row keys of B (`unit_rows.keys_for`), sparing the full check of B.
 
     Returns
     -------

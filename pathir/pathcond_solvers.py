@@ -42,7 +42,7 @@ def solve(g, B, *, method: str = "block", max_sweeps: int = 1000, tol: float = 1
     z_h moves by more than ``tol`` in a sweep (details in each solver);
     ``result.converged`` says whether that happened within ``max_sweeps``.
     ``row_key``: B's rows as unit keys, where the caller built B from them
-    (``Compiled.row_keys()``; see `unit_pairs.keys_for`).
+    (``Compiled.row_keys()``; see `unit_rows.keys_for`).
     """
     if method not in METHODS:
         raise ValueError(f"unknown PathCond method {method!r}; choose one of {sorted(METHODS)}")

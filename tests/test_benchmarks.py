@@ -8,7 +8,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import numpy as np  # noqa: E402
 
 from pathir.pathcond_solvers import solve  # noqa: E402
-from pathir.unit_pairs import column_balance, row_keys  # noqa: E402
+from pathir.unit_rows import column_balance, row_keys  # noqa: E402
 
 
 def test_solver_benchmark_mlp_is_the_closed_form_of_a_real_mlp():

@@ -127,7 +127,7 @@ def test_b_rows_follow_the_neuron_level_definition(graph):
 @given(relu_dags())
 def test_row_keys_from_the_units_are_those_of_b(graph):
     """The solvers' row keys, read straight from the units' ends, equal those read back from B."""
-    from pathir.unit_pairs import key_balance, row_keys as keys_of_b, column_balance
+    from pathir.unit_rows import column_balance, key_balance, row_keys as keys_of_b
 
     _, units = find_units(graph)
     B, _ = incidence(graph, units)

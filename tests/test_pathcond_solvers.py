@@ -17,9 +17,8 @@ from scipy.optimize import minimize_scalar
 from scipy.special import logsumexp
 
 from pathir.pathcond_solvers import gradient, objective, solve, solve_block, solve_coordinate
-from pathir.unit_pairs import (
-    Pairs, RowKeys, column_balance, greedy_coloring, group_pairs, key_balance, keys_for, row_keys, row_units, side_sums,
-)
+from pathir.unit_pairs import Pairs, greedy_coloring, group_pairs, side_sums
+from pathir.unit_rows import RowKeys, column_balance, key_balance, keys_for, row_keys, row_units
 
 # ---------------------------------------------------------------- networks
 

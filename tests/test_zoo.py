@@ -89,7 +89,7 @@ def _check_random_rescaling(name):
     solvers read are B's (every row up to 30M parameters, a sample of rows beyond, for memory)."""
     import numpy as np
 
-    from pathir.unit_pairs import column_balance, keys_for, row_keys
+    from pathir.unit_rows import column_balance, keys_for, row_keys
     from pathir.write_back import commit_rescaling
 
     model = zoo.build(name).double().eval()

@@ -1,0 +1,131 @@
+"""The rows of the unit incidence matrix B (MATH.md §5) as unit pairs.
+
+Row i of B holds at most one -1 (the unit parameter i enters, e(i)) and at most
+one +1 (the unit it leaves, l(i)); with H units and H standing for "none", the
+row is the key e(i) (H + 1) + l(i). The solvers read B through these keys
+(`unit_pairs` groups the rows by them) and through the column balance
+A = -Bᵀ1. `keys_for` derives both from a bare matrix, checking it, or takes
+them from whoever built B (``Compiled.row_keys()``, a `RowKeys`).
+
+>>> import numpy as np, scipy.sparse as sp
+>>> B = sp.csr_array(np.array([[-1.0, 0.0], [1.0, -1.0], [0.0, 1.0], [0.0, 0.0]]))
+>>> key, H = row_keys(B)
+>>> [divmod(int(k), H + 1) for k in key]           # (entered, left), 2 = none
+[(0, 2), (1, 0), (2, 1), (2, 2)]
+>>> column_balance(B).tolist(), key_balance(key, H).tolist()
+([0, 0], [0, 0])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse as sp
+
+__all__ = ["canonical", "row_keys", "RowKeys", "keys_for", "row_units", "column_balance", "key_balance"]
+
+
+def canonical(B) -> sp.csr_array:
+    """B as a canonical CSR array, checked: non-zeros are ±1, at most one of each sign per row."""
+    csr = B if isinstance(B, sp.csr_array) else sp.csr_array(B)
+    if not csr.has_canonical_format:
+        csr = csr.copy()
+        csr.sum_duplicates()
+    if not np.all(np.abs(csr.data) == 1):
+        csr = csr.copy()
+        csr.eliminate_zeros()
+        if not np.all(np.abs(csr.data) == 1):
+            raise ValueError("B may hold only -1, 0 and +1")
+    counts = np.diff(csr.indptr)
+    if counts.max(initial=0) > 2:
+        raise ValueError(f"row {int(np.argmax(counts))} of B has more than two non-zeros")
+    # a row of at most two ±1 entries sums to ±2 iff both have one sign
+    same = np.flatnonzero(np.abs(csr @ np.ones(csr.shape[1])) > 1)
+    if same.size:
+        row = int(same[0])
+        raise ValueError(f"row {row} of B has two {csr.data[csr.indptr[row]]:+g} entries: "
+                         "a parameter enters at most one unit and leaves at most one")
+    return csr
+
+
+def row_keys(B, checked: bool = False) -> tuple[np.ndarray, int]:
+    """``(key, H)`` with key_i = e(i) (H + 1) + l(i) (e, l = H for "no unit").
+
+    B is checked by `canonical` unless ``checked`` says it already was.
+    """
+    csr = B if checked else canonical(B)
+    n, H = csr.shape
+    # one mat-vec: a -1 at column j adds (j - H)(H + 1) to the "no unit" key H(H + 1) + H, a +1 adds j - H
+    weight = np.where(csr.data < 0, float(H + 1), 1.0)
+    key = sp.csr_array((weight, csr.indices, csr.indptr), shape=csr.shape) @ np.arange(-H, 0, dtype=np.float64)
+    key += float(H * (H + 1) + H)
+    return key.astype(np.int64), H
+
+
+@dataclass(frozen=True, eq=False)
+class RowKeys:
+    """B's rows as unit pairs, as whoever built B knows them: ``key`` (`row_keys`) and the
+    column balance A = -Bᵀ1 (`column_balance`) of an n x H matrix B."""
+
+    key: np.ndarray
+    balance: np.ndarray
+
+    @property
+    def num_units(self) -> int:
+        return int(self.balance.size)
+
+
+def keys_for(B, row_key=None) -> tuple[sp.csr_array, np.ndarray, int, np.ndarray]:
+    """``(B, key, H, A)`` for a solver: B checked by `canonical`, its `row_keys` and column balance
+    derived, or, where the caller passes the ``row_key`` it built B from (an array of keys or a
+    `RowKeys`, as ``Compiled.row_keys()`` gives), those, checked for shape and range and against
+    B on a sample of rows."""
+    if row_key is None:
+        csr = canonical(B)
+        key, H = row_keys(csr, checked=True)
+        return csr, key, H, key_balance(key, H)
+    csr = B if isinstance(B, sp.csr_array) else sp.csr_array(B)
+    n, H = csr.shape
+    balance = None
+    if isinstance(row_key, RowKeys):
+        row_key, balance = row_key.key, np.asarray(row_key.balance)
+        if balance.shape != (H,):
+            raise ValueError(f"RowKeys for {balance.size} units given with a B of {H} columns")
+    key = np.asarray(row_key)
+    if key.shape != (n,) or key.dtype.kind not in "iu":
+        raise ValueError(f"row_key must be an integer vector of length {n}, got {key.dtype} {key.shape}")
+    if n and not (key.min() >= 0 and key.max() < (H + 1) ** 2):
+        raise ValueError(f"row_key must lie in [0, (H + 1)²) = [0, {(H + 1) ** 2})")
+    sample = np.unique(np.linspace(0, n - 1, min(n, 1024)).astype(np.int64))
+    if n and not np.array_equal(row_keys(csr[sample])[0], key[sample]):
+        raise ValueError("row_key does not describe the rows of B")
+    key = key.astype(np.int64, copy=False)
+    return csr, key, H, key_balance(key, H) if balance is None else balance
+
+
+def row_units(B) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(enter, leave, H)``: per row of B, the unit it enters (-1 entry) and leaves (+1 entry), or H.
+
+    Raises ValueError unless every non-zero of B is ±1 and no row has two
+    entries of one sign.
+    """
+    key, H = row_keys(B)
+    enter, leave = np.divmod(key, H + 1)
+    return enter, leave, H
+
+
+def column_balance(B) -> np.ndarray:
+    """A_h = |in_h| - |out_h| = -(Bᵀ1)_h straight from B."""
+    B = sp.csr_array(B)
+    return -np.rint(B.T @ np.ones(B.shape[0])).astype(np.int64)
+
+
+def key_balance(key: np.ndarray, H: int) -> np.ndarray:
+    """`column_balance` from the row keys: A_h = #rows entering h - #rows leaving h."""
+    size = (H + 1) ** 2
+    if size <= max(4 * key.size, 1 << 22):
+        counts = np.bincount(key, minlength=size).reshape(H + 1, H + 1)  # [enter, leave]
+        return (counts.sum(axis=1) - counts.sum(axis=0))[:H]
+    enter, leave = np.divmod(key, H + 1)
+    return (np.bincount(enter, minlength=H + 1) - np.bincount(leave, minlength=H + 1))[:H]
