@@ -40,7 +40,7 @@ from pathir.ir import Graph, Param
 
 from .find_units import Units
 
-__all__ = ["incidence", "row_keys", "ParamLayout"]
+__all__ = ["incidence", "row_keys", "compact_rows", "ParamLayout"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -116,7 +116,8 @@ class ParamLayout:
         return out
 
 
-def _check_match(graph_params, units: Units) -> None:
+def check_units_match(graph_params, units: Units) -> None:
+    """Raise unless ``units`` were found on a graph with these params (names and shapes, in order)."""
     if len(graph_params) != len(units.params) or any(
         a.name != b.name or a.shape != b.shape for a, b in zip(graph_params, units.params)
     ):
@@ -134,7 +135,7 @@ def incidence(graph: Graph, units: Units):
     from scipy.sparse import csr_matrix
 
     params = graph.params()
-    _check_match(params, units)
+    check_units_match(params, units)
     layout = ParamLayout(tuple(params))
     H, n = len(units), len(layout)
     index_dtype = np.int32 if max(n, H) < 2**31 - 1 else np.int64
@@ -180,17 +181,26 @@ def row_keys(units: Units):
 
     H = len(units)
     parts, balance = [], np.zeros(H + 1, dtype=np.int64)
-    for p, (tgt, src) in zip(units.params, units.ends):
-        t = np.asarray(tgt, dtype=np.int64)
-        s = np.full((), -1, dtype=np.int64) if src is None else np.asarray(src, dtype=np.int64)
-        same = t == s  # both ends in one unit: the row is empty
-        enter = np.where((t >= 0) & ~same, t, H)
-        leave = np.where((s >= 0) & ~same, s, H)
+    for p, (enter, leave) in zip(units.params, compact_rows(units)):
         parts.append(np.broadcast_to(enter * (H + 1) + leave, p.shape).reshape(-1))
         # each compact entry stands for p.size / its broadcast size rows
         balance += _counts(enter, p.shape, H) - _counts(leave, p.shape, H)
     key = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     return RowKeys(key, balance[:H])
+
+
+def compact_rows(units: Units) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per param of ``units.params``, the (entered, left) unit of its rows of B in compact form: two
+    int arrays broadcastable to the param's shape, H for none (an input or output end, or a weight
+    with both ends in one unit, whose row is empty)."""
+    H = len(units)
+    out = []
+    for tgt, src in units.ends:
+        t = np.asarray(tgt, dtype=np.int64)
+        s = np.full((), -1, dtype=np.int64) if src is None else np.asarray(src, dtype=np.int64)
+        same = t == s
+        out.append((np.where((t >= 0) & ~same, t, H), np.where((s >= 0) & ~same, s, H)))
+    return out
 
 
 def _counts(units: np.ndarray, shape: tuple[int, ...], H: int) -> np.ndarray:

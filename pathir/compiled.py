@@ -300,7 +300,7 @@ class Compiled:
         θ ← θ ⊙ exp(-Bz/2)). Φ and the function are unchanged; the model is not touched."""
         from .rescale import rescale_graph
 
-        graph = rescale_graph(self.graph, self.units, z, incidence=self.incidence())
+        graph = rescale_graph(self.graph, self.units, z)
         return Compiled(graph, self.model, self.frontend, self.source_num_params, self.backend, self.name)
 
     # ---------------------------------------------------------------- symbolic (small graphs)

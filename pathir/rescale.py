@@ -33,15 +33,16 @@ def _z(units, z) -> np.ndarray:
     return z
 
 
-def rescale_graph(graph: Graph, units, z, incidence=None) -> Graph:
+def rescale_graph(graph: Graph, units, z) -> Graph:
     """The graph with θ ← θ ⊙ exp(-Bz/2) (B from :func:`pathir.passes.incidence.incidence`).
+
+    Computed param by param from the units' compact row ends, (Bz)_i = z_l(i) - z_e(i), without B.
 
     Parameters
     ----------
     graph : Graph
-    units : Units of ``graph`` (from ``find_units``)
+    units : Units of ``graph`` (from ``find_units``), or of a graph with the same structure
     z : (H,) array of log-scales, one per unit
-    incidence : optional (B, layout) of ``graph`` (``cm.incidence()``), to skip rebuilding B
 
     >>> import numpy as np
     >>> from pathir.ir import GraphBuilder, Dense
@@ -55,20 +56,14 @@ def rescale_graph(graph: Graph, units, z, incidence=None) -> Graph:
     >>> [p.value.ravel().tolist() for p in r.params()]
     [[4.0], [2.0], [1.5]]
     """
-    from pathir.passes.incidence import incidence as build
+    from pathir.passes.incidence import check_units_match, compact_rows
 
     z = _z(units, z)
-    B, layout = build(graph, units) if incidence is None else incidence
-    theta = layout.theta() * np.exp(-(B @ z) / 2)
-    theta.setflags(write=False)  # the new params own read-only views of it: no per-param copy
-    pos = {id(p): k for k, p in enumerate(layout.params)}
-    off = layout.offsets
-
-    def new(p):
-        k = pos[id(p)]
-        return p.with_value(theta[off[k] : off[k + 1]].reshape(p.shape))
-
-    return graph.map_params(new)
+    params = graph.params()
+    check_units_match(params, units)
+    half = np.append(z / 2, 0.0)  # index H ("no unit") reads 0
+    factor = {id(p): np.exp(half[enter] - half[leave]) for p, (enter, leave) in zip(params, compact_rows(units))}
+    return graph.map_params(lambda p: p.with_value(p.value * factor[id(p)]))
 
 
 def log_scales(graph: Graph, units, z) -> dict[str, np.ndarray]:

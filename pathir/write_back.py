@@ -35,7 +35,7 @@ __all__ = ["commit_rescaling", "rescaled_graph"]
 def rescaled_graph(cm, z):
     """``cm.graph`` rescaled by z, with the cached B (no model touched)."""
     with np.errstate(over="ignore", under="ignore"):  # checked by commit_rescaling
-        return rescale_graph(cm.graph, cm.units, z, incidence=cm.incidence())
+        return rescale_graph(cm.graph, cm.units, z)
 
 
 def commit_rescaling(cm, z) -> None:

@@ -229,6 +229,10 @@ def test_rescaling_keeps_the_function_and_phi(data):
     other = apply_log_scales(graph, log_scales(graph, units, z))
     for p, q in zip(new.params(), other.params()):
         assert p.name == q.name and np.allclose(p.value, q.value, rtol=1e-13, atol=0)
+    # and the flat form is θ ⊙ exp(-Bz/2) with B itself
+    B, layout = incidence(graph, units)
+    np.testing.assert_allclose(ParamLayout(tuple(new.params())).theta(), layout.theta() * np.exp(-(B @ z) / 2),
+                               rtol=1e-13, atol=0)
     x = data.draw(random_inputs(graph))
     be = NumpyBackend()
     before, after = forward(graph, be, x), forward(new, be, x)
