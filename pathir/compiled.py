@@ -231,18 +231,21 @@ class Compiled:
 
     def _adopt_rescaled(self, graph: Graph) -> None:
         """Make ``graph``, a rescaling of ``self.graph`` (same structure, new values),
-        the current graph; the units and B carry over (only the params' values moved)."""
+        the current graph; the units, B and the row keys carry over (only the params' values moved)."""
         import dataclasses
 
         from pathir.passes.incidence import ParamLayout
 
-        units, (B, _) = self.units, self.incidence()
+        units, old = self.units, self.graph
         params = tuple(graph.params())
         self.graph = graph
         self.__dict__["_units"] = (graph, dataclasses.replace(units, params=params))
-        self.__dict__["_incidence"] = (graph, (B, ParamLayout(params)))
-        if "_row_keys" in self.__dict__:
-            self.__dict__["_row_keys"] = (graph, self.__dict__["_row_keys"][1])
+        # B and the row keys carry over where they were built for the old graph (they are not built here)
+        incidence, row_keys = self.__dict__.get("_incidence"), self.__dict__.get("_row_keys")
+        if incidence is not None and incidence[0] is old:
+            self.__dict__["_incidence"] = (graph, (incidence[1][0], ParamLayout(params)))
+        if row_keys is not None and row_keys[0] is old:
+            self.__dict__["_row_keys"] = (graph, row_keys[1])
 
     def diag_g(self, backend=None) -> dict[str, np.ndarray]:
         """diag G (MATH.md §6): {source param name: array of that param's shape}.

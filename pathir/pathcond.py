@@ -117,18 +117,20 @@ def _ratio(log_spread: float) -> str:
     return f"{math.exp(log_spread):.3g}" if log_spread < 700 else f"1e{log_spread / math.log(10):.0f}"
 
 
-def _divergences(g, B, result, balance) -> tuple[float, float]:
+def _divergences(g, result, rows) -> tuple[float, float]:
     """n'·log(mean g') − Σ log g' over the n' entries of g' = g ⊙ e^{Bz} that are > 0, at z = 0
     and z = z*. The log-sums come from F (F(z) = n log Σ g e^{Bz} − Σ Bz), so g is logged once;
-    ``balance`` = A = −Bᵀ1 gives Σ_i (Bz)_i = −A·z."""
+    the column balance A = −Bᵀ1 of B's ``rows`` (a RowKeys) gives Σ_i (Bz)_i = −A·z."""
+    from .unit_rows import key_balance
+
     n, z = g.size, result.z
     keep = g > 0
     kept = int(keep.sum())
     if not kept:
         return 0.0, 0.0
     sum_log = float(np.log(g[keep]).sum())
-    bz_all = -float(balance @ z)
-    bz_kept = bz_all if kept == n else float((B.T @ keep.astype(np.float64)) @ z)
+    bz_all = -float(rows.balance @ z)
+    bz_kept = bz_all if kept == n else -float(key_balance(rows.key[keep], z.size) @ z)
     log_s0, log_s1 = result.f_initial / n, (result.f_final + bz_all) / n
     before = kept * (log_s0 - math.log(kept)) - sum_log
     after = kept * (log_s1 - math.log(kept)) - sum_log - bz_kept
@@ -186,8 +188,9 @@ def pathcond(cm, solver: str = "block", max_sweeps: int = 1000, tol: float = 1e-
 
     units = cm.units
     lap("units")
-    B, _ = cm.incidence()
+    # the block solver reads B through its row keys only; the coordinate solver needs B itself
     row_key = cm.row_keys()
+    B = cm.incidence()[0] if solver == "coordinate" else None
     lap("B")
     g, log_top = diag_g_flat(cm.graph, cm._backend(backend))
     lap("diag G")
@@ -201,7 +204,7 @@ def pathcond(cm, solver: str = "block", max_sweeps: int = 1000, tol: float = 1e-
         commit_rescaling(cm, result.z)
         lap("write")
     shift = n * log_top  # F of the true g: F(g / max g) + n log max g
-    divergence = _divergences(g, B, result, row_key.balance)
+    divergence = _divergences(g, result, row_key)
     return PathCondReport(
         model=cm.name, solver=solver, units=len(units), params=n,
         objective_before=result.f_initial + shift, objective_after=result.f_final + shift,

@@ -136,7 +136,8 @@ def solve_block(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, anderson: i
     Parameters
     ----------
     g : (n,) array, diag G, non-negative.
-    B : (n, H) sparse matrix with entries in {-1, 0, +1}, at most one of each sign per row.
+    B : (n, H) sparse matrix with entries in {-1, 0, +1}, at most one of each sign per row; or None
+        where ``row_key`` is a `unit_rows.RowKeys`, which holds all the solver reads of B.
     max_sweeps : sweeps over all colours at most.
     anderson : memory of the Anderson acceleration of the sweep map (0: plain block sweeps); an
         extrapolated point is taken only where it lowers F below the plain sweep's.
@@ -254,6 +255,6 @@ def solve_block(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, anderson: i
         z, converged, polished = _polish(pairs, A, n, z, live, max_sweeps - sweeps, tol, history, times, start)
         sweeps += polished
     return finish(g, B, z, _pair_state(pairs, A, z, n), method="block", sweeps=sweeps, converged=converged,
-                  degenerate=degenerate, start=start, history=history, times=times,
+                  key=key, degenerate=degenerate, start=start, history=history, times=times,
                   extra={"colours": len(blocks), "pairs": pairs.size, "anderson_steps": accepted,
                          "lbfgs_iterations": polished})

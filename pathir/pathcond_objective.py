@@ -140,10 +140,15 @@ class PathCondResult:
     extra: dict = field(default_factory=dict)
     g: np.ndarray | None = field(default=None, repr=False, compare=False)
     B: sp.csr_array | None = field(default=None, repr=False, compare=False)
+    key: np.ndarray | None = field(default=None, repr=False, compare=False)  # B's row keys, where B was not given
 
     @cached_property
     def _spreads(self) -> tuple[float, float]:
-        return _spreads(self.g, self.B, self.z) if self.g is not None else (math.nan, math.nan)
+        if self.g is None or (self.B is None and self.key is None):
+            return math.nan, math.nan
+        if self.B is None:
+            return _key_spreads(self.g, self.key, self.z)
+        return _spreads(self.g, self.B, self.z)
 
     @property
     def log_spread_initial(self) -> float:
@@ -202,11 +207,31 @@ def _spreads(g: np.ndarray, B: sp.csr_array, z: np.ndarray) -> tuple[float, floa
     return log_spread(log_g), log_spread(log_g + bz)
 
 
-def finish(g: np.ndarray, B: sp.csr_array, z: np.ndarray, state, *, method: str, sweeps: int,
+def _key_spreads(g: np.ndarray, key: np.ndarray, z: np.ndarray) -> tuple[float, float]:
+    """`_spreads` with B z read from the row keys, a chunk of rows at a time (B never built)."""
+    from .unit_rows import row_shifts
+
+    high = high_z = -math.inf
+    low = low_z = math.inf
+    for start, bz in row_shifts(key, z):
+        gc = g[start:start + bz.size]
+        if not gc.min(initial=math.inf) > 0:
+            keep = gc > 0
+            gc, bz = gc[keep], bz[keep]
+        if gc.size:
+            log_g = np.log(gc)
+            high, low = max(high, float(log_g.max())), min(low, float(log_g.min()))
+            log_g += bz
+            high_z, low_z = max(high_z, float(log_g.max())), min(low_z, float(log_g.min()))
+    return (high - low, high_z - low_z) if high > -math.inf else (0.0, 0.0)
+
+
+def finish(g: np.ndarray, B: sp.csr_array | None, z: np.ndarray, state, *, method: str, sweeps: int,
            converged: bool, degenerate: np.ndarray, start: float, history: list, times: list,
-           extra=None) -> PathCondResult:
+           extra=None, key: np.ndarray | None = None) -> PathCondResult:
     """Assemble a result from ``state`` = (F(0), F(z), ∇F(z), gradient scale) (`row_state`, or a
-    solver's own); the log-spreads of g are left to the result's first access."""
+    solver's own); the log-spreads of g are left to the result's first access (from B, or from
+    the row ``key`` where the solver had no B)."""
     f0, f1, grad, scale = state
     live = np.ones(z.size, dtype=bool)
     live[degenerate] = False
@@ -220,5 +245,5 @@ def finish(g: np.ndarray, B: sp.csr_array, z: np.ndarray, state, *, method: str,
         degenerate=np.asarray(degenerate, dtype=np.int64), seconds=time.perf_counter() - start,
         history=np.asarray(history, dtype=np.float64), times=np.asarray(times, dtype=np.float64),
         grad_max=float(np.max(np.abs(grad[live]), initial=0.0)), grad_rel=float(np.max(rel[live], initial=0.0)),
-        method=method, extra=dict(extra or {}), g=g, B=B,
+        method=method, extra=dict(extra or {}), g=g, B=B, key=key if B is None else None,
     )

@@ -42,8 +42,11 @@ def solve(g, B, *, method: str = "block", max_sweeps: int = 1000, tol: float = 1
     z_h moves by more than ``tol`` in a sweep (details in each solver);
     ``result.converged`` says whether that happened within ``max_sweeps``.
     ``row_key``: B's rows as unit keys, where the caller built B from them
-    (``Compiled.row_keys()``; see `unit_rows.keys_for`).
+    (``Compiled.row_keys()``; see `unit_rows.keys_for`); with a `unit_rows.RowKeys`
+    the block solver needs no B at all (``B=None``).
     """
     if method not in METHODS:
         raise ValueError(f"unknown PathCond method {method!r}; choose one of {sorted(METHODS)}")
+    if B is None and method != "block":
+        raise ValueError(f"the {method} solver needs B itself (only the block solver runs on row keys alone)")
     return METHODS[method](g, B, max_sweeps=max_sweeps, tol=tol, row_key=row_key)

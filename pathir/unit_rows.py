@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-__all__ = ["canonical", "row_keys", "RowKeys", "keys_for", "row_units", "column_balance", "key_balance"]
+__all__ = ["canonical", "row_keys", "RowKeys", "keys_for", "row_units", "column_balance", "key_balance", "row_shifts"]
 
 
 def canonical(B) -> sp.csr_array:
@@ -80,7 +80,16 @@ def keys_for(B, row_key=None) -> tuple[sp.csr_array, np.ndarray, int, np.ndarray
     """``(B, key, H, A)`` for a solver: B checked by `canonical`, its `row_keys` and column balance
     derived, or, where the caller passes the ``row_key`` it built B from (an array of keys or a
     `RowKeys`, as ``Compiled.row_keys()`` gives), those, checked for shape and range and against
-    B on a sample of rows."""
+    B on a sample of rows. ``B`` may be None where ``row_key`` is a `RowKeys`: the block solver
+    needs nothing else (returned B is then None)."""
+    if B is None:
+        if not isinstance(row_key, RowKeys):
+            raise ValueError("without B, row_key must be a RowKeys (keys and column balance)")
+        key, H = np.asarray(row_key.key), row_key.num_units
+        if key.ndim != 1 or key.dtype.kind not in "iu" or (key.size and not
+                                                           (key.min() >= 0 and key.max() < (H + 1) ** 2)):
+            raise ValueError(f"row_key.key must be integers in [0, (H + 1)²) = [0, {(H + 1) ** 2})")
+        return None, key.astype(np.int64, copy=False), H, np.asarray(row_key.balance)
     if row_key is None:
         csr = canonical(B)
         key, H = row_keys(csr, checked=True)
@@ -129,3 +138,13 @@ def key_balance(key: np.ndarray, H: int) -> np.ndarray:
         return (counts.sum(axis=1) - counts.sum(axis=0))[:H]
     enter, leave = np.divmod(key, H + 1)
     return (np.bincount(enter, minlength=H + 1) - np.bincount(leave, minlength=H + 1))[:H]
+
+
+def row_shifts(key: np.ndarray, z: np.ndarray, chunk: int = 1 << 22):
+    """(start, (Bz)_i for the rows start..start+chunk) in turn, from the row keys: (Bz)_i = z_l(i) - z_e(i)
+    with z_none = 0. Chunked, so a 100M-row B z never sits in memory at once."""
+    H = z.size
+    zp = np.append(np.asarray(z, dtype=np.float64), 0.0)
+    for start in range(0, key.size, chunk):
+        enter, leave = np.divmod(key[start:start + chunk], H + 1)
+        yield start, zp[leave] - zp[enter]

@@ -247,6 +247,13 @@ def test_dead_units_are_kept_and_listed():
     assert "0:c1" in str(report)
     x = torch.randn(5, 6, dtype=torch.float64)
     assert _rel(model(x), reference(x)) <= 1e-10
+    # the log-det divergences by their definition, over the entries g > 0 only (here some g are 0)
+    g = _flat_g(pathir.compile(reference, input_shape=(6,)))[0]
+    assert (g == 0).any()
+    B, _ = cm.incidence()
+    for z, value in ((np.zeros(len(cm.units)), report.divergence_before), (report.z, report.divergence_after)):
+        gz = (g * np.exp(B @ z))[g > 0]
+        assert value == pytest.approx(gz.size * np.log(gz.mean()) - np.log(gz).sum(), rel=1e-9)
 
 
 def test_pruned_model():

@@ -471,3 +471,37 @@ def test_many_units_group_by_sorting():
     assert block.extra["colours"] == 1 and block.extra["pairs"] == 2 * H + 1
     assert block.f_final <= coord.f_final + 1e-9 * abs(coord.f_final)
     assert block.grad_rel < 1e-8
+
+
+# ---------------------------------------------------------------- without B
+
+
+@given(problems(), st.integers(1, 7))
+@settings(max_examples=30)
+def test_block_solver_on_row_keys_alone_is_the_solver_on_b(problem, chunk):
+    """With a RowKeys the block solver needs no B: same z, same F, same log-spreads (B z read from the
+    keys a chunk of rows at a time)."""
+    from pathir.pathcond_objective import _spreads
+    from pathir.unit_rows import row_shifts
+
+    g, B = problem
+    key, H = row_keys(B)
+    rows = RowKeys(key, column_balance(B))
+    with_b, without = solve(g, B, row_key=rows), solve(g, None, row_key=rows)
+    np.testing.assert_array_equal(with_b.z, without.z)
+    assert with_b.f_final == without.f_final and without.B is None
+    shifts = np.concatenate([bz for _, bz in row_shifts(key, with_b.z, chunk=chunk)])
+    np.testing.assert_allclose(shifts, B @ with_b.z, rtol=0, atol=1e-12 * (1 + np.abs(with_b.z).max()))
+    expected = _spreads(g, B, with_b.z)
+    assert without.log_spread_initial == pytest.approx(expected[0], rel=1e-9, abs=1e-9)
+    assert without.log_spread_final == pytest.approx(expected[1], rel=1e-9, abs=1e-9)
+
+
+def test_only_the_block_solver_runs_without_b():
+    rows, H = mlp_rows([2, 3, 1])
+    B = incidence(rows, H)
+    keys = RowKeys(row_keys(B)[0], column_balance(B))
+    with pytest.raises(ValueError, match="needs B itself"):
+        solve(np.ones(len(rows)), None, method="coordinate", row_key=keys)
+    with pytest.raises(ValueError, match="must be a RowKeys"):
+        solve(np.ones(len(rows)), None, row_key=keys.key)
