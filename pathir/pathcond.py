@@ -117,6 +117,35 @@ def _ratio(log_spread: float) -> str:
     return f"{math.exp(log_spread):.3g}" if log_spread < 700 else f"1e{log_spread / math.log(10):.0f}"
 
 
+def _log_spreads(units, g, z) -> tuple[float, float]:
+    """log_spread of g and of g ⊙ e^{Bz} over the entries g > 0, param by param: (Bz)_i = z_l(i) − z_e(i)
+    is taken from the units' compact row ends, so only one multiply runs over every entry."""
+    from .passes.incidence import compact_rows
+
+    zp = np.append(z, 0.0)
+    ends = [math.inf, -math.inf, math.inf, -math.inf]  # min, max of log g, then of log g + Bz
+    offset = 0
+    for p, (enter, leave) in zip(units.params, compact_rows(units)):
+        seg = g[offset:offset + p.size].reshape(p.shape)
+        offset += p.size
+        shift = zp[leave] - zp[enter]  # compact, broadcasts to the param's shape
+        if not seg.min(initial=math.inf) > 0:
+            keep = seg > 0
+            seg, shift = seg[keep], np.broadcast_to(shift, keep.shape)[keep]
+            if not seg.size:
+                continue
+        top = float(np.max(shift))
+        moved = seg * np.exp(shift - top)  # <= g, so nothing overflows
+        if not moved.min() > 0:  # a shift beyond float64's range: logs for this param
+            moved = np.log(seg) + (shift - top)
+            low, high = float(moved.min()), float(moved.max())
+        else:
+            low, high = math.log(float(moved.min())), math.log(float(moved.max()))
+        ends = [min(ends[0], math.log(float(seg.min()))), max(ends[1], math.log(float(seg.max()))),
+                min(ends[2], low + top), max(ends[3], high + top)]
+    return (ends[1] - ends[0], ends[3] - ends[2]) if offset and ends[1] > -math.inf else (0.0, 0.0)
+
+
 def _divergences(g, result, rows) -> tuple[float, float]:
     """n'·log(mean g') − Σ log g' over the n' entries of g' = g ⊙ e^{Bz} that are > 0, at z = 0
     and z = z*. The log-sums come from F (F(z) = n log Σ g e^{Bz} − Σ Bz), so g is logged once;
@@ -205,11 +234,12 @@ def pathcond(cm, solver: str = "block", max_sweeps: int = 1000, tol: float = 1e-
         lap("write")
     shift = n * log_top  # F of the true g: F(g / max g) + n log max g
     divergence = _divergences(g, result, row_key)
+    spreads = _log_spreads(units, g, result.z)
     return PathCondReport(
         model=cm.name, solver=solver, units=len(units), params=n,
         objective_before=result.f_initial + shift, objective_after=result.f_final + shift,
         sweeps=result.sweeps, converged=result.converged, max_abs_log_scale=result.max_abs_z,
-        log_spread_before=result.log_spread_initial, log_spread_after=result.log_spread_final,
+        log_spread_before=spreads[0], log_spread_after=spreads[1],
         divergence_before=divergence[0], divergence_after=divergence[1],
         degenerate_units=tuple(units.names[int(h)] for h in result.degenerate),
         gradient_max=result.grad_max, gradient_relative=result.grad_rel,

@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
@@ -251,9 +252,11 @@ def test_dead_units_are_kept_and_listed():
     g = _flat_g(pathir.compile(reference, input_shape=(6,)))[0]
     assert (g == 0).any()
     B, _ = cm.incidence()
-    for z, value in ((np.zeros(len(cm.units)), report.divergence_before), (report.z, report.divergence_after)):
+    for z, value, spread in ((np.zeros(len(cm.units)), report.divergence_before, report.log_spread_before),
+                             (report.z, report.divergence_after, report.log_spread_after)):
         gz = (g * np.exp(B @ z))[g > 0]
         assert value == pytest.approx(gz.size * np.log(gz.mean()) - np.log(gz).sum(), rel=1e-9)
+        assert spread == pytest.approx(np.log(gz.max()) - np.log(gz.min()), rel=1e-12)
 
 
 def test_pruned_model():
@@ -380,3 +383,24 @@ def test_resnet18_write_back():
     x = torch.randn(2, 3, 224, 224, dtype=torch.float64)
     with torch.no_grad():
         assert _rel(model(x), reference(x)) <= 1e-9
+
+
+@given(relu_dags(), st.integers(0, 2**32 - 1), st.sampled_from([0.5, 400.0]))
+@settings(max_examples=40)
+def test_report_log_spreads_are_their_definition(graph, seed, scale):
+    """The report's log-spreads, param by param from the units' compact ends, equal max − min of
+    log(g ⊙ e^{Bz}) over g > 0 with B itself; z far beyond float64's exp range included."""
+    from pathir.passes.find_units import find_units
+    from pathir.passes.incidence import incidence
+    from pathir.pathcond import _log_spreads
+
+    _, units = find_units(graph)
+    B, _ = incidence(graph, units)
+    rng = np.random.default_rng(seed)
+    g = rng.random(B.shape[0]) * (rng.random(B.shape[0]) < 0.9)
+    z = rng.normal(scale=scale, size=len(units))
+    expected = []
+    for shift in (np.zeros(B.shape[0]), B @ z):
+        logs = (np.log(g[g > 0]) + shift[g > 0]) if (g > 0).any() else np.zeros(1)
+        expected.append(logs.max() - logs.min())
+    np.testing.assert_allclose(_log_spreads(units, g, z), expected, rtol=1e-12, atol=1e-9)
