@@ -159,6 +159,26 @@ class Units:
 # ------------------------------------------------------------------ the pass
 
 
+def _mark_crossing(touched: np.ndarray, tc: np.ndarray, sc: np.ndarray) -> None:
+    """Mark the classes at either end of an entry whose target class ``tc`` and source class ``sc``
+    (compact arrays, broadcast against each other entry by entry) differ."""
+    if tc.size == 0 or sc.size == 0:
+        return
+    ndim = max(tc.ndim, sc.ndim)
+    tc, sc = (a.reshape((1,) * (ndim - a.ndim) + a.shape) for a in (tc, sc))
+    apart = all(a == 1 or b == 1 for a, b in zip(tc.shape, sc.shape))
+    if not apart:  # shared axes: the pairs are those of the compact broadcast
+        tc, sc = np.broadcast_arrays(tc, sc)
+        crossing = tc != sc
+        touched[tc[crossing]] = True
+        touched[sc[crossing]] = True
+        return
+    # no shared axis (a dense or convolution weight): every target meets every source
+    targets, sources = np.unique(tc), np.unique(sc)
+    touched[targets if sources.size > 1 else targets[targets != sources[0]]] = True
+    touched[sources if targets.size > 1 else sources[sources != targets[0]]] = True
+
+
 def find_units(graph: Graph) -> tuple[Graph, Units]:
     """The rescaling units of ``graph`` (MATH.md §5).
 
@@ -231,15 +251,10 @@ def find_units(graph: Graph) -> tuple[Graph, Units]:
     touched = np.zeros(n_classes, dtype=bool)
     for group in uses.values():
         t, src = _entry_channels(*group[0], offsets)
-        shape = group[0][0].shape
-        tc = labels[np.broadcast_to(t, shape) if src is not None else t]
         if src is None:
-            touched[tc] = True
+            touched[labels[t]] = True
             continue
-        sc = labels[np.broadcast_to(src, shape)]
-        crossing = tc != sc
-        touched[tc[crossing]] = True
-        touched[sc[crossing]] = True
+        _mark_crossing(touched, labels[t], labels[src])
     free = np.flatnonzero(~class_pinned & touched)
     order = free[np.argsort(first[free], kind="stable")]
     unit_of_class = np.full(n_classes, -1, dtype=np.int64)

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pathir.errors import PathirError
 from pathir.ir import ChannelMap, Conv, Dense, GraphBuilder, Identity, Pool, Reshape, Scale, SpatialMatrix
@@ -236,3 +237,27 @@ def test_units_partition_the_free_channels_and_respect_every_tie(graph):
         u = units[h]
         assert sum(i.size for _, i in u.incoming) == n_in[h]
         assert sum(i.size for _, i in u.outgoing) == n_out[h]
+
+
+@given(st.data())
+@settings(max_examples=150)
+def test_classes_marked_crossing_are_those_of_the_full_broadcast(data):
+    """The compact shortcut (no shared axis: every target meets every source) marks what the
+    entry-by-entry definition on the broadcast param marks."""
+    from pathir.passes.find_units import _mark_crossing
+
+    ndim = data.draw(st.integers(1, 3))
+    full = data.draw(st.lists(st.integers(1, 4), min_size=ndim, max_size=ndim))
+    t_shape = [d if data.draw(st.booleans()) else 1 for d in full]
+    s_shape = [d if data.draw(st.booleans()) else 1 for d in full]
+    s_shape = s_shape[data.draw(st.integers(0, ndim - 1)):]  # fewer leading axes broadcast too
+    classes = data.draw(st.integers(1, 4))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    tc, sc = rng.integers(0, classes, t_shape), rng.integers(0, classes, s_shape)
+    got = np.zeros(classes, dtype=bool)
+    _mark_crossing(got, tc, sc)
+    a, b = np.broadcast_arrays(tc, sc)
+    expected = np.zeros(classes, dtype=bool)
+    expected[a[a != b]] = True
+    expected[b[a != b]] = True
+    assert np.array_equal(got, expected)
