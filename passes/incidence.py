@@ -198,8 +198,10 @@ def compact_rows(units: Units) -> list[tuple[np.ndarray, np.ndarray]]:
     for tgt, src in units.ends:
         t = np.asarray(tgt, dtype=np.int64)
         s = np.full((), -1, dtype=np.int64) if src is None else np.asarray(src, dtype=np.int64)
-        same = t == s
-        out.append((np.where((t >= 0) & ~same, t, H), np.where((s >= 0) & ~same, s, H)))
+        if np.intersect1d(t[t >= 0], s[s >= 0]).size:  # some entry has both ends in one unit: entry by entry
+            same = t == s
+            t, s = np.where(same, -1, t), np.where(same, -1, s)
+        out.append((np.where(t >= 0, t, H), np.where(s >= 0, s, H)))
     return out
 
 

@@ -128,16 +128,17 @@ def _log_spreads(units, g, z) -> tuple[float, float]:
     for p, (enter, leave) in zip(units.params, compact_rows(units)):
         seg = g[offset:offset + p.size].reshape(p.shape)
         offset += p.size
-        shift = zp[leave] - zp[enter]  # compact, broadcasts to the param's shape
+        up, down = zp[leave], zp[enter]  # compact: (Bz)_i = up - down, broadcast to the param's shape
         if not seg.min(initial=math.inf) > 0:
             keep = seg > 0
-            seg, shift = seg[keep], np.broadcast_to(shift, keep.shape)[keep]
+            seg, up, down = seg[keep], np.broadcast_to(up - down, keep.shape)[keep], 0.0
             if not seg.size:
                 continue
-        top = float(np.max(shift))
-        moved = seg * np.exp(shift - top)  # <= g, so nothing overflows
+        top = float(np.max(up)) - float(np.min(down))  # >= every (Bz)_i
+        # g e^{Bz - top} <= g: nothing overflows; the exponentials run on the compact ends only
+        moved = seg * np.exp(up - float(np.max(up))) * np.exp(float(np.min(down)) - down)
         if not moved.min() > 0:  # a shift beyond float64's range: logs for this param
-            moved = np.log(seg) + (shift - top)
+            moved = np.log(seg) + ((up - down) - top)
             low, high = float(moved.min()), float(moved.max())
         else:
             low, high = math.log(float(moved.min())), math.log(float(moved.max()))

@@ -62,8 +62,12 @@ def rescale_graph(graph: Graph, units, z) -> Graph:
     params = graph.params()
     check_units_match(params, units)
     half = np.append(z / 2, 0.0)  # index H ("no unit") reads 0
-    factor = {id(p): np.exp(half[enter] - half[leave]) for p, (enter, leave) in zip(params, compact_rows(units))}
-    return graph.map_params(lambda p: p.with_value(p.value * factor[id(p)]))
+    factors = {}
+    for p, (enter, leave) in zip(params, compact_rows(units)):
+        # e^{z_e/2} and e^{-z_l/2} apart, on the compact ends: no exponential over every entry
+        factors[id(p)] = ((np.exp(half[enter]), np.exp(-half[leave])) if np.abs(half).max() < 300
+                          else (np.exp(half[enter] - half[leave]), 1.0))
+    return graph.map_params(lambda p: p.with_value(p.value * factors[id(p)][0] * factors[id(p)][1]))
 
 
 def log_scales(graph: Graph, units, z) -> dict[str, np.ndarray]:
