@@ -154,13 +154,17 @@ def _divergences(g, result, rows) -> tuple[float, float]:
     from .unit_rows import key_balance
 
     n, z = g.size, result.z
-    keep = g > 0
-    kept = int(keep.sum())
-    if not kept:
-        return 0.0, 0.0
-    sum_log = float(np.log(g[keep]).sum())
+    if g.min(initial=math.inf) > 0:  # the usual case: no mask, logs a chunk at a time
+        kept, keep = n, None
+        sum_log = sum(float(np.log(g[i:i + (1 << 22)]).sum()) for i in range(0, n, 1 << 22))
+    else:
+        keep = g > 0
+        kept = int(keep.sum())
+        if not kept:
+            return 0.0, 0.0
+        sum_log = float(np.log(g[keep]).sum())
     bz_all = -float(rows.balance @ z)
-    bz_kept = bz_all if kept == n else -float(key_balance(rows.key[keep], z.size) @ z)
+    bz_kept = bz_all if keep is None else -float(key_balance(rows.key[keep], z.size) @ z)
     log_s0, log_s1 = result.f_initial / n, (result.f_final + bz_all) / n
     before = kept * (log_s0 - math.log(kept)) - sum_log
     after = kept * (log_s1 - math.log(kept)) - sum_log - bz_kept
