@@ -119,32 +119,14 @@ def _ratio(log_spread: float) -> str:
 
 def _log_spreads(units, g, z) -> tuple[float, float]:
     """log_spread of g and of g ⊙ e^{Bz} over the entries g > 0, param by param: (Bz)_i = z_l(i) − z_e(i)
-    is taken from the units' compact row ends, so only one multiply runs over every entry."""
+    is taken from the units' compact row ends, so only the multiplies run over every entry."""
     from .passes.incidence import compact_rows
+    from .pathcond_objective import log_spreads, spread_ends
 
     zp = np.append(z, 0.0)
-    ends = [math.inf, -math.inf, math.inf, -math.inf]  # min, max of log g, then of log g + Bz
-    offset = 0
-    for p, (enter, leave) in zip(units.params, compact_rows(units)):
-        seg = g[offset:offset + p.size].reshape(p.shape)
-        offset += p.size
-        up, down = zp[leave], zp[enter]  # compact: (Bz)_i = up - down, broadcast to the param's shape
-        if not seg.min(initial=math.inf) > 0:
-            keep = seg > 0
-            seg, up, down = seg[keep], np.broadcast_to(up - down, keep.shape)[keep], 0.0
-            if not seg.size:
-                continue
-        top = float(np.max(up)) - float(np.min(down))  # >= every (Bz)_i
-        # g e^{Bz - top} <= g: nothing overflows; the exponentials run on the compact ends only
-        moved = seg * np.exp(up - float(np.max(up))) * np.exp(float(np.min(down)) - down)
-        if not moved.min() > 0:  # a shift beyond float64's range: logs for this param
-            moved = np.log(seg) + ((up - down) - top)
-            low, high = float(moved.min()), float(moved.max())
-        else:
-            low, high = math.log(float(moved.min())), math.log(float(moved.max()))
-        ends = [min(ends[0], math.log(float(seg.min()))), max(ends[1], math.log(float(seg.max()))),
-                min(ends[2], low + top), max(ends[3], high + top)]
-    return (ends[1] - ends[0], ends[3] - ends[2]) if offset and ends[1] > -math.inf else (0.0, 0.0)
+    offsets = np.cumsum([0] + [p.size for p in units.params])
+    return log_spreads(spread_ends(g[offsets[k]:offsets[k + 1]].reshape(p.shape), zp[leave], zp[enter])
+                       for k, (p, (enter, leave)) in enumerate(zip(units.params, compact_rows(units))))
 
 
 def _divergences(g, result, rows) -> tuple[float, float]:

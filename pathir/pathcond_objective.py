@@ -20,7 +20,8 @@ import numpy as np
 import scipy.sparse as sp
 
 __all__ = [
-    "objective", "gradient", "rescaled_log_g", "log_spread", "PathCondResult", "log_positive_root",
+    "objective", "gradient", "rescaled_log_g", "log_spread", "log_spreads", "spread_ends", "PathCondResult",
+    "log_positive_root",
 ]
 
 
@@ -186,44 +187,49 @@ def row_state(g: np.ndarray, B: sp.csr_array, A: np.ndarray, z: np.ndarray):
             n * (B.T @ p) + A, n * (abs(B).T @ p) + np.abs(A))
 
 
-def _spreads(g: np.ndarray, B: sp.csr_array, z: np.ndarray) -> tuple[float, float]:
-    """log_spread of g and of g e^{Bz}, without a log of every entry where the range allows
-    (in place on B z: on a 10M-parameter model each fresh array costs as much as the arithmetic)."""
-    bz = B @ z
-    gp = g
+def spread_ends(g: np.ndarray, up, down=0.0) -> tuple[float, float, float, float] | None:
+    """(min, max) of log g and of log g + up − down, over the entries g > 0 (None if there are none).
+
+    ``up`` and ``down`` broadcast against g (compact per-parameter ends, or a whole B z): the
+    exponentials run on them, not on every entry, unless the range forces logs.
+    """
+    up, down = np.asarray(up, dtype=np.float64), np.asarray(down, dtype=np.float64)
     if not g.min(initial=math.inf) > 0:
-        positive = g > 0
-        if not positive.any():
-            return 0.0, 0.0
-        gp, bz = g[positive], bz[positive]
-    low, high = float(gp.min()), float(gp.max())
-    top, bottom = float(bz.max()), float(bz.min())
-    if high < low * 1e250 and top - bottom < 50.0:
-        np.subtract(bz, top, out=bz)
-        np.exp(bz, out=bz)
-        bz *= gp
-        return math.log(high / low), math.log(float(bz.max()) / float(bz.min()))
-    log_g = np.log(gp)
-    return log_spread(log_g), log_spread(log_g + bz)
+        keep = g > 0
+        if not keep.any():
+            return None
+        g, up, down = g[keep], np.broadcast_to(up - down, keep.shape)[keep], np.zeros(())
+    if g.size == 0:
+        return None
+    high_up, low_down = float(up.max()), float(down.min())
+    top = high_up - low_down  # >= every up - down, so g e^{up - down - top} <= g cannot overflow
+    moved = g * np.exp(up - high_up) * np.exp(low_down - down)
+    if float(moved.min()) > 1e-290:
+        low, high = math.log(float(moved.min())), math.log(float(moved.max()))
+    else:  # beyond float64's normal range: logs
+        moved = np.log(g) + ((up - down) - top)
+        low, high = float(moved.min()), float(moved.max())
+    return math.log(float(g.min())), math.log(float(g.max())), low + top, high + top
+
+
+def log_spreads(ends) -> tuple[float, float]:
+    """(log_spread of g, of g ⊙ e^{Bz}) from the `spread_ends` of the segments of g (None ones skipped)."""
+    found = np.array([e for e in ends if e is not None]).reshape(-1, 4)
+    if not found.size:
+        return 0.0, 0.0
+    return float(found[:, 1].max() - found[:, 0].min()), float(found[:, 3].max() - found[:, 2].min())
+
+
+def _spreads(g: np.ndarray, B: sp.csr_array, z: np.ndarray) -> tuple[float, float]:
+    """log_spread of g and of g e^{Bz}, with B z from B."""
+    return log_spreads([spread_ends(g, B @ z)])
 
 
 def _key_spreads(g: np.ndarray, key: np.ndarray, z: np.ndarray) -> tuple[float, float]:
     """`_spreads` with B z read from the row keys, a chunk of rows at a time (B never built)."""
     from .unit_rows import row_shifts
 
-    high = high_z = -math.inf
-    low = low_z = math.inf
-    for start, bz in row_shifts(key, z):
-        gc = g[start:start + bz.size]
-        if not gc.min(initial=math.inf) > 0:
-            keep = gc > 0
-            gc, bz = gc[keep], bz[keep]
-        if gc.size:
-            log_g = np.log(gc)
-            high, low = max(high, float(log_g.max())), min(low, float(log_g.min()))
-            log_g += bz
-            high_z, low_z = max(high_z, float(log_g.max())), min(low_z, float(log_g.min()))
-    return (high - low, high_z - low_z) if high > -math.inf else (0.0, 0.0)
+    return log_spreads(spread_ends(g[start:start + bz.size], bz) for start, bz in row_shifts(key, z))
 
 
 def finish(g: np.ndarray, B: sp.csr_array | None, z: np.ndarray, state, *, method: str, sweeps: int,
