@@ -28,6 +28,24 @@ __all__ = ["diag_g", "diag_g_flat", "diag_g_log_parts"]
 _LOG_MAX = math.log(np.finfo(np.float64).max)
 
 
+def arrays_by_source(params, log_parts, what: str, hint: str, layout=None) -> dict[str, np.ndarray]:
+    """{``Param.source_name``: m·e^L} from one (m, L) per param (m of the param's shape; ``layout(p, v)``
+    maps it to the source tensor's layout). Raises PathNormOverflow naming the param where a value
+    exceeds float64 (``hint`` says what to use instead), PathirError where two params share a name."""
+    out: dict[str, np.ndarray] = {}
+    for p, (m, L) in zip(params, log_parts):
+        if L > _LOG_MAX:
+            raise PathNormOverflow(
+                f"{what} of param '{p.name}' reaches about 10^{L / math.log(10):.1f}, beyond float64: use {hint}"
+            )
+        name = p.source_name
+        if name in out:
+            raise PathirError(f"two params are reported under the source name '{name}'")
+        value = m * math.exp(L) if L > -math.inf else np.zeros(p.shape)
+        out[name] = value if layout is None else layout(p, value)
+    return out
+
+
 def diag_g_log_parts(graph: Graph, backend) -> list[tuple[np.ndarray, float]]:
     """For each param of ``graph.params()``: (m, L) with g = m·e^L, m ≥ 0 of
     the param's shape and max m = 1 (m = 0, L = -inf where g vanishes)."""
@@ -68,15 +86,5 @@ def diag_g(graph: Graph, backend=None) -> dict[str, np.ndarray]:
     >>> {k: np.round(v, 12).ravel().tolist() for k, v in g.items()}
     {'w1': [9.0], 'b1': [9.0], 'w2': [5.0]}
     """
-    out: dict[str, np.ndarray] = {}
-    for p, (m, L) in zip(graph.params(), diag_g_log_parts(graph, backend)):
-        if L > _LOG_MAX:
-            raise PathNormOverflow(
-                f"diag G of param '{p.name}' reaches about 10^{L / math.log(10):.1f}, beyond float64: "
-                "use pathir.diag_g.diag_g_flat (normalised, with its log-scale)"
-            )
-        name = p.source_name
-        if name in out:
-            raise PathirError(f"two params are reported under the source name '{name}'")
-        out[name] = m * math.exp(L) if L > -math.inf else np.zeros(p.shape)
-    return out
+    return arrays_by_source(graph.params(), diag_g_log_parts(graph, backend), "diag G",
+                            "pathir.diag_g.diag_g_flat (normalised, with its log-scale)")

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from .errors import PathirError, PathNormOverflow
+from .errors import PathirError
 from .ir import Graph, MapKind, Param, Role
 
 __all__ = ["PruneReport", "score_log_parts", "path_magnitude_scores", "prune_masks", "prune_graph", "prune"]
@@ -74,18 +74,10 @@ def path_magnitude_scores(graph: Graph, backend=None) -> dict[str, np.ndarray]:
     >>> {k: np.round(v, 12).tolist() for k, v in s.items()}
     {'w1': [[3.0, 6.0]], 'b1': [1.5], 'w2': [[10.5]]}
     """
-    out: dict[str, np.ndarray] = {}
-    for p, (m, L) in zip(graph.params(), score_log_parts(graph, backend)):
-        if L > _LOG_MAX:
-            raise PathNormOverflow(
-                f"path-magnitude score of param '{p.name}' reaches about 10^{L / math.log(10):.1f}, beyond float64: "
-                "use pathir.pruning.score_log_parts (normalised, with its log-scale)"
-            )
-        name = p.source_name
-        if name in out:
-            raise PathirError(f"two params are reported under the source name '{name}'")
-        out[name] = _source_layout(p, m * math.exp(L) if L > -math.inf else np.zeros(p.shape))
-    return out
+    from .diag_g import arrays_by_source
+
+    return arrays_by_source(graph.params(), score_log_parts(graph, backend), "path-magnitude score",
+                            "pathir.pruning.score_log_parts (normalised, with its log-scale)", _source_layout)
 
 
 # ------------------------------------------------------------ selection
