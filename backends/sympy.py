@@ -34,8 +34,8 @@ from typing import Callable, Mapping
 import numpy as np
 import sympy as sp
 
-from pathir.errors import BackendError, PathirError
-from pathir.ir import FIXED, MapKind, Node, NodeKind, PARAMETERIZED, Pool, SpatialMatrix
+from pathir.errors import BackendError
+from pathir.ir import FIXED, MapKind, Node, PARAMETERIZED, Pool, SpatialMatrix
 
 from .base import Backend, RuleTable
 from .numpy import RULES as NUMPY_RULES
@@ -395,29 +395,13 @@ def neuron_values(net, x: Mapping[str, object], values: Mapping[str, object] | N
     ``x``: {input name: one sample of its shape}; ``values``: {param name:
     entries} (a param not given: the graph's own value, read exactly).
     """
-    from pathir.paths import NeuronValues
-    from pathir.neurons import antecedents
+    from pathir.paths import forward_neurons
 
     flat = {name: exact_array(np.asarray(v, dtype=object)).reshape(-1) for name, v in x.items()}
     entry = _entries(values if values is not None else {})
-    pre, out, selected = {}, {}, {}
-    for v, d in net.nodes(data=True):
-        if d["is_input"]:
-            pre[v] = out[v] = flat[v[0]][v[1]]
-            continue
-        b = ZERO if d["bias"] is None else entry(*d["bias"])
-        terms = []
-        for u, key, data in antecedents(net, v):
-            w = exact(data["weight"]) if data["param"] is None else entry(*data["param"], data["weight"])
-            terms.append((u, key, w * out[u]))
-        if d["kind"] is NodeKind.MAXPOOL:
-            if len(terms) < d["k"]:
-                raise PathirError(f"neuron {v}: a {d['k']}-max-pool over {len(terms)} antecedents")
-            kth = sorted((t[2] for t in terms), reverse=True)[d["k"] - 1]
-            u, key, _ = next(t for t in terms if t[2] == kth)
-            selected[v] = (u, key)
-            pre[v] = b + kth
-        else:
-            pre[v] = b + sp.Add(*(t[2] for t in terms))
-        out[v] = _relu(pre[v]) if d["kind"] is NodeKind.RELU else pre[v]
-    return NeuronValues(pre, out, selected)
+    return forward_neurons(
+        net, flat,
+        weight=lambda data: exact(data["weight"]) if data["param"] is None else entry(*data["param"], data["weight"]),
+        bias=lambda d: ZERO if d["bias"] is None else entry(*d["bias"]),
+        total=lambda values: sp.Add(*values), relu=_relu,
+    )

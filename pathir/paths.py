@@ -125,14 +125,23 @@ class NeuronValues:
 
 def neuron_forward(net: nx.MultiDiGraph, x: dict[str, np.ndarray]) -> NeuronValues:
     """The network of MATH.md §1 neuron by neuron; ``x``: {input name: one sample of its shape}."""
-    flat = {name: np.asarray(value, dtype=np.float64).reshape(-1) for name, value in x.items()}
+    flat = {name: np.asarray(value, dtype=np.float64).reshape(-1).tolist() for name, value in x.items()}
+    return forward_neurons(net, flat, weight=lambda data: data["weight"],
+                           bias=lambda d: 0.0 if d["bias"] is None else d["bias"][2],
+                           total=sum, relu=lambda a: max(0.0, a))
+
+
+def forward_neurons(net: nx.MultiDiGraph, flat, weight, bias, total, relu) -> NeuronValues:
+    """`neuron_forward` in any arithmetic: ``flat`` {input name: its entries, flat}, ``weight(edge data)``,
+    ``bias(node data)``, ``total(values)`` their sum, ``relu(value)`` (the sympy backend reads exact numbers).
+    A k-max-pool selects the first antecedent, in `antecedents` order, at the k-th largest input."""
     pre, out, selected = {}, {}, {}
     for v, d in net.nodes(data=True):
         if d["is_input"]:
-            pre[v] = out[v] = float(flat[v[0]][v[1]])
+            pre[v] = out[v] = flat[v[0]][v[1]]
             continue
-        b = 0.0 if d["bias"] is None else d["bias"][2]
-        terms = [(u, key, data["weight"] * out[u]) for u, key, data in antecedents(net, v)]
+        b = bias(d)
+        terms = [(u, key, weight(data) * out[u]) for u, key, data in antecedents(net, v)]
         if d["kind"] is NodeKind.MAXPOOL:
             if len(terms) < d["k"]:
                 raise PathirError(f"neuron {v}: a {d['k']}-max-pool over {len(terms)} antecedents")
@@ -141,8 +150,8 @@ def neuron_forward(net: nx.MultiDiGraph, x: dict[str, np.ndarray]) -> NeuronValu
             selected[v] = (u, key)
             pre[v] = b + kth
         else:
-            pre[v] = b + sum(t[2] for t in terms)
-        out[v] = max(0.0, pre[v]) if d["kind"] is NodeKind.RELU else pre[v]
+            pre[v] = b + total(t[2] for t in terms)
+        out[v] = relu(pre[v]) if d["kind"] is NodeKind.RELU else pre[v]
     return NeuronValues(pre, out, selected)
 
 
