@@ -154,6 +154,14 @@ class Shuffle(nn.Module):
         return self.fc(x.reshape(x.size(0), -1))
 
 
+def fresh_bn_convnet() -> nn.Module:
+    """Two conv + fresh batch-norm + ReLU layers and a linear head, for 3x6x6 inputs (seeded): the
+    legacy exporter aliases the batch-norms' equal initializers through Identity nodes."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4),
+                         nn.ReLU(), nn.Flatten(), nn.Linear(16, 2))
+
+
 def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Dropout(0.3), nn.Linear(7, 6), nn.ReLU(), nn.Linear(6, 3))
 

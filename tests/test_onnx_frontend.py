@@ -3,7 +3,6 @@ exporters) and hand-built graphs compile, and the IR's forward equals
 onnxruntime's (float64 IR vs float32 ORT: relative error <= 1e-5) and torch's."""
 
 import numpy as np
-import onnx
 import pytest
 import torch
 
@@ -12,7 +11,7 @@ from pathir.backends import available_backends
 from pathir.ir import MapKind, NodeKind, Role
 
 from onnx_cases import (
-    MODELS, UNFOLDED, export, exported, make_model, node, ort_run, rel, tensor_info,
+    MODELS, UNFOLDED, export, exported, fresh_bn_convnet, make_model, node, ort_run, rel, tensor_info,
 )
 
 BACKENDS = [b for b in ("numpy", "torch") if b in available_backends()]
@@ -105,11 +104,7 @@ def test_path_bytes_and_modelproto_give_one_graph_and_the_source_is_untouched(tm
 def test_fresh_batchnorms_deduplicated_by_the_exporter():
     # the legacy exporter shares equal initializers (fresh gamma = running_var = 1)
     # through Identity nodes; each still lowers to its own source tensor
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
-                              torch.nn.Conv2d(4, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
-                              torch.nn.Flatten(), torch.nn.Linear(16, 2))
-    proto = export(net, (3, 6, 6), "legacy-nofold")
+    proto = export(fresh_bn_convnet(), (3, 6, 6), "legacy-nofold")
     assert any(n.op_type == "Identity" for n in proto.graph.node)
     cm = pathir.compile(proto)
     names = {r.name for p in cm.graph.params() for r in p.sources}

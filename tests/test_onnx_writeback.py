@@ -14,7 +14,7 @@ import pathir
 from pathir.errors import PathirError
 from pathir.rescale import log_scales, rescale_graph
 
-from onnx_cases import export, exported, make_model, node, ort_run, rel, tensor_info
+from onnx_cases import export, exported, fresh_bn_convnet, make_model, node, ort_run, rel, tensor_info
 
 CASES = [(m, e) for m in ("mlp", "bn_mlp", "residual", "pools_exclude_pad", "concat", "shuffle")
          for e in ("legacy", "legacy-nofold")] + [("residual", "dynamo"), ("concat", "dynamo-noopt")]
@@ -91,11 +91,7 @@ def test_unfolded_batchnorm_takes_the_factor_on_its_statistics():
 
 def test_deduplicated_initializers_are_split_not_overwritten():
     # fresh batch-norms: the legacy exporter aliases equal tensors through Identity nodes
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
-                              torch.nn.Conv2d(4, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
-                              torch.nn.Flatten(), torch.nn.Linear(16, 2))
-    proto = export(net, (3, 6, 6), "legacy-nofold")
+    proto = export(fresh_bn_convnet(), (3, 6, 6), "legacy-nofold")
     cm = pathir.compile(proto)
     _, scales = _random_rescaling(cm, seed=3)
     cm.frontend.rescale(cm.graph, scales)

@@ -20,7 +20,7 @@ from pathir.write_back import commit_rescaling  # noqa: E402
 # ------------------------------------------------------------------ models
 
 
-from torch_models import randomize_bn as _randomize_bn  # noqa: E402
+from torch_models import ResidualBlock, randomize_bn as _randomize_bn  # noqa: E402
 
 
 def mlp():
@@ -34,23 +34,13 @@ def cnn():
     )
 
 
-class Block(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-
-    def forward(self, x):
-        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
-
-
 class ResNet(nn.Module):
     def __init__(self):
         super().__init__()
         self.stem, self.bn = nn.Conv2d(2, 3, 3, padding=1, bias=False), nn.BatchNorm2d(3)
-        self.layer1 = nn.Sequential(Block(3), Block(3))
+        self.layer1 = nn.Sequential(ResidualBlock(3), ResidualBlock(3))
         self.down, self.bnd = nn.Conv2d(3, 4, 1, stride=2, bias=False), nn.BatchNorm2d(4)
-        self.layer2 = Block(4)
+        self.layer2 = ResidualBlock(4)
         self.fc = nn.Linear(4, 3)
 
     def forward(self, x):

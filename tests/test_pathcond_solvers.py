@@ -404,8 +404,8 @@ def test_row_keys_given_by_the_caller_are_checked_and_used():
     g = np.exp(np.random.default_rng(5).uniform(-2, 2, len(rows)))
     for method in ("block", "coordinate"):
         plain = solve(g, B, method=method, tol=1e-13)
-        for given in (key, RowKeys(key, column_balance(B))):
-            np.testing.assert_array_equal(plain.z, solve(g, B, method=method, tol=1e-13, row_key=given).z)
+        for keys_given in (key, RowKeys(key, column_balance(B))):
+            np.testing.assert_array_equal(plain.z, solve(g, B, method=method, tol=1e-13, row_key=keys_given).z)
     with pytest.raises(ValueError, match="RowKeys for 3 units"):
         keys_for(B, RowKeys(key, np.zeros(3)))
     with pytest.raises(ValueError, match="integer vector of length"):

@@ -16,7 +16,7 @@ from pathir.rescale import log_scales  # noqa: E402
 from pathir.frontends.torch_writer import TorchWriter  # noqa: E402
 
 
-from torch_models import randomize_bn as _randomize_bn  # noqa: E402
+from torch_models import ResidualBlock, randomize_bn as _randomize_bn  # noqa: E402
 
 
 def _z(cm, seed=0, size=1.0):
@@ -42,17 +42,6 @@ def _rescale_and_compare(model, input_shape, train=False, seed=0, tol=1e-10):
     return cm, z
 
 
-class _Block(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-
-    def forward(self, x):
-        h = torch.relu(self.bn1(self.conv1(x)))
-        return torch.relu(self.bn2(self.conv2(h)) + x)
-
-
 def _mlp():
     return nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3), nn.ReLU(), nn.Linear(3, 2))
 
@@ -66,7 +55,7 @@ def _cnn():
 
 def _resnet_like():
     return _randomize_bn(nn.Sequential(
-        nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(), _Block(3), _Block(3),
+        nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(), ResidualBlock(3), ResidualBlock(3),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 2),
     ))
 

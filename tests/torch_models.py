@@ -16,3 +16,15 @@ def randomize_bn(model, seed=0):
                 m.weight.copy_(torch.randn(m.num_features, generator=g))
                 m.bias.copy_(torch.randn(m.num_features, generator=g))
     return model
+
+
+class ResidualBlock(nn.Module):
+    """A basic ResNet block: relu(x + bn2(conv2(relu(bn1(conv1(x)))))), c channels, 3x3 convs."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
