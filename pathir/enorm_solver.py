@@ -102,7 +102,7 @@ def solve_enorm_coordinate(w, B, c=None, *, max_sweeps: int = 1000, tol: float =
     1.386294 32
     """
     start = time.perf_counter()
-    B = canonical(B) if row_key is None else keys_for(B, row_key)[0]
+    B = canonical(B) if row_key is None else keys_for(B, row_key, balance=False)[0]
     n, H = B.shape
     m = _masses(w, c, n)
     csc = B.tocsc()
@@ -144,7 +144,7 @@ def solve_enorm_block(w, B, c=None, *, max_sweeps: int = 1000, tol: float = 1e-1
     ([0.693147, 1.098612], '10', 2)
     """
     start = time.perf_counter()
-    B, key, H, _ = keys_for(B, row_key)
+    B, key, H, _ = keys_for(B, row_key, balance=False)
     m = _masses(w, c, key.size)
     pairs = group_pairs(m, key, H)
     degenerate = pairs.degenerate()

@@ -76,41 +76,38 @@ class RowKeys:
         return int(self.balance.size)
 
 
-def keys_for(B, row_key=None) -> tuple[sp.csr_array, np.ndarray, int, np.ndarray]:
+def keys_for(B, row_key=None, balance: bool = True) -> tuple[sp.csr_array | None, np.ndarray, int, np.ndarray | None]:
     """``(B, key, H, A)`` for a solver: B checked by `canonical`, its `row_keys` and column balance
     derived, or, where the caller passes the ``row_key`` it built B from (an array of keys or a
     `RowKeys`, as ``Compiled.row_keys()`` gives), those, checked for shape and range and against
     B on a sample of rows. ``B`` may be None where ``row_key`` is a `RowKeys`: the block solver
-    needs nothing else (returned B is then None)."""
-    if B is None:
-        if not isinstance(row_key, RowKeys):
-            raise ValueError("without B, row_key must be a RowKeys (keys and column balance)")
-        key, H = np.asarray(row_key.key), row_key.num_units
-        if key.ndim != 1 or key.dtype.kind not in "iu" or (key.size and not
-                                                           (key.min() >= 0 and key.max() < (H + 1) ** 2)):
-            raise ValueError(f"row_key.key must be integers in [0, (H + 1)²) = [0, {(H + 1) ** 2})")
-        return None, key.astype(np.int64, copy=False), H, np.asarray(row_key.balance)
+    needs nothing else (returned B is then None). ``balance=False``: A is None unless given."""
     if row_key is None:
         csr = canonical(B)
         key, H = row_keys(csr, checked=True)
-        return csr, key, H, key_balance(key, H)
-    csr = B if isinstance(B, sp.csr_array) else sp.csr_array(B)
-    n, H = csr.shape
-    balance = None
-    if isinstance(row_key, RowKeys):
-        row_key, balance = row_key.key, np.asarray(row_key.balance)
-        if balance.shape != (H,):
-            raise ValueError(f"RowKeys for {balance.size} units given with a B of {H} columns")
-    key = np.asarray(row_key)
-    if key.shape != (n,) or key.dtype.kind not in "iu":
-        raise ValueError(f"row_key must be an integer vector of length {n}, got {key.dtype} {key.shape}")
-    if n and not (key.min() >= 0 and key.max() < (H + 1) ** 2):
-        raise ValueError(f"row_key must lie in [0, (H + 1)²) = [0, {(H + 1) ** 2})")
-    sample = np.unique(np.linspace(0, n - 1, min(n, 1024)).astype(np.int64))
-    if n and not np.array_equal(row_keys(csr[sample])[0], key[sample]):
-        raise ValueError("row_key does not describe the rows of B")
-    key = key.astype(np.int64, copy=False)
-    return csr, key, H, key_balance(key, H) if balance is None else balance
+        given = None
+    else:
+        csr = None if B is None else (B if isinstance(B, sp.csr_array) else sp.csr_array(B))
+        given = np.asarray(row_key.balance) if isinstance(row_key, RowKeys) else None
+        if csr is None and given is None:
+            raise ValueError("without B, row_key must be a RowKeys (keys and column balance)")
+        H = given.size if csr is None else csr.shape[1]
+        if given is not None and given.shape != (H,):
+            raise ValueError(f"RowKeys for {given.size} units given with a B of {H} columns")
+        key = np.asarray(row_key.key if isinstance(row_key, RowKeys) else row_key)
+        n = key.size if csr is None else csr.shape[0]
+        if key.shape != (n,) or key.dtype.kind not in "iu":
+            raise ValueError(f"row_key must be an integer vector of length {n}, got {key.dtype} {key.shape}")
+        if n and not (key.min() >= 0 and key.max() < (H + 1) ** 2):
+            raise ValueError(f"row_key must lie in [0, (H + 1)²) = [0, {(H + 1) ** 2})")
+        if csr is not None and n:
+            sample = np.unique(np.linspace(0, n - 1, min(n, 1024)).astype(np.int64))
+            if not np.array_equal(row_keys(csr[sample])[0], key[sample]):
+                raise ValueError("row_key does not describe the rows of B")
+        key = key.astype(np.int64, copy=False)
+    if given is None and balance:
+        given = key_balance(key, H)
+    return csr, key, H, given
 
 
 def row_units(B) -> tuple[np.ndarray, np.ndarray, int]:
