@@ -17,7 +17,7 @@ RuleTable = dict[MapKind, tuple[Rule, Rule, Rule]]
 class Backend:
     """A backend = ``rules`` (apply, adjoint, weight_grad per MapKind) + array ops.
 
-    The walks in :mod:`pathir.execute` use only these; a missing rule raises
+    The walks in :mod:`pathir.lifting.walk` use only these; a missing rule raises
     "backend X has no rule for Y"."""
 
     name = "abstract"

@@ -16,7 +16,7 @@ overrides are where numpy would bring a float in:
 (denominator up to 10^6; so 1/3 reads as 1/3), or else as its exact binary
 value. The float64 graph and its exact reading agree to rounding.
 
-At the neuron level (:mod:`pathir.neurons`), :func:`symbolic_phi` writes Φ_p
+At the neuron level (:mod:`pathir.neurons.expand`), :func:`symbolic_phi` writes Φ_p
 (MATH.md §2) as a monomial in parameter symbols named after the param and the
 flat C-order index of the entry (``fc1.weight[3]``), and :func:`neuron_values`
 is the exact neuron-by-neuron forward whose pre-activations and max-pool
@@ -192,12 +192,12 @@ class SympyBackend(Backend):
         symbols or floats, in the param's shape or flat); a param not given
         reads its own value exactly (see :func:`exact`).
 
-    The walks of :mod:`pathir.execute` run on it unchanged: ``forward`` gives
+    The walks of :mod:`pathir.lifting.walk` run on it unchanged: ``forward`` gives
     exact outputs (object arrays). The log-scaled path walks need floats; for
     exact path sums run ``forward`` on a path view (see :meth:`power_view`).
 
     >>> import numpy as np
-    >>> from pathir.execute import forward
+    >>> from pathir.lifting.walk import forward
     >>> from pathir.ir import GraphBuilder, Dense
     >>> b = GraphBuilder()
     >>> x = b.input("x", (2,))
@@ -359,13 +359,13 @@ def symbolic_phi(net, paths, values: Mapping[str, object] | None = None) -> list
     (``values``: {param name: entries, any shape}; a param not given reads the
     graph's own value). Fixed weights are exact constants.
 
-    ``net`` from :func:`pathir.neurons.expand`, ``paths`` from
-    :func:`pathir.paths.enumerate_paths`.
+    ``net`` from :func:`pathir.neurons.expand.expand`, ``paths`` from
+    :func:`pathir.neurons.paths.enumerate_paths`.
 
     >>> import numpy as np
     >>> from pathir.ir import GraphBuilder, Dense, Identity
-    >>> from pathir.neurons import expand
-    >>> from pathir.paths import enumerate_paths
+    >>> from pathir.neurons.expand import expand
+    >>> from pathir.neurons.paths import enumerate_paths
     >>> b = GraphBuilder()
     >>> x = b.input("x", (1,))
     >>> h = b.relu("h", [(x, Dense(b.param("fc1.weight", [[2.0]])))], bias=b.param("fc1.bias", [1.0]))
@@ -389,13 +389,13 @@ def symbolic_phi(net, paths, values: Mapping[str, object] | None = None) -> list
 
 def neuron_values(net, x: Mapping[str, object], values: Mapping[str, object] | None = None):
     """The network of MATH.md §1 neuron by neuron, exactly: a
-    :class:`pathir.paths.NeuronValues` of sympy numbers, from which
-    :func:`pathir.paths.activations` reads a_p(θ, x).
+    :class:`pathir.neurons.paths.NeuronValues` of sympy numbers, from which
+    :func:`pathir.neurons.paths.activations` reads a_p(θ, x).
 
     ``x``: {input name: one sample of its shape}; ``values``: {param name:
     entries} (a param not given: the graph's own value, read exactly).
     """
-    from pathir.paths import forward_neurons
+    from pathir.neurons.paths import forward_neurons
 
     flat = {name: exact_array(np.asarray(v, dtype=object)).reshape(-1) for name, v in x.items()}
     entry = _entries(values if values is not None else {})

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 import pathir
-from pathir.diag_g import diag_g_flat
-from pathir.pathcond_solvers import solve
+from pathir.lifting.diag_g import diag_g_flat
+from pathir.pathcond.solvers import solve
 
 
 def first_at_or_below(result, target):

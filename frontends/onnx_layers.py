@@ -18,7 +18,7 @@ import numpy as np
 
 from pathir.ir import Conv, Dense, Param, Pool, pool_output_size
 
-from .torch_values import ParamTensor, Value
+from pathir.frontends.values import ParamTensor, Value
 
 __all__ = ["LayerOps", "attrs", "f64"]
 

@@ -2,7 +2,7 @@
 
 The walk follows the torch frontend's conventions (it subclasses its
 ``Lowering``, so both produce the same nodes, biases and params for the same
-network): an activation is a pending sum of terms (``torch_values.Value``)
+network): an activation is a pending sum of terms (``values.Value``)
 until a ReLU, a max-pool or a map that needs one source materializes it into a
 node; constants (initializers, Constant nodes, and everything computed from
 them or from activation *shapes*) are numpy arrays, folded with onnx's reference
@@ -31,8 +31,8 @@ from .onnx_eval import run_node, run_on_ids
 from .onnx_layers import LayerOps, attrs as _attrs, f64 as _f64
 from .onnx_ops import AXIS1_OK, DEFAULT_WHY, INDEX_OPS, SECOND_OUTPUT, WHY
 from .onnx_writer import Binding
-from .torch_ops import Lowering
-from .torch_values import Value
+from pathir.frontends.lowering import Lowering
+from pathir.frontends.values import Value
 
 __all__ = ["OnnxLowering", "Sequence"]
 

@@ -81,12 +81,7 @@ class OnnxWriter:
     True
     """
 
-    def __init__(self, model, bindings: Mapping[str, Binding] | None = None, outputs=None):
-        if bindings is None:
-            from .onnx import lower
-
-            low = lower(model)
-            model, bindings, outputs = low.writer.source, low.writer.bindings, low.writer.outputs
+    def __init__(self, model, bindings: Mapping[str, Binding], outputs=None):
         self.source = model
         self.bindings = {k: _copy(b) for k, b in bindings.items()}
         #: ONNX output name -> (IR output node, whether the ONNX tensor has its batch on axis 1)

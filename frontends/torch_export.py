@@ -1,7 +1,7 @@
 """torch.export fallback of the torch frontend: interpret the exported ATen graph.
 
 Used when torch.fx symbolic tracing fails (e.g. Python control flow on shapes).
-ATen ops map onto the same op semantics (torch_ops.Lowering) as the fx path;
+ATen ops map onto the same op semantics (lowering.Lowering) as the fx path;
 parameters and buffers arrive as lifted placeholders named by their FQN.
 """
 
@@ -11,8 +11,8 @@ import operator
 
 import torch
 
-from .torch_fx import _FxInterpreter, _bind, _values_in, _why
-from .torch_values import ParamTensor, Value
+from pathir.frontends.fx_interpreter import FxInterpreter, bind, values_in, substitute, why
+from pathir.frontends.values import ParamTensor, Value
 
 __all__ = ["lower_exported"]
 
@@ -37,7 +37,7 @@ def lower_exported(model, shape, name):
     return _ExportInterpreter(model, program.graph_module, name, lifted, tensors).run(shape)
 
 
-class _ExportInterpreter(_FxInterpreter):
+class _ExportInterpreter(FxInterpreter):
     def __init__(self, model, gm, name, lifted, tensors):
         super().__init__(model, gm, name)
         self.lifted, self.tensors = lifted, tensors
@@ -50,7 +50,7 @@ class _ExportInterpreter(_FxInterpreter):
 
     def _function(self, fn, args, kwargs):
         low = self.low
-        if not _values_in(args, kwargs) or fn is operator.getitem and not isinstance(args[0], Value):
+        if not values_in(args, kwargs) or fn is operator.getitem and not isinstance(args[0], Value):
             if fn is operator.getitem or not isinstance(fn, torch._ops.OpOverload):
                 return super()._function(fn, args, kwargs)
         if fn in _SAME:
@@ -60,15 +60,15 @@ class _ExportInterpreter(_FxInterpreter):
         if fn in (aten.add.Tensor, aten.add_.Tensor):
             return low.add(args[0], args[1], kwargs.get("alpha", 1))
         if fn in (aten.conv1d.default, aten.conv2d.default, aten.conv1d.padding, aten.conv2d.padding):
-            return low.conv(*_bind(args, kwargs, ["input", "weight", "bias", "stride", "padding", "dilation", "groups"],
+            return low.conv(*bind(args, kwargs, ["input", "weight", "bias", "stride", "padding", "dilation", "groups"],
                                    {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}))
         if fn is aten.convolution.default:
             x, w, b, stride, padding, dilation, transposed, _, groups = args[:9]
             if transposed:
-                low.unsupported(_why("ConvTranspose2d"), "convolution")
+                low.unsupported(why("ConvTranspose2d"), "convolution")
             return low.conv(x, w, b, stride, padding, dilation, groups)
         if fn is aten.linear.default:
-            return low.linear(*_bind(args, kwargs, ["input", "weight", "bias"], {"bias": None}))
+            return low.linear(*bind(args, kwargs, ["input", "weight", "bias"], {"bias": None}))
         if fn is aten.batch_norm.default:
             x, w, b, mean, var, training, _, eps = args[:8]
             return low.batch_norm(x, "", w, b, mean, var, eps)
@@ -76,27 +76,21 @@ class _ExportInterpreter(_FxInterpreter):
             x, w, b, mean, var, _, eps = args[:7]
             return (low.batch_norm(x, "", w, b, mean, var, eps), None, None)
         if fn in (aten.max_pool1d.default, aten.max_pool2d.default, aten.max_pool2d_with_indices.default):
-            a = _bind(args, kwargs, ["input", "kernel_size", "stride", "padding", "dilation", "ceil_mode"],
+            a = bind(args, kwargs, ["input", "kernel_size", "stride", "padding", "dilation", "ceil_mode"],
                       {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False})
             out = low.max_pool(*a)
             return (out, None) if fn is aten.max_pool2d_with_indices.default else out
         if fn in (aten.avg_pool1d.default, aten.avg_pool2d.default):
-            return low.avg_pool(*_bind(args, kwargs, ["input", "kernel_size", "stride", "padding", "ceil_mode",
+            return low.avg_pool(*bind(args, kwargs, ["input", "kernel_size", "stride", "padding", "ceil_mode",
                                                       "count_include_pad", "divisor_override"],
                                        {"stride": None, "padding": 0, "ceil_mode": False, "count_include_pad": True,
                                         "divisor_override": None}))
         if fn in (aten.adaptive_avg_pool1d.default, aten.adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d.default):
             return low.adaptive_avg_pool(args[0], args[1])
         if fn is aten.mean.dim:
-            x, dim, keepdim = _bind(args, kwargs, ["input", "dim", "keepdim"], {"keepdim": False})
+            x, dim, keepdim = bind(args, kwargs, ["input", "dim", "keepdim"], {"keepdim": False})
             return low.mean(x, dim, keepdim)
         if fn in _VIEW_OPS:
-            return self._index(lambda *ids: fn(*_sub(args, ids), **_sub(kwargs, ids)), _values_in(args, kwargs))
+            return self._index(lambda *ids: fn(*substitute(args, ids), **substitute(kwargs, ids)), values_in(args, kwargs))
         op = getattr(fn, "__name__", str(fn))
-        low.unsupported(_why(op.split(".")[0]), op)
-
-
-def _sub(obj, ids):
-    from .torch_fx import _substitute
-
-    return _substitute(obj, ids)
+        low.unsupported(why(op.split(".")[0]), op)

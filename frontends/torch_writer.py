@@ -1,7 +1,7 @@
 """Write-back into a torch nn.Module: rescalings and masks, all at once.
 
 A rescaling arrives as per-channel log-scales s (``{node name: (channels,)}``,
-see :func:`pathir.rescale.log_scales`). A param on edge u -> v changes entry
+see :func:`pathir.rescaling.apply.log_scales`). A param on edge u -> v changes entry
 [o, i] by out[o] · in[i], out = e^{s_v}[target channel], in = e^{-s_u}[source
 channel] (``Map.weight_channels``); a bias of v by out = e^{s_v}. Each source
 tensor of the param (``Param.sources``) takes its share by role:
@@ -44,7 +44,7 @@ class TorchWriter:
     Examples
     --------
     >>> import numpy as np, torch, pathir
-    >>> from pathir.rescale import log_scales
+    >>> from pathir.rescaling.apply import log_scales
     >>> net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1)).double()
     >>> cm = pathir.compile(net, input_shape=(2,))
     >>> x = torch.randn(4, 2, dtype=torch.float64)

@@ -29,7 +29,7 @@ def source_factors(graph: Graph, log_scales: Mapping[str, np.ndarray]) -> dict[s
     VALUE factors have the param's shape, OUT_SCALE and IN_STATS ones one entry
     per channel (IN_STATS: λ, the factor of the batch-norm's input). One
     (tensor, role) reached through several params must get one factor."""
-    from pathir.rescale import check_log_scales, param_factors
+    from pathir.rescaling.apply import check_log_scales, param_factors
 
     s = check_log_scales(graph, log_scales)
     plan: dict[tuple[str, Role], tuple[np.ndarray, bool, str]] = {}

@@ -190,7 +190,7 @@ def normalize(graph: Graph, p: float = 2.0, units=None) -> Graph:
     [[0.6, 0.8], [10.0]]
     """
     from pathir.passes.find_units import find_units
-    from pathir.rescale import rescale_graph
+    from pathir.rescaling.apply import rescale_graph
 
     if units is None:
         units = find_units(graph)[1]

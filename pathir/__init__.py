@@ -1,6 +1,6 @@
 """pathir: ReLU networks with their rescaling symmetries factored out."""
 
-from .errors import (
+from pathir.errors import (
     BackendError,
     GraphTooLarge,
     GraphVerificationError,
@@ -10,10 +10,10 @@ from .errors import (
 )
 
 __version__ = "0.1.0"
-from .api import compile
-from .compiled import Compiled, Summary
-from .ir import Graph, GraphBuilder, verify
-from .path_metric import PathMetric, output_bound, path_metric
+from pathir.api import compile
+from pathir.compiled import Compiled, Summary
+from pathir.ir import Graph, GraphBuilder, verify
+from pathir.lifting.path_metric import PathMetric, output_bound, path_metric
 
 __all__ = [
     "compile", "Compiled", "Summary", "Graph", "GraphBuilder", "verify",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from .compiled import Compiled
-from .ir import Graph, verify
+from pathir.compiled import Compiled
+from pathir.ir import Graph, verify
 
 __all__ = ["compile"]
 

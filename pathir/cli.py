@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from .errors import PathirError
+from pathir.errors import PathirError
 
 __all__ = ["main", "COMMANDS"]
 

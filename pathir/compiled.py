@@ -13,7 +13,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from .ir import Graph, MapKind
+from pathir.ir import Graph, MapKind
 
 __all__ = ["Compiled", "Summary"]
 
@@ -117,7 +117,7 @@ class Compiled:
     def forward(self, x, backend=None):
         """The IR's own forward R_theta(x) (float64); x of shape (B, *input shape).
         Returns the output array (dict if several outputs), as the backend's array type."""
-        from .execute import forward
+        from pathir.lifting.walk import forward
 
         out = forward(self.graph, self._backend(backend), x)
         return out[self.graph.outputs[0]] if len(out) == 1 else out
@@ -125,18 +125,18 @@ class Compiled:
     def path_norm(self, q: float = 1.0, log10: bool = False, backend=None) -> float:
         """The l_q path-norm ||Phi(theta)||_q (MATH.md §3), exact in float64 without
         overflow; ``log10=True`` gives its log10 (for norms beyond 1e308)."""
-        from .pathnorm import path_norm
+        from pathir.lifting.path_norm import path_norm
 
         return path_norm(self.graph, q, self._backend(backend), log10)
 
     def path_norms(self, qs: Iterable[float] = (1, 2, 4), log10: bool = False, backend=None) -> dict[float, float]:
-        from .pathnorm import path_norms
+        from pathir.lifting.path_norm import path_norms
 
         return path_norms(self.graph, qs, self._backend(backend), log10)
 
     def num_paths(self, log10: bool = False, backend=None) -> float:
         """Number of paths of the DAG (MATH.md §2); ``log10=True`` for its log10."""
-        from .pathnorm import num_paths
+        from pathir.lifting.path_norm import num_paths
 
         return num_paths(self.graph, self._backend(backend), log10)
 
@@ -176,7 +176,7 @@ class Compiled:
 
     # ---------------------------------------------------------------- ONNX models
     def _onnx_writer(self, what: str):
-        from .errors import PathirError
+        from pathir.errors import PathirError
 
         if not (hasattr(self.frontend, "to_onnx") and hasattr(self.frontend, "save")):
             source = type(self.model).__name__ if self.model is not None else "a Graph"
@@ -217,7 +217,7 @@ class Compiled:
         return cached[1]
 
     def row_keys(self):
-        """B's rows (``incidence()``) as a ``pathir.unit_rows.RowKeys``: per row, e(i) (H + 1) + l(i),
+        """B's rows (``incidence()``) as a ``pathir.rescaling.unit_rows.RowKeys``: per row, e(i) (H + 1) + l(i),
         the unit θ_i enters and the one it leaves (H for none), and A = -Bᵀ1, read from the units.
         The PathCond and ENorm solvers take it with B (``row_key=``) instead of re-deriving it from B.
         Built once per graph object."""
@@ -249,8 +249,8 @@ class Compiled:
 
     def diag_g(self, backend=None) -> dict[str, np.ndarray]:
         """diag G (MATH.md §6): {source param name: array of that param's shape}.
-        Raises PathNormOverflow beyond float64 (see ``pathir.diag_g.diag_g_flat``)."""
-        from .diag_g import diag_g
+        Raises PathNormOverflow beyond float64 (see ``pathir.lifting.diag_g.diag_g_flat``)."""
+        from pathir.lifting.diag_g import diag_g
 
         return diag_g(self.graph, self._backend(backend))
 
@@ -261,7 +261,7 @@ class Compiled:
         (function preserved); returns a PathCondReport. ``write_back=False``
         leaves model and graph as they are (apply ``report.z`` with
         :meth:`rescaled`). See docs/pathcond.md."""
-        from .pathcond import pathcond
+        from pathir.pathcond.run import pathcond
 
         return pathcond(self, solver=solver, max_sweeps=max_sweeps, tol=tol, write_back=write_back, backend=backend)
 
@@ -269,7 +269,7 @@ class Compiled:
               solver: str = "block", write_back: bool = True):
         """ENorm (MATH.md §8): minimise Σ c_i |θ_i|^p over the rescalings and rescale
         the model in place; returns an ENormReport. See docs/normalize.md."""
-        from .enorm import enorm
+        from pathir.enorm.run import enorm
 
         return enorm(self, p=p, max_sweeps=max_sweeps, tol=tol, costs=costs, solver=solver, write_back=write_back)
 
@@ -277,7 +277,7 @@ class Compiled:
         """The canonical representative (MATH.md §8): every unit's incoming weights and
         bias get unit l_p norm; rescales the model in place; returns a NormalizeReport.
         See docs/normalize.md."""
-        from .enorm import normalize
+        from pathir.enorm.run import normalize
 
         return normalize(self, p=p, write_back=write_back)
 
@@ -285,7 +285,7 @@ class Compiled:
     def path_magnitude_scores(self, backend=None) -> dict[str, np.ndarray]:
         """S_i = Σ_{p ∋ i} |Φ_p(θ)| (MATH.md §4), one backward pass:
         {source param name: array in the source tensor's layout}."""
-        from .pruning import path_magnitude_scores
+        from pathir.lifting.pruning import path_magnitude_scores
 
         return path_magnitude_scores(self.graph, self._backend(backend))
 
@@ -294,14 +294,14 @@ class Compiled:
         """Zero the ``amount`` (fraction or count) lowest-scoring weights of the
         model, through the frontend writer, all at once; returns a PruneReport
         (pruned count, bound Σ S_i, path-norm before/after). See docs/pruning.md."""
-        from .pruning import prune
+        from pathir.lifting.pruning import prune
 
         return prune(self, amount, criterion, scope, include_biases, backend)
 
     def rescaled(self, z) -> "Compiled":
         """A new Compiled whose graph is rescaled by z (one log-scale per unit:
         θ ← θ ⊙ exp(-Bz/2)). Φ and the function are unchanged; the model is not touched."""
-        from .rescale import rescale_graph
+        from pathir.rescaling.apply import rescale_graph
 
         graph = rescale_graph(self.graph, self.units, z)
         return Compiled(graph, self.model, self.frontend, self.source_num_params, self.backend, self.name)
@@ -311,7 +311,7 @@ class Compiled:
         """H_h = Σ_{in_h} θ_i² − Σ_{out_h} θ_i² for every unit (MATH.md §9):
         {unit name: value at the graph's θ}; ``symbolic=True``: {unit name:
         sympy expression in the parameter symbols}. See docs/symbolic.md."""
-        from .symbolic import conservation_law_expressions, conservation_laws
+        from pathir.neurons.symbolic import conservation_law_expressions, conservation_laws
 
         if symbolic:
             return conservation_law_expressions(self.graph, self.units)
@@ -321,14 +321,14 @@ class Compiled:
         """Exact checks on the neuron-level graph (small graphs only): rescaling
         invariance, lifting identity, conservation laws, rank DΦ, path-norm pass.
         Returns a SymbolicReport (``.passed``, ``.checks``). See docs/symbolic.md."""
-        from .symbolic import DEFAULT_MAX_PATHS, verify_symbolic
+        from pathir.neurons.symbolic import DEFAULT_MAX_PATHS, verify_symbolic
 
         limit = DEFAULT_MAX_PATHS if max_paths is None else max_paths
         return verify_symbolic(self.graph, self.units, seed=seed, max_paths=limit, samples=samples)
 
     def _write_rescaling(self, log_scales) -> None:
         """Write per-channel log-scales ({node: (channels,)}) into the user's model."""
-        from .errors import PathirError
+        from pathir.errors import PathirError
 
         if self.frontend is None:
             raise PathirError("this Compiled has no source model to write a rescaling into (compiled from a Graph)")

@@ -168,7 +168,7 @@ def accuracy(model, X, y) -> float:
 
 def random_rescaling(model: nn.Module, spread: float, seed: int) -> None:
     """Rescale ``model`` in place by a random element of its rescaling group (same function)."""
-    from pathir.rescale import log_scales
+    from pathir.rescaling.apply import log_scales
 
     cm = pathir.compile(model, input_shape=(1, 8, 8))
     z = np.random.default_rng(seed).uniform(-spread, spread, size=len(cm.units))

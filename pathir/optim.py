@@ -36,8 +36,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .errors import PathirError, PathNormOverflow
-from .ir import Graph, Param, Role
+from pathir.errors import PathirError, PathNormOverflow
+from pathir.ir import Graph, Param, Role
 
 __all__ = ["PathSGD"]
 
@@ -261,7 +261,7 @@ class PathSGD(torch.optim.Optimizer):
     @torch.no_grad()
     def refresh(self) -> None:
         """Recompute diag G from the model's current parameters (``step`` does it every k steps)."""
-        from .diag_g import diag_g_log_parts
+        from pathir.lifting.diag_g import diag_g_log_parts
 
         tensors = self._coords.read()
         graph = self._coords.current_graph(tensors)

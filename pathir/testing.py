@@ -11,7 +11,7 @@
 - :func:`random_inputs` draws a batch of inputs for a graph.
 
 Graphs stay small (by default at most ~200 neurons and ~3000 paths) so that
-exhaustive path enumeration (:mod:`pathir.paths`) checks them in milliseconds.
+exhaustive path enumeration (:mod:`pathir.neurons.paths`) checks them in milliseconds.
 Structure is drawn by hypothesis (it shrinks); weight values come from a numpy
 generator seeded by one drawn integer. With ``integer_weights=True`` every free
 weight and bias is a nonzero integer in [-3, 3] (fixed weights stay as they
@@ -20,7 +20,7 @@ for graphs whose arithmetic is exact in float64 on integer inputs).
 
 >>> from hypothesis import given, settings
 >>> import pathir
->>> from pathir.paths import enumerate_num_paths
+>>> from pathir.neurons.paths import enumerate_num_paths
 >>> from pathir.testing import relu_dags
 >>> @settings(max_examples=5)
 ... @given(relu_dags())
@@ -39,7 +39,7 @@ from typing import Sequence
 import numpy as np
 from hypothesis import strategies as st
 
-from .ir import (
+from pathir.ir import (
     ChannelMap, Conv, Dense, Gather, Graph, GraphBuilder, Identity, Map, NodeKind, Pool, Reshape, Scale,
     SpatialMatrix, pool_output_size,
 )

@@ -1,8 +1,8 @@
 """Definitions by enumeration that several tests compare against."""
 
-from pathir.neurons import expand
+from pathir.neurons.expand import expand
 from pathir.passes.incidence import ParamLayout
-from pathir.paths import enumerate_paths
+from pathir.neurons.paths import enumerate_paths
 
 
 def path_factors(graph):

@@ -7,8 +7,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import numpy as np  # noqa: E402
 
-from pathir.pathcond_solvers import solve  # noqa: E402
-from pathir.unit_rows import column_balance, row_keys  # noqa: E402
+from pathir.pathcond.solvers import solve  # noqa: E402
+from pathir.rescaling.unit_rows import column_balance, row_keys  # noqa: E402
 
 
 def test_solver_benchmark_mlp_is_the_closed_form_of_a_real_mlp():
@@ -23,7 +23,7 @@ def test_solver_benchmark_mlp_is_the_closed_form_of_a_real_mlp():
     import torch
 
     import pathir
-    from pathir.diag_g import diag_g_flat
+    from pathir.lifting.diag_g import diag_g_flat
 
     rng = np.random.default_rng(1)
     layers, widths = [], [6, 5, 4, 3]

@@ -116,7 +116,7 @@ def test_one_step_changes_h_by_eta_squared_g_diag_g(digits):
     assert np.abs(first_order).max() <= 1e-12 * (abs(B).T @ np.abs(theta * g)).max()
     eta = 0.3
     h0 = np.array(list(cm.conservation_laws().values()))
-    from pathir.symbolic import conservation_laws
+    from pathir.neurons.symbolic import conservation_laws
 
     h1 = np.array(list(conservation_laws(cm.graph, cm.units, theta - eta * g).values()))
     want = eta**2 * (-(B.T @ g**2))

@@ -8,12 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pathir
-from pathir.diag_g import diag_g, diag_g_flat
+from pathir.lifting.diag_g import diag_g, diag_g_flat
 from pathir.errors import PathNormOverflow
 from pathir.ir import Conv, Dense, GraphBuilder, Identity, Pool, Reshape
 from pathir.passes.find_units import find_units
 from pathir.passes.incidence import incidence
-from pathir.rescale import rescale_graph
+from pathir.rescaling.apply import rescale_graph
 from pathir.testing import mlps, relu_dags, rescalings
 
 from enumerated import path_factors

@@ -13,7 +13,7 @@ from pathir.errors import PathirError  # noqa: E402
 from pathir.ir import Conv, Dense, GraphBuilder, Identity, Reshape  # noqa: E402
 from pathir.passes.find_units import find_units  # noqa: E402
 from pathir.passes.normalize import normalize, normalize_log_scales  # noqa: E402
-from pathir.rescale import rescale_graph  # noqa: E402
+from pathir.rescaling.apply import rescale_graph  # noqa: E402
 from pathir.testing import relu_dags, rescalings  # noqa: E402
 
 
@@ -48,8 +48,8 @@ def _inputs(graph, seed=0):
 
 
 def _phi(graph):
-    from pathir.neurons import expand
-    from pathir.paths import enumerate_paths, phi
+    from pathir.neurons.expand import expand
+    from pathir.neurons.paths import enumerate_paths, phi
 
     net = expand(graph)
     return phi(net, enumerate_paths(net))

@@ -12,7 +12,7 @@ from onnx import numpy_helper
 
 import pathir
 from pathir.errors import PathirError
-from pathir.rescale import log_scales, rescale_graph
+from pathir.rescaling.apply import log_scales, rescale_graph
 
 from onnx_cases import export, exported, fresh_bn_convnet, make_model, node, ort_run, rel, tensor_info
 
@@ -121,12 +121,12 @@ def test_gemm_alpha_beta_transposed_weights_and_broadcast_bias():
 
 
 def test_a_writer_made_from_the_model_alone():
-    from pathir.frontends.onnx_writer import OnnxWriter
+    from pathir.frontends.onnx import lower
 
     _, shape, proto = exported("concat", "legacy")
     cm = pathir.compile(proto)
     _, scales = _random_rescaling(cm, seed=5)
-    writer = OnnxWriter(proto)
+    writer = lower(proto).writer
     writer.rescale(cm.graph, scales)
     cm.frontend.rescale(cm.graph, scales)
     assert writer.to_onnx().SerializeToString() == cm.to_onnx().SerializeToString()

@@ -11,13 +11,13 @@ from hypothesis import strategies as st
 
 import pathir
 from pathir.errors import PathirError
-from pathir.execute import forward
+from pathir.lifting.walk import forward
 from pathir.ir import Dense, GraphBuilder
-from pathir.neurons import expand
+from pathir.neurons.expand import expand
 from pathir.passes.find_units import find_units
-from pathir.path_metric import check_same_architecture, output_bound, path_metric
-from pathir.paths import enumerate_paths, phi
-from pathir.rescale import rescale_graph
+from pathir.lifting.path_metric import check_same_architecture, output_bound, path_metric
+from pathir.neurons.paths import enumerate_paths, phi
+from pathir.rescaling.apply import rescale_graph
 from pathir.testing import random_inputs, relu_dags, rescalings
 
 BACKENDS = ["numpy", "torch"]

@@ -11,7 +11,7 @@ import pathir
 from pathir.errors import PathirError
 from pathir.frontends.torch_writer import TorchWriter
 from pathir.optim import PathSGD
-from pathir.rescale import log_scales
+from pathir.rescaling.apply import log_scales
 
 
 def mlp():

@@ -14,7 +14,7 @@ nn = torch.nn
 import pathir  # noqa: E402
 from pathir.errors import PathirError  # noqa: E402
 from pathir.testing import mlps, relu_dags  # noqa: E402
-from pathir.write_back import commit_rescaling  # noqa: E402
+from pathir.rescaling.commit import commit_rescaling  # noqa: E402
 
 
 # ------------------------------------------------------------------ models
@@ -87,7 +87,7 @@ def test_block_solver_reaches_the_coordinate_fixed_point(name):
 
 
 def _flat_g(cm):
-    from pathir.diag_g import diag_g_flat
+    from pathir.lifting.diag_g import diag_g_flat
 
     g, log_top = diag_g_flat(cm.graph, "numpy")
     return g, log_top
@@ -327,7 +327,7 @@ def test_train_mode_unfolded_batchnorm_is_refused_then_eval_works():
 def test_injected_failures_leave_model_and_graph_untouched(monkeypatch):
     from torch.nn.utils import prune
 
-    import pathir.diag_g
+    import pathir.lifting.diag_g
     import pathir.frontends.torch_writer as writer
 
     model, shape = build("cnn")
@@ -341,7 +341,7 @@ def test_injected_failures_leave_model_and_graph_untouched(monkeypatch):
         raise RuntimeError("injected")
 
     with monkeypatch.context() as m:
-        m.setattr(pathir.diag_g, "diag_g_flat", boom)
+        m.setattr(pathir.lifting.diag_g, "diag_g_flat", boom)
         with pytest.raises(RuntimeError, match="injected"):
             cm.pathcond()
     assert _same_state(model, state) and cm.graph is graph
@@ -382,7 +382,7 @@ def test_report_log_spreads_are_their_definition(graph, seed, scale):
     log(g ⊙ e^{Bz}) over g > 0 with B itself; z far beyond float64's exp range included."""
     from pathir.passes.find_units import find_units
     from pathir.passes.incidence import incidence
-    from pathir.pathcond import _log_spreads
+    from pathir.pathcond.run import _log_spreads
 
     _, units = find_units(graph)
     B, _ = incidence(graph, units)

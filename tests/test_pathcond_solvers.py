@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from scipy.optimize import minimize_scalar
 from scipy.special import logsumexp
 
-from pathir.pathcond_solvers import gradient, objective, solve, solve_block, solve_coordinate
-from pathir.unit_pairs import Pairs, greedy_coloring, group_pairs, side_sums
-from pathir.unit_rows import RowKeys, column_balance, key_balance, keys_for, row_keys, row_units
+from pathir.pathcond.solvers import gradient, objective, solve, solve_block, solve_coordinate
+from pathir.rescaling.unit_pairs import Pairs, greedy_coloring, group_pairs, side_sums
+from pathir.rescaling.unit_rows import RowKeys, column_balance, key_balance, keys_for, row_keys, row_units
 
 # ---------------------------------------------------------------- networks
 
@@ -433,8 +433,8 @@ def test_positive_root_in_log_space(a, log_r):
     """log_positive_root (block: alpha = gamma = n) and the coordinate solver's scalar one vs mpmath."""
     import mpmath
 
-    from pathir.pathcond_coordinate import _log_root
-    from pathir.pathcond_objective import log_positive_root
+    from pathir.pathcond.coordinate import _log_root
+    from pathir.pathcond.objective import log_positive_root
 
     mpmath.mp.dps = 60
     n = 10
@@ -481,8 +481,8 @@ def test_many_units_group_by_sorting():
 def test_block_solver_on_row_keys_alone_is_the_solver_on_b(problem, chunk):
     """With a RowKeys the block solver needs no B: same z, same F, same log-spreads (B z read from the
     keys a chunk of rows at a time)."""
-    from pathir.pathcond_objective import _spreads
-    from pathir.unit_rows import row_shifts
+    from pathir.pathcond.objective import _spreads
+    from pathir.rescaling.unit_rows import row_shifts
 
     g, B = problem
     key, H = row_keys(B)

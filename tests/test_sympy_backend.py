@@ -13,11 +13,11 @@ from pathir.backends.sympy import (
     SympyBackend, exact, exact_array, neuron_values, param_symbols, symbol, symbolic_phi,
 )
 from pathir.errors import BackendError
-from pathir.execute import forward
+from pathir.lifting.walk import forward
 from pathir.ir import Dense, GraphBuilder, NodeKind, Pool
-from pathir.neurons import expand
+from pathir.neurons.expand import expand
 from pathir.passes import maxpool_to_sum, path_view
-from pathir.paths import activations, enumerate_num_paths, enumerate_paths, neuron_forward, phi
+from pathir.neurons.paths import activations, enumerate_num_paths, enumerate_paths, neuron_forward, phi
 from pathir.testing import mlps, random_inputs, relu_dags
 
 

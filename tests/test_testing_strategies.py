@@ -6,10 +6,10 @@ from hypothesis import strategies as st
 
 import pathir
 from pathir.backends.numpy import NumpyBackend
-from pathir.execute import forward
+from pathir.lifting.walk import forward
 from pathir.ir import MapKind, NodeKind
-from pathir.neurons import expand
-from pathir.paths import count_paths
+from pathir.neurons.expand import expand
+from pathir.neurons.paths import count_paths
 from pathir.testing import mlps, random_inputs, relu_dags
 
 

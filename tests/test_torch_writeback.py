@@ -11,7 +11,7 @@ nn = torch.nn
 import pathir  # noqa: E402
 from pathir.errors import PathirError  # noqa: E402
 from pathir.ir import MapKind, Role  # noqa: E402
-from pathir.rescale import log_scales  # noqa: E402
+from pathir.rescaling.apply import log_scales  # noqa: E402
 
 from pathir.frontends.torch_writer import TorchWriter  # noqa: E402
 
@@ -206,7 +206,7 @@ def _masked_graph(graph, masks):
 
 def test_masks_prune_through_torch_and_match_the_masked_graph():
     from pathir.backends.numpy import NumpyBackend
-    from pathir.execute import forward
+    from pathir.lifting.walk import forward
 
     model = _cnn().double().eval()
     cm = pathir.compile(model, input_shape=(3, 8, 8))

@@ -89,8 +89,8 @@ def _check_random_rescaling(name):
     solvers read are B's (every row up to 30M parameters, a sample of rows beyond, for memory)."""
     import numpy as np
 
-    from pathir.unit_rows import column_balance, keys_for, row_keys
-    from pathir.write_back import commit_rescaling
+    from pathir.rescaling.unit_rows import column_balance, keys_for, row_keys
+    from pathir.rescaling.commit import commit_rescaling
 
     model = zoo.build(name).double().eval()
     shape = _small_shape(name)

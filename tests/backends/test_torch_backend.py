@@ -26,7 +26,7 @@ from pathir.backends import get_backend
 from pathir.backends.numpy import NumpyBackend
 from pathir.backends.torch import TorchBackend
 from pathir.errors import BackendError
-from pathir.execute import forward, path_backward, path_forward
+from pathir.lifting.walk import forward, path_backward, path_forward
 from pathir.ir import (
     PARAMETERIZED,
     ChannelMap,
@@ -46,7 +46,7 @@ from pathir.ir import (
     SpatialMatrix,
 )
 from pathir.passes import maxpool_to_sum, path_view
-from pathir.pathnorm import path_norm
+from pathir.lifting.path_norm import path_norm
 
 NB = NumpyBackend()
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

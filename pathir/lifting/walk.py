@@ -14,8 +14,8 @@ from __future__ import annotations
 import functools
 import math
 
-from .errors import BackendError, PathirError
-from .ir import Graph, Node, NodeKind
+from pathir.errors import BackendError, PathirError
+from pathir.ir import Graph, Node, NodeKind
 
 __all__ = ["forward", "path_forward", "path_backward", "log_total", "param_grads", "param_log_parts"]
 

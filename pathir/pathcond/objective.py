@@ -227,7 +227,7 @@ def _spreads(g: np.ndarray, B: sp.csr_array, z: np.ndarray) -> tuple[float, floa
 
 def _key_spreads(g: np.ndarray, key: np.ndarray, z: np.ndarray) -> tuple[float, float]:
     """`_spreads` with B z read from the row keys, a chunk of rows at a time (B never built)."""
-    from .unit_rows import row_shifts
+    from pathir.rescaling.unit_rows import row_shifts
 
     return log_spreads(spread_ends(g[start:start + bz.size], bz) for start, bz in row_shifts(key, z))
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from .errors import PathirError
-from .ir import Graph, MapKind, Param, Role
+from pathir.errors import PathirError
+from pathir.ir import Graph, MapKind, Param, Role
 
 __all__ = ["PruneReport", "score_log_parts", "path_magnitude_scores", "prune_masks", "prune_graph", "prune"]
 
@@ -44,7 +44,7 @@ def score_log_parts(graph: Graph, backend=None) -> list[tuple[np.ndarray, float]
     param's shape, max m = 1 (m = 0, L = -inf where S vanishes)."""
     from pathir.backends import get_backend
 
-    from .execute import param_log_parts
+    from pathir.lifting.walk import param_log_parts
 
     return param_log_parts(graph, get_backend(backend), 1.0, scale=lambda p: np.abs(p.value),
                            what="path-magnitude score")
@@ -74,10 +74,10 @@ def path_magnitude_scores(graph: Graph, backend=None) -> dict[str, np.ndarray]:
     >>> {k: np.round(v, 12).tolist() for k, v in s.items()}
     {'w1': [[3.0, 6.0]], 'b1': [1.5], 'w2': [[10.5]]}
     """
-    from .diag_g import arrays_by_source
+    from pathir.lifting.diag_g import arrays_by_source
 
     return arrays_by_source(graph.params(), score_log_parts(graph, backend), "path-magnitude score",
-                            "pathir.pruning.score_log_parts (normalised, with its log-scale)", _source_layout)
+                            "pathir.lifting.pruning.score_log_parts (normalised, with its log-scale)", _source_layout)
 
 
 # ------------------------------------------------------------ selection
@@ -236,7 +236,7 @@ def prune(cm, amount, criterion: str = "path-magnitude", scope: str = "global", 
     all at once; then ``cm.graph`` becomes θ ⊙ mask. On any error nothing changes.
     A Compiled made from a bare Graph has only its graph pruned.
     """
-    from .path_metric import path_metric
+    from pathir.lifting.path_metric import path_metric
 
     be = cm._backend(backend)
     graph = cm.graph

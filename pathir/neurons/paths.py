@@ -1,6 +1,6 @@
 """Exhaustive path enumeration: the definition every fast path is tested against.
 
-On the neuron-level DAG of :func:`pathir.neurons.expand` (small graphs only),
+On the neuron-level DAG of :func:`pathir.neurons.expand.expand` (small graphs only),
 following MATH.md §2:
 
 - a path p = (v_0 -> ... -> v_d) ends at an output neuron (and may go on
@@ -13,7 +13,7 @@ following MATH.md §2:
 - Phi_p(theta) = beta(v_0) * prod of the weights along p;
 - a_p(theta, x) = 1 iff every ReLU neuron of p (v_0 included) has pre-activation
   > 0 and every edge of p into a k-max-pool neuron is its selected antecedent:
-  the first, in :func:`pathir.neurons.antecedents` order, whose weighted input
+  the first, in :func:`pathir.neurons.expand.antecedents` order, whose weighted input
   equals the k-th largest;
 - A[p, i] = 1 if p starts at input neuron i, A[p, "1"] = 1 for a bias path;
 - lifting identity: R(x)_o = sum over p ending at o of Phi_p a_p (A [x; 1])_p.
@@ -30,9 +30,9 @@ from typing import Iterator, Union
 import networkx as nx
 import numpy as np
 
-from .errors import GraphTooLarge, PathirError
-from .ir import Graph, NodeKind
-from .neurons import Neuron, antecedents, expand
+from pathir.errors import GraphTooLarge, PathirError
+from pathir.ir import Graph, NodeKind
+from pathir.neurons.expand import Neuron, antecedents, expand
 
 __all__ = [
     "Path", "NeuronValues", "DEFAULT_MAX_PATHS",
@@ -204,7 +204,7 @@ def enumerate_num_paths(graph: GraphLike, max_paths: int = DEFAULT_MAX_PATHS) ->
 def lifted_output(graph: Graph, x, max_paths: int = DEFAULT_MAX_PATHS) -> dict[str, np.ndarray]:
     """R(x) through the lifting identity, sum_p Phi_p a_p(x) (A [x; 1])_p per output neuron.
 
-    ``x`` as for :func:`pathir.execute.forward`: one array (B, *input shape) or
+    ``x`` as for :func:`pathir.lifting.walk.forward`: one array (B, *input shape) or
     {input name: array}. Returns {output name: array (B, *output shape)}."""
     if not isinstance(x, dict):
         if len(graph.inputs) != 1:

@@ -20,8 +20,8 @@ import math
 
 import numpy as np
 
-from .errors import PathirError, PathNormOverflow
-from .ir import Graph
+from pathir.errors import PathirError, PathNormOverflow
+from pathir.ir import Graph
 
 __all__ = ["diag_g", "diag_g_flat", "diag_g_log_parts"]
 
@@ -50,7 +50,7 @@ def diag_g_log_parts(graph: Graph, backend) -> list[tuple[np.ndarray, float]]:
     """For each param of ``graph.params()``: (m, L) with g = m·e^L, m ≥ 0 of
     the param's shape and max m = 1 (m = 0, L = -inf where g vanishes)."""
     from pathir.backends import get_backend
-    from pathir.execute import param_log_parts
+    from pathir.lifting.walk import param_log_parts
 
     return param_log_parts(graph, get_backend(backend), 2.0, what="diag G")
 
@@ -87,4 +87,4 @@ def diag_g(graph: Graph, backend=None) -> dict[str, np.ndarray]:
     {'w1': [9.0], 'b1': [9.0], 'w2': [5.0]}
     """
     return arrays_by_source(graph.params(), diag_g_log_parts(graph, backend), "diag G",
-                            "pathir.diag_g.diag_g_flat (normalised, with its log-scale)")
+                            "pathir.lifting.diag_g.diag_g_flat (normalised, with its log-scale)")

@@ -18,8 +18,8 @@ from typing import Mapping
 
 import numpy as np
 
-from .errors import PathirError
-from .ir import Graph, NodeKind
+from pathir.errors import PathirError
+from pathir.ir import Graph, NodeKind
 
 __all__ = ["rescale_graph", "log_scales", "apply_log_scales", "check_log_scales", "param_factors"]
 

@@ -31,9 +31,9 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from .errors import PathirError
-from .execute import param_grads
-from .ir import Graph, Param
+from pathir.errors import PathirError
+from pathir.lifting.walk import param_grads
+from pathir.ir import Graph, Param
 
 __all__ = ["PathMetric", "path_metric", "output_bound", "check_same_architecture"]
 
@@ -101,7 +101,7 @@ def _logsumexp(logs) -> float:
 
 
 def _graph(obj) -> Graph:
-    from .compiled import Compiled
+    from pathir.compiled import Compiled
 
     if isinstance(obj, Compiled):
         return obj.graph
@@ -111,7 +111,7 @@ def _graph(obj) -> Graph:
 
 
 def _backend(a, backend):
-    from .compiled import Compiled
+    from pathir.compiled import Compiled
 
     if isinstance(a, Compiled):
         return a._backend(backend)
@@ -239,7 +239,7 @@ def path_metric(a, b, backend=None) -> PathMetric:
     >>> m.lower, m.upper, m.exact                   # norms equal; d = |3 - (-3)| = 6
     (0.0, 6.0, False)
     """
-    from .pathnorm import log_path_sum
+    from pathir.lifting.path_norm import log_path_sum
 
     ga, gb = _graph(a), _graph(b)
     check_same_architecture(ga, gb)

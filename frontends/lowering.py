@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from pathir.errors import UnsupportedOperation
 from pathir.ir import ChannelMap, Conv, Dense, GraphBuilder, Identity, MapKind, NodeKind, Param, Pool, Role, Scale, SourceRef, SpatialMatrix
 
-from .torch_values import SELECTION, ParamTensor, Value, run_index_op, selection_index, selection_map
+from pathir.frontends.values import SELECTION, ParamTensor, Value, run_index_op, selection_index, selection_map
 
 __all__ = ["Lowering"]
 

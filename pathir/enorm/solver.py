@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .pathcond_objective import _as_g, _log, _logsumexp
-from .unit_pairs import all_pairs, blocks_of, greedy_coloring, group_pairs, log_pair_total, pad
-from .unit_rows import canonical, keys_for
+from pathir.pathcond.objective import _as_g, _log, _logsumexp
+from pathir.rescaling.unit_pairs import all_pairs, blocks_of, greedy_coloring, group_pairs, log_pair_total, pad
+from pathir.rescaling.unit_rows import canonical, keys_for
 
 __all__ = ["ENormResult", "enorm_objective", "unit_balance", "solve_enorm", "solve_enorm_block",
            "solve_enorm_coordinate"]

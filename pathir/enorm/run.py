@@ -5,10 +5,10 @@ ENorm (Stock et al. 2019) minimises the ℓ_p norm of the rescaled parameters,
     E_p(z) = Σ_i c_i |θ_i|^p e^{-p (Bz)_i / 2}        (θ ← θ ⊙ e^{-Bz/2}),
 
 which is the array solver's criterion Σ c_i w_i e^{-(Bz')_i} with w = |θ|^p and
-z' = p z / 2 (``pathir.enorm_solver``); p = 2 is MATH.md's w = θ². E_p is
+z' = p z / 2 (``pathir.enorm.solver``); p = 2 is MATH.md's w = θ². E_p is
 convex and every sweep lowers it. Normalisation gives each unit's incoming
 weights and bias unit ℓ_p norm (``pathir.passes.normalize``). Both rescale
-the model in place through write-back (``pathir.write_back``), function
+the model in place through write-back (``pathir.rescaling.commit``), function
 preserved; units with an empty side (dead neurons) keep z = 0 and are listed.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import PathirError
+from pathir.errors import PathirError
 
 __all__ = ["ENormReport", "NormalizeReport", "enorm", "normalize"]
 
@@ -144,7 +144,7 @@ def enorm(cm, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, costs=
     ----------
     cm : Compiled
     p : the norm's exponent (> 0); p = 2 is Stock et al.'s default.
-    max_sweeps, tol : passed to ``pathir.enorm_solver.solve_enorm``.
+    max_sweeps, tol : passed to ``pathir.enorm.solver.solve_enorm``.
     costs : per-parameter weights c (Stock et al. weigh layers by depth): None
         (all ones), an (n,) array in θ order, or {param name: scalar or array}.
     solver : "block" or "coordinate".
@@ -164,8 +164,8 @@ def enorm(cm, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, costs=
     >>> bool(torch.allclose(net(x), before, atol=1e-6))
     True
     """
-    from .enorm_solver import solve_enorm
-    from .write_back import commit_rescaling
+    from pathir.enorm.solver import solve_enorm
+    from pathir.rescaling.commit import commit_rescaling
 
     if not p > 0:
         raise ValueError(f"p must be > 0, got {p}")
@@ -206,7 +206,7 @@ def normalize(cm, p: float = 2.0, write_back: bool = True) -> NormalizeReport:
     """
     from pathir.passes.normalize import normalize_log_scales
 
-    from .write_back import commit_rescaling
+    from pathir.rescaling.commit import commit_rescaling
 
     start = time.perf_counter()
     units = cm.units

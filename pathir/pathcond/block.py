@@ -39,9 +39,9 @@ import time
 
 import numpy as np
 
-from .pathcond_objective import PathCondResult, _as_g, finish, log_positive_root
-from .unit_pairs import all_pairs, blocks_of, greedy_coloring, group_pairs, log_pair_total, pad, pair_terms
-from .unit_rows import keys_for
+from pathir.pathcond.objective import PathCondResult, _as_g, finish, log_positive_root
+from pathir.rescaling.unit_pairs import all_pairs, blocks_of, greedy_coloring, group_pairs, log_pair_total, pad, pair_terms
+from pathir.rescaling.unit_rows import keys_for
 
 __all__ = ["solve_block"]
 

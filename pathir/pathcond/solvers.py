@@ -24,9 +24,9 @@ and one +1 (the unit it leaves) per row. Output: a `PathCondResult` whose
 
 from __future__ import annotations
 
-from .pathcond_block import solve_block
-from .pathcond_coordinate import solve_coordinate
-from .pathcond_objective import PathCondResult, gradient, log_spread, objective, rescaled_log_g
+from pathir.pathcond.block import solve_block
+from pathir.pathcond.coordinate import solve_coordinate
+from pathir.pathcond.objective import PathCondResult, gradient, log_spread, objective, rescaled_log_g
 
 __all__ = ["solve", "solve_block", "solve_coordinate", "objective", "gradient", "rescaled_log_g",
            "log_spread", "PathCondResult", "METHODS"]

@@ -25,8 +25,8 @@ import time
 
 import numpy as np
 
-from .pathcond_objective import PathCondResult, _as_g, _log, _logsumexp, finish, row_state
-from .unit_rows import canonical, column_balance, keys_for
+from pathir.pathcond.objective import PathCondResult, _as_g, _log, _logsumexp, finish, row_state
+from pathir.rescaling.unit_rows import canonical, column_balance, keys_for
 
 __all__ = ["solve_coordinate"]
 

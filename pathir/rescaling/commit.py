@@ -1,7 +1,7 @@
 """Committing a rescaling z to a Compiled's model and graph, all or nothing.
 
 A rescaling θ ← θ ⊙ exp(-Bz/2) (MATH.md §5) reaches the user's model through
-the frontend writer as per-channel log-scales (:func:`pathir.rescale.log_scales`);
+the frontend writer as per-channel log-scales (:func:`pathir.rescaling.apply.log_scales`);
 then ``cm.graph`` becomes the rescaled graph, so that every later computation
 (``cm.diag_g()``, ``cm.path_norm()``, ...) sees the new model.
 
@@ -25,9 +25,9 @@ import math
 
 import numpy as np
 
-from .errors import PathirError
-from .ir import Role
-from .rescale import log_scales, rescale_graph
+from pathir.errors import PathirError
+from pathir.ir import Role
+from pathir.rescaling.apply import log_scales, rescale_graph
 
 __all__ = ["commit_rescaling", "rescaled_graph"]
 

@@ -45,8 +45,8 @@ import math
 import networkx as nx
 import numpy as np
 
-from .errors import GraphTooLarge, PathirError
-from .ir import PARAMETERIZED, Graph, Map, NodeKind
+from pathir.errors import GraphTooLarge, PathirError
+from pathir.ir import PARAMETERIZED, Graph, Map, NodeKind
 
 __all__ = ["expand", "antecedents", "count_edges", "Neuron", "DEFAULT_MAX_NEURONS", "DEFAULT_MAX_EDGES"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
-from .errors import PathNormOverflow
-from .execute import log_total, path_forward
-from .ir import Graph
+from pathir.errors import PathNormOverflow
+from pathir.lifting.walk import log_total, path_forward
+from pathir.ir import Graph
 
 __all__ = ["log_path_sum", "path_norm", "num_paths"]
 

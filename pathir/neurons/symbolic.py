@@ -1,6 +1,6 @@
 """Symbolic checks of a small graph, and the conservation laws of gradient flow.
 
-On the neuron-level expansion (:mod:`pathir.neurons`), with Φ written as sympy
+On the neuron-level expansion (:mod:`pathir.neurons.expand`), with Φ written as sympy
 monomials in parameter symbols (:mod:`pathir.backends.sympy`),
 :func:`verify_symbolic` checks, exactly:
 
@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import GraphTooLarge
-from .ir import Graph
+from pathir.errors import GraphTooLarge
+from pathir.ir import Graph
 
 __all__ = [
     "Check", "SymbolicReport", "verify_symbolic", "conservation_laws", "conservation_law_expressions",
@@ -142,10 +142,10 @@ class _Context:
 
     def __init__(self, graph: Graph, units, max_paths: int, seed: int):
         from pathir.backends.sympy import symbol, symbolic_phi
-        from pathir.neurons import expand
+        from pathir.neurons.expand import expand
         from pathir.passes.find_units import find_units
         from pathir.passes.incidence import incidence
-        from pathir.paths import enumerate_paths
+        from pathir.neurons.paths import enumerate_paths
 
         self.graph = graph
         self.net = expand(graph)
@@ -205,8 +205,8 @@ def _lifting(ctx: _Context, backend_cls, samples: int) -> Check:
     import sympy as sp
 
     from pathir.backends.sympy import exact, neuron_values, symbolic_phi
-    from pathir.execute import forward
-    from pathir.paths import activations, incidence
+    from pathir.lifting.walk import forward
+    from pathir.neurons.paths import activations, incidence
 
     A, columns = incidence(ctx.net, ctx.paths)
     col = A.argmax(axis=1) if len(ctx.paths) else np.zeros(0, dtype=int)
@@ -301,7 +301,7 @@ def _path_norm(ctx: _Context, backend_cls) -> Check:
     import sympy as sp
 
     from pathir.backends.sympy import symbolic_phi
-    from pathir.execute import forward
+    from pathir.lifting.walk import forward
     from pathir.passes import maxpool_to_sum, path_view
 
     phi = symbolic_phi(ctx.net, ctx.paths, ctx.point)

@@ -9,7 +9,7 @@ and rescales θ ← θ ⊙ e^{-Bz*/2}, after which diag G is g ⊙ e^{Bz*}. Φ, 
 so the network's function, is unchanged. Steps: the units and B (cached on
 the Compiled), g through ``diag_g_flat`` (normalised by its maximum, so F is
 computed up to the constant n·log max g, added back in the report), the array
-solver (``pathir.pathcond_solvers``), then write-back (``pathir.write_back``):
+solver (``pathir.pathcond.solvers``), then write-back (``pathir.rescaling.commit``):
 everything that can fail runs before the model is touched.
 
 Degenerate units (g zero on the whole incoming or outgoing side: a dead or
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import PathirError
+from pathir.errors import PathirError
 
 __all__ = ["PathCondReport", "pathcond"]
 
@@ -120,8 +120,8 @@ def _ratio(log_spread: float) -> str:
 def _log_spreads(units, g, z) -> tuple[float, float]:
     """log_spread of g and of g ⊙ e^{Bz} over the entries g > 0, param by param: (Bz)_i = z_l(i) − z_e(i)
     is taken from the units' compact row ends, so only the multiplies run over every entry."""
-    from .passes.incidence import compact_rows
-    from .pathcond_objective import log_spreads, spread_ends
+    from pathir.passes.incidence import compact_rows
+    from pathir.pathcond.objective import log_spreads, spread_ends
 
     zp = np.append(z, 0.0)
     offsets = np.cumsum([0] + [p.size for p in units.params])
@@ -133,7 +133,7 @@ def _divergences(g, result, rows) -> tuple[float, float]:
     """n'·log(mean g') − Σ log g' over the n' entries of g' = g ⊙ e^{Bz} that are > 0, at z = 0
     and z = z*. The log-sums come from F (F(z) = n log Σ g e^{Bz} − Σ Bz), so g is logged once;
     the column balance A = −Bᵀ1 of B's ``rows`` (a RowKeys) gives Σ_i (Bz)_i = −A·z."""
-    from .unit_rows import key_balance
+    from pathir.rescaling.unit_rows import key_balance
 
     n, z = g.size, result.z
     if g.min(initial=math.inf) > 0:  # the usual case: no mask, logs a chunk at a time
@@ -173,7 +173,7 @@ def pathcond(cm, solver: str = "block", max_sweeps: int = 1000, tol: float = 1e-
     PathCondReport
 
     Raises PathirError (the model untouched) where diag G vanishes everywhere,
-    or where write-back is impossible (see ``pathir.write_back``).
+    or where write-back is impossible (see ``pathir.rescaling.commit``).
 
     Examples
     --------
@@ -190,9 +190,9 @@ def pathcond(cm, solver: str = "block", max_sweeps: int = 1000, tol: float = 1e-
     >>> bool(torch.allclose(net(x), before, atol=1e-6))
     True
     """
-    from .diag_g import diag_g_flat
-    from .pathcond_solvers import METHODS, solve
-    from .write_back import commit_rescaling
+    from pathir.lifting.diag_g import diag_g_flat
+    from pathir.pathcond.solvers import METHODS, solve
+    from pathir.rescaling.commit import commit_rescaling
 
     if solver not in METHODS:
         raise ValueError(f"unknown PathCond solver '{solver}'; choose one of {sorted(METHODS)}")

@@ -1,0 +1,319 @@
+"""The fx interpreter: the lowering core's walk over a torch.fx graph.
+
+Both torch entry points run it: :mod:`.torch_fx` on a symbolic trace and
+:mod:`.torch_export` (a subclass) on the exported ATen graph. Each fx node
+becomes a pending Value (:mod:`.values`) or an op of the lowering core
+(:mod:`.lowering`); shape arithmetic is evaluated on concrete sizes; any other
+op that touches an activation raises ``UnsupportedOperation`` naming the node,
+its op, the module path it came from and why.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pathir.errors import PathirError
+from pathir.frontends.lowering import Lowering
+from pathir.frontends.values import ParamTensor, Value
+
+__all__ = ["FxInterpreter", "why", "bind", "values_in", "substitute"]
+
+# ---------------------------------------------------------------- why not
+
+_WHY = {
+    "ReLU6": "clips at 6: not positively homogeneous",
+    "Hardtanh": "clips: not positively homogeneous",
+    "Hardswish": "not positively homogeneous (a smooth gate)",
+    "Hardsigmoid": "not positively homogeneous",
+    "Sigmoid": "not positively homogeneous",
+    "Tanh": "not positively homogeneous",
+    "GELU": "not positively homogeneous",
+    "SiLU": "not positively homogeneous",
+    "ELU": "not positively homogeneous",
+    "LeakyReLU": "its negative slope is allowed in theory but not by pathir's neuron types",
+    "Softmax": "softmax inside the graph is not positively homogeneous",
+    "LogSoftmax": "log-softmax is not positively homogeneous",
+    "LayerNorm": "normalizes by input-dependent statistics",
+    "GroupNorm": "normalizes by input-dependent statistics",
+    "LocalResponseNorm": "normalizes by input-dependent statistics",
+    "MultiheadAttention": "attention multiplies activations together",
+    "ConvTranspose2d": "transposed convolutions are not lowered yet",
+    "mul": "a multiplicative gate between two activations (or a constant factor)",
+    "sigmoid": "not positively homogeneous",
+    "hardsigmoid": "not positively homogeneous",
+    "layer_norm": "normalizes by input-dependent statistics",
+}
+
+
+def why(op: str) -> str:
+    return _WHY.get(op, "outside the ReLU DAG model (identity, ReLU and max-pool neurons with linear edges)")
+
+
+# ---------------------------------------------------------------- fx
+
+
+_RELU = {F.relu, torch.relu, torch.relu_, F.relu_}
+_ADD = {operator.add, operator.iadd, torch.add}
+_INDEX_FUNCS = {torch.flatten, torch.reshape, torch.transpose, torch.permute, torch.chunk, torch.split,
+                torch.squeeze, torch.unsqueeze, operator.getitem, torch.cat, torch.concat, torch.cat}
+_INDEX_METHODS = {"view", "reshape", "flatten", "contiguous", "transpose", "permute", "chunk", "split",
+                  "squeeze", "unsqueeze", "clone", "view_as", "reshape_as", "narrow"}
+_PASS_FUNCS = {F.dropout, F.dropout1d, F.dropout2d, F.alpha_dropout, F.feature_alpha_dropout}
+
+
+class FxInterpreter:
+    def __init__(self, model: nn.Module, gm: torch.fx.GraphModule, name: str):
+        self.model, self.gm = model, gm
+        self.low = Lowering(name)
+        self.env: dict[torch.fx.Node, object] = {}
+
+    def run(self, shape):
+        for node in self.gm.graph.nodes:
+            self.low.fx_name = node.name
+            self.low.label = str(node.target) if node.op == "call_module" else node.name
+            self.low.where = _module_path(node)
+            self.low.op = _op_name(node, self.model)
+            if node.op == "output":
+                return self._output(node)
+            value = self.env[node] = self._eval(node, shape)
+            if isinstance(value, Value) and value.node is None and _data_readers(node) > 1:
+                self.low.materialize(value)  # one node for every reader, not a copy per reader
+        raise PathirError("the traced program has no output")
+
+    def _args(self, node):
+        return torch.fx.node.map_arg((node.args, node.kwargs), lambda n: self.env[n])
+
+    def _eval(self, node, shape):
+        low = self.low
+        if node.op == "placeholder":
+            if any(isinstance(v, Value) for v in self.env.values()):
+                low.unsupported("a second tensor input: pathir lowers models with one input", "placeholder")
+            return Value.of_node(low.b.input(node.name, shape, origin="input"), shape)
+        if node.op == "get_attr":
+            obj = _get(self.model, node.target)
+            return ParamTensor(node.target, obj) if isinstance(obj, torch.Tensor) else obj
+        args, kwargs = self._args(node)
+        if node.op == "call_module":
+            return self._module(_get(self.model, node.target), node.target, args, kwargs)
+        if node.op == "call_function":
+            return self._function(node.target, args, kwargs)
+        if node.op == "call_method":
+            return self._method(node.target, args, kwargs)
+        low.unsupported(f"fx op {node.op}")
+
+    def _output(self, node):
+        out = node.args[0]
+        values = out if isinstance(out, (tuple, list)) else [out]
+        names = []
+        for v in values:
+            v = self.env[v] if isinstance(v, torch.fx.Node) else v
+            if not isinstance(v, Value):
+                self.low.unsupported(f"the model returns {type(v).__name__}, expected tensors", "output")
+            node_name = self.low.materialize(v, v.origin or "output")
+            if node_name in self.low.b._nodes and self.low.b._nodes[node_name].kind.value == "input":
+                self.low.unsupported("the model returns its input unchanged", "output")
+            names.append(node_name)
+        return self.low.b.build(outputs=names, prune_dead=True)
+
+    # ------------------------------------------------------------ modules
+    def _module(self, mod: nn.Module, path: str, args, kwargs):
+        low, x = self.low, args[0] if args else None
+        p = lambda attr: None if getattr(mod, attr, None) is None else ParamTensor(f"{path}.{attr}", getattr(mod, attr))
+        if isinstance(mod, nn.Linear):
+            return low.linear(x, p("weight"), p("bias"))
+        if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            if mod.padding_mode != "zeros":
+                low.unsupported(f"padding_mode='{mod.padding_mode}'")
+            return low.conv(x, p("weight"), p("bias"), mod.stride, mod.padding, mod.dilation, mod.groups)
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            return low.batch_norm(x, path, p("weight"), p("bias"), p("running_mean"), p("running_var"), mod.eps)
+        if isinstance(mod, nn.ReLU):
+            return low.relu(x)
+        if isinstance(mod, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)):
+            if mod.return_indices:
+                low.unsupported("max-pool returning indices")
+            return low.max_pool(x, mod.kernel_size, mod.stride, mod.padding, mod.dilation, mod.ceil_mode)
+        if isinstance(mod, (nn.AvgPool1d, nn.AvgPool2d)):
+            return low.avg_pool(x, mod.kernel_size, mod.stride, mod.padding, mod.ceil_mode, mod.count_include_pad,
+                                getattr(mod, "divisor_override", None))
+        if isinstance(mod, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d)):
+            return low.adaptive_avg_pool(x, mod.output_size)
+        if isinstance(mod, nn.Flatten):
+            return low.index_op(lambda t: torch.flatten(t, mod.start_dim, mod.end_dim), [x])[0][0]
+        if isinstance(mod, (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.AlphaDropout, nn.Identity)):
+            return x
+        name = type(mod).__name__
+        low.unsupported(why(name), name)
+
+    # ------------------------------------------------------------ functions
+    def _function(self, fn, args, kwargs):
+        low = self.low
+        tensors = values_in(args, kwargs)
+        if not tensors:
+            if any(isinstance(a, ParamTensor) for a in list(args) + list(kwargs.values())):
+                low.unsupported("computes with a model parameter outside linear/conv/batch-norm layers")
+            return fn(*args, **kwargs)  # shape arithmetic on concrete sizes
+        if fn in _RELU:
+            return low.relu(args[0])
+        if fn in _ADD:
+            return low.add(args[0], args[1], kwargs.get("alpha", 1))
+        if fn in _PASS_FUNCS:
+            return args[0]
+        if fn is F.linear:
+            return low.linear(*bind(args, kwargs, ["input", "weight", "bias"], {"bias": None}))
+        if fn in (F.conv1d, F.conv2d, F.conv3d):
+            a = bind(args, kwargs, ["input", "weight", "bias", "stride", "padding", "dilation", "groups"],
+                      {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1})
+            return low.conv(*a)
+        if fn is F.batch_norm:
+            x, mean, var, w, b, training, _, eps = bind(
+                args, kwargs, ["input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"],
+                {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5})
+            return low.batch_norm(x, "", w, b, mean, var, eps)
+        if fn in (F.max_pool1d, F.max_pool2d, F.max_pool3d, torch.max_pool1d, torch.max_pool2d):
+            a = bind(args, kwargs, ["input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"],
+                      {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False, "return_indices": False})
+            if a[6]:
+                low.unsupported("max-pool returning indices")
+            return low.max_pool(*a[:6])
+        if fn in (F.avg_pool1d, F.avg_pool2d, torch.avg_pool1d):
+            a = bind(args, kwargs, ["input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override"],
+                      {"stride": None, "padding": 0, "ceil_mode": False, "count_include_pad": True, "divisor_override": None})
+            return low.avg_pool(*a)
+        if fn in (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, torch.adaptive_avg_pool1d):
+            return low.adaptive_avg_pool(*bind(args, kwargs, ["input", "output_size"], {}))
+        if fn is torch.mean:
+            x, dim, keepdim = bind(args, kwargs, ["input", "dim", "keepdim"], {"dim": None, "keepdim": False})
+            return low.mean(x, dim if dim is not None else list(range(len(x.shape) + 1)), keepdim)
+        if fn is getattr:
+            return _attr(args[0], args[1], low)
+        if fn in (torch.cat, torch.concat):
+            tensors_arg, dim = bind(args, kwargs, ["tensors", "dim"], {"dim": 0})
+            if dim in (1, -len(tensors_arg[0].shape) - 1) and all(isinstance(t, Value) for t in tensors_arg):
+                out = low.cat_channels(list(tensors_arg))
+                if out is not None:
+                    return out
+        if fn in _INDEX_FUNCS:
+            return self._index(lambda *ids: fn(*substitute(args, ids), **substitute(kwargs, ids)), tensors)
+        op = getattr(fn, "__name__", str(fn))
+        low.unsupported(why(op), op)
+
+    def _method(self, name, args, kwargs):
+        low = self.low
+        self_ = args[0]
+        if not isinstance(self_, Value):
+            if isinstance(self_, ParamTensor):
+                low.unsupported("computes with a model parameter outside linear/conv/batch-norm layers")
+            return getattr(self_, name)(*args[1:], **kwargs)
+        if name == "size":
+            size = self_.size()
+            return size if not args[1:] and "dim" not in kwargs else size[(args[1:] or [kwargs["dim"]])[0]]
+        if name == "dim":
+            return len(self_.shape) + 1
+        if name in ("relu", "relu_"):
+            return low.relu(self_)
+        if name in ("add", "add_", "__add__", "__iadd__"):
+            return low.add(self_, args[1], kwargs.get("alpha", 1))
+        if name == "mean":
+            x, dim, keepdim = bind(args, kwargs, ["input", "dim", "keepdim"], {"dim": None, "keepdim": False})
+            return low.mean(x, dim if dim is not None else list(range(len(x.shape) + 1)), keepdim)
+        if name in ("contiguous", "clone", "detach") and len(args) == 1:
+            return self_
+        if name in _INDEX_METHODS:
+            tensors = values_in(args, kwargs)
+            return self._index(lambda *ids: getattr(substitute(args, ids)[0], name)(*substitute(args, ids)[1:], **substitute(kwargs, ids)), tensors)
+        low.unsupported(why(name), name)
+
+    def _index(self, fn, tensors):
+        outs, many = self.low.index_op(fn, tensors)
+        return tuple(outs) if many else outs[0]
+
+
+def _data_readers(node) -> int:
+    """How many fx nodes read the values of ``node`` (shape queries do not)."""
+    shape_only = {("call_method", "size"), ("call_method", "dim"), ("call_function", getattr)}
+    return sum((u.op, u.target) not in shape_only for u in node.users)
+
+
+def values_in(args, kwargs) -> list[Value]:
+    found: list[Value] = []
+
+    def visit(a):
+        if isinstance(a, Value):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                visit(x)
+        elif isinstance(a, dict):
+            for x in a.values():
+                visit(x)
+
+    visit(args)
+    visit(kwargs)
+    return found
+
+
+def substitute(obj, ids):
+    """Replace the Values in ``obj`` (in _values_in order) by ``ids``."""
+    it = iter(ids)
+
+    def sub(a):
+        if isinstance(a, Value):
+            return next(it)
+        if isinstance(a, tuple):
+            return tuple(sub(x) for x in a)
+        if isinstance(a, list):
+            return [sub(x) for x in a]
+        if isinstance(a, dict):
+            return {k: sub(v) for k, v in a.items()}
+        return a
+
+    return sub(obj)
+
+
+def bind(args, kwargs, names, defaults):
+    out = list(args) + [None] * (len(names) - len(args))
+    for i, n in enumerate(names):
+        if i >= len(args):
+            out[i] = kwargs.get(n, defaults.get(n))
+    return out[: len(names)]
+
+
+def _attr(v, attr, low):
+    if isinstance(v, Value):
+        if attr == "shape":
+            return v.size()
+        if attr == "ndim":
+            return len(v.shape) + 1
+        low.unsupported(f"reads attribute '{attr}' of an activation", "getattr")
+    return getattr(v, attr)
+
+
+def _get(model, target: str):
+    obj = model
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _module_path(node) -> str:
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack") if hasattr(node, "meta") else None
+    if stack:
+        path = list(stack.values())[-1]
+        return path[0] if isinstance(path, tuple) else str(path)
+    return ""
+
+
+def _op_name(node, model) -> str:
+    if node.op == "call_module":
+        return type(_get(model, node.target)).__name__
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", str(node.target))
+    return str(node.target) if node.op in ("call_method", "get_attr") else node.op
