@@ -21,17 +21,17 @@ from pathir.ir import MapKind, Node
 
 from .base import Backend, RuleTable
 
-__all__ = ["NumpyBackend"]
+__all__ = ["NumpyBackend", "pad_axes", "window_slices", "window_stack", "grouped", "conv_parts", "bcast"]
 
 
 # ------------------------------------------------------------ window helpers
 
 
-def _pad(x: np.ndarray, pads, value=0.0) -> np.ndarray:
+def pad_axes(x: np.ndarray, pads, value=0.0) -> np.ndarray:
     return np.pad(x, [(0, 0), (0, 0), *pads], constant_values=value)
 
 
-def _window_slices(offset, dilation, stride, out):
+def window_slices(offset, dilation, stride, out):
     """Slices of a padded input that line up kernel offset ``offset`` with every output position."""
     return tuple(
         slice(o * d, o * d + (n - 1) * s + 1, s) for o, d, s, n in zip(offset, dilation, stride, out)
@@ -43,12 +43,12 @@ def _pool_pads(m, in_shape):
     return [(p[0], p[1] + e) for p, e in zip(m.padding, extra)]
 
 
-def _window_stack(x, m, in_shape, fill):
+def window_stack(x, m, in_shape, fill):
     """(B, C, *out, K): the K window entries of every output position; padding holds ``fill``."""
     out = m.out_shape(in_shape)[1:]
-    xp = _pad(x, _pool_pads(m, in_shape), fill)
+    xp = pad_axes(x, _pool_pads(m, in_shape), fill)
     views = [
-        xp[(slice(None), slice(None)) + _window_slices(off, m.dilation, m.stride, out)]
+        xp[(slice(None), slice(None)) + window_slices(off, m.dilation, m.stride, out)]
         for off in itertools.product(*(range(k) for k in m.kernel))
     ]
     return np.stack(views, axis=-1)
@@ -88,7 +88,7 @@ def _channel_adjoint(m, g, s):
 
 
 def _pool_apply(m, x, s):
-    y = _window_stack(x, m, s, 0.0).sum(axis=-1)
+    y = window_stack(x, m, s, 0.0).sum(axis=-1)
     return y if m.mult is None else y * m.mult
 
 
@@ -99,7 +99,7 @@ def _pool_adjoint(m, g, s):
     pads = _pool_pads(m, s)
     gx = np.zeros((g.shape[0], s[0], *(L + a + b for L, (a, b) in zip(s[1:], pads))), dtype=g.dtype)
     for off in itertools.product(*(range(k) for k in m.kernel)):
-        gx[(slice(None), slice(None)) + _window_slices(off, m.dilation, m.stride, out_sp)] += g
+        gx[(slice(None), slice(None)) + window_slices(off, m.dilation, m.stride, out_sp)] += g
     crop = tuple(slice(a, a + L) for L, (a, _) in zip(s[1:], pads))
     return gx[(slice(None), slice(None)) + crop]
 
@@ -140,12 +140,12 @@ def _dense_wgrad(m, x, g, s):
     return g.T @ x.reshape(x.shape[0], -1)
 
 
-def _grouped(a, groups):
+def grouped(a, groups):
     """(B, C, *sp) -> (B, groups, C // groups, *sp)."""
     return a.reshape(a.shape[0], groups, a.shape[1] // groups, *a.shape[2:])
 
 
-def _conv_parts(m, s):
+def conv_parts(m, s):
     W = m.W.value
     O, I_g, *k = W.shape
     out = m.out_shape(s)[1:]
@@ -154,22 +154,22 @@ def _conv_parts(m, s):
 
 
 def _conv_apply(m, x, s):
-    Wg, k, out = _conv_parts(m, s)
-    xp = _grouped(_pad(x, m.padding), m.groups)
+    Wg, k, out = conv_parts(m, s)
+    xp = grouped(pad_axes(x, m.padding), m.groups)
     y = 0.0
     for off in itertools.product(*(range(kk) for kk in k)):
-        win = xp[(slice(None),) * 3 + _window_slices(off, m.dilation, m.stride, out)]
+        win = xp[(slice(None),) * 3 + window_slices(off, m.dilation, m.stride, out)]
         y = y + np.einsum("bgi...,goi->bgo...", win, Wg[(Ellipsis,) + off])
     return y.reshape(x.shape[0], -1, *out)
 
 
 def _conv_adjoint(m, g, s):
-    Wg, k, out = _conv_parts(m, s)
+    Wg, k, out = conv_parts(m, s)
     padded = [L + a + b for L, (a, b) in zip(s[1:], m.padding)]
     gx = np.zeros((g.shape[0], m.groups, s[0] // m.groups, *padded), dtype=g.dtype)
-    gg = _grouped(g, m.groups)
+    gg = grouped(g, m.groups)
     for off in itertools.product(*(range(kk) for kk in k)):
-        gx[(slice(None),) * 3 + _window_slices(off, m.dilation, m.stride, out)] += np.einsum(
+        gx[(slice(None),) * 3 + window_slices(off, m.dilation, m.stride, out)] += np.einsum(
             "bgo...,goi->bgi...", gg, Wg[(Ellipsis,) + off]
         )
     crop = tuple(slice(a, a + L) for L, (a, _) in zip(s[1:], m.padding))
@@ -177,27 +177,27 @@ def _conv_adjoint(m, g, s):
 
 
 def _conv_wgrad(m, x, g, s):
-    Wg, k, out = _conv_parts(m, s)
-    xp = _grouped(_pad(x, m.padding), m.groups)
-    gg = _grouped(g, m.groups)
+    Wg, k, out = conv_parts(m, s)
+    xp = grouped(pad_axes(x, m.padding), m.groups)
+    gg = grouped(g, m.groups)
     gW = np.zeros_like(Wg)
     for off in itertools.product(*(range(kk) for kk in k)):
-        win = xp[(slice(None),) * 3 + _window_slices(off, m.dilation, m.stride, out)]
+        win = xp[(slice(None),) * 3 + window_slices(off, m.dilation, m.stride, out)]
         B, G = gg.shape[:2]
         gW[(Ellipsis,) + off] = np.einsum("bgop,bgip->goi", gg.reshape(B, G, gg.shape[2], -1), win.reshape(B, G, win.shape[2], -1))
     return gW.reshape(m.W.shape)
 
 
-def _bcast(v, ndim):
+def bcast(v, ndim):
     return v.reshape(1, -1, *([1] * (ndim - 2)))
 
 
 def _scale_apply(m, x, s):
-    return x * _bcast(m.W.value, x.ndim)
+    return x * bcast(m.W.value, x.ndim)
 
 
 def _scale_adjoint(m, g, s):
-    return g * _bcast(m.W.value, g.ndim)
+    return g * bcast(m.W.value, g.ndim)
 
 
 def _scale_wgrad(m, x, g, s):
@@ -236,13 +236,13 @@ class NumpyBackend(Backend):
         return np.zeros(shape, dtype=np.float64)
 
     def bias(self, node: Node, ndim: int):
-        return _bcast(node.bias.value, ndim)
+        return bcast(node.bias.value, ndim)
 
     def relu(self, x):
         return np.maximum(x, 0.0)
 
     def kth_max_pool(self, node: Node, x, in_shape):
-        stack = _window_stack(x, node.edges[0].map, in_shape, -np.inf)
+        stack = window_stack(x, node.edges[0].map, in_shape, -np.inf)
         return -np.sort(-stack, axis=-1)[..., node.k - 1]
 
     def amax(self, x) -> float:

@@ -35,11 +35,11 @@ import numpy as np
 import sympy as sp
 
 from pathir.errors import BackendError
-from pathir.ir import FIXED, MapKind, Node, PARAMETERIZED, Pool, SpatialMatrix
+from pathir.ir import FIXED, PARAMETERIZED, MapKind, Node, Pool, SpatialMatrix
 
 from .base import Backend, RuleTable
 from .numpy import RULES as NUMPY_RULES
-from .numpy import _bcast, _conv_parts, _grouped, _pad, _window_slices, _window_stack
+from .numpy import bcast, conv_parts, grouped, pad_axes, window_slices, window_stack
 
 __all__ = [
     "SympyBackend", "exact", "exact_array", "symbol", "param_symbols",
@@ -127,28 +127,28 @@ class _ExactWeight:
 
 
 def _pool_apply(m, x, s):
-    y = _window_stack(x, m, s, ZERO).sum(axis=-1)
+    y = window_stack(x, m, s, ZERO).sum(axis=-1)
     return y if m.mult is None else y * m.mult
 
 
 def _conv_apply(m, x, s):
-    Wg, k, out = _conv_parts(m, s)
-    xp = _grouped(_pad(x, m.padding, ZERO), m.groups)
+    Wg, k, out = conv_parts(m, s)
+    xp = grouped(pad_axes(x, m.padding, ZERO), m.groups)
     y = ZERO
     for off in itertools.product(*(range(kk) for kk in k)):
-        win = xp[(slice(None),) * 3 + _window_slices(off, m.dilation, m.stride, out)]
+        win = xp[(slice(None),) * 3 + window_slices(off, m.dilation, m.stride, out)]
         y = y + np.einsum("bgi...,goi->bgo...", win, Wg[(Ellipsis,) + off])
     return y.reshape(x.shape[0], -1, *out)
 
 
 def _conv_wgrad(m, x, g, s):
-    Wg, k, out = _conv_parts(m, s)
-    xp = _grouped(_pad(x, m.padding, ZERO), m.groups)
-    gg = _grouped(g, m.groups)
+    Wg, k, out = conv_parts(m, s)
+    xp = grouped(pad_axes(x, m.padding, ZERO), m.groups)
+    gg = grouped(g, m.groups)
     gW = np.full(Wg.shape, ZERO, dtype=object)
     B, G = gg.shape[:2]
     for off in itertools.product(*(range(kk) for kk in k)):
-        win = xp[(slice(None),) * 3 + _window_slices(off, m.dilation, m.stride, out)]
+        win = xp[(slice(None),) * 3 + window_slices(off, m.dilation, m.stride, out)]
         gW[(Ellipsis,) + off] = np.einsum(
             "bgop,bgip->goi", gg.reshape(B, G, gg.shape[2], -1), win.reshape(B, G, win.shape[2], -1)
         )
@@ -304,13 +304,13 @@ class SympyBackend(Backend):
         return np.full(tuple(shape), ZERO, dtype=object)
 
     def bias(self, node: Node, ndim: int):
-        return _bcast(self.param(node.bias), ndim)
+        return bcast(self.param(node.bias), ndim)
 
     def relu(self, x):
         return _relu_ufunc(x).astype(object) if x.size else x
 
     def kth_max_pool(self, node: Node, x, in_shape):
-        stack = _window_stack(x, node.edges[0].map, tuple(in_shape), sp.S.NegativeInfinity)
+        stack = window_stack(x, node.edges[0].map, tuple(in_shape), sp.S.NegativeInfinity)
         out = np.empty(stack.shape[:-1], dtype=object)
         for idx in np.ndindex(*out.shape):
             out[idx] = _kth_largest(list(stack[idx]), node.k)

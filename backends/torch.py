@@ -255,16 +255,16 @@ def _conv_wgrad(be, m, x, g, s):
     return conv_weight(x, m.W.shape, g, m.stride, sym, m.dilation, m.groups)
 
 
-def _bcast(v, ndim):
+def bcast(v, ndim):
     return v.reshape(1, -1, *([1] * (ndim - 2)))
 
 
 def _scale_apply(be, m, x, s):
-    return x * _bcast(be.param(m.W), x.ndim)
+    return x * bcast(be.param(m.W), x.ndim)
 
 
 def _scale_adjoint(be, m, g, s):
-    return g * _bcast(be.param(m.W), g.ndim)
+    return g * bcast(be.param(m.W), g.ndim)
 
 
 def _scale_wgrad(be, m, x, g, s):
@@ -383,7 +383,7 @@ class TorchBackend(Backend):
         return torch.zeros(tuple(shape), dtype=self.dtype, device=self.device)
 
     def bias(self, node: Node, ndim: int):
-        return _bcast(self.param(node.bias), ndim)
+        return bcast(self.param(node.bias), ndim)
 
     def relu(self, x):
         return torch.relu(x)

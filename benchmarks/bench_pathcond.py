@@ -52,7 +52,7 @@ def solvers(name, cm, max_sweeps, repeat):
     t = time.perf_counter()
     B, _ = cm.incidence()
     rows = cm.row_keys()
-    g, _ = diag_g_flat(cm.graph, cm._backend())
+    g, _ = diag_g_flat(cm.graph, cm.get_backend())
     print(f"{name}: n = {B.shape[0]:,} params, H = {B.shape[1]:,} units, nnz(B) = {B.nnz:,}  "
           f"(B, row keys and diag G in {time.perf_counter() - t:.2f}s)")
     runs = [solve(g, B, method=m, max_sweeps=max_sweeps, tol=1e-13, row_key=rows) for m in ("coordinate", "block")]

@@ -15,9 +15,22 @@ import torch
 import torch.nn.functional as F
 
 from pathir.errors import UnsupportedOperation
-from pathir.ir import ChannelMap, Conv, Dense, GraphBuilder, Identity, MapKind, NodeKind, Param, Pool, Role, Scale, SourceRef, SpatialMatrix
-
 from pathir.frontends.values import SELECTION, ParamTensor, Value, run_index_op, selection_index, selection_map
+from pathir.ir import (
+    ChannelMap,
+    Conv,
+    Dense,
+    GraphBuilder,
+    Identity,
+    MapKind,
+    NodeKind,
+    Param,
+    Pool,
+    Role,
+    Scale,
+    SourceRef,
+    SpatialMatrix,
+)
 
 __all__ = ["Lowering"]
 
@@ -34,7 +47,7 @@ def _pairs(padding, n: int):
     return tuple((p, p) for p in _tuple(padding, n))
 
 
-def _f64(t: torch.Tensor) -> np.ndarray:
+def f64(t: torch.Tensor) -> np.ndarray:
     """A fresh float64 copy (never a view of the model's storage)."""
     return t.detach().to("cpu", torch.float64, copy=True).numpy()
 
@@ -61,7 +74,7 @@ class Lowering:
         return self._params[name]
 
     def direct(self, pt: ParamTensor) -> Param:
-        return self.param(pt.name, _f64(pt.tensor), (SourceRef(pt.name),))
+        return self.param(pt.name, f64(pt.tensor), (SourceRef(pt.name),))
 
     def materialize(self, v: Value, hint: str | None = None) -> str:
         """The node holding v: v's own node, or a new identity node with v's terms.
@@ -131,8 +144,8 @@ class Lowering:
             self.unsupported("batch-norm without running statistics uses batch statistics: input-dependent")
         if weight is None or bias is None:
             self.unsupported("batch-norm without affine parameters: a rescaling could not be written back")
-        sigma = np.sqrt(_f64(var.tensor) + eps)
-        gamma, beta, mu = _f64(weight.tensor), _f64(bias.tensor), _f64(mean.tensor)
+        sigma = np.sqrt(f64(var.tensor) + eps)
+        gamma, beta, mu = f64(weight.tensor), f64(bias.tensor), f64(mean.tensor)
         out = (SourceRef(weight.name, Role.OUT_SCALE), SourceRef(bias.name, Role.OUT_SCALE))
         stats = (SourceRef(mean.name, Role.IN_STATS), SourceRef(var.name, Role.IN_STATS))
         s = self.param(weight.name, gamma / sigma, (SourceRef(weight.name),) + out + stats,

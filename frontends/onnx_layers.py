@@ -16,9 +16,8 @@ import math
 
 import numpy as np
 
-from pathir.ir import Conv, Dense, Param, Pool, pool_output_size
-
 from pathir.frontends.values import ParamTensor, Value
+from pathir.ir import Conv, Dense, Param, Pool, pool_output_size
 
 __all__ = ["LayerOps", "attrs", "f64"]
 

@@ -25,14 +25,14 @@ import math
 import numpy as np
 
 from pathir.errors import PathirError, UnsupportedOperation
+from pathir.frontends.lowering import Lowering
+from pathir.frontends.values import Value
 from pathir.ir import Identity, Param, SourceRef
 
 from .onnx_eval import run_node, run_on_ids
-from .onnx_layers import LayerOps, attrs as _attrs, f64 as _f64
+from .onnx_layers import LayerOps, attrs, f64
 from .onnx_ops import AXIS1_OK, DEFAULT_WHY, INDEX_OPS, SECOND_OUTPUT, WHY
 from .onnx_writer import Binding
-from pathir.frontends.lowering import Lowering
-from pathir.frontends.values import Value
 
 __all__ = ["OnnxLowering", "Sequence"]
 
@@ -245,7 +245,7 @@ class OnnxLowering(LayerOps, Lowering):
     def channel_vector(self, c: np.ndarray, v: Value, axis: int, scale: float = 1.0):
         """(per-channel vector, layout) of a constant added to activation ``v``:
         it must broadcast to one value per channel."""
-        c = _f64(c) * scale
+        c = f64(c) * scale
         full = (1, *v.shape) if axis == 0 else (v.shape[0], 1)
         ch = 1 if axis == 0 else 0
         try:
@@ -284,7 +284,7 @@ class OnnxLowering(LayerOps, Lowering):
     def op_Cast(self, node, ins):
         from onnx import TensorProto
 
-        if _attrs(node).get("to") not in (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16):
+        if attrs(node).get("to") not in (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16):
             self.unsupported("a cast of an activation to a non-float type")
         self._same_axis(node)
         return [ins[0]]
@@ -300,7 +300,7 @@ class OnnxLowering(LayerOps, Lowering):
     def op_Shape(self, node, ins):
         v = ins[0]
         full = [self.batch, *v.shape] if node.input[0] not in self.axis1 else [v.shape[0], self.batch]
-        a = _attrs(node)
+        a = attrs(node)
         start, end = a.get("start", 0), a.get("end", None)
         return [np.asarray(full[start:end], dtype=np.int64)]
 
@@ -341,14 +341,14 @@ class OnnxLowering(LayerOps, Lowering):
         """Along the channels at channel granularity when it can, else on element ids."""
         if all(isinstance(v, Value) for v in ins):
             rank = len(ins[0].shape) + 1
-            if _attrs(node)["axis"] % rank == 1:
+            if attrs(node)["axis"] % rank == 1:
                 out = self.cat_channels(list(ins))
                 if out is not None:
                     return [out]
         return self.index(node, ins)
 
     def op_Pad(self, node, ins):
-        a = _attrs(node)
+        a = attrs(node)
         if a.get("mode", "constant") == "constant":
             value = ins[2] if len(ins) > 2 and ins[2] is not None else a.get("value", 0.0)
             if np.any(np.asarray(value) != 0):

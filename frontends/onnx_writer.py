@@ -56,7 +56,7 @@ class Binding:
 
 
 class OnnxWriter:
-    """Write-back handle of an ONNX model (``cm.frontend`` of a compiled .onnx).
+    """Write-back handle of an ONNX model (``cm.writer`` of a compiled .onnx).
 
     Examples
     --------
@@ -72,7 +72,7 @@ class OnnxWriter:
     ...     [numpy_helper.from_array(W1, "W1"), numpy_helper.from_array(W2, "W2")])
     >>> model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     >>> cm = pathir.compile(model)
-    >>> cm.frontend.rescale(cm.graph, {"relu": np.log([2.0, 4.0, 0.5])})
+    >>> cm.writer.rescale(cm.graph, {"relu": np.log([2.0, 4.0, 0.5])})
     >>> new = cm.to_onnx()
     >>> new_W1 = numpy_helper.to_array(new.graph.initializer[0])
     >>> bool(np.allclose(new_W1, W1 * [2.0, 4.0, 0.5]))

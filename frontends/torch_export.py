@@ -11,7 +11,7 @@ import operator
 
 import torch
 
-from pathir.frontends.fx_interpreter import FxInterpreter, bind, values_in, substitute, why
+from pathir.frontends.fx_interpreter import FxInterpreter, bind, substitute, values_in, why
 from pathir.frontends.values import ParamTensor, Value
 
 __all__ = ["lower_exported"]

@@ -21,9 +21,9 @@ import torch.fx
 import torch.nn as nn
 
 from pathir.errors import PathirError, UnsupportedOperation
+from pathir.frontends.fx_interpreter import FxInterpreter
 
 from .common import Lowered
-from pathir.frontends.fx_interpreter import FxInterpreter
 
 __all__ = ["lower", "trace"]
 

@@ -39,7 +39,7 @@ __all__ = ["TorchWriter"]
 
 
 class TorchWriter:
-    """Write-back handle of a torch model (``cm.frontend`` of a compiled nn.Module).
+    """Write-back handle of a torch model (``cm.writer`` of a compiled nn.Module).
 
     Examples
     --------

@@ -159,7 +159,7 @@ class Units:
 # ------------------------------------------------------------------ the pass
 
 
-def _mark_crossing(touched: np.ndarray, tc: np.ndarray, sc: np.ndarray) -> None:
+def mark_crossing(touched: np.ndarray, tc: np.ndarray, sc: np.ndarray) -> None:
     """Mark the classes at either end of an entry whose target class ``tc`` and source class ``sc``
     (compact arrays, broadcast against each other entry by entry) differ."""
     if tc.size == 0 or sc.size == 0:
@@ -254,7 +254,7 @@ def find_units(graph: Graph) -> tuple[Graph, Units]:
         if src is None:
             touched[labels[t]] = True
             continue
-        _mark_crossing(touched, labels[t], labels[src])
+        mark_crossing(touched, labels[t], labels[src])
     free = np.flatnonzero(~class_pinned & touched)
     order = free[np.argsort(first[free], kind="stable")]
     unit_of_class = np.full(n_classes, -1, dtype=np.int64)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+
 import numpy as np
 
 from pathir.errors import PathirError

@@ -53,4 +53,4 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
         low = lower(model, input_shape=input_shape, example_input=example_input)
         graph, writer, n_src, name = low.graph, low.writer, low.source_num_params, low.name
     graph = run_passes(graph, (*DEFAULT_PIPELINE, *passes), check=check)
-    return Compiled(graph, model=model, frontend=writer, source_num_params=n_src, backend=backend, name=name)
+    return Compiled(graph, model=model, writer=writer, source_num_params=n_src, backend=backend, name=name)

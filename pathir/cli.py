@@ -21,7 +21,6 @@ COMMANDS = {
     "pathcond": "pathcond",
     "enorm": "enorm",
     "prune": "prune",
-    "check": "check",
     "demo": "demo",
 }
 
@@ -36,14 +35,8 @@ def _parser(modules) -> argparse.ArgumentParser:
 
 
 def _load() -> dict:
-    out = {}
-    for name, module in COMMANDS.items():
-        try:
-            out[name] = importlib.import_module(f"pathir.commands.{module}")
-        except ModuleNotFoundError as err:
-            if err.name != f"pathir.commands.{module}":
-                raise
-    return out
+    """Every listed command's module (a missing one is a bug, not a command to hide)."""
+    return {name: importlib.import_module(f"pathir.commands.{module}") for name, module in COMMANDS.items()}
 
 
 def main(argv=None) -> int:

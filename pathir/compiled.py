@@ -13,7 +13,9 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from pathir.errors import PathirError
 from pathir.ir import Graph, MapKind
+from pathir.rescaling.facts import GraphFacts
 
 __all__ = ["Compiled", "Summary"]
 
@@ -76,69 +78,92 @@ def _sci(log10_value: float) -> str:
 
 
 class Compiled:
-    """A model lowered to the pathir IR.
+    """A model lowered to the pathir IR: a thin façade over the algorithm modules.
+
+    Every method unwraps the Compiled (graph, units, row keys, backend), calls the
+    module that implements it and returns its result; a rescaling reaches the model
+    only through :meth:`commit_rescaling`, masks only through :meth:`prune`.
 
     Attributes
     ----------
     graph : Graph
-        The IR after the compile pipeline (batch-norms folded).
+        The IR after the compile pipeline (batch-norms folded). Assigning a new graph
+        drops what was found for the old one (units, B, row keys).
     model : object
         The user's model (nn.Module or onnx.ModelProto); changed only by write-back.
-    frontend : object
-        The frontend's write-back handle (``None`` for a bare Graph).
+    writer : object
+        The frontend's write-back handle (``rescale``, ``mask``; ``to_onnx`` and
+        ``save`` for ONNX), ``None`` for a Compiled made from a bare Graph.
     """
 
-    def __init__(self, graph: Graph, model=None, frontend=None, source_num_params: int | None = None,
+    def __init__(self, graph: Graph, model=None, writer=None, source_num_params: int | None = None,
                  backend=None, name: str | None = None):
         self.graph = graph
         self.model = model
-        self.frontend = frontend
+        self.writer = writer
         self.source_num_params = source_num_params if source_num_params is not None else graph.num_params()
         self.backend = backend
         self.name = name or graph.name
+        self._backends: dict = {}
+
+    @property
+    def graph(self) -> Graph:
+        return self._facts.graph
+
+    @graph.setter
+    def graph(self, graph: Graph) -> None:
+        self._facts = GraphFacts(graph)
 
     def __repr__(self) -> str:
         return f"<pathir.Compiled {self.name}: {len(self.graph)} nodes, {self.graph.num_params():,} params>"
 
+    def _with_graph(self, graph: Graph) -> "Compiled":
+        return Compiled(graph, self.model, self.writer, self.source_num_params, self.backend, self.name)
+
     # ---------------------------------------------------------------- basics
-    def _backend(self, backend=None):
-        """The backend to use; named backends are built once per Compiled, so the
-        torch backend's device copies of the params are reused between calls."""
+    def get_backend(self, backend=None):
+        """The backend to use (``backend``, else the Compiled's default); named backends are
+        built once per Compiled, so the torch backend's device copies are reused between calls."""
         from pathir.backends import get_backend
 
         choice = backend if backend is not None else self.backend
         if choice is not None and not isinstance(choice, str):
             return get_backend(choice)
-        cache = self.__dict__.setdefault("_backends", {})
-        if choice not in cache:
-            cache[choice] = get_backend(choice)
-        return cache[choice]
+        if choice not in self._backends:
+            self._backends[choice] = get_backend(choice)
+        return self._backends[choice]
+
+    def release(self) -> None:
+        """Free what outlives a call: the units, B and row keys of the graph and the backends'
+        device copies of the params. Later calls rebuild what they need."""
+        self._facts = GraphFacts(self.graph)
+        self._backends.clear()
 
     def forward(self, x, backend=None):
         """The IR's own forward R_theta(x) (float64); x of shape (B, *input shape).
         Returns the output array (dict if several outputs), as the backend's array type."""
         from pathir.lifting.walk import forward
 
-        out = forward(self.graph, self._backend(backend), x)
+        out = forward(self.graph, self.get_backend(backend), x)
         return out[self.graph.outputs[0]] if len(out) == 1 else out
 
     def path_norm(self, q: float = 1.0, log10: bool = False, backend=None) -> float:
-        """The l_q path-norm ||Phi(theta)||_q (MATH.md §3), exact in float64 without
+        """The l_q path-norm ||Phi(theta)||_q (docs/math.md), exact in float64 without
         overflow; ``log10=True`` gives its log10 (for norms beyond 1e308)."""
         from pathir.lifting.path_norm import path_norm
 
-        return path_norm(self.graph, q, self._backend(backend), log10)
+        return path_norm(self.graph, q, self.get_backend(backend), log10)
 
     def path_norms(self, qs: Iterable[float] = (1, 2, 4), log10: bool = False, backend=None) -> dict[float, float]:
         from pathir.lifting.path_norm import path_norms
 
-        return path_norms(self.graph, qs, self._backend(backend), log10)
+        return path_norms(self.graph, qs, self.get_backend(backend), log10)
 
     def num_paths(self, log10: bool = False, backend=None) -> float:
-        """Number of paths of the DAG (MATH.md §2); ``log10=True`` for its log10."""
+        """Number of paths of the DAG; ``log10=True`` for its log10."""
         from pathir.lifting.path_norm import num_paths
 
-        return num_paths(self.graph, self._backend(backend), log10)
+        return num_paths(self.graph, self.get_backend(backend), log10)
 
     def hidden_neurons(self) -> int:
         return sum(n.numel for n in self.graph.nodes if self.graph.is_hidden(n.name))
@@ -155,7 +180,7 @@ class Compiled:
 
     def summary(self, qs: Sequence[float] = (1, 2, 4), backend=None) -> Summary:
         """Parameters, hidden neurons and channels, log10 #paths and path-norms."""
-        be = self._backend(backend)
+        be = self.get_backend(backend)
         return Summary(
             name=self.name,
             params=self.source_num_params,
@@ -171,17 +196,14 @@ class Compiled:
         """A new Compiled whose graph is this one's after ``passes`` (verified between them)."""
         from pathir.passes import run_passes
 
-        graph = run_passes(self.graph, passes, check=check)
-        return Compiled(graph, self.model, self.frontend, self.source_num_params, self.backend, self.name)
+        return self._with_graph(run_passes(self.graph, passes, check=check))
 
     # ---------------------------------------------------------------- ONNX models
     def _onnx_writer(self, what: str):
-        from pathir.errors import PathirError
-
-        if not (hasattr(self.frontend, "to_onnx") and hasattr(self.frontend, "save")):
+        if not (hasattr(self.writer, "to_onnx") and hasattr(self.writer, "save")):
             source = type(self.model).__name__ if self.model is not None else "a Graph"
             raise PathirError(f"cm.{what}() needs a model compiled from ONNX; this one was compiled from {source}")
-        return self.frontend
+        return self.writer
 
     def to_onnx(self):
         """The ONNX model with every write-back so far (pathcond, enorm, normalize,
@@ -195,99 +217,79 @@ class Compiled:
     # ---------------------------------------------------------------- rescaling units
     @property
     def units(self):
-        """The rescaling units of the graph (``pathir.passes.find_units.Units``;
-        MATH.md §5), found once per graph object."""
-        cached = self.__dict__.get("_units")
-        if cached is None or cached[0] is not self.graph:
-            from pathir.passes.find_units import find_units
-
-            cached = (self.graph, find_units(self.graph)[1])
-            self.__dict__["_units"] = cached
-        return cached[1]
+        """The rescaling units of the graph (``pathir.passes.find_units.Units``), found once per graph."""
+        return self._facts.units
 
     def incidence(self):
-        """(B, layout): the sparse n x H matrix B of MATH.md §5 and the ParamLayout of θ,
-        built once per graph object (do not modify B)."""
-        cached = self.__dict__.get("_incidence")
-        if cached is None or cached[0] is not self.graph:
-            from pathir.passes.incidence import incidence
-
-            cached = (self.graph, incidence(self.graph, self.units))
-            self.__dict__["_incidence"] = cached
-        return cached[1]
+        """(B, layout): the sparse n x H matrix B and the ParamLayout of θ, built once per graph
+        (do not modify B)."""
+        return self._facts.incidence
 
     def row_keys(self):
-        """B's rows (``incidence()``) as a ``pathir.rescaling.unit_rows.RowKeys``: per row, e(i) (H + 1) + l(i),
+        """B's rows as a ``pathir.rescaling.unit_rows.RowKeys``: per row, e(i) (H + 1) + l(i),
         the unit θ_i enters and the one it leaves (H for none), and A = -Bᵀ1, read from the units.
-        The PathCond and ENorm solvers take it with B (``row_key=``) instead of re-deriving it from B.
-        Built once per graph object."""
-        cached = self.__dict__.get("_row_keys")
-        if cached is None or cached[0] is not self.graph:
-            from pathir.passes.incidence import row_keys
-
-            cached = (self.graph, row_keys(self.units))
-            self.__dict__["_row_keys"] = cached
-        return cached[1]
-
-    def _adopt_rescaled(self, graph: Graph) -> None:
-        """Make ``graph``, a rescaling of ``self.graph`` (same structure, new values),
-        the current graph; the units, B and the row keys carry over (only the params' values moved)."""
-        import dataclasses
-
-        from pathir.passes.incidence import ParamLayout
-
-        units, old = self.units, self.graph
-        params = tuple(graph.params())
-        self.graph = graph
-        self.__dict__["_units"] = (graph, dataclasses.replace(units, params=params))
-        # B and the row keys carry over where they were built for the old graph (they are not built here)
-        incidence, row_keys = self.__dict__.get("_incidence"), self.__dict__.get("_row_keys")
-        if incidence is not None and incidence[0] is old:
-            self.__dict__["_incidence"] = (graph, (incidence[1][0], ParamLayout(params)))
-        if row_keys is not None and row_keys[0] is old:
-            self.__dict__["_row_keys"] = (graph, row_keys[1])
+        The PathCond and ENorm solvers take it instead of B. Built once per graph."""
+        return self._facts.row_keys
 
     def diag_g(self, backend=None) -> dict[str, np.ndarray]:
-        """diag G (MATH.md §6): {source param name: array of that param's shape}.
+        """diag G: {source param name: array of that param's shape}.
         Raises PathNormOverflow beyond float64 (see ``pathir.lifting.diag_g.diag_g_flat``)."""
         from pathir.lifting.diag_g import diag_g
 
-        return diag_g(self.graph, self._backend(backend))
+        return diag_g(self.graph, self.get_backend(backend))
 
     # ---------------------------------------------------------------- rescaling the model
+    def commit_rescaling(self, z) -> None:
+        """Rescale the model and the graph by z (one log-scale per unit: θ ← θ ⊙ exp(-Bz/2)),
+        all or nothing: the model is written through the frontend writer (a Compiled made from
+        a bare Graph has only its graph rescaled), then the rescaled graph becomes current and
+        keeps the units, B and row keys found so far. On any error nothing changed."""
+        from pathir.rescaling.commit import commit_rescaling
+
+        new_graph = commit_rescaling(self.graph, self.units, z, self.model, self.writer)
+        self._facts = self._facts.rescaled(new_graph)
+
     def pathcond(self, solver: str = "block", max_sweeps: int = 1000, tol: float = 1e-10,
                  write_back: bool = True, backend=None):
-        """PathCond (MATH.md §7): minimise F(z) and rescale the model in place
-        (function preserved); returns a PathCondReport. ``write_back=False``
-        leaves model and graph as they are (apply ``report.z`` with
-        :meth:`rescaled`). See docs/pathcond.md."""
+        """PathCond: minimise F(z) and rescale the model in place (function preserved);
+        returns a PathCondReport. ``write_back=False`` leaves model and graph as they are
+        (apply ``report.z`` with :meth:`rescaled` or :meth:`commit_rescaling`). See docs/pathcond.md."""
         from pathir.pathcond.run import pathcond
 
-        return pathcond(self, solver=solver, max_sweeps=max_sweeps, tol=tol, write_back=write_back, backend=backend)
+        return pathcond(self._facts, self.get_backend(backend), solver=solver, max_sweeps=max_sweeps, tol=tol,
+                        commit=self.commit_rescaling if write_back else None, name=self.name)
 
     def enorm(self, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, costs=None,
               solver: str = "block", write_back: bool = True):
-        """ENorm (MATH.md §8): minimise Σ c_i |θ_i|^p over the rescalings and rescale
-        the model in place; returns an ENormReport. See docs/normalize.md."""
+        """ENorm: minimise Σ c_i |θ_i|^p over the rescalings and rescale the model in place;
+        returns an ENormReport. See docs/normalize.md."""
         from pathir.enorm.run import enorm
 
-        return enorm(self, p=p, max_sweeps=max_sweeps, tol=tol, costs=costs, solver=solver, write_back=write_back)
+        return enorm(self._facts, p=p, max_sweeps=max_sweeps, tol=tol, costs=costs, solver=solver,
+                     commit=self.commit_rescaling if write_back else None, name=self.name)
 
     def normalize(self, p: float = 2.0, write_back: bool = True):
-        """The canonical representative (MATH.md §8): every unit's incoming weights and
-        bias get unit l_p norm; rescales the model in place; returns a NormalizeReport.
-        See docs/normalize.md."""
-        from pathir.enorm.run import normalize
+        """The canonical representative: every unit's incoming weights and bias get unit
+        l_p norm; rescales the model in place; returns a NormalizeReport. See docs/normalize.md."""
+        from pathir.enorm.run import normalize_units
 
-        return normalize(self, p=p, write_back=write_back)
+        return normalize_units(self._facts, p=p, commit=self.commit_rescaling if write_back else None,
+                               name=self.name)
+
+    def rescaled(self, z) -> "Compiled":
+        """A new Compiled whose graph is rescaled by z (one log-scale per unit:
+        θ ← θ ⊙ exp(-Bz/2)). Φ and the function are unchanged; the model is not touched."""
+        from pathir.rescaling.apply import rescale_graph
+
+        return self._with_graph(rescale_graph(self.graph, self.units, z))
 
     # ---------------------------------------------------------------- pruning
     def path_magnitude_scores(self, backend=None) -> dict[str, np.ndarray]:
-        """S_i = Σ_{p ∋ i} |Φ_p(θ)| (MATH.md §4), one backward pass:
+        """S_i = Σ_{p ∋ i} |Φ_p(θ)|, one backward pass:
         {source param name: array in the source tensor's layout}."""
         from pathir.lifting.pruning import path_magnitude_scores
 
-        return path_magnitude_scores(self.graph, self._backend(backend))
+        return path_magnitude_scores(self.graph, self.get_backend(backend))
 
     def prune(self, amount, criterion: str = "path-magnitude", scope: str = "global",
               include_biases: bool = False, backend=None):
@@ -296,19 +298,20 @@ class Compiled:
         (pruned count, bound Σ S_i, path-norm before/after). See docs/pruning.md."""
         from pathir.lifting.pruning import prune
 
-        return prune(self, amount, criterion, scope, include_biases, backend)
+        return prune(self.graph, self.get_backend(backend), amount, criterion, scope, include_biases,
+                     commit=self._commit_masks)
 
-    def rescaled(self, z) -> "Compiled":
-        """A new Compiled whose graph is rescaled by z (one log-scale per unit:
-        θ ← θ ⊙ exp(-Bz/2)). Φ and the function are unchanged; the model is not touched."""
-        from pathir.rescaling.apply import rescale_graph
-
-        graph = rescale_graph(self.graph, self.units, z)
-        return Compiled(graph, self.model, self.frontend, self.source_num_params, self.backend, self.name)
+    def _commit_masks(self, pruned: Graph, masks) -> None:
+        """Write the masks ({param name: bool array}) into the model, then make ``pruned`` current."""
+        if self.writer is not None and masks:
+            if not hasattr(self.writer, "mask"):
+                raise PathirError(f"the writer of this model ({type(self.writer).__name__}) cannot write masks")
+            self.writer.mask(self.graph, masks)
+        self.graph = pruned
 
     # ---------------------------------------------------------------- symbolic (small graphs)
     def conservation_laws(self, symbolic: bool = False) -> dict:
-        """H_h = Σ_{in_h} θ_i² − Σ_{out_h} θ_i² for every unit (MATH.md §9):
+        """H_h = Σ_{in_h} θ_i² − Σ_{out_h} θ_i² for every unit:
         {unit name: value at the graph's θ}; ``symbolic=True``: {unit name:
         sympy expression in the parameter symbols}. See docs/symbolic.md."""
         from pathir.neurons.symbolic import conservation_law_expressions, conservation_laws
@@ -325,11 +328,3 @@ class Compiled:
 
         limit = DEFAULT_MAX_PATHS if max_paths is None else max_paths
         return verify_symbolic(self.graph, self.units, seed=seed, max_paths=limit, samples=samples)
-
-    def _write_rescaling(self, log_scales) -> None:
-        """Write per-channel log-scales ({node: (channels,)}) into the user's model."""
-        from pathir.errors import PathirError
-
-        if self.frontend is None:
-            raise PathirError("this Compiled has no source model to write a rescaling into (compiled from a Graph)")
-        self.frontend.rescale(self.graph, log_scales)

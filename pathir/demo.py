@@ -168,11 +168,8 @@ def accuracy(model, X, y) -> float:
 
 def random_rescaling(model: nn.Module, spread: float, seed: int) -> None:
     """Rescale ``model`` in place by a random element of its rescaling group (same function)."""
-    from pathir.rescaling.apply import log_scales
-
     cm = pathir.compile(model, input_shape=(1, 8, 8))
-    z = np.random.default_rng(seed).uniform(-spread, spread, size=len(cm.units))
-    cm.frontend.rescale(cm.graph, log_scales(cm.graph, cm.units, z))
+    cm.commit_rescaling(np.random.default_rng(seed).uniform(-spread, spread, size=len(cm.units)))
 
 
 def part_pruning(cfg: DemoConfig, data, bar) -> dict:

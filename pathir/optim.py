@@ -265,7 +265,7 @@ class PathSGD(torch.optim.Optimizer):
 
         tensors = self._coords.read()
         graph = self._coords.current_graph(tensors)
-        parts = diag_g_log_parts(graph, self.compiled._backend(self.backend))
+        parts = diag_g_log_parts(graph, self.compiled.get_backend(self.backend))
         top = max((L for _, L in parts), default=-math.inf)
         if top > _LOG_MAX:
             raise PathNormOverflow(f"diag G reaches about 10^{top / math.log(10):.1f}, beyond float64")

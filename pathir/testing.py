@@ -40,8 +40,20 @@ import numpy as np
 from hypothesis import strategies as st
 
 from pathir.ir import (
-    ChannelMap, Conv, Dense, Gather, Graph, GraphBuilder, Identity, Map, NodeKind, Pool, Reshape, Scale,
-    SpatialMatrix, pool_output_size,
+    ChannelMap,
+    Conv,
+    Dense,
+    Gather,
+    Graph,
+    GraphBuilder,
+    Identity,
+    Map,
+    NodeKind,
+    Pool,
+    Reshape,
+    Scale,
+    SpatialMatrix,
+    pool_output_size,
 )
 
 __all__ = ["relu_dags", "mlps", "random_inputs", "rescalings"]

@@ -92,8 +92,8 @@ def test_errors_are_one_line_exit_2_and_no_file(argv, message, factory, tmp_path
 
 def test_onnx_model_is_written_as_onnx(tmp_path, capsys):
     pytest.importorskip("onnx")
-    from onnx import TensorProto, helper, numpy_helper
     import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array(rng.normal(size=s).astype(np.float32), n)

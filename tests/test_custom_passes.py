@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 import pathir
 from pathir.backends.numpy import NumpyBackend
 from pathir.errors import GraphVerificationError
-from pathir.lifting.walk import forward
 from pathir.ir import Conv, Dense, GraphBuilder, Identity, NodeKind
-from pathir.passes import PASSES, register, remove_dead, run_passes
+from pathir.lifting.walk import forward
 from pathir.neurons.paths import enumerate_num_paths, enumerate_path_norm
+from pathir.passes import PASSES, register, remove_dead, run_passes
 from pathir.testing import mlps, random_inputs, relu_dags
 
 

@@ -1,9 +1,7 @@
 """`pathir demo` end to end on a tiny configuration (the full run is the README's main command)."""
 
 import json
-import os
 
-import numpy as np
 import torch
 
 import pathir.demo as demo

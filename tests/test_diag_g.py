@@ -4,19 +4,18 @@ import math
 
 import numpy as np
 import pytest
+from enumerated import path_factors
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pathir
-from pathir.lifting.diag_g import diag_g, diag_g_flat
 from pathir.errors import PathNormOverflow
 from pathir.ir import Conv, Dense, GraphBuilder, Identity, Pool, Reshape
+from pathir.lifting.diag_g import diag_g, diag_g_flat
 from pathir.passes.find_units import find_units
 from pathir.passes.incidence import incidence
 from pathir.rescaling.apply import rescale_graph
 from pathir.testing import mlps, relu_dags, rescalings
-
-from enumerated import path_factors
 
 BACKENDS = ["numpy", "torch"]
 

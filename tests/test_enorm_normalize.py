@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
+from torch_models import randomize_bn as _randomize_bn  # noqa: E402
+
 import pathir  # noqa: E402
 from pathir.errors import PathirError  # noqa: E402
 from pathir.ir import Conv, Dense, GraphBuilder, Identity, Reshape  # noqa: E402
@@ -15,9 +17,6 @@ from pathir.passes.find_units import find_units  # noqa: E402
 from pathir.passes.normalize import normalize, normalize_log_scales  # noqa: E402
 from pathir.rescaling.apply import rescale_graph  # noqa: E402
 from pathir.testing import relu_dags, rescalings  # noqa: E402
-
-
-from torch_models import randomize_bn as _randomize_bn  # noqa: E402
 
 
 def cnn(seed=0):

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.special import logsumexp
+from test_pathcond_solvers import dead_units_by_definition, incidence, mlp_rows, problems, resnet_rows
 
 from pathir.enorm.solver import enorm_objective, solve_enorm, solve_enorm_block, solve_enorm_coordinate, unit_balance
-from test_pathcond_solvers import dead_units_by_definition, incidence, mlp_rows, problems, resnet_rows
 
 
 def e_reference(m, B, z):

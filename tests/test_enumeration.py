@@ -9,11 +9,18 @@ from hypothesis import strategies as st
 
 import pathir
 from pathir.backends.numpy import NumpyBackend
+from pathir.ir import Dense, GraphBuilder, Identity, NodeKind, Pool, Reshape
 from pathir.lifting.walk import forward
-from pathir.ir import Dense, GraphBuilder, Identity, MapKind, NodeKind, Pool, Reshape
 from pathir.neurons.expand import antecedents, expand
 from pathir.neurons.paths import (
-    activations, count_paths, enumerate_num_paths, enumerate_paths, incidence, lifted_output, neuron_forward, phi,
+    activations,
+    count_paths,
+    enumerate_num_paths,
+    enumerate_paths,
+    incidence,
+    lifted_output,
+    neuron_forward,
+    phi,
     starts,
 )
 from pathir.testing import random_inputs, relu_dags

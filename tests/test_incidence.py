@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 from pathir.backends.numpy import NumpyBackend
 from pathir.errors import PathirError
-from pathir.lifting.walk import forward
 from pathir.ir import ChannelMap, Conv, Dense, GraphBuilder, Identity, Pool, Reshape, Scale
+from pathir.lifting.walk import forward
 from pathir.neurons.expand import expand
 from pathir.passes.find_units import find_units
 from pathir.passes.incidence import ParamLayout, incidence, row_keys
@@ -127,7 +127,8 @@ def test_b_rows_follow_the_neuron_level_definition(graph):
 @given(relu_dags())
 def test_row_keys_from_the_units_are_those_of_b(graph):
     """The solvers' row keys, read straight from the units' ends, equal those read back from B."""
-    from pathir.rescaling.unit_rows import column_balance, key_balance, row_keys as keys_of_b
+    from pathir.rescaling.unit_rows import column_balance, key_balance
+    from pathir.rescaling.unit_rows import row_keys as keys_of_b
 
     _, units = find_units(graph)
     B, _ = incidence(graph, units)

@@ -7,8 +7,19 @@ import pytest
 
 from pathir import GraphVerificationError
 from pathir.ir import (
-    ChannelMap, Conv, Dense, Edge, Gather, Graph, GraphBuilder, Identity, Node, NodeKind, Param, Pool,
-    Reshape, Scale, verify,
+    ChannelMap,
+    Conv,
+    Dense,
+    Edge,
+    Gather,
+    Graph,
+    GraphBuilder,
+    Identity,
+    Param,
+    Pool,
+    Reshape,
+    Scale,
+    verify,
 )
 
 

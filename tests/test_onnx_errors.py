@@ -2,15 +2,15 @@
 one), a non-zero exit code from the CLI, no output file, the source untouched."""
 
 import importlib.util
+
 import numpy as np
 import pytest
 import torch
+from onnx_cases import export, exported, make_model, node, tensor_info
 
 import pathir
 from pathir.cli import main
 from pathir.errors import PathirError
-
-from onnx_cases import export, exported, make_model, node, tensor_info
 
 rng = np.random.default_rng(0)
 

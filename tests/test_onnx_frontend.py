@@ -5,14 +5,22 @@ onnxruntime's (float64 IR vs float32 ORT: relative error <= 1e-5) and torch's.""
 import numpy as np
 import pytest
 import torch
+from onnx_cases import (
+    MODELS,
+    UNFOLDED,
+    export,
+    exported,
+    fresh_bn_convnet,
+    make_model,
+    node,
+    ort_run,
+    rel,
+    tensor_info,
+)
 
 import pathir
 from pathir.backends import available_backends
 from pathir.ir import MapKind, NodeKind, Role
-
-from onnx_cases import (
-    MODELS, UNFOLDED, export, exported, fresh_bn_convnet, make_model, node, ort_run, rel, tensor_info,
-)
 
 BACKENDS = [b for b in ("numpy", "torch") if b in available_backends()]
 DYNAMO = ["residual", "pools_include_pad", "pools_exclude_pad", "concat", "shuffle", "bn_mlp"]
@@ -162,7 +170,7 @@ def test_gemm_output_with_the_batch_on_axis_1():
         [tensor_info("x", ["N", 4])], [tensor_info("y", [6, "N"])],
         {"W1": rng.normal(size=(6, 4)), "C1": rng.normal(size=(6, 1))})
     cm = _check(model, rng.normal(size=(5, 4)).astype(np.float32), batch_second_output=True)
-    assert cm.frontend.outputs == {"y": ("relu", True)}
+    assert cm.writer.outputs == {"y": ("relu", True)}
 
 
 def test_gemm_contracting_the_batch_is_refused():

@@ -9,12 +9,11 @@ import onnx
 import pytest
 import torch
 from onnx import numpy_helper
+from onnx_cases import export, exported, fresh_bn_convnet, make_model, node, ort_run, rel, tensor_info
 
 import pathir
 from pathir.errors import PathirError
 from pathir.rescaling.apply import log_scales, rescale_graph
-
-from onnx_cases import export, exported, fresh_bn_convnet, make_model, node, ort_run, rel, tensor_info
 
 CASES = [(m, e) for m in ("mlp", "bn_mlp", "residual", "pools_exclude_pad", "concat", "shuffle")
          for e in ("legacy", "legacy-nofold")] + [("residual", "dynamo"), ("concat", "dynamo-noopt")]
@@ -38,7 +37,7 @@ def test_random_rescaling_keeps_onnxruntime_outputs(name, exporter):
     assert len(cm.units) > 0
     x = np.random.default_rng(1).normal(size=(4, *shape)).astype(np.float32)
     before = ort_run(proto, x)[0]
-    cm.frontend.rescale(cm.graph, scales)
+    cm.writer.rescale(cm.graph, scales)
     new = cm.to_onnx()
     onnx.checker.check_model(new)
     after = ort_run(new, x)[0]
@@ -58,7 +57,7 @@ def test_hidden_neuron_rescaling_of_an_mlp_writes_the_expected_factors():
     hidden = [n.name for n in cm.graph if cm.graph.is_hidden(n.name)]
     assert len(hidden) == 2
     s = {hidden[0]: np.log(np.arange(1, 8) / 2.0)}
-    cm.frontend.rescale(cm.graph, s)
+    cm.writer.rescale(cm.graph, s)
     old, new = _inits(proto), _inits(cm.to_onnx())
     f = np.arange(1, 8) / 2.0
     np.testing.assert_allclose(new["0.weight"], old["0.weight"] * f[:, None], rtol=1e-6)
@@ -79,7 +78,7 @@ def test_unfolded_batchnorm_takes_the_factor_on_its_statistics():
     cm = pathir.compile(proto)
     relu = next(n.name for n in cm.graph if n.kind.value == "relu")
     lam = np.array([2.0, 0.5, 3.0, 1.0, 0.25])
-    cm.frontend.rescale(cm.graph, {relu: np.log(lam)})
+    cm.writer.rescale(cm.graph, {relu: np.log(lam)})
     old, new = _inits(proto), _inits(cm.to_onnx())
     eps = 1e-5
     np.testing.assert_allclose(new["2.running_mean"], lam * old["2.running_mean"], rtol=1e-6)
@@ -94,7 +93,7 @@ def test_deduplicated_initializers_are_split_not_overwritten():
     proto = export(fresh_bn_convnet(), (3, 6, 6), "legacy-nofold")
     cm = pathir.compile(proto)
     _, scales = _random_rescaling(cm, seed=3)
-    cm.frontend.rescale(cm.graph, scales)
+    cm.writer.rescale(cm.graph, scales)
     new = cm.to_onnx()
     onnx.checker.check_model(new)
     x = np.random.default_rng(2).normal(size=(2, 3, 6, 6)).astype(np.float32)
@@ -111,7 +110,7 @@ def test_gemm_alpha_beta_transposed_weights_and_broadcast_bias():
         {"W1": rng.normal(size=(4, 3)), "c": np.array(0.3), "W2": rng.normal(size=(2, 3))})
     cm = pathir.compile(model)
     f = np.array([2.0, 0.5, 4.0])
-    cm.frontend.rescale(cm.graph, {"relu": np.log(f)})
+    cm.writer.rescale(cm.graph, {"relu": np.log(f)})
     old, new = _inits(model), _inits(cm.to_onnx())
     np.testing.assert_allclose(new["W1"], old["W1"] * f[None, :], rtol=1e-6)  # W1 is (in, out): transposed
     np.testing.assert_allclose(new["c"], 0.3 * f, rtol=1e-6)  # the scalar bias became one per channel
@@ -128,7 +127,7 @@ def test_a_writer_made_from_the_model_alone():
     _, scales = _random_rescaling(cm, seed=5)
     writer = lower(proto).writer
     writer.rescale(cm.graph, scales)
-    cm.frontend.rescale(cm.graph, scales)
+    cm.writer.rescale(cm.graph, scales)
     assert writer.to_onnx().SerializeToString() == cm.to_onnx().SerializeToString()
 
 
@@ -136,12 +135,12 @@ def test_two_rescalings_compose_and_to_onnx_returns_copies():
     _, shape, proto = exported("residual", "legacy-nofold")
     cm = pathir.compile(proto)
     z1, s1 = _random_rescaling(cm, 1)
-    cm.frontend.rescale(cm.graph, s1)
+    cm.writer.rescale(cm.graph, s1)
     first = cm.to_onnx()
     first.graph.initializer[0].raw_data = b""  # a caller editing the copy changes nothing inside
     cm.graph = rescale_graph(cm.graph, cm.units, z1)
     z2, s2 = _random_rescaling(cm, 2)
-    cm.frontend.rescale(cm.graph, s2)
+    cm.writer.rescale(cm.graph, s2)
     x = np.random.default_rng(0).normal(size=(2, *shape)).astype(np.float32)
     assert rel(ort_run(cm.to_onnx(), x)[0], ort_run(proto, x)[0]) <= 1e-5
 
@@ -152,9 +151,9 @@ def test_a_failed_rescaling_changes_nothing():
     before = cm.to_onnx().SerializeToString()
     out = cm.graph.outputs[0]
     with pytest.raises(PathirError, match="pinned"):
-        cm.frontend.rescale(cm.graph, {out: np.ones(cm.graph.node(out).channels)})
+        cm.writer.rescale(cm.graph, {out: np.ones(cm.graph.node(out).channels)})
     with pytest.raises((PathirError, ValueError), match="shape"):
-        cm.frontend.rescale(cm.graph, {cm.graph.nodes[1].name: np.ones(2)})
+        cm.writer.rescale(cm.graph, {cm.graph.nodes[1].name: np.ones(2)})
     assert cm.to_onnx().SerializeToString() == before
 
 
@@ -169,7 +168,7 @@ def test_masks_zero_the_initializers(name, exporter):
     rng = np.random.default_rng(0)
     weights = [p for p in cm.graph.params() if p.value.ndim > 1]
     masks = {p.name: rng.random(p.shape) > 0.4 for p in weights}
-    cm.frontend.mask(cm.graph, masks)
+    cm.writer.mask(cm.graph, masks)
     new = cm.to_onnx()
     inits = _inits(new)
     for p in weights:
@@ -191,14 +190,14 @@ def test_mask_of_a_folded_batchnorm_bias_is_refused_and_changes_nothing():
     bias = cm.graph.node(cm.graph.outputs[0]).bias  # fc.bias: plain
     folded = next(p for p in cm.graph.params() if p.name == "bn2.bias")
     with pytest.raises(PathirError, match="would not zero the param"):
-        cm.frontend.mask(cm.graph, {bias.name: np.zeros(bias.shape, bool), folded.name: np.zeros(folded.shape, bool)})
+        cm.writer.mask(cm.graph, {bias.name: np.zeros(bias.shape, bool), folded.name: np.zeros(folded.shape, bool)})
     assert cm.to_onnx().SerializeToString() == before
 
 
 def test_saved_file_round_trips(tmp_path):
     _, shape, proto = exported("concat", "legacy")
     cm = pathir.compile(proto)
-    cm.frontend.rescale(cm.graph, _random_rescaling(cm)[1])
+    cm.writer.rescale(cm.graph, _random_rescaling(cm)[1])
     path = tmp_path / "rescaled.onnx"
     cm.save(path)
     assert [p.name for p in tmp_path.iterdir()] == ["rescaled.onnx"]

@@ -6,11 +6,10 @@ forward as onnxruntime (exports that fold batch-norms in float32)."""
 import numpy as np
 import pytest
 import torch
+from onnx_cases import export, ort_run, rel
 
 import pathir
 from pathir import zoo
-
-from onnx_cases import export, ort_run, rel
 
 FAST = {"resnet18", "squeezenet1_1"}
 

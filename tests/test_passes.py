@@ -7,10 +7,10 @@ from hypothesis import given, settings
 
 import pathir
 from pathir.backends.numpy import NumpyBackend
+from pathir.ir import Conv, GraphBuilder, Identity, MapKind, NodeKind, Param, Role, Scale, SourceRef
 from pathir.lifting.walk import forward
-from pathir.ir import Conv, Dense, GraphBuilder, Identity, MapKind, NodeKind, Param, Role, Scale, SourceRef
-from pathir.passes import PASSES, fold_batchnorm, maxpool_to_sum, path_view, run_passes
 from pathir.neurons.paths import enumerate_num_paths, enumerate_path_norm
+from pathir.passes import PASSES, fold_batchnorm, maxpool_to_sum, path_view, run_passes
 from pathir.testing import relu_dags
 
 BE = NumpyBackend()

@@ -11,12 +11,12 @@ from hypothesis import strategies as st
 
 import pathir
 from pathir.errors import PathirError
-from pathir.lifting.walk import forward
 from pathir.ir import Dense, GraphBuilder
-from pathir.neurons.expand import expand
-from pathir.passes.find_units import find_units
 from pathir.lifting.path_metric import check_same_architecture, output_bound, path_metric
+from pathir.lifting.walk import forward
+from pathir.neurons.expand import expand
 from pathir.neurons.paths import enumerate_paths, phi
+from pathir.passes.find_units import find_units
 from pathir.rescaling.apply import rescale_graph
 from pathir.testing import random_inputs, relu_dags, rescalings
 

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 
 import pathir
 from pathir.ir import Dense, GraphBuilder, NodeKind
-from pathir.neurons.paths import enumerate_num_paths, enumerate_path_norm, enumerate_paths, phi
 from pathir.neurons.expand import expand
+from pathir.neurons.paths import enumerate_num_paths, enumerate_path_norm, enumerate_paths, phi
 from pathir.testing import mlps, relu_dags
 
 

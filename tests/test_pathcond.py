@@ -11,16 +11,13 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
+# ------------------------------------------------------------------ models
+from torch_models import ResidualBlock  # noqa: E402
+from torch_models import randomize_bn as _randomize_bn
+
 import pathir  # noqa: E402
 from pathir.errors import PathirError  # noqa: E402
 from pathir.testing import mlps, relu_dags  # noqa: E402
-from pathir.rescaling.commit import commit_rescaling  # noqa: E402
-
-
-# ------------------------------------------------------------------ models
-
-
-from torch_models import ResidualBlock, randomize_bn as _randomize_bn  # noqa: E402
 
 
 def mlp():
@@ -289,10 +286,10 @@ def test_overflow_in_the_model_dtype_is_refused_and_the_model_untouched(dtype, l
     cm = pathir.compile(model, input_shape=shape)
     graph = cm.graph
     with pytest.raises(PathirError, match=f"does not fit {dtype}"):
-        commit_rescaling(cm, np.full(len(cm.units), log_scale))  # e^{15} > 65504, e^{100} > 3.4e38
+        cm.commit_rescaling(np.full(len(cm.units), log_scale))  # e^{15} > 65504, e^{100} > 3.4e38
     assert _same_state(model, state) and cm.graph is graph
     with pytest.raises(PathirError, match="overflows or underflows float64"):
-        commit_rescaling(cm, np.full(len(cm.units), 1500.0))
+        cm.commit_rescaling(np.full(len(cm.units), 1500.0))
     assert _same_state(model, state) and cm.graph is graph
 
 
@@ -327,8 +324,8 @@ def test_train_mode_unfolded_batchnorm_is_refused_then_eval_works():
 def test_injected_failures_leave_model_and_graph_untouched(monkeypatch):
     from torch.nn.utils import prune
 
-    import pathir.lifting.diag_g
     import pathir.frontends.torch_writer as writer
+    import pathir.lifting.diag_g
 
     model, shape = build("cnn")
     prune.l1_unstructured(model[4], "weight", amount=0.3)
@@ -382,7 +379,7 @@ def test_report_log_spreads_are_their_definition(graph, seed, scale):
     log(g ⊙ e^{Bz}) over g > 0 with B itself; z far beyond float64's exp range included."""
     from pathir.passes.find_units import find_units
     from pathir.passes.incidence import incidence
-    from pathir.pathcond.run import _log_spreads
+    from pathir.pathcond.run import unit_log_spreads
 
     _, units = find_units(graph)
     B, _ = incidence(graph, units)
@@ -393,4 +390,4 @@ def test_report_log_spreads_are_their_definition(graph, seed, scale):
     for shift in (np.zeros(B.shape[0]), B @ z):
         logs = (np.log(g[g > 0]) + shift[g > 0]) if (g > 0).any() else np.zeros(1)
         expected.append(logs.max() - logs.min())
-    np.testing.assert_allclose(_log_spreads(units, g, z), expected, rtol=1e-12, atol=1e-9)
+    np.testing.assert_allclose(unit_log_spreads(units, g, z), expected, rtol=1e-12, atol=1e-9)

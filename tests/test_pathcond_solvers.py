@@ -433,7 +433,7 @@ def test_positive_root_in_log_space(a, log_r):
     """log_positive_root (block: alpha = gamma = n) and the coordinate solver's scalar one vs mpmath."""
     import mpmath
 
-    from pathir.pathcond.coordinate import _log_root
+    from pathir.pathcond.coordinate import log_root
     from pathir.pathcond.objective import log_positive_root
 
     mpmath.mp.dps = 60
@@ -441,7 +441,7 @@ def test_positive_root_in_log_space(a, log_r):
     r = mpmath.exp(log_r)
     for alpha, gamma, got in ((n, n, log_positive_root(a, log_r, n, n)),
                               (n + a, n - a, log_positive_root(a, log_r, n + a, n - a)),
-                              (n + a, n - a, _log_root(a, log_r, n))):
+                              (n + a, n - a, log_root(a, log_r, n))):
         y = (-a * r + mpmath.sqrt(a * a * r * r + 4 * alpha * gamma)) / (2 * alpha) if a <= 0 else \
             2 * gamma / (a * r + mpmath.sqrt(a * a * r * r + 4 * alpha * gamma))
         # in mpmath throughout: a r y may lie far beyond float64 (and pytest.approx takes float tolerances only)
@@ -481,7 +481,7 @@ def test_many_units_group_by_sorting():
 def test_block_solver_on_row_keys_alone_is_the_solver_on_b(problem, chunk):
     """With a RowKeys the block solver needs no B: same z, same F, same log-spreads (B z read from the
     keys a chunk of rows at a time)."""
-    from pathir.pathcond.objective import _spreads
+    from pathir.pathcond.objective import bz_log_spreads
     from pathir.rescaling.unit_rows import row_shifts
 
     g, B = problem
@@ -492,7 +492,7 @@ def test_block_solver_on_row_keys_alone_is_the_solver_on_b(problem, chunk):
     assert with_b.f_final == without.f_final and without.B is None
     shifts = np.concatenate([bz for _, bz in row_shifts(key, with_b.z, chunk=chunk)])
     np.testing.assert_allclose(shifts, B @ with_b.z, rtol=0, atol=1e-12 * (1 + np.abs(with_b.z).max()))
-    expected = _spreads(g, B, with_b.z)
+    expected = bz_log_spreads(g, B, with_b.z)
     assert without.log_spread_initial == pytest.approx(expected[0], rel=1e-9, abs=1e-9)
     assert without.log_spread_final == pytest.approx(expected[1], rel=1e-9, abs=1e-9)
 

@@ -7,15 +7,19 @@ import sympy as sp
 from hypothesis import given, settings
 
 import pathir
-import pathir.neurons.symbolic as symbolic
 from pathir.backends.sympy import SympyBackend, exact, symbol
 from pathir.errors import GraphTooLarge
 from pathir.ir import Dense, GraphBuilder, Identity
+from pathir.neurons.symbolic import (
+    CHECK_NAMES,
+    Check,
+    SymbolicReport,
+    conservation_law_expressions,
+    conservation_laws,
+    verify_symbolic,
+)
 from pathir.passes.find_units import find_units
 from pathir.passes.incidence import incidence
-from pathir.neurons.symbolic import (
-    CHECK_NAMES, Check, SymbolicReport, conservation_law_expressions, conservation_laws, verify_symbolic,
-)
 from pathir.testing import mlps, relu_dags
 
 

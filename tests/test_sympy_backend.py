@@ -10,14 +10,20 @@ from hypothesis import strategies as st
 from pathir.backends import get_backend
 from pathir.backends.numpy import NumpyBackend
 from pathir.backends.sympy import (
-    SympyBackend, exact, exact_array, neuron_values, param_symbols, symbol, symbolic_phi,
+    SympyBackend,
+    exact,
+    exact_array,
+    neuron_values,
+    param_symbols,
+    symbol,
+    symbolic_phi,
 )
 from pathir.errors import BackendError
-from pathir.lifting.walk import forward
 from pathir.ir import Dense, GraphBuilder, NodeKind, Pool
+from pathir.lifting.walk import forward
 from pathir.neurons.expand import expand
-from pathir.passes import maxpool_to_sum, path_view
 from pathir.neurons.paths import activations, enumerate_num_paths, enumerate_paths, neuron_forward, phi
+from pathir.passes import maxpool_to_sum, path_view
 from pathir.testing import mlps, random_inputs, relu_dags
 
 

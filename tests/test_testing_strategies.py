@@ -6,8 +6,8 @@ from hypothesis import strategies as st
 
 import pathir
 from pathir.backends.numpy import NumpyBackend
-from pathir.lifting.walk import forward
 from pathir.ir import MapKind, NodeKind
+from pathir.lifting.walk import forward
 from pathir.neurons.expand import expand
 from pathir.neurons.paths import count_paths
 from pathir.testing import mlps, random_inputs, relu_dags

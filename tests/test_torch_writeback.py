@@ -8,15 +8,14 @@ import pytest
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
+from torch_models import ResidualBlock  # noqa: E402
+from torch_models import randomize_bn as _randomize_bn
+
 import pathir  # noqa: E402
 from pathir.errors import PathirError  # noqa: E402
+from pathir.frontends.torch_writer import TorchWriter  # noqa: E402
 from pathir.ir import MapKind, Role  # noqa: E402
 from pathir.rescaling.apply import log_scales  # noqa: E402
-
-from pathir.frontends.torch_writer import TorchWriter  # noqa: E402
-
-
-from torch_models import ResidualBlock, randomize_bn as _randomize_bn  # noqa: E402
 
 
 def _z(cm, seed=0, size=1.0):
@@ -35,7 +34,7 @@ def _rescale_and_compare(model, input_shape, train=False, seed=0, tol=1e-10):
     x = torch.randn(4, *input_shape, dtype=torch.float64)
     reference = copy.deepcopy(model)  # train-mode forwards update running stats: compare on twins
     z = _z(cm, seed)
-    cm._write_rescaling(log_scales(cm.graph, cm.units, z))
+    cm.writer.rescale(cm.graph, log_scales(cm.graph, cm.units, z))
     with torch.no_grad():
         before, after = reference(x), model(x)
     assert _rel(after, before) <= tol
@@ -96,7 +95,7 @@ def test_unfolded_batchnorm_moves_its_running_statistics():
     x = torch.randn(3, 2, 6, 6, dtype=torch.float64)
     with torch.no_grad():
         before = model(x)
-    cm._write_rescaling(s)
+    cm.writer.rescale(cm.graph, s)
     with torch.no_grad():
         assert _rel(model(x), before) <= 1e-10
     lam, out = torch.as_tensor(np.exp(s[edge.source])), torch.as_tensor(np.exp(s[v.name]))
@@ -111,7 +110,7 @@ def test_written_model_compiles_to_the_rescaled_graph():
     cm = pathir.compile(model, input_shape=(3, 8, 8))
     z = _z(cm, seed=5)
     expected = cm.rescaled(z).graph
-    cm._write_rescaling(log_scales(cm.graph, cm.units, z))
+    cm.writer.rescale(cm.graph, log_scales(cm.graph, cm.units, z))
     again = pathir.compile(model, input_shape=(3, 8, 8)).graph
     for p, q in zip(again.params(), expected.params()):
         assert p.name == q.name and np.allclose(p.value, q.value, rtol=1e-10, atol=1e-14)
@@ -123,7 +122,7 @@ def test_float32_model_keeps_dtype():
     x = torch.randn(2, 3, 8, 8)
     with torch.no_grad():
         before = model(x)
-    cm._write_rescaling(log_scales(cm.graph, cm.units, _z(cm, size=0.5)))
+    cm.writer.rescale(cm.graph, log_scales(cm.graph, cm.units, _z(cm, size=0.5)))
     assert all(t.dtype == torch.float32 for t in model.state_dict().values() if t.is_floating_point())
     with torch.no_grad():
         assert _rel(model(x), before) <= 1e-5
@@ -163,7 +162,7 @@ def test_error_midway_leaves_the_model_untouched(monkeypatch):
 
     monkeypatch.setattr(TorchWriter, "_new_value", staticmethod(failing))
     with pytest.raises(RuntimeError, match="injected failure"):
-        cm._write_rescaling(log_scales(cm.graph, cm.units, _z(cm)))
+        cm.writer.rescale(cm.graph, log_scales(cm.graph, cm.units, _z(cm)))
     assert len(calls) == 5 and _same_state(model, state)
 
 
@@ -187,14 +186,16 @@ def test_log_scales_that_are_no_rescaling_are_refused():
     out = cm.graph.outputs[0]
     state = _state(model)
     with pytest.raises(PathirError, match="pinned"):
-        cm._write_rescaling(dict(s, **{out: np.ones(2)}))
+        cm.writer.rescale(cm.graph, dict(s, **{out: np.ones(2)}))
     assert _same_state(model, state)
 
 
 def test_compiled_from_a_graph_has_nothing_to_write_into():
     cm = pathir.compile(pathir.compile(_mlp(), input_shape=(4,)).graph)
-    with pytest.raises(PathirError, match="no source model"):
-        cm._write_rescaling({})
+    assert cm.writer is None
+    before = [p.value.copy() for p in cm.graph.params()]
+    cm.commit_rescaling(np.full(len(cm.units), 1.0))  # only the graph moves
+    assert any(not np.array_equal(a, p.value) for a, p in zip(before, cm.graph.params()))
 
 
 # --------------------------------------------------------------- masks
@@ -231,7 +232,7 @@ def test_rescaling_a_pruned_model_keeps_mask_and_function():
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
     with torch.no_grad():
         before = model(x)
-    cm._write_rescaling(log_scales(cm.graph, cm.units, _z(cm)))
+    cm.writer.rescale(cm.graph, log_scales(cm.graph, cm.units, _z(cm)))
     assert torch.equal(model[0].weight == 0, torch.as_tensor(~mask))
     with torch.no_grad():
         assert _rel(model(x), before) <= 1e-10

@@ -244,7 +244,7 @@ def test_units_partition_the_free_channels_and_respect_every_tie(graph):
 def test_classes_marked_crossing_are_those_of_the_full_broadcast(data):
     """The compact shortcut (no shared axis: every target meets every source) marks what the
     entry-by-entry definition on the broadcast param marks."""
-    from pathir.passes.find_units import _mark_crossing
+    from pathir.passes.find_units import mark_crossing
 
     ndim = data.draw(st.integers(1, 3))
     full = data.draw(st.lists(st.integers(1, 4), min_size=ndim, max_size=ndim))
@@ -255,7 +255,7 @@ def test_classes_marked_crossing_are_those_of_the_full_broadcast(data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     tc, sc = rng.integers(0, classes, t_shape), rng.integers(0, classes, s_shape)
     got = np.zeros(classes, dtype=bool)
-    _mark_crossing(got, tc, sc)
+    mark_crossing(got, tc, sc)
     a, b = np.broadcast_arrays(tc, sc)
     expected = np.zeros(classes, dtype=bool)
     expected[a[a != b]] = True

@@ -90,7 +90,6 @@ def _check_random_rescaling(name):
     import numpy as np
 
     from pathir.rescaling.unit_rows import column_balance, keys_for, row_keys
-    from pathir.rescaling.commit import commit_rescaling
 
     model = zoo.build(name).double().eval()
     shape = _small_shape(name)
@@ -107,7 +106,7 @@ def _check_random_rescaling(name):
         before = model(x)
     graph = cm.graph
     z = np.random.default_rng(0).normal(scale=0.5, size=len(cm.units))
-    commit_rescaling(cm, z)
+    cm.commit_rescaling(z)
     with torch.no_grad():
         after = model(x)
     moved = max(float(np.abs(q.value - p.value).max() / np.abs(p.value).max())

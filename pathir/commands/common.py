@@ -6,6 +6,7 @@ import importlib
 import json
 import os
 import sys
+import tempfile
 
 __all__ = ["add_model_arguments", "load_model", "compile_model", "emit_json", "parse_shape"]
 
@@ -72,3 +73,32 @@ def compile_model(args):
 def emit_json(obj) -> None:
     json.dump(obj, sys.stdout, indent=2, default=float)
     sys.stdout.write("\n")
+
+
+def check_output_path(path: str, onnx_model: bool) -> None:
+    want = ".onnx" if onnx_model else ".pt"
+    if not path.endswith(want) and not (not onnx_model and path.endswith(".pth")):
+        raise ValueError(f"output for {'an ONNX' if onnx_model else 'a torch'} model must be a {want} file, got '{path}'")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"output folder does not exist: {folder}")
+
+
+def save_state_dict(model, path: str) -> None:
+    import torch
+    from torch.nn.utils import prune as torch_prune
+
+    for module in model.modules():  # make the masks permanent: plain tensors with zeros
+        for hook in list(module._forward_pre_hooks.values()):
+            if isinstance(hook, torch_prune.BasePruningMethod):
+                torch_prune.remove(module, hook._tensor_name)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(model.state_dict(), f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise

@@ -8,8 +8,7 @@ written through a temporary file beside it: nothing is left behind on failure.
 
 from __future__ import annotations
 
-from .common import add_model_arguments, compile_model, emit_json
-from .prune import _check_output, _save_state_dict  # the prune command's writers: same formats
+from .common import add_model_arguments, check_output_path, compile_model, emit_json, save_state_dict
 
 HELP = "rescale a model by PathCond (balances diag G; the function is unchanged)"
 
@@ -39,14 +38,14 @@ def write_output(cm, args) -> None:
     if _is_onnx(args):
         cm.save(args.output)
     elif cm.model is not None and hasattr(cm.model, "state_dict"):
-        _save_state_dict(cm.model, args.output)
+        save_state_dict(cm.model, args.output)
     else:
         raise PathirError(f"cannot write a model of type {type(cm.model).__name__}")
 
 
 def check_output(args) -> None:
     if args.output is not None:
-        _check_output(args.output, _is_onnx(args))
+        check_output_path(args.output, _is_onnx(args))
 
 
 def _is_onnx(args) -> bool:

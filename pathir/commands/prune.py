@@ -9,11 +9,10 @@ beside it, so nothing is left behind on failure.
 from __future__ import annotations
 
 import os
-import tempfile
 
 from pathir.errors import PathirError
 
-from .common import add_model_arguments, compile_model, emit_json
+from .common import add_model_arguments, check_output_path, compile_model, emit_json, save_state_dict
 
 HELP = "prune a model by path-magnitude scores (rescaling-invariant) or by magnitude"
 
@@ -28,44 +27,15 @@ def add_arguments(parser):
     parser.add_argument("--include-biases", action="store_true", help="biases are candidates too")
 
 
-def _check_output(path: str, onnx_model: bool) -> None:
-    want = ".onnx" if onnx_model else ".pt"
-    if not path.endswith(want) and not (not onnx_model and path.endswith(".pth")):
-        raise ValueError(f"output for {'an ONNX' if onnx_model else 'a torch'} model must be a {want} file, got '{path}'")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"output folder does not exist: {folder}")
-
-
-def _save_state_dict(model, path: str) -> None:
-    import torch
-    from torch.nn.utils import prune as torch_prune
-
-    for module in model.modules():  # make the masks permanent: plain tensors with zeros
-        for hook in list(module._forward_pre_hooks.values()):
-            if isinstance(hook, torch_prune.BasePruningMethod):
-                torch_prune.remove(module, hook._tensor_name)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(model.state_dict(), f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def run(args) -> int:
     onnx_model = args.model.endswith(".onnx") or os.path.isfile(args.model)
-    _check_output(args.output, onnx_model)
+    check_output_path(args.output, onnx_model)
     cm = compile_model(args)
     report = cm.prune(args.amount, criterion=args.criterion, scope=args.scope, include_biases=args.include_biases)
     if onnx_model:
         cm.save(args.output)
     elif cm.model is not None and hasattr(cm.model, "state_dict"):
-        _save_state_dict(cm.model, args.output)
+        save_state_dict(cm.model, args.output)
     else:
         raise PathirError(f"cannot write the pruned model of type {type(cm.model).__name__}")
     if args.json:

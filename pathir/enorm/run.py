@@ -21,7 +21,7 @@ import numpy as np
 
 from pathir.errors import PathirError
 
-__all__ = ["ENormReport", "NormalizeReport", "enorm", "normalize"]
+__all__ = ["ENormReport", "NormalizeReport", "enorm", "normalize_units"]
 
 
 def _table(rows) -> str:
@@ -136,19 +136,20 @@ def _costs(costs, layout) -> np.ndarray | None:
     return c
 
 
-def enorm(cm, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, costs=None, solver: str = "block",
-          write_back: bool = True) -> ENormReport:
-    """ENorm: minimise E_p(z) = Σ c_i |θ_i|^p e^{-p(Bz)_i/2} and rescale ``cm``'s model.
+def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, costs=None, solver: str = "block",
+          commit=None, name: str = "") -> ENormReport:
+    """ENorm: minimise E_p(z) = Σ c_i |θ_i|^p e^{-p(Bz)_i/2} over the rescalings of ``facts.graph``.
 
     Parameters
     ----------
-    cm : Compiled
+    facts : GraphFacts of the graph (``pathir.rescaling.facts``)
     p : the norm's exponent (> 0); p = 2 is Stock et al.'s default.
     max_sweeps, tol : passed to ``pathir.enorm.solver.solve_enorm``.
     costs : per-parameter weights c (Stock et al. weigh layers by depth): None
         (all ones), an (n,) array in θ order, or {param name: scalar or array}.
     solver : "block" or "coordinate".
-    write_back : rescale the model and ``cm.graph`` (False: only report).
+    commit : called with the minimiser z (``Compiled.commit_rescaling``); None: only report.
+    name : the model's name, for the report.
 
     Examples
     --------
@@ -165,35 +166,35 @@ def enorm(cm, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, costs=
     True
     """
     from pathir.enorm.solver import solve_enorm
-    from pathir.rescaling.commit import commit_rescaling
 
     if not p > 0:
         raise ValueError(f"p must be > 0, got {p}")
     start = time.perf_counter()
-    units = cm.units
-    B, layout = cm.incidence()
+    units = facts.units
+    B, layout = facts.incidence
     c = _costs(costs, layout)
     w = np.abs(layout.theta()) ** p
     if not np.all(np.isfinite(w)):
         raise PathirError(f"|θ|^{p:g} is not finite (huge or non-finite weights): ENorm cannot be computed")
-    result = solve_enorm(w, B, c, method=solver, max_sweeps=max_sweeps, tol=tol, row_key=cm.row_keys())
+    result = solve_enorm(w, B, c, method=solver, max_sweeps=max_sweeps, tol=tol, row_key=facts.row_keys)
     z = 2.0 * result.z / p
-    if write_back:
-        commit_rescaling(cm, z)
+    if commit is not None:
+        commit(z)
     return ENormReport(
-        model=cm.name, p=float(p), solver=solver, units=len(units), params=len(layout),
+        model=name, p=float(p), solver=solver, units=len(units), params=len(layout),
         criterion_before=result.e_initial, criterion_after=result.e_final, sweeps=result.sweeps,
         converged=result.converged, imbalance=result.imbalance,
         max_abs_log_scale=float(np.abs(z).max(initial=0.0)),
         degenerate_units=tuple(units.names[int(h)] for h in result.degenerate),
-        seconds=time.perf_counter() - start, written=bool(write_back),
+        seconds=time.perf_counter() - start, written=commit is not None,
         history=tuple(float(e) for e in result.history), z=z,
     )
 
 
-def normalize(cm, p: float = 2.0, write_back: bool = True) -> NormalizeReport:
-    """Rescale ``cm``'s model to the canonical representative of its orbit: every
-    unit's incoming weights and bias get unit ℓ_p norm (``pathir.passes.normalize``).
+def normalize_units(facts, p: float = 2.0, commit=None, name: str = "") -> NormalizeReport:
+    """The rescaling to the canonical representative of ``facts.graph``'s orbit: every
+    unit's incoming weights and bias get unit ℓ_p norm (``pathir.passes.normalize``);
+    ``commit(z)`` applies it (``Compiled.commit_rescaling``), None only reports.
 
     Raises PathirError (model untouched) where a cycle of units admits no
     normalisation (a residual stream whose blocks carry too much ℓ_p mass).
@@ -206,16 +207,14 @@ def normalize(cm, p: float = 2.0, write_back: bool = True) -> NormalizeReport:
     """
     from pathir.passes.normalize import normalize_log_scales
 
-    from pathir.rescaling.commit import commit_rescaling
-
     start = time.perf_counter()
-    units = cm.units
-    result = normalize_log_scales(cm.graph, units, p, incidence=cm.incidence())
-    if write_back:
-        commit_rescaling(cm, result.z)
+    units = facts.units
+    result = normalize_log_scales(facts.graph, units, p, incidence=facts.incidence)
+    if commit is not None:
+        commit(result.z)
     return NormalizeReport(
-        model=cm.name, p=float(p), units=len(units), cycles=result.cycles,
+        model=name, p=float(p), units=len(units), cycles=result.cycles,
         max_abs_log_scale=float(np.abs(result.z).max(initial=0.0)),
         degenerate_units=tuple(units.names[int(h)] for h in result.degenerate),
-        seconds=time.perf_counter() - start, written=bool(write_back), z=result.z,
+        seconds=time.perf_counter() - start, written=commit is not None, z=result.z,
     )

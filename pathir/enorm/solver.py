@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pathir.pathcond.objective import _as_g, _log, _logsumexp
+from pathir.pathcond.objective import as_g, log0, logsumexp
 from pathir.rescaling.unit_pairs import all_pairs, blocks_of, greedy_coloring, group_pairs, log_pair_total, pad
 from pathir.rescaling.unit_rows import canonical, keys_for
 
@@ -49,10 +49,10 @@ class ENormResult:
 
 
 def _masses(w, c, n):
-    w = _as_g(w, n)
+    w = as_g(w, n)
     if c is None:
         return w
-    return w * _as_g(c, n)
+    return w * as_g(c, n)
 
 
 def enorm_objective(w, B, z, c=None) -> float:
@@ -65,7 +65,7 @@ def enorm_objective(w, B, z, c=None) -> float:
     """
     B = canonical(B)
     m = _masses(w, c, B.shape[0])
-    return math.exp(_logsumexp(_log(m) - B @ np.asarray(z, dtype=np.float64)))
+    return math.exp(logsumexp(log0(m) - B @ np.asarray(z, dtype=np.float64)))
 
 
 def unit_balance(w, B, z, c=None) -> np.ndarray:
@@ -80,8 +80,8 @@ def unit_balance(w, B, z, c=None) -> np.ndarray:
 
 
 def _finish(m, B, z, degenerate, method, sweeps, converged, start, history) -> ENormResult:
-    log_m = _log(m)
-    e0, e1 = math.exp(_logsumexp(log_m)), math.exp(_logsumexp(log_m - B @ z))
+    log_m = log0(m)
+    e0, e1 = math.exp(logsumexp(log_m)), math.exp(logsumexp(log_m - B @ z))
     balance = unit_balance(m, B, z)
     live = np.ones(z.size, dtype=bool)
     live[degenerate] = False
@@ -114,19 +114,19 @@ def solve_enorm_coordinate(w, B, c=None, *, max_sweeps: int = 1000, tol: float =
             units.append((h, rin, rout))
         else:
             degenerate.append(h)
-    ell = _log(m)  # log(c w e^{-Bz})
+    ell = log0(m)  # log(c w e^{-Bz})
     z = np.zeros(H)
-    history = [_logsumexp(ell)]
+    history = [logsumexp(ell)]
     converged, sweeps = False, 0
     for sweeps in range(1, max_sweeps + 1):
         z_before = z.copy()
         for h, rin, rout in units:
             lo, li = ell[rout], ell[rin]
-            step = 0.5 * (_logsumexp(lo) - _logsumexp(li))
+            step = 0.5 * (logsumexp(lo) - logsumexp(li))
             ell[rout] = lo - step
             ell[rin] = li + step
             z[h] += step
-        history.append(_logsumexp(ell))
+        history.append(logsumexp(ell))
         if np.max(np.abs(z - z_before), initial=0.0) <= tol:
             converged = True
             break

@@ -32,8 +32,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from pathir.errors import PathirError
-from pathir.lifting.walk import param_grads
 from pathir.ir import Graph, Param
+from pathir.lifting.walk import param_grads
 
 __all__ = ["PathMetric", "path_metric", "output_bound", "check_same_architecture"]
 
@@ -90,7 +90,7 @@ def _exp(log_value: float) -> float:
     return math.exp(log_value) if log_value <= _LOG_MAX else math.inf
 
 
-def _logsumexp(logs) -> float:
+def logsumexp(logs) -> float:
     logs = [v for v in logs if v > -math.inf]
     if not logs:
         return -math.inf
@@ -101,20 +101,17 @@ def _logsumexp(logs) -> float:
 
 
 def _graph(obj) -> Graph:
-    from pathir.compiled import Compiled
-
-    if isinstance(obj, Compiled):
-        return obj.graph
-    if isinstance(obj, Graph):
-        return obj
+    """The Graph of ``obj``: a Graph, or anything holding one as ``.graph`` (a Compiled)."""
+    graph = obj if isinstance(obj, Graph) else getattr(obj, "graph", None)
+    if isinstance(graph, Graph):
+        return graph
     raise TypeError(f"expected a pathir.Compiled or a Graph, got {type(obj).__name__}")
 
 
 def _backend(a, backend):
-    from pathir.compiled import Compiled
-
-    if isinstance(a, Compiled):
-        return a._backend(backend)
+    """``a``'s own backend choice where it has one (a Compiled), else ``backend`` by name."""
+    if hasattr(a, "get_backend"):
+        return a.get_backend(backend)
     from pathir.backends import get_backend
 
     return get_backend(backend)
@@ -204,7 +201,7 @@ def _log_upper(ga: Graph, gb: Graph, be) -> float:
                 raise PathirError(f"path-metric: non-finite contribution of param '{pa.name}'")
             if s > 0:
                 logs.append(math.log(s) + float(part[1]))
-    return _logsumexp(logs)
+    return logsumexp(logs)
 
 
 def path_metric(a, b, backend=None) -> PathMetric:

@@ -6,8 +6,8 @@ import math
 from typing import Iterable
 
 from pathir.errors import PathNormOverflow
-from pathir.lifting.walk import log_total, path_forward
 from pathir.ir import Graph
+from pathir.lifting.walk import log_total, path_forward
 
 __all__ = ["log_path_sum", "path_norm", "num_paths"]
 

@@ -43,7 +43,6 @@ def score_log_parts(graph: Graph, backend=None) -> list[tuple[np.ndarray, float]
     """For each param of ``graph.params()``: (m, L) with S = m·e^L, m ≥ 0 of the
     param's shape, max m = 1 (m = 0, L = -inf where S vanishes)."""
     from pathir.backends import get_backend
-
     from pathir.lifting.walk import param_log_parts
 
     return param_log_parts(graph, get_backend(backend), 1.0, scale=lambda p: np.abs(p.value),
@@ -227,19 +226,18 @@ def _log_bound(graph: Graph, masks, logs) -> float:
     return top + math.log(float(np.sum(np.exp(flat - top))))
 
 
-def prune(cm, amount, criterion: str = "path-magnitude", scope: str = "global", include_biases: bool = False,
-          backend=None) -> PruneReport:
-    """Prune ``cm``'s model: zero the ``amount`` lowest-scoring candidate entries.
+def prune(graph: Graph, backend, amount, criterion: str = "path-magnitude", scope: str = "global",
+          include_biases: bool = False, commit=None) -> PruneReport:
+    """Zero the ``amount`` lowest-scoring candidate entries of ``graph``.
 
-    The masks reach the user's model through the frontend writer's ``mask``
-    (torch: ``torch.nn.utils.prune.custom_from_mask``; ONNX: the initializers),
-    all at once; then ``cm.graph`` becomes θ ⊙ mask. On any error nothing changes.
-    A Compiled made from a bare Graph has only its graph pruned.
+    ``commit(pruned_graph, masks)`` is called last with θ ⊙ mask and the masks of the
+    params that lose an entry ({param name: bool array, False = pruned});
+    ``Compiled.prune`` writes them into the model (torch:
+    ``torch.nn.utils.prune.custom_from_mask``; ONNX: the initializers), all at once.
     """
     from pathir.lifting.path_metric import path_metric
 
-    be = cm._backend(backend)
-    graph = cm.graph
+    be = backend
     if criterion not in CRITERIA:  # before the scores are computed
         raise ValueError(f"criterion must be one of {CRITERIA}, got '{criterion}'")
     scores = _log_scores(graph, "path-magnitude", be)
@@ -260,10 +258,6 @@ def prune(cm, amount, criterion: str = "path-magnitude", scope: str = "global", 
         path_norm_after=metric.norm_b,
         per_tensor={sources[k]: (int((~m).sum()), int(m.size)) for k, m in masks.items()},
     )
-    touched = {k: m for k, m in masks.items() if not m.all()}
-    if cm.frontend is not None and touched:
-        if not hasattr(cm.frontend, "mask"):
-            raise PathirError(f"the frontend of this model ({type(cm.frontend).__name__}) cannot write masks")
-        cm.frontend.mask(graph, touched)
-    cm.graph = after
+    if commit is not None:
+        commit(after, {k: m for k, m in masks.items() if not m.all()})
     return report

@@ -143,9 +143,9 @@ class _Context:
     def __init__(self, graph: Graph, units, max_paths: int, seed: int):
         from pathir.backends.sympy import symbol, symbolic_phi
         from pathir.neurons.expand import expand
+        from pathir.neurons.paths import enumerate_paths
         from pathir.passes.find_units import find_units
         from pathir.passes.incidence import incidence
-        from pathir.neurons.paths import enumerate_paths
 
         self.graph = graph
         self.net = expand(graph)

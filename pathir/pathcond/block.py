@@ -39,7 +39,7 @@ import time
 
 import numpy as np
 
-from pathir.pathcond.objective import PathCondResult, _as_g, finish, log_positive_root
+from pathir.pathcond.objective import PathCondResult, as_g, finish, log_positive_root
 from pathir.rescaling.unit_pairs import all_pairs, blocks_of, greedy_coloring, group_pairs, log_pair_total, pad, pair_terms
 from pathir.rescaling.unit_rows import keys_for
 
@@ -170,7 +170,7 @@ def solve_block(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, anderson: i
     start = time.perf_counter()
     B, key, H, A = keys_for(B, row_key)
     n = key.size
-    g = _as_g(g, n)
+    g = as_g(g, n)
     A = A.astype(np.float64)
     pairs = group_pairs(g, key, H)
     degenerate = pairs.degenerate()

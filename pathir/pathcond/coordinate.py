@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from pathir.pathcond.objective import PathCondResult, _as_g, _log, _logsumexp, finish, row_state
+from pathir.pathcond.objective import PathCondResult, as_g, finish, log0, logsumexp, row_state
 from pathir.rescaling.unit_rows import canonical, column_balance, keys_for
 
 __all__ = ["solve_coordinate"]
@@ -34,7 +34,7 @@ _SAFE = 1e-280  # linear-domain entries must stay within [_SAFE, 1 / _SAFE] of t
 _CANCEL = 1e-4  # D_h = S - (unit's mass) loses eps S / D_h to cancellation: below this, sum D_h directly
 
 
-def _log_root(a: int, log_r: float, n: int) -> float:
+def log_root(a: int, log_r: float, n: int) -> float:
     """Scalar ``log_positive_root(a, log_r, n + a, n - a)``, in plain floats for the per-unit loop."""
     q = 4.0 * (n + a) * (n - a)
     log_t = math.log(abs(a)) + log_r if a != 0 and log_r > -math.inf else -math.inf
@@ -69,7 +69,7 @@ def _sweep_linear(w: np.ndarray, s: float, z: np.ndarray, units, n: int) -> floa
             w[rin], w[rout] = 0.0, 0.0
             d = float(w.sum())
         log_d = math.log(d) if d > 0 else -math.inf
-        new = 0.5 * (log_c - log_b) + _log_root(a, log_d - 0.5 * (log_b + log_c), n)
+        new = 0.5 * (log_c - log_b) + log_root(a, log_d - 0.5 * (log_b + log_c), n)
         ratio = math.exp(new - zh)
         w[rout] = wo * ratio
         w[rin] = wi / ratio
@@ -90,8 +90,8 @@ def _sweep_log(ell: np.ndarray, log_s: float, z: np.ndarray, units, n: int) -> f
             log_d = log_s + math.log1p(-frac)
         else:  # the unit holds nearly all of S: sum the rest instead of subtracting
             ell[rin], ell[rout] = -math.inf, -math.inf
-            log_d = _logsumexp(ell)
-        new = 0.5 * (log_c - log_b) + _log_root(a, log_d - 0.5 * (log_b + log_c), n)
+            log_d = logsumexp(ell)
+        new = 0.5 * (log_c - log_b) + log_root(a, log_d - 0.5 * (log_b + log_c), n)
         step = new - zh
         ell[rout] = lo + step
         ell[rin] = li - step
@@ -133,7 +133,7 @@ def solve_coordinate(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10,
     else:
         B, _, _, A = keys_for(B, row_key)
     n, H = B.shape
-    g = _as_g(g, n)
+    g = as_g(g, n)
     csc = B.tocsc()
     units, degenerate = [], []
     for h in range(H):
@@ -153,8 +153,8 @@ def solve_coordinate(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10,
         log_domain = not (top > 0 and float(g[positive].min()) > top * 1e-260)
     log_domain = bool(log_domain) or top == 0
     if log_domain:
-        ell = _log(g)
-        log_s = _logsumexp(ell)
+        ell = log0(g)
+        log_s = logsumexp(ell)
         f = n * log_s
     else:
         w = g / top
@@ -174,11 +174,11 @@ def solve_coordinate(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10,
                 f_new = n * (scale + math.log(s)) + float(A @ z)
             else:  # the range outgrew float64: redo this sweep on log w
                 log_domain, z = True, z_before.copy()
-                ell = _log(g) + B @ z
-                log_s = _logsumexp(ell)
+                ell = log0(g) + B @ z
+                log_s = logsumexp(ell)
         if log_domain:
             _sweep_log(ell, log_s, z, units, n)
-            log_s = _logsumexp(ell)
+            log_s = logsumexp(ell)
             f_new = n * log_s + float(A @ z)
         history.append(f_new)
         times.append(time.perf_counter() - start)

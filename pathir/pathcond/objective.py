@@ -21,11 +21,11 @@ import scipy.sparse as sp
 
 __all__ = [
     "objective", "gradient", "rescaled_log_g", "log_spread", "log_spreads", "spread_ends", "PathCondResult",
-    "log_positive_root",
+    "log_positive_root", "as_g", "log0", "logsumexp",
 ]
 
 
-def _as_g(g, n: int | None = None) -> np.ndarray:
+def as_g(g, n: int | None = None) -> np.ndarray:
     g = np.asarray(g, dtype=np.float64)
     if g.ndim != 1:
         raise ValueError(f"g must be a vector, got shape {g.shape}")
@@ -36,12 +36,13 @@ def _as_g(g, n: int | None = None) -> np.ndarray:
     return g
 
 
-def _log(x: np.ndarray) -> np.ndarray:
+def log0(x: np.ndarray) -> np.ndarray:
+    """log x with log 0 = -inf and no warning."""
     with np.errstate(divide="ignore"):
         return np.log(x)
 
 
-def _logsumexp(v: np.ndarray) -> float:
+def logsumexp(v: np.ndarray) -> float:
     top = float(np.max(v))
     if top == -math.inf:
         return -math.inf
@@ -51,7 +52,7 @@ def _logsumexp(v: np.ndarray) -> float:
 def rescaled_log_g(g, B, z) -> np.ndarray:
     """log(g ⊙ e^{Bz}), -inf where g_i = 0."""
     B = sp.csr_array(B)
-    return _log(_as_g(g, B.shape[0])) + B @ np.asarray(z, dtype=np.float64)
+    return log0(as_g(g, B.shape[0])) + B @ np.asarray(z, dtype=np.float64)
 
 
 def objective(g, B, z) -> float:
@@ -67,7 +68,7 @@ def objective(g, B, z) -> float:
     """
     B = sp.csr_array(B)
     bz = B @ np.asarray(z, dtype=np.float64)
-    return B.shape[0] * _logsumexp(_log(_as_g(g, B.shape[0])) + bz) - float(bz.sum())
+    return B.shape[0] * logsumexp(log0(as_g(g, B.shape[0])) + bz) - float(bz.sum())
 
 
 def gradient(g, B, z) -> np.ndarray:
@@ -79,8 +80,8 @@ def gradient(g, B, z) -> np.ndarray:
     True
     """
     B = sp.csr_array(B)
-    ell = _log(_as_g(g, B.shape[0])) + B @ np.asarray(z, dtype=np.float64)
-    p = np.exp(ell - _logsumexp(ell))
+    ell = log0(as_g(g, B.shape[0])) + B @ np.asarray(z, dtype=np.float64)
+    p = np.exp(ell - logsumexp(ell))
     return B.shape[0] * (B.T @ p) - B.T @ np.ones(B.shape[0])
 
 
@@ -144,20 +145,20 @@ class PathCondResult:
     key: np.ndarray | None = field(default=None, repr=False, compare=False)  # B's row keys, where B was not given
 
     @cached_property
-    def _spreads(self) -> tuple[float, float]:
+    def bz_log_spreads(self) -> tuple[float, float]:
         if self.g is None or (self.B is None and self.key is None):
             return math.nan, math.nan
         if self.B is None:
             return _key_spreads(self.g, self.key, self.z)
-        return _spreads(self.g, self.B, self.z)
+        return bz_log_spreads(self.g, self.B, self.z)
 
     @property
     def log_spread_initial(self) -> float:
-        return self._spreads[0]
+        return self.bz_log_spreads[0]
 
     @property
     def log_spread_final(self) -> float:
-        return self._spreads[1]
+        return self.bz_log_spreads[1]
 
     @property
     def max_abs_z(self) -> float:
@@ -177,13 +178,13 @@ class PathCondResult:
 def row_state(g: np.ndarray, B: sp.csr_array, A: np.ndarray, z: np.ndarray):
     """(F(0), F(z), ∇F(z), its scale n|B|ᵀp + |A|) from the rows of (g, B); ``A`` = -Bᵀ1."""
     n = g.size
-    log_g = _log(g)
+    log_g = log0(g)
     ell = log_g + B @ z
     top = float(ell.max())
     e = np.exp(ell - top)
     total = float(e.sum())
     p = e / total
-    return (n * _logsumexp(log_g), n * (top + math.log(total)) + float(A @ z),
+    return (n * logsumexp(log_g), n * (top + math.log(total)) + float(A @ z),
             n * (B.T @ p) + A, n * (abs(B).T @ p) + np.abs(A))
 
 
@@ -220,13 +221,13 @@ def log_spreads(ends) -> tuple[float, float]:
     return float(found[:, 1].max() - found[:, 0].min()), float(found[:, 3].max() - found[:, 2].min())
 
 
-def _spreads(g: np.ndarray, B: sp.csr_array, z: np.ndarray) -> tuple[float, float]:
+def bz_log_spreads(g: np.ndarray, B: sp.csr_array, z: np.ndarray) -> tuple[float, float]:
     """log_spread of g and of g e^{Bz}, with B z from B."""
     return log_spreads([spread_ends(g, B @ z)])
 
 
 def _key_spreads(g: np.ndarray, key: np.ndarray, z: np.ndarray) -> tuple[float, float]:
-    """`_spreads` with B z read from the row keys, a chunk of rows at a time (B never built)."""
+    """`bz_log_spreads` with B z read from the row keys, a chunk of rows at a time (B never built)."""
     from pathir.rescaling.unit_rows import row_shifts
 
     return log_spreads(spread_ends(g[start:start + bz.size], bz) for start, bz in row_shifts(key, z))

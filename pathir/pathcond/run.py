@@ -117,7 +117,7 @@ def _ratio(log_spread: float) -> str:
     return f"{math.exp(log_spread):.3g}" if log_spread < 700 else f"1e{log_spread / math.log(10):.0f}"
 
 
-def _log_spreads(units, g, z) -> tuple[float, float]:
+def unit_log_spreads(units, g, z) -> tuple[float, float]:
     """log_spread of g and of g ⊙ e^{Bz} over the entries g > 0, param by param: (Bz)_i = z_l(i) − z_e(i)
     is taken from the units' compact row ends, so only the multiplies run over every entry."""
     from pathir.passes.incidence import compact_rows
@@ -153,20 +153,21 @@ def _divergences(g, result, rows) -> tuple[float, float]:
     return float(before), float(after)
 
 
-def pathcond(cm, solver: str = "block", max_sweeps: int = 1000, tol: float = 1e-10, write_back: bool = True,
-             backend=None) -> PathCondReport:
-    """Minimise F (MATH.md §7) over the rescalings of ``cm`` and apply the minimiser.
+def pathcond(facts, backend, solver: str = "block", max_sweeps: int = 1000, tol: float = 1e-10,
+             commit=None, name: str = "") -> PathCondReport:
+    """Minimise F (MATH.md §7) over the rescalings of ``facts.graph``; ``commit(z)`` applies the minimiser.
 
     Parameters
     ----------
-    cm : Compiled
+    facts : GraphFacts of the graph (``pathir.rescaling.facts``: units, B, row keys)
+    backend : backend for diag G
     solver : "block" (exact block updates, the default) or "coordinate" (the
         published cyclic coordinate descent, for reference).
     max_sweeps, tol : passed to the solver; it stops when a sweep changes F by
         at most ``tol * max(1, |F|)`` or moves no z_h by more than ``tol``.
-    write_back : rescale the model (through its frontend) and ``cm.graph``;
-        False leaves both as they are (``cm.rescaled(report.z)`` applies it).
-    backend : backend for diag G (default: the Compiled's).
+    commit : called with z* once it is found (``Compiled.commit_rescaling``); None
+        leaves everything as it is (the report's ``written`` is False).
+    name : the model's name, for the report.
 
     Returns
     -------
@@ -192,8 +193,6 @@ def pathcond(cm, solver: str = "block", max_sweeps: int = 1000, tol: float = 1e-
     """
     from pathir.lifting.diag_g import diag_g_flat
     from pathir.pathcond.solvers import METHODS, solve
-    from pathir.rescaling.commit import commit_rescaling
-
     if solver not in METHODS:
         raise ValueError(f"unknown PathCond solver '{solver}'; choose one of {sorted(METHODS)}")
     start = time.perf_counter()
@@ -202,13 +201,13 @@ def pathcond(cm, solver: str = "block", max_sweeps: int = 1000, tol: float = 1e-
     def lap(step):
         timings[step] = time.perf_counter() - start - sum(timings.values())
 
-    units = cm.units
+    units = facts.units
     lap("units")
     # the block solver reads B through its row keys only; the coordinate solver needs B itself
-    row_key = cm.row_keys()
-    B = cm.incidence()[0] if solver == "coordinate" else None
+    row_key = facts.row_keys
+    B = facts.incidence[0] if solver == "coordinate" else None
     lap("B")
-    g, log_top = diag_g_flat(cm.graph, cm._backend(backend))
+    g, log_top = diag_g_flat(facts.graph, backend)
     lap("diag G")
     n = g.size
     if not math.isfinite(log_top):
@@ -216,20 +215,20 @@ def pathcond(cm, solver: str = "block", max_sweeps: int = 1000, tol: float = 1e-
                           "PathCond has nothing to balance")
     result = solve(g, B, method=solver, max_sweeps=max_sweeps, tol=tol, row_key=row_key)
     lap("solve")
-    if write_back:
-        commit_rescaling(cm, result.z)
+    if commit is not None:
+        commit(result.z)
         lap("write")
     shift = n * log_top  # F of the true g: F(g / max g) + n log max g
     divergence = _divergences(g, result, row_key)
-    spreads = _log_spreads(units, g, result.z)
+    spreads = unit_log_spreads(units, g, result.z)
     return PathCondReport(
-        model=cm.name, solver=solver, units=len(units), params=n,
+        model=name, solver=solver, units=len(units), params=n,
         objective_before=result.f_initial + shift, objective_after=result.f_final + shift,
         sweeps=result.sweeps, converged=result.converged, max_abs_log_scale=result.max_abs_z,
         log_spread_before=spreads[0], log_spread_after=spreads[1],
         divergence_before=divergence[0], divergence_after=divergence[1],
         degenerate_units=tuple(units.names[int(h)] for h in result.degenerate),
         gradient_max=result.grad_max, gradient_relative=result.grad_rel,
-        seconds=time.perf_counter() - start, written=bool(write_back),
+        seconds=time.perf_counter() - start, written=commit is not None,
         history=tuple(float(f) + shift for f in result.history), timings=timings, z=result.z,
     )

@@ -1,9 +1,9 @@
-"""Committing a rescaling z to a Compiled's model and graph, all or nothing.
+"""Committing a rescaling z to a source model, all or nothing.
 
 A rescaling θ ← θ ⊙ exp(-Bz/2) (MATH.md §5) reaches the user's model through
 the frontend writer as per-channel log-scales (:func:`pathir.rescaling.apply.log_scales`);
-then ``cm.graph`` becomes the rescaled graph, so that every later computation
-(``cm.diag_g()``, ``cm.path_norm()``, ...) sees the new model.
+``Compiled.commit_rescaling`` then makes the rescaled graph current, so that every
+later computation (``cm.diag_g()``, ``cm.path_norm()``, ...) sees the new model.
 
 Guarantees, on top of the writer's own (all tensors computed before any is
 assigned, in float64, cast back to each tensor's dtype and device):
@@ -26,35 +26,35 @@ import math
 import numpy as np
 
 from pathir.errors import PathirError
-from pathir.ir import Role
+from pathir.ir import Graph, Role
 from pathir.rescaling.apply import log_scales, rescale_graph
 
 __all__ = ["commit_rescaling", "rescaled_graph"]
 
 
-def rescaled_graph(cm, z):
-    """``cm.graph`` rescaled by z, with the cached B (no model touched)."""
-    with np.errstate(over="ignore", under="ignore"):  # checked by commit_rescaling
-        return rescale_graph(cm.graph, cm.units, z)
+def rescaled_graph(graph: Graph, units, z) -> Graph:
+    """``graph`` rescaled by z (no model touched; overflow is checked by :func:`commit_rescaling`)."""
+    with np.errstate(over="ignore", under="ignore"):
+        return rescale_graph(graph, units, z)
 
 
-def commit_rescaling(cm, z) -> None:
-    """Rescale ``cm``'s model (through ``cm.frontend``) and graph by z, all or nothing.
+def commit_rescaling(graph: Graph, units, z, model=None, writer=None) -> Graph:
+    """Write the rescaling z of ``graph`` into ``model`` through ``writer``, all or nothing,
+    and return the rescaled graph (the caller makes it current).
 
-    A Compiled made from a bare Graph has only its graph rescaled.
+    With no writer (a graph compiled from a bare Graph) only the graph is rescaled.
     """
-    graph = cm.graph
-    new_graph = rescaled_graph(cm, z)
+    new_graph = rescaled_graph(graph, units, z)
     for p, q in zip(graph.params(), new_graph.params()):
         if not np.all(np.isfinite(q.value)) or np.count_nonzero(q.value) != np.count_nonzero(p.value):
             raise PathirError(f"the rescaled param '{p.name}' overflows or underflows float64: the rescaling "
                               "is too large; nothing was changed")
-    if cm.frontend is not None:
-        scales = log_scales(graph, cm.units, z)
-        _refuse_train_mode_statistics(cm.model, graph, scales)
-        with _transaction(cm.model, float(np.max(np.abs(z), initial=0.0))):
-            cm.frontend.rescale(graph, scales)
-    cm._adopt_rescaled(new_graph)
+    if writer is not None:
+        scales = log_scales(graph, units, z)
+        _refuse_train_mode_statistics(model, graph, scales)
+        with _transaction(model, float(np.max(np.abs(z), initial=0.0))):
+            writer.rescale(graph, scales)
+    return new_graph
 
 
 # ------------------------------------------------------------------ train mode

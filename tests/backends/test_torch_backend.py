@@ -26,7 +26,6 @@ from pathir.backends import get_backend
 from pathir.backends.numpy import NumpyBackend
 from pathir.backends.torch import TorchBackend
 from pathir.errors import BackendError
-from pathir.lifting.walk import forward, path_backward, path_forward
 from pathir.ir import (
     PARAMETERIZED,
     ChannelMap,
@@ -45,8 +44,9 @@ from pathir.ir import (
     Scale,
     SpatialMatrix,
 )
-from pathir.passes import maxpool_to_sum, path_view
 from pathir.lifting.path_norm import path_norm
+from pathir.lifting.walk import forward, path_backward, path_forward
+from pathir.passes import maxpool_to_sum, path_view
 
 NB = NumpyBackend()
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -1,0 +1,73 @@
+"""What a graph's rescaling structure costs to find, found once per graph.
+
+A :class:`GraphFacts` is the record a Compiled keeps for its current graph: the
+units (``find_units``), B with the parameter layout (``incidence``) and B's row
+keys (``row_keys``), each built on first use. The record belongs to one graph
+object: a new graph gets a new record (:meth:`GraphFacts.rescaled` carries the
+structure over to a rescaling of the same graph, whose params only changed values).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cached_property
+
+from pathir.ir import Graph
+
+__all__ = ["GraphFacts"]
+
+
+class GraphFacts:
+    """Units, B and row keys of one graph, each computed at most once.
+
+    >>> from pathir.ir import GraphBuilder, Dense
+    >>> b = GraphBuilder()
+    >>> x = b.input("x", (2,))
+    >>> h = b.relu("h", [(x, Dense(b.param("w1", [[1.0, 2.0]])))])
+    >>> facts = GraphFacts(b.build(outputs=[b.identity("y", [(h, Dense(b.param("w2", [[3.0]])))])]))
+    >>> len(facts.units), facts.incidence[0].shape, facts.row_keys.key.tolist()
+    (1, (3, 1), [1, 1, 2])
+    """
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+
+    @cached_property
+    def units(self):
+        """``pathir.passes.find_units.Units`` of the graph (MATH.md §5)."""
+        from pathir.passes.find_units import find_units
+
+        return find_units(self.graph)[1]
+
+    @cached_property
+    def incidence(self):
+        """(B, layout): the sparse n × H matrix B and the ParamLayout of θ (do not modify B)."""
+        from pathir.passes.incidence import incidence
+
+        return incidence(self.graph, self.units)
+
+    @cached_property
+    def row_keys(self):
+        """B's rows as a ``pathir.rescaling.unit_rows.RowKeys``, read from the units (no B built)."""
+        from pathir.passes.incidence import row_keys
+
+        return row_keys(self.units)
+
+    def rescaled(self, graph: Graph) -> "GraphFacts":
+        """The record of ``graph``, a rescaling of this graph (same structure, new values):
+        what was built here carries over, nothing new is built."""
+        from pathir.passes.incidence import ParamLayout
+
+        new = GraphFacts(graph)
+        if "units" in self.__dict__:
+            params = tuple(graph.params())
+            new.units = dataclasses.replace(self.units, params=params)
+            if "incidence" in self.__dict__:
+                new.incidence = (self.incidence[0], ParamLayout(params))
+        if "row_keys" in self.__dict__:
+            new.row_keys = self.row_keys
+        return new
+
+    def built(self) -> tuple[str, ...]:
+        """The names of what this record holds so far (for ``release`` and tests)."""
+        return tuple(k for k in ("units", "incidence", "row_keys") if k in self.__dict__)
