@@ -173,7 +173,7 @@ def incidence(graph: Graph, units: Units):
 
 def row_keys(units: Units):
     """B's rows as a ``pathir.rescaling.unit_rows.RowKeys``: per row, key_i = e(i) (H + 1) + l(i), the unit θ_i
-    enters and the one it leaves (H for none), as ``unit_rows.row_keys(B)`` reads them from B, and
+    enters and the one it leaves (H for none), as ``unit_rows.matrix_row_keys(B)`` reads them from B, and
     the column balance A_h = #rows entering h - #rows leaving h, here straight from the units' ends.
 
     Example in the module docstring.

@@ -8,14 +8,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import numpy as np  # noqa: E402
 
 from pathir.pathcond.solvers import solve  # noqa: E402
-from pathir.rescaling.unit_rows import column_balance, row_keys  # noqa: E402
+from pathir.rescaling.unit_rows import column_balance, matrix_row_keys  # noqa: E402
 
 
 def test_solver_benchmark_mlp_is_the_closed_form_of_a_real_mlp():
     import bench_pathcond_solvers as bench
 
     g, B, rows = bench.mlp([6, 5, 4, 3], seed=1)
-    key, H = row_keys(B)
+    key, H = matrix_row_keys(B)
     assert np.array_equal(rows.key, key) and np.array_equal(rows.balance, column_balance(B))
     assert H == 9 and B.shape[0] == 6 * 5 + 5 + 5 * 4 + 4 + 4 * 3 + 3
     assert np.all(g > 0)

@@ -17,7 +17,7 @@ from pathir.neurons.paths import (
     count_paths,
     enumerate_num_paths,
     enumerate_paths,
-    incidence,
+    input_incidence,
     lifted_output,
     neuron_forward,
     phi,
@@ -129,7 +129,7 @@ def test_a_neuron_without_bias_starts_no_path_a_zero_bias_does():
         (("h", 1), ("y", 0)),
     ]
     assert phi(net, paths).tolist() == [14.0, 33.0, 0.0, 55.0]
-    A, columns = incidence(net, paths)
+    A, columns = input_incidence(net, paths)
     assert columns == [("x", 0), "1"]
     assert A.tolist() == [[1, 0], [1, 0], [0, 1], [0, 1]]
 
@@ -156,7 +156,7 @@ def test_enumeration_agrees_with_the_path_count_recursion_and_the_incidence(grap
     net = expand(graph)
     paths = enumerate_paths(net)
     assert len(paths) == count_paths(net) == len(set(paths))
-    A, columns = incidence(net, paths)
+    A, columns = input_incidence(net, paths)
     assert columns == [v for v in net if net.nodes[v]["is_input"]] + ["1"]
     assert A.shape == (len(paths), sum(graph.node(i).numel for i in graph.inputs) + 1)
     assert (A.sum(axis=1) == 1).all()

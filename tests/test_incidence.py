@@ -128,7 +128,7 @@ def test_b_rows_follow_the_neuron_level_definition(graph):
 def test_row_keys_from_the_units_are_those_of_b(graph):
     """The solvers' row keys, read straight from the units' ends, equal those read back from B."""
     from pathir.rescaling.unit_rows import column_balance, key_balance
-    from pathir.rescaling.unit_rows import row_keys as keys_of_b
+    from pathir.rescaling.unit_rows import matrix_row_keys as keys_of_b
 
     _, units = find_units(graph)
     B, _ = incidence(graph, units)

@@ -18,7 +18,7 @@ from scipy.special import logsumexp
 
 from pathir.pathcond.solvers import gradient, objective, solve, solve_block, solve_coordinate
 from pathir.rescaling.unit_pairs import Pairs, greedy_coloring, group_pairs, side_sums
-from pathir.rescaling.unit_rows import RowKeys, column_balance, key_balance, keys_for, row_keys, row_units
+from pathir.rescaling.unit_rows import RowKeys, column_balance, key_balance, keys_for, matrix_row_keys, row_units
 
 # ---------------------------------------------------------------- networks
 
@@ -315,7 +315,7 @@ def test_unit_pairs_regroup_the_rows_exactly(structure, seed):
     rng = np.random.default_rng(seed)
     m = np.exp(rng.uniform(-400, 400, len(rows))) * (rng.random(len(rows)) < 0.8)
     z = rng.normal(scale=400.0, size=H)  # exponents far beyond float64: the log-space fallback
-    pairs = group_pairs(m, row_keys(B)[0], H)
+    pairs = group_pairs(m, matrix_row_keys(B)[0], H)
     zp = np.append(z, 0.0)
     with np.errstate(divide="ignore"):
         direct = logsumexp(np.log(m) + B @ z)
@@ -338,7 +338,7 @@ def test_linear_and_log_grouping_agree(structure, seed, spread):
     give the same pair masses, side sums and column balance."""
     rows, H = structure
     B = incidence(rows, H)
-    key, _ = row_keys(B)
+    key, _ = matrix_row_keys(B)
     rng = np.random.default_rng(seed)
     m = np.exp(rng.uniform(-spread, spread, len(rows))) * (rng.random(len(rows)) < 0.8)
     pairs = group_pairs(m, key, H)
@@ -400,7 +400,7 @@ def test_greedy_colouring_by_runs_is_the_sequential_greedy(H, num_pairs, seed):
 def test_row_keys_given_by_the_caller_are_checked_and_used():
     rows, H = resnet_rows(3, 2, 2, 2, 2)
     B = incidence(rows, H)
-    key, _ = row_keys(B)
+    key, _ = matrix_row_keys(B)
     g = np.exp(np.random.default_rng(5).uniform(-2, 2, len(rows)))
     for method in ("block", "coordinate"):
         plain = solve(g, B, method=method, tol=1e-13)
@@ -485,7 +485,7 @@ def test_block_solver_on_row_keys_alone_is_the_solver_on_b(problem, chunk):
     from pathir.rescaling.unit_rows import row_shifts
 
     g, B = problem
-    key, H = row_keys(B)
+    key, H = matrix_row_keys(B)
     rows = RowKeys(key, column_balance(B))
     with_b, without = solve(g, B, row_key=rows), solve(g, None, row_key=rows)
     np.testing.assert_array_equal(with_b.z, without.z)
@@ -500,7 +500,7 @@ def test_block_solver_on_row_keys_alone_is_the_solver_on_b(problem, chunk):
 def test_only_the_block_solver_runs_without_b():
     rows, H = mlp_rows([2, 3, 1])
     B = incidence(rows, H)
-    keys = RowKeys(row_keys(B)[0], column_balance(B))
+    keys = RowKeys(matrix_row_keys(B)[0], column_balance(B))
     with pytest.raises(ValueError, match="needs B itself"):
         solve(np.ones(len(rows)), None, method="coordinate", row_key=keys)
     with pytest.raises(ValueError, match="must be a RowKeys"):

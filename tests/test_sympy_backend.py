@@ -13,14 +13,13 @@ from pathir.backends.sympy import (
     SympyBackend,
     exact,
     exact_array,
-    neuron_values,
     param_symbols,
     symbol,
-    symbolic_phi,
 )
 from pathir.errors import BackendError
 from pathir.ir import Dense, GraphBuilder, NodeKind, Pool
 from pathir.lifting.walk import forward
+from pathir.neurons.exact import neuron_values, symbolic_phi
 from pathir.neurons.expand import expand
 from pathir.neurons.paths import activations, enumerate_num_paths, enumerate_paths, neuron_forward, phi
 from pathir.passes import maxpool_to_sum, path_view

@@ -89,7 +89,7 @@ def _check_random_rescaling(name):
     solvers read are B's (every row up to 30M parameters, a sample of rows beyond, for memory)."""
     import numpy as np
 
-    from pathir.rescaling.unit_rows import column_balance, keys_for, row_keys
+    from pathir.rescaling.unit_rows import column_balance, keys_for, matrix_row_keys
 
     model = zoo.build(name).double().eval()
     shape = _small_shape(name)
@@ -97,7 +97,7 @@ def _check_random_rescaling(name):
     B, _ = cm.incidence()
     rows = cm.row_keys()
     if B.shape[0] <= 30_000_000:
-        assert np.array_equal(rows.key, row_keys(B)[0]) and np.array_equal(rows.balance, column_balance(B))
+        assert np.array_equal(rows.key, matrix_row_keys(B)[0]) and np.array_equal(rows.balance, column_balance(B))
     else:
         keys_for(B, rows)  # raises unless the keys match B on a sample of rows
     del B

@@ -36,7 +36,7 @@ from pathir.neurons.expand import Neuron, antecedents, expand
 
 __all__ = [
     "Path", "NeuronValues", "DEFAULT_MAX_PATHS",
-    "starts", "count_paths", "enumerate_paths", "phi", "neuron_forward", "activations", "incidence",
+    "starts", "count_paths", "enumerate_paths", "phi", "neuron_forward", "activations", "input_incidence",
     "enumerate_path_norm", "enumerate_num_paths", "lifted_output",
 ]
 
@@ -126,12 +126,12 @@ class NeuronValues:
 def neuron_forward(net: nx.MultiDiGraph, x: dict[str, np.ndarray]) -> NeuronValues:
     """The network of MATH.md §1 neuron by neuron; ``x``: {input name: one sample of its shape}."""
     flat = {name: np.asarray(value, dtype=np.float64).reshape(-1).tolist() for name, value in x.items()}
-    return forward_neurons(net, flat, weight=lambda data: data["weight"],
+    return walk_neurons(net, flat, weight=lambda data: data["weight"],
                            bias=lambda d: 0.0 if d["bias"] is None else d["bias"][2],
                            total=sum, relu=lambda a: max(0.0, a))
 
 
-def forward_neurons(net: nx.MultiDiGraph, flat, weight, bias, total, relu) -> NeuronValues:
+def walk_neurons(net: nx.MultiDiGraph, flat, weight, bias, total, relu) -> NeuronValues:
     """`neuron_forward` in any arithmetic: ``flat`` {input name: its entries, flat}, ``weight(edge data)``,
     ``bias(node data)``, ``total(values)`` their sum, ``relu(value)`` (the sympy backend reads exact numbers).
     A k-max-pool selects the first antecedent, in `antecedents` order, at the k-th largest input."""
@@ -168,7 +168,7 @@ def activations(net: nx.MultiDiGraph, paths: list[Path], values: NeuronValues) -
     return a
 
 
-def incidence(net: nx.MultiDiGraph, paths: list[Path]) -> tuple[np.ndarray, list]:
+def input_incidence(net: nx.MultiDiGraph, paths: list[Path]) -> tuple[np.ndarray, list]:
     """A (paths x (inputs + 1)) and its column labels: the input neurons in order, then "1"."""
     columns = [v for v, d in net.nodes(data=True) if d["is_input"]]
     col = {v: i for i, v in enumerate(columns)}
@@ -214,7 +214,7 @@ def lifted_output(graph: Graph, x, max_paths: int = DEFAULT_MAX_PATHS) -> dict[s
     net = expand(graph)
     paths = enumerate_paths(net, max_paths)
     Phi = phi(net, paths)
-    A, columns = incidence(net, paths)
+    A, columns = input_incidence(net, paths)
     batch = next(iter(x.values())).shape[0]
     out = {o: np.zeros((batch, graph.node(o).numel)) for o in graph.outputs}
     for b in range(batch):

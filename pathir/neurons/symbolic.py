@@ -141,7 +141,8 @@ class _Context:
     """Everything the checks share: the expansion, the paths, symbolic Φ, B and θ's symbols."""
 
     def __init__(self, graph: Graph, units, max_paths: int, seed: int):
-        from pathir.backends.sympy import symbol, symbolic_phi
+        from pathir.backends.sympy import symbol
+        from pathir.neurons.exact import symbolic_phi
         from pathir.neurons.expand import expand
         from pathir.neurons.paths import enumerate_paths
         from pathir.passes.find_units import find_units
@@ -204,11 +205,12 @@ def _rescaling(ctx: _Context) -> Check:
 def _lifting(ctx: _Context, backend_cls, samples: int) -> Check:
     import sympy as sp
 
-    from pathir.backends.sympy import exact, neuron_values, symbolic_phi
+    from pathir.backends.sympy import exact
     from pathir.lifting.walk import forward
-    from pathir.neurons.paths import activations, incidence
+    from pathir.neurons.exact import neuron_values, symbolic_phi
+    from pathir.neurons.paths import activations, input_incidence
 
-    A, columns = incidence(ctx.net, ctx.paths)
+    A, columns = input_incidence(ctx.net, ctx.paths)
     col = A.argmax(axis=1) if len(ctx.paths) else np.zeros(0, dtype=int)
     compared = 0
     for label, values in (("the graph's own θ", None), ("a random rational θ", ctx.point)):
@@ -300,8 +302,8 @@ def _rank(ctx: _Context) -> Check:
 def _path_norm(ctx: _Context, backend_cls) -> Check:
     import sympy as sp
 
-    from pathir.backends.sympy import symbolic_phi
     from pathir.lifting.walk import forward
+    from pathir.neurons.exact import symbolic_phi
     from pathir.passes import maxpool_to_sum, path_view
 
     phi = symbolic_phi(ctx.net, ctx.paths, ctx.point)

@@ -146,7 +146,7 @@ def solve_block(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, anderson: i
     tol : stop when a sweep moves no z_h by more than ``tol``, or when ``anderson + 1`` sweeps in a row
         each change F by at most ``tol * max(1, |F|, |A·z|)`` (A = -Bᵀ1) and the last moved no z_h by
         more than sqrt(tol).
-    row_key : optional (n,) int array, e(i) (H + 1) + l(i) per row of B (`unit_rows.row_keys`), or a
+    row_key : optional (n,) int array, e(i) (H + 1) + l(i) per row of B (`unit_rows.matrix_row_keys`), or a
         `unit_rows.RowKeys` with the column balance too, as ``Compiled.row_keys()`` builds them with B:
         spares re-deriving (and re-checking) them from B.
 

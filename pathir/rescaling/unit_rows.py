@@ -9,7 +9,7 @@ them from whoever built B (``Compiled.row_keys()``, a `RowKeys`).
 
 >>> import numpy as np, scipy.sparse as sp
 >>> B = sp.csr_array(np.array([[-1.0, 0.0], [1.0, -1.0], [0.0, 1.0], [0.0, 0.0]]))
->>> key, H = row_keys(B)
+>>> key, H = matrix_row_keys(B)
 >>> [divmod(int(k), H + 1) for k in key]           # (entered, left), 2 = none
 [(0, 2), (1, 0), (2, 1), (2, 2)]
 >>> column_balance(B).tolist(), key_balance(key, H).tolist()
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-__all__ = ["canonical", "row_keys", "RowKeys", "keys_for", "row_units", "column_balance", "key_balance", "row_shifts"]
+__all__ = ["canonical", "matrix_row_keys", "RowKeys", "keys_for", "row_units", "column_balance", "key_balance", "row_shifts"]
 
 
 def canonical(B) -> sp.csr_array:
@@ -49,7 +49,7 @@ def canonical(B) -> sp.csr_array:
     return csr
 
 
-def row_keys(B, checked: bool = False) -> tuple[np.ndarray, int]:
+def matrix_row_keys(B, checked: bool = False) -> tuple[np.ndarray, int]:
     """``(key, H)`` with key_i = e(i) (H + 1) + l(i) (e, l = H for "no unit").
 
     B is checked by `canonical` unless ``checked`` says it already was.
@@ -65,7 +65,7 @@ def row_keys(B, checked: bool = False) -> tuple[np.ndarray, int]:
 
 @dataclass(frozen=True, eq=False)
 class RowKeys:
-    """B's rows as unit pairs, as whoever built B knows them: ``key`` (`row_keys`) and the
+    """B's rows as unit pairs, as whoever built B knows them: ``key`` (`matrix_row_keys`) and the
     column balance A = -Bᵀ1 (`column_balance`) of an n x H matrix B."""
 
     key: np.ndarray
@@ -77,14 +77,14 @@ class RowKeys:
 
 
 def keys_for(B, row_key=None, balance: bool = True) -> tuple[sp.csr_array | None, np.ndarray, int, np.ndarray | None]:
-    """``(B, key, H, A)`` for a solver: B checked by `canonical`, its `row_keys` and column balance
+    """``(B, key, H, A)`` for a solver: B checked by `canonical`, its `matrix_row_keys` and column balance
     derived, or, where the caller passes the ``row_key`` it built B from (an array of keys or a
     `RowKeys`, as ``Compiled.row_keys()`` gives), those, checked for shape and range and against
     B on a sample of rows. ``B`` may be None where ``row_key`` is a `RowKeys`: the block solver
     needs nothing else (returned B is then None). ``balance=False``: A is None unless given."""
     if row_key is None:
         csr = canonical(B)
-        key, H = row_keys(csr, checked=True)
+        key, H = matrix_row_keys(csr, checked=True)
         given = None
     else:
         csr = None if B is None else (B if isinstance(B, sp.csr_array) else sp.csr_array(B))
@@ -102,7 +102,7 @@ def keys_for(B, row_key=None, balance: bool = True) -> tuple[sp.csr_array | None
             raise ValueError(f"row_key must lie in [0, (H + 1)²) = [0, {(H + 1) ** 2})")
         if csr is not None and n:
             sample = np.unique(np.linspace(0, n - 1, min(n, 1024)).astype(np.int64))
-            if not np.array_equal(row_keys(csr[sample])[0], key[sample]):
+            if not np.array_equal(matrix_row_keys(csr[sample])[0], key[sample]):
                 raise ValueError("row_key does not describe the rows of B")
         key = key.astype(np.int64, copy=False)
     if given is None and balance:
@@ -116,7 +116,7 @@ def row_units(B) -> tuple[np.ndarray, np.ndarray, int]:
     Raises ValueError unless every non-zero of B is ±1 and no row has two
     entries of one sign.
     """
-    key, H = row_keys(B)
+    key, H = matrix_row_keys(B)
     enter, leave = np.divmod(key, H + 1)
     return enter, leave, H
 
