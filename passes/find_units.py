@@ -72,10 +72,17 @@ class Units:
     - ``names[h]``: readable name of unit h (``conv1:c3``, ``stream:layer1/c5``);
     - ``members[h]``: its (node name, channel) pairs, in node order;
     - ``channel_units[node]``: (channels,) int array, the unit of each channel
-      (-1: no unit: pinned to an input or output, or reached by no free parameter);
+      (``no_unit`` = H where it has none: pinned to an input or output, or reached
+      by no free parameter);
     - ``params``: the graph's ``params()`` (the flat θ order);
-    - ``ends[k]``: (target, source) unit arrays of param k, each broadcastable
-      to the param's shape; ``source`` is None for a bias.
+    - ``ends[k]``: (enter, leave) unit arrays of param k, each broadcastable to the
+      param's shape: per entry, the unit it enters (the unit of its target channel)
+      and the one it leaves (of its source channel), ``no_unit`` for none;
+      ``leave`` is None for a bias.
+
+    One encoding of "no unit" throughout pathir: the index H, so that z padded
+    with one 0 (``np.append(z, 0)``) reads s = 0 there, and B's row keys
+    e(i) (H + 1) + l(i) (``pathir.rescaling.unit_rows``) use the same H.
     """
 
     names: tuple[str, ...]
@@ -85,6 +92,11 @@ class Units:
     ends: tuple[tuple[np.ndarray, np.ndarray | None], ...]
 
     def __len__(self) -> int:
+        return len(self.names)
+
+    @property
+    def no_unit(self) -> int:
+        """The index that stands for "no unit": H."""
         return len(self.names)
 
     def __iter__(self) -> Iterator[Unit]:
@@ -106,13 +118,13 @@ class Units:
         if not 0 <= h < len(self):
             raise IndexError(f"unit {h} out of range (0..{len(self) - 1})")
         incoming, outgoing = [], []
-        for p, (tgt, src) in zip(self.params, self.ends):
+        for p, (enter, leave) in zip(self.params, self.ends):
             # test the compact arrays first: most params do not touch unit h
-            hit_t, hit_s = bool(np.any(tgt == h)), src is not None and bool(np.any(src == h))
+            hit_t, hit_s = bool(np.any(enter == h)), leave is not None and bool(np.any(leave == h))
             if not (hit_t or hit_s):
                 continue
-            t = np.broadcast_to(tgt, p.shape).ravel()
-            s = None if src is None else np.broadcast_to(src, p.shape).ravel()
+            t = np.broadcast_to(enter, p.shape).ravel()
+            s = None if leave is None else np.broadcast_to(leave, p.shape).ravel()
             if hit_t:
                 sel = (t == h) if s is None else (t == h) & (s != h)
                 if sel.any():
@@ -128,13 +140,13 @@ class Units:
         """(|in_h|, |out_h|) for every unit: entries of the incoming and outgoing sides."""
         H = len(self)
         n_in, n_out = np.zeros(H, dtype=np.int64), np.zeros(H, dtype=np.int64)
-        for p, (tgt, src) in zip(self.params, self.ends):
-            t = np.broadcast_to(tgt, p.shape).ravel()
-            s = None if src is None else np.broadcast_to(src, p.shape).ravel()
+        for p, (enter, leave) in zip(self.params, self.ends):
+            t = np.broadcast_to(enter, p.shape).ravel()
+            s = None if leave is None else np.broadcast_to(leave, p.shape).ravel()
             inside = np.zeros(t.shape, bool) if s is None else t == s
-            n_in += np.bincount(t[(t >= 0) & ~inside], minlength=H)[:H]
+            n_in += np.bincount(t[~inside], minlength=H + 1)[:H]
             if s is not None:
-                n_out += np.bincount(s[(s >= 0) & ~inside], minlength=H)[:H]
+                n_out += np.bincount(s[~inside], minlength=H + 1)[:H]
         return n_in, n_out
 
     def __str__(self) -> str:
@@ -257,19 +269,19 @@ def find_units(graph: Graph) -> tuple[Graph, Units]:
         mark_crossing(touched, labels[t], labels[src])
     free = np.flatnonzero(~class_pinned & touched)
     order = free[np.argsort(first[free], kind="stable")]
-    unit_of_class = np.full(n_classes, -1, dtype=np.int64)
-    unit_of_class[order] = np.arange(order.size)
+    H = int(order.size)
+    unit_of_class = np.full(n_classes, H, dtype=np.int64)  # H: no unit
+    unit_of_class[order] = np.arange(H)
     unit_of = unit_of_class[labels] if total else np.zeros(0, dtype=np.int64)
 
     channel_units = {n.name: unit_of[offsets[n.name] : offsets[n.name] + n.channels] for n in graph.nodes}
     for arr in channel_units.values():
         arr.setflags(write=False)
 
-    H = int(order.size)
     members: list[list[tuple[str, int]]] = [[] for _ in range(H)]
     for n in graph.nodes:
         cu = channel_units[n.name]
-        for c in np.flatnonzero(cu >= 0):
+        for c in np.flatnonzero(cu < H):
             members[cu[c]].append((n.name, int(c)))
 
     params = tuple(graph.params())

@@ -145,16 +145,16 @@ def incidence(graph: Graph, units: Units):
     # in increasing column order
     counts, cols, vals = [], [], []
     mixed = False
-    for p, (tgt, src) in zip(params, units.ends):
-        fast = _uniform_rows(p, tgt, src, index_dtype)
+    for p, (enter, leave) in zip(params, units.ends):
+        fast = _uniform_rows(p, enter, leave, H, index_dtype)
         if fast is not None:
             counts.append(np.full(p.size, fast[0], np.int64)), cols.append(fast[1]), vals.append(fast[2])
             continue
         mixed = True
-        t = np.broadcast_to(tgt, p.shape).reshape(-1)
-        s = np.full(t.shape, -1, dtype=t.dtype) if src is None else np.broadcast_to(src, p.shape).reshape(-1)
+        t = np.broadcast_to(enter, p.shape).reshape(-1)
+        s = np.full(t.shape, H, dtype=t.dtype) if leave is None else np.broadcast_to(leave, p.shape).reshape(-1)
         both = np.stack([t, s], axis=1)
-        keep = (both >= 0) & (t != s)[:, None]
+        keep = (both < H) & (t != s)[:, None]
         counts.append(keep.sum(axis=1, dtype=np.int64))
         cols.append(both[keep])
         vals.append(np.broadcast_to(np.array([-1.0, 1.0]), both.shape)[keep])
@@ -196,13 +196,13 @@ def compact_rows(units: Units) -> list[tuple[np.ndarray, np.ndarray]]:
     with both ends in one unit, whose row is empty)."""
     H = len(units)
     out = []
-    for tgt, src in units.ends:
-        t = np.asarray(tgt, dtype=np.int64)
-        s = np.full((), -1, dtype=np.int64) if src is None else np.asarray(src, dtype=np.int64)
-        if np.intersect1d(t[t >= 0], s[s >= 0]).size:  # some entry has both ends in one unit: entry by entry
+    for enter, leave in units.ends:
+        t = np.asarray(enter, dtype=np.int64)
+        s = np.full((), H, dtype=np.int64) if leave is None else np.asarray(leave, dtype=np.int64)
+        if np.intersect1d(t[t < H], s[s < H]).size:  # some entry has both ends in one unit: entry by entry
             same = t == s
-            t, s = np.where(same, -1, t), np.where(same, -1, s)
-        out.append((np.where(t >= 0, t, H), np.where(s >= 0, s, H)))
+            t, s = np.where(same, H, t), np.where(same, H, s)
+        out.append((t, s))
     return out
 
 
@@ -214,7 +214,7 @@ def _counts(units: np.ndarray, shape: tuple[int, ...], H: int) -> np.ndarray:
     return np.bincount(units.reshape(-1), minlength=H + 1) * (int(np.prod(shape)) // units.size)
 
 
-def _uniform_rows(p: Param, tgt, src, index_dtype):
+def _uniform_rows(p: Param, enter, leave, H: int, index_dtype):
     """(entries per row, columns, values) of a param whose rows all look alike (both
     ends in distinct units, or one end pinned everywhere), written from its compact
     end arrays without per-entry masks; None otherwise."""
@@ -225,17 +225,17 @@ def _uniform_rows(p: Param, tgt, src, index_dtype):
             out[..., k] = part
         return out.reshape(-1)
 
-    t_ok, t_none = bool(np.all(tgt >= 0)), bool(np.all(tgt < 0))
-    s_ok, s_none = (False, True) if src is None else (bool(np.all(src >= 0)), bool(np.all(src < 0)))
+    t_ok, t_none = bool(np.all(enter < H)), bool(np.all(enter == H))
+    s_ok, s_none = (False, True) if leave is None else (bool(np.all(leave < H)), bool(np.all(leave == H)))
     if t_none and s_none:
         return 0, np.zeros(0, index_dtype), np.zeros(0)
     if t_ok and s_none:
-        return 1, fill(index_dtype, tgt), np.full(p.size, -1.0)
+        return 1, fill(index_dtype, enter), np.full(p.size, -1.0)
     if t_none and s_ok:
-        return 1, fill(index_dtype, src), np.full(p.size, 1.0)
+        return 1, fill(index_dtype, leave), np.full(p.size, 1.0)
     if not (t_ok and s_ok):
         return None
-    t, s = np.broadcast_arrays(tgt, src)  # compact: no spatial axes
+    t, s = np.broadcast_arrays(enter, leave)  # compact: no spatial axes
     if np.any(t == s):
         return None
     first = np.where(t < s, -1.0, 1.0)  # the lower column is the unit the entry enters

@@ -46,17 +46,6 @@ class Normalization:
     p: float
 
 
-def _rows(B):
-    """(target unit, source unit) of every row of B (-1 where none)."""
-    B = B.tocsr()
-    n = B.shape[0]
-    row = np.repeat(np.arange(n), np.diff(B.indptr))
-    tgt, src = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
-    neg = B.data < 0
-    tgt[row[neg]] = B.indices[neg]
-    src[row[~neg]] = B.indices[~neg]
-    return tgt, src
-
 
 def _segment_logsumexp(vals: np.ndarray, seg: np.ndarray, count: int) -> np.ndarray:
     top = np.full(count, -np.inf)
@@ -94,18 +83,19 @@ def normalize_log_scales(graph: Graph, units, p: float = 2.0, incidence=None) ->
     from scipy.sparse.csgraph import connected_components
 
     from pathir.passes.incidence import incidence as build
+    from pathir.rescaling.unit_rows import row_units
 
     if not p > 0:
         raise ValueError(f"p must be > 0, got {p}")
     B, layout = build(graph, units) if incidence is None else incidence
     H = B.shape[1]
     w = np.abs(layout.theta()) ** p
-    tgt, src = _rows(B)
-    enters = (tgt >= 0) & (w > 0)
-    free = enters & (src < 0)
-    b = np.bincount(tgt[free], weights=w[free], minlength=H)
-    pair = enters & (src >= 0)
-    M = sp.csr_array((w[pair], (tgt[pair], src[pair])), shape=(H, H))  # duplicates summed
+    enter, leave, _ = row_units(B)
+    enters = (enter < H) & (w > 0)
+    free = enters & (leave == H)
+    b = np.bincount(enter[free], weights=w[free], minlength=H)
+    pair = enters & (leave < H)
+    M = sp.csr_array((w[pair], (enter[pair], leave[pair])), shape=(H, H))  # duplicates summed
     M.sum_duplicates()
     M.eliminate_zeros()
     with np.errstate(divide="ignore"):

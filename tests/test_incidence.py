@@ -109,15 +109,15 @@ def test_b_rows_follow_the_neuron_level_definition(graph):
             row = np.zeros(len(units))
             tu, su = unit(v), unit(u)
             if tu != su:
-                if tu >= 0:
+                if tu < units.no_unit:
                     row[tu] = -1
-                if su >= 0:
+                if su < units.no_unit:
                     row[su] = 1
             put(layout.slice(d["param"][0]).start + d["param"][1], row)
     for v, d in net.nodes(data=True):
         if d["bias"] is not None:
             row = np.zeros(len(units))
-            if unit(v) >= 0:
+            if unit(v) < units.no_unit:
                 row[unit(v)] = -1
             put(layout.slice(d["bias"][0]).start + d["bias"][1], row)
     for i, row in expected.items():
@@ -300,7 +300,7 @@ def test_rescaling_with_shared_weights_and_biases_keeps_the_function():
     graph = b.build(outputs=[y])
     _, units = find_units(graph)
     assert units.members == ((("a", 0), ("d", 0)), (("a", 1), ("d", 1)))
-    assert units.channel_units["c"].tolist() == [-1, -1]  # tied to e, which the output pins
+    assert units.channel_units["c"].tolist() == [units.no_unit] * 2  # tied to e, which the output pins
     z = np.array([0.7, -1.3])
     new = rescale_graph(graph, units, z)
     other = apply_log_scales(graph, log_scales(graph, units, z))

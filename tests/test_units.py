@@ -137,8 +137,8 @@ def test_inputs_and_outputs_pin_their_classes():
     graph = b.build(outputs=[y])
     _, units = find_units(graph)
     assert units.names == ("c1:c0", "c1:c1")
-    assert units.channel_units["pool"].tolist() == [-1, -1]
-    assert units.channel_units["k"].tolist() == [-1, -1]
+    assert units.channel_units["pool"].tolist() == [units.no_unit] * 2
+    assert units.channel_units["k"].tolist() == [units.no_unit] * 2
 
 
 def test_weight_shared_by_two_edges_ties_their_ends():
@@ -218,7 +218,7 @@ def test_units_partition_the_free_channels_and_respect_every_tie(graph):
     cu = units.channel_units
     for n in graph.nodes:
         if not graph.is_hidden(n.name):
-            assert (cu[n.name] == -1).all(), n.name
+            assert (cu[n.name] == units.no_unit).all(), n.name
         for e in n.edges:
             if e.map.weight is None:
                 pairs = e.map.channel_ties(graph.node(e.source).shape)
@@ -229,7 +229,7 @@ def test_units_partition_the_free_channels_and_respect_every_tie(graph):
         for node, c in members:
             assert cu[node][c] == h and (node, c) not in seen
             seen.add((node, c))
-    assert len(seen) == sum(int((a >= 0).sum()) for a in cu.values())
+    assert len(seen) == sum(int((a < units.no_unit).sum()) for a in cu.values())
     assert len(set(units.names)) == len(units)
     # each unit's sides, entry by entry, are what B's columns say
     n_in, n_out = units.sizes

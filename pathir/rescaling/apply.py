@@ -73,7 +73,7 @@ def rescale_graph(graph: Graph, units, z) -> Graph:
 def log_scales(graph: Graph, units, z) -> dict[str, np.ndarray]:
     """{node name: (channels,) log-scale s}: s = z_h / 2 on the channels of unit h, 0 on pinned ones."""
     z = _z(units, z)
-    half = np.concatenate([z / 2, [0.0]])  # index -1 (pinned) reads the 0
+    half = np.append(z / 2, 0.0)  # index H ("no unit") reads 0
     return {n.name: half[np.asarray(units.channel_units[n.name])] for n in graph.nodes}
 
 
