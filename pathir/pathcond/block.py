@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -129,6 +130,86 @@ def _polish(pairs, A: np.ndarray, n: int, z: np.ndarray, live: np.ndarray, itera
     return out, bool(res.success) or "ABNORMAL" in str(res.message), int(res.nit)
 
 
+@dataclass
+class _Point:
+    """A point z of the block iteration: log S there, F = n log S + A·z, and the first
+    block's sums (log B_h, log C_h, log D) at z (None where there are no blocks)."""
+
+    z: np.ndarray
+    log_s: float
+    f: float
+    first: tuple | None
+
+
+class _BlockSweeps:
+    """One sweep of exact block updates: each colour's units solved jointly and exactly
+    (closed form per unit given S, S from a scalar monotone equation), colour after colour."""
+
+    def __init__(self, pairs, blocks, A: np.ndarray, n: int):
+        self.pairs, self.blocks, self.A, self.n = pairs, blocks, A, n
+        self.abs_a = [np.abs(A[b.units]) / n for b in blocks]
+
+    def sums(self, blk, z):
+        zp = pad(z)
+        return blk.outgoing(-zp), blk.incoming(zp), blk.rest_log(zp)
+
+    def log_total(self, z, first) -> float:
+        """log S at z, from the first block's sums ``first`` = (log B_h, log C_h, log D) at z."""
+        if not self.blocks:
+            return log_pair_total(all_pairs(self.pairs), pad(z))
+        log_b, log_c, log_d = first
+        zu = z[self.blocks[0].units]
+        terms = np.concatenate((log_b + zu, log_c - zu, [log_d]))
+        top = float(terms.max())
+        return top + math.log(float(np.exp(terms - top).sum()))
+
+    def state(self, z) -> _Point:
+        first = self.sums(self.blocks[0], z) if self.blocks else None
+        log_s = self.log_total(z, first)
+        return _Point(z, log_s, self.n * log_s + float(self.A @ z), first)
+
+    def sweep(self, z, at: _Point) -> _Point:
+        """The image of ``at`` (the point z) under one sweep; its ``first`` is filled in lazily."""
+        z, log_s = z.copy(), at.log_s
+        for i, (blk, a) in enumerate(zip(self.blocks, self.abs_a)):
+            log_b, log_c, log_d = at.first if i == 0 else self.sums(blk, z)
+            log_s = _solve_s(log_b, log_c, log_d, a, log_s)
+            half = 0.5 * (log_b + log_c)
+            z[blk.units] = 0.5 * (log_c - log_b) + log_positive_root(self.A[blk.units], log_s - half, self.n, self.n)
+        return _Point(z, log_s, self.n * log_s + float(self.A @ z), None)
+
+    def with_first(self, point: _Point) -> _Point:
+        if point.first is None and self.blocks:
+            point.first = self.sums(self.blocks[0], point.z)
+        return point
+
+
+class _Anderson:
+    """Anderson acceleration (type II) of the sweep map with memory ``depth``: the image
+    combination whose residual is smallest, kept only where it beats the plain sweep,
+    so F still decreases monotonically."""
+
+    def __init__(self, depth: int):
+        self.depth, self.accepted = depth, 0
+        self.d_res, self.d_img, self.last = [], [], None
+
+    def improve(self, z, image: _Point, sweeps: _BlockSweeps) -> _Point:
+        res = image.z - z
+        if self.depth and self.last is not None:
+            self.d_res.append(res - self.last[0])
+            self.d_img.append(image.z - self.last[1])
+            del self.d_res[:-self.depth], self.d_img[:-self.depth]
+        self.last = (res, image.z)
+        if self.d_res:
+            gamma = np.linalg.lstsq(np.column_stack(self.d_res), res, rcond=1e-12)[0]
+            trial = sweeps.state(image.z - np.column_stack(self.d_img) @ gamma)
+            if trial.f < image.f:
+                self.accepted += 1
+                return trial
+            self.d_res.clear(), self.d_img.clear()
+        return sweeps.with_first(image)
+
+
 def solve_block(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, anderson: int = 5,
                 polish_after: int | None = 50, row_key=None) -> PathCondResult:
     """Minimise F by exact block updates over independent sets of units (the default solver).
@@ -177,84 +258,33 @@ def solve_block(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, anderson: i
     pairs = pairs.freeze(degenerate)
     live = np.ones(H, dtype=bool)
     live[degenerate] = False
-    colour = greedy_coloring(pairs, live)
-    blocks = blocks_of(pairs, colour)
-    abs_a = [np.abs(A[b.units]) / n for b in blocks]
-
-    def sums(blk, z):
-        zp = pad(z)
-        return blk.outgoing(-zp), blk.incoming(zp), blk.rest_log(zp)
-
-    def log_total(z, first):
-        """log S at z, from the first block's sums ``first`` = (log B_h, log C_h, log D) at z."""
-        if not blocks:
-            return log_pair_total(all_pairs(pairs), pad(z))
-        log_b, log_c, log_d = first
-        zu = z[blocks[0].units]
-        terms = np.concatenate((log_b + zu, log_c - zu, [log_d]))
-        top = float(terms.max())
-        return top + math.log(float(np.exp(terms - top).sum()))
-
-    def sweep(z, log_s, first):
-        z = z.copy()
-        for i, (blk, a) in enumerate(zip(blocks, abs_a)):
-            log_b, log_c, log_d = first if i == 0 else sums(blk, z)
-            log_s = _solve_s(log_b, log_c, log_d, a, log_s)
-            half = 0.5 * (log_b + log_c)
-            z[blk.units] = 0.5 * (log_c - log_b) + log_positive_root(A[blk.units], log_s - half, n, n)
-        return z, log_s
-
+    sweeps_of = _BlockSweeps(pairs, blocks_of(pairs, greedy_coloring(pairs, live)), A, n)
     z = np.zeros(H)
-    first = sums(blocks[0], z) if blocks else None
-    log_s = log_total(z, first)
-    f = n * log_s
-    history, times = [f], [time.perf_counter() - start]
-    d_res, d_img, last = [], [], None
-    converged, sweeps, accepted, quiet = False, 0, 0, 0
+    state = sweeps_of.state(z)
+    history, times = [state.f], [time.perf_counter() - start]
+    acceleration = _Anderson(anderson)
+    converged, sweeps, quiet = False, 0, 0
     budget = max_sweeps if polish_after is None else min(max_sweeps, polish_after)
     for sweeps in range(1, budget + 1):
-        image, log_s_image = sweep(z, log_s, first)
-        f_image = n * log_s_image + float(A @ image)
-        res = image - z
-        if anderson and last is not None:
-            d_res.append(res - last[0])
-            d_img.append(image - last[1])
-            del d_res[:-anderson], d_img[:-anderson]
-        last = (res, image)
-        new, log_s_new, f_new, first = image, log_s_image, f_image, None
-        if d_res:
-            # Anderson (type II): the image combination whose residual is smallest,
-            # kept only if it beats the plain sweep, so F still decreases monotonically
-            gamma = np.linalg.lstsq(np.column_stack(d_res), res, rcond=1e-12)[0]
-            trial = image - np.column_stack(d_img) @ gamma
-            first_trial = sums(blocks[0], trial)
-            log_s_trial = log_total(trial, first_trial)
-            f_trial = n * log_s_trial + float(A @ trial)
-            if f_trial < f_image:
-                new, log_s_new, f_new, first = trial, log_s_trial, f_trial, first_trial
-                accepted += 1
-            else:
-                d_res.clear(), d_img.clear()
-        if first is None and blocks:
-            first = sums(blocks[0], new)
-        step = float(np.max(np.abs(new - z), initial=0.0))
-        z, log_s = new, log_s_new
-        history.append(f_new)
+        image = sweeps_of.sweep(z, state)
+        new = acceleration.improve(z, image, sweeps_of)
+        step = float(np.max(np.abs(new.z - z), initial=0.0))
+        f, (z, state) = state.f, (new.z, new)
+        history.append(state.f)
         times.append(time.perf_counter() - start)
-        size = max(1.0, abs(f_new), abs(float(A @ z)))  # F's rounding follows its largest term
-        quiet = quiet + 1 if abs(f - f_new) <= tol * size else 0
+        size = max(1.0, abs(state.f), abs(float(A @ z)))  # F's rounding follows its largest term
+        quiet = quiet + 1 if abs(f - state.f) <= tol * size else 0
         if step <= tol:
             converged = True
             break
         if quiet > anderson:  # F has stopped moving: done if z has too, else it crawls along a ridge
             converged = step <= math.sqrt(tol)
             break
-        f = f_new
     polished = 0
-    if not converged and sweeps < max_sweeps and blocks and polish_after is not None:
+    if not converged and sweeps < max_sweeps and sweeps_of.blocks and polish_after is not None:
         z, converged, polished = _polish(pairs, A, n, z, live, max_sweeps - sweeps, tol, history, times, start)
         sweeps += polished
     return finish(g, B, z, _pair_state(pairs, A, z, n), method="block", sweeps=sweeps, converged=converged,
                   key=key, degenerate=degenerate, start=start, history=history, times=times,
-                  extra={"colours": len(blocks), "pairs": pairs.size, "anderson_steps": accepted,
-                         "lbfgs_iterations": polished})
+                  extra={"colours": len(sweeps_of.blocks), "pairs": pairs.size,
+                         "anderson_steps": acceleration.accepted, "lbfgs_iterations": polished})
