@@ -211,6 +211,30 @@ def find_units(graph: Graph) -> tuple[Graph, Units]:
     >>> print(units[0])
     unit 0 'fc1:c0': 1 channels in h; in: fc1.weight[2], fc1.bias[1]; out: fc2.weight[1]
     """
+    offsets, pinned = _channel_offsets(graph)
+    ties_a, ties_b, uses = _fixed_ties_and_uses(graph, offsets)
+    _tie_shared_params(uses, offsets, ties_a, ties_b)
+    labels = _components(pinned.size, ties_a, ties_b)
+    unit_of, H = _number_units(labels, pinned, uses, offsets)
+
+    channel_units = {n.name: unit_of[offsets[n.name] : offsets[n.name] + n.channels] for n in graph.nodes}
+    for arr in channel_units.values():
+        arr.setflags(write=False)
+    members: list[list[tuple[str, int]]] = [[] for _ in range(H)]
+    for n in graph.nodes:
+        cu = channel_units[n.name]
+        for c in np.flatnonzero(cu < H):
+            members[cu[c]].append((n.name, int(c)))
+
+    params = tuple(graph.params())
+    ends = tuple(_entry_channels(*uses[id(p)][0], offsets, unit_of) for p in params)
+    names = _names(graph, members)
+    return graph, Units(tuple(names), tuple(tuple(m) for m in members), channel_units, params, ends)
+
+
+def _channel_offsets(graph: Graph) -> tuple[dict[str, int], np.ndarray]:
+    """The global id of each node's first channel, and which global channels are pinned
+    (channels of an input or an output: s = 0)."""
     offsets, total = {}, 0
     for n in graph.nodes:
         offsets[n.name] = total
@@ -219,9 +243,14 @@ def find_units(graph: Graph) -> tuple[Graph, Units]:
     for n in graph.nodes:
         if n.kind is NodeKind.INPUT or n.name in graph.outputs:
             pinned[offsets[n.name] : offsets[n.name] + n.channels] = True
+    return offsets, pinned
 
+
+def _fixed_ties_and_uses(graph: Graph, offsets):
+    """The channel ties of every fixed-weight edge (two lists of global channel ids, tied pairwise),
+    and every use of every param: {id(param): [(param, source node or None, target node, map)]}."""
     ties_a, ties_b = [], []
-    uses: dict[int, list] = {}  # id(param) -> [(param, source node or None, target node, map)]
+    uses: dict[int, list] = {}
     for v in graph.nodes:
         for e in v.edges:
             u = graph.node(e.source)
@@ -233,7 +262,12 @@ def find_units(graph: Graph) -> tuple[Graph, Units]:
                 uses.setdefault(id(e.map.weight), []).append((e.map.weight, u, v, e.map))
         if v.bias is not None:
             uses.setdefault(id(v.bias), []).append((v.bias, None, v, None))
+    return ties_a, ties_b, uses
 
+
+def _tie_shared_params(uses, offsets, ties_a, ties_b) -> None:
+    """Weight sharing: a param read by several edges ties, entry by entry, the target channels
+    of its uses together and their source channels together (appended to the tie lists)."""
     for group in uses.values():
         if len(group) < 2:
             continue
@@ -252,11 +286,15 @@ def find_units(graph: Graph) -> tuple[Graph, Units]:
                     a, b = np.broadcast_to(a, group[0][0].shape), np.broadcast_to(b, group[0][0].shape)
                 ties_a.append(a.ravel()), ties_b.append(b.ravel())
 
-    labels = _components(total, ties_a, ties_b)
+
+def _number_units(labels: np.ndarray, pinned: np.ndarray, uses, offsets) -> tuple[np.ndarray, int]:
+    """(the unit of every global channel, H), H where it has none, from its tie class: a class is a unit
+    when no member is pinned and some free parameter enters or leaves it; units are numbered
+    by their first channel in node order."""
+    total = labels.size
     n_classes = int(labels.max()) + 1 if total else 0
     class_pinned = np.zeros(n_classes, dtype=bool)
     np.logical_or.at(class_pinned, labels, pinned)
-    # units numbered by their first channel in node order
     first = np.full(n_classes, total, dtype=np.int64)
     np.minimum.at(first, labels, np.arange(total))
     # a class that no free parameter enters or leaves is no unit: rescaling it moves nothing
@@ -270,28 +308,9 @@ def find_units(graph: Graph) -> tuple[Graph, Units]:
     free = np.flatnonzero(~class_pinned & touched)
     order = free[np.argsort(first[free], kind="stable")]
     H = int(order.size)
-    unit_of_class = np.full(n_classes, H, dtype=np.int64)  # H: no unit
+    unit_of_class = np.full(n_classes, H, dtype=np.int64)
     unit_of_class[order] = np.arange(H)
-    unit_of = unit_of_class[labels] if total else np.zeros(0, dtype=np.int64)
-
-    channel_units = {n.name: unit_of[offsets[n.name] : offsets[n.name] + n.channels] for n in graph.nodes}
-    for arr in channel_units.values():
-        arr.setflags(write=False)
-
-    members: list[list[tuple[str, int]]] = [[] for _ in range(H)]
-    for n in graph.nodes:
-        cu = channel_units[n.name]
-        for c in np.flatnonzero(cu < H):
-            members[cu[c]].append((n.name, int(c)))
-
-    params = tuple(graph.params())
-    ends = []
-    for p in params:
-        group = uses[id(p)]
-        t, s = _entry_channels(*group[0], offsets, unit_of)
-        ends.append((t, s))
-    names = _names(graph, members)
-    return graph, Units(tuple(names), tuple(tuple(m) for m in members), channel_units, params, tuple(ends))
+    return (unit_of_class[labels] if total else np.zeros(0, dtype=np.int64)), H
 
 
 def _entry_channels(param, u, v, m, offsets, lookup=None):
