@@ -4,6 +4,7 @@ from pathir.errors import (
     BackendError,
     GraphTooLarge,
     GraphVerificationError,
+    ModelChanged,
     PathirError,
     PathNormOverflow,
     UnsupportedOperation,
@@ -18,7 +19,7 @@ from pathir.lifting.path_metric import PathMetric, output_bound, path_metric
 __all__ = [
     "compile", "Compiled", "Summary", "Graph", "GraphBuilder", "verify",
     "PathirError", "UnsupportedOperation", "GraphVerificationError", "GraphTooLarge",
-    "PathNormOverflow", "BackendError",
+    "PathNormOverflow", "BackendError", "ModelChanged",
     "path_metric", "output_bound", "PathMetric", "optim",
 ]
 

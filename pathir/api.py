@@ -40,6 +40,7 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
     """
     from pathir.passes import DEFAULT_PIPELINE, run_passes
 
+    watch = relower = None
     if isinstance(model, Graph):
         graph, writer, n_src, name = verify(model), None, None, model.name
     elif _is_onnx(model):
@@ -49,8 +50,16 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
         graph, writer, n_src, name = low.graph, low.writer, low.source_num_params, low.name
     else:
         from pathir.frontends.torch_fx import lower
+        from pathir.frontends.torch_live import ModelWatch
 
         low = lower(model, input_shape=input_shape, example_input=example_input)
         graph, writer, n_src, name = low.graph, low.writer, low.source_num_params, low.name
+        watch = ModelWatch(model)
+
+        def relower() -> Graph:  # the model's current values in the same pipeline
+            raw = lower(model, input_shape=input_shape, example_input=example_input).graph
+            return run_passes(raw, (*DEFAULT_PIPELINE, *passes), check=False)
+
     graph = run_passes(graph, (*DEFAULT_PIPELINE, *passes), check=check)
-    return Compiled(graph, model=model, writer=writer, source_num_params=n_src, backend=backend, name=name)
+    return Compiled(graph, model=model, writer=writer, source_num_params=n_src, backend=backend, name=name,
+                    watch=watch, relower=relower)

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from pathir.errors import PathirError
+from pathir.errors import ModelChanged, PathirError
 from pathir.ir import Graph, MapKind
 from pathir.rescaling.facts import GraphFacts
 
@@ -94,10 +94,20 @@ class Compiled:
     writer : object
         The frontend's write-back handle (``rescale``, ``mask``; ``to_onnx`` and
         ``save`` for ONNX), ``None`` for a Compiled made from a bare Graph.
+
+    A Compiled of a torch model follows it: every query first checks (about a
+    millisecond) whether a parameter or buffer changed in place since compile or
+    the last write-back (an optimizer step, ``load_state_dict``, an edit under
+    ``torch.no_grad()``) and then re-reads the model into the same structure; a
+    changed structure (a replaced module, a new shape, a new hook) raises
+    ``ModelChanged`` asking to compile again. A Compiled derived from another
+    (:meth:`rescaled`, :meth:`apply`) is a snapshot: it raises ``ModelChanged``
+    once the model has moved. See docs/capture.md.
     """
 
     def __init__(self, graph: Graph, model=None, writer=None, source_num_params: int | None = None,
-                 backend=None, name: str | None = None):
+                 backend=None, name: str | None = None, watch=None, relower=None):
+        self._watch, self._relower = watch, relower
         self.graph = graph
         self.model = model
         self.writer = writer
@@ -108,17 +118,49 @@ class Compiled:
 
     @property
     def graph(self) -> Graph:
-        return self._facts.graph
+        return self.facts.graph
 
     @graph.setter
     def graph(self, graph: Graph) -> None:
         self._facts = GraphFacts(graph)
 
+    @property
+    def facts(self) -> GraphFacts:
+        """The current graph's record (units, B, row keys), after following the model."""
+        if self._watch is not None:
+            change = self._watch.changed()
+            if change is not None:
+                self._follow(change)
+        return self._facts
+
+    def _follow(self, change: str) -> None:
+        if self._relower is None:
+            raise ModelChanged(f"{self.name}: this Compiled is a snapshot (made by rescaled() or apply()) and "
+                               f"its model has changed since ({change}): derive it again from a fresh compile")
+        if change != "values":
+            raise ModelChanged(f"{self.name}: the model's structure changed since compile ({change}): "
+                               "compile it again with pathir.compile")
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read the model's current tensors into the graph (same structure). Queries do it by
+        themselves after any in-place change autograd sees; call it after an edit through ``.data``."""
+        if self._relower is None:
+            return
+        old, new = self._facts.graph, self._relower()
+        if str(new) != str(old):
+            raise ModelChanged(f"{self.name}: the model no longer lowers to the same graph; compile it again "
+                               "with pathir.compile")
+        self._facts = self._facts.with_values(new)
+        self._watch.mark()
+
     def __repr__(self) -> str:
         return f"<pathir.Compiled {self.name}: {len(self.graph)} nodes, {self.graph.num_params():,} params>"
 
     def _with_graph(self, graph: Graph) -> "Compiled":
-        return Compiled(graph, self.model, self.writer, self.source_num_params, self.backend, self.name)
+        """A snapshot Compiled of ``graph`` with this one's model: it refuses queries once the model moves."""
+        watch = None if self._watch is None else type(self._watch)(self.model)
+        return Compiled(graph, self.model, self.writer, self.source_num_params, self.backend, self.name, watch=watch)
 
     # ---------------------------------------------------------------- basics
     def get_backend(self, backend=None):
@@ -136,7 +178,7 @@ class Compiled:
     def release(self) -> None:
         """Free what outlives a call: the units, B and row keys of the graph and the backends'
         device copies of the params. Later calls rebuild what they need."""
-        self._facts = GraphFacts(self.graph)
+        self._facts = GraphFacts(self._facts.graph)
         self._backends.clear()
 
     def forward(self, x, backend=None):
@@ -218,18 +260,18 @@ class Compiled:
     @property
     def units(self):
         """The rescaling units of the graph (``pathir.passes.find_units.Units``), found once per graph."""
-        return self._facts.units
+        return self.facts.units
 
     def incidence(self):
         """(B, layout): the sparse n x H matrix B and the ParamLayout of θ, built once per graph
         (do not modify B)."""
-        return self._facts.incidence
+        return self.facts.incidence
 
     def row_keys(self):
         """B's rows as a ``pathir.rescaling.unit_rows.RowKeys``: per row, e(i) (H + 1) + l(i),
         the unit θ_i enters and the one it leaves (H for none), and A = -Bᵀ1, read from the units.
         The PathCond and ENorm solvers take it instead of B. Built once per graph."""
-        return self._facts.row_keys
+        return self.facts.row_keys
 
     def diag_g(self, backend=None) -> dict[str, np.ndarray]:
         """diag G: {source param name: array of that param's shape}.
@@ -246,8 +288,12 @@ class Compiled:
         keeps the units, B and row keys found so far. On any error nothing changed."""
         from pathir.rescaling.commit import commit_rescaling
 
-        new_graph = commit_rescaling(self.graph, self.units, z, self.model, self.writer)
-        self._facts = self._facts.rescaled(new_graph)
+        facts = self.facts
+        try:
+            new_graph = commit_rescaling(facts.graph, facts.units, z, self.model, self.writer)
+        finally:  # written, or restored exactly: either way the model matches what the graph becomes
+            self._mark()
+        self._facts = facts.with_values(new_graph)
 
     def pathcond(self, solver: str = "block", max_sweeps: int = 1000, tol: float = 1e-10,
                  write_back: bool = True, backend=None):
@@ -256,7 +302,7 @@ class Compiled:
         (apply ``report.z`` with :meth:`rescaled` or :meth:`commit_rescaling`). See docs/pathcond.md."""
         from pathir.pathcond.run import pathcond
 
-        return pathcond(self._facts, self.get_backend(backend), solver=solver, max_sweeps=max_sweeps, tol=tol,
+        return pathcond(self.facts, self.get_backend(backend), solver=solver, max_sweeps=max_sweeps, tol=tol,
                         commit=self.commit_rescaling if write_back else None, name=self.name)
 
     def enorm(self, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, costs=None,
@@ -265,7 +311,7 @@ class Compiled:
         returns an ENormReport. See docs/normalize.md."""
         from pathir.enorm.run import enorm
 
-        return enorm(self._facts, p=p, max_sweeps=max_sweeps, tol=tol, costs=costs, solver=solver,
+        return enorm(self.facts, p=p, max_sweeps=max_sweeps, tol=tol, costs=costs, solver=solver,
                      commit=self.commit_rescaling if write_back else None, name=self.name)
 
     def normalize(self, p: float = 2.0, write_back: bool = True):
@@ -273,7 +319,7 @@ class Compiled:
         l_p norm; rescales the model in place; returns a NormalizeReport. See docs/normalize.md."""
         from pathir.enorm.run import normalize_units
 
-        return normalize_units(self._facts, p=p, commit=self.commit_rescaling if write_back else None,
+        return normalize_units(self.facts, p=p, commit=self.commit_rescaling if write_back else None,
                                name=self.name)
 
     def rescaled(self, z) -> "Compiled":
@@ -306,8 +352,16 @@ class Compiled:
         if self.writer is not None and masks:
             if not hasattr(self.writer, "mask"):
                 raise PathirError(f"the writer of this model ({type(self.writer).__name__}) cannot write masks")
-            self.writer.mask(self.graph, masks)
+            try:
+                self.writer.mask(self.graph, masks)
+            finally:
+                self._mark()
         self.graph = pruned
+
+    def _mark(self) -> None:
+        """The model as written by pathir is the reference the next query compares against."""
+        if self._watch is not None:
+            self._watch.mark()
 
     # ---------------------------------------------------------------- symbolic (small graphs)
     def conservation_laws(self, symbolic: bool = False) -> dict:

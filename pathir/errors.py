@@ -9,6 +9,7 @@ __all__ = [
     "GraphTooLarge",
     "PathNormOverflow",
     "BackendError",
+    "ModelChanged",
 ]
 
 
@@ -47,3 +48,8 @@ class PathNormOverflow(PathirError, OverflowError):
 
 class BackendError(PathirError):
     """A backend failed while evaluating a node; the message names the node."""
+
+
+class ModelChanged(PathirError):
+    """The model a Compiled follows changed in a way it cannot follow (its structure, or
+    any change under a snapshot Compiled): compile it again."""

@@ -3,8 +3,8 @@
 A :class:`GraphFacts` is the record a Compiled keeps for its current graph: the
 units (``find_units``), B with the parameter layout (``incidence``) and B's row
 keys (``row_keys``), each built on first use. The record belongs to one graph
-object: a new graph gets a new record (:meth:`GraphFacts.rescaled` carries the
-structure over to a rescaling of the same graph, whose params only changed values).
+object: a new graph gets a new record (:meth:`GraphFacts.with_values` carries the
+structure over to a graph that differs only in its params' values: a rescaling, a re-read model).
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ class GraphFacts:
 
         return row_keys(self.units)
 
-    def rescaled(self, graph: Graph) -> "GraphFacts":
-        """The record of ``graph``, a rescaling of this graph (same structure, new values):
-        what was built here carries over, nothing new is built."""
+    def with_values(self, graph: Graph) -> "GraphFacts":
+        """The record of ``graph``, this graph with new param values (same structure, same
+        param names and shapes): what was built here carries over, nothing new is built."""
         from pathir.passes.incidence import ParamLayout
 
         new = GraphFacts(graph)
