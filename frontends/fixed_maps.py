@@ -1,0 +1,391 @@
+"""Fixed-coefficient linear maps of the torch frontend: padding, resampling,
+pixel shuffle, fixed (buffer) filters and literal arithmetic.
+
+Invariants kept:
+
+- padding (every mode) and pixel (un)shuffle move elements without computing:
+  they become pending selection maps (``Gather``, or a more specific one),
+  composed with the selections already pending, exactly as ``index_op`` does;
+  zero padding positions read nothing (index -1: no edge);
+- resampling (interpolate in every mode) and separable fixed filters become one
+  ``Resample`` edge whose per-axis matrices are read off *torch's own op* on
+  one-hot inputs along that axis, so the coefficients are torch's, bit for bit;
+- a non-zero constant (a pad value, ``x + 1``) is refused: it is a fixed bias no
+  parameter carries; ``x + 0``, ``0 + x`` and ``x * 1`` are the identity.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pathir.frontends.values import ParamTensor, Value
+
+from pathir.ir import Resample
+
+__all__ = [
+    "pad", "pixel_shuffle", "pixel_unshuffle", "interpolate", "fixed_conv", "add", "mul", "is_buffer",
+    "conv_with_mode",
+]
+
+_PAD_MODES = {"constant", "reflect", "replicate", "circular"}
+_INTERP_MODES = {"nearest", "nearest-exact", "linear", "bilinear", "trilinear", "bicubic", "area"}
+
+
+def _spatial_rank(low, v: Value) -> int:
+    n = len(v.shape) - 1
+    if n < 1:
+        low.unsupported(f"a spatial op on a tensor of shape {list(v.shape)} (no spatial axis)")
+    return n
+
+
+# ------------------------------------------------------------------ padding
+
+
+def pad(low, v: Value, pads, mode: str = "constant", value=None) -> Value:
+    """F.pad: a selection (element moves, zeros read nothing)."""
+    v = low._value(v)
+    if mode not in _PAD_MODES:
+        low.unsupported(f"padding mode '{mode}'")
+    if mode == "constant" and value not in (None, 0, 0.0):
+        low.unsupported(f"padding with the constant {value}: a fixed non-zero bias no parameter carries")
+    pads = [int(p) for p in pads]
+    ids = torch.arange(1, math.prod(v.shape) + 1, dtype=torch.float64).reshape(1, *v.shape)
+    try:
+        out = F.pad(ids, pads, mode=mode) if mode != "constant" else F.pad(ids, pads, value=0.0)
+    except (RuntimeError, NotImplementedError, ValueError) as err:
+        low.unsupported(f"F.pad(mode='{mode}', pad={pads}) on shape {list(v.shape)}: {err}")
+    index = out.reshape(-1).numpy().astype(np.int64) - 1
+    return low.compose_selection([(low._selectable(v), index)], tuple(out.shape[1:]))
+
+
+def conv_with_mode(low, mod, x, weight, bias) -> Value:
+    """nn.ConvNd with padding_mode reflect / replicate / circular: pad, then a conv without padding."""
+    if mod.padding_mode not in ("reflect", "replicate", "circular"):
+        low.unsupported(f"padding_mode='{mod.padding_mode}'")
+    padded = pad(low, x, mod._reversed_padding_repeated_twice, mod.padding_mode)
+    return low.conv(padded, weight, bias, mod.stride, 0, mod.dilation, mod.groups)
+
+
+# ------------------------------------------------------------ pixel shuffle
+
+
+def pixel_shuffle(low, v: Value, r: int) -> Value:
+    """r^2 input channels -> one output channel (a Gather: its ties make them one unit)."""
+    return low.index_op(lambda t: F.pixel_shuffle(t, int(r)), [low._value(v)])[0][0]
+
+
+def pixel_unshuffle(low, v: Value, r: int) -> Value:
+    return low.index_op(lambda t: F.pixel_unshuffle(t, int(r)), [low._value(v)])[0][0]
+
+
+# ------------------------------------------------------------- resampling
+
+
+def _per_axis(value, n: int, what: str, low) -> list | None:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            low.unsupported(f"{what} {list(value)} for {n} spatial axes")
+        return list(value)
+    return [value] * n
+
+
+def _axis_matrices(low, in_spatial, call) -> tuple[np.ndarray, ...]:
+    """Matrix of each axis d: ``call(basis, d)`` on L_d one-hot signals along
+    axis d (the other axes of length 1), read back as (out_len, L_d)."""
+    n = len(in_spatial)
+    mats = []
+    for d, L in enumerate(in_spatial):
+        shape = [1] * n
+        shape[d] = L
+        basis = torch.eye(L, dtype=torch.float64).reshape(L, 1, *shape)
+        try:
+            out = call(basis, d)
+        except (RuntimeError, NotImplementedError, ValueError) as err:
+            low.unsupported(f"could not read the coefficients of axis {d}: {err}")
+        if math.prod(out.shape[2:]) != out.shape[2 + d]:
+            low.unsupported(f"axis {d}: the op mixes spatial axes (not separable)")
+        mats.append(out.reshape(L, -1).T.numpy().copy())
+    return tuple(mats)
+
+
+def _resampled(low, v: Value, mats, label: str) -> Value:
+    m = Resample(mats, label)
+    src = low.materialize(v)
+    return Value([(src, m)], m.out_shape(low.b.shape(src)), None, low.label)
+
+
+def interpolate(low, v: Value, size=None, scale_factor=None, mode="nearest", align_corners=None,
+                recompute_scale_factor=None, antialias=False) -> Value:
+    """F.interpolate / nn.Upsample: a Resample whose matrices are torch's own per axis."""
+    v = low._value(v)
+    n = _spatial_rank(low, v)
+    if mode not in _INTERP_MODES:
+        low.unsupported(f"interpolation mode '{mode}'")
+    sizes = _per_axis(size, n, "size", low)
+    scales = _per_axis(scale_factor, n, "scale_factor", low)
+    if (sizes is None) == (scales is None):
+        low.unsupported("interpolate needs exactly one of size and scale_factor")
+
+    def call(basis, d):
+        kw = dict(mode=mode, align_corners=align_corners, antialias=antialias)
+        if sizes is not None:
+            kw["size"] = tuple(int(sizes[d]) if e == d else 1 for e in range(n))
+        else:
+            kw["scale_factor"] = tuple(float(scales[d]) if e == d else 1.0 for e in range(n))
+            kw["recompute_scale_factor"] = recompute_scale_factor
+        if mode in ("nearest", "nearest-exact", "area"):
+            kw.pop("align_corners")
+            kw.pop("antialias")
+        return F.interpolate(basis, **kw)
+
+    mats = _axis_matrices(low, v.shape[1:], call)
+    if all(a.shape[0] == a.shape[1] and np.array_equal(a, np.eye(a.shape[0])) for a in mats):
+        return v
+    return _resampled(low, v, mats, mode.replace("-", "_"))
+
+
+# ------------------------------------------------------------ fixed filters
+
+
+def is_buffer(model, t) -> bool:
+    """Whether ``t`` is a registered buffer of ``model`` (a fixed tensor, never a parameter)."""
+    if not isinstance(t, ParamTensor):
+        return False
+    if t.kind == "buffer":
+        return True
+    return t.name in dict(model.named_buffers()) and t.name not in dict(model.named_parameters())
+
+
+def _separable(K: np.ndarray) -> list[np.ndarray] | None:
+    """Per-axis vectors f_d with K = f_1 ⊗ ... ⊗ f_n, or None (rank above 1)."""
+    if not np.any(K):
+        return None
+    m = np.unravel_index(np.argmax(np.abs(K)), K.shape)
+    factors = []
+    for d in range(K.ndim):
+        sl = tuple(slice(None) if e == d else m[e] for e in range(K.ndim))
+        f = K[sl].astype(np.float64)
+        factors.append(f if d == 0 else f / K[m])
+    outer = factors[0]
+    for f in factors[1:]:
+        outer = np.multiply.outer(outer, f)
+    return factors if np.allclose(outer, K, rtol=1e-12, atol=1e-15 * np.abs(K).max()) else None
+
+
+def fixed_conv(low, v: Value, weight: ParamTensor, bias, stride, padding, dilation, groups) -> Value:
+    """A depthwise convolution with a fixed (buffer) kernel shared by every channel and
+    separable (anti-aliasing blur filters): a Resample of per-axis 1-d convolutions."""
+    v = low._value(v)
+    if bias is not None:
+        low.unsupported("a convolution with a fixed kernel and a bias: a fixed bias no parameter carries")
+    W = weight.tensor.detach().to("cpu", torch.float64).numpy()
+    C, n = v.shape[0], W.ndim - 2
+    if not (int(groups) == C == W.shape[0] and W.shape[1] == 1 and np.all(W == W[:1])):
+        low.unsupported(f"a convolution with the fixed (buffer) kernel '{weight.name}' that is not one "
+                        "depthwise kernel shared by every channel: not lowered")
+    factors = _separable(W[0, 0])
+    if factors is None:
+        low.unsupported(f"the fixed (buffer) kernel '{weight.name}' is not separable: not lowered")
+    st, dil = _ints(stride, n), _ints(dilation, n)
+    pads = _ints(padding, n) if not isinstance(padding, str) else None
+    if pads is None:
+        low.unsupported(f"padding '{padding}' with a fixed kernel")
+
+    def call(basis, d):
+        k = torch.as_tensor(factors[d], dtype=torch.float64).reshape(1, 1, -1)
+        flat = basis.reshape(basis.shape[0], 1, -1)
+        return F.conv1d(flat, k, None, st[d], pads[d], dil[d]).reshape(basis.shape[0], 1, *(
+            [1] * d + [-1] + [1] * (n - d - 1)))
+
+    return _resampled(low, v, _axis_matrices(low, v.shape[1:], call), "fixed_filter")
+
+
+def _ints(x, n: int) -> tuple[int, ...]:
+    if isinstance(x, (list, tuple)):
+        return tuple(int(e) for e in x) if len(x) == n else tuple(int(x[0]) for _ in range(n))
+    return tuple(int(x) for _ in range(n))
+
+
+# ------------------------------------------------------- literal arithmetic
+
+
+def _literal(x) -> bool:
+    return isinstance(x, numbers.Number) and not isinstance(x, bool)
+
+
+def add(low, a, b, alpha=1) -> Value:
+    """a + alpha * b where one side may be a Python number: 0 is no term; any other is refused."""
+    if _literal(a) or _literal(b):
+        const, other = (a, b) if _literal(a) else (alpha * b, a)
+        if const != 0:
+            low.unsupported(f"adding the constant {const}: a fixed non-zero bias no parameter carries")
+        if not isinstance(other, Value):
+            low.unsupported(f"adding {type(other).__name__} to a constant")
+        if other is b and alpha != 1:
+            low.unsupported("add with alpha != 1 (a fixed weight other than 1)")
+        return other
+    return low.add(a, b, alpha)
+
+
+def mul(low, a, b) -> Value | None:
+    """x * 1 and 1 * x are x; None for any other product (the caller refuses it)."""
+    for const, other in ((a, b), (b, a)):
+        if _literal(const) and const == 1 and isinstance(other, Value):
+            return other
+    return None
+
+
+# ------------------------------------------------------------- dispatch
+
+#: returned by the dispatchers when the op is not one of theirs
+NOT_MINE = object()
+
+
+def _pad_modules() -> dict:
+    nn = torch.nn
+    table = {}
+    for n in (1, 2, 3):
+        for prefix, mode in (("Zero", "constant"), ("Constant", "constant"), ("Reflection", "reflect"),
+                             ("Replication", "replicate"), ("Circular", "circular")):
+            cls = getattr(nn, f"{prefix}Pad{n}d", None)
+            if cls is not None:
+                table[cls] = mode
+    return table
+
+
+_PAD_MODULES = _pad_modules()
+
+
+def module(low, mod, x):
+    """A fixed-map module (padding, upsampling, pixel shuffle), or NOT_MINE."""
+    nn = torch.nn
+    for cls, mode in _PAD_MODULES.items():
+        if isinstance(mod, cls):
+            return pad(low, x, mod.padding, mode, getattr(mod, "value", None) if mode == "constant" else None)
+    if isinstance(mod, nn.Upsample):  # UpsamplingNearest2d / UpsamplingBilinear2d included
+        return interpolate(low, x, mod.size, mod.scale_factor, mod.mode, mod.align_corners,
+                           getattr(mod, "recompute_scale_factor", None))
+    if isinstance(mod, nn.PixelShuffle):
+        return pixel_shuffle(low, x, mod.upscale_factor)
+    if isinstance(mod, nn.PixelUnshuffle):
+        return pixel_unshuffle(low, x, mod.downscale_factor)
+    return NOT_MINE
+
+
+def _bind(args, kwargs, names, defaults):
+    out = dict(defaults)
+    out.update(zip(names, args))
+    out.update(kwargs)
+    return [out[n] for n in names]
+
+
+_INTERP_NAMES = ["input", "size", "scale_factor", "mode", "align_corners", "recompute_scale_factor", "antialias"]
+_INTERP_DEFAULTS = {"size": None, "scale_factor": None, "mode": "nearest", "align_corners": None,
+                    "recompute_scale_factor": None, "antialias": False}
+
+
+def function(low, model, fn, args, kwargs):
+    """A fixed-map function of the fx graph, or NOT_MINE."""
+    import operator
+
+    if fn is F.pad or fn is torch.nn.functional.pad:
+        x, p, mode, value = _bind(args, kwargs, ["input", "pad", "mode", "value"], {"mode": "constant", "value": None})
+        return pad(low, x, p, mode, value)
+    if fn in (F.interpolate, F.upsample):
+        return interpolate(low, *_bind(args, kwargs, _INTERP_NAMES, _INTERP_DEFAULTS))
+    if fn in (F.upsample_nearest, F.upsample_bilinear):
+        x, size, scale = _bind(args, kwargs, ["input", "size", "scale_factor"], {"size": None, "scale_factor": None})
+        linear = fn is F.upsample_bilinear
+        return interpolate(low, x, size, scale, "bilinear" if linear else "nearest", True if linear else None)
+    if fn in (F.pixel_shuffle, torch.pixel_shuffle):
+        return pixel_shuffle(low, *_bind(args, kwargs, ["input", "upscale_factor"], {}))
+    if fn in (F.pixel_unshuffle, torch.pixel_unshuffle):
+        return pixel_unshuffle(low, *_bind(args, kwargs, ["input", "downscale_factor"], {}))
+    if fn in (operator.add, operator.iadd, torch.add) and any(_literal(a) for a in args[:2]):
+        return add(low, args[0], args[1], kwargs.get("alpha", 1))
+    if fn in (operator.mul, operator.imul, torch.mul):
+        out = mul(low, args[0], args[1])
+        return NOT_MINE if out is None else out
+    if fn in (F.conv1d, F.conv2d, F.conv3d):
+        a = _bind(args, kwargs, ["input", "weight", "bias", "stride", "padding", "dilation", "groups"],
+                  {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1})
+        if is_buffer(model, a[1]):
+            return fixed_conv(low, *a)
+    return NOT_MINE
+
+
+def method(low, name, args, kwargs):
+    """A fixed-map tensor method (``x.add(0)``, ``x * 1``), or NOT_MINE."""
+    if name in ("add", "add_", "__add__", "__iadd__", "__radd__") and _literal(args[1]):
+        return add(low, args[0], args[1], kwargs.get("alpha", 1))
+    if name in ("mul", "mul_", "__mul__", "__imul__", "__rmul__"):
+        out = mul(low, args[0], args[1])
+        return NOT_MINE if out is None else out
+    return NOT_MINE
+
+
+def _aten_tables():
+    aten = torch.ops.aten
+    pads = {}
+    for n in (1, 2, 3):
+        for op, mode in (("reflection", "reflect"), ("replication", "replicate")):
+            overload = getattr(aten, f"{op}_pad{n}d", None)
+            if overload is not None:
+                pads[overload.default] = mode
+    upsample = {}
+    for name, mode in (("upsample_nearest{}d", "nearest"), ("_upsample_nearest_exact{}d", "nearest-exact"),
+                       ("upsample_linear1d", "linear"), ("upsample_bilinear2d", "bilinear"),
+                       ("upsample_trilinear3d", "trilinear"), ("upsample_bicubic2d", "bicubic")):
+        for n in (1, 2, 3):
+            overload = getattr(aten, name.format(n), None)
+            if overload is not None and hasattr(overload, "vec"):
+                upsample[overload.vec] = mode
+    return pads, upsample
+
+
+_ATEN_PADS, _ATEN_UPSAMPLE = _aten_tables()
+
+
+def aten_op(low, model, fn, args, kwargs):
+    """A fixed-map ATen op of a torch.export graph, or NOT_MINE."""
+    aten = torch.ops.aten
+    if fn is aten.pad.default:
+        x, p, mode, value = _bind(args, kwargs, ["input", "pad", "mode", "value"], {"mode": "constant", "value": None})
+        return pad(low, x, p, mode, value)
+    if fn is aten.constant_pad_nd.default:
+        x, p, value = _bind(args, kwargs, ["input", "pad", "value"], {"value": 0})
+        return pad(low, x, p, "constant", value)
+    if fn in _ATEN_PADS:
+        return pad(low, args[0], args[1], _ATEN_PADS[fn])
+    if fn in _ATEN_UPSAMPLE:
+        mode = _ATEN_UPSAMPLE[fn]
+        if mode in ("nearest", "nearest-exact"):
+            x, size, scales = _bind(args, kwargs, ["input", "output_size", "scale_factors"], {})
+            return interpolate(low, x, size, scales, mode)
+        x, size, align, scales = _bind(args, kwargs, ["input", "output_size", "align_corners", "scale_factors"], {})
+        return interpolate(low, x, size, scales, mode, align)
+    if fn is aten.pixel_shuffle.default:
+        return pixel_shuffle(low, args[0], args[1])
+    if fn is aten.pixel_unshuffle.default:
+        return pixel_unshuffle(low, args[0], args[1])
+    if fn in (aten.add.Tensor, aten.add_.Tensor, aten.add.Scalar) and any(_literal(a) for a in args[:2]):
+        return add(low, args[0], args[1], kwargs.get("alpha", 1))
+    if fn in (aten.mul.Tensor, aten.mul.Scalar):
+        out = mul(low, args[0], args[1])
+        return NOT_MINE if out is None else out
+    if fn in (aten.conv1d.default, aten.conv2d.default, aten.convolution.default) and is_buffer(model, args[1]):
+        if fn is aten.convolution.default:
+            x, w, b, stride, padding, dilation, transposed, _, groups = args[:9]
+            if not transposed:
+                return fixed_conv(low, x, w, b, stride, padding, dilation, groups)
+            return NOT_MINE
+        return fixed_conv(low, *_bind(args, kwargs, ["input", "weight", "bias", "stride", "padding", "dilation",
+                                                     "groups"], {"bias": None, "stride": 1, "padding": 0,
+                                                                 "dilation": 1, "groups": 1}))
+    return NOT_MINE
