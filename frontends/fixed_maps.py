@@ -95,23 +95,38 @@ def _per_axis(value, n: int, what: str, low) -> list | None:
     return [value] * n
 
 
-def _axis_matrices(low, in_spatial, call) -> tuple[np.ndarray, ...]:
-    """Matrix of each axis d: ``call(basis, d)`` on L_d one-hot signals along
-    axis d (the other axes of length 1), read back as (out_len, L_d)."""
+def _axis_matrices(low, in_spatial, call, other: int = 2) -> tuple[np.ndarray, ...]:
+    """Matrix of each axis d: ``call(basis, d)`` (d = None: every axis) on L_d one-hot signals along
+    axis d, constant along the other axes (length ``other``: torch's antialiased
+    kernels misread a length-1 axis), read back as (out_len, L_d). The op must
+    leave them constant (it acts axis by axis), else it is refused."""
     n = len(in_spatial)
     mats = []
     for d, L in enumerate(in_spatial):
         shape = [1] * n
         shape[d] = L
-        basis = torch.eye(L, dtype=torch.float64).reshape(L, 1, *shape)
+        full = [other] * n
+        full[d] = L
+        basis = torch.eye(L, dtype=torch.float64).reshape(L, 1, *shape).expand(L, 1, *full).contiguous()
         try:
             out = call(basis, d)
         except (RuntimeError, NotImplementedError, ValueError) as err:
             low.unsupported(f"could not read the coefficients of axis {d}: {err}")
-        if math.prod(out.shape[2:]) != out.shape[2 + d]:
-            low.unsupported(f"axis {d}: the op mixes spatial axes (not separable)")
-        mats.append(out.reshape(L, -1).T.numpy().copy())
+        first = out[(slice(None), slice(None)) + tuple(slice(None) if e == d else slice(0, 1) for e in range(n))]
+        if not torch.equal(out, first.expand_as(out)):
+            low.unsupported(f"axis {d}: the op does not act axis by axis (not separable)")
+        mats.append(first.reshape(L, -1).T.numpy().copy())
     return tuple(mats)
+
+
+def adaptive_avg_pool(low, v: Value, out) -> Value:
+    """Adaptive average pooling with uneven windows: per axis, torch's own window means."""
+    n = len(out)
+
+    def call(basis, d):
+        return getattr(F, f"adaptive_avg_pool{n}d")(basis, tuple(o if e == d else 2 for e, o in enumerate(out)))
+
+    return _resampled(low, v, _axis_matrices(low, v.shape[1:], call), "adaptive_avg")
 
 
 def _resampled(low, v: Value, mats, label: str) -> Value:
@@ -135,15 +150,19 @@ def interpolate(low, v: Value, size=None, scale_factor=None, mode="nearest", ali
     def call(basis, d):
         kw = dict(mode=mode, align_corners=align_corners, antialias=antialias)
         if sizes is not None:
-            kw["size"] = tuple(int(sizes[d]) if e == d else 1 for e in range(n))
+            kw["size"] = tuple(int(sizes[e]) if d in (e, None) else 2 for e in range(n))
         else:
-            kw["scale_factor"] = tuple(float(scales[d]) if e == d else 1.0 for e in range(n))
+            kw["scale_factor"] = tuple(float(scales[e]) if d in (e, None) else 1.0 for e in range(n))
             kw["recompute_scale_factor"] = recompute_scale_factor
         if mode in ("nearest", "nearest-exact", "area"):
             kw.pop("align_corners")
             kw.pop("antialias")
         return F.interpolate(basis, **kw)
 
+    if mode == "area":  # = adaptive average pooling to the output size (as torch.export writes it)
+        with torch.no_grad():
+            out = call(torch.zeros(1, 1, *v.shape[1:], dtype=torch.float64).expand(2, 1, *v.shape[1:]), None)
+        return low.adaptive_avg_pool(v, tuple(out.shape[2:]))
     mats = _axis_matrices(low, v.shape[1:], call)
     if all(a.shape[0] == a.shape[1] and np.array_equal(a, np.eye(a.shape[0])) for a in mats):
         return v
@@ -203,7 +222,7 @@ def fixed_conv(low, v: Value, weight: ParamTensor, bias, stride, padding, dilati
         return F.conv1d(flat, k, None, st[d], pads[d], dil[d]).reshape(basis.shape[0], 1, *(
             [1] * d + [-1] + [1] * (n - d - 1)))
 
-    return _resampled(low, v, _axis_matrices(low, v.shape[1:], call), "fixed_filter")
+    return _resampled(low, v, _axis_matrices(low, v.shape[1:], call, other=1), "fixed_filter")
 
 
 def _ints(x, n: int) -> tuple[int, ...]:

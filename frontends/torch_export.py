@@ -30,7 +30,8 @@ _SAME = {aten.clone.default, aten.alias.default, aten.detach.default, aten.conti
 
 
 def lower_exported(model, shape, name):
-    example = torch.zeros((2, *shape))
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    example = torch.zeros((2, *shape), dtype=dtype)
     program = torch.export.export(model, (example,))
     sig = program.graph_signature
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
