@@ -109,6 +109,8 @@ class FxInterpreter:
 
     def _output(self, node):
         out = node.args[0]
+        if isinstance(out, dict):  # {"out": ..., "aux": ...}: every value an output, in order
+            out = list(out.values())
         values = out if isinstance(out, (tuple, list)) else [out]
         names = []
         for v in values:
