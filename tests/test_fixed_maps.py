@@ -7,17 +7,17 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-
-import pathir
 from pathir.backends.numpy import NumpyBackend
 from pathir.backends.sympy import SympyBackend
 from pathir.backends.torch import TorchBackend
+from pathir.passes.find_units import find_units
+
+import pathir
 from pathir.errors import GraphVerificationError
 from pathir.ir import Conv, Dense, Gather, GraphBuilder, Resample, verify
 from pathir.neurons.expand import count_edges, expand
 from pathir.neurons.paths import enumerate_num_paths, enumerate_path_norm
 from pathir.neurons.symbolic import verify_symbolic
-from pathir.passes.find_units import find_units
 
 
 def _mats(rng, shapes, zeros=0.3):

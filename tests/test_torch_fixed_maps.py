@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from pathir.frontends.torch_export import lower_exported
 
 import pathir
 from pathir.errors import UnsupportedOperation
-from pathir.frontends.torch_export import lower_exported
 
 
 class Fixed(nn.Module):
