@@ -11,7 +11,8 @@ Invariants kept:
   ``Resample`` edge whose per-axis matrices are read off *torch's own op* on
   one-hot inputs along that axis, so the coefficients are torch's, bit for bit;
 - a non-zero constant (a pad value, ``x + 1``) is refused: it is a fixed bias no
-  parameter carries; ``x + 0``, ``0 + x`` and ``x * 1`` are the identity.
+  parameter carries; ``x + 0``, ``0 + x`` and ``x * 1`` are the identity; ``x * c``
+  is a fixed edge of weight c (never rescaled).
 """
 
 from __future__ import annotations
@@ -253,11 +254,22 @@ def add(low, a, b, alpha=1) -> Value:
 
 
 def mul(low, a, b) -> Value | None:
-    """x * 1 and 1 * x are x; None for any other product (the caller refuses it)."""
+    """x * 1 and 1 * x are x; x * c (c a non-zero number) is a fixed edge of weight c on
+    every position (inception-resnet's residual scaling); None for any other product
+    (the caller refuses it)."""
     for const, other in ((a, b), (b, a)):
-        if _literal(const) and const == 1 and isinstance(other, Value):
-            return other
+        if _literal(const) and isinstance(other, Value):
+            return other if const == 1 else _scaled(low, other, float(const))
     return None
+
+
+def _scaled(low, v: Value, c: float) -> Value:
+    if c == 0 or not math.isfinite(c):
+        low.unsupported(f"multiplying by the constant {c}: not a fixed weight (zero removes every path)")
+    if len(v.shape) < 2:
+        low.unsupported(f"a constant factor {c} on a tensor without spatial axes: not lowered")
+    mats = (c * np.eye(v.shape[1]),) + tuple(np.eye(L) for L in v.shape[2:])
+    return _resampled(low, v, mats, "times_constant")
 
 
 # ------------------------------------------------------------- dispatch

@@ -111,6 +111,7 @@ CASES = {
     "pixel_shuffle": (lambda: nn.PixelShuffle(2), 2, 2),
     "pixel_unshuffle": (lambda: nn.PixelUnshuffle(2), 2, 4),
     "literal_add": (lambda: Fixed(lambda x: 0 + (x + 0) * 1), 2, 3),
+    "constant_factor": (lambda: Fixed(lambda x: 0.17 * x * -2.0), 2, 3),
 }
 
 
