@@ -28,8 +28,8 @@ from pathir.frontends.values import ParamTensor, Value
 from pathir.ir import Resample
 
 __all__ = [
-    "pad", "pixel_shuffle", "pixel_unshuffle", "interpolate", "fixed_conv", "add", "mul", "is_buffer",
-    "conv_with_mode",
+    "pad", "pixel_shuffle", "pixel_unshuffle", "interpolate", "adaptive_avg_pool", "fixed_conv", "add", "mul",
+    "is_buffer", "conv_with_mode", "literal", "axis_matrices", "resampled",
 ]
 
 _PAD_MODES = {"constant", "reflect", "replicate", "circular"}
@@ -96,7 +96,7 @@ def _per_axis(value, n: int, what: str, low) -> list | None:
     return [value] * n
 
 
-def _axis_matrices(low, in_spatial, call, other: int = 2) -> tuple[np.ndarray, ...]:
+def axis_matrices(low, in_spatial, call, other: int = 2) -> tuple[np.ndarray, ...]:
     """Matrix of each axis d: ``call(basis, d)`` (d = None: every axis) on L_d one-hot signals along
     axis d, constant along the other axes (length ``other``: torch's antialiased
     kernels misread a length-1 axis), read back as (out_len, L_d). The op must
@@ -127,10 +127,10 @@ def adaptive_avg_pool(low, v: Value, out) -> Value:
     def call(basis, d):
         return getattr(F, f"adaptive_avg_pool{n}d")(basis, tuple(o if e == d else 2 for e, o in enumerate(out)))
 
-    return _resampled(low, v, _axis_matrices(low, v.shape[1:], call), "adaptive_avg")
+    return resampled(low, v, axis_matrices(low, v.shape[1:], call), "adaptive_avg")
 
 
-def _resampled(low, v: Value, mats, label: str) -> Value:
+def resampled(low, v: Value, mats, label: str) -> Value:
     m = Resample(mats, label)
     src = low.materialize(v)
     return Value([(src, m)], m.out_shape(low.b.shape(src)), None, low.label)
@@ -164,10 +164,10 @@ def interpolate(low, v: Value, size=None, scale_factor=None, mode="nearest", ali
         with torch.no_grad():
             out = call(torch.zeros(1, 1, *v.shape[1:], dtype=torch.float64).expand(2, 1, *v.shape[1:]), None)
         return low.adaptive_avg_pool(v, tuple(out.shape[2:]))
-    mats = _axis_matrices(low, v.shape[1:], call)
+    mats = axis_matrices(low, v.shape[1:], call)
     if all(a.shape[0] == a.shape[1] and np.array_equal(a, np.eye(a.shape[0])) for a in mats):
         return v
-    return _resampled(low, v, mats, mode.replace("-", "_"))
+    return resampled(low, v, mats, mode.replace("-", "_"))
 
 
 # ------------------------------------------------------------ fixed filters
@@ -223,7 +223,7 @@ def fixed_conv(low, v: Value, weight: ParamTensor, bias, stride, padding, dilati
         return F.conv1d(flat, k, None, st[d], pads[d], dil[d]).reshape(basis.shape[0], 1, *(
             [1] * d + [-1] + [1] * (n - d - 1)))
 
-    return _resampled(low, v, _axis_matrices(low, v.shape[1:], call, other=1), "fixed_filter")
+    return resampled(low, v, axis_matrices(low, v.shape[1:], call, other=1), "fixed_filter")
 
 
 def _ints(x, n: int) -> tuple[int, ...]:
@@ -235,14 +235,14 @@ def _ints(x, n: int) -> tuple[int, ...]:
 # ------------------------------------------------------- literal arithmetic
 
 
-def _literal(x) -> bool:
+def literal(x) -> bool:
     return isinstance(x, numbers.Number) and not isinstance(x, bool)
 
 
 def add(low, a, b, alpha=1) -> Value:
     """a + alpha * b where one side may be a Python number: 0 is no term; any other is refused."""
-    if _literal(a) or _literal(b):
-        const, other = (a, b) if _literal(a) else (alpha * b, a)
+    if literal(a) or literal(b):
+        const, other = (a, b) if literal(a) else (alpha * b, a)
         if const != 0:
             low.unsupported(f"adding the constant {const}: a fixed non-zero bias no parameter carries")
         if not isinstance(other, Value):
@@ -258,7 +258,7 @@ def mul(low, a, b) -> Value | None:
     every position (inception-resnet's residual scaling); None for any other product
     (the caller refuses it)."""
     for const, other in ((a, b), (b, a)):
-        if _literal(const) and isinstance(other, Value):
+        if literal(const) and isinstance(other, Value):
             return other if const == 1 else _scaled(low, other, float(const))
     return None
 
@@ -269,154 +269,4 @@ def _scaled(low, v: Value, c: float) -> Value:
     if len(v.shape) < 2:
         low.unsupported(f"a constant factor {c} on a tensor without spatial axes: not lowered")
     mats = (c * np.eye(v.shape[1]),) + tuple(np.eye(L) for L in v.shape[2:])
-    return _resampled(low, v, mats, "times_constant")
-
-
-# ------------------------------------------------------------- dispatch
-
-#: returned by the dispatchers when the op is not one of theirs
-NOT_MINE = object()
-
-
-def _pad_modules() -> dict:
-    nn = torch.nn
-    table = {}
-    for n in (1, 2, 3):
-        for prefix, mode in (("Zero", "constant"), ("Constant", "constant"), ("Reflection", "reflect"),
-                             ("Replication", "replicate"), ("Circular", "circular")):
-            cls = getattr(nn, f"{prefix}Pad{n}d", None)
-            if cls is not None:
-                table[cls] = mode
-    return table
-
-
-_PAD_MODULES = _pad_modules()
-
-
-def module(low, mod, x):
-    """A fixed-map module (padding, upsampling, pixel shuffle), or NOT_MINE."""
-    nn = torch.nn
-    for cls, mode in _PAD_MODULES.items():
-        if isinstance(mod, cls):
-            return pad(low, x, mod.padding, mode, getattr(mod, "value", None) if mode == "constant" else None)
-    if isinstance(mod, nn.Upsample):  # UpsamplingNearest2d / UpsamplingBilinear2d included
-        return interpolate(low, x, mod.size, mod.scale_factor, mod.mode, mod.align_corners,
-                           getattr(mod, "recompute_scale_factor", None))
-    if isinstance(mod, nn.PixelShuffle):
-        return pixel_shuffle(low, x, mod.upscale_factor)
-    if isinstance(mod, nn.PixelUnshuffle):
-        return pixel_unshuffle(low, x, mod.downscale_factor)
-    return NOT_MINE
-
-
-def _bind(args, kwargs, names, defaults):
-    out = dict(defaults)
-    out.update(zip(names, args))
-    out.update(kwargs)
-    return [out[n] for n in names]
-
-
-_INTERP_NAMES = ["input", "size", "scale_factor", "mode", "align_corners", "recompute_scale_factor", "antialias"]
-_INTERP_DEFAULTS = {"size": None, "scale_factor": None, "mode": "nearest", "align_corners": None,
-                    "recompute_scale_factor": None, "antialias": False}
-
-
-def function(low, model, fn, args, kwargs):
-    """A fixed-map function of the fx graph, or NOT_MINE."""
-    import operator
-
-    if fn is F.pad or fn is torch.nn.functional.pad:
-        x, p, mode, value = _bind(args, kwargs, ["input", "pad", "mode", "value"], {"mode": "constant", "value": None})
-        return pad(low, x, p, mode, value)
-    if fn in (F.interpolate, F.upsample):
-        return interpolate(low, *_bind(args, kwargs, _INTERP_NAMES, _INTERP_DEFAULTS))
-    if fn in (F.upsample_nearest, F.upsample_bilinear):
-        x, size, scale = _bind(args, kwargs, ["input", "size", "scale_factor"], {"size": None, "scale_factor": None})
-        linear = fn is F.upsample_bilinear
-        return interpolate(low, x, size, scale, "bilinear" if linear else "nearest", True if linear else None)
-    if fn in (F.pixel_shuffle, torch.pixel_shuffle):
-        return pixel_shuffle(low, *_bind(args, kwargs, ["input", "upscale_factor"], {}))
-    if fn in (F.pixel_unshuffle, torch.pixel_unshuffle):
-        return pixel_unshuffle(low, *_bind(args, kwargs, ["input", "downscale_factor"], {}))
-    if fn in (operator.add, operator.iadd, torch.add) and any(_literal(a) for a in args[:2]):
-        return add(low, args[0], args[1], kwargs.get("alpha", 1))
-    if fn in (operator.mul, operator.imul, torch.mul):
-        out = mul(low, args[0], args[1])
-        return NOT_MINE if out is None else out
-    if fn in (F.conv1d, F.conv2d, F.conv3d):
-        a = _bind(args, kwargs, ["input", "weight", "bias", "stride", "padding", "dilation", "groups"],
-                  {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1})
-        if is_buffer(model, a[1]):
-            return fixed_conv(low, *a)
-    return NOT_MINE
-
-
-def method(low, name, args, kwargs):
-    """A fixed-map tensor method (``x.add(0)``, ``x * 1``), or NOT_MINE."""
-    if name in ("add", "add_", "__add__", "__iadd__", "__radd__") and _literal(args[1]):
-        return add(low, args[0], args[1], kwargs.get("alpha", 1))
-    if name in ("mul", "mul_", "__mul__", "__imul__", "__rmul__"):
-        out = mul(low, args[0], args[1])
-        return NOT_MINE if out is None else out
-    return NOT_MINE
-
-
-def _aten_tables():
-    aten = torch.ops.aten
-    pads = {}
-    for n in (1, 2, 3):
-        for op, mode in (("reflection", "reflect"), ("replication", "replicate")):
-            overload = getattr(aten, f"{op}_pad{n}d", None)
-            if overload is not None:
-                pads[overload.default] = mode
-    upsample = {}
-    for name, mode in (("upsample_nearest{}d", "nearest"), ("_upsample_nearest_exact{}d", "nearest-exact"),
-                       ("upsample_linear1d", "linear"), ("upsample_bilinear2d", "bilinear"),
-                       ("upsample_trilinear3d", "trilinear"), ("upsample_bicubic2d", "bicubic")):
-        for n in (1, 2, 3):
-            overload = getattr(aten, name.format(n), None)
-            if overload is not None and hasattr(overload, "vec"):
-                upsample[overload.vec] = mode
-    return pads, upsample
-
-
-_ATEN_PADS, _ATEN_UPSAMPLE = _aten_tables()
-
-
-def aten_op(low, model, fn, args, kwargs):
-    """A fixed-map ATen op of a torch.export graph, or NOT_MINE."""
-    aten = torch.ops.aten
-    if fn is aten.pad.default:
-        x, p, mode, value = _bind(args, kwargs, ["input", "pad", "mode", "value"], {"mode": "constant", "value": None})
-        return pad(low, x, p, mode, value)
-    if fn is aten.constant_pad_nd.default:
-        x, p, value = _bind(args, kwargs, ["input", "pad", "value"], {"value": 0})
-        return pad(low, x, p, "constant", value)
-    if fn in _ATEN_PADS:
-        return pad(low, args[0], args[1], _ATEN_PADS[fn])
-    if fn in _ATEN_UPSAMPLE:
-        mode = _ATEN_UPSAMPLE[fn]
-        if mode in ("nearest", "nearest-exact"):
-            x, size, scales = _bind(args, kwargs, ["input", "output_size", "scale_factors"], {})
-            return interpolate(low, x, size, scales, mode)
-        x, size, align, scales = _bind(args, kwargs, ["input", "output_size", "align_corners", "scale_factors"], {})
-        return interpolate(low, x, size, scales, mode, align)
-    if fn is aten.pixel_shuffle.default:
-        return pixel_shuffle(low, args[0], args[1])
-    if fn is aten.pixel_unshuffle.default:
-        return pixel_unshuffle(low, args[0], args[1])
-    if fn in (aten.add.Tensor, aten.add_.Tensor, aten.add.Scalar) and any(_literal(a) for a in args[:2]):
-        return add(low, args[0], args[1], kwargs.get("alpha", 1))
-    if fn in (aten.mul.Tensor, aten.mul.Scalar):
-        out = mul(low, args[0], args[1])
-        return NOT_MINE if out is None else out
-    if fn in (aten.conv1d.default, aten.conv2d.default, aten.convolution.default) and is_buffer(model, args[1]):
-        if fn is aten.convolution.default:
-            x, w, b, stride, padding, dilation, transposed, _, groups = args[:9]
-            if not transposed:
-                return fixed_conv(low, x, w, b, stride, padding, dilation, groups)
-            return NOT_MINE
-        return fixed_conv(low, *_bind(args, kwargs, ["input", "weight", "bias", "stride", "padding", "dilation",
-                                                     "groups"], {"bias": None, "stride": 1, "padding": 0,
-                                                                 "dilation": 1, "groups": 1}))
-    return NOT_MINE
+    return resampled(low, v, mats, "times_constant")

@@ -87,10 +87,10 @@ class ResizeOps:
             return torch.as_tensor(np.asarray(self._run_resize(node, ins, x, per, scales is not None),
                                               dtype=np.float64))
 
-        mats = fixed_maps._axis_matrices(self, v.shape[1:], call)
+        mats = fixed_maps.axis_matrices(self, v.shape[1:], call)
         if all(m.shape[0] == m.shape[1] and np.array_equal(m, np.eye(m.shape[0])) for m in mats):
             return v
-        return fixed_maps._resampled(self, v, mats, label)
+        return fixed_maps.resampled(self, v, mats, label)
 
     def _run_resize(self, node, ins, x, per, is_scales):
         from onnx import helper

@@ -11,7 +11,7 @@ import operator
 
 import torch
 
-from pathir.frontends import fixed_maps
+from pathir.frontends import fixed_dispatch
 from pathir.frontends.fx_interpreter import FxInterpreter, bind, values_in, substitute, why
 from pathir.frontends.values import ParamTensor, Value
 
@@ -55,8 +55,8 @@ class _ExportInterpreter(FxInterpreter):
         if not values_in(args, kwargs) or fn is operator.getitem and not isinstance(args[0], Value):
             if fn is operator.getitem or not isinstance(fn, torch._ops.OpOverload):
                 return super()._function(fn, args, kwargs)
-        out = fixed_maps.aten_op(low, self.model, fn, args, kwargs)
-        if out is not fixed_maps.NOT_MINE:
+        out = fixed_dispatch.aten_op(low, self.model, fn, args, kwargs)
+        if out is not fixed_dispatch.NOT_MINE:
             return out
         if fn in _SAME:
             return args[0]
