@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from pathir.frontends.fixed_maps import (
     add,
+    axis_matrices,
     conv_with_mode,
     fixed_conv,
     interpolate,
@@ -21,7 +22,9 @@ from pathir.frontends.fixed_maps import (
     pad,
     pixel_shuffle,
     pixel_unshuffle,
+    resampled,
 )
+from pathir.frontends.values import ParamTensor, Value
 
 __all__ = ["NOT_MINE", "module", "function", "method", "aten_op", "conv_with_mode"]
 
@@ -118,7 +121,7 @@ def _aten_tables():
             overload = getattr(aten, f"{op}_pad{n}d", None)
             if overload is not None:
                 pads[overload.default] = mode
-    upsample = {}
+    upsample, explicit = {}, {}
     for name, mode in (("upsample_nearest{}d", "nearest"), ("_upsample_nearest_exact{}d", "nearest-exact"),
                        ("upsample_linear1d", "linear"), ("upsample_bilinear2d", "bilinear"),
                        ("upsample_trilinear3d", "trilinear"), ("upsample_bicubic2d", "bicubic")):
@@ -126,15 +129,37 @@ def _aten_tables():
             overload = getattr(aten, name.format(n), None)
             if overload is not None and hasattr(overload, "vec"):
                 upsample[overload.vec] = mode
-    return pads, upsample
+            if overload is not None and hasattr(overload, "default"):
+                explicit[overload.default] = n
+    return pads, upsample, explicit
 
 
-_ATEN_PADS, _ATEN_UPSAMPLE = _aten_tables()
+#: pad overload -> mode; upsample .vec overload -> mode; upsample .default overload (input,
+#: output_size, [align_corners], one scale or None per axis) -> number of spatial axes
+_ATEN_PADS, _ATEN_UPSAMPLE, _ATEN_EXPLICIT = _aten_tables()
+
+
+def _aten_upsample_default(low, fn, args, n):
+    """An explicit-size upsample overload, its matrices read off the ATen op itself per axis
+    (the size of axis d and its scale, the other axes kept at length 2, scale None)."""
+    x, size = args[0], list(args[1])
+    rest = list(args[2:])
+    has_align = "nearest" not in fn.__name__
+    align, scales = rest[:int(has_align)], (rest[int(has_align):] + [None] * n)[:n]
+
+    def call(basis, d):
+        sizes = [size[e] if e == d else 2 for e in range(n)]
+        return fn(basis, sizes, *align, *[scales[e] if e == d else None for e in range(n)])
+
+    return resampled(low, x, axis_matrices(low, x.shape[1:], call), fn.__name__.split(".")[0].lstrip("_"))
 
 
 def aten_op(low, model, fn, args, kwargs):
     """A fixed-map ATen op of a torch.export graph, or NOT_MINE."""
     aten = torch.ops.aten
+    flat = list(args) + [a for v in list(args) + list(kwargs.values()) if isinstance(v, (list, tuple)) for a in v]
+    if not any(isinstance(a, (Value, ParamTensor)) for a in flat + list(kwargs.values())):
+        return fn(*args, **kwargs)  # index arithmetic of decomposed ops (arange, clamp, ...): a constant
     if fn is aten.pad.default:
         x, p, mode, value = _bind(args, kwargs, ["input", "pad", "mode", "value"], {"mode": "constant", "value": None})
         return pad(low, x, p, mode, value)
@@ -150,6 +175,11 @@ def aten_op(low, model, fn, args, kwargs):
             return interpolate(low, x, size, scales, mode)
         x, size, align, scales = _bind(args, kwargs, ["input", "output_size", "align_corners", "scale_factors"], {})
         return interpolate(low, x, size, scales, mode, align)
+    if fn in _ATEN_EXPLICIT:
+        return _aten_upsample_default(low, fn, args, _ATEN_EXPLICIT[fn])
+    if fn in (aten.index.Tensor, aten._unsafe_index.Tensor) and not any(
+            isinstance(i, Value) for i in (args[1] or [])):
+        return low.index_op(lambda t: fn(t, *args[1:]), [args[0]])[0][0]  # decomposed padding / nearest
     if fn is aten.pixel_shuffle.default:
         return pixel_shuffle(low, args[0], args[1])
     if fn is aten.pixel_unshuffle.default:

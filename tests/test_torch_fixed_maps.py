@@ -214,3 +214,27 @@ def test_non_zero_constants_are_refused_as_a_bias_no_parameter_carries(fn, words
         pathir.compile(model, input_shape=shape)
     assert words in str(err.value)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("case", ["pad_reflect_2d", "pad_zero_2d", "pad_replicate_3d", "nearest_size", "bilinear",
+                                  "pixel_shuffle"])
+def test_decomposed_aten_graphs_lower_to_the_same_function(case):
+    """After run_decompositions: constant_pad_nd, index with constant indices (reflect /
+    replicate padding, nearest), the explicit-size upsample overloads. (Decomposed bicubic is
+    arithmetic on activations the frontend does not read back; the default export keeps
+    upsample_bicubic2d.)"""
+    from pathir.frontends.torch_export import _ExportInterpreter
+
+    make, n, size = CASES[case]
+    model, shape = build(make(), n, size)
+    program = torch.export.export(model, (torch.zeros(2, *shape, dtype=torch.float64),)).run_decompositions()
+    sig = program.graph_signature
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
+    graph = _ExportInterpreter(model, program.graph_module, "decomposed", lifted, tensors).run(shape)
+    cm, ref = pathir.compile(graph), pathir.compile(model, input_shape=shape)
+    x = torch.randn(2, *shape, dtype=torch.float64)
+    with torch.no_grad():
+        want = model(x)
+    assert float((torch.as_tensor(cm.forward(x.numpy(), backend="numpy")) - want).abs().max()) <= 1e-12
+    assert math.isclose(cm.path_norm(2), ref.path_norm(2), rel_tol=1e-12)
