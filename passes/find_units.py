@@ -210,6 +210,7 @@ def find_units(graph: Graph) -> tuple[Graph, Units]:
 
     ties_a, ties_b = [], []
     uses: dict[int, list] = {}  # id(param) -> [(param, source node or None, target node, map)]
+    reached = np.zeros(total, dtype=bool)  # a channel some edge or bias reaches (else: constant 0, dead)
     for v in graph.nodes:
         for e in v.edges:
             u = graph.node(e.source)
@@ -217,10 +218,13 @@ def find_units(graph: Graph) -> tuple[Graph, Units]:
                 pairs = np.asarray(e.map.channel_ties(u.shape), dtype=np.int64).reshape(-1, 2)
                 ties_a.append(offsets[u.name] + pairs[:, 0])
                 ties_b.append(offsets[v.name] + pairs[:, 1])
+                reached[offsets[v.name] + pairs[:, 1]] = True
             else:
                 uses.setdefault(id(e.map.weight), []).append((e.map.weight, u, v, e.map))
+                reached[offsets[v.name] : offsets[v.name] + v.channels] = True
         if v.bias is not None:
             uses.setdefault(id(v.bias), []).append((v.bias, None, v, None))
+            reached[offsets[v.name] : offsets[v.name] + v.channels] = True
 
     for group in uses.values():
         if len(group) < 2:
@@ -255,7 +259,11 @@ def find_units(graph: Graph) -> tuple[Graph, Units]:
             touched[labels[t]] = True
             continue
         _mark_crossing(touched, labels[t], labels[src])
-    free = np.flatnonzero(~class_pinned & touched)
+    # a class no edge or bias reaches (a zero channel of a ChannelMap / Gather, and what only it feeds)
+    # starts and carries no path: rescaling it moves only parameters on no path, so it is no unit
+    class_reached = np.zeros(n_classes, dtype=bool)
+    np.logical_or.at(class_reached, labels, reached)
+    free = np.flatnonzero(~class_pinned & touched & class_reached)
     order = free[np.argsort(first[free], kind="stable")]
     unit_of_class = np.full(n_classes, -1, dtype=np.int64)
     unit_of_class[order] = np.arange(order.size)
