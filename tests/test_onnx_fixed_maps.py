@@ -116,3 +116,14 @@ def test_depth_space_ops_equal_onnxruntime_and_tie_units(op, attrs, c):
         assert len(cm.units) == c // 4
     else:
         assert len(cm.units) == c
+
+
+@pytest.mark.parametrize("case", ["bilinear", "bicubic", "pad_reflect_2d", "pixel_shuffle"])
+def test_pathcond_on_the_onnx_model_keeps_onnxruntime_outputs(case):
+    make, n, size = CASES[case]
+    model, shape = build(make(), n, size)
+    proto = export(model.float(), shape, "legacy-nofold")
+    cm = pathir.compile(proto)
+    cm.pathcond()
+    x = np.random.default_rng(5).normal(size=(2, *shape)).astype(np.float32)
+    assert rel(ort_run(cm.to_onnx(), x)[0], ort_run(proto, x)[0]) <= 1e-5
