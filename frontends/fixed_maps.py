@@ -29,7 +29,7 @@ from pathir.ir import Resample
 
 __all__ = [
     "pad", "pixel_shuffle", "pixel_unshuffle", "interpolate", "adaptive_avg_pool", "fixed_conv", "add", "mul",
-    "is_buffer", "conv_with_mode", "literal", "axis_matrices", "resampled",
+    "is_buffer", "conv_with_mode", "literal", "axis_matrices", "resampled", "scaled",
 ]
 
 _PAD_MODES = {"constant", "reflect", "replicate", "circular"}
@@ -259,11 +259,11 @@ def mul(low, a, b) -> Value | None:
     (the caller refuses it)."""
     for const, other in ((a, b), (b, a)):
         if literal(const) and isinstance(other, Value):
-            return other if const == 1 else _scaled(low, other, float(const))
+            return other if const == 1 else scaled(low, other, float(const))
     return None
 
 
-def _scaled(low, v: Value, c: float) -> Value:
+def scaled(low, v: Value, c: float) -> Value:
     if c == 0 or not math.isfinite(c):
         low.unsupported(f"multiplying by the constant {c}: not a fixed weight (zero removes every path)")
     if len(v.shape) < 2:

@@ -127,3 +127,13 @@ def test_pathcond_on_the_onnx_model_keeps_onnxruntime_outputs(case):
     cm.pathcond()
     x = np.random.default_rng(5).normal(size=(2, *shape)).astype(np.float32)
     assert rel(ort_run(cm.to_onnx(), x)[0], ort_run(proto, x)[0]) <= 1e-5
+
+
+def test_a_scalar_constant_factor_is_a_fixed_edge_as_in_torch():
+    make, n, size = CASES["constant_factor"]
+    model, shape = build(make(), n, size)
+    proto = export(model.float(), shape, "legacy-nofold")
+    cm, ct = pathir.compile(proto), pathir.compile(model.float(), input_shape=shape)
+    x = np.random.default_rng(6).normal(size=(2, *shape))
+    assert rel(np.asarray(cm.forward(x, backend="numpy")), ort_run(proto, x)[0]) <= 1e-5
+    assert math.isclose(cm.path_norm(2), ct.path_norm(2), rel_tol=1e-6)
