@@ -238,3 +238,24 @@ def test_decomposed_aten_graphs_lower_to_the_same_function(case):
         want = model(x)
     assert float((torch.as_tensor(cm.forward(x.numpy(), backend="numpy")) - want).abs().max()) <= 1e-12
     assert math.isclose(cm.path_norm(2), ref.path_norm(2), rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("fixed, n, size", [
+    (lambda: nn.ReflectionPad1d((1, 2)), 1, 3),
+    (lambda: nn.Upsample(scale_factor=2, mode="linear"), 1, 3),
+    (lambda: Fixed(lambda x: F.interpolate(x, scale_factor=2, mode="bicubic")), 2, 2),
+    (lambda: nn.PixelShuffle(2), 2, 2),
+    (lambda: nn.PixelUnshuffle(2), 2, 2),
+])
+def test_symbolic_checks_pass_on_tiny_models_with_each_op(fixed, n, size):
+    """Φ is invariant under the units pathir reports (sympy, exact), the lifting identity
+    and the path-norm pass agree with the enumeration."""
+    torch.manual_seed(0)
+    op = fixed()
+    cin = 4 if isinstance(op, nn.PixelShuffle) else 1
+    with torch.no_grad():
+        mid = op(torch.zeros(1, cin, *([size] * n)))
+    model = nn.Sequential(_conv(n, 1, cin), nn.ReLU(), op, nn.ReLU(), _conv(n, mid.shape[1], 1)).double().eval()
+    cm = pathir.compile(model, input_shape=(1, *([size] * n)))
+    report = cm.verify_symbolic()
+    assert report.passed, str(report)
