@@ -292,7 +292,8 @@ class _Dag:
             choices += [f for f, on in [
                 (self.conv, o.conv), (self.conv, o.conv), (self.conv, o.conv), (self.maxpool, o.maxpool),
                 (self.maxpool, o.maxpool), (self.avgpool, o.avgpool),
-                (self.adaptive_pool, o.adaptive_pool), (self.resample, o.resample), (self.resample, o.resample), (self.concat, o.concat), (self.flatten, o.flatten),
+                (self.adaptive_pool, o.adaptive_pool), (self.resample, o.resample),
+                (self.resample, o.resample), (self.concat, o.concat), (self.flatten, o.flatten),
             ] if on]
         choices += [f for f, on in [(self.scale, o.scale), (self.channel_map, o.channel_maps), (self.gather, o.gather)] if on]
         return choices

@@ -108,7 +108,8 @@ def test_depth_space_ops_equal_onnxruntime_and_tie_units(op, attrs, c):
     nodes = [node("Conv", ["x", "w1"], ["a"]), node("Relu", ["a"], ["h"]), node(op, ["h"], ["s"], **attrs),
              node("Conv", ["s", "w2"], ["y"])]
     inits = {"w1": rng.normal(size=(c, 2, 1, 1)), "w2": rng.normal(size=(2, c_out, 1, 1))}
-    proto = make_model(nodes, [tensor_info("x", [2, 2, spatial, spatial])], [tensor_info("y", ["n", "c", "h", "w"])], inits)
+    outputs = [tensor_info("y", ["n", "c", "h", "w"])]
+    proto = make_model(nodes, [tensor_info("x", [2, 2, spatial, spatial])], outputs, inits)
     cm = pathir.compile(proto)
     x = rng.normal(size=(2, 2, spatial, spatial))
     assert rel(np.asarray(cm.forward(x, backend="numpy")), ort_run(proto, x)[0]) <= 1e-5
