@@ -115,6 +115,21 @@ def _spatial_adjoint(m, g, s):
     return np.einsum("bcp,pq->bcq", g.reshape(B, C, -1), m.matrix).reshape(B, *s)
 
 
+def _per_axis(x, mats):
+    """Apply matrix mats[d] along spatial axis d of x (B, C, *spatial): the separable product."""
+    for d, a in enumerate(mats):
+        x = np.moveaxis(np.tensordot(x, a, axes=([2 + d], [1])), -1, 2 + d)
+    return x
+
+
+def _resample_apply(m, x, s):
+    return _per_axis(x, m.matrices)
+
+
+def _resample_adjoint(m, g, s):
+    return _per_axis(g, [a.T for a in m.matrices])
+
+
 def _gather_apply(m, x, s):
     flat = x.reshape(x.shape[0], -1)
     padded = np.concatenate([flat, np.zeros_like(flat[:, :1])], axis=1)
@@ -210,6 +225,7 @@ RULES: RuleTable = {
     MapKind.CHANNEL_MAP: (_channel_apply, _channel_adjoint, None),
     MapKind.POOL: (_pool_apply, _pool_adjoint, None),
     MapKind.SPATIAL_MATRIX: (_spatial_apply, _spatial_adjoint, None),
+    MapKind.RESAMPLE: (_resample_apply, _resample_adjoint, None),
     MapKind.GATHER: (_gather_apply, _gather_adjoint, None),
     MapKind.DENSE: (_dense_apply, _dense_adjoint, _dense_wgrad),
     MapKind.CONV: (_conv_apply, _conv_adjoint, _conv_wgrad),

@@ -35,7 +35,7 @@ import numpy as np
 import sympy as sp
 
 from pathir.errors import BackendError
-from pathir.ir import FIXED, PARAMETERIZED, MapKind, Node, Pool, SpatialMatrix
+from pathir.ir import FIXED, PARAMETERIZED, MapKind, Node, Pool, Resample, SpatialMatrix
 
 from .base import Backend, RuleTable
 from .numpy import RULES as NUMPY_RULES
@@ -272,6 +272,8 @@ class SympyBackend(Backend):
             out = _with(m, mult=self._constant(m.mult))
         elif isinstance(m, SpatialMatrix):
             out = _with(m, matrix=self._constant(m.matrix))
+        elif isinstance(m, Resample):
+            out = _with(m, matrices=tuple(self._constant(a) for a in m.matrices))
         else:
             assert m.kind in FIXED
             out = m  # weights 1: the transforms send 1 to 1

@@ -198,6 +198,25 @@ def _spatial_adjoint(be, m, g, s):
     return (g.reshape(B, C, -1) @ M).reshape(B, *s)
 
 
+def _per_axis(x, mats):
+    """Apply mats[d] along spatial axis d of x (B, C, *spatial), one small matmul per axis."""
+    for d, a in enumerate(mats):
+        x = (x.movedim(2 + d, -1) @ a.T).movedim(-1, 2 + d)
+    return x
+
+
+def _resample_mats(be, m):
+    return be.cached(m, lambda: [be.constant(a) for a in m.matrices])
+
+
+def _resample_apply(be, m, x, s):
+    return _per_axis(x, _resample_mats(be, m))
+
+
+def _resample_adjoint(be, m, g, s):
+    return _per_axis(g, [a.T for a in _resample_mats(be, m)])
+
+
 def _gather_apply(be, m, x, s):
     safe, mask, _, _ = _index_parts(be, m, m.index)
     y = x.reshape(x.shape[0], -1)[:, safe]
@@ -277,6 +296,7 @@ RULES: RuleTable = {
     MapKind.CHANNEL_MAP: (_channel_apply, _channel_adjoint, None),
     MapKind.POOL: (_pool_apply, _pool_adjoint, None),
     MapKind.SPATIAL_MATRIX: (_spatial_apply, _spatial_adjoint, None),
+    MapKind.RESAMPLE: (_resample_apply, _resample_adjoint, None),
     MapKind.GATHER: (_gather_apply, _gather_adjoint, None),
     MapKind.DENSE: (_dense_apply, _dense_adjoint, _dense_wgrad),
     MapKind.CONV: (_conv_apply, _conv_adjoint, _conv_wgrad),

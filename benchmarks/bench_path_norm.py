@@ -1,6 +1,10 @@
 """Path-norm cost against one float64 forward pass of the same model (issue: <= 1.5x).
 
     python benchmarks/bench_path_norm.py [resnet18,resnet50,vgg16] [--repeat 5]
+    python benchmarks/bench_path_norm.py fcn_resnet50,deeplabv3_resnet50   # fixed maps: upsampling
+
+Besides the torchvision classification zoo, the segmentation models (random
+init, aux heads; bilinear upsampling and several outputs) run at 3x224x224.
 
 For each model: compile time, the median time of one float64 forward of the
 torch model (batch 1, 3x224x224: the baseline), and the median time of
@@ -31,13 +35,26 @@ def median_time(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
+SEGMENTATION = ("fcn_resnet50", "deeplabv3_resnet50")
+
+
+def build(name: str):
+    """(model in eval mode, input shape) of a zoo or a segmentation model."""
+    if name in SEGMENTATION:
+        from torchvision.models import segmentation
+
+        model = getattr(segmentation, name)(weights=None, weights_backbone=None, aux_loss=True)
+        return model.eval(), (3, 224, 224)
+    return zoo.build(name), zoo.input_shape(name)
+
+
 def bench(name: str, repeat: int) -> dict:
-    model = zoo.build(name)
+    model, shape = build(name)
     start = time.perf_counter()
-    cm = pathir.compile(model, input_shape=zoo.input_shape(name), backend="torch")
+    cm = pathir.compile(model, input_shape=shape, backend="torch")
     compile_s = time.perf_counter() - start
     twin = copy.deepcopy(model).double().eval()
-    x = torch.randn(1, *zoo.input_shape(name), dtype=torch.float64)
+    x = torch.randn(1, *shape, dtype=torch.float64)
 
     def model_forward():
         with torch.no_grad():
@@ -63,9 +80,9 @@ def main():
         print(json.dumps(rows, indent=2))
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'model':<10} {'compile':>8} {'forward':>8} {'l1':>8} {'l2':>8} {'l4':>8} {'l1/fwd':>7} {'l2/fwd':>7} {'l4/fwd':>7}")
+    print(f"{'model':<18} {'compile':>8} {'forward':>8} {'l1':>8} {'l2':>8} {'l4':>8} {'l1/fwd':>7} {'l2/fwd':>7} {'l4/fwd':>7}")
     for r in rows:
-        print(f"{r['model']:<10} {r['compile_s']:8.3f} {r['forward_s']:8.3f} {r['path_norm_l1_s']:8.3f} "
+        print(f"{r['model']:<18} {r['compile_s']:8.3f} {r['forward_s']:8.3f} {r['path_norm_l1_s']:8.3f} "
               f"{r['path_norm_l2_s']:8.3f} {r['path_norm_l4_s']:8.3f} {r['ratio_l1']:7.2f} {r['ratio_l2']:7.2f} {r['ratio_l4']:7.2f}")
 
 

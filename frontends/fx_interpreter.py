@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pathir.errors import PathirError
+from pathir.frontends import fixed_dispatch
 from pathir.frontends.lowering import Lowering
 from pathir.frontends.values import ParamTensor, Value
 
@@ -108,6 +109,8 @@ class FxInterpreter:
 
     def _output(self, node):
         out = node.args[0]
+        if isinstance(out, dict):  # {"out": ..., "aux": ...}: every value an output, in order
+            out = list(out.values())
         values = out if isinstance(out, (tuple, list)) else [out]
         names = []
         for v in values:
@@ -128,7 +131,7 @@ class FxInterpreter:
             return low.linear(x, p("weight"), p("bias"))
         if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
             if mod.padding_mode != "zeros":
-                low.unsupported(f"padding_mode='{mod.padding_mode}'")
+                return fixed_dispatch.conv_with_mode(low, mod, x, p("weight"), p("bias"))
             return low.conv(x, p("weight"), p("bias"), mod.stride, mod.padding, mod.dilation, mod.groups)
         if isinstance(mod, nn.modules.batchnorm._BatchNorm):
             return low.batch_norm(x, path, p("weight"), p("bias"), p("running_mean"), p("running_var"), mod.eps)
@@ -147,6 +150,9 @@ class FxInterpreter:
             return low.index_op(lambda t: torch.flatten(t, mod.start_dim, mod.end_dim), [x])[0][0]
         if isinstance(mod, (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.AlphaDropout, nn.Identity)):
             return x
+        out = fixed_dispatch.module(low, mod, x)
+        if out is not fixed_dispatch.NOT_MINE:
+            return out
         name = type(mod).__name__
         low.unsupported(why(name), name)
 
@@ -158,6 +164,9 @@ class FxInterpreter:
             if any(isinstance(a, ParamTensor) for a in list(args) + list(kwargs.values())):
                 low.unsupported("computes with a model parameter outside linear/conv/batch-norm layers")
             return fn(*args, **kwargs)  # shape arithmetic on concrete sizes
+        out = fixed_dispatch.function(low, self.model, fn, args, kwargs)
+        if out is not fixed_dispatch.NOT_MINE:
+            return out
         if fn in _RELU:
             return low.relu(args[0])
         if fn in _ADD:
@@ -215,6 +224,9 @@ class FxInterpreter:
             return size if not args[1:] and "dim" not in kwargs else size[(args[1:] or [kwargs["dim"]])[0]]
         if name == "dim":
             return len(self_.shape) + 1
+        out = fixed_dispatch.method(low, name, args, kwargs)
+        if out is not fixed_dispatch.NOT_MINE:
+            return out
         if name in ("relu", "relu_"):
             return low.relu(self_)
         if name in ("add", "add_", "__add__", "__iadd__"):

@@ -29,7 +29,6 @@ from pathir.ir import (
     Role,
     Scale,
     SourceRef,
-    SpatialMatrix,
 )
 
 __all__ = ["Lowering"]
@@ -212,11 +211,9 @@ class Lowering:
             k = tuple(L // o for L, o in zip(in_shape[1:], out))
             pool = Pool(k, k, ((0, 0),) * n, (1,) * n, False, np.full(out, 1.0 / math.prod(k)))
             return Value([(src, pool)], pool.out_shape(in_shape), None, self.label)
-        basis = torch.eye(math.prod(in_shape[1:]), dtype=torch.float64).reshape(-1, 1, *in_shape[1:])
-        fn = getattr(F, f"adaptive_avg_pool{n}d")
-        matrix = fn(basis, out).reshape(basis.shape[0], -1).T.numpy()
-        m = SpatialMatrix(matrix, out)
-        return Value([(src, m)], m.out_shape(in_shape), None, self.label)
+        from pathir.frontends.fixed_maps import adaptive_avg_pool  # separable: one matrix per axis
+
+        return adaptive_avg_pool(self, Value.of_node(src, in_shape), out)
 
     def mean(self, v: Value, dims, keepdim=False) -> Value:
         """Mean over every spatial axis (global average pooling)."""

@@ -42,8 +42,6 @@ WHY = {
     "ReduceMax": "a max over an axis is not lowered (use MaxPool)",
     "ReduceSum": "only the mean over all spatial axes is lowered (ReduceMean)",
     "TopK": "selects by value: not a fixed map",
-    "Resize": "resizing is not lowered",
-    "Upsample": "upsampling is not lowered",
     "If": "control flow on activations is not lowered",
     "Loop": "control flow on activations is not lowered",
     "Scan": "control flow on activations is not lowered",

@@ -11,6 +11,7 @@ import operator
 
 import torch
 
+from pathir.frontends import fixed_dispatch
 from pathir.frontends.fx_interpreter import FxInterpreter, bind, substitute, values_in, why
 from pathir.frontends.values import ParamTensor, Value
 
@@ -29,7 +30,8 @@ _SAME = {aten.clone.default, aten.alias.default, aten.detach.default, aten.conti
 
 
 def lower_exported(model, shape, name):
-    example = torch.zeros((2, *shape))
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    example = torch.zeros((2, *shape), dtype=dtype)
     program = torch.export.export(model, (example,))
     sig = program.graph_signature
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -53,6 +55,9 @@ class _ExportInterpreter(FxInterpreter):
         if not values_in(args, kwargs) or fn is operator.getitem and not isinstance(args[0], Value):
             if fn is operator.getitem or not isinstance(fn, torch._ops.OpOverload):
                 return super()._function(fn, args, kwargs)
+        out = fixed_dispatch.aten_op(low, self.model, fn, args, kwargs)
+        if out is not fixed_dispatch.NOT_MINE:
+            return out
         if fn in _SAME:
             return args[0]
         if fn in (aten.relu.default, aten.relu_.default):

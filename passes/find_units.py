@@ -212,10 +212,10 @@ def find_units(graph: Graph) -> tuple[Graph, Units]:
     unit 0 'fc1:c0': 1 channels in h; in: fc1.weight[2], fc1.bias[1]; out: fc2.weight[1]
     """
     offsets, pinned = _channel_offsets(graph)
-    ties_a, ties_b, uses = _fixed_ties_and_uses(graph, offsets)
+    ties_a, ties_b, uses, reached = _fixed_ties_and_uses(graph, offsets)
     _tie_shared_params(uses, offsets, ties_a, ties_b)
     labels = _components(pinned.size, ties_a, ties_b)
-    unit_of, H = _number_units(labels, pinned, uses, offsets)
+    unit_of, H = _number_units(labels, pinned, reached, uses, offsets)
 
     channel_units = {n.name: unit_of[offsets[n.name] : offsets[n.name] + n.channels] for n in graph.nodes}
     for arr in channel_units.values():
@@ -248,9 +248,12 @@ def _channel_offsets(graph: Graph) -> tuple[dict[str, int], np.ndarray]:
 
 def _fixed_ties_and_uses(graph: Graph, offsets):
     """The channel ties of every fixed-weight edge (two lists of global channel ids, tied pairwise),
-    and every use of every param: {id(param): [(param, source node or None, target node, map)]}."""
+    every use of every param: {id(param): [(param, source node or None, target node, map)]}, and which
+    global channels some edge or bias reaches."""
     ties_a, ties_b = [], []
     uses: dict[int, list] = {}
+    total = sum(n.channels for n in graph.nodes)
+    reached = np.zeros(total, dtype=bool)  # a channel some edge or bias reaches (else: constant 0, dead)
     for v in graph.nodes:
         for e in v.edges:
             u = graph.node(e.source)
@@ -258,11 +261,14 @@ def _fixed_ties_and_uses(graph: Graph, offsets):
                 pairs = np.asarray(e.map.channel_ties(u.shape), dtype=np.int64).reshape(-1, 2)
                 ties_a.append(offsets[u.name] + pairs[:, 0])
                 ties_b.append(offsets[v.name] + pairs[:, 1])
+                reached[offsets[v.name] + pairs[:, 1]] = True
             else:
                 uses.setdefault(id(e.map.weight), []).append((e.map.weight, u, v, e.map))
+                reached[offsets[v.name] : offsets[v.name] + v.channels] = True
         if v.bias is not None:
             uses.setdefault(id(v.bias), []).append((v.bias, None, v, None))
-    return ties_a, ties_b, uses
+            reached[offsets[v.name] : offsets[v.name] + v.channels] = True
+    return ties_a, ties_b, uses, reached
 
 
 def _tie_shared_params(uses, offsets, ties_a, ties_b) -> None:
@@ -287,7 +293,7 @@ def _tie_shared_params(uses, offsets, ties_a, ties_b) -> None:
                 ties_a.append(a.ravel()), ties_b.append(b.ravel())
 
 
-def _number_units(labels: np.ndarray, pinned: np.ndarray, uses, offsets) -> tuple[np.ndarray, int]:
+def _number_units(labels: np.ndarray, pinned: np.ndarray, reached: np.ndarray, uses, offsets) -> tuple[np.ndarray, int]:
     """(the unit of every global channel, H), H where it has none, from its tie class: a class is a unit
     when no member is pinned and some free parameter enters or leaves it; units are numbered
     by their first channel in node order."""
@@ -305,7 +311,11 @@ def _number_units(labels: np.ndarray, pinned: np.ndarray, uses, offsets) -> tupl
             touched[labels[t]] = True
             continue
         mark_crossing(touched, labels[t], labels[src])
-    free = np.flatnonzero(~class_pinned & touched)
+    # a class no edge or bias reaches (a zero channel of a ChannelMap / Gather, and what only it feeds)
+    # starts and carries no path: rescaling it moves only parameters on no path, so it is no unit
+    class_reached = np.zeros(n_classes, dtype=bool)
+    np.logical_or.at(class_reached, labels, reached)
+    free = np.flatnonzero(~class_pinned & touched & class_reached)
     order = free[np.argsort(first[free], kind="stable")]
     H = int(order.size)
     unit_of_class = np.full(n_classes, H, dtype=np.int64)

@@ -5,8 +5,9 @@
   dilation, groups), ReLU and identity nodes, biases, skip connections
   (Identity edges, parallel ones included), concatenation and channel
   slices/permutations (ChannelMap), k-max-pools (k >= 1, padding, ceil_mode),
-  average pools (Pool with multiplier), adaptive pools (SpatialMatrix), element
-  gathers, flatten (Reshape), per-channel Scale edges, several inputs and outputs.
+  average pools (Pool with multiplier), adaptive pools (SpatialMatrix), separable
+  fixed maps with signed coefficients and structural zeros (Resample: interpolation,
+  fixed filters), element gathers, flatten (Reshape), per-channel Scale edges, several inputs and outputs.
 - :func:`mlps` builds layered fully-connected networks.
 - :func:`random_inputs` draws a batch of inputs for a graph.
 
@@ -50,6 +51,7 @@ from pathir.ir import (
     Map,
     NodeKind,
     Pool,
+    Resample,
     Reshape,
     Scale,
     SpatialMatrix,
@@ -95,6 +97,7 @@ class _Options:
     kmax: bool
     avgpool: bool
     adaptive_pool: bool
+    resample: bool
     gather: bool
     conv: bool
     scale: bool
@@ -246,6 +249,21 @@ class _Dag:
         matrix *= self.rng.random(matrix.shape) < 0.6  # structural zeros are no edges
         return self.add("adaptive", NodeKind.IDENTITY, [(src, SpatialMatrix(matrix, out))])
 
+    def resample(self, src) -> str | None:
+        """A separable fixed map: per axis a small signed matrix with structural zeros.
+        Coefficients are dyadic (k/8; integers in [-2, 2] with ``integer_weights``), as
+        interpolation's are, so that products along an edge are exact in float64."""
+        mats = []
+        for L in self.shape(src)[1:]:
+            shape = (self.draw(st.integers(1, L + 2)), L)
+            top, den = (2, 1) if self.opts.integer else (12, 8)
+            a = self.rng.choice([-1.0, 1.0], size=shape) * self.rng.integers(1, top + 1, size=shape) / den
+            a *= self.rng.random(shape) < 0.7
+            a[self.rng.integers(0, shape[0]), self.rng.integers(0, L)] = 1.0  # some edge exists
+            mats.append(a)
+        kind = self.activation()
+        return self.add("resample", kind, [(src, Resample(tuple(mats)))], self.bias(self.shape(src)[0]))
+
     def scale(self, src) -> str | None:
         c = self.shape(src)[0]
         return self.add("bn", self.activation(), [(src, Scale(self.param("s", (c,))))], self.bias(c))
@@ -287,7 +305,8 @@ class _Dag:
             choices += [f for f, on in [
                 (self.conv, o.conv), (self.conv, o.conv), (self.conv, o.conv), (self.maxpool, o.maxpool),
                 (self.maxpool, o.maxpool), (self.avgpool, o.avgpool),
-                (self.adaptive_pool, o.adaptive_pool), (self.concat, o.concat), (self.flatten, o.flatten),
+                (self.adaptive_pool, o.adaptive_pool), (self.resample, o.resample),
+                (self.resample, o.resample), (self.concat, o.concat), (self.flatten, o.flatten),
             ] if on]
         choices += [f for f, on in [(self.scale, o.scale), (self.channel_map, o.channel_maps), (self.gather, o.gather)] if on]
         return choices
@@ -320,6 +339,7 @@ def relu_dags(
     kmax: bool = True,
     avgpool: bool = True,
     adaptive_pool: bool = True,
+    resample: bool = True,
     gather: bool = True,
     conv: bool = True,
     scale: bool = True,
@@ -337,7 +357,7 @@ def relu_dags(
     max_width, max_channels : widths of dense layers, channels of convs
     spatial_dims : spatial axes of the main input, drawn from these (0: a flat vector)
     bias : True / False for biases everywhere / nowhere; None draws each node
-    skip, concat, channel_maps, maxpool, kmax, avgpool, adaptive_pool, gather, conv, scale, flatten :
+    skip, concat, channel_maps, maxpool, kmax, avgpool, adaptive_pool, resample, gather, conv, scale, flatten :
         switch each feature on or off (``kmax``: k-max-pools with k > 1)
     max_inputs : a second, flat input joining the dense head may be drawn when 2
     integer_weights : free weights and biases are nonzero integers in [-3, 3]
@@ -348,7 +368,7 @@ def relu_dags(
     Every node reaches an output: the outputs are the nodes nothing reads.
     """
     opts = _Options(max_width, max_channels, max_neurons, max_paths, bias, integer_weights, skip, concat,
-                    channel_maps, maxpool, kmax, avgpool, adaptive_pool, gather, conv, scale, flatten)
+                    channel_maps, maxpool, kmax, avgpool, adaptive_pool, resample, gather, conv, scale, flatten)
     dag = _Dag(draw, opts, draw(st.integers(0, 2**32 - 1)))
     dims = draw(st.sampled_from([d for d in (1, 2, 0) if d in spatial_dims]))
     if dims == 0:

@@ -13,6 +13,7 @@ from .maps import (
     Map,
     MapKind,
     Pool,
+    Resample,
     Reshape,
     Scale,
     SpatialMatrix,
@@ -25,7 +26,7 @@ from .verify import verify
 __all__ = [
     "Param", "Role", "SourceRef",
     "Map", "MapKind", "PARAMETERIZED", "FIXED",
-    "Identity", "Reshape", "ChannelMap", "Pool", "SpatialMatrix", "Gather", "Dense", "Conv", "Scale",
+    "Identity", "Reshape", "ChannelMap", "Pool", "SpatialMatrix", "Resample", "Gather", "Dense", "Conv", "Scale",
     "pool_output_size",
     "Node", "Edge", "NodeKind", "POSITIVELY_HOMOGENEOUS",
     "Graph", "verify", "GraphBuilder",

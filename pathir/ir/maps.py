@@ -4,7 +4,7 @@ A map sends the output of its source node (shape ``(C, *spatial)``, batch left
 out) to a contribution to the pre-activation of its target node. Maps are either
 parameterized (their weights are a free :class:`Param`: ``Dense``, ``Conv``,
 ``Scale``) or fixed (constant weights: ``Identity``, ``Reshape``,
-``ChannelMap``, ``Pool``, ``SpatialMatrix``, ``Gather``).
+``ChannelMap``, ``Pool``, ``SpatialMatrix``, ``Resample``, ``Gather``).
 
 Every map states its structure here; the arithmetic (apply, adjoint,
 weight-gradient) lives in each backend's rule table, keyed by ``MapKind``.
@@ -40,6 +40,7 @@ __all__ = [
     "ChannelMap",
     "Pool",
     "SpatialMatrix",
+    "Resample",
     "Gather",
     "Dense",
     "Conv",
@@ -54,6 +55,7 @@ class MapKind(enum.Enum):
     CHANNEL_MAP = "channel_map"
     POOL = "pool"
     SPATIAL_MATRIX = "spatial_matrix"
+    RESAMPLE = "resample"
     GATHER = "gather"
     DENSE = "dense"
     CONV = "conv"
@@ -294,6 +296,56 @@ class SpatialMatrix(Map):
     def with_weights(self, fn, fixed_fn=None):
         m = np.where(self.matrix != 0, (fixed_fn or fn)(self.matrix), 0.0)
         return replace(self, matrix=m)
+
+    def channel_ties(self, in_shape):
+        c = np.arange(in_shape[0])
+        return np.stack([c, c], axis=1)
+
+
+@dataclass(frozen=True, eq=False)
+class Resample(Map):
+    """Separable per-channel fixed map: one small matrix per spatial axis,
+    ``matrices[d]`` of shape (out_len_d, in_len_d), applied axis by axis:
+
+        out[c, p_1..p_n] = sum_q  A_1[p_1, q_1] ... A_n[p_n, q_n] in[c, q_1..q_n]
+
+    Interpolation in every mode (nearest, linear, cubic, area), separable fixed
+    filters and per-axis padding are Resamples. The edge q -> p exists iff every
+    factor A_d[p_d, q_d] is non-zero (a coefficient exactly 0 is no edge); its
+    weight is their product. Since |prod a_d|^q = prod |a_d|^q, the |c|^q map is
+    the Resample of the per-axis |A_d|^q: executors never form the dense product."""
+
+    matrices: tuple
+    label: str = "resample"
+    kind = MapKind.RESAMPLE
+
+    def __post_init__(self):
+        mats = []
+        for a in self.matrices:
+            m = np.array(a, dtype=np.float64)
+            if m.ndim != 2:
+                raise ValueError(f"resample: each axis matrix is 2-d, got shape {m.shape}")
+            m.setflags(write=False)
+            mats.append(m)
+        object.__setattr__(self, "matrices", tuple(mats))
+
+    def out_shape(self, in_shape):
+        spatial = tuple(in_shape[1:])
+        if len(spatial) != len(self.matrices):
+            raise ValueError(f"{len(self.matrices)}-axis resample on input of shape {tuple(in_shape)}")
+        for d, (L, a) in enumerate(zip(spatial, self.matrices)):
+            if a.shape[1] != L:
+                raise ValueError(f"resample axis {d}: matrix {a.shape} on length {L}")
+        return (in_shape[0], *(a.shape[0] for a in self.matrices))
+
+    def describe(self):
+        return f"{self.label}{_fmt([a.shape for a in self.matrices])}"
+
+    def with_weights(self, fn, fixed_fn=None):
+        """Per axis, every non-zero c -> f(c), zeros kept: exact for the
+        multiplicative f the passes use (|c|^q, c^2, c -> 1)."""
+        f = fixed_fn or fn
+        return replace(self, matrices=tuple(np.where(a != 0, f(a), 0.0) for a in self.matrices))
 
     def channel_ties(self, in_shape):
         c = np.arange(in_shape[0])

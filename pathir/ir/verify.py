@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..errors import GraphVerificationError
 from .graph import Graph
 from .maps import MapKind
@@ -22,7 +24,8 @@ def verify(graph: Graph) -> Graph:
       6. a maxpool node has exactly one edge, a Pool without multiplier, and 1 <= k <= the
          number of in-input entries of its smallest window (padding positions are not neurons);
       7. distinct Param objects have distinct names (a shared weight is one object);
-      8. outputs name existing, non-input nodes; every non-output node feeds some node
+      8. a Resample's per-axis coefficients are finite (0 is allowed: no edge);
+      9. outputs name existing, non-input nodes; every non-output node feeds some node
          and every node reaches an output.
     The error message names the broken rule and prints the graph.
     """
@@ -71,6 +74,9 @@ def _problems(graph: Graph) -> list[str]:
                 window = _smallest_window(node.edges[0].map, seen[node.edges[0].source].shape)
                 if not 1 <= node.k <= window:
                     out.append(f"{where}: k = {node.k} outside 1..{window} (entries of its smallest window)")
+        for i, e in enumerate(node.edges):
+            if e.map.kind is MapKind.RESAMPLE and not all(np.isfinite(a).all() for a in e.map.matrices):
+                out.append(f"{where}: edge {i} ({e.map.describe()}) has a non-finite coefficient")
         for p in node.params():
             if params.setdefault(p.name, id(p)) != id(p):
                 out.append(f"{where}: two different params are named '{p.name}'")

@@ -40,6 +40,7 @@ from pathir.ir import (
     NodeKind,
     Param,
     Pool,
+    Resample,
     Reshape,
     Scale,
     SpatialMatrix,
@@ -252,6 +253,9 @@ def random_graph(rng):
     avg = b.identity("avg", [(mp1, replace(avg_window, mult=rng.uniform(0.2, 1.0, size=(h, w))))])
     ad_in = math.prod(b.shape(mp2)[1:])
     ad = b.identity("ad", [(mp2, SpatialMatrix(rng.uniform(0, 1, size=(h * w, ad_in)), (h, w)))])
+    hh, ww = b.shape(avg)[1:]
+    signed = [rng.normal(size=(hh, hh)) * (rng.random((hh, hh)) < 0.7), rng.normal(size=(ww, ww))]
+    avg = b.identity("rs", [(avg, Resample(tuple(signed)))], bias("rs.b", C))
     perm = rng.permutation(2 * C)
     first = tuple(int(p) if p < C else -1 for p in perm)
     second = tuple(int(p) - C if p >= C else -1 for p in perm)

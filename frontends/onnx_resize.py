@@ -1,0 +1,122 @@
+"""ONNX Resize and the legacy Upsample, lowered to a ``Resample`` (one matrix per spatial axis).
+
+A mixin of ``OnnxLowering``. The coefficients of each axis are read off the op itself
+(onnx's reference evaluator) on one-hot inputs along that axis, constant along the
+others, so every mode and coordinate transform is the op's own, and the op is
+checked to act axis by axis. Refused, naming what: a region of interest
+(tf_crop_and_resize), coordinate transforms other than half_pixel, align_corners,
+asymmetric and pytorch_half_pixel, cubic with exclude_outside, antialias,
+``axes`` / keep_aspect_ratio_policy, and any scaling of the batch or channel axes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pathir.frontends import fixed_maps
+from pathir.frontends.values import Value
+
+from .onnx_eval import run_node
+from .onnx_layers import attrs
+
+__all__ = ["ResizeOps"]
+
+_TRANSFORMS = {"half_pixel", "align_corners", "asymmetric", "pytorch_half_pixel"}
+_MODES = {"nearest", "linear", "cubic"}
+
+
+class ResizeOps:
+    """op_Resize / op_Upsample / op_Mul (a scalar constant factor) (node, inputs) -> [Value]."""
+
+    def op_Resize(self, node, ins):
+        a = attrs(node)
+        mode = a.get("mode", "nearest")
+        transform = a.get("coordinate_transformation_mode", "half_pixel")
+        if mode not in _MODES:
+            self.unsupported(f"Resize mode '{mode}'")
+        if transform not in _TRANSFORMS:
+            self.unsupported(f"Resize coordinate_transformation_mode '{transform}'")
+        if mode == "cubic" and a.get("exclude_outside", 0):
+            self.unsupported("Resize cubic with exclude_outside=1")
+        for name, ok in (("antialias", 0), ("axes", None), ("keep_aspect_ratio_policy", "stretch")):
+            if a.get(name, ok) != ok:
+                self.unsupported(f"Resize with {name}={a[name]}")
+        roi = self.const(node, 1, "roi", required=False) if len(node.input) > 1 and node.input[1] else None
+        if roi is not None and roi.size:
+            self.unsupported("Resize with a region of interest (roi)")
+        scales = self._resize_input(node, 2, "scales")
+        sizes = self._resize_input(node, 3, "sizes")
+        return [self._resampled_by(node, ins, scales, sizes, f"resize_{mode}")]
+
+    def op_Upsample(self, node, ins):
+        a = attrs(node)
+        mode = a.get("mode", "nearest")
+        if mode not in ("nearest", "linear", "bilinear"):
+            self.unsupported(f"Upsample mode '{mode}'")
+        scales = a.get("scales")
+        scales = np.asarray(scales, dtype=np.float32) if scales is not None else self._resize_input(node, 1, "scales")
+        return [self._resampled_by(node, ins, scales, None, f"upsample_{mode}")]
+
+    def op_Mul(self, node, ins):
+        """An activation times a scalar constant c != 0: a fixed edge of weight c (as torch's
+        ``x * c``); any other product is refused as before."""
+        from .onnx_ops import WHY
+
+        acts = [k for k, v in enumerate(ins) if isinstance(v, Value)]
+        other = 1 - acts[0] if len(acts) == 1 else None
+        if other is None or not isinstance(ins[other], np.ndarray) or np.asarray(ins[other]).size != 1:
+            self.unsupported(WHY["Mul"])
+        c = float(np.asarray(ins[other]).reshape(-1)[0])
+        v = self.act(node, acts[0])
+        return [v if c == 1 else fixed_maps.scaled(self, v, c)]
+
+    # ------------------------------------------------------------ helpers
+    def _resize_input(self, node, k, what):
+        if len(node.input) <= k or not node.input[k]:
+            return None
+        c = np.asarray(self.const(node, k, what))
+        return c if c.size else None
+
+    def _resampled_by(self, node, ins, scales, sizes, label) -> Value:
+        v = self.act(node, 0)
+        rank = len(v.shape) + 1
+        if (scales is None) == (sizes is None):
+            self.unsupported("expected exactly one of scales and sizes")
+        given = scales if scales is not None else sizes
+        if given.size != rank:
+            self.unsupported(f"{given.size} scales/sizes for a {rank}-d tensor")
+        keep = [1.0, 1.0] if scales is not None else [self.batch, v.shape[0]]
+        if [float(g) for g in given[:2]] != [float(x) for x in keep]:
+            self.unsupported("resizing the batch or channel axis")
+        n = rank - 2
+
+        def call(basis, d):
+            x = basis.numpy()  # float64: the coefficients exactly, whatever the model's dtype
+            per = given.copy()
+            for e in range(n):
+                if e != d:
+                    per[2 + e] = 1 if scales is not None else x.shape[2 + e]
+            per[0], per[1] = (1, 1) if scales is not None else (x.shape[0], x.shape[1])
+            return torch.as_tensor(np.asarray(self._run_resize(node, ins, x, per, scales is not None),
+                                              dtype=np.float64))
+
+        mats = fixed_maps.axis_matrices(self, v.shape[1:], call)
+        if all(m.shape[0] == m.shape[1] and np.array_equal(m, np.eye(m.shape[0])) for m in mats):
+            return v
+        return fixed_maps.resampled(self, v, mats, label)
+
+    def _run_resize(self, node, ins, x, per, is_scales):
+        from onnx import helper
+
+        if node.op_type == "Upsample":  # = Resize with asymmetric coordinates, nearest rounding down
+            linear = attrs(node).get("mode", "nearest") != "nearest"
+            resize = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="linear" if linear else "nearest",
+                                      coordinate_transformation_mode="asymmetric", nearest_mode="floor")
+            opset13 = helper.make_model(helper.make_graph([], "resize", [], []),
+                                        opset_imports=[helper.make_opsetid("", 13)])
+            return run_node(opset13, resize, [x, None, np.asarray(per, dtype=np.float32)])[0]
+        new = list(ins)
+        new[0] = x
+        new[2 if is_scales else 3] = np.asarray(per, dtype=np.float32 if is_scales else np.int64)
+        return run_node(self.proto, node, new)[0]

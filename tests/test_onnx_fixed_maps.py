@@ -1,0 +1,140 @@
+"""Fixed maps through the ONNX frontend (Resize in its torch-exported modes, the legacy
+Upsample, Pad in every mode, DepthToSpace DCR / CRD, SpaceToDepth): the same function as
+onnxruntime, the same graph and path-norms as the torch frontend on the same model;
+unsupported modes refused naming them."""
+
+import math
+
+import numpy as np
+import pytest
+from onnx_cases import export, make_model, node, ort_run, rel, tensor_info
+from test_torch_fixed_maps import CASES, build, definition_path_norm
+
+import pathir
+from pathir.errors import UnsupportedOperation
+
+TORCH_CASES = ["pad_zero_2d", "pad_reflect_2d", "pad_replicate_3d", "pad_circular_2d", "pad_reflect_1d",
+               "nearest_x2", "nearest_size", "bilinear", "bilinear_align", "bilinear_size", "bilinear_down",
+               "linear_1d", "trilinear", "bicubic", "bicubic_align", "pixel_shuffle", "pixel_unshuffle"]
+
+
+@pytest.mark.parametrize("case", TORCH_CASES)
+def test_exported_fixed_op_equals_onnxruntime_and_the_torch_frontend(case):
+    make, n, size = CASES[case]
+    model, shape = build(make(), n, size)
+    model = model.float()
+    proto = export(model, shape, "legacy-nofold")
+    cm, ct = pathir.compile(proto), pathir.compile(model, input_shape=shape)
+    x = np.random.default_rng(0).normal(size=(2, *shape))
+    got = np.asarray(cm.forward(x, backend="numpy"))
+    assert rel(got, ort_run(proto, x)[0]) <= 1e-5
+    # the exporter may write a size as a float32 scale (align_corners): coefficients then agree to float32
+    assert rel(got, np.asarray(ct.forward(x, backend="numpy"))) <= 1e-6
+    if case != "pad_circular_2d":  # exported as Slice + Concat: one more node, the same function
+        layout = lambda g: [(n.kind, n.shape, sorted(e.map.kind.value for e in n.edges)) for n in g]
+        assert layout(cm.graph) == layout(ct.graph)
+    for q in (1, 2):
+        assert math.isclose(cm.path_norm(q), ct.path_norm(q), rel_tol=1e-6)
+    assert math.isclose(cm.path_norm(1), definition_path_norm(model.double(), shape, 1), rel_tol=1e-6)
+
+
+def _resize_model(shape, attrs, scales=None, sizes=None, roi=None, opset=17):
+    inits = {"roi": np.asarray(roi if roi is not None else [], dtype=np.float32)}
+    inputs = ["x", "roi"]
+    if scales is not None:
+        inits["scales"] = np.asarray(scales, dtype=np.float32)
+        inputs.append("scales")
+    else:
+        inits["sizes"] = np.asarray(sizes, dtype=np.int64)
+        inputs += ["", "sizes"]
+    w = np.random.default_rng(1).normal(size=(2, shape[1], 1, 1))
+    nodes = [node("Resize", inputs, ["r"], **attrs), node("Relu", ["r"], ["h"]), node("Conv", ["h", "w"], ["y"])]
+    inits["w"] = w
+    return make_model(nodes, [tensor_info("x", shape)], [tensor_info("y", ["n", "c", "h", "w"])], inits, opset=opset)
+
+
+@pytest.mark.parametrize("attrs, scales, sizes", [
+    (dict(mode="linear", coordinate_transformation_mode="half_pixel"), [1, 1, 2, 1.5], None),
+    (dict(mode="linear", coordinate_transformation_mode="align_corners"), None, [2, 3, 7, 5]),
+    (dict(mode="linear", coordinate_transformation_mode="asymmetric"), [1, 1, 2, 2], None),
+    (dict(mode="linear", coordinate_transformation_mode="pytorch_half_pixel"), None, [2, 3, 1, 6]),
+    (dict(mode="cubic", coordinate_transformation_mode="half_pixel", cubic_coeff_a=-0.75), [1, 1, 2, 2], None),
+    (dict(mode="cubic", coordinate_transformation_mode="align_corners", cubic_coeff_a=-0.5), None, [2, 3, 5, 6]),
+    (dict(mode="nearest", coordinate_transformation_mode="asymmetric", nearest_mode="floor"), [1, 1, 2, 3], None),
+    (dict(mode="nearest", coordinate_transformation_mode="half_pixel", nearest_mode="round_prefer_ceil"),
+     None, [2, 3, 7, 2]),
+    (dict(mode="nearest"), [1, 1, 0.5, 0.75], None),
+])
+def test_resize_modes_equal_onnxruntime(attrs, scales, sizes):
+    proto = _resize_model([2, 3, 4, 4], attrs, scales, sizes)
+    cm = pathir.compile(proto)
+    x = np.random.default_rng(2).normal(size=(2, 3, 4, 4))
+    assert rel(np.asarray(cm.forward(x, backend="numpy")), ort_run(proto, x)[0]) <= 1e-5
+    assert any(e.map.kind.value == "resample" for n in cm.graph for e in n.edges)
+
+
+@pytest.mark.parametrize("attrs, roi, words", [
+    (dict(mode="linear", coordinate_transformation_mode="tf_crop_and_resize"), [0, 0, 0, 0, 1, 1, 1, 1],
+     "tf_crop_and_resize"),
+    (dict(mode="cubic", exclude_outside=1), None, "exclude_outside"),
+    (dict(mode="linear", antialias=1), None, "antialias"),
+])
+def test_unsupported_resize_modes_are_refused_naming_them(attrs, roi, words):
+    opset = 18 if "antialias" in attrs else 17
+    proto = _resize_model([2, 3, 4, 4], attrs, [1, 1, 2, 2], roi=roi, opset=opset)
+    with pytest.raises(UnsupportedOperation, match=words):
+        pathir.compile(proto)
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+def test_legacy_upsample_equals_onnxruntime(mode):
+    w = np.random.default_rng(1).normal(size=(2, 3, 1, 1))
+    nodes = [node("Upsample", ["x", "scales"], ["r"], mode=mode), node("Relu", ["r"], ["h"]),
+             node("Conv", ["h", "w"], ["y"])]
+    proto = make_model(nodes, [tensor_info("x", [2, 3, 3, 4])], [tensor_info("y", ["n", "c", "h", "w"])],
+                       {"scales": np.asarray([1, 1, 2, 1.5], dtype=np.float32), "w": w}, opset=9)
+    cm = pathir.compile(proto)
+    x = np.random.default_rng(3).normal(size=(2, 3, 3, 4))
+    assert rel(np.asarray(cm.forward(x, backend="numpy")), ort_run(proto, x)[0]) <= 1e-5
+
+
+@pytest.mark.parametrize("op, attrs, c", [("DepthToSpace", dict(blocksize=2, mode="DCR"), 8),
+                                          ("DepthToSpace", dict(blocksize=2, mode="CRD"), 8),
+                                          ("SpaceToDepth", dict(blocksize=2), 2)])
+def test_depth_space_ops_equal_onnxruntime_and_tie_units(op, attrs, c):
+    rng = np.random.default_rng(4)
+    spatial = 3 if op == "DepthToSpace" else 4
+    c_out = c // 4 if op == "DepthToSpace" else c * 4
+    nodes = [node("Conv", ["x", "w1"], ["a"]), node("Relu", ["a"], ["h"]), node(op, ["h"], ["s"], **attrs),
+             node("Conv", ["s", "w2"], ["y"])]
+    inits = {"w1": rng.normal(size=(c, 2, 1, 1)), "w2": rng.normal(size=(2, c_out, 1, 1))}
+    outputs = [tensor_info("y", ["n", "c", "h", "w"])]
+    proto = make_model(nodes, [tensor_info("x", [2, 2, spatial, spatial])], outputs, inits)
+    cm = pathir.compile(proto)
+    x = rng.normal(size=(2, 2, spatial, spatial))
+    assert rel(np.asarray(cm.forward(x, backend="numpy")), ort_run(proto, x)[0]) <= 1e-5
+    if op == "DepthToSpace":  # blocks of 4 hidden channels feed one channel of a weight-shared conv: one unit each
+        assert len(cm.units) == c // 4
+    else:
+        assert len(cm.units) == c
+
+
+@pytest.mark.parametrize("case", ["bilinear", "bicubic", "pad_reflect_2d", "pixel_shuffle"])
+def test_pathcond_on_the_onnx_model_keeps_onnxruntime_outputs(case):
+    make, n, size = CASES[case]
+    model, shape = build(make(), n, size)
+    proto = export(model.float(), shape, "legacy-nofold")
+    cm = pathir.compile(proto)
+    cm.pathcond()
+    x = np.random.default_rng(5).normal(size=(2, *shape)).astype(np.float32)
+    assert rel(ort_run(cm.to_onnx(), x)[0], ort_run(proto, x)[0]) <= 1e-5
+
+
+def test_a_scalar_constant_factor_is_a_fixed_edge_as_in_torch():
+    make, n, size = CASES["constant_factor"]
+    model, shape = build(make(), n, size)
+    proto = export(model.float(), shape, "legacy-nofold")
+    cm, ct = pathir.compile(proto), pathir.compile(model.float(), input_shape=shape)
+    x = np.random.default_rng(6).normal(size=(2, *shape))
+    assert rel(np.asarray(cm.forward(x, backend="numpy")), ort_run(proto, x)[0]) <= 1e-5
+    assert math.isclose(cm.path_norm(2), ct.path_norm(2), rel_tol=1e-6)
