@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pathir.errors import PathirError
+from pathir.frontends.capture_checks import alias_plan, check_modes, effect_fx
 from pathir.frontends.lowering import Lowering
 from pathir.frontends.values import ParamTensor, Value
 
@@ -67,12 +68,19 @@ _PASS_FUNCS = {F.dropout, F.dropout1d, F.dropout2d, F.alpha_dropout, F.feature_a
 
 
 class FxInterpreter:
+    effect = staticmethod(effect_fx)  # what a node does to storage (capture_checks)
+
+    def _is_state(self, node) -> bool:
+        return node.op == "get_attr"
+
     def __init__(self, model: nn.Module, gm: torch.fx.GraphModule, name: str):
         self.model, self.gm = model, gm
         self.low = Lowering(name)
         self.env: dict[torch.fx.Node, object] = {}
 
     def run(self, shape):
+        check_modes(self.gm.graph)
+        rebind = alias_plan(self.gm.graph, self.model, self.effect, self._is_state)
         for node in self.gm.graph.nodes:
             self.low.fx_name = node.name
             self.low.label = str(node.target) if node.op == "call_module" else node.name
@@ -81,6 +89,8 @@ class FxInterpreter:
             if node.op == "output":
                 return self._output(node)
             value = self.env[node] = self._eval(node, shape)
+            for alias in rebind.get(node, ()):
+                self.env[alias] = value  # an in-place op: later readers of its input read its result
             if isinstance(value, Value) and value.node is None and _data_readers(node) > 1:
                 self.low.materialize(value)  # one node for every reader, not a copy per reader
         raise PathirError("the traced program has no output")

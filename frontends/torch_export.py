@@ -11,6 +11,7 @@ import operator
 
 import torch
 
+from pathir.frontends.capture_checks import effect_export
 from pathir.frontends.fx_interpreter import FxInterpreter, bind, values_in, substitute, why
 from pathir.frontends.values import ParamTensor, Value
 
@@ -38,6 +39,11 @@ def lower_exported(model, shape, name):
 
 
 class _ExportInterpreter(FxInterpreter):
+    effect = staticmethod(effect_export)
+
+    def _is_state(self, node) -> bool:
+        return node.op == "placeholder" and node.name in self.lifted
+
     def __init__(self, model, gm, name, lifted, tensors):
         super().__init__(model, gm, name)
         self.lifted, self.tensors = lifted, tensors

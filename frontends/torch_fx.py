@@ -22,8 +22,10 @@ import torch.nn as nn
 
 from pathir.errors import PathirError, UnsupportedOperation
 
-from .common import Lowered
+from pathir.frontends import capture_checks
 from pathir.frontends.fx_interpreter import FxInterpreter
+
+from .common import Lowered
 
 __all__ = ["lower", "trace"]
 
@@ -43,8 +45,9 @@ def _eval_mode(model: nn.Module):
 
 
 def trace(model: nn.Module) -> torch.fx.GraphModule:
-    """torch.fx symbolic trace with torch.nn modules as leaves (the default tracer)."""
-    return torch.fx.symbolic_trace(model)
+    """torch.fx symbolic trace with torch.nn modules as leaves; ``a += b`` is
+    recorded as the in-place ``operator.iadd`` (capture_checks.InplaceTracer)."""
+    return capture_checks.trace(model)
 
 
 def _example(input_shape, example_input):
@@ -63,6 +66,7 @@ def lower(model: nn.Module, input_shape=None, example_input=None) -> Lowered:
         raise PathirError(f"expected a torch.nn.Module, got {type(model).__name__}")
     shape = _example(input_shape, example_input)
     name = type(model).__name__
+    capture_checks.check_hooks(model)
     with _eval_mode(model):
         try:
             gm = trace(model)
