@@ -78,7 +78,10 @@ class FxInterpreter:
         self.low = Lowering(name)
         self.env: dict[torch.fx.Node, object] = {}
 
-    def run(self, shape):
+    def run(self, shapes):
+        """Lower the traced program; ``shapes``: one per-sample shape per tensor input."""
+        shapes = [tuple(shapes)] if shapes and not isinstance(shapes[0], (tuple, list)) else [tuple(s) for s in shapes]
+        self._inputs = 0
         check_modes(self.gm.graph)
         rebind = alias_plan(self.gm.graph, self.model, self.effect, self._is_state)
         for node in self.gm.graph.nodes:
@@ -87,8 +90,10 @@ class FxInterpreter:
             self.low.where = _module_path(node)
             self.low.op = _op_name(node, self.model)
             if node.op == "output":
+                if self._inputs != len(shapes):
+                    low_input_count(self.low, self._inputs, len(shapes))
                 return self._output(node)
-            value = self.env[node] = self._eval(node, shape)
+            value = self.env[node] = self._eval(node, shapes)
             for alias in rebind.get(node, ()):
                 self.env[alias] = value  # an in-place op: later readers of its input read its result
             if isinstance(value, Value) and value.node is None and _data_readers(node) > 1:
@@ -98,12 +103,10 @@ class FxInterpreter:
     def _args(self, node):
         return torch.fx.node.map_arg((node.args, node.kwargs), lambda n: self.env[n])
 
-    def _eval(self, node, shape):
+    def _eval(self, node, shapes):
         low = self.low
         if node.op == "placeholder":
-            if any(isinstance(v, Value) for v in self.env.values()):
-                low.unsupported("a second tensor input: pathir lowers models with one input", "placeholder")
-            return Value.of_node(low.b.input(node.name, shape, origin="input"), shape)
+            return self._input(node, shapes)
         if node.op == "get_attr":
             obj = _get(self.model, node.target)
             return ParamTensor(node.target, obj) if isinstance(obj, torch.Tensor) else obj
@@ -115,6 +118,16 @@ class FxInterpreter:
         if node.op == "call_method":
             return self._method(node.target, args, kwargs)
         low.unsupported(f"fx op {node.op}")
+
+    def _input(self, node, shapes):
+        """The next tensor input (its shape from ``shapes``), or the default of an optional argument."""
+        if self._inputs >= len(shapes):
+            if node.args:
+                return node.args[0]  # forward(self, x, mask=None): the default
+            low_input_count(self.low, self._inputs + 1, len(shapes))
+        shape = shapes[self._inputs]
+        self._inputs += 1
+        return Value.of_node(self.low.b.input(node.name, shape, origin="input"), shape)
 
     def _output(self, node):
         out = node.args[0]
@@ -242,6 +255,11 @@ class FxInterpreter:
     def _index(self, fn, tensors):
         outs, many = self.low.index_op(fn, tensors)
         return tuple(outs) if many else outs[0]
+
+
+def low_input_count(low, takes: int, given: int):
+    low.unsupported(f"the model takes {takes} tensor input(s), input_shape gives {given} shape(s): pass "
+                    "input_shape=[(...), (...)], one shape per input (without the batch axis)", "placeholder")
 
 
 def _data_readers(node) -> int:

@@ -29,13 +29,25 @@ _SAME = {aten.clone.default, aten.alias.default, aten.detach.default, aten.conti
          aten.dropout.default, aten.feature_dropout.default, aten.lift_fresh_copy.default}
 
 
-def lower_exported(model, shape, name):
-    example = torch.zeros((2, *shape))
-    program = torch.export.export(model, (example,))
+def lower_exported(model, shapes, name):
+    """Export with example inputs in the model's own dtype and device (batch 2) and interpret;
+    constants torch.export lifts to inputs are constants, never tensor inputs."""
+    shapes = [tuple(shapes)] if shapes and not isinstance(shapes[0], (tuple, list)) else list(shapes)
+    dtype, device = _dtype_device(model)
+    examples = tuple(torch.zeros((2, *s), dtype=dtype, device=device) for s in shapes)
+    program = torch.export.export(model, examples)
     sig = program.graph_signature
-    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
-    return _ExportInterpreter(model, program.graph_module, name, lifted, tensors).run(shape)
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers()), **dict(program.constants)}
+    lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers,
+              **getattr(sig, "inputs_to_lifted_tensor_constants", {})}
+    return _ExportInterpreter(model, program.graph_module, name, lifted, tensors).run(shapes)
+
+
+def _dtype_device(model):
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_floating_point():
+            return t.dtype, t.device
+    return torch.float32, torch.device("cpu")
 
 
 class _ExportInterpreter(FxInterpreter):

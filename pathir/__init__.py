@@ -4,8 +4,10 @@ from pathir.errors import (
     BackendError,
     GraphTooLarge,
     GraphVerificationError,
+    InputShapeError,
     PathirError,
     PathNormOverflow,
+    SelfCheckFailed,
     UnsupportedOperation,
 )
 
@@ -18,7 +20,7 @@ from pathir.lifting.path_metric import PathMetric, output_bound, path_metric
 __all__ = [
     "compile", "Compiled", "Summary", "Graph", "GraphBuilder", "verify",
     "PathirError", "UnsupportedOperation", "GraphVerificationError", "GraphTooLarge",
-    "PathNormOverflow", "BackendError",
+    "PathNormOverflow", "BackendError", "SelfCheckFailed", "InputShapeError",
     "path_metric", "output_bound", "PathMetric", "optim",
 ]
 

@@ -9,6 +9,8 @@ __all__ = [
     "GraphTooLarge",
     "PathNormOverflow",
     "BackendError",
+    "SelfCheckFailed",
+    "InputShapeError",
 ]
 
 
@@ -47,3 +49,12 @@ class PathNormOverflow(PathirError, OverflowError):
 
 class BackendError(PathirError):
     """A backend failed while evaluating a node; the message names the node."""
+
+
+class SelfCheckFailed(PathirError):
+    """The compiled IR does not compute what the model computes (compile's self-check);
+    the message gives the deviation and the first node where the two disagree."""
+
+
+class InputShapeError(PathirError, ValueError):
+    """``input_shape`` (or ``example_input``) does not fit the model; the message says the expected form."""
