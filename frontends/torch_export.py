@@ -25,7 +25,7 @@ _VIEW_OPS = {
     aten.split_with_sizes.default, aten.chunk.default, aten.unsqueeze.default, aten.squeeze.dim,
     aten.squeeze.dims, aten.narrow.default, aten.cat.default, aten.select.int, aten.expand.default,
 }
-_SAME = {aten.clone.default, aten.alias.default, aten.detach.default, aten.contiguous.default,
+_SAME = {aten.clone.default, aten.alias.default, aten.detach.default, aten.detach_.default, aten.contiguous.default,
          aten.dropout.default, aten.feature_dropout.default, aten.lift_fresh_copy.default}
 
 
