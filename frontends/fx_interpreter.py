@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from pathir.errors import PathirError
 from pathir.frontends.capture_checks import alias_plan, check_modes, effect_fx
+from pathir.frontends.lower_extra import NOT_MINE, lower_function, lower_method, lower_module
 from pathir.frontends.lowering import Lowering
 from pathir.frontends.values import ParamTensor, Value
 
@@ -170,6 +171,9 @@ class FxInterpreter:
             return low.index_op(lambda t: torch.flatten(t, mod.start_dim, mod.end_dim), [x])[0][0]
         if isinstance(mod, (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.AlphaDropout, nn.Identity)):
             return x
+        out = lower_module(low, mod, args)
+        if out is not NOT_MINE:
+            return out
         name = type(mod).__name__
         low.unsupported(why(name), name)
 
@@ -181,6 +185,9 @@ class FxInterpreter:
             if any(isinstance(a, ParamTensor) for a in list(args) + list(kwargs.values())):
                 low.unsupported("computes with a model parameter outside linear/conv/batch-norm layers")
             return fn(*args, **kwargs)  # shape arithmetic on concrete sizes
+        out = lower_function(low, fn, args, kwargs)
+        if out is not NOT_MINE:
+            return out
         if fn in _RELU:
             return low.relu(args[0])
         if fn in _ADD:
@@ -233,6 +240,9 @@ class FxInterpreter:
             if isinstance(self_, ParamTensor):
                 low.unsupported("computes with a model parameter outside linear/conv/batch-norm layers")
             return getattr(self_, name)(*args[1:], **kwargs)
+        out = lower_method(low, name, args, kwargs)
+        if out is not NOT_MINE:
+            return out
         if name == "size":
             size = self_.size()
             return size if not args[1:] and "dim" not in kwargs else size[(args[1:] or [kwargs["dim"]])[0]]

@@ -12,6 +12,7 @@ import operator
 import torch
 
 from pathir.frontends.capture_checks import effect_export
+from pathir.frontends.lower_extra import NOT_MINE, lower_function
 from pathir.frontends.fx_interpreter import FxInterpreter, bind, values_in, substitute, why
 from pathir.frontends.values import ParamTensor, Value
 
@@ -27,6 +28,16 @@ _VIEW_OPS = {
 }
 _SAME = {aten.clone.default, aten.alias.default, aten.detach.default, aten.detach_.default, aten.contiguous.default,
          aten.dropout.default, aten.feature_dropout.default, aten.lift_fresh_copy.default}
+
+#: ATen ops lowered by lower_extra through their torch spelling
+_EXTRA = {
+    aten.sub.Tensor: torch.sub, aten.sub.Scalar: torch.sub, aten.rsub.Scalar: torch.rsub,
+    aten.mul.Tensor: torch.mul, aten.mul.Scalar: torch.mul, aten.div.Tensor: torch.div, aten.div.Scalar: torch.div,
+    aten.neg.default: torch.neg, aten.maximum.default: torch.maximum, aten.clamp_min.default: torch.clamp_min,
+    aten.clamp.default: torch.clamp, aten.leaky_relu.default: torch.nn.functional.leaky_relu,
+    aten.threshold.default: torch.threshold, aten.unflatten.int: torch.unflatten,
+    aten.mul_.Tensor: torch.mul, aten.sub_.Tensor: torch.sub, aten.div_.Tensor: torch.div,
+}
 
 
 def lower_exported(model, shapes, name):
@@ -110,5 +121,9 @@ class _ExportInterpreter(FxInterpreter):
             return low.mean(x, dim, keepdim)
         if fn in _VIEW_OPS:
             return self._index(lambda *ids: fn(*substitute(args, ids), **substitute(kwargs, ids)), values_in(args, kwargs))
+        if fn in _EXTRA:
+            out = lower_function(low, _EXTRA[fn], args, kwargs)
+            if out is not NOT_MINE:
+                return out
         op = getattr(fn, "__name__", str(fn))
         low.unsupported(why(op.split(".")[0]), op)

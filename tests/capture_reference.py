@@ -87,8 +87,11 @@ def linearized():
 
 
 def path_norm_q(model, input_shapes, q=1.0):
-    """Σ_p |Φ_p(θ)|^q computed on the model itself (see the module docstring)."""
+    """Σ_p |Φ_p(θ)|^q computed on the model itself (see the module docstring); a model
+    with a ``q`` attribute gets it set to q (its fixed constants c become |c|^q)."""
     m = copy.deepcopy(model).double().eval()
+    if hasattr(m, "q"):
+        m.q = q
     with torch.no_grad():
         for p in m.parameters():
             p.copy_(p.abs() ** q)
