@@ -65,9 +65,10 @@ def lower(model: nn.Module, input_shape=None, example_input=None) -> Lowered:
             torch_inputs.explain(model, shapes, err)
             raise
     from .torch_writer import TorchWriter
+    from .train_branches import train_only_modules
 
     n_params = sum(p.numel() for p in model.parameters())
-    return Lowered(graph, TorchWriter(model), n_params, name)
+    return Lowered(graph, TorchWriter(model, train_only=train_only_modules(model, graph)), n_params, name)
 
 
 def _lower_graph(model, shapes, name):

@@ -55,8 +55,9 @@ class TorchWriter:
     True
     """
 
-    def __init__(self, model):
+    def __init__(self, model, train_only=()):
         self.model = model
+        self.train_only = list(train_only)  # modules only the train-mode forward runs (train_branches)
 
     # ------------------------------------------------------------ helpers
     def _locate(self, name: str):
@@ -90,6 +91,7 @@ class TorchWriter:
         """
         import torch
 
+        self.check_rescalable(graph)
         by_tensor = {
             name: {role: (f.T if transposed and role is Role.VALUE else f) for role, (f, transposed) in sides.items()}
             for name, sides in source_factors(graph, log_scales).items()
@@ -112,6 +114,23 @@ class TorchWriter:
         for _, _, module, attr in updates:
             _refresh_pruned(module, attr)
             _refresh_derived(module, attr)
+
+    def check_rescalable(self, graph: Graph) -> None:
+        """Raise PathirError if a rescaling of ``graph`` cannot be written exactly: modules that only
+        the train-mode forward runs (train_branches), or a source tensor computed by a spectral norm
+        or an unknown parametrization (param_write). Nothing is written either way."""
+        if self.train_only:
+            raise PathirError(
+                f"write-back refused: module(s) {', '.join(self.train_only)} run only in train mode (the eval graph "
+                "pathir analyses does not contain them) and read channels a rescaling changes, so their train-mode "
+                "output would change; build the model without them (e.g. aux_logits=False) or drop them "
+                "(model.<name> = None) before rescaling. The model is untouched")
+        for p in graph.params():
+            for ref in p.sources:
+                module, attr = self._locate(ref.name)
+                d = derived(module, attr, ref.name)
+                if d is not None and d.kind == "refused":
+                    raise PathirError(d.why)
 
     def _updates(self, name, sides):
         """[(stored tensor, its new value, module, attribute)] for source tensor ``name``;

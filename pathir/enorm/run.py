@@ -165,10 +165,12 @@ def enorm(cm, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, costs=
     True
     """
     from pathir.enorm.solver import solve_enorm
-    from pathir.rescaling.commit import commit_rescaling
+    from pathir.rescaling.commit import check_writable, commit_rescaling
 
     if not p > 0:
         raise ValueError(f"p must be > 0, got {p}")
+    if write_back:
+        check_writable(cm)
     start = time.perf_counter()
     units = cm.units
     B, layout = cm.incidence()
@@ -206,8 +208,10 @@ def normalize(cm, p: float = 2.0, write_back: bool = True) -> NormalizeReport:
     """
     from pathir.passes.normalize import normalize_log_scales
 
-    from pathir.rescaling.commit import commit_rescaling
+    from pathir.rescaling.commit import check_writable, commit_rescaling
 
+    if write_back:
+        check_writable(cm)
     start = time.perf_counter()
     units = cm.units
     result = normalize_log_scales(cm.graph, units, p, incidence=cm.incidence())

@@ -192,10 +192,12 @@ def pathcond(cm, solver: str = "block", max_sweeps: int = 1000, tol: float = 1e-
     """
     from pathir.lifting.diag_g import diag_g_flat
     from pathir.pathcond.solvers import METHODS, solve
-    from pathir.rescaling.commit import commit_rescaling
+    from pathir.rescaling.commit import check_writable, commit_rescaling
 
     if solver not in METHODS:
         raise ValueError(f"unknown PathCond solver '{solver}'; choose one of {sorted(METHODS)}")
+    if write_back:
+        check_writable(cm)
     start = time.perf_counter()
     timings: dict[str, float] = {}
 

@@ -29,13 +29,21 @@ from pathir.errors import PathirError
 from pathir.ir import Role
 from pathir.rescaling.apply import log_scales, rescale_graph
 
-__all__ = ["commit_rescaling", "rescaled_graph"]
+__all__ = ["commit_rescaling", "rescaled_graph", "check_writable"]
 
 
 def rescaled_graph(cm, z):
     """``cm.graph`` rescaled by z, with the cached B (no model touched)."""
     with np.errstate(over="ignore", under="ignore"):  # checked by commit_rescaling
         return rescale_graph(cm.graph, cm.units, z)
+
+
+def check_writable(cm) -> None:
+    """Refuse early (before a solver runs) a write-back the frontend would refuse anyway:
+    train-mode-only modules, spectral-normalized or otherwise parametrized weights."""
+    check = getattr(cm.frontend, "check_rescalable", None)
+    if check is not None:
+        check(cm.graph)
 
 
 def commit_rescaling(cm, z) -> None:
