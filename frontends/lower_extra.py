@@ -133,7 +133,11 @@ def _max(low, values) -> Value:
     k = len(values)
     stacked = low.index_op(lambda *ts: torch.stack(ts, dim=-1), values)[0][0]
     n = len(stacked.shape) - 1
-    pooled = low.max_pool(stacked, (1,) * (n - 1) + (k,), (1,) * (n - 1) + (k,))
+    window = (1,) * (n - 1) + (k,)
+    pool = Pool(window, window, ((0, 0),) * n, (1,) * n, False)
+    src = low.materialize(stacked)
+    name = low.b.maxpool(low.label, src, pool, origin=getattr(low, "where", ""))
+    pooled = Value.of_node(name, low.b.shape(name))
     return low.index_op(lambda t: t.squeeze(-1), [pooled])[0][0]
 
 
