@@ -93,13 +93,28 @@ def _compare(cm, outs: dict, refs: list, dtype: str, where) -> None:
 
 @contextlib.contextmanager
 def _eval(model):
+    """Eval mode for one forward; afterwards every training flag is restored and so is
+    every attribute a forward pre-hook assigns (pruning and weight/spectral-norm hooks
+    recompute ``module.weight`` as a new tensor object: the same one stays in place)."""
     flags = [(m, m.training) for m in model.modules()]
+    kept = [(m, name, getattr(m, name)) for m in model.modules() for name in _hook_attrs(m) if hasattr(m, name)]
     try:
         model.train(False)
         yield
     finally:
         for m, flag in flags:
             m.training = flag
+        for m, name, value in kept:
+            setattr(m, name, value)
+
+
+def _hook_attrs(module) -> list[str]:
+    names = []
+    for hook in module._forward_pre_hooks.values():
+        name = getattr(hook, "_tensor_name", None) or getattr(hook, "name", None)
+        if isinstance(name, str):
+            names.append(name)
+    return names
 
 
 def _dtype_device(model):
@@ -132,7 +147,7 @@ def torch_inputs(cm, model):
     xs = []
     for name in cm.graph.inputs:
         x = torch.randn(BATCH, *cm.graph.node(name).shape, generator=gen, dtype=torch.float64).to(dtype)
-        xs.append((name, x.double().numpy(), x.to(device)))
+        xs.append((name, x.double().numpy().copy(), x.to(device)))  # a model may write its input in place
     return xs
 
 
@@ -141,7 +156,7 @@ def _check_torch(cm, model) -> None:
 
     xs = torch_inputs(cm, model)
     with _eval(model), torch.no_grad():
-        refs = [_numpy(t) for t in _tensors(model(*[x for _, _, x in xs]))]
+        refs = [_numpy(t) for t in _tensors(model(*[x.clone() for _, _, x in xs]))]
     outs = _ir_forward(cm, {n: a for n, a, _ in xs})
     dtype = str(_dtype_device(model)[0]).replace("torch.", "")
     _compare(cm, outs, refs, dtype, lambda: _first_torch(cm, model, xs, TOLERANCE.get(dtype, 1e-4)))
@@ -159,7 +174,7 @@ def _first_torch(cm, model, xs, tol) -> str:
         handles.append(mod.register_forward_hook(hook))
     try:
         with _eval(model), torch.no_grad():
-            model(*[x for _, _, x in xs])
+            model(*[x.clone() for _, _, x in xs])
     finally:
         for h in handles:
             h.remove()
