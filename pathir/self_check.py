@@ -1,7 +1,8 @@
 """Compile's self-check: the IR computes what the model computes.
 
 After lowering and the default passes, :func:`self_check` runs the IR's own
-forward (float64, torch backend when torch is installed, else numpy) and the
+forward (torch backend when torch is installed, else numpy; float64 for a float64
+model, float32 otherwise: the check is about structure) and the
 model's own forward once each, on a seeded random batch of 2 (cast to the
 model's dtype and device, the same values fed to both), and compares them
 relative to max|model output|, with a tolerance fitted to the model's dtype
@@ -32,23 +33,27 @@ TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2
 BATCH = 2
 
 
-def _backend(cm):
+def _backend(cm, dtype: str):
+    """The torch backend (numpy without torch), in float64 for a float64 model and in float32
+    otherwise: the check is about structure, and float32 convolutions are several times faster."""
     try:
-        import torch  # noqa: F401
+        import torch
 
-        return cm._backend("torch")
+        from pathir.backends.torch import TorchBackend
     except ImportError:
         return cm._backend("numpy")
+    return TorchBackend(dtype=torch.float64 if dtype == "float64" else torch.float32)
 
 
 def _numpy(a) -> np.ndarray:
     return a.detach().cpu().double().numpy() if hasattr(a, "detach") else np.asarray(a, dtype=np.float64)
 
 
-def _ir_forward(cm, inputs: dict, all_nodes=False) -> dict:
+def _ir_forward(cm, inputs: dict, dtype: str, all_nodes=False) -> dict:
     from pathir.lifting.walk import forward
 
-    return {k: _numpy(v) for k, v in forward(cm.graph, _backend(cm), inputs, all_nodes=all_nodes).items()}
+    backend = _backend(cm, dtype)
+    return {k: _numpy(v) for k, v in forward(cm.graph, backend, inputs, all_nodes=all_nodes).items()}
 
 
 def _deviation(out: np.ndarray, ref: np.ndarray) -> float:
@@ -157,12 +162,12 @@ def _check_torch(cm, model) -> None:
     xs = torch_inputs(cm, model)
     with _eval(model), torch.no_grad():
         refs = [_numpy(t) for t in _tensors(model(*[x.clone() for _, _, x in xs]))]
-    outs = _ir_forward(cm, {n: a for n, a, _ in xs})
     dtype = str(_dtype_device(model)[0]).replace("torch.", "")
-    _compare(cm, outs, refs, dtype, lambda: _first_torch(cm, model, xs, TOLERANCE.get(dtype, 1e-4)))
+    outs = _ir_forward(cm, {n: a for n, a, _ in xs}, dtype)
+    _compare(cm, outs, refs, dtype, lambda: _first_torch(cm, model, xs, dtype))
 
 
-def _first_torch(cm, model, xs, tol) -> str:
+def _first_torch(cm, model, xs, dtype: str) -> str:
     """The first IR node (graph order) whose value differs from its module's recorded output."""
     import torch
 
@@ -178,7 +183,8 @@ def _first_torch(cm, model, xs, tol) -> str:
     finally:
         for h in handles:
             h.remove()
-    acts = _ir_forward(cm, {n: a for n, a, _ in xs}, all_nodes=True)
+    acts = _ir_forward(cm, {n: a for n, a, _ in xs}, dtype, all_nodes=True)
+    tol = TOLERANCE.get(dtype, 1e-4)
     for node in cm.graph.nodes:
         ref = recorded.get(node.origin)
         if ref is not None and ref.shape == acts[node.name].shape and _deviation(acts[node.name], ref) > tol:
@@ -217,6 +223,6 @@ def _check_onnx(cm, model) -> None:
         x = rng.normal(size=(batch, *cm.graph.node(inp.name).shape)).astype(dtype)
         feeds[inp.name], inputs[inp.name] = x, x.astype(np.float64)
     refs = [np.asarray(r, dtype=np.float64) for r in sess.run(None, feeds)]
-    outs = _ir_forward(cm, inputs)
     dtype = np.dtype(next(iter(feeds.values())).dtype).name
+    outs = _ir_forward(cm, inputs, dtype)
     _compare(cm, outs, refs, dtype, lambda: "")
