@@ -84,8 +84,10 @@ def trace(model: nn.Module) -> torch.fx.GraphModule:
 
 _VIEW_METHODS = {"view", "reshape", "flatten", "transpose", "permute", "chunk", "split", "squeeze", "unsqueeze",
                  "view_as", "reshape_as", "narrow", "expand", "expand_as", "t", "select", "unbind", "movedim",
-                 "swapaxes", "swapdims", "unflatten", "as_strided", "diagonal", "unfold", "tensor_split", "mT", "T"}
-_WHOLE_METHODS = {"detach", "contiguous", "requires_grad_", "type_as", "to", "cpu", "cuda", "float", "double", "half"}
+                 "swapaxes", "swapdims", "unflatten", "as_strided", "diagonal", "unfold", "tensor_split", "mT", "T",
+                 # may return the tensor itself or a copy: a write through them is refused, never rebound
+                 "contiguous", "type_as", "to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type"}
+_WHOLE_METHODS = {"detach", "requires_grad_"}
 _VIEW_FUNCS = {torch.flatten, torch.reshape, torch.transpose, torch.permute, torch.chunk, torch.split, torch.squeeze,
                torch.unsqueeze, torch.narrow, torch.t, torch.select, torch.unbind, torch.movedim, torch.swapaxes,
                torch.tensor_split, torch.unflatten, torch.diagonal, operator.getitem}

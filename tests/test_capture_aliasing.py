@@ -147,3 +147,52 @@ def test_torchvision_resnet_inplace_relus_still_compile():
     torchvision = pytest.importorskip("torchvision")
     model = torchvision.models.resnet18(num_classes=5).double()
     assert_forward(model, (3, 32, 32), tol=1e-9, batch=2)
+
+
+class CastThenMutate(_Lin):
+    """x.double() may be x itself or a copy: a write through it is refused, never guessed."""
+
+    def forward(self, x):
+        h = self.a(x)
+        y = h.double()
+        y.relu_()
+        return self.c(h + y)
+
+
+class ChunkThenMutate(_Lin):
+    def forward(self, x):
+        h = self.a(x)
+        p, q = h.chunk(2, dim=1)
+        p.relu_()
+        return self.c(h)
+
+
+class SetItemZero(_Lin):
+    def forward(self, x):
+        h = self.a(x)
+        h[:, 0] = 0.0
+        return self.c(h)
+
+
+@pytest.mark.parametrize("cls", [CastThenMutate, ChunkThenMutate, SetItemZero])
+def test_more_writes_through_aliases_refused(cls):
+    with pytest.raises(UnsupportedOperation, match="in-place|writes"):
+        pathir.compile(cls().double(), input_shape=(3,))
+
+
+class InplaceOnConcat(_Lin):
+    """relu_ on a tensor that a later torch.cat reads: the cat sees the ReLU."""
+
+    def forward(self, x):
+        h = self.a(x)
+        g = self.b(x)
+        torch.relu_(h)
+        return self.c(torch.relu(torch.cat([h, g], dim=1)[:, :4] + h))
+
+
+def test_inplace_then_cat_rebinds():
+    torch.manual_seed(0)
+    model = InplaceOnConcat().double()
+    cm = assert_forward(model, (3,))
+    for q in (1.0, 2.0):
+        assert cm.path_norm(q) ** q == pytest.approx(path_norm_q(model, [(3,)], q), rel=1e-10)
