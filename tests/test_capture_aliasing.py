@@ -196,3 +196,33 @@ def test_inplace_then_cat_rebinds():
     cm = assert_forward(model, (3,))
     for q in (1.0, 2.0):
         assert cm.path_norm(q) ** q == pytest.approx(path_norm_q(model, [(3,)], q), rel=1e-10)
+
+
+class ExportInplaceSkip(_Lin):
+    """Control flow on a shape sends it to torch.export: the ATen graph keeps relu_ and add_."""
+
+    def forward(self, x):
+        h = self.a(x)
+        g = h
+        if h.shape[1] == 4:
+            h += self.b(x)
+        y = torch.relu_(h)
+        return self.c(g + y)
+
+
+def test_export_fallback_rebinds_like_eager():
+    torch.manual_seed(0)
+    model = ExportInplaceSkip().double()
+    cm = assert_forward(model, (3,))
+    for q in (1.0, 2.0):
+        assert cm.path_norm(q) ** q == pytest.approx(path_norm_q(model, [(3,)], q), rel=1e-10)
+
+
+@pytest.mark.parametrize("cls", [ReluUnderscoreSkip, AugmentedAlias, ExportInplaceSkip])
+def test_pathcond_keeps_the_function_of_aliasing_models(cls):
+    torch.manual_seed(0)
+    model = cls().double()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    before = model(x.clone()).detach()
+    pathir.compile(model, input_shape=(3,)).pathcond()
+    assert torch.allclose(model(x.clone()).detach(), before, rtol=1e-10, atol=1e-12)
