@@ -88,9 +88,13 @@ def _dtype_device(model):
 
 def explain(model: nn.Module, shapes, err: Exception) -> None:
     """Raise InputShapeError if the model itself fails on zeros of ``shapes`` (batch 2)."""
+    from pathir.self_check import (
+        _eval,  # eval mode, flags and hook-assigned attributes restored
+    )
+
     dtype, device = _dtype_device(model)
     try:
-        with torch.no_grad():
+        with _eval(model), torch.no_grad():
             model(*[torch.zeros((2, *s), dtype=dtype, device=device) for s in shapes])
     except Exception as model_err:  # the model's own verdict on this input
         first = str(model_err).strip().splitlines()[0] if str(model_err).strip() else type(model_err).__name__

@@ -127,3 +127,14 @@ def test_lifted_constant_is_not_a_second_input():
     model = WithConstant().double()
     cm = assert_forward(model, (3,))
     assert len(cm.graph.inputs) == 1
+
+
+def test_bad_shape_on_a_pruned_model_leaves_its_tensors_in_place():
+    from torch.nn.utils import prune
+
+    model = _cnn()
+    prune.l1_unstructured(model[0], "weight", amount=0.5)
+    weight = model[0].weight
+    with pytest.raises(InputShapeError):
+        pathir.compile(model, input_shape=(4, 8, 8))
+    assert model[0].weight is weight
