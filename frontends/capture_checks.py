@@ -39,7 +39,8 @@ import torch.nn.functional as F
 
 from pathir.errors import UnsupportedOperation
 
-__all__ = ["InplaceTracer", "alias_plan", "check_modes", "check_hooks", "effect_fx", "effect_export"]
+__all__ = ["InplaceTracer", "alias_plan", "refuse_inplace", "apply_inplace", "check_modes", "check_hooks",
+           "effect_fx", "effect_export"]
 
 # ---------------------------------------------------------------- tracing with augmented assignment
 
@@ -247,8 +248,38 @@ def alias_plan(graph: torch.fx.Graph, model, effect, is_state=lambda node: False
             mutations.append((n, src))
     plan = {}
     for n, m in mutations:
-        plan[n] = _rebind_for(n, m, edges, pos, is_state)
+        try:
+            plan[n] = (m, _rebind_for(n, m, edges, pos, is_state))
+        except UnsupportedOperation as err:
+            if any(is_state(a) or a.op == "get_attr" for a in _component(m, edges, pos[n], pos, {"whole", "view"})):
+                raise
+            plan[n] = (m, err)  # raised only if the mutated value is an activation (see apply_inplace)
     return plan
+
+
+def _on_activation(plan: dict, node, env: dict):
+    """The plan's action for ``node`` if it writes an activation (a Value), else None:
+    an augmented assignment on a Python number (``n += 1`` on a size) mutates nothing."""
+    from pathir.frontends.values import Value
+
+    action = plan.get(node)
+    if action is None or not isinstance(env.get(action[0]), Value):
+        return None
+    return action[1]
+
+
+def refuse_inplace(plan: dict, node, env: dict) -> None:
+    """Before ``node`` is evaluated: raise the plan's refusal if it writes an activation through a view."""
+    todo = _on_activation(plan, node, env)
+    if isinstance(todo, UnsupportedOperation):
+        raise todo
+
+
+def apply_inplace(plan: dict, node, env: dict, value) -> None:
+    """After ``node`` was evaluated to ``value``: rebind the later readers of the activation it wrote."""
+    todo = _on_activation(plan, node, env)
+    for alias in todo if isinstance(todo, list) else ():
+        env[alias] = value
 
 
 def _rebind_for(n, m, edges, pos, is_state) -> list:

