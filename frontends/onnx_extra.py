@@ -16,7 +16,8 @@ __all__ = ["ExtraOps"]
 
 
 def _scalar(c) -> float | None:
-    if isinstance(c, np.ndarray) and c.size == 1 and (np.issubdtype(c.dtype, np.floating) or np.issubdtype(c.dtype, np.integer)):
+    numeric = isinstance(c, np.ndarray) and (np.issubdtype(c.dtype, np.floating) or np.issubdtype(c.dtype, np.integer))
+    if numeric and c.size == 1:
         return float(c.reshape(-1)[0])
     return None
 
