@@ -4,11 +4,11 @@
 
 For each model (float32, eval, 3x224x224): the median compile time without the
 self-check, the median time of the self-check as compile runs it (the first one on
-a Compiled, which also builds the IR's float64 parameters for the torch backend) and
+a Compiled, which also builds the IR's parameters for the torch backend) and
 of a second one, the median time of one forward of the torch model on the
 self-check's batch (2 samples, torch.no_grad), and the ratio (self-check) / (model forward).
-The self-check runs the model once and
-the IR once (float64, torch backend), so the ratio is about 1 + (IR forward / model forward).
+The self-check runs the model once and the IR once (torch backend, float32 for a
+float32 model), so the ratio is about 1 + (IR forward / model forward).
 """
 
 from __future__ import annotations
