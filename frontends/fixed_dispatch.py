@@ -25,12 +25,11 @@ from pathir.frontends.fixed_maps import (
     pixel_unshuffle,
     resampled,
 )
-from pathir.frontends.values import ParamTensor, Value
+from pathir.frontends.values import NOT_MINE, ParamTensor, Value
 
 __all__ = ["NOT_MINE", "module", "function", "method", "aten_op", "conv_with_mode"]
 
 #: returned by the dispatchers when the op is not one of theirs
-NOT_MINE = object()
 
 
 def _pad_modules() -> dict:

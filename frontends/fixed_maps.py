@@ -264,9 +264,8 @@ def mul(low, a, b) -> Value | None:
 
 
 def scaled(low, v: Value, c: float) -> Value:
-    if c == 0 or not math.isfinite(c):
-        low.unsupported(f"multiplying by the constant {c}: not a fixed weight (zero removes every path)")
-    if len(v.shape) < 2:
-        low.unsupported(f"a constant factor {c} on a tensor without spatial axes: not lowered")
-    mats = (c * np.eye(v.shape[1]),) + tuple(np.eye(L) for L in v.shape[2:])
-    return resampled(low, v, mats, "times_constant")
+    """c · v with c a non-zero constant: one fixed edge of weight c per position (the one
+    spelling both frontends use, ``lower_extra.fixed_scale``)."""
+    from pathir.frontends.lower_extra import fixed_scale
+
+    return fixed_scale(low, v, c)

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 
 from pathir.errors import PathirError
 from pathir.frontends import fixed_dispatch
+from pathir.frontends.capture_checks import alias_plan, apply_inplace, check_modes, effect_fx, refuse_inplace
+from pathir.frontends.lower_extra import NOT_MINE, lower_function, lower_method, lower_module
 from pathir.frontends.lowering import Lowering
 from pathir.frontends.values import ParamTensor, Value
 
@@ -43,7 +45,11 @@ _WHY = {
     "GroupNorm": "normalizes by input-dependent statistics",
     "LocalResponseNorm": "normalizes by input-dependent statistics",
     "MultiheadAttention": "attention multiplies activations together",
-    "ConvTranspose2d": "transposed convolutions are not lowered yet",
+    "ConvTranspose1d": "transposed convolutions are inside the ReLU DAG model but not lowered yet",
+    "ConvTranspose2d": "transposed convolutions are inside the ReLU DAG model but not lowered yet",
+    "ConvTranspose3d": "transposed convolutions are inside the ReLU DAG model but not lowered yet",
+    "conv_transpose1d": "transposed convolutions are inside the ReLU DAG model but not lowered yet",
+    "conv_transpose2d": "transposed convolutions are inside the ReLU DAG model but not lowered yet",
     "mul": "a multiplicative gate between two activations (or a constant factor)",
     "sigmoid": "not positively homogeneous",
     "hardsigmoid": "not positively homogeneous",
@@ -68,20 +74,35 @@ _PASS_FUNCS = {F.dropout, F.dropout1d, F.dropout2d, F.alpha_dropout, F.feature_a
 
 
 class FxInterpreter:
+    effect = staticmethod(effect_fx)  # what a node does to storage (capture_checks)
+
+    def _is_state(self, node) -> bool:
+        return node.op == "get_attr"
+
     def __init__(self, model: nn.Module, gm: torch.fx.GraphModule, name: str):
         self.model, self.gm = model, gm
         self.low = Lowering(name)
         self.env: dict[torch.fx.Node, object] = {}
 
-    def run(self, shape):
+    def run(self, shapes):
+        """Lower the traced program; ``shapes``: one per-sample shape per tensor input."""
+        shapes = [tuple(shapes)] if shapes and not isinstance(shapes[0], (tuple, list)) else [tuple(s) for s in shapes]
+        self._inputs = 0
+        check_modes(self.gm.graph)
+        rebind = alias_plan(self.gm.graph, self.model, self.effect, self._is_state)
         for node in self.gm.graph.nodes:
             self.low.fx_name = node.name
             self.low.label = str(node.target) if node.op == "call_module" else node.name
             self.low.where = _module_path(node)
             self.low.op = _op_name(node, self.model)
             if node.op == "output":
+                if self._inputs != len(shapes):
+                    low_input_count(self.low, self._inputs, len(shapes))
                 return self._output(node)
-            value = self.env[node] = self._eval(node, shape)
+            refuse_inplace(rebind, node, self.env)  # a write some later reader sees through a view
+            value = self._eval(node, shapes)
+            apply_inplace(rebind, node, self.env, value)  # an in-place op: later readers read its result
+            self.env[node] = value
             if isinstance(value, Value) and value.node is None and _data_readers(node) > 1:
                 self.low.materialize(value)  # one node for every reader, not a copy per reader
         raise PathirError("the traced program has no output")
@@ -89,12 +110,10 @@ class FxInterpreter:
     def _args(self, node):
         return torch.fx.node.map_arg((node.args, node.kwargs), lambda n: self.env[n])
 
-    def _eval(self, node, shape):
+    def _eval(self, node, shapes):
         low = self.low
         if node.op == "placeholder":
-            if any(isinstance(v, Value) for v in self.env.values()):
-                low.unsupported("a second tensor input: pathir lowers models with one input", "placeholder")
-            return Value.of_node(low.b.input(node.name, shape, origin="input"), shape)
+            return self._input(node, shapes)
         if node.op == "get_attr":
             obj = _get(self.model, node.target)
             return ParamTensor(node.target, obj) if isinstance(obj, torch.Tensor) else obj
@@ -106,6 +125,16 @@ class FxInterpreter:
         if node.op == "call_method":
             return self._method(node.target, args, kwargs)
         low.unsupported(f"fx op {node.op}")
+
+    def _input(self, node, shapes):
+        """The next tensor input (its shape from ``shapes``), or the default of an optional argument."""
+        if self._inputs >= len(shapes):
+            if node.args:
+                return node.args[0]  # forward(self, x, mask=None): the default
+            low_input_count(self.low, self._inputs + 1, len(shapes))
+        shape = shapes[self._inputs]
+        self._inputs += 1
+        return Value.of_node(self.low.b.input(node.name, shape, origin="input"), shape)
 
     def _output(self, node):
         out = node.args[0]
@@ -151,7 +180,9 @@ class FxInterpreter:
         if isinstance(mod, (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.AlphaDropout, nn.Identity)):
             return x
         out = fixed_dispatch.module(low, mod, x)
-        if out is not fixed_dispatch.NOT_MINE:
+        if out is NOT_MINE:
+            out = lower_module(low, mod, args)
+        if out is not NOT_MINE:
             return out
         name = type(mod).__name__
         low.unsupported(why(name), name)
@@ -165,7 +196,9 @@ class FxInterpreter:
                 low.unsupported("computes with a model parameter outside linear/conv/batch-norm layers")
             return fn(*args, **kwargs)  # shape arithmetic on concrete sizes
         out = fixed_dispatch.function(low, self.model, fn, args, kwargs)
-        if out is not fixed_dispatch.NOT_MINE:
+        if out is NOT_MINE:
+            out = lower_function(low, fn, args, kwargs)
+        if out is not NOT_MINE:
             return out
         if fn in _RELU:
             return low.relu(args[0])
@@ -219,14 +252,16 @@ class FxInterpreter:
             if isinstance(self_, ParamTensor):
                 low.unsupported("computes with a model parameter outside linear/conv/batch-norm layers")
             return getattr(self_, name)(*args[1:], **kwargs)
+        out = fixed_dispatch.method(low, name, args, kwargs)
+        if out is NOT_MINE:
+            out = lower_method(low, name, args, kwargs)
+        if out is not NOT_MINE:
+            return out
         if name == "size":
             size = self_.size()
             return size if not args[1:] and "dim" not in kwargs else size[(args[1:] or [kwargs["dim"]])[0]]
         if name == "dim":
             return len(self_.shape) + 1
-        out = fixed_dispatch.method(low, name, args, kwargs)
-        if out is not fixed_dispatch.NOT_MINE:
-            return out
         if name in ("relu", "relu_"):
             return low.relu(self_)
         if name in ("add", "add_", "__add__", "__iadd__"):
@@ -244,6 +279,11 @@ class FxInterpreter:
     def _index(self, fn, tensors):
         outs, many = self.low.index_op(fn, tensors)
         return tuple(outs) if many else outs[0]
+
+
+def low_input_count(low, takes: int, given: int):
+    low.unsupported(f"the model takes {takes} tensor input(s), input_shape gives {given} shape(s): pass "
+                    "input_shape=[(...), (...)], one shape per input (without the batch axis)", "placeholder")
 
 
 def _data_readers(node) -> int:

@@ -4,7 +4,9 @@ Lowered ops: Gemm (transA/transB, alpha/beta), MatMul (+ Add), Conv (groups,
 pads, strides, dilations, auto_pad), BatchNormalization (inference), Relu,
 MaxPool / GlobalMaxPool (ceil_mode, pads, dilations), AveragePool
 (count_include_pad), GlobalAveragePool, ReduceMean over the spatial axes, Add
-(skip or constant bias), Concat, Flatten, Reshape, Transpose, Squeeze,
+(skip or constant bias), Sub and Neg (a fixed -1 edge), Mul / Div by a scalar
+constant (a fixed edge), Max of activations (a max-pool neuron), LeakyRelu with
+alpha 0, Concat, Flatten, Reshape, Transpose, Squeeze,
 Unsqueeze, Slice, Split, Gather, Pad (zeros), Identity, Dropout, Cast; any node
 that reads no activation (the Shape / Gather / Unsqueeze / Concat arithmetic in
 front of a Reshape, Constant nodes) is folded to a constant. Anything else

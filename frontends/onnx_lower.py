@@ -30,6 +30,7 @@ from pathir.frontends.values import Value
 from pathir.ir import Identity, Param, SourceRef
 
 from .onnx_eval import run_node, run_on_ids
+from .onnx_extra import ExtraOps
 from .onnx_layers import LayerOps, attrs, f64
 from .onnx_ops import AXIS1_OK, DEFAULT_WHY, INDEX_OPS, SECOND_OUTPUT, WHY
 from .onnx_resize import ResizeOps
@@ -42,7 +43,7 @@ class Sequence(list):
     """An ONNX sequence of activations (SplitToSequence), read by SequenceAt."""
 
 
-class OnnxLowering(ResizeOps, LayerOps, Lowering):
+class OnnxLowering(ResizeOps, ExtraOps, LayerOps, Lowering):
     """Walks the live nodes of one ONNX graph and builds the IR."""
 
     def __init__(self, src, shapes: dict[str, tuple[int, ...]], batch: int | None, types: dict[str, int]):

@@ -12,8 +12,11 @@ import operator
 import torch
 
 from pathir.frontends import fixed_dispatch
+from pathir.frontends.capture_checks import effect_export
 from pathir.frontends.fx_interpreter import FxInterpreter, bind, substitute, values_in, why
-from pathir.frontends.values import ParamTensor, Value
+from pathir.frontends.lower_extra import lower_function
+from pathir.frontends.torch_inputs import model_dtype_device
+from pathir.frontends.values import NOT_MINE, ParamTensor, Value
 
 __all__ = ["lower_exported"]
 
@@ -25,21 +28,40 @@ _VIEW_OPS = {
     aten.split_with_sizes.default, aten.chunk.default, aten.unsqueeze.default, aten.squeeze.dim,
     aten.squeeze.dims, aten.narrow.default, aten.cat.default, aten.select.int, aten.expand.default,
 }
-_SAME = {aten.clone.default, aten.alias.default, aten.detach.default, aten.contiguous.default,
+_SAME = {aten.clone.default, aten.alias.default, aten.detach.default, aten.detach_.default, aten.contiguous.default,
          aten.dropout.default, aten.feature_dropout.default, aten.lift_fresh_copy.default}
 
+#: ATen ops lowered by lower_extra through their torch spelling
+_EXTRA = {
+    aten.sub.Tensor: torch.sub, aten.sub.Scalar: torch.sub, aten.rsub.Scalar: torch.rsub,
+    aten.mul.Tensor: torch.mul, aten.mul.Scalar: torch.mul, aten.div.Tensor: torch.div, aten.div.Scalar: torch.div,
+    aten.neg.default: torch.neg, aten.maximum.default: torch.maximum, aten.clamp_min.default: torch.clamp_min,
+    aten.clamp.default: torch.clamp, aten.leaky_relu.default: torch.nn.functional.leaky_relu,
+    aten.threshold.default: torch.threshold, aten.unflatten.int: torch.unflatten,
+    aten.mul_.Tensor: torch.mul, aten.sub_.Tensor: torch.sub, aten.div_.Tensor: torch.div,
+}
 
-def lower_exported(model, shape, name):
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    example = torch.zeros((2, *shape), dtype=dtype)
-    program = torch.export.export(model, (example,))
+
+def lower_exported(model, shapes, name):
+    """Export with example inputs in the model's own dtype and device (batch 2) and interpret;
+    constants torch.export lifts to inputs are constants, never tensor inputs."""
+    shapes = [tuple(shapes)] if shapes and not isinstance(shapes[0], (tuple, list)) else list(shapes)
+    dtype, device = model_dtype_device(model)
+    examples = tuple(torch.zeros((2, *s), dtype=dtype, device=device) for s in shapes)
+    program = torch.export.export(model, examples)
     sig = program.graph_signature
-    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
-    return _ExportInterpreter(model, program.graph_module, name, lifted, tensors).run(shape)
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers()), **dict(program.constants)}
+    lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers,
+              **getattr(sig, "inputs_to_lifted_tensor_constants", {})}
+    return _ExportInterpreter(model, program.graph_module, name, lifted, tensors).run(shapes)
 
 
 class _ExportInterpreter(FxInterpreter):
+    effect = staticmethod(effect_export)
+
+    def _is_state(self, node) -> bool:
+        return node.op == "placeholder" and node.name in self.lifted
+
     def __init__(self, model, gm, name, lifted, tensors):
         super().__init__(model, gm, name)
         self.lifted, self.tensors = lifted, tensors
@@ -56,7 +78,7 @@ class _ExportInterpreter(FxInterpreter):
             if fn is operator.getitem or not isinstance(fn, torch._ops.OpOverload):
                 return super()._function(fn, args, kwargs)
         out = fixed_dispatch.aten_op(low, self.model, fn, args, kwargs)
-        if out is not fixed_dispatch.NOT_MINE:
+        if out is not NOT_MINE:
             return out
         if fn in _SAME:
             return args[0]
@@ -97,5 +119,9 @@ class _ExportInterpreter(FxInterpreter):
             return low.mean(x, dim, keepdim)
         if fn in _VIEW_OPS:
             return self._index(lambda *ids: fn(*substitute(args, ids), **substitute(kwargs, ids)), values_in(args, kwargs))
+        if fn in _EXTRA:
+            out = lower_function(low, _EXTRA[fn], args, kwargs)
+            if out is not NOT_MINE:
+                return out
         op = getattr(fn, "__name__", str(fn))
         low.unsupported(why(op.split(".")[0]), op)

@@ -21,6 +21,7 @@ import torch.fx
 import torch.nn as nn
 
 from pathir.errors import PathirError, UnsupportedOperation
+from pathir.frontends import capture_checks, torch_inputs
 from pathir.frontends.fx_interpreter import FxInterpreter
 
 from .common import Lowered
@@ -43,38 +44,41 @@ def _eval_mode(model: nn.Module):
 
 
 def trace(model: nn.Module) -> torch.fx.GraphModule:
-    """torch.fx symbolic trace with torch.nn modules as leaves (the default tracer)."""
-    return torch.fx.symbolic_trace(model)
-
-
-def _example(input_shape, example_input):
-    if example_input is not None:
-        if not isinstance(example_input, torch.Tensor):
-            raise PathirError("example_input must be one batched tensor")
-        return tuple(example_input.shape[1:])
-    if input_shape is None:
-        raise PathirError("pathir.compile needs input_shape=(C, H, W) or example_input= for a torch model")
-    return tuple(int(s) for s in input_shape)
+    """torch.fx symbolic trace with torch.nn modules as leaves; ``a += b`` is
+    recorded as the in-place ``operator.iadd`` (capture_checks.InplaceTracer)."""
+    return capture_checks.trace(model)
 
 
 def lower(model: nn.Module, input_shape=None, example_input=None) -> Lowered:
     """Lower ``model`` to a raw Graph (batch-norms not yet folded)."""
     if not isinstance(model, nn.Module):
         raise PathirError(f"expected a torch.nn.Module, got {type(model).__name__}")
-    shape = _example(input_shape, example_input)
+    shapes = torch_inputs.input_shapes(input_shape, example_input)
+    torch_inputs.check_model(model)
+    torch_inputs.warn_train_batchnorm(model)
+    stale = capture_checks.check_hooks(model)
     name = type(model).__name__
-    with _eval_mode(model):
+    with _eval_mode(model), capture_checks.fresh_hook_tensors(stale):
         try:
-            gm = trace(model)
-            graph = FxInterpreter(model, gm, name).run(shape)
-        except (torch.fx.proxy.TraceError, TypeError, NotImplementedError) as fx_error:
-            if isinstance(fx_error, UnsupportedOperation):
-                raise
-            graph = _lower_exported(model, shape, name, fx_error)
+            graph = _lower_graph(model, shapes, name)
+        except Exception as err:
+            torch_inputs.explain(model, shapes, err)
+            raise
     from .torch_writer import TorchWriter
+    from .train_branches import train_only_modules
 
     n_params = sum(p.numel() for p in model.parameters())
-    return Lowered(graph, TorchWriter(model), n_params, name)
+    return Lowered(graph, TorchWriter(model, train_only=train_only_modules(model, graph)), n_params, name)
+
+
+def _lower_graph(model, shapes, name):
+    try:
+        gm = trace(model)
+        return FxInterpreter(model, gm, name).run(shapes)
+    except (torch.fx.proxy.TraceError, TypeError, NotImplementedError) as fx_error:
+        if isinstance(fx_error, UnsupportedOperation):
+            raise
+        return _lower_exported(model, shapes, name, fx_error)
 
 
 # ---------------------------------------------------------------- torch.export

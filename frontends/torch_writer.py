@@ -32,6 +32,7 @@ import numpy as np
 from pathir.errors import PathirError
 from pathir.ir import Graph, Role
 
+from .param_write import derived, refresh, weight_norm_update
 from .write_rules import mask_plan, source_factors
 
 __all__ = ["TorchWriter"]
@@ -54,8 +55,9 @@ class TorchWriter:
     True
     """
 
-    def __init__(self, model):
+    def __init__(self, model, train_only=()):
         self.model = model
+        self.train_only = list(train_only)  # modules only the train-mode forward runs (train_branches)
 
     # ------------------------------------------------------------ helpers
     def _locate(self, name: str):
@@ -89,6 +91,7 @@ class TorchWriter:
         """
         import torch
 
+        self.check_rescalable(graph)
         by_tensor = {
             name: {role: (f.T if transposed and role is Role.VALUE else f) for role, (f, transposed) in sides.items()}
             for name, sides in source_factors(graph, log_scales).items()
@@ -96,22 +99,57 @@ class TorchWriter:
         updates = []  # (tensor, new value) computed before anything is written
         seen: dict[int, tuple[str, object]] = {}
         for name, sides in by_tensor.items():
-            module, attr, t = self._tensor(name)
-            old = t.detach().to("cpu", torch.float64).numpy()
-            new = self._new_value(name, module, attr, old, sides)
-            new_t = torch.as_tensor(new, dtype=torch.float64).to(dtype=t.dtype, device=t.device)
-            if id(t) in seen:  # one tensor under two names (tied weights)
-                other, other_new = seen[id(t)]
-                if not torch.allclose(other_new.double(), new_t.double(), rtol=1e-9, atol=0):
-                    raise PathirError(f"tensors '{other}' and '{name}' are one tensor but would be rescaled differently")
-                continue
-            seen[id(t)] = (name, new_t)
-            updates.append((t, new_t, module, attr))
+            for t, new_t, module, attr in self._updates(name, sides):
+                if id(t) in seen:  # one tensor under two names (tied weights)
+                    other, other_new = seen[id(t)]
+                    if not torch.allclose(other_new.double(), new_t.double(), rtol=1e-9, atol=0):
+                        raise PathirError(f"tensors '{other}' and '{name}' are one tensor but would be rescaled "
+                                          "differently")
+                    continue
+                seen[id(t)] = (name, new_t)
+                updates.append((t, new_t, module, attr))
         with torch.no_grad():
             for t, new_t, _, _ in updates:
                 t.copy_(new_t)
         for _, _, module, attr in updates:
             _refresh_pruned(module, attr)
+            _refresh_derived(module, attr)
+
+    def check_rescalable(self, graph: Graph) -> None:
+        """Raise PathirError if a rescaling of ``graph`` cannot be written exactly: modules that only
+        the train-mode forward runs (train_branches), or a source tensor computed by a spectral norm
+        or an unknown parametrization (param_write). Nothing is written either way."""
+        if self.train_only:
+            raise PathirError(
+                f"write-back refused: module(s) {', '.join(self.train_only)} run only in train mode (the eval graph "
+                "pathir analyses does not contain them) and read channels a rescaling changes, so their train-mode "
+                "output would change; build the model without them (e.g. aux_logits=False) or drop them "
+                "(model.<name> = None) before rescaling. The model is untouched")
+        for p in graph.params():
+            for ref in p.sources:
+                module, attr = self._locate(ref.name)
+                d = derived(module, attr, ref.name)
+                if d is not None and d.kind == "refused":
+                    raise PathirError(d.why)
+
+    def _updates(self, name, sides):
+        """[(stored tensor, its new value, module, attribute)] for source tensor ``name``;
+        a derived weight (weight_norm) is written through its g and v; other derived
+        weights (spectral_norm, unknown parametrizations) are refused."""
+        import torch
+
+        module, attr = self._locate(name)
+        d = derived(module, attr, name)
+        if d is None:
+            module, attr, t = self._tensor(name)
+            old = t.detach().to("cpu", torch.float64).numpy()
+            new = self._new_value(name, module, attr, old, sides)
+            return [(t, torch.as_tensor(new, dtype=torch.float64).to(dtype=t.dtype, device=t.device), module, attr)]
+        if d.kind != "weight_norm" or Role.IN_STATS in sides:
+            raise PathirError(d.why or f"'{name}' is weight-normalized and cannot hold running statistics")
+        old = getattr(module, attr).detach().to("cpu", torch.float64).numpy()
+        factor = self._new_value(name, module, attr, np.ones_like(old), sides)
+        return [(t, new_t, module, attr) for t, new_t in weight_norm_update(d, factor)]
 
     @staticmethod
     def _new_value(name, module, attr, old: np.ndarray, sides: dict[Role, np.ndarray]) -> np.ndarray:
@@ -151,6 +189,10 @@ class TorchWriter:
         plan, targets = [], set()
         for p, m, ref in mask_plan(graph, masks):
             m = m.T if ref.transposed else m
+            module, attr = self._locate(ref.name)
+            if derived(module, attr, ref.name) is not None:
+                raise PathirError(f"'{ref.name}' is computed from other tensors (a parametrization or a "
+                                  "weight/spectral-norm hook): it cannot be pruned by a mask")
             module, attr, t = self._tensor(ref.name)
             if not isinstance(module._parameters.get(attr + "_orig", module._parameters.get(attr)), torch.nn.Parameter):
                 raise PathirError(f"'{ref.name}' is not a parameter of the model: it cannot be pruned")
@@ -171,3 +213,10 @@ def _refresh_pruned(module, attr: str) -> None:
     for hook in module._forward_pre_hooks.values():
         if isinstance(hook, BasePruningMethod) and hook._tensor_name == attr:
             setattr(module, attr, hook.apply_mask(module))
+
+
+def _refresh_derived(module, attr: str) -> None:
+    """Recompute a legacy weight_norm weight after its g and v changed, as its hook does."""
+    d = derived(module, attr, attr)
+    if d is not None and d.kind == "weight_norm":
+        refresh(module, attr, d)

@@ -33,6 +33,9 @@ BATCH = 2
 SELECTION = frozenset({MapKind.IDENTITY, MapKind.RESHAPE, MapKind.CHANNEL_MAP, MapKind.GATHER})
 
 
+#: what a dispatch helper returns for an op that is not one of its own (the caller goes on)
+NOT_MINE = object()
+
 @dataclass
 class Value:
     """A pending sum: pre-activation = sum of map(node output) + bias."""

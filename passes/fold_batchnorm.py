@@ -11,7 +11,10 @@ and v reads u's sources directly (the onnxscript fusion rule
 W' = W * gamma / sigma, b' = (b - mu) * gamma / sigma + beta). The batch-norm's
 gamma and beta become OUT_SCALE sources of W' and b', so a rescaling of the
 unit is written back onto the batch-norm affine (exact in train and eval mode).
-Where the pattern does not hold the Scale edge stays (an identity-neuron layer).
+Where the pattern does not hold the Scale edge stays (an identity-neuron layer);
+in particular a weight or bias read by another edge too (one conv module called
+twice, each call followed by its own batch-norm) is never folded: scaling it
+for one reader would change the other.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ def fold_batchnorm(graph: Graph) -> Graph:
     Preserves: the function R_theta (exactly, up to rounding) and the units
     (each folded channel stays one unit)."""
     nodes = {n.name: n for n in graph.nodes}
+    shared = _shared_params(graph)
     removed: set[str] = set()
     for v in graph.nodes:
         if len(v.edges) == 0:
@@ -47,7 +51,7 @@ def fold_batchnorm(graph: Graph) -> Graph:
         new_edges, bias, changed = [], v.bias, False
         for e in v.edges:
             u = nodes.get(e.source)
-            if not (e.map.kind is MapKind.SCALE and _foldable(graph, u)):
+            if not (e.map.kind is MapKind.SCALE and _foldable(graph, u, shared)):
                 new_edges.append(e)
                 continue
             s, refs = e.map.W.value, _out_scale_refs(e.map.W)
@@ -66,11 +70,24 @@ def fold_batchnorm(graph: Graph) -> Graph:
     return graph.replace_nodes(nodes[n.name] for n in graph.nodes if n.name not in removed)
 
 
-def _foldable(graph: Graph, u) -> bool:
+def _shared_params(graph: Graph) -> set[str]:
+    """Names of the params read by more than one edge or bias (weight sharing across calls)."""
+    seen, shared = set(), set()
+    for n in graph.nodes:
+        params = [e.map.W.name for e in n.edges if e.map.kind in PARAMETERIZED]
+        params += [n.bias.name] if n.bias is not None else []
+        for name in params:
+            (shared if name in seen else seen).add(name)
+    return shared
+
+
+def _foldable(graph: Graph, u, shared: set[str]) -> bool:
     return (
         u is not None
         and u.kind is NodeKind.IDENTITY
         and u.name not in graph.outputs
         and len(graph.consumers[u.name]) == 1
         and all(e.map.kind in PARAMETERIZED for e in u.edges)
+        and all(e.map.W.name not in shared for e in u.edges)
+        and (u.bias is None or u.bias.name not in shared)
     )

@@ -4,9 +4,11 @@ from pathir.errors import (
     BackendError,
     GraphTooLarge,
     GraphVerificationError,
+    InputShapeError,
     ModelChanged,
     PathirError,
     PathNormOverflow,
+    SelfCheckFailed,
     UnsupportedOperation,
 )
 
@@ -19,7 +21,7 @@ from pathir.lifting.path_metric import PathMetric, output_bound, path_metric
 __all__ = [
     "compile", "Compiled", "Summary", "Graph", "GraphBuilder", "verify",
     "PathirError", "UnsupportedOperation", "GraphVerificationError", "GraphTooLarge",
-    "PathNormOverflow", "BackendError", "ModelChanged",
+    "PathNormOverflow", "BackendError", "ModelChanged", "SelfCheckFailed", "InputShapeError",
     "path_metric", "output_bound", "PathMetric", "optim",
 ]
 

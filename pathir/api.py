@@ -18,7 +18,7 @@ def _is_onnx(model) -> bool:
 
 
 def compile(model, input_shape: Sequence[int] | None = None, example_input=None, passes: Sequence = (),
-            backend=None, check: bool = True) -> Compiled:
+            backend=None, check: bool = True, self_check: bool = True) -> Compiled:
     """Lower ``model`` to the pathir IR and run the compile pipeline.
 
     Parameters
@@ -29,6 +29,9 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
     passes : extra ``Graph -> Graph`` passes run after the default pipeline
     backend : default backend of the result ("torch", "numpy")
     check : verify the graph after every pass
+    self_check : run the IR's forward and the model's own forward once each on a seeded
+        random batch and raise ``SelfCheckFailed`` if they differ (beyond a tolerance fitted
+        to the model's dtype); see docs/capture.md. ``False`` skips it.
 
     The model is never modified.
 
@@ -41,9 +44,10 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
     from pathir.passes import DEFAULT_PIPELINE, run_passes
 
     watch = relower = None
-    if isinstance(model, Graph):
+    kind = "graph" if isinstance(model, Graph) else "onnx" if _is_onnx(model) else "torch"
+    if kind == "graph":
         graph, writer, n_src, name = verify(model), None, None, model.name
-    elif _is_onnx(model):
+    elif kind == "onnx":
         from pathir.frontends.onnx import lower
 
         low = lower(model, input_shape=input_shape)
@@ -61,5 +65,10 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
             return run_passes(raw, (*DEFAULT_PIPELINE, *passes), check=False)
 
     graph = run_passes(graph, (*DEFAULT_PIPELINE, *passes), check=check)
-    return Compiled(graph, model=model, writer=writer, source_num_params=n_src, backend=backend, name=name,
-                    watch=watch, relower=relower)
+    cm = Compiled(graph, model=model, writer=writer, source_num_params=n_src, backend=backend, name=name,
+                  watch=watch, relower=relower)
+    if self_check:
+        from pathir.self_check import self_check as run_self_check
+
+        run_self_check(cm, model, kind)
+    return cm

@@ -302,6 +302,7 @@ class Compiled:
         (apply ``report.z`` with :meth:`rescaled` or :meth:`commit_rescaling`). See docs/pathcond.md."""
         from pathir.pathcond.run import pathcond
 
+        self._check_writable(write_back)
         return pathcond(self.facts, self.get_backend(backend), solver=solver, max_sweeps=max_sweeps, tol=tol,
                         commit=self.commit_rescaling if write_back else None, name=self.name)
 
@@ -311,6 +312,7 @@ class Compiled:
         returns an ENormReport. See docs/normalize.md."""
         from pathir.enorm.run import enorm
 
+        self._check_writable(write_back)
         return enorm(self.facts, p=p, max_sweeps=max_sweeps, tol=tol, costs=costs, solver=solver,
                      commit=self.commit_rescaling if write_back else None, name=self.name)
 
@@ -319,8 +321,16 @@ class Compiled:
         l_p norm; rescales the model in place; returns a NormalizeReport. See docs/normalize.md."""
         from pathir.enorm.run import normalize_units
 
+        self._check_writable(write_back)
         return normalize_units(self.facts, p=p, commit=self.commit_rescaling if write_back else None,
                                name=self.name)
+
+    def _check_writable(self, write_back: bool) -> None:
+        """Refuse a write-back the writer would refuse, before any solver runs."""
+        if write_back:
+            from pathir.rescaling.commit import check_writable
+
+            check_writable(self.graph, self.writer)
 
     def rescaled(self, z) -> "Compiled":
         """A new Compiled whose graph is rescaled by z (one log-scale per unit:

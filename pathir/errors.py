@@ -10,6 +10,8 @@ __all__ = [
     "PathNormOverflow",
     "BackendError",
     "ModelChanged",
+    "SelfCheckFailed",
+    "InputShapeError",
 ]
 
 
@@ -53,3 +55,12 @@ class BackendError(PathirError):
 class ModelChanged(PathirError):
     """The model a Compiled follows changed in a way it cannot follow (its structure, or
     any change under a snapshot Compiled): compile it again."""
+
+
+class SelfCheckFailed(PathirError):
+    """The compiled IR does not compute what the model computes (compile's self-check);
+    the message gives the deviation and the first node where the two disagree."""
+
+
+class InputShapeError(PathirError, ValueError):
+    """``input_shape`` (or ``example_input``) does not fit the model; the message says the expected form."""

@@ -42,7 +42,7 @@ REFUSED = {
     "ese_vovnet19b_slim_dw": "Hardsigmoid",
     "convnext_atto": "layer_norm",
     "cspresnet50": "LeakyReLU",
-    "nf_resnet26": "reshape",  # weight standardization: computes with a parameter
+    "nf_resnet26": "batch_norm",  # weight standardization: batch_norm(training=True) on a parameter
 }
 
 

@@ -29,13 +29,21 @@ from pathir.errors import PathirError
 from pathir.ir import Graph, Role
 from pathir.rescaling.apply import log_scales, rescale_graph
 
-__all__ = ["commit_rescaling", "rescaled_graph"]
+__all__ = ["commit_rescaling", "rescaled_graph", "check_writable"]
 
 
 def rescaled_graph(graph: Graph, units, z) -> Graph:
     """``graph`` rescaled by z (no model touched; overflow is checked by :func:`commit_rescaling`)."""
     with np.errstate(over="ignore", under="ignore"):
         return rescale_graph(graph, units, z)
+
+
+def check_writable(graph: Graph, writer) -> None:
+    """Refuse early (before a solver runs) a write-back the writer would refuse anyway:
+    train-mode-only modules, spectral-normalized or otherwise parametrized weights."""
+    check = getattr(writer, "check_rescalable", None)
+    if check is not None:
+        check(graph)
 
 
 def commit_rescaling(graph: Graph, units, z, model=None, writer=None) -> Graph:

@@ -1,0 +1,452 @@
+"""Faithful capture: what torch.fx / torch.export graphs do not show, checked.
+
+A traced graph is a dataflow graph; eager PyTorch is not: an in-place op
+writes storage that other tensors (aliases, views, bases) share, hooks run
+around a module's forward, and a functional call may fix its mode in the code.
+This module checks a traced graph against these, before it is lowered:
+
+- :func:`alias_plan` finds every in-place op. When the mutated tensor is
+  read later through the same storage as a *whole* tensor (the tensor itself,
+  ``g = h`` bindings, in-place outputs, ``detach``), the plan *rebinds* those
+  readers to the op's result (eager semantics). When a later reader sees the
+  mutation through a *view* (a slice, a reshape, the base of a mutated view),
+  the op is refused: the IR would read the value before the mutation.
+- :func:`check_modes` refuses functional calls whose mode is fixed in the code:
+  ``F.dropout(x, p, training=True)`` (random), ``F.batch_norm(..., training=True)``
+  (batch statistics: input-dependent).
+- :func:`check_hooks` refuses module and global forward (pre-)hooks, which the
+  traced graph does not run, except the ones whose effect is already in the
+  tensors the module reads (pruning, legacy weight/spectral norm) when those
+  tensors are up to date.
+- :class:`InplaceTracer` is the fx tracer the torch frontend uses: unlike the
+  default one it records ``h += y`` as ``operator.iadd`` (the default traces it
+  as ``h = h + y``, hiding the mutation of ``h``'s storage).
+
+Invariant: after these checks pass and the plan is applied, every value the
+interpreter reads is the value eager PyTorch reads at that point of the program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import operator
+from collections import deque
+
+import torch
+import torch.fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pathir.errors import UnsupportedOperation
+
+__all__ = ["InplaceTracer", "alias_plan", "refuse_inplace", "apply_inplace", "check_modes", "check_hooks", "fresh_hook_tensors",
+           "effect_fx", "effect_export"]
+
+# ---------------------------------------------------------------- tracing with augmented assignment
+
+_IOPS = {
+    "__iadd__": operator.iadd, "__isub__": operator.isub, "__imul__": operator.imul,
+    "__itruediv__": operator.itruediv, "__ifloordiv__": operator.ifloordiv, "__ipow__": operator.ipow,
+    "__iand__": operator.iand, "__ior__": operator.ior, "__ixor__": operator.ixor,
+    "__imod__": operator.imod, "__ilshift__": operator.ilshift, "__irshift__": operator.irshift,
+    "__imatmul__": operator.imatmul,
+}
+
+
+class _InplaceProxy(torch.fx.Proxy):
+    """A Proxy that records augmented assignment as the in-place operator."""
+
+
+def _make_iop(fn):
+    def iop(self, other):
+        return self.tracer.create_proxy("call_function", fn, (self, other), {})
+
+    return iop
+
+
+for _name, _fn in _IOPS.items():
+    setattr(_InplaceProxy, _name, _make_iop(_fn))
+
+
+class InplaceTracer(torch.fx.Tracer):
+    """The default fx tracer, except that ``a += b`` becomes ``operator.iadd(a, b)``."""
+
+    def proxy(self, node):
+        return _InplaceProxy(node, self)
+
+
+def trace(model: nn.Module) -> torch.fx.GraphModule:
+    tracer = InplaceTracer()
+    graph = tracer.trace(model)
+    return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+# ---------------------------------------------------------------- what a node does to storage
+
+_VIEW_METHODS = {"view", "reshape", "flatten", "transpose", "permute", "chunk", "split", "squeeze", "unsqueeze",
+                 "view_as", "reshape_as", "narrow", "expand", "expand_as", "t", "select", "unbind", "movedim",
+                 "swapaxes", "swapdims", "unflatten", "as_strided", "diagonal", "unfold", "tensor_split", "mT", "T",
+                 # may return the tensor itself or a copy: a write through them is refused, never rebound
+                 "contiguous", "type_as", "to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type"}
+_WHOLE_METHODS = {"detach", "requires_grad_"}
+_VIEW_FUNCS = {torch.flatten, torch.reshape, torch.transpose, torch.permute, torch.chunk, torch.split, torch.squeeze,
+               torch.unsqueeze, torch.narrow, torch.t, torch.select, torch.unbind, torch.movedim, torch.swapaxes,
+               torch.tensor_split, torch.unflatten, torch.diagonal, operator.getitem}
+_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout}
+_WHOLE_FUNCS = {torch.detach} | _DROPOUTS
+_DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def _signature(fn):
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def _bound(fn, args, kwargs) -> dict:
+    """The call's arguments by name ({} when fn has no Python signature)."""
+    sig = _signature(fn)
+    if sig is None:
+        return {}
+    try:
+        b = sig.bind(*args, **kwargs)
+    except TypeError:
+        return {}
+    b.apply_defaults()
+    return dict(b.arguments)
+
+
+def _get(model, target: str):
+    obj = model
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def effect_fx(node, model):
+    """What ``node`` of an fx symbolic trace does to the storage of its first
+    argument: ("mutate", arg), ("whole", arg) (same storage, same elements),
+    ("view", arg) (shares part of, or reindexes, the storage), or None."""
+    if not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    arg = node.args[0]
+    if node.op == "call_method":
+        name = str(node.target)
+        if name in _VIEW_METHODS:
+            return "view", arg
+        if name in _WHOLE_METHODS:
+            return "whole", arg
+        if name.endswith("_") and not name.startswith("_"):
+            return "mutate", arg
+        return None
+    if node.op == "call_function":
+        fn = node.target
+        if fn in _IOPS.values() or fn is operator.setitem:
+            return "mutate", arg
+        if fn in _VIEW_FUNCS:
+            return "view", arg
+        if fn in _WHOLE_FUNCS:
+            return "whole", arg
+        name = getattr(fn, "__name__", "")
+        if name.endswith("_") and not name.startswith("_"):
+            return "mutate", arg
+        if node.kwargs.get("inplace") is True or _bound(fn, node.args, node.kwargs).get("inplace") is True:
+            return "mutate", arg
+        return None
+    if node.op == "call_module":
+        mod = _get(model, str(node.target))
+        if isinstance(mod, _DROPOUT_MODULES) or isinstance(mod, nn.Identity):
+            return "whole", arg  # the identity in eval mode (inplace dropout writes nothing)
+        if isinstance(mod, (nn.Flatten, nn.Unflatten)):
+            return "view", arg
+        if getattr(mod, "inplace", False) is True:
+            return "mutate", arg
+    return None
+
+
+def effect_export(node, model):
+    """:func:`effect_fx` for an exported ATen graph, read from the op schemas."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    fn = node.target
+    if fn is operator.getitem:
+        return "view", node.args[0]
+    schema = getattr(fn, "_schema", None)
+    if schema is None or not schema.arguments:
+        return None
+    info = schema.arguments[0].alias_info
+    if info is not None and info.is_write:
+        return "mutate", node.args[0]
+    if info is not None and any(r.alias_info is not None for r in schema.returns):
+        name = schema.name.split("::")[-1]
+        return ("whole" if name in ("alias", "detach") else "view"), node.args[0]
+    return None
+
+
+# ---------------------------------------------------------------- the alias plan
+
+_SHAPE_ONLY = {("call_method", "size"), ("call_method", "dim"), ("call_function", getattr)}
+
+
+def _reads_data(user) -> bool:
+    return (user.op, user.target) not in _SHAPE_ONLY
+
+
+def _where(node) -> str:
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1]
+        return path[0] if isinstance(path, tuple) else str(path)
+    return ""
+
+
+def _op(node) -> str:
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", str(node.target))
+    return str(node.target)
+
+
+def _refuse(node, why: str):
+    raise UnsupportedOperation(node.name, _op(node), _where(node), why)
+
+
+def _component(start, edges, before: int, pos, kinds) -> set:
+    """Nodes defined before position ``before`` joined to ``start`` by alias edges of ``kinds``."""
+    seen, todo = {start}, deque([start])
+    while todo:
+        n = todo.popleft()
+        for other, kind in edges.get(n, ()):
+            if kind in kinds and other not in seen and pos[other] < before:
+                seen.add(other)
+                todo.append(other)
+    return seen
+
+
+def alias_plan(graph: torch.fx.Graph, model, effect, is_state=lambda node: False) -> dict:
+    """{in-place node: [earlier nodes whose later readers must read its result]}.
+
+    ``effect(node, model)`` classifies nodes (:func:`effect_fx`, :func:`effect_export`);
+    ``is_state(node)`` says whether a node is a model parameter or buffer.
+    Raises UnsupportedOperation for an in-place op whose effect a later reader
+    sees through a view (or on a parameter/buffer)."""
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    edges: dict = {}
+    mutations = []
+    for n in nodes:
+        eff = effect(n, model)
+        if eff is None:
+            continue
+        kind, src = eff
+        kind = "whole" if kind == "mutate" else kind  # an in-place op returns its input
+        edges.setdefault(n, []).append((src, kind))
+        edges.setdefault(src, []).append((n, kind))
+        if eff[0] == "mutate":
+            mutations.append((n, src))
+    plan = {}
+    for n, m in mutations:
+        try:
+            plan[n] = (m, _rebind_for(n, m, edges, pos, is_state))
+        except UnsupportedOperation as err:
+            if any(is_state(a) or a.op == "get_attr" for a in _component(m, edges, pos[n], pos, {"whole", "view"})):
+                raise
+            plan[n] = (m, err)  # raised only if the mutated value is an activation (see apply_inplace)
+    return plan
+
+
+def _on_activation(plan: dict, node, env: dict):
+    """The plan's action for ``node`` if it writes an activation (a Value), else None:
+    an augmented assignment on a Python number (``n += 1`` on a size) mutates nothing."""
+    from pathir.frontends.values import Value
+
+    action = plan.get(node)
+    if action is None or not isinstance(env.get(action[0]), Value):
+        return None
+    return action[1]
+
+
+def refuse_inplace(plan: dict, node, env: dict) -> None:
+    """Before ``node`` is evaluated: raise the plan's refusal if it writes an activation through a view."""
+    todo = _on_activation(plan, node, env)
+    if isinstance(todo, UnsupportedOperation):
+        raise todo
+
+
+def apply_inplace(plan: dict, node, env: dict, value) -> None:
+    """After ``node`` was evaluated to ``value``: rebind the later readers of the activation it wrote."""
+    todo = _on_activation(plan, node, env)
+    for alias in todo if isinstance(todo, list) else ():
+        env[alias] = value
+
+
+def _rebind_for(n, m, edges, pos, is_state) -> list:
+    at = pos[n]
+    group = _component(m, edges, at, pos, {"whole", "view"})
+    same = _component(m, edges, at, pos, {"whole"})
+    if any(is_state(a) or a.op == "get_attr" for a in group):
+        _refuse(n, "an in-place op on a model parameter or buffer changes the model while it runs")
+    rebind = []
+    for a in sorted(group, key=pos.get):
+        later = [u for u in a.users if pos[u] > at and _reads_data(u)]
+        if not later:
+            continue
+        if a not in same:
+            rel = "a view of" if _is_view_of(a, m, edges, pos) else "the base (or another view) of"
+            _refuse(n, f"in-place op on '{m.name}' writes storage that '{a.name}', {rel} it, shares; "
+                       f"'{later[0].name}' reads '{a.name}' afterwards, and a traced graph would read the value "
+                       f"before the write (write out-of-place, e.g. y = x.relu(), or clone the view)")
+        rebind.append(a)
+    return rebind
+
+
+def _is_view_of(a, m, edges, pos) -> bool:
+    """Whether ``a`` derives from ``m`` (rather than ``m`` from ``a``)."""
+    node = a
+    seen = set()
+    while node not in seen:
+        seen.add(node)
+        src = [o for o, _ in edges.get(node, ()) if pos[o] < pos[node]]
+        if not src:
+            return False
+        node = src[0]
+        if node is m:
+            return True
+    return False
+
+
+# ---------------------------------------------------------------- modes fixed in the code
+
+_RANDOM = "is random: dropout with training=True fixed in the code (pass training=self.training)"
+_BATCH_STATS = ("normalizes with batch statistics: batch_norm with training=True fixed in the code is "
+                "input-dependent (pass training=self.training, or use running statistics)")
+
+
+def _fixed_mode(node) -> str | None:
+    """The reason a call with a mode fixed in the code is refused, or None."""
+    if node.op != "call_function":
+        return None
+    fn, args, kwargs = node.target, node.args, node.kwargs
+    aten = torch.ops.aten
+    if fn in _DROPOUTS:
+        a = _bound(fn, args, kwargs)
+        return _RANDOM if a.get("training") is True and a.get("p", 0.5) != 0 else None
+    if fn in (torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,
+              aten.dropout.default, aten.alpha_dropout.default, aten.feature_dropout.default):
+        p = args[1] if len(args) > 1 else kwargs.get("p")
+        train = args[2] if len(args) > 2 else kwargs.get("train")
+        return _RANDOM if train is True and p != 0 else None
+    if fn in (aten.native_dropout.default, aten.bernoulli.p, aten.bernoulli.default, aten.rand_like.default):
+        return "is random"
+    if fn is F.batch_norm:
+        return _BATCH_STATS if _bound(fn, args, kwargs).get("training") is True else None
+    if fn in (torch.batch_norm, aten.batch_norm.default):
+        training = args[5] if len(args) > 5 else kwargs.get("training")
+        return _BATCH_STATS if training is True else None
+    if fn in (F.instance_norm, torch.instance_norm):
+        return "normalizes with per-sample statistics: input-dependent"
+    return None
+
+
+def check_modes(graph: torch.fx.Graph) -> None:
+    """Refuse functional calls whose mode is fixed in the code (random, or batch statistics)."""
+    for node in graph.nodes:
+        why = _fixed_mode(node)
+        if why:
+            _refuse(node, why)
+
+
+# ---------------------------------------------------------------- hooks
+
+
+def _harmless_hook(module, hook) -> str | None:
+    """The tensor name a hook keeps up to date (prune, legacy weight/spectral norm), or None."""
+    from torch.nn.utils.prune import BasePruningMethod
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    if isinstance(hook, BasePruningMethod):
+        return hook._tensor_name
+    if isinstance(hook, (WeightNorm, SpectralNorm)):
+        return hook.name
+    return None
+
+
+def _hook_value(module, hook):
+    from torch.nn.utils.prune import BasePruningMethod
+    from torch.nn.utils.spectral_norm import SpectralNorm
+
+    with torch.no_grad():
+        if isinstance(hook, BasePruningMethod):
+            return hook.apply_mask(module)
+        if isinstance(hook, SpectralNorm):
+            return hook.compute_weight(module, do_power_iteration=False)
+        return hook.compute_weight(module)
+
+
+def _hook_name(hook) -> str:
+    return getattr(hook, "__qualname__", None) or type(hook).__name__
+
+
+def check_hooks(model: nn.Module) -> list:
+    """Refuse forward hooks and pre-hooks a traced graph would not run.
+
+    Module hooks: ``_forward_hooks`` (with or without kwargs, always-called),
+    ``_forward_pre_hooks``; global ones registered with
+    ``register_module_forward_(pre_)hook``. Pruning and the legacy weight_norm /
+    spectral_norm pre-hooks are accepted: the tensor they compute is what the
+    module reads. Returns the attributes that lag behind their hook (for
+    :func:`fresh_hook_tensors`)."""
+    from torch.nn.modules import module as M
+
+    for kind, hooks in (("global forward pre-hook", M._global_forward_pre_hooks),
+                        ("global forward hook", M._global_forward_hooks)):
+        for hook in hooks.values():
+            raise UnsupportedOperation("hook", _hook_name(hook), type(model).__name__,
+                                       f"a {kind} changes what modules compute and is not traced; remove it")
+    stale = []
+    for path, mod in model.named_modules():
+        where = path or type(model).__name__
+        for hook in mod._forward_hooks.values():
+            raise UnsupportedOperation("hook", _hook_name(hook), where,
+                                       "a forward hook changes the module's output and is not traced; remove it")
+        for hook in mod._forward_pre_hooks.values():
+            name = _harmless_hook(mod, hook)
+            if name is None:
+                raise UnsupportedOperation("hook", _hook_name(hook), where,
+                                           "a forward pre-hook changes the module's input and is not traced; "
+                                           "remove it")
+            lag = _stale(mod, hook, name, where)
+            if lag is not None:
+                stale.append(lag)
+    return stale
+
+
+def _stale(mod, hook, name: str, where: str):
+    """(module, attribute, the value its hook computes now) when the attribute the module reads
+    lags behind it (the tensors changed since the last forward, e.g. an optimizer step), else None."""
+    current = getattr(mod, name, None)
+    expected = _hook_value(mod, hook)
+    if not isinstance(current, torch.Tensor) or current.shape != expected.shape:
+        raise UnsupportedOperation("hook", type(hook).__name__, where, f"'{name}' is not the tensor its hook computes")
+    if current is expected or torch.equal(current.detach(), expected.detach()):
+        return None
+    return mod, name, expected.detach()
+
+
+@contextlib.contextmanager
+def fresh_hook_tensors(stale):
+    """While lowering, a module reads what its pruning / weight-norm hook would compute at the next
+    forward (as eager PyTorch does), not a value left from before the last parameter update;
+    the model's own attributes are put back afterwards."""
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in stale]
+    try:
+        for mod, name, value in stale:
+            setattr(mod, name, value)
+        yield
+    finally:
+        for mod, name, value in saved:
+            setattr(mod, name, value)

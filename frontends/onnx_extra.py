@@ -1,0 +1,58 @@
+"""ONNX ops inside the ReLU DAG model that the torch frontend lowers in lower_extra:
+Sub and Neg (a fixed −1 edge), Mul / Div by a scalar constant (a fixed edge),
+Max of activations (a max-pool neuron over its operands), LeakyRelu(alpha=0) and
+Clip(min=0, no max) as ReLU. A mixin of OnnxLowering; the semantics are
+lower_extra's, so both frontends build the same graph."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pathir.frontends.lower_extra import _max, fixed_scale
+from pathir.frontends.values import Value
+
+from .onnx_layers import attrs
+
+__all__ = ["ExtraOps"]
+
+
+def _scalar(c) -> float | None:
+    numeric = isinstance(c, np.ndarray) and (np.issubdtype(c.dtype, np.floating) or np.issubdtype(c.dtype, np.integer))
+    if numeric and c.size == 1:
+        return float(c.reshape(-1)[0])
+    return None
+
+
+class ExtraOps:
+    def op_Sub(self, node, ins):
+        a, b = ins
+        if not (isinstance(a, Value) and isinstance(b, Value)):
+            self.unsupported("subtracting a constant: a fixed non-zero bias breaks the rescaling symmetry")
+        if a.shape != b.shape:
+            self.unsupported(f"subtracts activations of shapes {list(a.shape)} and {list(b.shape)}: "
+                             "broadcasting is not lowered")
+        return [self.add(a, fixed_scale(self, b, -1.0))]
+
+    def op_Neg(self, node, ins):
+        return [fixed_scale(self, self.act(node, 0), -1.0)]
+
+    def op_Div(self, node, ins):
+        a, b = ins
+        if isinstance(b, Value):
+            self.unsupported("division by an activation is not positively homogeneous")
+        c = _scalar(b)
+        if c is None or c == 0:
+            self.unsupported("division by a constant that is not one non-zero scalar")
+        return [fixed_scale(self, a, 1.0 / c)]
+
+    def op_Max(self, node, ins):
+        if not all(isinstance(v, Value) for v in ins):
+            self.unsupported("a max with a constant: clipping at a fixed non-zero level is not positively homogeneous")
+        if len(ins) == 1:
+            return [ins[0]]
+        return [_max(self, list(ins))]
+
+    def op_LeakyRelu(self, node, ins):
+        if attrs(node).get("alpha", 0.01) != 0:
+            self.unsupported("LeakyRelu with a non-zero slope: pathir's neurons are identity, ReLU and max-pool only")
+        return [self.relu(self.act(node, 0))]

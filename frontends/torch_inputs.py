@@ -1,0 +1,127 @@
+"""What the torch frontend checks about the model and its input before lowering.
+
+- :func:`input_shapes`: ``input_shape`` is one sample's shape without the batch
+  axis: a tuple of ints, an int (a 1-d input, ``4`` is ``(4,)``), or a list of
+  such shapes for a model with several tensor inputs; ``example_input`` is a
+  batched tensor or a tuple of them.
+- :func:`check_model`: uninitialized lazy modules and models on the meta device
+  have no values to analyse.
+- :func:`warn_train_batchnorm`: a model in train mode with batch-norm is analysed
+  with the running statistics (inference), which a warning says.
+- :func:`explain`: when lowering fails, run the model itself on zeros of the given
+  shape; if the model rejects it too, the input shape is wrong and the error says so.
+
+Every error is an ``InputShapeError`` / ``PathirError`` raised before the model
+is touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+import torch.nn as nn
+
+from pathir.errors import InputShapeError, PathirError
+
+__all__ = ["input_shapes", "check_model", "warn_train_batchnorm", "explain", "model_dtype_device", "eval_forward", "hook_attrs"]
+
+_FORM = "input_shape is one sample's shape without the batch axis, e.g. (3, 224, 224) or (784,)"
+
+
+def _shape(s) -> tuple[int, ...]:
+    if isinstance(s, bool):
+        raise InputShapeError(f"input_shape={s!r}: {_FORM}")
+    if isinstance(s, int):
+        return (s,)
+    try:
+        shape = tuple(int(d) for d in s)
+    except (TypeError, ValueError):
+        raise InputShapeError(f"input_shape={s!r} is not a shape: {_FORM}") from None
+    if not shape or any(d <= 0 for d in shape):
+        raise InputShapeError(f"input_shape={s!r} has no or non-positive sizes: {_FORM}")
+    return shape
+
+
+def input_shapes(input_shape, example_input) -> list[tuple[int, ...]]:
+    """One per-sample shape per tensor input."""
+    if example_input is not None:
+        xs = example_input if isinstance(example_input, (tuple, list)) else [example_input]
+        if not xs or not all(isinstance(x, torch.Tensor) and x.dim() >= 2 for x in xs):
+            raise InputShapeError("example_input must be a batched tensor (batch axis first) or a tuple of them")
+        return [tuple(x.shape[1:]) for x in xs]
+    if input_shape is None:
+        raise InputShapeError("pathir.compile needs input_shape=(C, H, W) or example_input= for a torch model")
+    if isinstance(input_shape, (list, tuple)) and input_shape and all(
+            isinstance(s, (list, tuple, torch.Size)) for s in input_shape):
+        return [_shape(s) for s in input_shape]
+    return [_shape(input_shape)]
+
+
+def check_model(model: nn.Module) -> None:
+    """Refuse models whose tensors hold no values (lazy, meta)."""
+    from torch.nn.modules.lazy import LazyModuleMixin
+
+    for path, m in model.named_modules():
+        if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():
+            raise PathirError(f"module '{path or type(model).__name__}' ({type(m).__name__}) has uninitialized "
+                              "parameters: run one forward pass on a sample input before pathir.compile")
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_meta:
+            raise PathirError(f"tensor '{name}' is on the meta device (no values): materialize the model first, "
+                              "e.g. model.to_empty(device='cpu') then load_state_dict(...)")
+
+
+def warn_train_batchnorm(model: nn.Module) -> None:
+    if model.training and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        warnings.warn(f"{type(model).__name__} is in train mode: pathir analyses its batch-norms with their "
+                      "running (inference statistics), as in eval mode; call model.eval() to silence this",
+                      UserWarning, stacklevel=4)
+
+
+def explain(model: nn.Module, shapes, err: Exception) -> None:
+    """Raise InputShapeError if the model itself fails on zeros of ``shapes`` (batch 2)."""
+    dtype, device = model_dtype_device(model)
+    try:
+        with eval_forward(model), torch.no_grad():
+            model(*[torch.zeros((2, *s), dtype=dtype, device=device) for s in shapes])
+    except Exception as model_err:  # the model's own verdict on this input
+        first = str(model_err).strip().splitlines()[0] if str(model_err).strip() else type(model_err).__name__
+        shown = shapes[0] if len(shapes) == 1 else shapes
+        raise InputShapeError(f"input_shape={shown} does not fit {type(model).__name__}: the model itself fails on "
+                              f"a batch of that shape ({type(model_err).__name__}: {first}); {_FORM}") from err
+
+
+def model_dtype_device(model):
+    """The dtype and device of the model's first floating tensor (float32 on the CPU if none)."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_floating_point():
+            return t.dtype, t.device
+    return torch.float32, torch.device("cpu")
+
+
+@contextlib.contextmanager
+def eval_forward(model):
+    """Eval mode for one forward; afterwards every training flag is restored and so is
+    every attribute a forward pre-hook assigns (pruning and weight/spectral-norm hooks
+    recompute ``module.weight`` as a new tensor object: the same one stays in place)."""
+    flags = [(m, m.training) for m in model.modules()]
+    kept = [(m, name, getattr(m, name)) for m in model.modules() for name in hook_attrs(m) if hasattr(m, name)]
+    try:
+        model.train(False)
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+        for m, name, value in kept:
+            setattr(m, name, value)
+
+
+def hook_attrs(module) -> list[str]:
+    names = []
+    for hook in module._forward_pre_hooks.values():
+        name = getattr(hook, "_tensor_name", None) or getattr(hook, "name", None)
+        if isinstance(name, str):
+            names.append(name)
+    return names

@@ -1,0 +1,81 @@
+"""Branches that run only in train mode (aux classifiers): found, so write-back can refuse them.
+
+pathir analyses the eval-mode function. A module whose parameters the eval graph
+never reads but which the *train-mode* forward calls (torchvision googlenet /
+inception_v3 with ``aux_logits=True``) reads hidden channels that a rescaling
+changes; its own weights are not rescaled, so its train-mode output would change.
+:func:`train_only_modules` finds such modules (one extra fx trace in train mode,
+run only when some parameterized module is unreached by the eval graph; if that
+trace fails, every unreached module counts). The torch writer refuses a
+rescaling naming them; masks (pruning) are not refused: pruning changes the
+function anyway.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from pathir.ir import Graph
+
+__all__ = ["train_only_modules"]
+
+
+def _reached_paths(graph: Graph) -> set[str]:
+    return {ref.name.rpartition(".")[0] for p in graph.params() for ref in p.sources}
+
+
+def _param_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Modules holding parameters themselves (a parametrization's tensors count for its module)."""
+    out = {}
+    for path, m in model.named_modules():
+        if path.split(".")[-1] in ("parametrizations",) or ".parametrizations." in f".{path}.":
+            continue
+        if any(True for _ in m.parameters(recurse=False)) or hasattr(m, "parametrizations"):
+            out[path] = m
+    return out
+
+
+def _collapse(paths: list[str], unreached: set[str], holders: set[str]) -> list[str]:
+    """Each path replaced by its highest ancestor all of whose parameter holders are unreached."""
+    out = set()
+    for path in paths:
+        parts = path.split(".")
+        best = path
+        for i in range(len(parts) - 1, 0, -1):
+            prefix = ".".join(parts[:i])
+            under = [h for h in holders if h == prefix or h.startswith(prefix + ".")]
+            if under and all(h in unreached for h in under):
+                best = prefix
+            else:
+                break
+        out.add(best)
+    return sorted(out)
+
+
+def train_only_modules(model: nn.Module, graph: Graph) -> list[str]:
+    """Paths of the modules (collapsed to their highest such ancestor) that the train-mode
+    forward calls but the eval graph does not read."""
+    holders = _param_modules(model)
+    reached = _reached_paths(graph)
+    unreached = {p for p in holders if p not in reached}
+    if not unreached:
+        return []
+    called = _called_in_train_mode(model, unreached)
+    return _collapse(sorted(called), unreached, set(holders))
+
+
+def _called_in_train_mode(model: nn.Module, unreached: set[str]) -> set[str]:
+    from .capture_checks import trace
+
+    flags = [(m, m.training) for m in model.modules()]
+    try:
+        model.train(True)
+        gm = trace(model)
+    except Exception:
+        return unreached  # cannot tell: every unreached module may run in train mode
+    finally:
+        for m, flag in flags:
+            m.training = flag
+    targets = {str(n.target) for n in gm.graph.nodes if n.op in ("call_module", "get_attr")}
+    return {p for p in unreached if p in targets or any(t.startswith(p + ".") for t in targets)
+            or any(p.startswith(t + ".") for t in targets)}

@@ -1,0 +1,193 @@
+"""Compile's self-check: the IR computes what the model computes.
+
+After lowering and the default passes, :func:`self_check` runs the IR's own
+forward (torch backend when torch is installed, else numpy; float64 for a float64
+model, float32 otherwise: the check is about structure) and the
+model's own forward once each, on a seeded random batch of 2 (cast to the
+model's dtype and device, the same values fed to both), and compares them
+relative to max|model output|, with a tolerance fitted to the model's dtype
+(:data:`TOLERANCE`). A torch model runs in eval mode under ``torch.no_grad``
+(its training flags are restored, nothing is copied); an ONNX model runs in
+onnxruntime (skipped when onnxruntime is not installed).
+
+A mismatch raises :class:`pathir.SelfCheckFailed` with the deviation and the
+first IR node that disagrees with the output of the module it came from
+(torch: module outputs recorded with temporary forward hooks, compared only
+on failure), else the first disagreeing output. Opt out with
+``pathir.compile(..., self_check=False)``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from pathir.errors import SelfCheckFailed
+from pathir.frontends.torch_inputs import eval_forward, model_dtype_device
+
+__all__ = ["self_check", "TOLERANCE", "BATCH"]
+
+#: relative tolerance (to max|output|) by dtype name
+TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+BATCH = 2
+
+
+def _backend(cm, dtype: str):
+    """The torch backend (numpy without torch), in float64 for a float64 model and in float32
+    otherwise: the check is about structure, and float32 convolutions are several times faster."""
+    try:
+        import torch
+
+        from pathir.backends.torch import TorchBackend
+    except ImportError:
+        return cm.get_backend("numpy")
+    return TorchBackend(dtype=torch.float64 if dtype == "float64" else torch.float32)
+
+
+def _numpy(a) -> np.ndarray:
+    return a.detach().cpu().double().numpy() if hasattr(a, "detach") else np.asarray(a, dtype=np.float64)
+
+
+def _ir_forward(cm, inputs: dict, dtype: str, all_nodes=False) -> dict:
+    from pathir.lifting.walk import forward
+
+    backend = _backend(cm, dtype)
+    return {k: _numpy(v) for k, v in forward(cm.graph, backend, inputs, all_nodes=all_nodes).items()}
+
+
+def _deviation(out: np.ndarray, ref: np.ndarray) -> float:
+    if out.shape != ref.shape:
+        return float("inf")
+    return float(np.abs(out - ref).max() / max(float(np.abs(ref).max()), 1e-30)) if ref.size else 0.0
+
+
+def self_check(cm, model, kind: str) -> None:
+    """Raise SelfCheckFailed unless the IR of ``cm`` computes what ``model`` computes."""
+    if kind == "torch":
+        _check_torch(cm, model)
+    elif kind == "onnx":
+        _check_onnx(cm, model)
+
+
+def _compare(cm, outs: dict, refs: list, dtype: str, where) -> None:
+    tol = TOLERANCE.get(dtype, 1e-4)
+    names = list(cm.graph.outputs)
+    if len(refs) != len(names):
+        raise SelfCheckFailed(f"self-check: the model returns {len(refs)} tensors, the IR {len(names)} outputs "
+                              "(pass self_check=False to skip)")
+    for name, ref in zip(names, refs):
+        if not np.isfinite(ref).all():
+            warnings.warn(f"self-check skipped: the model's output '{name}' is not finite on a random input",
+                          stacklevel=4)
+            return
+        out = outs[name]
+        if out.shape != ref.shape and out.size == ref.size and ref.ndim == 2:
+            out = out.reshape(ref.shape[::-1]).T if out.shape[::-1] == ref.shape else out
+        err = _deviation(out, ref)
+        if err > tol:
+            first = where() or f"output '{name}'"
+            raise SelfCheckFailed(
+                f"self-check: the IR's forward deviates from the model's by {err:.3g} (relative to max|output|, "
+                f"tolerance {tol:g} for {dtype}); first disagreement at {first}. This is a pathir bug or an "
+                "uncaptured construct: please report it (self_check=False skips the check)")
+
+
+# ---------------------------------------------------------------- torch
+
+
+def _tensors(out) -> list:
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _tensors(o)]
+    return []
+
+
+def torch_inputs(cm, model):
+    """The seeded random batch of the self-check: [(float64 numpy, model-dtype tensor)] per graph input."""
+    import torch
+
+    dtype, device = model_dtype_device(model)
+    gen = torch.Generator().manual_seed(0)
+    xs = []
+    for name in cm.graph.inputs:
+        x = torch.randn(BATCH, *cm.graph.node(name).shape, generator=gen, dtype=torch.float64).to(dtype)
+        xs.append((name, x.double().numpy().copy(), x.to(device)))  # a model may write its input in place
+    return xs
+
+
+def _check_torch(cm, model) -> None:
+    import torch
+
+    xs = torch_inputs(cm, model)
+    with eval_forward(model), torch.no_grad():
+        refs = [_numpy(t) for t in _tensors(model(*[x.clone() for _, _, x in xs]))]
+    dtype = str(model_dtype_device(model)[0]).replace("torch.", "")
+    outs = _ir_forward(cm, {n: a for n, a, _ in xs}, dtype)
+    _compare(cm, outs, refs, dtype, lambda: _first_torch(cm, model, xs, dtype))
+
+
+def _first_torch(cm, model, xs, dtype: str) -> str:
+    """The first IR node (graph order) whose value differs from its module's recorded output."""
+    import torch
+
+    recorded, handles = {}, []
+    for path, mod in model.named_modules():
+        def hook(m, i, o, path=path):
+            if isinstance(o, torch.Tensor):
+                recorded[path] = _numpy(o.clone())
+        handles.append(mod.register_forward_hook(hook))
+    try:
+        with eval_forward(model), torch.no_grad():
+            model(*[x.clone() for _, _, x in xs])
+    finally:
+        for h in handles:
+            h.remove()
+    acts = _ir_forward(cm, {n: a for n, a, _ in xs}, dtype, all_nodes=True)
+    tol = TOLERANCE.get(dtype, 1e-4)
+    for node in cm.graph.nodes:
+        ref = recorded.get(node.origin)
+        if ref is not None and ref.shape == acts[node.name].shape and _deviation(acts[node.name], ref) > tol:
+            return f"node '{node.name}' (module '{node.origin}', relative deviation " \
+                   f"{_deviation(acts[node.name], ref):.3g})"
+    return ""
+
+
+# ---------------------------------------------------------------- onnx
+
+_ORT_TYPES = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16}
+
+
+def _check_onnx(cm, model) -> None:
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return
+    from pathir.frontends.onnx_load import load
+
+    proto = load(model).proto
+    try:
+        sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    except Exception as err:  # a model onnxruntime cannot run is not pathir's to judge
+        warnings.warn(f"self-check skipped: onnxruntime cannot load the model ({type(err).__name__})", stacklevel=3)
+        return
+    rng = np.random.default_rng(0)
+    feeds, inputs = {}, {}
+    for inp in sess.get_inputs():
+        if inp.name not in cm.graph.inputs:
+            return
+        dtype = _ORT_TYPES.get(inp.type)
+        if dtype is None:
+            return
+        batch = inp.shape[0] if isinstance(inp.shape[0], int) and inp.shape[0] > 0 else BATCH
+        x = rng.normal(size=(batch, *cm.graph.node(inp.name).shape)).astype(dtype)
+        feeds[inp.name], inputs[inp.name] = x, x.astype(np.float64)
+    refs = [np.asarray(r, dtype=np.float64) for r in sess.run(None, feeds)]
+    dtype = np.dtype(next(iter(feeds.values())).dtype).name
+    outs = _ir_forward(cm, inputs, dtype)
+    _compare(cm, outs, refs, dtype, lambda: "")

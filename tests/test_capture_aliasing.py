@@ -1,0 +1,244 @@
+"""In-place ops and aliasing: the IR reads what eager PyTorch reads, or the model is refused."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from capture_reference import assert_forward, path_norm_q
+
+import pathir
+from pathir.errors import UnsupportedOperation
+
+
+class _Lin(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(3, 4), nn.Linear(3, 4), nn.Linear(4, 2)
+
+
+class AugmentedAlias(_Lin):
+    """g = h; h += f(x): g is h, so it reads the sum."""
+
+    def forward(self, x):
+        h = self.a(x)
+        g = h
+        h += self.b(x)
+        return self.c(F.relu(g))
+
+
+class ReluUnderscoreSkip(_Lin):
+    """relu_ on h, then h read by a skip path: the skip reads relu(h)."""
+
+    def forward(self, x):
+        h = self.a(x)
+        y = torch.relu_(h)
+        return self.c(h + y)
+
+
+class ModuleInplaceSkip(_Lin):
+    def __init__(self):
+        super().__init__()
+        self.r = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.a(x)
+        y = self.r(h)
+        return self.c(h) + self.c(y)
+
+
+class FunctionalInplace(_Lin):
+    def forward(self, x):
+        h = self.a(x)
+        F.relu(h, inplace=True)  # result unused: h itself is mutated
+        h.relu_()
+        return self.c(h)
+
+
+class MethodAddInplace(_Lin):
+    def forward(self, x):
+        h = self.a(x)
+        k = h.detach()  # shares h's storage
+        h.add_(self.b(x))
+        return self.c(F.relu(k))
+
+
+class ReadBeforeIsFine(_Lin):
+    """The skip reads h before the in-place ReLU: eager reads the old value."""
+
+    def forward(self, x):
+        h = self.a(x)
+        skip = self.c(h)
+        h.relu_()
+        return skip + self.c(h)
+
+
+class SliceReluInplace(_Lin):
+    def forward(self, x):
+        h = self.a(x)
+        h[:, :2].relu_()
+        return self.c(h)
+
+
+class SliceAugmented(_Lin):
+    def forward(self, x):
+        h = self.a(x)
+        h[:, :2] += h[:, 2:]
+        return self.c(F.relu(h))
+
+
+class ViewThenMutateBase(_Lin):
+    def forward(self, x):
+        h = self.a(x)
+        v = h.view(-1, 2, 2)
+        h.relu_()
+        return self.c(v.flatten(1))
+
+
+class MutateInput(_Lin):
+    def forward(self, x):
+        x.relu_()
+        return self.c(self.a(x) + self.b(x))
+
+
+@pytest.mark.parametrize("cls", [AugmentedAlias, ReluUnderscoreSkip, ModuleInplaceSkip, FunctionalInplace,
+                                 MethodAddInplace, ReadBeforeIsFine])
+def test_inplace_rebinds_like_eager(cls):
+    torch.manual_seed(0)
+    model = cls().double()
+    cm = assert_forward(model, (3,))
+    for q in (1.0, 2.0):
+        assert cm.path_norm(q) ** q == pytest.approx(path_norm_q(model, [(3,)], q), rel=1e-10)
+
+
+def test_inplace_on_the_input():
+    torch.manual_seed(0)
+    model = MutateInput().double()
+    cm = pathir.compile(model, input_shape=(3,))
+    x = torch.randn(4, 3, dtype=torch.float64)
+    out = cm.forward(x.numpy().copy(), backend="numpy")
+    assert abs(out - model(x.clone()).detach().numpy()).max() < 1e-12
+
+
+@pytest.mark.parametrize("cls", [SliceReluInplace, SliceAugmented, ViewThenMutateBase])
+def test_inplace_through_a_view_is_refused(cls):
+    model = cls().double()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedOperation, match="in-place op on .* writes storage"):
+        pathir.compile(model, input_shape=(3,))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class MutateParam(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+
+    def forward(self, x):
+        self.a.weight.data.mul_(1.0)  # hostile: changes the model while it runs
+        return self.a(x)
+
+
+def test_inplace_on_a_parameter_is_refused():
+    with pytest.raises(UnsupportedOperation):
+        pathir.compile(MutateParam(), input_shape=(3,))
+
+
+def test_torchvision_resnet_inplace_relus_still_compile():
+    torchvision = pytest.importorskip("torchvision")
+    model = torchvision.models.resnet18(num_classes=5).double()
+    assert_forward(model, (3, 32, 32), tol=1e-9, batch=2)
+
+
+class CastThenMutate(_Lin):
+    """x.double() may be x itself or a copy: a write through it is refused, never guessed."""
+
+    def forward(self, x):
+        h = self.a(x)
+        y = h.double()
+        y.relu_()
+        return self.c(h + y)
+
+
+class ChunkThenMutate(_Lin):
+    def forward(self, x):
+        h = self.a(x)
+        p, q = h.chunk(2, dim=1)
+        p.relu_()
+        return self.c(h)
+
+
+class SetItemZero(_Lin):
+    def forward(self, x):
+        h = self.a(x)
+        h[:, 0] = 0.0
+        return self.c(h)
+
+
+@pytest.mark.parametrize("cls", [CastThenMutate, ChunkThenMutate, SetItemZero])
+def test_more_writes_through_aliases_refused(cls):
+    with pytest.raises(UnsupportedOperation, match="in-place|writes|double"):
+        pathir.compile(cls().double(), input_shape=(3,))
+
+
+class InplaceOnConcat(_Lin):
+    """relu_ on a tensor that a later torch.cat reads: the cat sees the ReLU."""
+
+    def forward(self, x):
+        h = self.a(x)
+        g = self.b(x)
+        torch.relu_(h)
+        return self.c(torch.relu(torch.cat([h, g], dim=1)[:, :4] + h))
+
+
+def test_inplace_then_cat_rebinds():
+    torch.manual_seed(0)
+    model = InplaceOnConcat().double()
+    cm = assert_forward(model, (3,))
+    for q in (1.0, 2.0):
+        assert cm.path_norm(q) ** q == pytest.approx(path_norm_q(model, [(3,)], q), rel=1e-10)
+
+
+class ExportInplaceSkip(_Lin):
+    """Control flow on a shape sends it to torch.export: the ATen graph keeps relu_ and add_."""
+
+    def forward(self, x):
+        h = self.a(x)
+        g = h
+        if h.shape[1] == 4:
+            h += self.b(x)
+        y = torch.relu_(h)
+        return self.c(g + y)
+
+
+def test_export_fallback_rebinds_like_eager():
+    torch.manual_seed(0)
+    model = ExportInplaceSkip().double()
+    cm = assert_forward(model, (3,))
+    for q in (1.0, 2.0):
+        assert cm.path_norm(q) ** q == pytest.approx(path_norm_q(model, [(3,)], q), rel=1e-10)
+
+
+@pytest.mark.parametrize("cls", [ReluUnderscoreSkip, AugmentedAlias, ExportInplaceSkip])
+def test_pathcond_keeps_the_function_of_aliasing_models(cls):
+    torch.manual_seed(0)
+    model = cls().double()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    before = model(x.clone()).detach()
+    pathir.compile(model, input_shape=(3,)).pathcond()
+    assert torch.allclose(model(x.clone()).detach(), before, rtol=1e-10, atol=1e-12)
+
+
+class SizeArithmetic(_Lin):
+    """n += 1 on a size is Python arithmetic: nothing is written."""
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        n = h.size(0)
+        m = n
+        m += 0
+        return self.c(h.view(n, -1)) + self.c(h.reshape(m, 4))
+
+
+def test_augmented_assignment_on_a_size_is_not_a_write():
+    torch.manual_seed(0)
+    assert_forward(SizeArithmetic().double(), (3,))

@@ -1,0 +1,220 @@
+"""Constructs inside the ReLU DAG model, each against the definition: the model's own float64
+forward and the path-norm computed without pathir (capture_reference.path_norm_q)."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from capture_reference import assert_forward, eval_forward, path_norm_q
+
+import pathir
+from pathir.errors import UnsupportedOperation
+from pathir.ir import MapKind, NodeKind
+
+
+class _Fixed(nn.Module):
+    """Models with constants written in the code: ``self.c(v)`` is v, or |v|^q in the reference."""
+
+    q = None
+
+    def c(self, v):
+        return v if self.q is None else abs(v) ** self.q
+
+
+class Sub(_Fixed):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.o = nn.Linear(3, 4), nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h, g = torch.relu(self.a(x)), torch.relu(self.b(x))
+        return self.o(torch.relu(h - g if self.q is None else h + g))
+
+
+class ScalarMulDiv(_Fixed):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.o = nn.Conv2d(2, 3, 3), nn.Conv2d(3, 3, 1), nn.Linear(3 * 4 * 4, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x)) * self.c(0.5)
+        h = self.c(3.0) * torch.relu(self.b(h))
+        if self.q is None:
+            h = h / 4
+        else:
+            h = h * 0.25 ** self.q
+        return self.o(h.flatten(1)) * self.c(-2.0)
+
+
+class Maximum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.o = nn.Conv2d(2, 3, 3), nn.Conv2d(2, 3, 3, padding=0), nn.Linear(3 * 4 * 4, 2)
+
+    def forward(self, x):
+        h = torch.maximum(torch.relu(self.a(x)), self.b(x))
+        return self.o(torch.max(h, self.b(x)).flatten(1))
+
+
+class LayerScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.o = nn.Conv2d(2, 3, 3), nn.Linear(3 * 4 * 4, 4)
+        self.gamma = nn.Parameter(torch.rand(3, 1, 1) + 0.5)
+        self.beta = nn.Parameter(torch.randn(4))
+        self.f = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x)) * self.gamma  # a Scale edge out of a ReLU: stays a Scale edge
+        return self.f(torch.relu(self.beta * self.o(h.flatten(1))))
+
+
+class ReluSpellings(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.ModuleList(nn.Linear(4, 4) for _ in range(6))
+        self.leaky = nn.LeakyReLU(0.0)
+        self.o = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.leaky(self.l[0](x))
+        h = self.l[1](h).clamp(min=0)
+        h = torch.clamp_min(self.l[2](h), 0)
+        h = F.threshold(self.l[3](h), 0.0, 0.0)
+        h = F.leaky_relu(self.l[4](h), 0.0)
+        h = torch.clamp(self.l[5](h), min=0.0)
+        return self.o(h)
+
+
+class Unflatten(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.u = nn.Linear(4, 2 * 3 * 3), nn.Unflatten(1, (2, 3, 3))
+        self.conv, self.o = nn.Conv2d(2, 3, 2), nn.Linear(3 * 2 * 2, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.conv(self.u(torch.relu(self.a(x)))))
+        return self.o(h.flatten(1))
+
+
+CASES = {"sub": (Sub, (3,)), "scalar": (ScalarMulDiv, (2, 6, 6)), "max": (Maximum, (2, 6, 6)),
+         "layer_scale": (LayerScale, (2, 6, 6)), "relu_spellings": (ReluSpellings, (4,)),
+         "unflatten": (Unflatten, (4,))}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_and_path_norm_against_the_definition(case):
+    cls, shape = CASES[case]
+    torch.manual_seed(0)
+    model = cls().double()
+    cm = assert_forward(model, shape, batch=5)
+    for q in (1.0, 2.0):
+        assert cm.path_norm(q) ** q == pytest.approx(path_norm_q(model, [shape], q), rel=1e-10)
+
+
+def test_fixed_scalar_is_a_fixed_edge_not_rescaled():
+    torch.manual_seed(0)
+    model = ScalarMulDiv().double()
+    cm = pathir.compile(model, input_shape=(2, 6, 6))
+    assert {p.name for p in cm.graph.params()} == {n for n, _ in model.named_parameters()}
+    x = torch.randn(3, 2, 6, 6, dtype=torch.float64)
+    before = eval_forward(model, x)
+    _random_rescale(cm)
+    assert torch.allclose(eval_forward(model, x), before, rtol=1e-10, atol=1e-12)
+
+
+def test_max_is_a_max_pool_neuron():
+    torch.manual_seed(0)
+    cm = pathir.compile(Maximum().double(), input_shape=(2, 6, 6))
+    assert sum(n.kind is NodeKind.MAXPOOL for n in cm.graph.nodes) == 2
+
+
+def test_layer_scale_is_a_scale_edge_and_is_rescaled():
+    torch.manual_seed(0)
+    model = LayerScale().double()
+    cm = pathir.compile(model, input_shape=(2, 6, 6))
+    assert any(e.map.kind is MapKind.SCALE and e.map.W.name == "gamma" for n in cm.graph.nodes for e in n.edges)
+    x = torch.randn(3, 2, 6, 6, dtype=torch.float64)
+    before = eval_forward(model, x)
+    gamma = model.gamma.detach().clone()
+    _random_rescale(cm)
+    assert not torch.equal(model.gamma, gamma)
+    assert torch.allclose(eval_forward(model, x), before, rtol=1e-10, atol=1e-12)
+
+
+def _random_rescale(cm):
+    from pathir.rescaling.apply import log_scales
+
+    z = np.random.default_rng(0).normal(size=len(cm.units))
+    cm.writer.rescale(cm.graph, log_scales(cm.graph, cm.units, z))
+
+
+class SharedConvTwoBNs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn1, self.bn2 = nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.BatchNorm2d(3)
+        self.o = nn.Linear(3 * 4 * 4, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.bn1(self.conv(x))) + torch.relu(self.bn2(self.conv(x)))
+        return self.o(h.flatten(1))
+
+
+def test_one_conv_twice_each_with_its_own_batch_norm():
+    from torch_models import randomize_bn
+
+    torch.manual_seed(0)
+    model = randomize_bn(SharedConvTwoBNs().double()).eval()
+    cm = assert_forward(model, (2, 6, 6))
+    x = torch.randn(3, 2, 6, 6, dtype=torch.float64)
+    before = eval_forward(model, x)
+    cm.pathcond()
+    assert torch.allclose(eval_forward(model, x), before, rtol=1e-10, atol=1e-12)
+
+
+class Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.a(x) * torch.relu(self.b(x))
+
+
+class ScalarParam(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.s = nn.Linear(3, 3), nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        return torch.relu(self.a(x)) * self.s
+
+
+class DivByActivation(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.a(x) / torch.relu(self.b(x))
+
+
+@pytest.mark.parametrize("cls,match", [(Gate, "gate"), (ScalarParam, "one learnable factor per channel"),
+                                       (DivByActivation, "division by an activation")])
+def test_still_refused(cls, match):
+    with pytest.raises(UnsupportedOperation, match=match):
+        pathir.compile(cls(), input_shape=(3,))
+
+
+def test_leaky_relu_with_a_slope_still_refused():
+    model = nn.Sequential(nn.Linear(3, 3), nn.LeakyReLU(0.1), nn.Linear(3, 1))
+    with pytest.raises(UnsupportedOperation):
+        pathir.compile(model, input_shape=(3,))
+
+
+@pytest.mark.parametrize("mod", [nn.ConvTranspose1d(2, 3, 3), nn.ConvTranspose2d(2, 3, 3)])
+def test_transposed_convolution_refused_with_the_right_reason(mod):
+    shape = (2, 5) if isinstance(mod, nn.ConvTranspose1d) else (2, 5, 5)
+    with pytest.raises(UnsupportedOperation, match="inside the ReLU DAG model but not lowered yet"):
+        pathir.compile(nn.Sequential(mod, nn.ReLU()), input_shape=shape)

@@ -1,0 +1,115 @@
+"""Train-mode-only branches (aux classifiers): a rescaling write-back is refused naming them,
+the model untouched, in eval and in train mode; without them the function is kept."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import pathir
+from pathir import zoo
+from pathir.errors import PathirError
+
+
+class WithAux(nn.Module):
+    """A hand-written aux head: runs only in train mode, reads a hidden layer."""
+
+    def __init__(self, aux=True):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.aux = nn.Linear(4, 2) if aux else None
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        out = self.b(h)
+        if self.training and self.aux is not None:
+            return out, self.aux(h)
+        return out
+
+
+def _state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_hand_written_aux_head_refused_untouched(train):
+    model = WithAux().double().train(train)
+    cm = pathir.compile(model, input_shape=(3,))
+    state = _state(model)
+    with pytest.raises(PathirError, match=r"module\(s\) aux run only in train mode"):
+        cm.pathcond()
+    assert _same(state, model.state_dict()) and model.training == train
+
+
+def test_dropped_aux_head_rescales_and_keeps_function():
+    torch.manual_seed(0)
+    model = WithAux().double()
+    model.aux = None
+    cm = pathir.compile(model, input_shape=(3,))
+    x = torch.randn(4, 3, dtype=torch.float64)
+    before = model(x)
+    cm.pathcond()
+    assert torch.allclose(model(x), before, rtol=1e-10, atol=1e-12)
+
+
+class UnusedHead(nn.Module):
+    """A parameterized module no forward ever calls: not a train-mode branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.spare = nn.Linear(3, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_unused_module_does_not_block_write_back():
+    cm = pathir.compile(UnusedHead().double(), input_shape=(3,))
+    assert cm.writer.train_only == []
+    cm.pathcond()
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_googlenet_with_aux_logits_refused_untouched(train):
+    model = zoo.build("googlenet").double().train(train)
+    with pytest.warns(UserWarning) if train else _nothing():
+        cm = pathir.compile(model, input_shape=(3, 64, 64))
+    x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
+    state = _state(model)
+    with pytest.raises(PathirError, match=r"aux1, aux2 run only in train mode"):
+        cm.pathcond()
+    assert _same(state, model.state_dict()) and model.training == train
+    model.eval()
+    with torch.no_grad():
+        assert torch.isfinite(model(x)).all()
+
+
+def test_googlenet_without_aux_keeps_function_in_train_mode_with_frozen_batch_norms():
+    """Train-mode forward (dropout off, batch-norms in eval: their batch statistics would be
+    input-dependent) before and after a random rescaling written back (what pathcond commits)."""
+    model = zoo.build("googlenet", aux_logits=False).double().eval()
+    cm = pathir.compile(model, input_shape=(3, 64, 64))
+    x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
+    model.train()
+    for m in model.modules():
+        if isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.Dropout)):
+            m.eval()
+    import numpy as np
+
+
+    with torch.no_grad():
+        before = model(x)
+        cm.commit_rescaling(np.random.default_rng(0).normal(scale=0.5, size=len(cm.units)))
+        after = model(x)
+    assert torch.allclose(after, before, rtol=1e-9, atol=1e-9 * float(before.abs().max()))
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

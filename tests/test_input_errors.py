@@ -1,0 +1,140 @@
+"""Bad input to pathir.compile: one-line PathirErrors naming what to fix; the model untouched."""
+
+import pytest
+import torch
+import torch.nn as nn
+from capture_reference import assert_forward, path_norm_q
+
+import pathir
+from pathir.errors import InputShapeError, PathirError
+
+
+def _cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2)).double()
+
+
+def _untouched(model, fn):
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    flags = [m.training for m in model.modules()]
+    fn()
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert flags == [m.training for m in model.modules()]
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 8, 8), (4, 8, 8), (8, 8), (3, 8)])
+def test_wrong_input_shape_says_input_shape(shape):
+    model = _cnn()
+
+    def go():
+        with pytest.raises(InputShapeError, match=r"input_shape=.*without the batch axis") as info:
+            pathir.compile(model, input_shape=shape)
+        assert "\n" not in str(info.value)
+
+    _untouched(model, go)
+
+
+@pytest.mark.parametrize("shape", ["abc", (0, 3), (), True])
+def test_not_a_shape(shape):
+    with pytest.raises(InputShapeError, match="input_shape"):
+        pathir.compile(_cnn(), input_shape=shape)
+
+
+def test_int_is_a_1d_shape():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)).double()
+    assert pathir.compile(model, input_shape=4).num_paths() == pathir.compile(model, input_shape=(4,)).num_paths()
+
+
+def test_lazy_module_refused():
+    model = nn.Sequential(nn.LazyLinear(3), nn.ReLU(), nn.Linear(3, 2))
+    with pytest.raises(PathirError, match="uninitialized .* run one forward"):
+        pathir.compile(model, input_shape=(4,))
+
+
+def test_meta_device_refused():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    with pytest.raises(PathirError, match="meta device"):
+        pathir.compile(model, input_shape=(4,))
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(3, 5), nn.Linear(4, 5), nn.Linear(5, 2)
+
+    def forward(self, x, y, mask=None):
+        return self.c(torch.relu(self.a(x) + self.b(y)))
+
+
+def test_several_inputs():
+    torch.manual_seed(0)
+    model = TwoInputs().double()
+    cm = pathir.compile(model, input_shape=[(3,), (4,)])
+    x, y = torch.randn(3, 3, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    out = cm.forward({cm.graph.inputs[0]: x.numpy(), cm.graph.inputs[1]: y.numpy()}, backend="numpy")
+    assert abs(out - model(x, y).detach().numpy()).max() < 1e-12
+    for q in (1, 2):
+        assert cm.path_norm(q) ** q == pytest.approx(path_norm_q(model, [(3,), (4,)], q), rel=1e-10)
+
+
+def test_several_inputs_wrong_count():
+    with pytest.raises(PathirError, match="input_shape=\\[\\(...\\), \\(...\\)\\]|input_shape="):
+        pathir.compile(TwoInputs(), input_shape=(3,))
+
+
+class ShapeBranch(nn.Module):
+    """Python control flow on a shape: fx fails, torch.export is the fallback."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, bias=True)
+        self.fc = nn.Linear(3 * 4 * 4, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.conv(x))
+        if h.shape[-1] > 2:
+            h = h.flatten(1)
+        return self.fc(h)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float16, 1e-2)])
+def test_export_fallback_in_the_models_dtype(dtype, tol):
+    torch.manual_seed(0)
+    model = ShapeBranch().to(dtype)
+    cm = pathir.compile(model, input_shape=(2, 6, 6))
+    if dtype is torch.float64:
+        assert_forward(model, (2, 6, 6), tol=tol)
+    assert cm.num_paths() > 0
+
+
+class WithConstant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x))
+        if h.shape[0] > 0:
+            h = h * torch.tensor(2.0)  # a constant torch.export lifts to an input
+        return h
+
+
+def test_lifted_constant_is_not_a_second_input():
+    """torch.export lifts torch.tensor(2.0) to a graph input: it is a constant (a fixed edge)."""
+    torch.manual_seed(0)
+    model = WithConstant().double()
+    cm = assert_forward(model, (3,))
+    assert len(cm.graph.inputs) == 1
+
+
+def test_bad_shape_on_a_pruned_model_leaves_its_tensors_in_place():
+    from torch.nn.utils import prune
+
+    model = _cnn()
+    prune.l1_unstructured(model[0], "weight", amount=0.5)
+    weight = model[0].weight
+    with pytest.raises(InputShapeError):
+        pathir.compile(model, input_shape=(4, 8, 8))
+    assert model[0].weight is weight

@@ -1,0 +1,81 @@
+"""Compile's self-check: on by default, catches an IR that does not compute the model's function."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import pathir
+from pathir.errors import SelfCheckFailed
+from pathir.self_check import TOLERANCE, self_check
+
+
+def _mlp(dtype=torch.float64):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3), nn.ReLU(), nn.Linear(3, 2)).to(dtype)
+
+
+class Sneaky(nn.Module):
+    """A forward that changes between calls: the traced call and the real one differ."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.calls = nn.Linear(3, 2), nn.Linear(3, 2), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.a(x) if self.calls == 1 else self.b(x)
+
+
+def test_a_model_that_is_not_what_was_traced_is_caught():
+    with pytest.raises(SelfCheckFailed, match="deviates .* first disagreement"):
+        pathir.compile(Sneaky(), input_shape=(3,))
+
+
+def test_opt_out():
+    pathir.compile(Sneaky(), input_shape=(3,), self_check=False)
+
+
+def test_names_the_first_disagreeing_node():
+    model = _mlp()
+    cm = pathir.compile(model, input_shape=(4,))
+    model[2].weight.data.mul_(1.5)  # the model moved on, through .data, which a Compiled cannot see
+    with pytest.raises(SelfCheckFailed, match=r"node '.*' \(module '3'"):
+        self_check(cm, model, "torch")
+
+
+def test_restores_training_flags_and_leaves_the_model_untouched():
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Dropout(0.5)).train()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.warns(UserWarning, match="inference statistics"):
+        pathir.compile(model, input_shape=(2, 5, 5))
+    assert all(m.training for m in model.modules())
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_dtypes_pass_within_their_tolerance(dtype):
+    model = _mlp(dtype)
+    pathir.compile(model, input_shape=(4,))
+    assert TOLERANCE[str(dtype).replace("torch.", "")] > 0
+
+
+def test_onnx_model_checked_against_onnxruntime():
+    pytest.importorskip("onnxruntime")
+    import io
+    import warnings
+
+    import onnx
+
+    model = _mlp(torch.float32)
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.randn(1, 4),), f, dynamo=False, input_names=["x"],
+                          dynamic_axes={"x": {0: "b"}})
+    proto = onnx.load_from_string(f.getvalue())
+    cm = pathir.compile(proto)
+    proto.graph.initializer[0].float_data[:] = []  # change a weight after compiling
+    w = onnx.numpy_helper.to_array(proto.graph.initializer[0]) * 2
+    proto.graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(w, proto.graph.initializer[0].name))
+    with pytest.raises(SelfCheckFailed, match="deviates"):
+        self_check(cm, proto, "onnx")
