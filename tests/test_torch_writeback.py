@@ -250,3 +250,21 @@ def test_masks_that_cannot_be_exact_are_refused_and_nothing_is_pruned():
         assert not hasattr(model[0], "weight_orig")
     with pytest.raises(PathirError, match="has shape"):
         TorchWriter(model).mask(cm.graph, {"0.weight": np.ones(3, bool)})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_variance_eps_would_swallow_is_refused_and_the_model_untouched(dtype):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.BatchNorm1d(4),
+                                torch.nn.Linear(4, 2)).to(dtype).eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    cm = pathir.compile(model, input_shape=(3,))
+    z = np.full(len(cm.units), -60.0)  # the batch-norm's input shrinks by e^-30: var + eps ~ 1e-26 << eps
+    with pytest.raises(PathirError, match="eps dominates"):
+        cm.commit_rescaling(z)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    x = torch.randn(5, 3, dtype=dtype)
+    with torch.no_grad():
+        before = model(x)
+        cm.commit_rescaling(np.full(len(cm.units), -2.0))  # a moderate rescaling is still written
+        assert torch.allclose(model(x), before, rtol=1e-4 if dtype == torch.float32 else 1e-10, atol=1e-5)
