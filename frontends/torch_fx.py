@@ -14,8 +14,6 @@ training flags are restored), and no tensor is written.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.fx
 import torch.nn as nn
@@ -29,18 +27,6 @@ from .common import Lowered
 __all__ = ["lower", "trace"]
 
 # ---------------------------------------------------------------- tracing
-
-
-@contextlib.contextmanager
-def _eval_mode(model: nn.Module):
-    """Trace with inference semantics; restore every module's flag afterwards."""
-    flags = [(m, m.training) for m in model.modules()]
-    try:
-        model.train(False)
-        yield
-    finally:
-        for m, flag in flags:
-            m.training = flag
 
 
 def trace(model: nn.Module) -> torch.fx.GraphModule:
@@ -58,7 +44,7 @@ def lower(model: nn.Module, input_shape=None, example_input=None) -> Lowered:
     torch_inputs.warn_train_batchnorm(model)
     stale = capture_checks.check_hooks(model)
     name = type(model).__name__
-    with _eval_mode(model), capture_checks.fresh_hook_tensors(stale):
+    with torch_inputs.eval_forward(model), capture_checks.fresh_hook_tensors(stale):
         try:
             graph = _lower_graph(model, shapes, name)
         except Exception as err:
