@@ -25,8 +25,10 @@ import pathir
 from pathir import zoo
 
 
-def median_time(fn, repeat: int) -> float:
-    fn()  # warm-up (caches, allocator)
+def median_time(fn, repeat: int, warm_up: bool = True) -> float:
+    """The median wall time of ``repeat`` calls of ``fn``, after one untimed call unless ``warm_up=False``."""
+    if warm_up:
+        fn()  # caches, allocator
     times = []
     for _ in range(repeat):
         start = time.perf_counter()

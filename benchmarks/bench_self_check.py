@@ -16,37 +16,28 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
+from bench_path_norm import median_time  # run as a script: benchmarks/ is on sys.path
 
 import pathir
 from pathir import zoo
 from pathir.self_check import BATCH, self_check
 
 
-def _median(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def bench(name: str, repeat: int) -> dict:
     model = zoo.build(name).eval()
     shape = zoo.input_shape(name)
     pathir.compile(model, input_shape=shape, self_check=False)  # warm-up (imports, allocator)
-    compile_s = _median(lambda: pathir.compile(model, input_shape=shape, self_check=False), repeat)
+    compile_s = median_time(lambda: pathir.compile(model, input_shape=shape, self_check=False), repeat, warm_up=False)
     first, steady, forward = [], [], []
     x = torch.randn(BATCH, *shape)
     for _ in range(repeat):  # interleaved, so that the machine's load hits all three alike
         cm = pathir.compile(model, input_shape=shape, self_check=False)
-        first.append(_median(lambda: self_check(cm, model, "torch"), 1))  # builds the IR's float64 params
-        steady.append(_median(lambda: self_check(cm, model, "torch"), 1))
+        first.append(median_time(lambda: self_check(cm, model, "torch"), 1, warm_up=False))  # builds the IR's float64 params
+        steady.append(median_time(lambda: self_check(cm, model, "torch"), 1, warm_up=False))
         with torch.no_grad():
-            forward.append(_median(lambda: model(x), 1))
+            forward.append(median_time(lambda: model(x), 1, warm_up=False))
     first_s, steady_s, forward_s = (statistics.median(t) for t in (first, steady, forward))
     return {"model": name, "compile_s": round(compile_s, 3), "self_check_s": round(first_s, 3),
             "self_check_steady_s": round(steady_s, 3), "model_forward_s": round(forward_s, 3),
