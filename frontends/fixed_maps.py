@@ -24,12 +24,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pathir.frontends.lower_extra import fixed_scale
 from pathir.frontends.values import ParamTensor, Value
 from pathir.ir import Resample
 
 __all__ = [
     "pad", "pixel_shuffle", "pixel_unshuffle", "interpolate", "adaptive_avg_pool", "fixed_conv", "add", "mul",
-    "is_buffer", "conv_with_mode", "literal", "axis_matrices", "resampled", "scaled",
+    "is_buffer", "conv_with_mode", "literal", "axis_matrices", "resampled",
 ]
 
 _PAD_MODES = {"constant", "reflect", "replicate", "circular"}
@@ -259,13 +260,5 @@ def mul(low, a, b) -> Value | None:
     (the caller refuses it)."""
     for const, other in ((a, b), (b, a)):
         if literal(const) and isinstance(other, Value):
-            return other if const == 1 else scaled(low, other, float(const))
+            return fixed_scale(low, other, float(const))  # x * 1 is x itself
     return None
-
-
-def scaled(low, v: Value, c: float) -> Value:
-    """c · v with c a non-zero constant: one fixed edge of weight c per position (the one
-    spelling both frontends use, ``lower_extra.fixed_scale``)."""
-    from pathir.frontends.lower_extra import fixed_scale
-
-    return fixed_scale(low, v, c)

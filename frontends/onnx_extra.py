@@ -36,6 +36,15 @@ class ExtraOps:
     def op_Neg(self, node, ins):
         return [fixed_scale(self, self.act(node, 0), -1.0)]
 
+    def op_Mul(self, node, ins):
+        """An activation times one scalar constant c: a fixed edge of weight c (as torch's ``x * c``)."""
+        a, b = ins
+        k = 0 if isinstance(a, Value) else 1
+        c = _scalar(ins[1 - k])
+        if isinstance(ins[1 - k], Value) or c is None:
+            self.unsupported("a product of two activations (a gate), or by a constant that is not one scalar")
+        return [fixed_scale(self, ins[k], c)]
+
     def op_Div(self, node, ins):
         a, b = ins
         if isinstance(b, Value):

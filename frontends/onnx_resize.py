@@ -58,19 +58,6 @@ class ResizeOps:
         scales = np.asarray(scales, dtype=np.float32) if scales is not None else self._resize_input(node, 1, "scales")
         return [self._resampled_by(node, ins, scales, None, f"upsample_{mode}")]
 
-    def op_Mul(self, node, ins):
-        """An activation times a scalar constant c != 0: a fixed edge of weight c (as torch's
-        ``x * c``); any other product is refused as before."""
-        from .onnx_ops import WHY
-
-        acts = [k for k, v in enumerate(ins) if isinstance(v, Value)]
-        other = 1 - acts[0] if len(acts) == 1 else None
-        if other is None or not isinstance(ins[other], np.ndarray) or np.asarray(ins[other]).size != 1:
-            self.unsupported(WHY["Mul"])
-        c = float(np.asarray(ins[other]).reshape(-1)[0])
-        v = self.act(node, acts[0])
-        return [v if c == 1 else fixed_maps.scaled(self, v, c)]
-
     # ------------------------------------------------------------ helpers
     def _resize_input(self, node, k, what):
         if len(node.input) <= k or not node.input[k]:
