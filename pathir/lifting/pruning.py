@@ -237,14 +237,13 @@ def prune(graph: Graph, backend, amount, criterion: str = "path-magnitude", scop
     """
     from pathir.lifting.path_metric import path_metric
 
-    be = backend
     if criterion not in CRITERIA:  # before the scores are computed
-        raise ValueError(f"criterion must be one of {CRITERIA}, got '{criterion}'")
-    scores = _log_scores(graph, "path-magnitude", be)
-    masks = prune_masks(graph, amount, criterion, scope, include_biases, be,
+        raise ValueError(f"criterion must backend one of {CRITERIA}, got '{criterion}'")
+    scores = _log_scores(graph, "path-magnitude", backend)
+    masks = prune_masks(graph, amount, criterion, scope, include_biases, backend,
                         log_scores=scores if criterion == "path-magnitude" else None)
     after = prune_graph(graph, masks)
-    metric = path_metric(graph, after, be)
+    metric = path_metric(graph, after, backend)
     sources = {p.name: p.source_name for p in graph.params()}
     report = PruneReport(
         criterion=criterion,
