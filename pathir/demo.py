@@ -31,6 +31,9 @@ import pathir
 
 __all__ = ["run_demo", "DemoConfig"]
 
+PATHCOND_PNG = "pathcond_autoencoder.png"
+PRUNING_PNG = "pruning_under_rescaling.png"
+
 
 @dataclass
 class DemoConfig:
@@ -205,26 +208,34 @@ def _plot_curves(cfg: DemoConfig, part1: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(cfg.compressions), figsize=(4.5 * len(cfg.compressions), 3.6), squeeze=False)
+    n = len(cfg.compressions)
+    fig, axes = plt.subplots(1, n, figsize=(4.5 * n, 4.2), squeeze=False)
     colors = {"baseline": "tab:gray", "enorm": "tab:blue", "pathcond": "tab:red"}
     for ax, cf in zip(axes[0], cfg.compressions):
         for method in cfg.methods:
             runs = np.array([part1["curves"][f"{cf}/{method}/{s}"] for s in cfg.seeds])
             mean, std = runs.mean(0), runs.std(0)
             epochs = np.arange(len(mean))
-            ax.plot(epochs, mean, label=method, color=colors.get(method))
-            ax.fill_between(epochs, mean - std, mean + std, color=colors.get(method), alpha=0.2)
+            ax.plot(epochs, mean, label=f"{method} (mean)", color=colors.get(method))
+            ax.fill_between(epochs, mean - std, mean + std, color=colors.get(method), alpha=0.2, lw=0)
+        target = part1["table"][f"compression_{cf}"]["baseline"]["final_loss_mean"]
+        ax.axhline(target, color="k", lw=0.8, ls=":", label="baseline's mean final loss")
         ax.set_yscale("log")
-        ax.set_title(f"autoencoder, compression {cf}")
+        ax.set_title(f"compression {cf} (64-48-{64 // cf}-48-64)")
         ax.set_xlabel("epoch")
-        ax.set_ylabel("training MSE")
-        ax.legend()
-    fig.tight_layout()
+        ax.set_ylabel("training MSE (log scale)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), frameon=False, bbox_to_anchor=(0.5, 1.0))
+    fig.text(0.5, 0.01, f"MLP autoencoder on digits, plain SGD (lr={cfg.lr}, batch {cfg.batch}) from one initialisation "
+             "per seed: as is (baseline), or rescaled by ENorm or by PathCond first (same function).\n"
+             f"Lines: mean over {len(cfg.seeds)} seeds; shaded bands: mean ± 1 standard deviation over the seeds. "
+             "Dotted: the target of the table's 'epochs to baseline final' column.", ha="center", va="bottom", fontsize=8)
+    fig.tight_layout(rect=(0, 0.08, 1, 0.92))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def _plot_pruning(part2: dict, path: str) -> None:
+def _plot_pruning(cfg: DemoConfig, part2: dict, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -232,36 +243,51 @@ def _plot_pruning(part2: dict, path: str) -> None:
 
     amounts = list(part2["table"])
     labels = list(next(iter(part2["table"].values())))
-    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    fig, ax = plt.subplots(figsize=(9.5, 4.2))
     width = 0.8 / len(labels)
     for i, label in enumerate(labels):
-        ax.bar(np.arange(len(amounts)) + i * width, [part2["table"][a][label] for a in amounts], width, label=label)
-    ax.axhline(part2["dense_accuracy"], color="k", lw=0.8, ls="--", label="dense")
+        heights = [part2["table"][a][label] for a in amounts]
+        bars = ax.bar(np.arange(len(amounts)) + i * width, heights, width, label=label)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=-10, color="white")
+    ax.axhline(part2["dense_accuracy"], color="k", lw=0.8, ls="--", label=f"not pruned ({part2['dense_accuracy']:.2f})")
     ax.set_xticks(np.arange(len(amounts)) + 0.4 - width / 2, amounts)
-    ax.set_xlabel("weights pruned (global)")
+    ax.set_ylim(0, 1.08)
+    ax.set_xlabel("fraction of conv and linear weights pruned (one global ranking)")
     ax.set_ylabel("test accuracy")
-    ax.set_title("pruning a randomly rescaled CNN (digits)")
-    ax.legend(fontsize=8, loc="lower left")
-    fig.tight_layout()
+    ax.set_title("pruning a CNN and a randomly rescaled copy of it (digits)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.text(0.01, 0.01, "original: the trained CNN; rescaled: the same function after a random rescaling "
+             f"(log-scale per unit uniform in [-{cfg.rescale_spread:g}, {cfg.rescale_spread:g}]). "
+             "Test accuracy on the held-out 30% of digits.", ha="left", va="bottom", fontsize=8, wrap=True)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def format_tables(cfg: DemoConfig, part1: dict, part2: dict) -> str:
-    lines = [f"PathCond at initialisation: MLP autoencoder on digits, plain SGD (lr={cfg.lr}), {len(cfg.seeds)} seeds", ""]
-    head = f"{'compression':>11}  {'method':<9}  {'final loss':>18}  {'epochs to baseline final':>26}"
+    seeds = ", ".join(str(s) for s in cfg.seeds)
+    lines = [f"PathCond at initialisation: MLP autoencoder on digits, plain SGD (lr={cfg.lr}), "
+             f"{cfg.epochs} epochs, {len(cfg.seeds)} seeds", ""]
+    head = f"{'compression':>11}  {'method':<9}  {'final training MSE':>18}  {f'epochs to baseline final (seeds {seeds})':>26}"
     lines += [head, "-" * len(head)]
     for key, row in part1["table"].items():
         for method, r in row.items():
             reach = ", ".join("-" if e is None else str(e) for e in r["epochs_to_baseline_final"])
-            lines.append(f"{key.split('_')[1]:>11}  {method:<9}  {r['final_loss_mean']:.5f} ± {r['final_loss_std']:.5f}  {reach:>26}")
-    lines += ["", f"Pruning under rescaling: CNN on digits (dense test accuracy {part2['dense_accuracy']:.3f}, "
+            lines.append(f"{key.split('_')[1]:>11}  {method:<9}  {r['final_loss_mean']:.5f} ± {r['final_loss_std']:.5f}  "
+                         f"{reach:>{len(head) - 45}}")
+    lines += ["", f"final training MSE: mean ± standard deviation over the {len(cfg.seeds)} seeds, after {cfg.epochs} epochs.",
+              "epochs to baseline final: for each seed, the first epoch whose training MSE is at or below the baseline's",
+              f"mean final MSE; '-' = never reached in {cfg.epochs} epochs. Plot: {PATHCOND_PNG} (shaded: ± 1 std).",
+              "", f"Pruning under rescaling: CNN on digits (dense test accuracy {part2['dense_accuracy']:.3f}, "
               f"after a random rescaling {part2['rescaled_dense_accuracy']:.3f})", ""]
     labels = list(next(iter(part2["table"].values())))
     head = f"{'pruned':>6}  " + "  ".join(f"{lab:>26}" for lab in labels)
     lines += [head, "-" * len(head)]
     for amount, row in part2["table"].items():
         lines.append(f"{amount:>6}  " + "  ".join(f"{row[lab]:>26.3f}" for lab in labels))
+    lines += ["", "test accuracy after pruning that fraction of the conv and linear weights (one global ranking); original:",
+              "the trained CNN; rescaled: the same function after a random rescaling (log-scale per unit uniform in",
+              f"[-{cfg.rescale_spread:g}, {cfg.rescale_spread:g}]). Plot: {PRUNING_PNG}."]
     return "\n".join(lines)
 
 
@@ -276,8 +302,8 @@ def run_demo(cfg: DemoConfig | None = None, progress: bool = True) -> dict:
     with tqdm(total=total, desc="pathir demo", disable=not progress, unit="run") as bar:
         part1 = part_pathcond(cfg, data[0], bar)
         part2 = part_pruning(cfg, data, bar)
-    _plot_curves(cfg, part1, os.path.join(cfg.out, "pathcond_autoencoder.png"))
-    _plot_pruning(part2, os.path.join(cfg.out, "pruning_under_rescaling.png"))
+    _plot_curves(cfg, part1, os.path.join(cfg.out, PATHCOND_PNG))
+    _plot_pruning(cfg, part2, os.path.join(cfg.out, PRUNING_PNG))
     results = {"seconds": time.perf_counter() - start, "pathcond": part1["table"], "pruning": part2,
                "curves": part1["curves"]}
     with open(os.path.join(cfg.out, "results.json"), "w") as f:
