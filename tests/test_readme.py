@@ -1,0 +1,31 @@
+"""README.md's Python example runs as written, and what its comments say it returns is what it returns."""
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def test_readme_has_a_python_example():
+    assert len(python_blocks(README.read_text())) >= 1
+
+
+def test_readme_python_example_runs_and_its_return_types_hold():
+    namespace: dict = {}
+    for block in python_blocks(README.read_text()):
+        exec(compile(block, str(README), "exec"), namespace)
+    cm, model, g, report = namespace["cm"], namespace["model"], namespace["g"], namespace["report"]
+    # g = cm.diag_g(): {source parameter name: numpy array of that parameter's shape}
+    params = dict(model.named_parameters())
+    assert g and all(isinstance(v, np.ndarray) for v in g.values())
+    assert all(g[name].shape == tuple(params[name].shape) for name in g)
+    # cm.path_norm(q=2), cm.num_paths(log10=True): plain floats
+    assert isinstance(cm.path_norm(q=2), float) and isinstance(cm.num_paths(log10=True), float)
+    # report = cm.pathcond(): rescaled in place, the objective went down
+    assert report.objective_after < report.objective_before
