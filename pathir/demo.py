@@ -4,14 +4,16 @@
    an MLP autoencoder 64-48-b-48-64 at several compression factors 64/b,
    trained with plain SGD at a small learning rate from the same initialisation
    left as is (baseline), rescaled by ENorm, or rescaled by PathCond; 3 seeds.
-   Reported: final training loss and the epochs each method needs to reach the
-   baseline's final loss; plotted: the loss curves.
+   Reported: final training loss (mean ± std over seeds) and, per seed, the
+   first epoch at or below the baseline's mean final loss (None: never);
+   plotted: the loss curves, mean ± 1 std over seeds.
 2. Pruning under rescaling (the path-metric paper's Table 4, in miniature): a
    small CNN trained on digits, then randomly rescaled by an element of the
    rescaling group (same function), then pruned at 40/60/80% by weight
    magnitude and by path-magnitude. Reported: test accuracy.
 
-No download, CPU only; a few minutes on 2 cores.
+No download, CPU only; about 30 s of CPU time (``pathir demo``; ``--quick`` for a smoke run).
+What the figures and tables show is written on them; docs/demo.md explains them.
 """
 
 from __future__ import annotations
@@ -202,6 +204,10 @@ def part_pruning(cfg: DemoConfig, data, bar) -> dict:
 # ------------------------------------------------------------------ output
 
 
+def _seeds(cfg: DemoConfig) -> str:
+    return f"{len(cfg.seeds)} seed{'s' if len(cfg.seeds) != 1 else ''}"
+
+
 def _plot_curves(cfg: DemoConfig, part1: dict, path: str) -> None:
     import matplotlib
 
@@ -228,7 +234,7 @@ def _plot_curves(cfg: DemoConfig, part1: dict, path: str) -> None:
     fig.legend(handles, labels, loc="upper center", ncol=len(labels), frameon=False, bbox_to_anchor=(0.5, 1.0))
     fig.text(0.5, 0.01, f"MLP autoencoder on digits, plain SGD (lr={cfg.lr}, batch {cfg.batch}) from one initialisation "
              "per seed: as is (baseline), or rescaled by ENorm or by PathCond first (same function).\n"
-             f"Lines: mean over {len(cfg.seeds)} seeds; shaded bands: mean ± 1 standard deviation over the seeds. "
+             f"Lines: mean over {_seeds(cfg)}; shaded bands: mean ± 1 standard deviation over the seeds. "
              "Dotted: the target of the table's 'epochs to baseline final' column.", ha="center", va="bottom", fontsize=8)
     fig.tight_layout(rect=(0, 0.08, 1, 0.92))
     fig.savefig(path, dpi=110)
@@ -267,7 +273,7 @@ def _plot_pruning(cfg: DemoConfig, part2: dict, path: str) -> None:
 def format_tables(cfg: DemoConfig, part1: dict, part2: dict) -> str:
     seeds = ", ".join(str(s) for s in cfg.seeds)
     lines = [f"PathCond at initialisation: MLP autoencoder on digits, plain SGD (lr={cfg.lr}), "
-             f"{cfg.epochs} epochs, {len(cfg.seeds)} seeds", ""]
+             f"{cfg.epochs} epochs, {_seeds(cfg)}", ""]
     head = f"{'compression':>11}  {'method':<9}  {'final training MSE':>18}  {f'epochs to baseline final (seeds {seeds})':>26}"
     lines += [head, "-" * len(head)]
     for key, row in part1["table"].items():
@@ -275,7 +281,7 @@ def format_tables(cfg: DemoConfig, part1: dict, part2: dict) -> str:
             reach = ", ".join("-" if e is None else str(e) for e in r["epochs_to_baseline_final"])
             lines.append(f"{key.split('_')[1]:>11}  {method:<9}  {r['final_loss_mean']:.5f} ± {r['final_loss_std']:.5f}  "
                          f"{reach:>{len(head) - 45}}")
-    lines += ["", f"final training MSE: mean ± standard deviation over the {len(cfg.seeds)} seeds, after {cfg.epochs} epochs.",
+    lines += ["", f"final training MSE: mean ± standard deviation over the {_seeds(cfg)}, after {cfg.epochs} epochs.",
               "epochs to baseline final: for each seed, the first epoch whose training MSE is at or below the baseline's",
               f"mean final MSE; '-' = never reached in {cfg.epochs} epochs. Plot: {PATHCOND_PNG} (shaded: ± 1 std).",
               "", f"Pruning under rescaling: CNN on digits (dense test accuracy {part2['dense_accuracy']:.3f}, "
