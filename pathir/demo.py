@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import textwrap
 import time
 from dataclasses import dataclass, field
 
@@ -213,9 +214,11 @@ def _plot_curves(cfg: DemoConfig, part1: dict, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     n = len(cfg.compressions)
-    fig, axes = plt.subplots(1, n, figsize=(4.5 * n, 4.2), squeeze=False)
+    width = max(4.5 * n, 9.0)  # room for the legend and the caption with a single panel too
+    fig, axes = plt.subplots(1, n, figsize=(width, 4.2), squeeze=False)
     colors = {"baseline": "tab:gray", "enorm": "tab:blue", "pathcond": "tab:red"}
     for ax, cf in zip(axes[0], cfg.compressions):
         for method in cfg.methods:
@@ -229,14 +232,17 @@ def _plot_curves(cfg: DemoConfig, part1: dict, path: str) -> None:
         ax.set_yscale("log")
         ax.set_title(f"compression {cf} (64-48-{64 // cf}-48-64)")
         ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("training MSE (log scale)")
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper center", ncol=len(labels), frameon=False, bbox_to_anchor=(0.5, 1.0))
-    fig.text(0.5, 0.01, f"MLP autoencoder on digits, plain SGD (lr={cfg.lr}, batch {cfg.batch}) from one initialisation "
-             "per seed: as is (baseline), or rescaled by ENorm or by PathCond first (same function).\n"
-             f"Lines: mean over {_seeds(cfg)}; shaded bands: mean ± 1 standard deviation over the seeds. "
-             "Dotted: the target of the table's 'epochs to baseline final' column.", ha="center", va="bottom", fontsize=8)
-    fig.tight_layout(rect=(0, 0.08, 1, 0.92))
+    caption = [f"MLP autoencoder on digits, plain SGD (lr={cfg.lr}, batch {cfg.batch}) from one initialisation per seed: "
+               "as is (baseline), or rescaled by ENorm or by PathCond first (same function).",
+               f"Lines: mean over {_seeds(cfg)}; shaded bands: mean ± 1 standard deviation over the seeds. "
+               "Dotted: the target of the table's 'epochs to baseline final' column."]
+    caption = "\n".join(textwrap.fill(line, int(width * 17)) for line in caption)
+    fig.text(0.5, 0.01, caption, ha="center", va="bottom", fontsize=8)
+    fig.tight_layout(rect=(0, 0.015 + 0.035 * (caption.count("\n") + 1), 1, 0.92))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -271,10 +277,10 @@ def _plot_pruning(cfg: DemoConfig, part2: dict, path: str) -> None:
 
 
 def format_tables(cfg: DemoConfig, part1: dict, part2: dict) -> str:
-    seeds = ", ".join(str(s) for s in cfg.seeds)
+    seeds = ("seed " if len(cfg.seeds) == 1 else "seeds ") + ", ".join(str(s) for s in cfg.seeds)
     lines = [f"PathCond at initialisation: MLP autoencoder on digits, plain SGD (lr={cfg.lr}), "
              f"{cfg.epochs} epochs, {_seeds(cfg)}", ""]
-    head = f"{'compression':>11}  {'method':<9}  {'final training MSE':>18}  {f'epochs to baseline final (seeds {seeds})':>26}"
+    head = f"{'compression':>11}  {'method':<9}  {'final training MSE':>18}  {f'epochs to baseline final ({seeds})':>26}"
     lines += [head, "-" * len(head)]
     for key, row in part1["table"].items():
         for method, r in row.items():
