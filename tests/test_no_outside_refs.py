@@ -4,6 +4,7 @@ A user's clone has no ../shared folder (the team's design notes, formula referen
 mathematics is docs/math.md, cited as "docs/math.md §N" with the same section numbers.
 """
 
+import re
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,20 @@ def test_package_points_inside_the_repository():
 def test_package_cites_docs_math():
     hits = offending_lines(package_files(), ("MATH.md",))
     assert not hits, "cite docs/math.md §N instead:\n" + "\n".join(hits)
+
+
+def relative_links(path: Path) -> list[str]:
+    """Markdown link targets of ``path`` outside code, without URLs and in-page anchors."""
+    text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    return [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+:", t) and not t.startswith("#")]
+
+
+def test_links_in_docs_and_readme_resolve_inside_the_repository():
+    broken = []
+    for path in user_docs():
+        for target in relative_links(path):
+            resolved = (path.parent / target.split("#")[0]).resolve()
+            if ROOT not in resolved.parents or not resolved.exists():
+                broken.append(f"{path.relative_to(ROOT)}: ({target})")
+    assert not broken, "links to nothing, or to outside the repository:\n" + "\n".join(broken)
