@@ -140,7 +140,7 @@ def check(model, input_shape=None, example_input=None, seed: int = 0, scale: flo
         checks.append(_check_write_back(cm, model, z, xs, input_shape, example_input))
         bar.phase("symbolic")
         checks.append(_check_symbolic(cm, seed, limit))
-    covered, total, missing = _coverage(cm, model)
+    covered, total, missing = _coverage(cm, model, xs)
     return CheckReport(model=cm.name, nodes=len(cm.graph), units=len(cm.units), graph_params=cm.graph.num_params(),
                        model_params=total, covered=covered, not_reached=missing, checks=tuple(checks))
 
@@ -148,12 +148,19 @@ def check(model, input_shape=None, example_input=None, seed: int = 0, scale: flo
 # ---------------------------------------------------------------- coverage
 
 
-def _coverage(cm, model) -> tuple[int, int, tuple]:
-    """(entries read, entries in the model, ((name, entries, why), ...) not read)."""
+def _coverage(cm, model, xs) -> tuple[int, int, tuple]:
+    """(entries read, entries in the model, ((name, entries, why), ...) not read). A torch parameter
+    no graph param names as a source but which the model's output depends on (a conv bias folded
+    into the batch-norm after it) counts as read: one autograd pass finds them."""
+    from pathir.ir import Graph
+
+    if isinstance(model, Graph):  # its params are the model's
+        return cm.graph.num_params(), cm.graph.num_params(), ()
     reached = {ref.name for p in cm.graph.params() for ref in p.sources}
     if hasattr(model, "named_parameters"):
         train_only = tuple(getattr(cm.writer, "train_only", ()))
         params = {name: int(t.numel()) for name, t in model.named_parameters()}
+        reached |= _used_by_forward(model, xs, [n for n in params if n not in reached])
 
         def why(name):
             if any(name == m or name.startswith(m + ".") for m in train_only):
@@ -217,22 +224,46 @@ def _check_write_back(cm, model, z, xs, input_shape, example_input) -> CheckResu
     return CheckResult(name, None, "a bare Graph has no model to write into")
 
 
+def _flat(out) -> list:
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [a for o in out for a in _flat(o)]
+    if isinstance(out, dict):
+        return [a for o in out.values() for a in _flat(o)]
+    return []
+
+
 def _torch_outputs(model, xs) -> list:
     import torch
 
     from pathir.frontends.torch_inputs import eval_forward
 
-    def flat(out):
-        if isinstance(out, torch.Tensor):
-            return [out.detach().double().numpy()]
-        if isinstance(out, (tuple, list)):
-            return [a for o in out for a in flat(o)]
-        if isinstance(out, dict):
-            return [a for o in out.values() for a in flat(o)]
-        return []
-
     with eval_forward(model), torch.no_grad():
-        return flat(model(*[torch.from_numpy(x.copy()) for x in xs.values()]))
+        return [t.double().cpu().numpy() for t in _flat(model(*[torch.from_numpy(x.copy()) for x in xs.values()]))]
+
+
+def _used_by_forward(model, xs, names) -> set[str]:
+    """Those of ``names`` (parameters requiring grad) the eval-mode output depends on, by
+    ``torch.autograd.grad`` (the model's ``.grad`` fields are not touched)."""
+    import torch
+
+    from pathir.frontends.torch_inputs import eval_forward, model_dtype_device
+
+    params = dict(model.named_parameters())
+    wanted = [n for n in names if params[n].requires_grad]
+    if not wanted:
+        return set()
+    dtype, device = model_dtype_device(model)
+    with eval_forward(model), torch.enable_grad():
+        outs = [t for t in _flat(model(*[torch.from_numpy(x).to(dtype=dtype, device=device) for x in xs.values()]))
+                if t.requires_grad]
+        if not outs:
+            return set()
+        grads = torch.autograd.grad(sum(t.sum() for t in outs), [params[n] for n in wanted], allow_unused=True)
+    return {n for n, g in zip(wanted, grads) if g is not None}
 
 
 def _torch_write_back(name, cm, model, z, xs, input_shape, example_input) -> CheckResult:

@@ -59,8 +59,8 @@ def run(args) -> int:
         emit_json({"model": cm.name, **model_info(args), "output": args.output, "amount_understood": understood,
                    **report.to_dict()})
         return 0
-    print(f"{'model':<25}  {cm.name}")
-    print(f"{'amount':<25}  {understood}")
+    print(f"{'model':<24}  {cm.name}")
+    print(f"{'amount':<24}  {understood}")
     print(report)
-    print(f"{'model pruned':<25}  " + (f"yes, written to {args.output}" if args.output else "no (report only)"))
+    print(f"{'model pruned':<24}  " + (f"yes, written to {args.output}" if args.output else "no (report only)"))
     return 0
