@@ -90,7 +90,11 @@ def _build(spec: str):
             factory = getattr(importlib.import_module(mod_name), attr)
         except (ImportError, AttributeError) as err:
             raise ValueError(f"cannot load '{spec}': {err}") from None
-        model = factory() if callable(factory) and not hasattr(factory, "forward") else factory
+        import torch
+
+        model = factory if isinstance(factory, torch.nn.Module) else factory() if callable(factory) else factory
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"'{spec}' gave a {type(model).__name__}, not a torch.nn.Module")
         return model, spec
     import torchvision
 
