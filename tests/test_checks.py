@@ -1,6 +1,5 @@
 """pathir.checks.check: every check can fail, and passes where the definition holds."""
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 
