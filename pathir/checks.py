@@ -239,10 +239,12 @@ def _flat(out) -> list:
 def _torch_outputs(model, xs) -> list:
     import torch
 
-    from pathir.frontends.torch_inputs import eval_forward
+    from pathir.frontends.torch_inputs import eval_forward, model_dtype_device
 
+    dtype, device = model_dtype_device(model)
     with eval_forward(model), torch.no_grad():
-        return [t.double().cpu().numpy() for t in _flat(model(*[torch.from_numpy(x.copy()) for x in xs.values()]))]
+        inputs = [torch.from_numpy(x.copy()).to(dtype=dtype, device=device) for x in xs.values()]
+        return [t.double().cpu().numpy() for t in _flat(model(*inputs))]
 
 
 def _used_by_forward(model, xs, names) -> set[str]:

@@ -212,6 +212,15 @@ def test_progress_argument_of_the_api(method, factory, capsys):
         assert ("write" in err and "compile" in err) is progress, err
 
 
+def test_progress_argument_of_path_metric(factory, capsys):
+    a = pathir.compile(factory.small().eval(), input_shape=(2, 6, 6), progress=False)
+    b = pathir.compile(factory.small().eval(), input_shape=(2, 6, 6), progress=False)
+    for progress in (True, False):
+        m = pathir.path_metric(a, b, progress=progress)
+        assert m.upper <= 1e-9 * m.norm_a  # same seed, same weights
+        assert ("path-metric" in capsys.readouterr().err) is progress
+
+
 @pytest.mark.parametrize("method", ["pathcond", "enorm"])
 def test_not_converging_warns(method, factory):
     cm = pathir.compile(factory.small().eval(), input_shape=(2, 6, 6))
