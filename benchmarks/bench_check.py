@@ -49,10 +49,12 @@ def bench(name: str, shape, repeat: int) -> dict:
     cm = pathir.compile(model, input_shape=shape, progress=False)
     cm.pathcond(write_back=False, progress=False)  # warm-up: units, row keys, backend copies
     drawn, silent = [], []
-    for _ in range(repeat):
-        with contextlib.redirect_stderr(io.StringIO()):
-            drawn.append(median_time(lambda: cm.pathcond(write_back=False, progress=True), 1, warm_up=False))
-        silent.append(median_time(lambda: cm.pathcond(write_back=False, progress=False), 1, warm_up=False))
+    for k in range(2 * repeat):  # interleaved, the order alternating: the machine's load hits both alike
+        if (k % 2 == 0) == (k // 2 % 2 == 0):
+            with contextlib.redirect_stderr(io.StringIO()):
+                drawn.append(median_time(lambda: cm.pathcond(write_back=False, progress=True), 1, warm_up=False))
+        else:
+            silent.append(median_time(lambda: cm.pathcond(write_back=False, progress=False), 1, warm_up=False))
     drawn_s, silent_s = statistics.median(drawn), statistics.median(silent)
     return {"model": name, "input": list(shape), "forward_backward_f64_s": round(base, 4),
             "check_s": round(check_s, 3), "check_over_fb": round(check_s / base, 1),

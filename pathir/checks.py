@@ -103,7 +103,7 @@ class CheckReport:
 
 
 def check(model, input_shape=None, example_input=None, seed: int = 0, scale: float = 0.5,
-          max_paths: int | None = None, progress: bool | None = None) -> CheckReport:
+          max_paths: int | None = None, backend=None, progress: bool | None = None) -> CheckReport:
     """Compile ``model`` and run the checks of the module docstring; the model is not modified.
 
     Parameters
@@ -113,6 +113,7 @@ def check(model, input_shape=None, example_input=None, seed: int = 0, scale: flo
     scale : standard deviation of the random log-scales z
     max_paths : run the symbolic checks on graphs with at most this many paths
         (default ``pathir.neurons.symbolic.DEFAULT_MAX_PATHS``)
+    backend : the backend of the IR's forward in the rescaling check ("torch", "numpy"; default torch)
     progress : a bar on stderr over the checks (None: when stderr is a terminal)
 
     Raises a PathirError where the model cannot be compiled at all (a refusal, not a failed check).
@@ -126,11 +127,12 @@ def check(model, input_shape=None, example_input=None, seed: int = 0, scale: flo
     with Phases(("compile", "units", "write-back", "symbolic"), desc="check", progress=progress) as bar:
         bar.phase("compile")
         try:
-            cm = pathir.compile(model, input_shape=input_shape, example_input=example_input)
+            cm = pathir.compile(model, input_shape=input_shape, example_input=example_input, backend=backend)
             checks.append(CheckResult("self-check", True, "the IR's forward matches the model's own on a random batch"))
         except SelfCheckFailed as err:
             checks.append(CheckResult("self-check", False, str(err)))
-            cm = pathir.compile(model, input_shape=input_shape, example_input=example_input, self_check=False)
+            cm = pathir.compile(model, input_shape=input_shape, example_input=example_input, self_check=False,
+                                backend=backend)
         rng = np.random.default_rng(seed)
         z = rng.normal(0.0, scale, len(cm.units))
         xs = {name: rng.normal(size=(2, *cm.graph.node(name).shape)) for name in cm.graph.inputs}
@@ -200,14 +202,13 @@ def _as_numpy(out) -> dict:
 
 
 def _check_ir_units(cm, z, xs) -> CheckResult:
-    from pathir.backends import get_backend
     from pathir.lifting.walk import forward
     from pathir.rescaling.apply import rescale_graph
 
     name = "rescaling units (IR)"
-    backend = get_backend("numpy")
-    before = forward(cm.graph, backend, xs)
-    after = forward(rescale_graph(cm.graph, cm.units, z), backend, xs)
+    backend = cm.get_backend()  # float64 (torch when installed, else numpy)
+    before = _as_numpy(forward(cm.graph, backend, xs))
+    after = _as_numpy(forward(rescale_graph(cm.graph, cm.units, z), backend, xs))
     err = max((_deviation(after[k], before[k]) for k in before), default=0.0)
     tol = TOLERANCE["float64"]
     detail = (f"a random rescaling of the {len(z):,} units (log-scales of std {np.std(z) if len(z) else 0:.2g}) "

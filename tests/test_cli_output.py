@@ -71,8 +71,9 @@ def _files(tmp_path):
 # ---------------------------------------------------------------- check
 
 
-def test_check_exit_0_when_all_hold(capsys):
-    code, out, err = _run(capsys, "check", *TINY)
+@pytest.mark.parametrize("backend", ["torch", "numpy"])
+def test_check_exit_0_when_all_hold(backend, capsys):
+    code, out, err = _run(capsys, "check", *TINY, "--backend", backend)
     assert code == 0, out + err
     assert "all checks hold" in out and "ok      symbolic" in out and "26 of the model's 26" in out
 

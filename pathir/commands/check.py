@@ -21,7 +21,8 @@ def run(args) -> int:
     from pathir.checks import check
 
     model, name, shape = prepare_model(args)
-    report = check(model, input_shape=shape, seed=args.seed, max_paths=args.max_paths, progress=progress(args))
+    report = check(model, input_shape=shape, seed=args.seed, max_paths=args.max_paths, backend=args.backend,
+                   progress=progress(args))
     if args.json:
         emit_json({**report.to_dict(), "model": name, **model_info(args)})
     else:
