@@ -15,6 +15,7 @@ import os
 import sys
 
 from pathir.errors import PathirError
+from pathir.progress import close_all
 
 __all__ = ["main", "COMMANDS"]
 
@@ -57,9 +58,11 @@ def main(argv=None) -> int:
         _silence_stdout()
         return 141
     except KeyboardInterrupt:
+        close_all()
         print(f"pathir {args.command}: interrupted", file=sys.stderr)
         return 130
     except (PathirError, FileNotFoundError, ValueError) as err:
+        close_all()  # a bar the failing call left drawn goes before the error line
         print(f"pathir {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -20,8 +20,11 @@ from __future__ import annotations
 import inspect
 import sys
 import warnings
+import weakref
 
-__all__ = ["enabled", "Phases", "bar", "solver_callback", "warn_not_converged"]
+__all__ = ["enabled", "Phases", "bar", "solver_callback", "warn_not_converged", "close_all"]
+
+_OPEN: "weakref.WeakSet[Phases]" = weakref.WeakSet()
 
 
 def enabled(progress: bool | None) -> bool:
@@ -52,6 +55,7 @@ class Phases:
         self.done: list[str] = []
         self.last: tuple | None = None
         self._bar = bar(desc=desc, total=len(self.phases), progress=progress, unit="phase")
+        _OPEN.add(self)
 
     def phase(self, name: str) -> None:
         if self.done:
@@ -64,15 +68,24 @@ class Phases:
         self._bar.set_postfix_str(f"sweep {iteration}, {self.value_name} = {value:.6g}", refresh=True)
 
     def close(self) -> None:
-        if self.done:
-            self._bar.update(1)
-        self._bar.close()
+        if self in _OPEN:
+            _OPEN.discard(self)
+            if self.done:
+                self._bar.update(1)
+            self._bar.close()
 
     def __enter__(self) -> "Phases":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def close_all() -> None:
+    """Close the bars a call left open when it raised (the CLI calls it before printing the error)."""
+    for phases in list(_OPEN):
+        phases._bar.close()
+        _OPEN.discard(phases)
 
 
 def solver_callback(solver, phases: Phases) -> dict:

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from pathir.progress import Phases, enabled, solver_callback, warn_not_converged
+import pathir.progress as progress_module
+from pathir.progress import Phases, close_all, enabled, solver_callback, warn_not_converged
 
 
 class _Terminal(io.StringIO):
@@ -53,3 +54,19 @@ def test_solver_callback_only_for_solvers_that_take_one():
 def test_non_convergence_is_a_runtime_warning():
     with pytest.warns(RuntimeWarning, match="ENorm on net did not converge in 7 sweeps"):
         warn_not_converged("ENorm", "net", 7)
+
+
+def test_close_all_closes_the_bars_a_failing_call_left(capsys):
+    def failing():
+        bar = Phases(["units", "solve"], desc="ENorm net", progress=True)
+        bar.phase("units")
+        raise ValueError("bad")
+
+    with pytest.raises(ValueError) as info:
+        failing()
+    left = info.value.__traceback__.tb_next.tb_frame.f_locals["bar"]
+    assert not left._bar.disable and left in list(progress_module._OPEN)
+    close_all()
+    assert left not in list(progress_module._OPEN)
+    left.close()  # closing again is harmless
+    assert "ENorm net: units" in capsys.readouterr().err
