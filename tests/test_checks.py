@@ -1,5 +1,6 @@
 """pathir.checks.check: every check can fail, and passes where the definition holds."""
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 
@@ -116,3 +117,25 @@ def test_symbolic_skipped_above_the_limit():
     report = pathir.checks.check(_tiny(), input_shape=(3,), max_paths=10)
     symbolic = report.checks[-1]
     assert symbolic.name == "symbolic" and symbolic.passed is None and "above the 10" in symbolic.detail
+
+
+def test_onnx_model_checked_through_onnxruntime(tmp_path):
+    pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.normal(size=s).astype(np.float32), n)
+             for n, s in (("W1", (4, 3)), ("b1", (4,)), ("W2", (2, 4)), ("b2", (2,)), ("unused", (5,)))]
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "W1", "b1"], ["h"], transB=1), helper.make_node("Relu", ["h"], ["r"]),
+         helper.make_node("Gemm", ["r", "W2", "b2"], ["y"], transB=1)], "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2])], inits)
+    path = tmp_path / "mlp.onnx"
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString())
+    before = path.read_bytes()
+    report = pathir.checks.check(str(path))
+    assert report.passed and [c.passed for c in report.checks] == [True, True, True, True], str(report)
+    assert "onnxruntime (float32)" in report.checks[2].detail
+    assert report.not_reached == (("unused", 5, "no output of the graph depends on it"),) and report.covered == 26
+    assert path.read_bytes() == before
