@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from tqdm import tqdm
-
 from pathir import zoo
+from pathir.progress import bar
 
 HEADER = """# The torchvision zoo
 
@@ -47,9 +46,12 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="docs/zoo.md")
     parser.add_argument("--no-forward", action="store_true", help="compile only (the forward check is tests/test_zoo.py's)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args()
     rows, refused = [], []
-    for name in tqdm(zoo.SUPPORTED + sorted(zoo.REJECTED), desc="zoo"):
+    models = zoo.SUPPORTED + sorted(zoo.REJECTED)
+    for name in (progress := bar(models, desc="zoo", progress=False if args.quiet else None, unit="model")):
+        progress.set_postfix_str(name)
         r = zoo.check_model(name, forward=not args.no_forward)
         if r["status"] == "supported":
             err = "tested" if r["max_rel_error"] is None else f"{r['max_rel_error']:.1e}"

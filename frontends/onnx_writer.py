@@ -25,13 +25,13 @@ and initializers nothing reads any more are removed.
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass, replace
 from typing import Mapping
 
 import numpy as np
 
 from pathir.errors import PathirError
+from pathir.files import write_atomic
 from pathir.ir import Graph, Role
 
 from .write_rules import mask_plan, source_factors
@@ -98,23 +98,14 @@ class OnnxWriter:
         return out
 
     def save(self, path) -> None:
-        """Write the current model to ``path``: a temporary file beside it, then a
-        rename, so a failure leaves no file behind."""
+        """Write the current model to ``path`` (``pathir.files.write_atomic``: a temporary file
+        beside it, then a rename, so a failure leaves no file behind)."""
         path = os.fspath(path)
         model = self._model if self._model is not None else self.source
         if model.ByteSize() > 2**31 - 1:
             raise PathirError("the model is larger than 2 GB: protobuf cannot write it in one file")
         data = model.SerializeToString()
-        folder = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
+        write_atomic(path, lambda f: f.write(data))  # mode from the umask, nothing left on failure
 
     # ------------------------------------------------------------ rescaling
     def rescale(self, graph: Graph, log_scales: Mapping[str, np.ndarray]) -> None:

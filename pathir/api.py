@@ -18,7 +18,7 @@ def _is_onnx(model) -> bool:
 
 
 def compile(model, input_shape: Sequence[int] | None = None, example_input=None, passes: Sequence = (),
-            backend=None, check: bool = True, self_check: bool = True) -> Compiled:
+            backend=None, check: bool = True, self_check: bool = True, progress: bool | None = None) -> Compiled:
     """Lower ``model`` to the pathir IR and run the compile pipeline.
 
     Parameters
@@ -32,6 +32,8 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
     self_check : run the IR's forward and the model's own forward once each on a seeded
         random batch and raise ``SelfCheckFailed`` if they differ (beyond a tolerance fitted
         to the model's dtype); see docs/capture.md. ``False`` skips it.
+    progress : a bar on stderr over the phases lower, passes, self-check (``pathir.progress``;
+        None: only when stderr is a terminal).
 
     The model is never modified.
 
@@ -42,7 +44,11 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
     32
     """
     from pathir.passes import DEFAULT_PIPELINE, run_passes
+    from pathir.progress import Phases
 
+    bar = Phases(("lower", "passes", "self-check") if self_check else ("lower", "passes"), desc="compile",
+                 progress=progress)
+    bar.phase("lower")
     watch = relower = None
     kind = "graph" if isinstance(model, Graph) else "onnx" if _is_onnx(model) else "torch"
     if kind == "graph":
@@ -64,11 +70,14 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
             raw = lower(model, input_shape=input_shape, example_input=example_input).graph
             return run_passes(raw, (*DEFAULT_PIPELINE, *passes), check=False)
 
+    bar.phase("passes")
     graph = run_passes(graph, (*DEFAULT_PIPELINE, *passes), check=check)
     cm = Compiled(graph, model=model, writer=writer, source_num_params=n_src, backend=backend, name=name,
                   watch=watch, relower=relower)
     if self_check:
         from pathir.self_check import self_check as run_self_check
 
+        bar.phase("self-check")
         run_self_check(cm, model, kind)
+    bar.close()
     return cm

@@ -2,22 +2,27 @@
 
 Each command module defines ``HELP`` (one line), ``add_arguments(parser)`` and
 ``run(args) -> int``. Errors a user can cause print one clear line on stderr and
-exit with status 2; nothing is written on failure.
+exit with status 2; nothing is written on failure. A reader that closes the pipe
+early (``pathir summary resnet18 --json | head -c 10``) ends the command quietly
+with status 141, as a tool killed by SIGPIPE; Ctrl-C with 130. See docs/cli.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from pathir.errors import PathirError
+from pathir.progress import close_all
 
 __all__ = ["main", "COMMANDS"]
 
 #: subcommand name -> module under pathir.commands
 COMMANDS = {
     "summary": "summary",
+    "check": "check",
     "pathcond": "pathcond",
     "enorm": "enorm",
     "prune": "prune",
@@ -26,7 +31,10 @@ COMMANDS = {
 
 
 def _parser(modules) -> argparse.ArgumentParser:
+    from pathir import __version__
+
     parser = argparse.ArgumentParser(prog="pathir", description="ReLU networks with their rescaling symmetries factored out.")
+    parser.add_argument("--version", action="version", version=f"pathir {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, mod in modules.items():
         p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
@@ -43,10 +51,29 @@ def main(argv=None) -> int:
     modules = _load()
     args = _parser(modules).parse_args(argv)
     try:
-        return int(modules[args.command].run(args) or 0)
+        code = int(modules[args.command].run(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, inside the try
+        return code
+    except BrokenPipeError:
+        _silence_stdout()
+        return 141
+    except KeyboardInterrupt:
+        close_all()
+        print(f"pathir {args.command}: interrupted", file=sys.stderr)
+        return 130
     except (PathirError, FileNotFoundError, ValueError) as err:
+        close_all()  # a bar the failing call left drawn goes before the error line
         print(f"pathir {args.command}: error: {err}", file=sys.stderr)
         return 2
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout without a file descriptor (a test's capture)
+        pass
 
 
 if __name__ == "__main__":

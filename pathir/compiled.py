@@ -296,34 +296,35 @@ class Compiled:
         self._facts = facts.with_values(new_graph)
 
     def pathcond(self, solver: str = "block", max_sweeps: int = 1000, tol: float = 1e-10,
-                 write_back: bool = True, backend=None):
+                 write_back: bool = True, backend=None, progress: bool | None = None):
         """PathCond: minimise F(z) and rescale the model in place (function preserved);
         returns a PathCondReport. ``write_back=False`` leaves model and graph as they are
-        (apply ``report.z`` with :meth:`rescaled` or :meth:`commit_rescaling`). See docs/pathcond.md."""
+        (apply ``report.z`` with :meth:`rescaled` or :meth:`commit_rescaling`). ``progress``: a bar
+        on stderr (None: when stderr is a terminal; see docs/cli.md). See docs/pathcond.md."""
         from pathir.pathcond.run import pathcond
 
         self._check_writable(write_back)
         return pathcond(self.facts, self.get_backend(backend), solver=solver, max_sweeps=max_sweeps, tol=tol,
-                        commit=self.commit_rescaling if write_back else None, name=self.name)
+                        commit=self.commit_rescaling if write_back else None, name=self.name, progress=progress)
 
     def enorm(self, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, costs=None,
-              solver: str = "block", write_back: bool = True):
+              solver: str = "block", write_back: bool = True, progress: bool | None = None):
         """ENorm: minimise Σ c_i |θ_i|^p over the rescalings and rescale the model in place;
         returns an ENormReport. See docs/normalize.md."""
         from pathir.enorm.run import enorm
 
         self._check_writable(write_back)
         return enorm(self.facts, p=p, max_sweeps=max_sweeps, tol=tol, costs=costs, solver=solver,
-                     commit=self.commit_rescaling if write_back else None, name=self.name)
+                     commit=self.commit_rescaling if write_back else None, name=self.name, progress=progress)
 
-    def normalize(self, p: float = 2.0, write_back: bool = True):
+    def normalize(self, p: float = 2.0, write_back: bool = True, progress: bool | None = None):
         """The canonical representative: every unit's incoming weights and bias get unit
         l_p norm; rescales the model in place; returns a NormalizeReport. See docs/normalize.md."""
         from pathir.enorm.run import normalize_units
 
         self._check_writable(write_back)
         return normalize_units(self.facts, p=p, commit=self.commit_rescaling if write_back else None,
-                               name=self.name)
+                               name=self.name, progress=progress)
 
     def _check_writable(self, write_back: bool) -> None:
         """Refuse a write-back the writer would refuse, before any solver runs."""
@@ -348,14 +349,23 @@ class Compiled:
         return path_magnitude_scores(self.graph, self.get_backend(backend))
 
     def prune(self, amount, criterion: str = "path-magnitude", scope: str = "global",
-              include_biases: bool = False, backend=None):
+              include_biases: bool = False, backend=None, progress: bool | None = None):
         """Zero the ``amount`` (fraction or count) lowest-scoring weights of the
         model, through the frontend writer, all at once; returns a PruneReport
-        (pruned count, bound Σ S_i, path-norm before/after). See docs/pruning.md."""
+        (pruned count, bound Σ S_i, path-norm before/after). ``progress``: a bar on stderr over
+        the phases score, write (None: when stderr is a terminal). See docs/pruning.md."""
         from pathir.lifting.pruning import prune
+        from pathir.progress import Phases
 
-        return prune(self.graph, self.get_backend(backend), amount, criterion, scope, include_biases,
-                     commit=self._commit_masks)
+        with Phases(("score", "write"), desc=f"prune {self.name}", progress=progress) as bar:
+            bar.phase("score")
+
+            def commit(pruned, masks):
+                bar.phase("write")
+                self._commit_masks(pruned, masks)
+
+            return prune(self.graph, self.get_backend(backend), amount, criterion, scope, include_biases,
+                         commit=commit)
 
     def _commit_masks(self, pruned: Graph, masks) -> None:
         """Write the masks ({param name: bool array}) into the model, then make ``pruned`` current."""

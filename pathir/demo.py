@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 import textwrap
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ import torch.nn as nn
 from tqdm import tqdm
 
 import pathir
+from pathir.progress import enabled
 
 __all__ = ["run_demo", "DemoConfig"]
 
@@ -77,8 +79,8 @@ def _prepare(model: nn.Module, method: str) -> dict:
     """Rescale ``model`` in place by ``method``; returns what the rescaling reported."""
     if method == "baseline":
         return {}
-    cm = pathir.compile(model, input_shape=(64,))
-    report = cm.pathcond() if method == "pathcond" else cm.enorm()
+    cm = pathir.compile(model, input_shape=(64,), progress=False)  # the demo draws its own bar
+    report = cm.pathcond(progress=False) if method == "pathcond" else cm.enorm(progress=False)
     return {"objective_before": getattr(report, "objective_before", None),
             "objective_after": getattr(report, "objective_after", None)}
 
@@ -174,7 +176,7 @@ def accuracy(model, X, y) -> float:
 
 def random_rescaling(model: nn.Module, spread: float, seed: int) -> None:
     """Rescale ``model`` in place by a random element of its rescaling group (same function)."""
-    cm = pathir.compile(model, input_shape=(1, 8, 8))
+    cm = pathir.compile(model, input_shape=(1, 8, 8), progress=False)
     cm.commit_rescaling(np.random.default_rng(seed).uniform(-spread, spread, size=len(cm.units)))
 
 
@@ -195,7 +197,8 @@ def part_pruning(cfg: DemoConfig, data, bar) -> dict:
             ("path-magnitude (rescaled)", rescaled, "path-magnitude"),
         ]:
             pruned = copy.deepcopy(base)
-            pathir.compile(pruned, input_shape=(1, 8, 8)).prune(amount, criterion=criterion, scope="global")
+            cm_pruned = pathir.compile(pruned, input_shape=(1, 8, 8), progress=False)
+            cm_pruned.prune(amount, criterion=criterion, scope="global", progress=False)
             row[label] = accuracy(pruned, X_test, y_test)
             bar.update(1)
         rows[f"{int(amount * 100)}%"] = row
@@ -303,7 +306,7 @@ def format_tables(cfg: DemoConfig, part1: dict, part2: dict) -> str:
     return "\n".join(lines)
 
 
-def run_demo(cfg: DemoConfig | None = None, progress: bool = True) -> dict:
+def run_demo(cfg: DemoConfig | None = None, progress: bool | None = True) -> dict:
     """Run both experiments; write tables (results.json) and plots (PNG) into ``cfg.out``."""
     cfg = cfg or DemoConfig()
     os.makedirs(cfg.out, exist_ok=True)
@@ -311,7 +314,7 @@ def run_demo(cfg: DemoConfig | None = None, progress: bool = True) -> dict:
     data = _digits()
     total = len(cfg.compressions) * len(cfg.methods) * len(cfg.seeds) + 4 * len(cfg.amounts)
     start = time.perf_counter()
-    with tqdm(total=total, desc="pathir demo", disable=not progress, unit="run") as bar:
+    with tqdm(total=total, desc="pathir demo", disable=not enabled(progress), unit="run", file=sys.stderr) as bar:
         part1 = part_pathcond(cfg, data[0], bar)
         part2 = part_pruning(cfg, data, bar)
     _plot_curves(cfg, part1, os.path.join(cfg.out, PATHCOND_PNG))

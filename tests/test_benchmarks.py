@@ -47,3 +47,11 @@ def test_solver_benchmark_runs(capsys):
     speedups = bench.main(["--widths", "12", "8", "8", "3", "--repeat", "1"])
     assert len(speedups) == 2 and all(s > 0 for s in speedups)
     assert "speedup" in capsys.readouterr().out
+
+
+def test_check_benchmark_runs(capsys):
+    import bench_check
+
+    (row,) = bench_check.main(["resnet18", "--input-shape", "3,32,32", "--repeat", "1"])
+    assert row["check_over_fb"] > 0 and row["bar_over_no_bar"] > 0
+    assert '"model": "resnet18"' in capsys.readouterr().out

@@ -73,7 +73,7 @@ def test_json_report(factory, tmp_path, capsys):
 
 def test_report_only_without_output(factory, tmp_path, capsys):
     code, stdout, _ = _run(capsys, "pathcond", "cli_models:small", "--input-shape", "2,6,6")
-    assert code == 0 and "no (write_back=False)" in stdout and "written to" not in stdout
+    assert code == 0 and "no (report only)" in stdout and "written to" not in stdout
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("__")) == ["cli_models.py"]
 
 

@@ -1,4 +1,4 @@
-"""Helpers shared by the CLI commands: loading a MODEL argument, JSON output."""
+"""Helpers shared by the CLI commands: loading a MODEL argument (with --weights / --seed), JSON output."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import importlib
 import json
 import os
 import sys
-import tempfile
 
-__all__ = ["add_model_arguments", "load_model", "compile_model", "emit_json", "parse_shape"]
+__all__ = ["add_model_arguments", "load_model", "compile_model", "emit_json", "parse_shape", "progress",
+           "note", "model_info"]
 
 
 def parse_shape(text: str | None):
@@ -21,10 +21,42 @@ def parse_shape(text: str | None):
 
 
 def add_model_arguments(parser):
-    parser.add_argument("model", help="a torchvision model name (resnet18), a path module:factory, or an .onnx file")
+    parser.add_argument("model", help="a torchvision model name (resnet18), package.module:factory (imported and "
+                                      "called with no arguments), or an .onnx file")
+    parser.add_argument("--weights", metavar="PATH", default=None,
+                        help="a state_dict or checkpoint (.pt/.pth; a dict holding 'state_dict' or 'model' is "
+                             "understood) loaded into the torch model before anything runs")
+    parser.add_argument("--trust-pickle", action="store_true",
+                        help="read --weights with weights_only=False, which also loads a whole pickled nn.Module; "
+                             "unpickling runs code: only for files you trust")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="torch seed of the model's random init when no --weights are given (default 0)")
     parser.add_argument("--input-shape", default=None, help="input shape without batch, e.g. 3,224,224")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
     parser.add_argument("--backend", default=None, choices=["torch", "numpy"], help="computation backend")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars and no notes on stderr")
+
+
+def progress(args):
+    """The ``progress`` argument of the library calls: off with --quiet, else on when stderr is a terminal."""
+    return False if getattr(args, "quiet", False) else None
+
+
+def note(args, text: str) -> None:
+    """One line on stderr, unless --quiet."""
+    if not getattr(args, "quiet", False):
+        print(f"pathir {args.command}: {text}", file=sys.stderr)
+
+
+def model_info(args) -> dict:
+    """Where the weights came from, for the JSON output: the --weights file, or the seed of a random init."""
+    if _is_onnx_spec(args.model):
+        return {"weights": args.model, "seed": None}
+    return {"weights": args.weights, "seed": None if args.weights else args.seed}
+
+
+def _is_onnx_spec(spec: str) -> bool:
+    return spec.endswith(".onnx") or os.path.isfile(spec)
 
 
 def default_input_shape(name: str):
@@ -34,12 +66,23 @@ def default_input_shape(name: str):
     return (3, 224, 224)
 
 
-def load_model(spec: str):
-    """(model, name) for a torchvision name, ``package.module:factory`` or an .onnx path."""
-    if spec.endswith(".onnx") or os.path.exists(spec):
+def load_model(spec: str, seed: int = 0):
+    """(model, name) for a torchvision name, ``package.module:factory`` or an .onnx path; a torch
+    model is built under ``torch.manual_seed(seed)`` (its random init is reproducible) and put in eval mode."""
+    if _is_onnx_spec(spec):
         if not os.path.exists(spec):
             raise FileNotFoundError(f"no such file: {spec}")
         return spec, os.path.basename(spec)
+    import torch
+
+    torch.manual_seed(seed)
+    model, name = _build(spec)
+    if hasattr(model, "eval"):
+        model.eval()  # pathir analyses the eval-mode function; this silences the train-mode batch-norm warning
+    return model, name
+
+
+def _build(spec: str):
     if ":" in spec:
         mod_name, _, attr = spec.partition(":")
         sys.path.insert(0, os.getcwd())
@@ -47,7 +90,11 @@ def load_model(spec: str):
             factory = getattr(importlib.import_module(mod_name), attr)
         except (ImportError, AttributeError) as err:
             raise ValueError(f"cannot load '{spec}': {err}") from None
-        model = factory() if callable(factory) and not hasattr(factory, "forward") else factory
+        import torch
+
+        model = factory if isinstance(factory, torch.nn.Module) else factory() if callable(factory) else factory
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"'{spec}' gave a {type(model).__name__}, not a torch.nn.Module")
         return model, spec
     import torchvision
 
@@ -58,21 +105,45 @@ def load_model(spec: str):
     return builder(weights=None), spec
 
 
-def compile_model(args):
-    import pathir
+def prepare_model(args):
+    """(model, name, input shape): the MODEL argument built, --weights loaded (or the random init
+    announced once on stderr), the input shape from --input-shape or the model's usual one."""
+    from .weights import load_weights
 
-    model, name = load_model(args.model)
+    model, name = load_model(args.model, args.seed)
+    if isinstance(model, str):
+        if args.weights:
+            raise ValueError("--weights applies to torch models; an .onnx file carries its own weights")
+    elif args.weights:
+        load_weights(model, args.weights, args.trust_pickle)
+    elif ":" in args.model:
+        note(args, f"no --weights given: the weights are those {name} made under torch.manual_seed({args.seed}) "
+                   "(--seed N picks another seed, --weights PATH loads a checkpoint)")
+    else:
+        note(args, f"no --weights given: {name} has random initial weights (seed {args.seed}; --seed N picks "
+                   "another, --weights PATH loads a checkpoint)")
     shape = parse_shape(args.input_shape)
     if shape is None and not isinstance(model, str):
         shape = default_input_shape(name)
-    cm = pathir.compile(model, input_shape=shape, backend=args.backend)
+    return model, name, shape
+
+
+def compile_model(args):
+    import pathir
+
+    model, name, shape = prepare_model(args)
+    cm = pathir.compile(model, input_shape=shape, backend=args.backend, progress=progress(args))
     cm.name = name
     return cm
 
 
 def emit_json(obj) -> None:
-    json.dump(obj, sys.stdout, indent=2, default=float)
+    json.dump(obj, sys.stdout, indent=2, default=_jsonable)
     sys.stdout.write("\n")
+
+
+def _jsonable(value):
+    return value.tolist() if hasattr(value, "tolist") else float(value)
 
 
 def check_output_path(path: str, onnx_model: bool) -> None:
@@ -88,17 +159,11 @@ def save_state_dict(model, path: str) -> None:
     import torch
     from torch.nn.utils import prune as torch_prune
 
+    from pathir.files import write_atomic
+
     for module in model.modules():  # make the masks permanent: plain tensors with zeros
         for hook in list(module._forward_pre_hooks.values()):
             if isinstance(hook, torch_prune.BasePruningMethod):
                 torch_prune.remove(module, hook._tensor_name)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(model.state_dict(), f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    state = model.state_dict()
+    write_atomic(path, lambda f: torch.save(state, f))

@@ -13,6 +13,7 @@ def add_arguments(parser):
     parser.add_argument("--out", default="pathir-demo", help="folder for results.json and the PNG plots")
     parser.add_argument("--quick", action="store_true", help="one seed, fewer epochs (a smoke run)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
 def run(args) -> int:
@@ -21,7 +22,7 @@ def run(args) -> int:
     cfg = DemoConfig(out=args.out)
     if args.quick:
         cfg.seeds, cfg.epochs, cfg.compressions, cfg.cnn_epochs, cfg.amounts = (0,), 4, (8,), 2, (0.6,)
-    results = run_demo(cfg, progress=not args.json)
+    results = run_demo(cfg, progress=False if args.json or args.quiet else None)
     if args.json:
         emit_json({k: v for k, v in results.items() if k not in ("text", "curves")})
         return 0

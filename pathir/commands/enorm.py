@@ -1,11 +1,11 @@
-"""pathir enorm MODEL [-o OUT]: ENorm rescaling (MATH.md §8), function preserved.
+"""pathir enorm MODEL [-o OUT]: ENorm rescaling (docs/math.md §8), function preserved.
 
 Same inputs and outputs as ``pathir pathcond``; ``-p`` chooses the norm.
 """
 
 from __future__ import annotations
 
-from .common import add_model_arguments, compile_model
+from .common import add_model_arguments, compile_model, progress
 from .pathcond import add_output_arguments, check_output, report_and_exit, write_output
 
 HELP = "rescale a model by ENorm (minimises the l_p norm of the weights; the function is unchanged)"
@@ -20,9 +20,11 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    if not args.p > 0:  # before the model is built
+        raise ValueError(f"p must be > 0, got {args.p}")
     check_output(args)
     cm = compile_model(args)
     report = cm.enorm(p=args.p, max_sweeps=args.max_sweeps, tol=args.tol, solver=args.solver,
-                      write_back=args.output is not None)
+                      write_back=args.output is not None, progress=progress(args))
     write_output(cm, args)
     return report_and_exit(cm, report, args)

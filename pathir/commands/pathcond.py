@@ -1,4 +1,4 @@
-"""pathir pathcond MODEL [-o OUT]: PathCond rescaling (MATH.md §7), function preserved.
+"""pathir pathcond MODEL [-o OUT]: PathCond rescaling (docs/math.md §7), function preserved.
 
 A torch model (torchvision name or ``module:factory``) is written as its
 state_dict (.pt), loadable into a fresh instance of the model; an ONNX model
@@ -8,7 +8,7 @@ written through a temporary file beside it: nothing is left behind on failure.
 
 from __future__ import annotations
 
-from .common import add_model_arguments, check_output_path, compile_model, emit_json, save_state_dict
+from .common import add_model_arguments, check_output_path, compile_model, emit_json, model_info, progress, save_state_dict
 
 HELP = "rescale a model by PathCond (balances diag G; the function is unchanged)"
 
@@ -19,6 +19,7 @@ def add_output_arguments(parser) -> None:
     parser.add_argument("--max-sweeps", type=int, default=1000, help="sweeps of the solver at most")
     parser.add_argument("--tol", type=float, default=1e-10,
                         help="stop when a sweep changes F by at most tol*max(1,|F|)")
+    parser.add_argument("--history", action="store_true", help="with --json: add the objective after every sweep")
 
 
 def add_arguments(parser):
@@ -56,7 +57,10 @@ def _is_onnx(args) -> bool:
 
 def report_and_exit(cm, report, args) -> int:
     if args.json:
-        emit_json({"model": cm.name, "output": args.output, **report.to_dict()})
+        out = {"model": cm.name, **model_info(args), "output": args.output, **report.to_dict()}
+        if not args.history:
+            out.pop("history", None)
+        emit_json(out)
     else:
         print(report)
         if args.output is not None:
@@ -68,6 +72,6 @@ def run(args) -> int:
     check_output(args)
     cm = compile_model(args)
     report = cm.pathcond(solver=args.solver, max_sweeps=args.max_sweeps, tol=args.tol,
-                         write_back=args.output is not None)
+                         write_back=args.output is not None, progress=progress(args))
     write_output(cm, args)
     return report_and_exit(cm, report, args)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import add_model_arguments, compile_model, emit_json
+from .common import add_model_arguments, compile_model, emit_json, model_info
 
 HELP = "parameters, hidden neurons/channels, log10 #paths and l1/l2/l4 path-norms of a model"
 
@@ -13,8 +13,10 @@ def add_arguments(parser):
 
 def run(args) -> int:
     summary = compile_model(args).summary()
+    info = model_info(args)
+    summary.extra["weights"] = info["weights"] if info["seed"] is None else f"random init (seed {info['seed']})"
     if args.json:
-        emit_json(summary.to_dict())
+        emit_json({**summary.to_dict(), **info})
     else:
         print(summary)
     return 0

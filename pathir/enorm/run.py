@@ -20,8 +20,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pathir.errors import PathirError
+from pathir.progress import Phases, solver_callback, warn_not_converged
 
-__all__ = ["ENormReport", "NormalizeReport", "enorm", "normalize_units"]
+__all__ = ["ENormReport", "NormalizeReport", "enorm", "normalize_units", "PHASES"]
+
+#: the phases of the progress bars of :func:`enorm` and :func:`normalize_units`
+PHASES = ("units", "solve", "write")
 
 
 def _table(rows) -> str:
@@ -77,7 +81,7 @@ class ENormReport:
             ("max unit imbalance", f"{self.imbalance:.2e}"),
             ("max |z|", f"{self.max_abs_log_scale:.4g}"),
             ("degenerate units", _names(self.degenerate_units)),
-            ("model rescaled", "yes" if self.written else "no (write_back=False)"),
+            ("model rescaled", "yes" if self.written else "no (report only)"),
             ("time", f"{self.seconds:.2f} s"),
         ])
 
@@ -111,7 +115,7 @@ class NormalizeReport:
             ("units", f"{self.units:,} ({self.cycles} cycles of units solved jointly)"),
             ("max |z|", f"{self.max_abs_log_scale:.4g}"),
             ("degenerate units", _names(self.degenerate_units)),
-            ("model rescaled", "yes" if self.written else "no (write_back=False)"),
+            ("model rescaled", "yes" if self.written else "no (report only)"),
             ("time", f"{self.seconds:.2f} s"),
         ])
 
@@ -137,7 +141,7 @@ def _costs(costs, layout) -> np.ndarray | None:
 
 
 def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, costs=None, solver: str = "block",
-          commit=None, name: str = "") -> ENormReport:
+          commit=None, name: str = "", progress: bool | None = None) -> ENormReport:
     """ENorm: minimise E_p(z) = Σ c_i |θ_i|^p e^{-p(Bz)_i/2} over the rescalings of ``facts.graph``.
 
     Parameters
@@ -150,6 +154,8 @@ def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, cos
     solver : "block" or "coordinate".
     commit : called with the minimiser z (``Compiled.commit_rescaling``); None: only report.
     name : the model's name, for the report.
+    progress : a bar on stderr over the phases units, solve, write (``pathir.progress``; None: only
+        when stderr is a terminal). Not converging within ``max_sweeps`` warns.
 
     Examples
     --------
@@ -170,16 +176,25 @@ def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, cos
     if not p > 0:
         raise ValueError(f"p must be > 0, got {p}")
     start = time.perf_counter()
+    bar = Phases(PHASES if commit is not None else PHASES[:-1], desc=f"ENorm {name}".strip(), progress=progress,
+                 value_name=f"Σ|θ|^{p:g}")
+    bar.phase("units")
     units = facts.units
     B, layout = facts.incidence
     c = _costs(costs, layout)
     w = np.abs(layout.theta()) ** p
     if not np.all(np.isfinite(w)):
         raise PathirError(f"|θ|^{p:g} is not finite (huge or non-finite weights): ENorm cannot be computed")
-    result = solve_enorm(w, B, c, method=solver, max_sweeps=max_sweeps, tol=tol, row_key=facts.row_keys)
+    bar.phase("solve")
+    result = solve_enorm(w, B, c, method=solver, max_sweeps=max_sweeps, tol=tol, row_key=facts.row_keys,
+                         **solver_callback(solve_enorm, bar))
     z = 2.0 * result.z / p
     if commit is not None:
+        bar.phase("write")
         commit(z)
+    bar.close()
+    if not result.converged:
+        warn_not_converged("ENorm", name, result.sweeps)
     return ENormReport(
         model=name, p=float(p), solver=solver, units=len(units), params=len(layout),
         criterion_before=result.e_initial, criterion_after=result.e_final, sweeps=result.sweeps,
@@ -191,7 +206,7 @@ def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, cos
     )
 
 
-def normalize_units(facts, p: float = 2.0, commit=None, name: str = "") -> NormalizeReport:
+def normalize_units(facts, p: float = 2.0, commit=None, name: str = "", progress: bool | None = None) -> NormalizeReport:
     """The rescaling to the canonical representative of ``facts.graph``'s orbit: every
     unit's incoming weights and bias get unit ℓ_p norm (``pathir.passes.normalize``);
     ``commit(z)`` applies it (``Compiled.commit_rescaling``), None only reports.
@@ -208,10 +223,15 @@ def normalize_units(facts, p: float = 2.0, commit=None, name: str = "") -> Norma
     from pathir.passes.normalize import normalize_log_scales
 
     start = time.perf_counter()
+    bar = Phases(PHASES if commit is not None else PHASES[:-1], desc=f"normalize {name}".strip(), progress=progress)
+    bar.phase("units")
     units = facts.units
+    bar.phase("solve")
     result = normalize_log_scales(facts.graph, units, p, incidence=facts.incidence)
     if commit is not None:
+        bar.phase("write")
         commit(result.z)
+    bar.close()
     return NormalizeReport(
         model=name, p=float(p), units=len(units), cycles=result.cycles,
         max_abs_log_scale=float(np.abs(result.z).max(initial=0.0)),

@@ -204,7 +204,7 @@ def _log_upper(ga: Graph, gb: Graph, be) -> float:
     return logsumexp(logs)
 
 
-def path_metric(a, b, backend=None) -> PathMetric:
+def path_metric(a, b, backend=None, progress: bool | None = None) -> PathMetric:
     """Brackets of the ℓ1 path-metric ‖Φ(θ) − Φ(θ')‖₁ between two models of one architecture.
 
     Parameters
@@ -212,6 +212,8 @@ def path_metric(a, b, backend=None) -> PathMetric:
     a, b : Compiled or Graph
         θ and θ' (same structure, checked: :func:`check_same_architecture`).
     backend : "torch", "numpy" or a Backend (default: ``a``'s)
+    progress : a bar on stderr over the phases compare, path-norms, bound (``pathir.progress``;
+        None: only when stderr is a terminal)
 
     Returns
     -------
@@ -237,14 +239,20 @@ def path_metric(a, b, backend=None) -> PathMetric:
     (0.0, 6.0, False)
     """
     from pathir.lifting.path_norm import log_path_sum
+    from pathir.progress import Phases
 
+    bar = Phases(("compare", "path-norms", "bound"), desc="path-metric", progress=progress)
+    bar.phase("compare")
     ga, gb = _graph(a), _graph(b)
     check_same_architecture(ga, gb)
     be = _backend(a, backend)
     same, dominated = _sign_relations(_pairs(ga, gb))
     exact = same and dominated
+    bar.phase("path-norms")
     la, lb = log_path_sum(ga, 1, be), log_path_sum(gb, 1, be)
+    bar.phase("bound")
     log_up = _log_upper(ga, gb, be)
+    bar.close()
     if exact:
         log_low = log_up
     else:

@@ -243,7 +243,7 @@ def prune(graph: Graph, backend, amount, criterion: str = "path-magnitude", scop
     masks = prune_masks(graph, amount, criterion, scope, include_biases, backend,
                         log_scores=scores if criterion == "path-magnitude" else None)
     after = prune_graph(graph, masks)
-    metric = path_metric(graph, after, backend)
+    metric = path_metric(graph, after, backend, progress=False)  # inside the caller's bar
     sources = {p.name: p.source_name for p in graph.params()}
     report = PruneReport(
         criterion=criterion,

@@ -26,8 +26,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pathir.errors import PathirError
+from pathir.progress import Phases, solver_callback, warn_not_converged
 
-__all__ = ["PathCondReport", "pathcond"]
+__all__ = ["PathCondReport", "pathcond", "PHASES"]
+
+#: the phases of the progress bar of :func:`pathcond`
+PHASES = ("units", "diag G", "solve", "write")
 
 
 @dataclass(frozen=True, eq=False)
@@ -106,7 +110,7 @@ class PathCondReport:
             ("log-det divergence", f"{self.divergence_before:.6g} -> {self.divergence_after:.6g}"),
             ("gradient at z*", f"max {self.gradient_max:.2e}, relative {self.gradient_relative:.2e}"),
             ("degenerate units", f"{len(self.degenerate_units)}" + (f": {dead}" if dead else "")),
-            ("model rescaled", "yes" if self.written else "no (write_back=False)"),
+            ("model rescaled", "yes" if self.written else "no (report only)"),
             ("time", f"{self.seconds:.2f} s" + (f"  ({steps})" if steps else "")),
         ]
         width = max(len(k) for k, _ in rows)
@@ -154,7 +158,7 @@ def _divergences(g, result, rows) -> tuple[float, float]:
 
 
 def pathcond(facts, backend, solver: str = "block", max_sweeps: int = 1000, tol: float = 1e-10,
-             commit=None, name: str = "") -> PathCondReport:
+             commit=None, name: str = "", progress: bool | None = None) -> PathCondReport:
     """Minimise F (MATH.md §7) over the rescalings of ``facts.graph``; ``commit(z)`` applies the minimiser.
 
     Parameters
@@ -168,6 +172,8 @@ def pathcond(facts, backend, solver: str = "block", max_sweeps: int = 1000, tol:
     commit : called with z* once it is found (``Compiled.commit_rescaling``); None
         leaves everything as it is (the report's ``written`` is False).
     name : the model's name, for the report.
+    progress : a bar on stderr over the phases units, diag G, solve, write (``pathir.progress``;
+        None: only when stderr is a terminal). Not converging within ``max_sweeps`` warns.
 
     Returns
     -------
@@ -197,6 +203,8 @@ def pathcond(facts, backend, solver: str = "block", max_sweeps: int = 1000, tol:
         raise ValueError(f"unknown PathCond solver '{solver}'; choose one of {sorted(METHODS)}")
     start = time.perf_counter()
     timings: dict[str, float] = {}
+    bar = Phases(PHASES if commit is not None else PHASES[:-1], desc=f"PathCond {name}".strip(), progress=progress)
+    bar.phase("units")
 
     def lap(step):
         timings[step] = time.perf_counter() - start - sum(timings.values())
@@ -207,17 +215,24 @@ def pathcond(facts, backend, solver: str = "block", max_sweeps: int = 1000, tol:
     row_key = facts.row_keys
     B = facts.incidence[0] if solver == "coordinate" else None
     lap("B")
+    bar.phase("diag G")
     g, log_top = diag_g_flat(facts.graph, backend)
     lap("diag G")
     n = g.size
     if not math.isfinite(log_top):
         raise PathirError("diag G vanishes everywhere (no path of the network has only nonzero weights): "
                           "PathCond has nothing to balance")
-    result = solve(g, B, method=solver, max_sweeps=max_sweeps, tol=tol, row_key=row_key)
+    bar.phase("solve")
+    result = solve(g, B, method=solver, max_sweeps=max_sweeps, tol=tol, row_key=row_key,
+                   **solver_callback(solve, bar))
     lap("solve")
     if commit is not None:
+        bar.phase("write")
         commit(result.z)
         lap("write")
+    bar.close()
+    if not result.converged:
+        warn_not_converged("PathCond", name, result.sweeps)
     shift = n * log_top  # F of the true g: F(g / max g) + n log max g
     divergence = _divergences(g, result, row_key)
     spreads = unit_log_spreads(units, g, result.z)

@@ -1,0 +1,75 @@
+"""``--weights PATH``: a state_dict or a checkpoint loaded into the CLI's torch model.
+
+Understood: a state_dict (a mapping of names to tensors); a checkpoint dict holding
+one under ``state_dict`` or ``model`` (training scripts' usual layouts); a whole
+pickled nn.Module, only with ``trust_pickle`` (unpickling runs code). Without
+``trust_pickle`` the file is read with ``torch.load(weights_only=True)``. Keys
+saved from ``nn.DataParallel`` (every key starting with ``module.``) are matched
+without that prefix. Missing or unexpected keys and shape mismatches raise
+:class:`WeightsError` naming them; the model is loaded only when all match.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pathir.errors import PathirError
+
+__all__ = ["WeightsError", "load_weights", "read_state_dict"]
+
+
+class WeightsError(PathirError, ValueError):
+    """A --weights file that cannot be read or does not fit the model."""
+
+
+def _names(keys, limit: int = 6) -> str:
+    keys = sorted(keys)
+    more = f", ... ({len(keys) - limit} more)" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
+def read_state_dict(path: str, trust_pickle: bool = False) -> dict:
+    """The state_dict held by the file at ``path`` (see the module docstring)."""
+    import torch
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no such weights file: {path}")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
+    except Exception as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        hint = "" if trust_pickle else ("; if it is a pickled model from a source you trust, --trust-pickle loads it "
+                                         "(unpickling runs code)")
+        raise WeightsError(f"cannot read {path} as torch weights ({first}){hint}") from None
+    if isinstance(obj, torch.nn.Module):
+        return obj.state_dict()
+    if isinstance(obj, dict):
+        for key in ("state_dict", "model"):
+            inner = obj.get(key)
+            if isinstance(inner, torch.nn.Module):
+                return inner.state_dict()
+            if isinstance(inner, dict):
+                obj = inner
+                break
+        if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+            return dict(obj)
+    raise WeightsError(f"{path} holds a {type(obj).__name__} that is neither a state_dict, a checkpoint dict with "
+                       "'state_dict' or 'model', nor an nn.Module")
+
+
+def load_weights(model, path: str, trust_pickle: bool = False) -> None:
+    """Load the weights at ``path`` into ``model`` (all keys must match; nothing loaded otherwise)."""
+    state = read_state_dict(path, trust_pickle)
+    expected = model.state_dict()
+    if all(k.startswith("module.") for k in state) and not any(k.startswith("module.") for k in expected):
+        state = {k[len("module."):]: v for k, v in state.items()}
+    missing, unexpected = set(expected) - set(state), set(state) - set(expected)
+    if missing or unexpected:
+        parts = [f"missing keys: {_names(missing)}" if missing else "",
+                 f"unexpected keys: {_names(unexpected)}" if unexpected else ""]
+        raise WeightsError(f"{path} does not fit {type(model).__name__}: " + "; ".join(p for p in parts if p))
+    wrong = [f"{k} {tuple(v.shape)} (model {tuple(expected[k].shape)})" for k, v in state.items()
+             if tuple(v.shape) != tuple(expected[k].shape)]
+    if wrong:
+        raise WeightsError(f"{path} does not fit {type(model).__name__}: shapes differ for {_names(wrong, 4)}")
+    model.load_state_dict(state, strict=True)

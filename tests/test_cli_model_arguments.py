@@ -1,0 +1,140 @@
+"""The MODEL argument of every command: --weights (state_dict, checkpoints, pickles), --seed, .onnx files."""
+
+import json
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import pathir  # noqa: E402
+from pathir.cli import main  # noqa: E402
+
+FACTORY = textwrap.dedent("""
+    from torch import nn
+
+
+    def small():
+        return nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Flatten(), nn.Linear(27, 4), nn.ReLU(), nn.Linear(4, 2))
+""")
+SHAPE = ("--input-shape", "2,6,6")
+
+
+@pytest.fixture
+def factory(tmp_path, monkeypatch):
+    (tmp_path / "cli_weights_models.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    import cli_weights_models
+
+    return importlib.reload(cli_weights_models)
+
+
+def _run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _trained(factory, seed=7):
+    """The factory's model with weights no default init gives (and batch-norm statistics set)."""
+    torch.manual_seed(seed)
+    model = factory.small()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(-1.0, 1.0)
+        model[1].running_var.uniform_(0.5, 1.5)
+        model[1].running_mean.uniform_(-0.5, 0.5)
+    return model.eval()
+
+
+def _api_summary(model):
+    return pathir.compile(model, input_shape=(2, 6, 6)).summary().to_dict()
+
+
+@pytest.mark.parametrize("layout", ["state_dict", "checkpoint", "model_key", "data_parallel"])
+def test_weights_give_the_api_numbers(layout, factory, tmp_path, capsys):
+    model = _trained(factory)
+    state = model.state_dict()
+    obj = {"state_dict": state, "epoch": 3} if layout == "checkpoint" else {"model": state} \
+        if layout == "model_key" else {f"module.{k}": v for k, v in state.items()} \
+        if layout == "data_parallel" else state
+    torch.save(obj, tmp_path / "w.pth")
+    code, out, err = _run(capsys, "summary", "cli_weights_models:small", *SHAPE, "--weights", "w.pth", "--json")
+    assert code == 0, err
+    got, want = json.loads(out), _api_summary(model)
+    assert got["log10_path_norms"] == want["log10_path_norms"] and got["log10_paths"] == want["log10_paths"]
+    assert got["weights"] == "w.pth" and got["seed"] is None and "random" not in err
+
+
+def test_torchvision_state_dict_round_trip(tmp_path, capsys, monkeypatch):
+    torchvision = pytest.importorskip("torchvision")
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(123)
+    full = torchvision.models.resnet18().eval()
+    with torch.no_grad():  # statistics no fresh model has: the file's values must be the ones used
+        for m in full.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_var.uniform_(0.5, 2.0)
+                m.weight.uniform_(0.5, 1.5)
+    torch.save(full.state_dict(), tmp_path / "r18.pt")
+    code, out, err = _run(capsys, "summary", "resnet18", "--input-shape", "3,32,32", "--weights", "r18.pt", "--json")
+    assert code == 0, err
+    want = pathir.compile(full, input_shape=(3, 32, 32)).summary().to_dict()
+    assert json.loads(out)["log10_path_norms"] == want["log10_path_norms"]
+
+
+def test_mismatched_weights_are_refused_naming_the_keys(factory, tmp_path, capsys):
+    state = _trained(factory).state_dict()
+    state["extra.weight"] = torch.zeros(1)
+    del state["5.bias"]
+    torch.save(state, tmp_path / "bad.pt")
+    code, out, err = _run(capsys, "summary", "cli_weights_models:small", *SHAPE, "--weights", "bad.pt")
+    assert code == 2 and out == ""
+    assert "missing keys: 5.bias" in err and "unexpected keys: extra.weight" in err
+    state = _trained(factory).state_dict()
+    state["5.weight"] = torch.zeros(4, 26)
+    torch.save(state, tmp_path / "shape.pt")
+    code, _, err = _run(capsys, "summary", "cli_weights_models:small", *SHAPE, "--weights", "shape.pt")
+    assert code == 2 and "5.weight (4, 26) (model (4, 27))" in err
+
+
+def test_a_pickled_module_needs_trust_pickle(factory, tmp_path, capsys):
+    model = _trained(factory)
+    torch.save(model, tmp_path / "whole.pt")
+    code, _, err = _run(capsys, "summary", "cli_weights_models:small", *SHAPE, "--weights", "whole.pt")
+    assert code == 2 and "--trust-pickle" in err and err.count("\n") == 1
+    code, out, err = _run(capsys, "summary", "cli_weights_models:small", *SHAPE, "--weights", "whole.pt",
+                          "--trust-pickle", "--json")
+    assert code == 0, err
+    assert json.loads(out)["log10_path_norms"] == _api_summary(model)["log10_path_norms"]
+
+
+def test_random_init_is_announced_once_and_seeded(factory, capsys):
+    runs = {}
+    for seed in (0, 0, 1):
+        code, out, err = _run(capsys, "summary", "cli_weights_models:small", *SHAPE, "--json", "--seed", seed)
+        assert code == 0 and err.count("no --weights given") == 1 and f"torch.manual_seed({seed})" in err
+        runs.setdefault(seed, []).append(json.loads(out))
+    assert runs[0][0]["log10_path_norms"] == runs[0][1]["log10_path_norms"] != runs[1][0]["log10_path_norms"]
+    assert runs[0][0]["seed"] == 0 and runs[0][0]["weights"] is None
+    code, out, err = _run(capsys, "summary", "cli_weights_models:small", *SHAPE, "-q")
+    assert code == 0 and err == "" and "random init (seed 0)" in out
+
+
+def test_onnx_file(tmp_path, capsys, factory):
+    pytest.importorskip("onnx")
+    model = _trained(factory)
+    torch.onnx.export(model, (torch.randn(1, 2, 6, 6),), str(tmp_path / "small.onnx"), dynamo=False,
+                      input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "N"}, "y": {0: "N"}})
+    code, out, err = _run(capsys, "summary", tmp_path / "small.onnx", "--json")
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["weights"].endswith("small.onnx") and "no --weights" not in err
+    want = _api_summary(model)["log10_path_norms"]
+    assert got["log10_path_norms"] == pytest.approx(want, rel=1e-5)  # float32 initializers
+    code, _, err = _run(capsys, "summary", tmp_path / "small.onnx", "--weights", "w.pt")
+    assert code == 2 and "carries its own weights" in err
