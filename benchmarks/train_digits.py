@@ -83,6 +83,8 @@ def train(recipe: str, seed: int, epochs: int, k: int, data, lr: float, batch: i
             step += 1
             if recipe == "enorm-every-k" and step % k == 0:
                 cm.enorm(max_sweeps=1, optimizer=opt)  # one sweep, as the ENorm paper does after its steps
+            if recipe == "enorm-state-not-moved" and step % k == 0:
+                cm.enorm(max_sweeps=1)  # for comparison: the momentum buffers stay in the old coordinates
         norms.append(float("nan") if diverged else cm.path_norm(q=2))
         if diverged:
             norms += [float("nan")] * (epochs - len(norms))
@@ -100,6 +102,7 @@ RECIPES = {
     "pathcond-init": 0.01,
     "enorm-every-k": 0.03,
     "path-sgd": 0.001,
+    "enorm-state-not-moved": 0.03,  # run with --recipes sgd enorm-every-k enorm-state-not-moved
 }
 
 
@@ -108,7 +111,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument("--k", type=int, default=10, help="ENorm every k steps; Path-SGD refreshes diag G every k steps")
-    ap.add_argument("--recipes", nargs="*", default=list(RECIPES))
+    ap.add_argument("--recipes", nargs="*", default=list(RECIPES)[:4], choices=list(RECIPES))
     ap.add_argument("--lr", type=float, default=None, help="one learning rate for every recipe")
     ap.add_argument("--validation", action="store_true", help="test on 300 images held out of the train split")
     ap.add_argument("--rescale-init", type=float, default=0.0,

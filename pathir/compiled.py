@@ -304,6 +304,7 @@ class Compiled:
         its state moves with the rescaling (docs/training.md). See docs/pathcond.md."""
         from pathir.pathcond.run import pathcond
 
+        self._check_writable(write_back)
         return pathcond(self.facts, self.get_backend(backend), solver=solver, max_sweeps=max_sweeps, tol=tol,
                         commit=self._committer(write_back, optimizer), name=self.name)
 
@@ -314,6 +315,7 @@ class Compiled:
         (docs/training.md). See docs/normalize.md."""
         from pathir.enorm.run import enorm
 
+        self._check_writable(write_back)
         return enorm(self.facts, p=p, max_sweeps=max_sweeps, tol=tol, costs=costs, solver=solver,
                      commit=self._committer(write_back, optimizer), name=self.name)
 
@@ -323,21 +325,26 @@ class Compiled:
         state moves with the rescaling (docs/training.md). See docs/normalize.md."""
         from pathir.enorm.run import normalize_units
 
-        return normalize_units(self.facts, p=p, commit=self._committer(write_back, optimizer), name=self.name)
+        self._check_writable(write_back)
+        return normalize_units(self.facts, p=p, commit=self._committer(write_back, optimizer),
+                               name=self.name)
+
+    def _check_writable(self, write_back: bool) -> None:
+        """Refuse a write-back the writer would refuse, before any solver runs."""
+        if write_back:
+            from pathir.rescaling.commit import check_writable
+
+            check_writable(self.graph, self.writer)
 
     def _committer(self, write_back: bool, optimizer):
-        """The ``commit`` callback of a rescaling method, after refusing, before any solver runs, a
-        write-back the writer or the optimizer transport would refuse; None when ``write_back=False``."""
-        if not write_back:
-            if optimizer is not None:
-                raise PathirError("optimizer= moves the optimizer's state with a written rescaling: it needs "
-                                  "write_back=True")
-            return None
-        from pathir.rescaling.commit import check_optimizer, check_writable
-
-        check_writable(self.graph, self.writer)
+        """The ``commit`` callback of a rescaling method (None when ``write_back=False``); an
+        ``optimizer`` whose state cannot move is refused here, before any solver runs."""
         if optimizer is None:
-            return self.commit_rescaling
+            return self.commit_rescaling if write_back else None
+        if not write_back:
+            raise PathirError("optimizer= moves the optimizer's state with a written rescaling: it needs write_back=True")
+        from pathir.rescaling.commit import check_optimizer
+
         check_optimizer(self.writer, optimizer)
         return lambda z: self.commit_rescaling(z, optimizer=optimizer)
 
