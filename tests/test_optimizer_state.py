@@ -328,3 +328,38 @@ def test_random_models_and_rescalings_keep_state_times_param(widths, bias, bn, s
     cm.commit_rescaling(z, optimizer=opt)
     assert torch.allclose(model(x), before, rtol=1e-9, atol=1e-12)
     _assert_transported(model, opt, snap)
+
+
+def test_momentum_sgd_after_a_transported_rescaling_is_momentum_sgd_with_lr_over_s_squared():
+    """Equivariance over several steps: from θ' = s ⊙ θ with buffer m / s, momentum SGD steps are, mapped back by
+    1/s, the steps of momentum SGD from θ with buffer m and per-entry learning rate lr / s² (∇L' = ∇L / s)."""
+    import copy
+
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(3, 6), nn.ReLU(), nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 2)).double()
+    x, y = torch.randn(16, 3, dtype=torch.float64), torch.randn(16, 2, dtype=torch.float64)
+    loss = lambda m: ((m(x) - y) ** 2).mean()  # noqa: E731
+    lr, mu = 0.05, 0.9
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=mu)
+    for _ in range(2):
+        opt.zero_grad()
+        loss(model).backward()
+        opt.step()
+    ref = copy.deepcopy(model)
+    buffers = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    pathir.compile(model, input_shape=(3,)).enorm(optimizer=opt)
+    s = [(p / q).detach() for p, q in zip(model.parameters(), ref.parameters())]
+    assert max(float((f - 1).abs().max()) for f in s) > 0.1
+    for _ in range(3):
+        opt.zero_grad()
+        loss(model).backward()
+        opt.step()
+        ref.zero_grad()
+        loss(ref).backward()
+        with torch.no_grad():
+            for q, m, f in zip(ref.parameters(), buffers, s):
+                m.mul_(mu).add_(q.grad)
+                q.sub_(lr * m / f**2)
+    for p, q, f in zip(model.parameters(), ref.parameters(), s):
+        assert torch.allclose(p, f * q, rtol=1e-9, atol=1e-12)
+    assert torch.allclose(model(x), ref(x), rtol=1e-9)
