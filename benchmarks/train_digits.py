@@ -5,9 +5,13 @@ seed-controlled initialisation on the same split (1,197 train / 600 test images)
 accuracy and train loss after the last epoch, mean ± std over the seeds, the l2 path-norm per epoch (read
 from the one live Compiled), and the wall time relative to plain SGD measured in the same process.
 
-    python benchmarks/train_digits.py [--seeds 5] [--epochs 20] [--k 10]
+    python benchmarks/train_digits.py [--seeds 5] [--epochs 20] [--k 10] [--rescale-init 3]
+    python benchmarks/train_digits.py --recipes sgd enorm-every-k enorm-state-not-moved
 
-The table this prints is pasted into docs/training.md.
+The second form compares rescaling mid-training with and without ``optimizer=`` (the momentum buffers
+moved with the rescaling, or left in the old coordinates); ``pathcond-each-epoch[-state-not-moved]``
+does the same with a full PathCond after every epoch. The tables this prints are pasted into
+docs/training.md.
 """
 
 from __future__ import annotations
@@ -85,6 +89,8 @@ def train(recipe: str, seed: int, epochs: int, k: int, data, lr: float, batch: i
                 cm.enorm(max_sweeps=1, optimizer=opt)  # one sweep, as the ENorm paper does after its steps
             if recipe == "enorm-state-not-moved" and step % k == 0:
                 cm.enorm(max_sweeps=1)  # for comparison: the momentum buffers stay in the old coordinates
+        if recipe.startswith("pathcond-each-epoch") and not diverged:  # a large rescaling mid-training
+            cm.pathcond(optimizer=None if recipe.endswith("state-not-moved") else opt)
         norms.append(float("nan") if diverged else cm.path_norm(q=2))
         if diverged:
             norms += [float("nan")] * (epochs - len(norms))
@@ -102,7 +108,10 @@ RECIPES = {
     "pathcond-init": 0.01,
     "enorm-every-k": 0.03,
     "path-sgd": 0.001,
-    "enorm-state-not-moved": 0.03,  # run with --recipes sgd enorm-every-k enorm-state-not-moved
+    # for comparison, run with --recipes sgd enorm-every-k enorm-state-not-moved pathcond-each-epoch ...
+    "enorm-state-not-moved": 0.03,
+    "pathcond-each-epoch": 0.01,
+    "pathcond-each-epoch-state-not-moved": 0.01,
 }
 
 
