@@ -129,8 +129,8 @@ def plan_transport(optimizer, factors) -> Transport:
     plan = Transport()
     for p, s in factors:
         st = held.get(p)
-        if st is None:
-            continue
+        if st is None or not any(rules[key] and value is not None for key, value in st.items()):
+            continue  # nothing that scales: only step counters, or entries still None
         if isinstance(s, str):
             raise PathirError(f"the optimizer's state of a rescaled parameter cannot be moved exactly: {s}; "
                               "nothing was changed")
