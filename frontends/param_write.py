@@ -25,7 +25,7 @@ import torch
 
 from pathir.errors import PathirError
 
-__all__ = ["Derived", "derived", "weight_norm_update"]
+__all__ = ["Derived", "derived", "weight_norm_update", "per_slice_factor"]
 
 
 @dataclass
@@ -77,7 +77,7 @@ def weight_norm_update(d: Derived, factor) -> list[tuple[torch.Tensor, torch.Ten
     g = d.g.detach().to("cpu", torch.float64)
     f = torch.as_tensor(factor, dtype=torch.float64).reshape(v.shape)
     dim = d.dim if d.dim is not None else -1
-    per_slice = _per_slice(f, dim)
+    per_slice = per_slice_factor(f, dim)
     if per_slice is not None:  # one factor per slice: only g moves
         new_v, new_g = v, g * per_slice.reshape(g.shape)
     else:
@@ -90,7 +90,7 @@ def weight_norm_update(d: Derived, factor) -> list[tuple[torch.Tensor, torch.Ten
     return [(d.g, new_g.to(d.g.dtype).to(d.g.device)), (d.v, new_v.to(d.v.dtype).to(d.v.device))]
 
 
-def _per_slice(f: torch.Tensor, dim: int) -> torch.Tensor | None:
+def per_slice_factor(f: torch.Tensor, dim: int) -> torch.Tensor | None:
     """The factor of each slice the norm runs over (shaped like norm_except_dim's
     output) when the factor is one number per slice, else None."""
     if dim == -1 or f.dim() <= 1:

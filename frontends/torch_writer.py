@@ -32,11 +32,10 @@ import numpy as np
 from pathir.errors import PathirError
 from pathir.ir import Graph, Role
 
-from .param_write import derived, refresh, weight_norm_update
+from .param_write import derived, per_slice_factor, refresh, weight_norm_update
 from .write_rules import mask_plan, source_factors
 
 __all__ = ["TorchWriter"]
-
 
 
 class TorchWriter:
@@ -92,10 +91,7 @@ class TorchWriter:
         import torch
 
         self.check_rescalable(graph)
-        by_tensor = {
-            name: {role: (f.T if transposed and role is Role.VALUE else f) for role, (f, transposed) in sides.items()}
-            for name, sides in source_factors(graph, log_scales).items()
-        }
+        by_tensor = _by_tensor(graph, log_scales)
         updates = []  # (tensor, new value) computed before anything is written
         seen: dict[int, tuple[str, object]] = {}
         for name, sides in by_tensor.items():
@@ -114,6 +110,31 @@ class TorchWriter:
         for _, _, module, attr in updates:
             _refresh_pruned(module, attr)
             _refresh_derived(module, attr)
+
+    def param_factors(self, graph: Graph, log_scales: Mapping[str, np.ndarray]) -> list[tuple[object, object]]:
+        """[(stored tensor, factor)] for every stored tensor the rescaling multiplies entrywise
+        (running statistics excepted): factor is a float64 array of the tensor's shape, the one
+        :meth:`rescale` multiplies it by, or a str saying why the tensor's change is no entrywise
+        factor (a weight_norm g whose rescaling also moves v non-uniformly). Nothing is written."""
+        out, seen = [], set()
+        for name, sides in _by_tensor(graph, log_scales).items():
+            if Role.IN_STATS in sides:
+                continue
+            module, attr = self._locate(name)
+            d = derived(module, attr, name)
+            if d is None:
+                module, attr, t = self._tensor(name)
+                pairs = [(t, self._new_value(name, module, attr, np.ones(tuple(t.shape)), sides))]
+            elif d.kind == "weight_norm":
+                pairs = _weight_norm_factors(name, d, self._new_value(name, module, attr, np.ones(tuple(d.v.shape)),
+                                                                      sides))
+            else:
+                raise PathirError(d.why)
+            for t, f in pairs:
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    out.append((t, f))
+        return out
 
     def check_rescalable(self, graph: Graph) -> None:
         """Raise PathirError if a rescaling of ``graph`` cannot be written exactly: modules that only
@@ -207,6 +228,30 @@ class TorchWriter:
             plan.append((module, attr, torch.as_tensor(m.reshape(tuple(t.shape)), device=t.device)))
         for module, attr, mask in plan:
             prune.custom_from_mask(module, name=attr, mask=mask)
+
+
+def _by_tensor(graph: Graph, log_scales) -> dict[str, dict[Role, np.ndarray]]:
+    """{source tensor name: {role: factor in the tensor's own layout}} (VALUE factors transposed back)."""
+    return {
+        name: {role: (f.T if transposed and role is Role.VALUE else f) for role, (f, transposed) in sides.items()}
+        for name, sides in source_factors(graph, log_scales).items()
+    }
+
+
+def _weight_norm_factors(name: str, d, factor: np.ndarray) -> list[tuple[object, object]]:
+    """[(g, factor), (v, factor)] of a weight-normalized weight rescaled by ``factor``: a factor
+    constant on each slice moves g alone (linearly, v untouched); any other moves v and g by a
+    ratio of norms, a change whose gradients are no entrywise rescaling of the old ones."""
+    import torch
+
+    dim = d.dim if d.dim is not None else -1
+    per_slice = per_slice_factor(torch.as_tensor(factor, dtype=torch.float64), dim)
+    if per_slice is not None:
+        return [(d.g, per_slice.reshape(tuple(d.g.shape)).numpy()), (d.v, np.ones(tuple(d.v.shape)))]
+    why = (f"'{name}' is weight-normalized (w = g v/|v|) and the rescaling is not constant on its norm slices: "
+           "g and v move by a ratio of norms, so their gradients, and any optimizer state built from them, do not "
+           "rescale entrywise")
+    return [(d.g, why), (d.v, why)]
 
 
 def _refresh_pruned(module, attr: str) -> None:

@@ -281,49 +281,53 @@ class Compiled:
         return diag_g(self.graph, self.get_backend(backend))
 
     # ---------------------------------------------------------------- rescaling the model
-    def commit_rescaling(self, z) -> None:
+    def commit_rescaling(self, z, optimizer=None) -> None:
         """Rescale the model and the graph by z (one log-scale per unit: θ ← θ ⊙ exp(-Bz/2)),
         all or nothing: the model is written through the frontend writer (a Compiled made from
         a bare Graph has only its graph rescaled), then the rescaled graph becomes current and
-        keeps the units, B and row keys found so far. On any error nothing changed."""
+        keeps the units, B and row keys found so far. With ``optimizer`` (a torch.optim optimizer
+        of the model) its state moves too (docs/training.md). On any error nothing changed."""
         from pathir.rescaling.commit import commit_rescaling
 
         facts = self.facts
         try:
-            new_graph = commit_rescaling(facts.graph, facts.units, z, self.model, self.writer)
+            new_graph = commit_rescaling(facts.graph, facts.units, z, self.model, self.writer, optimizer)
         finally:  # written, or restored exactly: either way the model matches what the graph becomes
             self._mark()
         self._facts = facts.with_values(new_graph)
 
     def pathcond(self, solver: str = "block", max_sweeps: int = 1000, tol: float = 1e-10,
-                 write_back: bool = True, backend=None, progress: bool | None = None):
+                 write_back: bool = True, backend=None, optimizer=None, progress: bool | None = None):
         """PathCond: minimise F(z) and rescale the model in place (function preserved);
         returns a PathCondReport. ``write_back=False`` leaves model and graph as they are
-        (apply ``report.z`` with :meth:`rescaled` or :meth:`commit_rescaling`). ``progress``: a bar
-        on stderr (None: when stderr is a terminal; see docs/cli.md). See docs/pathcond.md."""
+        (apply ``report.z`` with :meth:`rescaled` or :meth:`commit_rescaling`). ``optimizer``:
+        its state moves with the rescaling (docs/training.md). ``progress``: a bar on stderr
+        (None: when stderr is a terminal; see docs/cli.md). See docs/pathcond.md."""
         from pathir.pathcond.run import pathcond
 
         self._check_writable(write_back)
         return pathcond(self.facts, self.get_backend(backend), solver=solver, max_sweeps=max_sweeps, tol=tol,
-                        commit=self.commit_rescaling if write_back else None, name=self.name, progress=progress)
+                        commit=self._committer(write_back, optimizer), name=self.name, progress=progress)
 
     def enorm(self, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, costs=None,
-              solver: str = "block", write_back: bool = True, progress: bool | None = None):
+              solver: str = "block", write_back: bool = True, optimizer=None, progress: bool | None = None):
         """ENorm: minimise Σ c_i |θ_i|^p over the rescalings and rescale the model in place;
-        returns an ENormReport. See docs/normalize.md."""
+        returns an ENormReport. ``optimizer``: its state moves with the rescaling
+        (docs/training.md). See docs/normalize.md."""
         from pathir.enorm.run import enorm
 
         self._check_writable(write_back)
         return enorm(self.facts, p=p, max_sweeps=max_sweeps, tol=tol, costs=costs, solver=solver,
-                     commit=self.commit_rescaling if write_back else None, name=self.name, progress=progress)
+                     commit=self._committer(write_back, optimizer), name=self.name, progress=progress)
 
-    def normalize(self, p: float = 2.0, write_back: bool = True, progress: bool | None = None):
+    def normalize(self, p: float = 2.0, write_back: bool = True, optimizer=None, progress: bool | None = None):
         """The canonical representative: every unit's incoming weights and bias get unit
-        l_p norm; rescales the model in place; returns a NormalizeReport. See docs/normalize.md."""
+        l_p norm; rescales the model in place; returns a NormalizeReport. ``optimizer``: its
+        state moves with the rescaling (docs/training.md). See docs/normalize.md."""
         from pathir.enorm.run import normalize_units
 
         self._check_writable(write_back)
-        return normalize_units(self.facts, p=p, commit=self.commit_rescaling if write_back else None,
+        return normalize_units(self.facts, p=p, commit=self._committer(write_back, optimizer),
                                name=self.name, progress=progress)
 
     def _check_writable(self, write_back: bool) -> None:
@@ -332,6 +336,18 @@ class Compiled:
             from pathir.rescaling.commit import check_writable
 
             check_writable(self.graph, self.writer)
+
+    def _committer(self, write_back: bool, optimizer):
+        """The ``commit`` callback of a rescaling method (None when ``write_back=False``); an
+        ``optimizer`` whose state cannot move is refused here, before any solver runs."""
+        if optimizer is None:
+            return self.commit_rescaling if write_back else None
+        if not write_back:
+            raise PathirError("optimizer= moves the optimizer's state with a written rescaling: it needs write_back=True")
+        from pathir.rescaling.commit import check_optimizer
+
+        check_optimizer(self.writer, optimizer)
+        return lambda z: self.commit_rescaling(z, optimizer=optimizer)
 
     def rescaled(self, z) -> "Compiled":
         """A new Compiled whose graph is rescaled by z (one log-scale per unit:

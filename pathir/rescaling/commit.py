@@ -28,8 +28,9 @@ import numpy as np
 from pathir.errors import PathirError
 from pathir.ir import Graph, Role
 from pathir.rescaling.apply import log_scales, rescale_graph
+from pathir.rescaling.optimizer_state import check_transportable, plan_transport
 
-__all__ = ["commit_rescaling", "rescaled_graph", "check_writable"]
+__all__ = ["commit_rescaling", "rescaled_graph", "check_writable", "check_optimizer"]
 
 
 def rescaled_graph(graph: Graph, units, z) -> Graph:
@@ -46,12 +47,17 @@ def check_writable(graph: Graph, writer) -> None:
         check(graph)
 
 
-def commit_rescaling(graph: Graph, units, z, model=None, writer=None) -> Graph:
+def commit_rescaling(graph: Graph, units, z, model=None, writer=None, optimizer=None) -> Graph:
     """Write the rescaling z of ``graph`` into ``model`` through ``writer``, all or nothing,
     and return the rescaled graph (the caller makes it current).
 
     With no writer (a graph compiled from a bare Graph) only the graph is rescaled.
+    With ``optimizer`` (a torch model's), its per-parameter state moves with the rescaling
+    (``pathir.rescaling.optimizer_state``): planned before the model is written, written
+    after it, and on any failure model and optimizer are both restored.
     """
+    if optimizer is not None:
+        check_optimizer(writer, optimizer)
     new_graph = rescaled_graph(graph, units, z)
     for p, q in zip(graph.params(), new_graph.params()):
         if not np.all(np.isfinite(q.value)) or np.count_nonzero(q.value) != np.count_nonzero(p.value):
@@ -60,9 +66,25 @@ def commit_rescaling(graph: Graph, units, z, model=None, writer=None) -> Graph:
     if writer is not None:
         scales = log_scales(graph, units, z)
         _refuse_train_mode_statistics(model, graph, scales)
-        with _transaction(model, float(np.max(np.abs(z), initial=0.0))):
-            writer.rescale(graph, scales)
+        transport = None if optimizer is None else plan_transport(optimizer, writer.param_factors(graph, scales))
+        try:
+            with _transaction(model, float(np.max(np.abs(z), initial=0.0))):
+                writer.rescale(graph, scales)
+                if transport is not None:
+                    transport.write()
+        except BaseException:
+            if transport is not None:
+                transport.undo()
+            raise
     return new_graph
+
+
+def check_optimizer(writer, optimizer) -> None:
+    """Refuse early an ``optimizer=`` whose state cannot move with a rescaling of this model."""
+    if not hasattr(writer, "param_factors"):
+        what = "a bare Graph" if writer is None else f"a model written by {type(writer).__name__}"
+        raise PathirError(f"optimizer= needs a torch model; this Compiled holds {what}. Nothing was changed")
+    check_transportable(optimizer)
 
 
 # ------------------------------------------------------------------ train mode

@@ -1,0 +1,163 @@
+"""Moving a torch optimizer's per-parameter state with a rescaling of its parameters.
+
+A rescaling multiplies a parameter entrywise, θ' = s ⊙ θ (s > 0), and leaves the
+function unchanged, so the loss in the new coordinates is L'(θ') = L(θ' / s) and
+its gradient is ∇L' = ∇L / s. An optimizer's state built from gradients moves
+the same way: a running sum of gradients (SGD's momentum buffer, Adam's first
+moment) is scaled by 1/s, a running sum of squared gradients (Adam's second
+moment, RMSprop's square average, Adagrad's sum) by 1/s². Then, right after the
+rescaling, state ⊙ θ and (second moment) ⊙ θ² are what they were. Step counters
+and hyper-parameters are untouched; foreach/fused/capturable flags do not change
+the state's layout.
+
+Known optimizers (exact type, :data:`STATE_POWERS`): SGD (with or without
+momentum, nesterov), Adam, AdamW, RMSprop, Adagrad. Refused with a PathirError
+before anything is written: any other optimizer that holds per-parameter state,
+a state entry whose scaling is unknown or whose shape is not its parameter's, a
+parameter whose change is no entrywise factor (a weight_norm g and v moved by a
+ratio of norms), and a state value that would overflow or underflow its dtype.
+An optimizer with no state yet, and parameters it does not hold, need nothing.
+
+:func:`plan_transport` computes every new state tensor first; :meth:`Transport.write`
+copies them in place (the tensors keep their identity) and :meth:`Transport.undo`
+puts the old values back, so ``pathir.rescaling.commit`` writes the optimizer after
+the model and restores both on any failure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pathir.errors import PathirError
+
+__all__ = ["STATE_POWERS", "Transport", "check_transportable", "plan_transport"]
+
+_ADAM = {"step": 0, "exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 2}
+
+#: optimizer class name -> {state key: k}: the entry is multiplied by s^-k (k = 0: untouched)
+STATE_POWERS: dict[str, dict[str, int]] = {
+    "SGD": {"momentum_buffer": 1},
+    "Adam": _ADAM,
+    "AdamW": _ADAM,
+    "RMSprop": {"step": 0, "square_avg": 2, "momentum_buffer": 1, "grad_avg": 1},
+    "Adagrad": {"step": 0, "sum": 2},
+}
+
+
+def _rules(optimizer) -> dict[str, int] | None:
+    """The state rules of ``optimizer``'s exact class (a subclass may change what its state means)."""
+    import torch
+
+    cls = type(optimizer)
+    known = getattr(torch.optim, cls.__name__, None)
+    return STATE_POWERS.get(cls.__name__) if known is cls else None
+
+
+def _held_state(optimizer) -> dict:
+    return {p: st for p, st in optimizer.state.items() if st}
+
+
+def check_transportable(optimizer) -> None:
+    """Refuse (PathirError) an optimizer whose state pathir cannot move: not a torch optimizer,
+    an unknown class holding state, or a state key of unknown scaling. Nothing is read from the model."""
+    import torch
+
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise PathirError(f"optimizer= takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    rules = _rules(optimizer)
+    held = _held_state(optimizer)
+    if rules is None:
+        if held:
+            raise PathirError(
+                f"pathir does not know how the state of the optimizer {type(optimizer).__name__} moves with a "
+                f"rescaling (known: {', '.join(f'torch.optim.{k}' for k in STATE_POWERS)}); it holds state for "
+                f"{len(held)} parameters. Nothing was changed")
+        return
+    for st in held.values():
+        unknown = sorted(k for k in st if k not in rules)
+        if unknown:
+            raise PathirError(
+                f"the {type(optimizer).__name__} state entry {unknown[0]!r} has no known scaling under a rescaling "
+                f"(known: {', '.join(rules)}); nothing was changed")
+
+
+@dataclass
+class Transport:
+    """New values for optimizer state tensors, computed and checked, not yet written."""
+
+    updates: list = field(default_factory=list)  # (state dict, key, tensor, new tensor)
+    _written: list = field(default_factory=list)  # (state dict, key, tensor, old value)
+
+    def write(self) -> None:
+        """Copy every new value into its state tensor, in place."""
+        import torch
+
+        with torch.no_grad():
+            for st, key, t, new in self.updates:
+                old = t.detach().clone()
+                t.copy_(new)
+                self._written.append((st, key, t, old))
+
+    def undo(self) -> None:
+        """Put back the old values of what :meth:`write` wrote."""
+        import torch
+
+        with torch.no_grad():
+            for _, _, t, old in reversed(self._written):
+                t.copy_(old)
+        self._written.clear()
+
+
+def plan_transport(optimizer, factors) -> Transport:
+    """The state changes of ``optimizer`` for parameters rescaled by ``factors``.
+
+    Parameters
+    ----------
+    optimizer : torch.optim.Optimizer
+    factors : [(parameter tensor, float64 array s of its shape, or a str saying why its change is
+        no entrywise factor)], e.g. ``TorchWriter.param_factors``.
+
+    Returns a :class:`Transport`; raises PathirError (nothing written) where the state cannot move exactly.
+    """
+    import torch
+
+    check_transportable(optimizer)
+    rules = _rules(optimizer) or {}
+    held = _held_state(optimizer)
+    plan = Transport()
+    for p, s in factors:
+        st = held.get(p)
+        if st is None or not any(rules[key] and value is not None for key, value in st.items()):
+            continue  # nothing that scales: only step counters, or entries still None
+        if isinstance(s, str):
+            raise PathirError(f"the optimizer's state of a rescaled parameter cannot be moved exactly: {s}; "
+                              "nothing was changed")
+        s = np.asarray(s, dtype=np.float64)
+        if np.all(s == 1.0):
+            continue
+        for key, value in st.items():
+            k = rules[key]
+            if k == 0 or value is None:
+                continue
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(p.shape):
+                raise PathirError(f"the {type(optimizer).__name__} state {key!r} of a parameter of shape "
+                                  f"{tuple(p.shape)} is not a tensor of that shape; nothing was changed")
+            plan.updates.append((st, key, value, _scaled(value, s, k, key)))
+    return plan
+
+
+def _scaled(value, s: np.ndarray, k: int, key: str):
+    """value ⊙ s^-k in float64, cast back; refused if a finite entry leaves the dtype's range or a nonzero one
+    becomes 0."""
+    import torch
+
+    old = value.detach().to("cpu", torch.float64)
+    exact = old * torch.as_tensor(s, dtype=torch.float64).reshape(old.shape) ** (-k)
+    new = exact.to(value.dtype)
+    broke = (~new.isfinite() & old.isfinite()) | ((new == 0) & (old != 0))
+    if bool(broke.any()):
+        raise PathirError(f"the rescaled optimizer state {key!r} does not fit {value.dtype}: {int(broke.sum())} "
+                          "entries overflow or underflow; nothing was changed")
+    return new.to(value.device)

@@ -1,0 +1,365 @@
+"""cm.pathcond / enorm / normalize / commit_rescaling(optimizer=opt): the optimizer's state moves with the
+rescaling (pathir.rescaling.optimizer_state).
+
+Checked against the definition: right after the call the model's function is unchanged and, for every
+parameter and state entry scaled by s^-k, state ⊙ θ^k is what it was; a momentum buffer or first moment
+built from one gradient equals, after transport, the rescaled model's own gradient (autograd); refusals
+leave model and optimizer bit for bit as they were."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+import pathir  # noqa: E402
+from pathir.errors import PathirError  # noqa: E402
+from pathir.rescaling.optimizer_state import STATE_POWERS, Transport  # noqa: E402
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, dampening=0.1),
+    "sgd-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "adam-amsgrad-foreach": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, foreach=True),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "rmsprop-centered": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5, centered=True),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, initial_accumulator_value=0.1),
+}
+
+
+class Block(nn.Module):
+    """conv-bn-relu with a skip, then pool, flatten, linear: batch-norms, a residual add, a classifier."""
+
+    def __init__(self, c=4):
+        super().__init__()
+        self.stem = nn.Conv2d(2, c, 3, padding=1)
+        self.conv = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(c)
+        self.head = nn.Linear(c * 4, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.stem(x))
+        h = torch.relu(self.bn(self.conv(h)) + h)
+        return self.head(nn.functional.max_pool2d(h, 2).flatten(1))
+
+
+def _trained(model, make_opt, x, steps=2):
+    """The model in eval mode and its optimizer after ``steps`` steps on a fixed loss (state for every param)."""
+    opt = make_opt(model.parameters())
+    for _ in range(steps):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    with torch.no_grad():  # random running statistics, so the folded batch-norm is no identity
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+    return model.eval(), opt
+
+
+def _snapshot(model, opt):
+    params = {p: p.detach().clone() for p in model.parameters()}
+    state = {p: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for p, s in opt.state.items()}
+    return params, state
+
+
+def _assert_transported(model, opt, snapshot, rtol=1e-9):
+    """For every held state entry with power k: state ⊙ θ^k unchanged; k = 0 entries unchanged."""
+    params, state = snapshot
+    powers = STATE_POWERS[type(opt).__name__]
+    moved = sum(int(not torch.equal(p.detach(), old)) for p, old in params.items())
+    for p, old_state in state.items():
+        for key, old in old_state.items():
+            new = opt.state[p][key]
+            if old is None:
+                assert new is None
+                continue
+            k = powers[key]
+            if k == 0:
+                assert torch.equal(new, old), key
+                continue
+            before, after = old * params[p] ** k, new * p.detach() ** k
+            assert torch.allclose(after, before, rtol=rtol, atol=1e-300), (key, float((after - before).abs().max()))
+    assert moved > 0, "the rescaling moved no parameter: the check would be void"
+
+
+def _assert_untouched(model, opt, snapshot):
+    params, state = snapshot
+    for p in model.parameters():
+        assert torch.equal(p.detach(), params[p])
+    for p, old_state in state.items():
+        for key, old in old_state.items():
+            new = opt.state[p][key]
+            assert (new is None and old is None) or torch.equal(new, old), key
+
+
+@pytest.mark.parametrize("method", ["pathcond", "enorm", "normalize"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_state_moves_with_the_rescaling_and_the_function_is_kept(name, method):
+    torch.manual_seed(0)
+    x = torch.randn(5, 2, 4, 4, dtype=torch.float64)
+    model, opt = _trained(Block().double(), OPTIMIZERS[name], x)
+    before, snap = model(x), _snapshot(model, opt)
+    cm = pathir.compile(model, input_shape=(2, 4, 4))
+    report = getattr(cm, method)(optimizer=opt)
+    assert report.written
+    assert torch.allclose(model(x), before, rtol=1e-10, atol=1e-12)
+    _assert_transported(model, opt, snap)
+
+
+def _rescaled_gradient_check(make_opt, expected):
+    """One step with lr = 0 (θ unchanged) leaves state = expected(grad); after a transported rescaling the
+    state equals expected(the rescaled model's own gradient on the same batch)."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(3, 6), nn.ReLU(), nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 2)).double()
+    x = torch.randn(7, 3, dtype=torch.float64)
+    opt = make_opt(model.parameters())
+    model(x).square().mean().backward()
+    opt.step()
+    cm = pathir.compile(model, input_shape=(3,))
+    z = np.random.default_rng(0).normal(size=len(cm.units))
+    cm.commit_rescaling(z, optimizer=opt)
+    model.zero_grad()
+    model(x).square().mean().backward()
+    for p in model.parameters():
+        for key, want in expected(p.grad).items():
+            assert torch.allclose(opt.state[p][key], want, rtol=1e-10, atol=1e-15), key
+
+
+def test_momentum_buffer_is_the_rescaled_models_gradient():
+    _rescaled_gradient_check(lambda ps: torch.optim.SGD(ps, lr=0.0, momentum=0.9),
+                             lambda g: {"momentum_buffer": g})
+
+
+def test_adam_moments_are_the_rescaled_models_gradient_moments():
+    _rescaled_gradient_check(lambda ps: torch.optim.Adam(ps, lr=0.0, betas=(0.8, 0.9), amsgrad=True),
+                             lambda g: {"exp_avg": 0.2 * g, "exp_avg_sq": 0.1 * g * g, "max_exp_avg_sq": 0.1 * g * g})
+
+
+def _mlp_and_adam(x, steps=2):
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(3, 6), nn.ReLU(), nn.Linear(6, 2)).double()
+    return _trained(model, OPTIMIZERS["adam"], x, steps)
+
+
+class MyAdam(torch.optim.Adam):
+    pass
+
+
+@pytest.mark.parametrize("make_opt, match", [
+    (lambda ps: torch.optim.Adamax(ps, lr=1e-2), "does not know how the state of the optimizer Adamax"),
+    (lambda ps: MyAdam(ps, lr=1e-2), "optimizer MyAdam"),
+])
+def test_unknown_optimizer_with_state_is_refused_and_nothing_changes(make_opt, match):
+    x = torch.randn(4, 3, dtype=torch.float64)
+    torch.manual_seed(2)
+    model, opt = _trained(nn.Sequential(nn.Linear(3, 6), nn.ReLU(), nn.Linear(6, 2)).double(), make_opt, x)
+    snap = _snapshot(model, opt)
+    cm = pathir.compile(model, input_shape=(3,))
+    for method in ("pathcond", "enorm", "normalize"):
+        with pytest.raises(PathirError, match=match):
+            getattr(cm, method)(optimizer=opt)
+        _assert_untouched(model, opt, snap)
+
+
+def test_unknown_optimizer_without_state_and_unheld_params_are_fine():
+    x = torch.randn(4, 3, dtype=torch.float64)
+    model, _ = _mlp_and_adam(x, steps=0)
+    before = model(x)
+    opt = torch.optim.Adamax(model.parameters(), lr=1e-2)  # no step yet: nothing to move
+    pathir.compile(model, input_shape=(3,)).pathcond(optimizer=opt)
+    assert torch.allclose(model(x), before, rtol=1e-10)
+    assert not opt.state
+    held = torch.optim.SGD(list(model[0].parameters()), lr=0.1, momentum=0.9)  # the last layer is not held
+    model(x).sum().backward()
+    held.step()
+    snap = _snapshot(model, held)
+    pathir.compile(model, input_shape=(3,)).commit_rescaling(np.ones(6), optimizer=held)
+    _assert_transported(model, held, snap)
+
+
+def test_an_unknown_state_entry_is_refused_before_the_solver_runs():
+    x = torch.randn(4, 3, dtype=torch.float64)
+    model, opt = _mlp_and_adam(x)
+    opt.state[model[0].weight]["my_trace"] = torch.zeros_like(model[0].weight)
+    snap = _snapshot(model, opt)
+    with pytest.raises(PathirError, match="'my_trace' has no known scaling"):
+        pathir.compile(model, input_shape=(3,)).pathcond(optimizer=opt)
+    _assert_untouched(model, opt, snap)
+
+
+def test_optimizer_needs_a_torch_model_and_write_back():
+    x = torch.randn(4, 3, dtype=torch.float64)
+    model, opt = _mlp_and_adam(x)
+    cm = pathir.compile(model, input_shape=(3,))
+    with pytest.raises(PathirError, match="needs write_back=True"):
+        cm.enorm(write_back=False, optimizer=opt)
+    with pytest.raises(PathirError, match="needs a torch model; this Compiled holds a bare Graph"):
+        pathir.compile(cm.graph).pathcond(optimizer=opt)
+    with pytest.raises(PathirError, match="takes a torch.optim.Optimizer"):
+        cm.pathcond(optimizer=object())
+
+
+def test_a_failing_optimizer_write_restores_model_and_optimizer(monkeypatch):
+    x = torch.randn(4, 3, dtype=torch.float64)
+    model, opt = _mlp_and_adam(x)
+    snap = _snapshot(model, opt)
+    write = Transport.write
+
+    def write_then_fail(self):
+        write(self)
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(Transport, "write", write_then_fail)
+    cm = pathir.compile(model, input_shape=(3,))
+    graph = str(cm.graph)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        cm.commit_rescaling(np.full(6, 0.7), optimizer=opt)
+    _assert_untouched(model, opt, snap)
+    assert str(cm.graph) == graph and np.array_equal(cm.graph.params()[0].value, model[0].weight.detach().numpy())
+
+
+def test_a_failing_model_write_leaves_the_optimizer_untouched(monkeypatch):
+    x = torch.randn(4, 3, dtype=torch.float64)
+    model, opt = _mlp_and_adam(x)
+    snap = _snapshot(model, opt)
+    cm = pathir.compile(model, input_shape=(3,))
+
+    def fail(graph, scales):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(cm.writer, "rescale", fail)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        cm.pathcond(optimizer=opt)
+    _assert_untouched(model, opt, snap)
+
+
+def test_state_that_would_overflow_its_dtype_is_refused():
+    x = torch.randn(4, 3)
+    torch.manual_seed(2)
+    model, opt = _trained(nn.Sequential(nn.Linear(3, 6), nn.ReLU(), nn.Linear(6, 2)), OPTIMIZERS["adam"], x)
+    opt.state[model[0].weight]["exp_avg_sq"][0, 0] = 1e37
+    snap = _snapshot(model, opt)
+    with pytest.raises(PathirError, match="'exp_avg_sq' does not fit torch.float32"):
+        pathir.compile(model, input_shape=(3,)).commit_rescaling(np.full(6, -8.0), optimizer=opt)  # s = e^-4
+    _assert_untouched(model, opt, snap)
+
+
+def _weight_normed(layer_index):
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(3, 6), nn.ReLU(), nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 2)).double()
+    nn.utils.parametrizations.weight_norm(model[layer_index], dim=0)
+    return model
+
+
+def test_weight_norm_with_one_factor_per_row_moves_g_state_only():
+    """The first layer reads the (pinned) input: its factor is one per output row, so only g moves, linearly."""
+    x = torch.randn(4, 3, dtype=torch.float64)
+    model, opt = _trained(_weight_normed(0), OPTIMIZERS["sgd-momentum"], x)
+    before, snap = model(x), _snapshot(model, opt)
+    pathir.compile(model, input_shape=(3,)).pathcond(optimizer=opt)
+    assert torch.allclose(model(x), before, rtol=1e-10)
+    _assert_transported(model, opt, snap)
+    v = model[0].parametrizations.weight.original1
+    assert torch.equal(opt.state[v]["momentum_buffer"], snap[1][v]["momentum_buffer"])
+
+
+def test_weight_norm_moved_by_a_ratio_of_norms_is_refused_when_its_state_is_held():
+    x = torch.randn(4, 3, dtype=torch.float64)
+    model, opt = _trained(_weight_normed(2), OPTIMIZERS["adam"], x)
+    snap = _snapshot(model, opt)
+    cm = pathir.compile(model, input_shape=(3,))
+    with pytest.raises(PathirError, match=r"'2.weight' is weight-normalized .* not constant on its norm slices"):
+        cm.pathcond(optimizer=opt)
+    _assert_untouched(model, opt, snap)
+    cm.pathcond()  # without the optimizer the model itself can be rescaled
+
+
+def test_pruned_model_moves_the_state_of_weight_orig():
+    x = torch.randn(4, 3, dtype=torch.float64)
+    model, opt = _mlp_and_adam(x)
+    cm = pathir.compile(model, input_shape=(3,))
+    cm.prune(0.3)
+    before, snap = model(x), _snapshot(model, opt)
+    cm.pathcond(optimizer=opt)
+    assert torch.allclose(model(x), before, rtol=1e-10)
+    _assert_transported(model, opt, snap)
+
+
+# ------------------------------------------------------------------ random models, random rescalings
+
+
+class RandomNet(nn.Module):
+    """Dense layers of random widths, optional biases, batch-norms and skip adds between equal widths."""
+
+    def __init__(self, widths, bias, bn, skips):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b, bias=bias) for a, b in zip(widths[:-1], widths[1:]))
+        self.bns = nn.ModuleList(nn.BatchNorm1d(b) if bn else nn.Identity() for b in widths[1:-1])
+        self.skips = skips
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers[:-1]):
+            h = torch.relu(self.bns[i](layer(x)))
+            x = h + x if self.skips and h.shape == x.shape else h
+        return self.layers[-1](x)
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(widths=st.lists(st.integers(1, 5), min_size=3, max_size=5), bias=st.booleans(), bn=st.booleans(),
+       skips=st.booleans(), name=st.sampled_from(sorted(OPTIMIZERS)), seed=st.integers(0, 2**16))
+def test_random_models_and_rescalings_keep_state_times_param(widths, bias, bn, skips, name, seed):
+    torch.manual_seed(seed)
+    x = torch.randn(6, widths[0], dtype=torch.float64)
+    model, opt = _trained(RandomNet(widths, bias, bn, skips).double().train(), OPTIMIZERS[name], x)
+    for m in model.bns:
+        if isinstance(m, nn.BatchNorm1d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+    before, snap = model(x), _snapshot(model, opt)
+    cm = pathir.compile(model, input_shape=(widths[0],))
+    z = np.random.default_rng(seed).uniform(-1.5, 1.5, size=len(cm.units))
+    if not len(z):
+        return
+    cm.commit_rescaling(z, optimizer=opt)
+    assert torch.allclose(model(x), before, rtol=1e-9, atol=1e-12)
+    _assert_transported(model, opt, snap)
+
+
+def test_momentum_sgd_after_a_transported_rescaling_is_momentum_sgd_with_lr_over_s_squared():
+    """Equivariance over several steps: from θ' = s ⊙ θ with buffer m / s, momentum SGD steps are, mapped back by
+    1/s, the steps of momentum SGD from θ with buffer m and per-entry learning rate lr / s² (∇L' = ∇L / s)."""
+    import copy
+
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(3, 6), nn.ReLU(), nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 2)).double()
+    x, y = torch.randn(16, 3, dtype=torch.float64), torch.randn(16, 2, dtype=torch.float64)
+    loss = lambda m: ((m(x) - y) ** 2).mean()  # noqa: E731
+    lr, mu = 0.05, 0.9
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=mu)
+    for _ in range(2):
+        opt.zero_grad()
+        loss(model).backward()
+        opt.step()
+    ref = copy.deepcopy(model)
+    buffers = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    pathir.compile(model, input_shape=(3,)).enorm(optimizer=opt)
+    s = [(p / q).detach() for p, q in zip(model.parameters(), ref.parameters())]
+    assert max(float((f - 1).abs().max()) for f in s) > 0.1
+    for _ in range(3):
+        opt.zero_grad()
+        loss(model).backward()
+        opt.step()
+        ref.zero_grad()
+        loss(ref).backward()
+        with torch.no_grad():
+            for q, m, f in zip(ref.parameters(), buffers, s):
+                m.mul_(mu).add_(q.grad)
+                q.sub_(lr * m / f**2)
+    for p, q, f in zip(model.parameters(), ref.parameters(), s):
+        assert torch.allclose(p, f * q, rtol=1e-9, atol=1e-12)
+    assert torch.allclose(model(x), ref(x), rtol=1e-9)
