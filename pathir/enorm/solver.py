@@ -23,7 +23,8 @@ import time
 import numpy as np
 
 from pathir.enorm.newton import solve_enorm_newton
-from pathir.enorm.result import ENormResult, at_bound, masses as _masses
+from pathir.enorm.result import ENormResult, at_bound
+from pathir.enorm.result import masses as _masses
 from pathir.pathcond.objective import log0, logsumexp
 from pathir.rescaling.unit_pairs import all_pairs, blocks_of, greedy_coloring, group_pairs, log_pair_total, pad
 from pathir.rescaling.unit_rows import canonical, keys_for
