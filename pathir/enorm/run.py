@@ -188,7 +188,13 @@ def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, cos
         raise ValueError(f"p must be > 0, got {p}")
     start = time.perf_counter()
     units = facts.units
-    B, layout = facts.incidence
+    if solver == "newton" and "incidence" not in facts.built():
+        # Newton reads B through its row keys only: building B would be wasted work
+        from pathir.passes.incidence import ParamLayout
+
+        B, layout = None, ParamLayout(tuple(units.params))
+    else:
+        B, layout = facts.incidence
     c = _costs(costs, layout)
     w = np.abs(layout.theta()) ** p
     if not np.all(np.isfinite(w)):
