@@ -50,7 +50,6 @@ def forward_backward_f64(model, shape, repeat: int) -> float:
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
-    del m
     return min(times)
 
 
