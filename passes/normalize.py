@@ -67,7 +67,8 @@ def _levels(n_comp: int, c_src: np.ndarray, c_tgt: np.ndarray) -> list[np.ndarra
     levels = []
     while frontier.size:
         levels.append(frontier)
-        hit = np.concatenate([c_tgt[start[c]:start[c + 1]] for c in frontier]) if frontier.size else frontier
+        lengths = start[frontier + 1] - start[frontier]
+        hit = c_tgt[np.arange(lengths.sum()) + np.repeat(start[frontier] - (np.cumsum(lengths) - lengths), lengths)]
         np.subtract.at(indeg, hit, 1)
         frontier = np.unique(hit[indeg[hit] == 0])
     return levels
@@ -116,9 +117,10 @@ def normalize_log_scales(graph: Graph, units, p: float = 2.0, incidence=None) ->
         rows = rows[live[rows]]
         size = np.bincount(label[rows], minlength=n_comp)[label[rows]]
         # every entering mass from outside the unit's own component: log b'_h
-        lo, hi = M.indptr[rows], M.indptr[rows + 1]
-        idx = np.concatenate([np.arange(a, z) for a, z in zip(lo, hi)]) if rows.size else np.zeros(0, np.int64)
-        seg = np.repeat(np.arange(rows.size), hi - lo)
+        lo, lengths = M.indptr[rows], M.indptr[rows + 1] - M.indptr[rows]
+        seg = np.repeat(np.arange(rows.size), lengths)
+        # the entries of M's rows ``rows``, row after row: lo[r] + (position within the row)
+        idx = np.arange(seg.size) + np.repeat(lo - (np.cumsum(lengths) - lengths), lengths)
         outside = label[M.indices[idx]] != label[rows[seg]]
         vals = np.concatenate([log_m[idx[outside]] + log_u[M.indices[idx[outside]]], log_b[rows]])
         segs = np.concatenate([seg[outside], np.arange(rows.size)])

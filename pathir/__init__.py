@@ -6,7 +6,9 @@ from pathir.errors import (
     GraphVerificationError,
     InputShapeError,
     ModelChanged,
+    NotConvergedWarning,
     PathirError,
+    PathirWarning,
     PathNormOverflow,
     SelfCheckFailed,
     UnsupportedOperation,
@@ -22,6 +24,7 @@ __all__ = [
     "compile", "Compiled", "Summary", "Graph", "GraphBuilder", "verify",
     "PathirError", "UnsupportedOperation", "GraphVerificationError", "GraphTooLarge",
     "PathNormOverflow", "BackendError", "ModelChanged", "SelfCheckFailed", "InputShapeError",
+    "PathirWarning", "NotConvergedWarning",
     "path_metric", "output_bound", "PathMetric", "optim",
 ]
 

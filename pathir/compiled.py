@@ -310,15 +310,17 @@ class Compiled:
                         commit=self._committer(write_back, optimizer), name=self.name, progress=progress)
 
     def enorm(self, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, costs=None,
-              solver: str = "block", write_back: bool = True, optimizer=None, progress: bool | None = None):
-        """ENorm: minimise Σ c_i |θ_i|^p over the rescalings and rescale the model in place;
-        returns an ENormReport. ``optimizer``: its state moves with the rescaling
-        (docs/training.md). See docs/normalize.md."""
+              solver: str = "newton", write_back: bool = True, max_log_scale: float | None = None,
+              callback=None, optimizer=None, progress: bool | None = None):
+        """ENorm: minimise Σ c_i |θ_i|^p over the rescalings (|z_h| ≤ max_log_scale if given) and
+        rescale the model in place; returns an ENormReport. ``optimizer``: its state moves with the
+        rescaling (docs/training.md). See docs/normalize.md."""
         from pathir.enorm.run import enorm
 
         self._check_writable(write_back)
         return enorm(self.facts, p=p, max_sweeps=max_sweeps, tol=tol, costs=costs, solver=solver,
-                     commit=self._committer(write_back, optimizer), name=self.name, progress=progress)
+                     commit=self._committer(write_back, optimizer), name=self.name,
+                     max_log_scale=max_log_scale, callback=callback, progress=progress)
 
     def normalize(self, p: float = 2.0, write_back: bool = True, optimizer=None, progress: bool | None = None):
         """The canonical representative: every unit's incoming weights and bias get unit

@@ -12,6 +12,8 @@ __all__ = [
     "ModelChanged",
     "SelfCheckFailed",
     "InputShapeError",
+    "PathirWarning",
+    "NotConvergedWarning",
 ]
 
 
@@ -64,3 +66,12 @@ class SelfCheckFailed(PathirError):
 
 class InputShapeError(PathirError, ValueError):
     """``input_shape`` (or ``example_input``) does not fit the model; the message says the expected form."""
+
+
+class PathirWarning(RuntimeWarning):
+    """A result pathir returns but you should know about (it is still exact for what it states)."""
+
+
+class NotConvergedWarning(PathirWarning):
+    """An iterative solver stopped at its iteration limit before its stopping rule held; the report
+    says how far it got (the rescaling written is still function-preserving, just not optimal)."""

@@ -22,7 +22,9 @@ import sys
 import warnings
 import weakref
 
-__all__ = ["enabled", "Phases", "bar", "solver_callback", "warn_not_converged", "close_all"]
+from pathir.errors import NotConvergedWarning
+
+__all__ = ["enabled", "Phases", "bar", "solver_callback", "chain_callbacks", "warn_not_converged", "close_all"]
 
 _OPEN: "weakref.WeakSet[Phases]" = weakref.WeakSet()
 
@@ -97,7 +99,17 @@ def solver_callback(solver, phases: Phases) -> dict:
         return {}
 
 
+def chain_callbacks(*callbacks):
+    """One ``callback(iteration, value)`` calling each of ``callbacks`` that is not None, in order."""
+    live = [c for c in callbacks if c is not None]
+
+    def call(iteration, value):
+        for c in live:
+            c(iteration, value)
+    return call
+
+
 def warn_not_converged(what: str, name: str, sweeps: int, hint: str = "raise max_sweeps or tol") -> None:
     """The warning a solver's caller gives when its stopping rule was not met."""
     warnings.warn(f"{what} on {name or 'the model'} did not converge in {sweeps} sweeps ({hint}); "
-                  "the result is the last iterate", RuntimeWarning, stacklevel=4)
+                  "the result is the last iterate (still function-preserving)", NotConvergedWarning, stacklevel=4)

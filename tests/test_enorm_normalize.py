@@ -63,7 +63,7 @@ def _incoming_norms(graph, p):
 
 
 @pytest.mark.parametrize("p", [1.0, 2.0, 3.0])
-@pytest.mark.parametrize("solver", ["block", "coordinate"])
+@pytest.mark.parametrize("solver", ["newton", "block", "coordinate"])
 def test_enorm_decreases_monotonically_and_preserves_the_function(p, solver):
     model = cnn()
     x = torch.randn(5, 2, 6, 6, dtype=torch.float64)

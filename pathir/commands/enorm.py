@@ -15,8 +15,11 @@ def add_arguments(parser):
     add_model_arguments(parser)
     add_output_arguments(parser)
     parser.add_argument("-p", type=float, default=2.0, help="the norm's exponent (default 2)")
-    parser.add_argument("--solver", default="block", choices=["block", "coordinate"],
-                        help="block: all units of an independent set at once (default); coordinate: one at a time")
+    parser.add_argument("--solver", default="newton", choices=["newton", "block", "coordinate"],
+                        help="newton: projected Newton-CG (default); block: all units of an independent set at once; "
+                             "coordinate: one at a time")
+    parser.add_argument("--max-log-scale", type=float, default=None,
+                        help="bound every unit's log-scale |z| by this (default: unbounded)")
 
 
 def run(args) -> int:
@@ -25,6 +28,7 @@ def run(args) -> int:
     check_output(args)
     cm = compile_model(args)
     report = cm.enorm(p=args.p, max_sweeps=args.max_sweeps, tol=args.tol, solver=args.solver,
-                      write_back=args.output is not None, progress=progress(args))
+                      write_back=args.output is not None, max_log_scale=args.max_log_scale,
+                      progress=progress(args))
     write_output(cm, args)
     return report_and_exit(cm, report, args)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pathir.errors import PathirError
-from pathir.progress import Phases, solver_callback, warn_not_converged
+from pathir.progress import Phases, chain_callbacks, warn_not_converged
 
 __all__ = ["ENormReport", "NormalizeReport", "enorm", "normalize_units", "PHASES"]
 
@@ -43,7 +43,10 @@ def _names(names) -> str:
 class ENormReport:
     """What ``cm.enorm()`` did: the criterion E_p before and after (``history[k]``
     after sweep k), the largest remaining log-imbalance |log(O_h / I_h)| of a
-    unit (0 at the fixed point), max |z|, degenerate units by name, time."""
+    unit (0 at the fixed point), max |z|, degenerate units by name, time.
+    With ``max_log_scale`` L set: the units whose |z_h| ends at L (``units_at_bound``,
+    by name; the unconstrained optimum was cut there) and ``step``, the largest exact
+    update of a unit clamped to the box (the stopping rule: converged iff ≤ tol)."""
 
     model: str
     p: float
@@ -61,12 +64,16 @@ class ENormReport:
     written: bool
     history: tuple[float, ...] = ()
     z: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    max_log_scale: float | None = None
+    units_at_bound: tuple[str, ...] = ()
+    step: float = float("nan")
 
     def to_dict(self, z: bool = False) -> dict:
         out = {k: getattr(self, k) for k in (
             "model", "p", "solver", "units", "params", "criterion_before", "criterion_after", "sweeps",
-            "converged", "imbalance", "max_abs_log_scale", "seconds", "written")}
+            "converged", "imbalance", "max_abs_log_scale", "seconds", "written", "max_log_scale", "step")}
         out["degenerate_units"] = list(self.degenerate_units)
+        out["units_at_bound"] = list(self.units_at_bound)
         out["history"] = list(self.history)
         if z:
             out["z"] = self.z.tolist()
@@ -79,7 +86,12 @@ class ENormReport:
             (f"Σ c |θ|^{self.p:g}", f"{self.criterion_before:.10g} -> {self.criterion_after:.10g}"),
             ("sweeps", f"{self.sweeps} ({'converged' if self.converged else 'NOT converged'})"),
             ("max unit imbalance", f"{self.imbalance:.2e}"),
-            ("max |z|", f"{self.max_abs_log_scale:.4g}"),
+            ("max |z|", f"{self.max_abs_log_scale:.4g}" + (
+                "" if self.max_log_scale is None else f" (bound {self.max_log_scale:.4g})")),
+        ] + ([] if self.max_log_scale is None else [
+            ("units at the bound", _names(self.units_at_bound) + (
+                " (the unbounded optimum was cut there)" if self.units_at_bound else "")),
+        ]) + [
             ("degenerate units", _names(self.degenerate_units)),
             ("model rescaled", "yes" if self.written else "no (report only)"),
             ("time", f"{self.seconds:.2f} s"),
@@ -140,18 +152,23 @@ def _costs(costs, layout) -> np.ndarray | None:
     return c
 
 
-def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, costs=None, solver: str = "block",
-          commit=None, name: str = "", progress: bool | None = None) -> ENormReport:
+def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, costs=None, solver: str = "newton",
+          commit=None, name: str = "", max_log_scale: float | None = None, callback=None,
+          progress: bool | None = None) -> ENormReport:
     """ENorm: minimise E_p(z) = Σ c_i |θ_i|^p e^{-p(Bz)_i/2} over the rescalings of ``facts.graph``.
 
     Parameters
     ----------
     facts : GraphFacts of the graph (``pathir.rescaling.facts``)
     p : the norm's exponent (> 0); p = 2 is Stock et al.'s default.
-    max_sweeps, tol : passed to ``pathir.enorm.solver.solve_enorm``.
+    max_sweeps, tol : passed to ``pathir.enorm.solver.solve_enorm``; stopping at ``max_sweeps``
+        before the stopping rule holds warns (``pathir.NotConvergedWarning``).
     costs : per-parameter weights c (Stock et al. weigh layers by depth): None
         (all ones), an (n,) array in θ order, or {param name: scalar or array}.
-    solver : "block" or "coordinate".
+    solver : "newton" (projected Newton-CG, the default), or the reference "block" / "coordinate".
+    max_log_scale : None (unbounded) or L ≥ 0: every unit's log-scale z_h (in the model's
+        θ ← θ e^{-(Bz)_i/2} convention) stays within [-L, L]; the report names the units at L.
+    callback : called as ``callback(sweep, E_p)`` after each sweep (Newton: iteration).
     commit : called with the minimiser z (``Compiled.commit_rescaling``); None: only report.
     name : the model's name, for the report.
     progress : a bar on stderr over the phases units, solve, write (``pathir.progress``; None: only
@@ -180,21 +197,32 @@ def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, cos
                  value_name=f"Σ|θ|^{p:g}")
     bar.phase("units")
     units = facts.units
-    B, layout = facts.incidence
+    if solver == "newton" and "incidence" not in facts.built():
+        # Newton reads B through its row keys only: building B would be wasted work
+        from pathir.passes.incidence import ParamLayout
+
+        B, layout = None, ParamLayout(tuple(units.params))
+    else:
+        B, layout = facts.incidence
     c = _costs(costs, layout)
     w = np.abs(layout.theta()) ** p
     if not np.all(np.isfinite(w)):
         raise PathirError(f"|θ|^{p:g} is not finite (huge or non-finite weights): ENorm cannot be computed")
     bar.phase("solve")
+    # the solver's z' = p z / 2: its box is |z'| ≤ p L / 2
+    bound = None if max_log_scale is None else 0.5 * p * float(max_log_scale)
     result = solve_enorm(w, B, c, method=solver, max_sweeps=max_sweeps, tol=tol, row_key=facts.row_keys,
-                         **solver_callback(solve_enorm, bar))
+                         max_log_scale=bound, callback=chain_callbacks(callback, bar.callback))
     z = 2.0 * result.z / p
+    if max_log_scale is not None:
+        z = np.clip(z, -max_log_scale, max_log_scale)  # rounding of 2 (p L / 2) / p
     if commit is not None:
         bar.phase("write")
         commit(z)
     bar.close()
     if not result.converged:
-        warn_not_converged("ENorm", name, result.sweeps)
+        warn_not_converged(f"ENorm ({solver})", name, result.sweeps,
+                           hint=f"largest remaining unit step {result.step:.2e} > tol {tol:g}; raise max_sweeps")
     return ENormReport(
         model=name, p=float(p), solver=solver, units=len(units), params=len(layout),
         criterion_before=result.e_initial, criterion_after=result.e_final, sweeps=result.sweeps,
@@ -203,6 +231,8 @@ def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, cos
         degenerate_units=tuple(units.names[int(h)] for h in result.degenerate),
         seconds=time.perf_counter() - start, written=commit is not None,
         history=tuple(float(e) for e in result.history), z=z,
+        max_log_scale=None if max_log_scale is None else float(max_log_scale),
+        units_at_bound=tuple(units.names[int(h)] for h in result.at_bound), step=result.step,
     )
 
 

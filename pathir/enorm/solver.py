@@ -19,40 +19,18 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
-from pathir.pathcond.objective import as_g, log0, logsumexp
+from pathir.enorm.newton import solve_enorm_newton
+from pathir.enorm.result import ENormResult, at_bound
+from pathir.enorm.result import masses as _masses
+from pathir.pathcond.objective import log0, logsumexp
 from pathir.rescaling.unit_pairs import all_pairs, blocks_of, greedy_coloring, group_pairs, log_pair_total, pad
 from pathir.rescaling.unit_rows import canonical, keys_for
 
 __all__ = ["ENormResult", "enorm_objective", "unit_balance", "solve_enorm", "solve_enorm_block",
-           "solve_enorm_coordinate"]
-
-
-@dataclass(frozen=True)
-class ENormResult:
-    """What an ENorm solver returns: ``z`` (H,), E(0) and E(z), ``history[k]`` = E after sweep k,
-    and ``imbalance`` = max over the non-degenerate units of |log(O_h / I_h)| at z (0 at the fixed point)."""
-
-    z: np.ndarray
-    e_initial: float
-    e_final: float
-    sweeps: int
-    converged: bool
-    degenerate: np.ndarray
-    seconds: float
-    history: np.ndarray
-    imbalance: float
-    method: str
-
-
-def _masses(w, c, n):
-    w = as_g(w, n)
-    if c is None:
-        return w
-    return w * as_g(c, n)
+           "solve_enorm_coordinate", "solve_enorm_newton"]
 
 
 def enorm_objective(w, B, z, c=None) -> float:
@@ -79,7 +57,12 @@ def unit_balance(w, B, z, c=None) -> np.ndarray:
         return np.log(out_mass) - np.log(in_mass)
 
 
-def _finish(m, B, z, degenerate, method, sweeps, converged, start, history) -> ENormResult:
+def clamp(z, bound: float | None):
+    """z clipped to [-bound, bound] (as is when unbounded)."""
+    return z if bound is None else np.clip(z, -bound, bound)
+
+
+def _finish(m, B, z, degenerate, method, sweeps, converged, start, history, bound=None) -> ENormResult:
     log_m = log0(m)
     e0, e1 = math.exp(logsumexp(log_m)), math.exp(logsumexp(log_m - B @ z))
     balance = unit_balance(m, B, z)
@@ -88,12 +71,14 @@ def _finish(m, B, z, degenerate, method, sweeps, converged, start, history) -> E
     history = list(history)
     history[0], history[-1] = e0, e1
     imbalance = float(np.max(np.abs(balance[live]), initial=0.0))
+    step = float(np.max(np.abs(clamp(z + 0.5 * balance, bound) - z)[live], initial=0.0))
     return ENormResult(z, e0, e1, sweeps, converged, np.asarray(degenerate, dtype=np.int64),
-                       time.perf_counter() - start, np.asarray(history), imbalance, method)
+                       time.perf_counter() - start, np.asarray(history), imbalance, method,
+                       at_bound(z, bound), step)
 
 
 def solve_enorm_coordinate(w, B, c=None, *, max_sweeps: int = 1000, tol: float = 1e-10,
-                           row_key=None) -> ENormResult:
+                           row_key=None, max_log_scale: float | None = None, callback=None) -> ENormResult:
     """ENorm one unit at a time, in index order (cyclic coordinate descent on E, in log-space).
 
     >>> import numpy as np, scipy.sparse as sp
@@ -123,18 +108,22 @@ def solve_enorm_coordinate(w, B, c=None, *, max_sweeps: int = 1000, tol: float =
         for h, rin, rout in units:
             lo, li = ell[rout], ell[rin]
             step = 0.5 * (logsumexp(lo) - logsumexp(li))
+            if max_log_scale is not None:
+                step = min(max_log_scale, max(-max_log_scale, z[h] + step)) - z[h]
             ell[rout] = lo - step
             ell[rin] = li + step
             z[h] += step
         history.append(logsumexp(ell))
+        if callback is not None:
+            callback(sweeps, math.exp(history[-1]))
         if np.max(np.abs(z - z_before), initial=0.0) <= tol:
             converged = True
             break
-    return _finish(m, B, z, degenerate, "coordinate", sweeps, converged, start, np.exp(history))
+    return _finish(m, B, z, degenerate, "coordinate", sweeps, converged, start, np.exp(history), max_log_scale)
 
 
 def solve_enorm_block(w, B, c=None, *, max_sweeps: int = 1000, tol: float = 1e-10,
-                      row_key=None) -> ENormResult:
+                      row_key=None, max_log_scale: float | None = None, callback=None) -> ENormResult:
     """ENorm over the colours of the unit adjacency graph, all units of a colour at once.
 
     >>> import numpy as np, scipy.sparse as sp
@@ -161,16 +150,18 @@ def solve_enorm_block(w, B, c=None, *, max_sweeps: int = 1000, tol: float = 1e-1
         z_before = z.copy()
         for blk in blocks:
             zp = pad(z)
-            z[blk.units] = 0.5 * (blk.outgoing(zp) - blk.incoming(-zp))
+            z[blk.units] = clamp(0.5 * (blk.outgoing(zp) - blk.incoming(-zp)), max_log_scale)
         history.append(log_pair_total(everything, pad(-z)))
+        if callback is not None:
+            callback(sweeps, math.exp(history[-1]))
         if np.max(np.abs(z - z_before), initial=0.0) <= tol:
             converged = True
             break
-    return _finish(m, B, z, degenerate, "block", sweeps, converged, start, np.exp(history))
+    return _finish(m, B, z, degenerate, "block", sweeps, converged, start, np.exp(history), max_log_scale)
 
 
-def solve_enorm(w, B, c=None, *, method: str = "block", max_sweeps: int = 1000, tol: float = 1e-10,
-                row_key=None) -> ENormResult:
+def solve_enorm(w, B, c=None, *, method: str = "newton", max_sweeps: int = 1000, tol: float = 1e-10,
+                row_key=None, max_log_scale: float | None = None, callback=None) -> ENormResult:
     """Minimise E(z) = Σ c_i w_i e^{-(Bz)_i} over the unit log-scales z.
 
     Parameters
@@ -178,8 +169,13 @@ def solve_enorm(w, B, c=None, *, method: str = "block", max_sweeps: int = 1000, 
     w : (n,) squared parameters θ², non-negative.
     B : (n, H) sparse unit incidence matrix (entries -1, 0, +1; at most one of each sign per row).
     c : (n,) non-negative costs (Stock et al. weight layers by depth); None for all ones.
-    method : "block" (all units of an independent set at once) or "coordinate" (one unit at a time).
-    tol : stop when a sweep moves no z_h by more than ``tol`` (a unit's step is half its log-imbalance).
+    method : "newton" (projected Newton-CG, `pathir.enorm.newton`), "block" (all units of an
+        independent set at once) or "coordinate" (one unit at a time); the last two are the reference.
+    tol : stop when a sweep moves no z_h by more than ``tol`` (a unit's step is half its log-imbalance);
+        Newton stops when no unit's exact update would move it by more than ``tol``.
+    max_log_scale : None (unbounded) or L ≥ 0: minimise over the box |z_h| ≤ L (every unit's exact
+        update is clamped to it; ``result.at_bound`` lists the units that end on it).
+    callback : called as ``callback(sweep, E)`` after every sweep (Newton: iteration).
     row_key : optional row keys of B, as ``Compiled.row_keys()`` builds them (`unit_rows.keys_for`).
 
     Returns
@@ -194,7 +190,10 @@ def solve_enorm(w, B, c=None, *, method: str = "block", max_sweeps: int = 1000, 
     >>> print(f"{r.e_initial:.6g} -> {r.e_final:.6g}", r.converged)
     68 -> 32 True
     """
-    solvers = {"block": solve_enorm_block, "coordinate": solve_enorm_coordinate}
+    solvers = {"newton": solve_enorm_newton, "block": solve_enorm_block, "coordinate": solve_enorm_coordinate}
     if method not in solvers:
         raise ValueError(f"unknown ENorm method {method!r}; choose one of {sorted(solvers)}")
-    return solvers[method](w, B, c, max_sweeps=max_sweeps, tol=tol, row_key=row_key)
+    if max_log_scale is not None and not max_log_scale >= 0:
+        raise ValueError(f"max_log_scale must be >= 0 or None, got {max_log_scale}")
+    return solvers[method](w, B, c, max_sweeps=max_sweeps, tol=tol, row_key=row_key, max_log_scale=max_log_scale,
+                           callback=callback)

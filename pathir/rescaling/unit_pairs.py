@@ -158,9 +158,11 @@ def group_pairs(m: np.ndarray, key: np.ndarray, H: int) -> Pairs:
             sums = np.bincount(key, weights=w, minlength=(H + 1) ** 2)
             keys = np.flatnonzero(sums != 0)
             total = sums[keys]
-        else:
-            keys, inverse = np.unique(key, return_inverse=True)
-            total = np.bincount(inverse, weights=w)
+        else:  # a stable sort: the keys come in long sorted runs (a parameter's rows), timsort's best case
+            order = np.argsort(key, kind="stable")
+            sk = key[order]
+            starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
+            keys, total = sk[starts], np.add.reduceat(w[order], starts)
         big = float(total.max())
         pairs = (None, total / big, math.log(big) + math.log(scale))
     else:
