@@ -295,16 +295,34 @@ class Compiled:
             self._mark()
         self._facts = facts.with_values(new_graph)
 
-    def pathcond(self, solver: str = "block", max_sweeps: int = 1000, tol: float = 1e-10,
-                 write_back: bool = True, backend=None):
+    def pathcond(self, solver: str = "newton", max_sweeps: int = 1000, tol: float = 1e-10,
+                 write_back: bool = True, backend=None, max_log_scale: float | None = None, callback=None):
         """PathCond: minimise F(z) and rescale the model in place (function preserved);
         returns a PathCondReport. ``write_back=False`` leaves model and graph as they are
-        (apply ``report.z`` with :meth:`rescaled` or :meth:`commit_rescaling`). See docs/pathcond.md."""
+        (apply ``report.z`` with :meth:`rescaled` or :meth:`commit_rescaling`). ``max_log_scale``
+        bounds every |z_h|: None (default) the largest the model's dtype holds, math.inf none.
+        ``callback(step, F)`` runs after each solver step. See docs/pathcond.md."""
         from pathir.pathcond.run import pathcond
 
         self._check_writable(write_back)
         return pathcond(self.facts, self.get_backend(backend), solver=solver, max_sweeps=max_sweeps, tol=tol,
-                        commit=self.commit_rescaling if write_back else None, name=self.name)
+                        commit=self.commit_rescaling if write_back else None, name=self.name,
+                        max_log_scale=max_log_scale, dtype=self.narrowest_dtype(), callback=callback)
+
+    def narrowest_dtype(self) -> str:
+        """The float dtype of the model's tensors with the smallest range ("float64" for a bare Graph
+        or a model of float64 tensors only): the one a rescaling must fit when written back."""
+        names = set()
+        if hasattr(self.model, "parameters"):
+            tensors = [*self.model.parameters(), *self.model.buffers()]
+            names = {str(t.dtype).rsplit(".", 1)[-1] for t in tensors if t.is_floating_point()}
+        elif self.model is not None and hasattr(self.model, "graph"):  # ONNX: TensorProto data types
+            codes = {1: "float32", 10: "float16", 11: "float64", 16: "bfloat16"}
+            names = {codes.get(t.data_type, "float64") for t in self.model.graph.initializer}
+        for name in ("float16", "bfloat16", "float32"):
+            if name in names:
+                return name
+        return "float64"
 
     def enorm(self, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, costs=None,
               solver: str = "block", write_back: bool = True):

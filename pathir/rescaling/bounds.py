@@ -1,0 +1,72 @@
+"""How far a rescaling may go before write-back leaves the model's dtype.
+
+With |z_h| <= M for every unit, a parameter is multiplied by
+e^{-(z_l - z_e)/2} ∈ [e^{-M}, e^{M}] (MATH.md §5; docs/math.md §5), and a
+running variance of an unfolded batch-norm by at most e^{2M}. So if every
+nonzero |θ| of the graph lies in [m, m'] and the dtype's normal range is
+[tiny, big], no written entry overflows or becomes subnormal (or 0) when
+
+    2M <= min(log big - log m', log m - log tiny) - margin,
+
+the margin (log 2^10) covering the source tensors a graph param is folded from
+(a batch-norm's γ and 1/σ, whose product the graph holds). This M is
+`default_max_log_scale`; float64 models get the same rule with float64's
+range (a bound near 350, which no sane rescaling reaches).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = ["default_max_log_scale", "dtype_range", "SAFETY_MARGIN"]
+
+#: headroom, in nats, kept between the rescaled magnitudes and the dtype's limits
+SAFETY_MARGIN = 10 * math.log(2.0)
+
+_RANGES = {  # (log of the largest finite, log of the smallest normal)
+    "float64": (math.log(np.finfo(np.float64).max), math.log(np.finfo(np.float64).tiny)),
+    "float32": (math.log(np.finfo(np.float32).max), math.log(np.finfo(np.float32).tiny)),
+    "float16": (math.log(np.finfo(np.float16).max), math.log(np.finfo(np.float16).tiny)),
+    "bfloat16": (math.log(3.3895313892515355e38), math.log(1.1754943508222875e-38)),
+}
+
+
+def dtype_range(dtype) -> tuple[float, float]:
+    """(log max finite, log min normal) of a float dtype: a torch or numpy dtype, or its name."""
+    name = str(dtype).rsplit(".", 1)[-1]
+    if name not in _RANGES:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            pass
+    if name not in _RANGES:
+        raise ValueError(f"no float range known for dtype {dtype!r} (known: {sorted(_RANGES)})")
+    return _RANGES[name]
+
+
+def default_max_log_scale(graph, dtype) -> float:
+    """The largest M such that every rescaling with max_h |z_h| <= M writes ``graph``'s parameters
+    back in ``dtype`` finite and normal (module docstring).
+
+    >>> import torch, pathir
+    >>> _ = torch.manual_seed(0)
+    >>> cm = pathir.compile(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2)),
+    ...                     input_shape=(4,))
+    >>> 25 < default_max_log_scale(cm.graph, torch.float32) < 45
+    True
+    >>> default_max_log_scale(cm.graph, "float64") > 300
+    True
+    """
+    log_big, log_tiny = dtype_range(dtype)
+    low, high = math.inf, -math.inf
+    for p in graph.params():
+        mag = np.abs(p.value[np.isfinite(p.value)])
+        mag = mag[mag > 0]
+        if mag.size:
+            low, high = min(low, float(mag.min())), max(high, float(mag.max()))
+    if high == -math.inf:  # nothing nonzero: any rescaling writes zeros as zeros
+        return (log_big - log_tiny) / 4.0
+    room = min(log_big - math.log(high), math.log(low) - log_tiny) - SAFETY_MARGIN
+    return max(room / 2.0, 0.0)
