@@ -131,7 +131,7 @@ def _polish(pairs, A: np.ndarray, n: int, z: np.ndarray, live: np.ndarray, itera
                    options={"maxiter": iterations, "ftol": 0.0, "gtol": tol * n, "maxcor": 20})
     out = z.copy()
     out[idx] = res.x
-    return out, bool(res.success) or "ABNORMAL" in str(res.message), int(res.nit)
+    return out, bool(res.success) or "ABNORMAL" in str(res.message), int(res.get("nit", 0))
 
 
 @dataclass

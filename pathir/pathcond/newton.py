@@ -37,6 +37,14 @@ from pathir.rescaling.unit_rows import keys_for
 
 __all__ = ["solve_newton"]
 
+_EPS = float(np.finfo(np.float64).eps)
+
+
+def _kkt(grad: np.ndarray, z: np.ndarray, bound: float, live: np.ndarray) -> float:
+    """max |projected gradient| over the live units (one held at the bound by a gradient pushing outward: 0)."""
+    held = ((z <= -bound) & (grad > 0)) | ((z >= bound) & (grad < 0)) | ~live
+    return float(np.max(np.abs(np.where(held, 0.0, grad)), initial=0.0))
+
 
 class _Curvature:
     """F, ∇F and the Hessian operator at z from the unit pairs (module docstring)."""
@@ -73,9 +81,10 @@ class _Curvature:
 
 
 def _newton_direction(off: sp.csr_array, diag: np.ndarray, c: np.ndarray, grad: np.ndarray, free: np.ndarray,
-                      n: int, max_cg: int) -> tuple[np.ndarray, int]:
-    """d solving (L_q - c cᵀ) d = -∇F / n on the free units (0 elsewhere), by Jacobi-preconditioned CG
-    with the Eisenstat-Walker forcing term min(1/2, sqrt(‖r‖)) (superlinear near z*)."""
+                      n: int, max_cg: int, damping: float) -> tuple[np.ndarray, int]:
+    """d solving (L_q - c cᵀ + damping·diag(L_q)) d = -∇F / n on the free units (0 elsewhere), by
+    Jacobi-preconditioned CG with the Eisenstat-Walker forcing term min(1/2, sqrt(‖r‖)) (superlinear
+    near z*, where the damping has gone to 0)."""
     H = diag.size
     mask = free.astype(np.float64)
     scale = np.where(free, diag, 1.0)
@@ -84,7 +93,7 @@ def _newton_direction(off: sp.csr_array, diag: np.ndarray, c: np.ndarray, grad: 
 
     def hv(v):
         v = v * mask
-        return (off @ v) * mask + diag * v - cf * float(cf @ v) + (1.0 - mask) * v
+        return (off @ v) * mask + (1.0 + damping) * diag * v - cf * float(cf @ v) + (1.0 - mask) * v
 
     b = -grad * mask / n
     residual = float(np.linalg.norm(b / np.sqrt(scale)))
@@ -94,7 +103,7 @@ def _newton_direction(off: sp.csr_array, diag: np.ndarray, c: np.ndarray, grad: 
         count[0] += 1
 
     op = spl.LinearOperator((H, H), matvec=hv, dtype=np.float64)
-    pre = spl.LinearOperator((H, H), matvec=lambda v: v / scale, dtype=np.float64)
+    pre = spl.LinearOperator((H, H), matvec=lambda v: v / ((1.0 + damping) * scale), dtype=np.float64)
     d, _ = spl.cg(op, b, M=pre, rtol=min(0.5, math.sqrt(residual)), atol=0.0, maxiter=max_cg, callback=tick)
     d = d * mask
     if not float(grad @ d) < 0:  # CG broke down (rounding on a near-singular system): steepest descent
@@ -158,33 +167,49 @@ def solve_newton(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, row_key=No
     if not converged and pairs.size and live.any():
         curvature = _Curvature(pairs, A, n)
         f, grad, q, c, mass = curvature.value(z)
+        damping = 1.0  # Levenberg-Marquardt: far from z*, F is nearly piecewise linear and raw Newton steps overshoot
+        kkt = _kkt(grad, z, bound, live)
         while sweeps + iterations < max_sweeps:
-            at_low, at_high = z <= -bound, z >= bound
-            free = live & ~(at_low & (grad > 0)) & ~(at_high & (grad < 0))
-            d, k = _newton_direction(curvature.laplacian(q), mass, c, grad, free, n, max_cg)
+            free = live & ~((z <= -bound) & (grad > 0)) & ~((z >= bound) & (grad < 0))
+            d, k = _newton_direction(curvature.laplacian(q), mass, c, grad, free, n, max_cg, damping)
             cg_total += k
+            iterations += 1
             size = max(1.0, abs(f), abs(float(A @ z)))
             decrement = -float(grad @ d)
-            if decrement <= tol * size:
-                converged = True
-                break
+            small = decrement <= tol * size
+            if small and damping > 0.0:
+                damping = 0.0  # the damped model sees no decrease: judge by the true Newton step
+                continue
             step, moved = 1.0, False
-            for _ in range(60):  # Armijo along the projected path
+            for _ in range(40):  # Armijo along the projected path
                 trial = np.clip(z + step * d, -bound, bound)
                 f_new, *rest = curvature.value(trial)
+                kkt_new = _kkt(rest[0], trial, bound, live)
                 if f_new <= f + 1e-4 * float(grad @ (trial - z)):
                     moved = True
                     break
+                if step == 1.0 and f_new <= f + 8 * _EPS * size and kkt_new < kkt:
+                    moved = True  # F is flat to rounding here: the Newton step is judged by the gradient it leaves
+                    break
                 step *= 0.5
-            iterations += 1
-            if not moved or f_new >= f:  # no float64-visible decrease left
-                converged = decrement <= math.sqrt(tol) * size
+            if not moved:
+                if damping < 1e8 and not small:  # a poor direction (ill-conditioned system): damp and retry
+                    damping = max(damping, 1e-3) * 16.0
+                    continue
+                converged = small  # no float64-visible decrease left
                 break
-            z, f, (grad, q, c, mass) = trial, f_new, rest
+            # full steps: trust the quadratic model more; cut steps: less
+            damping = 0.0 if step == 1.0 and damping < 1e-4 else damping * 0.25 if step == 1.0 else max(damping, 1e-3) * 4.0
+            moved_by = float(np.max(np.abs(trial - z), initial=0.0))
+            progress = kkt_new < 0.5 * kkt
+            z, f, kkt, (grad, q, c, mass) = trial, f_new, kkt_new, rest
             history.append(f)
             times.append(time.perf_counter() - start)
             if callback is not None:
                 callback(len(history) - 1, f)
+            if small and (moved_by <= tol or not progress):  # at z* to float64's resolution
+                converged = True
+                break
     at_bound = np.flatnonzero(live & (np.abs(z) >= bound)).tolist() if bound < math.inf else []
     return finish(g, B, z, pair_state(pairs, A, z, n), method="newton", sweeps=sweeps + iterations,
                   converged=converged, key=key, degenerate=degenerate, start=start, history=history, times=times,

@@ -8,8 +8,10 @@ nonzero |θ| of the graph lies in [m, m'] and the dtype's normal range is
 
     2M <= min(log big - log m', log m - log tiny) - margin,
 
-the margin (log 2^10) covering the source tensors a graph param is folded from
-(a batch-norm's γ and 1/σ, whose product the graph holds). This M is
+the margin (log 2^10, or a tenth of the dtype's range if that is less: float16)
+covering the source tensors a graph param is folded from (a batch-norm's γ and
+1/σ, whose product the graph holds). Entries already subnormal in the dtype do
+not count (they hold no normal value to lose); an M of 0 means no rescaling fits. This M is
 `default_max_log_scale`; float64 models get the same rule with float64's
 range (a bound near 350, which no sane rescaling reaches).
 """
@@ -61,12 +63,14 @@ def default_max_log_scale(graph, dtype) -> float:
     """
     log_big, log_tiny = dtype_range(dtype)
     low, high = math.inf, -math.inf
+    tiny = math.exp(log_tiny)
     for p in graph.params():
         mag = np.abs(p.value[np.isfinite(p.value)])
-        mag = mag[mag > 0]
+        mag = mag[mag >= tiny]
         if mag.size:
             low, high = min(low, float(mag.min())), max(high, float(mag.max()))
     if high == -math.inf:  # nothing nonzero: any rescaling writes zeros as zeros
         return (log_big - log_tiny) / 4.0
-    room = min(log_big - math.log(high), math.log(low) - log_tiny) - SAFETY_MARGIN
+    margin = min(SAFETY_MARGIN, 0.1 * (log_big - log_tiny))
+    room = min(log_big - math.log(high), math.log(low) - log_tiny) - margin
     return max(room / 2.0, 0.0)
