@@ -6,6 +6,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 from pathir.pathcond.solvers import solve  # noqa: E402
 from pathir.rescaling.unit_rows import column_balance, matrix_row_keys  # noqa: E402
@@ -47,3 +48,12 @@ def test_solver_benchmark_runs(capsys):
     speedups = bench.main(["--widths", "12", "8", "8", "3", "--repeat", "1"])
     assert len(speedups) == 2 and all(s > 0 for s in speedups)
     assert "speedup" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_zoo_pathcond_benchmark_runs(capsys):
+    import bench_zoo_pathcond as bench
+
+    rows = bench.main(["--models", "squeezenet1_1", "--repeat", "1", "--reference", "--reference-sweeps", "50"])
+    assert len(rows) == 1 and rows[0][1] > 0
+    assert "| squeezenet1_1 |" in capsys.readouterr().out
