@@ -316,9 +316,12 @@ class Compiled:
         if hasattr(self.model, "parameters"):
             tensors = [*self.model.parameters(), *self.model.buffers()]
             names = {str(t.dtype).rsplit(".", 1)[-1] for t in tensors if t.is_floating_point()}
-        elif self.model is not None and hasattr(self.model, "graph"):  # ONNX: TensorProto data types
+        else:  # ONNX (a ModelProto, or a path the writer has read): TensorProto data types
+            proto = self.model if hasattr(getattr(self.model, "graph", None), "initializer") else \
+                getattr(self.writer, "source", None)
             codes = {1: "float32", 10: "float16", 11: "float64", 16: "bfloat16"}
-            names = {codes.get(t.data_type, "float64") for t in self.model.graph.initializer}
+            if hasattr(getattr(proto, "graph", None), "initializer"):
+                names = {codes.get(t.data_type, "float64") for t in proto.graph.initializer}
         for name in ("float16", "bfloat16", "float32"):
             if name in names:
                 return name

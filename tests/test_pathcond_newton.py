@@ -175,3 +175,21 @@ def test_googlenet_float32_pathcond_keeps_function_and_every_parameter_normal():
     with torch.no_grad():
         after = model(x)
     assert float((after - before).abs().max() / before.abs().max()) < 1e-3
+
+
+def test_the_bound_follows_the_narrowest_dtype_of_torch_and_onnx_models():
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    assert pathir.compile(_mlp(torch.float64), input_shape=(6,)).narrowest_dtype() == "float64"
+    assert pathir.compile(_mlp(torch.bfloat16), input_shape=(6,)).narrowest_dtype() == "bfloat16"
+    w1, w2 = np.ones((2, 3), np.float32), np.ones((3, 1), np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W1"], ["h"], name="fc1"), helper.make_node("Relu", ["h"], ["r"], name="relu"),
+         helper.make_node("MatMul", ["r", "W2"], ["y"], name="fc2")], "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 1])],
+        [numpy_helper.from_array(w1, "W1"), numpy_helper.from_array(w2, "W2")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert pathir.compile(model).narrowest_dtype() == "float32"
+    assert pathir.compile(onnx.load_from_string(model.SerializeToString())).narrowest_dtype() == "float32"
