@@ -305,9 +305,31 @@ class Compiled:
         from pathir.pathcond.run import pathcond
 
         self._check_writable(write_back)
+        if max_log_scale is None:
+            from pathir.rescaling.bounds import default_max_log_scale
+
+            max_log_scale = default_max_log_scale(self.graph, self.narrowest_dtype(),
+                                                  variance_ratio=self.rescaled_variance_ratio())
         return pathcond(self.facts, self.get_backend(backend), solver=solver, max_sweeps=max_sweeps, tol=tol,
                         commit=self.commit_rescaling if write_back else None, name=self.name,
-                        max_log_scale=max_log_scale, dtype=self.narrowest_dtype(), callback=callback)
+                        max_log_scale=max_log_scale, callback=callback)
+
+    def rescaled_variance_ratio(self) -> float | None:
+        """min (var + eps) / eps over the batch-norm channels whose running statistics a rescaling
+        moves (batch-norms that could not be folded), for the default bound; None if there are none."""
+        from pathir.ir import Role
+
+        if not hasattr(self.model, "get_submodule"):
+            return None
+        ratio = None
+        for p in self.graph.params():
+            for ref in p.sources:
+                if ref.role == Role.IN_STATS and ref.name.endswith("running_var"):
+                    module = self.model.get_submodule(ref.name.rpartition(".")[0])
+                    var = module.running_var.detach().double().cpu()
+                    low = float(((var + module.eps) / module.eps).min())
+                    ratio = low if ratio is None else min(ratio, low)
+        return ratio
 
     def narrowest_dtype(self) -> str:
         """The float dtype of the model's tensors with the smallest range ("float64" for a bare Graph

@@ -193,3 +193,23 @@ def test_the_bound_follows_the_narrowest_dtype_of_torch_and_onnx_models():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     assert pathir.compile(model).narrowest_dtype() == "float32"
     assert pathir.compile(onnx.load_from_string(model.SerializeToString())).narrowest_dtype() == "float32"
+
+
+def test_the_default_bound_keeps_rescaled_batchnorm_variances_above_eps():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 6),
+                              torch.nn.ReLU(), torch.nn.Linear(6, 2)).eval()
+    with torch.no_grad():
+        net[2].running_var.copy_(torch.linspace(0.1, 2.0, 6))
+        net[0].weight.mul_(1e-4)  # an optimum far out along the units before the batch-norm
+    x = torch.randn(8, 4)
+    before = net(x).detach()
+    cm = pathir.compile(net, input_shape=(4,))
+    ratio = cm.rescaled_variance_ratio()
+    assert ratio == pytest.approx((0.1 + 1e-5) / 1e-5, rel=1e-5)
+    report = cm.pathcond()
+    assert report.max_log_scale == pytest.approx(0.5 * math.log(ratio / 1e3) - math.log(2.0))
+    assert report.max_abs_log_scale <= report.max_log_scale
+    _finite_and_normal(net)
+    assert torch.allclose(net(x), before, rtol=1e-4, atol=1e-5)
+    assert pathir.compile(_mlp(torch.float32), input_shape=(6,)).rescaled_variance_ratio() is None

@@ -48,9 +48,15 @@ def dtype_range(dtype) -> tuple[float, float]:
     return _RANGES[name]
 
 
-def default_max_log_scale(graph, dtype) -> float:
+def default_max_log_scale(graph, dtype, *, variance_ratio: float | None = None) -> float:
     """The largest M such that every rescaling with max_h |z_h| <= M writes ``graph``'s parameters
     back in ``dtype`` finite and normal (module docstring).
+
+    ``variance_ratio``: min (var + eps) / eps over the channels of the batch-norms whose running
+    statistics write-back rescales (those that could not be folded): var ← λ²(var + eps) − eps keeps
+    var + eps to the dtype's precision only while λ²(var + eps) >= 1e-3 eps, so M is also capped at
+    ½ log(variance_ratio / 1e3) (less a margin of log 2). A scalar bound, so it is conservative: it
+    caps every unit, not only those feeding such a batch-norm.
 
     >>> import torch, pathir
     >>> _ = torch.manual_seed(0)
@@ -70,7 +76,10 @@ def default_max_log_scale(graph, dtype) -> float:
         if mag.size:
             low, high = min(low, float(mag.min())), max(high, float(mag.max()))
     if high == -math.inf:  # nothing nonzero: any rescaling writes zeros as zeros
-        return (log_big - log_tiny) / 4.0
+        low = high = 1.0
     margin = min(SAFETY_MARGIN, 0.1 * (log_big - log_tiny))
     room = min(log_big - math.log(high), math.log(low) - log_tiny) - margin
-    return max(room / 2.0, 0.0)
+    bound = max(room / 2.0, 0.0)
+    if variance_ratio is not None and variance_ratio < math.inf:
+        bound = min(bound, max(0.5 * (math.log(max(variance_ratio, 1.0)) - math.log(1e3)) - math.log(2.0), 0.0))
+    return bound
