@@ -296,18 +296,62 @@ class Compiled:
             self._mark()
         self._facts = facts.with_values(new_graph)
 
-    def pathcond(self, solver: str = "block", max_sweeps: int = 1000, tol: float = 1e-10,
-                 write_back: bool = True, backend=None, optimizer=None, progress: bool | None = None):
+    def pathcond(self, solver: str = "newton", max_sweeps: int = 1000, tol: float = 1e-10,
+                 write_back: bool = True, backend=None, max_log_scale: float | None = None, callback=None,
+                 optimizer=None, progress: bool | None = None):
         """PathCond: minimise F(z) and rescale the model in place (function preserved);
         returns a PathCondReport. ``write_back=False`` leaves model and graph as they are
-        (apply ``report.z`` with :meth:`rescaled` or :meth:`commit_rescaling`). ``optimizer``:
-        its state moves with the rescaling (docs/training.md). ``progress``: a bar on stderr
-        (None: when stderr is a terminal; see docs/cli.md). See docs/pathcond.md."""
+        (apply ``report.z`` with :meth:`rescaled` or :meth:`commit_rescaling`). ``max_log_scale``
+        bounds every |z_h|: None (default) the largest the model's dtype holds, math.inf none.
+        ``callback(step, F)`` runs after each solver step. ``optimizer``: its state moves with the
+        rescaling (docs/training.md). ``progress``: a bar on stderr (None: when stderr is a
+        terminal; see docs/cli.md). See docs/pathcond.md."""
         from pathir.pathcond.run import pathcond
 
         self._check_writable(write_back)
+        if max_log_scale is None:
+            from pathir.rescaling.bounds import default_max_log_scale
+
+            max_log_scale = default_max_log_scale(self.graph, self.narrowest_dtype(),
+                                                  variance_ratio=self.rescaled_variance_ratio())
         return pathcond(self.facts, self.get_backend(backend), solver=solver, max_sweeps=max_sweeps, tol=tol,
-                        commit=self._committer(write_back, optimizer), name=self.name, progress=progress)
+                        commit=self._committer(write_back, optimizer), name=self.name,
+                        max_log_scale=max_log_scale, callback=callback, progress=progress)
+
+    def rescaled_variance_ratio(self) -> float | None:
+        """min (var + eps) / eps over the batch-norm channels whose running statistics a rescaling
+        moves (batch-norms that could not be folded), for the default bound; None if there are none."""
+        from pathir.ir import Role
+
+        if not hasattr(self.model, "get_submodule"):
+            return None
+        ratio = None
+        for p in self.graph.params():
+            for ref in p.sources:
+                if ref.role == Role.IN_STATS and ref.name.endswith("running_var"):
+                    module = self.model.get_submodule(ref.name.rpartition(".")[0])
+                    var = module.running_var.detach().double().cpu()
+                    low = float(((var + module.eps) / module.eps).min())
+                    ratio = low if ratio is None else min(ratio, low)
+        return ratio
+
+    def narrowest_dtype(self) -> str:
+        """The float dtype of the model's tensors with the smallest range ("float64" for a bare Graph
+        or a model of float64 tensors only): the one a rescaling must fit when written back."""
+        names = set()
+        if hasattr(self.model, "parameters"):
+            tensors = [*self.model.parameters(), *self.model.buffers()]
+            names = {str(t.dtype).rsplit(".", 1)[-1] for t in tensors if t.is_floating_point()}
+        else:  # ONNX (a ModelProto, or a path the writer has read): TensorProto data types
+            proto = self.model if hasattr(getattr(self.model, "graph", None), "initializer") else \
+                getattr(self.writer, "source", None)
+            codes = {1: "float32", 10: "float16", 11: "float64", 16: "bfloat16"}
+            if hasattr(getattr(proto, "graph", None), "initializer"):
+                names = {codes.get(t.data_type, "float64") for t in proto.graph.initializer}
+        for name in ("float16", "bfloat16", "float32"):
+            if name in names:
+                return name
+        return "float64"
 
     def enorm(self, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, costs=None,
               solver: str = "newton", write_back: bool = True, max_log_scale: float | None = None,

@@ -6,6 +6,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 from pathir.pathcond.solvers import solve  # noqa: E402
 from pathir.rescaling.unit_rows import column_balance, matrix_row_keys  # noqa: E402
@@ -55,3 +56,12 @@ def test_check_benchmark_runs(capsys):
     (row,) = bench_check.main(["resnet18", "--input-shape", "3,32,32", "--repeat", "1"])
     assert row["check_over_fb"] > 0 and row["bar_over_no_bar"] > 0
     assert '"model": "resnet18"' in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_zoo_pathcond_benchmark_runs(capsys):
+    import bench_zoo_pathcond as bench
+
+    rows = bench.main(["--models", "squeezenet1_1", "--repeat", "1", "--reference", "--reference-sweeps", "50"])
+    assert len(rows) == 1 and rows[0][1] > 0
+    assert "| squeezenet1_1 |" in capsys.readouterr().out

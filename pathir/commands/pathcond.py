@@ -25,9 +25,11 @@ def add_output_arguments(parser) -> None:
 def add_arguments(parser):
     add_model_arguments(parser)
     add_output_arguments(parser)
-    parser.add_argument("--solver", default="block", choices=["block", "coordinate"],
-                        help="block: exact block updates (default); "
+    parser.add_argument("--solver", default="newton", choices=["newton", "block", "coordinate"],
+                        help="newton: block sweeps then projected Newton-CG (default); block: exact block updates; "
                              "coordinate: the published cyclic coordinate descent")
+    parser.add_argument("--max-log-scale", type=float, default=None,
+                        help="bound on every |z_h| (inf: none); default: the largest the model's dtype holds")
 
 
 def write_output(cm, args) -> None:
@@ -72,6 +74,7 @@ def run(args) -> int:
     check_output(args)
     cm = compile_model(args)
     report = cm.pathcond(solver=args.solver, max_sweeps=args.max_sweeps, tol=args.tol,
-                         write_back=args.output is not None, progress=progress(args))
+                         write_back=args.output is not None, max_log_scale=args.max_log_scale,
+                         progress=progress(args))
     write_output(cm, args)
     return report_and_exit(cm, report, args)

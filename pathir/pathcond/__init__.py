@@ -2,8 +2,9 @@
 
 :func:`solve` is the array-level entry (g, B or its row keys); :func:`pathcond`
 runs it on a graph and builds the report. :mod:`.objective` holds F, its
-gradient and the report's log-spreads; :mod:`.block` and :mod:`.coordinate`
-are the two solvers.
+gradient and the report's log-spreads; :mod:`.newton` (the default),
+:mod:`.block` and :mod:`.coordinate` are the solvers; all take a bound
+``max_log_scale`` on |z_h| (`pathir.rescaling.bounds` picks the default).
 """
 
 from pathir.pathcond.objective import PathCondResult, gradient, log_spread, objective, rescaled_log_g

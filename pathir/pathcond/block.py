@@ -44,7 +44,7 @@ from pathir.pathcond.objective import PathCondResult, as_g, finish, log_positive
 from pathir.rescaling.unit_pairs import all_pairs, blocks_of, greedy_coloring, group_pairs, log_pair_total, pad, pair_terms
 from pathir.rescaling.unit_rows import keys_for
 
-__all__ = ["solve_block"]
+__all__ = ["solve_block", "pair_value", "pair_state", "block_sweeps"]
 
 
 def _solve_s(log_b, log_c, log_d, a, log_s_prev):
@@ -74,7 +74,7 @@ def _solve_s(log_b, log_c, log_d, a, log_s_prev):
     return shift + math.log(s)
 
 
-def _pair_value(pairs, A: np.ndarray, z: np.ndarray, n: int):
+def pair_value(pairs, A: np.ndarray, z: np.ndarray, n: int):
     """(F(z), ∇F(z), out, in) from the unit pairs, out/in = each unit's share of S leaving/entering it:
     ∂F/∂z_h = n (out_h - in_h) + A_h."""
     H = z.size
@@ -89,9 +89,9 @@ def _pair_value(pairs, A: np.ndarray, z: np.ndarray, n: int):
     return n * (top + math.log(total)) + float(A @ z), n * (out_mass - in_mass) + A, out_mass, in_mass
 
 
-def _pair_state(pairs, A: np.ndarray, z: np.ndarray, n: int):
+def pair_state(pairs, A: np.ndarray, z: np.ndarray, n: int):
     """(F(0), F(z), ∇F(z), its scale n|B|ᵀp + |A|) from the unit pairs."""
-    f1, grad, out_mass, in_mass = _pair_value(pairs, A, z, n)
+    f1, grad, out_mass, in_mass = pair_value(pairs, A, z, n)
     f0 = -math.inf
     if pairs.size:  # at z = 0 the terms are the masses
         top, e = (pairs.log_top, pairs.mass) if pairs.mass is not None else pair_terms(pairs, np.zeros(z.size + 1))
@@ -100,8 +100,9 @@ def _pair_state(pairs, A: np.ndarray, z: np.ndarray, n: int):
 
 
 def _polish(pairs, A: np.ndarray, n: int, z: np.ndarray, live: np.ndarray, iterations: int, tol: float,
-            history: list, times: list, start: float) -> tuple[np.ndarray, bool, int]:
-    """L-BFGS on F over the live units from z: (z, converged, iterations).
+            history: list, times: list, start: float, bound: float = math.inf,
+            callback=None) -> tuple[np.ndarray, bool, int]:
+    """L-BFGS(-B) on F over the live units from z, with |z_h| <= ``bound``: (z, converged, iterations).
 
     Block sweeps crawl when g spans hundreds of nats: F is then nearly
     piecewise linear and exact moves along units (or blocks) stall on its
@@ -114,20 +115,23 @@ def _polish(pairs, A: np.ndarray, n: int, z: np.ndarray, live: np.ndarray, itera
 
     def value(x):
         full[idx] = x
-        f, grad, _, _ = _pair_value(pairs, A, full, n)
+        f, grad, _, _ = pair_value(pairs, A, full, n)
         return f, grad[idx]
 
     def record(intermediate_result):
         history.append(float(intermediate_result.fun))
         times.append(time.perf_counter() - start)
+        if callback is not None:
+            callback(len(history) - 1, history[-1])
 
     # no test on the F decrease: L-BFGS's first steps along a ridge gain little; it stops on the
     # gradient or when no step lowers F any more in float64 (an "abnormal" line search)
-    res = minimize(value, z[idx], jac=True, method="L-BFGS-B", callback=record,
+    box = None if math.isinf(bound) else [(-bound, bound)] * idx.size
+    res = minimize(value, np.clip(z[idx], -bound, bound), jac=True, method="L-BFGS-B", callback=record, bounds=box,
                    options={"maxiter": iterations, "ftol": 0.0, "gtol": tol * n, "maxcor": 20})
     out = z.copy()
     out[idx] = res.x
-    return out, bool(res.success) or "ABNORMAL" in str(res.message), int(res.nit)
+    return out, bool(res.success) or "ABNORMAL" in str(res.message), int(res.get("nit", 0))
 
 
 @dataclass
@@ -210,8 +214,46 @@ class _Anderson:
         return sweeps.with_first(image)
 
 
+def block_sweeps(pairs, A: np.ndarray, n: int, live: np.ndarray, z: np.ndarray, budget: int, tol: float,
+                 history: list, times: list, start: float, *, anderson: int = 5, bound: float = math.inf,
+                 callback=None) -> tuple[np.ndarray, bool, int, dict]:
+    """Up to ``budget`` accelerated block sweeps from z (``pairs`` frozen at the degenerate units, ``live``
+    the others): ``(z, converged, sweeps, extra)``; F after each sweep is appended to ``history``.
+
+    With a finite ``bound`` the sweeps stop, unconverged, at the first that would move some
+    |z_h| past it (an exact block update has no clamp); z is then projected on the box and a
+    bounded method (`_polish`, or the Newton solver) takes over.
+    """
+    sweeps_of = _BlockSweeps(pairs, blocks_of(pairs, greedy_coloring(pairs, live)), A, n)
+    state = sweeps_of.state(z)
+    acceleration = _Anderson(anderson)
+    converged, sweeps, quiet = False, 0, 0
+    extra = {"colours": len(sweeps_of.blocks), "anderson_steps": 0}
+    for sweeps in range(1, budget + 1):
+        image = sweeps_of.sweep(z, state)
+        new = acceleration.improve(z, image, sweeps_of)
+        if float(np.max(np.abs(new.z), initial=0.0)) > bound:
+            return np.clip(z, -bound, bound), False, sweeps - 1, {**extra, "anderson_steps": acceleration.accepted}
+        step = float(np.max(np.abs(new.z - z), initial=0.0))
+        f, (z, state) = state.f, (new.z, new)
+        history.append(state.f)
+        times.append(time.perf_counter() - start)
+        if callback is not None:
+            callback(len(history) - 1, state.f)
+        size = max(1.0, abs(state.f), abs(float(A @ z)))  # F's rounding follows its largest term
+        quiet = quiet + 1 if abs(f - state.f) <= tol * size else 0
+        if step <= tol:
+            converged = True
+            break
+        if quiet > anderson:  # F has stopped moving: done if z has too, else it crawls along a ridge
+            converged = step <= math.sqrt(tol)
+            break
+    return z, converged, sweeps, {**extra, "anderson_steps": acceleration.accepted}
+
+
 def solve_block(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, anderson: int = 5,
-                polish_after: int | None = 50, row_key=None) -> PathCondResult:
+                polish_after: int | None = 50, row_key=None, max_log_scale: float = math.inf,
+                callback=None) -> PathCondResult:
     """Minimise F by exact block updates over independent sets of units (the default solver).
 
     Parameters
@@ -230,6 +272,9 @@ def solve_block(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, anderson: i
     row_key : optional (n,) int array, e(i) (H + 1) + l(i) per row of B (`unit_rows.matrix_row_keys`), or a
         `unit_rows.RowKeys` with the column balance too, as ``Compiled.row_keys()`` builds them with B:
         spares re-deriving (and re-checking) them from B.
+    max_log_scale : bound on every |z_h| (box-constrained F, still convex); where a sweep would cross
+        it, L-BFGS-B on the box finishes the job. ``math.inf``: unconstrained.
+    callback : called as ``callback(step, F)`` after each sweep or L-BFGS iteration.
 
     Returns
     -------
@@ -258,33 +303,17 @@ def solve_block(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, anderson: i
     pairs = pairs.freeze(degenerate)
     live = np.ones(H, dtype=bool)
     live[degenerate] = False
-    sweeps_of = _BlockSweeps(pairs, blocks_of(pairs, greedy_coloring(pairs, live)), A, n)
     z = np.zeros(H)
-    state = sweeps_of.state(z)
-    history, times = [state.f], [time.perf_counter() - start]
-    acceleration = _Anderson(anderson)
-    converged, sweeps, quiet = False, 0, 0
+    history, times = [pair_state(pairs, A, z, n)[0]], [time.perf_counter() - start]
     budget = max_sweeps if polish_after is None else min(max_sweeps, polish_after)
-    for sweeps in range(1, budget + 1):
-        image = sweeps_of.sweep(z, state)
-        new = acceleration.improve(z, image, sweeps_of)
-        step = float(np.max(np.abs(new.z - z), initial=0.0))
-        f, (z, state) = state.f, (new.z, new)
-        history.append(state.f)
-        times.append(time.perf_counter() - start)
-        size = max(1.0, abs(state.f), abs(float(A @ z)))  # F's rounding follows its largest term
-        quiet = quiet + 1 if abs(f - state.f) <= tol * size else 0
-        if step <= tol:
-            converged = True
-            break
-        if quiet > anderson:  # F has stopped moving: done if z has too, else it crawls along a ridge
-            converged = step <= math.sqrt(tol)
-            break
+    z, converged, sweeps, extra = block_sweeps(pairs, A, n, live, z, budget, tol, history, times, start,
+                                               anderson=anderson, bound=max_log_scale, callback=callback)
     polished = 0
-    if not converged and sweeps < max_sweeps and sweeps_of.blocks and polish_after is not None:
-        z, converged, polished = _polish(pairs, A, n, z, live, max_sweeps - sweeps, tol, history, times, start)
+    if not converged and sweeps < max_sweeps and extra["colours"] and (polish_after is not None
+                                                                        or max_log_scale < math.inf):
+        z, converged, polished = _polish(pairs, A, n, z, live, max_sweeps - sweeps, tol, history, times, start,
+                                         max_log_scale, callback)
         sweeps += polished
-    return finish(g, B, z, _pair_state(pairs, A, z, n), method="block", sweeps=sweeps, converged=converged,
-                  key=key, degenerate=degenerate, start=start, history=history, times=times,
-                  extra={"colours": len(sweeps_of.blocks), "pairs": pairs.size,
-                         "anderson_steps": acceleration.accepted, "lbfgs_iterations": polished})
+    return finish(g, B, z, pair_state(pairs, A, z, n), method="block", sweeps=sweeps, converged=converged,
+                  key=key, bound=max_log_scale, degenerate=degenerate, start=start, history=history, times=times,
+                  extra={**extra, "pairs": pairs.size, "lbfgs_iterations": polished})

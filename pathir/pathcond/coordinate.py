@@ -57,7 +57,7 @@ def _lse(v: np.ndarray) -> float:
     return top + math.log(float(np.exp(v - top).sum()))
 
 
-def _sweep_linear(w: np.ndarray, s: float, z: np.ndarray, units, n: int) -> float:
+def _sweep_linear(w: np.ndarray, s: float, z: np.ndarray, units, n: int, bound: float = math.inf) -> float:
     """One sweep on w = g e^{Bz} / scale (in place); returns the running S."""
     for h, rin, rout, a in units:
         wi, wo = w[rin], w[rout]
@@ -70,6 +70,7 @@ def _sweep_linear(w: np.ndarray, s: float, z: np.ndarray, units, n: int) -> floa
             d = float(w.sum())
         log_d = math.log(d) if d > 0 else -math.inf
         new = 0.5 * (log_c - log_b) + log_root(a, log_d - 0.5 * (log_b + log_c), n)
+        new = min(max(new, -bound), bound)  # F is convex in z_h: the clamped root is the bounded minimiser
         ratio = math.exp(new - zh)
         w[rout] = wo * ratio
         w[rin] = wi / ratio
@@ -78,7 +79,7 @@ def _sweep_linear(w: np.ndarray, s: float, z: np.ndarray, units, n: int) -> floa
     return s
 
 
-def _sweep_log(ell: np.ndarray, log_s: float, z: np.ndarray, units, n: int) -> float:
+def _sweep_log(ell: np.ndarray, log_s: float, z: np.ndarray, units, n: int, bound: float = math.inf) -> float:
     """One sweep on ell = log(g e^{Bz}) (in place); returns the running log S."""
     for h, rin, rout, a in units:
         li, lo = ell[rin], ell[rout]
@@ -92,6 +93,7 @@ def _sweep_log(ell: np.ndarray, log_s: float, z: np.ndarray, units, n: int) -> f
             ell[rin], ell[rout] = -math.inf, -math.inf
             log_d = logsumexp(ell)
         new = 0.5 * (log_c - log_b) + log_root(a, log_d - 0.5 * (log_b + log_c), n)
+        new = min(max(new, -bound), bound)  # F is convex in z_h: the clamped root is the bounded minimiser
         step = new - zh
         ell[rout] = lo + step
         ell[rin] = li - step
@@ -101,7 +103,8 @@ def _sweep_log(ell: np.ndarray, log_s: float, z: np.ndarray, units, n: int) -> f
 
 
 def solve_coordinate(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10,
-                     log_domain: bool | None = None, row_key=None) -> PathCondResult:
+                     log_domain: bool | None = None, row_key=None, max_log_scale: float = math.inf,
+                     callback=None) -> PathCondResult:
     """Minimise F by cyclic coordinate descent over the units (the reference solver).
 
     Parameters
@@ -113,6 +116,8 @@ def solve_coordinate(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10,
         z_h by more than ``tol``.
     log_domain : keep log w rather than w; None chooses from the spread of g (and switches when needed).
     row_key : optional row keys of B (`unit_rows.keys_for`), sparing the full check of B.
+    max_log_scale : bound on every |z_h| (the per-unit update is clamped: still exact); ``math.inf``: none.
+    callback : called as ``callback(sweep, F)`` after each sweep.
 
     Returns
     -------
@@ -127,6 +132,7 @@ def solve_coordinate(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10,
     (True, 2)
     """
     start = time.perf_counter()
+    bound = float(max_log_scale)
     if row_key is None:
         B = canonical(B)
         A = column_balance(B)
@@ -165,7 +171,7 @@ def solve_coordinate(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10,
     for sweeps in range(1, max_sweeps + 1):
         z_before = z.copy()
         if not log_domain:
-            _sweep_linear(w, s, z, units, n)
+            _sweep_linear(w, s, z, units, n, bound)
             big = float(w.max())
             small = float(w.min() if all_positive else w[positive].min())
             if math.isfinite(big) and big > 0 and small > big * _SAFE and big < 1 / _SAFE:
@@ -177,11 +183,13 @@ def solve_coordinate(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10,
                 ell = log0(g) + B @ z
                 log_s = logsumexp(ell)
         if log_domain:
-            _sweep_log(ell, log_s, z, units, n)
+            _sweep_log(ell, log_s, z, units, n, bound)
             log_s = logsumexp(ell)
             f_new = n * log_s + float(A @ z)
         history.append(f_new)
         times.append(time.perf_counter() - start)
+        if callback is not None:
+            callback(sweeps, f_new)
         size = max(1.0, abs(f_new), abs(float(A @ z)))  # F's rounding follows its largest term
         if abs(f - f_new) <= tol * size or np.max(np.abs(z - z_before), initial=0.0) <= tol:
             converged = True
@@ -189,4 +197,4 @@ def solve_coordinate(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10,
         f = f_new
     return finish(g, B, z, row_state(g, B, A, z), method="coordinate", sweeps=sweeps, converged=converged,
                   degenerate=np.asarray(degenerate, dtype=np.int64), start=start, history=history, times=times,
-                  extra={"log_domain": log_domain})
+                  bound=bound, extra={"log_domain": log_domain})

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pathir.errors import PathirError
-from pathir.progress import Phases, solver_callback, warn_not_converged
+from pathir.progress import Phases, chain_callbacks, warn_not_converged
 
 __all__ = ["PathCondReport", "pathcond", "PHASES"]
 
@@ -44,7 +44,10 @@ class PathCondReport:
     neuron). ``log_spread_*`` = max log g − min log g over g > 0 (natural log).
     ``gradient_max`` = max_h |∂F/∂z_h| at z*, ``gradient_relative`` the same
     relative to the size of the terms it balances (both over non-degenerate
-    units). ``history[k]`` is F after sweep k (``history[0]`` = F(0)).
+    units; at the bound, the projected gradient). ``history[k]`` is F after sweep k (``history[0]`` = F(0)).
+    ``max_log_scale`` is the bound M on every |z_h| the solve ran under (``math.inf``: none);
+    ``units_at_bound`` names the units that ended on it, in which case the unconstrained optimum
+    was cut (``bound_cut``): run with ``max_log_scale=math.inf`` to get it.
     ``timings``: seconds per step. ``z`` holds the log-scales, one per unit.
 
     F depends on the point it is measured from (F(z) − F(0) is what the solver
@@ -75,7 +78,14 @@ class PathCondReport:
     written: bool
     history: tuple[float, ...] = ()
     timings: dict = field(default_factory=dict)
+    max_log_scale: float = math.inf
+    units_at_bound: tuple[str, ...] = ()
     z: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+
+    @property
+    def bound_cut(self) -> bool:
+        """Whether the bound on |z| held some unit back from the unconstrained optimum."""
+        return bool(self.units_at_bound)
 
     def to_dict(self, z: bool = False) -> dict:
         """JSON-ready; ``z=True`` adds the log-scales."""
@@ -88,15 +98,15 @@ class PathCondReport:
             "degenerate_units": list(self.degenerate_units), "gradient_max": self.gradient_max,
             "gradient_relative": self.gradient_relative, "seconds": self.seconds, "written": self.written,
             "history": list(self.history), "timings": dict(self.timings),
+            "max_log_scale": self.max_log_scale if math.isfinite(self.max_log_scale) else None,
+            "units_at_bound": list(self.units_at_bound), "bound_cut": self.bound_cut,
         }
         if z:
             out["z"] = self.z.tolist()
         return out
 
     def __str__(self) -> str:
-        dead = ", ".join(self.degenerate_units[:4])
-        if len(self.degenerate_units) > 4:
-            dead += f", ... ({len(self.degenerate_units) - 4} more)"
+        dead = _names(self.degenerate_units)
         steps = ", ".join(f"{k} {v:.2f}" for k, v in self.timings.items())
         rows = [
             ("model", f"{self.model}  ({self.solver} solver)"),
@@ -104,7 +114,10 @@ class PathCondReport:
             ("objective F", f"{self.objective_before:.10g} -> {self.objective_after:.10g}  "
                             f"(ΔF = {self.objective_after - self.objective_before:.4g})"),
             ("sweeps", f"{self.sweeps} ({'converged' if self.converged else 'NOT converged'})"),
-            ("max |z|", f"{self.max_abs_log_scale:.4g}"),
+            ("max |z|", f"{self.max_abs_log_scale:.4g}" + (f"  (bound {self.max_log_scale:.4g})"
+                                                            if math.isfinite(self.max_log_scale) else "")),
+            *([("at the bound", f"{len(self.units_at_bound)} units: {_names(self.units_at_bound)}; the unconstrained "
+                                "optimum was cut (max_log_scale=math.inf gives it)")] if self.units_at_bound else []),
             ("spread of log diag G", f"{self.log_spread_before:.4g} -> {self.log_spread_after:.4g}  (max/min g: "
                                      f"{_ratio(self.log_spread_before)} -> {_ratio(self.log_spread_after)})"),
             ("log-det divergence", f"{self.divergence_before:.6g} -> {self.divergence_after:.6g}"),
@@ -115,6 +128,11 @@ class PathCondReport:
         ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _names(names) -> str:
+    shown = ", ".join(names[:4])
+    return shown + (f", ... ({len(names) - 4} more)" if len(names) > 4 else "")
 
 
 def _ratio(log_spread: float) -> str:
@@ -157,21 +175,28 @@ def _divergences(g, result, rows) -> tuple[float, float]:
     return float(before), float(after)
 
 
-def pathcond(facts, backend, solver: str = "block", max_sweeps: int = 1000, tol: float = 1e-10,
-             commit=None, name: str = "", progress: bool | None = None) -> PathCondReport:
+def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol: float = 1e-10,
+             commit=None, name: str = "", max_log_scale: float | None = None, dtype="float64",
+             callback=None, progress: bool | None = None) -> PathCondReport:
     """Minimise F (MATH.md §7) over the rescalings of ``facts.graph``; ``commit(z)`` applies the minimiser.
 
     Parameters
     ----------
     facts : GraphFacts of the graph (``pathir.rescaling.facts``: units, B, row keys)
     backend : backend for diag G
-    solver : "block" (exact block updates, the default) or "coordinate" (the
-        published cyclic coordinate descent, for reference).
+    solver : "newton" (block sweeps then projected Newton-CG, the default), "block" (exact
+        block updates, L-BFGS to finish) or "coordinate" (the published cyclic coordinate
+        descent, for reference).
     max_sweeps, tol : passed to the solver; it stops when a sweep changes F by
         at most ``tol * max(1, |F|)`` or moves no z_h by more than ``tol``.
     commit : called with z* once it is found (``Compiled.commit_rescaling``); None
         leaves everything as it is (the report's ``written`` is False).
     name : the model's name, for the report.
+    max_log_scale : bound M on every |z_h| (a parameter moves by at most e^{±M}); None: the
+        largest that keeps write-back in ``dtype`` finite and normal
+        (`pathir.rescaling.bounds.default_max_log_scale`); ``math.inf``: unconstrained.
+    dtype : the narrowest float dtype of the model's tensors (for the default bound).
+    callback : ``callback(step, F)`` after each solver sweep or iteration (F of the normalised g).
     progress : a bar on stderr over the phases units, diag G, solve, write (``pathir.progress``;
         None: only when stderr is a terminal). Not converging within ``max_sweeps`` warns.
 
@@ -199,6 +224,7 @@ def pathcond(facts, backend, solver: str = "block", max_sweeps: int = 1000, tol:
     """
     from pathir.lifting.diag_g import diag_g_flat
     from pathir.pathcond.solvers import METHODS, solve
+    from pathir.rescaling.bounds import default_max_log_scale
     if solver not in METHODS:
         raise ValueError(f"unknown PathCond solver '{solver}'; choose one of {sorted(METHODS)}")
     start = time.perf_counter()
@@ -210,6 +236,8 @@ def pathcond(facts, backend, solver: str = "block", max_sweeps: int = 1000, tol:
         timings[step] = time.perf_counter() - start - sum(timings.values())
 
     units = facts.units
+    if max_log_scale is None:
+        max_log_scale = default_max_log_scale(facts.graph, dtype)
     lap("units")
     # the block solver reads B through its row keys only; the coordinate solver needs B itself
     row_key = facts.row_keys
@@ -224,7 +252,7 @@ def pathcond(facts, backend, solver: str = "block", max_sweeps: int = 1000, tol:
                           "PathCond has nothing to balance")
     bar.phase("solve")
     result = solve(g, B, method=solver, max_sweeps=max_sweeps, tol=tol, row_key=row_key,
-                   **solver_callback(solve, bar))
+                   max_log_scale=max_log_scale, callback=chain_callbacks(callback, bar.callback))
     lap("solve")
     if commit is not None:
         bar.phase("write")
@@ -246,4 +274,13 @@ def pathcond(facts, backend, solver: str = "block", max_sweeps: int = 1000, tol:
         gradient_max=result.grad_max, gradient_relative=result.grad_rel,
         seconds=time.perf_counter() - start, written=commit is not None,
         history=tuple(float(f) + shift for f in result.history), timings=timings, z=result.z,
+        max_log_scale=float(max_log_scale), units_at_bound=_at_bound(units, result, max_log_scale),
     )
+
+
+def _at_bound(units, result, bound: float) -> tuple[str, ...]:
+    if not math.isfinite(bound):
+        return ()
+    live = np.ones(result.z.size, dtype=bool)
+    live[result.degenerate] = False
+    return tuple(units.names[int(h)] for h in np.flatnonzero(live & (np.abs(result.z) >= bound * (1 - 1e-12))))

@@ -7,8 +7,11 @@ and one +1 (the unit it leaves) per row. Output: a `PathCondResult` whose
 ``z`` (H,) rescales θ_i ← θ_i e^{-(Bz)_i/2} (so g ← g e^{Bz}); degenerate units
 (no mass on one whole side) are listed in ``degenerate`` and keep z = 0.
 
-- ``solve(g, B)``: the default, exact block updates over independent sets of
-  units with Anderson acceleration (`pathcond_block.solve_block`);
+- ``solve(g, B)``: the default, block sweeps then projected Newton-CG
+  (`newton.solve_newton`): quadratic convergence on deep and
+  concatenation-heavy graphs;
+- ``solve_block(g, B)``: exact block updates over independent sets of units
+  with Anderson acceleration, L-BFGS to finish (`block.solve_block`);
 - ``solve_coordinate(g, B)``: the published cyclic coordinate descent, kept as
   the reference (`pathcond_coordinate`);
 - ``objective(g, B, z)``, ``gradient(g, B, z)``, ``rescaled_log_g(g, B, z)``.
@@ -24,18 +27,21 @@ and one +1 (the unit it leaves) per row. Output: a `PathCondResult` whose
 
 from __future__ import annotations
 
+import math
+
 from pathir.pathcond.block import solve_block
 from pathir.pathcond.coordinate import solve_coordinate
+from pathir.pathcond.newton import solve_newton
 from pathir.pathcond.objective import PathCondResult, gradient, log_spread, objective, rescaled_log_g
 
-__all__ = ["solve", "solve_block", "solve_coordinate", "objective", "gradient", "rescaled_log_g",
+__all__ = ["solve", "solve_newton", "solve_block", "solve_coordinate", "objective", "gradient", "rescaled_log_g",
            "log_spread", "PathCondResult", "METHODS"]
 
-METHODS = {"block": solve_block, "coordinate": solve_coordinate}
+METHODS = {"newton": solve_newton, "block": solve_block, "coordinate": solve_coordinate}
 
 
-def solve(g, B, *, method: str = "block", max_sweeps: int = 1000, tol: float = 1e-10,
-          row_key=None) -> PathCondResult:
+def solve(g, B, *, method: str = "newton", max_sweeps: int = 1000, tol: float = 1e-10,
+          row_key=None, max_log_scale: float = math.inf, callback=None) -> PathCondResult:
     """Minimise F(z) = n log Σ_i g_i e^{(Bz)_i} - Σ_i (Bz)_i with ``method`` in METHODS.
 
     Stops when F has stopped moving (relative change at most ``tol``) or no
@@ -43,10 +49,15 @@ def solve(g, B, *, method: str = "block", max_sweeps: int = 1000, tol: float = 1
     ``result.converged`` says whether that happened within ``max_sweeps``.
     ``row_key``: B's rows as unit keys, where the caller built B from them
     (``Compiled.row_keys()``; see `unit_rows.keys_for`); with a `unit_rows.RowKeys`
-    the block solver needs no B at all (``B=None``).
+    the newton and block solvers need no B at all (``B=None``). ``max_log_scale`` bounds every
+    |z_h| (box-constrained F, still convex; ``math.inf``: unconstrained). ``callback(step, F)`` is
+    called after each sweep or iteration (a hook for progress display).
     """
     if method not in METHODS:
         raise ValueError(f"unknown PathCond method {method!r}; choose one of {sorted(METHODS)}")
-    if B is None and method != "block":
-        raise ValueError(f"the {method} solver needs B itself (only the block solver runs on row keys alone)")
-    return METHODS[method](g, B, max_sweeps=max_sweeps, tol=tol, row_key=row_key)
+    if B is None and method == "coordinate":
+        raise ValueError("the coordinate solver needs B itself (the newton and block solvers run on row keys alone)")
+    if not max_log_scale >= 0:
+        raise ValueError(f"max_log_scale must be >= 0 (math.inf: unbounded), got {max_log_scale}")
+    return METHODS[method](g, B, max_sweeps=max_sweeps, tol=tol, row_key=row_key, max_log_scale=max_log_scale,
+                           callback=callback)

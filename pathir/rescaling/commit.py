@@ -159,7 +159,8 @@ _FLOAT32_SAFE_LOG = math.log(1e6)
 
 
 def _check_values(saved, max_abs_z: float) -> None:
-    """A written tensor must keep every finite entry finite and every nonzero entry nonzero.
+    """A written tensor must keep every finite entry finite, every nonzero entry nonzero and every
+    normal entry normal (not subnormal).
 
     Checked: float16 and bfloat16 tensors, and float32 ones when the rescaling is large
     (every factor lies within e^{±max|z|}); float64 values are the computation's own."""
@@ -171,10 +172,13 @@ def _check_values(saved, max_abs_z: float) -> None:
         if t.dtype == torch.float32 and max_abs_z < _FLOAT32_SAFE_LOG:
             continue
         new = t.detach()
-        broke = (~new.isfinite() & old.isfinite()) | ((new == 0) & (old != 0))
+        tiny = torch.finfo(t.dtype).tiny
+        broke = (~new.isfinite() & old.isfinite()) | ((new.abs() < tiny) & (old.abs() >= tiny)) | ((new == 0) & (old != 0))
         if bool(broke.any()):
             raise PathirError(
-                f"the rescaled tensor '{full}' does not fit {t.dtype}: "
-                f"{int(broke.sum())} entries overflow or underflow (convert the model with .float() "
-                "first); the model is unchanged"
+                f"the rescaled tensor '{full}' does not fit {t.dtype}: {int(broke.sum())} entries would overflow, "
+                f"or fall below its smallest normal number, under a rescaling with max |z| = {max_abs_z:.4g} "
+                f"(entries move by up to e^{max_abs_z:.3g}). Bound the rescaling: cm.pathcond(max_log_scale=...) "
+                "with a smaller bound, or leave max_log_scale=None for the largest one this dtype holds "
+                "(pathir.rescaling.bounds.default_max_log_scale); the model is unchanged"
             )

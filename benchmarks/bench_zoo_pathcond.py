@@ -1,0 +1,116 @@
+"""``cm.pathcond()`` end to end on the torchvision zoo, against the model's own float64 forward+backward.
+
+For each model (randomly initialised, ``pathir.zoo.build``; googlenet and
+inception_v3 without their train-only aux heads):
+
+1. one forward+backward of the model in float64 at batch 1 (best of
+   ``--repeat``), the baseline, measured in this process;
+2. ``cm.pathcond()`` on a freshly compiled model (compile not timed; units, B,
+   diag G, solve and write-back are), best of ``--repeat``, with its solver
+   steps (block sweeps + Newton iterations) and the split diag G / solve;
+3. with ``--reference``, the coordinate solver (the published algorithm) on
+   the same g, row keys and bound, run to convergence (``--reference-sweeps``
+   at most), and F(default) - F(coordinate) relative to |F|: <= 0 means the
+   default ends at least as low.
+
+Prints one markdown table row per model (the table in docs/pathcond.md).
+Timings are noisy on a shared machine: compare the ratio column, measured in
+one process, not absolute seconds across runs.
+
+Run:  python benchmarks/bench_zoo_pathcond.py [--models resnet18 googlenet ...|all] [--repeat 2] [--reference]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+
+import pathir
+from pathir import zoo
+
+DEFAULT_MODELS = ["resnet18", "googlenet", "densenet121", "squeezenet1_0", "shufflenet_v2_x1_0", "mnasnet1_0"]
+
+
+def build(name):
+    extra = {"aux_logits": False} if name in ("googlenet", "inception_v3") else {}
+    return zoo.build(name, **extra)
+
+
+def forward_backward_seconds(name, repeat):
+    model = build(name).double()
+    x = torch.randn(1, *zoo.input_shape(name), dtype=torch.float64)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+
+    step()  # warm-up
+    best = math.inf
+    for _ in range(repeat):
+        t = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def pathcond_runs(name, repeat, solver):
+    runs = []
+    for _ in range(repeat):  # each on a fresh model: pathcond() rescales it in place
+        cm = pathir.compile(build(name), input_shape=zoo.input_shape(name), self_check=False)
+        t = time.perf_counter()
+        report = cm.pathcond(solver=solver)
+        runs.append((time.perf_counter() - t, report, cm))
+    return min(runs, key=lambda r: r[0])
+
+
+def coordinate_gap(name, report, max_sweeps):
+    """F(report) - F(coordinate to convergence), relative, on the same g, B and bound."""
+    from pathir.lifting.diag_g import diag_g_flat
+    from pathir.pathcond.solvers import solve
+
+    cm = pathir.compile(build(name), input_shape=zoo.input_shape(name), self_check=False)
+    g, log_top = diag_g_flat(cm.graph, cm.get_backend())
+    B, _ = cm.incidence()
+    ref = solve(g, B, method="coordinate", tol=1e-13, max_sweeps=max_sweeps, row_key=cm.row_keys(),
+                max_log_scale=report.max_log_scale)
+    f_ref = ref.f_final + g.size * log_top
+    return (report.objective_after - f_ref) / abs(f_ref), ref
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=DEFAULT_MODELS, help="zoo names, or 'all' (zoo.SUPPORTED)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--solver", default="newton")
+    ap.add_argument("--reference", action="store_true", help="also run the coordinate solver to convergence")
+    ap.add_argument("--reference-sweeps", type=int, default=3000)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    names = zoo.SUPPORTED if args.models == ["all"] else args.models
+    print(f"torch threads: {torch.get_num_threads()}, solver {args.solver}")
+    print("| model | fwd+bwd f64 (s) | pathcond (s) | ratio | diag G / solve (s) | sweeps + Newton its | "
+          "max\\|z\\| (bound, at bound) | F vs coordinate |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows = []
+    for name in names:
+        base = forward_backward_seconds(name, args.repeat)
+        seconds, report, cm = pathcond_runs(name, args.repeat, args.solver)
+        steps = f"{report.sweeps}" + ("" if report.converged else " (NOT converged)")
+        gap = "—"
+        if args.reference:
+            rel, ref = coordinate_gap(name, report, args.reference_sweeps)
+            gap = f"{rel:+.1e} (coord. {ref.sweeps} sweeps{'' if ref.converged else ', not converged'})"
+        row = (f"| {name} | {base:.3f} | {seconds:.2f} | {seconds / base:.1f}x | "
+               f"{report.timings.get('diag G', 0):.2f} / {report.timings.get('solve', 0):.2f} | {steps} | "
+               f"{report.max_abs_log_scale:.3g} ({report.max_log_scale:.3g}, {len(report.units_at_bound)}) | {gap} |")
+        print(row, flush=True)
+        rows.append((name, seconds / base, report))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""How far a rescaling may go before write-back leaves the model's dtype.
+
+With |z_h| <= M for every unit, a parameter is multiplied by
+e^{-(z_l - z_e)/2} ∈ [e^{-M}, e^{M}] (MATH.md §5; docs/math.md §5), and a
+running variance of an unfolded batch-norm by at most e^{2M}. So if every
+nonzero |θ| of the graph lies in [m, m'] and the dtype's normal range is
+[tiny, big], no written entry overflows or becomes subnormal (or 0) when
+
+    2M <= min(log big - log m', log m - log tiny) - margin,
+
+the margin (log 2^10, or a tenth of the dtype's range if that is less: float16)
+covering the source tensors a graph param is folded from (a batch-norm's γ and
+1/σ, whose product the graph holds). Entries already subnormal in the dtype do
+not count (they hold no normal value to lose); an M of 0 means no rescaling fits. This M is
+`default_max_log_scale`; float64 models get the same rule with float64's
+range (a bound near 350, which no sane rescaling reaches).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = ["default_max_log_scale", "dtype_range", "SAFETY_MARGIN"]
+
+#: headroom, in nats, kept between the rescaled magnitudes and the dtype's limits
+SAFETY_MARGIN = 10 * math.log(2.0)
+
+_RANGES = {  # (log of the largest finite, log of the smallest normal)
+    "float64": (math.log(np.finfo(np.float64).max), math.log(np.finfo(np.float64).tiny)),
+    "float32": (math.log(np.finfo(np.float32).max), math.log(np.finfo(np.float32).tiny)),
+    "float16": (math.log(np.finfo(np.float16).max), math.log(np.finfo(np.float16).tiny)),
+    "bfloat16": (math.log(3.3895313892515355e38), math.log(1.1754943508222875e-38)),
+}
+
+
+def dtype_range(dtype) -> tuple[float, float]:
+    """(log max finite, log min normal) of a float dtype: a torch or numpy dtype, or its name."""
+    name = str(dtype).rsplit(".", 1)[-1]
+    if name not in _RANGES:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            pass
+    if name not in _RANGES:
+        raise ValueError(f"no float range known for dtype {dtype!r} (known: {sorted(_RANGES)})")
+    return _RANGES[name]
+
+
+def default_max_log_scale(graph, dtype, *, variance_ratio: float | None = None) -> float:
+    """The largest M such that every rescaling with max_h |z_h| <= M writes ``graph``'s parameters
+    back in ``dtype`` finite and normal (module docstring).
+
+    ``variance_ratio``: min (var + eps) / eps over the channels of the batch-norms whose running
+    statistics write-back rescales (those that could not be folded): var ← λ²(var + eps) − eps keeps
+    var + eps to the dtype's precision only while λ²(var + eps) >= 1e-3 eps, so M is also capped at
+    ½ log(variance_ratio / 1e3) (less a margin of log 2). A scalar bound, so it is conservative: it
+    caps every unit, not only those feeding such a batch-norm.
+
+    >>> import torch, pathir
+    >>> _ = torch.manual_seed(0)
+    >>> cm = pathir.compile(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2)),
+    ...                     input_shape=(4,))
+    >>> 25 < default_max_log_scale(cm.graph, torch.float32) < 45
+    True
+    >>> default_max_log_scale(cm.graph, "float64") > 300
+    True
+    """
+    log_big, log_tiny = dtype_range(dtype)
+    low, high = math.inf, -math.inf
+    tiny = math.exp(log_tiny)
+    for p in graph.params():
+        mag = np.abs(p.value[np.isfinite(p.value)])
+        mag = mag[mag >= tiny]
+        if mag.size:
+            low, high = min(low, float(mag.min())), max(high, float(mag.max()))
+    if high == -math.inf:  # nothing nonzero: any rescaling writes zeros as zeros
+        low = high = 1.0
+    margin = min(SAFETY_MARGIN, 0.1 * (log_big - log_tiny))
+    room = min(log_big - math.log(high), math.log(low) - log_tiny) - margin
+    bound = max(room / 2.0, 0.0)
+    if variance_ratio is not None and variance_ratio < math.inf:
+        bound = min(bound, max(0.5 * (math.log(max(variance_ratio, 1.0)) - math.log(1e3)) - math.log(2.0), 0.0))
+    return bound
