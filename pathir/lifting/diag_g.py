@@ -31,7 +31,9 @@ _LOG_MAX = math.log(np.finfo(np.float64).max)
 def arrays_by_source(params, log_parts, what: str, hint: str, layout=None) -> dict[str, np.ndarray]:
     """{``Param.source_name``: m·e^L} from one (m, L) per param (m of the param's shape; ``layout(p, v)``
     maps it to the source tensor's layout). Raises PathNormOverflow naming the param where a value
-    exceeds float64 (``hint`` says what to use instead), PathirError where two params share a name."""
+    exceeds float64 (``hint`` says what to use instead), PathirError where two params share a name.
+
+    ``log_parts`` is consumed: each writable m is scaled in place into its value (no second copy of θ)."""
     out: dict[str, np.ndarray] = {}
     for p, (m, L) in zip(params, log_parts):
         if L > _LOG_MAX:
@@ -41,7 +43,13 @@ def arrays_by_source(params, log_parts, what: str, hint: str, layout=None) -> di
         name = p.source_name
         if name in out:
             raise PathirError(f"two params are reported under the source name '{name}'")
-        value = m * math.exp(L) if L > -math.inf else np.zeros(p.shape)
+        if L == -math.inf:
+            value = np.zeros(p.shape)
+        elif m.flags.writeable:
+            value = m
+            value *= math.exp(L)
+        else:
+            value = m * math.exp(L)
         out[name] = value if layout is None else layout(p, value)
     return out
 
