@@ -209,7 +209,7 @@ def normalize_units(facts, p: float = 2.0, commit=None, name: str = "") -> Norma
 
     start = time.perf_counter()
     units = facts.units
-    result = normalize_log_scales(facts.graph, units, p, incidence=facts.incidence)
+    result = normalize_log_scales(facts.graph, units, p)
     if commit is not None:
         commit(result.z)
     return NormalizeReport(

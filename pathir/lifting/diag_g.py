@@ -73,9 +73,15 @@ def diag_g_flat(graph: Graph, backend=None) -> tuple[np.ndarray, float]:
     if not parts:
         return np.zeros(0), -math.inf
     top = max(L for _, L in parts)
-    if top == -math.inf:
-        return np.concatenate([m.ravel() for m, _ in parts]), -math.inf
-    return np.concatenate([(m * math.exp(L - top)).ravel() for m, L in parts]), top
+    g = np.empty(sum(m.size for m, _ in parts))
+    start = 0
+    parts.reverse()
+    while parts:  # each part is copied into g at its scale and released: one copy of θ, not two
+        m, L = parts.pop()
+        np.multiply(m.reshape(-1), 0.0 if top == -math.inf else math.exp(L - top), out=g[start:start + m.size])
+        start += m.size
+        del m
+    return g, top
 
 
 def diag_g(graph: Graph, backend=None) -> dict[str, np.ndarray]:
