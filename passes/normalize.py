@@ -93,6 +93,21 @@ def _row_blocks(value: np.ndarray, enter: np.ndarray, leave: np.ndarray):
         yield value[r:r + step].reshape(-1), parts[0], parts[1]
 
 
+def _pair_sums(e: np.ndarray, l: np.ndarray, w: np.ndarray, H: int, max_span: int | None = None):
+    """(distinct keys e (H + 1) + l in increasing order, the sum of w over each): a bincount over the
+    block's own range of (e, l) when it has at most ``max_span`` cells (default 4 per entry + 1024: a
+    block of rows meets few units), else a sort."""
+    e0, l0 = int(e.min()), int(l.min())
+    span_l = int(l.max()) - l0 + 1
+    span = (int(e.max()) - e0 + 1) * span_l
+    if span <= (4 * e.size + 1024 if max_span is None else max_span):
+        sums = np.bincount((e - e0) * span_l + (l - l0), weights=w, minlength=span)
+        hit = np.flatnonzero(sums)  # every w > 0: a present pair has a positive sum
+        return (hit // span_l + e0) * (H + 1) + (hit % span_l + l0), sums[hit]
+    key, where = np.unique(e * (H + 1) + l, return_inverse=True)
+    return key, np.bincount(where, weights=w)
+
+
 def unit_masses(graph: Graph, units, p: float):
     """(b, M) of the module docstring with w = |θ|^p, read param by param from the units' compact
     row ends (no B, no flat θ): b[h] = Σ w over the rows entering h from no unit, M (CSR, H × H)
@@ -114,9 +129,9 @@ def unit_masses(graph: Graph, units, p: float):
             b += np.bincount(e[free], weights=w[free], minlength=H + 1)
             pair = enters & (l < H)
             if pair.any():
-                key, where = np.unique(e[pair] * (H + 1) + l[pair], return_inverse=True)
+                key, mass = _pair_sums(e[pair], l[pair], w[pair], H)
                 keys.append(key)
-                masses.append(np.bincount(where, weights=w[pair]))
+                masses.append(mass)
     key = np.concatenate(keys) if keys else np.zeros(0, np.int64)
     mass = np.concatenate(masses) if masses else np.zeros(0)
     M = sp.csr_array((mass, np.divmod(key, H + 1)), shape=(H, H))  # duplicates summed

@@ -117,3 +117,18 @@ def test_toolkit_benchmark_skips_without_the_toolkit(tmp_path, capsys):
 
     assert bench_toolkit.main(["resnet18", "--toolkit", str(tmp_path / "absent")]) == []
     assert "skipped" in capsys.readouterr().out
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 300), H=st.integers(1, 40))
+def test_pair_sums_by_range_and_by_sort_agree(seed, n, H):
+    rng = np.random.default_rng(seed)
+    e, l = rng.integers(0, H, n), rng.integers(0, H, n)
+    w = rng.uniform(0.1, 2.0, n)
+    by_range = normalize_module._pair_sums(e, l, w, H, max_span=10**9)
+    by_sort = normalize_module._pair_sums(e, l, w, H, max_span=0)
+    assert np.array_equal(by_range[0], by_sort[0])
+    np.testing.assert_allclose(by_range[1], by_sort[1], rtol=1e-13)
+    keys = e * (H + 1) + l
+    assert np.array_equal(by_sort[0], np.unique(keys))
+    np.testing.assert_allclose(by_sort[1], [w[keys == k].sum() for k in by_sort[0]], rtol=1e-13)
