@@ -94,7 +94,9 @@ class TorchWriter:
         by_tensor = _by_tensor(graph, log_scales)
         updates = []  # (tensor, new value) computed before anything is written
         seen: dict[int, tuple[str, object]] = {}
-        for name, sides in by_tensor.items():
+        while by_tensor:  # in order; each factor is released once its tensor's new value is computed
+            name = next(iter(by_tensor))
+            sides = by_tensor.pop(name)
             for t, new_t, module, attr in self._updates(name, sides):
                 if id(t) in seen:  # one tensor under two names (tied weights)
                     other, other_new = seen[id(t)]
@@ -164,6 +166,8 @@ class TorchWriter:
         if d is None:
             module, attr, t = self._tensor(name)
             old = t.detach().to("cpu", torch.float64).numpy()
+            if t.dtype == torch.float64 and t.device.type == "cpu":
+                old = old.copy()  # shares the model's memory: the product below is computed in place
             new = self._new_value(name, module, attr, old, sides)
             new_t = torch.as_tensor(new, dtype=torch.float64).to(dtype=t.dtype, device=t.device)
             if attr == "running_var" and Role.IN_STATS in sides:
@@ -177,6 +181,7 @@ class TorchWriter:
 
     @staticmethod
     def _new_value(name, module, attr, old: np.ndarray, sides: dict[Role, np.ndarray]) -> np.ndarray:
+        """The new value of a tensor from ``old``, a float64 copy this writer owns (overwritten)."""
         def fit(f):
             f = np.asarray(f)
             if f.size != old.size:
@@ -193,10 +198,9 @@ class TorchWriter:
                 eps = float(getattr(module, "eps"))
                 return lam**2 * (old + eps) - eps
             raise PathirError(f"source tensor '{name}' has role in_stats but is neither running_mean nor running_var")
-        new = old
-        for f in sides.values():
-            new = new * fit(f)
-        return new
+        for f in sides.values():  # ``old`` is this call's own float64 copy: scaled in place
+            old *= fit(f)
+        return old
 
     # ------------------------------------------------------------ masks
     def mask(self, graph: Graph, masks: Mapping[str, np.ndarray]) -> None:

@@ -257,7 +257,7 @@ def normalize_units(facts, p: float = 2.0, commit=None, name: str = "", progress
     bar.phase("units")
     units = facts.units
     bar.phase("solve")
-    result = normalize_log_scales(facts.graph, units, p, incidence=facts.incidence)
+    result = normalize_log_scales(facts.graph, units, p)
     if commit is not None:
         bar.phase("write")
         commit(result.z)

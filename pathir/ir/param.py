@@ -83,9 +83,12 @@ class Param:
                 return ref.name
         return self.name
 
-    def with_value(self, value) -> "Param":
-        """The same binding with another value (shape must agree)."""
+    def with_value(self, value, owned: bool = False) -> "Param":
+        """The same binding with another value (shape must agree). ``owned``: ``value`` is a
+        fresh float64 array nobody else holds, taken without a copy (as :meth:`adopt`)."""
         value = np.asarray(value, dtype=np.float64)
         if value.shape != self.value.shape:
             raise ValueError(f"param '{self.name}': new value has shape {value.shape}, expected {self.shape}")
+        if owned:
+            return Param.adopt(self.name, value, self.sources, self.how)
         return Param(self.name, value, self.sources, self.how)

@@ -31,7 +31,9 @@ _LOG_MAX = math.log(np.finfo(np.float64).max)
 def arrays_by_source(params, log_parts, what: str, hint: str, layout=None) -> dict[str, np.ndarray]:
     """{``Param.source_name``: m·e^L} from one (m, L) per param (m of the param's shape; ``layout(p, v)``
     maps it to the source tensor's layout). Raises PathNormOverflow naming the param where a value
-    exceeds float64 (``hint`` says what to use instead), PathirError where two params share a name."""
+    exceeds float64 (``hint`` says what to use instead), PathirError where two params share a name.
+
+    ``log_parts`` is consumed: each writable m is scaled in place into its value (no second copy of θ)."""
     out: dict[str, np.ndarray] = {}
     for p, (m, L) in zip(params, log_parts):
         if L > _LOG_MAX:
@@ -41,7 +43,13 @@ def arrays_by_source(params, log_parts, what: str, hint: str, layout=None) -> di
         name = p.source_name
         if name in out:
             raise PathirError(f"two params are reported under the source name '{name}'")
-        value = m * math.exp(L) if L > -math.inf else np.zeros(p.shape)
+        if L == -math.inf:
+            value = np.zeros(p.shape)
+        elif m.flags.writeable:
+            value = m
+            value *= math.exp(L)
+        else:
+            value = m * math.exp(L)
         out[name] = value if layout is None else layout(p, value)
     return out
 
@@ -65,9 +73,15 @@ def diag_g_flat(graph: Graph, backend=None) -> tuple[np.ndarray, float]:
     if not parts:
         return np.zeros(0), -math.inf
     top = max(L for _, L in parts)
-    if top == -math.inf:
-        return np.concatenate([m.ravel() for m, _ in parts]), -math.inf
-    return np.concatenate([(m * math.exp(L - top)).ravel() for m, L in parts]), top
+    g = np.empty(sum(m.size for m, _ in parts))
+    start = 0
+    parts.reverse()
+    while parts:  # each part is copied into g at its scale and released: one copy of θ, not two
+        m, L = parts.pop()
+        np.multiply(m.reshape(-1), 0.0 if top == -math.inf else math.exp(L - top), out=g[start:start + m.size])
+        start += m.size
+        del m
+    return g, top
 
 
 def diag_g(graph: Graph, backend=None) -> dict[str, np.ndarray]:

@@ -174,14 +174,27 @@ def _pairs(ga: Graph, gb: Graph):
     return out
 
 
+#: entries per block of the elementwise scans below: their temporaries stay a few MB
+#: instead of a copy of the largest param (VGG's first classifier layer: 0.8 GB in float64)
+_BLOCK = 1 << 18
+
+
+def _blocks(*arrays):
+    """Aligned flat blocks of arrays of one size (views of C-contiguous arrays)."""
+    flat = [np.ravel(a) for a in arrays]
+    for i in range(0, flat[0].size, _BLOCK):
+        yield tuple(f[i:i + _BLOCK] for f in flat)
+
+
 def _sign_relations(pairs) -> tuple[bool, bool]:
     """(same signs, |θ'| ≤ |θ| everywhere or |θ| ≤ |θ'| everywhere)."""
     same, below, above = True, True, True
     for pa, pb in pairs:
-        x, y = pa.value, pb.value
-        same = same and bool(np.all(x * y >= 0))
-        below = below and bool(np.all(np.abs(y) <= np.abs(x)))
-        above = above and bool(np.all(np.abs(x) <= np.abs(y)))
+        for x, y in _blocks(pa.value, pb.value):
+            ax, ay = np.abs(x), np.abs(y)
+            same = same and bool(np.all(x * y >= 0))
+            below = below and bool(np.all(ay <= ax))
+            above = above and bool(np.all(ax <= ay))
     return same, below or above
 
 
@@ -190,17 +203,20 @@ def _log_upper(ga: Graph, gb: Graph, be) -> float:
     parts = param_grads(ga, be, 1.0, forward_graph=gb)
     logs = []
     for pa, pb in _pairs(ga, gb):
-        diff = np.abs(pa.value - pb.value)
-        if not diff.any():
+        uses = parts.pop(id(pa))  # each grad is dropped once read
+        if not any(np.any(x != y) for x, y in _blocks(pa.value, pb.value)):
             continue
-        for part in parts[id(pa)]:
+        while uses:
+            part = uses.pop()
             if part is None:
                 continue
-            s = float(np.sum(diff * np.asarray(be.to_numpy(part[0]), dtype=np.float64).reshape(pa.shape)))
+            grad = np.asarray(be.to_numpy(part[0]), dtype=np.float64).reshape(pa.shape)
+            s = math.fsum(float(np.dot(np.abs(x - y), g)) for x, y, g in _blocks(pa.value, pb.value, grad))
             if not math.isfinite(s):
                 raise PathirError(f"path-metric: non-finite contribution of param '{pa.name}'")
             if s > 0:
                 logs.append(math.log(s) + float(part[1]))
+            del grad, part
     return logsumexp(logs)
 
 

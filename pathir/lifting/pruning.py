@@ -45,7 +45,7 @@ def score_log_parts(graph: Graph, backend=None) -> list[tuple[np.ndarray, float]
     from pathir.backends import get_backend
     from pathir.lifting.walk import param_log_parts
 
-    return param_log_parts(graph, get_backend(backend), 1.0, scale=lambda p: np.abs(p.value),
+    return param_log_parts(graph, get_backend(backend), 1.0, scale=lambda p: p.value,
                            what="path-magnitude score")
 
 
@@ -95,8 +95,14 @@ def _log_scores(graph: Graph, criterion: str, backend) -> dict[int, np.ndarray]:
     with np.errstate(divide="ignore"):
         if criterion == "magnitude":
             return {id(p): np.log(np.abs(p.value)) for p in graph.params()}
-        parts = score_log_parts(graph, backend)
-        return {id(p): np.log(m) + L for p, (m, L) in zip(graph.params(), parts)}
+        out = {}
+        for p, (m, L) in zip(graph.params(), score_log_parts(graph, backend)):
+            if not m.flags.writeable:
+                m = m.copy()
+            np.log(m, out=m)  # in place: the scores' mantissas become their logs
+            m += L
+            out[id(p)] = m
+        return out
 
 
 def _count(amount, n: int) -> int:
@@ -120,7 +126,7 @@ def _smallest(values: np.ndarray, k: int) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     if k >= values.size:
         return np.arange(values.size)
-    t = np.partition(values, k - 1)[k - 1]
+    t = np.partition(values, k - 1)[k - 1]  # a scratch copy, freed at once
     below = np.flatnonzero(values < t)
     ties = np.flatnonzero(values == t)[: k - below.size]
     return np.concatenate([below, ties])
@@ -144,12 +150,18 @@ def prune_masks(graph: Graph, amount, criterion: str = "path-magnitude", scope: 
     logs = _log_scores(graph, criterion, backend) if log_scores is None else log_scores
     masks = {}
     if scope == "global":
-        flat = np.concatenate([logs[id(p)].ravel() for p in params])
-        drop = np.zeros(flat.size, dtype=bool)
-        drop[_smallest(flat, _count(amount, flat.size))] = True
+        flat = np.empty(sum(p.size for p in params))
         start = 0
         for p in params:
-            masks[p.name] = ~drop[start : start + p.size].reshape(p.shape)
+            flat[start : start + p.size] = logs[id(p)].ravel()
+            logs[id(p)] = flat[start : start + p.size].reshape(p.shape)  # one copy of the scores, not two
+            start += p.size
+        keep = np.ones(flat.size, dtype=bool)
+        keep[_smallest(flat, _count(amount, flat.size))] = False
+        del flat
+        start = 0
+        for p in params:
+            masks[p.name] = keep[start : start + p.size].reshape(p.shape)
             start += p.size
     else:
         for p in params:
@@ -165,7 +177,7 @@ def prune_graph(graph: Graph, masks) -> Graph:
     unknown = set(masks) - by_name
     if unknown:
         raise PathirError(f"masks name params not in the graph: {sorted(unknown)}")
-    return graph.map_params(lambda p: p.with_value(p.value * masks[p.name]) if p.name in masks else p)
+    return graph.map_params(lambda p: p.with_value(p.value * masks[p.name], owned=True) if p.name in masks else p)
 
 
 # ------------------------------------------------------------ the report
@@ -216,14 +228,21 @@ def _exp(log_value: float) -> float:
 
 
 def _log_bound(graph: Graph, masks, logs) -> float:
-    """log Σ_{i pruned} S_i (``logs``: the path-magnitude log scores)."""
-    picked = [logs[id(p)][~masks[p.name]] for p in graph.params() if p.name in masks]
-    flat = np.concatenate(picked) if picked else np.zeros(0)
-    flat = flat[flat > -math.inf]
-    if not flat.size:
+    """log Σ_{i pruned} S_i (``logs``: the path-magnitude log scores), param by param."""
+    parts = []
+    for p in graph.params():
+        if p.name not in masks:
+            continue
+        picked = logs[id(p)][~masks[p.name]]
+        picked = picked[picked > -math.inf]
+        if picked.size:
+            top = float(picked.max())
+            picked -= top
+            parts.append(top + math.log(float(np.sum(np.exp(picked, out=picked)))))
+    if not parts:
         return -math.inf
-    top = float(flat.max())
-    return top + math.log(float(np.sum(np.exp(flat - top))))
+    top = max(parts)
+    return top + math.log(math.fsum(math.exp(v - top) for v in parts))
 
 
 def prune(graph: Graph, backend, amount, criterion: str = "path-magnitude", scope: str = "global",

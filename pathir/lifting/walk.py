@@ -244,34 +244,52 @@ def param_grads(graph: Graph, backend, q: float = 1.0, forward_graph: Graph | No
 def param_log_parts(graph: Graph, backend, q: float, scale=None, what: str = "value") -> list[tuple]:
     """Per param of ``graph.params()``: (m, L) with value = m·e^L, m ≥ 0 of the
     param's shape, max m = 1 (m = 0, L = -inf where the value vanishes), where
-    value = scale(p) ⊙ (param grad of the path-norm network with weights |w|^q),
-    summed over the param's uses. ``scale`` (default 1) is a numpy array per param.
+    value = |scale(p)| ⊙ (param grad of the path-norm network with weights |w|^q),
+    summed over the param's uses. ``scale`` (default 1) gives a numpy array per param.
 
-    q = 2 gives diag G (MATH.md §6); q = 1 with scale |θ| the path-magnitude
-    scores (MATH.md §4)."""
+    q = 2 gives diag G (MATH.md §6); q = 1 with scale θ the path-magnitude
+    scores (MATH.md §4).
+
+    Memory: the walk's param grads are the only full-size arrays. Each is turned
+    into its m in place and dropped from the walk's record once read, so the result
+    takes the grads' place (about one float64 copy of θ, no second one)."""
     import numpy as np
 
     parts = param_grads(graph, backend, q)
     out = []
     for p in graph.params():
-        factor = None if scale is None else scale(p)
         terms = []
-        for part in parts[id(p)]:
+        for part in parts.pop(id(p)):
             if part is None:
                 continue
-            m = np.asarray(backend.to_numpy(part[0]), dtype=np.float64).reshape(p.shape)
-            if factor is not None:
-                m = factor * m
+            grad, log_scale = part
+            m = np.asarray(backend.to_numpy(grad), dtype=np.float64).reshape(p.shape)
+            del grad, part
+            if not m.flags.writeable:  # everything else is the walk's own fresh array
+                m = m.copy()
+            if scale is not None:
+                np.multiply(m, scale(p), out=m)
+                np.abs(m, out=m)  # the grads are >= 0: |scale| ⊙ grad
             peak = float(m.max()) if m.size else 0.0
             if not math.isfinite(peak):
                 raise PathirError(f"{what} of param '{p.name}' is not finite (NaN or inf weights?)")
             if peak > 0:
-                terms.append((m / peak, float(part[1]) + math.log(peak)))
+                m /= peak
+                terms.append((m, float(log_scale) + math.log(peak)))
         if not terms:
             out.append((np.zeros(p.shape), -math.inf))
             continue
+        if len(terms) == 1:  # one use: m already has max 1
+            out.append(terms[0])
+            continue
         top = max(L for _, L in terms)
-        m = sum(mt * math.exp(L - top) for mt, L in terms)
+        m, L = terms.pop()
+        m *= math.exp(L - top)
+        while terms:  # a shared param: sum its uses at a common scale, freeing each
+            mt, L = terms.pop()
+            m += mt * math.exp(L - top)
+            del mt
         peak = float(m.max())
-        out.append((m / peak, top + math.log(peak)))
+        m /= peak
+        out.append((m, top + math.log(peak)))
     return out

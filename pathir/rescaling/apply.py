@@ -67,7 +67,12 @@ def rescale_graph(graph: Graph, units, z) -> Graph:
         # e^{z_e/2} and e^{-z_l/2} apart, on the compact ends: no exponential over every entry
         factors[id(p)] = ((np.exp(half[enter]), np.exp(-half[leave])) if np.abs(half).max() < 300
                           else (np.exp(half[enter] - half[leave]), 1.0))
-    return graph.map_params(lambda p: p.with_value(p.value * factors[id(p)][0] * factors[id(p)][1]))
+    def scaled(p):
+        value = p.value * factors[id(p)][0]
+        value *= factors[id(p)][1]  # in place: one new array per param
+        return p.with_value(value, owned=True)
+
+    return graph.map_params(scaled)
 
 
 def log_scales(graph: Graph, units, z) -> dict[str, np.ndarray]:

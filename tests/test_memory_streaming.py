@@ -1,0 +1,134 @@
+"""The memory-lean paths (streamed unit masses, in-place results, owned arrays) equal their definitions."""
+
+import importlib
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pathir.errors import PathirError
+from pathir.ir import Param
+from pathir.lifting.diag_g import diag_g, diag_g_flat
+from pathir.lifting.pruning import path_magnitude_scores, prune_graph, prune_masks
+from pathir.passes.find_units import find_units
+from pathir.passes.incidence import incidence
+from pathir.rescaling.apply import rescale_graph
+from pathir.rescaling.unit_rows import row_units
+from pathir.testing import relu_dags, rescalings
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+normalize_module = importlib.import_module("pathir.passes.normalize")  # the module, not the pass
+
+
+def _masses_from_b(graph, units, p):
+    """b and M of passes/normalize.py read from the full B and flat θ (the definition)."""
+    B, layout = incidence(graph, units)
+    H = B.shape[1]
+    w = np.abs(layout.theta()) ** p
+    enter, leave, _ = row_units(B)
+    enters = (enter < H) & (w > 0)
+    free = enters & (leave == H)
+    b = np.bincount(enter[free], weights=w[free], minlength=H)
+    pair = enters & (leave < H)
+    M = sp.csr_array((w[pair], (enter[pair], leave[pair])), shape=(H, H))
+    M.sum_duplicates()
+    M.eliminate_zeros()
+    return b, M
+
+
+@settings(max_examples=40, deadline=None)
+@given(graph=relu_dags(), p=st.sampled_from([1.0, 2.0, 3.0]), block=st.sampled_from([1, 3, 1 << 20]))
+def test_streamed_unit_masses_equal_the_ones_read_from_b(graph, p, block):
+    units = find_units(graph)[1]
+    old = normalize_module._BLOCK
+    normalize_module._BLOCK = block  # blocks of one row, a few rows, whole params
+    try:
+        b, M = normalize_module.unit_masses(graph, units, p)
+    finally:
+        normalize_module._BLOCK = old
+    b_ref, M_ref = _masses_from_b(graph, units, p)
+    np.testing.assert_allclose(b, b_ref, rtol=1e-12, atol=0)
+    assert M.shape == M_ref.shape
+    np.testing.assert_allclose(M.toarray(), M_ref.toarray(), rtol=1e-12, atol=0)
+    assert np.array_equal(M.indices, M_ref.indices) and np.array_equal(M.indptr, M_ref.indptr)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), graph=relu_dags())
+def test_in_place_results_leave_the_graph_alone(data, graph):
+    graph = rescale_graph(graph, find_units(graph)[1], data.draw(rescalings(graph)))
+    before = [p.value.copy() for p in graph.params()]
+    g = diag_g(graph, "numpy")
+    flat, log_top = diag_g_flat(graph, "numpy")
+    scores = path_magnitude_scores(graph, "numpy")
+    for p, old in zip(graph.params(), before):
+        assert np.array_equal(p.value, old) and not p.value.flags.writeable
+    # the flat, normalised diag G is the per-source one, concatenated
+    if np.isfinite(log_top):
+        whole = np.concatenate([g[p.source_name].ravel() for p in graph.params()])
+        np.testing.assert_allclose(flat * np.exp(log_top), whole, rtol=1e-12, atol=0)
+    assert all(not np.shares_memory(scores[p.source_name], p.value) for p in graph.params())
+
+
+@settings(max_examples=30, deadline=None)
+@given(graph=relu_dags(), amount=st.sampled_from([0.0, 0.3, 1.0]))
+def test_pruned_graph_owns_fresh_read_only_values(graph, amount):
+    try:
+        masks = prune_masks(graph, amount, backend="numpy")
+    except PathirError as err:  # a DAG of fixed maps only
+        assert "nothing to prune" in str(err)
+        return
+    pruned = prune_graph(graph, masks)
+    for p, q in zip(graph.params(), pruned.params()):
+        assert not q.value.flags.writeable
+        if p.name in masks:
+            assert not np.shares_memory(p.value, q.value)
+            np.testing.assert_array_equal(q.value, p.value * masks[p.name])
+
+
+def test_owned_value_is_taken_without_a_copy_and_frozen():
+    p = Param("w", np.ones((2, 3)))
+    fresh = np.full((2, 3), 2.0)
+    q = p.with_value(fresh, owned=True)
+    assert np.shares_memory(q.value, fresh) and not q.value.flags.writeable
+    r = p.with_value(fresh.copy())
+    assert not np.shares_memory(r.value, fresh)
+    with pytest.raises(ValueError, match="shape"):
+        p.with_value(np.ones(3), owned=True)
+
+
+def test_peak_meter_sees_a_transient_allocation():
+    import bench_memory
+
+    base = bench_memory.settle()
+    meter = bench_memory.PeakMeter()
+    block = np.ones(64 << 17)  # 64 MiB, touched, then freed
+    del block
+    assert meter.peak() - base >= 48 << 20
+    assert bench_memory.settle() - base < 48 << 20
+
+
+def test_toolkit_benchmark_skips_without_the_toolkit(tmp_path, capsys):
+    import bench_toolkit
+
+    assert bench_toolkit.main(["resnet18", "--toolkit", str(tmp_path / "absent")]) == []
+    assert "skipped" in capsys.readouterr().out
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 300), H=st.integers(1, 40))
+def test_pair_sums_by_range_and_by_sort_agree(seed, n, H):
+    rng = np.random.default_rng(seed)
+    e, l = rng.integers(0, H, n), rng.integers(0, H, n)
+    w = rng.uniform(0.1, 2.0, n)
+    by_range = normalize_module._pair_sums(e, l, w, H, max_span=10**9)
+    by_sort = normalize_module._pair_sums(e, l, w, H, max_span=0)
+    assert np.array_equal(by_range[0], by_sort[0])
+    np.testing.assert_allclose(by_range[1], by_sort[1], rtol=1e-13)
+    keys = e * (H + 1) + l
+    assert np.array_equal(by_sort[0], np.unique(keys))
+    np.testing.assert_allclose(by_sort[1], [w[keys == k].sum() for k in by_sort[0]], rtol=1e-13)
