@@ -17,6 +17,7 @@ the frame and crop it back to the input ``[before, before + L)``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import warnings
 import weakref
@@ -30,6 +31,7 @@ from pathir.errors import BackendError
 from pathir.ir import MapKind, Node
 
 from .base import Backend, RuleTable
+from .numpy import window_slices
 
 __all__ = ["TorchBackend"]
 
@@ -117,6 +119,12 @@ def _window_sum_adjoint(g, m, frame):
         return back(g, shape, list(m.kernel), list(m.stride), [0] * n, False, True, 1)
     ones = g.new_ones((C, 1, *m.kernel))
     return _table(_CONV_T, n, "pool")(g, ones, None, m.stride, 0, 0, C, m.dilation)
+
+
+def _window_views(xf, m, out):
+    """A framed input seen at each kernel offset (itertools.product order): views (B, C, *out)."""
+    for off in itertools.product(*(range(k) for k in m.kernel)):
+        yield xf[(slice(None), slice(None)) + window_slices(off, m.dilation, m.stride, out)]
 
 
 # ------------------------------------------------------------------ rules
@@ -436,6 +444,42 @@ class TorchBackend(Backend):
     def channel_sum(self, g):
         return g.reshape(g.shape[0], g.shape[1], -1).sum(dim=(0, 2))
 
+    # ---------------------------------------------- activation patterns at data
+    def pool_choice(self, node: Node, x, in_shape):
+        m, in_shape = node.edges[0].map, tuple(in_shape)
+        out = m.out_shape(in_shape)[1:]
+        kth = self.kth_max_pool(node, x, in_shape)
+        views = list(_window_views(_to_frame(x, m, in_shape, out, -math.inf), m, out))
+        choice = torch.zeros(kth.shape, dtype=torch.long, device=kth.device)
+        for i in reversed(range(len(views))):  # the first offset attaining the k-th largest wins
+            choice = torch.where(views[i] == kth, i, choice)
+        return choice
+
+    def select_apply(self, node: Node, choice, x, in_shape):
+        m, in_shape = node.edges[0].map, tuple(in_shape)
+        out = m.out_shape(in_shape)[1:]
+        y = None
+        for i, v in enumerate(_window_views(_to_frame(x, m, in_shape, out, 0.0), m, out)):
+            t = torch.where(choice == i, v, 0.0)
+            y = t if y is None else y.add_(t)
+        return y
+
+    def select_adjoint(self, node: Node, choice, g, in_shape):
+        m, in_shape = node.edges[0].map, tuple(in_shape)
+        out = tuple(choice.shape[2:])
+        g = g.expand(*torch.broadcast_shapes(g.shape, choice.shape))
+        frame = g.new_zeros((g.shape[0], in_shape[0], *_frame_sizes(m, m.kernel, out)))
+        for i, v in enumerate(_window_views(frame, m, out)):
+            v.add_(torch.where(choice == i, g, 0.0))
+        return _crop(frame, _pool_pads(m, in_shape), in_shape[1:])
+
+    def row_amax(self, x):
+        lo, hi = torch.aminmax(x.reshape(x.shape[0], -1), dim=1)  # no |x| temporary
+        return torch.maximum(hi, -lo).cpu().numpy()
+
+    def row_total(self, x):
+        return x.reshape(x.shape[0], -1).sum(dim=1).cpu().numpy()
+
 
 #: a dense weight larger than this is taken to the power q a block of rows at a
 #: time, so |W|^q is never written out whole (VGG's classifier: 0.8 GB in float64)
@@ -510,3 +554,4 @@ class _PowerView(TorchBackend):
 
     def param(self, p) -> torch.Tensor:
         return self.cached(p, lambda: self._power(self.base.param(p), keep_zeros=False))
+
