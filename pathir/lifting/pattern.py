@@ -58,7 +58,7 @@ class ActivationPattern:
         same = np.ones(self.batch, dtype=bool)
         for store, theirs in ((self.relu, other.relu), (self.choice, other.choice)):
             for name, mine in store.items():
-                same &= np.asarray(backend.row_total(mine != theirs)) == 0
+                same &= np.asarray(backend.row_total(mine != theirs[name])) == 0
         return same
 
     def active_fraction(self, backend) -> np.ndarray:
