@@ -22,6 +22,7 @@ COMMANDS = {
     "enorm": "enorm",
     "prune": "prune",
     "demo": "demo",
+    "observe": "observe",
 }
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_path_metric import KINDS, variant
 
 from pathir.backends import get_backend
 from pathir.errors import PathirError
@@ -17,8 +18,6 @@ from pathir.neurons.paths import activations, enumerate_paths, neuron_forward, p
 from pathir.passes.find_units import find_units
 from pathir.rescaling.apply import rescale_graph
 from pathir.testing import random_inputs, relu_dags, rescalings
-
-from test_path_metric import KINDS, variant
 
 BACKENDS = ["numpy", "torch"]
 
