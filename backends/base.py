@@ -56,9 +56,10 @@ class Backend:
     def channel_sum(self, g): raise NotImplementedError
 
     # the masked walks of pathir.lifting.pattern (activation patterns at data)
-    def pool_choice(self, node: Node, x, in_shape):
+    def pool_choice(self, node: Node, x, in_shape, kth=None):
         """(B, C, *out) ints: the window offset (itertools.product order over the kernel) of
-        each k-max-pool output's selected antecedent, the first attaining the k-th largest."""
+        each k-max-pool output's selected antecedent, the first attaining the k-th largest
+        (``kth``: those k-th largest values, when the caller has them)."""
         raise BackendError(f"backend {self.name} has no rule for max-pool selection")
 
     def select_apply(self, node: Node, choice, x, in_shape):

@@ -271,7 +271,7 @@ class NumpyBackend(Backend):
         return g.reshape(g.shape[0], g.shape[1], -1).sum(axis=(0, 2))
 
     # ---------------------------------------------- activation patterns at data
-    def pool_choice(self, node: Node, x, in_shape):
+    def pool_choice(self, node: Node, x, in_shape, kth=None):
         stack = window_stack(x, node.edges[0].map, in_shape, -np.inf)
         kth = -np.sort(-stack, axis=-1)[..., node.k - 1: node.k]
         return np.argmax(stack == kth, axis=-1)  # the first offset attaining it

@@ -39,7 +39,7 @@ __all__ = ["active_path_norm", "active_path_counts", "log_active_path_sum", "Loc
            "chunks", "DEFAULT_CHUNK"]
 
 #: samples walked at once: bounds the memory of the masks and of the walks' values
-DEFAULT_CHUNK = 32
+DEFAULT_CHUNK = 16
 _LOG_MAX = math.log(np.finfo(np.float64).max)
 
 

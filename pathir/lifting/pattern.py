@@ -116,8 +116,8 @@ def activation_pattern(graph: Graph, backend, x) -> ActivationPattern:
                 continue
             if node.kind is NodeKind.MAXPOOL:
                 src = graph.node(node.edges[0].source)
-                choice[node.name] = backend.pool_choice(node, acts[src.name], src.shape)
                 pre = backend.kth_max_pool(node, acts[src.name], src.shape)
+                choice[node.name] = backend.pool_choice(node, acts[src.name], src.shape, kth=pre)
             else:
                 pre = None
                 for e in node.edges:
@@ -210,7 +210,9 @@ def masked_forward(graph: Graph, backend, pattern: ActivationPattern, inputs=Non
                 else:
                     terms.append((backend.apply(e.map, m, src), L))
             if bias and node.bias is not None:
-                terms.append((backend.bias(node, len(node.shape) + 1) + backend.zeros((1, *node.shape)), np.zeros(B)))
+                terms.append((backend.bias(node, len(node.shape) + 1), np.zeros(B)))
+                if len(terms) == 1:  # a bias alone broadcasts: give it the node's shape
+                    terms[0] = (terms[0][0] + backend.zeros((1, *node.shape)), terms[0][1])
             m, L = _combine(backend, terms, B)
             if m is not None and node.kind is NodeKind.RELU:
                 m = m * pattern.relu[node.name]
