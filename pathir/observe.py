@@ -112,8 +112,9 @@ def observe(cm, inputs, qs=(1.0,), counts: bool = True, compare=None, batch_size
     qs : the q of each active path-norm column ``log10_active_l{q}``
     counts : add ``log10_active_paths``
     compare : a Compiled (or Graph) θ' of the same architecture: adds the active path-metric
-        columns ``lower``, ``upper``, ``shared``, ``local_bound``, and ``global_bound`` and
-        ``output_change``
+        columns ``lower``, ``upper``, ``shared``, ``flipped`` (neurons whose state differs),
+        ``local_estimate`` (upper · max(‖x‖∞, 1)), ``local_bound`` (the estimate where the
+        pattern is shared, a bound there; nan elsewhere), ``global_bound`` and ``output_change``
     batch_size : samples per walk (arrays and tensors are cut into such batches)
     progress : a tqdm bar on stderr; None shows it only on a terminal
 
@@ -165,7 +166,8 @@ def observe(cm, inputs, qs=(1.0,), counts: bool = True, compare=None, batch_size
                 other = forward(graph_of(compare), be, x)
                 change = sum(np.abs(_numpy(pat.outputs[o]) - _numpy(other[o])).reshape(m.upper.shape[0], -1).sum(axis=1)
                              for o in graph.outputs)
-                for name, v in (("lower", m.lower), ("upper", m.upper), ("shared", m.shared * 1.0),
+                for name, v in (("lower", m.lower), ("upper", m.upper), ("shared", m.shared * 1.0), ("flipped", m.flipped),
+                                ("local_estimate", m.upper * m.x_scale),
                                 ("local_bound", m.bound), ("global_bound", m.x_scale * (metric.upper if metric.same_signs else math.nan)),
                                 ("output_change", change)):
                     cols.setdefault(name, []).append(np.asarray(v, dtype=np.float64))

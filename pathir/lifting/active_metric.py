@@ -55,6 +55,7 @@ class ActivePathMetric:
     exact : bool, lower = d_x = upper provably (same signs, |θ'| ≤ |θ| or ≥ everywhere)
     same_signs : bool, θ_i θ'_i ≥ 0 for every parameter
     shared : bool array, θ' has θ's activation pattern at x
+    flipped : int array, how many ReLU neurons and max-pool selections of θ' differ from θ's at x
     norm_a, norm_b : ‖Φ(θ) ⊙ a(θ, x)‖₁ and ‖Φ(θ') ⊙ a(θ, x)‖₁
     x_scale : max(‖x‖∞, 1)
     bound : upper · x_scale where ``shared`` (a bound on ‖R_θ(x) − R_θ'(x)‖₁), nan elsewhere
@@ -67,6 +68,7 @@ class ActivePathMetric:
     exact: bool
     same_signs: bool
     shared: np.ndarray
+    flipped: np.ndarray
     norm_a: np.ndarray
     norm_b: np.ndarray
     x_scale: np.ndarray
@@ -106,9 +108,9 @@ def _x_scale(x: dict) -> np.ndarray:
 
 
 def _chunk_logs(ga, gb, be, x, diff_edges, diff_biases):
-    """(log upper, log ‖Φ(θ)⊙a‖₁, log ‖Φ(θ')⊙a‖₁, shared) for one chunk."""
+    """(log upper, log ‖Φ(θ)⊙a‖₁, log ‖Φ(θ')⊙a‖₁, flipped neurons) for one chunk."""
     pat = activation_pattern(ga, be, x)
-    shared = pat.same_as(activation_pattern(gb, be, x), be)
+    flipped = pat.mismatches(activation_pattern(gb, be, x), be)
     B = pat.batch
     va, be_a = power_walk(ga, be, 1.0)
     vb, be_b = power_walk(gb, be, 1.0)
@@ -134,7 +136,7 @@ def _chunk_logs(ga, gb, be, x, diff_edges, diff_biases):
 
     grads = masked_backward(va, be_a, pat, on_node=contract)
     norm_logs.append(log_row_total(be_a, grads, va.inputs, B))
-    return logsumexp_rows(upper_logs, B), logsumexp_rows(norm_logs, B), log_b, shared
+    return logsumexp_rows(upper_logs, B), logsumexp_rows(norm_logs, B), log_b, flipped
 
 
 def _log(s, batch: int) -> np.ndarray:
@@ -180,7 +182,8 @@ def active_path_metric(a, b, x, backend=None, chunk: int = DEFAULT_CHUNK) -> Act
     diff_edges, diff_biases = _diff_maps(ga, gb)
     xs = as_input_dict(ga, x)
     parts = [_chunk_logs(ga, gb, be, part, diff_edges, diff_biases) for part in chunks(ga, xs, chunk)]
-    log_up, la, lb, shared = (np.concatenate(p) for p in zip(*parts))
+    log_up, la, lb, flipped = (np.concatenate(p) for p in zip(*parts))
+    shared = flipped == 0
     if exact:
         log_low = log_up
     else:
@@ -192,6 +195,6 @@ def active_path_metric(a, b, x, backend=None, chunk: int = DEFAULT_CHUNK) -> Act
     upper = _exp(log_up)
     return ActivePathMetric(
         lower=_exp(log_low), upper=upper, log10_lower=log_low / _LN10, log10_upper=log_up / _LN10,
-        exact=exact, same_signs=same, shared=shared.astype(bool), norm_a=_exp(la), norm_b=_exp(lb),
+        exact=exact, same_signs=same, shared=shared, flipped=flipped, norm_a=_exp(la), norm_b=_exp(lb),
         x_scale=scale, bound=np.where(shared, upper * scale, np.nan),
     )

@@ -53,13 +53,17 @@ class ActivationPattern:
     choice: dict
     outputs: dict
 
-    def same_as(self, other: "ActivationPattern", backend) -> np.ndarray:
-        """Per sample: whether ``other`` has this pattern exactly (bool array (B,))."""
-        same = np.ones(self.batch, dtype=bool)
+    def mismatches(self, other: "ActivationPattern", backend) -> np.ndarray:
+        """Per sample: how many ReLU neurons and k-max-pool selections differ in ``other`` (int array (B,))."""
+        count = np.zeros(self.batch, dtype=np.int64)
         for store, theirs in ((self.relu, other.relu), (self.choice, other.choice)):
             for name, mine in store.items():
-                same &= np.asarray(backend.row_total(mine != theirs[name])) == 0
-        return same
+                count += np.asarray(backend.row_total(mine != theirs[name])).astype(np.int64)
+        return count
+
+    def same_as(self, other: "ActivationPattern", backend) -> np.ndarray:
+        """Per sample: whether ``other`` has this pattern exactly (bool array (B,))."""
+        return self.mismatches(other, backend) == 0
 
     def active_fraction(self, backend) -> np.ndarray:
         """Per sample: the fraction of ReLU neurons that are active (nan without ReLU)."""
