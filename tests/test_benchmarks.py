@@ -47,3 +47,10 @@ def test_solver_benchmark_runs(capsys):
     speedups = bench.main(["--widths", "12", "8", "8", "3", "--repeat", "1"])
     assert len(speedups) == 2 and all(s > 0 for s in speedups)
     assert "speedup" in capsys.readouterr().out
+
+
+def test_activations_benchmark_runs():
+    import bench_activations
+
+    row = bench_activations.bench("resnet18", batch=2, size=32, repeat=1)
+    assert row["ratio_active_path_norm"] > 0 and row["ratio_active_path_metric"] > 0
