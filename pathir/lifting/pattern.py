@@ -26,6 +26,7 @@ by any factor stay exact (1e-100 ≤ max|m[b]| ≤ 1e100, as in
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -185,6 +186,18 @@ def to_value(backend, mL) -> np.ndarray:
         return m * np.exp(L).reshape(-1, *([1] * (m.ndim - 1)))
 
 
+def _flushing(walk):
+    """Run a walk inside the backend's flush_denormals context (as the walks of pathir.lifting.walk)."""
+
+    @functools.wraps(walk)
+    def wrapped(graph, backend, *args, **kwargs):
+        with backend.flush_denormals():
+            return walk(graph, backend, *args, **kwargs)
+
+    return wrapped
+
+
+@_flushing
 def masked_forward(graph: Graph, backend, pattern: ActivationPattern, inputs=None, bias: bool = True,
                    keep=None) -> dict:
     """Walk of ``graph`` (on ``backend``'s weights) with the pattern frozen.
@@ -232,6 +245,7 @@ def masked_forward(graph: Graph, backend, pattern: ActivationPattern, inputs=Non
     return acts if wanted is None else {n: acts[n] for n in wanted}
 
 
+@_flushing
 def masked_backward(graph: Graph, backend, pattern: ActivationPattern, seeds=None, on_node=None) -> dict:
     """Reverse walk with the pattern frozen: per node, the sum over active paths from
     it to an output (seeded by ``seeds`` {output: array}, default ones), i.e. the
