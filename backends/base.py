@@ -54,3 +54,26 @@ class Backend:
     def amax(self, x) -> float: raise NotImplementedError
     def total(self, x) -> float: raise NotImplementedError
     def channel_sum(self, g): raise NotImplementedError
+
+    # the masked walks of pathir.lifting.pattern (activation patterns at data)
+    def pool_choice(self, node: Node, x, in_shape, kth=None):
+        """(B, C, *out) ints: the window offset (itertools.product order over the kernel) of
+        each k-max-pool output's selected antecedent, the first attaining the k-th largest
+        (``kth``: those k-th largest values, when the caller has them)."""
+        raise BackendError(f"backend {self.name} has no rule for max-pool selection")
+
+    def select_apply(self, node: Node, choice, x, in_shape):
+        """The k-max-pool node's window with only the ``choice`` entry kept: y[o] = x[window(o)[choice[o]]]."""
+        raise BackendError(f"backend {self.name} has no rule for max-pool selection")
+
+    def select_adjoint(self, node: Node, choice, g, in_shape):
+        """Adjoint of :meth:`select_apply` (shape (B, *in_shape))."""
+        raise BackendError(f"backend {self.name} has no rule for max-pool selection")
+
+    def row_amax(self, x):
+        """max |x| over every axis but the first, as a numpy array (B,)."""
+        raise BackendError(f"backend {self.name} has no rule for per-sample reductions")
+
+    def row_total(self, x):
+        """Sum over every axis but the first, as a numpy float64 array (B,)."""
+        raise BackendError(f"backend {self.name} has no rule for per-sample reductions")

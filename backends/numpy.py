@@ -269,3 +269,32 @@ class NumpyBackend(Backend):
 
     def channel_sum(self, g):
         return g.reshape(g.shape[0], g.shape[1], -1).sum(axis=(0, 2))
+
+    # ---------------------------------------------- activation patterns at data
+    def pool_choice(self, node: Node, x, in_shape, kth=None):
+        stack = window_stack(x, node.edges[0].map, in_shape, -np.inf)
+        kth = -np.sort(-stack, axis=-1)[..., node.k - 1: node.k]
+        return np.argmax(stack == kth, axis=-1)  # the first offset attaining it
+
+    def select_apply(self, node: Node, choice, x, in_shape):
+        stack = window_stack(x, node.edges[0].map, in_shape, 0.0)
+        shape = np.broadcast_shapes(stack.shape[:-1], choice.shape)
+        stack = np.broadcast_to(stack, (*shape, stack.shape[-1]))
+        return np.take_along_axis(stack, np.broadcast_to(choice, shape)[..., None], axis=-1)[..., 0]
+
+    def select_adjoint(self, node: Node, choice, g, in_shape):
+        m = node.edges[0].map
+        g = np.broadcast_to(g, np.broadcast_shapes(g.shape, choice.shape))
+        pads = _pool_pads(m, in_shape)
+        gx = np.zeros((g.shape[0], in_shape[0], *(L + a + b for L, (a, b) in zip(in_shape[1:], pads))))
+        offsets = itertools.product(*(range(k) for k in m.kernel))
+        for i, off in enumerate(offsets):
+            gx[(slice(None), slice(None)) + window_slices(off, m.dilation, m.stride, g.shape[2:])] += np.where(choice == i, g, 0.0)
+        crop = tuple(slice(a, a + L) for L, (a, _) in zip(in_shape[1:], pads))
+        return gx[(slice(None), slice(None)) + crop]
+
+    def row_amax(self, x):
+        return np.abs(x.reshape(x.shape[0], -1)).max(axis=1, initial=0.0)
+
+    def row_total(self, x):
+        return x.reshape(x.shape[0], -1).sum(axis=1)

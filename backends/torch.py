@@ -17,6 +17,7 @@ the frame and crop it back to the input ``[before, before + L)``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import warnings
 import weakref
@@ -30,6 +31,7 @@ from pathir.errors import BackendError
 from pathir.ir import MapKind, Node
 
 from .base import Backend, RuleTable
+from .numpy import window_slices
 
 __all__ = ["TorchBackend"]
 
@@ -117,6 +119,12 @@ def _window_sum_adjoint(g, m, frame):
         return back(g, shape, list(m.kernel), list(m.stride), [0] * n, False, True, 1)
     ones = g.new_ones((C, 1, *m.kernel))
     return _table(_CONV_T, n, "pool")(g, ones, None, m.stride, 0, 0, C, m.dilation)
+
+
+def _window_views(xf, m, out):
+    """A framed input seen at each kernel offset (itertools.product order): views (B, C, *out)."""
+    for off in itertools.product(*(range(k) for k in m.kernel)):
+        yield xf[(slice(None), slice(None)) + window_slices(off, m.dilation, m.stride, out)]
 
 
 # ------------------------------------------------------------------ rules
@@ -436,6 +444,55 @@ class TorchBackend(Backend):
     def channel_sum(self, g):
         return g.reshape(g.shape[0], g.shape[1], -1).sum(dim=(0, 2))
 
+    # ---------------------------------------------- activation patterns at data
+    def pool_choice(self, node: Node, x, in_shape, kth=None):
+        m, in_shape = node.edges[0].map, tuple(in_shape)
+        out = m.out_shape(in_shape)[1:]
+        kth = self.kth_max_pool(node, x, in_shape) if kth is None else kth
+        views = list(_window_views(_to_frame(x, m, in_shape, out, -math.inf), m, out))
+        choice = torch.zeros(kth.shape, dtype=torch.long, device=kth.device)
+        for i in reversed(range(len(views))):  # the first offset attaining the k-th largest wins
+            choice = torch.where(views[i] == kth, i, choice)
+        return choice
+
+    def _select_index(self, m, choice, frame):
+        """Flat index, in the (C-flattened) frame, of each output's selected window entry."""
+        out = choice.shape[2:]
+        base = torch.zeros(out, dtype=torch.long, device=choice.device)
+        offsets = torch.zeros(int(np.prod(m.kernel)), dtype=torch.long, device=choice.device)
+        grid = list(itertools.product(*(range(k) for k in m.kernel)))
+        stride = 1
+        for axis in reversed(range(len(out))):
+            pos = torch.arange(out[axis], device=choice.device) * m.stride[axis] * stride
+            base = base + pos.reshape([-1 if a == axis else 1 for a in range(len(out))])
+            offsets += torch.tensor([off[axis] * m.dilation[axis] * stride for off in grid], device=choice.device)
+            stride *= frame[axis]
+        return (base + offsets[choice]).reshape(*choice.shape[:2], -1)
+
+    def select_apply(self, node: Node, choice, x, in_shape):
+        m, in_shape = node.edges[0].map, tuple(in_shape)
+        out = m.out_shape(in_shape)[1:]
+        xf = _to_frame(x, m, in_shape, out, 0.0)
+        xf = xf.expand(choice.shape[0], *xf.shape[1:]).reshape(choice.shape[0], xf.shape[1], -1)
+        index = self._select_index(m, choice, _frame_sizes(m, m.kernel, out))
+        return xf.gather(2, index).reshape(choice.shape)
+
+    def select_adjoint(self, node: Node, choice, g, in_shape):
+        m, in_shape = node.edges[0].map, tuple(in_shape)
+        out = tuple(choice.shape[2:])
+        frame = _frame_sizes(m, m.kernel, out)
+        g = g.expand(*torch.broadcast_shapes(g.shape, choice.shape))
+        gx = g.new_zeros((g.shape[0], in_shape[0], int(np.prod(frame))))
+        gx.scatter_add_(2, self._select_index(m, choice, frame), g.reshape(g.shape[0], g.shape[1], -1))
+        return _crop(gx.reshape(g.shape[0], in_shape[0], *frame), _pool_pads(m, in_shape), in_shape[1:])
+
+    def row_amax(self, x):
+        lo, hi = torch.aminmax(x.reshape(x.shape[0], -1), dim=1)  # no |x| temporary
+        return torch.maximum(hi, -lo).cpu().numpy()
+
+    def row_total(self, x):
+        return x.reshape(x.shape[0], -1).sum(dim=1).cpu().numpy()
+
 
 #: a dense weight larger than this is taken to the power q a block of rows at a
 #: time, so |W|^q is never written out whole (VGG's classifier: 0.8 GB in float64)
@@ -510,3 +567,4 @@ class _PowerView(TorchBackend):
 
     def param(self, p) -> torch.Tensor:
         return self.cached(p, lambda: self._power(self.base.param(p), keep_zeros=False))
+

@@ -18,7 +18,9 @@ __version__ = "0.1.0"
 from pathir.api import compile
 from pathir.compiled import Compiled, Summary
 from pathir.ir import Graph, GraphBuilder, verify
+from pathir.lifting.active_metric import ActivePathMetric, active_path_metric
 from pathir.lifting.path_metric import PathMetric, output_bound, path_metric
+from pathir.observe import Observations, observe
 
 __all__ = [
     "compile", "Compiled", "Summary", "Graph", "GraphBuilder", "verify",
@@ -26,6 +28,7 @@ __all__ = [
     "PathNormOverflow", "BackendError", "ModelChanged", "SelfCheckFailed", "InputShapeError",
     "PathirWarning", "NotConvergedWarning",
     "path_metric", "output_bound", "PathMetric", "optim",
+    "active_path_metric", "ActivePathMetric", "observe", "Observations",
 ]
 
 

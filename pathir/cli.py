@@ -27,6 +27,7 @@ COMMANDS = {
     "enorm": "enorm",
     "prune": "prune",
     "demo": "demo",
+    "observe": "observe",
 }
 
 

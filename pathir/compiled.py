@@ -207,6 +207,27 @@ class Compiled:
 
         return num_paths(self.graph, self.get_backend(backend), log10)
 
+    # ------------------------------------------------ path activations at data
+    def active_path_norm(self, x, q: float = 1.0, log10: bool = False, backend=None) -> np.ndarray:
+        """‖Φ(θ) ⊙ a(θ, x)‖_q per sample of ``x`` (B, *input shape): the path-norm of the
+        paths active at each sample (docs/activations.md); ``log10`` as for :meth:`path_norm`."""
+        from pathir.lifting.active import active_path_norm
+
+        return active_path_norm(self.graph, self.get_backend(backend), x, q, log10)
+
+    def active_path_counts(self, x, log10: bool = True, backend=None) -> np.ndarray:
+        """Number of paths active at each sample of ``x`` (log10 by default)."""
+        from pathir.lifting.active import active_path_counts
+
+        return active_path_counts(self.graph, self.get_backend(backend), x, log10)
+
+    def local_affine(self, x, backend=None):
+        """The affine piece J x' + c the model computes around each sample of ``x``
+        (a :class:`pathir.lifting.active.LocalAffine`: ``intercept``, ``jvp``, ``vjp``, ``slope``)."""
+        from pathir.lifting.active import local_affine
+
+        return local_affine(self.graph, self.get_backend(backend), x)
+
     def hidden_neurons(self) -> int:
         return sum(n.numel for n in self.graph.nodes if self.graph.is_hidden(n.name))
 

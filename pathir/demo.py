@@ -52,6 +52,7 @@ class DemoConfig:
     amounts: tuple[float, ...] = (0.4, 0.6, 0.8)
     rescale_spread: float = 3.0
     methods: tuple[str, ...] = ("baseline", "enorm", "pathcond")
+    activation_amounts: tuple[float, ...] = (0.05, 0.4, 0.6, 0.8)  # pathir.demo_activations
     results: dict = field(default_factory=dict)
 
 
@@ -319,9 +320,12 @@ def run_demo(cfg: DemoConfig | None = None, progress: bool | None = True) -> dic
         part2 = part_pruning(cfg, data, bar)
     _plot_curves(cfg, part1, os.path.join(cfg.out, PATHCOND_PNG))
     _plot_pruning(cfg, part2, os.path.join(cfg.out, PRUNING_PNG))
+    from pathir.demo_activations import format_activations, part_activations  # the CNN of part 2 (same seed)
+
+    part3 = part_activations(train_cnn(data[0], data[2], cfg.cnn_epochs, seed=0), data[1], cfg.activation_amounts, cfg.out)
     results = {"seconds": time.perf_counter() - start, "pathcond": part1["table"], "pruning": part2,
-               "curves": part1["curves"]}
+               "curves": part1["curves"], "activations": part3}
     with open(os.path.join(cfg.out, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
-    results["text"] = format_tables(cfg, part1, part2)
+    results["text"] = format_tables(cfg, part1, part2) + "\n\n" + format_activations(part3)
     return results

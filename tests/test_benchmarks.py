@@ -65,3 +65,10 @@ def test_zoo_pathcond_benchmark_runs(capsys):
     rows = bench.main(["--models", "squeezenet1_1", "--repeat", "1", "--reference", "--reference-sweeps", "50"])
     assert len(rows) == 1 and rows[0][1] > 0
     assert "| squeezenet1_1 |" in capsys.readouterr().out
+
+
+def test_activations_benchmark_runs():
+    import bench_activations
+
+    row = bench_activations.bench("resnet18", batch=2, size=32, repeat=1)
+    assert row["ratio_active_path_norm"] > 0 and row["ratio_active_path_metric"] > 0

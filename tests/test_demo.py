@@ -17,6 +17,12 @@ def test_demo_quick_writes_tables_and_plots(tmp_path, capsys):
         assert (out / name).stat().st_size > 0
     results = json.loads((out / "results.json").read_text())
     assert set(results["pathcond"]["compression_8"]) == {"baseline", "enorm", "pathcond"}
+    assert "Path activations on the digits test set" in text
+    for name in ("activations.json", "active_path_norms.png", "local_vs_global_bounds.png"):
+        assert (out / name).stat().st_size > 0
+    act = results["activations"]
+    assert act["log10_active_l1_quantiles"]["1"] <= act["log10_path_norm_l1"]
+    assert all(r["local_bound_holds"] for r in act["pruning"].values())
     row = results["pruning"]["table"]["60%"]
     # path-magnitude pruning is invariant under rescaling: the same weights go, the same accuracy stays
     assert row["path-magnitude (original)"] == row["path-magnitude (rescaled)"]

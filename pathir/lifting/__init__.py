@@ -2,7 +2,9 @@
 
 The walk (:mod:`.walk`) runs the graph forward and backward with one rule per
 map kind; path-norms and counts, diag G, the path-metric brackets and the
-path-magnitude scores are short programs over it. Everything here takes a
+path-magnitude scores are short programs over it; at data, the same
+walks run with an activation pattern frozen (:mod:`.pattern`, :mod:`.active`,
+:mod:`.active_metric`). Everything here takes a
 Graph and a backend and returns numbers; nothing touches a model.
 
 The entry points live in their modules (``pathir.lifting.diag_g.diag_g``,
@@ -10,6 +12,8 @@ The entry points live in their modules (``pathir.lifting.diag_g.diag_g``,
 only names that do not shadow a module.
 """
 
+from pathir.lifting.active import LocalAffine, active_path_counts, active_path_norm, local_affine
+from pathir.lifting.active_metric import ActivePathMetric, active_path_metric
 from pathir.lifting.diag_g import diag_g_flat
 from pathir.lifting.path_metric import PathMetric, output_bound
 from pathir.lifting.path_norm import num_paths, path_norms
@@ -20,4 +24,5 @@ __all__ = [
     "forward", "path_norms", "num_paths", "diag_g_flat",
     "PathMetric", "output_bound",
     "PruneReport", "path_magnitude_scores", "prune_masks", "prune_graph",
+    "active_path_norm", "active_path_counts", "local_affine", "LocalAffine", "active_path_metric", "ActivePathMetric",
 ]

@@ -35,7 +35,8 @@ from pathir.errors import PathirError
 from pathir.ir import Graph, Param
 from pathir.lifting.walk import param_grads
 
-__all__ = ["PathMetric", "path_metric", "output_bound", "check_same_architecture"]
+__all__ = ["PathMetric", "path_metric", "output_bound", "check_same_architecture", "graph_of", "backend_of", "param_pairs",
+           "sign_relations"]
 
 _LOG_MAX = math.log(np.finfo(np.float64).max)
 _LN10 = math.log(10)
@@ -100,7 +101,7 @@ def logsumexp(logs) -> float:
 
 
 
-def _graph(obj) -> Graph:
+def graph_of(obj) -> Graph:
     """The Graph of ``obj``: a Graph, or anything holding one as ``.graph`` (a Compiled)."""
     graph = obj if isinstance(obj, Graph) else getattr(obj, "graph", None)
     if isinstance(graph, Graph):
@@ -108,7 +109,7 @@ def _graph(obj) -> Graph:
     raise TypeError(f"expected a pathir.Compiled or a Graph, got {type(obj).__name__}")
 
 
-def _backend(a, backend):
+def backend_of(a, backend):
     """``a``'s own backend choice where it has one (a Compiled), else ``backend`` by name."""
     if hasattr(a, "get_backend"):
         return a.get_backend(backend)
@@ -154,7 +155,7 @@ def check_same_architecture(a, b) -> None:
     """Raise PathirError unless ``a`` and ``b`` (Compiled or Graph) have the same
     structure: node names, kinds, shapes, edges, map geometry, fixed weights,
     param names and shapes. Only free parameter values may differ."""
-    ga, gb = _graph(a), _graph(b)
+    ga, gb = graph_of(a), graph_of(b)
     why = _structure_difference(ga, gb)
     if why is not None:
         raise PathirError(f"the two models do not have the same architecture: {why}")
@@ -163,7 +164,7 @@ def check_same_architecture(a, b) -> None:
 # ------------------------------------------------------------ the brackets
 
 
-def _pairs(ga: Graph, gb: Graph):
+def param_pairs(ga: Graph, gb: Graph):
     """(param of a, param of b) for every free param, in ``ga.params()`` order."""
     out, seen = [], set()
     for na, nb in zip(ga.nodes, gb.nodes):
@@ -186,7 +187,7 @@ def _blocks(*arrays):
         yield tuple(f[i:i + _BLOCK] for f in flat)
 
 
-def _sign_relations(pairs) -> tuple[bool, bool]:
+def sign_relations(pairs) -> tuple[bool, bool]:
     """(same signs, |θ'| ≤ |θ| everywhere or |θ| ≤ |θ'| everywhere)."""
     same, below, above = True, True, True
     for pa, pb in pairs:
@@ -202,7 +203,7 @@ def _log_upper(ga: Graph, gb: Graph, be) -> float:
     # F on |θ'| feeds the weight-gradients of the backward walk on |θ|
     parts = param_grads(ga, be, 1.0, forward_graph=gb)
     logs = []
-    for pa, pb in _pairs(ga, gb):
+    for pa, pb in param_pairs(ga, gb):
         uses = parts.pop(id(pa))  # each grad is dropped once read
         if not any(np.any(x != y) for x, y in _blocks(pa.value, pb.value)):
             continue
@@ -259,10 +260,10 @@ def path_metric(a, b, backend=None, progress: bool | None = None) -> PathMetric:
 
     bar = Phases(("compare", "path-norms", "bound"), desc="path-metric", progress=progress)
     bar.phase("compare")
-    ga, gb = _graph(a), _graph(b)
+    ga, gb = graph_of(a), graph_of(b)
     check_same_architecture(ga, gb)
-    be = _backend(a, backend)
-    same, dominated = _sign_relations(_pairs(ga, gb))
+    be = backend_of(a, backend)
+    same, dominated = sign_relations(param_pairs(ga, gb))
     exact = same and dominated
     bar.phase("path-norms")
     la, lb = log_path_sum(ga, 1, be), log_path_sum(gb, 1, be)
@@ -336,7 +337,7 @@ def output_bound(a, b, x, backend=None, metric: PathMetric | None = None) -> np.
     >>> output_bound(mlp([[1.0, 2.0]]), mlp([[1.0, 0.0]]), np.array([[0.5, 0.5], [4.0, -1.0]]), "numpy")
     array([ 6., 24.])
     """
-    ga = _graph(a)
+    ga = graph_of(a)
     if metric is None:
         metric = path_metric(a, b, backend)
     if not metric.same_signs:

@@ -1,0 +1,76 @@
+"""pathir observe MODEL --inputs X.npy: activation-filtered path observables on data.
+
+Prints the quantiles over the samples of the active path-norms, active path counts
+and active-neuron fractions (and, with ``--compare W2``, of the active path-metric,
+the local and global output bounds and the real output change), or every sample
+with ``--csv`` / ``--json``. ``--weights W`` loads a state_dict (.pt) into a torch
+model first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import numpy as np
+
+from .common import add_model_arguments, emit_json, load_model, parse_shape
+
+HELP = "active path-norms, active path counts and local bounds of a model on the samples of X.npy"
+
+
+def add_arguments(parser):
+    add_model_arguments(parser)
+    parser.add_argument("--inputs", required=True, help="a .npy array (N, *input shape) of samples")
+    if not any("--weights" in a.option_strings for a in parser._actions):
+        parser.add_argument("--weights", default=None, help="a state_dict (.pt) loaded into the torch model first")
+    parser.add_argument("--compare", default=None, metavar="W2",
+                        help="a state_dict of the same model (pruned, quantized): adds the active path-metric columns")
+    parser.add_argument("--q", type=float, nargs="+", default=[1.0], help="the q of the active l_q path-norms")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--csv", action="store_true", help="print one CSV row per sample")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="a progress bar on stderr (default: on a terminal only)")
+
+
+def _load_weights(model, path: str):
+    import torch
+
+    if isinstance(model, str):
+        raise ValueError("--weights/--compare load a state_dict into a torch model; an .onnx file carries its own")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    model.load_state_dict(state)
+    return model
+
+
+def _compile(model, name, shape, backend):
+    import pathir
+
+    cm = pathir.compile(model, input_shape=shape, backend=backend)
+    cm.name = name
+    return cm
+
+
+def run(args) -> int:
+    import pathir
+
+    x = np.load(args.inputs)
+    if x.ndim < 2:
+        raise ValueError(f"--inputs must hold an array (N, *input shape), got shape {x.shape}")
+    model, name = load_model(args.model)
+    shape = parse_shape(args.input_shape) or tuple(x.shape[1:])
+    if getattr(args, "weights", None):
+        model = _load_weights(model, args.weights)
+    other = None
+    if args.compare:
+        other = _compile(_load_weights(copy.deepcopy(model), args.compare), name, shape, args.backend)
+    cm = _compile(model, name, shape, args.backend)
+    obs = pathir.observe(cm, x, qs=args.q, compare=other, batch_size=args.batch_size, progress=args.progress)
+    if args.json:
+        emit_json({"model": name, "inputs": args.inputs, **obs.to_dict()})
+    elif args.csv:
+        print(obs.to_csv(), end="")
+    else:
+        print(f"model {name} on {args.inputs}")
+        print(obs)
+    return 0

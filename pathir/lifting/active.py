@@ -1,0 +1,189 @@
+"""Activation-filtered path observables at data (docs/math.md §2, §3), batched.
+
+For each sample x of a batch, with a(θ, x) the path activations:
+
+- active path-norm ‖Φ(θ) ⊙ a(θ, x)‖_q = (Σ_p |Φ_p(θ)|^q a_p(θ, x))^(1/q): the
+  masked walk (:mod:`pathir.lifting.pattern`) of the |θ|^q network on the
+  all-ones input, outputs summed; q = 0 counts the active paths;
+- the local affine piece: with the pattern frozen the network is linear in x,
+  R_θ(x') = J x' + c for every x' with the same pattern, and by the lifting
+  identity J[o, i] = Σ_{p: i → o} Φ_p a_p, c[o] = Σ_{bias paths p → o} Φ_p a_p.
+  J v is the signed masked walk from v without biases, c the one from 0 with them,
+  vᵀJ the masked backward walk.
+
+Every result is per sample; a large batch is walked in chunks of ``chunk`` samples.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from pathir.errors import PathNormOverflow
+from pathir.ir import Graph
+from pathir.lifting.pattern import (
+    ActivationPattern,
+    activation_pattern,
+    as_input_dict,
+    log_row_total,
+    masked_backward,
+    masked_forward,
+    power_walk,
+    to_value,
+)
+
+__all__ = ["active_path_norm", "active_path_counts", "log_active_path_sum", "LocalAffine", "local_affine",
+           "chunks", "DEFAULT_CHUNK"]
+
+#: samples walked at once: bounds the memory of the masks and of the walks' values
+DEFAULT_CHUNK = 16
+_LOG_MAX = math.log(np.finfo(np.float64).max)
+
+
+def chunks(graph: Graph, x, chunk: int = DEFAULT_CHUNK) -> Iterator[dict]:
+    """The batch ``x`` (array or {input: array}) as consecutive {input: array} slices of ≤ ``chunk`` samples."""
+    x = as_input_dict(graph, x)
+    n = int(next(iter(x.values())).shape[0])
+    for start in range(0, n, chunk):
+        yield {name: value[start:start + chunk] for name, value in x.items()}
+
+
+def log_active_path_sum(graph: Graph, backend, pattern: ActivationPattern, q: float) -> np.ndarray:
+    """Per sample, the natural log of Σ_p |Φ_p|^q a_p (q = 0: of the number of active paths); -inf if none."""
+    view, view_be = power_walk(graph, backend, q)
+    acts = masked_forward(view, view_be, pattern)
+    return log_row_total(view_be, acts, view.outputs, pattern.batch)
+
+
+def _per_chunk(graph, backend, x, chunk, fn) -> np.ndarray:
+    return np.concatenate([fn(activation_pattern(graph, backend, part)) for part in chunks(graph, x, chunk)])
+
+
+def _finish(log_values: np.ndarray, log10: bool, what: str) -> np.ndarray:
+    if log10:
+        return log_values / math.log(10)
+    if np.any(log_values > _LOG_MAX):
+        top = float(np.max(log_values)) / math.log(10)
+        raise PathNormOverflow(f"{what} is about 10^{top:.1f} for some samples, beyond float64: ask for log10=True")
+    return np.exp(log_values)
+
+
+def active_path_norm(graph: Graph, backend, x, q: float = 1.0, log10: bool = False,
+                     chunk: int = DEFAULT_CHUNK) -> np.ndarray:
+    """‖Φ(θ) ⊙ a(θ, x)‖_q for every sample of ``x`` (array (B, *shape) or {input: array}): (B,).
+
+    ``log10``: its log10 (-inf for a sample with no active path); without it a value
+    beyond float64 raises :class:`pathir.PathNormOverflow`.
+
+    >>> import numpy as np
+    >>> from pathir.backends import get_backend
+    >>> from pathir.ir import GraphBuilder, Dense
+    >>> b = GraphBuilder()
+    >>> x = b.input("x", (2,))
+    >>> h = b.relu("h", [(x, Dense(b.param("w1", [[1.0, 2.0], [-3.0, 4.0]])))])
+    >>> g = b.build(outputs=[b.identity("y", [(h, Dense(b.param("w2", [[5.0, 6.0]])))])])
+    >>> # at (1, 0) only h0 is active: |1*5| + |2*5|; at (0, 1) both are: 15 + |-3*6| + |4*6|
+    >>> active_path_norm(g, get_backend("numpy"), np.array([[1.0, 0.0], [0.0, 1.0]]))
+    array([15., 57.])
+    """
+    if not q > 0:
+        raise ValueError(f"active_path_norm needs q > 0, got {q}")
+    logs = _per_chunk(graph, backend, x, chunk, lambda pat: log_active_path_sum(graph, backend, pat, q) / q)
+    return _finish(logs, log10, f"the active l{q:g} path-norm")
+
+
+def active_path_counts(graph: Graph, backend, x, log10: bool = True, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
+    """Number of active paths for every sample of ``x``: (B,), log10 by default.
+
+    Below 1e12 (``log10=False``) the counts are exact integers."""
+    logs = _per_chunk(graph, backend, x, chunk, lambda pat: log_active_path_sum(graph, backend, pat, 0))
+    values = _finish(logs, log10, "the number of active paths")
+    return values if log10 else np.where(values < 1e12, np.round(values), values)
+
+
+@dataclass
+class LocalAffine:
+    """The affine piece x' ↦ J x' + c that the model computes around a batch x, per sample.
+
+    ``intercept``: {output: (B, *out shape)}, c = R(x) − J x; ``values``: R(x);
+    :meth:`jvp`, :meth:`vjp` and :meth:`slope` read J through the masked walks."""
+
+    graph: Graph
+    backend: object
+    pattern: ActivationPattern
+    intercept: dict
+    values: dict
+
+    def _inputs(self, v) -> dict:
+        v = as_input_dict(self.graph, v)
+        if any(int(a.shape[0]) not in (1, self.pattern.batch) for a in v.values()):
+            raise ValueError(f"directions need batch 1 or {self.pattern.batch}")
+        return v
+
+    def jvp(self, v) -> dict:
+        """J v per sample: {output: (B, *out shape)}; ``v`` array or {input: array}, batch B (or 1)."""
+        acts = masked_forward(self.graph, self.backend, self.pattern, inputs=self._inputs(v), bias=False)
+        return {o: _full(to_value(self.backend, acts[o]), self.graph, o, self.pattern.batch) for o in self.graph.outputs}
+
+    def vjp(self, u) -> dict:
+        """uᵀ J per sample: {input: (B, *in shape)}; ``u``: {output: array (B or 1, *out shape)}
+        (an array when there is one output); a missing output contributes nothing."""
+        if not isinstance(u, dict):
+            if len(self.graph.outputs) != 1:
+                raise ValueError(f"graph has outputs {list(self.graph.outputs)}: pass a dict")
+            u = {self.graph.outputs[0]: u}
+        seeds = {o: u[o] if o in u else np.zeros((1, *self.graph.node(o).shape)) for o in self.graph.outputs}
+        grads = masked_backward(self.graph, self.backend, self.pattern, seeds=seeds)
+        return {i: _full(to_value(self.backend, grads[i]), self.graph, i, self.pattern.batch) for i in self.graph.inputs}
+
+    def slope(self, output: str | None = None, input: str | None = None) -> np.ndarray:
+        """J of one output w.r.t. one input, (B, *out shape, *in shape): one :meth:`vjp` per output entry."""
+        output = _only(self.graph.outputs, output, "output")
+        input = _only(self.graph.inputs, input, "input")
+        out_shape, in_shape = self.graph.node(output).shape, self.graph.node(input).shape
+        n_out = int(np.prod(out_shape))
+        rows = []
+        for j in range(n_out):
+            e = np.zeros((1, n_out))
+            e[0, j] = 1.0
+            rows.append(self.vjp({output: e.reshape(1, *out_shape)})[input].reshape(self.pattern.batch, -1))
+        return np.stack(rows, axis=1).reshape(self.pattern.batch, *out_shape, *in_shape)
+
+
+def _only(names, name, what):
+    if name is None:
+        if len(names) != 1:
+            raise ValueError(f"graph has {what}s {list(names)}: name one")
+        return names[0]
+    if name not in names:
+        raise ValueError(f"no {what} '{name}' (the graph's {what}s: {list(names)})")
+    return name
+
+
+def _full(value: np.ndarray, graph: Graph, name: str, batch: int) -> np.ndarray:
+    return np.broadcast_to(value, (batch, *graph.node(name).shape)).copy()
+
+
+def local_affine(graph: Graph, backend, x) -> LocalAffine:
+    """The affine piece active at ``x`` (array (B, *shape) or {input: array}): J and c with
+    R(x') = J x' + c for every x' sharing x's activation pattern (so R(x) = J x + c).
+
+    >>> import numpy as np
+    >>> from pathir.backends import get_backend
+    >>> from pathir.ir import GraphBuilder, Dense
+    >>> b = GraphBuilder()
+    >>> x = b.input("x", (2,))
+    >>> h = b.relu("h", [(x, Dense(b.param("w1", [[1.0, 2.0], [-3.0, 4.0]])))], bias=b.param("b1", [1.0, 0.0]))
+    >>> g = b.build(outputs=[b.identity("y", [(h, Dense(b.param("w2", [[5.0, 6.0]])))])])
+    >>> piece = local_affine(g, get_backend("numpy"), np.array([[1.0, 0.0]]))
+    >>> piece.slope(), piece.intercept["y"]      # only h0 active: y = 5 (x0 + 2 x1 + 1)
+    (array([[[ 5., 10.]]]), array([[5.]]))
+    """
+    pattern = activation_pattern(graph, backend, x)
+    acts = masked_forward(graph, backend, pattern, inputs={})
+    intercept = {o: _full(to_value(backend, acts[o]), graph, o, pattern.batch) for o in graph.outputs}
+    values = {o: np.asarray(backend.to_numpy(v), dtype=np.float64) for o, v in pattern.outputs.items()}
+    return LocalAffine(graph, backend, pattern, intercept, values)

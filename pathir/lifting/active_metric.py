@@ -1,0 +1,200 @@
+"""The active path-metric (docs/math.md §3 with the masks of §2): per sample x,
+brackets of d_x(θ, θ') = ‖(Φ(θ) − Φ(θ')) ⊙ a(θ, x)‖₁, and the local output bound.
+
+With θ's activation pattern at x frozen (:mod:`pathir.lifting.pattern`), the
+global brackets of :mod:`pathir.lifting.path_metric` carry over path by path,
+a_p being a product of per-neuron and per-edge indicators:
+
+- lower = | ‖Φ(θ) ⊙ a‖₁ − ‖Φ(θ') ⊙ a‖₁ |;
+- upper = Σ_{edges u→v} |θ_e − θ'_e| F^a_{|θ'|}(u) G^a_{|θ|}(v) + Σ_{biased v} |b_v − b'_v| G^a_{|θ|}(v),
+
+F^a the masked forward walk on |θ'| (active path sums ending at u), G^a the
+masked backward walk on |θ| (active path sums from v's pre-activation on). The
+edge sum of one map is ⟨G(v), |W − W'| F(u)⟩: one extra application of the map
+with weights |W − W'|. When θ_i θ'_i ≥ 0 and |θ'| ≤ |θ| (or ≥) everywhere, e.g.
+pruning, every telescoped term of an active path has one sign: upper = d_x = lower
+(``exact``).
+
+If θ' has θ's pattern at x (``shared``), the lifting identity gives
+‖R_θ(x) − R_θ'(x)‖₁ ≤ d_x · max(‖x‖∞, 1) whatever the signs: ``bound``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from pathir.errors import PathirError
+from pathir.lifting.active import DEFAULT_CHUNK, chunks
+from pathir.lifting.path_metric import backend_of, check_same_architecture, graph_of, param_pairs, sign_relations
+from pathir.lifting.pattern import (
+    activation_pattern,
+    as_input_dict,
+    log_row_total,
+    logsumexp_rows,
+    masked_backward,
+    masked_forward,
+    power_walk,
+)
+
+__all__ = ["ActivePathMetric", "active_path_metric"]
+
+_LN10 = math.log(10)
+
+
+@dataclass(frozen=True)
+class ActivePathMetric:
+    """Per sample (arrays (B,)) brackets of d_x = ‖(Φ(θ) − Φ(θ')) ⊙ a(θ, x)‖₁ and the local bound.
+
+    Attributes
+    ----------
+    lower, upper : lower ≤ d_x ≤ upper (inf beyond float64: read the log10 fields)
+    log10_lower, log10_upper : their log10 (-inf for 0)
+    exact : bool, lower = d_x = upper provably (same signs, |θ'| ≤ |θ| or ≥ everywhere)
+    same_signs : bool, θ_i θ'_i ≥ 0 for every parameter
+    shared : bool array, θ' has θ's activation pattern at x
+    flipped : int array, how many ReLU neurons and max-pool selections of θ' differ from θ's at x
+    norm_a, norm_b : ‖Φ(θ) ⊙ a(θ, x)‖₁ and ‖Φ(θ') ⊙ a(θ, x)‖₁
+    x_scale : max(‖x‖∞, 1)
+    bound : upper · x_scale where ``shared`` (a bound on ‖R_θ(x) − R_θ'(x)‖₁), nan elsewhere
+    """
+
+    lower: np.ndarray
+    upper: np.ndarray
+    log10_lower: np.ndarray
+    log10_upper: np.ndarray
+    exact: bool
+    same_signs: bool
+    shared: np.ndarray
+    flipped: np.ndarray
+    norm_a: np.ndarray
+    norm_b: np.ndarray
+    x_scale: np.ndarray
+    bound: np.ndarray
+
+    def to_dict(self) -> dict:
+        return {f.name: (v.tolist() if isinstance(v, np.ndarray) else v)
+                for f in fields(self) for v in [getattr(self, f.name)]}
+
+
+def _exp(logs: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return np.exp(logs)
+
+
+def _diff_maps(ga, gb):
+    """{(node name, edge index): map with weights |W − W'|} for the edges whose weights differ,
+    and {node name: |b − b'|} for the differing biases."""
+    edges, biases = {}, {}
+    for na, nb in zip(ga.nodes, gb.nodes):
+        for i, (ea, eb) in enumerate(zip(na.edges, nb.edges)):
+            wa, wb = ea.map.weight, eb.map.weight
+            if wa is not None and not np.array_equal(wa.value, wb.value):
+                edges[(na.name, i)] = ea.map.with_weights(lambda w, other=wb.value: np.abs(w - other))
+        if na.bias is not None and not np.array_equal(na.bias.value, nb.bias.value):
+            biases[na.name] = np.abs(na.bias.value - nb.bias.value)
+    return edges, biases
+
+
+def _x_scale(x: dict) -> np.ndarray:
+    out = None
+    for v in x.values():
+        v = v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)
+        m = np.abs(np.asarray(v, dtype=np.float64).reshape(v.shape[0], -1)).max(axis=1, initial=0.0)
+        out = m if out is None else np.maximum(out, m)
+    return np.maximum(out, 1.0)
+
+
+def _chunk_logs(ga, gb, be, x, diff_edges, diff_biases):
+    """(log upper, log ‖Φ(θ)⊙a‖₁, log ‖Φ(θ')⊙a‖₁, flipped neurons) for one chunk."""
+    pat = activation_pattern(ga, be, x)
+    flipped = pat.mismatches(activation_pattern(gb, be, x), be)
+    B = pat.batch
+    va, be_a = power_walk(ga, be, 1.0)
+    vb, be_b = power_walk(gb, be, 1.0)
+    sources = {va.node(name).edges[i].source for name, i in diff_edges}
+    fb = masked_forward(vb, be_b, pat, keep=sources | set(vb.outputs))
+    log_b = log_row_total(be_b, fb, vb.outputs, B)
+    upper_logs, norm_logs = [], []
+
+    def contract(node, gM):
+        g, M = gM
+        for i, e in enumerate(node.edges):
+            m = diff_edges.get((node.name, i))
+            if m is None or fb[e.source][0] is None:
+                continue
+            f, L = fb[e.source]
+            s = be.row_total(g * be.apply(m, f, va.node(e.source).shape))
+            upper_logs.append(_log(s, B) + L + M)
+        if node.bias is not None:
+            norm_logs.append(_log(be_a.row_total(g * be_a.bias(node, g.ndim)), B) + M)
+            if node.name in diff_biases:
+                db = be.asarray(diff_biases[node.name].reshape(1, -1, *([1] * (g.ndim - 2))))
+                upper_logs.append(_log(be.row_total(g * db), B) + M)
+
+    grads = masked_backward(va, be_a, pat, on_node=contract)
+    norm_logs.append(log_row_total(be_a, grads, va.inputs, B))
+    return logsumexp_rows(upper_logs, B), logsumexp_rows(norm_logs, B), log_b, flipped
+
+
+def _log(s, batch: int) -> np.ndarray:
+    """log of per-sample sums (B,) (a walk value of batch 1 stands for every sample)."""
+    s = np.broadcast_to(np.asarray(s, dtype=np.float64), (batch,))
+    if not np.all(np.isfinite(s)):
+        raise PathirError("active path-metric: non-finite contribution (NaN or inf weights?)")
+    with np.errstate(divide="ignore"):
+        return np.log(np.maximum(s, 0.0))
+
+
+def active_path_metric(a, b, x, backend=None, chunk: int = DEFAULT_CHUNK) -> ActivePathMetric:
+    """Per sample of ``x``, brackets of ‖(Φ(θ) − Φ(θ')) ⊙ a(θ, x)‖₁ with θ = ``a``, θ' = ``b``.
+
+    Parameters
+    ----------
+    a, b : Compiled or Graph of one architecture (checked)
+    x : array or tensor (B, *input shape), or {input name: array}
+    backend : "torch", "numpy" or a Backend (default: ``a``'s)
+    chunk : samples walked at once
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from pathir.ir import GraphBuilder, Dense
+    >>> def mlp(w1):
+    ...     b = GraphBuilder()
+    ...     x = b.input("x", (2,))
+    ...     h = b.relu("h", [(x, Dense(b.param("w1", w1)))])
+    ...     return b.build(outputs=[b.identity("y", [(h, Dense(b.param("w2", [[3.0, 1.0]])))])])
+    >>> a, pruned = mlp([[1.0, 2.0], [1.0, -1.0]]), mlp([[1.0, 0.0], [1.0, -1.0]])
+    >>> m = active_path_metric(a, pruned, np.array([[1.0, 1.0], [-1.0, 1.0]]), "numpy")
+    >>> m.lower, m.exact          # the cut path x1-h0-y (|2*3|) is active at both points
+    (array([6., 6.]), True)
+    >>> m.shared, m.bound         # at (-1, 1) pruning switches h0 off: no local bound there
+    (array([ True, False]), array([ 6., nan]))
+    """
+    ga, gb = graph_of(a), graph_of(b)
+    check_same_architecture(ga, gb)
+    be = backend_of(a, backend)
+    same, dominated = sign_relations(param_pairs(ga, gb))
+    exact = same and dominated
+    diff_edges, diff_biases = _diff_maps(ga, gb)
+    xs = as_input_dict(ga, x)
+    parts = [_chunk_logs(ga, gb, be, part, diff_edges, diff_biases) for part in chunks(ga, xs, chunk)]
+    log_up, la, lb, flipped = (np.concatenate(p) for p in zip(*parts))
+    shared = flipped == 0
+    if exact:
+        log_low = log_up
+    else:
+        top, low = np.maximum(la, lb), np.minimum(la, lb)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            log_low = np.where(top == low, -math.inf, top + np.log(-np.expm1(low - top)))
+        log_low = np.minimum(log_low, log_up)  # rounding must not invert the bracket
+    scale = _x_scale(xs)
+    upper = _exp(log_up)
+    return ActivePathMetric(
+        lower=_exp(log_low), upper=upper, log10_lower=log_low / _LN10, log10_upper=log_up / _LN10,
+        exact=exact, same_signs=same, shared=shared, flipped=flipped, norm_a=_exp(la), norm_b=_exp(lb),
+        x_scale=scale, bound=np.where(shared, upper * scale, np.nan),
+    )

@@ -1,0 +1,336 @@
+"""Activation patterns at data and the walks of the path network they freeze.
+
+The activation pattern of θ at a batch x (docs/math.md §2) is, per sample:
+
+- for every ReLU neuron, whether its pre-activation is > 0;
+- for every k-max-pool neuron, the antecedent it selects: the first, in
+  flat-index order over its window, attaining the k-th largest weighted input.
+
+A path is active (a_p(θ, x) = 1) iff every ReLU neuron on it is active and
+every edge of it into a k-max-pool is the selected one. a_p is a product of
+per-neuron and per-edge indicators, so with the pattern frozen every sum over
+active paths is one walk of the graph in which a ReLU node multiplies by its
+0/1 mask and a k-max-pool node passes only its selected antecedent:
+
+- :func:`masked_forward` (inputs, biases, masks) → Σ over active paths ending at
+  each neuron, of the walk's weights — on the |θ|^q network with the all-ones
+  input, the terms of Σ_p |Φ_p|^q a_p;
+- :func:`masked_backward` (output seeds) → per neuron the sum over active paths
+  from it to an output (the gradient w.r.t. its pre-activation).
+
+Both keep every node's value as ``(m, L)`` with value m · exp(L) and L a numpy
+array (B,) — one log-scale per sample, so that samples whose path sums differ
+by any factor stay exact (1e-100 ≤ max|m[b]| ≤ 1e100, as in
+:mod:`pathir.lifting.walk`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from pathir.errors import BackendError, PathirError
+from pathir.ir import Graph, Node, NodeKind
+
+__all__ = ["ActivationPattern", "activation_pattern", "masked_forward", "masked_backward", "power_walk",
+           "as_input_dict", "to_value"]
+
+_LOW, _HIGH = 1e-100, 1e100
+
+
+@dataclass
+class ActivationPattern:
+    """a(θ, x) of one graph at a batch, neuron-wise.
+
+    ``relu[name]``: boolean mask (B, *shape) of a ReLU node (True where pre-activation > 0);
+    ``choice[name]``: the selected window offset (B, C, *out) of a k-max-pool node;
+    ``outputs``: the graph's outputs at x; arrays are the backend's."""
+
+    batch: int
+    relu: dict
+    choice: dict
+    outputs: dict
+
+    def mismatches(self, other: "ActivationPattern", backend) -> np.ndarray:
+        """Per sample: how many ReLU neurons and k-max-pool selections differ in ``other`` (int array (B,))."""
+        count = np.zeros(self.batch, dtype=np.int64)
+        for store, theirs in ((self.relu, other.relu), (self.choice, other.choice)):
+            for name, mine in store.items():
+                count += np.asarray(backend.row_total(mine != theirs[name])).astype(np.int64)
+        return count
+
+    def same_as(self, other: "ActivationPattern", backend) -> np.ndarray:
+        """Per sample: whether ``other`` has this pattern exactly (bool array (B,))."""
+        return self.mismatches(other, backend) == 0
+
+    def active_fraction(self, backend) -> np.ndarray:
+        """Per sample: the fraction of ReLU neurons that are active (nan without ReLU)."""
+        on, total = np.zeros(self.batch), 0
+        for mask in self.relu.values():
+            on += np.asarray(backend.row_total(mask))
+            total += int(np.prod(mask.shape[1:]))
+        return on / total if total else np.full(self.batch, np.nan)
+
+
+def as_input_dict(graph: Graph, x) -> dict:
+    """{input name: array (B, *shape)} from one array or a dict; checks names and shapes."""
+    if not isinstance(x, dict):
+        if len(graph.inputs) != 1:
+            raise ValueError(f"graph has inputs {list(graph.inputs)}: pass a dict")
+        x = {graph.inputs[0]: x}
+    for name in graph.inputs:
+        if name not in x:
+            raise ValueError(f"no value for input '{name}'")
+        shape = tuple(x[name].shape)
+        if shape[1:] != graph.node(name).shape:
+            raise ValueError(f"input '{name}' expects (B, {', '.join(map(str, graph.node(name).shape))}), got {shape}")
+    batches = {int(x[name].shape[0]) for name in graph.inputs}
+    if len(batches) != 1:
+        raise ValueError(f"inputs have different batch sizes {sorted(batches)}")
+    return x
+
+
+def _context(node: Node) -> str:
+    return f"while evaluating node '{node.name}' ({node.kind.value}, {'x'.join(map(str, node.shape))})"
+
+
+def _last_uses(graph: Graph) -> dict[str, int]:
+    last = {}
+    for i, node in enumerate(graph.nodes):
+        for e in node.edges:
+            last[e.source] = i
+    return last
+
+
+def activation_pattern(graph: Graph, backend, x) -> ActivationPattern:
+    """Run θ on the batch ``x`` (array (B, *shape) or {input: array}) and record its pattern.
+
+    A node's value is dropped after its last consumer, so only the masks (and
+    the outputs) outlive the forward."""
+    x = as_input_dict(graph, x)
+    last, outputs = _last_uses(graph), set(graph.outputs)
+    acts, relu, choice = {}, {}, {}
+    batch = int(next(iter(x.values())).shape[0])
+    for i, node in enumerate(graph.nodes):
+        try:
+            if node.kind is NodeKind.INPUT:
+                acts[node.name] = backend.asarray(x[node.name])
+                continue
+            if node.kind is NodeKind.MAXPOOL:
+                src = graph.node(node.edges[0].source)
+                pre = backend.kth_max_pool(node, acts[src.name], src.shape)
+                choice[node.name] = backend.pool_choice(node, acts[src.name], src.shape, kth=pre)
+            else:
+                pre = None
+                for e in node.edges:
+                    t = backend.apply(e.map, acts[e.source], graph.node(e.source).shape)
+                    pre = t if pre is None else pre + t
+            if node.bias is not None:
+                pre = pre + backend.bias(node, len(node.shape) + 1)
+            if node.kind is NodeKind.RELU:
+                relu[node.name] = pre > 0  # bool: 1 byte per neuron and sample
+                pre = backend.relu(pre)
+            acts[node.name] = pre
+        except PathirError:
+            raise
+        except Exception as err:
+            raise BackendError(f"{_context(node)}: {type(err).__name__}: {err}") from err
+        for e in node.edges:
+            if last.get(e.source) == i and e.source not in outputs:
+                acts.pop(e.source, None)
+    return ActivationPattern(batch, relu, choice, {o: acts[o] for o in graph.outputs})
+
+
+# ------------------------------------------------------------ scaled values
+
+
+def _scale(backend, m, factors: np.ndarray):
+    """m[b] * factors[b] for every sample b."""
+    if np.all(factors == 1.0):
+        return m
+    return m * backend.asarray(factors.reshape(-1, *([1] * (m.ndim - 1))))
+
+
+def _combine(backend, terms, batch: int):
+    """Sum of m_t · exp(L_t) (L_t arrays (B,)) as (m, L) with max|m[b]| in [_LOW, _HIGH] or m[b] = 0."""
+    terms = [(m, L) for m, L in terms if m is not None]
+    if not terms:
+        return None, np.zeros(batch)
+    top = np.max([L for _, L in terms], axis=0)
+    top = np.where(np.isfinite(top), top, 0.0)
+    acc = None
+    for m, L in terms:
+        t = _scale(backend, m, np.exp(L - top))
+        acc = t if acc is None else acc + t
+    peak = backend.row_amax(acc) if acc.shape[0] == batch else np.repeat(backend.row_amax(acc), batch)
+    if not np.all(np.isfinite(peak)):
+        raise PathirError("non-finite value in a path computation (NaN or inf weights?)")
+    move = (peak > 0) & ((peak < _LOW) | (peak > _HIGH))
+    if move.any():
+        factor = np.where(move, peak, 1.0)
+        acc = _scale(backend, acc if acc.shape[0] == batch else acc + backend.zeros((batch, *acc.shape[1:])), 1 / factor)
+        top = top + np.log(factor)
+    return acc, top
+
+
+def to_value(backend, mL) -> np.ndarray:
+    """A walk's (m, L) as a numpy float64 array m · exp(L) (inf where it exceeds float64)."""
+    m, L = mL
+    if m is None:  # no path reaches it
+        return np.zeros(1)
+    m = np.asarray(backend.to_numpy(m), dtype=np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return m * np.exp(L).reshape(-1, *([1] * (m.ndim - 1)))
+
+
+def _flushing(walk):
+    """Run a walk inside the backend's flush_denormals context (as the walks of pathir.lifting.walk)."""
+
+    @functools.wraps(walk)
+    def wrapped(graph, backend, *args, **kwargs):
+        with backend.flush_denormals():
+            return walk(graph, backend, *args, **kwargs)
+
+    return wrapped
+
+
+@_flushing
+def masked_forward(graph: Graph, backend, pattern: ActivationPattern, inputs=None, bias: bool = True,
+                   keep=None) -> dict:
+    """Walk of ``graph`` (on ``backend``'s weights) with the pattern frozen.
+
+    ``inputs``: {input name: array (B or 1, *shape)} (default: all ones); an input
+    missing from the dict contributes nothing. ``bias``: add the biases. ``keep``: node
+    names whose values to return (default: the outputs; "all" for every node).
+    Returns {name: (m, L)}, value m · exp(L), per sample."""
+    B = pattern.batch
+    inputs = {n: backend.ones((1, *graph.node(n).shape)) for n in graph.inputs} if inputs is None else inputs
+    wanted = set(graph.outputs) if keep is None else None if keep == "all" else set(keep)
+    last, acts = _last_uses(graph), {}
+    for i, node in enumerate(graph.nodes):
+        try:
+            if node.kind is NodeKind.INPUT:
+                v = inputs.get(node.name)
+                acts[node.name] = (None, np.zeros(B)) if v is None else _combine(backend, [(backend.asarray(v), np.zeros(B))], B)
+                continue
+            terms = []
+            for e in node.edges:
+                m, L = acts[e.source]
+                if m is None:
+                    continue
+                src = graph.node(e.source).shape
+                if node.kind is NodeKind.MAXPOOL:
+                    terms.append((backend.select_apply(node, pattern.choice[node.name], m, src), L))
+                else:
+                    terms.append((backend.apply(e.map, m, src), L))
+            if bias and node.bias is not None:
+                terms.append((backend.bias(node, len(node.shape) + 1), np.zeros(B)))
+                if len(terms) == 1:  # a bias alone broadcasts: give it the node's shape
+                    terms[0] = (terms[0][0] + backend.zeros((1, *node.shape)), terms[0][1])
+            m, L = _combine(backend, terms, B)
+            if m is not None and node.kind is NodeKind.RELU:
+                m = m * pattern.relu[node.name]
+            acts[node.name] = (m, L)
+        except PathirError:
+            raise
+        except Exception as err:
+            raise BackendError(f"{_context(node)} (masked walk): {type(err).__name__}: {err}") from err
+        if wanted is not None:
+            for e in node.edges:
+                if last.get(e.source) == i and e.source not in wanted:
+                    acts.pop(e.source, None)
+    return acts if wanted is None else {n: acts[n] for n in wanted}
+
+
+@_flushing
+def masked_backward(graph: Graph, backend, pattern: ActivationPattern, seeds=None, on_node=None) -> dict:
+    """Reverse walk with the pattern frozen: per node, the sum over active paths from
+    it to an output (seeded by ``seeds`` {output: array}, default ones), i.e. the
+    gradient w.r.t. its pre-activation (its value for input nodes).
+
+    ``on_node(node, (g, M))``, when given, sees each node's value as it is made
+    (the metric contracts it with the forward on the fly) and nothing is kept
+    but the inputs' values. Returns {name: (g, M)}."""
+    B = pattern.batch
+    pending: dict[str, list] = {n.name: [] for n in graph.nodes}
+    for o in graph.outputs:
+        seed = backend.ones((1, *graph.node(o).shape)) if seeds is None else backend.asarray(seeds[o])
+        pending[o].append((seed, np.zeros(B)))
+    grads = {}
+    for node in reversed(graph.nodes):
+        try:
+            g, M = _combine(backend, pending.pop(node.name), B)
+            if g is not None and node.kind is NodeKind.RELU:
+                g = g * pattern.relu[node.name]
+            if on_node is None or node.kind is NodeKind.INPUT:
+                grads[node.name] = (g, M)
+            if g is None or node.kind is NodeKind.INPUT:
+                continue
+            if on_node is not None:
+                on_node(node, (g, M))
+            for e in node.edges:
+                src = graph.node(e.source).shape
+                if node.kind is NodeKind.MAXPOOL:
+                    pending[e.source].append((backend.select_adjoint(node, pattern.choice[node.name], g, src), M))
+                else:
+                    pending[e.source].append((backend.adjoint(e.map, g, src), M))
+        except PathirError:
+            raise
+        except Exception as err:
+            raise BackendError(f"{_context(node)} (masked backward): {type(err).__name__}: {err}") from err
+    return grads
+
+
+def _abs_pow(q: float):
+    if q == 1:
+        return np.abs
+    if q == 0:
+        return np.ones_like
+    return lambda w: np.abs(w) ** q
+
+
+def power_walk(graph: Graph, backend, q: float) -> tuple[Graph, object]:
+    """(graph, backend) whose walks see every weight, bias and fixed constant w as |w|^q
+    (q = 0: 1 for every edge and existing bias), node kinds kept.
+
+    Backends with ``power_view`` do it lazily on their device; otherwise the graph is rewritten."""
+    if hasattr(backend, "power_view"):
+        return graph, backend.power_view(q)
+    fn = _abs_pow(q)
+    nodes = []
+    for n in graph.nodes:
+        edges = tuple(replace(e, map=e.map.with_weights(fn)) for e in n.edges)
+        b = None if n.bias is None else n.bias.with_value(fn(n.bias.value))
+        nodes.append(replace(n, edges=edges, bias=b))
+    return graph.replace_nodes(nodes), backend
+
+
+def log_row_total(backend, acts, names, batch: int) -> np.ndarray:
+    """Per sample, log of the sum of every entry of the named nodes' (m, L) (-inf if zero)."""
+    logs = []
+    for n in names:
+        m, L = acts[n]
+        if m is None:
+            continue
+        s = np.asarray(backend.row_total(m), dtype=np.float64)
+        if s.shape[0] != batch:
+            s = np.repeat(s, batch)
+        if np.any(s < 0):
+            raise PathirError(f"negative total at node '{n}' in a path computation")
+        with np.errstate(divide="ignore"):
+            logs.append(np.log(s) + L)
+    return logsumexp_rows(logs, batch)
+
+
+def logsumexp_rows(logs, batch: int) -> np.ndarray:
+    """Elementwise log Σ exp over a list of (B,) arrays (-inf where all are -inf)."""
+    if not logs:
+        return np.full(batch, -math.inf)
+    stack = np.stack(logs)
+    top = stack.max(axis=0)
+    safe = np.where(np.isfinite(top), top, 0.0)
+    with np.errstate(divide="ignore"):
+        return np.where(np.isfinite(top), safe + np.log(np.exp(stack - safe).sum(axis=0)), -math.inf)

@@ -1,0 +1,175 @@
+"""observe: stream a data set through the activation-filtered observables (docs/activations.md).
+
+Per sample x: log10 ‖Φ(θ) ⊙ a(θ, x)‖_q for each q, log10 of the number of active
+paths, the fraction of active ReLU neurons; with ``compare`` (a pruned or quantized
+θ' of the same architecture) also the active path-metric brackets, whether θ' keeps
+θ's pattern at x, the local bound, the global bound (path-metric upper ·
+max(‖x‖∞, 1)) and the real change ‖R_θ(x) − R_θ'(x)‖₁.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["Observations", "observe", "QUANTILES"]
+
+QUANTILES = (0.0, 0.05, 0.25, 0.5, 0.75, 0.95, 1.0)
+
+
+@dataclass
+class Observations:
+    """One row per sample (``columns``: name -> array (N,)), and the model's global values."""
+
+    columns: dict[str, np.ndarray]
+    global_values: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values()))) if self.columns else 0
+
+    def quantiles(self, qs=QUANTILES) -> dict[str, dict[float, float]]:
+        """{column: {q: quantile}} over the samples (nan entries left out)."""
+        out = {}
+        for name, v in self.columns.items():
+            v = np.asarray(v, dtype=np.float64)
+            v = v[~np.isnan(v)]
+            out[name] = {q: (float(np.quantile(v, q)) if v.size else math.nan) for q in qs}
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            "samples": len(self),
+            "global": dict(self.global_values),
+            "quantiles": {k: {f"{q:g}": v for q, v in d.items()} for k, d in self.quantiles().items()},
+            "columns": {k: np.asarray(v, dtype=np.float64).tolist() for k, v in self.columns.items()},
+        }
+
+    def to_csv(self, path=None) -> str:
+        """The per-sample table as CSV (written to ``path`` too when given)."""
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        names = list(self.columns)
+        w.writerow(["sample", *names])
+        for i in range(len(self)):
+            w.writerow([i, *(repr(float(self.columns[n][i])) for n in names)])
+        text = buf.getvalue()
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    def __str__(self) -> str:
+        qs = self.quantiles()
+        head = ["column", *(f"q{q:g}" for q in QUANTILES)]
+        rows = [[name, *(f"{v:.4g}" for v in d.values())] for name, d in qs.items()]
+        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+        lines = [f"{len(self)} samples"] + [f"{k}: {v:.6g}" for k, v in self.global_values.items()]
+        lines += ["  ".join(c.rjust(wd) for c, wd in zip(r, widths)) for r in [head, *rows]]
+        return "\n".join(lines)
+
+
+def _batches(inputs, batch_size: int):
+    """Arrays/tensors (B, *shape) from a DataLoader (batches or (x, y, ...) tuples), an array or a tensor."""
+    if hasattr(inputs, "shape"):
+        for start in range(0, int(inputs.shape[0]), batch_size):
+            yield inputs[start:start + batch_size]
+        return
+    for batch in inputs:
+        if isinstance(batch, (tuple, list)):
+            batch = batch[0]
+        yield batch
+
+
+def _numpy(x) -> np.ndarray:
+    x = x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+    return np.asarray(x, dtype=np.float64)
+
+
+def _total(inputs) -> int | None:
+    if hasattr(inputs, "shape"):
+        return int(inputs.shape[0])
+    dataset = getattr(inputs, "dataset", None)
+    try:
+        return len(dataset) if dataset is not None else None
+    except TypeError:
+        return None
+
+
+def observe(cm, inputs, qs=(1.0,), counts: bool = True, compare=None, batch_size: int = 32,
+            progress: bool | None = None, backend=None) -> Observations:
+    """Activation-filtered observables of ``cm`` on every sample of ``inputs``.
+
+    Parameters
+    ----------
+    cm : Compiled (or Graph)
+    inputs : numpy array or tensor (N, *input shape), or an iterable of batches (a DataLoader;
+        a batch may be an (x, y) pair)
+    qs : the q of each active path-norm column ``log10_active_l{q}``
+    counts : add ``log10_active_paths``
+    compare : a Compiled (or Graph) θ' of the same architecture: adds the active path-metric
+        columns ``lower``, ``upper``, ``shared``, ``flipped`` (neurons whose state differs),
+        ``local_estimate`` (upper · max(‖x‖∞, 1)), ``local_bound`` (the estimate where the
+        pattern is shared, a bound there; nan elsewhere), ``global_bound`` and ``output_change``
+    batch_size : samples per walk (arrays and tensors are cut into such batches)
+    progress : a tqdm bar on stderr; None shows it only on a terminal
+
+    Returns
+    -------
+    Observations: per-sample columns, quantiles, ``to_dict`` and ``to_csv``.
+
+    >>> import numpy as np, torch, pathir
+    >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    >>> cm = pathir.compile(net, input_shape=(3,))
+    >>> obs = pathir.observe(cm, np.random.default_rng(0).normal(size=(5, 3)))
+    >>> len(obs), sorted(obs.columns)
+    (5, ['active_fraction', 'log10_active_l1', 'log10_active_paths'])
+    >>> bool(np.all(obs.columns["log10_active_l1"] <= obs.global_values["log10_path_norm_l1"] + 1e-12))
+    True
+    """
+    from tqdm import tqdm
+
+    from pathir.ir import Graph
+    from pathir.lifting.active import log_active_path_sum
+    from pathir.lifting.active_metric import active_path_metric
+    from pathir.lifting.path_metric import backend_of, graph_of, path_metric
+    from pathir.lifting.path_norm import log_path_sum
+    from pathir.lifting.pattern import activation_pattern, as_input_dict
+    from pathir.lifting.walk import forward
+
+    graph, be = graph_of(cm), backend_of(cm, backend)
+    ln10 = math.log(10)
+    glob = {f"log10_path_norm_l{q:g}": log_path_sum(graph, q, be) / q / ln10 for q in qs}
+    if counts:
+        glob["log10_paths"] = log_path_sum(graph, 0, be) / ln10
+    metric = None
+    if compare is not None:
+        metric = path_metric(cm if not isinstance(cm, Graph) else graph, compare, be)
+        glob["path_metric_upper"] = metric.upper
+    cols: dict[str, list] = {}
+    show = sys.stderr.isatty() if progress is None else progress
+    with tqdm(total=_total(inputs), desc="pathir observe", unit="sample", disable=not show, file=sys.stderr) as bar:
+        for batch in _batches(inputs, batch_size):
+            x = as_input_dict(graph, batch)
+            pat = activation_pattern(graph, be, x)
+            for q in qs:
+                cols.setdefault(f"log10_active_l{q:g}", []).append(log_active_path_sum(graph, be, pat, q) / q / ln10)
+            if counts:
+                cols.setdefault("log10_active_paths", []).append(log_active_path_sum(graph, be, pat, 0) / ln10)
+            cols.setdefault("active_fraction", []).append(pat.active_fraction(be))
+            if compare is not None:
+                m = active_path_metric(graph, graph_of(compare), x, be, chunk=batch_size)
+                other = forward(graph_of(compare), be, x)
+                change = sum(np.abs(_numpy(pat.outputs[o]) - _numpy(other[o])).reshape(m.upper.shape[0], -1).sum(axis=1)
+                             for o in graph.outputs)
+                for name, v in (("lower", m.lower), ("upper", m.upper), ("shared", m.shared * 1.0), ("flipped", m.flipped),
+                                ("local_estimate", m.upper * m.x_scale),
+                                ("local_bound", m.bound), ("global_bound", m.x_scale * (metric.upper if metric.same_signs else math.nan)),
+                                ("output_change", change)):
+                    cols.setdefault(name, []).append(np.asarray(v, dtype=np.float64))
+            bar.update(pat.batch)
+    return Observations({k: np.concatenate(v) for k, v in cols.items()}, glob)

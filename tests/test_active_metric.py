@@ -1,0 +1,92 @@
+"""The active path-metric (pathir.lifting.active_metric) against path enumeration with a(θ, x)."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_path_metric import KINDS, variant
+
+from pathir.backends import get_backend
+from pathir.errors import PathirError
+from pathir.ir import NodeKind
+from pathir.lifting.active_metric import active_path_metric
+from pathir.lifting.walk import forward
+from pathir.neurons.expand import expand
+from pathir.neurons.paths import activations, enumerate_paths, neuron_forward, phi
+from pathir.passes.find_units import find_units
+from pathir.rescaling.apply import rescale_graph
+from pathir.testing import random_inputs, relu_dags, rescalings
+
+BACKENDS = ["numpy", "torch"]
+
+
+def enumerated(ga, gb, x):
+    """Per sample: (d_x, ‖Φ(θ)⊙a‖₁, ‖Φ(θ')⊙a‖₁, same neuron-level pattern) by enumeration."""
+    na, nb = expand(ga), expand(gb)
+    pa, pb = enumerate_paths(na), enumerate_paths(nb)
+    fa, fb = phi(na, pa), phi(nb, pb)
+    out = []
+    for b in range(next(iter(x.values())).shape[0]):
+        sample = {name: value[b] for name, value in x.items()}
+        va, vb = neuron_forward(na, sample), neuron_forward(nb, sample)
+        a = activations(na, pa, va)
+        relus = [v for v, d in na.nodes(data=True) if d["kind"] is NodeKind.RELU]
+        same = all((va.pre[v] > 0) == (vb.pre[v] > 0) for v in relus) and va.selected == vb.selected
+        out.append((math.fsum(np.abs(fa - fb) * a), math.fsum(np.abs(fa) * a), math.fsum(np.abs(fb) * a), same))
+    return out
+
+
+def _le(a, b, rtol=1e-9):
+    return a <= b * (1 + rtol) + 1e-12
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), kind=st.sampled_from(KINDS), seed=st.integers(0, 2**32 - 1))
+def test_brackets_match_enumeration(backend, data, kind, seed):
+    graph = data.draw(relu_dags())
+    other = variant(graph, kind, seed)
+    x = data.draw(random_inputs(graph))
+    m = active_path_metric(graph, other, x, get_backend(backend))
+    fa, fb = forward(graph, get_backend("numpy"), x), forward(other, get_backend("numpy"), x)
+    for b, (d, norm_a, norm_b, same) in enumerate(enumerated(graph, other, x)):
+        assert _le(m.lower[b], d) and _le(d, m.upper[b])
+        assert math.isclose(m.norm_a[b], norm_a, rel_tol=1e-10, abs_tol=1e-12)
+        assert math.isclose(m.norm_b[b], norm_b, rel_tol=1e-10, abs_tol=1e-12)
+        if m.exact:
+            assert math.isclose(m.upper[b], d, rel_tol=1e-10, abs_tol=1e-12)
+        assert bool(m.shared[b]) == same
+        if same:
+            change = sum(np.abs(fa[o][b] - fb[o][b]).sum() for o in graph.outputs)
+            assert _le(change, m.bound[b], 1e-8)
+        else:
+            assert math.isnan(m.bound[b])
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data(), kind=st.sampled_from(KINDS), seed=st.integers(0, 2**32 - 1))
+def test_invariant_under_a_joint_rescaling(data, kind, seed):
+    graph = data.draw(relu_dags())
+    units = find_units(graph)[1]
+    other = variant(graph, kind, seed)
+    x = data.draw(random_inputs(graph))
+    z = data.draw(rescalings(graph))
+    m = active_path_metric(graph, other, x, "torch")
+    r = active_path_metric(rescale_graph(graph, units, z), rescale_graph(other, units, z), x, "torch")
+    assert np.allclose(r.upper, m.upper, rtol=1e-9, atol=1e-12)
+    assert np.array_equal(r.shared, m.shared)
+
+
+def test_refuses_two_architectures():
+    from pathir.ir import Dense, GraphBuilder
+
+    def net(width):
+        b = GraphBuilder()
+        x = b.input("x", (2,))
+        h = b.relu("h", [(x, Dense(b.param("w1", np.ones((width, 2)))))])
+        return b.build(outputs=[b.identity("y", [(h, Dense(b.param("w2", np.ones((1, width)))))])])
+
+    with pytest.raises(PathirError, match="architecture"):
+        active_path_metric(net(2), net(3), np.ones((1, 2)), "numpy")
