@@ -92,10 +92,7 @@ class TorchWriter:
         import torch
 
         self.check_rescalable(graph)
-        by_tensor = {
-            name: {role: (f.T if transposed and role is Role.VALUE else f) for role, (f, transposed) in sides.items()}
-            for name, sides in source_factors(graph, log_scales).items()
-        }
+        by_tensor = source_factors(graph, log_scales)  # every factor in its tensor's layout
         updates = []  # (tensor, new value) computed before anything is written
         seen: dict[int, tuple[str, object]] = {}
         for name, sides in by_tensor.items():
@@ -191,7 +188,7 @@ class TorchWriter:
 
         plan, targets = [], set()
         for p, m, ref in mask_plan(graph, masks):
-            m = m.T if ref.transposed else m
+            m = ref.to_source(m)
             module, attr = self._locate(ref.name)
             if derived(module, attr, ref.name) is not None:
                 raise PathirError(f"'{ref.name}' is computed from other tensors (a parametrization or a "
