@@ -136,16 +136,18 @@ class LayerOps:
         strides, dil = tuple(a.get("strides", (1,) * n)), tuple(a.get("dilations", (1,) * n))
         op = tuple(a.get("output_padding", (0,) * n))
         pads = self._transpose_pads(a, v.shape[1:], k, strides, dil, op)
-        ref, _ = self._ref(node, 1, ("conv_transpose", int(a.get("group", 1)), W))
+        ref, _ = self._ref(node, 1, ("conv_transpose", int(a.get("group", 1)), W))  # tied only in this layout
         self._bind(ref, node, 1, "weight")
         w = ParamTensor(ref, torch.from_numpy(W))
         B = self._bias_const(node, 2)
-        bias = None
+        bias, group = None, int(a.get("group", 1))
         if B is not None:
-            bref, _ = self._ref(node, 2, ("bias", (W.shape[1] * int(a.get("group", 1)),), f64(B).reshape(-1)))
+            if B.size != W.shape[1] * group:
+                self.fail(f"bias of {B.size} entries for {W.shape[1] * group} output channels")
+            bref, _ = self._ref(node, 2, ("bias", (B.size,), f64(B).reshape(-1)))
             self._bind(bref, node, 2, "bias", (B.size,))
             bias = ParamTensor(bref, torch.from_numpy(f64(B).reshape(-1).copy()))
-        return [conv_transpose(self, v, w, bias, strides, pads, dil, op, int(a.get("group", 1)))]
+        return [conv_transpose(self, v, w, bias, strides, pads, dil, op, group)]
 
     def _transpose_pads(self, a, spatial, k, strides, dil, op):
         """(before, after) per axis of an ONNX ConvTranspose: ``pads``, or from ``output_shape`` /

@@ -328,3 +328,89 @@ def test_refused_with_the_reason(cls, match):
     with pytest.raises(UnsupportedOperation, match=match):
         pathir.compile(model, input_shape=(2, 5, 5))
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+# ---------------------------------------------------------------- ONNX
+
+onnx_cases = pytest.importorskip("onnx_cases")
+
+
+@pytest.mark.parametrize("exporter", ["legacy-nofold", "dynamo-noopt"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_onnx_export_gives_the_torch_frontends_numbers(name, exporter):
+    cls, shape = MODELS[name]
+    torch.manual_seed(0)
+    model = cls().eval()
+    proto = onnx_cases.export(model, shape, exporter)
+    assert any(n.op_type == "ConvTranspose" for n in proto.graph.node)
+    cm, ct = pathir.compile(proto), pathir.compile(model, input_shape=shape)
+    x = np.random.default_rng(0).normal(size=(2, *shape)).astype(np.float32)
+    assert onnx_cases.rel(cm.forward(x, backend="numpy"), onnx_cases.ort_run(proto, x)[0]) <= 1e-5
+    for q in (1, 2):
+        assert cm.path_norm(q) == pytest.approx(ct.path_norm(q), rel=1e-9)
+    assert cm.num_paths() == pytest.approx(ct.num_paths(), rel=1e-12)
+    g_onnx, g_torch = cm.diag_g(), ct.diag_g()
+    for k, v in g_torch.items():
+        np.testing.assert_allclose(g_onnx[k], v, rtol=1e-9, atol=1e-300, err_msg=k)
+
+
+def _convt_proto(attrs, w, b, x_shape, relu_out=True, q=None):
+    """x -> ConvTranspose(attrs) [-> Relu] -> y; with q, the path-norm network (|W|^q, |b|^q, no ReLU)."""
+    from onnx_cases import make_model, node, tensor_info
+
+    inits = {"W": w if q is None else np.abs(w) ** q}
+    ins = ["x", "W"]
+    if b is not None:
+        inits["B"] = b if q is None else np.abs(b) ** q
+        ins.append("B")
+    nodes = [node("ConvTranspose", ins, ["c"], name="up", **attrs)]
+    nodes.append(node("Relu" if relu_out and q is None else "Identity", ["c"], ["y"], name="act"))
+    return make_model(nodes, [tensor_info("x", list(x_shape))], [tensor_info("y", ["b", "c", *(f"s{i}" for i in range(len(x_shape) - 2))])], inits)
+
+
+ONNX_ATTRS = [
+    ({}, 1, (1, 2, 4, 4), True),
+    ({"strides": [2, 2], "pads": [1, 0, 0, 1], "output_padding": [1, 0]}, 1, (1, 2, 4, 3), True),
+    ({"strides": [2, 3], "dilations": [2, 1], "pads": [0, 2, 1, 0]}, 2, (1, 2, 3, 4), False),
+    ({"strides": [2, 2], "output_shape": [9, 8]}, 1, (1, 2, 4, 4), True),
+    ({"strides": [2, 2], "output_shape": [8, 7], "auto_pad": "SAME_UPPER"}, 1, (1, 2, 4, 4), True),
+    ({"strides": [2, 2], "auto_pad": "SAME_UPPER"}, 2, (1, 2, 3, 3), True),
+    ({"strides": [2, 2], "auto_pad": "SAME_LOWER"}, 1, (1, 2, 3, 3), True),
+    ({"strides": [3], "pads": [2, 1], "output_padding": [2]}, 2, (1, 4, 5), True),
+    ({"auto_pad": "VALID", "strides": [2]}, 1, (1, 2, 5), False),
+]
+
+
+@pytest.mark.parametrize("attrs,group,x_shape,bias", ONNX_ATTRS, ids=[str(i) for i in range(len(ONNX_ATTRS))])
+def test_onnx_conv_transpose_attributes_equal_onnxruntime_and_the_definition(attrs, group, x_shape, bias):
+    rng = np.random.default_rng(0)
+    attrs = {**attrs, "group": group} if group > 1 else attrs
+    c_in, n = x_shape[1], len(x_shape) - 2
+    w = rng.normal(size=(c_in, 3, *([3] * n))).astype(np.float32)  # C_out = 3 * group
+    b = rng.normal(size=(w.shape[1] * group,)).astype(np.float32) if bias else None
+    proto = _convt_proto(attrs, w, b, x_shape)
+    cm = pathir.compile(proto)  # the compile-time self-check runs onnxruntime too
+    x = rng.normal(size=(3, *x_shape[1:])).astype(np.float32)
+    ref = onnx_cases.ort_run(_convt_proto(attrs, w, b, (3, *x_shape[1:])), x)[0]
+    assert onnx_cases.rel(cm.forward(x, backend="numpy"), ref) <= 1e-6
+    ones = np.ones((1, *x_shape[1:]), dtype=np.float32)
+    for q in (1.0, 2.0):
+        want = float(onnx_cases.ort_run(_convt_proto(attrs, w, b, x_shape, q=q), ones)[0].astype(np.float64).sum())
+        assert cm.path_norm(q) ** q == pytest.approx(want, rel=1e-5)
+    assert cm.graph.params()[0].sources[0].layout == TransposedConvLayout(group)
+
+
+def test_pathcond_on_the_onnx_model_keeps_onnxruntime_outputs():
+    torch.manual_seed(0)
+    model, shape = UNet().eval(), (3, 8, 8)
+    proto = onnx_cases.export(model, shape, "legacy-nofold")
+    cm = pathir.compile(proto)
+    x = np.random.default_rng(1).normal(size=(2, *shape)).astype(np.float32)
+    before = onnx_cases.ort_run(proto, x)[0]
+    cm.pathcond()
+    new = cm.to_onnx()
+    assert onnx_cases.rel(onnx_cases.ort_run(new, x)[0], before) <= 1e-5
+    from onnx import numpy_helper
+
+    up = {t.name: numpy_helper.to_array(t) for t in new.graph.initializer}["up.weight"]
+    assert up.shape == tuple(model.up.weight.shape) and not np.allclose(up, model.up.weight.detach().numpy())
