@@ -249,6 +249,9 @@ class FxInterpreter:
         self_ = args[0]
         if not isinstance(self_, Value):
             if isinstance(self_, ParamTensor):
+                out = lower_method(low, name, args, kwargs) if values_in(args, kwargs) else NOT_MINE
+                if out is not NOT_MINE:  # self.buf * x: fx calls the buffer's method
+                    return out
                 low.unsupported("computes with a model parameter outside linear/conv/batch-norm layers")
             return getattr(self_, name)(*args[1:], **kwargs)
         out = fixed_dispatch.method(low, name, args, kwargs)

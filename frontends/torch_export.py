@@ -87,7 +87,9 @@ class _ExportInterpreter(FxInterpreter):
         if fn in (aten.relu.default, aten.relu_.default):
             return low.relu(args[0])
         if fn in (aten.add.Tensor, aten.add_.Tensor):
-            return low.add(args[0], args[1], kwargs.get("alpha", 1))
+            if kwargs.get("alpha", 1) != 1:  # a + alpha * b: a fixed-scale edge on b
+                return lower_function(low, torch.add, args, kwargs)
+            return low.add(args[0], args[1])
         if fn in (aten.conv1d.default, aten.conv2d.default, aten.conv1d.padding, aten.conv2d.padding):
             return low.conv(*bind(args, kwargs, ["input", "weight", "bias", "stride", "padding", "dilation", "groups"],
                                    {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}))
