@@ -414,3 +414,16 @@ def test_pathcond_on_the_onnx_model_keeps_onnxruntime_outputs():
 
     up = {t.name: numpy_helper.to_array(t) for t in new.graph.initializer}["up.weight"]
     assert up.shape == tuple(model.up.weight.shape) and not np.allclose(up, model.up.weight.detach().numpy())
+
+
+def test_benchmark_unet_is_exact_and_its_script_runs():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_conv_transpose as bench
+
+    torch.manual_seed(0)
+    assert_forward(bench.UNet(2).double().eval(), (3, 8, 8), tol=1e-12)
+    out = bench.bench(size=8, width=2, repeat=1)
+    assert out["path_norm_q1_ratio"] > 0 and out["diag_g_ratio"] > 0
