@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pathir.errors import PathirError
-from pathir.frontends import fixed_dispatch
+from pathir.frontends import conv_transpose, fixed_dispatch
 from pathir.frontends.capture_checks import alias_plan, apply_inplace, check_modes, effect_fx, refuse_inplace
 from pathir.frontends.lower_extra import NOT_MINE, lower_function, lower_method, lower_module
 from pathir.frontends.lowering import Lowering
@@ -45,11 +45,6 @@ _WHY = {
     "GroupNorm": "normalizes by input-dependent statistics",
     "LocalResponseNorm": "normalizes by input-dependent statistics",
     "MultiheadAttention": "attention multiplies activations together",
-    "ConvTranspose1d": "transposed convolutions are inside the ReLU DAG model but not lowered yet",
-    "ConvTranspose2d": "transposed convolutions are inside the ReLU DAG model but not lowered yet",
-    "ConvTranspose3d": "transposed convolutions are inside the ReLU DAG model but not lowered yet",
-    "conv_transpose1d": "transposed convolutions are inside the ReLU DAG model but not lowered yet",
-    "conv_transpose2d": "transposed convolutions are inside the ReLU DAG model but not lowered yet",
     "mul": "a multiplicative gate between two activations (or a constant factor)",
     "sigmoid": "not positively homogeneous",
     "hardsigmoid": "not positively homogeneous",
@@ -162,6 +157,8 @@ class FxInterpreter:
             if mod.padding_mode != "zeros":
                 return fixed_dispatch.conv_with_mode(low, mod, x, p("weight"), p("bias"))
             return low.conv(x, p("weight"), p("bias"), mod.stride, mod.padding, mod.dilation, mod.groups)
+        if isinstance(mod, conv_transpose.MODULES):
+            return conv_transpose.module(low, mod, path, args, kwargs)
         if isinstance(mod, nn.modules.batchnorm._BatchNorm):
             return low.batch_norm(x, path, p("weight"), p("bias"), p("running_mean"), p("running_var"), mod.eps)
         if isinstance(mod, nn.ReLU):
@@ -196,6 +193,8 @@ class FxInterpreter:
                 low.unsupported("computes with a model parameter outside linear/conv/batch-norm layers")
             return fn(*args, **kwargs)  # shape arithmetic on concrete sizes
         out = fixed_dispatch.function(low, self.model, fn, args, kwargs)
+        if out is NOT_MINE:
+            out = conv_transpose.function(low, self.model, fn, args, kwargs)
         if out is NOT_MINE:
             out = lower_function(low, fn, args, kwargs)
         if out is not NOT_MINE:
@@ -250,6 +249,9 @@ class FxInterpreter:
         self_ = args[0]
         if not isinstance(self_, Value):
             if isinstance(self_, ParamTensor):
+                out = lower_method(low, name, args, kwargs) if values_in(args, kwargs) else NOT_MINE
+                if out is not NOT_MINE:  # self.buf * x: fx calls the buffer's method
+                    return out
                 low.unsupported("computes with a model parameter outside linear/conv/batch-norm layers")
             return getattr(self_, name)(*args[1:], **kwargs)
         out = fixed_dispatch.method(low, name, args, kwargs)

@@ -4,6 +4,9 @@
   ``add(a, b, alpha=c)``: a constant c is a *fixed* weight (never rescaled, it ties
   source and target channels); a scalar on a (C, *S) tensor is a 1-window Pool
   whose multiplier is c at every position, on a flat (C,) tensor a 1×1 SpatialMatrix;
+- a constant *tensor* factor ``x * self.buf`` / ``x / self.buf`` (a buffer or a constant,
+  no ``nn.Parameter``): one fixed factor per channel, position or element, a 1-window
+  Pool whose multiplier has shape (C, *S) (a flat tensor goes through (C, 1));
 - a learnable per-channel scale ``x * self.gamma`` (gamma of shape (C,), (C, 1, ..)
   or (1, C, 1, ..)): a parameterized ``Scale`` edge (layer-scale);
 - elementwise ``torch.max(a, b)`` / ``torch.maximum`` / ``fmax``: a max-pool neuron
@@ -47,9 +50,30 @@ def _scalar(c):
     return None
 
 
-def fixed_scale(low, v: Value, c: float) -> Value:
-    """c · v with c a constant: a fixed-weight edge."""
+_COMPLEX = (torch.complex64, torch.complex128)
+
+
+def _constant_tensor(c) -> np.ndarray | None:
+    """A tensor that is no learnable parameter (a buffer, a constant made in the forward, an
+    ONNX initializer) as a float64 array; else None."""
+    if isinstance(c, ParamTensor):
+        c = c.tensor
+    if isinstance(c, np.ndarray) and (np.issubdtype(c.dtype, np.floating) or np.issubdtype(c.dtype, np.integer)):
+        return c.astype(np.float64)
+    if isinstance(c, torch.Tensor) and not isinstance(c, nn.Parameter) and c.dtype not in (torch.bool, *_COMPLEX):
+        return c.detach().to("cpu", torch.float64).numpy()
+    return None
+
+
+def fixed_scale(low, v: Value, c) -> Value:
+    """c · v with c a constant: a fixed-weight edge. c is a number, or a constant tensor that
+    broadcasts to v's per-sample shape without changing it (one factor per channel, per position
+    or per element; a leading batch axis of length 1 allowed): a 1-window Pool whose multiplier
+    holds the factors (a factor 0 is no edge)."""
     v = low._value(v)
+    if np.ndim(c):
+        return _fixed_tensor_scale(low, v, np.asarray(c, dtype=np.float64))
+    c = float(c)
     if c == 1.0:
         return v
     if c == 0.0 or not np.isfinite(c):
@@ -63,6 +87,34 @@ def fixed_scale(low, v: Value, c: float) -> Value:
     else:
         m = SpatialMatrix(np.array([[c]]), ())
     return Value([(src, m)], m.out_shape(shape), None, low.label)
+
+
+def _fixed_tensor_scale(low, v: Value, c: np.ndarray) -> Value:
+    shape = tuple(v.shape)
+    while c.ndim > len(shape) and c.shape[0] == 1:
+        c = c.reshape(c.shape[1:])  # the batch axis, length 1
+    try:
+        full = np.broadcast_to(c, shape) if c.ndim <= len(shape) else None
+    except ValueError:
+        full = None
+    if full is None:
+        low.unsupported(f"multiplies an activation of per-sample shape {list(shape)} by a constant of shape "
+                        f"{list(c.shape)}: it does not broadcast to one factor per element of the activation (it "
+                        "changes the shape or varies over the batch)")
+    if not np.all(np.isfinite(full)):
+        low.unsupported("multiplies an activation by a constant with non-finite entries")
+    if np.all(full == full.reshape(-1)[0]):
+        return fixed_scale(low, v, float(full.reshape(-1)[0]))
+    if len(shape) == 1:  # a flat (C,) tensor: as (C, 1), a 1-window Pool, back to (C,)
+        column = low.index_op(lambda t: t.unsqueeze(-1), [v])[0][0]
+        scaled = fixed_scale(low, column, full.reshape(-1, 1))
+        return low.index_op(lambda t: t.squeeze(-1), [scaled])[0][0]
+    n = len(shape) - 1
+    per_channel = not np.all(full == full[:1])
+    mult = np.array(full if per_channel else full[0], dtype=np.float64)
+    src = low.materialize(v)
+    m = Pool((1,) * n, (1,) * n, ((0, 0),) * n, (1,) * n, False, mult)
+    return Value([(src, m)], m.out_shape(low.b.shape(src)), None, low.label)
 
 
 def _add(low, a, b, alpha=1):
@@ -91,6 +143,9 @@ def _mul(low, a, b):
     c = _scalar(b)
     if c is not None:
         return fixed_scale(low, a, c)
+    const = _constant_tensor(b)
+    if const is not None:
+        return fixed_scale(low, a, const)  # a buffer or constant: a fixed factor, never rescaled
     if isinstance(b, ParamTensor):
         return _layer_scale(low, a, b)
     return NOT_MINE
@@ -100,7 +155,14 @@ def _div(low, a, b):
     if isinstance(b, Value):
         low.unsupported("division by an activation is not positively homogeneous")
     c = _scalar(b)
-    if c is None or c == 0:
+    if c is None:
+        const = _constant_tensor(b)
+        if const is None or not isinstance(a, Value):
+            return NOT_MINE
+        if np.any(const == 0):
+            low.unsupported("division by a constant tensor with zero entries")
+        return fixed_scale(low, a, 1.0 / const)
+    if c == 0:
         return NOT_MINE
     return fixed_scale(low, a, 1.0 / c)
 
@@ -192,9 +254,9 @@ def _clamp(low, fn, args, kwargs):
 def lower_method(low, name, args, kwargs):
     """A call_method the core does not lower, or NOT_MINE."""
     self_ = args[0]
-    if name == "add" and kwargs.get("alpha", 1) != 1:
+    if name in ("add", "add_") and kwargs.get("alpha", 1) != 1:
         return _add(low, self_, args[1], kwargs["alpha"])
-    if name in ("sub", "__sub__", "subtract"):
+    if name in ("sub", "sub_", "__sub__", "__isub__", "subtract"):
         return _sub(low, self_, args[1], kwargs.get("alpha", 1))
     if name == "__rsub__":
         return _sub(low, args[1], self_)

@@ -67,9 +67,13 @@ class Lowering:
         raise UnsupportedOperation(self.fx_name, op or self.op, self.where, why)
 
     def param(self, name: str, value: np.ndarray, refs: tuple[SourceRef, ...], how: str = "") -> Param:
-        """One Param object per name, so a module called twice shares its weights."""
+        """One Param object per name, so a module called twice shares its weights; a tensor
+        read in two roles or layouts (a conv weight reused by a transposed convolution) is refused."""
         if name not in self._params:
             self._params[name] = Param.adopt(name, value, refs, how)
+        elif self._params[name].sources != tuple(refs):
+            self.unsupported(f"the tensor '{name}' is read in two ways ({self._params[name].how or 'as it is'}; "
+                             f"{how or 'as it is'}): one tensor shared by two kinds of layers is not lowered")
         return self._params[name]
 
     def direct(self, pt: ParamTensor) -> Param:

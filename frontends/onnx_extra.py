@@ -1,5 +1,6 @@
 """ONNX ops inside the ReLU DAG model that the torch frontend lowers in lower_extra:
-Sub and Neg (a fixed −1 edge), Mul / Div by a scalar constant (a fixed edge),
+Sub and Neg (a fixed −1 edge), Mul / Div by a constant (a scalar, or one factor per channel,
+position or element: a fixed edge),
 Max of activations (a max-pool neuron over its operands), LeakyRelu(alpha=0) and
 Clip(min=0, no max) as ReLU. A mixin of OnnxLowering; the semantics are
 lower_extra's, so both frontends build the same graph."""
@@ -23,6 +24,11 @@ def _scalar(c) -> float | None:
     return None
 
 
+def _constant(c) -> np.ndarray | None:
+    numeric = isinstance(c, np.ndarray) and (np.issubdtype(c.dtype, np.floating) or np.issubdtype(c.dtype, np.integer))
+    return c.astype(np.float64) if numeric else None
+
+
 class ExtraOps:
     def op_Sub(self, node, ins):
         a, b = ins
@@ -37,12 +43,18 @@ class ExtraOps:
         return [fixed_scale(self, self.act(node, 0), -1.0)]
 
     def op_Mul(self, node, ins):
-        """An activation times one scalar constant c: a fixed edge of weight c (as torch's ``x * c``)."""
+        """An activation times a constant c (one scalar, or an initializer / constant of one factor per
+        channel, position or element): a fixed edge of weight c (as torch's ``x * c``, ``x * self.buf``).
+        ONNX does not tell a learnable tensor from a constant: the factor is fixed, never rescaled."""
         a, b = ins
         k = 0 if isinstance(a, Value) else 1
+        if isinstance(ins[1 - k], Value):
+            self.unsupported("a product of two activations (a gate) is not positively homogeneous of degree 1")
         c = _scalar(ins[1 - k])
-        if isinstance(ins[1 - k], Value) or c is None:
-            self.unsupported("a product of two activations (a gate), or by a constant that is not one scalar")
+        if c is None:
+            c = _constant(ins[1 - k])
+        if c is None:
+            self.unsupported("a product with a constant that is not numeric")
         return [fixed_scale(self, ins[k], c)]
 
     def op_Div(self, node, ins):
@@ -50,9 +62,13 @@ class ExtraOps:
         if isinstance(b, Value):
             self.unsupported("division by an activation is not positively homogeneous")
         c = _scalar(b)
-        if c is None or c == 0:
-            self.unsupported("division by a constant that is not one non-zero scalar")
-        return [fixed_scale(self, a, 1.0 / c)]
+        if c is None:
+            c = _constant(b)
+            if c is not None and np.any(c == 0):
+                c = None
+        if c is None or np.ndim(c) == 0 and c == 0:
+            self.unsupported("division by a constant that is not numeric and non-zero everywhere")
+        return [fixed_scale(self, a, 1.0 / np.asarray(c, dtype=np.float64) if np.ndim(c) else 1.0 / c)]
 
     def op_Max(self, node, ins):
         if not all(isinstance(v, Value) for v in ins):

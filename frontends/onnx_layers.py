@@ -117,6 +117,62 @@ class LayerOps:
         bias = self.bias(node, 2, f64(B).reshape(-1), (W.shape[0],)) if B is not None else None
         return [self._apply(v, Conv(Wp, strides, pads, dil, int(a.get("group", 1))), bias)]
 
+    def op_ConvTranspose(self, node, ins):
+        """A zero-stuffing Gather and a Conv whose kernel is W in direct layout (frontends/conv_transpose.py);
+        the param stays bound to the initializer W (C_in, C_out/group, *k)."""
+        import torch
+
+        from pathir.frontends.conv_transpose import conv_transpose
+
+        v = self.act(node, 0)
+        W = f64(self.const(node, 1, "weight"))
+        n = W.ndim - 2
+        if n < 1 or len(v.shape) != n + 1:
+            self.unsupported(f"{n}-d transposed convolution on an activation of per-sample shape {list(v.shape)}")
+        a = attrs(node)
+        k = tuple(W.shape[2:])
+        if tuple(a.get("kernel_shape", k)) != k:
+            self.fail(f"kernel_shape {a['kernel_shape']} disagrees with the weight {list(W.shape)}")
+        strides, dil = tuple(a.get("strides", (1,) * n)), tuple(a.get("dilations", (1,) * n))
+        op = tuple(a.get("output_padding", (0,) * n))
+        pads = self._transpose_pads(a, v.shape[1:], k, strides, dil, op)
+        ref, _ = self._ref(node, 1, ("conv_transpose", int(a.get("group", 1)), W))  # tied only in this layout
+        self._bind(ref, node, 1, "weight")
+        w = ParamTensor(ref, torch.from_numpy(W))
+        B = self._bias_const(node, 2)
+        bias, group = None, int(a.get("group", 1))
+        if B is not None:
+            if B.size != W.shape[1] * group:
+                self.fail(f"bias of {B.size} entries for {W.shape[1] * group} output channels")
+            bref, _ = self._ref(node, 2, ("bias", (B.size,), f64(B).reshape(-1)))
+            self._bind(bref, node, 2, "bias", (B.size,))
+            bias = ParamTensor(bref, torch.from_numpy(f64(B).reshape(-1).copy()))
+        return [conv_transpose(self, v, w, bias, strides, pads, dil, op, group)]
+
+    def _transpose_pads(self, a, spatial, k, strides, dil, op):
+        """(before, after) per axis of an ONNX ConvTranspose: ``pads``, or from ``output_shape`` /
+        auto_pad SAME_* (total = s·(L − 1) + output_padding + d·(k − 1) + 1 − out; the odd unit goes
+        after for SAME_UPPER, before otherwise), as onnxruntime computes them."""
+        n = len(k)
+        mode = a.get("auto_pad", "NOTSET") or "NOTSET"
+        out = a.get("output_shape")
+        if out is None and mode in ("SAME_UPPER", "SAME_LOWER"):
+            out = [L * s for L, s in zip(spatial, strides)]
+        if out is None:
+            if mode == "VALID":
+                return ((0, 0),) * n
+            if mode != "NOTSET":
+                self.fail(f"unknown auto_pad '{mode}'")
+            p = list(a.get("pads", [0] * (2 * n)))
+            return tuple((int(p[i]), int(p[i + n])) for i in range(n))
+        out = list(out)[-n:]
+        pads = []
+        for L, kk, s, d, o, target in zip(spatial, k, strides, dil, op, out):
+            total = s * (L - 1) + o + d * (kk - 1) + 1 - int(target)
+            small = total // 2
+            pads.append((small, total - small) if mode == "SAME_UPPER" else (total - small, small))
+        return tuple(pads)
+
     def op_BatchNormalization(self, node, ins):
         import torch
 

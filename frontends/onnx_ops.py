@@ -37,7 +37,6 @@ WHY = {
     "Max": "an elementwise max of activations is not a ReLU DAG neuron",
     "Min": "an elementwise min of activations is not a ReLU DAG neuron",
     "Neg": "a fixed weight of -1 between activations is not lowered",
-    "ConvTranspose": "transposed convolutions are not lowered yet",
     "LpPool": "an Lp pool is not positively homogeneous of degree 1 per window",
     "ReduceMax": "a max over an axis is not lowered (use MaxPool)",
     "ReduceSum": "only the mean over all spatial axes is lowered (ReduceMean)",

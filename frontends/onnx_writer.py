@@ -133,10 +133,9 @@ class OnnxWriter:
             raise PathirError(f"source tensor '{name}': {f.size} factors for {int(np.prod(b.layout))} channels")
         return f.reshape(b.layout)
 
-    def _in_layout(self, name: str, b: Binding, f: np.ndarray, transposed: bool) -> np.ndarray:
-        """A param-shaped (or per-channel) array in the source tensor's layout."""
+    def _in_layout(self, name: str, b: Binding, f: np.ndarray) -> np.ndarray:
+        """A weight-layout (or per-channel) array shaped as the source tensor."""
         if b.kind == "weight":
-            f = f.T if transposed else f
             if f.size != b.value.size:
                 raise PathirError(f"source tensor '{name}' has {b.value.size} entries, its factor {f.size}")
             return np.asarray(f).reshape(b.value.shape)
@@ -147,15 +146,15 @@ class OnnxWriter:
         if Role.IN_STATS in sides:
             if len(sides) > 1:
                 raise PathirError(f"source tensor '{name}' is both running statistics and a rescaled value")
-            lam = self._per_channel(name, b, sides[Role.IN_STATS][0])
+            lam = self._per_channel(name, b, sides[Role.IN_STATS])
             if b.kind == "bn_mean":
                 return lam * old
             if b.kind == "bn_var":
                 return lam**2 * (old + b.eps) - b.eps
             raise PathirError(f"source tensor '{name}' has role in_stats but is no batch-norm running statistic")
         new = old
-        for f, transposed in sides.values():
-            f = self._in_layout(name, b, f, transposed)
+        for f in sides.values():
+            f = self._in_layout(name, b, f)
             if f.shape != old.shape and np.allclose(f, f.reshape(-1)[0], rtol=1e-15, atol=0):
                 f = f.reshape(-1)[0]  # one factor for a broadcast tensor: keep its shape
             new = new * f
@@ -174,7 +173,7 @@ class OnnxWriter:
             if ref.name in updates:
                 raise PathirError(f"two masks for the tensor '{ref.name}'")
             b = self._binding(ref.name)
-            keep = self._in_layout(ref.name, b, m.astype(np.float64), ref.transposed)
+            keep = self._in_layout(ref.name, b, ref.to_source(m.astype(np.float64)))
             updates[ref.name] = np.asarray(b.value, dtype=np.float64) * keep
         self._commit(updates)
 

@@ -11,7 +11,7 @@ import operator
 
 import torch
 
-from pathir.frontends import fixed_dispatch
+from pathir.frontends import conv_transpose, fixed_dispatch
 from pathir.frontends.capture_checks import effect_export
 from pathir.frontends.fx_interpreter import FxInterpreter, bind, substitute, values_in, why
 from pathir.frontends.lower_extra import lower_function
@@ -78,6 +78,8 @@ class _ExportInterpreter(FxInterpreter):
             if fn is operator.getitem or not isinstance(fn, torch._ops.OpOverload):
                 return super()._function(fn, args, kwargs)
         out = fixed_dispatch.aten_op(low, self.model, fn, args, kwargs)
+        if out is NOT_MINE:
+            out = conv_transpose.aten_op(low, self.model, fn, args, kwargs)
         if out is not NOT_MINE:
             return out
         if fn in _SAME:
@@ -85,14 +87,14 @@ class _ExportInterpreter(FxInterpreter):
         if fn in (aten.relu.default, aten.relu_.default):
             return low.relu(args[0])
         if fn in (aten.add.Tensor, aten.add_.Tensor):
-            return low.add(args[0], args[1], kwargs.get("alpha", 1))
+            if kwargs.get("alpha", 1) != 1:  # a + alpha * b: a fixed-scale edge on b
+                return lower_function(low, torch.add, args, kwargs)
+            return low.add(args[0], args[1])
         if fn in (aten.conv1d.default, aten.conv2d.default, aten.conv1d.padding, aten.conv2d.padding):
             return low.conv(*bind(args, kwargs, ["input", "weight", "bias", "stride", "padding", "dilation", "groups"],
                                    {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}))
         if fn is aten.convolution.default:
-            x, w, b, stride, padding, dilation, transposed, _, groups = args[:9]
-            if transposed:
-                low.unsupported(why("ConvTranspose2d"), "convolution")
+            x, w, b, stride, padding, dilation, _, _, groups = args[:9]  # transposed: conv_transpose.aten_op
             return low.conv(x, w, b, stride, padding, dilation, groups)
         if fn is aten.linear.default:
             return low.linear(*bind(args, kwargs, ["input", "weight", "bias"], {"bias": None}))

@@ -91,7 +91,7 @@ class TorchWriter:
         import torch
 
         self.check_rescalable(graph)
-        by_tensor = _by_tensor(graph, log_scales)
+        by_tensor = source_factors(graph, log_scales)  # every factor in its tensor's layout
         updates = []  # (tensor, new value) computed before anything is written
         seen: dict[int, tuple[str, object]] = {}
         while by_tensor:  # in order; each factor is released once its tensor's new value is computed
@@ -119,7 +119,7 @@ class TorchWriter:
         :meth:`rescale` multiplies it by, or a str saying why the tensor's change is no entrywise
         factor (a weight_norm g whose rescaling also moves v non-uniformly). Nothing is written."""
         out, seen = [], set()
-        for name, sides in _by_tensor(graph, log_scales).items():
+        for name, sides in source_factors(graph, log_scales).items():
             if Role.IN_STATS in sides:
                 continue
             module, attr = self._locate(name)
@@ -216,7 +216,7 @@ class TorchWriter:
 
         plan, targets = [], set()
         for p, m, ref in mask_plan(graph, masks):
-            m = m.T if ref.transposed else m
+            m = ref.to_source(m)
             module, attr = self._locate(ref.name)
             if derived(module, attr, ref.name) is not None:
                 raise PathirError(f"'{ref.name}' is computed from other tensors (a parametrization or a "
@@ -232,14 +232,6 @@ class TorchWriter:
             plan.append((module, attr, torch.as_tensor(m.reshape(tuple(t.shape)), device=t.device)))
         for module, attr, mask in plan:
             prune.custom_from_mask(module, name=attr, mask=mask)
-
-
-def _by_tensor(graph: Graph, log_scales) -> dict[str, dict[Role, np.ndarray]]:
-    """{source tensor name: {role: factor in the tensor's own layout}} (VALUE factors transposed back)."""
-    return {
-        name: {role: (f.T if transposed and role is Role.VALUE else f) for role, (f, transposed) in sides.items()}
-        for name, sides in source_factors(graph, log_scales).items()
-    }
 
 
 def _weight_norm_factors(name: str, d, factor: np.ndarray) -> list[tuple[object, object]]:

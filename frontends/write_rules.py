@@ -23,16 +23,17 @@ __all__ = ["source_factors", "mask_ref", "mask_plan"]
 _SAME = dict(rtol=1e-9, atol=1e-300)
 
 
-def source_factors(graph: Graph, log_scales: Mapping[str, np.ndarray]) -> dict[str, dict[Role, tuple[np.ndarray, bool]]]:
-    """{source tensor name: {role: (factor, transposed)}} of a rescaling.
+def source_factors(graph: Graph, log_scales: Mapping[str, np.ndarray]) -> dict[str, dict[Role, np.ndarray]]:
+    """{source tensor name: {role: factor}} of a rescaling.
 
-    VALUE factors have the param's shape, OUT_SCALE and IN_STATS ones one entry
-    per channel (IN_STATS: λ, the factor of the batch-norm's input). One
+    VALUE factors are in the source tensor's layout (``SourceRef.to_source`` of the
+    param-shaped factor: a transpose, a transposed convolution's kernel layout),
+    OUT_SCALE and IN_STATS ones one entry per channel (IN_STATS: λ, the factor of the batch-norm's input). One
     (tensor, role) reached through several params must get one factor."""
     from pathir.rescaling.apply import check_log_scales, param_factors
 
     s = check_log_scales(graph, log_scales)
-    plan: dict[tuple[str, Role], tuple[np.ndarray, bool, str]] = {}
+    plan: dict[tuple[str, Role], tuple[np.ndarray, str]] = {}
     for p, fo, fi, v, u in param_factors(graph, s).values():
         if not p.sources:
             raise PathirError(f"param '{p.name}' has no source tensor to write the rescaling to")
@@ -40,7 +41,7 @@ def source_factors(graph: Graph, log_scales: Mapping[str, np.ndarray]) -> dict[s
         for ref in p.sources:
             if ref.role is Role.VALUE:
                 f = np.exp((0.0 if Role.IN_STATS in roles else fi) + (0.0 if Role.OUT_SCALE in roles else fo))
-                f = np.broadcast_to(f, p.shape)
+                f = ref.to_source(np.broadcast_to(f, p.shape))
             elif ref.role is Role.OUT_SCALE:
                 f = np.exp(s[v.name])
             else:
@@ -49,17 +50,17 @@ def source_factors(graph: Graph, log_scales: Mapping[str, np.ndarray]) -> dict[s
                 f = np.exp(-np.asarray(fi))
             key = (ref.name, ref.role)
             if key in plan:
-                old, _, via = plan[key]
+                old, via = plan[key]
                 if old.shape != f.shape or not np.allclose(old, f, **_SAME):
                     raise PathirError(
                         f"source tensor '{ref.name}' ({ref.role.value}) would be rescaled differently "
                         f"through params '{via}' and '{p.name}'"
                     )
                 continue
-            plan[key] = (np.array(f, dtype=np.float64), ref.transposed, p.name)
-    out: dict[str, dict[Role, tuple[np.ndarray, bool]]] = {}
-    for (name, role), (f, transposed, _) in plan.items():
-        out.setdefault(name, {})[role] = (f, transposed)
+            plan[key] = (np.array(f, dtype=np.float64), p.name)
+    out: dict[str, dict[Role, np.ndarray]] = {}
+    for (name, role), (f, _) in plan.items():
+        out.setdefault(name, {})[role] = f
     return out
 
 

@@ -103,8 +103,7 @@ def _recipes(graph: Graph, model: torch.nn.Module) -> list[_Recipe]:
         roles = {r.role for r in p.sources}
         shape = p.shape
         if roles == {Role.VALUE}:
-            tr = ref.transposed
-            out.append(_Recipe(p, [ref.name], lambda t, n=ref.name, tr=tr, s=shape: (t[n].T if tr else t[n]).reshape(s)))
+            out.append(_Recipe(p, [ref.name], lambda t, ref=ref, s=shape: ref.from_source(t[ref.name]).reshape(s)))
             continue
         path, bn = _batchnorm(model, p)
         g_name, b_name, m_name, v_name = (f"{path}.{a}" for a in ("weight", "bias", "running_mean", "running_var"))
@@ -134,8 +133,8 @@ def _recipes(graph: Graph, model: torch.nn.Module) -> list[_Recipe]:
 
             out.append(_Recipe(p, [b_name, g_name, m_name, v_name, *convs], fn))
         else:  # a weight folded with the batch-norm after it: W · c per output channel
-            def fn(t, n=ref.name, c_of=c_of, s=shape):
-                w = t[n].reshape(s)
+            def fn(t, ref=ref, c_of=c_of, s=shape):
+                w = ref.from_source(t[ref.name]).reshape(s)
                 return w * c_of(t).reshape(-1, *([1] * (len(s) - 1)))
 
             out.append(_Recipe(p, [ref.name, g_name, v_name], fn))

@@ -5,7 +5,7 @@
   dilation, groups), ReLU and identity nodes, biases, skip connections
   (Identity edges, parallel ones included), concatenation and channel
   slices/permutations (ChannelMap), k-max-pools (k >= 1, padding, ceil_mode),
-  average pools (Pool with multiplier), adaptive pools (SpatialMatrix), separable
+  average pools (Pool with multiplier, per position or per channel and position), adaptive pools (SpatialMatrix), separable
   fixed maps with signed coefficients and structural zeros (Resample: interpolation,
   fixed filters), element gathers, flatten (Reshape), per-channel Scale edges, several inputs and outputs.
 - :func:`mlps` builds layered fully-connected networks.
@@ -238,6 +238,11 @@ class _Dag:
             mult = np.full(self._in_window(src, w).shape, 1.0 / math.prod(w.kernel))
         else:
             mult = 1.0 / self._in_window(src, w)
+        if self.draw(st.booleans()):  # a constant factor per channel (x * c, c a buffer); 0 is no edge
+            c = self.shape(src)[0]
+            factors = self.rng.choice([-2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0], size=c)
+            factors[self.rng.integers(0, c)] = 1.0  # some edge exists
+            mult = factors.reshape(c, *([1] * mult.ndim)) * mult
         m = Pool(w.kernel, w.stride, w.padding, w.dilation, w.ceil_mode, mult)
         kind = self.draw(st.sampled_from([NodeKind.IDENTITY, NodeKind.RELU]))
         return self.add("avgpool", kind, [(src, m)], self.bias(self.shape(src)[0]))

@@ -211,10 +211,3 @@ def test_leaky_relu_with_a_slope_still_refused():
     model = nn.Sequential(nn.Linear(3, 3), nn.LeakyReLU(0.1), nn.Linear(3, 1))
     with pytest.raises(UnsupportedOperation):
         pathir.compile(model, input_shape=(3,))
-
-
-@pytest.mark.parametrize("mod", [nn.ConvTranspose1d(2, 3, 3), nn.ConvTranspose2d(2, 3, 3)])
-def test_transposed_convolution_refused_with_the_right_reason(mod):
-    shape = (2, 5) if isinstance(mod, nn.ConvTranspose1d) else (2, 5, 5)
-    with pytest.raises(UnsupportedOperation, match="inside the ReLU DAG model but not lowered yet"):
-        pathir.compile(nn.Sequential(mod, nn.ReLU()), input_shape=shape)

@@ -20,11 +20,11 @@ from .maps import (
     pool_output_size,
 )
 from .node import POSITIVELY_HOMOGENEOUS, Edge, Node, NodeKind
-from .param import Param, Role, SourceRef
+from .param import Param, Role, SourceRef, TransposedConvLayout
 from .verify import verify
 
 __all__ = [
-    "Param", "Role", "SourceRef",
+    "Param", "Role", "SourceRef", "TransposedConvLayout",
     "Map", "MapKind", "PARAMETERIZED", "FIXED",
     "Identity", "Reshape", "ChannelMap", "Pool", "SpatialMatrix", "Resample", "Gather", "Dense", "Conv", "Scale",
     "pool_output_size",

@@ -207,7 +207,10 @@ class Pool(Map):
     Average pooling is a Pool whose ``mult`` is 1/divisor per output position;
     ``padding`` holds (before, after) per spatial axis; windows never cross
     channels. The edge from source position q to output position p exists iff
-    q lies in p's window inside the input; its weight is mult[p]."""
+    q lies in p's window inside the input and mult[p] != 0 (a coefficient
+    exactly 0 is no edge); its weight is mult[p]. ``mult`` has the output's
+    spatial shape, or (channels, *spatial) for a factor that differs per
+    channel (a constant tensor ``x * c``, 1-windows)."""
 
     kernel: Shape
     stride: Shape
@@ -234,8 +237,9 @@ class Pool(Map):
             pool_output_size(L, k, s, p, d, self.ceil_mode)
             for L, k, s, p, d in zip(spatial, self.kernel, self.stride, self.padding, self.dilation)
         )
-        if self.mult is not None and tuple(self.mult.shape) != out:
-            raise ValueError(f"pool multiplier has shape {self.mult.shape}, output positions {out}")
+        if self.mult is not None and tuple(self.mult.shape) not in (out, (in_shape[0], *out)):
+            raise ValueError(f"pool multiplier has shape {self.mult.shape}, output positions {out} "
+                             f"(or {(in_shape[0], *out)} per channel)")
         return (in_shape[0], *out)
 
     def describe(self):
@@ -264,7 +268,7 @@ class Pool(Map):
     def with_weights(self, fn, fixed_fn=None):
         if self.mult is None:
             return self
-        return replace(self, mult=(fixed_fn or fn)(self.mult))
+        return replace(self, mult=np.where(self.mult != 0, (fixed_fn or fn)(self.mult), 0.0))
 
     def channel_ties(self, in_shape):
         c = np.arange(in_shape[0])

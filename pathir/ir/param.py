@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Role", "SourceRef", "Param"]
+__all__ = ["Role", "SourceRef", "TransposedConvLayout", "Param"]
 
 
 class Role(enum.Enum):
@@ -28,16 +28,70 @@ class Role(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class TransposedConvLayout:
+    """The param is the direct-convolution kernel of a transposed convolution.
+
+    A transposed convolution's weight T has shape (C_in, C_out/g, *k). pathir lowers it as a
+    zero-stuffing ``Gather`` followed by an ordinary ``Conv`` whose kernel W (C_out, C_in/g, *k)
+    is T with the two channel axes swapped inside each of the g groups and every spatial axis
+    flipped: W[j·O_g + o, i, κ] = T[j·I_g + i, o, k − 1 − κ]. A bijection of entries, so a factor,
+    mask or score of W maps back to T entry by entry (``to_source``), and T to W (``from_source``).
+    Both accept numpy arrays and torch tensors.
+    """
+
+    groups: int
+
+    def from_source(self, t):
+        """T (C_in, C_out/g, *k) -> W (C_out, C_in/g, *k)."""
+        g = self.groups
+        c_in, o_g, *k = t.shape
+        a = _swap12(t.reshape(g, c_in // g, o_g, *k))
+        return _flip(a, tuple(range(3, 3 + len(k)))).reshape(g * o_g, c_in // g, *k)
+
+    def to_source(self, w):
+        """W (C_out, C_in/g, *k) -> T (C_in, C_out/g, *k)."""
+        g = self.groups
+        c_out, i_g, *k = w.shape
+        a = _swap12(w.reshape(g, c_out // g, i_g, *k))
+        return _flip(a, tuple(range(3, 3 + len(k)))).reshape(g * i_g, c_out // g, *k)
+
+
+def _swap12(a):
+    return a.swapaxes(1, 2) if isinstance(a, np.ndarray) else a.transpose(1, 2)
+
+
+def _flip(a, axes):
+    if not axes:
+        return a
+    return np.flip(a, axes) if isinstance(a, np.ndarray) else a.flip(axes)
+
+
+@dataclass(frozen=True, slots=True)
 class SourceRef:
     """One source tensor a param is made from.
 
     ``transposed`` is true when the param's value is the transpose of the
-    source tensor (ONNX Gemm with transB=0, MatMul initializers).
+    source tensor (ONNX Gemm with transB=0, MatMul initializers); ``layout``
+    names any other entry-by-entry rearrangement (a transposed convolution's
+    kernel). :meth:`to_source` / :meth:`from_source` apply them.
     """
 
     name: str
     role: Role = Role.VALUE
     transposed: bool = False
+    layout: TransposedConvLayout | None = None
+
+    def to_source(self, a):
+        """``a`` (the param's layout; numpy array or torch tensor) in the source tensor's layout."""
+        if self.layout is not None:
+            return self.layout.to_source(a)
+        return a.T if self.transposed else a
+
+    def from_source(self, t):
+        """The source tensor ``t`` (numpy array or torch tensor) in the param's layout."""
+        if self.layout is not None:
+            return self.layout.from_source(t)
+        return t.T if self.transposed else t
 
 
 @dataclass(frozen=True, eq=False)

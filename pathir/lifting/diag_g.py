@@ -21,11 +21,20 @@ import math
 import numpy as np
 
 from pathir.errors import PathirError, PathNormOverflow
-from pathir.ir import Graph
+from pathir.ir import Graph, Param, Role
 
-__all__ = ["diag_g", "diag_g_flat", "diag_g_log_parts"]
+__all__ = ["diag_g", "diag_g_flat", "diag_g_log_parts", "source_layout"]
 
 _LOG_MAX = math.log(np.finfo(np.float64).max)
+
+
+def source_layout(p: Param, value: np.ndarray) -> np.ndarray:
+    """``value`` (the param's shape) in the layout of the param's VALUE source tensor
+    (``SourceRef.to_source``: a transpose, a transposed convolution's kernel layout)."""
+    for ref in p.sources:
+        if ref.role is Role.VALUE:
+            return ref.to_source(value)
+    return value
 
 
 def arrays_by_source(params, log_parts, what: str, hint: str, layout=None) -> dict[str, np.ndarray]:
@@ -85,7 +94,7 @@ def diag_g_flat(graph: Graph, backend=None) -> tuple[np.ndarray, float]:
 
 
 def diag_g(graph: Graph, backend=None) -> dict[str, np.ndarray]:
-    """diag G per source parameter: {``Param.source_name``: array of the param's shape}.
+    """diag G per source parameter: {``Param.source_name``: array in the source tensor's layout}.
 
     Raises PathNormOverflow naming the param if an entry exceeds float64 (then
     use :func:`diag_g_flat`, normalised, with its log-scale).
@@ -101,4 +110,4 @@ def diag_g(graph: Graph, backend=None) -> dict[str, np.ndarray]:
     {'w1': [9.0], 'b1': [9.0], 'w2': [5.0]}
     """
     return arrays_by_source(graph.params(), diag_g_log_parts(graph, backend), "diag G",
-                            "pathir.lifting.diag_g.diag_g_flat (normalised, with its log-scale)")
+                            "pathir.lifting.diag_g.diag_g_flat (normalised, with its log-scale)", source_layout)

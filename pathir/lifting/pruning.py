@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from pathir.errors import PathirError
-from pathir.ir import Graph, MapKind, Param, Role
+from pathir.ir import Graph, MapKind, Param
 
 __all__ = ["PruneReport", "score_log_parts", "path_magnitude_scores", "prune_masks", "prune_graph", "prune"]
 
@@ -49,14 +49,6 @@ def score_log_parts(graph: Graph, backend=None) -> list[tuple[np.ndarray, float]
                            what="path-magnitude score")
 
 
-def _source_layout(p: Param, value: np.ndarray) -> np.ndarray:
-    """``value`` (the param's shape) in the layout of the param's VALUE source tensor."""
-    for ref in p.sources:
-        if ref.role is Role.VALUE:
-            return value.T if ref.transposed else value
-    return value
-
-
 def path_magnitude_scores(graph: Graph, backend=None) -> dict[str, np.ndarray]:
     """S_i per source parameter: {``Param.source_name``: float64 array in the
     source tensor's layout (ONNX transposed initializers transposed back)}.
@@ -73,10 +65,10 @@ def path_magnitude_scores(graph: Graph, backend=None) -> dict[str, np.ndarray]:
     >>> {k: np.round(v, 12).tolist() for k, v in s.items()}
     {'w1': [[3.0, 6.0]], 'b1': [1.5], 'w2': [[10.5]]}
     """
-    from pathir.lifting.diag_g import arrays_by_source
+    from pathir.lifting.diag_g import arrays_by_source, source_layout
 
     return arrays_by_source(graph.params(), score_log_parts(graph, backend), "path-magnitude score",
-                            "pathir.lifting.pruning.score_log_parts (normalised, with its log-scale)", _source_layout)
+                            "pathir.lifting.pruning.score_log_parts (normalised, with its log-scale)", source_layout)
 
 
 # ------------------------------------------------------------ selection
