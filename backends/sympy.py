@@ -17,7 +17,7 @@ overrides are where numpy would bring a float in:
 value. The float64 graph and its exact reading agree to rounding.
 
 At the neuron level (:mod:`pathir.neurons.expand`), :func:`symbolic_phi` writes Φ_p
-(MATH.md §2) as a monomial in parameter symbols named after the param and the
+(docs/math.md §2) as a monomial in parameter symbols named after the param and the
 flat C-order index of the entry (``fc1.weight[3]``), and :func:`neuron_values`
 is the exact neuron-by-neuron forward whose pre-activations and max-pool
 selections give the path activations a_p(θ, x).
@@ -230,7 +230,7 @@ class SympyBackend(Backend):
 
         Run on ``path_view(maxpool_to_sum(graph), 1)`` (ReLUs and max-pools made
         sums, weights already |w|) with the all-ones input, ``forward`` sums
-        |Φ_p|^q exactly (MATH.md §3)."""
+        |Φ_p|^q exactly (docs/math.md §3)."""
         q = exact(q)
         fn = (lambda w: ONE) if q == 0 else (lambda w: sp.Abs(w) ** q)
         return SympyBackend(self.values, transform=fn, fixed_transform=fn)

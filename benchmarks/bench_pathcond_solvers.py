@@ -3,7 +3,7 @@
 The network is the PathCond paper's MLP 3072-500-500-500-10 with biases
 (2,042,510 parameters, 1,500 units) at torch's default nn.Linear init
 (weights and biases uniform in ±1/sqrt(fan_in)). Its diag G has a closed form
-(MATH.md §6): for the weight j <- i of layer l,
+(docs/math.md §6): for the weight j <- i of layer l,
 
     g = F_{l-1}(i) * K_l(j),   F_0 = 1, F_l(j) = b_l(j)² + Σ_i W_l(j,i)² F_{l-1}(i),
                                K_L = 1, K_{l-1}(i) = Σ_j W_l(j,i)² K_l(j),

@@ -1,4 +1,4 @@
-"""More torch ops inside the ReLU DAG model (MATH.md §1), on the lowering core's Values.
+"""More torch ops inside the ReLU DAG model (docs/math.md §1), on the lowering core's Values.
 
 - fixed scalar edges: ``a - b`` (a −1 edge), ``-x``, ``x * c``, ``c * x``, ``x / c``,
   ``add(a, b, alpha=c)``: a constant c is a *fixed* weight (never rescaled, it ties

@@ -1,5 +1,5 @@
 """Which ONNX ops pathir lowers, and why the others have no place in a ReLU DAG
-(MATH.md §1): the reasons ``UnsupportedOperation`` gives."""
+(docs/math.md §1): the reasons ``UnsupportedOperation`` gives."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ _NOT_HOMOGENEOUS = ("not positively homogeneous: f(λx) ≠ λ·f(x) for λ > 0,
                     "so rescaling a neuron would change the function")
 _NORMALIZES = "normalizes by statistics of the activation itself (an input-dependent scale): not positively homogeneous"
 
-#: why an op has no place in a ReLU DAG (MATH.md §1)
+#: why an op has no place in a ReLU DAG (docs/math.md §1)
 WHY = {
     **{op: _NOT_HOMOGENEOUS for op in (
         "Sigmoid", "Tanh", "Gelu", "FastGelu", "Elu", "Selu", "Celu", "Softplus", "Softsign", "Mish", "HardSigmoid",

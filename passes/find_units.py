@@ -1,4 +1,4 @@
-"""find_units: the rescaling units of a graph (MATH.md §5), by union-find.
+"""find_units: the rescaling units of a graph (docs/math.md §5), by union-find.
 
 Every (node, channel) pair gets one log-scale s (all spatial positions of a
 channel share it: weight sharing of convolutions). Edge u->v is multiplied by
@@ -192,7 +192,7 @@ def mark_crossing(touched: np.ndarray, tc: np.ndarray, sc: np.ndarray) -> None:
 
 
 def find_units(graph: Graph) -> tuple[Graph, Units]:
-    """The rescaling units of ``graph`` (MATH.md §5).
+    """The rescaling units of ``graph`` (docs/math.md §5).
 
     Requires: a verified graph. Ensures: the graph is returned unchanged, with
     the units beside it. Preserves: everything (an analysis).

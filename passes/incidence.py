@@ -1,4 +1,4 @@
-"""incidence: the sparse matrix B of MATH.md §5, and the flat layout of θ.
+"""incidence: the sparse matrix B of docs/math.md §5, and the flat layout of θ.
 
 θ is the concatenation of ``graph.params()`` values, each flattened in C order.
 B is n × H (n = len θ, H units) with

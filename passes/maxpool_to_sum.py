@@ -1,6 +1,6 @@
 """maxpool_to_sum: k-max-pool nodes become identity nodes summing their window.
 
-A path through a k-max-pool neuron may enter through any antecedent (MATH.md §2),
+A path through a k-max-pool neuron may enter through any antecedent (docs/math.md §2),
 so in every path sum the window is summed: v = b_v + sum_{u in window} u.
 """
 

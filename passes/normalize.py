@@ -1,4 +1,4 @@
-"""normalize: the canonical representative of a rescaling orbit (MATH.md §8).
+"""normalize: the canonical representative of a rescaling orbit (docs/math.md §8).
 
 Each unit is rescaled so that its incoming parameter vector (weights entering
 it from outside, biases of its neurons) has unit ℓ_p norm. With w = |θ|^p and
@@ -9,7 +9,7 @@ from a pinned neuron). I_h = 1 for every h reads, with u = e^{-y},
     u = M u + b,      M[h, k] = Σ_{i: k -> h} w_i,      b[h] = Σ_{i ∈ in_h, no source unit} w_i.
 
 On an acyclic unit graph this is forward substitution in topological order:
-the units are visited in order and each is normalised (MATH.md §8). Fixed
+the units are visited in order and each is normalised (docs/math.md §8). Fixed
 edges can close cycles between units (a residual stream feeds a block's inner
 channels, which feed the stream back); the strongly connected components are
 then visited in topological order and each one's system is solved exactly. By
@@ -207,7 +207,7 @@ def _solve_cycle(M, comp: np.ndarray, log_ext: np.ndarray, units, p: float) -> n
         raise PathirError(
             f"no rescaling gives every unit unit l{p:g}-norm incoming weights: the units {_names(units, comp)} "
             f"form a cycle (through fixed edges such as residual skips) whose incoming l{p:g} mass has spectral "
-            "radius >= 1; the canonical representative (MATH.md §8) exists only below 1"
+            "radius >= 1; the canonical representative (docs/math.md §8) exists only below 1"
         )
     return np.log(x) + shift
 
@@ -218,7 +218,7 @@ def _names(units, comp) -> str:
 
 
 def normalize(graph: Graph, p: float = 2.0, units=None) -> Graph:
-    """The canonical representative of ``graph``'s rescaling orbit (MATH.md §8).
+    """The canonical representative of ``graph``'s rescaling orbit (docs/math.md §8).
 
     Requires: a verified graph; ``units`` from ``find_units(graph)`` (found if
     None). Ensures: every non-degenerate unit's incoming weights and bias have

@@ -1,4 +1,4 @@
-"""path_view(q): the path-norm network of MATH.md §3.
+"""path_view(q): the path-norm network of docs/math.md §3.
 
 Every free weight and bias w becomes |w|^q, every fixed weight c becomes |c|^q,
 every ReLU becomes identity. Fed the all-ones input, the sum of its outputs is

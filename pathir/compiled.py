@@ -330,11 +330,7 @@ class Compiled:
         from pathir.pathcond.run import pathcond
 
         self._check_writable(write_back)
-        if max_log_scale is None:
-            from pathir.rescaling.bounds import default_max_log_scale
-
-            max_log_scale = default_max_log_scale(self.graph, self.narrowest_dtype(),
-                                                  variance_ratio=self.rescaled_variance_ratio())
+        max_log_scale = self._bound(max_log_scale)
         return pathcond(self.facts, self.get_backend(backend), solver=solver, max_sweeps=max_sweeps, tol=tol,
                         commit=self._committer(write_back, optimizer), name=self.name,
                         max_log_scale=max_log_scale, callback=callback, progress=progress)
@@ -377,15 +373,28 @@ class Compiled:
     def enorm(self, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, costs=None,
               solver: str = "newton", write_back: bool = True, max_log_scale: float | None = None,
               callback=None, optimizer=None, progress: bool | None = None):
-        """ENorm: minimise Σ c_i |θ_i|^p over the rescalings (|z_h| ≤ max_log_scale if given) and
-        rescale the model in place; returns an ENormReport. ``optimizer``: its state moves with the
+        """ENorm: minimise Σ c_i |θ_i|^p over the rescalings with |z_h| ≤ max_log_scale (None: the
+        largest the model's dtype holds, as for :meth:`pathcond`; math.inf: unbounded) and rescale
+        the model in place; returns an ENormReport. ``optimizer``: its state moves with the
         rescaling (docs/training.md). See docs/normalize.md."""
         from pathir.enorm.run import enorm
 
         self._check_writable(write_back)
+        bound = self._bound(max_log_scale)
         return enorm(self.facts, p=p, max_sweeps=max_sweeps, tol=tol, costs=costs, solver=solver,
                      commit=self._committer(write_back, optimizer), name=self.name,
-                     max_log_scale=max_log_scale, callback=callback, progress=progress)
+                     max_log_scale=None if math.isinf(bound) else bound, callback=callback, progress=progress)
+
+    def _bound(self, max_log_scale: float | None) -> float:
+        """``max_log_scale``, or for None the largest bound whose rescalings write back into the
+        model's dtype finite and normal (``pathir.rescaling.bounds.default_max_log_scale``)."""
+        if max_log_scale is not None:
+            if not max_log_scale >= 0:
+                raise ValueError(f"max_log_scale must be >= 0 (math.inf: unbounded), got {max_log_scale}")
+            return float(max_log_scale)
+        from pathir.rescaling.bounds import default_max_log_scale
+
+        return default_max_log_scale(self.graph, self.narrowest_dtype(), variance_ratio=self.rescaled_variance_ratio())
 
     def normalize(self, p: float = 2.0, write_back: bool = True, optimizer=None, progress: bool | None = None):
         """The canonical representative: every unit's incoming weights and bias get unit

@@ -22,7 +22,7 @@ class PathirError(Exception):
 
 
 class UnsupportedOperation(PathirError):
-    """An operation outside the ReLU DAG model (MATH.md §1) was met while lowering.
+    """An operation outside the ReLU DAG model (docs/math.md §1) was met while lowering.
 
     The user's model is never modified when this is raised.
     """

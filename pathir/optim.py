@@ -1,6 +1,6 @@
-"""Path-SGD (Neyshabur et al. 2015; MATH.md §10) as a ``torch.optim.Optimizer``.
+"""Path-SGD (Neyshabur et al. 2015; docs/math.md §10) as a ``torch.optim.Optimizer``.
 
-    θ_i ← θ_i − lr · g_i(θ)^{-1} · ∂L/∂θ_i,        g = diag G (MATH.md §6)
+    θ_i ← θ_i − lr · g_i(θ)^{-1} · ∂L/∂θ_i,        g = diag G (docs/math.md §6)
 
 with g recomputed from the model's current parameters every ``k`` steps. If Φ
 and the loss are invariant under a rescaling D (θ ↦ Dθ, D diagonal positive),
@@ -190,7 +190,7 @@ class _Coordinates:
 
 
 class PathSGD(torch.optim.Optimizer):
-    """Path-SGD: SGD preconditioned by the inverse of diag G (MATH.md §10).
+    """Path-SGD: SGD preconditioned by the inverse of diag G (docs/math.md §10).
 
     Parameters
     ----------

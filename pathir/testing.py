@@ -443,7 +443,7 @@ def random_inputs(draw, graph: Graph, batch: int | None = None, integer: bool = 
 
 @st.composite
 def rescalings(draw, graph: Graph, max_log: float = 2.0) -> np.ndarray:
-    """Strategy for a random element of the rescaling group (MATH.md §5) of
+    """Strategy for a random element of the rescaling group (docs/math.md §5) of
     ``graph``: z, one log-scale per unit of ``find_units(graph)``, uniform in
     [-max_log, max_log] (θ ← θ ⊙ exp(-Bz/2) scales by at most e^{max_log})."""
     from pathir.passes.find_units import find_units

@@ -2,7 +2,7 @@
 
 - :func:`eval_forward`: the model's own forward, eval mode, float64 input,
   training flags restored.
-- :func:`path_norm_q`: Σ_p |Φ_p|^q by MATH.md §3 run on a deep copy of the
+- :func:`path_norm_q`: Σ_p |Φ_p|^q by docs/math.md §3 run on a deep copy of the
   model: every parameter θ -> |θ|^q, ReLU -> identity, max -> sum over the
   window (max-pool k = 1), input all ones, sum of the outputs. Fixed weights
   written in the code (x * 0.5, a - b) are raised to |c|^q by the caller's

@@ -1,4 +1,4 @@
-"""Conservation laws under plain gradient descent on scikit-learn's digits (MATH.md §9).
+"""Conservation laws under plain gradient descent on scikit-learn's digits (docs/math.md §9).
 
 Along gradient flow every H_h is constant. One step of gradient descent with
 step η changes it by exactly η² gᵀ diag(−B_h) g (the first-order term is

@@ -1,4 +1,4 @@
-"""diag G (MATH.md §6) against path enumeration, its rescaling law and its overflow handling."""
+"""diag G (docs/math.md §6) against path enumeration, its rescaling law and its overflow handling."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""cm.enorm() and cm.normalize() / passes.normalize (MATH.md §8)."""
+"""cm.enorm() and cm.normalize() / passes.normalize (docs/math.md §8)."""
 
 import numpy as np
 import pytest
@@ -172,7 +172,7 @@ def test_normalize_is_canonical_on_random_dags(data, p):
 
 
 def test_normalize_on_a_dag_is_the_topological_pass():
-    """On an MLP the result is visiting the units in order, normalising each (MATH.md §8)."""
+    """On an MLP the result is visiting the units in order, normalising each (docs/math.md §8)."""
     model = mlp()
     cm = pathir.compile(model, input_shape=(6,))
     Ws = [model[i].weight.detach().numpy().copy() for i in (0, 2, 4)]

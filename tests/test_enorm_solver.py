@@ -1,4 +1,4 @@
-"""ENorm on arrays (MATH.md §8) against its definition E(z) = Σ c_i w_i e^{-(Bz)_i}."""
+"""ENorm on arrays (docs/math.md §8) against its definition E(z) = Σ c_i w_i e^{-(Bz)_i}."""
 
 import math
 

@@ -107,7 +107,7 @@ def test_path_norms_and_counts_match_the_enumeration_with_signed_and_zero_coeffi
 def test_resample_keeps_channel_units_and_passes_the_symbolic_checks():
     g = _tiny(np.random.default_rng(4))
     _, units = find_units(g)
-    # a fixed edge ties its ends (MATH.md §5), within a channel: h's channel c with r's channel c
+    # a fixed edge ties its ends (docs/math.md §5), within a channel: h's channel c with r's channel c
     assert [sorted(m) for m in units.members] == [[("h", 0), ("r", 0)], [("h", 1), ("r", 1)]]
     assert verify_symbolic(g).passed
 

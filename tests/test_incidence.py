@@ -1,4 +1,4 @@
-"""The incidence matrix B and rescalings (MATH.md §5, §9), against the neuron-level definition."""
+"""The incidence matrix B and rescalings (docs/math.md §5, §9), against the neuron-level definition."""
 
 import numpy as np
 import pytest
@@ -195,7 +195,7 @@ WIDTHS = [(2, 2, 1), (2, 3, 2), (3, 4, 2), (4, 3, 3, 2), (2, 5, 5, 2), (5, 2, 5)
 @settings(max_examples=16)
 @given(st.sampled_from(WIDTHS).flatmap(lambda w: mlps(widths=w)))
 def test_units_span_the_kernel_of_dphi_on_layered_networks(graph):
-    # MATH.md §9: rank DΦ = n - H for generic θ, so span{B_h ⊙ θ} is the whole kernel
+    # docs/math.md §9: rank DΦ = n - H for generic θ, so span{B_h ⊙ θ} is the whole kernel
     _, units = find_units(graph)
     D = jacobian(graph)
     assert np.linalg.matrix_rank(D) == graph.num_params() - len(units)

@@ -45,7 +45,6 @@ def test_package_points_inside_the_repository():
     assert not hits, "\n".join(hits)
 
 
-@pytest.mark.xfail(strict=True, reason="comments rewritten at merge: 'MATH.md §N' -> 'docs/math.md §N' in the code")
 def test_package_cites_docs_math():
     hits = offending_lines(package_files(), ("MATH.md",))
     assert not hits, "cite docs/math.md §N instead:\n" + "\n".join(hits)

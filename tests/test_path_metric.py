@@ -1,4 +1,4 @@
-"""Path-metric brackets and the output bound (MATH.md §3) against path enumeration."""
+"""Path-metric brackets and the output bound (docs/math.md §3) against path enumeration."""
 
 import copy
 import math

@@ -1,4 +1,4 @@
-"""Path-SGD (MATH.md §10): diag G in the model's coordinates, rescaling equivariance."""
+"""Path-SGD (docs/math.md §10): diag G in the model's coordinates, rescaling equivariance."""
 
 import copy
 

@@ -1,4 +1,4 @@
-"""cm.pathcond(): exact minimisation of F (MATH.md §7), write-back, bad input."""
+"""cm.pathcond(): exact minimisation of F (docs/math.md §7), write-back, bad input."""
 
 import copy
 import json

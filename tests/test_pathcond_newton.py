@@ -1,4 +1,4 @@
-"""The Newton solver and bounded rescalings (MATH.md §7) against the definition and the reference solver.
+"""The Newton solver and bounded rescalings (docs/math.md §7) against the definition and the reference solver.
 
 Random problems are the layered MLPs and ResNet-like stacks of
 test_pathcond_solvers, plus DenseNet-like blocks where every layer reads the

@@ -1,4 +1,4 @@
-"""PathCond solvers on arrays (MATH.md §7) against the definition of F.
+"""PathCond solvers on arrays (docs/math.md §7) against the definition of F.
 
 B matrices are built like real networks: a layered MLP (unit = hidden neuron;
 in = its weight row and bias, out = its column in the next layer) and a
@@ -209,7 +209,7 @@ def test_block_solver_balances_a_real_mlp():
 @given(structures(), st.floats(1e-300, 1e300))
 @settings(max_examples=30)
 def test_constant_g_leaves_the_network_as_is(structure, value):
-    """MATH.md §11: all g_i equal => z* = 0."""
+    """docs/math.md §11: all g_i equal => z* = 0."""
     rows, H = structure
     g, B = np.full(len(rows), value), incidence(rows, H)
     for r in (solve_block(g, B), solve_coordinate(g, B)):

@@ -1,4 +1,4 @@
-"""Path-magnitude scores and pruning (MATH.md §4) against enumeration, their
+"""Path-magnitude scores and pruning (docs/math.md §4) against enumeration, their
 rescaling invariance, and write-back into torch and ONNX models."""
 
 import copy

@@ -164,7 +164,7 @@ def test_symbolic_phi_is_the_enumerated_phi(data):
     at = {symbol(p.name, i): exact(v) for p in graph.params() for i, v in enumerate(p.value.ravel())}
     for s, n, path in zip(symbolic, numeric, paths):
         assert s.xreplace(at) == n
-        # a monomial: each parameter symbol at most once along a path (MATH.md §2)
+        # a monomial: each parameter symbol at most once along a path (docs/math.md §2)
         assert all(e == 1 for b, e in s.as_powers_dict().items() if isinstance(b, sp.Symbol))
         assert len(s.free_symbols) == sum(1 for *_, d in _edges(net, path) if d["param"] is not None) + (
             0 if net.nodes[path.start]["is_input"] else 1)

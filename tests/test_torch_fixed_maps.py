@@ -50,7 +50,7 @@ class AbsPowMatrix(nn.Module):
 
 
 def definition_path_norm(model: nn.Sequential, in_shape, q: float) -> float:
-    """sum_p |Φ_p|^q computed by a deep copy of ``model`` (MATH.md §3), without pathir."""
+    """sum_p |Φ_p|^q computed by a deep copy of ``model`` (docs/math.md §3), without pathir."""
     ref = copy.deepcopy(model)
     shape = tuple(in_shape)
     layers = []

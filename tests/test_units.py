@@ -1,4 +1,4 @@
-"""find_units: rescaling units (MATH.md §5) on hand-built and random graphs."""
+"""find_units: rescaling units (docs/math.md §5) on hand-built and random graphs."""
 
 import numpy as np
 import pytest

@@ -7,7 +7,7 @@ import torch
 import pathir
 from pathir import zoo
 
-# the figures of MATH.md §11 (PathCond paper, Appendix I)
+# the figures of docs/math.md §11 (PathCond paper, Appendix I)
 FACTS = {
     "resnet18": (11_689_512, 4_800),
     "resnet34": (21_797_672, 8_512),

@@ -19,7 +19,7 @@ def add_arguments(parser):
                         help="newton: projected Newton-CG (default); block: all units of an independent set at once; "
                              "coordinate: one at a time")
     parser.add_argument("--max-log-scale", type=float, default=None,
-                        help="bound every unit's log-scale |z| by this (default: unbounded)")
+                        help="bound on every |z_h| (inf: none); default: the largest the model's dtype holds")
 
 
 def run(args) -> int:

@@ -1,11 +1,11 @@
-"""ENorm and the canonical representative on a compiled model (MATH.md §8).
+"""ENorm and the canonical representative on a compiled model (docs/math.md §8).
 
 ENorm (Stock et al. 2019) minimises the ℓ_p norm of the rescaled parameters,
 
     E_p(z) = Σ_i c_i |θ_i|^p e^{-p (Bz)_i / 2}        (θ ← θ ⊙ e^{-Bz/2}),
 
 which is the array solver's criterion Σ c_i w_i e^{-(Bz')_i} with w = |θ|^p and
-z' = p z / 2 (``pathir.enorm.solver``); p = 2 is MATH.md's w = θ². E_p is
+z' = p z / 2 (``pathir.enorm.solver``); p = 2 is docs/math.md's w = θ². E_p is
 convex and every sweep lowers it. Normalisation gives each unit's incoming
 weights and bias unit ℓ_p norm (``pathir.passes.normalize``). Both rescale
 the model in place through write-back (``pathir.rescaling.commit``), function

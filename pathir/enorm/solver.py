@@ -1,4 +1,4 @@
-"""ENorm (Stock et al. 2019, MATH.md §8) on arrays.
+"""ENorm (Stock et al. 2019, docs/math.md §8) on arrays.
 
 With w = θ² (n,), optional costs c (n,) and the unit incidence matrix B, the
 rescaled squared parameters are w_i e^{-(Bz)_i} (θ_i ← θ_i e^{-(Bz)_i/2}, as

@@ -76,7 +76,7 @@ class Graph:
     def params(self) -> list[Param]:
         """Every distinct free param once, in flat order (node order; edges, then bias).
 
-        This order defines the flat parameter vector theta of MATH.md."""
+        This order defines the flat parameter vector theta of docs/math.md."""
         seen: set[int] = set()
         out = []
         for n in self.nodes:

@@ -9,7 +9,7 @@ parameterized (their weights are a free :class:`Param`: ``Dense``, ``Conv``,
 Every map states its structure here; the arithmetic (apply, adjoint,
 weight-gradient) lives in each backend's rule table, keyed by ``MapKind``.
 
-Rescaling structure (MATH.md §5) is read from two methods:
+Rescaling structure (docs/math.md §5) is read from two methods:
 
 - ``weight_channels(in_shape)`` (parameterized maps): for every weight entry, the
   target channel and the source channel of the edges that read it;

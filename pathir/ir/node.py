@@ -12,7 +12,7 @@ __all__ = ["NodeKind", "POSITIVELY_HOMOGENEOUS", "Edge", "Node"]
 
 
 class NodeKind(enum.Enum):
-    """Activation type of every neuron of a node (MATH.md §1)."""
+    """Activation type of every neuron of a node (docs/math.md §1)."""
 
     INPUT = "input"
     IDENTITY = "identity"

@@ -1,4 +1,4 @@
-"""diag G, the path-magnitude diagonal (MATH.md §6), in one forward + backward.
+"""diag G, the path-magnitude diagonal (docs/math.md §6), in one forward + backward.
 
     g_i = G_ii = Σ_{p ∋ i} (Φ_p(θ) / θ_i)^2 = Σ_{p ∋ i} Π_{other factors of p} factor^2
 

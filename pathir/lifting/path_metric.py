@@ -1,4 +1,4 @@
-"""Path-metrics (MATH.md §3): brackets of d(θ, θ') = ‖Φ(θ) − Φ(θ')‖₁, and the
+"""Path-metrics (docs/math.md §3): brackets of d(θ, θ') = ‖Φ(θ) − Φ(θ')‖₁, and the
 output bound of Gonon et al. 2025 (Thm 4.1).
 
 Two models of one architecture, θ (``a``) and θ' (``b``):
@@ -312,7 +312,7 @@ def _sup_norms(x, graph: Graph) -> np.ndarray:
 def output_bound(a, b, x, backend=None, metric: PathMetric | None = None) -> np.ndarray:
     """max(‖x‖∞, 1) · upper: a bound on ‖R_θ(x) − R_θ'(x)‖₁ for each sample of ``x``.
 
-    Gonon et al. 2025, Thm 4.1 (MATH.md §3): valid whenever θ_i θ'_i ≥ 0 for
+    Gonon et al. 2025, Thm 4.1 (docs/math.md §3): valid whenever θ_i θ'_i ≥ 0 for
     every parameter; raises PathirError when the signs disagree somewhere.
 
     Parameters

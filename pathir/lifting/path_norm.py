@@ -1,4 +1,4 @@
-"""Path-norms and path counts (MATH.md §3) through the log-scaled path walk."""
+"""Path-norms and path counts (docs/math.md §3) through the log-scaled path walk."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ EXACT_COUNT_LIMIT = 1e12
 
 
 def num_paths(graph: Graph, backend, log10: bool = False) -> float:
-    """Number of paths of the DAG (MATH.md §2: every input-to-output path and every bias path).
+    """Number of paths of the DAG (docs/math.md §2: every input-to-output path and every bias path).
 
     Below 1e12 the result is the exact integer (the walk's relative error is ~1e-15)."""
     value = _finish(log_path_sum(graph, 0, backend), log10, "the number of paths")

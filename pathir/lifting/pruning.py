@@ -1,4 +1,4 @@
-"""Path-magnitude pruning (MATH.md §4, Gonon et al. 2025 Def. 5.1).
+"""Path-magnitude pruning (docs/math.md §4, Gonon et al. 2025 Def. 5.1).
 
 For every parameter i,
 
@@ -180,7 +180,7 @@ class PruneReport:
     """What ``cm.prune`` did.
 
     ``pruned`` entries of ``candidates`` were selected (already-zero ones
-    included); ``bound`` = Σ_{i∈P} S_i (MATH.md §4) and ``path_metric`` = the
+    included); ``bound`` = Σ_{i∈P} S_i (docs/math.md §4) and ``path_metric`` = the
     exact ‖Φ(θ)‖₁ − ‖Φ(θ⊙mask)‖₁ ≤ bound: for every input,
     ‖R_θ(x) − R_{θ⊙mask}(x)‖₁ ≤ max(‖x‖∞, 1) · path_metric. ``per_tensor``:
     {source name: (pruned, size)}. Values beyond float64 are ``math.inf``.

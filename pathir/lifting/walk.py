@@ -1,6 +1,6 @@
 """Backend-agnostic walks over a Graph.
 
-- ``forward``: the network's own function R_theta(x) (MATH.md §1).
+- ``forward``: the network's own function R_theta(x) (docs/math.md §1).
 - ``path_forward`` / ``path_backward``: the linear walks behind every path
   quantity. They run on a *path graph* (all nodes identity, e.g. the output of
   ``path_view``) and keep each node's tensor as ``(m, L)`` with value
@@ -167,7 +167,7 @@ def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = Fal
 
     ``acts`` from :func:`path_forward`. Returns (node_grads, param_grads):
     node_grads[name] = (m, M), gradient w.r.t. the node's output = m * exp(M),
-    i.e. B(v) of MATH.md §3: the sum over paths from v to an output of the
+    i.e. B(v) of docs/math.md §3: the sum over paths from v to an output of the
     product of weights; param_grads[id(param)] = (array, log-scale) with the
     weight-gradient (sum over paths through the parameter of the other factors).
     ``linearize`` as in :func:`path_forward`.
@@ -247,8 +247,8 @@ def param_log_parts(graph: Graph, backend, q: float, scale=None, what: str = "va
     value = |scale(p)| ⊙ (param grad of the path-norm network with weights |w|^q),
     summed over the param's uses. ``scale`` (default 1) gives a numpy array per param.
 
-    q = 2 gives diag G (MATH.md §6); q = 1 with scale θ the path-magnitude
-    scores (MATH.md §4).
+    q = 2 gives diag G (docs/math.md §6); q = 1 with scale θ the path-magnitude
+    scores (docs/math.md §4).
 
     Memory: the walk's param grads are the only full-size arrays. Each is turned
     into its m in place and dropped from the walk's record once read, so the result

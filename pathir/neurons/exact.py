@@ -34,7 +34,7 @@ def _entries(values: Mapping[str, object] | None):
 
 
 def symbolic_phi(net, paths, values: Mapping[str, object] | None = None) -> list[sp.Expr]:
-    """Φ_p for each path (MATH.md §2): β(v_0) times the weights along p, as a
+    """Φ_p for each path (docs/math.md §2): β(v_0) times the weights along p, as a
     sympy monomial in parameter symbols (``values=None``) or as an exact number
     (``values``: {param name: entries, any shape}; a param not given reads the
     graph's own value). Fixed weights are exact constants.
@@ -68,7 +68,7 @@ def symbolic_phi(net, paths, values: Mapping[str, object] | None = None) -> list
 
 
 def neuron_values(net, x: Mapping[str, object], values: Mapping[str, object] | None = None):
-    """The network of MATH.md §1 neuron by neuron, exactly: a
+    """The network of docs/math.md §1 neuron by neuron, exactly: a
     :class:`pathir.neurons.paths.NeuronValues` of sympy numbers, from which
     :func:`pathir.neurons.paths.activations` reads a_p(θ, x).
 

@@ -1,6 +1,6 @@
 """The neuron-level expansion of a Graph: one networkx node per neuron, one edge per weight.
 
-This is the DAG G = (N, E) of MATH.md §1 itself, for small graphs only (exact
+This is the DAG G = (N, E) of docs/math.md §1 itself, for small graphs only (exact
 path enumeration, the incidence matrix A, the sympy backend). Above
 ``max_neurons`` or ``max_edges`` :func:`expand` raises :class:`pathir.GraphTooLarge`.
 
@@ -11,7 +11,7 @@ Neurons are ``(node name, flat index in C order)``, with attributes
     bias       (param name, channel, value), or None when the node has no bias
     is_input, is_output
     order      (position of the node in graph.nodes, flat index): the
-               lexicographic order of "first antecedent" (MATH.md §2)
+               lexicographic order of "first antecedent" (docs/math.md §2)
 
 The result is a ``networkx.MultiDiGraph`` (a DiGraph subclass): two IR edges
 between the same nodes, e.g. ``relu(W x + x)``, give two parallel neuron edges,
@@ -184,6 +184,6 @@ def antecedents(net: nx.MultiDiGraph, v: Neuron) -> list[tuple[Neuron, int, dict
     """In-edges of neuron ``v`` as (source, key, attributes), sorted by (source order, key).
 
     For a k-max-pool neuron, "the lexicographically first antecedent attaining
-    the k-th max" (MATH.md §2) is first in this list."""
+    the k-th max" (docs/math.md §2) is first in this list."""
     edges = [(u, key, data) for u, _, key, data in net.in_edges(v, keys=True, data=True)]
     return sorted(edges, key=lambda e: (net.nodes[e[0]]["order"], e[1]))

@@ -1,14 +1,14 @@
 """Exhaustive path enumeration: the definition every fast path is tested against.
 
 On the neuron-level DAG of :func:`pathir.neurons.expand.expand` (small graphs only),
-following MATH.md §2:
+following docs/math.md §2:
 
 - a path p = (v_0 -> ... -> v_d) ends at an output neuron (and may go on
   through it when the output feeds other neurons); parallel neuron edges are
   different paths;
 - it starts at an input neuron (beta = 1), or at a non-input neuron that has a
   bias (beta = b_{v_0}; d = 0 allowed). A neuron without a bias has b = 0 and
-  starts no path: its paths would have Phi_p = 0, and path counts (MATH.md §3)
+  starts no path: its paths would have Phi_p = 0, and path counts (docs/math.md §3)
   set only the *existing* biases to 1;
 - Phi_p(theta) = beta(v_0) * prod of the weights along p;
 - a_p(theta, x) = 1 iff every ReLU neuron of p (v_0 included) has pre-activation
@@ -124,7 +124,7 @@ class NeuronValues:
 
 
 def neuron_forward(net: nx.MultiDiGraph, x: dict[str, np.ndarray]) -> NeuronValues:
-    """The network of MATH.md §1 neuron by neuron; ``x``: {input name: one sample of its shape}."""
+    """The network of docs/math.md §1 neuron by neuron; ``x``: {input name: one sample of its shape}."""
     flat = {name: np.asarray(value, dtype=np.float64).reshape(-1).tolist() for name, value in x.items()}
     return walk_neurons(net, flat, weight=lambda data: data["weight"],
                            bias=lambda d: 0.0 if d["bias"] is None else d["bias"][2],

@@ -5,18 +5,18 @@ monomials in parameter symbols (:mod:`pathir.backends.sympy`),
 :func:`verify_symbolic` checks, exactly:
 
 1. ``rescaling_invariance``: Φ(θ) is unchanged when every parameter of unit h
-   is multiplied by λ^(-B[i,h]) (λ > 0 a symbol; MATH.md §2, §5), for every unit;
+   is multiplied by λ^(-B[i,h]) (λ > 0 a symbol; docs/math.md §2, §5), for every unit;
 2. ``lifting_identity``: R_θ(x)_o = Σ_{p ends at o} Φ_p a_p (A [x; 1])_p
-   (MATH.md §2) against the graph's own forward in exact arithmetic, at the
+   (docs/math.md §2) against the graph's own forward in exact arithmetic, at the
    graph's θ and at a random rational θ, on random rational inputs;
 3. ``conservation_laws``: Σ_i ∂Φ_p/∂θ_i · B[i,h] θ_i = 0 identically for
-   every path p and unit h (MATH.md §9), by symbolic differentiation;
+   every path p and unit h (docs/math.md §9), by symbolic differentiation;
 4. ``rank``: rank DΦ at a random rational point, exactly, reported beside
    n − H; it must not exceed n − rank[B_h ⊙ θ]_h (the kernel the units give);
 5. ``path_norm``: the path-norm pass (``path_view(maxpool_to_sum(g))`` fed
    all ones) equals Σ_p |Φ_p|^q for q = 1, 2 at a random rational θ.
 
-Conservation laws (MATH.md §9): for each unit h,
+Conservation laws (docs/math.md §9): for each unit h,
 
     H_h(θ) = Σ_{i ∈ in_h} θ_i² − Σ_{i ∈ out_h} θ_i² = −Σ_i B[i,h] θ_i²
 
@@ -404,7 +404,7 @@ def _theta(layout, theta) -> np.ndarray:
 
 
 def conservation_laws(graph: Graph, units=None, theta=None) -> dict[str, float]:
-    """H_h(θ) = Σ_{in_h} θ_i² − Σ_{out_h} θ_i² = −(Bᵀ θ²)_h for every unit (MATH.md §9).
+    """H_h(θ) = Σ_{in_h} θ_i² − Σ_{out_h} θ_i² = −(Bᵀ θ²)_h for every unit (docs/math.md §9).
 
     Parameters
     ----------

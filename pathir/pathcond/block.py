@@ -1,4 +1,4 @@
-"""PathCond by exact block updates over independent sets of units (MATH.md §7).
+"""PathCond by exact block updates over independent sets of units (docs/math.md §7).
 
 Units whose columns of B share no row (no parameter joins them) are minimised
 jointly and exactly. For such a block, with S = Σ_i g_i e^{(Bz)_i}, B_h and C_h

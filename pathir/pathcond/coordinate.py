@@ -1,4 +1,4 @@
-"""PathCond by cyclic coordinate descent: the published algorithm (MATH.md §7).
+"""PathCond by cyclic coordinate descent: the published algorithm (docs/math.md §7).
 
 One unit at a time, in index order. For unit h, with the others fixed and
 x = e^{z_h}, Σ_i g_i e^{(Bz)_i} = B_h x + C_h / x + D_h and the exact minimiser

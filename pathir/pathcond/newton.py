@@ -1,4 +1,4 @@
-"""PathCond by projected Newton-CG on z (MATH.md §7), warm-started by block sweeps.
+"""PathCond by projected Newton-CG on z (docs/math.md §7), warm-started by block sweeps.
 
 Over the distinct unit pairs k (`unit_pairs`), with q_k = P_k e^{z_l - z_e} / S,
 

@@ -1,4 +1,4 @@
-"""The PathCond objective (MATH.md §7) on arrays, and the result its solvers return.
+"""The PathCond objective (docs/math.md §7) on arrays, and the result its solvers return.
 
 With g = diag G (n,) and the unit incidence matrix B (n x H),
 
@@ -165,7 +165,7 @@ class PathCondResult:
         return float(np.max(np.abs(self.z))) if self.z.size else 0.0
 
     def to_dict(self) -> dict:
-        """The PathCond report of MATH.md §7, JSON-ready."""
+        """The PathCond report of docs/math.md §7, JSON-ready."""
         return {
             "method": self.method, "f_initial": self.f_initial, "f_final": self.f_final,
             "sweeps": self.sweeps, "converged": self.converged, "max_abs_z": self.max_abs_z,

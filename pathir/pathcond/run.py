@@ -1,6 +1,6 @@
-"""PathCond on a compiled model (MATH.md §7): solve for z, rescale the model in place.
+"""PathCond on a compiled model (docs/math.md §7): solve for z, rescale the model in place.
 
-With g = diag G (MATH.md §6) and the unit incidence matrix B (§5), PathCond
+With g = diag G (docs/math.md §6) and the unit incidence matrix B (§5), PathCond
 minimises the convex
 
     F(z) = n log Σ_i g_i e^{(Bz)_i} - Σ_i (Bz)_i
@@ -178,7 +178,7 @@ def _divergences(g, result, rows) -> tuple[float, float]:
 def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol: float = 1e-10,
              commit=None, name: str = "", max_log_scale: float | None = None, dtype="float64",
              callback=None, progress: bool | None = None) -> PathCondReport:
-    """Minimise F (MATH.md §7) over the rescalings of ``facts.graph``; ``commit(z)`` applies the minimiser.
+    """Minimise F (docs/math.md §7) over the rescalings of ``facts.graph``; ``commit(z)`` applies the minimiser.
 
     Parameters
     ----------

@@ -1,4 +1,4 @@
-"""PathCond solvers on arrays (MATH.md §7): the one import point.
+"""PathCond solvers on arrays (docs/math.md §7): the one import point.
 
 Inputs: ``g`` (n,) = diag G, non-negative, any range of magnitudes; ``B``
 (n x H) the unit incidence matrix, any scipy.sparse matrix/array (or dense)

@@ -1,4 +1,4 @@
-"""Rescalings (MATH.md §5): z ∈ R^H on the units, as θ ⊙ exp(-Bz/2) or as
+"""Rescalings (docs/math.md §5): z ∈ R^H on the units, as θ ⊙ exp(-Bz/2) or as
 per-channel log-scales.
 
 Two equivalent descriptions of one group element:

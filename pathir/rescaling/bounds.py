@@ -1,7 +1,7 @@
 """How far a rescaling may go before write-back leaves the model's dtype.
 
 With |z_h| <= M for every unit, a parameter is multiplied by
-e^{-(z_l - z_e)/2} ∈ [e^{-M}, e^{M}] (MATH.md §5; docs/math.md §5), and a
+e^{-(z_l - z_e)/2} ∈ [e^{-M}, e^{M}] (docs/math.md §5), and a
 running variance of an unfolded batch-norm by at most e^{2M}. So if every
 nonzero |θ| of the graph lies in [m, m'] and the dtype's normal range is
 [tiny, big], no written entry overflows or becomes subnormal (or 0) when

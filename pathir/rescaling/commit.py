@@ -1,6 +1,6 @@
 """Committing a rescaling z to a source model, all or nothing.
 
-A rescaling θ ← θ ⊙ exp(-Bz/2) (MATH.md §5) reaches the user's model through
+A rescaling θ ← θ ⊙ exp(-Bz/2) (docs/math.md §5) reaches the user's model through
 the frontend writer as per-channel log-scales (:func:`pathir.rescaling.apply.log_scales`);
 ``Compiled.commit_rescaling`` then makes the rescaled graph current, so that every
 later computation (``cm.diag_g()``, ``cm.path_norm()``, ...) sees the new model.

@@ -34,7 +34,7 @@ class GraphFacts:
 
     @cached_property
     def units(self):
-        """``pathir.passes.find_units.Units`` of the graph (MATH.md §5)."""
+        """``pathir.passes.find_units.Units`` of the graph (docs/math.md §5)."""
         from pathir.passes.find_units import find_units
 
         return find_units(self.graph)[1]

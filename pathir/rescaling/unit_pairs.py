@@ -1,4 +1,4 @@
-"""The unit incidence matrix B (MATH.md §5) read as pairs of units.
+"""The unit incidence matrix B (docs/math.md §5) read as pairs of units.
 
 Row i of B holds at most one -1 (the unit parameter i enters, e(i)) and at most
 one +1 (the unit it leaves, l(i)). With the convention z_none = 0,

@@ -1,4 +1,4 @@
-"""The rows of the unit incidence matrix B (MATH.md §5) as unit pairs.
+"""The rows of the unit incidence matrix B (docs/math.md §5) as unit pairs.
 
 Row i of B holds at most one -1 (the unit parameter i enters, e(i)) and at most
 one +1 (the unit it leaves, l(i)); with H units and H standing for "none", the
