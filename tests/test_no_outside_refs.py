@@ -7,8 +7,6 @@ mathematics is docs/math.md, cited as "docs/math.md §N" with the same section n
 import re
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 OUTSIDE = ("../shared", "DESIGN.md", "seeds/")
 PACKAGE_DIRS = ("pathir", "frontends", "passes", "backends")
