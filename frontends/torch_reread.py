@@ -69,9 +69,12 @@ class Reread:
         """Whether the tensors that ``moved`` (None: unknown) are all recipe inputs."""
         return moved is not None and moved <= self.inputs
 
-    def graph(self, model) -> Graph:
-        """The raw graph of ``model``'s current tensors (same structure as at lowering)."""
+    def graph(self, model) -> Graph | None:
+        """The raw graph of ``model``'s current tensors (same structure as at lowering); None if a
+        recipe's tensor is gone (a weight reparametrized by pruning since: lower it again)."""
         named = named_tensors(model)
+        if any(n not in named for r in self.recipes.values() for n in r.inputs):
+            return None
 
         def value(p: Param) -> Param:
             r = self.recipes[p.name]
