@@ -13,9 +13,11 @@ __all__ = ["Lowered"]
 @dataclass
 class Lowered:
     """A lowered model: the raw graph (nothing folded yet), the frontend's
-    write-back handle, and facts about the source model."""
+    write-back handle, and facts about the source model; ``reread``: how to read the
+    model's current values into the raw graph without lowering again (torch, or None)."""
 
     graph: Graph
     writer: Any
     source_num_params: int
     name: str
+    reread: Any = None

@@ -111,7 +111,10 @@ class FxInterpreter:
             return self._input(node, shapes)
         if node.op == "get_attr":
             obj = _get(self.model, node.target)
-            return ParamTensor(node.target, obj) if isinstance(obj, torch.Tensor) else obj
+            if isinstance(obj, torch.Tensor):
+                low.direct_reads.add(node.target)  # it may become a fixed constant (torch_reread)
+                return ParamTensor(node.target, obj)
+            return obj
         args, kwargs = self._args(node)
         if node.op == "call_module":
             return self._module(_get(self.model, node.target), node.target, args, kwargs)

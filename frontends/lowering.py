@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pathir.errors import UnsupportedOperation
+from pathir.frontends.torch_reread import Recipe
 from pathir.frontends.values import SELECTION, ParamTensor, Value, run_index_op, selection_index, selection_map
 from pathir.ir import (
     ChannelMap,
@@ -48,7 +49,10 @@ def _pairs(padding, n: int):
 
 def f64(t: torch.Tensor) -> np.ndarray:
     """A fresh float64 copy (never a view of the model's storage)."""
-    return t.detach().to("cpu", torch.float64, copy=True).numpy()
+    t = t.detach()
+    if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64):
+        return np.array(t.numpy(), dtype=np.float64)  # the same exact widening, one thread (no pool wake-ups)
+    return t.to("cpu", torch.float64, copy=True).numpy()
 
 
 class Lowering:
@@ -57,6 +61,9 @@ class Lowering:
     def __init__(self, name: str):
         self.b = GraphBuilder(name)
         self._params: dict[str, Param] = {}
+        self.recipes: dict[str, Recipe] = {}  # param name -> how to make it again (torch_reread)
+        self.read: dict = {}  # tensor name -> the tensor a recipe read
+        self.direct_reads: set[str] = set()  # tensors the traced program read by attribute
         self.where = ""  # module path / op of the fx node being lowered, for errors
         self.op = ""
         self.fx_name = ""
@@ -76,8 +83,19 @@ class Lowering:
                              f"{how or 'as it is'}): one tensor shared by two kinds of layers is not lowered")
         return self._params[name]
 
+    def made(self, name: str, make, tensors: tuple[ParamTensor, ...], refs: tuple[SourceRef, ...],
+             how: str = "") -> Param:
+        """``self.param`` of the value ``make(*tensors)``, the recipe kept so that the value can be
+        re-read from the model's current tensors without lowering again (torch_reread)."""
+        if name in self._params:
+            return self.param(name, self._params[name].value, refs, how)
+        p = self.param(name, make(*(t.tensor for t in tensors)), refs, how)
+        self.recipes[name] = Recipe(tuple(t.name for t in tensors), make)
+        self.read.update((t.name, t.tensor) for t in tensors)
+        return p
+
     def direct(self, pt: ParamTensor) -> Param:
-        return self.param(pt.name, f64(pt.tensor), (SourceRef(pt.name),))
+        return self.made(pt.name, f64, (pt,), (SourceRef(pt.name),))
 
     def materialize(self, v: Value, hint: str | None = None) -> str:
         """The node holding v: v's own node, or a new identity node with v's terms.
@@ -147,14 +165,19 @@ class Lowering:
             self.unsupported("batch-norm without running statistics uses batch statistics: input-dependent")
         if weight is None or bias is None:
             self.unsupported("batch-norm without affine parameters: a rescaling could not be written back")
-        sigma = np.sqrt(f64(var.tensor) + eps)
-        gamma, beta, mu = f64(weight.tensor), f64(bias.tensor), f64(mean.tensor)
         out = (SourceRef(weight.name, Role.OUT_SCALE), SourceRef(bias.name, Role.OUT_SCALE))
         stats = (SourceRef(mean.name, Role.IN_STATS), SourceRef(var.name, Role.IN_STATS))
-        s = self.param(weight.name, gamma / sigma, (SourceRef(weight.name),) + out + stats,
-                       f"{weight.name} / sqrt({var.name} + {eps:g})")
-        c = self.param(bias.name, beta - mu * gamma / sigma, (SourceRef(bias.name),) + out,
-                       f"{bias.name} - {mean.name} * {weight.name} / sqrt({var.name} + {eps:g})")
+
+        def scale(gamma, var_):
+            return f64(gamma) / np.sqrt(f64(var_) + eps)
+
+        def shift(beta, mu, gamma, var_):
+            return f64(beta) - f64(mu) * f64(gamma) / np.sqrt(f64(var_) + eps)
+
+        s = self.made(weight.name, scale, (weight, var), (SourceRef(weight.name),) + out + stats,
+                      f"{weight.name} / sqrt({var.name} + {eps:g})")
+        c = self.made(bias.name, shift, (bias, mean, weight, var), (SourceRef(bias.name),) + out,
+                      f"{bias.name} - {mean.name} * {weight.name} / sqrt({var.name} + {eps:g})")
         if v.shape[0] != s.shape[0]:
             self.unsupported(f"batch-norm over {s.shape[0]} channels applied to shape {list(v.shape)}")
         return self._apply(v, Scale(s), c)

@@ -23,6 +23,7 @@ from pathir.frontends import capture_checks, torch_inputs
 from pathir.frontends.fx_interpreter import FxInterpreter
 
 from .common import Lowered
+from .torch_reread import Reread
 
 __all__ = ["lower", "trace"]
 
@@ -46,7 +47,7 @@ def lower(model: nn.Module, input_shape=None, example_input=None) -> Lowered:
     name = type(model).__name__
     with torch_inputs.eval_forward(model), capture_checks.fresh_hook_tensors(stale):
         try:
-            graph = _lower_graph(model, shapes, name)
+            graph, low = _lower_graph(model, shapes, name)
         except Exception as err:
             torch_inputs.explain(model, shapes, err)
             raise
@@ -54,17 +55,19 @@ def lower(model: nn.Module, input_shape=None, example_input=None) -> Lowered:
     from .train_branches import train_only_modules
 
     n_params = sum(p.numel() for p in model.parameters())
-    return Lowered(graph, TorchWriter(model, train_only=train_only_modules(model, graph)), n_params, name)
+    reread = None if low is None else Reread.of(model, graph, low.recipes, low.read, low.direct_reads)
+    return Lowered(graph, TorchWriter(model, train_only=train_only_modules(model, graph)), n_params, name, reread)
 
 
 def _lower_graph(model, shapes, name):
     try:
         gm = trace(model)
-        return FxInterpreter(model, gm, name).run(shapes)
+        interpreter = FxInterpreter(model, gm, name)
+        return interpreter.run(shapes), interpreter.low
     except (torch.fx.proxy.TraceError, TypeError, NotImplementedError) as fx_error:
         if isinstance(fx_error, UnsupportedOperation):
             raise
-        return _lower_exported(model, shapes, name, fx_error)
+        return _lower_exported(model, shapes, name, fx_error), None  # no re-read record: re-lowered
 
 
 # ---------------------------------------------------------------- torch.export

@@ -41,6 +41,13 @@ class ModelWatch:
         """Take the model as it is now as the reference."""
         self._modules, self._versions = self.modules(), self.versions()
 
+    def moved(self) -> set[str] | None:
+        """The names of the tensors that changed since :meth:`mark` (None if a name came or went)."""
+        old, new = ({v[0]: v[1:] for v in vs} for vs in (self._versions, self.versions()))
+        if old.keys() != new.keys():
+            return None
+        return {name for name, v in new.items() if old[name] != v}
+
     def changed(self) -> str | None:
         """None if nothing changed since :meth:`mark`; "values" if what changed can be re-read into
         the same graph (values, dtypes, devices, a tensor renamed by pruning's reparametrization);

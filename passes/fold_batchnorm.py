@@ -35,7 +35,8 @@ def _out_scale_refs(scale: Param) -> tuple[SourceRef, ...]:
 def _scaled_weight(w: Param, s: np.ndarray, refs) -> Param:
     value = w.value * s.reshape(-1, *([1] * (w.value.ndim - 1)))
     sources = tuple(r for r in w.sources if r.role is not Role.OUT_SCALE) + refs
-    return Param(w.name, value, sources, (w.how or w.name) + f" * {refs[0].name if refs else 'scale'}/sigma")
+    how = (w.how or w.name) + f" * {refs[0].name if refs else 'scale'}/sigma"
+    return Param.adopt(w.name, value, sources, how)  # value is a fresh array: no copy
 
 
 def fold_batchnorm(graph: Graph) -> Graph:

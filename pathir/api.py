@@ -66,8 +66,14 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
         graph, writer, n_src, name = low.graph, low.writer, low.source_num_params, low.name
         watch = ModelWatch(model)
 
-        def relower() -> Graph:  # the model's current values in the same pipeline
-            raw = lower(model, input_shape=input_shape, example_input=example_input).graph
+        reread = low.reread
+
+        def relower(moved: set[str] | None = None) -> Graph:
+            """The model's current values in the same pipeline: re-read without tracing when only
+            recipe inputs ``moved`` (docs/live.md), else lowered again."""
+            raw = reread.graph(model) if reread is not None and reread.covers(moved) else None
+            if raw is None:
+                raw = lower(model, input_shape=input_shape, example_input=example_input).graph
             return run_passes(raw, (*DEFAULT_PIPELINE, *passes), check=False)
 
     bar.phase("passes")

@@ -140,14 +140,15 @@ class Compiled:
         if change != "values":
             raise ModelChanged(f"{self.name}: the model's structure changed since compile ({change}): "
                                "compile it again with pathir.compile")
-        self.refresh()
+        self.refresh(self._watch.moved())
 
-    def refresh(self) -> None:
+    def refresh(self, _moved: set[str] | None = None) -> None:
         """Re-read the model's current tensors into the graph (same structure). Queries do it by
-        themselves after any in-place change autograd sees; call it after an edit through ``.data``."""
+        themselves after any in-place change autograd sees (reading only values when only weights
+        moved, docs/live.md); call it after an edit through ``.data``."""
         if self._relower is None:
             return
-        old, new = self._facts.graph, self._relower()
+        old, new = self._facts.graph, self._relower(_moved)
         if str(new) != str(old):
             raise ModelChanged(f"{self.name}: the model no longer lowers to the same graph; compile it again "
                                "with pathir.compile")

@@ -125,3 +125,151 @@ def test_a_derived_compiled_is_a_snapshot_that_refuses_once_the_model_moves():
     with pytest.raises(ModelChanged, match="snapshot"):
         rescaled.path_norm(2)
     assert cm.path_norm(2) == pytest.approx(_fresh(model), rel=1e-13)
+
+
+# ------------------------------------------------------------ the value-only re-read
+
+
+def _lowerings(monkeypatch):
+    """A counter of full lowerings (traced program interpreted again)."""
+    from pathir.frontends.fx_interpreter import FxInterpreter
+
+    calls, run = [], FxInterpreter.run
+    monkeypatch.setattr(FxInterpreter, "run", lambda self, *a, **k: calls.append(1) or run(self, *a, **k))
+    return calls
+
+
+def _assert_same_graph(cm, model):
+    """Every param of the followed graph equals a fresh compile's, bit for bit."""
+    fresh = pathir.compile(model, input_shape=SHAPE, self_check=False)
+    assert str(cm.graph) == str(fresh.graph)
+    for p, q in zip(cm.graph.params(), fresh.graph.params(), strict=True):
+        assert p.name == q.name and np.array_equal(p.value, q.value), p.name
+    return fresh
+
+
+def test_an_sgd_step_in_eval_mode_is_read_without_lowering_again(monkeypatch):
+    model = _net().eval()
+    cm = pathir.compile(model, input_shape=SHAPE)
+    calls = _lowerings(monkeypatch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(3):
+        _train_step(model, opt, step)
+        before = len(calls)
+        value = cm.path_norm(2)
+        assert len(calls) == before  # values only: no tracing, no interpretation
+        fresh = _assert_same_graph(cm, model)
+        assert value == fresh.path_norm(2)
+
+
+def test_running_statistics_and_a_replaced_parameter_are_read_without_lowering_again(monkeypatch):
+    model = _net().eval()
+    cm = pathir.compile(model, input_shape=SHAPE)
+    calls = _lowerings(monkeypatch)
+    with torch.no_grad():
+        model[1].running_var.mul_(4.0)
+        model[1].running_mean.add_(0.5)
+    model[8].weight = nn.Parameter(torch.randn(3, 5, dtype=torch.float64))  # same shape, new tensor
+    cm.path_norm(1)
+    assert calls == []
+    _assert_same_graph(cm, model)
+
+
+class _BufferScaled(nn.Module):
+    """x * buffer: the buffer is a fixed constant of the graph, no recipe reads it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 4, 3), nn.Linear(4, 2)
+        self.register_buffer("scale", torch.tensor([1.0, 2.0, 3.0, 4.0]).reshape(1, 4, 1, 1))
+
+    def forward(self, x):
+        x = torch.relu(self.conv(x)) * self.scale
+        return self.fc(x.mean(dim=(2, 3)))
+
+
+def test_a_moved_constant_buffer_is_lowered_again(monkeypatch):
+    model = _BufferScaled().double()
+    cm = pathir.compile(model, input_shape=SHAPE)
+    calls = _lowerings(monkeypatch)
+    with torch.no_grad():
+        model.scale.mul_(3.0)
+    with pytest.raises(ModelChanged, match="no longer lowers to the same graph"):
+        cm.path_norm(1)  # the fixed map prints its factors: another graph (a re-read would be stale)
+    assert calls
+
+
+def test_train_mode_moves_num_batches_tracked_and_is_lowered_again_exactly(monkeypatch):
+    model = _net()  # train mode: running stats and num_batches_tracked move
+    cm = pathir.compile(model, input_shape=SHAPE)
+    calls = _lowerings(monkeypatch)
+    _train_step(model, torch.optim.SGD(model.parameters(), lr=0.05), 0)
+    cm.path_norm(2)
+    assert calls
+    _assert_same_graph(cm, model)
+
+
+def test_a_pruned_weight_then_a_bias_step_is_lowered_again():
+    model = _net().eval()
+    cm = pathir.compile(model, input_shape=SHAPE)
+    cm.prune(0.3)
+    with torch.no_grad():
+        model[8].bias.add_(1.0)  # a recipe input moved, but '0.weight' is now pruning's weight_orig
+    _assert_same_graph(cm, model)
+
+
+# random models and edits: a followed Compiled is, bit for bit, a fresh compile
+
+
+def _random_net(draw):
+    from hypothesis import strategies as st
+
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    layers, channels = [], 3
+    for _ in range(draw(st.integers(1, 3))):
+        out = draw(st.integers(1, 4))
+        layers.append(nn.Conv2d(channels, out, 3, padding=draw(st.integers(0, 1)), bias=draw(st.booleans())))
+        if draw(st.booleans()):
+            bn = nn.BatchNorm2d(out)
+            with torch.no_grad():
+                bn.running_mean.normal_()
+                bn.running_var.uniform_(0.5, 2.0)
+                bn.weight.normal_()
+                bn.bias.normal_()
+            layers.append(bn)
+        layers.append(nn.ReLU())
+        channels = out
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 2, bias=draw(st.booleans()))]
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    return nn.Sequential(*layers).to(dtype).eval()
+
+
+def test_random_models_and_edits_follow_exactly():
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    @given(st.data())
+    def check(data):
+        model = _random_net(data.draw)
+        cm = pathir.compile(model, input_shape=SHAPE, self_check=False)
+        named = dict(model.named_parameters()) | {k: v for k, v in model.named_buffers() if "running" in k}
+        for _ in range(data.draw(st.integers(1, 3))):
+            name = data.draw(st.sampled_from(sorted(named)))
+            kind = data.draw(st.sampled_from(["scale", "noise", "replace", "sgd"]))
+            t = dict(model.named_parameters()).get(name, named[name])
+            with torch.no_grad():
+                if kind == "scale":
+                    t.mul_(data.draw(st.floats(0.1, 3.0)))
+                elif kind == "noise" or "running" in name:
+                    t.add_(torch.rand_like(t))
+                elif kind == "replace":
+                    module, _, attr = name.rpartition(".")
+                    setattr(model.get_submodule(module), attr, nn.Parameter(torch.randn_like(t)))
+            if kind == "sgd":
+                opt = torch.optim.SGD(model.parameters(), lr=0.01)
+                model(torch.randn(2, *SHAPE, dtype=next(model.parameters()).dtype)).pow(2).mean().backward()
+                opt.step()
+            fresh = _assert_same_graph(cm, model)
+            assert cm.path_norm(2) == pytest.approx(fresh.path_norm(2), rel=1e-12)
+
+    check()
