@@ -203,7 +203,8 @@ def part_pruning(cfg: DemoConfig, data, bar) -> dict:
             row[label] = accuracy(pruned, X_test, y_test)
             bar.update(1)
         rows[f"{int(amount * 100)}%"] = row
-    return {"dense_accuracy": dense_acc, "rescaled_dense_accuracy": rescaled_acc, "table": rows}
+    return {"dense_accuracy": dense_acc, "rescaled_dense_accuracy": rescaled_acc, "table": rows,
+            "model": model}  # the trained CNN, for the activations part (run_demo pops it)
 
 
 # ------------------------------------------------------------------ output
@@ -320,9 +321,9 @@ def run_demo(cfg: DemoConfig | None = None, progress: bool | None = True) -> dic
         part2 = part_pruning(cfg, data, bar)
     _plot_curves(cfg, part1, os.path.join(cfg.out, PATHCOND_PNG))
     _plot_pruning(cfg, part2, os.path.join(cfg.out, PRUNING_PNG))
-    from pathir.demo_activations import format_activations, part_activations  # the CNN of part 2 (same seed)
+    from pathir.demo_activations import format_activations, part_activations
 
-    part3 = part_activations(train_cnn(data[0], data[2], cfg.cnn_epochs, seed=0), data[1], cfg.activation_amounts, cfg.out)
+    part3 = part_activations(part2.pop("model"), data[1], cfg.activation_amounts, cfg.out)  # part 2's CNN, unpruned
     results = {"seconds": time.perf_counter() - start, "pathcond": part1["table"], "pruning": part2,
                "curves": part1["curves"], "activations": part3}
     with open(os.path.join(cfg.out, "results.json"), "w") as f:
