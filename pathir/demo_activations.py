@@ -95,8 +95,9 @@ def _plot_bounds(curves: dict, path: str) -> None:
         ax.set_title(f"pruned {int(round(amount * 100))}%: pattern kept on {shared.mean():.0%}")
         ax.set_xlabel("test samples, by real change")
     axes[0][0].set_ylabel("output change / bound")
-    axes[0][0].legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()  # one legend above the panels, off the data
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=8, markerscale=4, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
