@@ -15,10 +15,11 @@ import numpy as np
 from pathir.errors import PathirError
 from pathir.ir import Graph, NodeKind
 
-__all__ = ["path_view"]
+__all__ = ["path_view", "abs_pow"]
 
 
-def _abs_pow(q: float):
+def abs_pow(q: float):
+    """w -> |w|^q elementwise (|w|^0 = 1, also where w = 0: every edge counts as a path)."""
     if q == 1:
         return np.abs
     if q == 0:
@@ -34,7 +35,7 @@ def path_view(graph: Graph, q: float = 1.0) -> Graph:
     for n in graph.nodes:
         if n.kind is NodeKind.MAXPOOL:
             raise PathirError(f"path_view: node '{n.name}' is a maxpool; run maxpool_to_sum first")
-    fn = _abs_pow(q)
+    fn = abs_pow(q)
     nodes = []
     for n in graph.nodes:
         kind = NodeKind.INPUT if n.kind is NodeKind.INPUT else NodeKind.IDENTITY

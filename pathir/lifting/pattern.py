@@ -26,7 +26,6 @@ by any factor stay exact (1e-100 ≤ max|m[b]| ≤ 1e100, as in
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -34,6 +33,8 @@ import numpy as np
 
 from pathir.errors import BackendError, PathirError
 from pathir.ir import Graph, Node, NodeKind
+from pathir.lifting.walk import flushing
+from pathir.passes.path_view import abs_pow
 
 __all__ = ["ActivationPattern", "activation_pattern", "masked_forward", "masked_backward", "power_walk",
            "as_input_dict", "to_value"]
@@ -186,18 +187,7 @@ def to_value(backend, mL) -> np.ndarray:
         return m * np.exp(L).reshape(-1, *([1] * (m.ndim - 1)))
 
 
-def _flushing(walk):
-    """Run a walk inside the backend's flush_denormals context (as the walks of pathir.lifting.walk)."""
-
-    @functools.wraps(walk)
-    def wrapped(graph, backend, *args, **kwargs):
-        with backend.flush_denormals():
-            return walk(graph, backend, *args, **kwargs)
-
-    return wrapped
-
-
-@_flushing
+@flushing
 def masked_forward(graph: Graph, backend, pattern: ActivationPattern, inputs=None, bias: bool = True,
                    keep=None) -> dict:
     """Walk of ``graph`` (on ``backend``'s weights) with the pattern frozen.
@@ -245,7 +235,7 @@ def masked_forward(graph: Graph, backend, pattern: ActivationPattern, inputs=Non
     return acts if wanted is None else {n: acts[n] for n in wanted}
 
 
-@_flushing
+@flushing
 def masked_backward(graph: Graph, backend, pattern: ActivationPattern, seeds=None, on_node=None) -> dict:
     """Reverse walk with the pattern frozen: per node, the sum over active paths from
     it to an output (seeded by ``seeds`` {output: array}, default ones), i.e. the
@@ -284,14 +274,6 @@ def masked_backward(graph: Graph, backend, pattern: ActivationPattern, seeds=Non
     return grads
 
 
-def _abs_pow(q: float):
-    if q == 1:
-        return np.abs
-    if q == 0:
-        return np.ones_like
-    return lambda w: np.abs(w) ** q
-
-
 def power_walk(graph: Graph, backend, q: float) -> tuple[Graph, object]:
     """(graph, backend) whose walks see every weight, bias and fixed constant w as |w|^q
     (q = 0: 1 for every edge and existing bias), node kinds kept.
@@ -299,7 +281,7 @@ def power_walk(graph: Graph, backend, q: float) -> tuple[Graph, object]:
     Backends with ``power_view`` do it lazily on their device; otherwise the graph is rewritten."""
     if hasattr(backend, "power_view"):
         return graph, backend.power_view(q)
-    fn = _abs_pow(q)
+    fn = abs_pow(q)
     nodes = []
     for n in graph.nodes:
         edges = tuple(replace(e, map=e.map.with_weights(fn)) for e in n.edges)

@@ -101,7 +101,7 @@ def _require_path_graph(graph: Graph, linearize: bool = False):
             )
 
 
-def _flushing(walk):
+def flushing(walk):
     """Run a walk inside the backend's flush_denormals context."""
 
     @functools.wraps(walk)
@@ -112,7 +112,7 @@ def _flushing(walk):
     return wrapped
 
 
-@_flushing
+@flushing
 def path_forward(graph: Graph, backend, inputs=None, linearize: bool = False):
     """Forward on a path graph with the all-ones input (or ``inputs``: {name: (B,*shape)}).
 
@@ -161,7 +161,7 @@ def log_total(backend, acts, names) -> float:
     return top + math.log(sum(math.exp(p - top) for p in parts))
 
 
-@_flushing
+@flushing
 def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = False):
     """Reverse walk on a path graph: d(sum of outputs)/d(everything).
 
