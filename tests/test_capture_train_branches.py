@@ -73,13 +73,17 @@ def test_unused_module_does_not_block_write_back():
 
 
 @pytest.mark.parametrize("train", [False, True])
-def test_googlenet_with_aux_logits_refused_untouched(train):
-    model = zoo.build("googlenet").double().train(train)
+@pytest.mark.parametrize("name, shape, aux", [
+    ("googlenet", (3, 64, 64), "aux1, aux2"),
+    pytest.param("inception_v3", (3, 96, 96), "AuxLogits", marks=pytest.mark.slow),
+])
+def test_zoo_model_with_aux_logits_refused_untouched(name, shape, aux, train):
+    model = zoo.build(name).double().train(train)
     with pytest.warns(UserWarning) if train else _nothing():
-        cm = pathir.compile(model, input_shape=(3, 64, 64))
-    x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
+        cm = pathir.compile(model, input_shape=shape)
+    x = torch.randn(2, *shape, dtype=torch.float64)
     state = _state(model)
-    with pytest.raises(PathirError, match=r"aux1, aux2 run only in train mode"):
+    with pytest.raises(PathirError, match=aux + r" runs? only in train mode"):
         cm.pathcond()
     assert _same(state, model.state_dict()) and model.training == train
     model.eval()
