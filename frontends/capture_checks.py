@@ -18,6 +18,9 @@ This module checks a traced graph against these, before it is lowered:
   traced graph does not run, except the ones whose effect is already in the
   tensors the module reads (pruning, legacy weight/spectral norm) when those
   tensors are up to date.
+- :func:`state_kept` refuses a forward that writes the model's own parameters or buffers from
+  Python (``self.count += 1``, ``self.buf = ...``): tracing runs that code on the real tensors,
+  and the traced graph does not show it. The tensors are put back before the refusal.
 - :class:`InplaceTracer` is the fx tracer the torch frontend uses: unlike the
   default one it records ``h += y`` as ``operator.iadd`` (the default traces it
   as ``h = h + y``, hiding the mutation of ``h``'s storage).
@@ -40,7 +43,7 @@ import torch.nn.functional as F
 
 from pathir.errors import UnsupportedOperation
 
-__all__ = ["InplaceTracer", "alias_plan", "refuse_inplace", "apply_inplace", "check_modes", "check_hooks", "fresh_hook_tensors",
+__all__ = ["InplaceTracer", "state_kept", "alias_plan", "refuse_inplace", "apply_inplace", "check_modes", "check_hooks", "fresh_hook_tensors",
            "effect_fx", "effect_export"]
 
 # ---------------------------------------------------------------- tracing with augmented assignment
@@ -316,6 +319,40 @@ def _is_view_of(a, m, edges, pos) -> bool:
         if node is m:
             return True
     return False
+
+
+# ---------------------------------------------------------------- state written by the forward
+
+
+@contextlib.contextmanager
+def state_kept(model: nn.Module):
+    """Runs the body (a trace of ``model``) and raises UnsupportedOperation if it wrote a
+    parameter or buffer of the model in place or replaced one; buffers are restored first
+    (parameters are only compared: a forward that writes them in place is refused, and its
+    values cannot be put back without a copy of every weight)."""
+    params = {n: (t, t._version) for n, t in model.named_parameters(remove_duplicate=False)}
+    buffers = {n: (t, t._version) for n, t in model.named_buffers(remove_duplicate=False)}
+    saved = {n: t.detach().clone() for n, (t, _) in buffers.items()}
+    try:
+        yield
+    finally:
+        now_p = dict(model.named_parameters(remove_duplicate=False))
+        now_b = dict(model.named_buffers(remove_duplicate=False))
+        moved = [n for n, (t, v) in params.items() if now_p.get(n) is not t or t._version != v]
+        moved += [n for n, (t, v) in buffers.items() if now_b.get(n) is not t or t._version != v]
+        if moved:
+            for n, (t, _) in buffers.items():
+                mod_path, _, attr = n.rpartition(".")
+                owner = model.get_submodule(mod_path)
+                if owner._buffers.get(attr) is not t:
+                    owner._buffers[attr] = t
+                with torch.no_grad():
+                    t.copy_(saved[n])
+            raise UnsupportedOperation(
+                "forward", type(model).__name__, "",
+                f"the forward writes the model's own {', '.join(repr(n) for n in moved[:5])} while it runs (e.g. "
+                "`self.count += 1`): the traced graph does not show it and every call would change the model "
+                "(buffers put back as they were; keep state updates out of forward, or under `if self.training`)")
 
 
 # ---------------------------------------------------------------- modes fixed in the code

@@ -213,8 +213,13 @@ _DIV = {operator.truediv, operator.itruediv, torch.div, torch.divide, torch.true
 _MAX2 = {torch.maximum, torch.fmax, torch.max}
 
 
+_MATMUL = {torch.matmul, torch.mm, operator.matmul}
+
+
 def lower_function(low, fn, args, kwargs):
     """A call_function the core does not lower, or NOT_MINE."""
+    if fn in _MATMUL and len(args) == 2 and isinstance(args[0], Value) and isinstance(args[1], ParamTensor):
+        return low.matmul_param(args[0], args[1])
     if fn in _SUB:
         alpha = kwargs.get("alpha", 1)
         return _sub(low, args[0], args[1], alpha)
@@ -264,6 +269,8 @@ def lower_method(low, name, args, kwargs):
         return _mul(low, self_, args[1])
     if name in ("div", "__truediv__", "divide", "true_divide") and kwargs.get("rounding_mode") is None:
         return _div(low, self_, args[1])
+    if name in ("matmul", "__matmul__", "mm") and len(args) == 2 and isinstance(args[1], ParamTensor):
+        return low.matmul_param(self_, args[1])
     if name in ("neg", "__neg__", "negative"):
         return fixed_scale(low, self_, -1.0)
     if name in ("maximum", "fmax", "max") and len(args) == 2 and isinstance(args[1], Value):

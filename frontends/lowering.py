@@ -255,6 +255,10 @@ class Lowering:
         return self.index_op(lambda t: t.reshape(t.shape[0], -1), [pooled])[0][0]
 
     def add(self, a, b, alpha=1) -> Value:
+        if isinstance(a, ParamTensor) and isinstance(b, Value):
+            a, b = b, a
+        if isinstance(a, Value) and isinstance(b, ParamTensor) and alpha == 1:
+            return self.add_bias(a, b)
         if not isinstance(a, Value) or not isinstance(b, Value):
             self.unsupported("adding a constant: a fixed non-zero bias breaks the rescaling symmetry")
         if alpha != 1:
@@ -264,6 +268,38 @@ class Lowering:
         if a.bias is not None and b.bias is not None:
             b = Value.of_node(self.materialize(b), b.shape)
         return Value(a.terms + b.terms, a.shape, a.bias if a.bias is not None else b.bias, self.label)
+
+    def add_bias(self, v: Value, bias: ParamTensor) -> Value:
+        """v + bias, a learnable tensor with one entry per channel (shape (C,) on a flat value,
+        (C, 1, ..) or (1, C, 1, ..) on a feature map): the bias of v's neurons. A value that
+        already carries a bias becomes a node first (a node has one bias)."""
+        v = self._value(v)
+        t = bias.tensor
+        nd = len(v.shape) + 1  # with the batch axis
+        dims = [1] * (nd - t.dim()) + list(t.shape)
+        learnable = isinstance(t, torch.nn.Parameter)
+        if not learnable or not (len(dims) == nd and dims[0] == 1 and dims[1] == v.shape[0]
+                                            and all(d == 1 for d in dims[2:])):
+            what = (f"the parameter '{bias.name}' of shape {list(t.shape)}" if learnable
+                    else f"'{bias.name}', a tensor that is not a learnable parameter (a buffer or a constant),")
+            self.unsupported(f"adds {what} to an activation of shape {list(v.shape)}: only a learnable bias with one "
+                             "entry per channel is a bias of the ReLU DAG model (a fixed or shared one breaks the "
+                             "rescaling symmetry)")
+        if v.bias is not None:
+            v = Value.of_node(self.materialize(v), v.shape)
+        b = self.made(bias.name, lambda x: f64(x).reshape(-1), (bias,), (SourceRef(bias.name),))
+        return Value(list(v.terms), v.shape, b, self.label)
+
+    def matmul_param(self, v: Value, weight: ParamTensor) -> Value:
+        """x @ W with W a (in, out) parameter: a dense layer whose matrix is W transposed."""
+        v = self._value(v)
+        t = weight.tensor
+        if t.dim() != 2 or len(v.shape) != 1 or t.shape[0] != v.shape[0]:
+            self.unsupported(f"matmul of an activation of shape {list(v.shape)} by the parameter '{weight.name}' "
+                             f"of shape {list(t.shape)}: only a flat (in,) activation times an (in, out) matrix is a "
+                             "dense layer")
+        W = self.made(weight.name, lambda x: f64(x).T, (weight,), (SourceRef(weight.name, transposed=True),))
+        return self._apply(v, Dense(W), None, flat_ok=True)
 
     # ------------------------------------------------------------ index ops
     def cat_channels(self, values: list[Value]) -> Value | None:

@@ -35,7 +35,7 @@ _SAME = {aten.clone.default, aten.alias.default, aten.detach.default, aten.detac
 _EXTRA = {
     aten.sub.Tensor: torch.sub, aten.sub.Scalar: torch.sub, aten.rsub.Scalar: torch.rsub,
     aten.mul.Tensor: torch.mul, aten.mul.Scalar: torch.mul, aten.div.Tensor: torch.div, aten.div.Scalar: torch.div,
-    aten.neg.default: torch.neg, aten.maximum.default: torch.maximum, aten.clamp_min.default: torch.clamp_min,
+    aten.neg.default: torch.neg, aten.matmul.default: torch.matmul, aten.mm.default: torch.mm, aten.maximum.default: torch.maximum, aten.clamp_min.default: torch.clamp_min,
     aten.clamp.default: torch.clamp, aten.leaky_relu.default: torch.nn.functional.leaky_relu,
     aten.threshold.default: torch.threshold, aten.unflatten.int: torch.unflatten,
     aten.mul_.Tensor: torch.mul, aten.sub_.Tensor: torch.sub, aten.div_.Tensor: torch.div,

@@ -45,7 +45,7 @@ def lower(model: nn.Module, input_shape=None, example_input=None) -> Lowered:
     torch_inputs.warn_train_batchnorm(model)
     stale = capture_checks.check_hooks(model)
     name = type(model).__name__
-    with torch_inputs.eval_forward(model), capture_checks.fresh_hook_tensors(stale):
+    with torch_inputs.eval_forward(model), capture_checks.fresh_hook_tensors(stale), capture_checks.state_kept(model):
         try:
             graph, low = _lower_graph(model, shapes, name)
         except Exception as err:

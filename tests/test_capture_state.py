@@ -1,0 +1,51 @@
+"""A forward that writes the model's own state from Python (``self.count += 1``, a buffer
+replaced by a new tensor, a parameter edited in place): tracing runs that code on the real
+tensors and the traced graph does not show it. pathir refuses, naming the tensor, and the model's
+state is as before the call. A state update guarded by ``if self.training`` is not run by the
+eval-mode capture and compiles exactly."""
+
+import pytest
+import torch
+import torch.nn as nn
+from capture_reference import assert_forward
+
+import pathir
+from pathir.errors import UnsupportedOperation
+
+
+class Counter(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 2)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        if self.how == "inplace":
+            self.count += 1
+        elif self.how == "replace":
+            self.count = self.count + 1
+        elif self.how == "param":
+            with torch.no_grad():
+                self.a.weight.mul_(1.0)
+        elif self.how == "train_only" and self.training:
+            self.count += 1
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("how, name", [("inplace", "'count'"), ("replace", "'count'"), ("param", "'a.weight'")])
+def test_forward_writing_its_own_state_is_refused_and_the_state_put_back(how, name):
+    torch.manual_seed(0)
+    model = Counter(how).double().eval()
+    count, weight = model.count, model.a.weight.detach().clone()
+    with pytest.raises(UnsupportedOperation, match=f"the forward writes the model's own {name}"):
+        pathir.compile(model, input_shape=(4,))
+    assert model.count is count and float(model.count) == 0.0
+    assert torch.equal(model.a.weight, weight)
+
+
+def test_state_update_under_training_flag_is_not_run_by_the_capture():
+    model = Counter("train_only").double().train()
+    assert_forward(model, (4,), tol=1e-12)
+    assert float(model.count) == 0.0 and model.training
+
