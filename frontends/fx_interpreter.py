@@ -61,10 +61,18 @@ def why(op: str) -> str:
 
 _RELU = {F.relu, torch.relu, torch.relu_, F.relu_}
 _ADD = {operator.add, operator.iadd, torch.add}
+#: ops that only move, copy or drop elements: lowered by running them on element ids (values.run_index_op,
+#: which refuses any that mixes the samples of a batch); an index argument must be a constant
 _INDEX_FUNCS = {torch.flatten, torch.reshape, torch.transpose, torch.permute, torch.chunk, torch.split,
-                torch.squeeze, torch.unsqueeze, operator.getitem, torch.cat, torch.concat, torch.cat}
+                torch.squeeze, torch.unsqueeze, operator.getitem, torch.cat, torch.concat, torch.stack, torch.hstack,
+                torch.flip, torch.fliplr, torch.flipud, torch.roll, torch.rot90, torch.tile, torch.movedim,
+                torch.moveaxis, torch.swapaxes, torch.swapdims, torch.unbind, torch.select, torch.narrow,
+                torch.index_select, torch.repeat_interleave, torch.tensor_split}
 _INDEX_METHODS = {"view", "reshape", "flatten", "contiguous", "transpose", "permute", "chunk", "split",
-                  "squeeze", "unsqueeze", "clone", "view_as", "reshape_as", "narrow"}
+                  "squeeze", "unsqueeze", "clone", "view_as", "reshape_as", "narrow", "flip", "fliplr", "flipud",
+                  "roll", "rot90", "repeat", "expand", "expand_as", "repeat_interleave", "tile", "movedim", "moveaxis",
+                  "swapaxes", "swapdims", "unbind", "select", "index_select", "unfold", "tensor_split",
+                  "split_with_sizes"}
 _PASS_FUNCS = {F.dropout, F.dropout1d, F.dropout2d, F.alpha_dropout, F.feature_alpha_dropout}
 
 

@@ -58,10 +58,10 @@ def _constant_tensor(c) -> np.ndarray | None:
     ONNX initializer) as a float64 array; else None."""
     if isinstance(c, ParamTensor):
         c = c.tensor
-    if isinstance(c, np.ndarray) and (np.issubdtype(c.dtype, np.floating) or np.issubdtype(c.dtype, np.integer)):
+    if isinstance(c, np.ndarray) and (np.issubdtype(c.dtype, np.floating) or np.issubdtype(c.dtype, np.integer) or c.dtype == np.bool_):
         return c.astype(np.float64)
-    if isinstance(c, torch.Tensor) and not isinstance(c, nn.Parameter) and c.dtype not in (torch.bool, *_COMPLEX):
-        return c.detach().to("cpu", torch.float64).numpy()
+    if isinstance(c, torch.Tensor) and not isinstance(c, nn.Parameter) and c.dtype not in _COMPLEX:
+        return c.detach().to("cpu", torch.float64).numpy()  # a bool mask multiplies by 0 / 1
     return None
 
 
@@ -170,6 +170,10 @@ def _div(low, a, b):
 def _layer_scale(low, v: Value, gamma: ParamTensor) -> Value:
     """x * gamma, gamma one learnable number per channel: a parameterized Scale edge."""
     t = gamma.tensor
+    if gamma.kind != "parameter" or not t.is_floating_point():
+        low.unsupported(f"multiplies an activation by the {gamma.kind} '{gamma.name}' of dtype {t.dtype}: only a "
+                        "floating-point nn.Parameter is a rescalable (learnable) scale, and a write-back could "
+                        "not keep the function through it")
     channels = v.shape[0]
     nd = len(v.shape) + 1  # with the batch axis
     dims = list(t.shape)

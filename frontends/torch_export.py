@@ -27,6 +27,10 @@ _VIEW_OPS = {
     aten.permute.default, aten.transpose.int, aten.slice.Tensor, aten.split.Tensor,
     aten.split_with_sizes.default, aten.chunk.default, aten.unsqueeze.default, aten.squeeze.dim,
     aten.squeeze.dims, aten.narrow.default, aten.cat.default, aten.select.int, aten.expand.default,
+    aten.flip.default, aten.roll.default, aten.repeat.default, aten.stack.default, aten.unbind.int,
+    aten.index_select.default, aten.repeat_interleave.self_int, aten.movedim.int, aten.unfold.default,
+    aten.rot90.default, aten.tile.default, aten.swapaxes.default, aten.tensor_split.sections,
+    aten.tensor_split.indices,
 }
 _SAME = {aten.clone.default, aten.alias.default, aten.detach.default, aten.detach_.default, aten.contiguous.default,
          aten.dropout.default, aten.feature_dropout.default, aten.lift_fresh_copy.default}

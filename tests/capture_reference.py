@@ -48,12 +48,19 @@ def _identity(x, *a, **k):
     return x
 
 
-def _window_sum(fn_avg, dims):
+def _window_sum(dims):
+    """max_pool{dims}d -> the sum over each window's real elements (padding and the windows' overhang
+    in ceil mode hold none): an avg-pool with divisor 1; 1-d through a 2-d pool of height 1."""
+
     def pool(x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
         assert dilation in (1, (1,) * dims) and not return_indices
         k = (kernel_size,) * dims if isinstance(kernel_size, int) else tuple(kernel_size)
-        out = fn_avg(x, k, stride if stride else k, padding, ceil_mode=ceil_mode, count_include_pad=True)
-        return out * float(np.prod(k))
+        s = k if not stride else ((stride,) * dims if isinstance(stride, int) else tuple(stride))
+        p = (padding,) * dims if isinstance(padding, int) else tuple(padding)
+        if dims == 1:
+            out = F.avg_pool2d(x.unsqueeze(-2), (1, *k), (1, *s), (0, *p), ceil_mode=ceil_mode, divisor_override=1)
+            return out.squeeze(-2)
+        return F.avg_pool2d(x, k, s, p, ceil_mode=ceil_mode, divisor_override=1)
 
     return pool
 
@@ -76,8 +83,8 @@ def linearized():
         for o, n in patches:
             setattr(o, n, _identity)
         nn.ReLU.forward = lambda self, x: x
-        F.max_pool1d = _window_sum(F.avg_pool1d, 1)
-        F.max_pool2d = _window_sum(F.avg_pool2d, 2)
+        F.max_pool1d = _window_sum(1)
+        F.max_pool2d = _window_sum(2)
         torch.maximum = _max2
         torch.max = _max2
         yield

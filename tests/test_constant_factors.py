@@ -65,7 +65,24 @@ class BufferFactors(_Fixed):
         return self.o(torch.relu(self.fc(h.flatten(1))) * self.c(self.flat))
 
 
-CASES = {"add_alpha": (AddAlpha, (2, 6, 6)), "buffers": (BufferFactors, (2, 4, 4))}
+class MaskFactors(_Fixed):
+    """A bool mask buffer (torch multiplies by 0 / 1) and an integer buffer: fixed factors, never
+    learnable scales (a write-back could not keep the function through a bool tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.o = nn.Linear(4, 4), nn.Conv2d(1, 2, 3), nn.Linear(8, 2)
+        self.register_buffer("keep", torch.tensor([True, False, True, True]))
+        self.register_buffer("count", torch.tensor([[3, -1], [0, 2]]))
+
+    def forward(self, x):
+        h = torch.relu(self.a(x)) * self.c(self.keep if self.q is None else self.keep.double())
+        h = torch.relu(self.b(h.reshape(-1, 1, 2, 2).repeat_interleave(2, 2).repeat_interleave(2, 3)))
+        h = h * self.c(self.count if self.q is None else self.count.double())
+        return self.o(h.flatten(1))
+
+
+CASES = {"add_alpha": (AddAlpha, (2, 6, 6)), "buffers": (BufferFactors, (2, 4, 4)), "masks": (MaskFactors, (4,))}
 
 
 def _model(name):
