@@ -89,13 +89,14 @@ def trace(model: nn.Module) -> torch.fx.GraphModule:
 
 _VIEW_METHODS = {"view", "reshape", "flatten", "transpose", "permute", "chunk", "split", "squeeze", "unsqueeze",
                  "view_as", "reshape_as", "narrow", "expand", "expand_as", "t", "select", "unbind", "movedim",
-                 "swapaxes", "swapdims", "unflatten", "as_strided", "diagonal", "unfold", "tensor_split", "mT", "T",
+                 "swapaxes", "swapdims", "moveaxis", "split_with_sizes", "unflatten", "as_strided", "diagonal", "unfold",
+                 "tensor_split", "mT", "T",
                  # may return the tensor itself or a copy: a write through them is refused, never rebound
                  "contiguous", "type_as", "to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type"}
 _WHOLE_METHODS = {"detach", "requires_grad_"}
 _VIEW_FUNCS = {torch.flatten, torch.reshape, torch.transpose, torch.permute, torch.chunk, torch.split, torch.squeeze,
                torch.unsqueeze, torch.narrow, torch.t, torch.select, torch.unbind, torch.movedim, torch.swapaxes,
-               torch.tensor_split, torch.unflatten, torch.diagonal, operator.getitem}
+               torch.tensor_split, torch.unflatten, torch.diagonal, torch.moveaxis, torch.swapdims, operator.getitem}
 _DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout}
 _WHOLE_FUNCS = {torch.detach} | _DROPOUTS
 _DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)

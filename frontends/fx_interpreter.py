@@ -49,6 +49,21 @@ _WHY = {
     "sigmoid": "not positively homogeneous",
     "hardsigmoid": "not positively homogeneous",
     "layer_norm": "normalizes by input-dependent statistics",
+    "relu6": "clips at 6: not positively homogeneous",
+    "hardtanh": "clips at fixed thresholds: not positively homogeneous (hardtanh(0, inf) is a ReLU and is lowered)",
+    "abs": "positively homogeneous, but |x| is not one of pathir's neurons (identity, ReLU, max-pool)",
+    "pow": "a power of an activation: not positively homogeneous",
+    "sort": "orders by value: not a fixed map",
+    "topk": "selects by value: not a fixed map",
+    "cumsum": "a cumulative sum is a fixed linear map pathir does not lower (write it as a Linear with fixed weights)",
+    "softplus": "not positively homogeneous",
+    "normalize": "divides by the activation's own norm: not positively homogeneous",
+    "einsum": "einsum is not lowered: write a contraction with a weight as a Linear layer or x @ W",
+    **{op: "casts an activation to another dtype inside the forward: the IR computes in the model's dtype"
+       for op in ("to", "type", "float", "double", "half", "bfloat16")},
+    **{op: "compares an activation: a data-dependent mask, not a fixed linear map" for op in (
+        "gt", "lt", "ge", "le", "eq", "ne", "greater", "less", "greater_equal", "less_equal", "__gt__", "__lt__",
+        "__ge__", "__le__", "__eq__", "__ne__")},
 }
 
 
@@ -203,6 +218,8 @@ class FxInterpreter:
             if any(isinstance(a, ParamTensor) for a in list(args) + list(kwargs.values())):
                 low.unsupported("computes with a model parameter outside linear/conv/batch-norm layers")
             return fn(*args, **kwargs)  # shape arithmetic on concrete sizes
+        if fn is operator.getitem and isinstance(args[0], tuple) and isinstance(args[1], int):
+            return args[0][args[1]]  # an op's tuple of results (chunk, max(dim), max-pool with indices)
         out = fixed_dispatch.function(low, self.model, fn, args, kwargs)
         if out is NOT_MINE:
             out = conv_transpose.function(low, self.model, fn, args, kwargs)
@@ -251,7 +268,7 @@ class FxInterpreter:
                 if out is not None:
                     return out
         if fn in _INDEX_FUNCS:
-            return self._index(lambda *ids: fn(*substitute(args, ids), **substitute(kwargs, ids)), tensors)
+            return self._index(lambda *ids: fn(*substitute(args, ids), **substitute(kwargs, ids)), tensors, args, kwargs)
         op = getattr(fn, "__name__", str(fn))
         low.unsupported(why(op), op)
 
@@ -286,10 +303,13 @@ class FxInterpreter:
             return self_
         if name in _INDEX_METHODS:
             tensors = values_in(args, kwargs)
-            return self._index(lambda *ids: getattr(substitute(args, ids)[0], name)(*substitute(args, ids)[1:], **substitute(kwargs, ids)), tensors)
+            return self._index(lambda *ids: getattr(substitute(args, ids)[0], name)(*substitute(args, ids)[1:], **substitute(kwargs, ids)), tensors, args, kwargs)
         low.unsupported(why(name), name)
 
-    def _index(self, fn, tensors):
+    def _index(self, fn, tensors, args=(), kwargs=None):
+        if any(isinstance(a, ParamTensor) and a.tensor.is_floating_point() for a in _flat(args, kwargs or {})):
+            self.low.unsupported("moves a model parameter or buffer into the activations (a constant input to a "
+                                 "neuron, not a weight on an edge)")
         outs, many = self.low.index_op(fn, tensors)
         return tuple(outs) if many else outs[0]
 
@@ -323,13 +343,30 @@ def values_in(args, kwargs) -> list[Value]:
     return found
 
 
+def _flat(args, kwargs):
+    """The leaves of args and kwargs (through tuples, lists and dicts)."""
+    stack, out = [list(args), list(kwargs.values())], []
+    while stack:
+        for a in stack.pop():
+            if isinstance(a, (tuple, list)):
+                stack.append(list(a))
+            elif isinstance(a, dict):
+                stack.append(list(a.values()))
+            else:
+                out.append(a)
+    return out
+
+
 def substitute(obj, ids):
-    """Replace the Values in ``obj`` (in _values_in order) by ``ids``."""
+    """Replace the Values in ``obj`` (in _values_in order) by ``ids``, and an integer or bool
+    buffer / constant (an index argument) by its tensor."""
     it = iter(ids)
 
     def sub(a):
         if isinstance(a, Value):
             return next(it)
+        if isinstance(a, ParamTensor) and not (a.tensor.is_floating_point() or a.tensor.is_complex()):
+            return a.tensor
         if isinstance(a, tuple):
             return tuple(sub(x) for x in a)
         if isinstance(a, list):

@@ -30,8 +30,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from pathir.frontends import reductions
+from pathir.frontends.fixed_factors import fixed_scale
 from pathir.frontends.values import NOT_MINE, ParamTensor, Value
-from pathir.ir import Pool, Scale, SourceRef, SpatialMatrix
+from pathir.ir import Pool, Scale, SourceRef
 
 __all__ = ["NOT_MINE", "lower_function", "lower_method", "lower_module", "fixed_scale"]
 
@@ -63,58 +65,6 @@ def _constant_tensor(c) -> np.ndarray | None:
     if isinstance(c, torch.Tensor) and not isinstance(c, nn.Parameter) and c.dtype not in _COMPLEX:
         return c.detach().to("cpu", torch.float64).numpy()  # a bool mask multiplies by 0 / 1
     return None
-
-
-def fixed_scale(low, v: Value, c) -> Value:
-    """c · v with c a constant: a fixed-weight edge. c is a number, or a constant tensor that
-    broadcasts to v's per-sample shape without changing it (one factor per channel, per position
-    or per element; a leading batch axis of length 1 allowed): a 1-window Pool whose multiplier
-    holds the factors (a factor 0 is no edge)."""
-    v = low._value(v)
-    if np.ndim(c):
-        return _fixed_tensor_scale(low, v, np.asarray(c, dtype=np.float64))
-    c = float(c)
-    if c == 1.0:
-        return v
-    if c == 0.0 or not np.isfinite(c):
-        low.unsupported(f"multiplies an activation by the constant {c}: a zero or non-finite edge")
-    src = low.materialize(v)
-    shape = low.b.shape(src)
-    spatial = tuple(shape[1:])
-    if spatial:
-        n = len(spatial)
-        m = Pool((1,) * n, (1,) * n, ((0, 0),) * n, (1,) * n, False, np.full(spatial, c))
-    else:
-        m = SpatialMatrix(np.array([[c]]), ())
-    return Value([(src, m)], m.out_shape(shape), None, low.label)
-
-
-def _fixed_tensor_scale(low, v: Value, c: np.ndarray) -> Value:
-    shape = tuple(v.shape)
-    while c.ndim > len(shape) and c.shape[0] == 1:
-        c = c.reshape(c.shape[1:])  # the batch axis, length 1
-    try:
-        full = np.broadcast_to(c, shape) if c.ndim <= len(shape) else None
-    except ValueError:
-        full = None
-    if full is None:
-        low.unsupported(f"multiplies an activation of per-sample shape {list(shape)} by a constant of shape "
-                        f"{list(c.shape)}: it does not broadcast to one factor per element of the activation (it "
-                        "changes the shape or varies over the batch)")
-    if not np.all(np.isfinite(full)):
-        low.unsupported("multiplies an activation by a constant with non-finite entries")
-    if np.all(full == full.reshape(-1)[0]):
-        return fixed_scale(low, v, float(full.reshape(-1)[0]))
-    if len(shape) == 1:  # a flat (C,) tensor: as (C, 1), a 1-window Pool, back to (C,)
-        column = low.index_op(lambda t: t.unsqueeze(-1), [v])[0][0]
-        scaled = fixed_scale(low, column, full.reshape(-1, 1))
-        return low.index_op(lambda t: t.squeeze(-1), [scaled])[0][0]
-    n = len(shape) - 1
-    per_channel = not np.all(full == full[:1])
-    mult = np.array(full if per_channel else full[0], dtype=np.float64)
-    src = low.materialize(v)
-    m = Pool((1,) * n, (1,) * n, ((0, 0),) * n, (1,) * n, False, mult)
-    return Value([(src, m)], m.out_shape(low.b.shape(src)), None, low.label)
 
 
 def _add(low, a, b, alpha=1):
@@ -154,6 +104,9 @@ def _mul(low, a, b):
 def _div(low, a, b):
     if isinstance(b, Value):
         low.unsupported("division by an activation is not positively homogeneous")
+    if isinstance(b, ParamTensor) and isinstance(b.tensor, nn.Parameter):
+        low.unsupported(f"divides an activation by the learnable parameter '{b.name}': a rescaling could not be "
+                        "written back through 1/θ; multiply by a per-channel parameter (a layer-scale) instead")
     c = _scalar(b)
     if c is None:
         const = _constant_tensor(b)
@@ -222,6 +175,9 @@ _MATMUL = {torch.matmul, torch.mm, operator.matmul}
 
 def lower_function(low, fn, args, kwargs):
     """A call_function the core does not lower, or NOT_MINE."""
+    out = reductions.lower_function(low, fn, args, kwargs)
+    if out is not NOT_MINE:
+        return out
     if fn in _MATMUL and len(args) == 2 and isinstance(args[0], Value) and isinstance(args[1], ParamTensor):
         return low.matmul_param(args[0], args[1])
     if fn in _SUB:
@@ -263,6 +219,9 @@ def _clamp(low, fn, args, kwargs):
 def lower_method(low, name, args, kwargs):
     """A call_method the core does not lower, or NOT_MINE."""
     self_ = args[0]
+    out = reductions.lower_method(low, name, args, kwargs)
+    if out is not NOT_MINE:
+        return out
     if name in ("add", "add_") and kwargs.get("alpha", 1) != 1:
         return _add(low, self_, args[1], kwargs["alpha"])
     if name in ("sub", "sub_", "__sub__", "__isub__", "subtract"):
@@ -288,6 +247,9 @@ def lower_method(low, name, args, kwargs):
 
 def lower_module(low, mod, args):
     """A call_module the core does not lower, or NOT_MINE."""
+    out = reductions.lower_module(low, mod, args)
+    if out is not NOT_MINE:
+        return out
     if isinstance(mod, nn.LeakyReLU) and mod.negative_slope == 0:
         return low.relu(args[0])
     if isinstance(mod, nn.Threshold) and mod.threshold == 0 and mod.value == 0:

@@ -27,14 +27,45 @@ def _value_info(name: str, value: np.ndarray):
     return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(value.dtype), None)
 
 
-def run_node(proto, node, inputs: list) -> list[np.ndarray]:
+def outer_names(node) -> list[str]:
+    """The names a node's subgraphs (If / Loop / Scan bodies, nested) read from the enclosing
+    scope: inputs of their nodes that no node, input or initializer of the subgraph provides."""
+    from onnx import AttributeProto
+
+    found: list[str] = []
+
+    def visit(graph, bound):
+        bound = bound | {i.name for i in graph.input} | {t.name for t in graph.initializer}
+        for n in graph.node:
+            for x in n.input:
+                if x and x not in bound and x not in found:
+                    found.append(x)
+            for sub in _subgraphs(n, AttributeProto):
+                visit(sub, bound)
+            bound = bound | set(n.output)
+
+    for sub in _subgraphs(node, AttributeProto):
+        visit(sub, set())
+    return found
+
+
+def _subgraphs(node, AttributeProto):
+    for a in node.attribute:
+        if a.type == AttributeProto.GRAPH:
+            yield a.g
+        elif a.type == AttributeProto.GRAPHS:
+            yield from a.graphs
+
+
+def run_node(proto, node, inputs: list, outer: dict | None = None) -> list[np.ndarray]:
     """Evaluate ``node`` (of model ``proto``, for its opsets and functions) on
-    numpy ``inputs`` (None for an absent optional input). Returns its outputs."""
+    numpy ``inputs`` (None for an absent optional input); ``outer`` holds the values its
+    subgraphs read from the enclosing scope (see :func:`outer_names`). Returns its outputs."""
     from onnx import helper
     from onnx.reference import ReferenceEvaluator
 
     feeds, infos = {}, []
-    for name, value in zip(node.input, inputs):
+    for name, value in [*zip(node.input, inputs), *(outer or {}).items()]:
         if not name or name in feeds:
             continue
         value = np.asarray(value)

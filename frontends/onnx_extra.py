@@ -2,7 +2,8 @@
 Sub and Neg (a fixed −1 edge), Mul / Div by a constant (a scalar, or one factor per channel,
 position or element: a fixed edge),
 Max of activations (a max-pool neuron over its operands), LeakyRelu(alpha=0) and
-Clip(min=0, no max) as ReLU. A mixin of OnnxLowering; the semantics are
+Clip(min=0, no max) as ReLU, ReduceSum / ReduceMean / ReduceMax over any non-batch axes
+(reductions.reduce: fixed edges, or a max-pool neuron). A mixin of OnnxLowering; the semantics are
 lower_extra's, so both frontends build the same graph."""
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 import numpy as np
 
 from pathir.frontends.lower_extra import _max, fixed_scale
-from pathir.frontends.values import Value
+from pathir.frontends.reductions import reduce, where
+from pathir.frontends.values import NOT_MINE, Value
 
 from .onnx_layers import attrs
+from .onnx_ops import WHY
 
 __all__ = ["ExtraOps"]
 
@@ -81,3 +84,46 @@ class ExtraOps:
         if attrs(node).get("alpha", 0.01) != 0:
             self.unsupported("LeakyRelu with a non-zero slope: pathir's neurons are identity, ReLU and max-pool only")
         return [self.relu(self.act(node, 0))]
+
+    def op_Clip(self, node, ins):
+        a = attrs(node)
+        lo = ins[1] if len(ins) > 1 and ins[1] is not None else a.get("min")
+        hi = ins[2] if len(ins) > 2 and ins[2] is not None else a.get("max")
+        if isinstance(lo, Value) or isinstance(hi, Value):
+            self.unsupported("Clip at a bound computed from the input: not positively homogeneous")
+        lo_s = None if lo is None else _scalar(np.asarray(lo, dtype=np.float64))
+        hi_s = None if hi is None else _scalar(np.asarray(hi, dtype=np.float64))
+        if lo_s == 0.0 and (hi_s is None or hi_s == np.inf):
+            return [self.relu(self.act(node, 0))]
+        self.unsupported(WHY["Clip"])
+
+    def _reduce(self, node, kind):
+        v = self.act(node, 0)
+        a = attrs(node)
+        axes = a.get("axes")
+        if axes is None and len(node.input) > 1 and node.input[1]:
+            axes = self.const(node, 1, "axes").reshape(-1).tolist()
+        if not axes:
+            if a.get("noop_with_empty_axes", 0):
+                return [v]
+            self.unsupported(f"a {kind} over every axis, the batch included")
+        axes, keep = [int(x) for x in axes], bool(a.get("keepdims", 1))
+        if kind == "mean" and sorted(x % (len(v.shape) + 1) for x in axes) == list(range(2, len(v.shape) + 1)):
+            return [self.mean(v, axes, keep)]  # the global average pool
+        return [reduce(self, v, axes, keep, kind)]
+
+    def op_Where(self, node, ins):
+        cond, a, b = ins
+        out = where(self, cond, a, b)
+        if out is NOT_MINE:
+            self.unsupported("Where with a condition that is not a constant bool tensor")
+        return [out]
+
+    def op_ReduceSum(self, node, ins):
+        return self._reduce(node, "sum")
+
+    def op_ReduceMean(self, node, ins):
+        return self._reduce(node, "mean")
+
+    def op_ReduceMax(self, node, ins):
+        return self._reduce(node, "max")

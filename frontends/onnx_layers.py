@@ -1,6 +1,6 @@
 """ONNX layer ops lowered to parameterized maps and pools: Gemm, MatMul, Conv,
 BatchNormalization, MaxPool / GlobalMaxPool, AveragePool / GlobalAveragePool,
-ReduceMean. A mixin of ``OnnxLowering`` (onnx_lower.py), which provides the
+(ReduceMean: onnx_extra). A mixin of ``OnnxLowering`` (onnx_lower.py), which provides the
 values, params and bindings these handlers use.
 
 Gemm with the activation as A: W = alpha * op(B)^T (the source tensor B is
@@ -259,15 +259,3 @@ class LayerOps:
     def op_GlobalAveragePool(self, node, ins):
         v = self.act(node, 0)
         return [self.adaptive_avg_pool(v, (1,) * (len(v.shape) - 1))]
-
-    def op_ReduceMean(self, node, ins):
-        v = self.act(node, 0)
-        a = attrs(node)
-        axes = a.get("axes")
-        if axes is None and len(node.input) > 1 and node.input[1]:
-            axes = self.const(node, 1, "axes").reshape(-1).tolist()
-        if not axes:
-            if a.get("noop_with_empty_axes", 0):
-                return [v]
-            self.unsupported("a mean over every axis, the batch included")
-        return [self.mean(v, [int(x) for x in axes], bool(a.get("keepdims", 1)))]

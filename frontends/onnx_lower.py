@@ -29,7 +29,7 @@ from pathir.frontends.lowering import Lowering
 from pathir.frontends.values import Value
 from pathir.ir import Identity, Param, SourceRef
 
-from .onnx_eval import run_node, run_on_ids
+from .onnx_eval import outer_names, run_node, run_on_ids
 from .onnx_extra import ExtraOps
 from .onnx_layers import LayerOps, attrs, f64
 from .onnx_ops import AXIS1_OK, DEFAULT_WHY, INDEX_OPS, SECOND_OUTPUT, WHY
@@ -130,8 +130,11 @@ class OnnxLowering(ResizeOps, ExtraOps, LayerOps, Lowering):
         if not acts:
             if node.op_type == "Constant" or (node.op_type == "Identity" and node.input[0] in self.stored):
                 self.stored.add(node.output[0])  # stored data, or an alias the exporter made of it
+            outer = {x: self._input(x) for x in outer_names(node)}
+            if any(isinstance(v, (Value, Sequence)) for v in outer.values()):
+                self.unsupported("control flow whose body reads an activation: not a fixed map")
             try:
-                return run_node(self.proto, node, ins)
+                return run_node(self.proto, node, ins, outer)
             except Exception as err:  # the reference evaluator raises many types
                 self.fail(f"constant folding failed: {type(err).__name__}: {err}")
         op = node.op_type if node.domain in ("", "ai.onnx") else None

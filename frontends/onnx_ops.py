@@ -38,8 +38,6 @@ WHY = {
     "Min": "an elementwise min of activations is not a ReLU DAG neuron",
     "Neg": "a fixed weight of -1 between activations is not lowered",
     "LpPool": "an Lp pool is not positively homogeneous of degree 1 per window",
-    "ReduceMax": "a max over an axis is not lowered (use MaxPool)",
-    "ReduceSum": "only the mean over all spatial axes is lowered (ReduceMean)",
     "TopK": "selects by value: not a fixed map",
     "If": "control flow on activations is not lowered",
     "Loop": "control flow on activations is not lowered",

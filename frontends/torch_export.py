@@ -30,7 +30,8 @@ _VIEW_OPS = {
     aten.flip.default, aten.roll.default, aten.repeat.default, aten.stack.default, aten.unbind.int,
     aten.index_select.default, aten.repeat_interleave.self_int, aten.movedim.int, aten.unfold.default,
     aten.rot90.default, aten.tile.default, aten.swapaxes.default, aten.tensor_split.sections,
-    aten.tensor_split.indices,
+    aten.tensor_split.indices, aten.fliplr.default, aten.flipud.default, aten.swapdims.default,
+    aten.moveaxis.int, aten.hstack.default, aten.movedim.intlist,
 }
 _SAME = {aten.clone.default, aten.alias.default, aten.detach.default, aten.detach_.default, aten.contiguous.default,
          aten.dropout.default, aten.feature_dropout.default, aten.lift_fresh_copy.default}
@@ -43,6 +44,10 @@ _EXTRA = {
     aten.clamp.default: torch.clamp, aten.leaky_relu.default: torch.nn.functional.leaky_relu,
     aten.threshold.default: torch.threshold, aten.unflatten.int: torch.unflatten,
     aten.mul_.Tensor: torch.mul, aten.sub_.Tensor: torch.sub, aten.div_.Tensor: torch.div,
+    aten.sum.dim_IntList: torch.sum, aten.amax.default: torch.amax, aten.max.dim: torch.max,
+    aten.hardtanh.default: torch.nn.functional.hardtanh, aten.hardtanh_.default: torch.nn.functional.hardtanh,
+    aten.masked_fill.Scalar: torch.masked_fill, aten.masked_fill_.Scalar: torch.masked_fill,
+    aten.where.self: torch.where,
 }
 
 
@@ -120,11 +125,16 @@ class _ExportInterpreter(FxInterpreter):
                                         "divisor_override": None}))
         if fn in (aten.adaptive_avg_pool1d.default, aten.adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d.default):
             return low.adaptive_avg_pool(args[0], args[1])
+        if fn in (aten.adaptive_max_pool1d.default, aten.adaptive_max_pool2d.default):
+            return (lower_function(low, torch.nn.functional.adaptive_max_pool2d, args[:2], {}), None)
         if fn is aten.mean.dim:
+            out = lower_function(low, torch.mean, args, kwargs)  # over other axes than all spatial ones
+            if out is not NOT_MINE:
+                return out
             x, dim, keepdim = bind(args, kwargs, ["input", "dim", "keepdim"], {"keepdim": False})
             return low.mean(x, dim, keepdim)
         if fn in _VIEW_OPS:
-            return self._index(lambda *ids: fn(*substitute(args, ids), **substitute(kwargs, ids)), values_in(args, kwargs))
+            return self._index(lambda *ids: fn(*substitute(args, ids), **substitute(kwargs, ids)), values_in(args, kwargs), args, kwargs)
         if fn in _EXTRA:
             out = lower_function(low, _EXTRA[fn], args, kwargs)
             if out is not NOT_MINE:
