@@ -60,8 +60,15 @@ def input_shapes(input_shape, example_input) -> list[tuple[int, ...]]:
 
 
 def check_model(model: nn.Module) -> None:
-    """Refuse models whose tensors hold no values (lazy, meta)."""
+    """Refuse models whose tensors hold no values (lazy, meta) and TorchScript modules (their
+    forward is TorchScript, which neither torch.fx nor torch.export reads)."""
     from torch.nn.modules.lazy import LazyModuleMixin
+
+    for path, m in model.named_modules():
+        if isinstance(m, torch.jit.ScriptModule):
+            raise PathirError(f"module '{path or type(model).__name__}' is a TorchScript module ({type(m).__name__}): "
+                              "pathir captures Python nn.Modules; pass the module before torch.jit.script / "
+                              "torch.jit.trace, or export it to ONNX and compile the ONNX file")
 
     for path, m in model.named_modules():
         if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():

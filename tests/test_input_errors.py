@@ -59,6 +59,15 @@ def test_meta_device_refused():
         pathir.compile(model, input_shape=(4,))
 
 
+@pytest.mark.parametrize("where", ["whole", "submodule"])
+def test_torchscript_module_refused_naming_what_to_pass(where):
+    inner = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
+    model = torch.jit.script(nn.Sequential(inner, nn.Linear(3, 2))) if where == "whole" else \
+        nn.Sequential(torch.jit.script(inner), nn.Linear(3, 2))
+    with pytest.raises(PathirError, match="TorchScript module .* before torch.jit.script"):
+        pathir.compile(model, input_shape=(4,))
+
+
 class TwoInputs(nn.Module):
     def __init__(self):
         super().__init__()
