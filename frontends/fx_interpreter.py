@@ -215,6 +215,8 @@ class FxInterpreter:
         low = self.low
         tensors = values_in(args, kwargs)
         if not tensors:
+            if fn is getattr and isinstance(args[0], ParamTensor) and args[1] in ("T", "mT", "H", "mH"):
+                low.unsupported(_transposed_param(args[0]))
             if any(isinstance(a, ParamTensor) for a in list(args) + list(kwargs.values())):
                 low.unsupported("computes with a model parameter outside linear/conv/batch-norm layers")
             return fn(*args, **kwargs)  # shape arithmetic on concrete sizes
@@ -280,6 +282,8 @@ class FxInterpreter:
                 out = lower_method(low, name, args, kwargs) if values_in(args, kwargs) else NOT_MINE
                 if out is not NOT_MINE:  # self.buf * x: fx calls the buffer's method
                     return out
+                if name in ("t", "transpose", "permute", "swapaxes", "swapdims"):
+                    low.unsupported(_transposed_param(self_))
                 low.unsupported("computes with a model parameter outside linear/conv/batch-norm layers")
             return getattr(self_, name)(*args[1:], **kwargs)
         out = fixed_dispatch.method(low, name, args, kwargs)
@@ -341,6 +345,11 @@ def values_in(args, kwargs) -> list[Value]:
     visit(args)
     visit(kwargs)
     return found
+
+
+def _transposed_param(p: ParamTensor) -> str:
+    return (f"transposes the parameter '{p.name}' in the forward (a weight read in another layout): write "
+            f"x @ W.T as F.linear(x, W) (W of shape (out, in)), or keep W of shape (in, out) and write x @ W")
 
 
 def _flat(args, kwargs):

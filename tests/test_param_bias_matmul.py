@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from capture_reference import assert_forward, eval_forward, path_norm_q
 
 import pathir
@@ -129,6 +130,27 @@ def test_a_bias_that_is_not_one_learnable_entry_per_channel_is_refused(bias_shap
     with pytest.raises(UnsupportedOperation, match=why):
         pathir.compile(model, input_shape=(4,))
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+class ComputedWeight(nn.Module):
+    def __init__(self, spell):
+        super().__init__()
+        self.W, self.spell = nn.Parameter(torch.randn(3, 4)), spell
+
+    def forward(self, x):
+        return torch.relu(self.spell(self, x))
+
+
+@pytest.mark.parametrize("spell, why", [
+    (lambda m, x: x @ m.W.T, "transposes the parameter 'W' .* F.linear"),
+    (lambda m, x: torch.matmul(x, m.W.t()), "transposes the parameter 'W'"),
+    (lambda m, x: F.linear(x, 2 * m.W), "computes with a model parameter"),
+    (lambda m, x: x @ m.W.detach().T, "computes with a model parameter"),
+])
+def test_a_weight_computed_in_the_forward_is_refused_naming_the_parameter(spell, why):
+    model = ComputedWeight(spell).double().eval()
+    with pytest.raises(UnsupportedOperation, match=why):
+        pathir.compile(model, input_shape=(4,))
 
 
 @pytest.mark.parametrize("exporter", ["legacy-nofold", "dynamo-noopt"])
