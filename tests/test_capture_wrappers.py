@@ -1,0 +1,33 @@
+"""Wrappers users put around a module: ``torch.compile(model)`` and ``nn.DataParallel(model)`` are
+read through to the module they wrap (the same graph, path-norms and write-back as the module
+itself), and a TorchScript module is refused (see test_input_errors)."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import pathir
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                         nn.Linear(12, 2)).double().eval()
+
+
+@pytest.mark.parametrize("wrap", [nn.DataParallel, lambda m: torch.compile(m, backend="eager")],
+                         ids=["DataParallel", "torch.compile"])
+def test_a_wrapped_module_compiles_to_the_modules_own_numbers_and_write_back_reaches_it(wrap):
+    inner, plain = _net(), _net()
+    model = wrap(inner)
+    cm, ref = pathir.compile(model, input_shape=(2, 6, 6)), pathir.compile(plain, input_shape=(2, 6, 6))
+    for q in (1, 2):
+        assert cm.path_norm(q) == pytest.approx(ref.path_norm(q), rel=1e-12)
+    x = torch.randn(4, 2, 6, 6, dtype=torch.float64)
+    with torch.no_grad():
+        before = plain(x)
+        cm.pathcond()
+        after = model(x)
+    assert torch.allclose(after, before, rtol=1e-10, atol=1e-12)
+    moved = [k for k, v in inner.state_dict().items() if not torch.equal(v, plain.state_dict()[k])]
+    assert moved  # the wrapped module itself was rescaled (its batch-norm takes the factors)
