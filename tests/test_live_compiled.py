@@ -97,7 +97,7 @@ def test_pruned_model_keeps_being_followed():
     assert cm.path_norm(1) == pytest.approx(_fresh(model, 1), rel=1e-13)
 
 
-@pytest.mark.parametrize("change", ["module", "shape", "hook"])
+@pytest.mark.parametrize("change", ["module", "shape", "hook", "setting"])
 def test_a_changed_structure_raises_model_changed(change):
     model = _net().eval()
     cm = pathir.compile(model, input_shape=SHAPE)
@@ -107,9 +107,13 @@ def test_a_changed_structure_raises_model_changed(change):
     elif change == "shape":
         model[8].weight = nn.Parameter(torch.zeros(3, 6, dtype=torch.float64))
         match = "'8.weight' changed shape from \\[3, 5\\]"
-    else:
+    elif change == "hook":
         model[2].register_forward_hook(lambda m, i, o: o * 2)
         match = "hooks were added"
+    else:  # a setting the graph was lowered with: the batch-norm's eps, a stride
+        bn = next(m for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+        bn.eps = 0.5
+        match = "the setting 'eps' of .* changed from 1e-05 to 0.5"
     with pytest.raises(ModelChanged, match=match):
         cm.path_norm()
 
