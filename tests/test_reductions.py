@@ -145,3 +145,33 @@ def test_onnx_export_gives_the_torch_frontends_numbers(name, exporter):
     assert onnx_cases.rel(cm.forward(x, backend="numpy"), onnx_cases.ort_run(proto, x)[0]) <= 1e-5
     for q in (1, 2):
         assert cm.path_norm(q) == pytest.approx(ct.path_norm(q), rel=1e-9)
+
+
+def _clip_proto(opset, clip_inputs, inits, **attrs):
+    from onnx_cases import make_model, node, tensor_info
+
+    rng = np.random.default_rng(0)
+    nodes = [node("MatMul", ["x", "W"], ["h"], name="fc"), node("Clip", ["h", *clip_inputs], ["r"], **attrs),
+             node("MatMul", ["r", "W2"], ["y"], name="out")]
+    return make_model(nodes, [tensor_info("x", [2, 3])], [tensor_info("y", [2, 2])],
+                      {"W": rng.normal(size=(3, 4)), "W2": rng.normal(size=(4, 2)), **inits}, opset=opset)
+
+
+@pytest.mark.parametrize("opset,clip_inputs,inits,attrs", [
+    (6, [], {}, {"min": 0.0, "max": float("inf")}),  # bounds as attributes (opset < 11)
+    (13, ["lo"], {"lo": np.array(0.0)}, {}),  # no max input
+    (13, ["lo", ""], {"lo": np.array(0.0)}, {}),  # an empty max input
+    (13, ["lo", "hi"], {"lo": np.array(0.0), "hi": np.array(np.inf)}, {}),
+])
+def test_onnx_clip_at_zero_without_an_upper_bound_is_a_relu(opset, clip_inputs, inits, attrs):
+    proto = _clip_proto(opset, clip_inputs, inits, **attrs)
+    cm = pathir.compile(proto)
+    assert [n.kind.value for n in cm.graph.nodes].count("relu") == 1
+    x = np.random.default_rng(1).normal(size=(2, 3)).astype(np.float32)
+    assert onnx_cases.rel(cm.forward(x, backend="numpy"), onnx_cases.ort_run(proto, x)[0]) <= 1e-6
+
+
+def test_onnx_clip_with_an_upper_bound_is_refused():
+    proto = _clip_proto(13, ["lo", "hi"], {"lo": np.array(0.0), "hi": np.array(6.0)})
+    with pytest.raises(UnsupportedOperation, match="clips at fixed thresholds"):
+        pathir.compile(proto)
