@@ -59,6 +59,10 @@ _WHY = {
     "softplus": "not positively homogeneous",
     "normalize": "divides by the activation's own norm: not positively homogeneous",
     "einsum": "einsum is not lowered: write a contraction with a weight as a Linear layer or x @ W",
+    **{op: ("makes a new tensor of an activation's shape: a constant (or random) input inside the network, not a "
+            "ReLU DAG edge (to pad with zeros, use F.pad; a constant zero channel is a zero-padded layer)")
+       for op in ("zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like", "randint_like",
+                  "new_zeros", "new_ones", "new_full", "new_empty", "new_tensor")},
     **{op: "casts an activation to another dtype inside the forward: the IR computes in the model's dtype"
        for op in ("to", "type", "float", "double", "half", "bfloat16")},
     **{op: "compares an activation: a data-dependent mask, not a fixed linear map" for op in (
