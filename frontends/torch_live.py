@@ -76,19 +76,19 @@ class ModelWatch:
         return "values"
 
 
-_SIMPLE = (int, float, bool, str, type(None))
+_SIMPLE = frozenset({int, float, bool, str, type(None)})
 _IGNORED = frozenset({"training", "momentum"})  # the mode is read per query; momentum only acts in training
 
 
 def _simple(v) -> bool:
-    return isinstance(v, _SIMPLE) or isinstance(v, tuple) and all(_simple(x) for x in v)
+    t = type(v)
+    return t in _SIMPLE or t is tuple and all(_simple(x) for x in v)
 
 
 def _settings(module: nn.Module) -> tuple:
     """The module's plain settings (eps, stride, padding, inplace, negative_slope, ...): its public
-    attributes that are numbers, strings, None or tuples of them."""
-    return tuple(sorted((k, v) for k, v in vars(module).items()
-                        if not k.startswith("_") and k not in _IGNORED and _simple(v)))
+    attributes that are numbers, strings, None or tuples of them, in the order they were set."""
+    return tuple((k, v) for k, v in module.__dict__.items() if k[0] != "_" and k not in _IGNORED and _simple(v))
 
 
 def _hooks(module: nn.Module) -> int:
