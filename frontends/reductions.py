@@ -64,9 +64,10 @@ def reduce(low, x, dims, keepdim: bool, kind: str) -> Value:
     return low.index_op(lambda t: t.reshape(t.shape[0], *out_shape), [pooled])[0][0]
 
 
-def _dims_keep(args, kwargs, dim_name="dim"):
-    dims = args[1] if len(args) > 1 else kwargs.get(dim_name)
-    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+def _dims_keep(args, kwargs):
+    """(dims, keepdim) of a reduction call; numpy's spellings ``axis`` / ``keepdims`` too."""
+    dims = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis"))
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", kwargs.get("keepdims", False))
     return dims, bool(keepdim)
 
 

@@ -35,7 +35,7 @@ class Reductions(nn.Module):
         masked = h.masked_fill(self.mask, 0.0)
         e = (masked if lin else F.hardtanh(masked, 0.0, float("inf"))).mean(dim=1, keepdim=True) if not lin else \
             masked.sum(1, keepdim=True) * 0.25**self.q
-        f = h.sum(1).amax(-1) if not lin else h.sum((1, 3))
+        f = h.sum(axis=1).amax(-1) if not lin else h.sum((1, 3))  # numpy's spelling of dim
         return self.o(torch.cat([a, b, c, d, e.sum(-1).flatten(1), f], 1))
 
 
