@@ -5,12 +5,16 @@ constant ``masked_fill(mask, 0)`` (a fixed 0 / 1 factor), ``hardtanh(0, inf)`` (
 reference is the model's own float64 forward and, for path-norms, the same model written as the
 path-norm network (|θ|^q, ReLU -> identity, max -> sum over the window, fixed weights c -> |c|^q)."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from capture_reference import assert_forward, eval_forward, path_norm_q
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pathir
 from pathir.errors import UnsupportedOperation
@@ -107,6 +111,44 @@ def test_pathcond_keeps_the_function(name):
     before = eval_forward(model, x)
     pathir.compile(model, input_shape=shape).pathcond()
     assert torch.allclose(eval_forward(model, x), before, rtol=1e-9, atol=1e-12)
+
+
+class OneReduction(nn.Module):
+    """conv -> relu -> one reduction over ``axes`` -> relu -> linear; with ``q`` set, the path-norm
+    network (max -> sum, the mean's 1/R -> (1/R)^q)."""
+
+    q = None
+
+    def __init__(self, kind, axes, keepdim):
+        super().__init__()
+        self.kind, self.axes, self.keepdim = kind, axes, keepdim
+        self.a = nn.Conv2d(1, 3, 2)
+        out = self._reduce(torch.zeros(1, 3, 4, 5))
+        self.o = nn.Linear(out[0].numel(), 2)
+
+    def _reduce(self, h):
+        if self.q is not None and self.kind != "sum":
+            r = math.prod(h.shape[a] for a in self.axes)
+            c = 1.0 if self.kind == "amax" else (1.0 / r) ** self.q
+            return h.sum(self.axes, keepdim=self.keepdim) * c
+        return getattr(h, self.kind)(self.axes, keepdim=self.keepdim)
+
+    def forward(self, x):
+        return self.o(torch.relu(self._reduce(torch.relu(self.a(x)))).flatten(1))
+
+
+@settings(max_examples=30)
+@given(st.sampled_from(["sum", "mean", "amax"]), st.sets(st.sampled_from([1, 2, 3]), min_size=1, max_size=3),
+       st.booleans())
+def test_random_reductions_equal_the_definition(kind, axes, keepdim):
+    axes = tuple(sorted(axes))
+    if not keepdim and axes == (1, 2, 3):
+        keepdim = True  # one number per sample is refused (tested above)
+    torch.manual_seed(0)
+    model = OneReduction(kind, axes, keepdim).double().eval()
+    cm = assert_forward(model, (1, 5, 6), tol=1e-12)
+    for q in (1.0, 2.0):
+        assert cm.path_norm(q) ** q == pytest.approx(path_norm_q(model, [(1, 5, 6)], q), rel=1e-10)
 
 
 class Head(nn.Module):
