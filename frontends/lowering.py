@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pathir.errors import UnsupportedOperation
+from pathir.frontends.pointwise_linear import linear_last_axis
 from pathir.frontends.torch_reread import Recipe
 from pathir.frontends.values import SELECTION, ParamTensor, Value, run_index_op, selection_index, selection_map
 from pathir.ir import (
@@ -130,7 +131,7 @@ class Lowering:
     def linear(self, v: Value, weight: ParamTensor, bias: ParamTensor | None) -> Value:
         v = self._value(v)
         if len(v.shape) != 1:
-            self.unsupported(f"linear layer applied to a tensor of shape {list(v.shape)}: it acts on the last axis only; flatten first")
+            return linear_last_axis(self, v, weight, bias)
         W = self.direct(weight)
         b = self.direct(bias) if bias is not None else None
         if W.shape[1] != v.shape[0]:

@@ -86,8 +86,12 @@ def _simple(v) -> bool:
 
 
 def _settings(module: nn.Module) -> tuple:
-    """The module's plain settings (eps, stride, padding, inplace, negative_slope, ...): its public
-    attributes that are numbers, strings, None or tuples of them, in the order they were set."""
+    """A torch.nn layer's plain settings (eps, stride, padding, inplace, negative_slope, ...): its
+    public attributes that are numbers, strings, None or tuples of them, in the order they were set.
+    A user's own module gives none: its attributes may be counters its forward moves, and one its
+    forward reads as a constant is baked into the graph at compile (docs/live.md)."""
+    if not type(module).__module__.startswith("torch.nn."):
+        return ()
     return tuple((k, v) for k, v in module.__dict__.items() if k[0] != "_" and k not in _IGNORED and _simple(v))
 
 

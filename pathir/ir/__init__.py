@@ -20,11 +20,11 @@ from .maps import (
     pool_output_size,
 )
 from .node import POSITIVELY_HOMOGENEOUS, Edge, Node, NodeKind
-from .param import Param, Role, SourceRef, TransposedConvLayout
+from .param import Param, PointwiseKernelLayout, Role, SourceRef, TransposedConvLayout
 from .verify import verify
 
 __all__ = [
-    "Param", "Role", "SourceRef", "TransposedConvLayout",
+    "Param", "PointwiseKernelLayout", "Role", "SourceRef", "TransposedConvLayout",
     "Map", "MapKind", "PARAMETERIZED", "FIXED",
     "Identity", "Reshape", "ChannelMap", "Pool", "SpatialMatrix", "Resample", "Gather", "Dense", "Conv", "Scale",
     "pool_output_size",

@@ -56,6 +56,25 @@ class TransposedConvLayout:
         return _flip(a, tuple(range(3, 3 + len(k)))).reshape(g * i_g, c_out // g, *k)
 
 
+@dataclass(frozen=True, slots=True)
+class PointwiseKernelLayout:
+    """The param is a Linear weight used as a pointwise (kernel 1) convolution kernel.
+
+    ``nn.Linear`` on the last axis of a (..., F) activation acts at every other position: pathir
+    lowers it as a convolution with kernel size 1 over the channels-first activation. Its kernel
+    W (O, F, 1, …, 1) (``spatial`` ones) holds the weight L (O, F) entry by entry."""
+
+    spatial: int
+
+    def from_source(self, t):
+        """L (O, F) -> W (O, F, 1, …)."""
+        return t.reshape(*t.shape[:2], *(1,) * self.spatial)
+
+    def to_source(self, w):
+        """W (O, F, 1, …) -> L (O, F)."""
+        return w.reshape(*w.shape[:2])
+
+
 def _swap12(a):
     return a.swapaxes(1, 2) if isinstance(a, np.ndarray) else a.transpose(1, 2)
 
@@ -79,7 +98,7 @@ class SourceRef:
     name: str
     role: Role = Role.VALUE
     transposed: bool = False
-    layout: TransposedConvLayout | None = None
+    layout: TransposedConvLayout | PointwiseKernelLayout | None = None
 
     def to_source(self, a):
         """``a`` (the param's layout; numpy array or torch tensor) in the source tensor's layout."""

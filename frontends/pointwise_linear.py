@@ -1,0 +1,34 @@
+"""``nn.Linear`` on the last axis of an activation with more axes, (..., F) -> (..., O): the same
+weight at every other position (a per-token MLP, a channels-last 1×1 layer).
+
+Lowered as the convolution it is: the feature axis moved first (an index op, no neuron), a
+convolution with kernel size 1 whose kernel is the Linear weight entry by entry
+(``PointwiseKernelLayout``: write-back, masks, diag G and scores land on the (O, F) weight in its
+own layout), the bias per output feature, and the feature axis moved back last."""
+
+from __future__ import annotations
+
+import torch
+
+from pathir.frontends.values import ParamTensor, Value
+from pathir.ir import Conv, PointwiseKernelLayout, SourceRef
+
+__all__ = ["linear_last_axis"]
+
+
+def linear_last_axis(low, v: Value, weight: ParamTensor, bias: ParamTensor | None) -> Value:
+    """``F.linear(v, weight, bias)`` with v of per-sample shape (*S, F), S non-empty."""
+    *positions, features = v.shape
+    t = weight.tensor
+    if t.dim() != 2 or t.shape[1] != features:
+        low.unsupported(f"weight {list(t.shape)} does not fit {features} input features")
+    if len(positions) > 3:
+        low.unsupported(f"linear layer on a tensor of shape {list(v.shape)}: more than 3 axes before the features")
+    n = len(positions)
+    first = low.index_op(lambda x: x.movedim(-1, 1), [v])[0][0]  # (F, *S)
+    layout = PointwiseKernelLayout(n)
+    W = low.made(weight.name, lambda x: layout.from_source(x.detach().to("cpu", torch.float64, copy=True).numpy()), (weight,),
+                 (SourceRef(weight.name, layout=layout),), f"{weight.name} as a pointwise convolution kernel")
+    b = low.direct(bias) if bias is not None else None
+    out = low._apply(first, Conv(W, (1,) * n, ((0, 0),) * n, (1,) * n, 1), b)
+    return low.index_op(lambda x: x.movedim(1, -1), [out])[0][0]
