@@ -31,6 +31,7 @@ import numpy as np
 
 from pathir.errors import PathirError
 from pathir.ir import Graph
+from pathir.sorted_unique import sorted_unique
 
 __all__ = ["normalize", "normalize_log_scales", "Normalization"]
 
@@ -105,7 +106,7 @@ def _pair_sums(e: np.ndarray, l: np.ndarray, w: np.ndarray, H: int, max_span: in
         sums = np.bincount((e - e0) * span_l + (l - l0), weights=w, minlength=span)
         hit = np.flatnonzero(sums)  # every w > 0: a present pair has a positive sum
         return (hit // span_l + e0) * (H + 1) + (hit % span_l + l0), sums[hit]
-    key, where = np.unique(e * (H + 1) + l, return_inverse=True)
+    key, where = sorted_unique(e * (H + 1) + l, return_inverse=True)
     return key, np.bincount(where, weights=w)
 
 
@@ -160,7 +161,9 @@ def normalize_log_scales(graph: Graph, units, p: float = 2.0) -> Normalization:
     n_comp, label = connected_components(M, directed=True, connection="strong")
     m_rows = np.repeat(np.arange(H), np.diff(M.indptr))  # M[h, k] > 0: edge k -> h
     cross = label[m_rows] != label[M.indices]
-    edges = np.unique(np.stack([label[M.indices[cross]], label[m_rows[cross]]]), axis=1)
+    # the condensation's edges (source, target), distinct, sorted, as one int64 key each
+    edge_key = sorted_unique(label[M.indices[cross]].astype(np.int64) * n_comp + label[m_rows[cross]])
+    edges = np.divmod(edge_key, n_comp)
     members = np.split(np.argsort(label, kind="stable"), np.cumsum(np.bincount(label, minlength=n_comp))[:-1])
     log_u = np.zeros(H)
     live = np.ones(H, dtype=bool)
