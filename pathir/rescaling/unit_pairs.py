@@ -154,7 +154,7 @@ def group_pairs(m: np.ndarray, key: np.ndarray, H: int) -> Pairs:
         # sum m as is when neither the total can overflow nor a summand is subnormal
         scale = 1.0 if top * m.size < 1e300 and low > 1e-290 else top
         w = m if scale == 1.0 else m / scale
-        if (H + 1) ** 2 <= max(4 * m.size, 1 << 22):
+        if (H + 1) ** 2 <= 1 << 22:  # a grid of at most 32 MB; larger ones cost more than summing runs
             sums = np.bincount(key, weights=w, minlength=(H + 1) ** 2)
             keys = np.flatnonzero(sums != 0)
             total = sums[keys]
