@@ -75,41 +75,6 @@ def _levels(n_comp: int, c_src: np.ndarray, c_tgt: np.ndarray) -> list[np.ndarra
     return levels
 
 
-#: entries per block when the unit masses are summed: temporaries of a few MB, not of the largest param
-_BLOCK = 1 << 20
-
-
-def _row_blocks(value: np.ndarray, enter: np.ndarray, leave: np.ndarray):
-    """(entries, entered unit, left unit) of a param, flat, a block of its leading axis at a time
-    (``enter`` and ``leave``: the compact ends of ``compact_rows``, broadcastable to its shape)."""
-    shape = value.shape
-    if len(shape) == 0:
-        yield value.reshape(1), enter.reshape(1), leave.reshape(1)
-        return
-    ends = [e.reshape((1,) * (len(shape) - e.ndim) + e.shape) for e in (enter, leave)]
-    per_row = max(1, int(np.prod(shape[1:])))
-    step = max(1, _BLOCK // per_row)
-    for r in range(0, shape[0], step):
-        block = (min(step, shape[0] - r), *shape[1:])
-        parts = [np.broadcast_to(e if e.shape[0] == 1 else e[r:r + step], block).reshape(-1) for e in ends]
-        yield value[r:r + step].reshape(-1), parts[0], parts[1]
-
-
-def _pair_sums(e: np.ndarray, l: np.ndarray, w: np.ndarray, H: int, max_span: int | None = None):
-    """(distinct keys e (H + 1) + l in increasing order, the sum of w over each): a bincount over the
-    block's own range of (e, l) when it has at most ``max_span`` cells (default 4 per entry + 1024: a
-    block of rows meets few units), else a sort."""
-    e0, l0 = int(e.min()), int(l.min())
-    span_l = int(l.max()) - l0 + 1
-    span = (int(e.max()) - e0 + 1) * span_l
-    if span <= (4 * e.size + 1024 if max_span is None else max_span):
-        sums = np.bincount((e - e0) * span_l + (l - l0), weights=w, minlength=span)
-        hit = np.flatnonzero(sums)  # every w > 0: a present pair has a positive sum
-        return (hit // span_l + e0) * (H + 1) + (hit % span_l + l0), sums[hit]
-    key, where = sorted_unique(e * (H + 1) + l, return_inverse=True)
-    return key, np.bincount(where, weights=w)
-
-
 def unit_masses(graph: Graph, units, p: float):
     """(b, M) of the module docstring with w = |θ|^p, read param by param from the units' compact
     row ends (no B, no flat θ): b[h] = Σ w over the rows entering h from no unit, M (CSR, H × H)
@@ -117,6 +82,7 @@ def unit_masses(graph: Graph, units, p: float):
     import scipy.sparse as sp
 
     from pathir.passes.incidence import check_units_match, compact_rows
+    from pathir.rescaling.param_pairs import pair_sums, row_blocks
 
     H = len(units)
     params = graph.params()
@@ -124,14 +90,14 @@ def unit_masses(graph: Graph, units, p: float):
     b = np.zeros(H + 1)
     keys, masses = [], []
     for prm, (enter, leave) in zip(params, compact_rows(units)):
-        for value, e, l in _row_blocks(prm.value, enter, leave):
+        for _, value, e, l in row_blocks(prm.value, enter, leave):
             w = np.abs(value) ** p
             enters = (e < H) & (w > 0)
             free = enters & (l == H)
             b += np.bincount(e[free], weights=w[free], minlength=H + 1)
             pair = enters & (l < H)
             if pair.any():
-                key, mass = _pair_sums(e[pair], l[pair], w[pair], H)
+                key, mass = pair_sums(e[pair], l[pair], w[pair], H)
                 keys.append(key)
                 masses.append(mass)
     key = np.concatenate(keys) if keys else np.zeros(0, np.int64)

@@ -266,13 +266,15 @@ class _BlockSweep:
 
 
 def solve_enorm_newton(w, B, c=None, *, max_sweeps: int = 1000, tol: float = 1e-10, row_key=None,
-                       max_log_scale: float | None = None, callback=None, max_cg: int = 500) -> ENormResult:
+                       max_log_scale: float | None = None, callback=None, max_cg: int = 500,
+                       pairs: Pairs | None = None) -> ENormResult:
     """ENorm by projected Newton-CG (module docstring); ``sweeps`` counts Newton iterations.
 
     Same arguments and result as `pathir.enorm.solver.solve_enorm_block`, same stopping rule
     (every unit's clamped exact update at most ``tol``), reached in 5-15 iterations on the
     torchvision zoo where the block sweeps need hundreds to thousands (concatenation-heavy graphs).
-    ``callback(iteration, E)`` is called after each iteration.
+    ``callback(iteration, E)`` is called after each iteration. ``pairs``: the masses c ⊙ w already
+    grouped by unit pair (`pathir.rescaling.param_pairs.pairs_from_params`); w, B, c and row_key are then unused.
 
     >>> import numpy as np, scipy.sparse as sp
     >>> B = sp.csr_array(np.array([[-1, 0], [0, -1], [1, 0], [0, 1]], dtype=float))   # 1-2-1, no biases
@@ -286,17 +288,18 @@ def solve_enorm_newton(w, B, c=None, *, max_sweeps: int = 1000, tol: float = 1e-
     # work, cost up to 5x (resnet50's M @ x and Mᵀ @ y: 26 ms on one thread, 137 ms on two, loaded)
     with threadpool_limits(limits=1, user_api="blas"):
         return _solve(w, B, c, max_sweeps=max_sweeps, tol=tol, row_key=row_key, max_log_scale=max_log_scale,
-                      callback=callback, max_cg=max_cg)
+                      callback=callback, max_cg=max_cg, pairs=pairs)
 
 
-def _solve(w, B, c, *, max_sweeps, tol, row_key, max_log_scale, callback, max_cg) -> ENormResult:
+def _solve(w, B, c, *, max_sweeps, tol, row_key, max_log_scale, callback, max_cg, pairs) -> ENormResult:
     start = time.perf_counter()
     if max_log_scale is not None and not max_log_scale >= 0:
         raise ValueError(f"max_log_scale must be >= 0 or None, got {max_log_scale}")
     bound = None if max_log_scale is None else float(max_log_scale)
-    _, key, H, _ = keys_for(B, row_key, balance=False)
-    m = masses(w, c, key.size)
-    pairs = group_pairs(m, key, H)
+    if pairs is None:
+        _, key, H, _ = keys_for(B, row_key, balance=False)
+        pairs = group_pairs(masses(w, c, key.size), key, H)
+    H = pairs.num_units
     degenerate = pairs.degenerate()
     pairs = pairs.freeze(degenerate)
     live = np.ones(H, dtype=bool)
