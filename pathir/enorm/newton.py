@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import math
 import time
+from functools import cached_property
 
 import numpy as np
 import scipy.sparse as sp
-
-from functools import cached_property
 
 from pathir.enorm.result import ENormResult, at_bound, masses
 from pathir.rescaling.pair_matrix import PairMatrix
@@ -227,8 +226,8 @@ def newton_direction(point, rhs: np.ndarray, free: np.ndarray, rtol: float,
     return d, max_iterations
 
 
-def armijo_step(lap: PairLaplacian, here, d: np.ndarray, bound: float | None, live: np.ndarray,
-                largest_step: float, max_halvings: int = 40) -> Point | None:
+def armijo_step(lap: PairLaplacian, here: "_PointBase", d: np.ndarray, bound: float | None, live: np.ndarray,
+                largest_step: float, max_halvings: int = 40) -> "_PointBase | None":
     """The first z' = clip(z + 2^-j d) with E(z') ≤ E(z) + 1e-4 ∇E·(z' - z); None if none of
     ``max_halvings`` halvings lowers E so. Where the predicted decrease is below float64's
     resolution of E, the full step is taken if it shrinks the largest unit step (``largest_step``)."""
