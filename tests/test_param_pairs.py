@@ -35,18 +35,28 @@ def test_the_pairs_are_the_flat_rows_grouped(graph, p, with_costs, block, seed):
     np.testing.assert_allclose(got.log_mass, expected.log_mass, rtol=1e-12, atol=1e-12)
 
 
-def _chain(first_weight: float):
+def _chain(first_weight: float, last_weight: float = 2.0) -> GraphFacts:
     from pathir.ir import Dense, GraphBuilder
 
     b = GraphBuilder()
     x = b.input("x", (2,))
     h = b.relu("h", [(x, Dense(b.param("w1", [[first_weight, 1.0]])))])
-    y = b.identity("y", [(h, Dense(b.param("w2", [[2.0]])))])
-    return GraphFacts(b.build(outputs=[y])).units
+    y = b.identity("y", [(h, Dense(b.param("w2", [[last_weight]])))])
+    return GraphFacts(b.build(outputs=[y]))
 
 
-def test_tiny_masses_are_left_to_the_log_space_grouping_and_non_finite_ones_refused():
-    assert pairs_from_params(_chain(0.5), 2.0) is not None
-    assert pairs_from_params(_chain(1e-160), 2.0) is None  # |θ|^2 = 1e-320: subnormal, a linear sum may lose it
-    with pytest.raises(PathirError, match="not finite"):
-        pairs_from_params(_chain(np.inf), 2.0)
+@pytest.mark.parametrize("weight", [1e-160, 1e155, np.inf, np.nan])
+def test_tiny_huge_and_non_finite_masses_are_left_to_the_flat_grouping(weight):
+    """|θ|^2 = 1e-320 is subnormal (a linear sum may lose it), 1e310 overflows: the flat path groups (log space)
+    or refuses them; enorm gives the same answer either way."""
+    from pathir.enorm.run import enorm
+
+    assert pairs_from_params(_chain(0.5).units, 2.0) is not None
+    facts = _chain(1.0, weight) if weight < 1 else _chain(weight)  # the tiny one alone in its pair
+    assert pairs_from_params(facts.units, 2.0) is None
+    if weight > 1e150 or not np.isfinite(weight):
+        with pytest.raises(PathirError, match="not finite"):
+            enorm(facts, p=2.0)
+    else:
+        newton, block = enorm(facts, p=2.0), enorm(facts, p=2.0, solver="block", tol=1e-13, max_sweeps=20000)
+        assert newton.converged and newton.criterion_after == pytest.approx(block.criterion_after, rel=1e-9)

@@ -14,8 +14,6 @@ import math
 
 import numpy as np
 
-from pathir.errors import PathirError
-
 __all__ = ["row_blocks", "pair_sums", "pairs_from_params"]
 
 #: entries per block when the unit masses are summed: temporaries of a few MB, not of the largest param
@@ -57,38 +55,74 @@ def pair_sums(e: np.ndarray, l: np.ndarray, w: np.ndarray, H: int, max_span: int
     return key[hit], sums[hit]
 
 
+def _mass(value: np.ndarray, p: float, cost: np.ndarray | None) -> np.ndarray:
+    """c |θ|^p of a block (θ² directly for p = 2)."""
+    w = np.square(value) if p == 2.0 else np.abs(value) ** p
+    return w if cost is None else w * cost
+
+
+def _separable_blocks(value: np.ndarray, enter: np.ndarray, leave: np.ndarray, p: float, cost, H: int):
+    """The (keys, sums) blocks of a param whose entered unit depends on axis 0 only and left unit on
+    axis 1 only (a dense or convolution weight, a bias), None for any other: the masses are summed over
+    the remaining axes and over each run of equal left units along axis 1 by reductions, with no
+    per-entry keys. Pairs of zero mass are left out."""
+    nd = value.ndim
+    if nd == 0:
+        return None
+    e_full, l_full = (x.reshape((1,) * (nd - x.ndim) + x.shape) for x in (enter, leave))
+    if any(n != 1 for n in e_full.shape[1:]) or l_full.shape[0] != 1 or any(n != 1 for n in l_full.shape[2:]):
+        return None
+    rows_total, width = value.shape[0], (value.shape[1] if nd > 1 else 1)
+    e_rows = np.broadcast_to(e_full.reshape(-1), (rows_total,))
+    l_cols = np.broadcast_to(l_full.reshape(-1), (width,))
+    starts = np.flatnonzero(np.r_[True, l_cols[1:] != l_cols[:-1]])
+    col_units = l_cols[starts]
+    step = max(1, BLOCK // max(1, value.size // max(1, rows_total)))
+
+    def blocks():
+        for r in range(0, rows_total, step):
+            chunk = value[r:r + step]
+            w = _mass(chunk, p, None if cost is None else cost[r:r + step])
+            w = w.reshape(chunk.shape[0], width, -1).sum(axis=2)
+            if starts.size < width:
+                w = np.add.reduceat(w, starts, axis=1)
+            key = (e_rows[r:r + step, None] * (H + 1) + col_units[None, :]).reshape(-1)
+            w = w.reshape(-1)
+            hit = np.flatnonzero(w)
+            yield key[hit], w[hit]  # in any order, repeats allowed: the caller sorts and sums them
+
+    return blocks()
+
+
 # the linear sums are exact to rounding when every mass is normal and no sum can overflow
 _LOW, _HIGH = 1e-290, 1e300
 
 
 def pairs_from_params(units, p: float, costs: np.ndarray | None = None):
-    """The `Pairs` of m = c ⊙ |θ|^p over ``units.params`` (``costs`` None or in θ order), or None where
-    a positive mass is below 1e-290 or their sum could pass 1e300 (the caller then groups the flat
-    masses, in log space where needed: `group_pairs`). Raises PathirError where |θ|^p is not finite."""
+    """The `Pairs` of m = c ⊙ |θ|^p over ``units.params`` (``costs`` None or in θ order), or None where a
+    pair's mass is below 1e-290, not finite, or their sum could pass 1e300: the caller then groups the
+    flat masses (in log space where needed, `group_pairs`) and refuses non-finite ones."""
     from pathir.passes.incidence import compact_rows
     from pathir.rescaling.unit_pairs import Pairs
 
     H = len(units)
     keys, sums = [], []
-    low, high, count, offset = math.inf, 0.0, 0, 0
+    offset = 0
     for prm, (enter, leave) in zip(units.params, compact_rows(units)):
         cost = None if costs is None else costs[offset:offset + prm.size].reshape(prm.shape)
         offset += prm.size
-        for rows, value, e, l in row_blocks(prm.value, enter, leave):
-            w = np.abs(value) ** p
-            if cost is not None:
-                w = w * cost[rows].reshape(-1)
-            top = float(w.max(initial=0.0))
-            if not math.isfinite(top):
-                raise PathirError(f"|θ|^{p:g} is not finite (huge or non-finite weights): ENorm cannot be computed")
-            high, count = max(high, top), count + w.size
-            low = min(low, float(np.min(w, where=w > 0, initial=math.inf)))
-            key, total = pair_sums(e, l, w, H)
+        blocks = _separable_blocks(prm.value, enter, leave, p, cost, H)
+        if blocks is None:
+            blocks = (pair_sums(e, l, _mass(value, p, None if cost is None else cost[rows].reshape(-1)), H)
+                      for rows, value, e, l in row_blocks(prm.value, enter, leave))
+        for key, total in blocks:
             keys.append(key)
             sums.append(total)
-    if high == 0.0 or not (low >= _LOW and high * count < _HIGH):
+    key = np.concatenate(keys) if keys else np.zeros(0, dtype=np.int64)
+    mass = np.concatenate(sums) if sums else np.zeros(0)
+    # every pair's sum normal, finite and far from overflow (nan fails both tests): exact to rounding
+    if mass.size == 0 or not (float(mass.min()) >= _LOW and float(mass.max()) * key.size < _HIGH):
         return None
-    key, mass = np.concatenate(keys), np.concatenate(sums)
     if not np.all(key[1:] > key[:-1]):
         order = np.argsort(key, kind="stable")  # the blocks' keys are sorted runs: timsort's best case
         key, mass = key[order], mass[order]
