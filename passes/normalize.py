@@ -48,6 +48,20 @@ class Normalization:
 
 
 
+def _summed_pairs(value: np.ndarray, enter: np.ndarray, leave: np.ndarray, p: float, H: int):
+    """(keys, positive finite sums of |θ|^p) of a param by `separable_blocks`, or None where it does not
+    apply or a sum is not finite (the entry-by-entry loop then counts only w > 0, as always)."""
+    from pathir.rescaling.param_pairs import separable_blocks
+
+    blocks = separable_blocks(value, enter, leave, p, None, H)
+    if blocks is None:
+        return None
+    parts = list(blocks)
+    key = np.concatenate([k for k, _ in parts])
+    mass = np.concatenate([m for _, m in parts])
+    return (key, mass) if np.all(np.isfinite(mass)) else None
+
+
 def _segment_logsumexp(vals: np.ndarray, seg: np.ndarray, count: int) -> np.ndarray:
     top = np.full(count, -np.inf)
     np.maximum.at(top, seg, vals)
@@ -70,8 +84,8 @@ def _levels(n_comp: int, c_src: np.ndarray, c_tgt: np.ndarray) -> list[np.ndarra
         levels.append(frontier)
         lengths = start[frontier + 1] - start[frontier]
         hit = c_tgt[np.arange(lengths.sum()) + np.repeat(start[frontier] - (np.cumsum(lengths) - lengths), lengths)]
-        np.subtract.at(indeg, hit, 1)
-        frontier = np.unique(hit[indeg[hit] == 0])
+        indeg -= np.bincount(hit, minlength=n_comp)
+        frontier = sorted_unique(hit[indeg[hit] == 0])
     return levels
 
 
@@ -90,6 +104,16 @@ def unit_masses(graph: Graph, units, p: float):
     b = np.zeros(H + 1)
     keys, masses = [], []
     for prm, (enter, leave) in zip(params, compact_rows(units)):
+        summed = _summed_pairs(prm.value, enter, leave, p, H)
+        if summed is not None:  # a dense or convolution weight, a bias: its pairs summed by reductions
+            key, mass = summed
+            e, l = np.divmod(key, H + 1)
+            free = (e < H) & (l == H)
+            b += np.bincount(e[free], weights=mass[free], minlength=H + 1)
+            pair = (e < H) & (l < H)
+            keys.append(key[pair])
+            masses.append(mass[pair])
+            continue
         for _, value, e, l in row_blocks(prm.value, enter, leave):
             w = np.abs(value) ** p
             enters = (e < H) & (w > 0)

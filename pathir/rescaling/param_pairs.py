@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-__all__ = ["row_blocks", "pair_sums", "pairs_from_params"]
+__all__ = ["row_blocks", "pair_sums", "separable_blocks", "pairs_from_params"]
 
 #: entries per block when the unit masses are summed: temporaries of a few MB, not of the largest param
 BLOCK = 1 << 20
@@ -61,7 +61,7 @@ def _mass(value: np.ndarray, p: float, cost: np.ndarray | None) -> np.ndarray:
     return w if cost is None else w * cost
 
 
-def _separable_blocks(value: np.ndarray, enter: np.ndarray, leave: np.ndarray, p: float, cost, H: int):
+def separable_blocks(value: np.ndarray, enter: np.ndarray, leave: np.ndarray, p: float, cost, H: int):
     """The (keys, sums) blocks of a param whose entered unit depends on axis 0 only and left unit on
     axis 1 only (a dense or convolution weight, a bias), None for any other: the masses are summed over
     the remaining axes and over each run of equal left units along axis 1 by reductions, with no
@@ -111,7 +111,7 @@ def pairs_from_params(units, p: float, costs: np.ndarray | None = None):
     for prm, (enter, leave) in zip(units.params, compact_rows(units)):
         cost = None if costs is None else costs[offset:offset + prm.size].reshape(prm.shape)
         offset += prm.size
-        blocks = _separable_blocks(prm.value, enter, leave, p, cost, H)
+        blocks = separable_blocks(prm.value, enter, leave, p, cost, H)
         if blocks is None:
             blocks = (pair_sums(e, l, _mass(value, p, None if cost is None else cost[rows].reshape(-1)), H)
                       for rows, value, e, l in row_blocks(prm.value, enter, leave))
