@@ -84,8 +84,9 @@ def _levels(n_comp: int, c_src: np.ndarray, c_tgt: np.ndarray) -> list[np.ndarra
         levels.append(frontier)
         lengths = start[frontier + 1] - start[frontier]
         hit = c_tgt[np.arange(lengths.sum()) + np.repeat(start[frontier] - (np.cumsum(lengths) - lengths), lengths)]
-        indeg -= np.bincount(hit, minlength=n_comp)
-        frontier = sorted_unique(hit[indeg[hit] == 0])
+        dropped = np.bincount(hit, minlength=n_comp)
+        indeg -= dropped
+        frontier = np.flatnonzero((dropped > 0) & (indeg == 0))  # sorted, each once
     return levels
 
 
