@@ -199,11 +199,20 @@ def compact_rows(units: Units) -> list[tuple[np.ndarray, np.ndarray]]:
     for enter, leave in units.ends:
         t = np.asarray(enter, dtype=np.int64)
         s = np.full((), H, dtype=np.int64) if leave is None else np.asarray(leave, dtype=np.int64)
-        if np.intersect1d(t[t < H], s[s < H]).size:  # some entry has both ends in one unit: entry by entry
+        if _overlap(t[t < H], s[s < H], H):  # some entry has both ends in one unit: entry by entry
             same = t == s
             t, s = np.where(same, H, t), np.where(same, H, s)
         out.append((t, s))
     return out
+
+
+def _overlap(a: np.ndarray, b: np.ndarray, H: int) -> bool:
+    """Whether the unit ids (< H) of ``a`` and ``b`` share one (a mask, not np.intersect1d's sorts)."""
+    if a.size == 0 or b.size == 0:
+        return False
+    mark = np.zeros(H, dtype=bool)
+    mark[a] = True
+    return bool(mark[b].any())
 
 
 def _counts(units: np.ndarray, shape: tuple[int, ...], H: int) -> np.ndarray:

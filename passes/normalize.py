@@ -31,6 +31,7 @@ import numpy as np
 
 from pathir.errors import PathirError
 from pathir.ir import Graph
+from pathir.sorted_unique import sorted_unique
 
 __all__ = ["normalize", "normalize_log_scales", "Normalization"]
 
@@ -45,6 +46,20 @@ class Normalization:
     cycles: int
     p: float
 
+
+
+def _summed_pairs(value: np.ndarray, enter: np.ndarray, leave: np.ndarray, p: float, H: int):
+    """(keys, positive finite sums of |θ|^p) of a param by `separable_blocks`, or None where it does not
+    apply or a sum is not finite (the entry-by-entry loop then counts only w > 0, as always)."""
+    from pathir.rescaling.param_pairs import separable_blocks
+
+    blocks = separable_blocks(value, enter, leave, p, None, H)
+    if blocks is None:
+        return None
+    parts = list(blocks)
+    key = np.concatenate([k for k, _ in parts])
+    mass = np.concatenate([m for _, m in parts])
+    return (key, mass) if np.all(np.isfinite(mass)) else None
 
 
 def _segment_logsumexp(vals: np.ndarray, seg: np.ndarray, count: int) -> np.ndarray:
@@ -69,44 +84,10 @@ def _levels(n_comp: int, c_src: np.ndarray, c_tgt: np.ndarray) -> list[np.ndarra
         levels.append(frontier)
         lengths = start[frontier + 1] - start[frontier]
         hit = c_tgt[np.arange(lengths.sum()) + np.repeat(start[frontier] - (np.cumsum(lengths) - lengths), lengths)]
-        np.subtract.at(indeg, hit, 1)
-        frontier = np.unique(hit[indeg[hit] == 0])
+        dropped = np.bincount(hit, minlength=n_comp)
+        indeg -= dropped
+        frontier = np.flatnonzero((dropped > 0) & (indeg == 0))  # sorted, each once
     return levels
-
-
-#: entries per block when the unit masses are summed: temporaries of a few MB, not of the largest param
-_BLOCK = 1 << 20
-
-
-def _row_blocks(value: np.ndarray, enter: np.ndarray, leave: np.ndarray):
-    """(entries, entered unit, left unit) of a param, flat, a block of its leading axis at a time
-    (``enter`` and ``leave``: the compact ends of ``compact_rows``, broadcastable to its shape)."""
-    shape = value.shape
-    if len(shape) == 0:
-        yield value.reshape(1), enter.reshape(1), leave.reshape(1)
-        return
-    ends = [e.reshape((1,) * (len(shape) - e.ndim) + e.shape) for e in (enter, leave)]
-    per_row = max(1, int(np.prod(shape[1:])))
-    step = max(1, _BLOCK // per_row)
-    for r in range(0, shape[0], step):
-        block = (min(step, shape[0] - r), *shape[1:])
-        parts = [np.broadcast_to(e if e.shape[0] == 1 else e[r:r + step], block).reshape(-1) for e in ends]
-        yield value[r:r + step].reshape(-1), parts[0], parts[1]
-
-
-def _pair_sums(e: np.ndarray, l: np.ndarray, w: np.ndarray, H: int, max_span: int | None = None):
-    """(distinct keys e (H + 1) + l in increasing order, the sum of w over each): a bincount over the
-    block's own range of (e, l) when it has at most ``max_span`` cells (default 4 per entry + 1024: a
-    block of rows meets few units), else a sort."""
-    e0, l0 = int(e.min()), int(l.min())
-    span_l = int(l.max()) - l0 + 1
-    span = (int(e.max()) - e0 + 1) * span_l
-    if span <= (4 * e.size + 1024 if max_span is None else max_span):
-        sums = np.bincount((e - e0) * span_l + (l - l0), weights=w, minlength=span)
-        hit = np.flatnonzero(sums)  # every w > 0: a present pair has a positive sum
-        return (hit // span_l + e0) * (H + 1) + (hit % span_l + l0), sums[hit]
-    key, where = np.unique(e * (H + 1) + l, return_inverse=True)
-    return key, np.bincount(where, weights=w)
 
 
 def unit_masses(graph: Graph, units, p: float):
@@ -116,6 +97,7 @@ def unit_masses(graph: Graph, units, p: float):
     import scipy.sparse as sp
 
     from pathir.passes.incidence import check_units_match, compact_rows
+    from pathir.rescaling.param_pairs import pair_sums, row_blocks
 
     H = len(units)
     params = graph.params()
@@ -123,14 +105,24 @@ def unit_masses(graph: Graph, units, p: float):
     b = np.zeros(H + 1)
     keys, masses = [], []
     for prm, (enter, leave) in zip(params, compact_rows(units)):
-        for value, e, l in _row_blocks(prm.value, enter, leave):
+        summed = _summed_pairs(prm.value, enter, leave, p, H)
+        if summed is not None:  # a dense or convolution weight, a bias: its pairs summed by reductions
+            key, mass = summed
+            e, l = np.divmod(key, H + 1)
+            free = (e < H) & (l == H)
+            b += np.bincount(e[free], weights=mass[free], minlength=H + 1)
+            pair = (e < H) & (l < H)
+            keys.append(key[pair])
+            masses.append(mass[pair])
+            continue
+        for _, value, e, l in row_blocks(prm.value, enter, leave):
             w = np.abs(value) ** p
             enters = (e < H) & (w > 0)
             free = enters & (l == H)
             b += np.bincount(e[free], weights=w[free], minlength=H + 1)
             pair = enters & (l < H)
             if pair.any():
-                key, mass = _pair_sums(e[pair], l[pair], w[pair], H)
+                key, mass = pair_sums(e[pair], l[pair], w[pair], H)
                 keys.append(key)
                 masses.append(mass)
     key = np.concatenate(keys) if keys else np.zeros(0, np.int64)
@@ -160,7 +152,9 @@ def normalize_log_scales(graph: Graph, units, p: float = 2.0) -> Normalization:
     n_comp, label = connected_components(M, directed=True, connection="strong")
     m_rows = np.repeat(np.arange(H), np.diff(M.indptr))  # M[h, k] > 0: edge k -> h
     cross = label[m_rows] != label[M.indices]
-    edges = np.unique(np.stack([label[M.indices[cross]], label[m_rows[cross]]]), axis=1)
+    # the condensation's edges (source, target), distinct, sorted, as one int64 key each
+    edge_key = sorted_unique(label[M.indices[cross]].astype(np.int64) * n_comp + label[m_rows[cross]])
+    edges = np.divmod(edge_key, n_comp)
     members = np.split(np.argsort(label, kind="stable"), np.cumsum(np.bincount(label, minlength=n_comp))[:-1])
     log_u = np.zeros(H)
     live = np.ones(H, dtype=bool)

@@ -159,3 +159,43 @@ def test_not_converged_warns_and_bounded_units_are_reported():
     assert float((net(x).detach() - before).abs().max()) <= 1e-10
     assert math.isclose(bounded.criterion_after, sum(float(q.detach().pow(2).sum()) for q in net.parameters()),
                         rel_tol=1e-9)
+
+
+@given(enorm_problems(spreads=(0.1, 1.0, 3.0, 30.0)), st.sampled_from([None, 0.7]))
+@settings(max_examples=40, deadline=None)
+def test_newton_with_every_layer_as_a_dense_block_meets_the_definition(problem, bound):
+    """The mass matrix's dense blocks (`PairMatrix`, from 4096 entries on the zoo) forced on for every run of
+    identical rows: the same optimum and stopping rule as the reference sweeps."""
+    import pathir.rescaling.pair_matrix as pair_matrix
+
+    w, B, c = problem
+    m = w if c is None else w * c
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pair_matrix, "MIN_BLOCK", 1)
+        r = solve_enorm(w, B, c, method="newton", tol=1e-10, max_log_scale=bound)
+    reference = solve_enorm_block(w, B, c, tol=1e-13, max_sweeps=20000, max_log_scale=bound)
+    assert r.converged
+    assert r.e_final <= reference.e_final * (1 + 1e-12)
+    assert r.e_final == pytest.approx(e_reference(m, B, r.z), rel=1e-12)
+    if bound is None:
+        assert np.max(np.abs(unit_steps_by_definition(m, B, r.z)), initial=0.0) <= 1.1e-10
+
+
+def test_a_layered_network_is_held_as_dense_blocks():
+    """On an MLP every layer's pairs form one dense block of the mass matrix (`PairMatrix`)."""
+    from pathir.enorm.newton import PairLaplacian
+    from pathir.rescaling.unit_pairs import group_pairs
+    from pathir.rescaling.unit_rows import matrix_row_keys
+
+    rows, H = mlp_rows([5, 6, 7, 3])
+    B = incidence(rows, H)
+    key, H = matrix_row_keys(B)
+    with pytest.MonkeyPatch.context() as patch:
+        import pathir.rescaling.pair_matrix as pair_matrix
+
+        patch.setattr(pair_matrix, "MIN_BLOCK", 6)
+        lap = PairLaplacian(group_pairs(np.ones(key.size), key, H))
+    # layer 1 (6 units) enters from "no unit" only; layer 2 (7 units) from layer 1 and its bias's "no unit";
+    # "no unit" (the output) from layer 2 and the output bias
+    shapes = sorted(b.values.shape for b in lap.matrix.blocks)
+    assert shapes == [(1, 8), (6, 1), (7, 7)] and lap.matrix.rest.nnz + sum(b.values.size for b in lap.matrix.blocks) == lap.pairs.size

@@ -22,6 +22,7 @@ from pathir.testing import relu_dags, rescalings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 normalize_module = importlib.import_module("pathir.passes.normalize")  # the module, not the pass
+param_pairs = importlib.import_module("pathir.rescaling.param_pairs")
 
 
 def _masses_from_b(graph, units, p):
@@ -44,12 +45,12 @@ def _masses_from_b(graph, units, p):
 @given(graph=relu_dags(), p=st.sampled_from([1.0, 2.0, 3.0]), block=st.sampled_from([1, 3, 1 << 20]))
 def test_streamed_unit_masses_equal_the_ones_read_from_b(graph, p, block):
     units = find_units(graph)[1]
-    old = normalize_module._BLOCK
-    normalize_module._BLOCK = block  # blocks of one row, a few rows, whole params
+    old = param_pairs.BLOCK
+    param_pairs.BLOCK = block  # blocks of one row, a few rows, whole params
     try:
         b, M = normalize_module.unit_masses(graph, units, p)
     finally:
-        normalize_module._BLOCK = old
+        param_pairs.BLOCK = old
     b_ref, M_ref = _masses_from_b(graph, units, p)
     np.testing.assert_allclose(b, b_ref, rtol=1e-12, atol=0)
     assert M.shape == M_ref.shape
@@ -125,8 +126,8 @@ def test_pair_sums_by_range_and_by_sort_agree(seed, n, H):
     rng = np.random.default_rng(seed)
     e, l = rng.integers(0, H, n), rng.integers(0, H, n)
     w = rng.uniform(0.1, 2.0, n)
-    by_range = normalize_module._pair_sums(e, l, w, H, max_span=10**9)
-    by_sort = normalize_module._pair_sums(e, l, w, H, max_span=0)
+    by_range = param_pairs.pair_sums(e, l, w, H, max_span=10**9)
+    by_sort = param_pairs.pair_sums(e, l, w, H, max_span=0)
     assert np.array_equal(by_range[0], by_sort[0])
     np.testing.assert_allclose(by_range[1], by_sort[1], rtol=1e-13)
     keys = e * (H + 1) + l

@@ -213,3 +213,24 @@ def test_the_default_bound_keeps_rescaled_batchnorm_variances_above_eps():
     _finite_and_normal(net)
     assert torch.allclose(net(x), before, rtol=1e-4, atol=1e-5)
     assert pathir.compile(_mlp(torch.float32), input_shape=(6,)).rescaled_variance_ratio() is None
+
+
+@given(st.lists(st.sampled_from([0.0, 1e-320, 1e-300, 3e-8, 0.5, 7.0, 1e30, math.inf, -math.inf, math.nan, -2.0]),
+                min_size=1, max_size=8), st.sampled_from(["float32", "float64"]))
+@settings(max_examples=60, deadline=None, derandomize=True)
+def test_the_default_bound_reads_the_finite_magnitudes_at_least_the_dtype_smallest_normal(values, dtype):
+    """default_max_log_scale against its definition: min and max of |θ| over the finite entries >= tiny."""
+    from pathir.ir import Dense, GraphBuilder
+
+    b = GraphBuilder()
+    x = b.input("x", (len(values),))
+    y = b.identity("y", [(x, Dense(b.param("w", np.array([values]))))])
+    graph = b.build(outputs=[y])
+    log_big, log_tiny = dtype_range(dtype)
+    kept = [abs(v) for v in values if math.isfinite(v) and abs(v) >= math.exp(log_tiny)]
+    low, high = (min(kept), max(kept)) if kept else (1.0, 1.0)
+    from pathir.rescaling.bounds import SAFETY_MARGIN
+
+    margin = min(SAFETY_MARGIN, 0.1 * (log_big - log_tiny))
+    expected = max((min(log_big - math.log(high), math.log(low) - log_tiny) - margin) / 2.0, 0.0)
+    assert default_max_log_scale(graph, dtype) == pytest.approx(expected, rel=1e-12, abs=1e-12)

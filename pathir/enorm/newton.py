@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import math
 import time
+from functools import cached_property
 
 import numpy as np
 import scipy.sparse as sp
 
 from pathir.enorm.result import ENormResult, at_bound, masses
+from pathir.rescaling.pair_matrix import PairMatrix
 from pathir.rescaling.unit_pairs import Pairs, blocks_of, greedy_coloring, group_pairs, pad, pair_terms, segment_logsumexp
 from pathir.rescaling.unit_rows import keys_for
 
@@ -72,38 +74,52 @@ _TINY = 1e-280
 
 
 class PairLaplacian:
-    """The pairs as the Hessian of E: the pattern of ∇²E built once, its values t_k filled per point.
+    """The pairs as the Hessian of E, built once; `point` evaluates E, ∇E and ∇²E at a z.
 
-    Off-diagonal: U (rows = entered unit, cols = left unit, one entry per pair between two
-    different units) and its transpose; the pairs come sorted by (enter, leave), so U's data
-    is t at those pairs, in order.
+    Where the masses are linear (``pairs.mass``) and z's spread keeps every term in float64's
+    range, a point needs no per-pair work: t_k = P_top e^{high - low} mass_k u_{e_k} v_{l_k} with
+    u = e^{z - high}, v = e^{low - z} (z padded with "no unit"'s 0), so I = u ⊙ (M v),
+    O = v ⊙ (Mᵀ u) and the Hessian's off-diagonal part applies as u ⊙ M (v ⊙ p) and its
+    transpose, for the static mass matrix M (`PairMatrix`: dense blocks per layer). Otherwise
+    the terms are formed one by one in log space (`ExplicitPoint`).
     """
 
     def __init__(self, pairs: Pairs):
         H = pairs.num_units
         self.pairs, self.H = pairs, H
         e, l = pairs.enter, pairs.leave
-        self.inner = np.flatnonzero((e < H) & (l < H) & (e != l))
-        self.indptr = np.searchsorted(e[self.inner], np.arange(H + 1))
-        self.indices = l[self.inner].astype(np.int32 if H < 2**31 - 1 else np.int64)
         self.self_pairs = np.flatnonzero(e == l)
+        self.matrix = None if pairs.mass is None else PairMatrix(e, l, pairs.mass, H + 1)
+        if pairs.mass is not None:
+            self.self_mass = np.bincount(e[self.self_pairs], weights=pairs.mass[self.self_pairs], minlength=H + 1)[:H]
+            self.min_mass = float(pairs.mass.min(initial=1.0))
 
-    def point(self, z: np.ndarray) -> "Point":
+    @cached_property
+    def explicit_pattern(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(inner pairs, CSR indptr over entered units, their left units) of the off-diagonal part."""
+        H, e, l = self.H, self.pairs.enter, self.pairs.leave
+        inner = np.flatnonzero((e < H) & (l < H) & (e != l))
+        indptr = np.searchsorted(e[inner], np.arange(H + 1))
+        return inner, indptr, l[inner].astype(np.int32 if H < 2**31 - 1 else np.int64)
+
+    def point(self, z: np.ndarray) -> "FactoredPoint | ExplicitPoint":
+        if self.matrix is not None:
+            zp = pad(z)
+            high, low = float(zp.max()), float(zp.min())
+            if 2.0 * (high - low) < math.log(self.min_mass) + 690.0:
+                return FactoredPoint(self, z, zp, high, low)
         log_scale, t = pair_terms(self.pairs, -pad(z))  # P e^{z_e - z_l} = t e^{log_scale}
-        return Point(self, z, log_scale, t)
+        return ExplicitPoint(self, z, log_scale, t)
 
 
-class Point:
-    """E at one z: ``t`` the pair terms over e^{log_scale} (max 1), ``log_e`` = log E;
-    the unit masses I, O (same scale) and the Hessian on demand."""
+class _PointBase:
+    """E at one z in a common scale: ``inc`` = I, ``out`` = O, ``total`` = E (all over one factor
+    e^{log_e} / total), ``log_e`` = log E; `diag` (the Jacobi preconditioner) and `hessian_times`."""
 
-    def __init__(self, lap: PairLaplacian, z: np.ndarray, log_scale: float, t: np.ndarray):
-        self.lap, self.z, self.t = lap, z, t
-        self.total = float(t.sum())
-        self.log_e = log_scale + math.log(self.total) if self.total > 0 else -math.inf
-        H, pairs = lap.H, lap.pairs
-        self.inc = np.bincount(pairs.enter, weights=t, minlength=H + 1)[:H]
-        self.out = np.bincount(pairs.leave, weights=t, minlength=H + 1)[:H]
+    lap: PairLaplacian
+    z: np.ndarray
+    total: float
+    log_e: float
 
     def steps(self, live: np.ndarray, bound: float | None) -> np.ndarray:
         """`clamped_steps` at this point: from the linear sums where every live unit's sums are
@@ -113,27 +129,78 @@ class Point:
                 return clamped_steps(self.z, np.log(self.inc), np.log(self.out), bound)
         return unit_steps(self.lap.pairs, self.z, bound)
 
-    def hessian(self) -> tuple[np.ndarray, sp.csr_array]:
-        """(D, U): ∇²E = diag(D) - U - Uᵀ, in the scale of t."""
-        lap, t = self.lap, self.t
-        diag = self.inc + self.out
-        if lap.self_pairs.size:
-            diag -= 2.0 * np.bincount(lap.pairs.enter[lap.self_pairs], weights=t[lap.self_pairs],
-                                      minlength=lap.H + 1)[:lap.H]
-        upper = sp.csr_array((t[lap.inner], lap.indices, lap.indptr), shape=(lap.H, lap.H))
-        return np.maximum(diag, 0.0), upper
+    def diag(self) -> np.ndarray:
+        """∇²E's diagonal, I + O without the pairs entering and leaving one unit."""
+        return self._diagonal
+
+    @cached_property
+    def _diagonal(self) -> np.ndarray:
+        return np.maximum(self.inc + self.out - 2.0 * self.self_terms(), 0.0)
 
 
-def newton_direction(diag: np.ndarray, upper: sp.csr_array, rhs: np.ndarray, free: np.ndarray, rtol: float,
+class FactoredPoint(_PointBase):
+    """E at z from the static mass matrix and the scalings u = e^{z - high}, v = e^{low - z}
+    (`PairLaplacian`); every term mass_k u_e v_l lies in (e^-690, 1]: nothing underflows."""
+
+    def __init__(self, lap: PairLaplacian, z: np.ndarray, zp: np.ndarray, high: float, low: float):
+        self.lap, self.z = lap, z
+        self.u, self.v = np.exp(zp - high), np.exp(low - zp)
+        entering = self.u * lap.matrix(self.v)  # I, and the mass entering "no unit" last
+        self.total = float(entering.sum())
+        self.log_e = lap.pairs.log_top + (high - low) + math.log(self.total)
+        self.inc = entering[:lap.H]
+
+    @cached_property
+    def out(self) -> np.ndarray:
+        return (self.v * self.lap.matrix.T(self.u))[:self.lap.H]
+
+    def self_terms(self) -> np.ndarray:
+        H = self.lap.H
+        return self.lap.self_mass * self.u[:H] * self.v[:H]
+
+    def hessian_times(self, p: np.ndarray) -> np.ndarray:
+        """∇²E p (in this point's scale) for p over the units: the off-diagonal part, pairs entering and
+        leaving one unit included, cancels those pairs' share of I + O."""
+        u, v, pp = self.u, self.v, pad(p)
+        ahead, back = self.lap.matrix.both(v * pp, u * pp)
+        return (self.inc + self.out) * p - (u * ahead + v * back)[:self.lap.H]
+
+
+class ExplicitPoint(_PointBase):
+    """E at z from the terms t_k (over e^{log_scale}, max 1), formed pair by pair."""
+
+    def __init__(self, lap: PairLaplacian, z: np.ndarray, log_scale: float, t: np.ndarray):
+        self.lap, self.z, self.t = lap, z, t
+        self.total = float(t.sum())
+        self.log_e = log_scale + math.log(self.total) if self.total > 0 else -math.inf
+        H, pairs = lap.H, lap.pairs
+        self.inc = np.bincount(pairs.enter, weights=t, minlength=H + 1)[:H]
+        self.out = np.bincount(pairs.leave, weights=t, minlength=H + 1)[:H]
+
+    def self_terms(self) -> np.ndarray:
+        lap = self.lap
+        return np.bincount(lap.pairs.enter[lap.self_pairs], weights=self.t[lap.self_pairs], minlength=lap.H + 1)[:lap.H]
+
+    @cached_property
+    def _upper(self) -> sp.csr_array:
+        inner, indptr, indices = self.lap.explicit_pattern
+        return sp.csr_array((self.t[inner], indices, indptr), shape=(self.lap.H, self.lap.H))
+
+    def hessian_times(self, p: np.ndarray) -> np.ndarray:
+        upper = self._upper
+        return self.diag() * p - upper @ p - upper.T @ p
+
+
+def newton_direction(point, rhs: np.ndarray, free: np.ndarray, rtol: float,
                      max_iterations: int) -> tuple[np.ndarray, int]:
-    """d with (D - U - Uᵀ) d ≈ rhs on the ``free`` units (d = 0 elsewhere), by Jacobi-preconditioned CG.
+    """d with ∇²E d ≈ rhs on the ``free`` units (d = 0 elsewhere), by Jacobi-preconditioned CG.
 
     Stops when every free unit's residual over its diagonal is at most ``rtol`` times the
     largest |rhs_h| / D_h (the per-unit scale of the balance condition). Returns (d, iterations).
     """
+    diag = point.diag()
     mask = free.astype(np.float64)
     inv = np.where(free & (diag > 0), 1.0 / np.where(diag > 0, diag, 1.0), 0.0)
-    lower = upper.T
     r = rhs * mask
     target = rtol * float(np.max(np.abs(r) * inv, initial=0.0))
     d = np.zeros_like(rhs)
@@ -143,7 +210,7 @@ def newton_direction(diag: np.ndarray, upper: sp.csr_array, rhs: np.ndarray, fre
     p = s.copy()
     rs = float(r @ s)
     for it in range(1, max_iterations + 1):
-        hp = (diag * p - upper @ p - lower @ p) * mask
+        hp = point.hessian_times(p) * mask
         curvature = float(p @ hp)
         if not curvature > 0:
             return d, it
@@ -159,8 +226,8 @@ def newton_direction(diag: np.ndarray, upper: sp.csr_array, rhs: np.ndarray, fre
     return d, max_iterations
 
 
-def armijo_step(lap: PairLaplacian, here: Point, d: np.ndarray, bound: float | None, live: np.ndarray,
-                largest_step: float, max_halvings: int = 40) -> Point | None:
+def armijo_step(lap: PairLaplacian, here: "_PointBase", d: np.ndarray, bound: float | None, live: np.ndarray,
+                largest_step: float, max_halvings: int = 40) -> "_PointBase | None":
     """The first z' = clip(z + 2^-j d) with E(z') ≤ E(z) + 1e-4 ∇E·(z' - z); None if none of
     ``max_halvings`` halvings lowers E so. Where the predicted decrease is below float64's
     resolution of E, the full step is taken if it shrinks the largest unit step (``largest_step``)."""
@@ -198,13 +265,15 @@ class _BlockSweep:
 
 
 def solve_enorm_newton(w, B, c=None, *, max_sweeps: int = 1000, tol: float = 1e-10, row_key=None,
-                       max_log_scale: float | None = None, callback=None, max_cg: int = 500) -> ENormResult:
+                       max_log_scale: float | None = None, callback=None, max_cg: int = 500,
+                       pairs: Pairs | None = None) -> ENormResult:
     """ENorm by projected Newton-CG (module docstring); ``sweeps`` counts Newton iterations.
 
     Same arguments and result as `pathir.enorm.solver.solve_enorm_block`, same stopping rule
     (every unit's clamped exact update at most ``tol``), reached in 5-15 iterations on the
     torchvision zoo where the block sweeps need hundreds to thousands (concatenation-heavy graphs).
-    ``callback(iteration, E)`` is called after each iteration.
+    ``callback(iteration, E)`` is called after each iteration. ``pairs``: the masses c ⊙ w already
+    grouped by unit pair (`pathir.rescaling.param_pairs.pairs_from_params`); w, B, c and row_key are then unused.
 
     >>> import numpy as np, scipy.sparse as sp
     >>> B = sp.csr_array(np.array([[-1, 0], [0, -1], [1, 0], [0, 1]], dtype=float))   # 1-2-1, no biases
@@ -212,13 +281,24 @@ def solve_enorm_newton(w, B, c=None, *, max_sweeps: int = 1000, tol: float = 1e-
     >>> np.round(r.z, 6).tolist(), f"{r.e_final:.6g}", r.converged
     ([0.693147, 1.098612], '10', True)
     """
+    from threadpoolctl import threadpool_limits
+
+    # the mat-vecs are memory-bound: more BLAS threads gain nothing and, on cores shared with other
+    # work, cost up to 5x (resnet50's M @ x and Mᵀ @ y: 26 ms on one thread, 137 ms on two, loaded)
+    with threadpool_limits(limits=1, user_api="blas"):
+        return _solve(w, B, c, max_sweeps=max_sweeps, tol=tol, row_key=row_key, max_log_scale=max_log_scale,
+                      callback=callback, max_cg=max_cg, pairs=pairs)
+
+
+def _solve(w, B, c, *, max_sweeps, tol, row_key, max_log_scale, callback, max_cg, pairs) -> ENormResult:
     start = time.perf_counter()
     if max_log_scale is not None and not max_log_scale >= 0:
         raise ValueError(f"max_log_scale must be >= 0 or None, got {max_log_scale}")
     bound = None if max_log_scale is None else float(max_log_scale)
-    _, key, H, _ = keys_for(B, row_key, balance=False)
-    m = masses(w, c, key.size)
-    pairs = group_pairs(m, key, H)
+    if pairs is None:
+        _, key, H, _ = keys_for(B, row_key, balance=False)
+        pairs = group_pairs(masses(w, c, key.size), key, H)
+    H = pairs.num_units
     degenerate = pairs.degenerate()
     pairs = pairs.freeze(degenerate)
     live = np.ones(H, dtype=bool)
@@ -239,7 +319,7 @@ def solve_enorm_newton(w, B, c=None, *, max_sweeps: int = 1000, tol: float = 1e-
             break
         iterations += 1
         there = None
-        diag, upper = here.hessian()
+        diag = here.diag()
         if np.all(diag[live] > _TINY):
             grad = here.inc - here.out
             z = here.z
@@ -248,7 +328,7 @@ def solve_enorm_newton(w, B, c=None, *, max_sweeps: int = 1000, tol: float = 1e-
             if bound is not None:
                 free &= ~(((z >= bound) & (grad < 0)) | ((z <= -bound) & (grad > 0)))
             rel = float(np.max(np.abs(grad[free]) / diag[free], initial=0.0))
-            d, _ = newton_direction(diag, upper, -grad, free, min(0.1, math.sqrt(rel)), max_cg)
+            d, _ = newton_direction(here, -grad, free, min(0.1, math.sqrt(rel)), max_cg)
             there = armijo_step(lap, here, d, bound, live, largest)
         if there is None:  # no usable Newton step: one exact block sweep
             if sweep is None:

@@ -188,7 +188,9 @@ def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, cos
     >>> bool(torch.allclose(net(x), before, atol=1e-6))
     True
     """
+    from pathir.enorm.newton import solve_enorm_newton
     from pathir.enorm.solver import solve_enorm
+    from pathir.rescaling.param_pairs import pairs_from_params
 
     if not p > 0:
         raise ValueError(f"p must be > 0, got {p}")
@@ -205,14 +207,21 @@ def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, cos
     else:
         B, layout = facts.incidence
     c = _costs(costs, layout)
-    w = np.abs(layout.theta()) ** p
-    if not np.all(np.isfinite(w)):
-        raise PathirError(f"|θ|^{p:g} is not finite (huge or non-finite weights): ENorm cannot be computed")
+    # Newton reads the masses only grouped by unit pair: summed param by param (no flat θ, no row keys)
+    pairs = pairs_from_params(units, p, c) if solver == "newton" else None
+    if pairs is None:
+        w = np.abs(layout.theta()) ** p
+        if not np.all(np.isfinite(w)):
+            raise PathirError(f"|θ|^{p:g} is not finite (huge or non-finite weights): ENorm cannot be computed")
     bar.phase("solve")
     # the solver's z' = p z / 2: its box is |z'| ≤ p L / 2
     bound = None if max_log_scale is None else 0.5 * p * float(max_log_scale)
-    result = solve_enorm(w, B, c, method=solver, max_sweeps=max_sweeps, tol=tol, row_key=facts.row_keys,
-                         max_log_scale=bound, callback=chain_callbacks(callback, bar.callback))
+    if pairs is not None:
+        result = solve_enorm_newton(None, None, max_sweeps=max_sweeps, tol=tol, max_log_scale=bound,
+                                    callback=chain_callbacks(callback, bar.callback), pairs=pairs)
+    else:
+        result = solve_enorm(w, B, c, method=solver, max_sweeps=max_sweeps, tol=tol, row_key=facts.row_keys,
+                             max_log_scale=bound, callback=chain_callbacks(callback, bar.callback))
     z = 2.0 * result.z / p
     if max_log_scale is not None:
         z = np.clip(z, -max_log_scale, max_log_scale)  # rounding of 2 (p L / 2) / p

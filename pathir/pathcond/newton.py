@@ -34,6 +34,7 @@ from pathir.pathcond.block import block_sweeps, pair_state
 from pathir.pathcond.objective import PathCondResult, as_g, finish
 from pathir.rescaling.unit_pairs import group_pairs, pad, pair_terms
 from pathir.rescaling.unit_rows import keys_for
+from pathir.sorted_unique import sorted_unique
 
 __all__ = ["solve_newton"]
 
@@ -55,7 +56,7 @@ class _Curvature:
         inner = np.flatnonzero((e < H) & (l < H))
         # each unit-unit pair is two symmetric off-diagonal entries; pairs (a, b) and (b, a) share one
         cell = np.concatenate([e[inner] * H + l[inner], l[inner] * H + e[inner]])
-        cells, self.slot = np.unique(cell, return_inverse=True)
+        cells, self.slot = sorted_unique(cell, return_inverse=True)
         self.source = np.concatenate([inner, inner])
         rows = cells // H
         self.indices = (cells % H).astype(np.int32 if H < 2**31 else np.int64)

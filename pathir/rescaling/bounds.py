@@ -71,10 +71,13 @@ def default_max_log_scale(graph, dtype, *, variance_ratio: float | None = None) 
     low, high = math.inf, -math.inf
     tiny = math.exp(log_tiny)
     for p in graph.params():
-        mag = np.abs(p.value[np.isfinite(p.value)])
-        mag = mag[mag >= tiny]
-        if mag.size:
-            low, high = min(low, float(mag.min())), max(high, float(mag.max()))
+        mag = np.abs(p.value)
+        if not math.isfinite(float(mag.max(initial=0.0))):  # drop inf and nan (rare: a copy is fine)
+            mag = mag[np.isfinite(mag)]
+        big = mag >= tiny
+        if big.any():
+            low = min(low, float(np.min(mag, where=big, initial=math.inf)))
+            high = max(high, float(np.max(mag, where=big, initial=-math.inf)))
     if high == -math.inf:  # nothing nonzero: any rescaling writes zeros as zeros
         low = high = 1.0
     margin = min(SAFETY_MARGIN, 0.1 * (log_big - log_tiny))

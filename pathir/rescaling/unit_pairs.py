@@ -154,15 +154,12 @@ def group_pairs(m: np.ndarray, key: np.ndarray, H: int) -> Pairs:
         # sum m as is when neither the total can overflow nor a summand is subnormal
         scale = 1.0 if top * m.size < 1e300 and low > 1e-290 else top
         w = m if scale == 1.0 else m / scale
-        if (H + 1) ** 2 <= max(4 * m.size, 1 << 22):
+        if (H + 1) ** 2 <= 1 << 22:  # a grid of at most 32 MB; larger ones cost more than summing runs
             sums = np.bincount(key, weights=w, minlength=(H + 1) ** 2)
             keys = np.flatnonzero(sums != 0)
             total = sums[keys]
-        else:  # a stable sort: the keys come in long sorted runs (a parameter's rows), timsort's best case
-            order = np.argsort(key, kind="stable")
-            sk = key[order]
-            starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
-            keys, total = sk[starts], np.add.reduceat(w[order], starts)
+        else:
+            keys, total = _sum_by_key(key, w)
         big = float(total.max())
         pairs = (None, total / big, math.log(big) + math.log(scale))
     else:
@@ -176,6 +173,20 @@ def group_pairs(m: np.ndarray, key: np.ndarray, H: int) -> Pairs:
     enter = np.repeat(np.arange(H + 1), np.diff(bounds))
     leave = keys - enter * (H + 1)
     return Pairs(pairs[0], enter, leave, H, *pairs[1:])
+
+
+def _sum_by_key(key: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct keys in increasing order, the sum of w over each). The keys come in long
+    non-decreasing runs (a parameter's rows), so w is first summed over each stretch of equal
+    consecutive keys (no sort, no gather of the n rows), and only those partial sums are sorted."""
+    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+    part_keys, part = key[starts], np.add.reduceat(w, starts)
+    if np.all(part_keys[1:] > part_keys[:-1]):
+        return part_keys, part
+    order = np.argsort(part_keys, kind="stable")  # sorted runs: timsort's best case
+    sk = part_keys[order]
+    starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
+    return sk[starts], np.add.reduceat(part[order], starts)
 
 
 def greedy_coloring(pairs: Pairs, active: np.ndarray) -> np.ndarray:

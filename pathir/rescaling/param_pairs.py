@@ -1,0 +1,133 @@
+"""Unit pairs summed param by param, without the flat θ or B's row keys (docs/math.md §8).
+
+A param's rows of B have compact ends (``pathir.passes.incidence.compact_rows``):
+an (entered unit, left unit) array pair broadcastable to its shape. Summing
+m_i = c_i |θ_i|^p per (entered, left) pair a block of rows at a time gives the
+`Pairs` that `pathir.rescaling.unit_pairs.group_pairs` builds from the flat
+masses and row keys, with no array of all n rows (a convolution's kernel
+entries of one (out, in) channel pair collapse inside their block).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = ["row_blocks", "pair_sums", "separable_blocks", "pairs_from_params"]
+
+#: entries per block when the unit masses are summed: temporaries of a few MB, not of the largest param
+BLOCK = 1 << 20
+
+
+def row_blocks(value: np.ndarray, enter: np.ndarray, leave: np.ndarray):
+    """(leading-axis slice, entries, entered unit, left unit) of a param, flat, a block of its leading axis
+    at a time (``enter`` and ``leave``: the compact ends of ``compact_rows``, broadcastable to its shape)."""
+    shape = value.shape
+    if len(shape) == 0:
+        yield slice(None), value.reshape(1), enter.reshape(1), leave.reshape(1)
+        return
+    ends = [e.reshape((1,) * (len(shape) - e.ndim) + e.shape) for e in (enter, leave)]
+    per_row = max(1, int(np.prod(shape[1:])))
+    step = max(1, BLOCK // per_row)
+    for r in range(0, shape[0], step):
+        block = (min(step, shape[0] - r), *shape[1:])
+        parts = [np.broadcast_to(e if e.shape[0] == 1 else e[r:r + step], block).reshape(-1) for e in ends]
+        yield slice(r, r + step), value[r:r + step].reshape(-1), parts[0], parts[1]
+
+
+def pair_sums(e: np.ndarray, l: np.ndarray, w: np.ndarray, H: int, max_span: int | None = None):
+    """(distinct keys e (H + 1) + l in increasing order, the sum of w ≥ 0 over each), pairs whose sum is 0
+    left out: a bincount over the block's own range of (e, l) when it has at most ``max_span`` cells
+    (default 4 per entry + 1024: a block of rows meets few units), else a sort."""
+    from pathir.sorted_unique import sorted_unique
+
+    e0, l0 = int(e.min()), int(l.min())
+    span_l = int(l.max()) - l0 + 1
+    span = (int(e.max()) - e0 + 1) * span_l
+    if span <= (4 * e.size + 1024 if max_span is None else max_span):
+        sums = np.bincount((e - e0) * span_l + (l - l0), weights=w, minlength=span)
+        hit = np.flatnonzero(sums)
+        return (hit // span_l + e0) * (H + 1) + (hit % span_l + l0), sums[hit]
+    key, where = sorted_unique(e * (H + 1) + l, return_inverse=True)
+    sums = np.bincount(where, weights=w, minlength=key.size)
+    hit = np.flatnonzero(sums)
+    return key[hit], sums[hit]
+
+
+def _mass(value: np.ndarray, p: float, cost: np.ndarray | None) -> np.ndarray:
+    """c |θ|^p of a block (θ² directly for p = 2)."""
+    w = np.square(value) if p == 2.0 else np.abs(value) ** p
+    return w if cost is None else w * cost
+
+
+def separable_blocks(value: np.ndarray, enter: np.ndarray, leave: np.ndarray, p: float, cost, H: int):
+    """The (keys, sums) blocks of a param whose entered unit depends on axis 0 only and left unit on
+    axis 1 only (a dense or convolution weight, a bias), None for any other: the masses are summed over
+    the remaining axes and over each run of equal left units along axis 1 by reductions, with no
+    per-entry keys. Pairs of zero mass are left out."""
+    nd = value.ndim
+    if nd == 0:
+        return None
+    e_full, l_full = (x.reshape((1,) * (nd - x.ndim) + x.shape) for x in (enter, leave))
+    if any(n != 1 for n in e_full.shape[1:]) or l_full.shape[0] != 1 or any(n != 1 for n in l_full.shape[2:]):
+        return None
+    rows_total, width = value.shape[0], (value.shape[1] if nd > 1 else 1)
+    e_rows = np.broadcast_to(e_full.reshape(-1), (rows_total,))
+    l_cols = np.broadcast_to(l_full.reshape(-1), (width,))
+    starts = np.flatnonzero(np.r_[True, l_cols[1:] != l_cols[:-1]])
+    col_units = l_cols[starts]
+    step = max(1, BLOCK // max(1, value.size // max(1, rows_total)))
+
+    def blocks():
+        for r in range(0, rows_total, step):
+            chunk = value[r:r + step]
+            w = _mass(chunk, p, None if cost is None else cost[r:r + step])
+            w = w.reshape(chunk.shape[0], width, -1).sum(axis=2)
+            if starts.size < width:
+                w = np.add.reduceat(w, starts, axis=1)
+            key = (e_rows[r:r + step, None] * (H + 1) + col_units[None, :]).reshape(-1)
+            w = w.reshape(-1)
+            hit = np.flatnonzero(w)
+            yield key[hit], w[hit]  # in any order, repeats allowed: the caller sorts and sums them
+
+    return blocks()
+
+
+# the linear sums are exact to rounding when every mass is normal and no sum can overflow
+_LOW, _HIGH = 1e-290, 1e300
+
+
+def pairs_from_params(units, p: float, costs: np.ndarray | None = None):
+    """The `Pairs` of m = c ⊙ |θ|^p over ``units.params`` (``costs`` None or in θ order), or None where a
+    pair's mass is below 1e-290, not finite, or their sum could pass 1e300: the caller then groups the
+    flat masses (in log space where needed, `group_pairs`) and refuses non-finite ones."""
+    from pathir.passes.incidence import compact_rows
+    from pathir.rescaling.unit_pairs import Pairs
+
+    H = len(units)
+    keys, sums = [], []
+    offset = 0
+    for prm, (enter, leave) in zip(units.params, compact_rows(units)):
+        cost = None if costs is None else costs[offset:offset + prm.size].reshape(prm.shape)
+        offset += prm.size
+        blocks = separable_blocks(prm.value, enter, leave, p, cost, H)
+        if blocks is None:
+            blocks = (pair_sums(e, l, _mass(value, p, None if cost is None else cost[rows].reshape(-1)), H)
+                      for rows, value, e, l in row_blocks(prm.value, enter, leave))
+        for key, total in blocks:
+            keys.append(key)
+            sums.append(total)
+    key = np.concatenate(keys) if keys else np.zeros(0, dtype=np.int64)
+    mass = np.concatenate(sums) if sums else np.zeros(0)
+    # every pair's sum normal, finite and far from overflow (nan fails both tests): exact to rounding
+    if mass.size == 0 or not (float(mass.min()) >= _LOW and float(mass.max()) * key.size < _HIGH):
+        return None
+    if not np.all(key[1:] > key[:-1]):
+        order = np.argsort(key, kind="stable")  # the blocks' keys are sorted runs: timsort's best case
+        key, mass = key[order], mass[order]
+        starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+        key, mass = key[starts], np.add.reduceat(mass, starts)
+    big = float(mass.max())
+    enter, leave = np.divmod(key, H + 1)
+    return Pairs(None, enter, leave, H, mass / big, math.log(big))
