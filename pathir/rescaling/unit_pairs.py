@@ -255,6 +255,9 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
         if flat_axes:  # the ends do not vary along these axes: sum them out first
             mk = mk.sum(axis=flat_axes, keepdims=True)
         size = e_units.size * l_units.size
+        # every grid cell its own pair (distinct ends along disjoint axes: a conv, a dense layer between
+        # two unit layers): the cells are placed, not reduced
+        one_to_one = e_rank.size == e_units.size and l_rank.size == l_units.size and int(np.prod(grid)) == size
         sums = np.zeros(size)
         if extremes:
             low_k, high_k, count_k = np.full(size, math.inf), np.full(size, -math.inf), np.zeros(size)
@@ -267,9 +270,15 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
                 + l_rank[rows_i if l_rank.shape[:1] != (1,) else slice(None)]
             block = mk[rows_i]
             local = np.broadcast_to(local, block.shape).reshape(-1)
-            sums += np.bincount(local, weights=block.reshape(-1), minlength=size)
+            if one_to_one:
+                sums[local] = block.reshape(-1)
+            else:
+                sums += np.bincount(local, weights=block.reshape(-1), minlength=size)
             if extremes:  # a block at a time: no temporary of the param's size
                 lows, highs, counts = (r[rows_i] for r in reduced) if flat_axes else _extremes(raw[rows_i], ())
+                if one_to_one:
+                    low_k[local], high_k[local], count_k[local] = lows.reshape(-1), highs.reshape(-1), counts.reshape(-1)
+                    continue
                 np.minimum.at(low_k, local, lows.reshape(-1))
                 np.maximum.at(high_k, local, highs.reshape(-1))
                 count_k += np.bincount(local, weights=counts.reshape(-1), minlength=size)
