@@ -33,7 +33,7 @@ from pathir.errors import PathirError
 from pathir.ir import Graph, Role
 
 from .param_write import derived, per_slice_factor, refresh, weight_norm_update
-from .write_rules import mask_plan, source_factors
+from .write_rules import EntryFactor, mask_plan, source_factors
 
 __all__ = ["TorchWriter"]
 
@@ -91,13 +91,13 @@ class TorchWriter:
         import torch
 
         self.check_rescalable(graph)
-        by_tensor = source_factors(graph, log_scales)  # every factor in its tensor's layout
+        # each tensor's factors are computed when it is reached and dropped once its new value is
+        # (lazy: a large layer's factor is applied a block of rows at a time, never held whole)
+        by_tensor = source_factors(graph, log_scales, lazy=True)
         updates = []  # (tensor, new value) computed before anything is written
         seen: dict[int, tuple[str, object]] = {}
-        while by_tensor:  # in order; each factor is released once its tensor's new value is computed
-            name = next(iter(by_tensor))
-            sides = by_tensor.pop(name)
-            for t, new_t, module, attr in self._updates(name, sides):
+        for name, sides_of in by_tensor.items():
+            for t, new_t, module, attr in self._updates(name, sides_of()):
                 if id(t) in seen:  # one tensor under two names (tied weights)
                     other, other_new = seen[id(t)]
                     if not torch.allclose(other_new.double(), new_t.double(), rtol=1e-9, atol=0):
@@ -165,6 +165,8 @@ class TorchWriter:
         d = derived(module, attr, name)
         if d is None:
             module, attr, t = self._tensor(name)
+            if Role.IN_STATS not in sides and t.dim() and all(_by_rows(f, t) for f in sides.values()):
+                return [(t, self._new_value_by_rows(name, module, attr, t, sides), module, attr)]
             old = t.detach().to("cpu", torch.float64).numpy()
             if t.dtype == torch.float64 and t.device.type == "cpu":
                 old = old.copy()  # shares the model's memory: the product below is computed in place
@@ -178,6 +180,24 @@ class TorchWriter:
         old = getattr(module, attr).detach().to("cpu", torch.float64).numpy()
         factor = self._new_value(name, module, attr, np.ones_like(old), sides)
         return [(t, new_t, module, attr) for t, new_t in weight_norm_update(d, factor)]
+
+    def _new_value_by_rows(self, name, module, attr, t, sides: dict[Role, object]):
+        """:meth:`_new_value` of tensor ``t`` (no running statistics) a block of its leading rows at a
+        time, cast to t's dtype and device: the same float64 products entry by entry, without a
+        float64 copy of a large tensor, or of its factor, ever held whole."""
+        import torch
+
+        shape = tuple(t.shape)
+        factors = {role: f if isinstance(f, EntryFactor) else np.asarray(f).reshape(shape) for role, f in sides.items()}
+        new = torch.empty(shape, dtype=t.dtype)
+        source = t.detach()
+        step = max(1, _BLOCK // max(1, int(np.prod(shape[1:]))))
+        for i in range(0, shape[0], step):
+            j = min(i + step, shape[0])
+            block = source[i:j].to("cpu", torch.float64, copy=True).numpy()
+            rows = {role: f.rows(i, j) if isinstance(f, EntryFactor) else f[i:j] for role, f in factors.items()}
+            new[i:j] = torch.from_numpy(self._new_value(name, module, attr, block, rows))
+        return new.to(device=t.device)
 
     @staticmethod
     def _new_value(name, module, attr, old: np.ndarray, sides: dict[Role, np.ndarray]) -> np.ndarray:
@@ -232,6 +252,19 @@ class TorchWriter:
             plan.append((module, attr, torch.as_tensor(m.reshape(tuple(t.shape)), device=t.device)))
         for module, attr, mask in plan:
             prune.custom_from_mask(module, name=attr, mask=mask)
+
+
+#: entries of a tensor rescaled at once in float64 by ``TorchWriter._new_value_by_rows``
+_BLOCK = 1 << 21
+
+
+def _by_rows(f, t) -> bool:
+    """Whether factor ``f`` can be applied to tensor ``t`` a block of its leading rows at a time."""
+    if isinstance(f, EntryFactor):
+        return f.by_rows and f.shape == tuple(t.shape)
+    return np.size(f) == t.numel()
+
+
 
 
 def _weight_norm_factors(name: str, d, factor: np.ndarray) -> list[tuple[object, object]]:

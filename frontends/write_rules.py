@@ -18,50 +18,102 @@ import numpy as np
 from pathir.errors import PathirError
 from pathir.ir import Graph, Param, Role, SourceRef
 
-__all__ = ["source_factors", "mask_ref", "mask_plan"]
+__all__ = ["source_factors", "EntryFactor", "mask_ref", "mask_plan"]
 
 _SAME = dict(rtol=1e-9, atol=1e-300)
 
 
-def source_factors(graph: Graph, log_scales: Mapping[str, np.ndarray]) -> dict[str, dict[Role, np.ndarray]]:
+class EntryFactor:
+    """The entrywise factor e^{a + b} of a VALUE source tensor, in its layout, computed from the
+    param's broadcast log-factors a (in) and b (out) on demand: whole (``np.asarray``, the
+    same float64 operations as ever) or a block of the tensor's leading rows at a time
+    (:meth:`rows`), so that a writer never holds a full float64 factor of a large tensor."""
+
+    def __init__(self, log_in, log_out, ref: SourceRef, param_shape: tuple[int, ...]):
+        self.log_in, self.log_out, self.ref, self.param_shape = log_in, log_out, ref, param_shape
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The source tensor's shape."""
+        return self.ref.to_source(np.broadcast_to(np.zeros(()), self.param_shape)).shape
+
+    @property
+    def by_rows(self) -> bool:
+        """Whether :meth:`rows` slices without building the whole factor (no kernel re-layout)."""
+        return self.ref.layout is None and len(self.param_shape) >= (2 if self.ref.transposed else 1)
+
+    def _exp(self, index) -> np.ndarray:
+        a, b = (np.broadcast_to(x, self.param_shape)[index] for x in (self.log_in, self.log_out))
+        return np.exp(a + b)
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows start:stop (along the source tensor's first axis) of the factor."""
+        if not self.by_rows:
+            return np.asarray(self)[start:stop]
+        if self.ref.transposed:
+            return self._exp((slice(None), slice(start, stop))).T
+        return self._exp(slice(start, stop))
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        f = self.ref.to_source(self._exp(...))
+        return f if dtype is None else f.astype(dtype, copy=False)
+
+
+def source_factors(graph: Graph, log_scales: Mapping[str, np.ndarray], lazy: bool = False) -> dict:
     """{source tensor name: {role: factor}} of a rescaling.
 
     VALUE factors are in the source tensor's layout (``SourceRef.to_source`` of the
     param-shaped factor: a transpose, a transposed convolution's kernel layout),
     OUT_SCALE and IN_STATS ones one entry per channel (IN_STATS: λ, the factor of the batch-norm's input). One
-    (tensor, role) reached through several params must get one factor."""
+    (tensor, role) reached through several params must get one factor.
+
+    ``lazy=True``: {name: a function returning that tensor's {role: factor}}, VALUE factors as
+    :class:`EntryFactor` (computed when the writer reaches the tensor: the factors of a whole model
+    never sit in memory at once); a tensor given different factors through two params raises then."""
     from pathir.rescaling.apply import check_log_scales, param_factors
 
     s = check_log_scales(graph, log_scales)
-    plan: dict[tuple[str, Role], tuple[np.ndarray, str]] = {}
+    uses: dict[tuple[str, Role], list] = {}  # (tensor, role) -> the params that reach it, in order
     for p, fo, fi, v, u in param_factors(graph, s).values():
         if not p.sources:
             raise PathirError(f"param '{p.name}' has no source tensor to write the rescaling to")
         roles = {r.role for r in p.sources}
         for ref in p.sources:
-            if ref.role is Role.VALUE:
-                f = np.exp((0.0 if Role.IN_STATS in roles else fi) + (0.0 if Role.OUT_SCALE in roles else fo))
-                f = ref.to_source(np.broadcast_to(f, p.shape))
-            elif ref.role is Role.OUT_SCALE:
-                f = np.exp(s[v.name])
-            else:
-                if u is None:
-                    raise PathirError(f"bias '{p.name}' lists running statistics '{ref.name}', which only an edge can feed")
-                f = np.exp(-np.asarray(fi))
-            key = (ref.name, ref.role)
-            if key in plan:
-                old, via = plan[key]
-                if old.shape != f.shape or not np.allclose(old, f, **_SAME):
-                    raise PathirError(
-                        f"source tensor '{ref.name}' ({ref.role.value}) would be rescaled differently "
-                        f"through params '{via}' and '{p.name}'"
-                    )
-                continue
-            plan[key] = (np.array(f, dtype=np.float64), p.name)
-    out: dict[str, dict[Role, np.ndarray]] = {}
-    for (name, role), (f, _) in plan.items():
-        out.setdefault(name, {})[role] = f
-    return out
+            if ref.role is Role.IN_STATS and u is None:
+                raise PathirError(f"bias '{p.name}' lists running statistics '{ref.name}', which only an edge can feed")
+            uses.setdefault((ref.name, ref.role), []).append((p, ref, roles, fo, fi, v))
+    tensors: dict[str, list[Role]] = {}
+    for name, role in uses:
+        tensors.setdefault(name, []).append(role)
+
+    def factors(name: str) -> dict[Role, np.ndarray]:
+        return {role: _one_factor(uses[(name, role)], s, lazy) for role in tensors[name]}
+
+    if lazy:
+        return {name: (lambda name=name: factors(name)) for name in tensors}
+    return {name: factors(name) for name in tensors}
+
+
+def _one_factor(uses, s, lazy: bool):
+    """The factor of one (tensor, role), checked equal across the params that reach it."""
+    first = via = None
+    for p, ref, roles, fo, fi, v in uses:
+        if ref.role is Role.VALUE:
+            f = EntryFactor(0.0 if Role.IN_STATS in roles else fi, 0.0 if Role.OUT_SCALE in roles else fo, ref,
+                            p.shape)
+            f = f if lazy and len(uses) == 1 else np.asarray(f)
+        elif ref.role is Role.OUT_SCALE:
+            f = np.exp(s[v.name])
+        else:
+            f = np.exp(-np.asarray(fi))
+        if first is None:
+            first, via = f, p.name
+        elif first.shape != f.shape or not np.allclose(first, f, **_SAME):
+            raise PathirError(
+                f"source tensor '{ref.name}' ({ref.role.value}) would be rescaled differently "
+                f"through params '{via}' and '{p.name}'"
+            )
+    return first
 
 
 def mask_ref(p: Param, is_bias: bool) -> SourceRef:

@@ -96,9 +96,10 @@ class ParamLayout:
 
     def theta(self) -> np.ndarray:
         """θ: every param value flattened, in order (float64)."""
-        if not self.params:
-            return np.zeros(0)
-        return np.concatenate([p.value.ravel() for p in self.params])
+        out = np.empty(len(self))  # filled param by param: no list of flattened copies beside it
+        for p, start in zip(self.params, self.offsets.tolist()):
+            out[start:start + p.size].reshape(p.shape)[...] = p.value
+        return out
 
     def split(self, flat) -> dict[str, np.ndarray]:
         """{param name: its entries of ``flat``, in the param's shape}."""
@@ -181,13 +182,28 @@ def row_keys(units: Units):
     from pathir.rescaling.unit_rows import RowKeys
 
     H = len(units)
-    parts, balance = [], np.zeros(H + 1, dtype=np.int64)
+    balance = np.zeros(H + 1, dtype=np.int64)
+    key = np.empty(sum(p.size for p in units.params), dtype=np.int64)  # filled param by param: no second copy
+    start = 0
     for p, (enter, leave) in zip(units.params, compact_rows(units)):
-        parts.append(np.broadcast_to(enter * (H + 1) + leave, p.shape).reshape(-1))
+        key[start:start + p.size].reshape(p.shape)[...] = enter * (H + 1) + leave
+        start += p.size
         # each compact entry stands for p.size / its broadcast size rows
         balance += _counts(enter, p.shape, H) - _counts(leave, p.shape, H)
-    key = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     return RowKeys(key, balance[:H])
+
+
+def row_ends(units: Units):
+    """B's rows as a ``pathir.rescaling.unit_rows.CompactRows``: the units' compact row ends per param
+    (:func:`compact_rows`) and the column balance, as :func:`row_keys` gives it, without a key per row."""
+    from pathir.rescaling.unit_rows import CompactRows
+
+    H = len(units)
+    ends = compact_rows(units)
+    balance = np.zeros(H + 1, dtype=np.int64)
+    for p, (enter, leave) in zip(units.params, ends):
+        balance += _counts(enter, p.shape, H) - _counts(leave, p.shape, H)
+    return CompactRows(tuple(ends), tuple(p.shape for p in units.params), balance[:H])
 
 
 def compact_rows(units: Units) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -133,3 +133,71 @@ def test_pair_sums_by_range_and_by_sort_agree(seed, n, H):
     keys = e * (H + 1) + l
     assert np.array_equal(by_sort[0], np.unique(keys))
     np.testing.assert_allclose(by_sort[1], [w[keys == k].sum() for k in by_sort[0]], rtol=1e-13)
+
+
+@settings(max_examples=60, deadline=None)
+@given(graph=relu_dags(), data=st.data(), spread=st.sampled_from([1.0, 50.0, 800.0]), zeros=st.booleans())
+def test_pairs_grouped_param_by_param_equal_the_ones_from_row_keys(graph, data, spread, zeros):
+    from pathir.passes.incidence import row_ends, row_keys
+    from pathir.rescaling.unit_pairs import group_compact, group_pairs
+
+    units = find_units(graph)[1]
+    keys, ends = row_keys(units), row_ends(units)
+    assert ends.size == keys.key.size and np.array_equal(ends.balance, keys.balance)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    m = np.exp(rng.uniform(-spread, spread, keys.key.size) / 2)  # 800 nats: the log-space sums
+    if zeros:
+        m[rng.random(m.size) < 0.4] = 0.0
+    got, want = group_compact(m, ends), group_pairs(m, keys.key, len(units))
+    assert np.array_equal(got.enter, want.enter) and np.array_equal(got.leave, want.leave)
+    np.testing.assert_allclose(got.log_mass, want.log_mass, rtol=1e-12, atol=1e-12)
+    assert np.array_equal(got.degenerate(), want.degenerate())
+
+
+@settings(max_examples=30, deadline=None)
+@given(graph=relu_dags(), data=st.data())
+def test_row_ends_shifts_equal_the_row_keys_ones(graph, data):
+    from pathir.passes.incidence import row_ends, row_keys
+    from pathir.rescaling.unit_rows import row_shifts
+
+    units = find_units(graph)[1]
+    z = np.asarray(data.draw(rescalings(graph)), dtype=np.float64)
+    got = np.concatenate([bz for _, bz in row_ends(units).shifts(z)] or [np.zeros(0)])
+    want = np.concatenate([bz for _, bz in row_shifts(row_keys(units).key, z)] or [np.zeros(0)])
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("block", [1, 7, 1 << 21])
+def test_writer_by_row_blocks_equals_the_whole_tensor_write(block, monkeypatch):
+    """TorchWriter.rescale applies a large tensor's factor a block of rows at a time: the
+    same float64 products, so the same written values as the whole-tensor path, bit for bit."""
+    import torch
+
+    import pathir
+    from pathir.frontends import torch_writer
+    from pathir.rescaling.apply import log_scales
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(2, 4, 3, padding=1)
+            self.bn = torch.nn.BatchNorm2d(4)
+            self.fc = torch.nn.Linear(4 * 5 * 5, 6)
+            self.w = torch.nn.Parameter(torch.randn(6, 3))  # x @ W: a transposed source
+
+        def forward(self, x):
+            h = torch.relu(self.bn(self.conv(x)))
+            return torch.relu(self.fc(h.flatten(1))) @ self.w
+
+    torch.manual_seed(0)
+    nets = [Net().eval(), Net().eval()]
+    nets[1].load_state_dict(nets[0].state_dict())
+    cm = pathir.compile(nets[0], input_shape=(2, 5, 5))
+    z = np.random.default_rng(1).normal(size=len(cm.units))
+    scales = log_scales(cm.graph, cm.units, z)
+    monkeypatch.setattr(torch_writer, "_BLOCK", block)
+    torch_writer.TorchWriter(nets[0]).rescale(cm.graph, scales)
+    monkeypatch.setattr(torch_writer, "_by_rows", lambda f, t: False)  # the whole-tensor path
+    torch_writer.TorchWriter(nets[1]).rescale(cm.graph, scales)
+    for (name, a), b in zip(nets[0].state_dict().items(), nets[1].state_dict().values()):
+        assert torch.equal(a, b), name

@@ -392,3 +392,35 @@ def test_report_log_spreads_are_their_definition(graph, seed, scale):
         logs = (np.log(g[g > 0]) + shift[g > 0]) if (g > 0).any() else np.zeros(1)
         expected.append(logs.max() - logs.min())
     np.testing.assert_allclose(unit_log_spreads(units, g, z), expected, rtol=1e-12, atol=1e-9)
+
+
+@given(relu_dags(), st.integers(0, 2**32 - 1), st.sampled_from([0.5, 400.0]), st.sampled_from([1.0, 900.0]))
+@settings(max_examples=40)
+def test_report_figures_from_the_pair_summary_are_their_definition(graph, seed, scale, spread):
+    """The log-spreads and log-det divergences the report takes from the per-pair summary of g
+    (g_summary: g is freed before the solve) equal their definition over the entries g > 0, with B
+    itself; g spanning 900 nats (log-space pair sums) and z beyond float64's exp range included."""
+    from pathir.passes.find_units import find_units
+    from pathir.passes.incidence import incidence, row_ends
+    from pathir.pathcond.g_summary import summarize
+    from pathir.pathcond.objective import logsumexp, objective
+
+    _, units = find_units(graph)
+    B, _ = incidence(graph, units)
+    rng = np.random.default_rng(seed)
+    n = B.shape[0]
+    g = np.exp(-spread * rng.random(n)) * (rng.random(n) < 0.9)
+    z = rng.normal(scale=scale, size=len(units))
+    rows = row_ends(units)
+    pairs, summary = summarize(g, rows)
+    keep = g > 0
+    expected_spreads, expected_div = [], []
+    for shift in (np.zeros(n), B @ z):
+        logs = (np.log(g[keep]) + shift[keep]) if keep.any() else np.zeros(1)
+        expected_spreads.append(logs.max() - logs.min())
+        expected_div.append(keep.sum() * (logsumexp(logs) - np.log(keep.sum())) - logs.sum() if keep.any() else 0.0)
+    np.testing.assert_allclose(summary.spreads(z), expected_spreads, rtol=1e-12, atol=1e-9)
+    if keep.any() and scale < 1:
+        f0, f1 = objective(g, B, np.zeros(len(units))), objective(g, B, z)
+        np.testing.assert_allclose(summary.divergences(f0, f1, z, rows.balance), expected_div, rtol=1e-9, atol=1e-6)
+    assert summary.kept == int(keep.sum()) and summary.n == n

@@ -152,6 +152,20 @@ def _costs(costs, layout) -> np.ndarray | None:
     return c
 
 
+def _powers(layout, p: float) -> np.ndarray:
+    """|θ|^p, flat in ``layout`` order, filled param by param (no flat θ beside it); refused
+    (PathirError) where an entry is not finite."""
+    w = np.empty(len(layout))
+    for param, start in zip(layout.params, layout.offsets.tolist()):
+        part = w[start:start + param.size].reshape(param.shape)
+        np.abs(param.value, out=part)
+        part **= p  # as `abs(θ) ** p` computes it (p = 2: a square)
+        if not np.all(np.isfinite(part)):
+            raise PathirError(f"|θ|^{p:g} is not finite (huge or non-finite weights in '{param.name}'): "
+                              "ENorm cannot be computed")
+    return w
+
+
 def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, costs=None, solver: str = "newton",
           commit=None, name: str = "", max_log_scale: float | None = None, callback=None,
           progress: bool | None = None) -> ENormReport:
@@ -200,7 +214,7 @@ def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, cos
     bar.phase("units")
     units = facts.units
     if solver == "newton" and "incidence" not in facts.built():
-        # Newton reads B through its row keys only: building B would be wasted work
+        # Newton reads B through the units' compact row ends only: building B would be wasted work
         from pathir.passes.incidence import ParamLayout
 
         B, layout = None, ParamLayout(tuple(units.params))
@@ -209,10 +223,6 @@ def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, cos
     c = _costs(costs, layout)
     # Newton reads the masses only grouped by unit pair: summed param by param (no flat θ, no row keys)
     pairs = pairs_from_params(units, p, c) if solver == "newton" else None
-    if pairs is None:
-        w = np.abs(layout.theta()) ** p
-        if not np.all(np.isfinite(w)):
-            raise PathirError(f"|θ|^{p:g} is not finite (huge or non-finite weights): ENorm cannot be computed")
     bar.phase("solve")
     # the solver's z' = p z / 2: its box is |z'| ≤ p L / 2
     bound = None if max_log_scale is None else 0.5 * p * float(max_log_scale)
@@ -220,8 +230,13 @@ def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, cos
         result = solve_enorm_newton(None, None, max_sweeps=max_sweeps, tol=tol, max_log_scale=bound,
                                     callback=chain_callbacks(callback, bar.callback), pairs=pairs)
     else:
-        result = solve_enorm(w, B, c, method=solver, max_sweeps=max_sweeps, tol=tol, row_key=facts.row_keys,
+        w = _powers(layout, p)
+        # without B, the rows as the units' compact ends (no int64 key per row)
+        rows = facts.row_ends if B is None else facts.row_keys
+        result = solve_enorm(w, B, c, method=solver, max_sweeps=max_sweeps, tol=tol, row_key=rows,
                              max_log_scale=bound, callback=chain_callbacks(callback, bar.callback))
+        del w  # one copy of θ: freed before the write-back
+    del c
     z = 2.0 * result.z / p
     if max_log_scale is not None:
         z = np.clip(z, -max_log_scale, max_log_scale)  # rounding of 2 (p L / 2) / p

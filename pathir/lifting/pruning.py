@@ -254,6 +254,10 @@ def prune(graph: Graph, backend, amount, criterion: str = "path-magnitude", scop
     masks = prune_masks(graph, amount, criterion, scope, include_biases, backend,
                         log_scores=scores if criterion == "path-magnitude" else None)
     after = prune_graph(graph, masks)
+    # the bound reads the scores (a flat float64 copy of θ's size): taken, and the scores freed,
+    # before the path-metric walk, whose own arrays would otherwise sit beside them
+    log_bound = _log_bound(graph, masks, scores)
+    del scores
     metric = path_metric(graph, after, backend, progress=False)  # inside the caller's bar
     sources = {p.name: p.source_name for p in graph.params()}
     report = PruneReport(
@@ -262,7 +266,7 @@ def prune(graph: Graph, backend, amount, criterion: str = "path-magnitude", scop
         amount=float(amount),
         pruned=int(sum((~m).sum() for m in masks.values())),
         candidates=int(sum(m.size for m in masks.values())),
-        bound=_exp(_log_bound(graph, masks, scores)),
+        bound=_exp(log_bound),
         path_metric=metric.upper,
         path_norm_before=metric.norm_a,
         path_norm_after=metric.norm_b,

@@ -253,7 +253,7 @@ def block_sweeps(pairs, A: np.ndarray, n: int, live: np.ndarray, z: np.ndarray, 
 
 def solve_block(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, anderson: int = 5,
                 polish_after: int | None = 50, row_key=None, max_log_scale: float = math.inf,
-                callback=None) -> PathCondResult:
+                callback=None, pairs=None) -> PathCondResult:
     """Minimise F by exact block updates over independent sets of units (the default solver).
 
     Parameters
@@ -275,6 +275,7 @@ def solve_block(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, anderson: i
     max_log_scale : bound on every |z_h| (box-constrained F, still convex); where a sweep would cross
         it, L-BFGS-B on the box finishes the job. ``math.inf``: unconstrained.
     callback : called as ``callback(step, F)`` after each sweep or L-BFGS iteration.
+    pairs : g already grouped by unit pair (`unit_pairs.group_compact` over ``row_key``); g may then be None.
 
     Returns
     -------
@@ -296,9 +297,10 @@ def solve_block(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, anderson: i
     start = time.perf_counter()
     B, key, H, A = keys_for(B, row_key)
     n = key.size
-    g = as_g(g, n)
     A = A.astype(np.float64)
-    pairs = group_pairs(g, key, H)
+    if pairs is None:
+        g = as_g(g, n)
+        pairs = group_pairs(g, key, H)
     degenerate = pairs.degenerate()
     pairs = pairs.freeze(degenerate)
     live = np.ones(H, dtype=bool)

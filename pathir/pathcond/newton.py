@@ -57,7 +57,8 @@ class _Curvature:
         # each unit-unit pair is two symmetric off-diagonal entries; pairs (a, b) and (b, a) share one
         cell = np.concatenate([e[inner] * H + l[inner], l[inner] * H + e[inner]])
         cells, self.slot = sorted_unique(cell, return_inverse=True)
-        self.source = np.concatenate([inner, inner])
+        del cell
+        self.inner = inner  # slot[k] and slot[inner.size + k] are the two cells of pair inner[k]
         rows = cells // H
         self.indices = (cells % H).astype(np.int32 if H < 2**31 else np.int64)
         self.indptr = np.searchsorted(rows, np.arange(H + 1))
@@ -76,7 +77,11 @@ class _Curvature:
 
     def laplacian(self, q: np.ndarray) -> sp.csr_array:
         """The off-diagonal part of L_q: -q on each unit-unit pair, both ways."""
-        data = -np.bincount(self.slot, weights=q[self.source], minlength=self.num_cells)
+        k, w = self.inner.size, q[self.inner]
+        # each cell gets at most one term from each half (the pairs are distinct): the sums of one bincount
+        data = np.bincount(self.slot[:k], weights=w, minlength=self.num_cells)
+        data += np.bincount(self.slot[k:], weights=w, minlength=self.num_cells)
+        data = np.negative(data, out=data)
         H = self.A.size
         return sp.csr_array((data, self.indices, self.indptr), shape=(H, H))
 
@@ -114,7 +119,7 @@ def _newton_direction(off: sp.csr_array, diag: np.ndarray, c: np.ndarray, grad: 
 
 def solve_newton(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, row_key=None,
                  max_log_scale: float = math.inf, warm_sweeps: int = 10, max_cg: int = 200,
-                 callback=None) -> PathCondResult:
+                 callback=None, pairs=None) -> PathCondResult:
     """Minimise F by block sweeps, then projected Newton-CG (the fastest exact solver on deep graphs).
 
     Parameters
@@ -130,6 +135,7 @@ def solve_newton(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, row_key=No
     warm_sweeps : block sweeps first (they converge outright on layered networks).
     max_cg : CG iterations per Newton step at most.
     callback : called as ``callback(step, F)`` after each sweep and each Newton iteration.
+    pairs : g already grouped by unit pair (`unit_pairs.group_compact` over ``row_key``); g may then be None.
 
     Returns
     -------
@@ -150,12 +156,13 @@ def solve_newton(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, row_key=No
     start = time.perf_counter()
     B, key, H, A = keys_for(B, row_key)
     n = key.size
-    g = as_g(g, n)
     A = A.astype(np.float64)
     bound = float(max_log_scale)
     if not bound >= 0:
         raise ValueError(f"max_log_scale must be >= 0 (math.inf: unbounded), got {max_log_scale}")
-    pairs = group_pairs(g, key, H)
+    if pairs is None:
+        g = as_g(g, n)
+        pairs = group_pairs(g, key, H)
     degenerate = pairs.degenerate()
     pairs = pairs.freeze(degenerate)
     live = np.ones(H, dtype=bool)
@@ -165,6 +172,7 @@ def solve_newton(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, row_key=No
     z, converged, sweeps, extra = block_sweeps(pairs, A, n, live, z, min(warm_sweeps, max_sweeps), tol, history,
                                                times, start, bound=bound, callback=callback)
     iterations = cg_total = 0
+    pairs.drop_leave_order()  # the sweeps' (leave, enter) order: Newton reads the pairs as they are
     if not converged and pairs.size and live.any():
         curvature = _Curvature(pairs, A, n)
         f, grad, q, c, mass = curvature.value(z)

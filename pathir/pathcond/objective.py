@@ -204,7 +204,8 @@ def spread_ends(g: np.ndarray, up, down=0.0) -> tuple[float, float, float, float
         return None
     high_up, low_down = float(up.max()), float(down.min())
     top = high_up - low_down  # >= every up - down, so g e^{up - down - top} <= g cannot overflow
-    moved = g * np.exp(up - high_up) * np.exp(low_down - down)
+    moved = g * np.exp(up - high_up)
+    moved *= np.exp(low_down - down)  # in place: one temporary of g's size
     if float(moved.min()) > 1e-290:
         low, high = math.log(float(moved.min())), math.log(float(moved.max()))
     else:  # beyond float64's normal range: logs
@@ -228,9 +229,10 @@ def bz_log_spreads(g: np.ndarray, B: sp.csr_array, z: np.ndarray) -> tuple[float
 
 def _key_spreads(g: np.ndarray, key: np.ndarray, z: np.ndarray) -> tuple[float, float]:
     """`bz_log_spreads` with B z read from the row keys, a chunk of rows at a time (B never built)."""
-    from pathir.rescaling.unit_rows import row_shifts
+    from pathir.rescaling.unit_rows import CompactRows, row_shifts
 
-    return log_spreads(spread_ends(g[start:start + bz.size], bz) for start, bz in row_shifts(key, z))
+    shifts = key.shifts(z) if isinstance(key, CompactRows) else row_shifts(key, z)
+    return log_spreads(spread_ends(g[start:start + bz.size], bz) for start, bz in shifts)
 
 
 def finish(g: np.ndarray, B: sp.csr_array | None, z: np.ndarray, state, *, method: str, sweeps: int,

@@ -19,6 +19,7 @@ listed by name in the report.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -151,30 +152,6 @@ def unit_log_spreads(units, g, z) -> tuple[float, float]:
                        for k, (p, (enter, leave)) in enumerate(zip(units.params, compact_rows(units))))
 
 
-def _divergences(g, result, rows) -> tuple[float, float]:
-    """n'·log(mean g') − Σ log g' over the n' entries of g' = g ⊙ e^{Bz} that are > 0, at z = 0
-    and z = z*. The log-sums come from F (F(z) = n log Σ g e^{Bz} − Σ Bz), so g is logged once;
-    the column balance A = −Bᵀ1 of B's ``rows`` (a RowKeys) gives Σ_i (Bz)_i = −A·z."""
-    from pathir.rescaling.unit_rows import key_balance
-
-    n, z = g.size, result.z
-    if g.min(initial=math.inf) > 0:  # the usual case: no mask, logs a chunk at a time
-        kept, keep = n, None
-        sum_log = sum(float(np.log(g[i:i + (1 << 22)]).sum()) for i in range(0, n, 1 << 22))
-    else:
-        keep = g > 0
-        kept = int(keep.sum())
-        if not kept:
-            return 0.0, 0.0
-        sum_log = float(np.log(g[keep]).sum())
-    bz_all = -float(rows.balance @ z)
-    bz_kept = bz_all if keep is None else -float(key_balance(rows.key[keep], z.size) @ z)
-    log_s0, log_s1 = result.f_initial / n, (result.f_final + bz_all) / n
-    before = kept * (log_s0 - math.log(kept)) - sum_log
-    after = kept * (log_s1 - math.log(kept)) - sum_log - bz_kept
-    return float(before), float(after)
-
-
 def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol: float = 1e-10,
              commit=None, name: str = "", max_log_scale: float | None = None, dtype="float64",
              callback=None, progress: bool | None = None) -> PathCondReport:
@@ -182,7 +159,7 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
 
     Parameters
     ----------
-    facts : GraphFacts of the graph (``pathir.rescaling.facts``: units, B, row keys)
+    facts : GraphFacts of the graph (``pathir.rescaling.facts``: units, B, row keys or ends)
     backend : backend for diag G
     solver : "newton" (block sweeps then projected Newton-CG, the default), "block" (exact
         block updates, L-BFGS to finish) or "coordinate" (the published cyclic coordinate
@@ -223,6 +200,7 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
     True
     """
     from pathir.lifting.diag_g import diag_g_flat
+    from pathir.pathcond.g_summary import summarize
     from pathir.pathcond.solvers import METHODS, solve
     from pathir.rescaling.bounds import default_max_log_scale
     if solver not in METHODS:
@@ -239,8 +217,9 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
     if max_log_scale is None:
         max_log_scale = default_max_log_scale(facts.graph, dtype)
     lap("units")
-    # the block solver reads B through its row keys only; the coordinate solver needs B itself
-    row_key = facts.row_keys
+    # the newton and block solvers read B through the units' compact row ends only (no key per row);
+    # the coordinate solver needs B itself
+    rows = facts.row_ends
     B = facts.incidence[0] if solver == "coordinate" else None
     lap("B")
     bar.phase("diag G")
@@ -251,9 +230,22 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
         raise PathirError("diag G vanishes everywhere (no path of the network has only nonzero weights): "
                           "PathCond has nothing to balance")
     bar.phase("solve")
-    result = solve(g, B, method=solver, max_sweeps=max_sweeps, tol=tol, row_key=row_key,
-                   max_log_scale=max_log_scale, callback=chain_callbacks(callback, bar.callback))
+    # g grouped by unit pair, with what the report needs of it (pathir.pathcond.g_summary): g itself,
+    # one float64 per parameter, is freed before the solver runs (the coordinate solver reads it)
+    pairs, summary = summarize(g, rows)
+    if solver == "coordinate":
+        result = solve(g, B, method=solver, max_sweeps=max_sweeps, tol=tol, row_key=facts.row_keys,
+                       max_log_scale=max_log_scale, callback=chain_callbacks(callback, bar.callback))
+    else:
+        del g
+        result = solve(None, None, method=solver, max_sweeps=max_sweeps, tol=tol, row_key=rows, pairs=pairs,
+                       max_log_scale=max_log_scale, callback=chain_callbacks(callback, bar.callback))
+    del pairs
     lap("solve")
+    divergence = summary.divergences(result.f_initial, result.f_final, result.z, rows.balance)
+    spreads = summary.spreads(result.z)
+    result = dataclasses.replace(result, g=None, B=None, key=None)
+    g = summary = None  # freed before the write-back
     if commit is not None:
         bar.phase("write")
         commit(result.z)
@@ -262,8 +254,6 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
     if not result.converged:
         warn_not_converged("PathCond", name, result.sweeps)
     shift = n * log_top  # F of the true g: F(g / max g) + n log max g
-    divergence = _divergences(g, result, row_key)
-    spreads = unit_log_spreads(units, g, result.z)
     return PathCondReport(
         model=name, solver=solver, units=len(units), params=n,
         objective_before=result.f_initial + shift, objective_after=result.f_final + shift,

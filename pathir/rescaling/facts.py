@@ -1,8 +1,8 @@
 """What a graph's rescaling structure costs to find, found once per graph.
 
 A :class:`GraphFacts` is the record a Compiled keeps for its current graph: the
-units (``find_units``), B with the parameter layout (``incidence``) and B's row
-keys (``row_keys``), each built on first use. The record belongs to one graph
+units (``find_units``), B with the parameter layout (``incidence``), B's row
+keys (``row_keys``) and its compact row ends (``row_ends``), each built on first use. The record belongs to one graph
 object: a new graph gets a new record (:meth:`GraphFacts.with_values` carries the
 structure over to a graph that differs only in its params' values: a rescaling, a re-read model).
 """
@@ -53,6 +53,14 @@ class GraphFacts:
 
         return row_keys(self.units)
 
+    @cached_property
+    def row_ends(self):
+        """B's rows as a ``pathir.rescaling.unit_rows.CompactRows`` (the units' compact row ends per
+        param): what the newton and block solvers read, far smaller than the row keys."""
+        from pathir.passes.incidence import row_ends
+
+        return row_ends(self.units)
+
     def with_values(self, graph: Graph) -> "GraphFacts":
         """The record of ``graph``, this graph with new param values (same structure, same
         param names and shapes): what was built here carries over, nothing new is built."""
@@ -64,10 +72,11 @@ class GraphFacts:
             new.units = dataclasses.replace(self.units, params=params)
             if "incidence" in self.__dict__:
                 new.incidence = (self.incidence[0], ParamLayout(params))
-        if "row_keys" in self.__dict__:
-            new.row_keys = self.row_keys
+        for name in ("row_keys", "row_ends"):
+            if name in self.__dict__:
+                setattr(new, name, getattr(self, name))
         return new
 
     def built(self) -> tuple[str, ...]:
         """The names of what this record holds so far (for ``release`` and tests)."""
-        return tuple(k for k in ("units", "incidence", "row_keys") if k in self.__dict__)
+        return tuple(k for k in ("units", "incidence", "row_keys", "row_ends") if k in self.__dict__)

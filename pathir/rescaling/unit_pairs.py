@@ -26,7 +26,7 @@ import numpy as np
 import scipy.sparse as sp
 
 __all__ = [
-    "degenerate_units", "pad", "Pairs", "LeaveOrder", "group_pairs", "greedy_coloring", "segment_logsumexp",
+    "degenerate_units", "pad", "Pairs", "LeaveOrder", "group_pairs", "group_compact", "greedy_coloring", "segment_logsumexp",
     "SideSums", "side_sums", "all_pairs", "log_pair_total", "pair_terms", "Block", "blocks_of",
 ]
 
@@ -98,6 +98,10 @@ class Pairs:
         leave = np.repeat(np.arange(H + 1), np.diff(by_column.indptr))
         return LeaveOrder(by_column.data, leave, by_column.indices.astype(np.int64))
 
+    def drop_leave_order(self) -> None:
+        """Free :attr:`by_leave` (three arrays of the pairs' size; built again if asked for)."""
+        self.__dict__.pop("by_leave", None)
+
     def __repr__(self) -> str:
         return f"Pairs({self.size} pairs over {self.num_units} units)"
 
@@ -135,12 +139,17 @@ class LeaveOrder:
 _LINEAR_RANGE = 1e-282
 
 
-def group_pairs(m: np.ndarray, key: np.ndarray, H: int) -> Pairs:
-    """Group the rows with mass m_i > 0 by unit pair (``key`` from `unit_rows.row_keys`).
+def group_pairs(m: np.ndarray, key, H: int) -> Pairs:
+    """Group the rows with mass m_i > 0 by unit pair (``key`` from `unit_rows.row_keys`, or a
+    `unit_rows.CompactRows`: then param by param, `group_compact`).
 
     Sums are linear (one bincount) when the masses span less than ~650 nats,
     and grouped log-sum-exps otherwise, so no mass is lost to underflow.
     """
+    from pathir.rescaling.unit_rows import CompactRows
+
+    if isinstance(key, CompactRows):
+        return group_compact(m, key)
     low = m.min(initial=math.inf)
     if not low > 0:
         pos = m > 0
@@ -187,6 +196,127 @@ def _sum_by_key(key: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     sk = part_keys[order]
     starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
     return sk[starts], np.add.reduceat(part[order], starts)
+
+
+def _pairs_from_sums(keys: np.ndarray, total: np.ndarray, scale: float, H: int) -> Pairs:
+    """Pairs of the sorted distinct ``keys`` with linear sums ``total`` (all > 0) of masses / ``scale``."""
+    big = float(total.max())
+    # keys are sorted: the entered unit of each from where its row of the (H + 1)² key grid begins
+    bounds = np.searchsorted(keys, np.arange(H + 2) * (H + 1))
+    enter = np.repeat(np.arange(H + 1), np.diff(bounds))
+    return Pairs(None, enter, keys - enter * (H + 1), H, total / big, math.log(big) + math.log(scale))
+
+
+def _ranks(ends: np.ndarray, ndim: int) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct units, each entry's index among them), the latter with ``ndim`` axes."""
+    values, rank = np.unique(ends, return_inverse=True)
+    return values, rank.reshape((1,) * (ndim - ends.ndim) + ends.shape)
+
+
+def _extremes(m: np.ndarray, axes: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(min of the positive entries (inf if none), max, number of positive entries) over ``axes``."""
+    positive = m > 0
+    low = np.where(positive, m, math.inf)
+    if not axes:
+        return low, m, positive
+    return low.min(axis=axes, keepdims=True), m.max(axis=axes, keepdims=True), positive.sum(axis=axes, keepdims=True)
+
+
+def group_compact(m: np.ndarray, rows, extremes: bool = False):
+    """`group_pairs` of m over the rows of a `unit_rows.CompactRows`, param by param: each param's
+    masses are summed over the axes its two unit ends do not vary along, then by (entered, left)
+    pair a block of rows at a time into that param's own small grid of pairs, so neither a key per
+    row nor a (H + 1)² table is built. The same pairs and sums (up to rounding order) as
+    `group_pairs` on the row keys; masses spanning beyond ~650 nats go through it (log-space sums).
+
+    ``extremes=True`` returns ``(pairs, low, high, count)``: per pair (in ``pairs`` order) the
+    smallest positive m_i, the largest m_i and the number of rows with m_i > 0 (what a report on m
+    under a rescaling needs once m itself is gone: m_i e^{(Bz)_i} is m_i times its pair's factor)."""
+    H = rows.num_units
+    low, top = m.min(initial=math.inf), m.max(initial=-math.inf)
+    if low <= 0 and m.size:
+        low = m[m > 0].min(initial=math.inf)  # the rows with mass 0 take no part
+    if not low < math.inf:
+        empty = np.zeros(0, dtype=np.int64)
+        pairs = Pairs(np.zeros(0), empty, empty, H)
+        return (pairs, np.zeros(0), np.zeros(0), empty) if extremes else pairs
+    if not low > top * _LINEAR_RANGE:  # log-space sums: through the row keys
+        key = np.concatenate([np.broadcast_to(e * (H + 1) + l, shape).reshape(-1) for shape, e, l, _ in rows.parts(m)])
+        pairs = group_pairs(m, key, H)
+        if not extremes:
+            return pairs
+        pos = m > 0
+        m, key = m[pos], key[pos]
+        order = np.argsort(key, kind="stable")
+        sk, m = key[order], m[order]
+        starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
+        count = np.diff(np.append(starts, sk.size))
+        return pairs, np.minimum.reduceat(m, starts), np.maximum.reduceat(m, starts), count
+    scale = 1.0 if top * m.size < 1e300 and low > 1e-290 else float(top)
+    parts = {"keys": [], "sums": [], "low": [], "high": [], "count": []}
+    for shape, enter, leave, mk in rows.parts(m):
+        nd = len(shape)
+        e_units, e_rank = _ranks(np.asarray(enter), nd)
+        l_units, l_rank = _ranks(np.asarray(leave), nd)
+        grid = np.broadcast_shapes(e_rank.shape, l_rank.shape, (1,) * nd)
+        flat_axes = tuple(ax for ax in range(nd) if grid[ax] == 1 and shape[ax] != 1)
+        raw = mk
+        if scale != 1.0:
+            mk = mk / scale
+        if flat_axes:  # the ends do not vary along these axes: sum them out first
+            mk = mk.sum(axis=flat_axes, keepdims=True)
+        size = e_units.size * l_units.size
+        # every grid cell its own pair (distinct ends along disjoint axes: a conv, a dense layer between
+        # two unit layers): the cells are placed, not reduced
+        one_to_one = e_rank.size == e_units.size and l_rank.size == l_units.size and int(np.prod(grid)) == size
+        sums = np.zeros(size)
+        if extremes:
+            low_k, high_k, count_k = np.full(size, math.inf), np.full(size, -math.inf), np.zeros(size)
+            if flat_axes:  # reduced like the sums (the grid is smaller than the param)
+                reduced = _extremes(raw, flat_axes)
+        step = max(1, (1 << 22) // max(1, int(np.prod(grid[1:])))) if nd else 1
+        for i in range(0, grid[0] if nd else 1, step):
+            rows_i = slice(i, i + step) if nd else ...
+            local = e_rank[rows_i if e_rank.shape[:1] != (1,) else slice(None)] * l_units.size \
+                + l_rank[rows_i if l_rank.shape[:1] != (1,) else slice(None)]
+            block = mk[rows_i]
+            local = np.broadcast_to(local, block.shape).reshape(-1)
+            if one_to_one:
+                sums[local] = block.reshape(-1)
+            else:
+                sums += np.bincount(local, weights=block.reshape(-1), minlength=size)
+            if extremes:  # a block at a time: no temporary of the param's size
+                lows, highs, counts = (r[rows_i] for r in reduced) if flat_axes else _extremes(raw[rows_i], ())
+                if one_to_one:
+                    low_k[local], high_k[local], count_k[local] = lows.reshape(-1), highs.reshape(-1), counts.reshape(-1)
+                    continue
+                np.minimum.at(low_k, local, lows.reshape(-1))
+                np.maximum.at(high_k, local, highs.reshape(-1))
+                count_k += np.bincount(local, weights=counts.reshape(-1), minlength=size)
+        keep = np.flatnonzero(sums != 0)
+        a, b = np.divmod(keep, l_units.size)
+        parts["keys"].append(e_units[a] * (H + 1) + l_units[b])
+        parts["sums"].append(sums[keep])
+        if extremes:
+            parts["low"].append(low_k[keep])
+            parts["high"].append(high_k[keep])
+            parts["count"].append(count_k[keep])
+    keys = np.concatenate(parts["keys"])
+    order = np.argsort(keys, kind="stable")
+    keys = keys[order]
+    starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+    merged = starts.size != keys.size  # a pair reached from two params
+
+    def grouped(name, reduce):
+        values = np.concatenate(parts.pop(name))[order]
+        return reduce.reduceat(values, starts) if merged else values
+
+    total = grouped("sums", np.add)
+    pairs = _pairs_from_sums(keys[starts] if merged else keys, total, scale, H)
+    if not extremes:
+        return pairs
+    count = grouped("count", np.add).astype(np.int64)
+    return pairs, grouped("low", np.minimum), grouped("high", np.maximum), count
 
 
 def greedy_coloring(pairs: Pairs, active: np.ndarray) -> np.ndarray:

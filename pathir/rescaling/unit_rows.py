@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-__all__ = ["canonical", "matrix_row_keys", "RowKeys", "keys_for", "row_units", "column_balance", "key_balance", "row_shifts"]
+__all__ = ["canonical", "matrix_row_keys", "RowKeys", "CompactRows", "keys_for", "row_units", "column_balance", "key_balance", "row_shifts"]
 
 
 def canonical(B) -> sp.csr_array:
@@ -76,12 +76,53 @@ class RowKeys:
         return int(self.balance.size)
 
 
+@dataclass(frozen=True, eq=False)
+class CompactRows:
+    """B's rows as the units' compact row ends, param by param (``passes.incidence.compact_rows``): per
+    param of ``shapes``, (entered, left) unit arrays broadcastable to its shape (H for none), and the
+    column balance A = -Bᵀ1. Describes the same B as a `RowKeys` without one int64 key per row:
+    the solvers group masses into unit pairs param by param (`unit_pairs.group_compact`)."""
+
+    ends: tuple
+    shapes: tuple
+    balance: np.ndarray
+
+    @property
+    def num_units(self) -> int:
+        return int(self.balance.size)
+
+    @property
+    def size(self) -> int:
+        """n, the number of rows of B."""
+        return int(sum(int(np.prod(s)) for s in self.shapes))
+
+    def parts(self, flat: np.ndarray):
+        """(shape, enter, leave, that param's entries of ``flat`` in its shape) in turn."""
+        start = 0
+        for shape, (enter, leave) in zip(self.shapes, self.ends):
+            size = int(np.prod(shape))
+            yield shape, enter, leave, flat[start:start + size].reshape(shape)
+            start += size
+
+    def shifts(self, z: np.ndarray):
+        """(start, (Bz)_i for that param's rows) in turn, as `row_shifts` gives them from keys."""
+        zp = np.append(np.asarray(z, dtype=np.float64), 0.0)
+        start = 0
+        for shape, (enter, leave) in zip(self.shapes, self.ends):
+            yield start, np.broadcast_to(zp[leave] - zp[enter], shape).reshape(-1)
+            start += int(np.prod(shape))
+
+
 def keys_for(B, row_key=None, balance: bool = True) -> tuple[sp.csr_array | None, np.ndarray, int, np.ndarray | None]:
     """``(B, key, H, A)`` for a solver: B checked by `canonical`, its `matrix_row_keys` and column balance
     derived, or, where the caller passes the ``row_key`` it built B from (an array of keys or a
     `RowKeys`, as ``Compiled.row_keys()`` gives), those, checked for shape and range and against
     B on a sample of rows. ``B`` may be None where ``row_key`` is a `RowKeys`: the block solver
     needs nothing else (returned B is then None). ``balance=False``: A is None unless given."""
+    if isinstance(row_key, CompactRows):
+        if B is not None:
+            raise ValueError("row_key as CompactRows is given without B (it is B's description)")
+        return None, row_key, row_key.num_units, row_key.balance
     if row_key is None:
         csr = canonical(B)
         key, H = matrix_row_keys(csr, checked=True)

@@ -1,0 +1,83 @@
+"""What the PathCond report needs of diag G, kept beside the solve instead of g itself.
+
+The report (``pathir.pathcond.run``) gives the log-spread of g and of g ⊙ e^{Bz*}
+and the log-det divergences of both from the identity, over the entries g_i > 0.
+Within one unit pair k = (e, l) every row is moved by the same factor e^{z_l - z_e},
+so those figures need of g only: per pair its smallest positive and its largest
+entry and its number of positive rows (`unit_pairs.group_compact` with
+``extremes=True``), and Σ log g_i and their number. That is a few arrays of the
+pairs' size, so g (one float64 per parameter) is freed before the solver runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["GSummary", "summarize"]
+
+_CHUNK = 1 << 22
+
+
+@dataclass(frozen=True, eq=False)
+class GSummary:
+    """Per unit pair (``enter``, ``leave``; H = "no unit"): log of the smallest positive and of the
+    largest g_i, and the number of rows with g_i > 0; over all of g: n, the number ``kept`` of
+    entries > 0 and the sum of their logs."""
+
+    enter: np.ndarray
+    leave: np.ndarray
+    log_low: np.ndarray
+    log_high: np.ndarray
+    count: np.ndarray
+    n: int
+    kept: int
+    sum_log: float
+
+    def spreads(self, z: np.ndarray) -> tuple[float, float]:
+        """max − min of log g and of log(g ⊙ e^{Bz}) over the entries g > 0 ((0, 0) if there are none)."""
+        if not self.enter.size:
+            return 0.0, 0.0
+        zp = np.append(np.asarray(z, dtype=np.float64), 0.0)
+        shift = zp[self.leave] - zp[self.enter]
+        before = float(self.log_high.max() - self.log_low.min())
+        return before, float((self.log_high + shift).max() - (self.log_low + shift).min())
+
+    def kept_shift(self, z: np.ndarray, balance: np.ndarray) -> float:
+        """Σ_i (Bz)_i over the rows with g_i > 0 (−A·z from B's column balance A when all are)."""
+        if self.kept == self.n:
+            return -float(balance @ z)
+        zp = np.append(np.asarray(z, dtype=np.float64), 0.0)
+        return float(self.count @ (zp[self.leave] - zp[self.enter]))
+
+    def divergences(self, f_initial: float, f_final: float, z: np.ndarray, balance: np.ndarray) -> tuple[float, float]:
+        """n'·log(mean g') − Σ log g' over the n' entries of g' = g ⊙ e^{Bz} that are > 0, at z = 0 and
+        at z, given F(0) and F(z) of the (normalised) g the summary was taken of. The log-sums come from
+        F (F(z) = n log Σ g e^{Bz} − Σ Bz, and Σ_i (Bz)_i = −A·z)."""
+        if not self.kept:
+            return 0.0, 0.0
+        kept, n = self.kept, self.n
+        bz_all = -float(balance @ z)
+        log_s0, log_s1 = f_initial / n, (f_final + bz_all) / n
+        before = kept * (log_s0 - math.log(kept)) - self.sum_log
+        after = kept * (log_s1 - math.log(kept)) - self.sum_log - self.kept_shift(z, balance)
+        return float(before), float(after)
+
+
+def summarize(g: np.ndarray, rows):
+    """``(pairs, summary)``: g grouped by unit pair over B's ``rows`` (a `unit_rows.CompactRows`;
+    `unit_pairs.group_compact`), ready for the solvers' ``pairs=``, and its :class:`GSummary`."""
+    from pathir.rescaling.unit_pairs import group_compact
+
+    pairs, low, high, count = group_compact(g, rows, extremes=True)
+    if g.min(initial=math.inf) > 0:  # the usual case: logs a chunk at a time
+        kept = g.size
+        sum_log = sum(float(np.log(g[i:i + _CHUNK]).sum()) for i in range(0, g.size, _CHUNK))
+    else:
+        kept = int(np.count_nonzero(g))
+        sum_log = sum(float(np.log(part[part > 0]).sum()) for part in (g[i:i + _CHUNK] for i in range(0, g.size, _CHUNK)))
+    with np.errstate(divide="ignore"):
+        summary = GSummary(pairs.enter, pairs.leave, np.log(low), np.log(high), count, int(g.size), kept, sum_log)
+    return pairs, summary
