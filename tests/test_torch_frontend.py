@@ -223,9 +223,12 @@ def test_example_input_gives_the_shape():
     assert cm.graph.node(cm.graph.inputs[0]).shape == (3,)
 
 
-def test_linear_on_unflattened_tensor_rejected():
-    with pytest.raises(pathir.UnsupportedOperation, match="last axis"):
-        pathir.compile(nn.Sequential(nn.Conv2d(1, 2, 1), nn.Linear(3, 2)), input_shape=(1, 3, 3))
+def test_linear_on_an_unflattened_tensor_acts_on_its_last_axis_as_torch_does():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 2, 1), nn.ReLU(), nn.Linear(3, 2)).double().eval()
+    cm = pathir.compile(model, input_shape=(1, 3, 3))
+    x = torch.randn(4, 1, 3, 3, dtype=torch.float64)
+    np.testing.assert_allclose(cm.forward(x.numpy(), backend="numpy"), model(x).detach().numpy(), rtol=1e-12, atol=1e-14)
 
 
 class UsedTwice(nn.Module):
