@@ -315,7 +315,7 @@ class FxInterpreter:
         low.unsupported(why(name), name)
 
     def _index(self, fn, tensors, args=(), kwargs=None):
-        if any(isinstance(a, ParamTensor) and a.tensor.is_floating_point() for a in _flat(args, kwargs or {})):
+        if any(isinstance(a, ParamTensor) and a.tensor.is_floating_point() for a in _leaves(args, kwargs or {})):
             self.low.unsupported("moves a model parameter or buffer into the activations (a constant input to a "
                                  "neuron, not a weight on an edge)")
         outs, many = self.low.index_op(fn, tensors)
@@ -333,41 +333,33 @@ def _data_readers(node) -> int:
     return sum((u.op, u.target) not in shape_only for u in node.users)
 
 
-def values_in(args, kwargs) -> list[Value]:
-    found: list[Value] = []
+def _leaves(args, kwargs) -> list:
+    """The leaves of args and kwargs, depth first in order (through lists, tuples and dicts): the
+    order :func:`substitute` replaces Values in."""
+    found: list = []
 
     def visit(a):
-        if isinstance(a, Value):
-            found.append(a)
-        elif isinstance(a, (list, tuple)):
+        if isinstance(a, (list, tuple)):
             for x in a:
                 visit(x)
         elif isinstance(a, dict):
             for x in a.values():
                 visit(x)
+        else:
+            found.append(a)
 
     visit(args)
     visit(kwargs)
     return found
 
 
+def values_in(args, kwargs) -> list[Value]:
+    return [a for a in _leaves(args, kwargs) if isinstance(a, Value)]
+
+
 def _transposed_param(p: ParamTensor) -> str:
     return (f"transposes the parameter '{p.name}' in the forward (a weight read in another layout): write "
             f"x @ W.T as F.linear(x, W) (W of shape (out, in)), or keep W of shape (in, out) and write x @ W")
-
-
-def _flat(args, kwargs):
-    """The leaves of args and kwargs (through tuples, lists and dicts)."""
-    stack, out = [list(args), list(kwargs.values())], []
-    while stack:
-        for a in stack.pop():
-            if isinstance(a, (tuple, list)):
-                stack.append(list(a))
-            elif isinstance(a, dict):
-                stack.append(list(a.values()))
-            else:
-                out.append(a)
-    return out
 
 
 def substitute(obj, ids):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from pathir.errors import UnsupportedOperation
 from pathir.frontends.pointwise_linear import linear_last_axis
 from pathir.frontends.torch_reread import Recipe
-from pathir.frontends.values import SELECTION, ParamTensor, Value, run_index_op, selection_index, selection_map
+from pathir.frontends.values import SELECTION, ParamTensor, Value, f64, run_index_op, selection_index, selection_map
 from pathir.ir import (
     ChannelMap,
     Conv,
@@ -46,14 +46,6 @@ def _tuple(x, n: int) -> tuple[int, ...]:
 
 def _pairs(padding, n: int):
     return tuple((p, p) for p in _tuple(padding, n))
-
-
-def f64(t: torch.Tensor) -> np.ndarray:
-    """A fresh float64 copy (never a view of the model's storage)."""
-    t = t.detach()
-    if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64):
-        return np.array(t.numpy(), dtype=np.float64)  # the same exact widening, one thread (no pool wake-ups)
-    return t.to("cpu", torch.float64, copy=True).numpy()
 
 
 class Lowering:

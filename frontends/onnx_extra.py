@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from pathir.frontends.lower_extra import _max, fixed_scale
-from pathir.frontends.reductions import reduce, where
+from pathir.frontends.reductions import all_spatial, reduce, where
 from pathir.frontends.values import NOT_MINE, Value
 
 from .onnx_layers import attrs
@@ -108,7 +108,7 @@ class ExtraOps:
                 return [v]
             self.unsupported(f"a {kind} over every axis, the batch included")
         axes, keep = [int(x) for x in axes], bool(a.get("keepdims", 1))
-        if kind == "mean" and sorted(x % (len(v.shape) + 1) for x in axes) == list(range(2, len(v.shape) + 1)):
+        if kind == "mean" and all_spatial(v, axes):
             return [self.mean(v, axes, keep)]  # the global average pool
         return [reduce(self, v, axes, keep, kind)]
 

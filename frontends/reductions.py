@@ -71,7 +71,8 @@ def _dims_keep(args, kwargs):
     return dims, bool(keepdim)
 
 
-def _all_spatial(v: Value, dims) -> bool:
+def all_spatial(v: Value, dims) -> bool:
+    """dims (the batch axis counted) are exactly every spatial axis of v: a global pool."""
     nd = len(v.shape) + 1
     if dims is None:
         return False
@@ -85,7 +86,7 @@ def _reduction(low, kind, args, kwargs):
     dims, keepdim = _dims_keep(args, kwargs)
     if kwargs.get("dtype") is not None:
         low.unsupported(f"{kind} with a dtype argument (a cast)")
-    if kind == "mean" and _all_spatial(x, dims):
+    if kind == "mean" and all_spatial(x, dims):
         return NOT_MINE  # the core's global average pool
     if kind == "max":
         if dims is not None and not isinstance(dims, int):

@@ -25,7 +25,7 @@ import torch
 
 from pathir.ir import ChannelMap, Gather, Identity, Map, MapKind, Param, Reshape
 
-__all__ = ["Value", "ParamTensor", "SELECTION", "selection_index", "selection_map", "run_index_op", "BATCH"]
+__all__ = ["Value", "ParamTensor", "f64", "SELECTION", "selection_index", "selection_map", "run_index_op", "BATCH"]
 
 #: batch size of the element-id tensors (2 catches ops that mix samples)
 BATCH = 2
@@ -67,6 +67,14 @@ class ParamTensor:
     name: str
     tensor: torch.Tensor
     kind: str = "parameter"  # or "buffer"
+
+
+def f64(t: torch.Tensor) -> np.ndarray:
+    """A fresh float64 copy (never a view of the model's storage)."""
+    t = t.detach()
+    if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64):
+        return np.array(t.numpy(), dtype=np.float64)  # the same exact widening, one thread (no pool wake-ups)
+    return t.to("cpu", torch.float64, copy=True).numpy()
 
 
 def _numel(shape) -> int:

@@ -2,6 +2,9 @@
 
 - :func:`eval_forward`: the model's own forward, eval mode, float64 input,
   training flags restored.
+- :class:`Untraceable`: a wrapper torch.fx cannot trace (control flow on a shape), so
+  pathir falls back to torch.export: the same model through the other capture path;
+- :func:`assert_definition`: path-norms (and path counts) against :func:`path_norm_q`;
 - :func:`path_norm_q`: Σ_p |Φ_p|^q by docs/math.md §3 run on a deep copy of the
   model: every parameter θ -> |θ|^q, ReLU -> identity, max -> sum over the
   window (max-pool k = 1), input all ones, sum of the outputs. Fixed weights
@@ -106,3 +109,26 @@ def path_norm_q(model, input_shapes, q=1.0):
     with linearized(), torch.no_grad():
         out = m(*xs)
     return float(out.sum())
+
+
+class Untraceable(nn.Module):
+    """Python control flow on a shape: torch.fx fails, pathir falls back to torch.export (ATen)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        if x.shape[-1] > 100:
+            raise ValueError("too wide")
+        return self.inner(x)
+
+
+def assert_definition(cm, model, input_shape, counts=True):
+    """cm's path-norms for q = ½, 1, 2 (and path count) equal the model run as its path-norm network."""
+    import pytest
+
+    for q in (0.5, 1.0, 2.0):
+        assert cm.path_norm(q) ** q == pytest.approx(path_norm_q(model, [input_shape], q), rel=1e-10)
+    if counts:
+        assert cm.num_paths() == pytest.approx(path_norm_q(model, [input_shape], 0.0), rel=1e-12)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from capture_reference import assert_forward, eval_forward, path_norm_q
+from capture_reference import Untraceable, assert_definition, assert_forward, eval_forward
 
 import pathir
 from pathir.errors import UnsupportedOperation
@@ -91,31 +91,14 @@ def _model(name):
     return cls().double().eval(), shape
 
 
-def _check_definition(cm, model, shape):
-    for q in (0.5, 1.0, 2.0):
-        assert cm.path_norm(q) ** q == pytest.approx(path_norm_q(model, [shape], q), rel=1e-10)
-    assert cm.num_paths() == pytest.approx(path_norm_q(model, [shape], 0.0), rel=1e-12)
-
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_forward_path_norms_and_counts_equal_the_definition(name):
     model, shape = _model(name)
     cm = assert_forward(model, shape, tol=1e-12)
-    _check_definition(cm, model, shape)
+    assert_definition(cm, model, shape)
     assert {p.source_name for p in cm.graph.params()} <= {n for n, _ in model.named_parameters()}  # no buffer
 
-
-class Untraceable(nn.Module):
-    """Python control flow on a shape: torch.fx fails, pathir falls back to torch.export (ATen)."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        if x.shape[-1] > 100:
-            raise ValueError("too wide")
-        return self.inner(x)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -125,7 +108,7 @@ def test_export_path_gives_the_same_graph_numbers(name):
     with pytest.raises(torch.fx.proxy.TraceError):
         torch.fx.symbolic_trace(wrapped)
     cm = assert_forward(wrapped, shape, tol=1e-12)
-    _check_definition(cm, model, shape)
+    assert_definition(cm, model, shape)
 
 
 @pytest.mark.parametrize("name", list(CASES))

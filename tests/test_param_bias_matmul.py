@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from capture_reference import assert_forward, eval_forward, path_norm_q
+from capture_reference import Untraceable, assert_forward, eval_forward, path_norm_q
 
 import pathir
 from pathir.errors import UnsupportedOperation
@@ -47,18 +47,6 @@ class ConvPlusBias(nn.Module):
         h = torch.relu(self.shift2 + self.b(h))
         return self.head(h.flatten(1))
 
-
-class Untraceable(nn.Module):
-    """Control flow on a shape: torch.fx fails, pathir falls back to torch.export (ATen)."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        if x.shape[-1] > 100:
-            raise ValueError("too wide")
-        return self.inner(x)
 
 
 CASES = {"raw_mlp": (RawMLP, (5,)), "conv_plus_bias": (ConvPlusBias, (2, 7, 7))}
