@@ -215,9 +215,10 @@ def compact_rows(units: Units) -> list[tuple[np.ndarray, np.ndarray]]:
     for enter, leave in units.ends:
         t = np.asarray(enter, dtype=np.int64)
         s = np.full((), H, dtype=np.int64) if leave is None else np.asarray(leave, dtype=np.int64)
-        if _overlap(t[t < H], s[s < H], H):  # some entry has both ends in one unit: entry by entry
+        if _overlap(t[t < H], s[s < H], H):  # maybe some entry has both ends in one unit: entry by entry
             same = t == s
-            t, s = np.where(same, H, t), np.where(same, H, s)
+            if same.any():  # (else the ends stay compact: shared units at different entries are rows as usual)
+                t, s = np.where(same, H, t), np.where(same, H, s)
         out.append((t, s))
     return out
 

@@ -183,7 +183,7 @@ def test_newton_with_every_layer_as_a_dense_block_meets_the_definition(problem, 
 
 def test_a_layered_network_is_held_as_dense_blocks():
     """On an MLP every layer's pairs form one dense block of the mass matrix (`PairMatrix`)."""
-    from pathir.enorm.newton import PairLaplacian
+    from pathir.rescaling.pair_laplacian import PairLaplacian
     from pathir.rescaling.unit_pairs import group_pairs
     from pathir.rescaling.unit_rows import matrix_row_keys
 

@@ -201,3 +201,34 @@ def test_writer_by_row_blocks_equals_the_whole_tensor_write(block, monkeypatch):
     torch_writer.TorchWriter(nets[1]).rescale(cm.graph, scales)
     for (name, a), b in zip(nets[0].state_dict().items(), nets[1].state_dict().values()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("zeros", [False, True])
+@pytest.mark.parametrize("spatial", [(1, 1), (3, 2)])
+def test_pairs_of_a_flattened_conv_output_equal_the_ones_from_row_keys(zeros, spatial):
+    """A Linear on a flattened conv output reads each channel at several places in a row (runs of one
+    unit): summed run by run, its pairs, sums and per-pair extremes are those of the row keys."""
+    import torch
+
+    import pathir
+    from pathir.passes.incidence import row_ends, row_keys
+    from pathir.rescaling.unit_pairs import group_compact, group_pairs
+
+    torch.manual_seed(0)
+    h, w = spatial
+    net = torch.nn.Sequential(torch.nn.Conv2d(2, 5, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+                              torch.nn.Linear(5 * h * w, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    units = pathir.compile(net, input_shape=(2, h, w)).units
+    keys, ends = row_keys(units), row_ends(units)
+    rng = np.random.default_rng(h * w + zeros)
+    m = np.exp(rng.uniform(-3, 3, keys.key.size))
+    if zeros:
+        m[rng.random(m.size) < 0.4] = 0.0
+    got, low, high, count = group_compact(m, ends, extremes=True)
+    want = group_pairs(m, keys.key, len(units))
+    assert np.array_equal(got.enter, want.enter) and np.array_equal(got.leave, want.leave)
+    np.testing.assert_allclose(got.log_mass, want.log_mass, rtol=1e-12)
+    pair_keys = got.enter * (len(units) + 1) + got.leave
+    for k, key in enumerate(pair_keys):
+        mine = m[keys.key == key]
+        assert count[k] == np.count_nonzero(mine) and high[k] == mine.max() and low[k] == mine[mine > 0].min()

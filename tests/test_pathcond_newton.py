@@ -47,12 +47,20 @@ def projected_gradient(g, B, z, bound):
     return np.where(((z <= -bound) & (grad > 0)) | ((z >= bound) & (grad < 0)), 0.0, grad)
 
 
-@given(st.one_of(problems(), dense_problems()))
+def random_groups(draw, H):
+    """None (no coarse space), or the units in 1..H random groups: any grouping must leave z* alone."""
+    if H == 0 or draw(st.booleans()):
+        return None
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    return rng.integers(0, draw(st.integers(1, H)), H)
+
+
+@given(st.one_of(problems(), dense_problems()), st.data())
 @settings(max_examples=60)
-def test_newton_reaches_the_coordinate_minimum_with_zero_gradient(problem):
+def test_newton_reaches_the_coordinate_minimum_with_zero_gradient(problem, data):
     g, B = problem
     coord = solve_coordinate(g, B, tol=1e-14, max_sweeps=3000)
-    newton = solve_newton(g, B, tol=1e-14)
+    newton = solve_newton(g, B, tol=1e-14, groups=random_groups(data.draw, B.shape[1]))
     assert newton.converged
     assert rel(newton.f_final, f_reference(g, B, newton.z)) < 1e-12
     assert np.all(np.diff(newton.history) <= 1e-12 * np.abs(newton.history[1:]) + 1e-9)  # monotone
@@ -60,14 +68,15 @@ def test_newton_reaches_the_coordinate_minimum_with_zero_gradient(problem):
     np.testing.assert_allclose(gradient(g, B, newton.z), 0, atol=1e-6 * g.size)
 
 
-@given(st.one_of(problems(spreads=(0.1, 3.0, 30.0)), dense_problems()), st.sampled_from([0.0, 0.05, 0.5, 2.0]))
+@given(st.one_of(problems(spreads=(0.1, 3.0, 30.0)), dense_problems()), st.sampled_from([0.0, 0.05, 0.5, 2.0]),
+       st.data())
 @settings(max_examples=60)
-def test_bounded_solvers_meet_the_kkt_conditions_and_agree(problem, bound):
+def test_bounded_solvers_meet_the_kkt_conditions_and_agree(problem, bound, data):
     """With |z_h| <= M: every solver stays in the box; Newton ends at least as low as the clamped
     coordinate descent; the projected gradient vanishes (KKT); the bound can only raise F."""
     g, B = problem
     coord = solve_coordinate(g, B, tol=1e-14, max_sweeps=3000, max_log_scale=bound)
-    newton = solve_newton(g, B, tol=1e-14, max_log_scale=bound)
+    newton = solve_newton(g, B, tol=1e-14, max_log_scale=bound, groups=random_groups(data.draw, B.shape[1]))
     block = solve_block(g, B, tol=1e-14, max_sweeps=3000, max_log_scale=bound)
     free = solve_newton(g, B, tol=1e-14)
     for r in (coord, newton, block):

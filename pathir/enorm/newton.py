@@ -24,171 +24,19 @@ from __future__ import annotations
 
 import math
 import time
-from functools import cached_property
 
 import numpy as np
-import scipy.sparse as sp
 
 from pathir.enorm.result import ENormResult, at_bound, masses
-from pathir.rescaling.pair_matrix import PairMatrix
-from pathir.rescaling.unit_pairs import Pairs, blocks_of, greedy_coloring, group_pairs, pad, pair_terms, segment_logsumexp
+from pathir.rescaling.pair_laplacian import TINY, PairLaplacian, PairPoint
+from pathir.rescaling.unit_pairs import Pairs, blocks_of, greedy_coloring, group_pairs, pad
 from pathir.rescaling.unit_rows import keys_for
 
-__all__ = ["solve_enorm_newton", "PairLaplacian", "unit_steps", "newton_direction"]
+__all__ = ["solve_enorm_newton", "newton_direction"]
 
 _ARMIJO = 1e-4
 # a relative change of E below this is within the rounding of its float64 sum
 _RESOLUTION = 1e-12
-
-
-def _grouped_logsumexp(values: np.ndarray, order: np.ndarray | None, group: np.ndarray, size: int) -> np.ndarray:
-    """log Σ exp(values) per group id in [0, size) (-inf for an empty group); ``group[order]``
-    is sorted (``order`` None: ``group`` already is)."""
-    g = group if order is None else group[order]
-    out = np.full(size, -math.inf)
-    if g.size:
-        starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
-        out[g[starts]] = segment_logsumexp(values if order is None else values[order], starts)
-    return out
-
-
-def clamped_steps(z: np.ndarray, log_in: np.ndarray, log_out: np.ndarray, bound: float | None) -> np.ndarray:
-    """Per unit, its exact ENorm update clamped to |z| ≤ bound, minus z (nan where a side is empty)."""
-    with np.errstate(invalid="ignore"):
-        target = z + 0.5 * (log_out - log_in)
-    return (target if bound is None else np.clip(target, -bound, bound)) - z
-
-
-def unit_steps(pairs: Pairs, z: np.ndarray, bound: float | None) -> np.ndarray:
-    """`clamped_steps` at z with the unit masses summed in log space (no mass lost to underflow)."""
-    H = pairs.num_units
-    zp = pad(z)
-    v = pairs.log_mass + zp[pairs.enter] - zp[pairs.leave]
-    log_in = _grouped_logsumexp(v, None, pairs.enter, H + 1)[:H]
-    log_out = _grouped_logsumexp(v, pairs.by_leave.order, pairs.leave, H + 1)[:H]
-    return clamped_steps(z, log_in, log_out, bound)
-
-
-# a unit mass below this (relative to the largest term, 1) may have lost terms to underflow
-_TINY = 1e-280
-
-
-class PairLaplacian:
-    """The pairs as the Hessian of E, built once; `point` evaluates E, ∇E and ∇²E at a z.
-
-    Where the masses are linear (``pairs.mass``) and z's spread keeps every term in float64's
-    range, a point needs no per-pair work: t_k = P_top e^{high - low} mass_k u_{e_k} v_{l_k} with
-    u = e^{z - high}, v = e^{low - z} (z padded with "no unit"'s 0), so I = u ⊙ (M v),
-    O = v ⊙ (Mᵀ u) and the Hessian's off-diagonal part applies as u ⊙ M (v ⊙ p) and its
-    transpose, for the static mass matrix M (`PairMatrix`: dense blocks per layer). Otherwise
-    the terms are formed one by one in log space (`ExplicitPoint`).
-    """
-
-    def __init__(self, pairs: Pairs):
-        H = pairs.num_units
-        self.pairs, self.H = pairs, H
-        e, l = pairs.enter, pairs.leave
-        self.self_pairs = np.flatnonzero(e == l)
-        self.matrix = None if pairs.mass is None else PairMatrix(e, l, pairs.mass, H + 1)
-        if pairs.mass is not None:
-            self.self_mass = np.bincount(e[self.self_pairs], weights=pairs.mass[self.self_pairs], minlength=H + 1)[:H]
-            self.min_mass = float(pairs.mass.min(initial=1.0))
-
-    @cached_property
-    def explicit_pattern(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(inner pairs, CSR indptr over entered units, their left units) of the off-diagonal part."""
-        H, e, l = self.H, self.pairs.enter, self.pairs.leave
-        inner = np.flatnonzero((e < H) & (l < H) & (e != l))
-        indptr = np.searchsorted(e[inner], np.arange(H + 1))
-        return inner, indptr, l[inner].astype(np.int32 if H < 2**31 - 1 else np.int64)
-
-    def point(self, z: np.ndarray) -> "FactoredPoint | ExplicitPoint":
-        if self.matrix is not None:
-            zp = pad(z)
-            high, low = float(zp.max()), float(zp.min())
-            if 2.0 * (high - low) < math.log(self.min_mass) + 690.0:
-                return FactoredPoint(self, z, zp, high, low)
-        log_scale, t = pair_terms(self.pairs, -pad(z))  # P e^{z_e - z_l} = t e^{log_scale}
-        return ExplicitPoint(self, z, log_scale, t)
-
-
-class _PointBase:
-    """E at one z in a common scale: ``inc`` = I, ``out`` = O, ``total`` = E (all over one factor
-    e^{log_e} / total), ``log_e`` = log E; `diag` (the Jacobi preconditioner) and `hessian_times`."""
-
-    lap: PairLaplacian
-    z: np.ndarray
-    total: float
-    log_e: float
-
-    def steps(self, live: np.ndarray, bound: float | None) -> np.ndarray:
-        """`clamped_steps` at this point: from the linear sums where every live unit's sums are
-        far from underflow, else in log space (`unit_steps`)."""
-        if np.all(self.inc[live] > _TINY) and np.all(self.out[live] > _TINY):
-            with np.errstate(divide="ignore"):
-                return clamped_steps(self.z, np.log(self.inc), np.log(self.out), bound)
-        return unit_steps(self.lap.pairs, self.z, bound)
-
-    def diag(self) -> np.ndarray:
-        """∇²E's diagonal, I + O without the pairs entering and leaving one unit."""
-        return self._diagonal
-
-    @cached_property
-    def _diagonal(self) -> np.ndarray:
-        return np.maximum(self.inc + self.out - 2.0 * self.self_terms(), 0.0)
-
-
-class FactoredPoint(_PointBase):
-    """E at z from the static mass matrix and the scalings u = e^{z - high}, v = e^{low - z}
-    (`PairLaplacian`); every term mass_k u_e v_l lies in (e^-690, 1]: nothing underflows."""
-
-    def __init__(self, lap: PairLaplacian, z: np.ndarray, zp: np.ndarray, high: float, low: float):
-        self.lap, self.z = lap, z
-        self.u, self.v = np.exp(zp - high), np.exp(low - zp)
-        entering = self.u * lap.matrix(self.v)  # I, and the mass entering "no unit" last
-        self.total = float(entering.sum())
-        self.log_e = lap.pairs.log_top + (high - low) + math.log(self.total)
-        self.inc = entering[:lap.H]
-
-    @cached_property
-    def out(self) -> np.ndarray:
-        return (self.v * self.lap.matrix.T(self.u))[:self.lap.H]
-
-    def self_terms(self) -> np.ndarray:
-        H = self.lap.H
-        return self.lap.self_mass * self.u[:H] * self.v[:H]
-
-    def hessian_times(self, p: np.ndarray) -> np.ndarray:
-        """∇²E p (in this point's scale) for p over the units: the off-diagonal part, pairs entering and
-        leaving one unit included, cancels those pairs' share of I + O."""
-        u, v, pp = self.u, self.v, pad(p)
-        ahead, back = self.lap.matrix.both(v * pp, u * pp)
-        return (self.inc + self.out) * p - (u * ahead + v * back)[:self.lap.H]
-
-
-class ExplicitPoint(_PointBase):
-    """E at z from the terms t_k (over e^{log_scale}, max 1), formed pair by pair."""
-
-    def __init__(self, lap: PairLaplacian, z: np.ndarray, log_scale: float, t: np.ndarray):
-        self.lap, self.z, self.t = lap, z, t
-        self.total = float(t.sum())
-        self.log_e = log_scale + math.log(self.total) if self.total > 0 else -math.inf
-        H, pairs = lap.H, lap.pairs
-        self.inc = np.bincount(pairs.enter, weights=t, minlength=H + 1)[:H]
-        self.out = np.bincount(pairs.leave, weights=t, minlength=H + 1)[:H]
-
-    def self_terms(self) -> np.ndarray:
-        lap = self.lap
-        return np.bincount(lap.pairs.enter[lap.self_pairs], weights=self.t[lap.self_pairs], minlength=lap.H + 1)[:lap.H]
-
-    @cached_property
-    def _upper(self) -> sp.csr_array:
-        inner, indptr, indices = self.lap.explicit_pattern
-        return sp.csr_array((self.t[inner], indices, indptr), shape=(self.lap.H, self.lap.H))
-
-    def hessian_times(self, p: np.ndarray) -> np.ndarray:
-        upper = self._upper
-        return self.diag() * p - upper @ p - upper.T @ p
 
 
 def newton_direction(point, rhs: np.ndarray, free: np.ndarray, rtol: float,
@@ -226,8 +74,8 @@ def newton_direction(point, rhs: np.ndarray, free: np.ndarray, rtol: float,
     return d, max_iterations
 
 
-def armijo_step(lap: PairLaplacian, here: "_PointBase", d: np.ndarray, bound: float | None, live: np.ndarray,
-                largest_step: float, max_halvings: int = 40) -> "_PointBase | None":
+def armijo_step(lap: PairLaplacian, here: "PairPoint", d: np.ndarray, bound: float | None, live: np.ndarray,
+                largest_step: float, max_halvings: int = 40) -> "PairPoint | None":
     """The first z' = clip(z + 2^-j d) with E(z') ≤ E(z) + 1e-4 ∇E·(z' - z); None if none of
     ``max_halvings`` halvings lowers E so. Where the predicted decrease is below float64's
     resolution of E, the full step is taken if it shrinks the largest unit step (``largest_step``)."""
@@ -320,7 +168,7 @@ def _solve(w, B, c, *, max_sweeps, tol, row_key, max_log_scale, callback, max_cg
         iterations += 1
         there = None
         diag = here.diag()
-        if np.all(diag[live] > _TINY):
+        if np.all(diag[live] > TINY):
             grad = here.inc - here.out
             z = here.z
             # bound-active units: at the bound with the descent direction pointing out of the box

@@ -470,6 +470,8 @@ class Conv(Map):
         extra = (1,) * (len(self.W.shape) - 2)
         o = np.arange(O).reshape(O, 1, *extra)
         i = np.arange(I_g).reshape(1, I_g, *extra)
+        if self.groups == 1:  # the source channel does not depend on the output channel: keep it compact
+            return o, i
         return o, (o // (O // self.groups)) * I_g + i
 
 

@@ -74,6 +74,58 @@ def _solve_s(log_b, log_c, log_d, a, log_s_prev):
     return shift + math.log(s)
 
 
+def _block_z(log_b, log_c, signed_a, n: int, log_s: float) -> np.ndarray:
+    """Each block unit's unconstrained minimiser given log S: z_h = ½ log(C_h / B_h) + log y_h."""
+    half = 0.5 * (log_b + log_c)
+    return 0.5 * (log_c - log_b) + log_positive_root(signed_a, log_s - half, n, n)
+
+
+def _solve_s_clamped(log_b, log_c, log_d, signed_a, n: int, bound: float, log_s_prev: float):
+    """(log S, z) solving the block's stationarity with every |z_h| <= ``bound`` (module docstring).
+
+    Given S, each unit's restriction of F is convex in z_h, so its box-constrained minimiser is its
+    unconstrained one clamped; S then solves ψ(S) = D + Σ_h (B_h e^{z_h(S)} + C_h e^{-z_h(S)}) - S = 0.
+    dψ/dS = Σ_free a_h² S / r_h - 1 < 0 (a clamped unit's term no longer moves), so ψ has one root,
+    found by Newton's method kept inside a bracket (ψ is no longer convex where units reach the bound).
+    """
+    a = np.abs(signed_a) / n
+    a2 = a * a
+    half = 0.5 * (log_b + log_c)
+    shift = max(log_d, float(half.max()) + math.log(2.0))
+    c = np.exp(2.0 * (half + math.log(2.0) - shift))
+    d = math.exp(log_d - shift)
+    at_top = np.exp(log_b + bound - shift) + np.exp(log_c - bound - shift)      # B e^{M} + C e^{-M}, scaled
+    at_bottom = np.exp(log_b - bound - shift) + np.exp(log_c + bound - shift)   # B e^{-M} + C e^{M}
+
+    def psi(s):
+        z = _block_z(log_b, log_c, signed_a, n, shift + math.log(s))
+        r = np.sqrt(a2 * s * s + c)
+        terms = np.where(z > bound, at_top, np.where(z < -bound, at_bottom, r))
+        free = np.abs(z) <= bound
+        slope = np.divide(a2 * s, r, out=np.zeros_like(r), where=free & (r > 0))
+        return d + float(terms.sum()) - s, float(slope.sum()) - 1.0
+
+    lo, hi = 0.0, math.inf
+    s = math.exp(min(log_s_prev - shift, 700.0))
+    for _ in range(400):
+        val, der = psi(s)
+        if val > 0:
+            lo = s
+        else:
+            hi = s
+        step = -val / der
+        if not abs(step) > 4e-16 * s:
+            break
+        s_new = s + step
+        if not lo < s_new < hi:  # Newton left the bracket: bisect it (geometrically while it is open)
+            s_new = 2.0 * lo + 1.0 if hi == math.inf else (0.5 * (lo + hi) if lo > 0 else 0.5 * hi)
+        if not lo <= s_new <= hi or s_new == s:
+            break
+        s = s_new
+    log_s = shift + math.log(s)
+    return log_s, np.clip(_block_z(log_b, log_c, signed_a, n, log_s), -bound, bound)
+
+
 def pair_value(pairs, A: np.ndarray, z: np.ndarray, n: int):
     """(F(z), ∇F(z), out, in) from the unit pairs, out/in = each unit's share of S leaving/entering it:
     ∂F/∂z_h = n (out_h - in_h) + A_h."""
@@ -172,14 +224,24 @@ class _BlockSweeps:
         log_s = self.log_total(z, first)
         return _Point(z, log_s, self.n * log_s + float(self.A @ z), first)
 
-    def sweep(self, z, at: _Point) -> _Point:
-        """The image of ``at`` (the point z) under one sweep; its ``first`` is filled in lazily."""
+    def sweep(self, z, at: _Point, bound: float = math.inf) -> _Point:
+        """The image of ``at`` (the point z) under one sweep, each block solved exactly within
+        |z_h| <= ``bound``; its ``first`` is filled in lazily."""
         z, log_s = z.copy(), at.log_s
         for i, (blk, a) in enumerate(zip(self.blocks, self.abs_a)):
             log_b, log_c, log_d = at.first if i == 0 else self.sums(blk, z)
-            log_s = _solve_s(log_b, log_c, log_d, a, log_s)
-            half = 0.5 * (log_b + log_c)
-            z[blk.units] = 0.5 * (log_c - log_b) + log_positive_root(self.A[blk.units], log_s - half, self.n, self.n)
+            new = None
+            if bound < math.inf:
+                log_s_free = _solve_s(log_b, log_c, log_d, a, log_s)
+                new = _block_z(log_b, log_c, self.A[blk.units], self.n, log_s_free)
+                if float(np.max(np.abs(new), initial=0.0)) > bound:
+                    log_s, new = _solve_s_clamped(log_b, log_c, log_d, self.A[blk.units], self.n, bound, log_s_free)
+                else:
+                    log_s = log_s_free
+            else:
+                log_s = _solve_s(log_b, log_c, log_d, a, log_s)
+                new = _block_z(log_b, log_c, self.A[blk.units], self.n, log_s)
+            z[blk.units] = new
         return _Point(z, log_s, self.n * log_s + float(self.A @ z), None)
 
     def with_first(self, point: _Point) -> _Point:
@@ -197,7 +259,7 @@ class _Anderson:
         self.depth, self.accepted = depth, 0
         self.d_res, self.d_img, self.last = [], [], None
 
-    def improve(self, z, image: _Point, sweeps: _BlockSweeps) -> _Point:
+    def improve(self, z, image: _Point, sweeps: _BlockSweeps, bound: float = math.inf) -> _Point:
         res = image.z - z
         if self.depth and self.last is not None:
             self.d_res.append(res - self.last[0])
@@ -206,7 +268,7 @@ class _Anderson:
         self.last = (res, image.z)
         if self.d_res:
             gamma = np.linalg.lstsq(np.column_stack(self.d_res), res, rcond=1e-12)[0]
-            trial = sweeps.state(image.z - np.column_stack(self.d_img) @ gamma)
+            trial = sweeps.state(np.clip(image.z - np.column_stack(self.d_img) @ gamma, -bound, bound))
             if trial.f < image.f:
                 self.accepted += 1
                 return trial
@@ -220,9 +282,8 @@ def block_sweeps(pairs, A: np.ndarray, n: int, live: np.ndarray, z: np.ndarray, 
     """Up to ``budget`` accelerated block sweeps from z (``pairs`` frozen at the degenerate units, ``live``
     the others): ``(z, converged, sweeps, extra)``; F after each sweep is appended to ``history``.
 
-    With a finite ``bound`` the sweeps stop, unconverged, at the first that would move some
-    |z_h| past it (an exact block update has no clamp); z is then projected on the box and a
-    bounded method (`_polish`, or the Newton solver) takes over.
+    With a finite ``bound`` each block is solved exactly on the box |z_h| <= bound (`_solve_s_clamped`),
+    so the sweeps still lower F monotonically and their fixed points meet the box's KKT condition.
     """
     sweeps_of = _BlockSweeps(pairs, blocks_of(pairs, greedy_coloring(pairs, live)), A, n)
     state = sweeps_of.state(z)
@@ -230,10 +291,8 @@ def block_sweeps(pairs, A: np.ndarray, n: int, live: np.ndarray, z: np.ndarray, 
     converged, sweeps, quiet = False, 0, 0
     extra = {"colours": len(sweeps_of.blocks), "anderson_steps": 0}
     for sweeps in range(1, budget + 1):
-        image = sweeps_of.sweep(z, state)
-        new = acceleration.improve(z, image, sweeps_of)
-        if float(np.max(np.abs(new.z), initial=0.0)) > bound:
-            return np.clip(z, -bound, bound), False, sweeps - 1, {**extra, "anderson_steps": acceleration.accepted}
+        image = sweeps_of.sweep(z, state, bound)
+        new = acceleration.improve(z, image, sweeps_of, bound)
         step = float(np.max(np.abs(new.z - z), initial=0.0))
         f, (z, state) = state.f, (new.z, new)
         history.append(state.f)

@@ -1,23 +1,31 @@
-"""PathCond by projected Newton-CG on z (docs/math.md §7), warm-started by block sweeps.
+"""PathCond by projected Newton-CG on z (docs/math.md §7), from a coarse start.
 
-Over the distinct unit pairs k (`unit_pairs`), with q_k = P_k e^{z_l - z_e} / S,
+Over the distinct unit pairs k (`unit_pairs`), S(z) = Σ_k P_k e^{z_l - z_e} is
+the ENorm criterion E at -z, so F(z) = n log S(z) + A·z reads its sums and
+Hessian-vector products from the pairs' Laplacian (`pair_laplacian`: a few
+mat-vecs with the static mass matrix per point, no per-pair work). With
+q_k = P_k e^{z_l - z_e} / S,
 
     ∇F = n (out - in) + A,     ∇²F = n (L_q - c cᵀ),     c = out - in,
 
 where out_h / in_h are the shares of S leaving / entering unit h and L_q is
-the Laplacian of the unit graph weighted by q (pairs with one end on "no unit"
-only add to its diagonal out + in). F is F(z) = n log S(z) + A·z, smooth and
-convex: Newton converges quadratically once close, where block sweeps (a
-non-linear Gauss-Seidel) and L-BFGS crawl on deep, concatenation-heavy graphs.
+the Laplacian of the unit graph weighted by q. F is smooth and convex.
 
-Each iteration solves ∇²F d = -∇F by conjugate gradients preconditioned with the
-diagonal out + in; L_q is assembled as a sparse H x H matrix on a pattern fixed
-once, so a CG step is one sparse mat-vec over the unit pairs. The step is taken
-with a backtracking (Armijo) line search, projected on the box |z_h| <= M when
-``max_log_scale`` M is finite: units at the bound whose gradient pushes outward
-are held there (projected Newton, Bertsekas 1982), the rest take the Newton
-step. It stops when the Newton decrement -∇F·d falls below ``tol`` relative to
-F's size, and the result meets the first-order (KKT) condition: ∇F ≈ 0 on the
+1. Coarse start (`coarse_start`): with the units grouped by layer, F over one
+   shift per group is solved exactly (a dense problem of the number of layers);
+   at initialisation most of F's decrease is there.
+2. Projected Newton-CG: each iteration solves ∇²F d = -∇F by conjugate
+   gradients preconditioned by the diagonal plus the coarse space's correction
+   (`pathir.rescaling.coarse`: the slow, layer-wide modes in one small solve),
+   to a relative accuracy min(0.1, sqrt(‖∇F‖ / ‖∇F₀‖)) (superlinear near z*);
+   the step is taken with a backtracking (Armijo) line search, projected on the
+   box |z_h| <= M when ``max_log_scale`` M is finite: units at the bound whose
+   gradient pushes outward are held there (projected Newton, Bertsekas 1982).
+   A Levenberg-Marquardt damping of the diagonal, raised where steps are cut,
+   keeps the iteration safe far from z*, where F is nearly piecewise linear.
+
+It stops when the Newton decrement -∇F·d falls below ``tol`` relative to F's
+size, and the result meets the first-order (KKT) condition: ∇F ≈ 0 on the
 free units, and ∇F points into the box at the bound.
 """
 
@@ -27,14 +35,14 @@ import math
 import time
 
 import numpy as np
-import scipy.sparse as sp
-import scipy.sparse.linalg as spl
 
 from pathir.pathcond.block import block_sweeps, pair_state
+from pathir.pathcond.coarse_start import coarse_shift
 from pathir.pathcond.objective import PathCondResult, as_g, finish
-from pathir.rescaling.unit_pairs import group_pairs, pad, pair_terms
+from pathir.rescaling.coarse import CoarseSpace
+from pathir.rescaling.pair_laplacian import PairLaplacian
+from pathir.rescaling.unit_pairs import group_pairs
 from pathir.rescaling.unit_rows import keys_for
-from pathir.sorted_unique import sorted_unique
 
 __all__ = ["solve_newton"]
 
@@ -47,99 +55,103 @@ def _kkt(grad: np.ndarray, z: np.ndarray, bound: float, live: np.ndarray) -> flo
     return float(np.max(np.abs(np.where(held, 0.0, grad)), initial=0.0))
 
 
-class _Curvature:
-    """F, ∇F and the Hessian operator at z from the unit pairs (module docstring)."""
+class _State:
+    """F, ∇F and the Hessian operator at z, from the pairs' Laplacian at -z (module docstring);
+    shares (out, in, c) and the Hessian are over S, i.e. of log S."""
 
-    def __init__(self, pairs, A: np.ndarray, n: int):
-        self.pairs, self.A, self.n, H = pairs, A, n, A.size
-        e, l = pairs.enter, pairs.leave
-        inner = np.flatnonzero((e < H) & (l < H))
-        # each unit-unit pair is two symmetric off-diagonal entries; pairs (a, b) and (b, a) share one
-        cell = np.concatenate([e[inner] * H + l[inner], l[inner] * H + e[inner]])
-        cells, self.slot = sorted_unique(cell, return_inverse=True)
-        del cell
-        self.inner = inner  # slot[k] and slot[inner.size + k] are the two cells of pair inner[k]
-        rows = cells // H
-        self.indices = (cells % H).astype(np.int32 if H < 2**31 else np.int64)
-        self.indptr = np.searchsorted(rows, np.arange(H + 1))
-        self.num_cells = cells.size
+    def __init__(self, lap: PairLaplacian, A: np.ndarray, n: int, z: np.ndarray):
+        self.z = z
+        self.point = point = lap.point(-z, both=True)
+        total = point.total
+        self.out, self.inn = point.out / total, point.inc / total
+        self.c = self.out - self.inn
+        self.f = n * point.log_e + float(A @ z)
+        self.grad = n * self.c + A
 
-    def value(self, z: np.ndarray):
-        """(F, ∇F, q, c = out - in, out + in) at z."""
-        H, pairs = self.A.size, self.pairs
-        top, t = pair_terms(pairs, pad(z))
-        total = float(t.sum())
-        q = t / total
-        out = np.bincount(pairs.leave, weights=q, minlength=H + 1)[:H]
-        inn = np.bincount(pairs.enter, weights=q, minlength=H + 1)[:H]
-        f = self.n * (top + math.log(total)) + float(self.A @ z)
-        return f, self.n * (out - inn) + self.A, q, out - inn, out + inn
+    def laplacian_diag(self) -> np.ndarray:
+        """L_q's diagonal without the pairs that enter and leave one unit (they cancel in L_q)."""
+        return self.point.diag() / self.point.total
 
-    def laplacian(self, q: np.ndarray) -> sp.csr_array:
-        """The off-diagonal part of L_q: -q on each unit-unit pair, both ways."""
-        k, w = self.inner.size, q[self.inner]
-        # each cell gets at most one term from each half (the pairs are distinct): the sums of one bincount
-        data = np.bincount(self.slot[:k], weights=w, minlength=self.num_cells)
-        data += np.bincount(self.slot[k:], weights=w, minlength=self.num_cells)
-        data = np.negative(data, out=data)
-        H = self.A.size
-        return sp.csr_array((data, self.indices, self.indptr), shape=(H, H))
+    def laplacian_times(self, d: np.ndarray) -> np.ndarray:
+        return self.point.hessian_times(d) / self.point.total
 
 
-def _newton_direction(off: sp.csr_array, diag: np.ndarray, c: np.ndarray, grad: np.ndarray, free: np.ndarray,
-                      n: int, max_cg: int, damping: float) -> tuple[np.ndarray, int]:
-    """d solving (L_q - c cᵀ + damping·diag(L_q)) d = -∇F / n on the free units (0 elsewhere), by
-    Jacobi-preconditioned CG with the Eisenstat-Walker forcing term min(1/2, sqrt(‖r‖)) (superlinear
-    near z*, where the damping has gone to 0)."""
-    H = diag.size
+def _newton_direction(state: _State, free: np.ndarray, n: int, damping: float, rtol: float, max_cg: int,
+                      coarse: CoarseSpace | None) -> tuple[np.ndarray, int]:
+    """d solving (L_q - c cᵀ + damping·diag(L_q)) d = -∇F / n on the free units (0 elsewhere) by CG,
+    preconditioned by the diagonal and, with ``coarse``, the coarse correction; it stops when the
+    preconditioned residual is ``rtol`` times the right-hand side's."""
+    diag = state.laplacian_diag()
     mask = free.astype(np.float64)
-    scale = np.where(free, diag, 1.0)
-    scale = np.maximum(scale, 1e-300)
-    cf = c * mask
+    scale = np.maximum(np.where(free, diag, 1.0), 1e-300)
+    jacobi = mask / ((1.0 + damping) * scale)
+    c = state.c * mask
 
     def hv(v):
-        v = v * mask
-        return (off @ v) * mask + (1.0 + damping) * diag * v - cf * float(cf @ v) + (1.0 - mask) * v
+        return (state.laplacian_times(v) + damping * diag * v - c * float(c @ v)) * mask
 
-    b = -grad * mask / n
-    residual = float(np.linalg.norm(b / np.sqrt(scale)))
-    count = [0]
+    precondition = None
+    if coarse is not None:
+        table = coarse.aggregate(state.point, free) / state.point.total
+        precondition = coarse.preconditioner(table, coarse.restrict(state.out + state.inn + damping * diag, free),
+                                             c, free, jacobi)
+    if precondition is None:
+        def precondition(r):
+            return jacobi * r
 
-    def tick(_):
-        count[0] += 1
-
-    op = spl.LinearOperator((H, H), matvec=hv, dtype=np.float64)
-    pre = spl.LinearOperator((H, H), matvec=lambda v: v / ((1.0 + damping) * scale), dtype=np.float64)
-    d, _ = spl.cg(op, b, M=pre, rtol=min(0.5, math.sqrt(residual)), atol=0.0, maxiter=max_cg, callback=tick)
-    d = d * mask
-    if not float(grad @ d) < 0:  # CG broke down (rounding on a near-singular system): steepest descent
-        d = -grad * mask / (n * scale)
-    return d, count[0]
+    b = -state.grad * mask / n
+    d = np.zeros_like(b)
+    r = b.copy()
+    s = precondition(r)
+    rs = float(r @ s)
+    target = rtol * math.sqrt(max(rs, 0.0))
+    p = s.copy()
+    count = 0
+    while count < max_cg and rs > 0:
+        count += 1
+        hp = hv(p)
+        curvature = float(p @ hp)
+        if not curvature > 0:
+            break
+        alpha = rs / curvature
+        d += alpha * p
+        r -= alpha * hp
+        s = precondition(r)
+        rs_new = float(r @ s)
+        if math.sqrt(max(rs_new, 0.0)) <= target:
+            break
+        p = s + (rs_new / rs) * p
+        rs = rs_new
+    if not float(state.grad @ d) < 0:  # CG broke down (rounding on a near-singular system): scaled steepest descent
+        d = -state.grad * jacobi / n
+    return d, count
 
 
 def solve_newton(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, row_key=None,
-                 max_log_scale: float = math.inf, warm_sweeps: int = 10, max_cg: int = 200,
-                 callback=None, pairs=None) -> PathCondResult:
-    """Minimise F by block sweeps, then projected Newton-CG (the fastest exact solver on deep graphs).
+                 max_log_scale: float = math.inf, warm_sweeps: int = 0, max_cg: int = 200,
+                 callback=None, pairs=None, groups=None) -> PathCondResult:
+    """Minimise F by projected Newton-CG from a coarse start (the fastest exact solver on deep graphs).
 
     Parameters
     ----------
     g : (n,) array, diag G, non-negative.
     B : (n, H) sparse matrix with entries in {-1, 0, +1}, at most one of each sign per row; or None
         where ``row_key`` is a `unit_rows.RowKeys`.
-    max_sweeps : block sweeps plus Newton iterations at most.
+    max_sweeps : steps at most: the coarse start (one), block sweeps and Newton iterations.
     tol : the block sweeps stop as in `solve_block`; Newton stops when the decrement -∇F·d is at
         most ``tol * max(1, |F|, |A·z|)`` (A = -Bᵀ1).
     row_key : B's row keys (`unit_rows.keys_for`), as ``Compiled.row_keys()`` gives them.
     max_log_scale : bound M on every |z_h| (``math.inf``: unconstrained); the problem stays convex.
-    warm_sweeps : block sweeps first (they converge outright on layered networks).
+    warm_sweeps : exact block sweeps (`block.block_sweeps`) after the coarse start, before Newton.
     max_cg : CG iterations per Newton step at most.
-    callback : called as ``callback(step, F)`` after each sweep and each Newton iteration.
+    callback : called as ``callback(step, F)`` after the coarse start, each sweep and each Newton iteration.
     pairs : g already grouped by unit pair (`unit_pairs.group_compact` over ``row_key``); g may then be None.
+    groups : (H,) group of each unit (`pathir.rescaling.coarse.unit_groups`: by layer) for the coarse
+        start and the coarse correction of CG; None: neither (diagonal preconditioning only).
 
     Returns
     -------
-    PathCondResult (``method == "newton"``; ``extra``: ``colours``, ``block_sweeps``,
+    PathCondResult (``method == "newton"``; ``extra``: ``coarse_groups``, ``block_sweeps``,
     ``newton_iterations``, ``cg_iterations``, ``at_bound`` (units with |z_h| = M)).
 
     Examples
@@ -153,6 +165,37 @@ def solve_newton(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, row_key=No
     >>> np.round(r.z, 6).tolist(), r.extra["at_bound"]
     ([-0.693147, -0.8], [1])
     """
+    from threadpoolctl import threadpool_limits
+
+    # the mat-vecs are memory-bound: more BLAS threads gain nothing (`pathir.enorm.newton`)
+    with threadpool_limits(limits=1, user_api="blas"):
+        return _solve(g, B, max_sweeps=max_sweeps, tol=tol, row_key=row_key, max_log_scale=max_log_scale,
+                      warm_sweeps=warm_sweeps, max_cg=max_cg, callback=callback, pairs=pairs, groups=groups)
+
+
+def _coarse_start(lap, coarse: CoarseSpace, A: np.ndarray, n: int, here: _State, live: np.ndarray,
+                  bound: float) -> _State:
+    """``here`` moved by the best shift per group (`coarse_start`), if that lowers F."""
+    z = here.z
+    table = coarse.aggregate(here.point) / here.point.total  # degenerate units are in no pair: no mask needed
+    lo = np.full(coarse.m, -math.inf)
+    hi = np.full(coarse.m, math.inf)
+    if bound < math.inf:
+        g = np.where(live, coarse.groups, coarse.m)
+        low, high = np.full(coarse.m + 1, math.inf), np.full(coarse.m + 1, -math.inf)
+        np.minimum.at(low, g, z)
+        np.maximum.at(high, g, z)
+        lo, hi = -bound - low[:coarse.m], bound - high[:coarse.m]
+    w, drop = coarse_shift(table, coarse.restrict(A, live), n, lo, hi)
+    if not drop < 0:
+        return here
+    shifted = np.clip(z + np.where(live, w[coarse.groups], 0.0), -bound, bound)
+    there = _State(lap, A, n, shifted)
+    return there if there.f < here.f else here
+
+
+def _solve(g, B, *, max_sweeps, tol, row_key, max_log_scale, warm_sweeps, max_cg, callback, pairs,
+           groups) -> PathCondResult:
     start = time.perf_counter()
     B, key, H, A = keys_for(B, row_key)
     n = key.size
@@ -169,35 +212,60 @@ def solve_newton(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, row_key=No
     live[degenerate] = False
     z = np.zeros(H)
     history, times = [pair_state(pairs, A, z, n)[0]], [time.perf_counter() - start]
-    z, converged, sweeps, extra = block_sweeps(pairs, A, n, live, z, min(warm_sweeps, max_sweeps), tol, history,
-                                               times, start, bound=bound, callback=callback)
-    iterations = cg_total = 0
-    pairs.drop_leave_order()  # the sweeps' (leave, enter) order: Newton reads the pairs as they are
-    if not converged and pairs.size and live.any():
-        curvature = _Curvature(pairs, A, n)
-        f, grad, q, c, mass = curvature.value(z)
-        damping = 1.0  # Levenberg-Marquardt: far from z*, F is nearly piecewise linear and raw Newton steps overshoot
-        kkt = _kkt(grad, z, bound, live)
-        while sweeps + iterations < max_sweeps:
+    coarse = None if groups is None or not pairs.size else CoarseSpace(groups, H)
+    lap = PairLaplacian(pairs) if pairs.size and live.any() else None
+    iterations = cg_total = sweeps = 0
+    converged = lap is None
+    extra = {"coarse_groups": 0 if coarse is None else coarse.m}
+    here = None if lap is None else _State(lap, A, n, z)
+    coarse_steps = 0
+    if coarse is not None and here is not None:  # one step: the coarse start
+        here = _coarse_start(lap, coarse, A, n, here, live, bound)
+        z, coarse_steps = here.z, 1
+        history.append(here.f)
+        times.append(time.perf_counter() - start)
+        if callback is not None:
+            callback(1, here.f)
+    if warm_sweeps and here is not None:
+        z, converged, sweeps, sweep_extra = block_sweeps(pairs, A, n, live, z, min(warm_sweeps, max_sweeps), tol,
+                                                         history, times, start, bound=bound, callback=callback)
+        extra.update(sweep_extra)
+        pairs.drop_leave_order()  # the sweeps' (leave, enter) order: Newton reads the pairs as they are
+        here = _State(lap, A, n, z)
+    if not converged:
+        damping = 1e-3  # Levenberg-Marquardt: far from z*, F is nearly piecewise linear and raw Newton steps overshoot
+        kkt = _kkt(here.grad, z, bound, live)
+        first_residual = None
+        radius = 8.0  # trust radius on max_h |Δz_h| (nats per iteration), grown while whole capped steps succeed
+        while coarse_steps + sweeps + iterations < max_sweeps:
+            grad = here.grad
             free = live & ~((z <= -bound) & (grad > 0)) & ~((z >= bound) & (grad < 0))
-            d, k = _newton_direction(curvature.laplacian(q), mass, c, grad, free, n, max_cg, damping)
+            diag = here.laplacian_diag()
+            residual = float(np.linalg.norm(grad * free / np.sqrt(np.maximum(np.where(free, diag, 1.0), 1e-300)))) / n
+            first_residual = first_residual or residual
+            rtol = min(0.1, math.sqrt(residual / first_residual)) if first_residual > 0 else 0.1
+            d, k = _newton_direction(here, free, n, damping, rtol, max_cg, coarse)
             cg_total += k
             iterations += 1
+            f = here.f
             size = max(1.0, abs(f), abs(float(A @ z)))
             decrement = -float(grad @ d)
             small = decrement <= tol * size
             if small and damping > 0.0:
                 damping = 0.0  # the damped model sees no decrease: judge by the true Newton step
                 continue
+            longest = float(np.max(np.abs(d), initial=0.0))
+            capped = longest > radius
+            if capped:  # where L_q is nearly 0 (F nearly linear) the Newton step is unbounded: cut to the radius
+                d = d * (radius / longest)
             step, moved = 1.0, False
             for _ in range(40):  # Armijo along the projected path
-                trial = np.clip(z + step * d, -bound, bound)
-                f_new, *rest = curvature.value(trial)
-                kkt_new = _kkt(rest[0], trial, bound, live)
-                if f_new <= f + 1e-4 * float(grad @ (trial - z)):
+                there = _State(lap, A, n, np.clip(z + step * d, -bound, bound))
+                kkt_new = _kkt(there.grad, there.z, bound, live)
+                if there.f <= f + 1e-4 * float(grad @ (there.z - z)):
                     moved = True
                     break
-                if step == 1.0 and f_new <= f + 8 * _EPS * size and kkt_new < kkt:
+                if step == 1.0 and there.f <= f + 8 * _EPS * size and kkt_new < kkt:
                     moved = True  # F is flat to rounding here: the Newton step is judged by the gradient it leaves
                     break
                 step *= 0.5
@@ -207,20 +275,21 @@ def solve_newton(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, row_key=No
                     continue
                 converged = small  # no float64-visible decrease left
                 break
+            radius = radius * 4.0 if step == 1.0 and capped else max(radius * step, 1.0) if step < 1.0 else radius
             # full steps: trust the quadratic model more; cut steps: less
             damping = 0.0 if step == 1.0 and damping < 1e-4 else damping * 0.25 if step == 1.0 else max(damping, 1e-3) * 4.0
-            moved_by = float(np.max(np.abs(trial - z), initial=0.0))
+            moved_by = float(np.max(np.abs(there.z - z), initial=0.0))
             progress = kkt_new < 0.5 * kkt
-            z, f, kkt, (grad, q, c, mass) = trial, f_new, kkt_new, rest
-            history.append(f)
+            here, z, kkt = there, there.z, kkt_new
+            history.append(here.f)
             times.append(time.perf_counter() - start)
             if callback is not None:
-                callback(len(history) - 1, f)
+                callback(len(history) - 1, here.f)
             if small and (moved_by <= tol or not progress):  # at z* to float64's resolution
                 converged = True
                 break
     at_bound = np.flatnonzero(live & (np.abs(z) >= bound)).tolist() if bound < math.inf else []
-    return finish(g, B, z, pair_state(pairs, A, z, n), method="newton", sweeps=sweeps + iterations,
+    return finish(g, B, z, pair_state(pairs, A, z, n), method="newton", sweeps=coarse_steps + sweeps + iterations,
                   converged=converged, key=key, degenerate=degenerate, start=start, history=history, times=times,
-                  bound=bound, extra={**extra, "block_sweeps": sweeps, "newton_iterations": iterations, "cg_iterations": cg_total,
-                         "pairs": pairs.size, "at_bound": at_bound})
+                  bound=bound, extra={**extra, "block_sweeps": sweeps, "newton_iterations": iterations,
+                                      "cg_iterations": cg_total, "pairs": pairs.size, "at_bound": at_bound})

@@ -203,6 +203,7 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
     from pathir.pathcond.g_summary import summarize
     from pathir.pathcond.solvers import METHODS, solve
     from pathir.rescaling.bounds import default_max_log_scale
+    from pathir.rescaling.coarse import unit_groups
     if solver not in METHODS:
         raise ValueError(f"unknown PathCond solver '{solver}'; choose one of {sorted(METHODS)}")
     start = time.perf_counter()
@@ -239,7 +240,8 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
     else:
         del g
         result = solve(None, None, method=solver, max_sweeps=max_sweeps, tol=tol, row_key=rows, pairs=pairs,
-                       max_log_scale=max_log_scale, callback=chain_callbacks(callback, bar.callback))
+                       max_log_scale=max_log_scale, callback=chain_callbacks(callback, bar.callback),
+                       groups=unit_groups(units))
     del pairs
     lap("solve")
     divergence = summary.divergences(result.f_initial, result.f_final, result.z, rows.balance)

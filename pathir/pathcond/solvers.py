@@ -41,7 +41,7 @@ METHODS = {"newton": solve_newton, "block": solve_block, "coordinate": solve_coo
 
 
 def solve(g, B, *, method: str = "newton", max_sweeps: int = 1000, tol: float = 1e-10,
-          row_key=None, max_log_scale: float = math.inf, callback=None, pairs=None) -> PathCondResult:
+          row_key=None, max_log_scale: float = math.inf, callback=None, pairs=None, groups=None) -> PathCondResult:
     """Minimise F(z) = n log Σ_i g_i e^{(Bz)_i} - Σ_i (Bz)_i with ``method`` in METHODS.
 
     Stops when F has stopped moving (relative change at most ``tol``) or no
@@ -54,6 +54,8 @@ def solve(g, B, *, method: str = "newton", max_sweeps: int = 1000, tol: float = 
     called after each sweep or iteration (a hook for progress display). ``pairs``: g already
     grouped by unit pair over ``row_key`` (`unit_pairs.group_compact`), for the newton and block
     solvers; g may then be None (the caller keeps what it needs of g, and g need not stay in memory).
+    ``groups``: the units grouped by layer (`pathir.rescaling.coarse.unit_groups`), for the newton
+    solver's coarse start and preconditioner; the other methods do not use them.
     """
     if method not in METHODS:
         raise ValueError(f"unknown PathCond method {method!r}; choose one of {sorted(METHODS)}")
@@ -61,10 +63,10 @@ def solve(g, B, *, method: str = "newton", max_sweeps: int = 1000, tol: float = 
         raise ValueError("the coordinate solver needs B itself (the newton and block solvers run on row keys alone)")
     if not max_log_scale >= 0:
         raise ValueError(f"max_log_scale must be >= 0 (math.inf: unbounded), got {max_log_scale}")
+    options = {"groups": groups} if method == "newton" else {}
     if pairs is not None:
         if method == "coordinate":
             raise ValueError("the coordinate solver reads g itself, not its unit pairs")
-        return METHODS[method](g, B, max_sweeps=max_sweeps, tol=tol, row_key=row_key, max_log_scale=max_log_scale,
-                               callback=callback, pairs=pairs)
+        options["pairs"] = pairs
     return METHODS[method](g, B, max_sweeps=max_sweeps, tol=tol, row_key=row_key, max_log_scale=max_log_scale,
-                           callback=callback)
+                           callback=callback, **options)

@@ -108,6 +108,58 @@ class PairMatrix:
         return mx, my
 
 
+    def grouped(self, x: np.ndarray, w: np.ndarray, groups: np.ndarray, m1: int) -> np.ndarray:
+        """T (m1 x m1) with T[a, b] = Σ w_r M[r, c] x_c over the rows r of group a and the columns c of
+        group b (``groups`` one per row/column, in [0, m1)): the terms w_r M[r, c] x_c summed by group
+        pair, at the cost of one M @ x (each dense block's columns split into runs of one group)."""
+        plan = self._group_plan(groups)
+        table = np.zeros(m1 * m1)
+        for blk, row_groups, runs in plan.blocks:
+            rows = blk.rows
+            xs = x[blk.cols]
+            wr = w[rows]
+            for start, stop, b in runs:
+                y = blk.values[:, start:stop] @ xs[start:stop]
+                y *= wr
+                if row_groups.size == 1:
+                    table[int(row_groups[0]) * m1 + b] += float(y.sum())
+                else:
+                    table += np.bincount(row_groups * m1 + b, weights=y, minlength=m1 * m1)
+        rest = self.rest
+        if rest.nnz:
+            terms = rest.data * w[plan.rest_rows] * x[rest.indices]
+            table += np.bincount(groups[plan.rest_rows] * m1 + groups[rest.indices], weights=terms, minlength=m1 * m1)
+        return table.reshape(m1, m1)
+
+    def _group_plan(self, groups: np.ndarray) -> "_GroupPlan":
+        cached = getattr(self, "_plan", None)
+        if cached is not None and cached.groups is groups:
+            return cached
+        blocks = []
+        for blk in self.blocks:
+            cols = np.arange(self.size)[blk.cols]
+            col_groups = groups[cols]
+            cut = np.flatnonzero(np.diff(col_groups)) + 1
+            starts, stops = np.r_[0, cut], np.r_[cut, cols.size]
+            runs = [(int(a), int(b), int(col_groups[a])) for a, b in zip(starts, stops)]
+            row_groups = groups[blk.rows]
+            if np.all(row_groups == row_groups[0]):
+                row_groups = row_groups[:1]
+            blocks.append((blk, row_groups, runs))
+        rest_rows = np.repeat(np.arange(self.size), np.diff(self.rest.indptr))
+        self._plan = _GroupPlan(groups, blocks, rest_rows)
+        return self._plan
+
+
+@dataclass(frozen=True)
+class _GroupPlan:
+    """`PairMatrix.grouped`'s per-block column runs for one grouping (``groups``, compared by identity)."""
+
+    groups: np.ndarray
+    blocks: list
+    rest_rows: np.ndarray
+
+
 def _same_as_next_row(leave: np.ndarray, indptr: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Per row r, whether row r + 1 holds exactly the columns of row r (False for the last row)."""
     size = lengths.size

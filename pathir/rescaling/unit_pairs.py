@@ -222,6 +222,33 @@ def _extremes(m: np.ndarray, axes: tuple) -> tuple[np.ndarray, np.ndarray, np.nd
     return low.min(axis=axes, keepdims=True), m.max(axis=axes, keepdims=True), positive.sum(axis=axes, keepdims=True)
 
 
+def _runs(enter: np.ndarray, leave: np.ndarray, nd: int):
+    """``(axis, starts, enter, leave)`` where one end varies along one axis (past the first) only, in runs of
+    equal units each unit in one run (a flatten: every channel's positions in a row), the ends then given
+    per run; None where no axis is so."""
+    for ax in range(1, nd):
+        for k, end in enumerate((enter, leave)):
+            other = (leave, enter)[k]
+            if end.ndim != nd or other.ndim != nd or other.shape[ax] != 1:
+                continue
+            if end.shape[ax] < 2 or any(n != 1 for i, n in enumerate(end.shape) if i != ax):
+                continue
+            line = end.reshape(-1)
+            starts = np.flatnonzero(np.r_[True, line[1:] != line[:-1]])
+            values = line[starts]
+            if starts.size == line.size or np.unique(values).size != values.size:
+                continue
+            shape = [1] * nd
+            shape[ax] = values.size
+            short = values.reshape(shape)
+            return (ax, starts, short, other) if k == 0 else (ax, starts, other, short)
+    return None
+
+
+def _reduce_runs(block: np.ndarray, runs, ufunc=np.add) -> np.ndarray:
+    return block if runs is None else ufunc.reduceat(block, runs[1], axis=runs[0])
+
+
 def group_compact(m: np.ndarray, rows, extremes: bool = False):
     """`group_pairs` of m over the rows of a `unit_rows.CompactRows`, param by param: each param's
     masses are summed over the axes its two unit ends do not vary along, then by (entered, left)
@@ -256,6 +283,10 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
     parts = {"keys": [], "sums": [], "low": [], "high": [], "count": []}
     for shape, enter, leave, mk in rows.parts(m):
         nd = len(shape)
+        enter, leave = np.asarray(enter), np.asarray(leave)
+        runs = _runs(enter, leave, nd)  # summed run by run inside the loop: the grid is then one to one
+        if runs is not None:
+            enter, leave = runs[2], runs[3]
         e_units, e_rank = _ranks(np.asarray(enter), nd)
         l_units, l_rank = _ranks(np.asarray(leave), nd)
         grid = np.broadcast_shapes(e_rank.shape, l_rank.shape, (1,) * nd)
@@ -274,12 +305,13 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
             low_k, high_k, count_k = np.full(size, math.inf), np.full(size, -math.inf), np.zeros(size)
             if flat_axes:  # reduced like the sums (the grid is smaller than the param)
                 reduced = _extremes(raw, flat_axes)
-        step = max(1, (1 << 22) // max(1, int(np.prod(grid[1:])))) if nd else 1
+        row = grid if runs is None else shape  # entries read per row: the runs are summed block by block
+        step = max(1, (1 << 22) // max(1, int(np.prod(row[1:])))) if nd else 1
         for i in range(0, grid[0] if nd else 1, step):
             rows_i = slice(i, i + step) if nd else ...
             local = e_rank[rows_i if e_rank.shape[:1] != (1,) else slice(None)] * l_units.size \
                 + l_rank[rows_i if l_rank.shape[:1] != (1,) else slice(None)]
-            block = mk[rows_i]
+            block = _reduce_runs(mk[rows_i], runs)
             local = np.broadcast_to(local, block.shape).reshape(-1)
             if one_to_one:
                 sums[local] = block.reshape(-1)
@@ -287,6 +319,9 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
                 sums += np.bincount(local, weights=block.reshape(-1), minlength=size)
             if extremes:  # a block at a time: no temporary of the param's size
                 lows, highs, counts = (r[rows_i] for r in reduced) if flat_axes else _extremes(raw[rows_i], ())
+                if runs is not None:
+                    lows, highs = _reduce_runs(lows, runs, np.minimum), _reduce_runs(highs, runs, np.maximum)
+                    counts = _reduce_runs(counts.astype(np.int64), runs)
                 if one_to_one:
                     low_k[local], high_k[local], count_k[local] = lows.reshape(-1), highs.reshape(-1), counts.reshape(-1)
                     continue
@@ -301,22 +336,50 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
             parts["low"].append(low_k[keep])
             parts["high"].append(high_k[keep])
             parts["count"].append(count_k[keep])
-    keys = np.concatenate(parts["keys"])
-    order = np.argsort(keys, kind="stable")
-    keys = keys[order]
-    starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
-    merged = starts.size != keys.size  # a pair reached from two params
-
-    def grouped(name, reduce):
-        values = np.concatenate(parts.pop(name))[order]
-        return reduce.reduceat(values, starts) if merged else values
-
-    total = grouped("sums", np.add)
-    pairs = _pairs_from_sums(keys[starts] if merged else keys, total, scale, H)
+    names = ("sums", "count", "low", "high") if extremes else ("sums",)
+    keys, merged = _merge_sorted(parts["keys"], [parts[name] for name in names],
+                                 (np.add, np.add, np.minimum, np.maximum)[:len(names)])
+    pairs = _pairs_from_sums(keys, merged[0], scale, H)
     if not extremes:
         return pairs
-    count = grouped("count", np.add).astype(np.int64)
-    return pairs, grouped("low", np.minimum), grouped("high", np.maximum), count
+    return pairs, merged[2], merged[3], merged[1].astype(np.int64)
+
+
+def _merge_sorted(keys: list, values: list, reduces: tuple) -> tuple[np.ndarray, list]:
+    """The union of the strictly increasing key arrays ``keys`` in increasing order, and for each list
+    in ``values`` (one array per key array) its values reduced over equal keys with its ufunc.
+
+    Arrays whose key ranges overlap no other's are placed as they are; only overlapping ones (a
+    layer's weights and bias entering the same units from the input, say) are sorted together.
+    """
+    if not keys:
+        return np.zeros(0, dtype=np.int64), [np.zeros(0) for _ in values]
+    spans = [(int(k[0]), int(k[-1]), i) for i, k in enumerate(keys) if k.size]
+    spans.sort()
+    clusters, current, reach = [], [], -1
+    for low, high, i in spans:
+        if current and low > reach:
+            clusters.append(current)
+            current = []
+        current.append(i)
+        reach = max(reach, high)
+    if current:
+        clusters.append(current)
+    out_keys, out_values = [], [[] for _ in values]
+    for members in clusters:
+        if len(members) == 1:
+            out_keys.append(keys[members[0]])
+            for j, vals in enumerate(values):
+                out_values[j].append(vals[members[0]])
+            continue
+        k = np.concatenate([keys[i] for i in members])
+        order = np.argsort(k, kind="stable")
+        k = k[order]
+        starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+        out_keys.append(k[starts])
+        for j, (vals, reduce) in enumerate(zip(values, reduces)):
+            out_values[j].append(reduce.reduceat(np.concatenate([vals[i] for i in members])[order], starts))
+    return np.concatenate(out_keys), [np.concatenate(v) for v in out_values]
 
 
 def greedy_coloring(pairs: Pairs, active: np.ndarray) -> np.ndarray:
