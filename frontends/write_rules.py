@@ -25,8 +25,8 @@ _SAME = dict(rtol=1e-9, atol=1e-300)
 
 class EntryFactor:
     """The entrywise factor e^{a + b} of a VALUE source tensor, in its layout, computed from the
-    param's broadcast log-factors a (in) and b (out) on demand: whole (``np.asarray``, the
-    same float64 operations as ever) or a block of the tensor's leading rows at a time
+    param's broadcast log-factors a (in) and b (out) on demand, as e^a e^b (exponentials of the
+    compact logs only): whole (``np.asarray``) or a block of the tensor's leading rows at a time
     (:meth:`rows`), so that a writer never holds a full float64 factor of a large tensor."""
 
     def __init__(self, log_in, log_out, ref: SourceRef, param_shape: tuple[int, ...]):
@@ -43,8 +43,13 @@ class EntryFactor:
         return self.ref.layout is None and len(self.param_shape) >= (2 if self.ref.transposed else 1)
 
     def _exp(self, index) -> np.ndarray:
-        a, b = (np.broadcast_to(x, self.param_shape)[index] for x in (self.log_in, self.log_out))
-        return np.exp(a + b)
+        a, b = np.asarray(self.log_in, dtype=np.float64), np.asarray(self.log_out, dtype=np.float64)
+        if max(float(np.max(np.abs(a), initial=0.0)), float(np.max(np.abs(b), initial=0.0))) < 600.0:
+            # e^a e^b: exponentials of the per-channel logs only, one product per entry
+            ea, eb = (np.broadcast_to(np.exp(x), self.param_shape)[index] for x in (a, b))
+            return ea * eb
+        a, b = (np.broadcast_to(x, self.param_shape)[index] for x in (a, b))
+        return np.exp(a + b)  # a factor beyond e^600 on one side: the sum first
 
     def rows(self, start: int, stop: int) -> np.ndarray:
         """Rows start:stop (along the source tensor's first axis) of the factor."""

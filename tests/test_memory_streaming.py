@@ -232,3 +232,36 @@ def test_pairs_of_a_flattened_conv_output_equal_the_ones_from_row_keys(zeros, sp
     for k, key in enumerate(pair_keys):
         mine = m[keys.key == key]
         assert count[k] == np.count_nonzero(mine) and high[k] == mine.max() and low[k] == mine[mine > 0].min()
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), parts=st.integers(1, 6), width=st.integers(2, 12), layout=st.sampled_from(
+    ["random", "disjoint columns", "twins"]))
+def test_merging_sorted_pair_keys_equals_a_sort_of_them_all(seed, parts, width, layout):
+    """unit_pairs._merge_sorted (placed, woven row by row, folded or sorted) against np.unique of all keys."""
+    from pathir.rescaling.unit_pairs import _merge_sorted
+
+    rng = np.random.default_rng(seed)
+    keys, sums, lows = [], [], []
+    for p in range(parts):
+        if layout == "twins" and p % 2 and keys:
+            k = keys[-1].copy()  # a bias beside its weights: the very same pairs
+        else:
+            rows = rng.choice(8, size=rng.integers(1, 8), replace=False)
+            if layout == "disjoint columns":
+                lo, hi = sorted(rng.choice(np.arange(p * width, (p + 1) * width), 2, replace=False))
+                cols = np.arange(lo, hi + 1)
+            else:
+                cols = rng.choice(width * parts, size=rng.integers(1, width), replace=False)
+            k = np.unique((rows[:, None] * (width * parts) + cols[None, :]).reshape(-1))
+        keys.append(k)
+        sums.append(rng.uniform(0.1, 1.0, k.size))
+        lows.append(rng.uniform(0.1, 1.0, k.size))
+    want_keys = np.unique(np.concatenate(keys))
+    everything = np.concatenate(keys)
+    want_sums = np.array([np.concatenate(sums)[everything == k].sum() for k in want_keys])
+    want_lows = np.array([np.concatenate(lows)[everything == k].min() for k in want_keys])
+    got_keys, (got_sums, got_lows) = _merge_sorted(keys, [list(sums), list(lows)], (np.add, np.minimum), width * parts)
+    assert np.array_equal(got_keys, want_keys)
+    np.testing.assert_allclose(got_sums, want_sums, rtol=1e-13)
+    assert np.array_equal(got_lows, want_lows)

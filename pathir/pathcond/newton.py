@@ -211,13 +211,14 @@ def _solve(g, B, *, max_sweeps, tol, row_key, max_log_scale, warm_sweeps, max_cg
     live = np.ones(H, dtype=bool)
     live[degenerate] = False
     z = np.zeros(H)
-    history, times = [pair_state(pairs, A, z, n)[0]], [time.perf_counter() - start]
     coarse = None if groups is None or not pairs.size else CoarseSpace(groups, H)
     lap = PairLaplacian(pairs) if pairs.size and live.any() else None
     iterations = cg_total = sweeps = 0
     converged = lap is None
     extra = {"coarse_groups": 0 if coarse is None else coarse.m}
     here = None if lap is None else _State(lap, A, n, z)
+    history = [pair_state(pairs, A, z, n)[0] if here is None else here.f]
+    times = [time.perf_counter() - start]
     coarse_steps = 0
     if coarse is not None and here is not None:  # one step: the coarse start
         here = _coarse_start(lap, coarse, A, n, here, live, bound)
@@ -289,7 +290,11 @@ def _solve(g, B, *, max_sweeps, tol, row_key, max_log_scale, warm_sweeps, max_cg
                 converged = True
                 break
     at_bound = np.flatnonzero(live & (np.abs(z) >= bound)).tolist() if bound < math.inf else []
-    return finish(g, B, z, pair_state(pairs, A, z, n), method="newton", sweeps=coarse_steps + sweeps + iterations,
+    if here is None or here.z is not z:
+        state = pair_state(pairs, A, z, n)
+    else:  # F(0), F(z), ∇F(z) and its scale n|B|ᵀp + |A| from the points already evaluated
+        state = (history[0], here.f, here.grad, n * (here.out + here.inn) + np.abs(A))
+    return finish(g, B, z, state, method="newton", sweeps=coarse_steps + sweeps + iterations,
                   converged=converged, key=key, degenerate=degenerate, start=start, history=history, times=times,
                   bound=bound, extra={**extra, "block_sweeps": sweeps, "newton_iterations": iterations,
                                       "cg_iterations": cg_total, "pairs": pairs.size, "at_bound": at_bound})

@@ -300,6 +300,12 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
         # every grid cell its own pair (distinct ends along disjoint axes: a conv, a dense layer between
         # two unit layers): the cells are placed, not reduced
         one_to_one = e_rank.size == e_units.size and l_rank.size == l_units.size and int(np.prod(grid)) == size
+        # the grid cells in the param's own order (enter along the first axis, leave along one other, both
+        # sorted): a block of rows is a slice of the sums, no index array needed
+        in_order = (one_to_one and nd >= 1 and e_rank.shape[0] == e_units.size
+                    and np.array_equal(e_rank.reshape(-1), np.arange(e_units.size))
+                    and np.array_equal(l_rank.reshape(-1), np.arange(l_units.size))
+                    and sum(n != 1 for n in l_rank.shape[1:]) <= 1 and l_rank.shape[0] == 1)
         sums = np.zeros(size)
         if extremes:
             low_k, high_k, count_k = np.full(size, math.inf), np.full(size, -math.inf), np.zeros(size)
@@ -309,10 +315,13 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
         step = max(1, (1 << 22) // max(1, int(np.prod(row[1:])))) if nd else 1
         for i in range(0, grid[0] if nd else 1, step):
             rows_i = slice(i, i + step) if nd else ...
-            local = e_rank[rows_i if e_rank.shape[:1] != (1,) else slice(None)] * l_units.size \
-                + l_rank[rows_i if l_rank.shape[:1] != (1,) else slice(None)]
             block = _reduce_runs(mk[rows_i], runs)
-            local = np.broadcast_to(local, block.shape).reshape(-1)
+            if in_order:
+                local = slice(i * l_units.size, i * l_units.size + block.size)
+            else:
+                local = e_rank[rows_i if e_rank.shape[:1] != (1,) else slice(None)] * l_units.size \
+                    + l_rank[rows_i if l_rank.shape[:1] != (1,) else slice(None)]
+                local = np.broadcast_to(local, block.shape).reshape(-1)
             if one_to_one:
                 sums[local] = block.reshape(-1)
             else:
@@ -338,24 +347,56 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
             parts["count"].append(count_k[keep])
     names = ("sums", "count", "low", "high") if extremes else ("sums",)
     keys, merged = _merge_sorted(parts["keys"], [parts[name] for name in names],
-                                 (np.add, np.add, np.minimum, np.maximum)[:len(names)])
+                                 (np.add, np.add, np.minimum, np.maximum)[:len(names)], H + 1)
     pairs = _pairs_from_sums(keys, merged[0], scale, H)
     if not extremes:
         return pairs
     return pairs, merged[2], merged[3], merged[1].astype(np.int64)
 
 
-def _merge_sorted(keys: list, values: list, reduces: tuple) -> tuple[np.ndarray, list]:
-    """The union of the strictly increasing key arrays ``keys`` in increasing order, and for each list
-    in ``values`` (one array per key array) its values reduced over equal keys with its ufunc.
+def _fold_equal_keys(members: list, keys: list, values: list, reduces: tuple) -> list:
+    """``members`` with those holding the very same keys (a layer's weights and bias entering the same
+    units from the input) reduced into the first of them, entry by entry (``keys``/``values`` updated)."""
+    kept = []
+    for i in members:
+        twin = next((j for j in kept if keys[j].size == keys[i].size and np.array_equal(keys[j], keys[i])), None)
+        if twin is None:
+            kept.append(i)
+            continue
+        for vals, reduce in zip(values, reduces):
+            vals[twin] = reduce(vals[twin], vals[i])
+    return kept
 
-    Arrays whose key ranges overlap no other's are placed as they are; only overlapping ones (a
-    layer's weights and bias entering the same units from the input, say) are sorted together.
+
+def _row_pieces(members: list, keys: list, width: int):
+    """Where ``members``' left units (key % width) lie in disjoint ranges, each entered unit's row of the
+    merge is each member's run of that row, in the order of those ranges: the list of
+    ``(member, start, stop)`` runs in merged order (None where the ranges overlap)."""
+    spans = sorted((int((keys[i] % width).min()), int((keys[i] % width).max()), i) for i in members)
+    if any(spans[a][1] >= spans[a + 1][0] for a in range(len(spans) - 1)):
+        return None
+    order = [i for _, _, i in spans]
+    rows = {i: keys[i] // width for i in order}
+    first = min(int(r[0]) for r in rows.values())
+    size = max(int(r[-1]) for r in rows.values()) - first + 1
+    bounds = {i: np.searchsorted(r, np.arange(first, first + size + 1)).tolist() for i, r in rows.items()}
+    return [(i, bounds[i][r], bounds[i][r + 1]) for r in range(size) for i in order if bounds[i][r + 1] > bounds[i][r]]
+
+
+def _merge_sorted(keys: list, values: list, reduces: tuple, width: int) -> tuple[np.ndarray, list]:
+    """The union of the strictly increasing key arrays ``keys`` (entered unit x ``width`` + left unit) in
+    increasing order, and for each list in ``values`` (one array per key array) its values reduced
+    over equal keys with its ufunc.
+
+    Arrays whose key ranges overlap no other's are copied as they are; arrays holding the very same
+    keys are reduced entry by entry (a layer's weights and bias from the input); overlapping ones are
+    woven row by row where their left units lie in disjoint ranges (`_row_pieces`: the convolutions
+    writing into one residual stream, a layer's weights and its bias); only the rest are sorted.
+    Each piece is written once, into the preallocated result.
     """
     if not keys:
         return np.zeros(0, dtype=np.int64), [np.zeros(0) for _ in values]
-    spans = [(int(k[0]), int(k[-1]), i) for i, k in enumerate(keys) if k.size]
-    spans.sort()
+    spans = sorted((int(k[0]), int(k[-1]), i) for i, k in enumerate(keys) if k.size)
     clusters, current, reach = [], [], -1
     for low, high, i in spans:
         if current and low > reach:
@@ -365,21 +406,37 @@ def _merge_sorted(keys: list, values: list, reduces: tuple) -> tuple[np.ndarray,
         reach = max(reach, high)
     if current:
         clusters.append(current)
-    out_keys, out_values = [], [[] for _ in values]
+    plans = []  # per cluster: ("copy", i) | ("weave", pieces) | ("sort", keys, order, starts, members)
+    total = 0
     for members in clusters:
-        if len(members) == 1:
-            out_keys.append(keys[members[0]])
-            for j, vals in enumerate(values):
-                out_values[j].append(vals[members[0]])
+        members = _fold_equal_keys(members, keys, values, reduces)
+        pieces = _row_pieces(members, keys, width) if len(members) > 1 else [(members[0], 0, keys[members[0]].size)]
+        if pieces is not None:
+            plans.append(("weave", pieces))
+            total += sum(b - a for _, a, b in pieces)
             continue
         k = np.concatenate([keys[i] for i in members])
         order = np.argsort(k, kind="stable")
         k = k[order]
         starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
-        out_keys.append(k[starts])
-        for j, (vals, reduce) in enumerate(zip(values, reduces)):
-            out_values[j].append(reduce.reduceat(np.concatenate([vals[i] for i in members])[order], starts))
-    return np.concatenate(out_keys), [np.concatenate(v) for v in out_values]
+        plans.append(("sort", k[starts], order, starts, members))
+        total += starts.size
+    out_keys = np.empty(total, dtype=np.result_type(*keys))
+    outs = [np.empty(total, dtype=np.result_type(*vals)) for vals in values]
+    at = 0
+    for plan in plans:
+        if plan[0] == "weave":
+            size = sum(b - a for _, a, b in plan[1])
+            for out, source in zip([out_keys, *outs], [keys, *values]):
+                np.concatenate([source[i][a:b] for i, a, b in plan[1]], out=out[at:at + size])
+        else:
+            _, merged_keys, order, starts, members = plan
+            size = merged_keys.size
+            out_keys[at:at + size] = merged_keys
+            for out, vals, reduce in zip(outs, values, reduces):
+                out[at:at + size] = reduce.reduceat(np.concatenate([vals[i] for i in members])[order], starts)
+        at += size
+    return out_keys, outs
 
 
 def greedy_coloring(pairs: Pairs, active: np.ndarray) -> np.ndarray:
