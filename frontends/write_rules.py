@@ -31,6 +31,7 @@ class EntryFactor:
 
     def __init__(self, log_in, log_out, ref: SourceRef, param_shape: tuple[int, ...]):
         self.log_in, self.log_out, self.ref, self.param_shape = log_in, log_out, ref, param_shape
+        self._compact = None  # (e^a, e^b) on the logs' own (unbroadcast) shapes, once computed
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -43,13 +44,16 @@ class EntryFactor:
         return self.ref.layout is None and len(self.param_shape) >= (2 if self.ref.transposed else 1)
 
     def _exp(self, index) -> np.ndarray:
-        a, b = np.asarray(self.log_in, dtype=np.float64), np.asarray(self.log_out, dtype=np.float64)
-        if max(float(np.max(np.abs(a), initial=0.0)), float(np.max(np.abs(b), initial=0.0))) < 600.0:
-            # e^a e^b: exponentials of the per-channel logs only, one product per entry
-            ea, eb = (np.broadcast_to(np.exp(x), self.param_shape)[index] for x in (a, b))
+        if self._compact is None:
+            a, b = (_unbroadcast(np.asarray(x, dtype=np.float64)) for x in (self.log_in, self.log_out))
+            big = max(float(np.max(np.abs(a), initial=0.0)), float(np.max(np.abs(b), initial=0.0)))
+            # e^a e^b from the per-channel logs (a beyond e^600 on one side: the sum first)
+            self._compact = (np.exp(a), np.exp(b)) if big < 600.0 else ()
+        if self._compact:
+            ea, eb = (np.broadcast_to(x, self.param_shape)[index] for x in self._compact)
             return ea * eb
-        a, b = (np.broadcast_to(x, self.param_shape)[index] for x in (a, b))
-        return np.exp(a + b)  # a factor beyond e^600 on one side: the sum first
+        a, b = (np.broadcast_to(x, self.param_shape)[index] for x in (self.log_in, self.log_out))
+        return np.exp(a + b)
 
     def rows(self, start: int, stop: int) -> np.ndarray:
         """Rows start:stop (along the source tensor's first axis) of the factor."""
@@ -62,6 +66,12 @@ class EntryFactor:
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         f = self.ref.to_source(self._exp(...))
         return f if dtype is None else f.astype(dtype, copy=False)
+
+
+def _unbroadcast(x: np.ndarray) -> np.ndarray:
+    """``x`` without its broadcast axes (stride 0): the same values, each stored once."""
+    index = tuple(slice(0, 1) if step == 0 and n > 1 else slice(None) for step, n in zip(x.strides, x.shape))
+    return x[index]
 
 
 def source_factors(graph: Graph, log_scales: Mapping[str, np.ndarray], lazy: bool = False) -> dict:

@@ -308,7 +308,7 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
                     and sum(n != 1 for n in l_rank.shape[1:]) <= 1 and l_rank.shape[0] == 1)
         sums = np.zeros(size)
         if extremes:
-            low_k, high_k, count_k = np.full(size, math.inf), np.full(size, -math.inf), np.zeros(size)
+            low_k, high_k, count_k = np.full(size, math.inf), np.full(size, -math.inf), np.zeros(size, dtype=np.int64)
             if flat_axes:  # reduced like the sums (the grid is smaller than the param)
                 reduced = _extremes(raw, flat_axes)
         row = grid if runs is None else shape  # entries read per row: the runs are summed block by block
@@ -336,22 +336,22 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
                     continue
                 np.minimum.at(low_k, local, lows.reshape(-1))
                 np.maximum.at(high_k, local, highs.reshape(-1))
-                count_k += np.bincount(local, weights=counts.reshape(-1), minlength=size)
-        keep = np.flatnonzero(sums != 0)
-        a, b = np.divmod(keep, l_units.size)
-        parts["keys"].append(e_units[a] * (H + 1) + l_units[b])
-        parts["sums"].append(sums[keep])
-        if extremes:
-            parts["low"].append(low_k[keep])
-            parts["high"].append(high_k[keep])
-            parts["count"].append(count_k[keep])
+                count_k += np.bincount(local, weights=counts.reshape(-1), minlength=size).astype(np.int64)
+        keys = (e_units[:, None] * (H + 1) + l_units[None, :]).reshape(-1)  # the grid's cells, row-major
+        kept = [sums] + ([low_k, high_k, count_k] if extremes else [])
+        if np.count_nonzero(sums) != size:  # pairs with no mass (rows of zeros) are no pairs
+            keep = sums != 0
+            keys, kept = keys[keep], [x[keep] for x in kept]
+        parts["keys"].append(keys)
+        for name, x in zip(("sums", "low", "high", "count"), kept):
+            parts[name].append(x)
     names = ("sums", "count", "low", "high") if extremes else ("sums",)
     keys, merged = _merge_sorted(parts["keys"], [parts[name] for name in names],
                                  (np.add, np.add, np.minimum, np.maximum)[:len(names)], H + 1)
     pairs = _pairs_from_sums(keys, merged[0], scale, H)
     if not extremes:
         return pairs
-    return pairs, merged[2], merged[3], merged[1].astype(np.int64)
+    return pairs, merged[2], merged[3], merged[1].astype(np.int64, copy=False)
 
 
 def _fold_equal_keys(members: list, keys: list, values: list, reduces: tuple) -> list:
