@@ -163,11 +163,12 @@ def _index_parts(be, m, index):
 
 
 def _channel_apply(be, m, x, s):
-    safe, mask, _, _ = _index_parts(be, m, m.index)
-    y = x[:, safe]
+    safe, mask, pos, src = _index_parts(be, m, m.index)
     if mask is None:
-        return y
-    return torch.where(mask.reshape(1, -1, *([1] * (x.ndim - 2))), y, y.new_zeros(()))
+        return x[:, safe]
+    # only the kept targets are read (a concat slice keeps few of many): zeros, then those channels copied in
+    out = x.new_zeros((x.shape[0], safe.numel(), *x.shape[2:]))
+    return out.index_copy_(1, pos, x.index_select(1, src))
 
 
 def _channel_adjoint(be, m, g, s):

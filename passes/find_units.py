@@ -366,22 +366,25 @@ def _names(graph: Graph, members) -> list[str]:
         n.name: next((e.map.weight for e in n.edges if e.map.weight is not None), None) for n in graph.nodes
     }
     out, seen = [], {}
-    for mem in members:
-        node_names = list(dict.fromkeys(n for n, _ in mem))
+    pattern: dict[tuple[str, ...], tuple[str, str]] = {}  # node list -> (name prefix, node read for the channel)
+
+    def name_pattern(node_names: tuple[str, ...]) -> tuple[str, str]:
         fed = [n for n in node_names if first_param[n] is not None]
-        layers = {id(first_param[n]) for n in fed}
-        if len(layers) == 1:
-            ch = next(c for n, c in mem if n == fed[0])
-            name = f"{_strip(first_param[fed[0]].name)}:c{ch}"
-        elif len(node_names) == 1:
-            name = f"{node_names[0]}:c{mem[0][1]}"
-        else:
-            named = fed or node_names  # the nodes that compute the class, not the pools after it
-            label = os.path.commonprefix([n.split(".") for n in named])
-            last = named[-1]
-            prefix = ".".join(label) if label else last.split(".")[0]
-            ch = next(c for n, c in mem if n == last)
-            name = f"stream:{prefix}/c{ch}"
+        if len({id(first_param[n]) for n in fed}) == 1:
+            return f"{_strip(first_param[fed[0]].name)}:c", fed[0]
+        if len(node_names) == 1:
+            return f"{node_names[0]}:c", node_names[0]
+        named = fed or list(node_names)  # the nodes that compute the class, not the pools after it
+        label = os.path.commonprefix([n.split(".") for n in named])
+        last = named[-1]
+        return f"stream:{'.'.join(label) if label else last.split('.')[0]}/c", last
+
+    for mem in members:
+        node_names = tuple(dict.fromkeys(n for n, _ in mem))
+        if node_names not in pattern:  # the units of one layer share their nodes: one pattern each
+            pattern[node_names] = name_pattern(node_names)
+        prefix, node = pattern[node_names]
+        name = f"{prefix}{next(c for n, c in mem if n == node)}"
         if name in seen:
             seen[name] += 1
             name = f"{name}~{seen[name]}"
