@@ -246,7 +246,7 @@ def prune(graph: Graph, backend, amount, criterion: str = "path-magnitude", scop
     ``Compiled.prune`` writes them into the model (torch:
     ``torch.nn.utils.prune.custom_from_mask``; ONNX: the initializers), all at once.
     """
-    from pathir.lifting.path_metric import path_metric
+    from pathir.lifting.path_metric import pruned_path_metric
 
     if criterion not in CRITERIA:  # before the scores are computed
         raise ValueError(f"criterion must backend one of {CRITERIA}, got '{criterion}'")
@@ -258,7 +258,7 @@ def prune(graph: Graph, backend, amount, criterion: str = "path-magnitude", scop
     # before the path-metric walk, whose own arrays would otherwise sit beside them
     log_bound = _log_bound(graph, masks, scores)
     del scores
-    metric = path_metric(graph, after, backend, progress=False)  # inside the caller's bar
+    metric = pruned_path_metric(graph, after, backend)  # θ' = θ ⊙ mask by construction
     sources = {p.name: p.source_name for p in graph.params()}
     report = PruneReport(
         criterion=criterion,
