@@ -62,20 +62,26 @@ def _summed_pairs(value: np.ndarray, enter: np.ndarray, leave: np.ndarray, p: fl
     return (key, mass) if np.all(np.isfinite(mass)) else None
 
 
-def _segment_logsumexp(vals: np.ndarray, seg: np.ndarray, count: int) -> np.ndarray:
-    top = np.full(count, -np.inf)
-    np.maximum.at(top, seg, vals)
+def _sorted_segment_logsumexp(vals: np.ndarray, seg: np.ndarray, count: int) -> np.ndarray:
+    """log Σ e^{vals} per segment id in [0, count) (-inf for an empty one), ``seg`` non-decreasing:
+    reductions over the runs of equal ids, no scattered updates."""
+    out = np.full(count, -np.inf)
+    if seg.size == 0:
+        return out
+    starts = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])
+    top = np.maximum.reduceat(vals, starts)
     safe = np.where(np.isfinite(top), top, 0.0)
-    total = np.zeros(count)
-    np.add.at(total, seg, np.exp(vals - safe[seg]))
+    total = np.add.reduceat(np.exp(vals - np.repeat(safe, np.diff(np.append(starts, seg.size)))), starts)
     with np.errstate(divide="ignore"):
-        return np.where(np.isfinite(top), safe + np.log(total), -np.inf)
+        out[seg[starts]] = np.where(np.isfinite(top), safe + np.log(total), -np.inf)
+    return out
 
 
 def _levels(n_comp: int, c_src: np.ndarray, c_tgt: np.ndarray) -> list[np.ndarray]:
     """Components grouped by level of a topological order (Kahn) of the condensation."""
-    order = np.argsort(c_src, kind="stable")
-    c_src, c_tgt = c_src[order], c_tgt[order]
+    if c_src.size > 1 and not np.all(c_src[1:] >= c_src[:-1]):  # (the caller's edges come sorted)
+        order = np.argsort(c_src, kind="stable")
+        c_src, c_tgt = c_src[order], c_tgt[order]
     start = np.searchsorted(c_src, np.arange(n_comp + 1))
     indeg = np.bincount(c_tgt, minlength=n_comp)
     frontier = np.flatnonzero(indeg == 0)
@@ -170,9 +176,8 @@ def normalize_log_scales(graph: Graph, units, p: float = 2.0) -> Normalization:
         # the entries of M's rows ``rows``, row after row: lo[r] + (position within the row)
         idx = np.arange(seg.size) + np.repeat(lo - (np.cumsum(lengths) - lengths), lengths)
         outside = label[M.indices[idx]] != label[rows[seg]]
-        vals = np.concatenate([log_m[idx[outside]] + log_u[M.indices[idx[outside]]], log_b[rows]])
-        segs = np.concatenate([seg[outside], np.arange(rows.size)])
-        ext = _segment_logsumexp(vals, segs, rows.size)
+        ext = np.logaddexp(_sorted_segment_logsumexp(log_m[idx[outside]] + log_u[M.indices[idx[outside]]],
+                                                     seg[outside], rows.size), log_b[rows])
         single = size == 1
         log_u[rows[single]] = ext[single]
         for c in np.unique(label[rows[~single]]):
