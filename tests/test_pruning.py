@@ -336,3 +336,22 @@ def test_cli_prunes_an_onnx_file_and_writes_nothing_on_failure(tmp_path, capsys)
     assert main(["prune", str(src), "--amount", "0.5", "-o", str(tmp_path / "x.pt")]) == 2
     assert main(["prune", str(src), "--amount", "0.5", "-o", str(tmp_path / "no" / "x.onnx")]) == 2
     assert sorted(os.listdir(tmp_path)) == ["mm.onnx", "out.onnx"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 3000), frac=st.floats(0, 1), ties=st.booleans())
+def test_the_kth_value_from_a_sampled_band_equals_a_full_partition(seed, n, frac, ties):
+    """pruning._smallest picks the same entries with the sampled band (forced on small arrays) as a stable sort."""
+    from pathir.lifting import pruning
+
+    rng = np.random.default_rng(seed)
+    values = rng.integers(0, 20, n).astype(float) if ties else rng.normal(size=n)
+    k = int(round(frac * n))
+    saved = pruning._SAMPLE_FROM
+    try:
+        pruning._SAMPLE_FROM = 1
+        got = pruning._smallest(values, k)
+    finally:
+        pruning._SAMPLE_FROM = saved
+    want = np.sort(np.argsort(values, kind="stable")[:k])
+    assert np.array_equal(np.sort(got), want)

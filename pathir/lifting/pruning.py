@@ -111,6 +111,26 @@ def _count(amount, n: int) -> int:
     return int(round(amount * n))
 
 
+#: from this many values on, `_smallest` finds the k-th value inside a band picked from a sample
+_SAMPLE_FROM = 1 << 22
+
+
+def _kth_value(values: np.ndarray, k: int) -> float:
+    """The k-th smallest value (1-based). For a large array: a random sample brackets it in a band
+    [lo, hi]; counting the values below lo and partitioning only those inside the band finds it
+    exactly, without a scratch copy of the whole array (a full partition where the band misses)."""
+    n = values.size
+    if n >= _SAMPLE_FROM:
+        sample = np.sort(values[np.random.default_rng(0).integers(0, n, 1 << 16)])
+        at = (k - 1) / n * (sample.size - 1)
+        lo, hi = sample[max(0, int(at) - 400)], sample[min(sample.size - 1, int(at) + 401)]
+        below = int(np.count_nonzero(values < lo))
+        band = values[(values >= lo) & (values <= hi)]
+        if below < k <= below + band.size:
+            return float(np.partition(band, k - below - 1)[k - below - 1])
+    return float(np.partition(values, k - 1)[k - 1])  # a scratch copy, freed at once
+
+
 def _smallest(values: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k smallest entries; among equal values the earlier ones
     (as a stable sort would pick them), in O(n)."""
@@ -118,7 +138,7 @@ def _smallest(values: np.ndarray, k: int) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     if k >= values.size:
         return np.arange(values.size)
-    t = np.partition(values, k - 1)[k - 1]  # a scratch copy, freed at once
+    t = _kth_value(values, k)
     below = np.flatnonzero(values < t)
     ties = np.flatnonzero(values == t)[: k - below.size]
     return np.concatenate([below, ties])
