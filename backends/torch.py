@@ -408,6 +408,17 @@ class TorchBackend(Backend):
     def ones(self, shape):
         return torch.ones(tuple(shape), dtype=self.dtype, device=self.device)
 
+    def placed(self, m, x, in_shape):
+        """``(values, positions, channels)`` where map ``m`` applied to x keeps only some target channels
+        (a concat operand): its output is zero but at ``positions`` (along axis 1, of ``channels``),
+        which hold ``values``; None where it is a plain map (the walk then adds ``apply``'s output)."""
+        if m.kind is not MapKind.CHANNEL_MAP:
+            return None
+        _, mask, pos, src = _index_parts(self, m, m.index)
+        if mask is None:
+            return None
+        return x.index_select(1, src), pos, len(m.index)
+
     def zeros(self, shape):
         return torch.zeros(tuple(shape), dtype=self.dtype, device=self.device)
 

@@ -66,18 +66,28 @@ def forward(graph: Graph, backend, inputs, all_nodes: bool = False):
 _LOW, _HIGH = 1e-100, 1e100
 
 
-def _combine(backend, terms, shape=None):
+def _combine(backend, terms, shape=None, placed=()):
     """Sum of m_t * exp(L_t) as (m, L) with _LOW <= max|m| <= _HIGH (or m = 0, L = 0).
 
-    Terms may broadcast (a bias is (1, C, 1, ...)); ``shape`` is the full shape."""
+    Terms may broadcast (a bias is (1, C, 1, ...)); ``shape`` is the full shape. ``placed`` terms
+    ``((values, positions, channels), L)`` are zero but at ``positions`` along axis 1 (the
+    backend's ``placed``): added into those channels of the sum."""
     terms = [(m, L) for m, L in terms if L != -math.inf]
-    if not terms:
+    placed = [(p, L) for p, L in placed if L != -math.inf]
+    if not terms and not placed:
         return None, 0.0
-    top = max(L for _, L in terms)
+    top = max(L for _, L in [*terms, *placed])
     acc = None
     for m, L in terms:
         t = m if L == top else m * math.exp(L - top)
         acc = t if acc is None else acc + t
+    if placed:
+        (values, _, channels), _ = placed[0]
+        full = (values.shape[0], channels, *values.shape[2:])
+        # a fresh sum to add into (a lone term may be another node's array)
+        acc = backend.zeros(full) if acc is None else acc + backend.zeros(full)
+        for (values, positions, _), L in placed:
+            acc.index_add_(1, positions, values if L == top else values * math.exp(L - top))
     if shape is not None and tuple(acc.shape) != tuple(shape):
         acc = acc + backend.zeros(shape)
     peak = backend.amax(acc)
@@ -128,14 +138,20 @@ def path_forward(graph: Graph, backend, inputs=None, linearize: bool = False):
             acts[node.name] = _combine(backend, [(x, 0.0)]) if inputs is not None else (x, 0.0)
             continue
         try:
-            terms = []
+            terms, placed = [], []
+            place = getattr(backend, "placed", None)
             for e in node.edges:
                 m, L = acts[e.source]
-                if m is not None:
+                if m is None:
+                    continue
+                part = None if place is None else place(e.map, m, graph.node(e.source).shape)
+                if part is None:
                     terms.append((backend.apply(e.map, m, graph.node(e.source).shape), L))
+                else:  # a concat operand: added into its channels of the node's sum, not padded with zeros
+                    placed.append((part, L))
             if node.bias is not None:
                 terms.append((backend.bias(node, len(node.shape) + 1), 0.0))
-            acts[node.name] = _combine(backend, terms, (1, *node.shape))
+            acts[node.name] = _combine(backend, terms, (1, *node.shape), placed)
         except PathirError:
             raise
         except Exception as err:
