@@ -203,11 +203,42 @@ def test_writer_by_row_blocks_equals_the_whole_tensor_write(block, monkeypatch):
         assert torch.equal(a, b), name
 
 
+class _ConcatNet:
+    """A conv reading a concatenation whose channels are not in unit order (``with_input``: the input's
+    pinned channels too), then a Linear on the flattened output."""
+
+    def __new__(cls, with_input):
+        import torch
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a, self.b = torch.nn.Conv2d(2, 3, 3, padding=1), torch.nn.Conv2d(2, 4, 1)
+                self.c = torch.nn.Conv2d(9 if with_input else 7, 5, 1)
+                self.d = torch.nn.Linear(5 * 4 * 4, 3)
+
+            def forward(self, x):
+                a, b = torch.relu(self.a(x)), torch.relu(self.b(x))
+                h = torch.relu(self.c(torch.cat([b, x, a] if with_input else [b, a], 1)))
+                return self.d(torch.flatten(h, 1))
+
+        return Net()
+
+
+def _flattened_conv_net(spatial):
+    import torch
+
+    h, w = spatial
+    return torch.nn.Sequential(torch.nn.Conv2d(2, 5, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+                               torch.nn.Linear(5 * h * w, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3)), (2, h, w)
+
+
 @pytest.mark.parametrize("zeros", [False, True])
-@pytest.mark.parametrize("spatial", [(1, 1), (3, 2)])
-def test_pairs_of_a_flattened_conv_output_equal_the_ones_from_row_keys(zeros, spatial):
+@pytest.mark.parametrize("case", ["flatten 1x1", "flatten 3x2", "concat", "concat with input"])
+def test_pairs_read_by_runs_and_permutations_equal_the_ones_from_row_keys(zeros, case):
     """A Linear on a flattened conv output reads each channel at several places in a row (runs of one
-    unit): summed run by run, its pairs, sums and per-pair extremes are those of the row keys."""
+    unit); a conv on a concatenation reads its units out of order (placed by a column permutation):
+    the pairs, sums and per-pair extremes are those of the row keys."""
     import torch
 
     import pathir
@@ -215,12 +246,13 @@ def test_pairs_of_a_flattened_conv_output_equal_the_ones_from_row_keys(zeros, sp
     from pathir.rescaling.unit_pairs import group_compact, group_pairs
 
     torch.manual_seed(0)
-    h, w = spatial
-    net = torch.nn.Sequential(torch.nn.Conv2d(2, 5, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
-                              torch.nn.Linear(5 * h * w, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
-    units = pathir.compile(net, input_shape=(2, h, w)).units
+    if case.startswith("flatten"):
+        net, shape = _flattened_conv_net((1, 1) if case.endswith("1x1") else (3, 2))
+    else:
+        net, shape = _ConcatNet(case.endswith("input")), (2, 4, 4)
+    units = pathir.compile(net, input_shape=shape).units
     keys, ends = row_keys(units), row_ends(units)
-    rng = np.random.default_rng(h * w + zeros)
+    rng = np.random.default_rng(len(case) + zeros)
     m = np.exp(rng.uniform(-3, 3, keys.key.size))
     if zeros:
         m[rng.random(m.size) < 0.4] = 0.0

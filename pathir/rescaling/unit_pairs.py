@@ -306,6 +306,12 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
                     and np.array_equal(e_rank.reshape(-1), np.arange(e_units.size))
                     and np.array_equal(l_rank.reshape(-1), np.arange(l_units.size))
                     and sum(n != 1 for n in l_rank.shape[1:]) <= 1 and l_rank.shape[0] == 1)
+        # enter along the first axis and leave along one other, in any unit order: a block of rows is
+        # placed by a column permutation and a row assignment (no per-entry index array)
+        separable = (one_to_one and not in_order and nd >= 2 and e_rank.shape[0] == e_units.size
+                     and l_rank.shape[0] == 1 and sum(n != 1 for n in l_rank.shape[1:]) == 1)
+        if separable:
+            col_order, row_of = np.argsort(l_rank.reshape(-1)), e_rank.reshape(-1)
         sums = np.zeros(size)
         if extremes:
             low_k, high_k, count_k = np.full(size, math.inf), np.full(size, -math.inf), np.zeros(size, dtype=np.int64)
@@ -316,13 +322,20 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
         for i in range(0, grid[0] if nd else 1, step):
             rows_i = slice(i, i + step) if nd else ...
             block = _reduce_runs(mk[rows_i], runs)
-            if in_order:
+            if separable:
+                local = row_of[rows_i]
+
+                def place(target, values, n=block.shape[0]):
+                    target.reshape(e_units.size, l_units.size)[local] = values.reshape(n, -1)[:, col_order]
+            elif in_order:
                 local = slice(i * l_units.size, i * l_units.size + block.size)
             else:
                 local = e_rank[rows_i if e_rank.shape[:1] != (1,) else slice(None)] * l_units.size \
                     + l_rank[rows_i if l_rank.shape[:1] != (1,) else slice(None)]
                 local = np.broadcast_to(local, block.shape).reshape(-1)
-            if one_to_one:
+            if separable:
+                place(sums, block)
+            elif one_to_one:
                 sums[local] = block.reshape(-1)
             else:
                 sums += np.bincount(local, weights=block.reshape(-1), minlength=size)
@@ -331,6 +344,9 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
                 if runs is not None:
                     lows, highs = _reduce_runs(lows, runs, np.minimum), _reduce_runs(highs, runs, np.maximum)
                     counts = _reduce_runs(counts.astype(np.int64), runs)
+                if separable:
+                    place(low_k, lows), place(high_k, highs), place(count_k, counts)
+                    continue
                 if one_to_one:
                     low_k[local], high_k[local], count_k[local] = lows.reshape(-1), highs.reshape(-1), counts.reshape(-1)
                     continue
