@@ -233,8 +233,18 @@ def _flattened_conv_net(spatial):
                                torch.nn.Linear(5 * h * w, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3)), (2, h, w)
 
 
+def _sparse_grid_net():
+    """A grouped conv and a batch-norm after a ReLU (a per-channel scale): grids far smaller than their
+    units' (entered x left) table."""
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Conv2d(2, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.BatchNorm2d(16).eval(),
+                               torch.nn.Conv2d(16, 16, 3, padding=1, groups=8), torch.nn.ReLU(),
+                               torch.nn.Conv2d(16, 3, 1)).eval()
+
+
 @pytest.mark.parametrize("zeros", [False, True])
-@pytest.mark.parametrize("case", ["flatten 1x1", "flatten 3x2", "concat", "concat with input"])
+@pytest.mark.parametrize("case", ["flatten 1x1", "flatten 3x2", "concat", "concat with input", "sparse grids"])
 def test_pairs_read_by_runs_and_permutations_equal_the_ones_from_row_keys(zeros, case):
     """A Linear on a flattened conv output reads each channel at several places in a row (runs of one
     unit); a conv on a concatenation reads its units out of order (placed by a column permutation):
@@ -248,6 +258,8 @@ def test_pairs_read_by_runs_and_permutations_equal_the_ones_from_row_keys(zeros,
     torch.manual_seed(0)
     if case.startswith("flatten"):
         net, shape = _flattened_conv_net((1, 1) if case.endswith("1x1") else (3, 2))
+    elif case == "sparse grids":
+        net, shape = _sparse_grid_net(), (2, 4, 4)
     else:
         net, shape = _ConcatNet(case.endswith("input")), (2, 4, 4)
     units = pathir.compile(net, input_shape=shape).units

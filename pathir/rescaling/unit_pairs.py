@@ -297,6 +297,28 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
         if flat_axes:  # the ends do not vary along these axes: sum them out first
             mk = mk.sum(axis=flat_axes, keepdims=True)
         size = e_units.size * l_units.size
+        if int(np.prod(grid)) * 4 < size and runs is None:
+            # a sparse grid (a per-channel scale: the diagonal of its units' grid; a grouped conv): its
+            # cells keyed one by one, no table of every (entered, left) combination
+            cell_keys = np.broadcast_to(e_units[e_rank] * (H + 1) + l_units[l_rank], grid).reshape(-1)
+            lows = highs = counts = None
+            if extremes:
+                lows, highs, counts = (np.broadcast_to(x, grid).reshape(-1) for x in _extremes(raw, flat_axes))
+            order = np.argsort(cell_keys, kind="stable")
+            ordered = cell_keys[order]
+            starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+            keys = ordered[starts]
+            kept = [np.add.reduceat(np.broadcast_to(mk, grid).reshape(-1)[order], starts)]
+            if extremes:
+                kept += [np.minimum.reduceat(lows[order], starts), np.maximum.reduceat(highs[order], starts),
+                         np.add.reduceat(counts.astype(np.int64)[order], starts)]
+            if np.count_nonzero(kept[0]) != keys.size:
+                keep = kept[0] != 0
+                keys, kept = keys[keep], [x[keep] for x in kept]
+            parts["keys"].append(keys)
+            for name, x in zip(("sums", "low", "high", "count"), kept):
+                parts[name].append(x)
+            continue
         # every grid cell its own pair (distinct ends along disjoint axes: a conv, a dense layer between
         # two unit layers): the cells are placed, not reduced
         one_to_one = e_rank.size == e_units.size and l_rank.size == l_units.size and int(np.prod(grid)) == size
