@@ -26,6 +26,7 @@ import time
 import warnings
 
 import torch
+from bench_zoo_pathcond import build, forward_backward_seconds  # run as a script: benchmarks/ is on sys.path
 
 import pathir
 from pathir import zoo
@@ -41,28 +42,6 @@ METHODS = {
     "pathcond": lambda cm: cm.pathcond(),
 }
 GOALS = {"diag_g": 3, "scores": 3, "prune": 5, "normalize": 5, "enorm": 10, "pathcond": 10}
-
-
-def build(name):
-    extra = {"aux_logits": False} if name in ("googlenet", "inception_v3") else {}
-    return zoo.build(name, **extra)
-
-
-def forward_backward_seconds(name, repeat):
-    model = build(name).double()
-    x = torch.randn(1, *zoo.input_shape(name), dtype=torch.float64)
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        model(x).sum().backward()
-
-    step()
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def method_seconds(name, method):

@@ -230,17 +230,10 @@ class _BlockSweeps:
         z, log_s = z.copy(), at.log_s
         for i, (blk, a) in enumerate(zip(self.blocks, self.abs_a)):
             log_b, log_c, log_d = at.first if i == 0 else self.sums(blk, z)
-            new = None
-            if bound < math.inf:
-                log_s_free = _solve_s(log_b, log_c, log_d, a, log_s)
-                new = _block_z(log_b, log_c, self.A[blk.units], self.n, log_s_free)
-                if float(np.max(np.abs(new), initial=0.0)) > bound:
-                    log_s, new = _solve_s_clamped(log_b, log_c, log_d, self.A[blk.units], self.n, bound, log_s_free)
-                else:
-                    log_s = log_s_free
-            else:
-                log_s = _solve_s(log_b, log_c, log_d, a, log_s)
-                new = _block_z(log_b, log_c, self.A[blk.units], self.n, log_s)
+            log_s = _solve_s(log_b, log_c, log_d, a, log_s)
+            new = _block_z(log_b, log_c, self.A[blk.units], self.n, log_s)
+            if float(np.max(np.abs(new), initial=0.0)) > bound:  # the unconstrained block leaves the box
+                log_s, new = _solve_s_clamped(log_b, log_c, log_d, self.A[blk.units], self.n, bound, log_s)
             z[blk.units] = new
         return _Point(z, log_s, self.n * log_s + float(self.A @ z), None)
 

@@ -80,10 +80,10 @@ class CoarseSpace:
             factor = sla.cho_factor(coarse, check_finite=False)
         except np.linalg.LinAlgError:
             return None
-        g, keep = self.groups, ~empty
+        keep = ~empty
 
         def apply(r: np.ndarray) -> np.ndarray:
-            w = sla.cho_solve(factor, np.bincount(g, weights=r * free, minlength=m), check_finite=False) * keep
-            return jacobi * r + w[g] * free
+            w = sla.cho_solve(factor, self.restrict(r, free), check_finite=False) * keep
+            return jacobi * r + w[self.groups] * free
 
         return apply

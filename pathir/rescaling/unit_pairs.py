@@ -245,6 +245,24 @@ def _runs(enter: np.ndarray, leave: np.ndarray, nd: int):
     return None
 
 
+def _place(target: np.ndarray, block: np.ndarray, rows, col_order, width: int) -> None:
+    """Write a block of a param's rows into its (entered x left) table ``target`` (flat, ``width`` columns):
+    ``rows`` its rows there, ``col_order`` its columns in sorted-unit order (None: already so)."""
+    values = block.reshape(block.shape[0], -1)
+    target.reshape(-1, width)[rows] = values if col_order is None else values[:, col_order]
+
+
+def _add_pairs(parts: dict, keys: np.ndarray, kept: list) -> None:
+    """Append a param's pair keys and their sums (then lows, highs, counts) to ``parts``, the pairs
+    with no mass (rows of zeros) left out."""
+    if np.count_nonzero(kept[0]) != keys.size:
+        keep = kept[0] != 0
+        keys, kept = keys[keep], [x[keep] for x in kept]
+    parts["keys"].append(keys)
+    for name, x in zip(("sums", "low", "high", "count"), kept):
+        parts[name].append(x)
+
+
 def _reduce_runs(block: np.ndarray, runs, ufunc=np.add) -> np.ndarray:
     return block if runs is None else ufunc.reduceat(block, runs[1], axis=runs[0])
 
@@ -301,7 +319,6 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
             # a sparse grid (a per-channel scale: the diagonal of its units' grid; a grouped conv): its
             # cells keyed one by one, no table of every (entered, left) combination
             cell_keys = np.broadcast_to(e_units[e_rank] * (H + 1) + l_units[l_rank], grid).reshape(-1)
-            lows = highs = counts = None
             if extremes:
                 lows, highs, counts = (np.broadcast_to(x, grid).reshape(-1) for x in _extremes(raw, flat_axes))
             order = np.argsort(cell_keys, kind="stable")
@@ -312,28 +329,21 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
             if extremes:
                 kept += [np.minimum.reduceat(lows[order], starts), np.maximum.reduceat(highs[order], starts),
                          np.add.reduceat(counts.astype(np.int64)[order], starts)]
-            if np.count_nonzero(kept[0]) != keys.size:
-                keep = kept[0] != 0
-                keys, kept = keys[keep], [x[keep] for x in kept]
-            parts["keys"].append(keys)
-            for name, x in zip(("sums", "low", "high", "count"), kept):
-                parts[name].append(x)
+            _add_pairs(parts, keys, kept)
             continue
         # every grid cell its own pair (distinct ends along disjoint axes: a conv, a dense layer between
         # two unit layers): the cells are placed, not reduced
         one_to_one = e_rank.size == e_units.size and l_rank.size == l_units.size and int(np.prod(grid)) == size
-        # the grid cells in the param's own order (enter along the first axis, leave along one other, both
-        # sorted): a block of rows is a slice of the sums, no index array needed
-        in_order = (one_to_one and nd >= 1 and e_rank.shape[0] == e_units.size
-                    and np.array_equal(e_rank.reshape(-1), np.arange(e_units.size))
-                    and np.array_equal(l_rank.reshape(-1), np.arange(l_units.size))
-                    and sum(n != 1 for n in l_rank.shape[1:]) <= 1 and l_rank.shape[0] == 1)
-        # enter along the first axis and leave along one other, in any unit order: a block of rows is
-        # placed by a column permutation and a row assignment (no per-entry index array)
-        separable = (one_to_one and not in_order and nd >= 2 and e_rank.shape[0] == e_units.size
-                     and l_rank.shape[0] == 1 and sum(n != 1 for n in l_rank.shape[1:]) == 1)
-        if separable:
-            col_order, row_of = np.argsort(l_rank.reshape(-1)), e_rank.reshape(-1)
+        # enter along the first axis, leave along at most one other (a conv, a dense layer, a bias): a block
+        # of rows is placed by a row assignment (a slice where the entered units come sorted) and a column
+        # permutation (none where the left units come sorted), with no per-entry index array
+        placed = (one_to_one and nd >= 1 and e_rank.shape[0] == e_units.size and l_rank.shape[0] == 1
+                  and sum(n != 1 for n in l_rank.shape[1:]) <= 1)
+        if placed:
+            row_of, col_order = e_rank.reshape(-1), np.argsort(l_rank.reshape(-1))
+            rows_sorted = np.array_equal(row_of, np.arange(e_units.size))
+            if np.array_equal(col_order, np.arange(l_units.size)):
+                col_order = None
         sums = np.zeros(size)
         if extremes:
             low_k, high_k, count_k = np.full(size, math.inf), np.full(size, -math.inf), np.zeros(size, dtype=np.int64)
@@ -344,30 +354,25 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
         for i in range(0, grid[0] if nd else 1, step):
             rows_i = slice(i, i + step) if nd else ...
             block = _reduce_runs(mk[rows_i], runs)
-            if separable:
-                local = row_of[rows_i]
-
-                def place(target, values, n=block.shape[0]):
-                    target.reshape(e_units.size, l_units.size)[local] = values.reshape(n, -1)[:, col_order]
-            elif in_order:
-                local = slice(i * l_units.size, i * l_units.size + block.size)
+            if placed:
+                local = slice(i, i + block.shape[0]) if rows_sorted else row_of[rows_i]
+                _place(sums, block, local, col_order, l_units.size)
             else:
                 local = e_rank[rows_i if e_rank.shape[:1] != (1,) else slice(None)] * l_units.size \
                     + l_rank[rows_i if l_rank.shape[:1] != (1,) else slice(None)]
                 local = np.broadcast_to(local, block.shape).reshape(-1)
-            if separable:
-                place(sums, block)
-            elif one_to_one:
-                sums[local] = block.reshape(-1)
-            else:
-                sums += np.bincount(local, weights=block.reshape(-1), minlength=size)
+                if one_to_one:
+                    sums[local] = block.reshape(-1)
+                else:
+                    sums += np.bincount(local, weights=block.reshape(-1), minlength=size)
             if extremes:  # a block at a time: no temporary of the param's size
                 lows, highs, counts = (r[rows_i] for r in reduced) if flat_axes else _extremes(raw[rows_i], ())
                 if runs is not None:
                     lows, highs = _reduce_runs(lows, runs, np.minimum), _reduce_runs(highs, runs, np.maximum)
                     counts = _reduce_runs(counts.astype(np.int64), runs)
-                if separable:
-                    place(low_k, lows), place(high_k, highs), place(count_k, counts)
+                if placed:
+                    for target, values in ((low_k, lows), (high_k, highs), (count_k, counts)):
+                        _place(target, values, local, col_order, l_units.size)
                     continue
                 if one_to_one:
                     low_k[local], high_k[local], count_k[local] = lows.reshape(-1), highs.reshape(-1), counts.reshape(-1)
@@ -376,13 +381,7 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
                 np.maximum.at(high_k, local, highs.reshape(-1))
                 count_k += np.bincount(local, weights=counts.reshape(-1), minlength=size).astype(np.int64)
         keys = (e_units[:, None] * (H + 1) + l_units[None, :]).reshape(-1)  # the grid's cells, row-major
-        kept = [sums] + ([low_k, high_k, count_k] if extremes else [])
-        if np.count_nonzero(sums) != size:  # pairs with no mass (rows of zeros) are no pairs
-            keep = sums != 0
-            keys, kept = keys[keep], [x[keep] for x in kept]
-        parts["keys"].append(keys)
-        for name, x in zip(("sums", "low", "high", "count"), kept):
-            parts[name].append(x)
+        _add_pairs(parts, keys, [sums] + ([low_k, high_k, count_k] if extremes else []))
     names = ("sums", "count", "low", "high") if extremes else ("sums",)
     keys, merged = _merge_sorted(parts["keys"], [parts[name] for name in names],
                                  (np.add, np.add, np.minimum, np.maximum)[:len(names)], H + 1)
