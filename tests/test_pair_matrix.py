@@ -66,3 +66,29 @@ def test_both_reads_a_block_in_chunks(monkeypatch):
     got = M.both(x, y)
     np.testing.assert_allclose(got[0], reference @ x, rtol=1e-12)
     np.testing.assert_allclose(got[1], reference.T @ y, rtol=1e-12)
+
+
+@settings(derandomize=True, max_examples=150, deadline=None)
+@given(pair_sets(), st.integers(0, 2**32 - 1), st.sampled_from([8, 24, 1 << 18]))
+def test_same_as_next_row_matches_its_definition_chunk_by_chunk(pairs, seed, chunk):
+    """Row r + 1 holds exactly row r's columns, compared over run views a chunk of rows at a time
+    (a chunk of 8 bytes: one row per comparison), against row-by-row array_equal."""
+    import pathir.rescaling.pair_matrix as pm
+
+    enter, leave, _, size = pairs
+    rng = np.random.default_rng(seed)
+    if leave.size:  # rows of one length but other columns: the case the views must tell apart
+        leave = leave.copy()
+        leave[rng.integers(0, leave.size)] = size  # a column no row shared before
+        order = np.lexsort((leave, enter))
+        enter, leave = enter[order], leave[order]
+    indptr = np.searchsorted(enter, np.arange(size + 1))
+    lengths = np.diff(indptr)
+    expected = [bool(lengths[r] > 0 and np.array_equal(leave[indptr[r]:indptr[r + 1]], leave[indptr[r + 1]:indptr[r + 2]]))
+                for r in range(size - 1)] + [False]
+    old = pm._CHUNK_BYTES
+    pm._CHUNK_BYTES = chunk
+    try:
+        assert pm._same_as_next_row(leave, indptr, lengths).tolist() == expected[:size]
+    finally:
+        pm._CHUNK_BYTES = old

@@ -243,3 +243,22 @@ def test_the_default_bound_reads_the_finite_magnitudes_at_least_the_dtype_smalle
     margin = min(SAFETY_MARGIN, 0.1 * (log_big - log_tiny))
     expected = max((min(log_big - math.log(high), math.log(low) - log_tiny) - margin) / 2.0, 0.0)
     assert default_max_log_scale(graph, dtype) == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+@given(st.integers(0, 3 * (1 << 16) + 7), st.lists(st.tuples(st.integers(0, 1 << 20), st.sampled_from(
+    [0.0, 1e-310, math.inf, -math.inf, math.nan, 1e300, -1e-300])), max_size=4), st.integers(0, 2 ** 32 - 1))
+@settings(max_examples=25, deadline=None, derandomize=True)
+def test_the_bound_reads_magnitudes_chunk_by_chunk_as_over_the_whole_array(size, specials, seed):
+    """The chunked min/max of the normal finite |θ| equals the masked reduction over the whole array,
+    with zeros, subnormals, infs and nans landing in any chunk."""
+    from pathir.rescaling.bounds import _normal_magnitude_range
+
+    x = np.random.default_rng(seed).standard_normal(size) * 1e-3
+    for at, v in specials:
+        if size:
+            x[at % size] = v
+    tiny = np.finfo(np.float64).tiny
+    mag = np.abs(x)
+    keep = np.isfinite(mag) & (mag >= tiny)
+    expected = (float(mag[keep].min()), float(mag[keep].max())) if keep.any() else (math.inf, -math.inf)
+    assert _normal_magnitude_range(x, tiny) == expected

@@ -18,7 +18,7 @@ import numpy as np
 
 __all__ = ["GSummary", "summarize"]
 
-_CHUNK = 1 << 22
+_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,9 +41,13 @@ class GSummary:
         if not self.enter.size:
             return 0.0, 0.0
         zp = np.append(np.asarray(z, dtype=np.float64), 0.0)
-        shift = zp[self.leave] - zp[self.enter]
-        before = float(self.log_high.max() - self.log_low.min())
-        return before, float((self.log_high + shift).max() - (self.log_low + shift).min())
+        high, low = -math.inf, math.inf
+        for i in range(0, self.enter.size, _CHUNK):  # a chunk at a time: no temporary of the pairs' size
+            part = slice(i, i + _CHUNK)
+            shift = zp[self.leave[part]] - zp[self.enter[part]]
+            high = max(high, float((self.log_high[part] + shift).max()))
+            low = min(low, float((self.log_low[part] + shift).min()))
+        return float(self.log_high.max() - self.log_low.min()), high - low
 
     def kept_shift(self, z: np.ndarray, balance: np.ndarray) -> float:
         """Σ_i (Bz)_i over the rows with g_i > 0 (−A·z from B's column balance A when all are)."""

@@ -68,16 +68,11 @@ def default_max_log_scale(graph, dtype, *, variance_ratio: float | None = None) 
     True
     """
     log_big, log_tiny = dtype_range(dtype)
-    low, high = math.inf, -math.inf
     tiny = math.exp(log_tiny)
+    low, high = math.inf, -math.inf
     for p in graph.params():
-        mag = np.abs(p.value)
-        if not math.isfinite(float(mag.max(initial=0.0))):  # drop inf and nan (rare: a copy is fine)
-            mag = mag[np.isfinite(mag)]
-        big = mag >= tiny
-        if big.any():
-            low = min(low, float(np.min(mag, where=big, initial=math.inf)))
-            high = max(high, float(np.max(mag, where=big, initial=-math.inf)))
+        lo, hi = _normal_magnitude_range(np.asarray(p.value), tiny)
+        low, high = min(low, lo), max(high, hi)
     if high == -math.inf:  # nothing nonzero: any rescaling writes zeros as zeros
         low = high = 1.0
     margin = min(SAFETY_MARGIN, 0.1 * (log_big - log_tiny))
@@ -86,3 +81,24 @@ def default_max_log_scale(graph, dtype, *, variance_ratio: float | None = None) 
     if variance_ratio is not None and variance_ratio < math.inf:
         bound = min(bound, max(0.5 * (math.log(max(variance_ratio, 1.0)) - math.log(1e3)) - math.log(2.0), 0.0))
     return bound
+
+
+_CHUNK = 1 << 16
+
+
+def _normal_magnitude_range(value: np.ndarray, tiny: float) -> tuple[float, float]:
+    """(min, max) of |value| over its finite entries >= ``tiny`` ((inf, -inf) if none), a cache-sized
+    chunk at a time: one |x| per chunk, and the masks only for a chunk holding a zero, a subnormal, inf or nan."""
+    flat = value.reshape(-1)
+    low, high = math.inf, -math.inf
+    buf = np.empty(min(_CHUNK, flat.size), dtype=np.result_type(flat.dtype, np.float32))
+    for i in range(0, flat.size, _CHUNK):
+        part = flat[i:i + _CHUNK]
+        mag = np.abs(part, out=buf[:part.size])
+        lo, hi = float(mag.min()), float(mag.max())
+        if not (lo >= tiny and hi < math.inf):  # zeros, subnormals, inf or nan here: mask them out
+            keep = (mag >= tiny) & np.isfinite(mag)
+            lo = float(np.min(mag, where=keep, initial=math.inf))
+            hi = float(np.max(mag, where=keep, initial=-math.inf))
+        low, high = min(low, lo), max(high, hi)
+    return low, high

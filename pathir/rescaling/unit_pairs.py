@@ -204,7 +204,10 @@ def _pairs_from_sums(keys: np.ndarray, total: np.ndarray, scale: float, H: int) 
     # keys are sorted: the entered unit of each from where its row of the (H + 1)² key grid begins
     bounds = np.searchsorted(keys, np.arange(H + 2) * (H + 1))
     enter = np.repeat(np.arange(H + 1), np.diff(bounds))
-    return Pairs(None, enter, keys - enter * (H + 1), H, total / big, math.log(big) + math.log(scale))
+    leave = np.multiply(enter, H + 1)
+    np.subtract(keys, leave, out=leave)  # in place: no temporary of the pairs' size
+    total /= big  # the caller's own merged sums
+    return Pairs(None, enter, leave, H, total, math.log(big) + math.log(scale))
 
 
 def _ranks(ends: np.ndarray, ndim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -328,7 +331,7 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
             kept = [np.add.reduceat(np.broadcast_to(mk, grid).reshape(-1)[order], starts)]
             if extremes:
                 kept += [np.minimum.reduceat(lows[order], starts), np.maximum.reduceat(highs[order], starts),
-                         np.add.reduceat(counts.astype(np.int64)[order], starts)]
+                         np.add.reduceat(counts.astype(np.int32)[order], starts)]
             _add_pairs(parts, keys, kept)
             continue
         # every grid cell its own pair (distinct ends along disjoint axes: a conv, a dense layer between
@@ -346,7 +349,7 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
                 col_order = None
         sums = np.zeros(size)
         if extremes:
-            low_k, high_k, count_k = np.full(size, math.inf), np.full(size, -math.inf), np.zeros(size, dtype=np.int64)
+            low_k, high_k, count_k = np.full(size, math.inf), np.full(size, -math.inf), np.zeros(size, dtype=np.int32)
             if flat_axes:  # reduced like the sums (the grid is smaller than the param)
                 reduced = _extremes(raw, flat_axes)
         row = grid if runs is None else shape  # entries read per row: the runs are summed block by block
@@ -369,7 +372,7 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
                 lows, highs, counts = (r[rows_i] for r in reduced) if flat_axes else _extremes(raw[rows_i], ())
                 if runs is not None:
                     lows, highs = _reduce_runs(lows, runs, np.minimum), _reduce_runs(highs, runs, np.maximum)
-                    counts = _reduce_runs(counts.astype(np.int64), runs)
+                    counts = _reduce_runs(counts.astype(np.int32), runs)
                 if placed:
                     for target, values in ((low_k, lows), (high_k, highs), (count_k, counts)):
                         _place(target, values, local, col_order, l_units.size)
@@ -379,16 +382,17 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
                     continue
                 np.minimum.at(low_k, local, lows.reshape(-1))
                 np.maximum.at(high_k, local, highs.reshape(-1))
-                count_k += np.bincount(local, weights=counts.reshape(-1), minlength=size).astype(np.int64)
+                count_k += np.bincount(local, weights=counts.reshape(-1), minlength=size).astype(np.int32)
         keys = (e_units[:, None] * (H + 1) + l_units[None, :]).reshape(-1)  # the grid's cells, row-major
         _add_pairs(parts, keys, [sums] + ([low_k, high_k, count_k] if extremes else []))
     names = ("sums", "count", "low", "high") if extremes else ("sums",)
+    sums = low_k = high_k = count_k = keys = None  # the merge frees each param's arrays once it is copied
     keys, merged = _merge_sorted(parts["keys"], [parts[name] for name in names],
                                  (np.add, np.add, np.minimum, np.maximum)[:len(names)], H + 1)
     pairs = _pairs_from_sums(keys, merged[0], scale, H)
     if not extremes:
         return pairs
-    return pairs, merged[2], merged[3], merged[1].astype(np.int64, copy=False)
+    return pairs, merged[2], merged[3], merged[1]  # counts as int32: each below a param's size
 
 
 def _fold_equal_keys(members: list, keys: list, values: list, reduces: tuple) -> list:
@@ -429,7 +433,9 @@ def _merge_sorted(keys: list, values: list, reduces: tuple, width: int) -> tuple
     keys are reduced entry by entry (a layer's weights and bias from the input); overlapping ones are
     woven row by row where their left units lie in disjoint ranges (`_row_pieces`: the convolutions
     writing into one residual stream, a layer's weights and its bias); only the rest are sorted.
-    Each piece is written once, into the preallocated result.
+    Each piece is written once, into the preallocated result, and each cluster's arrays are released
+    from ``keys`` and ``values`` (set to None) once written: the result's pages then reuse theirs
+    instead of adding a second copy of every pair to the peak.
     """
     if not keys:
         return np.zeros(0, dtype=np.int64), [np.zeros(0) for _ in values]
@@ -445,33 +451,36 @@ def _merge_sorted(keys: list, values: list, reduces: tuple, width: int) -> tuple
         clusters.append(current)
     plans = []  # per cluster: ("copy", i) | ("weave", pieces) | ("sort", keys, order, starts, members)
     total = 0
-    for members in clusters:
-        members = _fold_equal_keys(members, keys, values, reduces)
+    for cluster in clusters:
+        members = _fold_equal_keys(cluster, keys, values, reduces)
         pieces = _row_pieces(members, keys, width) if len(members) > 1 else [(members[0], 0, keys[members[0]].size)]
         if pieces is not None:
-            plans.append(("weave", pieces))
+            plans.append(("weave", cluster, pieces))
             total += sum(b - a for _, a, b in pieces)
             continue
         k = np.concatenate([keys[i] for i in members])
         order = np.argsort(k, kind="stable")
         k = k[order]
         starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
-        plans.append(("sort", k[starts], order, starts, members))
+        plans.append(("sort", cluster, k[starts], order, starts, members))
         total += starts.size
     out_keys = np.empty(total, dtype=np.result_type(*keys))
     outs = [np.empty(total, dtype=np.result_type(*vals)) for vals in values]
     at = 0
     for plan in plans:
         if plan[0] == "weave":
-            size = sum(b - a for _, a, b in plan[1])
+            size = sum(b - a for _, a, b in plan[2])
             for out, source in zip([out_keys, *outs], [keys, *values]):
-                np.concatenate([source[i][a:b] for i, a, b in plan[1]], out=out[at:at + size])
+                np.concatenate([source[i][a:b] for i, a, b in plan[2]], out=out[at:at + size])
         else:
-            _, merged_keys, order, starts, members = plan
+            _, _, merged_keys, order, starts, members = plan
             size = merged_keys.size
             out_keys[at:at + size] = merged_keys
             for out, vals, reduce in zip(outs, values, reduces):
                 out[at:at + size] = reduce.reduceat(np.concatenate([vals[i] for i in members])[order], starts)
+        for source in (keys, *values):  # written: free this cluster's arrays before the next is copied
+            for i in plan[1]:
+                source[i] = None
         at += size
     return out_keys, outs
 
