@@ -355,3 +355,59 @@ def test_the_kth_value_from_a_sampled_band_equals_a_full_partition(seed, n, frac
         pruning._SAMPLE_FROM = saved
     want = np.sort(np.argsort(values, kind="stable")[:k])
     assert np.array_equal(np.sort(got), want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), sizes=st.lists(st.integers(0, 400), min_size=1, max_size=5),
+       frac=st.floats(0, 1), ties=st.booleans(), nans=st.booleans())
+def test_the_global_threshold_over_several_arrays_picks_what_a_stable_sort_of_them_all_picks(seed, sizes, frac, ties, nans):
+    """pruning._keep_masks over several params (the sampled band forced) against a stable argsort of their
+    concatenation: the k smallest, ties to the earlier entry, nan never picked (it sorts last)."""
+    from pathir.lifting import pruning
+
+    rng = np.random.default_rng(seed)
+    arrays = [(rng.integers(0, 6, n).astype(float) if ties else rng.normal(size=n)).reshape(-1, 1) for n in sizes]
+    if nans and sum(sizes):
+        arrays[int(np.argmax(sizes))][0, 0] = np.nan
+    flat = np.concatenate([a.ravel() for a in arrays])
+    k = int(round(frac * int(np.count_nonzero(~np.isnan(flat)))))
+    saved = pruning._SAMPLE_FROM
+    try:
+        pruning._SAMPLE_FROM = 1
+        masks = pruning._keep_masks(arrays, k)
+    finally:
+        pruning._SAMPLE_FROM = saved
+    want = np.ones(flat.size, dtype=bool)
+    want[np.argsort(flat, kind="stable")[:k]] = False
+    assert all(m.shape == a.shape for m, a in zip(masks, arrays))
+    assert np.array_equal(np.concatenate([m.ravel() for m in masks]), want)
+
+
+@settings(max_examples=25, deadline=None)
+@given(graph=relu_dags(), amount=st.sampled_from([0.3, 0.5, 0.9]), scope=st.sampled_from(["global", "local"]))
+def test_scores_ranked_in_log_space_select_and_bound_as_the_linear_domain(graph, amount, scope):
+    """The log-space ranking (taken where scaled scores would leave the normal range) gives the same masks
+    and the same bound Σ S_i as the linear domain."""
+    from pathir.lifting import pruning
+
+    if not report_names(graph):
+        return
+    linear = pruning._log_scores(graph, "path-magnitude", "numpy")
+    saved = pruning._LINEAR_FLOOR
+    try:
+        pruning._LINEAR_FLOOR = math.inf  # no scaled score clears it: log space
+        logs = pruning._log_scores(graph, "path-magnitude", "numpy")
+    finally:
+        pruning._LINEAR_FLOOR = saved
+    assert linear.linear and not logs.linear
+    a = pruning.prune_masks(graph, amount, scope=scope, backend="numpy", log_scores=linear)
+    b = pruning.prune_masks(graph, amount, scope=scope, backend="numpy", log_scores=logs)
+    s = path_magnitude_scores(graph, "numpy")
+    by_name = {p.name: s[p.source_name] for p in graph.params()}
+    for name in a:  # the same entries, up to ties the two roundings order differently
+        cut_a, cut_b = by_name[name][~a[name]], by_name[name][~b[name]]
+        assert cut_a.size == cut_b.size
+    bound = math.fsum(by_name[n][~a[n]].sum() for n in a)
+    for scores, masks in ((linear, a), (logs, b)):
+        got = pruning._log_bound(graph, masks, scores)
+        assert (math.exp(got) if got > -math.inf else 0.0) == pytest.approx(bound, rel=1e-9, abs=1e-300)

@@ -82,19 +82,52 @@ def _candidates(graph: Graph, include_biases: bool) -> list[Param]:
     return [p for p in graph.params() if id(p) in keep]
 
 
-def _log_scores(graph: Graph, criterion: str, backend) -> dict[int, np.ndarray]:
-    """{id(param): log of the criterion per entry} (-inf for a zero score)."""
+@dataclass(eq=False)
+class _Scores:
+    """Per param (by id) an array ranking its entries as the criterion does: the scores over
+    e^{log_scale} (``linear``), or their logs (-inf for a zero score)."""
+
+    values: dict
+    log_scale: float
+    linear: bool
+
+
+#: a scaled score must stay above this (normal, with its 52 bits) for the linear domain to rank exactly
+_LINEAR_FLOOR = 1e-290
+
+
+def _log_scores(graph: Graph, criterion: str, backend) -> _Scores:
+    """The criterion's scores, ranked in the linear domain where every positive score scaled by the
+    largest param scale stays a normal float64 (one multiply per entry, and a sum for the bound);
+    in log space otherwise (path-magnitudes spanning beyond ~650 nats)."""
+    if criterion == "magnitude":
+        return _Scores({id(p): np.abs(p.value) for p in graph.params()}, 0.0, True)
+    params, parts = graph.params(), score_log_parts(graph, backend)
+    top = max((L for _, L in parts), default=-math.inf)
+    if all(L == -math.inf or _least_positive(m) * math.exp(L - top) > _LINEAR_FLOOR for m, L in parts):
+        values = {}
+        for p, (m, L) in zip(params, parts):
+            if not m.flags.writeable:
+                m = m.copy()
+            if L != top:  # (every L = -inf: all scores 0, kept as they are)
+                m *= 0.0 if L == -math.inf else math.exp(L - top)
+            values[id(p)] = m
+        return _Scores(values, top, True)
+    values = {}
     with np.errstate(divide="ignore"):
-        if criterion == "magnitude":
-            return {id(p): np.log(np.abs(p.value)) for p in graph.params()}
-        out = {}
-        for p, (m, L) in zip(graph.params(), score_log_parts(graph, backend)):
+        for p, (m, L) in zip(params, parts):
             if not m.flags.writeable:
                 m = m.copy()
             np.log(m, out=m)  # in place: the scores' mantissas become their logs
             m += L
-            out[id(p)] = m
-        return out
+            values[id(p)] = m
+    return _Scores(values, 0.0, False)
+
+
+def _least_positive(m: np.ndarray) -> float:
+    """The smallest entry > 0 of m ≥ 0 (inf if none)."""
+    low = float(m.min(initial=math.inf))
+    return low if low > 0 else float(np.min(m, where=m > 0, initial=math.inf))
 
 
 def _count(amount, n: int) -> int:
@@ -115,33 +148,69 @@ def _count(amount, n: int) -> int:
 _SAMPLE_FROM = 1 << 22
 
 
-def _kth_value(values: np.ndarray, k: int) -> float:
-    """The k-th smallest value (1-based). For a large array: a random sample brackets it in a band
-    [lo, hi]; counting the values below lo and partitioning only those inside the band finds it
-    exactly, without a scratch copy of the whole array (a full partition where the band misses)."""
-    n = values.size
+def _kth_value(arrays: list, k: int) -> float:
+    """The k-th smallest value (1-based) over the concatenation of ``arrays``. For many values: a
+    random sample brackets it in a band [lo, hi]; counting the values below lo and partitioning only
+    those inside the band finds it exactly, without a copy of them all (a full partition where the
+    band misses)."""
+    arrays = [np.asarray(a).reshape(-1) for a in arrays]
+    sizes = np.array([a.size for a in arrays], dtype=np.int64)
+    n = int(sizes.sum())
     if n >= _SAMPLE_FROM:
-        sample = np.sort(values[np.random.default_rng(0).integers(0, n, 1 << 16)])
+        at_global = np.sort(np.random.default_rng(0).integers(0, n, 1 << 16))
+        which = np.searchsorted(np.cumsum(sizes), at_global, side="right")
+        offsets = np.r_[0, np.cumsum(sizes)[:-1]]
+        sample = np.sort(np.concatenate([arrays[i][at_global[which == i] - offsets[i]] for i in np.unique(which)]))
         at = (k - 1) / n * (sample.size - 1)
         lo, hi = sample[max(0, int(at) - 400)], sample[min(sample.size - 1, int(at) + 401)]
-        below = int(np.count_nonzero(values < lo))
-        band = values[(values >= lo) & (values <= hi)]
+        below, band = _below_and_band(arrays, lo, hi)
         if below < k <= below + band.size:
             return float(np.partition(band, k - below - 1)[k - below - 1])
-    return float(np.partition(values, k - 1)[k - 1])  # a scratch copy, freed at once
+    flat = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+    return float(np.partition(flat, k - 1)[k - 1])  # a scratch copy, freed at once
+
+
+def _below_and_band(arrays: list, lo: float, hi: float, chunk: int = 1 << 18) -> tuple[int, np.ndarray]:
+    """(how many values are < lo, the values in [lo, hi]), a cache-sized chunk at a time."""
+    below, band = 0, []
+    for a in arrays:
+        for i in range(0, a.size, chunk):
+            part = a[i:i + chunk]
+            below += int(np.count_nonzero(part < lo))
+            inside = part >= lo
+            inside &= part <= hi
+            band.append(part[inside])
+    return below, np.concatenate(band) if band else np.zeros(0)
+
+
+def _keep_masks(arrays: list, k: int) -> list:
+    """Per array a bool mask of its shape, False on the k smallest values over all of them (among equal
+    values the earlier ones in the concatenation, as a stable sort picks them; nan is never picked)."""
+    n = sum(a.size for a in arrays)
+    if k <= 0:
+        return [np.ones(a.shape, dtype=bool) for a in arrays]
+    if k >= n:
+        return [np.zeros(a.shape, dtype=bool) for a in arrays]
+    t = _kth_value(arrays, k)
+    masks, ties, below = [], [], 0
+    for a in arrays:
+        keep = np.less(a, t)
+        below += int(np.count_nonzero(keep))
+        np.logical_not(keep, out=keep)
+        masks.append(keep)
+        ties.append(np.flatnonzero(a == t))
+    left = k - below  # ties at t to pick, in order
+    for keep, at in zip(masks, ties):
+        take = at[:left]
+        keep.reshape(-1)[take] = False
+        left -= take.size
+    return masks
 
 
 def _smallest(values: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k smallest entries; among equal values the earlier ones
     (as a stable sort would pick them), in O(n)."""
-    if k <= 0:
-        return np.zeros(0, dtype=np.int64)
-    if k >= values.size:
-        return np.arange(values.size)
-    t = _kth_value(values, k)
-    below = np.flatnonzero(values < t)
-    ties = np.flatnonzero(values == t)[: k - below.size]
-    return np.concatenate([below, ties])
+    return np.flatnonzero(~_keep_masks([values.reshape(-1)], k)[0])
 
 
 def prune_masks(graph: Graph, amount, criterion: str = "path-magnitude", scope: str = "global",
@@ -151,7 +220,7 @@ def prune_masks(graph: Graph, amount, criterion: str = "path-magnitude", scope: 
     ``global``: the ``amount`` smallest scores among all candidates; ``local``:
     the ``amount`` smallest of each param. Ties go to the earlier entry in θ
     order, so the selection is deterministic. ``log_scores``: the criterion's
-    {id(param): log score} if already computed."""
+    scores (`_log_scores`) if already computed."""
     if criterion not in CRITERIA:
         raise ValueError(f"criterion must be one of {CRITERIA}, got '{criterion}'")
     if scope not in SCOPES:
@@ -159,28 +228,11 @@ def prune_masks(graph: Graph, amount, criterion: str = "path-magnitude", scope: 
     params = _candidates(graph, include_biases)
     if not params:
         raise PathirError("nothing to prune: the graph has no dense or conv weight")
-    logs = _log_scores(graph, criterion, backend) if log_scores is None else log_scores
-    masks = {}
-    if scope == "global":
-        flat = np.empty(sum(p.size for p in params))
-        start = 0
-        for p in params:
-            flat[start : start + p.size] = logs[id(p)].ravel()
-            logs[id(p)] = flat[start : start + p.size].reshape(p.shape)  # one copy of the scores, not two
-            start += p.size
-        keep = np.ones(flat.size, dtype=bool)
-        keep[_smallest(flat, _count(amount, flat.size))] = False
-        del flat
-        start = 0
-        for p in params:
-            masks[p.name] = keep[start : start + p.size].reshape(p.shape)
-            start += p.size
-    else:
-        for p in params:
-            keep = np.ones(p.size, dtype=bool)
-            keep[_smallest(logs[id(p)].ravel(), _count(amount, p.size))] = False
-            masks[p.name] = keep.reshape(p.shape)
-    return masks
+    logs = (_log_scores(graph, criterion, backend) if log_scores is None else log_scores).values
+    if scope == "global":  # the threshold over all candidates, each param's mask read off its own scores
+        chosen = _keep_masks([logs[id(p)] for p in params], _count(amount, sum(p.size for p in params)))
+        return {p.name: keep.reshape(p.shape) for p, keep in zip(params, chosen)}
+    return {p.name: _keep_masks([logs[id(p)]], _count(amount, p.size))[0].reshape(p.shape) for p in params}
 
 
 def prune_graph(graph: Graph, masks) -> Graph:
@@ -239,18 +291,25 @@ def _exp(log_value: float) -> float:
     return math.exp(log_value) if log_value <= _LOG_MAX else math.inf
 
 
-def _log_bound(graph: Graph, masks, logs) -> float:
-    """log Σ_{i pruned} S_i (``logs``: the path-magnitude log scores), param by param."""
+def _log_bound(graph: Graph, masks, scores: _Scores) -> float:
+    """log Σ_{i pruned} S_i (``scores``: the path-magnitude scores), param by param: in the linear
+    domain a masked sum (no exponentials), else a log-sum-exp of the pruned logs."""
     parts = []
     for p in graph.params():
         if p.name not in masks:
             continue
-        picked = logs[id(p)][~masks[p.name]]
+        values, pruned = scores.values[id(p)], ~masks[p.name]
+        if scores.linear:
+            total = float(np.sum(values, where=pruned))
+            parts.append(math.log(total) + scores.log_scale if total > 0 else -math.inf)
+            continue
+        picked = values[pruned]
         picked = picked[picked > -math.inf]
         if picked.size:
             top = float(picked.max())
             picked -= top
             parts.append(top + math.log(float(np.sum(np.exp(picked, out=picked)))))
+    parts = [v for v in parts if v > -math.inf]
     if not parts:
         return -math.inf
     top = max(parts)
