@@ -280,9 +280,11 @@ def test_pairs_read_by_runs_and_permutations_equal_the_ones_from_row_keys(zeros,
 
 @settings(max_examples=80, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), parts=st.integers(1, 6), width=st.integers(2, 12), layout=st.sampled_from(
-    ["random", "disjoint columns", "twins"]))
+    ["random", "disjoint columns", "twins", "stream"]))
 def test_merging_sorted_pair_keys_equals_a_sort_of_them_all(seed, parts, width, layout):
-    """unit_pairs._merge_sorted (placed, woven row by row, folded or sorted) against np.unique of all keys."""
+    """unit_pairs._merge_sorted (placed, woven row by row or as one table of bands, folded or sorted) against
+    np.unique of all keys. "stream": every part the same rows and a constant band of columns (a residual
+    stream's convolutions, a bias)."""
     from pathir.rescaling.unit_pairs import _merge_sorted
 
     rng = np.random.default_rng(seed)
@@ -290,6 +292,12 @@ def test_merging_sorted_pair_keys_equals_a_sort_of_them_all(seed, parts, width, 
     for p in range(parts):
         if layout == "twins" and p % 2 and keys:
             k = keys[-1].copy()  # a bias beside its weights: the very same pairs
+        elif layout == "stream":
+            if p == 0:
+                stream_rows = np.sort(rng.choice(8, size=rng.integers(1, 8), replace=False))
+            lo = p * width + int(rng.integers(0, width // 2))
+            cols = np.arange(lo, lo + int(rng.integers(1, width - (lo - p * width) + 1)))
+            k = (stream_rows[:, None] * (width * parts) + cols[None, :]).reshape(-1)
         else:
             rows = rng.choice(8, size=rng.integers(1, 8), replace=False)
             if layout == "disjoint columns":

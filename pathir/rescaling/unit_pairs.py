@@ -411,8 +411,11 @@ def _fold_equal_keys(members: list, keys: list, values: list, reduces: tuple) ->
 
 def _row_pieces(members: list, keys: list, width: int):
     """Where ``members``' left units (key % width) lie in disjoint ranges, each entered unit's row of the
-    merge is each member's run of that row, in the order of those ranges: the list of
-    ``(member, start, stop)`` runs in merged order (None where the ranges overlap)."""
+    merge is each member's run of that row, in the order of those ranges. Returns None where the ranges
+    overlap; ``("rect", [(member, columns), ...])`` where every member has the same rows and a constant
+    number of columns in each (a residual stream's convolutions and bias: the merge is then a table of
+    those rows, each member a band of columns); else ``("runs", [(member, start, stop), ...])``, the
+    runs in merged order."""
     spans = sorted((int((keys[i] % width).min()), int((keys[i] % width).max()), i) for i in members)
     if any(spans[a][1] >= spans[a + 1][0] for a in range(len(spans) - 1)):
         return None
@@ -420,8 +423,15 @@ def _row_pieces(members: list, keys: list, width: int):
     rows = {i: keys[i] // width for i in order}
     first = min(int(r[0]) for r in rows.values())
     size = max(int(r[-1]) for r in rows.values()) - first + 1
-    bounds = {i: np.searchsorted(r, np.arange(first, first + size + 1)).tolist() for i, r in rows.items()}
-    return [(i, bounds[i][r], bounds[i][r + 1]) for r in range(size) for i in order if bounds[i][r + 1] > bounds[i][r]]
+    bounds = {i: np.searchsorted(r, np.arange(first, first + size + 1)) for i, r in rows.items()}
+    counts = {i: np.diff(b) for i, b in bounds.items()}
+    present = counts[order[0]] > 0
+    columns = [(i, int(counts[i][present][0])) for i in order]
+    if all(np.array_equal(counts[i], np.where(present, w, 0)) for i, w in columns):
+        return ("rect", columns)
+    bounds = {i: b.tolist() for i, b in bounds.items()}
+    return ("runs", [(i, bounds[i][r], bounds[i][r + 1]) for r in range(size) for i in order
+                     if bounds[i][r + 1] > bounds[i][r]])
 
 
 def _merge_sorted(keys: list, values: list, reduces: tuple, width: int) -> tuple[np.ndarray, list]:
@@ -453,10 +463,10 @@ def _merge_sorted(keys: list, values: list, reduces: tuple, width: int) -> tuple
     total = 0
     for cluster in clusters:
         members = _fold_equal_keys(cluster, keys, values, reduces)
-        pieces = _row_pieces(members, keys, width) if len(members) > 1 else [(members[0], 0, keys[members[0]].size)]
-        if pieces is not None:
-            plans.append(("weave", cluster, pieces))
-            total += sum(b - a for _, a, b in pieces)
+        woven = _row_pieces(members, keys, width) if len(members) > 1 else ("runs", [(members[0], 0, keys[members[0]].size)])
+        if woven is not None:
+            plans.append((woven[0], cluster, woven[1]))
+            total += sum(b - a for _, a, b in woven[1]) if woven[0] == "runs" else sum(keys[i].size for i, _ in woven[1])
             continue
         k = np.concatenate([keys[i] for i in members])
         order = np.argsort(k, kind="stable")
@@ -468,10 +478,18 @@ def _merge_sorted(keys: list, values: list, reduces: tuple, width: int) -> tuple
     outs = [np.empty(total, dtype=np.result_type(*vals)) for vals in values]
     at = 0
     for plan in plans:
-        if plan[0] == "weave":
+        if plan[0] == "runs":
             size = sum(b - a for _, a, b in plan[2])
             for out, source in zip([out_keys, *outs], [keys, *values]):
                 np.concatenate([source[i][a:b] for i, a, b in plan[2]], out=out[at:at + size])
+        elif plan[0] == "rect":  # rows x (Σ columns): each member fills its band of columns in one copy
+            size = sum(keys[i].size for i, _ in plan[2])
+            span = sum(w for _, w in plan[2])
+            for out, source in zip([out_keys, *outs], [keys, *values]):
+                table, left = out[at:at + size].reshape(-1, span), 0
+                for i, w in plan[2]:
+                    table[:, left:left + w] = source[i].reshape(-1, w)
+                    left += w
         else:
             _, _, merged_keys, order, starts, members = plan
             size = merged_keys.size
