@@ -138,6 +138,18 @@ def test_the_pruned_path_metric_from_two_norms_equals_the_telescoped_walk(graph,
         assert got.exact and got.lower == got.upper
         assert got.upper == pytest.approx(want.upper, rel=1e-9, abs=1e-300)
         assert (got.norm_a, got.norm_b) == (want.norm_a, want.norm_b)
+    # the bound Σ S_i over the pruned entries says beforehand when the norms are close: then no walk of
+    # θ', ‖Φ(θ')‖₁ = ‖Φ(θ)‖₁ − d; ‖Φ(θ)‖₁ given as the scores' walk gives it
+    s = path_magnitude_scores(graph, "numpy")
+    bound = math.fsum(float(s[p.source_name][~masks[p.name]].sum()) for p in graph.params())
+    log_bound = math.log(bound) if bound > 0 else -math.inf
+    log_a = math.log(want.norm_a) if want.norm_a > 0 else -math.inf
+    for gap in (1e-3, 0.5):
+        got = pruned_path_metric(graph, pruned, be, min_gap=gap, log_norm_a=log_a, log_bound=log_bound)
+        assert got.exact and got.lower == got.upper
+        assert got.upper == pytest.approx(want.upper, rel=1e-9, abs=1e-300)
+        assert got.norm_a == pytest.approx(want.norm_a, rel=1e-13, abs=1e-300)
+        assert got.norm_b == pytest.approx(want.norm_b, rel=1e-12, abs=1e-300)
 
 
 def report_names(graph):

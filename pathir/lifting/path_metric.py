@@ -288,7 +288,8 @@ def path_metric(a, b, backend=None, progress: bool | None = None) -> PathMetric:
     )
 
 
-def pruned_path_metric(ga: Graph, gb: Graph, backend, min_gap: float = 1e-3) -> PathMetric:
+def pruned_path_metric(ga: Graph, gb: Graph, backend, min_gap: float = 1e-3, log_norm_a: float | None = None,
+                       log_bound: float | None = None) -> PathMetric:
     """:func:`path_metric` of θ (``ga``) and θ' = θ ⊙ mask (``gb``: entries of θ set to 0, pruning), cheaper.
 
     A path through a pruned entry has Φ_p(θ') = 0 and every other path keeps its value, so
@@ -297,14 +298,25 @@ def pruned_path_metric(ga: Graph, gb: Graph, backend, min_gap: float = 1e-3) -> 
     16, computed as ‖Φ(θ)‖₁ (1 − e^{log‖Φ(θ')‖ − log‖Φ(θ)‖}) without cancellation in the exponential),
     else from the telescoped walk of :func:`path_metric` (no cancellation). ``exact`` is True; the
     caller guarantees the masking (it is not checked here).
+
+    ``log_norm_a``: log ‖Φ(θ)‖₁ if already known (the path-magnitude scores' walk computes it).
+    ``log_bound``: log of an upper bound on d (Σ S_i over the pruned entries); where it is at most
+    ``min_gap`` ‖Φ(θ)‖₁ the norms are known to be that close without walking θ': d then comes from
+    the telescoped walk and ‖Φ(θ')‖₁ = ‖Φ(θ)‖₁ − d (d ≤ min_gap of it: no digit lost).
     """
     from pathir.lifting.path_norm import log_path_sum
 
-    la, lb = log_path_sum(ga, 1, backend), log_path_sum(gb, 1, backend)
-    if la > -math.inf and min_gap < 1 and lb <= la + math.log1p(-min_gap):
-        log_d = -math.inf if lb == la else la + math.log(-math.expm1(lb - la))
-    else:
+    la = log_path_sum(ga, 1, backend) if log_norm_a is None else float(log_norm_a)
+    usable = la > -math.inf and min_gap < 1
+    if usable and min_gap > 0 and log_bound is not None and log_bound <= la + math.log(min_gap):
         log_d = _log_upper(ga, gb, backend)
+        lb = la + math.log1p(-min(1.0, math.exp(log_d - la))) if log_d > -math.inf else la
+    else:
+        lb = log_path_sum(gb, 1, backend)
+        if usable and lb <= la + math.log1p(-min_gap):
+            log_d = -math.inf if lb == la else la + math.log(-math.expm1(lb - la))
+        else:
+            log_d = _log_upper(ga, gb, backend)
     return PathMetric(lower=_exp(log_d), upper=_exp(log_d), exact=True, same_signs=True,
                       log10_lower=log_d / _LN10, log10_upper=log_d / _LN10, norm_a=_exp(la), norm_b=_exp(lb))
 

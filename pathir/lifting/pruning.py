@@ -39,14 +39,15 @@ CRITERIA = ("path-magnitude", "magnitude")
 SCOPES = ("global", "local")
 
 
-def score_log_parts(graph: Graph, backend=None) -> list[tuple[np.ndarray, float]]:
+def score_log_parts(graph: Graph, backend=None, totals: dict | None = None) -> list[tuple[np.ndarray, float]]:
     """For each param of ``graph.params()``: (m, L) with S = m·e^L, m ≥ 0 of the
-    param's shape, max m = 1 (m = 0, L = -inf where S vanishes)."""
+    param's shape, max m = 1 (m = 0, L = -inf where S vanishes). ``totals``, when given, receives
+    ``"log_path_sum"`` = log ‖Φ(θ)‖₁, the forward walk's total."""
     from pathir.backends import get_backend
     from pathir.lifting.walk import param_log_parts
 
     return param_log_parts(graph, get_backend(backend), 1.0, scale=lambda p: p.value,
-                           what="path-magnitude score")
+                           what="path-magnitude score", totals=totals)
 
 
 def path_magnitude_scores(graph: Graph, backend=None) -> dict[str, np.ndarray]:
@@ -90,6 +91,7 @@ class _Scores:
     values: dict
     log_scale: float
     linear: bool
+    log_norm: float | None = None  # log ‖Φ(θ)‖₁ from the path-magnitude walk (None for "magnitude")
 
 
 #: a scaled score must stay above this (normal, with its 52 bits) for the linear domain to rank exactly
@@ -102,7 +104,8 @@ def _log_scores(graph: Graph, criterion: str, backend) -> _Scores:
     in log space otherwise (path-magnitudes spanning beyond ~650 nats)."""
     if criterion == "magnitude":
         return _Scores({id(p): np.abs(p.value) for p in graph.params()}, 0.0, True)
-    params, parts = graph.params(), score_log_parts(graph, backend)
+    totals: dict = {}
+    params, parts = graph.params(), score_log_parts(graph, backend, totals)
     top = max((L for _, L in parts), default=-math.inf)
     if all(L == -math.inf or _least_positive(m) * math.exp(L - top) > _LINEAR_FLOOR for m, L in parts):
         values = {}
@@ -112,7 +115,7 @@ def _log_scores(graph: Graph, criterion: str, backend) -> _Scores:
             if L != top:  # (every L = -inf: all scores 0, kept as they are)
                 m *= 0.0 if L == -math.inf else math.exp(L - top)
             values[id(p)] = m
-        return _Scores(values, top, True)
+        return _Scores(values, top, True, totals["log_path_sum"])
     values = {}
     with np.errstate(divide="ignore"):
         for p, (m, L) in zip(params, parts):
@@ -121,7 +124,7 @@ def _log_scores(graph: Graph, criterion: str, backend) -> _Scores:
             np.log(m, out=m)  # in place: the scores' mantissas become their logs
             m += L
             values[id(p)] = m
-    return _Scores(values, 0.0, False)
+    return _Scores(values, 0.0, False, totals["log_path_sum"])
 
 
 def _least_positive(m: np.ndarray) -> float:
@@ -336,8 +339,11 @@ def prune(graph: Graph, backend, amount, criterion: str = "path-magnitude", scop
     # the bound reads the scores (a flat float64 copy of θ's size): taken, and the scores freed,
     # before the path-metric walk, whose own arrays would otherwise sit beside them
     log_bound = _log_bound(graph, masks, scores)
+    log_norm = scores.log_norm
     del scores
-    metric = pruned_path_metric(graph, after, backend)  # θ' = θ ⊙ mask by construction
+    # θ' = θ ⊙ mask by construction; ‖Φ(θ)‖₁ from the scores' walk; the bound tells beforehand when
+    # the two norms are too close to subtract
+    metric = pruned_path_metric(graph, after, backend, log_norm_a=log_norm, log_bound=log_bound)
     sources = {p.name: p.source_name for p in graph.params()}
     report = PruneReport(
         criterion=criterion,

@@ -227,11 +227,14 @@ def _accumulate(store, param, value, log_scale):
         store[key] = (value, log_scale)
 
 
-def param_grads(graph: Graph, backend, q: float = 1.0, forward_graph: Graph | None = None) -> dict[int, list]:
+def param_grads(graph: Graph, backend, q: float = 1.0, forward_graph: Graph | None = None,
+                totals: dict | None = None) -> dict[int, list]:
     """{id(param of graph): [(array, log-scale) per use]}: the param grads of the
     backward walk on the path-norm network of ``graph`` (weights |w|^q), whose
     weight-gradients read the forward walk of ``forward_graph`` (default
     ``graph``; same structure). An entry is None where no path reaches it.
+    ``totals``, when given, receives ``"log_path_sum"``: log Σ_p |Φ_p|^q of the
+    forward walk (what `path_norm.log_path_sum` of ``forward_graph`` returns), at no extra walk.
 
     Backends with ``power_view`` walk the graph itself (``linearize``); others
     walk ``path_view(maxpool_to_sum(graph), q)``, which gives every edge its own
@@ -242,11 +245,17 @@ def param_grads(graph: Graph, backend, q: float = 1.0, forward_graph: Graph | No
     if hasattr(backend, "power_view"):
         view_be = backend.power_view(q)
         acts = path_forward(fwd, view_be, linearize=True)
+        if totals is not None:
+            totals["log_path_sum"] = log_total(view_be, acts, fwd.outputs)
         _, grads = path_backward(graph, view_be, acts, linearize=True)
         return {id(p): [grads.get(id(p))] for p in graph.params()}
     view = path_view(maxpool_to_sum(graph), q)
     fview = view if forward_graph is None else path_view(maxpool_to_sum(fwd), q)
-    _, grads = path_backward(view, backend, path_forward(fview, backend))
+    acts = path_forward(fview, backend)
+    if totals is not None:
+        totals["log_path_sum"] = log_total(backend, acts, fview.outputs)
+    _, grads = path_backward(view, backend, acts)
+    del acts
     parts: dict[int, list] = {}
     for n, nv in zip(graph.nodes, view.nodes):
         for e, ev in zip(n.edges, nv.edges):
@@ -257,21 +266,22 @@ def param_grads(graph: Graph, backend, q: float = 1.0, forward_graph: Graph | No
     return parts
 
 
-def param_log_parts(graph: Graph, backend, q: float, scale=None, what: str = "value") -> list[tuple]:
+def param_log_parts(graph: Graph, backend, q: float, scale=None, what: str = "value",
+                    totals: dict | None = None) -> list[tuple]:
     """Per param of ``graph.params()``: (m, L) with value = m·e^L, m ≥ 0 of the
     param's shape, max m = 1 (m = 0, L = -inf where the value vanishes), where
     value = |scale(p)| ⊙ (param grad of the path-norm network with weights |w|^q),
     summed over the param's uses. ``scale`` (default 1) gives a numpy array per param.
 
     q = 2 gives diag G (docs/math.md §6); q = 1 with scale θ the path-magnitude
-    scores (docs/math.md §4).
+    scores (docs/math.md §4). ``totals``: as for `param_grads`.
 
     Memory: the walk's param grads are the only full-size arrays. Each is turned
     into its m in place and dropped from the walk's record once read, so the result
     takes the grads' place (about one float64 copy of θ, no second one)."""
     import numpy as np
 
-    parts = param_grads(graph, backend, q)
+    parts = param_grads(graph, backend, q, totals=totals)
     out = []
     for p in graph.params():
         terms = []
