@@ -345,18 +345,19 @@ def prune(graph: Graph, backend, amount, criterion: str = "path-magnitude", scop
     # the two norms are too close to subtract
     metric = pruned_path_metric(graph, after, backend, log_norm_a=log_norm, log_bound=log_bound)
     sources = {p.name: p.source_name for p in graph.params()}
+    lost = {k: int(m.size - np.count_nonzero(m)) for k, m in masks.items()}  # entries pruned per param
     report = PruneReport(
         criterion=criterion,
         scope=scope,
         amount=float(amount),
-        pruned=int(sum((~m).sum() for m in masks.values())),
+        pruned=sum(lost.values()),
         candidates=int(sum(m.size for m in masks.values())),
         bound=_exp(log_bound),
         path_metric=metric.upper,
         path_norm_before=metric.norm_a,
         path_norm_after=metric.norm_b,
-        per_tensor={sources[k]: (int((~m).sum()), int(m.size)) for k, m in masks.items()},
+        per_tensor={sources[k]: (lost[k], int(m.size)) for k, m in masks.items()},
     )
     if commit is not None:
-        commit(after, {k: m for k, m in masks.items() if not m.all()})
+        commit(after, {k: m for k, m in masks.items() if lost[k]})
     return report
