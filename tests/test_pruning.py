@@ -353,20 +353,33 @@ def test_cli_prunes_an_onnx_file_and_writes_nothing_on_failure(tmp_path, capsys)
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 3000), frac=st.floats(0, 1), ties=st.booleans())
 def test_the_kth_value_from_a_sampled_band_equals_a_full_partition(seed, n, frac, ties):
-    """pruning._smallest picks the same entries with the sampled band (forced on small arrays) as a stable sort."""
+    """pruning._keep_masks on one array picks the same entries with the sampled band (forced on small
+    arrays) as a stable sort."""
     from pathir.lifting import pruning
 
-    rng = np.random.default_rng(seed)
-    values = rng.integers(0, 20, n).astype(float) if ties else rng.normal(size=n)
+    values = rng_values(seed, n, ties, 20)
     k = int(round(frac * n))
+    (keep,) = with_sampled_band(lambda: pruning._keep_masks([values], k))
+    want = np.sort(np.argsort(values, kind="stable")[:k])
+    assert np.array_equal(np.flatnonzero(~keep), want)
+
+
+def rng_values(seed, n, ties: bool, levels: int) -> np.ndarray:
+    """n random values: integers in [0, levels) as floats (many ties) or normal ones."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, levels, n).astype(float) if ties else rng.normal(size=n)
+
+
+def with_sampled_band(fn):
+    """``fn()`` with pruning's sampled-band search forced on arrays of any size."""
+    from pathir.lifting import pruning
+
     saved = pruning._SAMPLE_FROM
     try:
         pruning._SAMPLE_FROM = 1
-        got = pruning._smallest(values, k)
+        return fn()
     finally:
         pruning._SAMPLE_FROM = saved
-    want = np.sort(np.argsort(values, kind="stable")[:k])
-    assert np.array_equal(np.sort(got), want)
 
 
 @settings(max_examples=60, deadline=None)
@@ -377,18 +390,12 @@ def test_the_global_threshold_over_several_arrays_picks_what_a_stable_sort_of_th
     concatenation: the k smallest, ties to the earlier entry, nan never picked (it sorts last)."""
     from pathir.lifting import pruning
 
-    rng = np.random.default_rng(seed)
-    arrays = [(rng.integers(0, 6, n).astype(float) if ties else rng.normal(size=n)).reshape(-1, 1) for n in sizes]
+    arrays = [rng_values(seed + i, n, ties, 6).reshape(-1, 1) for i, n in enumerate(sizes)]
     if nans and sum(sizes):
         arrays[int(np.argmax(sizes))][0, 0] = np.nan
     flat = np.concatenate([a.ravel() for a in arrays])
     k = int(round(frac * int(np.count_nonzero(~np.isnan(flat)))))
-    saved = pruning._SAMPLE_FROM
-    try:
-        pruning._SAMPLE_FROM = 1
-        masks = pruning._keep_masks(arrays, k)
-    finally:
-        pruning._SAMPLE_FROM = saved
+    masks = with_sampled_band(lambda: pruning._keep_masks(arrays, k))
     want = np.ones(flat.size, dtype=bool)
     want[np.argsort(flat, kind="stable")[:k]] = False
     assert all(m.shape == a.shape for m, a in zip(masks, arrays))

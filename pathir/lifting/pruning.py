@@ -147,7 +147,7 @@ def _count(amount, n: int) -> int:
     return int(round(amount * n))
 
 
-#: from this many values on, `_smallest` finds the k-th value inside a band picked from a sample
+#: from this many values on, `_kth_value` finds the k-th value inside a band picked from a sample
 _SAMPLE_FROM = 1 << 22
 
 
@@ -161,8 +161,9 @@ def _kth_value(arrays: list, k: int) -> float:
     n = int(sizes.sum())
     if n >= _SAMPLE_FROM:
         at_global = np.sort(np.random.default_rng(0).integers(0, n, 1 << 16))
-        which = np.searchsorted(np.cumsum(sizes), at_global, side="right")
-        offsets = np.r_[0, np.cumsum(sizes)[:-1]]
+        ends = np.cumsum(sizes)
+        which = np.searchsorted(ends, at_global, side="right")
+        offsets = ends - sizes
         sample = np.sort(np.concatenate([arrays[i][at_global[which == i] - offsets[i]] for i in np.unique(which)]))
         at = (k - 1) / n * (sample.size - 1)
         lo, hi = sample[max(0, int(at) - 400)], sample[min(sample.size - 1, int(at) + 401)]
@@ -208,12 +209,6 @@ def _keep_masks(arrays: list, k: int) -> list:
         keep.reshape(-1)[take] = False
         left -= take.size
     return masks
-
-
-def _smallest(values: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k smallest entries; among equal values the earlier ones
-    (as a stable sort would pick them), in O(n)."""
-    return np.flatnonzero(~_keep_masks([values.reshape(-1)], k)[0])
 
 
 def prune_masks(graph: Graph, amount, criterion: str = "path-magnitude", scope: str = "global",
