@@ -19,7 +19,9 @@ alone, normalize(θ) = normalize(Dθ). When the radius is ≥ 1 no rescaling giv
 every unit unit-norm incoming weights, and PathirError says so.
 
 Units with no nonzero incoming entry (dead) keep z = 0 (they are listed).
-Forward substitution runs in log-space, so the scales may span any range.
+Forward substitution runs in log-space, so the scales may span any range. On a
+feed-forward graph of dense and convolution params it runs param by param
+instead, one mat-vec per block of rows (`pathir.passes.normalize_forward`).
 """
 
 from __future__ import annotations
@@ -147,8 +149,19 @@ def normalize_log_scales(graph: Graph, units, p: float = 2.0) -> Normalization:
     """
     from scipy.sparse.csgraph import connected_components
 
+    from pathir.passes.incidence import check_units_match
+    from pathir.passes.normalize_forward import feedforward_log_u
+
     if not p > 0:
         raise ValueError(f"p must be > 0, got {p}")
+    params = graph.params()
+    check_units_match(params, units)
+    forward = feedforward_log_u(params, units, p)
+    if forward is not None:  # a feed-forward unit graph of dense and convolution params: one pass
+        log_u, degenerate = forward
+        live = np.ones(len(units), dtype=bool)
+        live[degenerate] = False
+        return Normalization(z=np.where(live, -2.0 * log_u / p, 0.0), degenerate=degenerate, cycles=0, p=float(p))
     H = len(units)
     b, M = unit_masses(graph, units, p)
     with np.errstate(divide="ignore"):

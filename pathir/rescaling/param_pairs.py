@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-__all__ = ["row_blocks", "pair_sums", "separable_blocks", "pairs_from_params"]
+__all__ = ["row_blocks", "pair_sums", "separable_layout", "unit_columns", "separable_blocks", "pairs_from_params"]
 
 #: entries per block when the unit masses are summed: temporaries of a few MB, not of the largest param
 BLOCK = 1 << 20
@@ -61,31 +61,46 @@ def _mass(value: np.ndarray, p: float, cost: np.ndarray | None) -> np.ndarray:
     return w if cost is None else w * cost
 
 
-def separable_blocks(value: np.ndarray, enter: np.ndarray, leave: np.ndarray, p: float, cost, H: int):
-    """The (keys, sums) blocks of a param whose entered unit depends on axis 0 only and left unit on
-    axis 1 only (a dense or convolution weight, a bias), None for any other: the masses are summed over
-    the remaining axes and over each run of equal left units along axis 1 by reductions, with no
-    per-entry keys. Pairs of zero mass are left out."""
-    nd = value.ndim
+def separable_layout(shape: tuple, enter: np.ndarray, leave: np.ndarray):
+    """(entered unit per row of axis 0, start of each run of equal left units along axis 1, the left unit
+    of each run) of a param whose entered unit depends on axis 0 only and left unit on axis 1 only (a
+    dense or convolution weight, a bias), None for any other."""
+    nd = len(shape)
     if nd == 0:
         return None
     e_full, l_full = (x.reshape((1,) * (nd - x.ndim) + x.shape) for x in (enter, leave))
     if any(n != 1 for n in e_full.shape[1:]) or l_full.shape[0] != 1 or any(n != 1 for n in l_full.shape[2:]):
         return None
-    rows_total, width = value.shape[0], (value.shape[1] if nd > 1 else 1)
-    e_rows = np.broadcast_to(e_full.reshape(-1), (rows_total,))
-    l_cols = np.broadcast_to(l_full.reshape(-1), (width,))
+    e_rows = np.broadcast_to(e_full.reshape(-1), (shape[0],))
+    l_cols = np.broadcast_to(l_full.reshape(-1), (shape[1] if nd > 1 else 1,))
     starts = np.flatnonzero(np.r_[True, l_cols[1:] != l_cols[:-1]])
-    col_units = l_cols[starts]
+    return e_rows, starts, l_cols[starts]
+
+
+def unit_columns(chunk: np.ndarray, w: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """The masses ``w`` of a block of a separable param's rows (``chunk``'s shape) summed over its
+    trailing axes and over each run of equal left units: (rows, runs)."""
+    width = chunk.shape[1] if chunk.ndim > 1 else 1
+    w = w.reshape(chunk.shape[0], width, -1)
+    w = w[:, :, 0] if w.shape[2] == 1 else w.sum(axis=2)
+    return np.add.reduceat(w, starts, axis=1) if starts.size < width else w
+
+
+def separable_blocks(value: np.ndarray, enter: np.ndarray, leave: np.ndarray, p: float, cost, H: int):
+    """The (keys, sums) blocks of a param of `separable_layout`, None for any other: the masses are
+    summed over the remaining axes and over each run of equal left units along axis 1 by reductions,
+    with no per-entry keys. Pairs of zero mass are left out."""
+    layout = separable_layout(value.shape, enter, leave)
+    if layout is None:
+        return None
+    e_rows, starts, col_units = layout
+    rows_total = value.shape[0]
     step = max(1, BLOCK // max(1, value.size // max(1, rows_total)))
 
     def blocks():
         for r in range(0, rows_total, step):
             chunk = value[r:r + step]
-            w = _mass(chunk, p, None if cost is None else cost[r:r + step])
-            w = w.reshape(chunk.shape[0], width, -1).sum(axis=2)
-            if starts.size < width:
-                w = np.add.reduceat(w, starts, axis=1)
+            w = unit_columns(chunk, _mass(chunk, p, None if cost is None else cost[r:r + step]), starts)
             key = (e_rows[r:r + step, None] * (H + 1) + col_units[None, :]).reshape(-1)
             w = w.reshape(-1)
             hit = np.flatnonzero(w)
