@@ -119,6 +119,29 @@ def test_pruning_report_and_guarantee(data, graph, amount, criterion, scope):
     assert np.all(diff <= sup * report.path_metric * (1 + 1e-9) + 1e-12)
 
 
+def test_prune_graph_writes_into_the_scratch_arrays_it_is_given_and_never_into_the_graph():
+    from pathir.lifting.pruning import _pruned_sum
+
+    rng = np.random.default_rng(0)
+    from pathir.ir import Dense, GraphBuilder
+
+    b = GraphBuilder()
+    x = b.input("x", (3,))
+    h = b.relu("h", [(x, Dense(b.param("w1", rng.normal(size=(4, 3)))))], bias=b.param("b1", rng.normal(size=4)))
+    graph = b.build(outputs=[b.identity("y", [(h, Dense(b.param("w2", rng.normal(size=(2, 4)))))])])
+    w1, w2 = (p.value.copy() for p in graph.params() if p.name in ("w1", "w2"))
+    masks = {"w1": rng.random((4, 3)) > 0.5, "w2": rng.random((2, 4)) > 0.5}
+    scratch = {"w1": np.full((4, 3), np.nan), "w2": graph.params()[2].value}  # w2's: the graph's own array
+    after = {p.name: p.value for p in prune_graph(graph, masks, out=scratch).params()}
+    assert after["w1"] is scratch["w1"]  # written in place
+    np.testing.assert_array_equal(after["w1"], w1 * masks["w1"])
+    np.testing.assert_array_equal(after["w2"], w2 * masks["w2"])  # a new array: the scratch was θ itself
+    np.testing.assert_array_equal(graph.params()[2].value, w2)  # the graph is untouched
+    values = rng.random(200_000)
+    keep = rng.random(200_000) > 0.3
+    assert _pruned_sum(values, keep, chunk=4096) == pytest.approx(float(values[~keep].sum()), rel=1e-12)
+
+
 @settings(max_examples=40)
 @given(graph=relu_dags(), data=st.data())
 def test_the_pruned_path_metric_from_two_norms_equals_the_telescoped_walk(graph, data):

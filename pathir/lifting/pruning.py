@@ -233,13 +233,25 @@ def prune_masks(graph: Graph, amount, criterion: str = "path-magnitude", scope: 
     return {p.name: _keep_masks([logs[id(p)]], _count(amount, p.size))[0].reshape(p.shape) for p in params}
 
 
-def prune_graph(graph: Graph, masks) -> Graph:
-    """The graph with θ ⊙ mask (``masks``: {param name: bool array}, True = keep)."""
+def prune_graph(graph: Graph, masks, out: dict | None = None) -> Graph:
+    """The graph with θ ⊙ mask (``masks``: {param name: bool array}, True = keep). ``out``: {param name:
+    a scratch array the caller gives up}, written with θ ⊙ mask where it has the param's shape and
+    dtype and shares no memory with it (else a new array)."""
     by_name = {p.name for p in graph.params()}
     unknown = set(masks) - by_name
     if unknown:
         raise PathirError(f"masks name params not in the graph: {sorted(unknown)}")
-    return graph.map_params(lambda p: p.with_value(p.value * masks[p.name], owned=True) if p.name in masks else p)
+    out = out or {}
+
+    def masked(p):
+        buf = out.get(p.name)
+        if (buf is None or buf.shape != p.shape or buf.dtype != p.value.dtype or not buf.flags.writeable
+                or np.may_share_memory(buf, p.value)):
+            return p.with_value(p.value * masks[p.name], owned=True)
+        np.multiply(p.value, masks[p.name], out=buf)
+        return p.with_value(buf, owned=True)
+
+    return graph.map_params(lambda p: masked(p) if p.name in masks else p)
 
 
 # ------------------------------------------------------------ the report
@@ -296,12 +308,12 @@ def _log_bound(graph: Graph, masks, scores: _Scores) -> float:
     for p in graph.params():
         if p.name not in masks:
             continue
-        values, pruned = scores.values[id(p)], ~masks[p.name]
+        values, keep = scores.values[id(p)], masks[p.name]
         if scores.linear:
-            total = float(np.sum(values, where=pruned))
+            total = _pruned_sum(values, keep)
             parts.append(math.log(total) + scores.log_scale if total > 0 else -math.inf)
             continue
-        picked = values[pruned]
+        picked = values[~keep]
         picked = picked[picked > -math.inf]
         if picked.size:
             top = float(picked.max())
@@ -312,6 +324,17 @@ def _log_bound(graph: Graph, masks, scores: _Scores) -> float:
         return -math.inf
     top = max(parts)
     return top + math.log(math.fsum(math.exp(v - top) for v in parts))
+
+
+def _pruned_sum(values: np.ndarray, keep: np.ndarray, chunk: int = 1 << 16) -> float:
+    """Σ values where not ``keep`` (values ≥ 0, finite): a dot product with the pruned entries as 0/1
+    floats, a cache-sized chunk at a time (a masked reduction runs several times slower)."""
+    values, keep = values.reshape(-1), keep.reshape(-1)
+    total = 0.0
+    for i in range(0, values.size, chunk):
+        pruned = np.logical_not(keep[i:i + chunk]).view(np.uint8).astype(np.float64)
+        total += float(np.dot(values[i:i + chunk], pruned))
+    return total
 
 
 def prune(graph: Graph, backend, amount, criterion: str = "path-magnitude", scope: str = "global",
@@ -330,11 +353,11 @@ def prune(graph: Graph, backend, amount, criterion: str = "path-magnitude", scop
     scores = _log_scores(graph, "path-magnitude", backend)
     masks = prune_masks(graph, amount, criterion, scope, include_biases, backend,
                         log_scores=scores if criterion == "path-magnitude" else None)
-    after = prune_graph(graph, masks)
-    # the bound reads the scores (a flat float64 copy of θ's size): taken, and the scores freed,
-    # before the path-metric walk, whose own arrays would otherwise sit beside them
+    # the bound reads the scores (a float64 copy of θ's size); then their arrays, written once and
+    # already in memory, take θ ⊙ mask, so the pruned graph costs no second copy
     log_bound = _log_bound(graph, masks, scores)
     log_norm = scores.log_norm
+    after = prune_graph(graph, masks, out={p.name: scores.values[id(p)] for p in graph.params() if p.name in masks})
     del scores
     # θ' = θ ⊙ mask by construction; ‖Φ(θ)‖₁ from the scores' walk; the bound tells beforehand when
     # the two norms are too close to subtract
