@@ -285,7 +285,7 @@ def test_merging_sorted_pair_keys_equals_a_sort_of_them_all(seed, parts, width, 
     """unit_pairs._merge_sorted (placed, woven row by row or as one table of bands, folded or sorted) against
     np.unique of all keys. "stream": every part the same rows and a constant band of columns (a residual
     stream's convolutions, a bias)."""
-    from pathir.rescaling.unit_pairs import _merge_sorted
+    from pathir.rescaling.unit_pairs import _STAND_INS, _merge_sorted
 
     rng = np.random.default_rng(seed)
     keys, sums, lows = [], [], []
@@ -309,11 +309,20 @@ def test_merging_sorted_pair_keys_equals_a_sort_of_them_all(seed, parts, width, 
         keys.append(k)
         sums.append(rng.uniform(0.1, 1.0, k.size))
         lows.append(rng.uniform(0.1, 1.0, k.size))
+    # a member whose pairs are one row each gives None: its lows stand in as its sums, its counts as 1
+    one_row = rng.random(parts) < 0.5
+    counts = [np.full(k.size, 1 if single else 3, dtype=np.int32) for k, single in zip(keys, one_row)]
     want_keys = np.unique(np.concatenate(keys))
     everything = np.concatenate(keys)
     want_sums = np.array([np.concatenate(sums)[everything == k].sum() for k in want_keys])
-    want_lows = np.array([np.concatenate(lows)[everything == k].min() for k in want_keys])
-    got_keys, (got_sums, got_lows) = _merge_sorted(keys, [list(sums), list(lows)], (np.add, np.minimum), width * parts)
+    all_lows = np.concatenate([s if single else low for s, low, single in zip(sums, lows, one_row)])
+    want_lows = np.array([all_lows[everything == k].min() for k in want_keys])
+    want_counts = np.array([np.concatenate(counts)[everything == k].sum() for k in want_keys])
+    given = [list(sums), [None if single else low for low, single in zip(lows, one_row)],
+             [None if single else c for c, single in zip(counts, one_row)]]
+    got_keys, (got_sums, got_lows, got_counts) = _merge_sorted(
+        keys, given, (np.add, np.minimum, np.add), width * parts, (None, _STAND_INS[2], _STAND_INS[1]))
     assert np.array_equal(got_keys, want_keys)
     np.testing.assert_allclose(got_sums, want_sums, rtol=1e-13)
     assert np.array_equal(got_lows, want_lows)
+    assert np.array_equal(got_counts, want_counts)

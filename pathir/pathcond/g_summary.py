@@ -73,15 +73,11 @@ class GSummary:
 def summarize(g: np.ndarray, rows):
     """``(pairs, summary)``: g grouped by unit pair over B's ``rows`` (a `unit_rows.CompactRows`;
     `unit_pairs.group_compact`), ready for the solvers' ``pairs=``, and its :class:`GSummary`."""
+    from pathir.fast_log import log_in_place, sum_log_positive
     from pathir.rescaling.unit_pairs import group_compact
 
     pairs, low, high, count = group_compact(g, rows, extremes=True)
-    if g.min(initial=math.inf) > 0:  # the usual case: logs a chunk at a time
-        kept = g.size
-        sum_log = sum(float(np.log(g[i:i + _CHUNK]).sum()) for i in range(0, g.size, _CHUNK))
-    else:
-        kept = int(np.count_nonzero(g))
-        sum_log = sum(float(np.log(part[part > 0]).sum()) for part in (g[i:i + _CHUNK] for i in range(0, g.size, _CHUNK)))
-    with np.errstate(divide="ignore"):
-        summary = GSummary(pairs.enter, pairs.leave, np.log(low), np.log(high), count, int(g.size), kept, sum_log)
+    kept, sum_log = sum_log_positive(g)
+    # low and high are the merge's own arrays: their logs are taken in place
+    summary = GSummary(pairs.enter, pairs.leave, log_in_place(low), log_in_place(high), count, int(g.size), kept, sum_log)
     return pairs, summary

@@ -260,7 +260,7 @@ def _add_pairs(parts: dict, keys: np.ndarray, kept: list) -> None:
     with no mass (rows of zeros) left out."""
     if np.count_nonzero(kept[0]) != keys.size:
         keep = kept[0] != 0
-        keys, kept = keys[keep], [x[keep] for x in kept]
+        keys, kept = keys[keep], [None if x is None else x[keep] for x in kept]
     parts["keys"].append(keys)
     for name, x in zip(("sums", "low", "high", "count"), kept):
         parts[name].append(x)
@@ -347,8 +347,11 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
             rows_sorted = np.array_equal(row_of, np.arange(e_units.size))
             if np.array_equal(col_order, np.arange(l_units.size)):
                 col_order = None
+        # every cell one entry, unscaled (a dense layer between unit layers, a bias): each pair's extremes
+        # are its sum and its count 1, taken from the sums by the merge (`_STAND_INS`), no tables
+        derived = extremes and one_to_one and not flat_axes and runs is None and scale == 1.0
         sums = np.zeros(size)
-        if extremes:
+        if extremes and not derived:
             low_k, high_k, count_k = np.full(size, math.inf), np.full(size, -math.inf), np.zeros(size, dtype=np.int32)
             if flat_axes:  # reduced like the sums (the grid is smaller than the param)
                 reduced = _extremes(raw, flat_axes)
@@ -368,7 +371,7 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
                     sums[local] = block.reshape(-1)
                 else:
                     sums += np.bincount(local, weights=block.reshape(-1), minlength=size)
-            if extremes:  # a block at a time: no temporary of the param's size
+            if extremes and not derived:  # a block at a time: no temporary of the param's size
                 lows, highs, counts = (r[rows_i] for r in reduced) if flat_axes else _extremes(raw[rows_i], ())
                 if runs is not None:
                     lows, highs = _reduce_runs(lows, runs, np.minimum), _reduce_runs(highs, runs, np.maximum)
@@ -384,28 +387,36 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
                 np.maximum.at(high_k, local, highs.reshape(-1))
                 count_k += np.bincount(local, weights=counts.reshape(-1), minlength=size).astype(np.int32)
         keys = (e_units[:, None] * (H + 1) + l_units[None, :]).reshape(-1)  # the grid's cells, row-major
-        _add_pairs(parts, keys, [sums] + ([low_k, high_k, count_k] if extremes else []))
+        _add_pairs(parts, keys, [sums] + ([None] * 3 if derived else [low_k, high_k, count_k] if extremes else []))
     names = ("sums", "count", "low", "high") if extremes else ("sums",)
     sums = low_k = high_k = count_k = keys = None  # the merge frees each param's arrays once it is copied
     keys, merged = _merge_sorted(parts["keys"], [parts[name] for name in names],
-                                 (np.add, np.add, np.minimum, np.maximum)[:len(names)], H + 1)
+                                 (np.add, np.add, np.minimum, np.maximum)[:len(names)], H + 1,
+                                 _STAND_INS[:len(names)])
     pairs = _pairs_from_sums(keys, merged[0], scale, H)
     if not extremes:
         return pairs
     return pairs, merged[2], merged[3], merged[1]  # counts as int32: each below a param's size
 
 
-def _fold_equal_keys(members: list, keys: list, values: list, reduces: tuple) -> list:
+#: group_compact's per-pair (sums, count, low, high) of a pair made of one row: its count is 1 and its
+#: extremes are its sum (None in a value list stands for these, computed from the member's first list)
+_STAND_INS = (None, lambda sums: np.broadcast_to(np.int32(1), sums.shape), lambda sums: sums, lambda sums: sums)
+
+
+def _fold_equal_keys(members: list, keys: list, values: list, reduces: tuple, get) -> list:
     """``members`` with those holding the very same keys (a layer's weights and bias entering the same
-    units from the input) reduced into the first of them, entry by entry (``keys``/``values`` updated)."""
+    units from the input) reduced into the first of them, entry by entry (``keys``/``values`` updated;
+    ``get(list, member)``: a member's values, stand-ins resolved)."""
     kept = []
     for i in members:
         twin = next((j for j in kept if keys[j].size == keys[i].size and np.array_equal(keys[j], keys[i])), None)
         if twin is None:
             kept.append(i)
             continue
-        for vals, reduce in zip(values, reduces):
-            vals[twin] = reduce(vals[twin], vals[i])
+        pairs = [(get(v, twin), get(v, i)) for v in range(len(values))]  # all read before any is replaced
+        for vals, reduce, (a, b) in zip(values, reduces, pairs):
+            vals[twin] = reduce(a, b)
     return kept
 
 
@@ -434,10 +445,12 @@ def _row_pieces(members: list, keys: list, width: int):
                      if bounds[i][r + 1] > bounds[i][r]])
 
 
-def _merge_sorted(keys: list, values: list, reduces: tuple, width: int) -> tuple[np.ndarray, list]:
+def _merge_sorted(keys: list, values: list, reduces: tuple, width: int, stand_ins: tuple | None = None
+                  ) -> tuple[np.ndarray, list]:
     """The union of the strictly increasing key arrays ``keys`` (entered unit x ``width`` + left unit) in
     increasing order, and for each list in ``values`` (one array per key array) its values reduced
-    over equal keys with its ufunc.
+    over equal keys with its ufunc. ``stand_ins[v]``: for a None in ``values[v]``, a function of that
+    member's ``values[0]`` array giving its values (read where they are copied, never stored).
 
     Arrays whose key ranges overlap no other's are copied as they are; arrays holding the very same
     keys are reduced entry by entry (a layer's weights and bias from the input); overlapping ones are
@@ -449,6 +462,11 @@ def _merge_sorted(keys: list, values: list, reduces: tuple, width: int) -> tuple
     """
     if not keys:
         return np.zeros(0, dtype=np.int64), [np.zeros(0) for _ in values]
+
+    def get(v: int, i: int):
+        got = values[v][i]
+        return stand_ins[v](values[0][i]) if got is None else got
+
     spans = sorted((int(k[0]), int(k[-1]), i) for i, k in enumerate(keys) if k.size)
     clusters, current, reach = [], [], -1
     for low, high, i in spans:
@@ -462,7 +480,7 @@ def _merge_sorted(keys: list, values: list, reduces: tuple, width: int) -> tuple
     plans = []  # per cluster: ("copy", i) | ("weave", pieces) | ("sort", keys, order, starts, members)
     total = 0
     for cluster in clusters:
-        members = _fold_equal_keys(cluster, keys, values, reduces)
+        members = _fold_equal_keys(cluster, keys, values, reduces, get)
         woven = _row_pieces(members, keys, width) if len(members) > 1 else ("runs", [(members[0], 0, keys[members[0]].size)])
         if woven is not None:
             plans.append((woven[0], cluster, woven[1]))
@@ -474,28 +492,30 @@ def _merge_sorted(keys: list, values: list, reduces: tuple, width: int) -> tuple
         starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
         plans.append(("sort", cluster, k[starts], order, starts, members))
         total += starts.size
+    live = [i for i, k in enumerate(keys) if k is not None]
     out_keys = np.empty(total, dtype=np.result_type(*keys))
-    outs = [np.empty(total, dtype=np.result_type(*vals)) for vals in values]
+    outs = [np.empty(total, dtype=np.result_type(*(get(v, i) for i in live))) for v in range(len(values))]
+    sources = [lambda i: keys[i]] + [lambda i, v=v: get(v, i) for v in range(len(values))]
     at = 0
     for plan in plans:
         if plan[0] == "runs":
             size = sum(b - a for _, a, b in plan[2])
-            for out, source in zip([out_keys, *outs], [keys, *values]):
-                np.concatenate([source[i][a:b] for i, a, b in plan[2]], out=out[at:at + size])
+            for out, source in zip([out_keys, *outs], sources):
+                np.concatenate([source(i)[a:b] for i, a, b in plan[2]], out=out[at:at + size])
         elif plan[0] == "rect":  # rows x (Σ columns): each member fills its band of columns in one copy
             size = sum(keys[i].size for i, _ in plan[2])
             span = sum(w for _, w in plan[2])
-            for out, source in zip([out_keys, *outs], [keys, *values]):
+            for out, source in zip([out_keys, *outs], sources):
                 table, left = out[at:at + size].reshape(-1, span), 0
                 for i, w in plan[2]:
-                    table[:, left:left + w] = source[i].reshape(-1, w)
+                    table[:, left:left + w] = source(i).reshape(-1, w)
                     left += w
         else:
             _, _, merged_keys, order, starts, members = plan
             size = merged_keys.size
             out_keys[at:at + size] = merged_keys
-            for out, vals, reduce in zip(outs, values, reduces):
-                out[at:at + size] = reduce.reduceat(np.concatenate([vals[i] for i in members])[order], starts)
+            for v, (out, reduce) in enumerate(zip(outs, reduces)):
+                out[at:at + size] = reduce.reduceat(np.concatenate([get(v, i) for i in members])[order], starts)
         for source in (keys, *values):  # written: free this cluster's arrays before the next is copied
             for i in plan[1]:
                 source[i] = None
