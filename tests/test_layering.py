@@ -9,6 +9,7 @@ FOLDERS = {"pathir": "pathir", "frontends": "pathir.frontends", "passes": "pathi
 #: module prefix -> layer; a module may import its own layer and the ones below
 LAYERS = {
     "pathir.errors": 0, "pathir.ir": 0, "pathir.progress": 0, "pathir.files": 0, "pathir.sorted_unique": 0,
+    "pathir.fast_log": 0,
     "pathir.backends": 1, "pathir.passes": 1, "pathir.frontends": 1, "pathir.rescaling": 1,
     "pathir.lifting": 2, "pathir.neurons": 2, "pathir.testing": 2,
     "pathir.pathcond": 3, "pathir.enorm": 3, "pathir.optim": 3,
