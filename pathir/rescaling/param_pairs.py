@@ -101,7 +101,11 @@ def separable_blocks(value: np.ndarray, enter: np.ndarray, leave: np.ndarray, p:
         for r in range(0, rows_total, step):
             chunk = value[r:r + step]
             w = unit_columns(chunk, _mass(chunk, p, None if cost is None else cost[r:r + step]), starts)
-            key = (e_rows[r:r + step, None] * (H + 1) + col_units[None, :]).reshape(-1)
+            e = e_rows[r:r + step]
+            runs = np.flatnonzero(np.r_[True, e[1:] != e[:-1]])
+            if runs.size < e.size:  # rows entering one unit in a run (an output layer's: none) summed first
+                w, e = np.add.reduceat(w, runs, axis=0), e[runs]
+            key = (e[:, None] * (H + 1) + col_units[None, :]).reshape(-1)
             w = w.reshape(-1)
             hit = np.flatnonzero(w)
             yield key[hit], w[hit]  # in any order, repeats allowed: the caller sorts and sums them
@@ -118,11 +122,11 @@ def pairs_from_params(units, p: float, costs: np.ndarray | None = None):
     pair's mass is below 1e-290, not finite, or their sum could pass 1e300: the caller then groups the
     flat masses (in log space where needed, `group_pairs`) and refuses non-finite ones."""
     from pathir.passes.incidence import compact_rows
-    from pathir.rescaling.unit_pairs import Pairs
+    from pathir.rescaling.unit_pairs import Pairs, _merge_sorted
 
     H = len(units)
     keys, sums = [], []
-    offset = 0
+    offset, count, high = 0, 0, 0.0
     for prm, (enter, leave) in zip(units.params, compact_rows(units)):
         cost = None if costs is None else costs[offset:offset + prm.size].reshape(prm.shape)
         offset += prm.size
@@ -130,19 +134,30 @@ def pairs_from_params(units, p: float, costs: np.ndarray | None = None):
         if blocks is None:
             blocks = (pair_sums(e, l, _mass(value, p, None if cost is None else cost[rows].reshape(-1)), H)
                       for rows, value, e, l in row_blocks(prm.value, enter, leave))
-        for key, total in blocks:
-            keys.append(key)
-            sums.append(total)
-    key = np.concatenate(keys) if keys else np.zeros(0, dtype=np.int64)
-    mass = np.concatenate(sums) if sums else np.zeros(0)
-    # every pair's sum normal, finite and far from overflow (nan fails both tests): exact to rounding
-    if mass.size == 0 or not (float(mass.min()) >= _LOW and float(mass.max()) * key.size < _HIGH):
+        parts = list(blocks)
+        key = np.concatenate([k for k, _ in parts]) if parts else np.zeros(0, dtype=np.int64)
+        mass = np.concatenate([m for _, m in parts]) if parts else np.zeros(0)
+        del parts
+        if not key.size:
+            continue
+        # every pair's sum normal, finite and far from overflow (nan fails the test): exact to rounding
+        if not (float(mass.min()) >= _LOW and float(mass.max()) < _HIGH):
+            return None
+        if not np.all(key[1:] > key[:-1]):  # rows in another order, or a sum split over blocks
+            order = np.argsort(key, kind="stable")
+            key, mass = key[order], mass[order]
+            starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+            key, mass = key[starts], np.add.reduceat(mass, starts)
+        count += key.size
+        high = max(high, float(mass.max()))
+        keys.append(key)
+        sums.append(mass)
+    if count == 0 or not high * count < _HIGH:
         return None
-    if not np.all(key[1:] > key[:-1]):
-        order = np.argsort(key, kind="stable")  # the blocks' keys are sorted runs: timsort's best case
-        key, mass = key[order], mass[order]
-        starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
-        key, mass = key[starts], np.add.reduceat(mass, starts)
+    # the params' sorted keys merged (a layer's weights and its bias woven as one table, no sort of them all)
+    key, (mass,) = _merge_sorted(keys, [sums], (np.add,), H + 1)
     big = float(mass.max())
+    mass /= big
     enter, leave = np.divmod(key, H + 1)
-    return Pairs(None, enter, leave, H, mass / big, math.log(big))
+    del key
+    return Pairs(None, enter, leave, H, mass, math.log(big))
