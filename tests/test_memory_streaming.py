@@ -326,3 +326,32 @@ def test_merging_sorted_pair_keys_equals_a_sort_of_them_all(seed, parts, width, 
     np.testing.assert_allclose(got_sums, want_sums, rtol=1e-13)
     assert np.array_equal(got_lows, want_lows)
     assert np.array_equal(got_counts, want_counts)
+
+
+@settings(max_examples=30, deadline=None)
+@given(relu_dags(), st.integers(0, 2**32 - 1), st.sampled_from([3.0, 900.0]))
+def test_g_as_one_array_per_param_groups_and_summarises_as_the_flat_g(graph, seed, spread):
+    """group_compact and summarize take diag_g_parts' list (no flat copy of g) and give what they give
+    for the flat g, bit for bit; g spanning 900 nats takes the log-space path (the list concatenated)."""
+    from pathir.lifting.diag_g import diag_g_parts
+    from pathir.passes.incidence import row_ends
+    from pathir.pathcond.g_summary import summarize
+    from pathir.rescaling.unit_pairs import group_compact
+
+    _, units = find_units(graph)
+    rows = row_ends(units)
+    rng = np.random.default_rng(seed)
+    flat = np.exp(-spread * rng.random(rows.size)) * (rng.random(rows.size) < 0.8)
+    sizes = [int(np.prod(s)) for s in rows.shapes]
+    parts = [x.reshape(s) for x, s in zip(np.split(flat, np.cumsum(sizes)[:-1]), rows.shapes)]
+    a, b = group_compact(flat, rows, extremes=True), group_compact(parts, rows, extremes=True)
+    assert np.array_equal(a[0].enter, b[0].enter) and np.array_equal(a[0].leave, b[0].leave)
+    assert np.array_equal(a[0].log_mass, b[0].log_mass)
+    for x, y in zip(a[1:], b[1:]):
+        assert np.array_equal(x, y)
+    (_, sa), (_, sb) = summarize(flat, rows), summarize(parts, rows)
+    assert (sa.n, sa.kept) == (sb.n, sb.kept) and sa.sum_log == pytest.approx(sb.sum_log, rel=1e-13, abs=1e-9)
+    g, top = diag_g_flat(graph, "numpy")
+    got, top_parts = diag_g_parts(graph, "numpy")
+    assert top_parts == top
+    assert np.array_equal(np.concatenate([x.reshape(-1) for x in got]) if got else np.zeros(0), g)

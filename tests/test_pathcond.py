@@ -339,7 +339,7 @@ def test_injected_failures_leave_model_and_graph_untouched(monkeypatch):
         raise RuntimeError("injected")
 
     with monkeypatch.context() as m:
-        m.setattr(pathir.lifting.diag_g, "diag_g_flat", boom)
+        m.setattr(pathir.lifting.diag_g, "diag_g_parts", boom)
         with pytest.raises(RuntimeError, match="injected"):
             cm.pathcond()
     assert _same_state(model, state) and cm.graph is graph

@@ -72,6 +72,19 @@ def diag_g_log_parts(graph: Graph, backend) -> list[tuple[np.ndarray, float]]:
     return param_log_parts(graph, get_backend(backend), 2.0, what="diag G")
 
 
+def diag_g_parts(graph: Graph, backend=None) -> tuple[list[np.ndarray], float]:
+    """([g / max g per param of ``graph.params()``, in its shape], log max g): `diag_g_flat` without
+    the flat copy; each array is the walk's own, scaled in place. ``log max g`` is -inf when g = 0."""
+    parts = diag_g_log_parts(graph, backend)
+    top = max((L for _, L in parts), default=-math.inf)
+    out = []
+    for m, L in parts:
+        if L != top:
+            m *= 0.0 if top == -math.inf or L == -math.inf else math.exp(L - top)
+        out.append(m)
+    return out, top
+
+
 def diag_g_flat(graph: Graph, backend=None) -> tuple[np.ndarray, float]:
     """(g / max g, log max g): g flat in the order of θ (``graph.params()``, C order).
 

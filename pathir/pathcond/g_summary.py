@@ -72,12 +72,15 @@ class GSummary:
 
 def summarize(g: np.ndarray, rows):
     """``(pairs, summary)``: g grouped by unit pair over B's ``rows`` (a `unit_rows.CompactRows`;
-    `unit_pairs.group_compact`), ready for the solvers' ``pairs=``, and its :class:`GSummary`."""
+    `unit_pairs.group_compact`), ready for the solvers' ``pairs=``, and its :class:`GSummary`.
+    ``g``: flat in θ order, or one array per param (`pathir.lifting.diag_g.diag_g_parts`)."""
     from pathir.fast_log import log_in_place, sum_log_positive
     from pathir.rescaling.unit_pairs import group_compact
 
     pairs, low, high, count = group_compact(g, rows, extremes=True)
-    kept, sum_log = sum_log_positive(g)
+    pieces = g if isinstance(g, (list, tuple)) else [g]
+    logs = [sum_log_positive(x) for x in pieces]
+    kept, sum_log, n = sum(k for k, _ in logs), math.fsum(v for _, v in logs), sum(x.size for x in pieces)
     # low and high are the merge's own arrays: their logs are taken in place
-    summary = GSummary(pairs.enter, pairs.leave, log_in_place(low), log_in_place(high), count, int(g.size), kept, sum_log)
+    summary = GSummary(pairs.enter, pairs.leave, log_in_place(low), log_in_place(high), count, int(n), kept, sum_log)
     return pairs, summary

@@ -7,7 +7,7 @@ minimises the convex
 
 and rescales θ ← θ ⊙ e^{-Bz*/2}, after which diag G is g ⊙ e^{Bz*}. Φ, and
 so the network's function, is unchanged. Steps: the units and B (cached on
-the Compiled), g through ``diag_g_flat`` (normalised by its maximum, so F is
+the Compiled), g through ``diag_g_parts`` (normalised by its maximum, so F is
 computed up to the constant n·log max g, added back in the report), the array
 solver (``pathir.pathcond.solvers``), then write-back (``pathir.rescaling.commit``):
 everything that can fail runs before the model is touched.
@@ -199,7 +199,7 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
     >>> bool(torch.allclose(net(x), before, atol=1e-6))
     True
     """
-    from pathir.lifting.diag_g import diag_g_flat
+    from pathir.lifting.diag_g import diag_g_parts
     from pathir.pathcond.g_summary import summarize
     from pathir.pathcond.solvers import METHODS, solve
     from pathir.rescaling.bounds import default_max_log_scale
@@ -224,9 +224,9 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
     B = facts.incidence[0] if solver == "coordinate" else None
     lap("B")
     bar.phase("diag G")
-    g, log_top = diag_g_flat(facts.graph, backend)
+    g, log_top = diag_g_parts(facts.graph, backend)  # one array per param: no flat copy of g
     lap("diag G")
-    n = g.size
+    n = sum(part.size for part in g)
     if not math.isfinite(log_top):
         raise PathirError("diag G vanishes everywhere (no path of the network has only nonzero weights): "
                           "PathCond has nothing to balance")
@@ -235,6 +235,7 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
     # one float64 per parameter, is freed before the solver runs (the coordinate solver reads it)
     pairs, summary = summarize(g, rows)
     if solver == "coordinate":
+        g = np.concatenate([part.reshape(-1) for part in g]) if g else np.zeros(0)  # it reads g flat
         result = solve(g, B, method=solver, max_sweeps=max_sweeps, tol=tol, row_key=facts.row_keys,
                        max_log_scale=max_log_scale, callback=chain_callbacks(callback, bar.callback))
     else:

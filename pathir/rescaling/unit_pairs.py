@@ -216,6 +216,12 @@ def _ranks(ends: np.ndarray, ndim: int) -> tuple[np.ndarray, np.ndarray]:
     return values, rank.reshape((1,) * (ndim - ends.ndim) + ends.shape)
 
 
+def _least_positive(m: np.ndarray) -> float:
+    """The smallest entry > 0 of m ≥ 0 (inf if none)."""
+    low = float(m.min(initial=math.inf))
+    return low if low > 0 else float(np.min(m, where=m > 0, initial=math.inf))
+
+
 def _extremes(m: np.ndarray, axes: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(min of the positive entries (inf if none), max, number of positive entries) over ``axes``."""
     positive = m > 0
@@ -276,19 +282,22 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
     pair a block of rows at a time into that param's own small grid of pairs, so neither a key per
     row nor a (H + 1)² table is built. The same pairs and sums (up to rounding order) as
     `group_pairs` on the row keys; masses spanning beyond ~650 nats go through it (log-space sums).
+    ``m``: flat in θ order, or a list of one array per param (then never concatenated in the linear case).
 
     ``extremes=True`` returns ``(pairs, low, high, count)``: per pair (in ``pairs`` order) the
     smallest positive m_i, the largest m_i and the number of rows with m_i > 0 (what a report on m
     under a rescaling needs once m itself is gone: m_i e^{(Bz)_i} is m_i times its pair's factor)."""
     H = rows.num_units
-    low, top = m.min(initial=math.inf), m.max(initial=-math.inf)
-    if low <= 0 and m.size:
-        low = m[m > 0].min(initial=math.inf)  # the rows with mass 0 take no part
+    pieces = m if isinstance(m, (list, tuple)) else [m]  # (per-param arrays: no flat copy of m)
+    size = sum(x.size for x in pieces)
+    low = min((_least_positive(x) for x in pieces), default=math.inf)  # the rows with mass 0 take no part
+    top = max((float(x.max()) for x in pieces if x.size), default=-math.inf)
     if not low < math.inf:
         empty = np.zeros(0, dtype=np.int64)
         pairs = Pairs(np.zeros(0), empty, empty, H)
         return (pairs, np.zeros(0), np.zeros(0), empty) if extremes else pairs
     if not low > top * _LINEAR_RANGE:  # log-space sums: through the row keys
+        m = pieces[0].reshape(-1) if len(pieces) == 1 else np.concatenate([x.reshape(-1) for x in pieces])
         key = np.concatenate([np.broadcast_to(e * (H + 1) + l, shape).reshape(-1) for shape, e, l, _ in rows.parts(m)])
         pairs = group_pairs(m, key, H)
         if not extremes:
@@ -300,7 +309,7 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
         starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
         count = np.diff(np.append(starts, sk.size))
         return pairs, np.minimum.reduceat(m, starts), np.maximum.reduceat(m, starts), count
-    scale = 1.0 if top * m.size < 1e300 and low > 1e-290 else float(top)
+    scale = 1.0 if top * size < 1e300 and low > 1e-290 else float(top)
     parts = {"keys": [], "sums": [], "low": [], "high": [], "count": []}
     for shape, enter, leave, mk in rows.parts(m):
         nd = len(shape)

@@ -96,8 +96,13 @@ class CompactRows:
         """n, the number of rows of B."""
         return int(sum(int(np.prod(s)) for s in self.shapes))
 
-    def parts(self, flat: np.ndarray):
-        """(shape, enter, leave, that param's entries of ``flat`` in its shape) in turn."""
+    def parts(self, flat):
+        """(shape, enter, leave, that param's entries of ``flat`` in its shape) in turn. ``flat``: one
+        array in the order of θ, or a list of one array per param (`pathir.lifting.diag_g.diag_g_parts`)."""
+        if isinstance(flat, (list, tuple)):
+            for shape, (enter, leave), part in zip(self.shapes, self.ends, flat, strict=True):
+                yield shape, enter, leave, part.reshape(shape)
+            return
         start = 0
         for shape, (enter, leave) in zip(self.shapes, self.ends):
             size = int(np.prod(shape))
