@@ -320,12 +320,17 @@ def test_merging_sorted_pair_keys_equals_a_sort_of_them_all(seed, parts, width, 
     want_counts = np.array([np.concatenate(counts)[everything == k].sum() for k in want_keys])
     given = [list(sums), [None if single else low for low, single in zip(lows, one_row)],
              [None if single else c for c, single in zip(counts, one_row)]]
-    got_keys, (got_sums, got_lows, got_counts) = _merge_sorted(
+    got_keys, (got_sums, got_lows, got_counts), single = _merge_sorted(
         keys, given, (np.add, np.minimum, np.add), width * parts, (None, _STAND_INS[2], _STAND_INS[1]))
     assert np.array_equal(got_keys, want_keys)
     np.testing.assert_allclose(got_sums, want_sums, rtol=1e-13)
-    assert np.array_equal(got_lows, want_lows)
-    assert np.array_equal(got_counts, want_counts)
+    # the lists past the first hold the pairs not ``single`` only; a single pair's low is its sum, count 1
+    assert single.shape == got_keys.shape and got_lows.size == got_counts.size == np.count_nonzero(~single)
+    assert np.array_equal(np.where(single, got_sums, 0.0)[single], want_lows[single])
+    assert np.array_equal(got_lows, want_lows[~single]) and np.all(want_counts[single] == 1)
+    assert np.array_equal(got_counts, want_counts[~single])
+    if not one_row.any():
+        assert not single.any()
 
 
 @settings(max_examples=30, deadline=None)

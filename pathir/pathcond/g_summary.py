@@ -5,8 +5,9 @@ and the log-det divergences of both from the identity, over the entries g_i > 0.
 Within one unit pair k = (e, l) every row is moved by the same factor e^{z_l - z_e},
 so those figures need of g only: per pair its smallest positive and its largest
 entry and its number of positive rows (`unit_pairs.group_compact` with
-``extremes=True``), and Σ log g_i and their number. That is a few arrays of the
-pairs' size, so g (one float64 per parameter) is freed before the solver runs.
+``extremes="compact"``: a pair made of one row stores none, its g is its mass),
+and Σ log g_i and their number. That is a few arrays of the pairs' size at most,
+so g (one float64 per parameter) is freed before the solver runs.
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ _CHUNK = 1 << 20
 class GSummary:
     """Per unit pair (``enter``, ``leave``; H = "no unit"): log of the smallest positive and of the
     largest g_i, and the number of rows with g_i > 0; over all of g: n, the number ``kept`` of
-    entries > 0 and the sum of their logs."""
+    entries > 0 and the sum of their logs.
+
+    ``single`` (bool per pair, or None for none) marks the pairs made of one row (every weight of a
+    dense layer between unit layers, a bias): their extremes are their g, ``mass`` e^{``log_top``}
+    (the pairs' own normalised masses), and ``log_low``, ``log_high``, ``count`` hold only the other
+    pairs', in order."""
 
     enter: np.ndarray
     leave: np.ndarray
@@ -35,26 +41,59 @@ class GSummary:
     n: int
     kept: int
     sum_log: float
+    single: np.ndarray | None = None
+    mass: np.ndarray | None = None
+    log_top: float = 0.0
+
+    def _chunks(self, z: np.ndarray):
+        """(shift of the pairs not single, their stored slice, log g and shift of the single ones or None)
+        a chunk of pairs at a time: no temporary of the pairs' size."""
+        from pathir.fast_log import log_in_place
+
+        zp = np.append(np.asarray(z, dtype=np.float64), 0.0)
+        stored = 0
+        for i in range(0, self.enter.size, _CHUNK):
+            part = slice(i, i + _CHUNK)
+            shift = zp[self.leave[part]] - zp[self.enter[part]]
+            if self.single is None:
+                yield shift, slice(stored, stored + shift.size), None
+                stored += shift.size
+                continue
+            one = self.single[part]
+            rest = shift[~one]
+            ones = None
+            if one.any():
+                logs = log_in_place(self.mass[part][one])
+                logs += self.log_top
+                ones = (logs, shift[one])
+            yield rest, slice(stored, stored + rest.size), ones
+            stored += rest.size
 
     def spreads(self, z: np.ndarray) -> tuple[float, float]:
         """max − min of log g and of log(g ⊙ e^{Bz}) over the entries g > 0 ((0, 0) if there are none)."""
         if not self.enter.size:
             return 0.0, 0.0
-        zp = np.append(np.asarray(z, dtype=np.float64), 0.0)
-        high, low = -math.inf, math.inf
-        for i in range(0, self.enter.size, _CHUNK):  # a chunk at a time: no temporary of the pairs' size
-            part = slice(i, i + _CHUNK)
-            shift = zp[self.leave[part]] - zp[self.enter[part]]
-            high = max(high, float((self.log_high[part] + shift).max()))
-            low = min(low, float((self.log_low[part] + shift).min()))
-        return float(self.log_high.max() - self.log_low.min()), high - low
+        top, bottom, high, low = -math.inf, math.inf, -math.inf, math.inf
+        for shift, stored, ones in self._chunks(z):
+            if shift.size:
+                log_high, log_low = self.log_high[stored], self.log_low[stored]
+                top, bottom = max(top, float(log_high.max())), min(bottom, float(log_low.min()))
+                high, low = max(high, float((log_high + shift).max())), min(low, float((log_low + shift).min()))
+            if ones is not None:
+                logs, shift = ones
+                top, bottom = max(top, float(logs.max())), min(bottom, float(logs.min()))
+                logs += shift
+                high, low = max(high, float(logs.max())), min(low, float(logs.min()))
+        return top - bottom, high - low
 
     def kept_shift(self, z: np.ndarray, balance: np.ndarray) -> float:
         """Σ_i (Bz)_i over the rows with g_i > 0 (−A·z from B's column balance A when all are)."""
         if self.kept == self.n:
             return -float(balance @ z)
-        zp = np.append(np.asarray(z, dtype=np.float64), 0.0)
-        return float(self.count @ (zp[self.leave] - zp[self.enter]))
+        total = 0.0
+        for shift, stored, ones in self._chunks(z):
+            total += float(self.count[stored] @ shift) + (0.0 if ones is None else float(ones[1].sum()))
+        return total
 
     def divergences(self, f_initial: float, f_final: float, z: np.ndarray, balance: np.ndarray) -> tuple[float, float]:
         """n'·log(mean g') − Σ log g' over the n' entries of g' = g ⊙ e^{Bz} that are > 0, at z = 0 and
@@ -77,10 +116,11 @@ def summarize(g: np.ndarray, rows):
     from pathir.fast_log import log_in_place, sum_log_positive
     from pathir.rescaling.unit_pairs import group_compact
 
-    pairs, low, high, count = group_compact(g, rows, extremes=True)
+    pairs, ext = group_compact(g, rows, extremes="compact")
     pieces = g if isinstance(g, (list, tuple)) else [g]
     logs = [sum_log_positive(x) for x in pieces]
     kept, sum_log, n = sum(k for k, _ in logs), math.fsum(v for _, v in logs), sum(x.size for x in pieces)
-    # low and high are the merge's own arrays: their logs are taken in place
-    summary = GSummary(pairs.enter, pairs.leave, log_in_place(low), log_in_place(high), count, int(n), kept, sum_log)
+    # the extremes are the merge's own arrays: their logs are taken in place
+    summary = GSummary(pairs.enter, pairs.leave, log_in_place(ext.low), log_in_place(ext.high), ext.count, int(n),
+                       kept, sum_log, ext.single, None if ext.single is None else pairs.mass, pairs.log_top)
     return pairs, summary

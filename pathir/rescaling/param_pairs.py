@@ -155,7 +155,7 @@ def pairs_from_params(units, p: float, costs: np.ndarray | None = None):
     if count == 0 or not high * count < _HIGH:
         return None
     # the params' sorted keys merged (a layer's weights and its bias woven as one table, no sort of them all)
-    key, (mass,) = _merge_sorted(keys, [sums], (np.add,), H + 1)
+    key, (mass,), _ = _merge_sorted(keys, [sums], (np.add,), H + 1)
     big = float(mass.max())
     mass /= big
     enter, leave = np.divmod(key, H + 1)

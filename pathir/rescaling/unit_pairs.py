@@ -27,7 +27,7 @@ import scipy.sparse as sp
 
 __all__ = [
     "degenerate_units", "pad", "Pairs", "LeaveOrder", "group_pairs", "group_compact", "greedy_coloring", "segment_logsumexp",
-    "SideSums", "side_sums", "all_pairs", "log_pair_total", "pair_terms", "Block", "blocks_of",
+    "SideSums", "side_sums", "all_pairs", "log_pair_total", "pair_terms", "Block", "blocks_of", "PairExtremes",
 ]
 
 # A linear-domain sum below this (relative to its static bound 1) may have lost
@@ -286,7 +286,9 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
 
     ``extremes=True`` returns ``(pairs, low, high, count)``: per pair (in ``pairs`` order) the
     smallest positive m_i, the largest m_i and the number of rows with m_i > 0 (what a report on m
-    under a rescaling needs once m itself is gone: m_i e^{(Bz)_i} is m_i times its pair's factor)."""
+    under a rescaling needs once m itself is gone: m_i e^{(Bz)_i} is m_i times its pair's factor).
+    ``extremes="compact"`` returns ``(pairs, PairExtremes)``: the same without the pairs made of one
+    row (a dense layer's weights between unit layers, a bias), whose extremes are their mass."""
     H = rows.num_units
     pieces = m if isinstance(m, (list, tuple)) else [m]  # (per-param arrays: no flat copy of m)
     size = sum(x.size for x in pieces)
@@ -295,6 +297,8 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
     if not low < math.inf:
         empty = np.zeros(0, dtype=np.int64)
         pairs = Pairs(np.zeros(0), empty, empty, H)
+        if extremes == "compact":
+            return pairs, PairExtremes(None, np.zeros(0), np.zeros(0), empty)
         return (pairs, np.zeros(0), np.zeros(0), empty) if extremes else pairs
     if not low > top * _LINEAR_RANGE:  # log-space sums: through the row keys
         m = pieces[0].reshape(-1) if len(pieces) == 1 else np.concatenate([x.reshape(-1) for x in pieces])
@@ -308,7 +312,8 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
         sk, m = key[order], m[order]
         starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
         count = np.diff(np.append(starts, sk.size))
-        return pairs, np.minimum.reduceat(m, starts), np.maximum.reduceat(m, starts), count
+        found = (np.minimum.reduceat(m, starts), np.maximum.reduceat(m, starts), count)
+        return (pairs, PairExtremes(None, *found)) if extremes == "compact" else (pairs, *found)
     scale = 1.0 if top * size < 1e300 and low > 1e-290 else float(top)
     parts = {"keys": [], "sums": [], "low": [], "high": [], "count": []}
     for shape, enter, leave, mk in rows.parts(m):
@@ -359,6 +364,16 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
         # every cell one entry, unscaled (a dense layer between unit layers, a bias): each pair's extremes
         # are its sum and its count 1, taken from the sums by the merge (`_STAND_INS`), no tables
         derived = extremes and one_to_one and not flat_axes and runs is None and scale == 1.0
+        # the masses already lie in the grid's row-major order (a dense layer between unit layers, its units
+        # in order): the pairs' sums are a view of them, read by the merge, nothing placed
+        in_order = (placed and rows_sorted and col_order is None and not flat_axes and runs is None
+                    and (derived or not extremes) and mk.flags.c_contiguous)
+        if in_order:
+            sums = mk.reshape(-1)
+            keys = np.empty((e_units.size, l_units.size), dtype=np.int64)
+            np.add((e_units * (H + 1))[:, None], l_units[None, :], out=keys)
+            _add_pairs(parts, keys.reshape(-1), [sums] + ([None] * 3 if derived else []))
+            continue
         sums = np.zeros(size)
         if extremes and not derived:
             low_k, high_k, count_k = np.full(size, math.inf), np.full(size, -math.inf), np.zeros(size, dtype=np.int32)
@@ -395,17 +410,43 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
                 np.minimum.at(low_k, local, lows.reshape(-1))
                 np.maximum.at(high_k, local, highs.reshape(-1))
                 count_k += np.bincount(local, weights=counts.reshape(-1), minlength=size).astype(np.int32)
-        keys = (e_units[:, None] * (H + 1) + l_units[None, :]).reshape(-1)  # the grid's cells, row-major
+        keys = np.empty((e_units.size, l_units.size), dtype=np.int64)  # the grid's cells, row-major
+        np.add((e_units * (H + 1))[:, None], l_units[None, :], out=keys)
+        keys = keys.reshape(-1)
         _add_pairs(parts, keys, [sums] + ([None] * 3 if derived else [low_k, high_k, count_k] if extremes else []))
     names = ("sums", "count", "low", "high") if extremes else ("sums",)
     sums = low_k = high_k = count_k = keys = None  # the merge frees each param's arrays once it is copied
-    keys, merged = _merge_sorted(parts["keys"], [parts[name] for name in names],
-                                 (np.add, np.add, np.minimum, np.maximum)[:len(names)], H + 1,
-                                 _STAND_INS[:len(names)])
-    pairs = _pairs_from_sums(keys, merged[0], scale, H)
-    if not extremes:
-        return pairs
-    return pairs, merged[2], merged[3], merged[1]  # counts as int32: each below a param's size
+    keys, merged, single = _merge_sorted(parts["keys"], [parts[name] for name in names],
+                                         (np.add, np.add, np.minimum, np.maximum)[:len(names)], H + 1,
+                                         _STAND_INS[:len(names)] if extremes else None)
+    if extremes == "compact":  # (single pairs: their sum is their extreme, read back from pairs.mass)
+        found = PairExtremes(single if single.any() else None, merged[2], merged[3], merged[1])
+        return _pairs_from_sums(keys, merged[0], scale, H), found
+    if extremes:  # every pair's own: the single ones' extremes are their (unscaled: scale 1) sums
+        full = [_expand(single, x, merged[0] if x.dtype.kind == "f" else 1) for x in merged[1:]]
+        return _pairs_from_sums(keys, merged[0], scale, H), full[1], full[2], full[0]  # counts as int32
+    return _pairs_from_sums(keys, merged[0], scale, H)
+
+
+def _expand(single: np.ndarray, compact: np.ndarray, stand) -> np.ndarray:
+    """A per-pair array from the values of the pairs not ``single`` and ``stand`` (array or scalar) at those."""
+    out = np.empty(single.size, dtype=compact.dtype)
+    out[~single] = compact
+    out[single] = stand[single] if isinstance(stand, np.ndarray) else stand
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class PairExtremes:
+    """Per unit pair (in ``pairs`` order), what a report on m under a rescaling needs: the smallest
+    positive m_i, the largest m_i and the number of rows with m_i > 0. ``single`` (bool per pair, or
+    None for none): pairs made of one row, whose extremes are their mass and count 1, not stored;
+    ``low``, ``high``, ``count`` hold the other pairs', in order."""
+
+    single: np.ndarray | None
+    low: np.ndarray
+    high: np.ndarray
+    count: np.ndarray
 
 
 #: group_compact's per-pair (sums, count, low, high) of a pair made of one row: its count is 1 and its
@@ -429,6 +470,17 @@ def _fold_equal_keys(members: list, keys: list, values: list, reduces: tuple, ge
     return kept
 
 
+def _column_range(keys: np.ndarray, width: int, chunk: int = 1 << 16) -> tuple[int, int]:
+    """(min, max) of keys % width (the left units), a cache-sized chunk at a time into one buffer."""
+    buf = np.empty(min(chunk, keys.size), dtype=keys.dtype)
+    low, high = None, None
+    for i in range(0, keys.size, chunk):
+        part = np.remainder(keys[i:i + chunk], width, out=buf[:min(chunk, keys.size - i)])
+        a, b = int(part.min()), int(part.max())
+        low, high = (a, b) if low is None else (min(low, a), max(high, b))
+    return low, high
+
+
 def _row_pieces(members: list, keys: list, width: int):
     """Where ``members``' left units (key % width) lie in disjoint ranges, each entered unit's row of the
     merge is each member's run of that row, in the order of those ranges. Returns None where the ranges
@@ -436,14 +488,15 @@ def _row_pieces(members: list, keys: list, width: int):
     number of columns in each (a residual stream's convolutions and bias: the merge is then a table of
     those rows, each member a band of columns); else ``("runs", [(member, start, stop), ...])``, the
     runs in merged order."""
-    spans = sorted((int((keys[i] % width).min()), int((keys[i] % width).max()), i) for i in members)
+    spans = sorted((*_column_range(keys[i], width), i) for i in members)
     if any(spans[a][1] >= spans[a + 1][0] for a in range(len(spans) - 1)):
         return None
     order = [i for _, _, i in spans]
-    rows = {i: keys[i] // width for i in order}
-    first = min(int(r[0]) for r in rows.values())
-    size = max(int(r[-1]) for r in rows.values()) - first + 1
-    bounds = {i: np.searchsorted(r, np.arange(first, first + size + 1)) for i, r in rows.items()}
+    first = min(int(keys[i][0]) // width for i in order)
+    size = max(int(keys[i][-1]) // width for i in order) - first + 1
+    # the keys are sorted, so each row's run starts where the keys pass row x width: no division of them all
+    starts = np.arange(first, first + size + 1, dtype=np.int64) * width
+    bounds = {i: np.searchsorted(keys[i], starts) for i in order}
     counts = {i: np.diff(b) for i, b in bounds.items()}
     present = counts[order[0]] > 0
     columns = [(i, int(counts[i][present][0])) for i in order]
@@ -454,12 +507,16 @@ def _row_pieces(members: list, keys: list, width: int):
                      if bounds[i][r + 1] > bounds[i][r]])
 
 
-def _merge_sorted(keys: list, values: list, reduces: tuple, width: int, stand_ins: tuple | None = None
-                  ) -> tuple[np.ndarray, list]:
-    """The union of the strictly increasing key arrays ``keys`` (entered unit x ``width`` + left unit) in
-    increasing order, and for each list in ``values`` (one array per key array) its values reduced
-    over equal keys with its ufunc. ``stand_ins[v]``: for a None in ``values[v]``, a function of that
-    member's ``values[0]`` array giving its values (read where they are copied, never stored).
+def _merge_sorted(keys: list, values: list, reduces: tuple, width: int, stand_ins: tuple | None = None):
+    """``(keys, outs, single)``: the union of the strictly increasing key arrays ``keys`` (entered unit x
+    ``width`` + left unit) in increasing order, and for each list in ``values`` (one array per key
+    array) its values reduced over equal keys with its ufunc.
+
+    ``stand_ins``: a member whose ``values[1]`` is None is a stand-in member (every list past the first
+    None for it); ``stand_ins[v]`` gives its values of list v from its ``values[0]`` where they must be
+    reduced with another member's (equal keys: folded or sorted). The lists past the first then hold
+    only the other pairs, in merged order, and ``single`` (bool, one per merged pair) marks the pairs
+    of stand-in members; without ``stand_ins`` every list holds every pair and ``single`` is None.
 
     Arrays whose key ranges overlap no other's are copied as they are; arrays holding the very same
     keys are reduced entry by entry (a layer's weights and bias from the input); overlapping ones are
@@ -469,12 +526,16 @@ def _merge_sorted(keys: list, values: list, reduces: tuple, width: int, stand_in
     from ``keys`` and ``values`` (set to None) once written: the result's pages then reuse theirs
     instead of adding a second copy of every pair to the peak.
     """
+    compact = stand_ins is not None
     if not keys:
-        return np.zeros(0, dtype=np.int64), [np.zeros(0) for _ in values]
+        return np.zeros(0, dtype=np.int64), [np.zeros(0) for _ in values], (np.zeros(0, bool) if compact else None)
 
     def get(v: int, i: int):
         got = values[v][i]
         return stand_ins[v](values[0][i]) if got is None else got
+
+    def stand_in(i: int) -> bool:
+        return compact and values[1][i] is None
 
     spans = sorted((int(k[0]), int(k[-1]), i) for i, k in enumerate(keys) if k.size)
     clusters, current, reach = [], [], -1
@@ -486,14 +547,19 @@ def _merge_sorted(keys: list, values: list, reduces: tuple, width: int, stand_in
         reach = max(reach, high)
     if current:
         clusters.append(current)
-    plans = []  # per cluster: ("copy", i) | ("weave", pieces) | ("sort", keys, order, starts, members)
-    total = 0
+    plans = []  # per cluster: ("runs", cluster, pieces) | ("rect", cluster, bands) | ("sort", cluster, ...)
+    total = explicit = 0
     for cluster in clusters:
         members = _fold_equal_keys(cluster, keys, values, reduces, get)
         woven = _row_pieces(members, keys, width) if len(members) > 1 else ("runs", [(members[0], 0, keys[members[0]].size)])
         if woven is not None:
             plans.append((woven[0], cluster, woven[1]))
-            total += sum(b - a for _, a, b in woven[1]) if woven[0] == "runs" else sum(keys[i].size for i, _ in woven[1])
+            if woven[0] == "runs":
+                total += sum(b - a for _, a, b in woven[1])
+                explicit += sum(b - a for i, a, b in woven[1] if not stand_in(i))
+            else:
+                total += sum(keys[i].size for i, _ in woven[1])
+                explicit += sum(keys[i].size for i, _ in woven[1] if not stand_in(i))
             continue
         k = np.concatenate([keys[i] for i in members])
         order = np.argsort(k, kind="stable")
@@ -501,35 +567,66 @@ def _merge_sorted(keys: list, values: list, reduces: tuple, width: int, stand_in
         starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
         plans.append(("sort", cluster, k[starts], order, starts, members))
         total += starts.size
+        explicit += starts.size
     live = [i for i, k in enumerate(keys) if k is not None]
     out_keys = np.empty(total, dtype=np.result_type(*keys))
-    outs = [np.empty(total, dtype=np.result_type(*(get(v, i) for i in live))) for v in range(len(values))]
-    sources = [lambda i: keys[i]] + [lambda i, v=v: get(v, i) for v in range(len(values))]
-    at = 0
+    outs = [np.empty(total if v == 0 or not compact else explicit, dtype=np.result_type(*(get(v, i) for i in live)))
+            for v in range(len(values))]
+    single = np.zeros(total, dtype=bool) if compact else None
+    full = [out_keys, outs[0]] if compact else [out_keys, *outs]  # the lists every pair is written to
+    full_sources = [lambda i: keys[i]] + [lambda i, v=v: get(v, i) for v in range(len(full) - 1)]
+    at = ct = 0  # next pair, next pair of a member that is no stand-in
     for plan in plans:
         if plan[0] == "runs":
             size = sum(b - a for _, a, b in plan[2])
-            for out, source in zip([out_keys, *outs], sources):
+            for out, source in zip(full, full_sources):
                 np.concatenate([source(i)[a:b] for i, a, b in plan[2]], out=out[at:at + size])
+            if compact:
+                kept = [(i, a, b) for i, a, b in plan[2] if not stand_in(i)]
+                step = sum(b - a for _, a, b in kept)
+                for v in range(1, len(values)):
+                    if step:
+                        np.concatenate([values[v][i][a:b] for i, a, b in kept], out=outs[v][ct:ct + step])
+                where = at
+                for i, a, b in plan[2]:
+                    single[where:where + b - a] = stand_in(i)
+                    where += b - a
+                ct += step
         elif plan[0] == "rect":  # rows x (Σ columns): each member fills its band of columns in one copy
             size = sum(keys[i].size for i, _ in plan[2])
             span = sum(w for _, w in plan[2])
-            for out, source in zip([out_keys, *outs], sources):
+            for out, source in zip(full, full_sources):
                 table, left = out[at:at + size].reshape(-1, span), 0
                 for i, w in plan[2]:
                     table[:, left:left + w] = source(i).reshape(-1, w)
                     left += w
+            if compact:
+                kept = [(i, w) for i, w in plan[2] if not stand_in(i)]
+                step, kept_span = sum(keys[i].size for i, _ in kept), sum(w for _, w in kept)
+                for v in range(1, len(values)):
+                    if step:
+                        table, left = outs[v][ct:ct + step].reshape(-1, kept_span), 0
+                        for i, w in kept:
+                            table[:, left:left + w] = values[v][i].reshape(-1, w)
+                            left += w
+                table, left = single[at:at + size].reshape(-1, span), 0
+                for i, w in plan[2]:
+                    table[:, left:left + w] = stand_in(i)
+                    left += w
+                ct += step
         else:
             _, _, merged_keys, order, starts, members = plan
             size = merged_keys.size
             out_keys[at:at + size] = merged_keys
             for v, (out, reduce) in enumerate(zip(outs, reduces)):
-                out[at:at + size] = reduce.reduceat(np.concatenate([get(v, i) for i in members])[order], starts)
+                lo = ct if compact and v else at
+                out[lo:lo + size] = reduce.reduceat(np.concatenate([get(v, i) for i in members])[order], starts)
+            ct += size
         for source in (keys, *values):  # written: free this cluster's arrays before the next is copied
             for i in plan[1]:
                 source[i] = None
         at += size
-    return out_keys, outs
+    return out_keys, outs, single
 
 
 def greedy_coloring(pairs: Pairs, active: np.ndarray) -> np.ndarray:
