@@ -60,7 +60,7 @@ def commit_rescaling(graph: Graph, units, z, model=None, writer=None, optimizer=
         check_optimizer(writer, optimizer)
     new_graph = rescaled_graph(graph, units, z)
     for p, q in zip(graph.params(), new_graph.params()):
-        if not np.all(np.isfinite(q.value)) or np.count_nonzero(q.value) != np.count_nonzero(p.value):
+        if not _kept_in_range(p.value, q.value):
             raise PathirError(f"the rescaled param '{p.name}' overflows or underflows float64: the rescaling "
                               "is too large; nothing was changed")
     if writer is not None:
@@ -77,6 +77,17 @@ def commit_rescaling(graph: Graph, units, z, model=None, writer=None, optimizer=
                 transport.undo()
             raise
     return new_graph
+
+
+def _kept_in_range(old: np.ndarray, new: np.ndarray, chunk: int = 1 << 18) -> bool:
+    """Every entry of ``new`` finite and as many nonzero as in ``old`` (no entry over- or underflowed),
+    a cache-sized chunk at a time (no temporary of the param's size)."""
+    old, new = old.reshape(-1), new.reshape(-1)
+    for i in range(0, new.size, chunk):
+        part = new[i:i + chunk]
+        if not np.isfinite(part).all() or np.count_nonzero(part) != np.count_nonzero(old[i:i + chunk]):
+            return False
+    return True
 
 
 def check_optimizer(writer, optimizer) -> None:

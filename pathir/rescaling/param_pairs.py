@@ -122,7 +122,7 @@ def pairs_from_params(units, p: float, costs: np.ndarray | None = None):
     pair's mass is below 1e-290, not finite, or their sum could pass 1e300: the caller then groups the
     flat masses (in log space where needed, `group_pairs`) and refuses non-finite ones."""
     from pathir.passes.incidence import compact_rows
-    from pathir.rescaling.unit_pairs import Pairs, _merge_sorted
+    from pathir.rescaling.unit_pairs import Pairs, _merge_sorted, ends_of_keys
 
     H = len(units)
     keys, sums = [], []
@@ -158,6 +158,5 @@ def pairs_from_params(units, p: float, costs: np.ndarray | None = None):
     key, (mass,), _ = _merge_sorted(keys, [sums], (np.add,), H + 1)
     big = float(mass.max())
     mass /= big
-    enter, leave = np.divmod(key, H + 1)
-    del key
+    enter, leave = ends_of_keys(key, H)  # (key becomes leave in place)
     return Pairs(None, enter, leave, H, mass, math.log(big))

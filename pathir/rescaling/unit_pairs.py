@@ -201,13 +201,20 @@ def _sum_by_key(key: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 def _pairs_from_sums(keys: np.ndarray, total: np.ndarray, scale: float, H: int) -> Pairs:
     """Pairs of the sorted distinct ``keys`` with linear sums ``total`` (all > 0) of masses / ``scale``."""
     big = float(total.max())
-    # keys are sorted: the entered unit of each from where its row of the (H + 1)² key grid begins
-    bounds = np.searchsorted(keys, np.arange(H + 2) * (H + 1))
-    enter = np.repeat(np.arange(H + 1), np.diff(bounds))
-    leave = np.multiply(enter, H + 1)
-    np.subtract(keys, leave, out=leave)  # in place: no temporary of the pairs' size
+    enter, leave = ends_of_keys(keys, H)
     total /= big  # the caller's own merged sums
     return Pairs(None, enter, leave, H, total, math.log(big) + math.log(scale))
+
+
+def ends_of_keys(keys: np.ndarray, H: int, chunk: int = 1 << 18) -> tuple[np.ndarray, np.ndarray]:
+    """(enter, leave) of sorted pair keys e (H + 1) + l; ``keys`` (the caller's own int64 array) becomes
+    ``leave`` in place, a chunk at a time: one new array of the pairs' size, not two."""
+    # sorted keys: the entered unit of each from where its row of the (H + 1)² key grid begins
+    bounds = np.searchsorted(keys, np.arange(H + 2) * (H + 1))
+    enter = np.repeat(np.arange(H + 1), np.diff(bounds))
+    for i in range(0, keys.size, chunk):
+        keys[i:i + chunk] -= enter[i:i + chunk] * (H + 1)
+    return enter, keys
 
 
 def _ranks(ends: np.ndarray, ndim: int) -> tuple[np.ndarray, np.ndarray]:
