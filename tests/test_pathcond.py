@@ -424,3 +424,18 @@ def test_report_figures_from_the_pair_summary_are_their_definition(graph, seed, 
         f0, f1 = objective(g, B, np.zeros(len(units))), objective(g, B, z)
         np.testing.assert_allclose(summary.divergences(f0, f1, z, rows.balance), expected_div, rtol=1e-9, atol=1e-6)
     assert summary.kept == int(keep.sum()) and summary.n == n
+
+
+def test_the_range_check_of_a_write_back_sees_every_chunk():
+    from pathir.rescaling.commit import _kept_in_range
+
+    old = np.arange(1.0, 11.0)
+    new = old * 2
+    assert _kept_in_range(old, new, chunk=4)
+    for broken in (0.0, np.inf, np.nan):  # an entry underflowed to 0, overflowed, or lost, in the last chunk
+        bad = new.copy()
+        bad[9] = broken
+        assert not _kept_in_range(old, bad, chunk=4)
+    zeros = old.copy()
+    zeros[5] = 0.0  # a zero that stays zero is no underflow
+    assert _kept_in_range(zeros, zeros * 3, chunk=4)
