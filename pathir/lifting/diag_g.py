@@ -75,14 +75,9 @@ def diag_g_log_parts(graph: Graph, backend) -> list[tuple[np.ndarray, float]]:
 def diag_g_parts(graph: Graph, backend=None) -> tuple[list[np.ndarray], float]:
     """([g / max g per param of ``graph.params()``, in its shape], log max g): `diag_g_flat` without
     the flat copy; each array is the walk's own, scaled in place. ``log max g`` is -inf when g = 0."""
-    parts = diag_g_log_parts(graph, backend)
-    top = max((L for _, L in parts), default=-math.inf)
-    out = []
-    for m, L in parts:
-        if L != top:
-            m *= 0.0 if top == -math.inf or L == -math.inf else math.exp(L - top)
-        out.append(m)
-    return out, top
+    from pathir.lifting.walk import at_common_scale
+
+    return at_common_scale(diag_g_log_parts(graph, backend))
 
 
 def diag_g_flat(graph: Graph, backend=None) -> tuple[np.ndarray, float]:
@@ -91,16 +86,13 @@ def diag_g_flat(graph: Graph, backend=None) -> tuple[np.ndarray, float]:
     Never overflows; entries below ~1e-308 of the maximum underflow to 0.
     ``log max g`` is -inf when g = 0 (a graph without paths).
     """
-    parts = diag_g_log_parts(graph, backend)
-    if not parts:
-        return np.zeros(0), -math.inf
-    top = max(L for _, L in parts)
-    g = np.empty(sum(m.size for m, _ in parts))
+    parts, top = diag_g_parts(graph, backend)
+    g = np.empty(sum(m.size for m in parts))
     start = 0
     parts.reverse()
-    while parts:  # each part is copied into g at its scale and released: one copy of θ, not two
-        m, L = parts.pop()
-        np.multiply(m.reshape(-1), 0.0 if top == -math.inf else math.exp(L - top), out=g[start:start + m.size])
+    while parts:  # each part is copied into g and released: one copy of θ, not two
+        m = parts.pop()
+        g[start:start + m.size] = m.reshape(-1)
         start += m.size
         del m
     return g, top

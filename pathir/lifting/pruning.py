@@ -104,18 +104,15 @@ def _log_scores(graph: Graph, criterion: str, backend) -> _Scores:
     in log space otherwise (path-magnitudes spanning beyond ~650 nats)."""
     if criterion == "magnitude":
         return _Scores({id(p): np.abs(p.value) for p in graph.params()}, 0.0, True)
+    from pathir.lifting.walk import at_common_scale
+    from pathir.rescaling.unit_pairs import least_positive
+
     totals: dict = {}
     params, parts = graph.params(), score_log_parts(graph, backend, totals)
     top = max((L for _, L in parts), default=-math.inf)
-    if all(L == -math.inf or _least_positive(m) * math.exp(L - top) > _LINEAR_FLOOR for m, L in parts):
-        values = {}
-        for p, (m, L) in zip(params, parts):
-            if not m.flags.writeable:
-                m = m.copy()
-            if L != top:  # (every L = -inf: all scores 0, kept as they are)
-                m *= 0.0 if L == -math.inf else math.exp(L - top)
-            values[id(p)] = m
-        return _Scores(values, top, True, totals["log_path_sum"])
+    if all(L == -math.inf or least_positive(m) * math.exp(L - top) > _LINEAR_FLOOR for m, L in parts):
+        scaled, top = at_common_scale(parts)
+        return _Scores({id(p): m for p, m in zip(params, scaled)}, top, True, totals["log_path_sum"])
     values = {}
     with np.errstate(divide="ignore"):
         for p, (m, L) in zip(params, parts):
@@ -125,12 +122,6 @@ def _log_scores(graph: Graph, criterion: str, backend) -> _Scores:
             m += L
             values[id(p)] = m
     return _Scores(values, 0.0, False, totals["log_path_sum"])
-
-
-def _least_positive(m: np.ndarray) -> float:
-    """The smallest entry > 0 of m ≥ 0 (inf if none)."""
-    low = float(m.min(initial=math.inf))
-    return low if low > 0 else float(np.min(m, where=m > 0, initial=math.inf))
 
 
 def _count(amount, n: int) -> int:

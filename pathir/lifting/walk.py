@@ -17,7 +17,7 @@ import math
 from pathir.errors import BackendError, PathirError
 from pathir.ir import Graph, Node, NodeKind
 
-__all__ = ["forward", "path_forward", "path_backward", "log_total", "param_grads", "param_log_parts"]
+__all__ = ["forward", "path_forward", "path_backward", "log_total", "param_grads", "param_log_parts", "at_common_scale"]
 
 
 def _context(node: Node) -> str:
@@ -319,3 +319,18 @@ def param_log_parts(graph: Graph, backend, q: float, scale=None, what: str = "va
         m /= peak
         out.append((m, top + math.log(peak)))
     return out
+
+
+def at_common_scale(parts: list[tuple]) -> tuple[list, float]:
+    """``([m·e^{L − top} per part], top)`` of `param_log_parts`' (m, L), top = max L: each m scaled in
+    place (copied first where not writeable), so the values share one log-scale with no second copy
+    of θ. top is -inf where every value vanishes (the arrays are then all 0)."""
+    top = max((L for _, L in parts), default=-math.inf)
+    out = []
+    for m, L in parts:
+        if L != top:  # (then top > -inf)
+            if not m.flags.writeable:
+                m = m.copy()
+            m *= 0.0 if L == -math.inf else math.exp(L - top)
+        out.append(m)
+    return out, top

@@ -28,6 +28,7 @@ import scipy.sparse as sp
 __all__ = [
     "degenerate_units", "pad", "Pairs", "LeaveOrder", "group_pairs", "group_compact", "greedy_coloring", "segment_logsumexp",
     "SideSums", "side_sums", "all_pairs", "log_pair_total", "pair_terms", "Block", "blocks_of", "PairExtremes",
+    "least_positive",
 ]
 
 # A linear-domain sum below this (relative to its static bound 1) may have lost
@@ -223,7 +224,7 @@ def _ranks(ends: np.ndarray, ndim: int) -> tuple[np.ndarray, np.ndarray]:
     return values, rank.reshape((1,) * (ndim - ends.ndim) + ends.shape)
 
 
-def _least_positive(m: np.ndarray) -> float:
+def least_positive(m: np.ndarray) -> float:
     """The smallest entry > 0 of m ≥ 0 (inf if none)."""
     low = float(m.min(initial=math.inf))
     return low if low > 0 else float(np.min(m, where=m > 0, initial=math.inf))
@@ -299,7 +300,7 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
     H = rows.num_units
     pieces = m if isinstance(m, (list, tuple)) else [m]  # (per-param arrays: no flat copy of m)
     size = sum(x.size for x in pieces)
-    low = min((_least_positive(x) for x in pieces), default=math.inf)  # the rows with mass 0 take no part
+    low = min((least_positive(x) for x in pieces), default=math.inf)  # the rows with mass 0 take no part
     top = max((float(x.max()) for x in pieces if x.size), default=-math.inf)
     if not low < math.inf:
         empty = np.zeros(0, dtype=np.int64)
