@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pathir.rescaling.param_pairs import BLOCK, _mass, row_blocks, separable_layout, unit_columns
+from pathir.rescaling.param_pairs import masses, row_blocks, separable_layout, unit_column_blocks
 
 __all__ = ["feedforward_log_u"]
 
@@ -80,7 +80,7 @@ def _entry_log_sums(value: np.ndarray, enter, leave, log_u: np.ndarray, p: float
     u = np.exp(log_u - shift)
     total, count = np.zeros(H + 1), np.zeros(H + 1, np.int64)
     for _, v, e, l in row_blocks(value, enter, leave):
-        w = _mass(v, p, None)
+        w = masses(v, p)
         if not np.all(np.isfinite(w)):
             return None
         total += np.bincount(e, weights=w * u[l], minlength=H + 1)
@@ -95,20 +95,14 @@ def _entry_log_sums(value: np.ndarray, enter, leave, log_u: np.ndarray, p: float
 def _row_log_sums(value: np.ndarray, starts: np.ndarray, log_u_cols: np.ndarray, p: float, wanted: np.ndarray):
     """log Σ_j A_rj e^{log_u_cols[j]} for every row r of a separable param (-inf for a row of zeros;
     rows not ``wanted`` may be left at -inf), a block of rows at a time; None if a mass is not finite."""
-    rows_total = value.shape[0]
-    out = np.full(rows_total, -np.inf)
+    out = np.full(value.shape[0], -np.inf)
     shift = float(log_u_cols.max())
     linear = float(log_u_cols.min()) >= shift - _SPAN
     u = np.exp(log_u_cols - shift)
-    step = max(1, BLOCK // max(1, value.size // max(1, rows_total)))
-    for r in range(0, rows_total, step):
-        if not wanted[r:r + step].any():
-            continue
-        chunk = value[r:r + step]
-        A = unit_columns(chunk, _mass(chunk, p, None), starts)
+    for rows, A in unit_column_blocks(value, starts, p, wanted=wanted):
         if not np.all(np.isfinite(A)):
             return None
-        part = out[r:r + step]
+        part = out[rows]
         if linear:
             total = A @ u
             good = (total >= _TINY) & np.isfinite(total)
@@ -124,9 +118,7 @@ def _row_log_sums(value: np.ndarray, starts: np.ndarray, log_u_cols: np.ndarray,
 
 def _log_rows(A: np.ndarray, log_u: np.ndarray) -> np.ndarray:
     """log Σ_j A_rj e^{log_u[j]} per row, in log space (A ≥ 0; -inf for a row of zeros)."""
+    from scipy.special import logsumexp
+
     with np.errstate(divide="ignore"):
-        terms = np.log(A) + log_u[None, :]
-    top = terms.max(axis=1)
-    safe = np.where(np.isfinite(top), top, 0.0)
-    with np.errstate(divide="ignore"):
-        return np.where(np.isfinite(top), safe + np.log(np.exp(terms - safe[:, None]).sum(axis=1)), -np.inf)
+        return logsumexp(np.log(A) + log_u[None, :], axis=1)

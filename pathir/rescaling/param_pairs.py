@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-__all__ = ["row_blocks", "pair_sums", "separable_layout", "unit_columns", "separable_blocks", "pairs_from_params"]
+__all__ = ["row_blocks", "pair_sums", "separable_layout", "masses", "unit_column_blocks", "separable_blocks", "pairs_from_params"]
 
 #: entries per block when the unit masses are summed: temporaries of a few MB, not of the largest param
 BLOCK = 1 << 20
@@ -55,7 +55,7 @@ def pair_sums(e: np.ndarray, l: np.ndarray, w: np.ndarray, H: int, max_span: int
     return key[hit], sums[hit]
 
 
-def _mass(value: np.ndarray, p: float, cost: np.ndarray | None) -> np.ndarray:
+def masses(value: np.ndarray, p: float, cost: np.ndarray | None = None) -> np.ndarray:
     """c |θ|^p of a block (θ² directly for p = 2)."""
     w = np.square(value) if p == 2.0 else np.abs(value) ** p
     return w if cost is None else w * cost
@@ -77,13 +77,21 @@ def separable_layout(shape: tuple, enter: np.ndarray, leave: np.ndarray):
     return e_rows, starts, l_cols[starts]
 
 
-def unit_columns(chunk: np.ndarray, w: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """The masses ``w`` of a block of a separable param's rows (``chunk``'s shape) summed over its
-    trailing axes and over each run of equal left units: (rows, runs)."""
-    width = chunk.shape[1] if chunk.ndim > 1 else 1
-    w = w.reshape(chunk.shape[0], width, -1)
-    w = w[:, :, 0] if w.shape[2] == 1 else w.sum(axis=2)
-    return np.add.reduceat(w, starts, axis=1) if starts.size < width else w
+def unit_column_blocks(value: np.ndarray, starts: np.ndarray, p: float, cost=None, wanted=None):
+    """``(rows, A)`` a block of a separable param's rows at a time (a few MB): A (rows × runs) its masses
+    c|θ|^p summed over the trailing axes and over each run of equal left units (``starts``, from
+    `separable_layout`). Blocks holding no ``wanted`` row (a bool per row, None: all) are skipped."""
+    rows_total = value.shape[0]
+    step = max(1, BLOCK // max(1, value.size // max(1, rows_total)))
+    for r in range(0, rows_total, step):
+        rows = slice(r, r + step)
+        if wanted is not None and not wanted[rows].any():
+            continue
+        chunk = value[rows]
+        width = chunk.shape[1] if chunk.ndim > 1 else 1
+        w = masses(chunk, p, None if cost is None else cost[rows]).reshape(chunk.shape[0], width, -1)
+        w = w[:, :, 0] if w.shape[2] == 1 else w.sum(axis=2)
+        yield rows, (np.add.reduceat(w, starts, axis=1) if starts.size < width else w)
 
 
 def separable_blocks(value: np.ndarray, enter: np.ndarray, leave: np.ndarray, p: float, cost, H: int):
@@ -94,14 +102,10 @@ def separable_blocks(value: np.ndarray, enter: np.ndarray, leave: np.ndarray, p:
     if layout is None:
         return None
     e_rows, starts, col_units = layout
-    rows_total = value.shape[0]
-    step = max(1, BLOCK // max(1, value.size // max(1, rows_total)))
 
     def blocks():
-        for r in range(0, rows_total, step):
-            chunk = value[r:r + step]
-            w = unit_columns(chunk, _mass(chunk, p, None if cost is None else cost[r:r + step]), starts)
-            e = e_rows[r:r + step]
+        for rows, w in unit_column_blocks(value, starts, p, cost):
+            e = e_rows[rows]
             runs = np.flatnonzero(np.r_[True, e[1:] != e[:-1]])
             if runs.size < e.size:  # rows entering one unit in a run (an output layer's: none) summed first
                 w, e = np.add.reduceat(w, runs, axis=0), e[runs]
@@ -132,7 +136,7 @@ def pairs_from_params(units, p: float, costs: np.ndarray | None = None):
         offset += prm.size
         blocks = separable_blocks(prm.value, enter, leave, p, cost, H)
         if blocks is None:
-            blocks = (pair_sums(e, l, _mass(value, p, None if cost is None else cost[rows].reshape(-1)), H)
+            blocks = (pair_sums(e, l, masses(value, p, None if cost is None else cost[rows].reshape(-1)), H)
                       for rows, value, e, l in row_blocks(prm.value, enter, leave))
         parts = list(blocks)
         key = np.concatenate([k for k, _ in parts]) if parts else np.zeros(0, dtype=np.int64)
