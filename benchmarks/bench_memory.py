@@ -35,6 +35,8 @@ import sys
 import threading
 import time
 
+from rows_out import measured, save_json  # run as a script: benchmarks/ is on sys.path
+
 METHODS = ("path_norm", "diag_g", "path_magnitude_scores", "path_metric", "prune", "normalize", "pathcond",
            "enorm")
 MODELS = ("vgg16", "vgg11_bn", "resnet50")
@@ -175,16 +177,10 @@ def main(argv=None) -> list[dict]:
     if args.child:
         print(json.dumps(child(*args.child)), flush=True)
         return []
-    rows = []
-    for model_name in args.models.split(","):
-        for method in args.methods.split(","):
-            row = run_one(model_name, method, args.limit_gb)
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
+    rows = measured(run_one(model_name, method, args.limit_gb)
+                    for model_name in args.models.split(",") for method in args.methods.split(","))
     print(table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    save_json(rows, args.json)
     return rows
 
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib
-import json
 import math
 import os
 import sys
@@ -47,6 +46,7 @@ import warnings
 
 import numpy as np
 import torch
+from rows_out import measured, save_json  # run as a script: benchmarks/ is on sys.path
 
 import pathir
 from pathir.lifting.diag_g import diag_g_flat
@@ -253,19 +253,13 @@ def main(argv=None) -> list[dict]:
         return []
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
     print(f"torch threads {torch.get_num_threads()}, load average {load:.2f}, repeat {args.repeat}", file=sys.stderr)
-    rows = []
-    for name in names:
-        row = bench(name, reference, args.repeat)
-        rows.append(row)
-        print(json.dumps(row), file=sys.stderr, flush=True)
+    rows = measured(bench(name, reference, args.repeat) for name in names)
     print(table(rows))
     print()
     print("Divergences measured with the reference's own diag G (compute_diag_G):")
     print()
     print(reference_g_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    save_json(rows, args.json)
     return rows
 
 

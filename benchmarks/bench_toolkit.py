@@ -28,13 +28,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
 import math
 import os
 import sys
 import time
 
 import torch
+from rows_out import measured, save_json  # run as a script: benchmarks/ is on sys.path
 
 import pathir
 from pathir import zoo
@@ -184,15 +184,10 @@ def main(argv=None) -> list[dict]:
         print("pathnorm_toolkit not found (give --toolkit or PATHNORM_TOOLKIT): nothing to compare, skipped")
         return []
     root = os.path.abspath(args.toolkit)
-    rows = []
-    for name in args.models.split(","):
-        row = {**bench(name, toolkit, root, args.repeat, args.steps, args.workloads), "steps": args.steps}
-        rows.append(row)
-        print(json.dumps(row), file=sys.stderr, flush=True)
+    rows = measured({**bench(name, toolkit, root, args.repeat, args.steps, args.workloads), "steps": args.steps}
+                    for name in args.models.split(","))
     print(table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    save_json(rows, args.json)
     return rows
 
 
