@@ -562,12 +562,8 @@ def _merge_sorted(keys: list, values: list, reduces: tuple, width: int, stand_in
         woven = _row_pieces(members, keys, width) if len(members) > 1 else ("runs", [(members[0], 0, keys[members[0]].size)])
         if woven is not None:
             plans.append((woven[0], cluster, woven[1]))
-            if woven[0] == "runs":
-                total += sum(b - a for _, a, b in woven[1])
-                explicit += sum(b - a for i, a, b in woven[1] if not stand_in(i))
-            else:
-                total += sum(keys[i].size for i, _ in woven[1])
-                explicit += sum(keys[i].size for i, _ in woven[1] if not stand_in(i))
+            total += _woven_size(woven[0], woven[1], keys)
+            explicit += _woven_size(woven[0], [x for x in woven[1] if not stand_in(x[0])], keys)
             continue
         k = np.concatenate([keys[i] for i in members])
         order = np.argsort(k, kind="stable")
@@ -585,42 +581,19 @@ def _merge_sorted(keys: list, values: list, reduces: tuple, width: int, stand_in
     full_sources = [lambda i: keys[i]] + [lambda i, v=v: get(v, i) for v in range(len(full) - 1)]
     at = ct = 0  # next pair, next pair of a member that is no stand-in
     for plan in plans:
-        if plan[0] == "runs":
-            size = sum(b - a for _, a, b in plan[2])
+        if plan[0] in ("runs", "rect"):
+            kind, pieces = plan[0], plan[2]
+            fill = _fill_runs if kind == "runs" else _fill_rect
+            size = _woven_size(kind, pieces, keys)
             for out, source in zip(full, full_sources):
-                np.concatenate([source(i)[a:b] for i, a, b in plan[2]], out=out[at:at + size])
-            if compact:
-                kept = [(i, a, b) for i, a, b in plan[2] if not stand_in(i)]
-                step = sum(b - a for _, a, b in kept)
-                for v in range(1, len(values)):
-                    if step:
-                        np.concatenate([values[v][i][a:b] for i, a, b in kept], out=outs[v][ct:ct + step])
-                where = at
-                for i, a, b in plan[2]:
-                    single[where:where + b - a] = stand_in(i)
-                    where += b - a
-                ct += step
-        elif plan[0] == "rect":  # rows x (Σ columns): each member fills its band of columns in one copy
-            size = sum(keys[i].size for i, _ in plan[2])
-            span = sum(w for _, w in plan[2])
-            for out, source in zip(full, full_sources):
-                table, left = out[at:at + size].reshape(-1, span), 0
-                for i, w in plan[2]:
-                    table[:, left:left + w] = source(i).reshape(-1, w)
-                    left += w
-            if compact:
-                kept = [(i, w) for i, w in plan[2] if not stand_in(i)]
-                step, kept_span = sum(keys[i].size for i, _ in kept), sum(w for _, w in kept)
-                for v in range(1, len(values)):
-                    if step:
-                        table, left = outs[v][ct:ct + step].reshape(-1, kept_span), 0
-                        for i, w in kept:
-                            table[:, left:left + w] = values[v][i].reshape(-1, w)
-                            left += w
-                table, left = single[at:at + size].reshape(-1, span), 0
-                for i, w in plan[2]:
-                    table[:, left:left + w] = stand_in(i)
-                    left += w
+                fill(out[at:at + size], pieces, source)
+            if compact:  # the other lists take the members that are no stand-in; the mask marks the rest
+                kept = [x for x in pieces if not stand_in(x[0])]
+                step = _woven_size(kind, kept, keys)
+                if step:
+                    for v in range(1, len(values)):
+                        fill(outs[v][ct:ct + step], kept, lambda i, v=v: values[v][i])
+                fill(single[at:at + size], pieces, lambda i: np.broadcast_to(stand_in(i), keys[i].shape))
                 ct += step
         else:
             _, _, merged_keys, order, starts, members = plan
@@ -635,6 +608,24 @@ def _merge_sorted(keys: list, values: list, reduces: tuple, width: int, stand_in
                 source[i] = None
         at += size
     return out_keys, outs, single
+
+
+def _woven_size(kind: str, pieces: list, keys: list) -> int:
+    """Pairs written by a woven plan's ``pieces``: runs (member, start, stop), or rect bands (member, width)."""
+    return sum(b - a for _, a, b in pieces) if kind == "runs" else sum(keys[i].size for i, _ in pieces)
+
+
+def _fill_runs(out: np.ndarray, pieces: list, source) -> None:
+    """``out`` ← the runs (member, start, stop) of ``source(member)``, one after the other."""
+    np.concatenate([source(i)[a:b] for i, a, b in pieces], out=out)
+
+
+def _fill_rect(out: np.ndarray, bands: list, source) -> None:
+    """``out`` as a table of rows × Σ widths ← each band (member, width) of ``source(member)``, in turn."""
+    table, left = out.reshape(-1, sum(w for _, w in bands)), 0
+    for i, w in bands:
+        table[:, left:left + w] = source(i).reshape(-1, w)
+        left += w
 
 
 def greedy_coloring(pairs: Pairs, active: np.ndarray) -> np.ndarray:
