@@ -126,7 +126,7 @@ def pairs_from_params(units, p: float, costs: np.ndarray | None = None):
     pair's mass is below 1e-290, not finite, or their sum could pass 1e300: the caller then groups the
     flat masses (in log space where needed, `group_pairs`) and refuses non-finite ones."""
     from pathir.passes.incidence import compact_rows
-    from pathir.rescaling.unit_pairs import Pairs, _merge_sorted, ends_of_keys
+    from pathir.rescaling.unit_pairs import Pairs, _merge_sorted, _sum_by_key, ends_of_keys
 
     H = len(units)
     keys, sums = [], []
@@ -148,10 +148,7 @@ def pairs_from_params(units, p: float, costs: np.ndarray | None = None):
         if not (float(mass.min()) >= _LOW and float(mass.max()) < _HIGH):
             return None
         if not np.all(key[1:] > key[:-1]):  # rows in another order, or a sum split over blocks
-            order = np.argsort(key, kind="stable")
-            key, mass = key[order], mass[order]
-            starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
-            key, mass = key[starts], np.add.reduceat(mass, starts)
+            key, mass = _sum_by_key(key, mass)
         count += key.size
         high = max(high, float(mass.max()))
         keys.append(key)
