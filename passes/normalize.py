@@ -158,10 +158,7 @@ def normalize_log_scales(graph: Graph, units, p: float = 2.0) -> Normalization:
     check_units_match(params, units)
     forward = feedforward_log_u(params, units, p)
     if forward is not None:  # a feed-forward unit graph of dense and convolution params: one pass
-        log_u, degenerate = forward
-        live = np.ones(len(units), dtype=bool)
-        live[degenerate] = False
-        return Normalization(z=np.where(live, -2.0 * log_u / p, 0.0), degenerate=degenerate, cycles=0, p=float(p))
+        return _normalization(*forward, 0, p)
     H = len(units)
     b, M = unit_masses(graph, units, p)
     with np.errstate(divide="ignore"):
@@ -197,7 +194,13 @@ def normalize_log_scales(graph: Graph, units, p: float = 2.0) -> Normalization:
             cycles += 1
             sel = label[rows] == c
             log_u[rows[sel]] = _solve_cycle(M, rows[sel], ext[sel], units, p)
-    z = np.where(live, -2.0 * log_u / p, 0.0)
+    return _normalization(log_u, degenerate, cycles, p)
+
+
+def _normalization(log_u: np.ndarray, degenerate: np.ndarray, cycles: int, p: float) -> Normalization:
+    """The result from log u (u = e^{-pz/2}): degenerate units keep z = 0."""
+    z = -2.0 * log_u / p
+    z[degenerate] = 0.0
     return Normalization(z=z, degenerate=degenerate, cycles=cycles, p=float(p))
 
 
