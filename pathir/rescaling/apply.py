@@ -72,13 +72,12 @@ def rescale_graph(graph: Graph, units, z) -> Graph:
         factors[id(p)] = ((np.exp(half[enter]), np.exp(-half[leave])) if np.abs(half).max() < 300
                           else (np.exp(half[enter] - half[leave]), 1.0))
     def scaled(p):
-        f_in, f_out = (np.broadcast_to(f, p.shape) if np.ndim(f) else f for f in factors[id(p)])
+        f_in, f_out = (np.broadcast_to(f, p.shape) for f in factors[id(p)])
         value = np.empty(p.shape)
-        rows = max(1, _BLOCK // max(1, p.size // max(1, p.shape[0]))) if p.value.ndim else 1
-        for i in range(0, p.shape[0] if p.value.ndim else 1, rows):  # a block of rows at a time, in cache
-            at = slice(i, i + rows) if p.value.ndim else ...
-            block = np.multiply(p.value[at], f_in[at] if np.ndim(f_in) else f_in, out=value[at])
-            block *= f_out[at] if np.ndim(f_out) else f_out
+        rows = max(1, _BLOCK // max(1, p.size // max(1, p.shape[0]))) if p.shape else 1
+        for at in (slice(i, i + rows) for i in range(0, p.shape[0], rows)) if p.shape else [...]:
+            block = np.multiply(p.value[at], f_in[at], out=value[at])  # a block of rows at a time, in cache
+            block *= f_out[at]
         return p.with_value(value, owned=True)
 
     return graph.map_params(scaled)
