@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from .base import Backend
+from .numpy import NumpyBackend
+
 __all__ = ["get_backend", "available_backends"]
 
 
@@ -19,22 +22,19 @@ def available_backends() -> list[str]:
 def get_backend(name=None, device=None):
     """A backend by name ("torch", "numpy", "sympy"), or an already built Backend.
     Default: torch when importable (on ``device``, CPU by default), else numpy."""
-    from .base import Backend
 
     if isinstance(name, Backend):
         return name
     if name is None:
         name = available_backends()[0]
     if name == "numpy":
-        from .numpy import NumpyBackend
-
         return NumpyBackend()
     if name == "torch":
-        from .torch import TorchBackend
+        from .torch import TorchBackend  # lazy: imports torch
 
         return TorchBackend(device=device)
     if name == "sympy":  # exact, slow, small graphs: never the default
-        from .sympy import SympyBackend
+        from .sympy import SympyBackend  # lazy: imports sympy
 
         return SympyBackend()
     raise ValueError(f"unknown backend '{name}'; available: {available_backends()}")

@@ -20,7 +20,7 @@ import torch
 from bench_path_norm import median_time
 
 import pathir
-from pathir import zoo
+from pathir.app import zoo
 from pathir.lifting.active import active_path_norm
 from pathir.lifting.active_metric import active_path_metric
 

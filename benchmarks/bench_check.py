@@ -4,7 +4,7 @@
 
 For each model (torchvision, random init, eval): the median time of one float64
 forward+backward of the model at batch 1 (the baseline, measured in the same
-process), of ``pathir.checks.check`` (compile with its self-check, a random
+process), of ``pathir.app.checks.check`` (compile with its self-check, a random
 rescaling on the IR and written into a float64 copy, coverage), and of
 ``cm.pathcond(write_back=False)`` with the progress bar drawn (to a discarded
 stream) and not drawn, interleaved so that the machine's load hits both alike.
@@ -25,8 +25,8 @@ import torch
 from bench_path_norm import median_time  # run as a script: benchmarks/ is on sys.path
 
 import pathir
-import pathir.checks
-from pathir import zoo
+import pathir.app.checks
+from pathir.app import zoo
 
 
 def forward_backward_f64(model, shape) -> float:
@@ -45,7 +45,7 @@ def bench(name: str, shape, repeat: int) -> dict:
     model = zoo.build(name).eval()
     shape = shape or zoo.input_shape(name)
     base = forward_backward_f64(model, shape)
-    check_s = median_time(lambda: pathir.checks.check(model, input_shape=shape, progress=False), repeat, warm_up=False)
+    check_s = median_time(lambda: pathir.app.checks.check(model, input_shape=shape, progress=False), repeat, warm_up=False)
     cm = pathir.compile(model, input_shape=shape, progress=False)
     cm.pathcond(write_back=False, progress=False)  # warm-up: units, row keys, backend copies
     drawn, silent = [], []

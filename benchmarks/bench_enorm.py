@@ -1,6 +1,6 @@
 """cm.enorm() and cm.normalize() on the torchvision zoo, against the model's own float64 forward+backward.
 
-Per model (``pathir.zoo.build``, eval mode): the reference is one forward +
+Per model (``pathir.app.zoo.build``, eval mode): the reference is one forward +
 backward pass of the model itself in float64 at batch 1 (best of ``--repeat``,
 after a warm-up), measured in the same process with the same thread count.
 Then, each on a freshly compiled model (units, B and row keys are built inside
@@ -25,7 +25,7 @@ import warnings
 import torch
 
 import pathir
-from pathir.zoo import build, input_shape
+from pathir.app.zoo import build, input_shape
 
 DEFAULT_MODELS = ["resnet18", "resnet50", "googlenet", "densenet121", "vgg11"]
 

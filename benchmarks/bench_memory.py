@@ -105,7 +105,7 @@ def child(model_name: str, method: str) -> dict:
     import torch
 
     import pathir
-    from pathir import zoo
+    from pathir.app import zoo
 
     model = zoo.build(model_name).eval()
     n_params = sum(p.numel() for p in model.parameters())

@@ -22,7 +22,7 @@ import time
 import torch
 
 import pathir
-from pathir import zoo
+from pathir.app import zoo
 
 
 def median_time(fn, repeat: int, warm_up: bool = True) -> float:

@@ -74,7 +74,7 @@ def solvers(name, cm, max_sweeps, repeat):
 
 
 def end_to_end(repeat):
-    from pathir.zoo import build
+    from pathir.app.zoo import build
 
     shape = (3, 224, 224)
     model = build("resnet18")
@@ -126,7 +126,7 @@ def main(argv=None):
         mlp = torch.nn.Sequential(*layers[:-1])
         solvers("MLP 3072-500-500-500-10", pathir.compile(mlp, input_shape=(3072,)), args.max_sweeps, args.repeat)
     if not args.skip_resnet:
-        from pathir.zoo import build
+        from pathir.app.zoo import build
 
         solvers("resnet18 (224x224)", pathir.compile(build("resnet18"), input_shape=(3, 224, 224)), args.max_sweeps,
                 args.repeat)

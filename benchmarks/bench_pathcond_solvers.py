@@ -24,8 +24,8 @@ import time
 import numpy as np
 import scipy.sparse as sp
 
+from pathir.analyses.unit_rows import RowKeys
 from pathir.pathcond.solvers import solve_block, solve_coordinate
-from pathir.rescaling.unit_rows import RowKeys
 
 
 def mlp(widths, seed=0, scale=1.0):

@@ -21,7 +21,7 @@ import torch
 from bench_path_norm import median_time  # run as a script: benchmarks/ is on sys.path
 
 import pathir
-from pathir import zoo
+from pathir.app import zoo
 from pathir.self_check import BATCH, self_check
 
 

@@ -37,7 +37,7 @@ import torch
 from rows_out import measured, save_json  # run as a script: benchmarks/ is on sys.path
 
 import pathir
-from pathir import zoo
+from pathir.app import zoo
 
 
 def load_toolkit(root: str | None):

@@ -1,6 +1,6 @@
 """Every rescaling-free and rescaling method on the torchvision zoo, against the model's own float64 forward+backward.
 
-For each model (``pathir.zoo.build``, random init; googlenet and inception_v3 without their
+For each model (``pathir.app.zoo.build``, random init; googlenet and inception_v3 without their
 train-only aux heads), in one process:
 
 1. the reference: one forward+backward of the model in float64 at batch 1 (best of
@@ -29,7 +29,7 @@ import torch
 from bench_zoo_pathcond import build, forward_backward_seconds  # run as a script: benchmarks/ is on sys.path
 
 import pathir
-from pathir import zoo
+from pathir.app import zoo
 
 DEFAULT_MODELS = ["resnet18", "resnet50", "googlenet", "densenet121", "mnasnet1_0", "squeezenet1_0",
                   "shufflenet_v2_x1_0", "regnet_x_400mf", "inception_v3", "alexnet", "vgg11_bn"]

@@ -1,6 +1,6 @@
 """``cm.pathcond()`` end to end on the torchvision zoo, against the model's own float64 forward+backward.
 
-For each model (randomly initialised, ``pathir.zoo.build``; googlenet and
+For each model (randomly initialised, ``pathir.app.zoo.build``; googlenet and
 inception_v3 without their train-only aux heads):
 
 1. one forward+backward of the model in float64 at batch 1 (best of
@@ -29,7 +29,7 @@ import time
 import torch
 
 import pathir
-from pathir import zoo
+from pathir.app import zoo
 
 DEFAULT_MODELS = ["resnet18", "googlenet", "densenet121", "squeezenet1_0", "shufflenet_v2_x1_0", "mnasnet1_0"]
 

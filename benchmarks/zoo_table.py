@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from pathir import zoo
-from pathir.progress import bar
+from pathir.app import zoo
+from pathir.support.progress import bar
 
 HEADER = """# The torchvision zoo
 

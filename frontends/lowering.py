@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pathir.backends.numpy import NumpyBackend  # counts the in-input entries of each window
 from pathir.errors import UnsupportedOperation
 from pathir.frontends.pointwise_linear import linear_last_axis
 from pathir.frontends.torch_reread import Recipe
@@ -212,7 +213,6 @@ class Lowering:
         elif divisor_override is not None:
             self.unsupported("divisor_override on a 1-d average pool")
         mean = avg(ones, **kw)[0, 0].numpy()
-        from pathir.backends.numpy import NumpyBackend  # counts the in-input entries of each window
 
         count = NumpyBackend().apply(pool, np.ones((1, 1, *in_shape[1:])), (1, *in_shape[1:]))[0, 0]
         mult = np.where(count > 0, mean / np.maximum(count, 1), 0.0)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from .common import Lowered
 from .onnx_load import OnnxModelError, infer_shapes, input_shapes, load
+from .onnx_writer import OnnxWriter
 
 __all__ = ["lower", "OnnxModelError"]
 
@@ -49,7 +50,6 @@ def lower(model, input_shape=None) -> Lowered:
     23
     """
     from .onnx_lower import OnnxLowering
-    from .onnx_writer import OnnxWriter
 
     src = load(model)
     shapes, batch = input_shapes(src, input_shape)

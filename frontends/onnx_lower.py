@@ -27,11 +27,12 @@ import numpy as np
 from pathir.errors import PathirError, UnsupportedOperation
 from pathir.frontends.lowering import Lowering
 from pathir.frontends.values import Value
-from pathir.ir import Identity, Param, SourceRef
+from pathir.ir import Identity, Param, SourceRef, verify
 
 from .onnx_eval import outer_names, run_node, run_on_ids
 from .onnx_extra import ExtraOps
 from .onnx_layers import LayerOps, attrs, f64
+from .onnx_load import numpy_dtype
 from .onnx_ops import AXIS1_OK, DEFAULT_WHY, INDEX_OPS, SECOND_OUTPUT, WHY
 from .onnx_resize import ResizeOps
 from .onnx_writer import Binding
@@ -177,7 +178,6 @@ class OnnxLowering(ResizeOps, ExtraOps, LayerOps, Lowering):
         unused = [n for n in inputs if n not in used]
         if unused:
             graph = graph.replace_nodes([n for n in graph.nodes if n.name not in unused])
-        from pathir.ir import verify
 
         return verify(graph), names
 
@@ -298,7 +298,6 @@ class OnnxLowering(ResizeOps, ExtraOps, LayerOps, Lowering):
         if isinstance(ins[0], Value):
             self._same_axis(node)
             return [ins[0]]
-        from .onnx_load import numpy_dtype
 
         return [np.asarray(ins[0]).astype(numpy_dtype(self.types.get(node.input[1], 1)))]
 

@@ -31,9 +31,10 @@ from typing import Mapping
 import numpy as np
 
 from pathir.errors import PathirError
-from pathir.files import write_atomic
 from pathir.ir import Graph, Role
+from pathir.support.files import write_atomic
 
+from .onnx_load import skeleton
 from .write_rules import mask_plan, source_factors
 
 __all__ = ["Binding", "OnnxWriter"]
@@ -98,7 +99,7 @@ class OnnxWriter:
         return out
 
     def save(self, path) -> None:
-        """Write the current model to ``path`` (``pathir.files.write_atomic``: a temporary file
+        """Write the current model to ``path`` (``pathir.support.files.write_atomic``: a temporary file
         beside it, then a rename, so a failure leaves no file behind)."""
         path = os.fspath(path)
         model = self._model if self._model is not None else self.source
@@ -184,7 +185,6 @@ class OnnxWriter:
         import onnx
         from onnx import numpy_helper
 
-        from .onnx_load import skeleton
 
         if not updates:
             return

@@ -17,6 +17,7 @@ import numpy as np
 
 from pathir.errors import PathirError
 from pathir.ir import Graph, Param, Role, SourceRef
+from pathir.rescaling.apply import check_log_scales, param_factors
 
 __all__ = ["source_factors", "EntryFactor", "mask_ref", "mask_plan"]
 
@@ -85,7 +86,6 @@ def source_factors(graph: Graph, log_scales: Mapping[str, np.ndarray], lazy: boo
     ``lazy=True``: {name: a function returning that tensor's {role: factor}}, VALUE factors as
     :class:`EntryFactor` (computed when the writer reaches the tensor: the factors of a whole model
     never sit in memory at once); a tensor given different factors through two params raises then."""
-    from pathir.rescaling.apply import check_log_scales, param_factors
 
     s = check_log_scales(graph, log_scales)
     uses: dict[tuple[str, Role], list] = {}  # (tensor, role) -> the params that reach it, in order

@@ -1,9 +1,10 @@
 """Built-in passes: plain Graph -> Graph functions, and the pass manager."""
 
+from pathir.enorm.normalize import normalize
+
 from .fold_batchnorm import fold_batchnorm
 from .manager import DEFAULT_PIPELINE, PASSES, Pass, register, run_passes
 from .maxpool_to_sum import maxpool_to_sum
-from .normalize import normalize
 from .path_view import path_view
 from .remove_dead import remove_dead
 

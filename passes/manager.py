@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
+from pathir.enorm.normalize import normalize
 from pathir.errors import GraphVerificationError
 from pathir.ir import Graph, verify
 
 from .fold_batchnorm import fold_batchnorm
 from .maxpool_to_sum import maxpool_to_sum
-from .normalize import normalize
 from .path_view import path_view
 from .remove_dead import remove_dead
 

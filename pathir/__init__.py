@@ -33,7 +33,7 @@ __all__ = [
 
 
 def __getattr__(name):
-    # pathir.optim needs torch: imported on first use, not with pathir
+    # pathir.integrations.optim needs torch: imported on first use, not with pathir
     if name == "optim":
         import importlib
 

@@ -6,7 +6,10 @@ import os
 from typing import Sequence
 
 from pathir.compiled import Compiled
+from pathir.frontends.onnx import lower as lower_onnx
 from pathir.ir import Graph, verify
+from pathir.passes import DEFAULT_PIPELINE, run_passes
+from pathir.support.progress import Phases
 
 __all__ = ["compile"]
 
@@ -32,7 +35,7 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
     self_check : run the IR's forward and the model's own forward once each on a seeded
         random batch and raise ``SelfCheckFailed`` if they differ (beyond a tolerance fitted
         to the model's dtype); see docs/capture.md. ``False`` skips it.
-    progress : a bar on stderr over the phases lower, passes, self-check (``pathir.progress``;
+    progress : a bar on stderr over the phases lower, passes, self-check (``pathir.support.progress``;
         None: only when stderr is a terminal).
 
     The model is never modified.
@@ -43,8 +46,6 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
     >>> round(cm.num_paths())   # 4*3*2 input paths + 3*2 bias paths from the hidden layer + 2
     32
     """
-    from pathir.passes import DEFAULT_PIPELINE, run_passes
-    from pathir.progress import Phases
 
     bar = Phases(("lower", "passes", "self-check") if self_check else ("lower", "passes"), desc="compile",
                  progress=progress)
@@ -54,13 +55,11 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
     if kind == "graph":
         graph, writer, n_src, name = verify(model), None, None, model.name
     elif kind == "onnx":
-        from pathir.frontends.onnx import lower
-
-        low = lower(model, input_shape=input_shape)
+        low = lower_onnx(model, input_shape=input_shape)
         graph, writer, n_src, name = low.graph, low.writer, low.source_num_params, low.name
     else:
-        from pathir.frontends.torch_fx import lower
-        from pathir.frontends.torch_live import ModelWatch
+        from pathir.frontends.torch_fx import lower  # lazy: imports torch
+        from pathir.frontends.torch_live import ModelWatch  # lazy: imports torch
 
         low = lower(model, input_shape=input_shape, example_input=example_input)
         graph, writer, n_src, name = low.graph, low.writer, low.source_num_params, low.name
@@ -81,7 +80,7 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
     cm = Compiled(graph, model=model, writer=writer, source_num_params=n_src, backend=backend, name=name,
                   watch=watch, relower=relower)
     if self_check:
-        from pathir.self_check import self_check as run_self_check
+        from pathir.self_check import self_check as run_self_check  # lazy: imports torch
 
         bar.phase("self-check")
         run_self_check(cm, model, kind)

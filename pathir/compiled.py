@@ -13,9 +13,22 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from pathir.analyses.facts import GraphFacts
+from pathir.backends import get_backend
+from pathir.enorm.run import enorm, normalize_units
 from pathir.errors import ModelChanged, PathirError
-from pathir.ir import Graph, MapKind
-from pathir.rescaling.facts import GraphFacts
+from pathir.ir import Graph, MapKind, Role
+from pathir.lifting.active import active_path_counts, active_path_norm, local_affine
+from pathir.lifting.diag_g import diag_g
+from pathir.lifting.path_norm import num_paths, path_norm, path_norms
+from pathir.lifting.pruning import path_magnitude_scores, prune
+from pathir.lifting.walk import forward
+from pathir.passes import run_passes
+from pathir.pathcond.run import pathcond
+from pathir.rescaling.apply import rescale_graph
+from pathir.rescaling.bounds import default_max_log_scale
+from pathir.rescaling.commit import check_optimizer, check_writable, commit_rescaling
+from pathir.support.progress import Phases
 
 __all__ = ["Compiled", "Summary"]
 
@@ -167,7 +180,6 @@ class Compiled:
     def get_backend(self, backend=None):
         """The backend to use (``backend``, else the Compiled's default); named backends are
         built once per Compiled, so the torch backend's device copies are reused between calls."""
-        from pathir.backends import get_backend
 
         choice = backend if backend is not None else self.backend
         if choice is not None and not isinstance(choice, str):
@@ -185,7 +197,6 @@ class Compiled:
     def forward(self, x, backend=None):
         """The IR's own forward R_theta(x) (float64); x of shape (B, *input shape).
         Returns the output array (dict if several outputs), as the backend's array type."""
-        from pathir.lifting.walk import forward
 
         out = forward(self.graph, self.get_backend(backend), x)
         return out[self.graph.outputs[0]] if len(out) == 1 else out
@@ -193,18 +204,14 @@ class Compiled:
     def path_norm(self, q: float = 1.0, log10: bool = False, backend=None) -> float:
         """The l_q path-norm ||Phi(theta)||_q (docs/math.md), exact in float64 without
         overflow; ``log10=True`` gives its log10 (for norms beyond 1e308)."""
-        from pathir.lifting.path_norm import path_norm
 
         return path_norm(self.graph, q, self.get_backend(backend), log10)
 
     def path_norms(self, qs: Iterable[float] = (1, 2, 4), log10: bool = False, backend=None) -> dict[float, float]:
-        from pathir.lifting.path_norm import path_norms
-
         return path_norms(self.graph, qs, self.get_backend(backend), log10)
 
     def num_paths(self, log10: bool = False, backend=None) -> float:
         """Number of paths of the DAG; ``log10=True`` for its log10."""
-        from pathir.lifting.path_norm import num_paths
 
         return num_paths(self.graph, self.get_backend(backend), log10)
 
@@ -212,20 +219,17 @@ class Compiled:
     def active_path_norm(self, x, q: float = 1.0, log10: bool = False, backend=None) -> np.ndarray:
         """‖Φ(θ) ⊙ a(θ, x)‖_q per sample of ``x`` (B, *input shape): the path-norm of the
         paths active at each sample (docs/activations.md); ``log10`` as for :meth:`path_norm`."""
-        from pathir.lifting.active import active_path_norm
 
         return active_path_norm(self.graph, self.get_backend(backend), x, q, log10)
 
     def active_path_counts(self, x, log10: bool = True, backend=None) -> np.ndarray:
         """Number of paths active at each sample of ``x`` (log10 by default)."""
-        from pathir.lifting.active import active_path_counts
 
         return active_path_counts(self.graph, self.get_backend(backend), x, log10)
 
     def local_affine(self, x, backend=None):
         """The affine piece J x' + c the model computes around each sample of ``x``
         (a :class:`pathir.lifting.active.LocalAffine`: ``intercept``, ``jvp``, ``vjp``, ``slope``)."""
-        from pathir.lifting.active import local_affine
 
         return local_affine(self.graph, self.get_backend(backend), x)
 
@@ -258,7 +262,6 @@ class Compiled:
 
     def apply(self, *passes, check: bool = True) -> "Compiled":
         """A new Compiled whose graph is this one's after ``passes`` (verified between them)."""
-        from pathir.passes import run_passes
 
         return self._with_graph(run_passes(self.graph, passes, check=check))
 
@@ -281,7 +284,7 @@ class Compiled:
     # ---------------------------------------------------------------- rescaling units
     @property
     def units(self):
-        """The rescaling units of the graph (``pathir.passes.find_units.Units``), found once per graph."""
+        """The rescaling units of the graph (``pathir.analyses.find_units.Units``), found once per graph."""
         return self.facts.units
 
     def incidence(self):
@@ -290,7 +293,7 @@ class Compiled:
         return self.facts.incidence
 
     def row_keys(self):
-        """B's rows as a ``pathir.rescaling.unit_rows.RowKeys``: per row, e(i) (H + 1) + l(i),
+        """B's rows as a ``pathir.analyses.unit_rows.RowKeys``: per row, e(i) (H + 1) + l(i),
         the unit θ_i enters and the one it leaves (H for none), and A = -Bᵀ1, read from the units.
         The PathCond and ENorm solvers take it instead of B. Built once per graph."""
         return self.facts.row_keys
@@ -298,7 +301,6 @@ class Compiled:
     def diag_g(self, backend=None) -> dict[str, np.ndarray]:
         """diag G: {source param name: array of that param's shape}.
         Raises PathNormOverflow beyond float64 (see ``pathir.lifting.diag_g.diag_g_flat``)."""
-        from pathir.lifting.diag_g import diag_g
 
         return diag_g(self.graph, self.get_backend(backend))
 
@@ -309,7 +311,6 @@ class Compiled:
         a bare Graph has only its graph rescaled), then the rescaled graph becomes current and
         keeps the units, B and row keys found so far. With ``optimizer`` (a torch.optim optimizer
         of the model) its state moves too (docs/training.md). On any error nothing changed."""
-        from pathir.rescaling.commit import commit_rescaling
 
         facts = self.facts
         try:
@@ -328,7 +329,6 @@ class Compiled:
         ``callback(step, F)`` runs after each solver step. ``optimizer``: its state moves with the
         rescaling (docs/training.md). ``progress``: a bar on stderr (None: when stderr is a
         terminal; see docs/cli.md). See docs/pathcond.md."""
-        from pathir.pathcond.run import pathcond
 
         self._check_writable(write_back)
         max_log_scale = self._bound(max_log_scale)
@@ -339,7 +339,6 @@ class Compiled:
     def rescaled_variance_ratio(self) -> float | None:
         """min (var + eps) / eps over the batch-norm channels whose running statistics a rescaling
         moves (batch-norms that could not be folded), for the default bound; None if there are none."""
-        from pathir.ir import Role
 
         if not hasattr(self.model, "get_submodule"):
             return None
@@ -378,7 +377,6 @@ class Compiled:
         largest the model's dtype holds, as for :meth:`pathcond`; math.inf: unbounded) and rescale
         the model in place; returns an ENormReport. ``optimizer``: its state moves with the
         rescaling (docs/training.md). See docs/normalize.md."""
-        from pathir.enorm.run import enorm
 
         self._check_writable(write_back)
         bound = self._bound(max_log_scale)
@@ -393,7 +391,6 @@ class Compiled:
             if not max_log_scale >= 0:
                 raise ValueError(f"max_log_scale must be >= 0 (math.inf: unbounded), got {max_log_scale}")
             return float(max_log_scale)
-        from pathir.rescaling.bounds import default_max_log_scale
 
         return default_max_log_scale(self.graph, self.narrowest_dtype(), variance_ratio=self.rescaled_variance_ratio())
 
@@ -401,7 +398,6 @@ class Compiled:
         """The canonical representative: every unit's incoming weights and bias get unit
         l_p norm; rescales the model in place; returns a NormalizeReport. ``optimizer``: its
         state moves with the rescaling (docs/training.md). See docs/normalize.md."""
-        from pathir.enorm.run import normalize_units
 
         self._check_writable(write_back)
         return normalize_units(self.facts, p=p, commit=self._committer(write_back, optimizer),
@@ -410,8 +406,6 @@ class Compiled:
     def _check_writable(self, write_back: bool) -> None:
         """Refuse a write-back the writer would refuse, before any solver runs."""
         if write_back:
-            from pathir.rescaling.commit import check_writable
-
             check_writable(self.graph, self.writer)
 
     def _committer(self, write_back: bool, optimizer):
@@ -421,7 +415,6 @@ class Compiled:
             return self.commit_rescaling if write_back else None
         if not write_back:
             raise PathirError("optimizer= moves the optimizer's state with a written rescaling: it needs write_back=True")
-        from pathir.rescaling.commit import check_optimizer
 
         check_optimizer(self.writer, optimizer)
         return lambda z: self.commit_rescaling(z, optimizer=optimizer)
@@ -429,7 +422,6 @@ class Compiled:
     def rescaled(self, z) -> "Compiled":
         """A new Compiled whose graph is rescaled by z (one log-scale per unit:
         θ ← θ ⊙ exp(-Bz/2)). Φ and the function are unchanged; the model is not touched."""
-        from pathir.rescaling.apply import rescale_graph
 
         return self._with_graph(rescale_graph(self.graph, self.units, z))
 
@@ -437,7 +429,6 @@ class Compiled:
     def path_magnitude_scores(self, backend=None) -> dict[str, np.ndarray]:
         """S_i = Σ_{p ∋ i} |Φ_p(θ)|, one backward pass:
         {source param name: array in the source tensor's layout}."""
-        from pathir.lifting.pruning import path_magnitude_scores
 
         return path_magnitude_scores(self.graph, self.get_backend(backend))
 
@@ -447,8 +438,6 @@ class Compiled:
         model, through the frontend writer, all at once; returns a PruneReport
         (pruned count, bound Σ S_i, path-norm before/after). ``progress``: a bar on stderr over
         the phases score, write (None: when stderr is a terminal). See docs/pruning.md."""
-        from pathir.lifting.pruning import prune
-        from pathir.progress import Phases
 
         with Phases(("score", "write"), desc=f"prune {self.name}", progress=progress) as bar:
             bar.phase("score")
@@ -481,7 +470,7 @@ class Compiled:
         """H_h = Σ_{in_h} θ_i² − Σ_{out_h} θ_i² for every unit:
         {unit name: value at the graph's θ}; ``symbolic=True``: {unit name:
         sympy expression in the parameter symbols}. See docs/symbolic.md."""
-        from pathir.neurons.symbolic import conservation_law_expressions, conservation_laws
+        from pathir.neurons.symbolic import conservation_law_expressions, conservation_laws  # lazy: imports networkx
 
         if symbolic:
             return conservation_law_expressions(self.graph, self.units)
@@ -491,7 +480,7 @@ class Compiled:
         """Exact checks on the neuron-level graph (small graphs only): rescaling
         invariance, lifting identity, conservation laws, rank DΦ, path-norm pass.
         Returns a SymbolicReport (``.passed``, ``.checks``). See docs/symbolic.md."""
-        from pathir.neurons.symbolic import DEFAULT_MAX_PATHS, verify_symbolic
+        from pathir.neurons.symbolic import DEFAULT_MAX_PATHS, verify_symbolic  # lazy: imports networkx
 
         limit = DEFAULT_MAX_PATHS if max_paths is None else max_paths
         return verify_symbolic(self.graph, self.units, seed=seed, max_paths=limit, samples=samples)

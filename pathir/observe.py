@@ -17,6 +17,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pathir.ir import Graph
+from pathir.lifting.active import log_active_path_sum
+from pathir.lifting.active_metric import active_path_metric
+from pathir.lifting.path_metric import backend_of, graph_of, path_metric
+from pathir.lifting.path_norm import log_path_sum
+from pathir.lifting.pattern import activation_pattern, as_input_dict
+from pathir.lifting.walk import forward
+
 __all__ = ["Observations", "observe", "QUANTILES"]
 
 QUANTILES = (0.0, 0.05, 0.25, 0.5, 0.75, 0.95, 1.0)
@@ -133,13 +141,6 @@ def observe(cm, inputs, qs=(1.0,), counts: bool = True, compare=None, batch_size
     """
     from tqdm import tqdm
 
-    from pathir.ir import Graph
-    from pathir.lifting.active import log_active_path_sum
-    from pathir.lifting.active_metric import active_path_metric
-    from pathir.lifting.path_metric import backend_of, graph_of, path_metric
-    from pathir.lifting.path_norm import log_path_sum
-    from pathir.lifting.pattern import activation_pattern, as_input_dict
-    from pathir.lifting.walk import forward
 
     graph, be = graph_of(cm), backend_of(cm, backend)
     ln10 = math.log(10)

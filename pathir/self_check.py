@@ -22,9 +22,13 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+import torch
 
+from pathir.backends.torch import TorchBackend
 from pathir.errors import SelfCheckFailed
+from pathir.frontends.onnx_load import load
 from pathir.frontends.torch_inputs import eval_forward, model_dtype_device
+from pathir.lifting.walk import forward
 
 __all__ = ["self_check", "TOLERANCE", "BATCH"]
 
@@ -34,14 +38,8 @@ BATCH = 2
 
 
 def _backend(cm, dtype: str):
-    """The torch backend (numpy without torch), in float64 for a float64 model and in float32
+    """The torch backend, in float64 for a float64 model and in float32
     otherwise: the check is about structure, and float32 convolutions are several times faster."""
-    try:
-        import torch
-
-        from pathir.backends.torch import TorchBackend
-    except ImportError:
-        return cm.get_backend("numpy")
     return TorchBackend(dtype=torch.float64 if dtype == "float64" else torch.float32)
 
 
@@ -50,8 +48,6 @@ def _numpy(a) -> np.ndarray:
 
 
 def _ir_forward(cm, inputs: dict, dtype: str, all_nodes=False) -> dict:
-    from pathir.lifting.walk import forward
-
     backend = _backend(cm, dtype)
     return {k: _numpy(v) for k, v in forward(cm.graph, backend, inputs, all_nodes=all_nodes).items()}
 
@@ -168,7 +164,6 @@ def _check_onnx(cm, model) -> None:
         import onnxruntime as ort
     except ImportError:
         return
-    from pathir.frontends.onnx_load import load
 
     proto = load(model).proto
     try:

@@ -40,6 +40,8 @@ from typing import Sequence
 import numpy as np
 from hypothesis import strategies as st
 
+from pathir.analyses.find_units import find_units
+from pathir.backends.numpy import NumpyBackend
 from pathir.ir import (
     ChannelMap,
     Conv,
@@ -72,8 +74,6 @@ def _weights(rng: np.random.Generator, shape, integer: bool) -> np.ndarray:
 
 
 def _apply(m: Map, x: np.ndarray, in_shape) -> np.ndarray:
-    from pathir.backends.numpy import NumpyBackend
-
     return NumpyBackend().apply(m, x[None], in_shape)[0]
 
 
@@ -446,7 +446,6 @@ def rescalings(draw, graph: Graph, max_log: float = 2.0) -> np.ndarray:
     """Strategy for a random element of the rescaling group (docs/math.md §5) of
     ``graph``: z, one log-scale per unit of ``find_units(graph)``, uniform in
     [-max_log, max_log] (θ ← θ ⊙ exp(-Bz/2) scales by at most e^{max_log})."""
-    from pathir.passes.find_units import find_units
 
     H = len(find_units(graph)[1])
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))

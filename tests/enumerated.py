@@ -1,8 +1,8 @@
 """Definitions by enumeration that several tests compare against."""
 
+from pathir.analyses.incidence import ParamLayout
 from pathir.neurons.expand import expand
 from pathir.neurons.paths import enumerate_paths
-from pathir.passes.incidence import ParamLayout
 
 
 def path_factors(graph):

@@ -7,13 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pathir.analyses.find_units import find_units
 from pathir.backends import get_backend
 from pathir.lifting.active import active_path_counts, active_path_norm, local_affine
 from pathir.lifting.pattern import activation_pattern
 from pathir.lifting.walk import forward
 from pathir.neurons.expand import expand
 from pathir.neurons.paths import activations, enumerate_paths, input_incidence, neuron_forward, phi
-from pathir.passes.find_units import find_units
 from pathir.rescaling.apply import rescale_graph
 from pathir.testing import random_inputs, relu_dags, rescalings
 

@@ -9,7 +9,7 @@ import torch
 from onnx_cases import exported
 
 import pathir
-from pathir import zoo
+from pathir.app import zoo
 
 
 def _jvp(model, x, v):

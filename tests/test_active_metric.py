@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_path_metric import KINDS, variant
 
+from pathir.analyses.find_units import find_units
 from pathir.backends import get_backend
 from pathir.errors import PathirError
 from pathir.ir import NodeKind
@@ -15,7 +16,6 @@ from pathir.lifting.active_metric import active_path_metric
 from pathir.lifting.walk import forward
 from pathir.neurons.expand import expand
 from pathir.neurons.paths import activations, enumerate_paths, neuron_forward, phi
-from pathir.passes.find_units import find_units
 from pathir.rescaling.apply import rescale_graph
 from pathir.testing import random_inputs, relu_dags, rescalings
 

@@ -8,8 +8,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from pathir.analyses.unit_rows import column_balance, matrix_row_keys  # noqa: E402
 from pathir.pathcond.solvers import solve  # noqa: E402
-from pathir.rescaling.unit_rows import column_balance, matrix_row_keys  # noqa: E402
 
 
 def test_solver_benchmark_mlp_is_the_closed_form_of_a_real_mlp():

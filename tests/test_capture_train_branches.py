@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import pathir
-from pathir import zoo
+from pathir.app import zoo
 from pathir.errors import PathirError
 
 

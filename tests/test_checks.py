@@ -1,4 +1,4 @@
-"""pathir.checks.check: every check can fail, and passes where the definition holds."""
+"""pathir.app.checks.check: every check can fail, and passes where the definition holds."""
 
 import numpy as np
 import pytest
@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import pathir  # noqa: E402
-import pathir.checks  # noqa: E402
+import pathir.app.checks  # noqa: E402
 from pathir.errors import SelfCheckFailed, UnsupportedOperation  # noqa: E402
 from pathir.testing import relu_dags  # noqa: E402
 
@@ -33,7 +33,7 @@ class Unused(nn.Module):
 @settings(max_examples=15, deadline=None)
 @given(relu_dags(max_neurons=40, max_paths=300))
 def test_random_dags_pass_and_the_symbolic_check_runs(graph):
-    report = pathir.checks.check(graph)
+    report = pathir.app.checks.check(graph)
     assert report.passed, str(report)
     names = {c.name: c.passed for c in report.checks}
     assert names["rescaling units (IR)"] is True and names["rescaling write-back"] is None
@@ -43,7 +43,7 @@ def test_random_dags_pass_and_the_symbolic_check_runs(graph):
 def test_torch_model_checks_and_model_untouched():
     model = _tiny()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    report = pathir.checks.check(model, input_shape=(3,))
+    report = pathir.app.checks.check(model, input_shape=(3,))
     assert report.passed and [c.passed for c in report.checks] == [True, True, True, True]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert "all checks hold" in str(report) and report.to_dict()["passed"] is True
@@ -51,7 +51,7 @@ def test_torch_model_checks_and_model_untouched():
 
 def test_coverage_names_the_unused_module_and_counts_the_folded_bias():
     model = Unused().eval()
-    report = pathir.checks.check(model, input_shape=(2, 4, 4))
+    report = pathir.app.checks.check(model, input_shape=(2, 4, 4))
     assert [(n, k) for n, k, _ in report.not_reached] == [("spare.weight", 25), ("spare.bias", 5)]
     assert "does not use it" in report.not_reached[0][2]
     total = sum(p.numel() for p in model.parameters())
@@ -61,9 +61,10 @@ def test_coverage_names_the_unused_module_and_counts_the_folded_bias():
 
 def test_a_wrong_unit_fails_the_rescaling_checks(monkeypatch):
     """A rescaling that moves one param more than its units say (what a wrong unit would do) is caught."""
-    from pathir.rescaling import apply, commit
+    import pathir.app.checks as checks
+    import pathir.compiled as compiled
 
-    real_ir, real_commit = apply.rescale_graph, commit.commit_rescaling
+    real_ir, real_commit = checks.rescale_graph, compiled.commit_rescaling
 
     def ir_off_by_one(graph, units, z):
         first = []
@@ -75,9 +76,9 @@ def test_a_wrong_unit_fails_the_rescaling_checks(monkeypatch):
             next(iter(model.parameters())).mul_(2.0)
         return out
 
-    monkeypatch.setattr(apply, "rescale_graph", ir_off_by_one)
-    monkeypatch.setattr(commit, "commit_rescaling", commit_off_by_one)
-    report = pathir.checks.check(_tiny(), input_shape=(3,))
+    monkeypatch.setattr(checks, "rescale_graph", ir_off_by_one)  # the names where they are called
+    monkeypatch.setattr(compiled, "commit_rescaling", commit_off_by_one)
+    report = pathir.app.checks.check(_tiny(), input_shape=(3,))
     assert not report.passed
     assert [c.name for c in report.failed] == ["rescaling units (IR)", "rescaling write-back"]
     assert str(report).endswith("FAILED: rescaling units (IR), rescaling write-back")
@@ -96,7 +97,7 @@ def test_self_check_failure_is_a_failed_check(monkeypatch):
         raise SelfCheckFailed("self-check: made to fail")
 
     monkeypatch.setattr(pathir.self_check, "self_check", fail)
-    report = pathir.checks.check(_tiny(), input_shape=(3,))
+    report = pathir.app.checks.check(_tiny(), input_shape=(3,))
     assert [c.name for c in report.failed] == ["self-check"] and "made to fail" in report.failed[0].detail
 
 
@@ -110,11 +111,11 @@ def test_refusal_propagates():
             return torch.tanh(self.a(x))
 
     with pytest.raises(UnsupportedOperation):
-        pathir.checks.check(Tanh(), input_shape=(3,))
+        pathir.app.checks.check(Tanh(), input_shape=(3,))
 
 
 def test_symbolic_skipped_above_the_limit():
-    report = pathir.checks.check(_tiny(), input_shape=(3,), max_paths=10)
+    report = pathir.app.checks.check(_tiny(), input_shape=(3,), max_paths=10)
     symbolic = report.checks[-1]
     assert symbolic.name == "symbolic" and symbolic.passed is None and "above the 10" in symbolic.detail
 
@@ -134,7 +135,7 @@ def test_onnx_model_checked_through_onnxruntime(tmp_path):
     path = tmp_path / "mlp.onnx"
     path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString())
     before = path.read_bytes()
-    report = pathir.checks.check(str(path))
+    report = pathir.app.checks.check(str(path))
     assert report.passed and [c.passed for c in report.checks] == [True, True, True, True], str(report)
     assert "onnxruntime (float32)" in report.checks[2].detail
     assert report.not_reached == (("unused", 5, "no output of the graph depends on it"),) and report.covered == 26

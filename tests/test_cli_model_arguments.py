@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import pathir  # noqa: E402
-from pathir.cli import main  # noqa: E402
+from pathir.app.cli import main  # noqa: E402
 
 FACTORY = textwrap.dedent("""
     from torch import nn

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import pathir  # noqa: E402
-from pathir.cli import main  # noqa: E402
+from pathir.app.cli import main  # noqa: E402
 from pathir.errors import SelfCheckFailed  # noqa: E402
 
 FACTORY = textwrap.dedent("""
@@ -170,7 +170,7 @@ def test_reports_use_words_not_argument_names(capsys):
 
 def test_broken_pipe_exits_quietly(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
-    proc = subprocess.Popen([sys.executable, "-m", "pathir.cli", "summary", *TINY, "--json"], cwd=tmp_path,
+    proc = subprocess.Popen([sys.executable, "-m", "pathir.app.cli", "summary", *TINY, "--json"], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     proc.stdout.close()  # the reader is gone before anything is written
     err = proc.stderr.read().decode()

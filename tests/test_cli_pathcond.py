@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pathir.cli import main  # noqa: E402
+from pathir.app.cli import main  # noqa: E402
 
 FACTORY = textwrap.dedent("""
     import torch

@@ -1,4 +1,4 @@
-"""The coarse space of the rescaling solvers (pathir.rescaling.coarse, pathir.pathcond.coarse_start)
+"""The coarse space of the rescaling solvers (pathir.pairs.coarse, pathir.pathcond.coarse_start)
 against dense matrices and a generic minimiser."""
 
 import math
@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 from scipy.optimize import minimize
 
 import pathir
+from pathir.pairs.coarse import CoarseSpace, unit_groups
+from pathir.pairs.pair_laplacian import PairLaplacian
+from pathir.pairs.unit_pairs import Pairs
 from pathir.pathcond.coarse_start import coarse_shift
-from pathir.rescaling.coarse import CoarseSpace, unit_groups
-from pathir.rescaling.pair_laplacian import PairLaplacian
-from pathir.rescaling.unit_pairs import Pairs
 
 
 @st.composite

@@ -4,8 +4,8 @@ import json
 
 import torch
 
-import pathir.demo as demo
-from pathir.cli import main
+import pathir.app.demo as demo
+from pathir.app.cli import main
 
 
 def test_demo_quick_writes_tables_and_plots(tmp_path, capsys):

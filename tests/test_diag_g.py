@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pathir
+from pathir.analyses.find_units import find_units
+from pathir.analyses.incidence import incidence
 from pathir.errors import PathNormOverflow
 from pathir.ir import Conv, Dense, GraphBuilder, Identity, Pool, Reshape
 from pathir.lifting.diag_g import diag_g, diag_g_flat
-from pathir.passes.find_units import find_units
-from pathir.passes.incidence import incidence
 from pathir.rescaling.apply import rescale_graph
 from pathir.testing import mlps, relu_dags, rescalings
 

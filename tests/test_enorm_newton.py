@@ -11,9 +11,9 @@ from test_enorm_solver import e_reference, enorm_problems, sides
 from test_pathcond_solvers import dead_units_by_definition, incidence, mlp_rows
 
 import pathir
+from pathir.analyses.facts import GraphFacts
 from pathir.enorm.run import enorm
 from pathir.enorm.solver import solve_enorm, solve_enorm_block, solve_enorm_coordinate
-from pathir.rescaling.facts import GraphFacts
 from pathir.testing import relu_dags
 
 
@@ -166,7 +166,7 @@ def test_not_converged_warns_and_bounded_units_are_reported():
 def test_newton_with_every_layer_as_a_dense_block_meets_the_definition(problem, bound):
     """The mass matrix's dense blocks (`PairMatrix`, from 4096 entries on the zoo) forced on for every run of
     identical rows: the same optimum and stopping rule as the reference sweeps."""
-    import pathir.rescaling.pair_matrix as pair_matrix
+    import pathir.pairs.pair_matrix as pair_matrix
 
     w, B, c = problem
     m = w if c is None else w * c
@@ -183,15 +183,15 @@ def test_newton_with_every_layer_as_a_dense_block_meets_the_definition(problem, 
 
 def test_a_layered_network_is_held_as_dense_blocks():
     """On an MLP every layer's pairs form one dense block of the mass matrix (`PairMatrix`)."""
-    from pathir.rescaling.pair_laplacian import PairLaplacian
-    from pathir.rescaling.unit_pairs import group_pairs
-    from pathir.rescaling.unit_rows import matrix_row_keys
+    from pathir.analyses.unit_rows import matrix_row_keys
+    from pathir.pairs.pair_laplacian import PairLaplacian
+    from pathir.pairs.unit_pairs import group_pairs
 
     rows, H = mlp_rows([5, 6, 7, 3])
     B = incidence(rows, H)
     key, H = matrix_row_keys(B)
     with pytest.MonkeyPatch.context() as patch:
-        import pathir.rescaling.pair_matrix as pair_matrix
+        import pathir.pairs.pair_matrix as pair_matrix
 
         patch.setattr(pair_matrix, "MIN_BLOCK", 6)
         lap = PairLaplacian(group_pairs(np.ones(key.size), key, H))

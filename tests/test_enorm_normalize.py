@@ -11,10 +11,10 @@ nn = torch.nn
 from torch_models import randomize_bn as _randomize_bn  # noqa: E402
 
 import pathir  # noqa: E402
+from pathir.analyses.find_units import find_units  # noqa: E402
+from pathir.enorm.normalize import normalize, normalize_log_scales  # noqa: E402
 from pathir.errors import PathirError  # noqa: E402
 from pathir.ir import Conv, Dense, GraphBuilder, Identity, Reshape  # noqa: E402
-from pathir.passes.find_units import find_units  # noqa: E402
-from pathir.passes.normalize import normalize, normalize_log_scales  # noqa: E402
 from pathir.rescaling.apply import rescale_graph  # noqa: E402
 from pathir.testing import relu_dags, rescalings  # noqa: E402
 

@@ -1,10 +1,10 @@
-"""pathir.files.write_atomic: the umask's mode, all or nothing."""
+"""pathir.support.files.write_atomic: the umask's mode, all or nothing."""
 
 import os
 
 import pytest
 
-from pathir.files import write_atomic
+from pathir.support.files import write_atomic
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002, 0o000])

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import pathir
+from pathir.analyses.find_units import find_units
 from pathir.backends.numpy import NumpyBackend
 from pathir.backends.sympy import SympyBackend
 from pathir.backends.torch import TorchBackend
@@ -17,7 +18,6 @@ from pathir.ir import Conv, Dense, Gather, GraphBuilder, Resample, verify
 from pathir.neurons.expand import count_edges, expand
 from pathir.neurons.paths import enumerate_num_paths, enumerate_path_norm
 from pathir.neurons.symbolic import verify_symbolic
-from pathir.passes.find_units import find_units
 
 
 def _mats(rng, shapes, zeros=0.3):

@@ -5,13 +5,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pathir.analyses.find_units import find_units
+from pathir.analyses.incidence import ParamLayout, incidence, row_keys
 from pathir.backends.numpy import NumpyBackend
 from pathir.errors import PathirError
 from pathir.ir import ChannelMap, Conv, Dense, GraphBuilder, Identity, Pool, Reshape, Scale
 from pathir.lifting.walk import forward
 from pathir.neurons.expand import expand
-from pathir.passes.find_units import find_units
-from pathir.passes.incidence import ParamLayout, incidence, row_keys
 from pathir.rescaling.apply import apply_log_scales, check_log_scales, log_scales, rescale_graph
 from pathir.testing import mlps, random_inputs, relu_dags, rescalings
 
@@ -127,8 +127,8 @@ def test_b_rows_follow_the_neuron_level_definition(graph):
 @given(relu_dags())
 def test_row_keys_from_the_units_are_those_of_b(graph):
     """The solvers' row keys, read straight from the units' ends, equal those read back from B."""
-    from pathir.rescaling.unit_rows import column_balance, key_balance
-    from pathir.rescaling.unit_rows import matrix_row_keys as keys_of_b
+    from pathir.analyses.unit_rows import column_balance, key_balance
+    from pathir.analyses.unit_rows import matrix_row_keys as keys_of_b
 
     _, units = find_units(graph)
     B, _ = incidence(graph, units)

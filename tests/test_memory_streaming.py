@@ -10,23 +10,23 @@ import scipy.sparse as sp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pathir.analyses.find_units import find_units
+from pathir.analyses.incidence import incidence
+from pathir.analyses.unit_rows import row_units
 from pathir.errors import PathirError
 from pathir.ir import Param
 from pathir.lifting.diag_g import diag_g, diag_g_flat
 from pathir.lifting.pruning import path_magnitude_scores, prune_graph, prune_masks
-from pathir.passes.find_units import find_units
-from pathir.passes.incidence import incidence
 from pathir.rescaling.apply import rescale_graph
-from pathir.rescaling.unit_rows import row_units
 from pathir.testing import relu_dags, rescalings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-normalize_module = importlib.import_module("pathir.passes.normalize")  # the module, not the pass
-param_pairs = importlib.import_module("pathir.rescaling.param_pairs")
+normalize_module = importlib.import_module("pathir.enorm.normalize")  # the module, not the pass
+param_pairs = importlib.import_module("pathir.pairs.param_pairs")
 
 
 def _masses_from_b(graph, units, p):
-    """b and M of passes/normalize.py read from the full B and flat θ (the definition)."""
+    """b and M of pathir/enorm/normalize.py read from the full B and flat θ (the definition)."""
     B, layout = incidence(graph, units)
     H = B.shape[1]
     w = np.abs(layout.theta()) ** p
@@ -138,8 +138,8 @@ def test_pair_sums_by_range_and_by_sort_agree(seed, n, H):
 @settings(max_examples=60, deadline=None)
 @given(graph=relu_dags(), data=st.data(), spread=st.sampled_from([1.0, 50.0, 800.0]), zeros=st.booleans())
 def test_pairs_grouped_param_by_param_equal_the_ones_from_row_keys(graph, data, spread, zeros):
-    from pathir.passes.incidence import row_ends, row_keys
-    from pathir.rescaling.unit_pairs import group_compact, group_pairs
+    from pathir.analyses.incidence import row_ends, row_keys
+    from pathir.pairs.unit_pairs import group_compact, group_pairs
 
     units = find_units(graph)[1]
     keys, ends = row_keys(units), row_ends(units)
@@ -157,8 +157,8 @@ def test_pairs_grouped_param_by_param_equal_the_ones_from_row_keys(graph, data, 
 @settings(max_examples=30, deadline=None)
 @given(graph=relu_dags(), data=st.data())
 def test_row_ends_shifts_equal_the_row_keys_ones(graph, data):
-    from pathir.passes.incidence import row_ends, row_keys
-    from pathir.rescaling.unit_rows import row_shifts
+    from pathir.analyses.incidence import row_ends, row_keys
+    from pathir.analyses.unit_rows import row_shifts
 
     units = find_units(graph)[1]
     z = np.asarray(data.draw(rescalings(graph)), dtype=np.float64)
@@ -252,8 +252,8 @@ def test_pairs_read_by_runs_and_permutations_equal_the_ones_from_row_keys(zeros,
     import torch
 
     import pathir
-    from pathir.passes.incidence import row_ends, row_keys
-    from pathir.rescaling.unit_pairs import group_compact, group_pairs
+    from pathir.analyses.incidence import row_ends, row_keys
+    from pathir.pairs.unit_pairs import group_compact, group_pairs
 
     torch.manual_seed(0)
     if case.startswith("flatten"):
@@ -285,7 +285,7 @@ def test_merging_sorted_pair_keys_equals_a_sort_of_them_all(seed, parts, width, 
     """unit_pairs._merge_sorted (placed, woven row by row or as one table of bands, folded or sorted) against
     np.unique of all keys. "stream": every part the same rows and a constant band of columns (a residual
     stream's convolutions, a bias)."""
-    from pathir.rescaling.unit_pairs import _STAND_INS, _merge_sorted
+    from pathir.pairs.unit_pairs import _STAND_INS, _merge_sorted
 
     rng = np.random.default_rng(seed)
     keys, sums, lows = [], [], []
@@ -338,10 +338,10 @@ def test_merging_sorted_pair_keys_equals_a_sort_of_them_all(seed, parts, width, 
 def test_g_as_one_array_per_param_groups_and_summarises_as_the_flat_g(graph, seed, spread):
     """group_compact and summarize take diag_g_parts' list (no flat copy of g) and give what they give
     for the flat g, bit for bit; g spanning 900 nats takes the log-space path (the list concatenated)."""
+    from pathir.analyses.incidence import row_ends
     from pathir.lifting.diag_g import diag_g_parts
-    from pathir.passes.incidence import row_ends
+    from pathir.pairs.unit_pairs import group_compact
     from pathir.pathcond.g_summary import summarize
-    from pathir.rescaling.unit_pairs import group_compact
 
     _, units = find_units(graph)
     rows = row_ends(units)

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import pathir.passes.normalize_forward as forward
+import pathir.enorm.normalize_forward as forward
+from pathir.analyses.find_units import find_units
+from pathir.enorm.normalize import normalize_log_scales
 from pathir.ir import Dense, GraphBuilder
-from pathir.passes.find_units import find_units
-from pathir.passes.normalize import normalize_log_scales
 from pathir.rescaling.apply import rescale_graph
 from pathir.testing import relu_dags, rescalings
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pathir
-from pathir.cli import main
+from pathir.app.cli import main
 
 
 def _net(seed=0):

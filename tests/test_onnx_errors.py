@@ -9,7 +9,7 @@ import torch
 from onnx_cases import export, exported, make_model, node, tensor_info
 
 import pathir
-from pathir.cli import main
+from pathir.app.cli import main
 from pathir.errors import PathirError
 
 rng = np.random.default_rng(0)
@@ -204,7 +204,7 @@ def onnx_int_info(name, shape):
 
 @pytest.mark.parametrize("command,extra", [("pathcond", []), ("enorm", []), ("prune", ["--amount", "0.5"])])
 def test_failing_commands_write_no_output_file(command, extra, tmp_path, capsys):
-    if importlib.util.find_spec(f"pathir.commands.{command}") is None:
+    if importlib.util.find_spec(f"pathir.app.commands.{command}") is None:
         pytest.skip(f"the '{command}' command is not written yet")
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(UNSUPPORTED["Sigmoid"]().SerializeToString())

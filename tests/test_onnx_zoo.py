@@ -9,7 +9,7 @@ import torch
 from onnx_cases import export, ort_run, rel
 
 import pathir
-from pathir import zoo
+from pathir.app import zoo
 
 FAST = {"resnet18", "squeezenet1_1"}
 

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pathir.rescaling.unit_pairs import _sum_by_key, group_pairs
+from pathir.pairs.unit_pairs import _sum_by_key, group_pairs
 
 
 @st.composite

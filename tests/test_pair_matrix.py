@@ -5,7 +5,7 @@ import scipy.sparse as sp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pathir.rescaling.pair_matrix import PairMatrix
+from pathir.pairs.pair_matrix import PairMatrix
 
 
 @st.composite
@@ -55,7 +55,7 @@ def test_a_dense_layer_is_one_block_of_views():
 
 
 def test_both_reads_a_block_in_chunks(monkeypatch):
-    import pathir.rescaling.pair_matrix as pm
+    import pathir.pairs.pair_matrix as pm
 
     monkeypatch.setattr(pm, "_CHUNK_BYTES", 8 * 3)  # three columns' worth: one row per chunk
     enter, leave = np.repeat(np.arange(5), 7), np.tile(np.arange(5, 12), 5)
@@ -73,7 +73,7 @@ def test_both_reads_a_block_in_chunks(monkeypatch):
 def test_same_as_next_row_matches_its_definition_chunk_by_chunk(pairs, seed, chunk):
     """Row r + 1 holds exactly row r's columns, compared over run views a chunk of rows at a time
     (a chunk of 8 bytes: one row per comparison), against row-by-row array_equal."""
-    import pathir.rescaling.pair_matrix as pm
+    import pathir.pairs.pair_matrix as pm
 
     enter, leave, _, size = pairs
     rng = np.random.default_rng(seed)

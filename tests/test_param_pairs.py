@@ -5,12 +5,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import pathir.rescaling.param_pairs as param_pairs
+import pathir.pairs.param_pairs as param_pairs
+from pathir.analyses.facts import GraphFacts
+from pathir.analyses.incidence import ParamLayout
 from pathir.errors import PathirError
-from pathir.passes.incidence import ParamLayout
-from pathir.rescaling.facts import GraphFacts
-from pathir.rescaling.param_pairs import pairs_from_params
-from pathir.rescaling.unit_pairs import group_pairs
+from pathir.pairs.param_pairs import pairs_from_params
+from pathir.pairs.unit_pairs import group_pairs
 from pathir.testing import relu_dags
 
 

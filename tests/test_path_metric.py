@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pathir
+from pathir.analyses.find_units import find_units
 from pathir.errors import PathirError
 from pathir.ir import Dense, GraphBuilder
 from pathir.lifting.path_metric import check_same_architecture, output_bound, path_metric
@@ -17,7 +18,6 @@ from pathir.lifting.path_norm import path_norm as lifted_path_norm
 from pathir.lifting.walk import forward
 from pathir.neurons.expand import expand
 from pathir.neurons.paths import enumerate_paths, phi
-from pathir.passes.find_units import find_units
 from pathir.rescaling.apply import rescale_graph
 from pathir.testing import random_inputs, relu_dags, rescalings
 

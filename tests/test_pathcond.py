@@ -326,7 +326,7 @@ def test_injected_failures_leave_model_and_graph_untouched(monkeypatch):
     from torch.nn.utils import prune
 
     import pathir.frontends.torch_writer as writer
-    import pathir.lifting.diag_g
+    import pathir.pathcond.run
 
     model, shape = build("cnn")
     prune.l1_unstructured(model[4], "weight", amount=0.3)
@@ -339,7 +339,7 @@ def test_injected_failures_leave_model_and_graph_untouched(monkeypatch):
         raise RuntimeError("injected")
 
     with monkeypatch.context() as m:
-        m.setattr(pathir.lifting.diag_g, "diag_g_parts", boom)
+        m.setattr(pathir.pathcond.run, "diag_g_parts", boom)
         with pytest.raises(RuntimeError, match="injected"):
             cm.pathcond()
     assert _same_state(model, state) and cm.graph is graph
@@ -361,7 +361,7 @@ def test_unknown_solver():
 
 @pytest.mark.slow
 def test_resnet18_write_back():
-    from pathir.zoo import build as zoo_build
+    from pathir.app.zoo import build as zoo_build
 
     model = zoo_build("resnet18").double()
     reference = copy.deepcopy(model)
@@ -378,8 +378,8 @@ def test_resnet18_write_back():
 def test_report_log_spreads_are_their_definition(graph, seed, scale):
     """The report's log-spreads, param by param from the units' compact ends, equal max − min of
     log(g ⊙ e^{Bz}) over g > 0 with B itself; z far beyond float64's exp range included."""
-    from pathir.passes.find_units import find_units
-    from pathir.passes.incidence import incidence
+    from pathir.analyses.find_units import find_units
+    from pathir.analyses.incidence import incidence
     from pathir.pathcond.run import unit_log_spreads
 
     _, units = find_units(graph)
@@ -400,8 +400,8 @@ def test_report_figures_from_the_pair_summary_are_their_definition(graph, seed, 
     """The log-spreads and log-det divergences the report takes from the per-pair summary of g
     (g_summary: g is freed before the solve) equal their definition over the entries g > 0, with B
     itself; g spanning 900 nats (log-space pair sums) and z beyond float64's exp range included."""
-    from pathir.passes.find_units import find_units
-    from pathir.passes.incidence import incidence, row_ends
+    from pathir.analyses.find_units import find_units
+    from pathir.analyses.incidence import incidence, row_ends
     from pathir.pathcond.g_summary import summarize
     from pathir.pathcond.objective import logsumexp, objective
 

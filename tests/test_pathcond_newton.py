@@ -171,7 +171,7 @@ def test_pathcond_reports_the_units_at_the_bound_and_keeps_the_function():
 
 @pytest.mark.slow
 def test_googlenet_float32_pathcond_keeps_function_and_every_parameter_normal():
-    from pathir import zoo
+    from pathir.app import zoo
 
     model = zoo.build("googlenet", aux_logits=False)
     x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(1))

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from scipy.optimize import minimize_scalar
 from scipy.special import logsumexp
 
+from pathir.analyses.unit_rows import RowKeys, column_balance, key_balance, keys_for, matrix_row_keys, row_units
+from pathir.pairs.unit_pairs import Pairs, greedy_coloring, group_pairs, side_sums
 from pathir.pathcond.solvers import gradient, objective, solve, solve_block, solve_coordinate
-from pathir.rescaling.unit_pairs import Pairs, greedy_coloring, group_pairs, side_sums
-from pathir.rescaling.unit_rows import RowKeys, column_balance, key_balance, keys_for, matrix_row_keys, row_units
 
 # ---------------------------------------------------------------- networks
 
@@ -481,8 +481,8 @@ def test_many_units_group_by_sorting():
 def test_block_solver_on_row_keys_alone_is_the_solver_on_b(problem, chunk):
     """With a RowKeys the block solver needs no B: same z, same F, same log-spreads (B z read from the
     keys a chunk of rows at a time)."""
+    from pathir.analyses.unit_rows import row_shifts
     from pathir.pathcond.objective import bz_log_spreads
-    from pathir.rescaling.unit_rows import row_shifts
 
     g, B = problem
     key, H = matrix_row_keys(B)

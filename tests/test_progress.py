@@ -1,12 +1,12 @@
-"""pathir.progress: bars on stderr only when asked or on a terminal; solver callbacks passed where taken."""
+"""pathir.support.progress: bars on stderr only when asked or on a terminal; solver callbacks passed where taken."""
 
 import io
 import sys
 
 import pytest
 
-import pathir.progress as progress_module
-from pathir.progress import Phases, close_all, enabled, solver_callback, warn_not_converged
+import pathir.support.progress as progress_module
+from pathir.support.progress import Phases, close_all, enabled, solver_callback, warn_not_converged
 
 
 class _Terminal(io.StringIO):

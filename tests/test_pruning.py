@@ -16,15 +16,15 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 import pathir
-from pathir.cli import main
+from pathir.analyses.find_units import find_units
+from pathir.analyses.incidence import ParamLayout
+from pathir.app.cli import main
 from pathir.errors import PathirError
 from pathir.frontends.torch_writer import TorchWriter
 from pathir.lifting.pruning import path_magnitude_scores, prune_graph
 from pathir.lifting.walk import forward
 from pathir.neurons.expand import expand
 from pathir.neurons.paths import enumerate_paths, phi
-from pathir.passes.find_units import find_units
-from pathir.passes.incidence import ParamLayout
 from pathir.rescaling.apply import log_scales, rescale_graph
 from pathir.testing import mlps, random_inputs, relu_dags, rescalings
 

@@ -1,4 +1,4 @@
-"""pathir.pruning_adapter.PathMagnitudeImportance against Torch-Pruning (skipped when it is not installed).
+"""pathir.integrations.pruning_adapter.PathMagnitudeImportance against Torch-Pruning (skipped when it is not installed).
 
 The group scores are recomputed here from ``cm.path_magnitude_scores()`` by hand, layer by layer (rows
 of the convs writing a channel, columns of those reading it, the folded batch-norm biases), and the
@@ -13,7 +13,7 @@ nn = torch.nn
 
 import pathir  # noqa: E402
 from pathir.errors import PathirError  # noqa: E402
-from pathir.pruning_adapter import PathMagnitudeImportance  # noqa: E402
+from pathir.integrations.pruning_adapter import PathMagnitudeImportance  # noqa: E402
 
 
 class SmallResNet(nn.Module):

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from pathir.sorted_unique import sorted_unique
+from pathir.support.sorted_unique import sorted_unique
 
 
 @settings(derandomize=True, max_examples=200, deadline=None)

@@ -5,9 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pathir.analyses.find_units import Units, find_units
 from pathir.errors import PathirError
 from pathir.ir import ChannelMap, Conv, Dense, GraphBuilder, Identity, Pool, Reshape, Scale, SpatialMatrix
-from pathir.passes.find_units import Units, find_units
 from pathir.testing import mlps, relu_dags
 
 RNG = np.random.default_rng(0)
@@ -244,7 +244,7 @@ def test_units_partition_the_free_channels_and_respect_every_tie(graph):
 def test_classes_marked_crossing_are_those_of_the_full_broadcast(data):
     """The compact shortcut (no shared axis: every target meets every source) marks what the
     entry-by-entry definition on the broadcast param marks."""
-    from pathir.passes.find_units import mark_crossing
+    from pathir.analyses.find_units import mark_crossing
 
     ndim = data.draw(st.integers(1, 3))
     full = data.draw(st.lists(st.integers(1, 4), min_size=ndim, max_size=ndim))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import pathir
-from pathir import zoo
+from pathir.app import zoo
 
 # the figures of docs/math.md §11 (PathCond paper, Appendix I)
 FACTS = {
@@ -89,7 +89,7 @@ def _check_random_rescaling(name):
     solvers read are B's (every row up to 30M parameters, a sample of rows beyond, for memory)."""
     import numpy as np
 
-    from pathir.rescaling.unit_rows import column_balance, keys_for, matrix_row_keys
+    from pathir.analyses.unit_rows import column_balance, keys_for, matrix_row_keys
 
     # aux heads run only in train mode: write-back refuses them (tests/test_capture_train_branches.py)
     aux = {"aux_logits": False} if name in ("googlenet", "inception_v3") else {}

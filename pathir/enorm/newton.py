@@ -1,6 +1,6 @@
 """ENorm by a projected Newton-CG method on the unit pairs (docs/math.md §8).
 
-With the pairs k = (e_k, l_k) of `pathir.rescaling.unit_pairs` and their masses
+With the pairs k = (e_k, l_k) of `pathir.pairs.unit_pairs` and their masses
 P_k, the criterion is E(z) = Σ_k P_k e^{z_{e_k} - z_{l_k}} (z_H = 0, "no unit").
 With t_k = P_k e^{z_e - z_l}, I_h = Σ_{e_k = h} t_k and O_h = Σ_{l_k = h} t_k,
 
@@ -27,10 +27,10 @@ import time
 
 import numpy as np
 
+from pathir.analyses.unit_rows import keys_for
 from pathir.enorm.result import ENormResult, at_bound, masses
-from pathir.rescaling.pair_laplacian import TINY, PairLaplacian, PairPoint
-from pathir.rescaling.unit_pairs import Pairs, blocks_of, greedy_coloring, group_pairs, pad
-from pathir.rescaling.unit_rows import keys_for
+from pathir.pairs.pair_laplacian import TINY, PairLaplacian, PairPoint
+from pathir.pairs.unit_pairs import Pairs, blocks_of, greedy_coloring, group_pairs, pad
 
 __all__ = ["solve_enorm_newton", "newton_direction"]
 
@@ -121,7 +121,7 @@ def solve_enorm_newton(w, B, c=None, *, max_sweeps: int = 1000, tol: float = 1e-
     (every unit's clamped exact update at most ``tol``), reached in 5-15 iterations on the
     torchvision zoo where the block sweeps need hundreds to thousands (concatenation-heavy graphs).
     ``callback(iteration, E)`` is called after each iteration. ``pairs``: the masses c ⊙ w already
-    grouped by unit pair (`pathir.rescaling.param_pairs.pairs_from_params`); w, B, c and row_key are then unused.
+    grouped by unit pair (`pathir.pairs.param_pairs.pairs_from_params`); w, B, c and row_key are then unused.
 
     >>> import numpy as np, scipy.sparse as sp
     >>> B = sp.csr_array(np.array([[-1, 0], [0, -1], [1, 0], [0, 1]], dtype=float))   # 1-2-1, no biases

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pathir.pathcond.objective import as_g
+from pathir.pairs.log_space import as_g
 
 __all__ = ["ENormResult", "masses", "at_bound"]
 

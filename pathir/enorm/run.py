@@ -19,8 +19,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pathir.analyses.incidence import ParamLayout
+from pathir.enorm.newton import solve_enorm_newton
+from pathir.enorm.normalize import normalize_log_scales
+from pathir.enorm.solver import solve_enorm
 from pathir.errors import PathirError
-from pathir.progress import Phases, chain_callbacks, warn_not_converged
+from pathir.pairs.param_pairs import pairs_from_params
+from pathir.support.progress import Phases, chain_callbacks, warn_not_converged
 
 __all__ = ["ENormReport", "NormalizeReport", "enorm", "normalize_units", "PHASES"]
 
@@ -173,7 +178,7 @@ def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, cos
 
     Parameters
     ----------
-    facts : GraphFacts of the graph (``pathir.rescaling.facts``)
+    facts : GraphFacts of the graph (``pathir.analyses.facts``)
     p : the norm's exponent (> 0); p = 2 is Stock et al.'s default.
     max_sweeps, tol : passed to ``pathir.enorm.solver.solve_enorm``; stopping at ``max_sweeps``
         before the stopping rule holds warns (``pathir.NotConvergedWarning``).
@@ -185,7 +190,7 @@ def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, cos
     callback : called as ``callback(sweep, E_p)`` after each sweep (Newton: iteration).
     commit : called with the minimiser z (``Compiled.commit_rescaling``); None: only report.
     name : the model's name, for the report.
-    progress : a bar on stderr over the phases units, solve, write (``pathir.progress``; None: only
+    progress : a bar on stderr over the phases units, solve, write (``pathir.support.progress``; None: only
         when stderr is a terminal). Not converging within ``max_sweeps`` warns.
 
     Examples
@@ -202,9 +207,6 @@ def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, cos
     >>> bool(torch.allclose(net(x), before, atol=1e-6))
     True
     """
-    from pathir.enorm.newton import solve_enorm_newton
-    from pathir.enorm.solver import solve_enorm
-    from pathir.rescaling.param_pairs import pairs_from_params
 
     if not p > 0:
         raise ValueError(f"p must be > 0, got {p}")
@@ -215,7 +217,6 @@ def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, cos
     units = facts.units
     if solver == "newton" and "incidence" not in facts.built():
         # Newton reads B through the units' compact row ends only: building B would be wasted work
-        from pathir.passes.incidence import ParamLayout
 
         B, layout = None, ParamLayout(tuple(units.params))
     else:
@@ -274,7 +275,6 @@ def normalize_units(facts, p: float = 2.0, commit=None, name: str = "", progress
     >>> [round(v, 6) for v in torch.cat([net[0].weight, net[0].bias[:, None]], 1).norm(dim=1).tolist()]
     [1.0, 1.0, 1.0, 1.0]
     """
-    from pathir.passes.normalize import normalize_log_scales
 
     start = time.perf_counter()
     bar = Phases(PHASES if commit is not None else PHASES[:-1], desc=f"normalize {name}".strip(), progress=progress)

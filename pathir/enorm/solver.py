@@ -22,12 +22,12 @@ import time
 
 import numpy as np
 
+from pathir.analyses.unit_rows import canonical, keys_for
 from pathir.enorm.newton import solve_enorm_newton
 from pathir.enorm.result import ENormResult, at_bound
 from pathir.enorm.result import masses as _masses
-from pathir.pathcond.objective import log0, logsumexp
-from pathir.rescaling.unit_pairs import all_pairs, blocks_of, greedy_coloring, group_pairs, log_pair_total, pad
-from pathir.rescaling.unit_rows import canonical, keys_for
+from pathir.pairs.log_space import log0, logsumexp
+from pathir.pairs.unit_pairs import all_pairs, blocks_of, greedy_coloring, group_pairs, log_pair_total, pad
 
 __all__ = ["ENormResult", "enorm_objective", "unit_balance", "solve_enorm", "solve_enorm_block",
            "solve_enorm_coordinate", "solve_enorm_newton"]

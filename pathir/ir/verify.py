@@ -6,7 +6,7 @@ import numpy as np
 
 from ..errors import GraphVerificationError
 from .graph import Graph
-from .maps import MapKind
+from .maps import MapKind, pool_output_size
 from .node import NodeKind
 
 __all__ = ["verify"]
@@ -94,7 +94,6 @@ def _problems(graph: Graph) -> list[str]:
 
 def _smallest_window(pool, in_shape) -> int:
     """Fewest in-input entries over the windows of ``pool`` (per axis, then multiplied)."""
-    from .maps import pool_output_size
 
     total = 1
     for L, k, s, (a, b), d in zip(in_shape[1:], pool.kernel, pool.stride, pool.padding, pool.dilation):

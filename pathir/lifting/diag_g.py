@@ -20,8 +20,10 @@ import math
 
 import numpy as np
 
+from pathir.backends import get_backend
 from pathir.errors import PathirError, PathNormOverflow
 from pathir.ir import Graph, Param, Role
+from pathir.lifting.walk import at_common_scale, param_log_parts
 
 __all__ = ["diag_g", "diag_g_flat", "diag_g_log_parts", "source_layout"]
 
@@ -66,8 +68,6 @@ def arrays_by_source(params, log_parts, what: str, hint: str, layout=None) -> di
 def diag_g_log_parts(graph: Graph, backend) -> list[tuple[np.ndarray, float]]:
     """For each param of ``graph.params()``: (m, L) with g = m·e^L, m ≥ 0 of
     the param's shape and max m = 1 (m = 0, L = -inf where g vanishes)."""
-    from pathir.backends import get_backend
-    from pathir.lifting.walk import param_log_parts
 
     return param_log_parts(graph, get_backend(backend), 2.0, what="diag G")
 
@@ -75,7 +75,6 @@ def diag_g_log_parts(graph: Graph, backend) -> list[tuple[np.ndarray, float]]:
 def diag_g_parts(graph: Graph, backend=None) -> tuple[list[np.ndarray], float]:
     """([g / max g per param of ``graph.params()``, in its shape], log max g): `diag_g_flat` without
     the flat copy; each array is the walk's own, scaled in place. ``log max g`` is -inf when g = 0."""
-    from pathir.lifting.walk import at_common_scale
 
     return at_common_scale(diag_g_log_parts(graph, backend))
 

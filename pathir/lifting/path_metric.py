@@ -31,9 +31,12 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from pathir.backends import get_backend
 from pathir.errors import PathirError
 from pathir.ir import Graph, Param
+from pathir.lifting.path_norm import log_path_sum
 from pathir.lifting.walk import param_grads
+from pathir.support.progress import Phases
 
 __all__ = ["PathMetric", "path_metric", "pruned_path_metric", "output_bound", "check_same_architecture", "graph_of", "backend_of", "param_pairs",
            "sign_relations"]
@@ -113,7 +116,6 @@ def backend_of(a, backend):
     """``a``'s own backend choice where it has one (a Compiled), else ``backend`` by name."""
     if hasattr(a, "get_backend"):
         return a.get_backend(backend)
-    from pathir.backends import get_backend
 
     return get_backend(backend)
 
@@ -229,7 +231,7 @@ def path_metric(a, b, backend=None, progress: bool | None = None) -> PathMetric:
     a, b : Compiled or Graph
         θ and θ' (same structure, checked: :func:`check_same_architecture`).
     backend : "torch", "numpy" or a Backend (default: ``a``'s)
-    progress : a bar on stderr over the phases compare, path-norms, bound (``pathir.progress``;
+    progress : a bar on stderr over the phases compare, path-norms, bound (``pathir.support.progress``;
         None: only when stderr is a terminal)
 
     Returns
@@ -255,8 +257,6 @@ def path_metric(a, b, backend=None, progress: bool | None = None) -> PathMetric:
     >>> m.lower, m.upper, m.exact                   # norms equal; d = |3 - (-3)| = 6
     (0.0, 6.0, False)
     """
-    from pathir.lifting.path_norm import log_path_sum
-    from pathir.progress import Phases
 
     bar = Phases(("compare", "path-norms", "bound"), desc="path-metric", progress=progress)
     bar.phase("compare")
@@ -304,7 +304,6 @@ def pruned_path_metric(ga: Graph, gb: Graph, backend, min_gap: float = 1e-3, log
     ``min_gap`` ‖Φ(θ)‖₁ the norms are known to be that close without walking θ': d then comes from
     the telescoped walk and ‖Φ(θ')‖₁ = ‖Φ(θ)‖₁ − d (d ≤ min_gap of it: no digit lost).
     """
-    from pathir.lifting.path_norm import log_path_sum
 
     la = log_path_sum(ga, 1, backend) if log_norm_a is None else float(log_norm_a)
     usable = la > -math.inf and min_gap < 1

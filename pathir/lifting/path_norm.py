@@ -8,6 +8,7 @@ from typing import Iterable
 from pathir.errors import PathNormOverflow
 from pathir.ir import Graph
 from pathir.lifting.walk import log_total, path_forward
+from pathir.passes import maxpool_to_sum, path_view
 
 __all__ = ["log_path_sum", "path_norm", "num_paths"]
 
@@ -16,7 +17,6 @@ def log_path_sum(graph: Graph, q: float, backend) -> float:
     """Natural log of sum_p |Phi_p(theta)|^q (q = 0: of the number of paths); -inf if zero."""
     if hasattr(backend, "power_view"):  # the path view, lazily on the backend's device
         return log_total(backend, path_forward(graph, backend.power_view(q), linearize=True), graph.outputs)
-    from pathir.passes import maxpool_to_sum, path_view
 
     view = path_view(maxpool_to_sum(graph), q)
     return log_total(backend, path_forward(view, backend), view.outputs)

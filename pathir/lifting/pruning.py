@@ -29,8 +29,13 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from pathir.backends import get_backend
 from pathir.errors import PathirError
 from pathir.ir import Graph, MapKind, Param
+from pathir.lifting.diag_g import arrays_by_source, source_layout
+from pathir.lifting.path_metric import pruned_path_metric
+from pathir.lifting.walk import at_common_scale, param_log_parts
+from pathir.pairs.unit_pairs import least_positive
 
 __all__ = ["PruneReport", "score_log_parts", "path_magnitude_scores", "prune_masks", "prune_graph", "prune"]
 
@@ -43,8 +48,6 @@ def score_log_parts(graph: Graph, backend=None, totals: dict | None = None) -> l
     """For each param of ``graph.params()``: (m, L) with S = m·e^L, m ≥ 0 of the
     param's shape, max m = 1 (m = 0, L = -inf where S vanishes). ``totals``, when given, receives
     ``"log_path_sum"`` = log ‖Φ(θ)‖₁, the forward walk's total."""
-    from pathir.backends import get_backend
-    from pathir.lifting.walk import param_log_parts
 
     return param_log_parts(graph, get_backend(backend), 1.0, scale=lambda p: p.value,
                            what="path-magnitude score", totals=totals)
@@ -66,7 +69,6 @@ def path_magnitude_scores(graph: Graph, backend=None) -> dict[str, np.ndarray]:
     >>> {k: np.round(v, 12).tolist() for k, v in s.items()}
     {'w1': [[3.0, 6.0]], 'b1': [1.5], 'w2': [[10.5]]}
     """
-    from pathir.lifting.diag_g import arrays_by_source, source_layout
 
     return arrays_by_source(graph.params(), score_log_parts(graph, backend), "path-magnitude score",
                             "pathir.lifting.pruning.score_log_parts (normalised, with its log-scale)", source_layout)
@@ -104,8 +106,6 @@ def _log_scores(graph: Graph, criterion: str, backend) -> _Scores:
     in log space otherwise (path-magnitudes spanning beyond ~650 nats)."""
     if criterion == "magnitude":
         return _Scores({id(p): np.abs(p.value) for p in graph.params()}, 0.0, True)
-    from pathir.lifting.walk import at_common_scale
-    from pathir.rescaling.unit_pairs import least_positive
 
     totals: dict = {}
     params, parts = graph.params(), score_log_parts(graph, backend, totals)
@@ -337,7 +337,6 @@ def prune(graph: Graph, backend, amount, criterion: str = "path-magnitude", scop
     ``Compiled.prune`` writes them into the model (torch:
     ``torch.nn.utils.prune.custom_from_mask``; ONNX: the initializers), all at once.
     """
-    from pathir.lifting.path_metric import pruned_path_metric
 
     if criterion not in CRITERIA:  # before the scores are computed
         raise ValueError(f"criterion must backend one of {CRITERIA}, got '{criterion}'")

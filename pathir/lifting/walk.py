@@ -16,6 +16,7 @@ import math
 
 from pathir.errors import BackendError, PathirError
 from pathir.ir import Graph, Node, NodeKind
+from pathir.passes import maxpool_to_sum, path_view
 
 __all__ = ["forward", "path_forward", "path_backward", "log_total", "param_grads", "param_log_parts", "at_common_scale"]
 
@@ -239,7 +240,6 @@ def param_grads(graph: Graph, backend, q: float = 1.0, forward_graph: Graph | No
     Backends with ``power_view`` walk the graph itself (``linearize``); others
     walk ``path_view(maxpool_to_sum(graph), q)``, which gives every edge its own
     Param object, so a shared param has one part per use."""
-    from pathir.passes import maxpool_to_sum, path_view
 
     fwd = graph if forward_graph is None else forward_graph
     if hasattr(backend, "power_view"):

@@ -15,6 +15,7 @@ import numpy as np
 import sympy as sp
 
 from pathir.backends.sympy import ZERO, exact, exact_array, exact_relu, symbol
+from pathir.neurons.paths import walk_neurons
 
 __all__ = ["symbolic_phi", "neuron_values"]
 
@@ -75,8 +76,6 @@ def neuron_values(net, x: Mapping[str, object], values: Mapping[str, object] | N
     ``x``: {input name: one sample of its shape}; ``values``: {param name:
     entries} (a param not given: the graph's own value, read exactly).
     """
-    from pathir.neurons.paths import walk_neurons
-
     flat = {name: exact_array(np.asarray(v, dtype=object)).reshape(-1) for name, v in x.items()}
     entry = _entries(values if values is not None else {})
     return walk_neurons(

@@ -45,6 +45,7 @@ import math
 import networkx as nx
 import numpy as np
 
+from pathir.backends.numpy import NumpyBackend
 from pathir.errors import GraphTooLarge, PathirError
 from pathir.ir import PARAMETERIZED, Graph, Map, NodeKind
 
@@ -58,8 +59,6 @@ _BLOCK = 1 << 20  # entries of basis-times-output per apply, to bound memory
 
 
 def _backend():
-    from pathir.backends.numpy import NumpyBackend
-
     return NumpyBackend()
 
 

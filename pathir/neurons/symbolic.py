@@ -31,8 +31,14 @@ from typing import Any
 
 import numpy as np
 
+from pathir.analyses.find_units import find_units
+from pathir.analyses.incidence import incidence
 from pathir.errors import GraphTooLarge
 from pathir.ir import Graph
+from pathir.lifting.walk import forward
+from pathir.neurons.expand import expand
+from pathir.neurons.paths import activations, enumerate_paths, input_incidence
+from pathir.passes import maxpool_to_sum, path_view
 
 __all__ = [
     "Check", "SymbolicReport", "verify_symbolic", "conservation_laws", "conservation_law_expressions",
@@ -141,12 +147,8 @@ class _Context:
     """Everything the checks share: the expansion, the paths, symbolic Φ, B and θ's symbols."""
 
     def __init__(self, graph: Graph, units, max_paths: int, seed: int):
-        from pathir.backends.sympy import symbol
-        from pathir.neurons.exact import symbolic_phi
-        from pathir.neurons.expand import expand
-        from pathir.neurons.paths import enumerate_paths
-        from pathir.passes.find_units import find_units
-        from pathir.passes.incidence import incidence
+        from pathir.backends.sympy import symbol  # lazy: imports sympy
+        from pathir.neurons.exact import symbolic_phi  # lazy: imports sympy
 
         self.graph = graph
         self.net = expand(graph)
@@ -205,10 +207,8 @@ def _rescaling(ctx: _Context) -> Check:
 def _lifting(ctx: _Context, backend_cls, samples: int) -> Check:
     import sympy as sp
 
-    from pathir.backends.sympy import exact
-    from pathir.lifting.walk import forward
-    from pathir.neurons.exact import neuron_values, symbolic_phi
-    from pathir.neurons.paths import activations, input_incidence
+    from pathir.backends.sympy import exact  # lazy: imports sympy
+    from pathir.neurons.exact import neuron_values, symbolic_phi  # lazy: imports sympy
 
     A, columns = input_incidence(ctx.net, ctx.paths)
     col = A.argmax(axis=1) if len(ctx.paths) else np.zeros(0, dtype=int)
@@ -302,9 +302,7 @@ def _rank(ctx: _Context) -> Check:
 def _path_norm(ctx: _Context, backend_cls) -> Check:
     import sympy as sp
 
-    from pathir.lifting.walk import forward
-    from pathir.neurons.exact import symbolic_phi
-    from pathir.passes import maxpool_to_sum, path_view
+    from pathir.neurons.exact import symbolic_phi  # lazy: imports sympy
 
     phi = symbolic_phi(ctx.net, ctx.paths, ctx.point)
     view = path_view(maxpool_to_sum(ctx.graph), 1)
@@ -369,7 +367,7 @@ def verify_symbolic(graph: Graph, units=None, seed: int = 0, max_paths: int = DE
       [PASS] rank: rank DΦ = 6 = n − H (n = 8, H = 2, 6 paths, random rational θ)
       [PASS] path_norm: the path-norm pass gives Σ_p |Φ_p|^q exactly for q = 1, 2 (random rational θ)
     """
-    from pathir.backends.sympy import SympyBackend
+    from pathir.backends.sympy import SympyBackend  # lazy: imports sympy
 
     backend_cls = SympyBackend if backend is None else backend
     ctx = _Context(graph, units, max_paths, seed)
@@ -427,8 +425,6 @@ def conservation_laws(graph: Graph, units=None, theta=None) -> dict[str, float]:
     >>> conservation_laws(b.build(outputs=[y]))     # 1 + 4 + 9 - 16
     {'fc1:c0': -2.0}
     """
-    from pathir.passes.find_units import find_units
-    from pathir.passes.incidence import incidence
 
     units = find_units(graph)[1] if units is None else units
     B, layout = incidence(graph, units)
@@ -450,9 +446,7 @@ def conservation_law_expressions(graph: Graph, units=None) -> dict[str, Any]:
     """
     import sympy as sp
 
-    from pathir.backends.sympy import symbol
-    from pathir.passes.find_units import find_units
-    from pathir.passes.incidence import incidence
+    from pathir.backends.sympy import symbol  # lazy: imports sympy
 
     units = find_units(graph)[1] if units is None else units
     B, layout = incidence(graph, units)

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pathir.analyses.unit_rows import keys_for
+from pathir.pairs.unit_pairs import all_pairs, blocks_of, greedy_coloring, group_pairs, log_pair_total, pad, pair_terms
 from pathir.pathcond.objective import PathCondResult, as_g, finish, log_positive_root
-from pathir.rescaling.unit_pairs import all_pairs, blocks_of, greedy_coloring, group_pairs, log_pair_total, pad, pair_terms
-from pathir.rescaling.unit_rows import keys_for
 
 __all__ = ["solve_block", "pair_value", "pair_state", "block_sweeps"]
 

@@ -1,6 +1,6 @@
 """PathCond's coarse start: F minimised over z = z₀ + P w, one shift w_a per group of units.
 
-Restricted to a shift per group (`pathir.rescaling.coarse.CoarseSpace`), F is
+Restricted to a shift per group (`pathir.pairs.coarse.CoarseSpace`), F is
 the same kind of function on the group-pair table T (pair terms at z₀ summed
 by group entered a and group left b):
 

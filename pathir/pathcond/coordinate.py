@@ -25,8 +25,8 @@ import time
 
 import numpy as np
 
+from pathir.analyses.unit_rows import canonical, column_balance, keys_for
 from pathir.pathcond.objective import PathCondResult, as_g, finish, log0, logsumexp, row_state
-from pathir.rescaling.unit_rows import canonical, column_balance, keys_for
 
 __all__ = ["solve_coordinate"]
 

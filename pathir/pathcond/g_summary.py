@@ -17,6 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pathir.pairs.unit_pairs import group_compact
+from pathir.support.fast_log import log_in_place, sum_log_positive
+
 __all__ = ["GSummary", "summarize"]
 
 _CHUNK = 1 << 20
@@ -48,7 +51,6 @@ class GSummary:
     def _chunks(self, z: np.ndarray):
         """(shift of the pairs not single, their stored slice, log g and shift of the single ones or None)
         a chunk of pairs at a time: no temporary of the pairs' size."""
-        from pathir.fast_log import log_in_place
 
         zp = np.append(np.asarray(z, dtype=np.float64), 0.0)
         stored = 0
@@ -113,8 +115,6 @@ def summarize(g: np.ndarray, rows):
     """``(pairs, summary)``: g grouped by unit pair over B's ``rows`` (a `unit_rows.CompactRows`;
     `unit_pairs.group_compact`), ready for the solvers' ``pairs=``, and its :class:`GSummary`.
     ``g``: flat in θ order, or one array per param (`pathir.lifting.diag_g.diag_g_parts`)."""
-    from pathir.fast_log import log_in_place, sum_log_positive
-    from pathir.rescaling.unit_pairs import group_compact
 
     pairs, ext = group_compact(g, rows, extremes="compact")
     pieces = g if isinstance(g, (list, tuple)) else [g]

@@ -16,7 +16,7 @@ the Laplacian of the unit graph weighted by q. F is smooth and convex.
    at initialisation most of F's decrease is there.
 2. Projected Newton-CG: each iteration solves ∇²F d = -∇F by conjugate
    gradients preconditioned by the diagonal plus the coarse space's correction
-   (`pathir.rescaling.coarse`: the slow, layer-wide modes in one small solve),
+   (`pathir.pairs.coarse`: the slow, layer-wide modes in one small solve),
    to a relative accuracy min(0.1, sqrt(‖∇F‖ / ‖∇F₀‖)) (superlinear near z*);
    the step is taken with a backtracking (Armijo) line search, projected on the
    box |z_h| <= M when ``max_log_scale`` M is finite: units at the bound whose
@@ -36,13 +36,13 @@ import time
 
 import numpy as np
 
+from pathir.analyses.unit_rows import keys_for
+from pathir.pairs.coarse import CoarseSpace
+from pathir.pairs.pair_laplacian import PairLaplacian
+from pathir.pairs.unit_pairs import group_pairs
 from pathir.pathcond.block import block_sweeps, pair_state
 from pathir.pathcond.coarse_start import coarse_shift
 from pathir.pathcond.objective import PathCondResult, as_g, finish
-from pathir.rescaling.coarse import CoarseSpace
-from pathir.rescaling.pair_laplacian import PairLaplacian
-from pathir.rescaling.unit_pairs import group_pairs
-from pathir.rescaling.unit_rows import keys_for
 
 __all__ = ["solve_newton"]
 
@@ -146,7 +146,7 @@ def solve_newton(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, row_key=No
     max_cg : CG iterations per Newton step at most.
     callback : called as ``callback(step, F)`` after the coarse start, each sweep and each Newton iteration.
     pairs : g already grouped by unit pair (`unit_pairs.group_compact` over ``row_key``); g may then be None.
-    groups : (H,) group of each unit (`pathir.rescaling.coarse.unit_groups`: by layer) for the coarse
+    groups : (H,) group of each unit (`pathir.pairs.coarse.unit_groups`: by layer) for the coarse
         start and the coarse correction of CG; None: neither (diagonal preconditioning only).
 
     Returns

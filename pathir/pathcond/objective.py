@@ -19,34 +19,13 @@ from functools import cached_property
 import numpy as np
 import scipy.sparse as sp
 
+from pathir.analyses.unit_rows import CompactRows, row_shifts
+from pathir.pairs.log_space import as_g, log0, logsumexp
+
 __all__ = [
     "objective", "gradient", "rescaled_log_g", "log_spread", "log_spreads", "spread_ends", "PathCondResult",
     "log_positive_root", "as_g", "log0", "logsumexp",
 ]
-
-
-def as_g(g, n: int | None = None) -> np.ndarray:
-    g = np.asarray(g, dtype=np.float64)
-    if g.ndim != 1:
-        raise ValueError(f"g must be a vector, got shape {g.shape}")
-    if n is not None and g.size != n:
-        raise ValueError(f"g has {g.size} entries but B has {n} rows")
-    if g.size and not (g.min() >= 0 and g.max() < math.inf):  # NaN fails both
-        raise ValueError("g must be finite and non-negative")
-    return g
-
-
-def log0(x: np.ndarray) -> np.ndarray:
-    """log x with log 0 = -inf and no warning."""
-    with np.errstate(divide="ignore"):
-        return np.log(x)
-
-
-def logsumexp(v: np.ndarray) -> float:
-    top = float(np.max(v))
-    if top == -math.inf:
-        return -math.inf
-    return top + math.log(float(np.sum(np.exp(v - top))))
 
 
 def rescaled_log_g(g, B, z) -> np.ndarray:
@@ -229,7 +208,6 @@ def bz_log_spreads(g: np.ndarray, B: sp.csr_array, z: np.ndarray) -> tuple[float
 
 def _key_spreads(g: np.ndarray, key: np.ndarray, z: np.ndarray) -> tuple[float, float]:
     """`bz_log_spreads` with B z read from the row keys, a chunk of rows at a time (B never built)."""
-    from pathir.rescaling.unit_rows import CompactRows, row_shifts
 
     shifts = key.shifts(z) if isinstance(key, CompactRows) else row_shifts(key, z)
     return log_spreads(spread_ends(g[start:start + bz.size], bz) for start, bz in shifts)

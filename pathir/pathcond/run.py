@@ -26,8 +26,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pathir.analyses.incidence import compact_rows
 from pathir.errors import PathirError
-from pathir.progress import Phases, chain_callbacks, warn_not_converged
+from pathir.lifting.diag_g import diag_g_parts
+from pathir.pairs.coarse import unit_groups
+from pathir.pathcond.g_summary import summarize
+from pathir.pathcond.objective import log_spreads, spread_ends
+from pathir.pathcond.solvers import METHODS, solve
+from pathir.rescaling.bounds import default_max_log_scale
+from pathir.support.progress import Phases, chain_callbacks, warn_not_converged
 
 __all__ = ["PathCondReport", "pathcond", "PHASES"]
 
@@ -143,8 +150,6 @@ def _ratio(log_spread: float) -> str:
 def unit_log_spreads(units, g, z) -> tuple[float, float]:
     """log_spread of g and of g ⊙ e^{Bz} over the entries g > 0, param by param: (Bz)_i = z_l(i) − z_e(i)
     is taken from the units' compact row ends, so only the multiplies run over every entry."""
-    from pathir.passes.incidence import compact_rows
-    from pathir.pathcond.objective import log_spreads, spread_ends
 
     zp = np.append(z, 0.0)
     offsets = np.cumsum([0] + [p.size for p in units.params])
@@ -159,7 +164,7 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
 
     Parameters
     ----------
-    facts : GraphFacts of the graph (``pathir.rescaling.facts``: units, B, row keys or ends)
+    facts : GraphFacts of the graph (``pathir.analyses.facts``: units, B, row keys or ends)
     backend : backend for diag G
     solver : "newton" (block sweeps then projected Newton-CG, the default), "block" (exact
         block updates, L-BFGS to finish) or "coordinate" (the published cyclic coordinate
@@ -174,7 +179,7 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
         (`pathir.rescaling.bounds.default_max_log_scale`); ``math.inf``: unconstrained.
     dtype : the narrowest float dtype of the model's tensors (for the default bound).
     callback : ``callback(step, F)`` after each solver sweep or iteration (F of the normalised g).
-    progress : a bar on stderr over the phases units, diag G, solve, write (``pathir.progress``;
+    progress : a bar on stderr over the phases units, diag G, solve, write (``pathir.support.progress``;
         None: only when stderr is a terminal). Not converging within ``max_sweeps`` warns.
 
     Returns
@@ -199,11 +204,6 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
     >>> bool(torch.allclose(net(x), before, atol=1e-6))
     True
     """
-    from pathir.lifting.diag_g import diag_g_parts
-    from pathir.pathcond.g_summary import summarize
-    from pathir.pathcond.solvers import METHODS, solve
-    from pathir.rescaling.bounds import default_max_log_scale
-    from pathir.rescaling.coarse import unit_groups
     if solver not in METHODS:
         raise ValueError(f"unknown PathCond solver '{solver}'; choose one of {sorted(METHODS)}")
     start = time.perf_counter()

@@ -54,7 +54,7 @@ def solve(g, B, *, method: str = "newton", max_sweeps: int = 1000, tol: float = 
     called after each sweep or iteration (a hook for progress display). ``pairs``: g already
     grouped by unit pair over ``row_key`` (`unit_pairs.group_compact`), for the newton and block
     solvers; g may then be None (the caller keeps what it needs of g, and g need not stay in memory).
-    ``groups``: the units grouped by layer (`pathir.rescaling.coarse.unit_groups`), for the newton
+    ``groups``: the units grouped by layer (`pathir.pairs.coarse.unit_groups`), for the newton
     solver's coarse start and preconditioner; the other methods do not use them.
     """
     if method not in METHODS:

@@ -1,7 +1,8 @@
-"""Rescalings θ ← θ ⊙ exp(−Bz/2): applying z to a graph, committing it to the
-source model, and B's rows as unit keys and unit pairs (the solvers' input)."""
+"""Rescalings θ ← θ ⊙ exp(−Bz/2) (docs/math.md §5): applying z to a graph
+(:mod:`.apply`), committing it to the source model in one transaction
+(:mod:`.commit`), moving an optimizer's state with it (:mod:`.optimizer_state`),
+and the largest log-scales a dtype can take (:mod:`.bounds`)."""
 
 from pathir.rescaling.apply import log_scales, rescale_graph
-from pathir.rescaling.unit_rows import RowKeys, canonical, keys_for
 
-__all__ = ["rescale_graph", "log_scales", "RowKeys", "canonical", "keys_for"]
+__all__ = ["rescale_graph", "log_scales"]

@@ -18,6 +18,7 @@ from typing import Mapping
 
 import numpy as np
 
+from pathir.analyses.incidence import check_units_match, compact_rows
 from pathir.errors import PathirError
 from pathir.ir import Graph, NodeKind
 
@@ -38,7 +39,7 @@ _BLOCK = 1 << 18
 
 
 def rescale_graph(graph: Graph, units, z) -> Graph:
-    """The graph with θ ← θ ⊙ exp(-Bz/2) (B from :func:`pathir.passes.incidence.incidence`).
+    """The graph with θ ← θ ⊙ exp(-Bz/2) (B from :func:`pathir.analyses.incidence.incidence`).
 
     Computed param by param from the units' compact row ends, (Bz)_i = z_l(i) - z_e(i), without B.
 
@@ -50,7 +51,7 @@ def rescale_graph(graph: Graph, units, z) -> Graph:
 
     >>> import numpy as np
     >>> from pathir.ir import GraphBuilder, Dense
-    >>> from pathir.passes.find_units import find_units
+    >>> from pathir.analyses.find_units import find_units
     >>> b = GraphBuilder()
     >>> x = b.input("x", (1,))
     >>> h = b.relu("h", [(x, Dense(b.param("w1", [[2.0]])))], bias=b.param("b1", [1.0]))
@@ -60,7 +61,6 @@ def rescale_graph(graph: Graph, units, z) -> Graph:
     >>> [p.value.ravel().tolist() for p in r.params()]
     [[4.0], [2.0], [1.5]]
     """
-    from pathir.passes.incidence import check_units_match, compact_rows
 
     z = _z(units, z)
     params = graph.params()

@@ -21,7 +21,7 @@ every unit unit-norm incoming weights, and PathirError says so.
 Units with no nonzero incoming entry (dead) keep z = 0 (they are listed).
 Forward substitution runs in log-space, so the scales may span any range. On a
 feed-forward graph of dense and convolution params it runs param by param
-instead, one mat-vec per block of rows (`pathir.passes.normalize_forward`).
+instead, one mat-vec per block of rows (`pathir.enorm.normalize_forward`).
 """
 
 from __future__ import annotations
@@ -31,9 +31,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pathir.analyses.find_units import find_units
+from pathir.analyses.incidence import check_units_match, compact_rows
+from pathir.enorm.normalize_forward import feedforward_log_u
 from pathir.errors import PathirError
 from pathir.ir import Graph
-from pathir.sorted_unique import sorted_unique
+from pathir.pairs.param_pairs import pair_sums, row_blocks, separable_blocks
+from pathir.rescaling.apply import rescale_graph
+from pathir.support.sorted_unique import sorted_unique
 
 __all__ = ["normalize", "normalize_log_scales", "Normalization"]
 
@@ -53,7 +58,6 @@ class Normalization:
 def _summed_pairs(value: np.ndarray, enter: np.ndarray, leave: np.ndarray, p: float, H: int):
     """(keys, positive finite sums of |θ|^p) of a param by `separable_blocks`, or None where it does not
     apply or a sum is not finite (the entry-by-entry loop then counts only w > 0, as always)."""
-    from pathir.rescaling.param_pairs import separable_blocks
 
     blocks = separable_blocks(value, enter, leave, p, None, H)
     if blocks is None:
@@ -104,8 +108,6 @@ def unit_masses(graph: Graph, units, p: float):
     sums w over the rows entering h and leaving k; only w > 0 counts."""
     import scipy.sparse as sp
 
-    from pathir.passes.incidence import check_units_match, compact_rows
-    from pathir.rescaling.param_pairs import pair_sums, row_blocks
 
     H = len(units)
     params = graph.params()
@@ -149,8 +151,6 @@ def normalize_log_scales(graph: Graph, units, p: float = 2.0) -> Normalization:
     """
     from scipy.sparse.csgraph import connected_components
 
-    from pathir.passes.incidence import check_units_match
-    from pathir.passes.normalize_forward import feedforward_log_u
 
     if not p > 0:
         raise ValueError(f"p must be > 0, got {p}")
@@ -250,8 +250,6 @@ def normalize(graph: Graph, p: float = 2.0, units=None) -> Graph:
     >>> [np.round(p.value, 12).ravel().tolist() for p in normalize(b.build(outputs=[y]), p=2).params()]
     [[0.6, 0.8], [10.0]]
     """
-    from pathir.passes.find_units import find_units
-    from pathir.rescaling.apply import rescale_graph
 
     if units is None:
         units = find_units(graph)[1]

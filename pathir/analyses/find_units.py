@@ -82,7 +82,7 @@ class Units:
 
     One encoding of "no unit" throughout pathir: the index H, so that z padded
     with one 0 (``np.append(z, 0)``) reads s = 0 there, and B's row keys
-    e(i) (H + 1) + l(i) (``pathir.rescaling.unit_rows``) use the same H.
+    e(i) (H + 1) + l(i) (``pathir.analyses.unit_rows``) use the same H.
     """
 
     names: tuple[str, ...]

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from functools import cached_property
 
+from pathir.analyses.find_units import find_units
+from pathir.analyses.incidence import ParamLayout, incidence, row_ends, row_keys
 from pathir.ir import Graph
 
 __all__ = ["GraphFacts"]
@@ -34,37 +36,32 @@ class GraphFacts:
 
     @cached_property
     def units(self):
-        """``pathir.passes.find_units.Units`` of the graph (docs/math.md §5)."""
-        from pathir.passes.find_units import find_units
+        """``pathir.analyses.find_units.Units`` of the graph (docs/math.md §5)."""
 
         return find_units(self.graph)[1]
 
     @cached_property
     def incidence(self):
         """(B, layout): the sparse n × H matrix B and the ParamLayout of θ (do not modify B)."""
-        from pathir.passes.incidence import incidence
 
         return incidence(self.graph, self.units)
 
     @cached_property
     def row_keys(self):
-        """B's rows as a ``pathir.rescaling.unit_rows.RowKeys``, read from the units (no B built)."""
-        from pathir.passes.incidence import row_keys
+        """B's rows as a ``pathir.analyses.unit_rows.RowKeys``, read from the units (no B built)."""
 
         return row_keys(self.units)
 
     @cached_property
     def row_ends(self):
-        """B's rows as a ``pathir.rescaling.unit_rows.CompactRows`` (the units' compact row ends per
+        """B's rows as a ``pathir.analyses.unit_rows.CompactRows`` (the units' compact row ends per
         param): what the newton and block solvers read, far smaller than the row keys."""
-        from pathir.passes.incidence import row_ends
 
         return row_ends(self.units)
 
     def with_values(self, graph: Graph) -> "GraphFacts":
         """The record of ``graph``, this graph with new param values (same structure, same
         param names and shapes): what was built here carries over, nothing new is built."""
-        from pathir.passes.incidence import ParamLayout
 
         new = GraphFacts(graph)
         if "units" in self.__dict__:

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pathir.rescaling.param_pairs import masses, row_blocks, separable_layout, unit_column_blocks
+from pathir.analyses.incidence import compact_rows
+from pathir.pairs.param_pairs import masses, row_blocks, separable_layout, unit_column_blocks
 
 __all__ = ["feedforward_log_u"]
 
@@ -37,7 +38,6 @@ def feedforward_log_u(params, units, p: float):
     feed-forward one for the units, a mass is not finite, or a sum of an entry-by-entry param lost
     terms to the float range (the caller then runs the general solver). Degenerate units (no nonzero
     incoming mass) get log u = 0."""
-    from pathir.passes.incidence import compact_rows
 
     H = len(units)
     ends = compact_rows(units)

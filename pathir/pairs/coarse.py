@@ -25,7 +25,7 @@ __all__ = ["unit_groups", "CoarseSpace"]
 
 def unit_groups(units) -> np.ndarray:
     """(H,) group per unit: units whose first member lies in the same node share a group, numbered
-    in unit order (``pathir.passes.find_units.Units``)."""
+    in unit order (``pathir.analyses.find_units.Units``)."""
     index: dict[str, int] = {}
     return np.array([index.setdefault(members[0][0], len(index)) for members in units.members], dtype=np.int64)
 

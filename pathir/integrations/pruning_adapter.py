@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pathir.api import compile as compile_model
 from pathir.errors import ModelChanged, PathirError
 
 try:  # the base class when Torch-Pruning is installed; the module imports without it
@@ -50,7 +51,7 @@ class PathMagnitudeImportance(_Base):
     See docs/pruning.md for a run; in short::
 
         import torch_pruning as tp
-        from pathir.pruning_adapter import PathMagnitudeImportance
+        from pathir.integrations.pruning_adapter import PathMagnitudeImportance
         imp = PathMagnitudeImportance(model, input_shape=(3, 32, 32))
         tp.pruner.MetaPruner(model, torch.randn(1, 3, 32, 32), importance=imp, pruning_ratio=0.5).step()
     """
@@ -72,8 +73,6 @@ class PathMagnitudeImportance(_Base):
         return self._scores
 
     def _compute(self) -> dict[str, np.ndarray]:
-        from pathir.api import compile as compile_model
-
         if self._cm is not None:
             try:
                 return self._cm.path_magnitude_scores(backend=self.backend)

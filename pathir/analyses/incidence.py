@@ -14,7 +14,7 @@ rows as unit pairs: `row_keys` gives them (and A = -Bᵀ1) without B.
 
 >>> import numpy as np
 >>> from pathir.ir import GraphBuilder, Dense
->>> from pathir.passes.find_units import find_units
+>>> from pathir.analyses.find_units import find_units
 >>> b = GraphBuilder()
 >>> x = b.input("x", (2,))
 >>> h = b.relu("h", [(x, Dense(b.param("w1", np.ones((1, 2)))))], bias=b.param("b1", np.zeros(1)))
@@ -36,6 +36,7 @@ from functools import cached_property
 
 import numpy as np
 
+from pathir.analyses.unit_rows import CompactRows, RowKeys
 from pathir.errors import PathirError
 from pathir.ir import Graph, Param
 
@@ -173,13 +174,12 @@ def incidence(graph: Graph, units: Units):
 
 
 def row_keys(units: Units):
-    """B's rows as a ``pathir.rescaling.unit_rows.RowKeys``: per row, key_i = e(i) (H + 1) + l(i), the unit θ_i
+    """B's rows as a ``pathir.analyses.unit_rows.RowKeys``: per row, key_i = e(i) (H + 1) + l(i), the unit θ_i
     enters and the one it leaves (H for none), as ``unit_rows.matrix_row_keys(B)`` reads them from B, and
     the column balance A_h = #rows entering h - #rows leaving h, here straight from the units' ends.
 
     Example in the module docstring.
     """
-    from pathir.rescaling.unit_rows import RowKeys
 
     H = len(units)
     balance = np.zeros(H + 1, dtype=np.int64)
@@ -194,9 +194,8 @@ def row_keys(units: Units):
 
 
 def row_ends(units: Units):
-    """B's rows as a ``pathir.rescaling.unit_rows.CompactRows``: the units' compact row ends per param
+    """B's rows as a ``pathir.analyses.unit_rows.CompactRows``: the units' compact row ends per param
     (:func:`compact_rows`) and the column balance, as :func:`row_keys` gives it, without a key per row."""
-    from pathir.rescaling.unit_rows import CompactRows
 
     H = len(units)
     ends = compact_rows(units)

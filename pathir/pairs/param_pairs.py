@@ -1,9 +1,9 @@
 """Unit pairs summed param by param, without the flat θ or B's row keys (docs/math.md §8).
 
-A param's rows of B have compact ends (``pathir.passes.incidence.compact_rows``):
+A param's rows of B have compact ends (``pathir.analyses.incidence.compact_rows``):
 an (entered unit, left unit) array pair broadcastable to its shape. Summing
 m_i = c_i |θ_i|^p per (entered, left) pair a block of rows at a time gives the
-`Pairs` that `pathir.rescaling.unit_pairs.group_pairs` builds from the flat
+`Pairs` that `pathir.pairs.unit_pairs.group_pairs` builds from the flat
 masses and row keys, with no array of all n rows (a convolution's kernel
 entries of one (out, in) channel pair collapse inside their block).
 """
@@ -13,6 +13,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from pathir.analyses.incidence import compact_rows
+from pathir.pairs.unit_pairs import Pairs, _merge_sorted, _sum_by_key, ends_of_keys
+from pathir.support.sorted_unique import sorted_unique
 
 __all__ = ["row_blocks", "pair_sums", "separable_layout", "masses", "unit_column_blocks", "separable_blocks", "pairs_from_params"]
 
@@ -40,7 +44,6 @@ def pair_sums(e: np.ndarray, l: np.ndarray, w: np.ndarray, H: int, max_span: int
     """(distinct keys e (H + 1) + l in increasing order, the sum of w ≥ 0 over each), pairs whose sum is 0
     left out: a bincount over the block's own range of (e, l) when it has at most ``max_span`` cells
     (default 4 per entry + 1024: a block of rows meets few units), else a sort."""
-    from pathir.sorted_unique import sorted_unique
 
     e0, l0 = int(e.min()), int(l.min())
     span_l = int(l.max()) - l0 + 1
@@ -125,8 +128,6 @@ def pairs_from_params(units, p: float, costs: np.ndarray | None = None):
     """The `Pairs` of m = c ⊙ |θ|^p over ``units.params`` (``costs`` None or in θ order), or None where a
     pair's mass is below 1e-290, not finite, or their sum could pass 1e300: the caller then groups the
     flat masses (in log space where needed, `group_pairs`) and refuses non-finite ones."""
-    from pathir.passes.incidence import compact_rows
-    from pathir.rescaling.unit_pairs import Pairs, _merge_sorted, _sum_by_key, ends_of_keys
 
     H = len(units)
     keys, sums = [], []

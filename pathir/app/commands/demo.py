@@ -17,7 +17,7 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from pathir.demo import DemoConfig, run_demo
+    from pathir.app.demo import DemoConfig, run_demo  # lazy: imports torch
 
     cfg = DemoConfig(out=args.out)
     if args.quick:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+import pathir
+
 __all__ = ["SUPPORTED", "REJECTED", "input_shape", "build", "check_model"]
 
 SUPPORTED = [
@@ -75,7 +77,6 @@ def check_model(name: str, batch: int = 1, backend: str = "torch", forward: bool
     import numpy as np
     import torch
 
-    import pathir
 
     model = build(name)
     shape = input_shape(name)

@@ -1,6 +1,6 @@
 """The unit pairs as a weighted graph Laplacian, evaluated at a point z (docs/math.md §7, §8).
 
-With the pairs k = (e_k, l_k) of `pathir.rescaling.unit_pairs` and their masses
+With the pairs k = (e_k, l_k) of `pathir.pairs.unit_pairs` and their masses
 P_k, E(z) = Σ_k P_k e^{z_{e_k} - z_{l_k}} (z_H = 0, "no unit"); with
 t_k = P_k e^{z_e - z_l}, I_h = Σ_{e_k = h} t_k and O_h = Σ_{l_k = h} t_k,
 
@@ -19,8 +19,8 @@ from functools import cached_property
 import numpy as np
 import scipy.sparse as sp
 
-from pathir.rescaling.pair_matrix import PairMatrix
-from pathir.rescaling.unit_pairs import Pairs, pad, pair_terms, segment_logsumexp
+from pathir.pairs.pair_matrix import PairMatrix
+from pathir.pairs.unit_pairs import Pairs, pad, pair_terms, segment_logsumexp
 
 __all__ = ["PairLaplacian", "PairPoint", "TINY", "FactoredPoint", "ExplicitPoint", "clamped_steps", "unit_steps"]
 

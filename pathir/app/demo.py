@@ -32,7 +32,8 @@ import torch.nn as nn
 from tqdm import tqdm
 
 import pathir
-from pathir.progress import enabled
+from pathir.app.demo_activations import format_activations, part_activations
+from pathir.support.progress import enabled
 
 __all__ = ["run_demo", "DemoConfig"]
 
@@ -52,7 +53,7 @@ class DemoConfig:
     amounts: tuple[float, ...] = (0.4, 0.6, 0.8)
     rescale_spread: float = 3.0
     methods: tuple[str, ...] = ("baseline", "enorm", "pathcond")
-    activation_amounts: tuple[float, ...] = (0.05, 0.4, 0.6, 0.8)  # pathir.demo_activations
+    activation_amounts: tuple[float, ...] = (0.05, 0.4, 0.6, 0.8)  # pathir.app.demo_activations
     results: dict = field(default_factory=dict)
 
 
@@ -321,7 +322,6 @@ def run_demo(cfg: DemoConfig | None = None, progress: bool | None = True) -> dic
         part2 = part_pruning(cfg, data, bar)
     _plot_curves(cfg, part1, os.path.join(cfg.out, PATHCOND_PNG))
     _plot_pruning(cfg, part2, os.path.join(cfg.out, PRUNING_PNG))
-    from pathir.demo_activations import format_activations, part_activations
 
     part3 = part_activations(part2.pop("model"), data[1], cfg.activation_amounts, cfg.out)  # part 2's CNN, unpruned
     results = {"seconds": time.perf_counter() - start, "pathcond": part1["table"], "pruning": part2,

@@ -1,10 +1,12 @@
-"""pathir check MODEL: what a user runs before trusting a number (``pathir.checks.check``).
+"""pathir check MODEL: what a user runs before trusting a number (``pathir.app.checks.check``).
 
 Prints what was analysed and each check; exit status 0 when all hold, 1 when one
 failed (named in the last line), 2 when pathir refuses the model.
 """
 
 from __future__ import annotations
+
+from pathir.app.checks import check
 
 from .common import add_model_arguments, emit_json, model_info, prepare_model, progress
 
@@ -18,8 +20,6 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from pathir.checks import check
-
     model, name, shape = prepare_model(args)
     report = check(model, input_shape=shape, seed=args.seed, max_paths=args.max_paths, backend=args.backend,
                    progress=progress(args))

@@ -14,12 +14,13 @@ import importlib
 import os
 import sys
 
+from pathir import __version__
 from pathir.errors import PathirError
-from pathir.progress import close_all
+from pathir.support.progress import close_all
 
 __all__ = ["main", "COMMANDS"]
 
-#: subcommand name -> module under pathir.commands
+#: subcommand name -> module under pathir.app.commands
 COMMANDS = {
     "summary": "summary",
     "check": "check",
@@ -32,8 +33,6 @@ COMMANDS = {
 
 
 def _parser(modules) -> argparse.ArgumentParser:
-    from pathir import __version__
-
     parser = argparse.ArgumentParser(prog="pathir", description="ReLU networks with their rescaling symmetries factored out.")
     parser.add_argument("--version", action="version", version=f"pathir {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -45,7 +44,7 @@ def _parser(modules) -> argparse.ArgumentParser:
 
 def _load() -> dict:
     """Every listed command's module (a missing one is a bug, not a command to hide)."""
-    return {name: importlib.import_module(f"pathir.commands.{module}") for name, module in COMMANDS.items()}
+    return {name: importlib.import_module(f"pathir.app.commands.{module}") for name, module in COMMANDS.items()}
 
 
 def main(argv=None) -> int:

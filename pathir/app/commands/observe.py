@@ -14,6 +14,8 @@ import copy
 
 import numpy as np
 
+import pathir
+
 from .common import add_model_arguments, emit_json, load_model, parse_shape
 
 HELP = "active path-norms, active path counts and local bounds of a model on the samples of X.npy"
@@ -44,16 +46,12 @@ def _load_weights(model, path: str):
 
 
 def _compile(model, name, shape, backend):
-    import pathir
-
     cm = pathir.compile(model, input_shape=shape, backend=backend)
     cm.name = name
     return cm
 
 
 def run(args) -> int:
-    import pathir
-
     x = np.load(args.inputs)
     if x.ndim < 2:
         raise ValueError(f"--inputs must hold an array (N, *input shape), got shape {x.shape}")

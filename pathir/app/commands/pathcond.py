@@ -8,6 +8,8 @@ written through a temporary file beside it: nothing is left behind on failure.
 
 from __future__ import annotations
 
+from pathir.errors import PathirError
+
 from .common import add_model_arguments, check_output_path, compile_model, emit_json, model_info, progress, save_state_dict
 
 HELP = "rescale a model by PathCond (balances diag G; the function is unchanged)"
@@ -34,7 +36,6 @@ def add_arguments(parser):
 
 def write_output(cm, args) -> None:
     """Write the rescaled model to ``args.output`` (checked before any work by ``check_output``)."""
-    from pathir.errors import PathirError
 
     if args.output is None:
         return

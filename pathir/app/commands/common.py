@@ -7,6 +7,11 @@ import json
 import os
 import sys
 
+import pathir
+from pathir.support.files import write_atomic
+
+from .weights import load_weights
+
 __all__ = ["add_model_arguments", "load_model", "compile_model", "emit_json", "parse_shape", "progress",
            "note", "model_info"]
 
@@ -108,7 +113,6 @@ def _build(spec: str):
 def prepare_model(args):
     """(model, name, input shape): the MODEL argument built, --weights loaded (or the random init
     announced once on stderr), the input shape from --input-shape or the model's usual one."""
-    from .weights import load_weights
 
     model, name = load_model(args.model, args.seed)
     if isinstance(model, str):
@@ -129,8 +133,6 @@ def prepare_model(args):
 
 
 def compile_model(args):
-    import pathir
-
     model, name, shape = prepare_model(args)
     cm = pathir.compile(model, input_shape=shape, backend=args.backend, progress=progress(args))
     cm.name = name
@@ -159,7 +161,6 @@ def save_state_dict(model, path: str) -> None:
     import torch
     from torch.nn.utils import prune as torch_prune
 
-    from pathir.files import write_atomic
 
     for module in model.modules():  # make the masks permanent: plain tensors with zeros
         for hook in list(module._forward_pre_hooks.values()):

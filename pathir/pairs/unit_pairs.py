@@ -25,6 +25,8 @@ from functools import cached_property
 import numpy as np
 import scipy.sparse as sp
 
+from pathir.analyses.unit_rows import CompactRows
+
 __all__ = [
     "degenerate_units", "pad", "Pairs", "LeaveOrder", "group_pairs", "group_compact", "greedy_coloring", "segment_logsumexp",
     "SideSums", "side_sums", "all_pairs", "log_pair_total", "pair_terms", "Block", "blocks_of", "PairExtremes",
@@ -147,7 +149,6 @@ def group_pairs(m: np.ndarray, key, H: int) -> Pairs:
     Sums are linear (one bincount) when the masses span less than ~650 nats,
     and grouped log-sum-exps otherwise, so no mass is lost to underflow.
     """
-    from pathir.rescaling.unit_rows import CompactRows
 
     if isinstance(key, CompactRows):
         return group_compact(m, key)

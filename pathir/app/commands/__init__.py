@@ -1,0 +1,1 @@
+"""Subcommands of the ``pathir`` CLI (see pathir.app.cli)."""

@@ -1,1 +1,0 @@
-"""Subcommands of the ``pathir`` CLI (see pathir.cli)."""
