@@ -58,8 +58,8 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
         low = lower_onnx(model, input_shape=input_shape)
         graph, writer, n_src, name = low.graph, low.writer, low.source_num_params, low.name
     else:
-        from pathir.frontends.torch_fx import lower  # lazy: imports torch
-        from pathir.frontends.torch_live import ModelWatch  # lazy: imports torch
+        from pathir.frontends.torch.live import ModelWatch  # lazy: imports torch
+        from pathir.frontends.torch.lower import lower  # lazy: imports torch
 
         low = lower(model, input_shape=input_shape, example_input=example_input)
         graph, writer, n_src, name = low.graph, low.writer, low.source_num_params, low.name

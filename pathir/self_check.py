@@ -26,8 +26,8 @@ import torch
 
 from pathir.backends.torch import TorchBackend
 from pathir.errors import SelfCheckFailed
-from pathir.frontends.onnx_load import load
-from pathir.frontends.torch_inputs import eval_forward, model_dtype_device
+from pathir.frontends.onnx.load import load
+from pathir.frontends.torch.inputs import eval_forward, model_dtype_device
 from pathir.lifting.walk import forward
 
 __all__ = ["self_check", "TOLERANCE", "BATCH"]

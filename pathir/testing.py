@@ -123,7 +123,7 @@ class _Dag:
         return [n for n in self.counts if pred(self.shape(n)) and (inputs or not self._is_input(n))]
 
     def _is_input(self, name) -> bool:
-        return self.b._nodes[name].kind is NodeKind.INPUT
+        return self.b.kind(name) is NodeKind.INPUT
 
     def param(self, prefix: str, shape) -> object:
         self.n += 1

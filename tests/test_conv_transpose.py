@@ -283,7 +283,7 @@ def test_export_path_lowers_conv_transpose2d_and_writes_back():
 @pytest.mark.parametrize("name", list(MODELS))
 def test_core_aten_convolution_with_transposed_true(name):
     """After run_decompositions the ATen graph spells it aten.convolution(transposed=True)."""
-    from pathir.frontends import torch_export
+    from pathir.frontends.torch import export as torch_export
 
     cls, shape = MODELS[name]
     torch.manual_seed(0)

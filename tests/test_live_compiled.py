@@ -136,7 +136,7 @@ def test_a_derived_compiled_is_a_snapshot_that_refuses_once_the_model_moves():
 
 def _lowerings(monkeypatch):
     """A counter of full lowerings (traced program interpreted again)."""
-    from pathir.frontends.fx_interpreter import FxInterpreter
+    from pathir.frontends.torch.interpreter import FxInterpreter
 
     calls, run = [], FxInterpreter.run
     monkeypatch.setattr(FxInterpreter, "run", lambda self, *a, **k: calls.append(1) or run(self, *a, **k))

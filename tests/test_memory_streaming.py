@@ -174,7 +174,7 @@ def test_writer_by_row_blocks_equals_the_whole_tensor_write(block, monkeypatch):
     import torch
 
     import pathir
-    from pathir.frontends import torch_writer
+    from pathir.frontends.torch import writer as torch_writer
     from pathir.rescaling.apply import log_scales
 
     class Net(torch.nn.Module):

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import pathir
 from pathir.errors import PathirError
-from pathir.frontends.torch_writer import TorchWriter
+from pathir.frontends.torch.writer import TorchWriter
 from pathir.integrations.optim import PathSGD
 from pathir.rescaling.apply import log_scales
 

@@ -325,7 +325,7 @@ def test_train_mode_unfolded_batchnorm_is_refused_then_eval_works():
 def test_injected_failures_leave_model_and_graph_untouched(monkeypatch):
     from torch.nn.utils import prune
 
-    import pathir.frontends.torch_writer as writer
+    import pathir.frontends.torch.writer as writer
     import pathir.pathcond.run
 
     model, shape = build("cnn")

@@ -20,7 +20,7 @@ from pathir.analyses.find_units import find_units
 from pathir.analyses.incidence import ParamLayout
 from pathir.app.cli import main
 from pathir.errors import PathirError
-from pathir.frontends.torch_writer import TorchWriter
+from pathir.frontends.torch.writer import TorchWriter
 from pathir.lifting.pruning import path_magnitude_scores, prune_graph
 from pathir.lifting.walk import forward
 from pathir.neurons.expand import expand

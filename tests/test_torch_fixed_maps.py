@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import pathir
 from pathir.errors import UnsupportedOperation
-from pathir.frontends.torch_export import lower_exported
+from pathir.frontends.torch.export import lower_exported
 
 
 class Fixed(nn.Module):
@@ -223,7 +223,7 @@ def test_decomposed_aten_graphs_lower_to_the_same_function(case):
     replicate padding, nearest), the explicit-size upsample overloads. (Decomposed bicubic is
     arithmetic on activations the frontend does not read back; the default export keeps
     upsample_bicubic2d.)"""
-    from pathir.frontends.torch_export import _ExportInterpreter
+    from pathir.frontends.torch.export import _ExportInterpreter
 
     make, n, size = CASES[case]
     model, shape = build(make(), n, size)

@@ -1,4 +1,4 @@
-"""Write-back of rescalings and masks into real torch models (frontends/torch_writer.py)."""
+"""Write-back of rescalings and masks into real torch models (frontends/torch/writer.py)."""
 
 import copy
 
@@ -13,7 +13,7 @@ from torch_models import randomize_bn as _randomize_bn
 
 import pathir  # noqa: E402
 from pathir.errors import PathirError  # noqa: E402
-from pathir.frontends.torch_writer import TorchWriter  # noqa: E402
+from pathir.frontends.torch.writer import TorchWriter  # noqa: E402
 from pathir.ir import MapKind, Role  # noqa: E402
 from pathir.rescaling.apply import log_scales  # noqa: E402
 

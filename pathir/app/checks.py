@@ -36,7 +36,7 @@ import numpy as np
 
 import pathir
 from pathir.errors import GraphTooLarge, PathirError, SelfCheckFailed
-from pathir.frontends.onnx_load import load
+from pathir.frontends.onnx.load import load
 from pathir.ir import Graph
 from pathir.lifting.walk import forward
 from pathir.rescaling.apply import rescale_graph
@@ -239,7 +239,7 @@ def _flat(out) -> list:
 def _torch_outputs(model, xs) -> list:
     import torch
 
-    from pathir.frontends.torch_inputs import eval_forward, model_dtype_device  # lazy: imports torch
+    from pathir.frontends.torch.inputs import eval_forward, model_dtype_device  # lazy: imports torch
 
     dtype, device = model_dtype_device(model)
     with eval_forward(model), torch.no_grad():
@@ -252,7 +252,7 @@ def _used_by_forward(model, xs, names) -> set[str]:
     ``torch.autograd.grad`` (the model's ``.grad`` fields are not touched)."""
     import torch
 
-    from pathir.frontends.torch_inputs import eval_forward, model_dtype_device  # lazy: imports torch
+    from pathir.frontends.torch.inputs import eval_forward, model_dtype_device  # lazy: imports torch
 
     params = dict(model.named_parameters())
     wanted = [n for n in names if params[n].requires_grad]

@@ -38,6 +38,10 @@ class GraphBuilder:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._nodes[name].shape
 
+    def kind(self, name: str) -> NodeKind:
+        """The kind of the node ``name`` already built."""
+        return self._nodes[name].kind
+
     def __contains__(self, name: str) -> bool:
         return name in self._nodes
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pathir.frontends.values import Value
+from pathir.frontends.core.values import Value
 from pathir.ir import Pool, SpatialMatrix
 
 __all__ = ["fixed_scale"]
@@ -16,7 +16,7 @@ def fixed_scale(low, v: Value, c) -> Value:
     broadcasts to v's per-sample shape without changing it (one factor per channel, per position
     or per element; a leading batch axis of length 1 allowed): a 1-window Pool whose multiplier
     holds the factors (a factor 0 is no edge)."""
-    v = low._value(v)
+    v = low.value(v)
     if np.ndim(c):
         return _fixed_tensor_scale(low, v, np.asarray(c, dtype=np.float64))
     c = float(c)

@@ -1,14 +1,17 @@
-"""The torch frontend's op semantics: what each supported op does to Values.
+"""The lowering core: what each supported op does to pending Values, for every frontend.
 
 ``Lowering`` holds the GraphBuilder and the Param cache; its methods are the
 ops (linear, conv, batch_norm, relu, max_pool, avg_pool, adaptive_avg_pool,
-mean, add, index ops). The fx and torch.export front doors (torch_fx.py) only
-parse arguments and call these.
+mean, add, index ops): the public API every rule of the torch and ONNX op tables
+calls (docs/architecture.md lists it). Rules bind their op's arguments and call
+these; nothing here reads a model.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -16,9 +19,9 @@ import torch.nn.functional as F
 
 from pathir.backends.numpy import NumpyBackend  # counts the in-input entries of each window
 from pathir.errors import UnsupportedOperation
-from pathir.frontends.pointwise_linear import linear_last_axis
-from pathir.frontends.torch_reread import Recipe
-from pathir.frontends.values import SELECTION, ParamTensor, Value, f64, run_index_op, selection_index, selection_map
+from pathir.frontends.core.fixed_maps import adaptive_avg_pool
+from pathir.frontends.core.pointwise_linear import linear_last_axis
+from pathir.frontends.core.values import SELECTION, ParamTensor, Value, f64, run_index_op, selection_index, selection_map
 from pathir.ir import (
     ChannelMap,
     Conv,
@@ -34,7 +37,16 @@ from pathir.ir import (
     SourceRef,
 )
 
-__all__ = ["Lowering"]
+__all__ = ["Lowering", "Recipe"]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A param's value as ``make(*tensors)`` of the model tensors named ``inputs``: called again on
+    the model's current tensors, it gives bit for bit what a fresh lowering would."""
+
+    inputs: tuple[str, ...]
+    make: Callable[..., np.ndarray]
 
 
 def _tuple(x, n: int) -> tuple[int, ...]:
@@ -55,7 +67,7 @@ class Lowering:
     def __init__(self, name: str):
         self.b = GraphBuilder(name)
         self._params: dict[str, Param] = {}
-        self.recipes: dict[str, Recipe] = {}  # param name -> how to make it again (torch_reread)
+        self.recipes: dict[str, Recipe] = {}  # param name -> how to make it again (frontends/torch/reread.py)
         self.read: dict = {}  # tensor name -> the tensor a recipe read
         self.direct_reads: set[str] = set()  # tensors the traced program read by attribute
         self.where = ""  # module path / op of the fx node being lowered, for errors
@@ -80,7 +92,7 @@ class Lowering:
     def made(self, name: str, make, tensors: tuple[ParamTensor, ...], refs: tuple[SourceRef, ...],
              how: str = "") -> Param:
         """``self.param`` of the value ``make(*tensors)``, the recipe kept so that the value can be
-        re-read from the model's current tensors without lowering again (torch_reread)."""
+        re-read from the model's current tensors without lowering again (frontends/torch/reread.py)."""
         if name in self._params:
             return self.param(name, self._params[name].value, refs, how)
         p = self.param(name, make(*(t.tensor for t in tensors)), refs, how)
@@ -110,29 +122,31 @@ class Lowering:
                 return src
         return self.materialize(v)
 
-    def _apply(self, v: Value, m, bias: Param | None, flat_ok: bool = False) -> Value:
+    def apply(self, v: Value, m, bias: Param | None, flat_ok: bool = False) -> Value:
+        """The pending value ``m(v) + bias``, v read from one node (a Dense map may read a flattened node)."""
         src = self._source(v, flat_ok)
         shape = m.out_shape(self.b.shape(src))
         return Value([(src, m)], shape, bias, self.label)
 
-    def _value(self, v) -> Value:
+    def value(self, v) -> Value:
+        """``v`` itself when it is an activation; any other argument is refused."""
         if not isinstance(v, Value):
             self.unsupported(f"expected an activation tensor, got {type(v).__name__}")
         return v
 
     # ------------------------------------------------------------ affine ops
     def linear(self, v: Value, weight: ParamTensor, bias: ParamTensor | None) -> Value:
-        v = self._value(v)
+        v = self.value(v)
         if len(v.shape) != 1:
             return linear_last_axis(self, v, weight, bias)
         W = self.direct(weight)
         b = self.direct(bias) if bias is not None else None
         if W.shape[1] != v.shape[0]:
             self.unsupported(f"weight {list(W.shape)} does not fit {v.shape[0]} input features")
-        return self._apply(v, Dense(W), b, flat_ok=True)
+        return self.apply(v, Dense(W), b, flat_ok=True)
 
     def conv(self, v: Value, weight: ParamTensor, bias, stride, padding, dilation, groups) -> Value:
-        v = self._value(v)
+        v = self.value(v)
         n = weight.tensor.dim() - 2
         if len(v.shape) != n + 1:
             self.unsupported(f"{n}-d convolution on a tensor of shape {list(v.shape)}")
@@ -150,11 +164,11 @@ class Lowering:
             pads = _pairs(padding, n)
         W = self.direct(weight)
         b = self.direct(bias) if bias is not None else None
-        return self._apply(v, Conv(W, stride, pads, dilation, int(groups)), b)
+        return self.apply(v, Conv(W, stride, pads, dilation, int(groups)), b)
 
     def batch_norm(self, v: Value, prefix: str, weight, bias, mean: ParamTensor, var: ParamTensor, eps: float) -> Value:
         """Inference batch-norm: a Scale edge (gamma/sigma) and a bias (beta - mean*gamma/sigma)."""
-        v = self._value(v)
+        v = self.value(v)
         if mean is None or var is None:
             self.unsupported("batch-norm without running statistics uses batch statistics: input-dependent")
         if weight is None or bias is None:
@@ -174,12 +188,12 @@ class Lowering:
                       f"{bias.name} - {mean.name} * {weight.name} / sqrt({var.name} + {eps:g})")
         if v.shape[0] != s.shape[0]:
             self.unsupported(f"batch-norm over {s.shape[0]} channels applied to shape {list(v.shape)}")
-        return self._apply(v, Scale(s), c)
+        return self.apply(v, Scale(s), c)
 
     # ------------------------------------------------------------ nonlinear ops
     def relu(self, v: Value) -> Value:
-        v = self._value(v)
-        if v.node is not None and self.b._nodes[v.node].kind is NodeKind.RELU:
+        v = self.value(v)
+        if v.node is not None and self.b.kind(v.node) is NodeKind.RELU:
             return v  # relu(relu(x)) = relu(x)
         name = self.b.relu(self.label, v.terms, v.bias, origin=self.where, shape=v.shape)
         return Value.of_node(name, v.shape)
@@ -194,13 +208,13 @@ class Lowering:
         return self.materialize(v), pool
 
     def max_pool(self, v: Value, kernel, stride=None, padding=0, dilation=1, ceil_mode=False) -> Value:
-        src, pool = self._window(self._value(v), kernel, stride, padding, dilation, ceil_mode)
+        src, pool = self._window(self.value(v), kernel, stride, padding, dilation, ceil_mode)
         name = self.b.maxpool(self.label, src, pool, origin=self.where)
         return Value.of_node(name, self.b.shape(name))
 
     def avg_pool(self, v: Value, kernel, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
                  divisor_override=None) -> Value:
-        v = self._value(v)
+        v = self.value(v)
         src, pool = self._window(v, kernel, stride, padding, 1, ceil_mode)
         in_shape = self.b.shape(src)
         n = len(in_shape) - 1
@@ -220,7 +234,7 @@ class Lowering:
         return Value([(src, pool)], pool.out_shape(in_shape), None, self.label)
 
     def adaptive_avg_pool(self, v: Value, output_size) -> Value:
-        v = self._value(v)
+        v = self.value(v)
         n = len(v.shape) - 1
         out = tuple(v.shape[1 + i] if o is None else int(o) for i, o in enumerate(_tuple_none(output_size, n)))
         if out == tuple(v.shape[1:]):
@@ -231,13 +245,11 @@ class Lowering:
             k = tuple(L // o for L, o in zip(in_shape[1:], out))
             pool = Pool(k, k, ((0, 0),) * n, (1,) * n, False, np.full(out, 1.0 / math.prod(k)))
             return Value([(src, pool)], pool.out_shape(in_shape), None, self.label)
-        from pathir.frontends.fixed_maps import adaptive_avg_pool  # separable: one matrix per axis
-
-        return adaptive_avg_pool(self, Value.of_node(src, in_shape), out)
+        return adaptive_avg_pool(self, Value.of_node(src, in_shape), out)  # separable: one matrix per axis
 
     def mean(self, v: Value, dims, keepdim=False) -> Value:
         """Mean over every spatial axis (global average pooling)."""
-        v = self._value(v)
+        v = self.value(v)
         nd = len(v.shape) + 1
         dims = sorted({d % nd for d in ((dims,) if isinstance(dims, int) else dims)})
         if dims != list(range(2, nd)):
@@ -266,7 +278,7 @@ class Lowering:
         """v + bias, a learnable tensor with one entry per channel (shape (C,) on a flat value,
         (C, 1, ..) or (1, C, 1, ..) on a feature map): the bias of v's neurons. A value that
         already carries a bias becomes a node first (a node has one bias)."""
-        v = self._value(v)
+        v = self.value(v)
         t = bias.tensor
         nd = len(v.shape) + 1  # with the batch axis
         dims = [1] * (nd - t.dim()) + list(t.shape)
@@ -285,20 +297,20 @@ class Lowering:
 
     def matmul_param(self, v: Value, weight: ParamTensor) -> Value:
         """x @ W with W a (in, out) parameter: a dense layer whose matrix is W transposed."""
-        v = self._value(v)
+        v = self.value(v)
         t = weight.tensor
         if t.dim() != 2 or len(v.shape) != 1 or t.shape[0] != v.shape[0]:
             self.unsupported(f"matmul of an activation of shape {list(v.shape)} by the parameter '{weight.name}' "
                              f"of shape {list(t.shape)}: only a flat (in,) activation times an (in, out) matrix is a "
                              "dense layer")
         W = self.made(weight.name, lambda x: f64(x).T, (weight,), (SourceRef(weight.name, transposed=True),))
-        return self._apply(v, Dense(W), None, flat_ok=True)
+        return self.apply(v, Dense(W), None, flat_ok=True)
 
     # ------------------------------------------------------------ index ops
     def cat_channels(self, values: list[Value]) -> Value | None:
         """torch.cat along the channel axis at channel granularity (no per-element ids);
         None when some input is not a channel-level selection (use index_op)."""
-        values = [self._selectable(self._value(v)) for v in values]
+        values = [self.selectable(self.value(v)) for v in values]
         spatial = {v.shape[1:] for v in values}
         if len(spatial) != 1 or any(len(v.shape) < 2 for v in values):
             return None
@@ -322,12 +334,12 @@ class Lowering:
     def index_op(self, fn, inputs: list[Value]) -> tuple[list[Value], bool]:
         """Run an index-moving op ``fn(*tensors)`` on the element ids of ``inputs``;
         returns its output Values and whether the op returns a sequence."""
-        inputs = [self._value(v) for v in inputs]
+        inputs = [self.value(v) for v in inputs]
         try:
             decoded, many = run_index_op(fn, [v.shape for v in inputs])
         except ValueError as err:
             self.unsupported(str(err))
-        prepared = [self._selectable(v) for v in inputs]
+        prepared = [self.selectable(v) for v in inputs]
         outs = [self.compose_selection(zip(prepared, per_input), out_shape) for out_shape, per_input in decoded]
         return outs, many
 
@@ -347,7 +359,8 @@ class Lowering:
             self.unsupported("the op selects no element of its input")
         return Value(terms, out_shape, None, self.label)
 
-    def _selectable(self, v: Value) -> Value:
+    def selectable(self, v: Value) -> Value:
+        """v as a sum of selection maps without bias (a new node if it is anything else)."""
         if v.bias is None and all(m.kind in SELECTION for _, m in v.terms):
             return v
         return Value.of_node(self.materialize(v), v.shape)

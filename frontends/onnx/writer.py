@@ -7,7 +7,7 @@ and ``save(path)`` writes it atomically (temporary file, then rename).
 Each IR param names its source tensors (``Param.sources``); the frontend
 records, per ref name, a ``Binding``: the tensor the node reads, the (node,
 input index) slots that read it for this param, its value and its role. The
-role rules are the torch writer's (frontends/torch_writer.py): a param on edge
+role rules are the torch writer's (frontends/torch/writer.py): a param on edge
 u -> v changes entry [o, i] by e^{s_v}[o] · e^{-s_u}[i] (``Map.weight_channels``),
 a bias of v by e^{s_v}; a VALUE tensor takes the in-factor unless the param
 has IN_STATS sources and the out-factor unless it has OUT_SCALE ones;
@@ -31,11 +31,10 @@ from typing import Mapping
 import numpy as np
 
 from pathir.errors import PathirError
+from pathir.frontends.core.write_rules import mask_plan, source_factors
+from pathir.frontends.onnx.load import skeleton
 from pathir.ir import Graph, Role
 from pathir.support.files import write_atomic
-
-from .onnx_load import skeleton
-from .write_rules import mask_plan, source_factors
 
 __all__ = ["Binding", "OnnxWriter"]
 

@@ -18,22 +18,12 @@ hooked weight) is left to a full re-lowering.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import numpy as np
 
+from pathir.frontends.core.lowering import Recipe
 from pathir.ir import Graph, Param
 
 __all__ = ["Recipe", "Reread", "named_tensors"]
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """A param's value as ``make(*tensors)`` of the model tensors named ``inputs``."""
-
-    inputs: tuple[str, ...]
-    make: Callable[..., np.ndarray]
 
 
 def named_tensors(model) -> dict:

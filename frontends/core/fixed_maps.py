@@ -1,37 +1,30 @@
-"""Fixed-coefficient linear maps of the torch frontend: padding, resampling,
-pixel shuffle, fixed (buffer) filters and literal arithmetic.
+"""Fixed-coefficient linear maps on the lowering core's Values: padding, resampling and fixed
+(buffer) filters, shared by the torch rules and ONNX's Pad and Resize.
 
 Invariants kept:
 
-- padding (every mode) and pixel (un)shuffle move elements without computing:
+- padding (every mode) moves elements without computing:
   they become pending selection maps (``Gather``, or a more specific one),
   composed with the selections already pending, exactly as ``index_op`` does;
   zero padding positions read nothing (index -1: no edge);
 - resampling (interpolate in every mode) and separable fixed filters become one
   ``Resample`` edge whose per-axis matrices are read off *torch's own op* on
   one-hot inputs along that axis, so the coefficients are torch's, bit for bit;
-- a non-zero constant (a pad value, ``x + 1``) is refused: it is a fixed bias no
-  parameter carries; ``x + 0``, ``0 + x`` and ``x * 1`` are the identity; ``x * c``
-  is a fixed edge of weight c (never rescaled).
+- a non-zero pad value is refused: it is a fixed bias no parameter carries.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pathir.frontends.lower_extra import fixed_scale
-from pathir.frontends.values import ParamTensor, Value
+from pathir.frontends.core.values import ParamTensor, Value
 from pathir.ir import Resample
 
-__all__ = [
-    "pad", "pixel_shuffle", "pixel_unshuffle", "interpolate", "adaptive_avg_pool", "fixed_conv", "add", "mul",
-    "is_buffer", "conv_with_mode", "literal", "axis_matrices", "resampled",
-]
+__all__ = ["pad", "interpolate", "adaptive_avg_pool", "fixed_conv", "axis_matrices", "resampled"]
 
 _PAD_MODES = {"constant", "reflect", "replicate", "circular"}
 _INTERP_MODES = {"nearest", "nearest-exact", "linear", "bilinear", "trilinear", "bicubic", "area"}
@@ -49,7 +42,7 @@ def _spatial_rank(low, v: Value) -> int:
 
 def pad(low, v: Value, pads, mode: str = "constant", value=None) -> Value:
     """F.pad: a selection (element moves, zeros read nothing)."""
-    v = low._value(v)
+    v = low.value(v)
     if mode not in _PAD_MODES:
         low.unsupported(f"padding mode '{mode}'")
     if mode == "constant" and value not in (None, 0, 0.0):
@@ -61,27 +54,7 @@ def pad(low, v: Value, pads, mode: str = "constant", value=None) -> Value:
     except (RuntimeError, NotImplementedError, ValueError) as err:
         low.unsupported(f"F.pad(mode='{mode}', pad={pads}) on shape {list(v.shape)}: {err}")
     index = out.reshape(-1).numpy().astype(np.int64) - 1
-    return low.compose_selection([(low._selectable(v), index)], tuple(out.shape[1:]))
-
-
-def conv_with_mode(low, mod, x, weight, bias) -> Value:
-    """nn.ConvNd with padding_mode reflect / replicate / circular: pad, then a conv without padding."""
-    if mod.padding_mode not in ("reflect", "replicate", "circular"):
-        low.unsupported(f"padding_mode='{mod.padding_mode}'")
-    padded = pad(low, x, mod._reversed_padding_repeated_twice, mod.padding_mode)
-    return low.conv(padded, weight, bias, mod.stride, 0, mod.dilation, mod.groups)
-
-
-# ------------------------------------------------------------ pixel shuffle
-
-
-def pixel_shuffle(low, v: Value, r: int) -> Value:
-    """r^2 input channels -> one output channel (a Gather: its ties make them one unit)."""
-    return low.index_op(lambda t: F.pixel_shuffle(t, int(r)), [low._value(v)])[0][0]
-
-
-def pixel_unshuffle(low, v: Value, r: int) -> Value:
-    return low.index_op(lambda t: F.pixel_unshuffle(t, int(r)), [low._value(v)])[0][0]
+    return low.compose_selection([(low.selectable(v), index)], tuple(out.shape[1:]))
 
 
 # ------------------------------------------------------------- resampling
@@ -140,7 +113,7 @@ def resampled(low, v: Value, mats, label: str) -> Value:
 def interpolate(low, v: Value, size=None, scale_factor=None, mode="nearest", align_corners=None,
                 recompute_scale_factor=None, antialias=False) -> Value:
     """F.interpolate / nn.Upsample: a Resample whose matrices are torch's own per axis."""
-    v = low._value(v)
+    v = low.value(v)
     n = _spatial_rank(low, v)
     if mode not in _INTERP_MODES:
         low.unsupported(f"interpolation mode '{mode}'")
@@ -174,15 +147,6 @@ def interpolate(low, v: Value, size=None, scale_factor=None, mode="nearest", ali
 # ------------------------------------------------------------ fixed filters
 
 
-def is_buffer(model, t) -> bool:
-    """Whether ``t`` is a registered buffer of ``model`` (a fixed tensor, never a parameter)."""
-    if not isinstance(t, ParamTensor):
-        return False
-    if t.kind == "buffer":
-        return True
-    return t.name in dict(model.named_buffers()) and t.name not in dict(model.named_parameters())
-
-
 def _separable(K: np.ndarray) -> list[np.ndarray] | None:
     """Per-axis vectors f_d with K = f_1 ⊗ ... ⊗ f_n, or None (rank above 1)."""
     if not np.any(K):
@@ -202,7 +166,7 @@ def _separable(K: np.ndarray) -> list[np.ndarray] | None:
 def fixed_conv(low, v: Value, weight: ParamTensor, bias, stride, padding, dilation, groups) -> Value:
     """A depthwise convolution with a fixed (buffer) kernel shared by every channel and
     separable (anti-aliasing blur filters): a Resample of per-axis 1-d convolutions."""
-    v = low._value(v)
+    v = low.value(v)
     if bias is not None:
         low.unsupported("a convolution with a fixed kernel and a bias: a fixed bias no parameter carries")
     W = weight.tensor.detach().to("cpu", torch.float64).numpy()
@@ -231,34 +195,3 @@ def _ints(x, n: int) -> tuple[int, ...]:
     if isinstance(x, (list, tuple)):
         return tuple(int(e) for e in x) if len(x) == n else tuple(int(x[0]) for _ in range(n))
     return tuple(int(x) for _ in range(n))
-
-
-# ------------------------------------------------------- literal arithmetic
-
-
-def literal(x) -> bool:
-    return isinstance(x, numbers.Number) and not isinstance(x, bool)
-
-
-def add(low, a, b, alpha=1) -> Value:
-    """a + alpha * b where one side may be a Python number: 0 is no term; any other is refused."""
-    if literal(a) or literal(b):
-        const, other = (a, b) if literal(a) else (alpha * b, a)
-        if const != 0:
-            low.unsupported(f"adding the constant {const}: a fixed non-zero bias no parameter carries")
-        if not isinstance(other, Value):
-            low.unsupported(f"adding {type(other).__name__} to a constant")
-        if other is b and alpha != 1:
-            low.unsupported("add with alpha != 1 (a fixed weight other than 1)")
-        return other
-    return low.add(a, b, alpha)
-
-
-def mul(low, a, b) -> Value | None:
-    """x * 1 and 1 * x are x; x * c (c a non-zero number) is a fixed edge of weight c on
-    every position (inception-resnet's residual scaling); None for any other product
-    (the caller refuses it)."""
-    for const, other in ((a, b), (b, a)):
-        if literal(const) and isinstance(other, Value):
-            return fixed_scale(low, other, float(const))  # x * 1 is x itself
-    return None

@@ -30,10 +30,9 @@ from typing import Mapping
 import numpy as np
 
 from pathir.errors import PathirError
+from pathir.frontends.core.param_write import derived, per_slice_factor, refresh, weight_norm_update
+from pathir.frontends.core.write_rules import EntryFactor, mask_plan, source_factors
 from pathir.ir import Graph, Role
-
-from .param_write import derived, per_slice_factor, refresh, weight_norm_update
-from .write_rules import EntryFactor, mask_plan, source_factors
 
 __all__ = ["TorchWriter"]
 

@@ -25,16 +25,13 @@ import torch
 
 from pathir.ir import ChannelMap, Gather, Identity, Map, MapKind, Param, Reshape
 
-__all__ = ["Value", "ParamTensor", "f64", "SELECTION", "selection_index", "selection_map", "run_index_op", "BATCH"]
+__all__ = ["Value", "ParamTensor", "f64", "SELECTION", "selection_index", "selection_map", "run_index_op", "BATCH",
+           "leaves", "values_in", "substitute"]
 
 #: batch size of the element-id tensors (2 catches ops that mix samples)
 BATCH = 2
 
 SELECTION = frozenset({MapKind.IDENTITY, MapKind.RESHAPE, MapKind.CHANNEL_MAP, MapKind.GATHER})
-
-
-#: what a dispatch helper returns for an op that is not one of its own (the caller goes on)
-NOT_MINE = object()
 
 @dataclass
 class Value:
@@ -149,3 +146,48 @@ def run_index_op(fn, shapes: list[tuple[int, ...]]):
         decoded.append((tuple(r.shape[1:]), per_input))
     return decoded, many
 
+
+def leaves(args, kwargs) -> list:
+    """The leaves of args and kwargs, depth first in order (through lists, tuples and dicts): the
+    order :func:`substitute` replaces Values in."""
+    found: list = []
+
+    def visit(a):
+        if isinstance(a, (list, tuple)):
+            for x in a:
+                visit(x)
+        elif isinstance(a, dict):
+            for x in a.values():
+                visit(x)
+        else:
+            found.append(a)
+
+    visit(args)
+    visit(kwargs)
+    return found
+
+
+def values_in(args, kwargs) -> list[Value]:
+    """The activations among the leaves of args and kwargs, in :func:`leaves` order."""
+    return [a for a in leaves(args, kwargs) if isinstance(a, Value)]
+
+
+def substitute(obj, ids):
+    """Replace the Values in ``obj`` (in :func:`leaves` order) by ``ids``, and an integer or bool
+    buffer / constant (an index argument) by its tensor."""
+    it = iter(ids)
+
+    def sub(a):
+        if isinstance(a, Value):
+            return next(it)
+        if isinstance(a, ParamTensor) and not (a.tensor.is_floating_point() or a.tensor.is_complex()):
+            return a.tensor
+        if isinstance(a, tuple):
+            return tuple(sub(x) for x in a)
+        if isinstance(a, list):
+            return [sub(x) for x in a]
+        if isinstance(a, dict):
+            return {k: sub(v) for k, v in a.items()}
+        return a
+
+    return sub(obj)

@@ -8,7 +8,7 @@ own layout), the bias per output feature, and the feature axis moved back last."
 
 from __future__ import annotations
 
-from pathir.frontends.values import ParamTensor, Value, f64
+from pathir.frontends.core.values import ParamTensor, Value, f64
 from pathir.ir import Conv, PointwiseKernelLayout, SourceRef
 
 __all__ = ["linear_last_axis"]
@@ -28,5 +28,5 @@ def linear_last_axis(low, v: Value, weight: ParamTensor, bias: ParamTensor | Non
     W = low.made(weight.name, lambda x: layout.from_source(f64(x)), (weight,),
                  (SourceRef(weight.name, layout=layout),), f"{weight.name} as a pointwise convolution kernel")
     b = low.direct(bias) if bias is not None else None
-    out = low._apply(first, Conv(W, (1,) * n, ((0, 0),) * n, (1,) * n, 1), b)
+    out = low.apply(first, Conv(W, (1,) * n, ((0, 0),) * n, (1,) * n, 1), b)
     return low.index_op(lambda x: x.movedim(1, -1), [out])[0][0]

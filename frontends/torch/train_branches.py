@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from pathir.frontends.torch.capture_checks import trace
 from pathir.ir import Graph
 
 __all__ = ["train_only_modules"]
@@ -65,8 +66,6 @@ def train_only_modules(model: nn.Module, graph: Graph) -> list[str]:
 
 
 def _called_in_train_mode(model: nn.Module, unreached: set[str]) -> set[str]:
-    from .capture_checks import trace
-
     flags = [(m, m.training) for m in model.modules()]
     try:
         model.train(True)

@@ -18,9 +18,9 @@ The model is never modified; write-back goes to a copy (``OnnxWriter``).
 
 from __future__ import annotations
 
-from .common import Lowered
-from .onnx_load import OnnxModelError, infer_shapes, input_shapes, load
-from .onnx_writer import OnnxWriter
+from pathir.frontends.core.lowered import Lowered
+from pathir.frontends.onnx.load import OnnxModelError, infer_shapes, input_shapes, load
+from pathir.frontends.onnx.writer import OnnxWriter
 
 __all__ = ["lower", "OnnxModelError"]
 
@@ -49,7 +49,7 @@ def lower(model, input_shape=None) -> Lowered:
     >>> low.source_num_params
     23
     """
-    from .onnx_lower import OnnxLowering
+    from pathir.frontends.onnx.lowering import OnnxLowering  # lazy: imports torch
 
     src = load(model)
     shapes, batch = input_shapes(src, input_shape)

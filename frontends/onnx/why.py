@@ -1,9 +1,9 @@
-"""Which ONNX ops pathir lowers, and why the others have no place in a ReLU DAG
-(docs/math.md §1): the reasons ``UnsupportedOperation`` gives."""
+"""Why an ONNX op has no place in a ReLU DAG (docs/math.md §1): the reasons ``UnsupportedOperation``
+gives for op types without a row in the op table (:mod:`.table`)."""
 
 from __future__ import annotations
 
-__all__ = ["WHY", "DEFAULT_WHY", "INDEX_OPS", "SECOND_OUTPUT", "AXIS1_OK"]
+__all__ = ["WHY", "DEFAULT_WHY", "SECOND_OUTPUT", "AXIS1_OK"]
 
 _NOT_HOMOGENEOUS = ("not positively homogeneous: f(λx) ≠ λ·f(x) for λ > 0, "
                     "so rescaling a neuron would change the function")
@@ -16,9 +16,6 @@ WHY = {
         "HardSwish", "Swish", "Exp", "Log", "Sqrt", "Erf", "Sin", "Cos", "Reciprocal", "Sign", "Round", "Floor", "Ceil",
         "ThresholdedRelu", "Shrink",
     )},
-    "Clip": ("clips at fixed thresholds (ReLU6, hardtanh): rescaling the input moves where it saturates, "
-             "so it is not positively homogeneous"),
-    "LeakyRelu": "positively homogeneous, but pathir's neurons are identity, ReLU and max-pool only",
     "PRelu": "positively homogeneous, but pathir's neurons are identity, ReLU and max-pool only",
     "Abs": "positively homogeneous, but pathir's neurons are identity, ReLU and max-pool only",
     "Softmax": "softmax inside the graph normalizes across features: not positively homogeneous",
@@ -30,13 +27,8 @@ WHY = {
     )},
     "Attention": "attention multiplies activations together (queries by keys, weights by values)",
     "MultiHeadAttention": "attention multiplies activations together (queries by keys, weights by values)",
-    "Mul": "a product with an activation (a gate between activations, or a constant factor pathir does not lower)",
-    "Div": "a division involving an activation",
     "Pow": "a power of an activation: not positively homogeneous",
-    "Sub": "a difference: pathir lowers sums of activations (Add) and constant biases only",
-    "Max": "an elementwise max of activations is not a ReLU DAG neuron",
     "Min": "an elementwise min of activations is not a ReLU DAG neuron",
-    "Neg": "a fixed weight of -1 between activations is not lowered",
     "LpPool": "an Lp pool is not positively homogeneous of degree 1 per window",
     "TopK": "selects by value: not a fixed map",
     "If": "control flow on activations is not lowered",
@@ -44,11 +36,6 @@ WHY = {
     "Scan": "control flow on activations is not lowered",
 }
 
-#: ops that move elements without computing: lowered by running them on element ids
-INDEX_OPS = frozenset({
-    "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Concat", "Split", "Slice", "Gather", "Expand",
-    "Tile", "Pad", "DepthToSpace", "SpaceToDepth",
-})
 
 DEFAULT_WHY = "outside the ops pathir lowers from ONNX (see docs/onnx.md): not known to keep the network a ReLU DAG"
 

@@ -1,8 +1,8 @@
 """Lowering ONNX nodes to the IR.
 
-The walk follows the torch frontend's conventions (it subclasses its
-``Lowering``, so both produce the same nodes, biases and params for the same
-network): an activation is a pending sum of terms (``values.Value``)
+The walk follows the torch frontend's conventions (it subclasses the lowering
+core's ``Lowering``, so both produce the same nodes, biases and params for the same
+network); each node is lowered by its rule in the op table (:mod:`.table`): an activation is a pending sum of terms (``values.Value``)
 until a ReLU, a max-pool or a map that needs one source materializes it into a
 node; constants (initializers, Constant nodes, and everything computed from
 them or from activation *shapes*) are numpy arrays, folded with onnx's reference
@@ -25,26 +25,20 @@ import math
 import numpy as np
 
 from pathir.errors import PathirError, UnsupportedOperation
-from pathir.frontends.lowering import Lowering
-from pathir.frontends.values import Value
+from pathir.frontends.core.lowering import Lowering
+from pathir.frontends.core.values import Value
+from pathir.frontends.onnx.evaluate import outer_names, run_node
+from pathir.frontends.onnx.index import Sequence
+from pathir.frontends.onnx.layers import f64
+from pathir.frontends.onnx.table import RULES
+from pathir.frontends.onnx.why import AXIS1_OK, DEFAULT_WHY, SECOND_OUTPUT, WHY
+from pathir.frontends.onnx.writer import Binding
 from pathir.ir import Identity, Param, SourceRef, verify
 
-from .onnx_eval import outer_names, run_node, run_on_ids
-from .onnx_extra import ExtraOps
-from .onnx_layers import LayerOps, attrs, f64
-from .onnx_load import numpy_dtype
-from .onnx_ops import AXIS1_OK, DEFAULT_WHY, INDEX_OPS, SECOND_OUTPUT, WHY
-from .onnx_resize import ResizeOps
-from .onnx_writer import Binding
-
-__all__ = ["OnnxLowering", "Sequence"]
+__all__ = ["OnnxLowering"]
 
 
-class Sequence(list):
-    """An ONNX sequence of activations (SplitToSequence), read by SequenceAt."""
-
-
-class OnnxLowering(ResizeOps, ExtraOps, LayerOps, Lowering):
+class OnnxLowering(Lowering):
     """Walks the live nodes of one ONNX graph and builds the IR."""
 
     def __init__(self, src, shapes: dict[str, tuple[int, ...]], batch: int | None, types: dict[str, int]):
@@ -143,11 +137,9 @@ class OnnxLowering(ResizeOps, ExtraOps, LayerOps, Lowering):
             if node.input[k] in self.axis1 and op not in AXIS1_OK:
                 self.unsupported(f"'{node.input[k]}' has its batch on axis 1; "
                                  "only Gemm, MatMul, Relu and Add read that layout")
-        handler = getattr(self, f"op_{op}", None) if op else None
-        if handler is None and op in INDEX_OPS:
-            handler = self.index
-        if handler is not None:
-            outs = handler(node, ins)
+        rule = RULES.get(op) if op else None
+        if rule is not None:
+            outs = rule(self, node, ins)
             for v in outs:
                 if isinstance(v, Value) and math.prod(v.shape) == 0:
                     self.fail(f"its output has the empty per-sample shape {list(v.shape)}")
@@ -196,7 +188,7 @@ class OnnxLowering(ResizeOps, ExtraOps, LayerOps, Lowering):
             self.unsupported(f"its {what} (input {k}) depends on the input: expected a constant")
         return v
 
-    def _bias_const(self, node, k: int):
+    def bias_const(self, node, k: int):
         """A bias input, or None when absent or a computed (neither stored nor an
         alias of a stored tensor) all-zero constant: exporters write a missing
         bias that way, torch has none there."""
@@ -205,7 +197,7 @@ class OnnxLowering(ResizeOps, ExtraOps, LayerOps, Lowering):
             return None
         return c
 
-    def _ref(self, node, k: int, key) -> tuple[str, bool]:
+    def param_ref(self, node, k: int, key) -> tuple[str, bool]:
         """(ref name, reused) of input k in a param role described by ``key``.
 
         A tensor met again with an equal key (same role, layout and resulting
@@ -225,7 +217,7 @@ class OnnxLowering(ResizeOps, ExtraOps, LayerOps, Lowering):
         self._uses.setdefault(t, []).append((key, name))
         return name, False
 
-    def _bind(self, ref: str, node, k: int, kind: str, layout=None, eps: float = 0.0) -> None:
+    def bind(self, ref: str, node, k: int, kind: str, layout=None, eps: float = 0.0) -> None:
         key = (node.output[0], k)
         b = self.bindings.get(ref)
         if b is None:
@@ -236,15 +228,15 @@ class OnnxLowering(ResizeOps, ExtraOps, LayerOps, Lowering):
 
     def weight(self, node, k: int, value: np.ndarray, transposed: bool, how: str) -> Param:
         """The Param of a weight slot (one shared Param for a tensor reused alike)."""
-        ref, _ = self._ref(node, k, ("weight", transposed, value))
+        ref, _ = self.param_ref(node, k, ("weight", transposed, value))
         p = self.param(ref, value, (SourceRef(ref, transposed=transposed),), how)
-        self._bind(ref, node, k, "weight")
+        self.bind(ref, node, k, "weight")
         return p
 
     def bias(self, node, k: int, vector: np.ndarray, layout: tuple[int, ...], how: str = "") -> Param:
-        ref, _ = self._ref(node, k, ("bias", layout, vector))
+        ref, _ = self.param_ref(node, k, ("bias", layout, vector))
         p = self.param(ref, vector, (SourceRef(ref),), how)
-        self._bind(ref, node, k, "bias", layout)
+        self.bind(ref, node, k, "bias", layout)
         return p
 
     def channel_vector(self, c: np.ndarray, v: Value, axis: int, scale: float = 1.0):
@@ -269,132 +261,10 @@ class OnnxLowering(ResizeOps, ExtraOps, LayerOps, Lowering):
         layout[nd - right] = full[ch]
         return cb[:, 0].copy(), tuple(layout)
 
-    # ------------------------------------------------------------ elementwise
-    def op_Relu(self, node, ins):
-        out = self.relu(self.act(node, 0))
-        self._same_axis(node)
-        return [out]
-
-    def op_Identity(self, node, ins):
-        self._same_axis(node)
-        return [ins[0]]
-
-    def op_Dropout(self, node, ins):
-        if len(ins) > 2 and ins[2] is not None:
-            if not isinstance(ins[2], np.ndarray) or bool(np.asarray(ins[2]).reshape(-1)[0]):
-                self.unsupported("dropout in training mode is random: pathir lowers inference semantics only")
-        self._same_axis(node)
-        return [ins[0], None]
-
-    def op_Cast(self, node, ins):
-        from onnx import TensorProto
-
-        if attrs(node).get("to") not in (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16):
-            self.unsupported("a cast of an activation to a non-float type")
-        self._same_axis(node)
-        return [ins[0]]
-
-    def op_CastLike(self, node, ins):
-        if isinstance(ins[0], Value):
-            self._same_axis(node)
-            return [ins[0]]
-
-        return [np.asarray(ins[0]).astype(numpy_dtype(self.types.get(node.input[1], 1)))]
-
-    def op_Shape(self, node, ins):
-        v = ins[0]
-        full = [self.batch, *v.shape] if node.input[0] not in self.axis1 else [v.shape[0], self.batch]
-        a = attrs(node)
-        start, end = a.get("start", 0), a.get("end", None)
-        return [np.asarray(full[start:end], dtype=np.int64)]
-
-    def op_Size(self, node, ins):
-        return [np.asarray(self.batch * math.prod(ins[0].shape), dtype=np.int64)]
-
-    def _same_axis(self, node):
+    def same_axis(self, node):
+        """The output of ``node`` keeps its first input's batch axis (axis 1 or 0)."""
         if node.input[0] in self.axis1:
             self.axis1.add(node.output[0])
-
-    def op_Add(self, node, ins):
-        a, b = ins
-        if isinstance(a, Value) and isinstance(b, Value):
-            if (node.input[0] in self.axis1) != (node.input[1] in self.axis1):
-                self.unsupported("adds two activations whose batch axes differ")
-            if a.shape != b.shape:
-                self.unsupported(f"adds activations of shapes {list(a.shape)} and {list(b.shape)}: "
-                                 "broadcasting is not lowered")
-            self._same_axis(node)
-            return [self.add(a, b)]
-        k = 0 if isinstance(a, Value) else 1
-        v, c = ins[k], ins[1 - k]
-        axis = 1 if node.input[k] in self.axis1 else 0
-        if self._bias_const(node, 1 - k) is None:
-            if axis:
-                self.axis1.add(node.output[0])
-            return [v]
-        vec, layout = self.channel_vector(c, v, axis)
-        if v.bias is not None:
-            v = Value.of_node(self.materialize(v), v.shape)
-        p = self.bias(node, 1 - k, vec, layout, f"{node.input[1 - k]} (added by {self.label})")
-        if axis:
-            self.axis1.add(node.output[0])
-        return [Value(v.terms, v.shape, p, self.label)]
-
-    # ------------------------------------------------------------ index ops
-    def op_Concat(self, node, ins):
-        """Along the channels at channel granularity when it can, else on element ids."""
-        if all(isinstance(v, Value) for v in ins):
-            rank = len(ins[0].shape) + 1
-            if attrs(node)["axis"] % rank == 1:
-                out = self.cat_channels(list(ins))
-                if out is not None:
-                    return [out]
-        return self.index(node, ins)
-
-    def op_Pad(self, node, ins):
-        a = attrs(node)
-        if a.get("mode", "constant") == "constant":
-            value = ins[2] if len(ins) > 2 and ins[2] is not None else a.get("value", 0.0)
-            if np.any(np.asarray(value) != 0):
-                self.unsupported("padding with a non-zero constant adds a fixed value (a bias per position)")
-            ins = list(ins[:2]) + [np.zeros((), dtype=np.int64)] + list(ins[3:]) if len(ins) > 2 else ins
-        return self.index(node, ins)
-
-    def index(self, node, ins):
-        """Run an index-moving op on element ids and compose the result with
-        the pending selection maps of its inputs (as the torch frontend does)."""
-        acts = {k: v.shape for k, v in enumerate(ins) if isinstance(v, Value)}
-        try:
-            decoded = run_on_ids(self.proto, node, ins, acts, self.batch)
-        except ValueError as err:
-            self.unsupported(str(err))
-        except Exception as err:
-            self.fail(f"could not run it on element ids: {type(err).__name__}: {err}")
-        prepared = {k: self._selectable(ins[k]) for k in acts}
-        outs = []
-        for d in decoded:
-            if d is None:
-                outs.append(None)
-            elif isinstance(d, list):
-                outs.append(Sequence(self._selected(prepared, x) for x in d))
-            else:
-                outs.append(self._selected(prepared, d))
-        return outs
-
-    def _selected(self, prepared: dict, decoded) -> Value:
-        out_shape, per_input = decoded
-        if not out_shape:
-            self.unsupported("the result has no per-sample axis")
-        return self.compose_selection(((v, per_input[k]) for k, v in prepared.items()), out_shape)
-
-    def op_SplitToSequence(self, node, ins):
-        return self.index(node, ins)
-
-    def op_SequenceAt(self, node, ins):
-        seq, pos = ins[0], self.const(node, 1, "position")
-        if not isinstance(seq, Sequence):
-            self.unsupported("expected a sequence of activations")
-        return [seq[int(np.asarray(pos).reshape(-1)[0])]]
 
 
 def _same_key(a, b) -> bool:

@@ -26,18 +26,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
-from pathir.frontends.values import NOT_MINE, ParamTensor, Value
+from pathir.frontends.core.values import ParamTensor, Value
 from pathir.ir import Conv, SourceRef, TransposedConvLayout
 
-__all__ = ["conv_transpose", "stuffing_index", "module", "function", "aten_op", "MODULES"]
+__all__ = ["conv_transpose", "stuffing_index"]
 
-MODULES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-_FUNCTIONS = {F.conv_transpose1d: 1, F.conv_transpose2d: 2, F.conv_transpose3d: 3}
-_NAMES = ["input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation"]
-_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "output_padding": 0, "groups": 1, "dilation": 1}
 
 
 def _ints(x, n: int) -> tuple[int, ...]:
@@ -75,7 +69,7 @@ def conv_transpose(low, v: Value, weight: ParamTensor, bias, stride, pads, dilat
     """The transposed convolution of ``v``: a zero-stuffing Gather, then a Conv with the
     kernel in direct layout (its param bound to ``weight`` through ``TransposedConvLayout``).
     ``pads``: an int, one int per axis (before = after), or (before, after) pairs."""
-    v = low._value(v)
+    v = low.value(v)
     T = weight.tensor
     n = T.dim() - 2
     if n < 1 or len(v.shape) != n + 1:
@@ -95,76 +89,11 @@ def conv_transpose(low, v: Value, weight: ParamTensor, bias, stride, pads, dilat
     index, stuffed = stuffing_index(v.shape, k, stride, pads, dilation, op)
     if any(L < d * (kk - 1) + 1 for L, d, kk in zip(stuffed[1:], dilation, k)):
         low.unsupported(f"the transposed convolution's output on input {list(v.shape)} would be empty")
-    framed = low.compose_selection([(low._selectable(v), index)], stuffed)
+    framed = low.compose_selection([(low.selectable(v), index)], stuffed)
     framed = Value.of_node(low.materialize(framed, f"{low.label}.stuffed"), stuffed)
     layout = TransposedConvLayout(groups)
     refs = (SourceRef(weight.name, layout=layout),)
     W = low.param(weight.name, layout.from_source(T.detach().to("cpu", torch.float64, copy=True)).numpy(), refs,
                   f"{weight.name} as a convolution kernel (in/out channels swapped per group, kernel flipped)")
     b = low.direct(bias) if bias is not None else None
-    return low._apply(framed, Conv(W, (1,) * n, ((0, 0),) * n, dilation, groups), b)
-
-
-def module(low, mod, path: str, args, kwargs):
-    """nn.ConvTranspose1d/2d/3d called as ``mod(x)`` or ``mod(x, output_size)``, or NOT_MINE."""
-    if not isinstance(mod, MODULES):
-        return NOT_MINE
-    if mod.padding_mode != "zeros":
-        low.unsupported(f"padding_mode='{mod.padding_mode}' (torch allows only zeros for a transposed convolution)")
-    x = low._value(args[0])
-    output_size = args[1] if len(args) > 1 else kwargs.get("output_size")
-    n = len(mod.kernel_size)
-    op = mod.output_padding
-    if output_size is not None:  # torch picks output_padding from the requested size
-        try:
-            probe = torch.empty((1, *x.shape), device="meta")
-            op = mod._output_padding(probe, list(output_size), list(mod.stride), list(mod.padding),
-                                     list(mod.kernel_size), n, list(mod.dilation))
-        except ValueError as err:
-            low.unsupported(f"output_size {list(output_size)}: {err}")
-    w = ParamTensor(f"{path}.weight", mod.weight)
-    b = ParamTensor(f"{path}.bias", mod.bias) if mod.bias is not None else None
-    return conv_transpose(low, x, w, b, mod.stride, mod.padding, mod.dilation, op, mod.groups)
-
-
-def _bind(args, kwargs):
-    out = dict(_DEFAULTS)
-    out.update(zip(_NAMES, args))
-    out.update(kwargs)
-    return [out[name] for name in _NAMES]
-
-
-def _lower_bound(low, model, x, w, b, stride, padding, output_padding, groups, dilation):
-    if isinstance(w, Value) or isinstance(b, Value):
-        low.unsupported("a transposed convolution whose kernel or bias is an activation: not a linear map of the input")
-    if not isinstance(w, ParamTensor):
-        low.unsupported("a transposed convolution with a kernel computed in the forward: it has no parameter to bind")
-    from pathir.frontends.fixed_maps import is_buffer
-
-    params = dict(model.named_parameters())
-    if is_buffer(model, w) or (w.name not in params and w.name + "_orig" not in params):
-        low.unsupported(f"a transposed convolution with the fixed (buffer) kernel '{w.name}': a constant upsampling "
-                        "filter, not a parameter; it is not lowered")
-    return conv_transpose(low, x, w, b, stride, padding, dilation, output_padding, groups)
-
-
-def function(low, model, fn, args, kwargs):
-    """F.conv_transpose1d/2d/3d, or NOT_MINE."""
-    if fn not in _FUNCTIONS:
-        return NOT_MINE
-    return _lower_bound(low, model, *_bind(args, kwargs))
-
-
-def aten_op(low, model, fn, args, kwargs):
-    """aten.conv_transpose*d and aten.convolution with transposed=True, or NOT_MINE."""
-    aten = torch.ops.aten
-    if fn is aten.convolution.default:
-        x, w, b, stride, padding, dilation, transposed, output_padding, groups = args[:9]
-        if not transposed:
-            return NOT_MINE
-        return _lower_bound(low, model, x, w, b, stride, padding, output_padding, groups, dilation)
-    names = {"conv_transpose1d", "conv_transpose2d", "conv_transpose3d"}
-    if getattr(fn, "__name__", "").split(".")[0] in names:
-        return _lower_bound(low, model, *_bind(args, kwargs))
-    return NOT_MINE
-
+    return low.apply(framed, Conv(W, (1,) * n, ((0, 0),) * n, dilation, groups), b)

@@ -1,7 +1,7 @@
 """The torch frontend: nn.Module -> Graph via torch.fx (torch.export as fallback).
 
 The traced program is interpreted once: activation tensors become pending
-Values (values.py), supported ops act on them (lowering.py), shape
+Values (core/values.py), each op is lowered by its rule in the op table (table.py), shape
 arithmetic (``x.size(0)``, ``x.shape``) is evaluated on concrete sizes, and any
 other op that touches an activation raises ``UnsupportedOperation`` naming the
 fx node, its op, the module path it came from and why it breaks the rescaling
@@ -19,11 +19,14 @@ import torch.fx
 import torch.nn as nn
 
 from pathir.errors import PathirError, UnsupportedOperation
-from pathir.frontends import capture_checks, torch_inputs
-from pathir.frontends.fx_interpreter import FxInterpreter
-
-from .common import Lowered
-from .torch_reread import Reread
+from pathir.frontends.core.lowered import Lowered
+from pathir.frontends.torch import capture_checks
+from pathir.frontends.torch import inputs as torch_inputs
+from pathir.frontends.torch.export import lower_exported
+from pathir.frontends.torch.interpreter import FxInterpreter
+from pathir.frontends.torch.reread import Reread
+from pathir.frontends.torch.train_branches import train_only_modules
+from pathir.frontends.torch.writer import TorchWriter
 
 __all__ = ["lower", "trace"]
 
@@ -51,9 +54,6 @@ def lower(model: nn.Module, input_shape=None, example_input=None) -> Lowered:
         except Exception as err:
             torch_inputs.explain(model, shapes, err)
             raise
-    from .torch_writer import TorchWriter
-    from .train_branches import train_only_modules
-
     n_params = sum(p.numel() for p in model.parameters())
     reread = None if low is None else Reread.of(model, graph, low.recipes, low.read, low.direct_reads)
     return Lowered(graph, TorchWriter(model, train_only=train_only_modules(model, graph)), n_params, name, reread)
@@ -75,8 +75,6 @@ def _lower_graph(model, shapes, name):
 
 def _lower_exported(model, shape, name, fx_error):
     """Fallback for models torch.fx cannot trace: interpret the exported ATen graph."""
-    from .torch_export import lower_exported
-
     try:
         return lower_exported(model, shape, name)
     except UnsupportedOperation:

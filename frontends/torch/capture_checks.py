@@ -42,6 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pathir.errors import UnsupportedOperation
+from pathir.frontends.core.values import Value
 
 __all__ = ["InplaceTracer", "state_kept", "alias_plan", "refuse_inplace", "apply_inplace", "check_modes", "check_hooks", "fresh_hook_tensors",
            "effect_fx", "effect_export"]
@@ -265,8 +266,6 @@ def alias_plan(graph: torch.fx.Graph, model, effect, is_state=lambda node: False
 def _on_activation(plan: dict, node, env: dict):
     """The plan's action for ``node`` if it writes an activation (a Value), else None:
     an augmented assignment on a Python number (``n += 1`` on a size) mutates nothing."""
-    from pathir.frontends.values import Value
-
     action = plan.get(node)
     if action is None or not isinstance(env.get(action[0]), Value):
         return None

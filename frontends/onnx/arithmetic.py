@@ -1,0 +1,135 @@
+"""ONNX rules for arithmetic inside the ReLU DAG model: Sub and Neg (a fixed −1 edge), Mul / Div by a
+constant (a scalar, or one factor per channel, position or element: a fixed edge), Max of activations
+(a max-pool neuron over its operands), LeakyRelu(alpha=0) and Clip(min=0, no max) as ReLU,
+ReduceSum / ReduceMean / ReduceMax over any non-batch axes (fixed edges, or a max-pool neuron), Where
+with a constant mask. The semantics are the lowering core's (:mod:`..core.fixed_factors`,
+:mod:`..core.reductions`), shared with the torch rules, so both frontends build the same graph."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pathir.frontends.core.fixed_factors import fixed_scale
+from pathir.frontends.core.reductions import all_spatial, elementwise_max, reduce, where
+from pathir.frontends.core.values import Value
+from pathir.frontends.onnx.layers import attrs
+
+__all__ = ["sub", "neg", "mul", "div", "max_", "leaky_relu", "clip", "where_", "reduce_sum", "reduce_mean",
+           "reduce_max"]
+
+
+def _scalar(c) -> float | None:
+    numeric = isinstance(c, np.ndarray) and (np.issubdtype(c.dtype, np.floating) or np.issubdtype(c.dtype, np.integer))
+    if numeric and c.size == 1:
+        return float(c.reshape(-1)[0])
+    return None
+
+
+def _constant(c) -> np.ndarray | None:
+    numeric = isinstance(c, np.ndarray) and (np.issubdtype(c.dtype, np.floating) or np.issubdtype(c.dtype, np.integer))
+    return c.astype(np.float64) if numeric else None
+
+
+def sub(low, node, ins):
+    a, b = ins
+    if not (isinstance(a, Value) and isinstance(b, Value)):
+        low.unsupported("subtracting a constant: a fixed non-zero bias breaks the rescaling symmetry")
+    if a.shape != b.shape:
+        low.unsupported(f"subtracts activations of shapes {list(a.shape)} and {list(b.shape)}: "
+                         "broadcasting is not lowered")
+    return [low.add(a, fixed_scale(low, b, -1.0))]
+
+
+def neg(low, node, ins):
+    return [fixed_scale(low, low.act(node, 0), -1.0)]
+
+
+def mul(low, node, ins):
+    """An activation times a constant c (one scalar, or an initializer / constant of one factor per
+    channel, position or element): a fixed edge of weight c (as torch's ``x * c``, ``x * low.buf``).
+    ONNX does not tell a learnable tensor from a constant: the factor is fixed, never rescaled."""
+    a, b = ins
+    k = 0 if isinstance(a, Value) else 1
+    if isinstance(ins[1 - k], Value):
+        low.unsupported("a product of two activations (a gate) is not positively homogeneous of degree 1")
+    c = _scalar(ins[1 - k])
+    if c is None:
+        c = _constant(ins[1 - k])
+    if c is None:
+        low.unsupported("a product with a constant that is not numeric")
+    return [fixed_scale(low, ins[k], c)]
+
+
+def div(low, node, ins):
+    a, b = ins
+    if isinstance(b, Value):
+        low.unsupported("division by an activation is not positively homogeneous")
+    c = _scalar(b)
+    if c is None:
+        c = _constant(b)
+        if c is not None and np.any(c == 0):
+            c = None
+    if c is None or np.ndim(c) == 0 and c == 0:
+        low.unsupported("division by a constant that is not numeric and non-zero everywhere")
+    return [fixed_scale(low, a, 1.0 / np.asarray(c, dtype=np.float64) if np.ndim(c) else 1.0 / c)]
+
+
+def max_(low, node, ins):
+    if not all(isinstance(v, Value) for v in ins):
+        low.unsupported("a max with a constant: clipping at a fixed non-zero level is not positively homogeneous")
+    if len(ins) == 1:
+        return [ins[0]]
+    return [elementwise_max(low, list(ins))]
+
+
+def leaky_relu(low, node, ins):
+    if attrs(node).get("alpha", 0.01) != 0:
+        low.unsupported("LeakyRelu with a non-zero slope: pathir's neurons are identity, ReLU and max-pool only")
+    return [low.relu(low.act(node, 0))]
+
+
+def clip(low, node, ins):
+    a = attrs(node)
+    lo = ins[1] if len(ins) > 1 and ins[1] is not None else a.get("min")
+    hi = ins[2] if len(ins) > 2 and ins[2] is not None else a.get("max")
+    if isinstance(lo, Value) or isinstance(hi, Value):
+        low.unsupported("Clip at a bound computed from the input: not positively homogeneous")
+    lo_s = None if lo is None else _scalar(np.asarray(lo, dtype=np.float64))
+    hi_s = None if hi is None else _scalar(np.asarray(hi, dtype=np.float64))
+    if lo_s == 0.0 and (hi_s is None or hi_s == np.inf):
+        return [low.relu(low.act(node, 0))]
+    low.unsupported("clips at fixed thresholds (ReLU6, hardtanh): rescaling the input moves where it saturates, "
+                    "so it is not positively homogeneous")
+
+
+def _reduce(low, node, kind):
+    v = low.act(node, 0)
+    a = attrs(node)
+    axes = a.get("axes")
+    if axes is None and len(node.input) > 1 and node.input[1]:
+        axes = low.const(node, 1, "axes").reshape(-1).tolist()
+    if not axes:
+        if a.get("noop_with_empty_axes", 0):
+            return [v]
+        low.unsupported(f"a {kind} over every axis, the batch included")
+    axes, keep = [int(x) for x in axes], bool(a.get("keepdims", 1))
+    if kind == "mean" and all_spatial(v, axes):
+        return [low.mean(v, axes, keep)]  # the global average pool
+    return [reduce(low, v, axes, keep, kind)]
+
+
+def where_(low, node, ins):
+    cond, a, b = ins
+    return [where(low, cond, a, b)]
+
+
+def reduce_sum(low, node, ins):
+    return _reduce(low, node, "sum")
+
+
+def reduce_mean(low, node, ins):
+    return _reduce(low, node, "mean")
+
+
+def reduce_max(low, node, ins):
+    return _reduce(low, node, "max")

@@ -1,0 +1,90 @@
+"""ONNX rules for the ops that pass an activation on or add to it: Relu, Identity, Dropout
+(inference), Cast / CastLike (to a float type), Shape and Size (read off the activation's shape), Add
+(of two activations, or of a constant bias per channel). Each rule is ``rule(low, node, inputs) ->
+outputs`` on an :class:`~.lowering.OnnxLowering`."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pathir.frontends.core.values import Value
+from pathir.frontends.onnx.layers import attrs
+from pathir.frontends.onnx.load import numpy_dtype
+
+__all__ = ["relu", "identity", "dropout", "cast", "cast_like", "shape", "size", "add"]
+
+
+def relu(low, node, ins):
+    out = low.relu(low.act(node, 0))
+    low.same_axis(node)
+    return [out]
+
+
+def identity(low, node, ins):
+    low.same_axis(node)
+    return [ins[0]]
+
+
+def dropout(low, node, ins):
+    if len(ins) > 2 and ins[2] is not None:
+        if not isinstance(ins[2], np.ndarray) or bool(np.asarray(ins[2]).reshape(-1)[0]):
+            low.unsupported("dropout in training mode is random: pathir lowers inference semantics only")
+    low.same_axis(node)
+    return [ins[0], None]
+
+
+def cast(low, node, ins):
+    from onnx import TensorProto
+
+    if attrs(node).get("to") not in (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16):
+        low.unsupported("a cast of an activation to a non-float type")
+    low.same_axis(node)
+    return [ins[0]]
+
+
+def cast_like(low, node, ins):
+    if isinstance(ins[0], Value):
+        low.same_axis(node)
+        return [ins[0]]
+
+    return [np.asarray(ins[0]).astype(numpy_dtype(low.types.get(node.input[1], 1)))]
+
+
+def shape(low, node, ins):
+    v = ins[0]
+    full = [low.batch, *v.shape] if node.input[0] not in low.axis1 else [v.shape[0], low.batch]
+    a = attrs(node)
+    start, end = a.get("start", 0), a.get("end", None)
+    return [np.asarray(full[start:end], dtype=np.int64)]
+
+
+def size(low, node, ins):
+    return [np.asarray(low.batch * math.prod(ins[0].shape), dtype=np.int64)]
+
+
+def add(low, node, ins):
+    a, b = ins
+    if isinstance(a, Value) and isinstance(b, Value):
+        if (node.input[0] in low.axis1) != (node.input[1] in low.axis1):
+            low.unsupported("adds two activations whose batch axes differ")
+        if a.shape != b.shape:
+            low.unsupported(f"adds activations of shapes {list(a.shape)} and {list(b.shape)}: "
+                             "broadcasting is not lowered")
+        low.same_axis(node)
+        return [low.add(a, b)]
+    k = 0 if isinstance(a, Value) else 1
+    v, c = ins[k], ins[1 - k]
+    axis = 1 if node.input[k] in low.axis1 else 0
+    if low.bias_const(node, 1 - k) is None:
+        if axis:
+            low.axis1.add(node.output[0])
+        return [v]
+    vec, layout = low.channel_vector(c, v, axis)
+    if v.bias is not None:
+        v = Value.of_node(low.materialize(v), v.shape)
+    p = low.bias(node, 1 - k, vec, layout, f"{node.input[1 - k]} (added by {low.label})")
+    if axis:
+        low.axis1.add(node.output[0])
+    return [Value(v.terms, v.shape, p, low.label)]

@@ -1,0 +1,108 @@
+"""ONNX Resize and the legacy Upsample, lowered to a ``Resample`` (one matrix per spatial axis).
+
+The coefficients of each axis are read off the op itself
+(onnx's reference evaluator) on one-hot inputs along that axis, constant along the
+others, so every mode and coordinate transform is the op's own, and the op is
+checked to act axis by axis. Refused, naming what: a region of interest
+(tf_crop_and_resize), coordinate transforms other than half_pixel, align_corners,
+asymmetric and pytorch_half_pixel, cubic with exclude_outside, antialias,
+``axes`` / keep_aspect_ratio_policy, and any scaling of the batch or channel axes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pathir.frontends.core import fixed_maps
+from pathir.frontends.core.values import Value
+from pathir.frontends.onnx.evaluate import run_node
+from pathir.frontends.onnx.layers import attrs
+
+__all__ = ["resize", "upsample"]
+
+_TRANSFORMS = {"half_pixel", "align_corners", "asymmetric", "pytorch_half_pixel"}
+_MODES = {"nearest", "linear", "cubic"}
+
+
+def resize(low, node, ins):
+    a = attrs(node)
+    mode = a.get("mode", "nearest")
+    transform = a.get("coordinate_transformation_mode", "half_pixel")
+    if mode not in _MODES:
+        low.unsupported(f"Resize mode '{mode}'")
+    if transform not in _TRANSFORMS:
+        low.unsupported(f"Resize coordinate_transformation_mode '{transform}'")
+    if mode == "cubic" and a.get("exclude_outside", 0):
+        low.unsupported("Resize cubic with exclude_outside=1")
+    for name, ok in (("antialias", 0), ("axes", None), ("keep_aspect_ratio_policy", "stretch")):
+        if a.get(name, ok) != ok:
+            low.unsupported(f"Resize with {name}={a[name]}")
+    roi = low.const(node, 1, "roi", required=False) if len(node.input) > 1 and node.input[1] else None
+    if roi is not None and roi.size:
+        low.unsupported("Resize with a region of interest (roi)")
+    scales = _resize_input(low, node, 2, "scales")
+    sizes = _resize_input(low, node, 3, "sizes")
+    return [_resampled_by(low, node, ins, scales, sizes, f"resize_{mode}")]
+
+
+def upsample(low, node, ins):
+    a = attrs(node)
+    mode = a.get("mode", "nearest")
+    if mode not in ("nearest", "linear", "bilinear"):
+        low.unsupported(f"Upsample mode '{mode}'")
+    scales = a.get("scales")
+    scales = np.asarray(scales, dtype=np.float32) if scales is not None else _resize_input(low, node, 1, "scales")
+    return [_resampled_by(low, node, ins, scales, None, f"upsample_{mode}")]
+
+
+def _resize_input(low, node, k, what):
+    if len(node.input) <= k or not node.input[k]:
+        return None
+    c = np.asarray(low.const(node, k, what))
+    return c if c.size else None
+
+
+def _resampled_by(low, node, ins, scales, sizes, label) -> Value:
+    v = low.act(node, 0)
+    rank = len(v.shape) + 1
+    if (scales is None) == (sizes is None):
+        low.unsupported("expected exactly one of scales and sizes")
+    given = scales if scales is not None else sizes
+    if given.size != rank:
+        low.unsupported(f"{given.size} scales/sizes for a {rank}-d tensor")
+    keep = [1.0, 1.0] if scales is not None else [low.batch, v.shape[0]]
+    if [float(g) for g in given[:2]] != [float(x) for x in keep]:
+        low.unsupported("resizing the batch or channel axis")
+    n = rank - 2
+
+    def call(basis, d):
+        x = basis.numpy()  # float64: the coefficients exactly, whatever the model's dtype
+        per = given.copy()
+        for e in range(n):
+            if e != d:
+                per[2 + e] = 1 if scales is not None else x.shape[2 + e]
+        per[0], per[1] = (1, 1) if scales is not None else (x.shape[0], x.shape[1])
+        return torch.as_tensor(np.asarray(_run_resize(low, node, ins, x, per, scales is not None),
+                                          dtype=np.float64))
+
+    mats = fixed_maps.axis_matrices(low, v.shape[1:], call)
+    if all(m.shape[0] == m.shape[1] and np.array_equal(m, np.eye(m.shape[0])) for m in mats):
+        return v
+    return fixed_maps.resampled(low, v, mats, label)
+
+
+def _run_resize(low, node, ins, x, per, is_scales):
+    from onnx import helper
+
+    if node.op_type == "Upsample":  # = Resize with asymmetric coordinates, nearest rounding down
+        linear = attrs(node).get("mode", "nearest") != "nearest"
+        resize = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="linear" if linear else "nearest",
+                                  coordinate_transformation_mode="asymmetric", nearest_mode="floor")
+        opset13 = helper.make_model(helper.make_graph([], "resize", [], []),
+                                    opset_imports=[helper.make_opsetid("", 13)])
+        return run_node(opset13, resize, [x, None, np.asarray(per, dtype=np.float32)])[0]
+    new = list(ins)
+    new[0] = x
+    new[2 if is_scales else 3] = np.asarray(per, dtype=np.float32 if is_scales else np.int64)
+    return run_node(low.proto, node, new)[0]

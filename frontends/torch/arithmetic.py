@@ -1,0 +1,187 @@
+"""Rules for arithmetic inside the ReLU DAG model (docs/math.md §1): sums, differences and constant
+factors of activations, elementwise max, and matmul by a parameter.
+
+- ``a + b``, ``a - b`` (a −1 edge), ``-x``, ``add(a, b, alpha=c)``: a constant c is a *fixed*
+  weight (never rescaled, it ties source and target channels); adding the literal 0 adds nothing,
+  any other constant is refused (a fixed bias no parameter carries); adding a learnable per-channel
+  tensor is a bias;
+- ``x * c``, ``c * x``, ``x / c`` with c a number or a constant *tensor* (a buffer or a constant, no
+  ``nn.Parameter``): one fixed factor per channel, position or element (:mod:`..core.fixed_factors`);
+- ``x * self.gamma`` with gamma a learnable per-channel ``nn.Parameter``: a parameterized ``Scale``
+  edge (layer-scale);
+- ``torch.max(a, b)`` / ``maximum`` / ``fmax`` of two activations: a max-pool neuron over them;
+- ``x @ W`` with W an (in, out) parameter: a dense layer.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from pathir.frontends.core.fixed_factors import fixed_scale
+from pathir.frontends.core.reductions import elementwise_max
+from pathir.frontends.core.values import ParamTensor, Value
+from pathir.frontends.torch.why import refuse
+from pathir.ir import Scale, SourceRef
+
+__all__ = ["add", "radd", "sub", "rsub", "mul", "div", "neg", "maximum", "matmul", "literal"]
+
+
+def literal(x) -> bool:
+    """A Python number written in the code (not a bool)."""
+    return isinstance(x, numbers.Number) and not isinstance(x, bool)
+
+
+def _scalar(c):
+    """A Python/numpy number or a 0-d / 1-element non-parameter tensor, as float; else None."""
+    if isinstance(c, ParamTensor) and not isinstance(c.tensor, nn.Parameter):
+        c = c.tensor  # a constant or buffer: a fixed weight
+    if isinstance(c, bool):
+        return None
+    if isinstance(c, numbers.Real):
+        return float(c)
+    if isinstance(c, torch.Tensor) and c.numel() == 1 and not isinstance(c, nn.Parameter):
+        return float(c.detach().reshape(()).cpu())
+    return None
+
+
+_COMPLEX = (torch.complex64, torch.complex128)
+
+
+def _constant_tensor(c) -> np.ndarray | None:
+    """A tensor that is no learnable parameter (a buffer, a constant made in the forward) as a
+    float64 array; else None."""
+    if isinstance(c, ParamTensor):
+        c = c.tensor
+    if isinstance(c, np.ndarray) and (np.issubdtype(c.dtype, np.floating) or np.issubdtype(c.dtype, np.integer)
+                                      or c.dtype == np.bool_):
+        return c.astype(np.float64)
+    if isinstance(c, torch.Tensor) and not isinstance(c, nn.Parameter) and c.dtype not in _COMPLEX:
+        return c.detach().to("cpu", torch.float64).numpy()  # a bool mask multiplies by 0 / 1
+    return None
+
+
+def _alpha(low, alpha) -> float:
+    c = _scalar(alpha)
+    if c is None:
+        low.unsupported("a non-constant alpha")
+    return c
+
+
+def add(low, input, other, *, alpha=1):
+    """``input + alpha * other``: a literal 0 adds nothing, another literal is refused; a
+    constant alpha ≠ 1 is a fixed edge on ``other``."""
+    if literal(input) or literal(other):
+        const, term = (input, other) if literal(input) else (alpha * other, input)
+        if const != 0:
+            low.unsupported(f"adding the constant {const}: a fixed non-zero bias no parameter carries")
+        if not isinstance(term, Value):
+            low.unsupported(f"adding {type(term).__name__} to a constant")
+        if term is other and alpha != 1:
+            low.unsupported("add with alpha != 1 (a fixed weight other than 1)")
+        return term
+    if alpha != 1:
+        other = fixed_scale(low, other, _alpha(low, alpha))
+    return low.add(input, other)
+
+
+def radd(low, input, other, *, alpha=1):
+    """``other + input`` (``x.__radd__(y)``)."""
+    return add(low, other, input, alpha=alpha)
+
+
+def sub(low, input, other, *, alpha=1):
+    """``input - alpha * other``: a fixed edge of weight −alpha on ``other``."""
+    if not (isinstance(input, Value) and isinstance(other, Value)):
+        low.unsupported("subtracting a constant: a fixed non-zero bias breaks the rescaling symmetry")
+    return low.add(input, fixed_scale(low, other, -_alpha(low, alpha)))
+
+
+def rsub(low, input, other, *, alpha=1):
+    """``other - alpha * input`` (``torch.rsub``, ``x.__rsub__(y)``)."""
+    return sub(low, other, input, alpha=alpha)
+
+
+def neg(low, input):
+    return fixed_scale(low, input, -1.0)
+
+
+def mul(low, input, other):
+    """An activation times a constant (a fixed factor) or a learnable per-channel parameter (a
+    ``Scale`` edge); a product of two activations is refused."""
+    a, b = (other, input) if isinstance(other, Value) and not isinstance(input, Value) else (input, other)
+    if not isinstance(a, Value) or isinstance(b, Value):
+        refuse(low)  # a gate between two activations, or no activation
+    c = _scalar(b)
+    if c is not None:
+        return fixed_scale(low, a, c)
+    const = _constant_tensor(b)
+    if const is not None:
+        return fixed_scale(low, a, const)  # a buffer or constant: a fixed factor, never rescaled
+    if isinstance(b, ParamTensor):
+        return _layer_scale(low, a, b)
+    refuse(low)
+
+
+def div(low, input, other, *, rounding_mode=None):
+    """An activation divided by a non-zero constant: a fixed factor 1/c."""
+    if rounding_mode is not None:
+        low.unsupported(f"division with rounding_mode='{rounding_mode}' is not linear")
+    if isinstance(other, Value):
+        low.unsupported("division by an activation is not positively homogeneous")
+    if isinstance(other, ParamTensor) and isinstance(other.tensor, nn.Parameter):
+        low.unsupported(f"divides an activation by the learnable parameter '{other.name}': a rescaling could not be "
+                        "written back through 1/θ; multiply by a per-channel parameter (a layer-scale) instead")
+    if not isinstance(input, Value):
+        refuse(low)
+    c = _scalar(other)
+    if c is None:
+        const = _constant_tensor(other)
+        if const is None:
+            refuse(low)
+        if np.any(const == 0):
+            low.unsupported("division by a constant tensor with zero entries")
+        return fixed_scale(low, input, 1.0 / const)
+    if c == 0:
+        low.unsupported("division by the constant 0")
+    return fixed_scale(low, input, 1.0 / c)
+
+
+def _layer_scale(low, v: Value, gamma: ParamTensor) -> Value:
+    """x * gamma, gamma one learnable number per channel: a parameterized Scale edge."""
+    t = gamma.tensor
+    if gamma.kind != "parameter" or not t.is_floating_point():
+        low.unsupported(f"multiplies an activation by the {gamma.kind} '{gamma.name}' of dtype {t.dtype}: only a "
+                        "floating-point nn.Parameter is a rescalable (learnable) scale, and a write-back could "
+                        "not keep the function through it")
+    channels = v.shape[0]
+    nd = len(v.shape) + 1  # with the batch axis
+    dims = list(t.shape)
+    while len(dims) < nd:
+        dims.insert(0, 1)
+    per_channel = len(dims) == nd and dims[0] == 1 and dims[1] == channels and all(d == 1 for d in dims[2:])
+    if not per_channel:
+        low.unsupported(f"multiplies an activation of shape {list(v.shape)} by the parameter '{gamma.name}' of "
+                        f"shape {list(t.shape)}: only one learnable factor per channel (a layer-scale) is a "
+                        "rescalable edge")
+    value = t.detach().to("cpu", torch.float64).reshape(channels).numpy().copy()
+    W = low.param(gamma.name, value, (SourceRef(gamma.name),))
+    src = low.materialize(v)
+    return Value([(src, Scale(W))], tuple(v.shape), None, low.label)
+
+
+def maximum(low, input, other):
+    """Elementwise max of two activations: a max-pool neuron over them."""
+    if not (isinstance(input, Value) and isinstance(other, Value)):
+        refuse(low)
+    return elementwise_max(low, [input, other])
+
+
+def matmul(low, input, other):
+    """``x @ W`` with W an (in, out) parameter: a dense layer."""
+    if not (isinstance(input, Value) and isinstance(other, ParamTensor)):
+        refuse(low)
+    return low.matmul_param(input, other)

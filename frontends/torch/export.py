@@ -1,0 +1,55 @@
+"""torch.export fallback of the torch frontend: interpret the exported ATen graph.
+
+Used when torch.fx symbolic tracing fails (e.g. Python control flow on shapes).
+ATen ops are rows of the same op table as the fx path (:mod:`.table`); parameters and
+buffers arrive as lifted placeholders named by their FQN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pathir.frontends.core.values import ParamTensor, leaves, values_in
+from pathir.frontends.torch.capture_checks import effect_export
+from pathir.frontends.torch.inputs import model_dtype_device
+from pathir.frontends.torch.interpreter import FxInterpreter
+
+__all__ = ["lower_exported"]
+
+
+def lower_exported(model, shapes, name):
+    """Export with example inputs in the model's own dtype and device (batch 2) and interpret;
+    constants torch.export lifts to inputs are constants, never tensor inputs."""
+    shapes = [tuple(shapes)] if shapes and not isinstance(shapes[0], (tuple, list)) else list(shapes)
+    dtype, device = model_dtype_device(model)
+    examples = tuple(torch.zeros((2, *s), dtype=dtype, device=device) for s in shapes)
+    program = torch.export.export(model, examples)
+    sig = program.graph_signature
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers()), **dict(program.constants)}
+    lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers,
+              **getattr(sig, "inputs_to_lifted_tensor_constants", {})}
+    return _ExportInterpreter(model, program.graph_module, name, lifted, tensors).run(shapes)
+
+
+class _ExportInterpreter(FxInterpreter):
+    effect = staticmethod(effect_export)
+
+    def _is_state(self, node) -> bool:
+        return node.op == "placeholder" and node.name in self.lifted
+
+    def __init__(self, model, gm, name, lifted, tensors):
+        super().__init__(model, gm, name)
+        self.lifted, self.tensors = lifted, tensors
+
+    def _eval(self, node, shape):
+        if node.op == "placeholder" and node.name in self.lifted:
+            fqn = self.lifted[node.name]
+            return ParamTensor(fqn, self.tensors[fqn])
+        return super()._eval(node, shape)
+
+    def _function(self, fn, args, kwargs):
+        if isinstance(fn, torch._ops.OpOverload) and not values_in(args, kwargs):
+            if not any(isinstance(a, ParamTensor) for a in leaves(args, kwargs)):
+                return fn(*args, **kwargs)  # index arithmetic of decomposed ops (arange, clamp, ...): a constant
+            return self._call(fn, fn.__name__, args, kwargs)  # a lifted constant's copy, or refused by its rule
+        return super()._function(fn, args, kwargs)

@@ -1,0 +1,108 @@
+"""Rules for ops that only move, copy or drop elements (view, reshape, flatten, permute, cat, chunk,
+slicing, flips, rolls, ...), and for shape queries.
+
+An index op is lowered by running it on element ids (:func:`..core.values.run_index_op`, which
+refuses any op that mixes the samples of a batch); its index arguments must be constants. ``cat``
+along the channels stays at channel granularity when it can. ``x.size()``, ``x.dim()``, ``x.shape``
+and ``x.ndim`` are read off the activation's shape.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pathir.frontends.core.values import ParamTensor, Value, leaves, substitute
+
+__all__ = ["moves", "method_moves", "cat", "getattr_", "size", "dim", "unflatten", "unflatten_module",
+           "flatten_module", "channel_shuffle_module", "index_with", "transposed_param"]
+
+
+def _index(low, fn, args, kwargs):
+    if any(isinstance(a, ParamTensor) and a.tensor.is_floating_point() for a in leaves(args, kwargs)):
+        low.unsupported("moves a model parameter or buffer into the activations (a constant input to a "
+                        "neuron, not a weight on an edge)")
+    tensors = [a for a in leaves(args, kwargs) if isinstance(a, Value)]
+    outs, many = low.index_op(lambda *ids: fn(*substitute(args, ids), **substitute(kwargs, ids)), tensors)
+    return tuple(outs) if many else outs[0]
+
+
+def moves(fn):
+    """The rule of the index op ``fn`` (a torch function or an ATen op)."""
+    def rule(low, *args, **kwargs):
+        return _index(low, fn, args, kwargs)
+    rule.__name__ = f"moves({getattr(fn, '__name__', fn)})"
+    return rule
+
+
+def method_moves(name: str):
+    """The rule of the tensor method ``name`` that moves elements."""
+    def rule(low, *args, **kwargs):
+        return _index(low, lambda self, *a, **k: getattr(self, name)(*a, **k), args, kwargs)
+    rule.__name__ = f"method_moves({name})"
+    return rule
+
+
+def cat(low, tensors, dim=0, *, axis=None, out=None):
+    """Concatenation; along the channels at channel granularity when every input is a channel-level
+    selection, else on element ids."""
+    if out is not None:
+        low.unsupported("cat with out=")
+    dim = dim if axis is None else axis
+    if dim in (1, -len(tensors[0].shape) - 1) and all(isinstance(t, Value) for t in tensors):
+        v = low.cat_channels(list(tensors))
+        if v is not None:
+            return v
+    return _index(low, torch.cat, (tensors, dim), {})
+
+
+def getattr_(low, obj, attr):
+    if isinstance(obj, ParamTensor) and attr in ("T", "mT", "H", "mH"):
+        low.unsupported(transposed_param(obj))
+    if isinstance(obj, Value):
+        if attr == "shape":
+            return obj.size()
+        if attr == "ndim":
+            return len(obj.shape) + 1
+        low.unsupported(f"reads attribute '{attr}' of an activation", "getattr")
+    return getattr(obj, attr)
+
+
+def size(low, input, dim=None):
+    s = input.size()
+    return s if dim is None else s[dim]
+
+
+def dim(low, input):
+    return len(input.shape) + 1
+
+
+def unflatten(low, input, dim, sizes):
+    return low.index_op(lambda t: torch.unflatten(t, dim, sizes), [input])[0][0]
+
+
+def unflatten_module(low, mod, input):
+    return low.index_op(lambda t: t.unflatten(mod.dim, mod.unflattened_size), [input])[0][0]
+
+
+def channel_shuffle_module(low, mod, input):
+    """``nn.ChannelShuffle``: a channel permutation (a ChannelMap, ties nothing)."""
+    return low.index_op(lambda t: torch.nn.functional.channel_shuffle(t, mod.groups), [input])[0][0]
+
+
+def flatten_module(low, mod, input):
+    return low.index_op(lambda t: torch.flatten(t, mod.start_dim, mod.end_dim), [input])[0][0]
+
+
+def index_with(fn):
+    """The rule of ATen's ``index`` / ``_unsafe_index`` with constant indices (decomposed padding,
+    nearest upsampling): a selection."""
+    def rule(low, input, indices):
+        if any(isinstance(i, Value) for i in (indices or [])):
+            low.unsupported("indexes by an activation: a data-dependent selection, not a fixed map")
+        return low.index_op(lambda t: fn(t, indices), [input])[0][0]
+    return rule
+
+
+def transposed_param(p: ParamTensor) -> str:
+    return (f"transposes the parameter '{p.name}' in the forward (a weight read in another layout): write "
+            f"x @ W.T as F.linear(x, W) (W of shape (out, in)), or keep W of shape (in, out) and write x @ W")

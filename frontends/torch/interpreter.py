@@ -1,0 +1,215 @@
+"""The fx interpreter: the lowering core's walk over a torch.fx graph.
+
+Both torch entry points run it: :mod:`.lower` on a symbolic trace and :mod:`.export` (a subclass)
+on the exported ATen graph. Each fx node becomes a pending Value (:mod:`..core.values`) through
+the rule its target has in the op table (:mod:`.table`); shape arithmetic is evaluated on
+concrete sizes; any other op that touches an activation raises ``UnsupportedOperation`` naming
+the node, its op, the module path it came from and why (:mod:`.why`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+
+import torch
+import torch.fx
+import torch.nn as nn
+
+from pathir.errors import PathirError
+from pathir.frontends.core.lowering import Lowering
+from pathir.frontends.core.values import ParamTensor, Value, values_in
+from pathir.frontends.torch.capture_checks import alias_plan, apply_inplace, check_modes, effect_fx, refuse_inplace
+from pathir.frontends.torch.indexing import transposed_param
+from pathir.frontends.torch.table import rule_for
+from pathir.frontends.torch.why import why
+from pathir.ir import NodeKind
+
+__all__ = ["FxInterpreter", "TorchLowering", "invoke"]
+
+
+class TorchLowering(Lowering):
+    """The lowering core with the model at hand: rules ask it which tensors are buffers."""
+
+    def __init__(self, name: str, model: nn.Module):
+        super().__init__(name)
+        self.model = model
+        self._buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
+        self._parameters = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+
+    def is_buffer(self, t) -> bool:
+        """Whether ``t`` is a registered buffer of the model (a fixed tensor, never a parameter)."""
+        if not isinstance(t, ParamTensor):
+            return False
+        return t.kind == "buffer" or (t.name in self._buffers and t.name not in self._parameters)
+
+    def is_parameter(self, t) -> bool:
+        """Whether ``t`` is a parameter of the model (or the original of a parametrized one)."""
+        return isinstance(t, ParamTensor) and (t.name in self._parameters or t.name + "_orig" in self._parameters)
+
+
+def invoke(low, rule, args, kwargs):
+    """``rule(low, *args, **kwargs)``; arguments its parameter list does not bind are refused."""
+    try:
+        inspect.signature(rule).bind(low, *args, **kwargs)
+    except TypeError as err:
+        low.unsupported(f"arguments pathir does not lower: {err}")
+    return rule(low, *args, **kwargs)
+
+
+class FxInterpreter:
+    effect = staticmethod(effect_fx)  # what a node does to storage (capture_checks)
+
+    def _is_state(self, node) -> bool:
+        return node.op == "get_attr"
+
+    def __init__(self, model: nn.Module, gm: torch.fx.GraphModule, name: str):
+        self.model, self.gm = model, gm
+        self.low = TorchLowering(name, model)
+        self.env: dict[torch.fx.Node, object] = {}
+
+    def run(self, shapes):
+        """Lower the traced program; ``shapes``: one per-sample shape per tensor input."""
+        shapes = [tuple(shapes)] if shapes and not isinstance(shapes[0], (tuple, list)) else [tuple(s) for s in shapes]
+        self._inputs = 0
+        check_modes(self.gm.graph)
+        rebind = alias_plan(self.gm.graph, self.model, self.effect, self._is_state)
+        for node in self.gm.graph.nodes:
+            self.low.fx_name = node.name
+            self.low.label = str(node.target) if node.op == "call_module" else node.name
+            self.low.where = _module_path(node)
+            self.low.op = _op_name(node, self.model)
+            if node.op == "output":
+                if self._inputs != len(shapes):
+                    low_input_count(self.low, self._inputs, len(shapes))
+                return self._output(node)
+            refuse_inplace(rebind, node, self.env)  # a write some later reader sees through a view
+            value = self._eval(node, shapes)
+            apply_inplace(rebind, node, self.env, value)  # an in-place op: later readers read its result
+            self.env[node] = value
+            if isinstance(value, Value) and value.node is None and _data_readers(node) > 1:
+                self.low.materialize(value)  # one node for every reader, not a copy per reader
+        raise PathirError("the traced program has no output")
+
+    def _args(self, node):
+        return torch.fx.node.map_arg((node.args, node.kwargs), lambda n: self.env[n])
+
+    def _eval(self, node, shapes):
+        low = self.low
+        if node.op == "placeholder":
+            return self._input(node, shapes)
+        if node.op == "get_attr":
+            obj = _get(self.model, node.target)
+            if isinstance(obj, torch.Tensor):
+                low.direct_reads.add(node.target)  # it may become a fixed constant (frontends/torch/reread.py)
+                return ParamTensor(node.target, obj)
+            return obj
+        args, kwargs = self._args(node)
+        if node.op == "call_module":
+            return self._module(_get(self.model, node.target), node.target, args, kwargs)
+        if node.op == "call_function":
+            return self._function(node.target, args, kwargs)
+        if node.op == "call_method":
+            return self._method(node.target, args, kwargs)
+        low.unsupported(f"fx op {node.op}")
+
+    def _input(self, node, shapes):
+        """The next tensor input (its shape from ``shapes``), or the default of an optional argument."""
+        if self._inputs >= len(shapes):
+            if node.args:
+                return node.args[0]  # forward(self, x, mask=None): the default
+            low_input_count(self.low, self._inputs + 1, len(shapes))
+        shape = shapes[self._inputs]
+        self._inputs += 1
+        return Value.of_node(self.low.b.input(node.name, shape, origin="input"), shape)
+
+    def _output(self, node):
+        out = node.args[0]
+        if isinstance(out, dict):  # {"out": ..., "aux": ...}: every value an output, in order
+            out = list(out.values())
+        values = out if isinstance(out, (tuple, list)) else [out]
+        names = []
+        for v in values:
+            v = self.env[v] if isinstance(v, torch.fx.Node) else v
+            if not isinstance(v, Value):
+                self.low.unsupported(f"the model returns {type(v).__name__}, expected tensors", "output")
+            node_name = self.low.materialize(v, v.origin or "output")
+            if self.low.b.kind(node_name) is NodeKind.INPUT:
+                self.low.unsupported("the model returns its input unchanged", "output")
+            names.append(node_name)
+        return self.low.b.build(outputs=names, prune_dead=True)
+
+    # ------------------------------------------------------------ calls
+    def _module(self, mod: nn.Module, path: str, args, kwargs):
+        rule = rule_for(type(mod))
+        if rule is None:
+            name = type(mod).__name__
+            self.low.unsupported(why(name), name)
+        return invoke(self.low, rule, (mod, *args), kwargs)
+
+    def _function(self, fn, args, kwargs):
+        low = self.low
+        if not values_in(args, kwargs):
+            if fn is getattr and isinstance(args[0], ParamTensor) and args[1] in ("T", "mT", "H", "mH"):
+                low.unsupported(transposed_param(args[0]))
+            if any(isinstance(a, ParamTensor) for a in list(args) + list(kwargs.values())):
+                low.unsupported("computes with a model parameter outside linear/conv/batch-norm layers")
+            return fn(*args, **kwargs)  # shape arithmetic on concrete sizes
+        if fn is operator.getitem and isinstance(args[0], tuple) and isinstance(args[1], int):
+            return args[0][args[1]]  # an op's tuple of results (chunk, max(dim), max-pool with indices)
+        return self._call(fn, getattr(fn, "__name__", str(fn)), args, kwargs)
+
+    def _method(self, name, args, kwargs):
+        self_ = args[0]
+        if not isinstance(self_, Value):
+            if isinstance(self_, ParamTensor):
+                if values_in(args, kwargs) and rule_for(name) is not None:  # self.buf * x: fx calls the buffer's method
+                    return self._call(name, name, args, kwargs)
+                if name in ("t", "transpose", "permute", "swapaxes", "swapdims"):
+                    self.low.unsupported(transposed_param(self_))
+                self.low.unsupported("computes with a model parameter outside linear/conv/batch-norm layers")
+            return getattr(self_, name)(*args[1:], **kwargs)
+        return self._call(name, name, args, kwargs)
+
+    def _call(self, target, name: str, args, kwargs):
+        """The rule of ``target`` on the node's arguments, or a refusal naming ``name``."""
+        rule = rule_for(target)
+        if rule is None:
+            self.low.unsupported(why(name.split(".")[0]), name)
+        return invoke(self.low, rule, args, kwargs)
+
+
+def low_input_count(low, takes: int, given: int):
+    low.unsupported(f"the model takes {takes} tensor input(s), input_shape gives {given} shape(s): pass "
+                    "input_shape=[(...), (...)], one shape per input (without the batch axis)", "placeholder")
+
+
+def _data_readers(node) -> int:
+    """How many fx nodes read the values of ``node`` (shape queries do not)."""
+    shape_only = {("call_method", "size"), ("call_method", "dim"), ("call_function", getattr)}
+    return sum((u.op, u.target) not in shape_only for u in node.users)
+
+
+def _get(model, target: str):
+    obj = model
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _module_path(node) -> str:
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack") if hasattr(node, "meta") else None
+    if stack:
+        path = list(stack.values())[-1]
+        return path[0] if isinstance(path, tuple) else str(path)
+    return ""
+
+
+def _op_name(node, model) -> str:
+    if node.op == "call_module":
+        return type(_get(model, node.target)).__name__
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", str(node.target))
+    return str(node.target) if node.op in ("call_method", "get_attr") else node.op

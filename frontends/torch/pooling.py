@@ -1,0 +1,134 @@
+"""Rules for pooling, means, sums, maxima over axes, and constant masks.
+
+Max-pools are max-pool neurons; average pools, adaptive average pools and the mean over every
+spatial axis are fixed window maps; ``sum`` / ``mean`` / ``amax`` / ``max(dim)`` over other axes
+go through :func:`..core.reductions.reduce`; an adaptive max-pool whose output size divides the
+input is a plain max-pool; ``where`` / ``masked_fill`` with a constant bool mask are fixed 0 / 1
+factors (:func:`..core.reductions.where`).
+"""
+
+from __future__ import annotations
+
+import collections
+
+from pathir.frontends.core.reductions import all_spatial, reduce, where
+from pathir.frontends.core.values import Value
+from pathir.frontends.torch.arithmetic import maximum
+from pathir.frontends.torch.why import refuse
+
+__all__ = ["max_pool", "max_pool_module", "max_pool_with_indices", "avg_pool", "avg_pool_module",
+           "adaptive_avg_pool", "adaptive_avg_pool_module", "adaptive_max_pool", "adaptive_max_pool_module",
+           "adaptive_max_pool_aten", "mean", "sum_", "amax", "max_", "where_", "where_method", "masked_fill"]
+
+MaxResult = collections.namedtuple("MaxResult", ["values", "indices"])  # torch.return_types.max, indices unusable
+
+
+def max_pool(low, input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
+    if return_indices:
+        low.unsupported("max-pool returning indices")
+    return low.max_pool(input, kernel_size, stride, padding, dilation, ceil_mode)
+
+
+def max_pool_module(low, mod, input):
+    return max_pool(low, input, mod.kernel_size, mod.stride, mod.padding, mod.dilation, mod.ceil_mode,
+                    mod.return_indices)
+
+
+def max_pool_with_indices(low, input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False):
+    """ATen's max-pool with indices: the pooled values (the indices must stay unread)."""
+    return low.max_pool(input, kernel_size, stride, padding, dilation, ceil_mode), None
+
+
+def avg_pool(low, input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
+             divisor_override=None):
+    return low.avg_pool(input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+
+def avg_pool_module(low, mod, input):
+    return low.avg_pool(input, mod.kernel_size, mod.stride, mod.padding, mod.ceil_mode, mod.count_include_pad,
+                        getattr(mod, "divisor_override", None))
+
+
+def adaptive_avg_pool(low, input, output_size):
+    return low.adaptive_avg_pool(input, output_size)
+
+
+def adaptive_avg_pool_module(low, mod, input):
+    return low.adaptive_avg_pool(input, mod.output_size)
+
+
+def adaptive_max_pool(low, input, output_size, return_indices=False):
+    """An adaptive max-pool whose output size divides the input: a plain max-pool."""
+    v = low.value(input)
+    n = len(v.shape) - 1
+    sizes = output_size if isinstance(output_size, (tuple, list)) else (output_size,) * n
+    out = tuple(v.shape[1 + i] if o is None else int(o) for i, o in enumerate(sizes))
+    if return_indices:
+        low.unsupported("adaptive max-pool with return_indices: the indices are not a fixed map")
+    if not all(L % o == 0 for L, o in zip(v.shape[1:], out)):
+        low.unsupported(f"adaptive max-pool from {list(v.shape[1:])} to {list(out)}: the windows overlap and "
+                        "differ in size (only an output size dividing the input is lowered, a plain max-pool)")
+    k = tuple(L // o for L, o in zip(v.shape[1:], out))
+    return low.max_pool(v, k, k, 0, 1, False)
+
+
+def adaptive_max_pool_module(low, mod, input):
+    return adaptive_max_pool(low, input, mod.output_size, mod.return_indices)
+
+
+def adaptive_max_pool_aten(low, input, output_size):
+    return adaptive_max_pool(low, input, output_size), None
+
+
+def _dims(dim, axis):
+    return dim if dim is not None else axis
+
+
+def mean(low, input, dim=None, keepdim=False, *, dtype=None, axis=None, keepdims=None):
+    """The mean over every spatial axis is the global average pool; over other non-batch axes a
+    fixed reduction."""
+    dims, keep = _dims(dim, axis), bool(keepdim if keepdims is None else keepdims)
+    if dtype is not None:
+        low.unsupported("mean with a dtype argument (a cast)")
+    v = low.value(input)
+    if dims is None or all_spatial(v, dims):  # the global average pool (over every axis: refused there)
+        return low.mean(v, dims if dims is not None else list(range(len(v.shape) + 1)), keep)
+    return reduce(low, v, dims, keep, "mean")
+
+
+def sum_(low, input, dim=None, keepdim=False, *, dtype=None, axis=None, keepdims=None):
+    if dtype is not None:
+        low.unsupported("sum with a dtype argument (a cast)")
+    return reduce(low, input, _dims(dim, axis), bool(keepdim if keepdims is None else keepdims), "sum")
+
+
+def amax(low, input, dim=(), keepdim=False, *, axis=None, keepdims=None):
+    return reduce(low, input, _dims(dim, axis), bool(keepdim if keepdims is None else keepdims), "max")
+
+
+def max_(low, input, dim=None, keepdim=False, *, other=None, axis=None, keepdims=None):
+    """``torch.max(a, b)`` of two activations (a max-pool neuron over them), or ``max(x, dim)``
+    (values; the indices must stay unread)."""
+    second = dim if other is None else other
+    if isinstance(second, Value):
+        return maximum(low, input, second)
+    dims = _dims(dim, axis)
+    if dims is not None and not isinstance(dims, int):
+        refuse(low)
+    return MaxResult(reduce(low, input, dims, bool(keepdim if keepdims is None else keepdims), "max"), None)
+
+
+def where_(low, condition, input, other):
+    return where(low, condition, input, other)
+
+
+def where_method(low, input, condition, other=None):
+    """``x.where(cond, y)`` = ``where(cond, x, y)``."""
+    return where(low, condition, input, other)
+
+
+def masked_fill(low, input, mask, value):
+    """``x.masked_fill(mask, value)`` = ``where(mask, value, x)``."""
+    if not isinstance(input, Value):
+        refuse(low)
+    return where(low, mask, value, input)

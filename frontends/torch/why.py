@@ -1,0 +1,60 @@
+"""Why an op has no place in a ReLU DAG (docs/math.md §1): the reasons the torch frontend's
+``UnsupportedOperation`` gives, by module class name, function, method or ATen op name."""
+
+from __future__ import annotations
+
+__all__ = ["WHY", "why", "refuse"]
+
+#: op name -> why it is refused
+WHY = {
+    "ReLU6": "clips at 6: not positively homogeneous",
+    "Hardtanh": "clips: not positively homogeneous",
+    "Hardswish": "not positively homogeneous (a smooth gate)",
+    "Hardsigmoid": "not positively homogeneous",
+    "Sigmoid": "not positively homogeneous",
+    "Tanh": "not positively homogeneous",
+    "GELU": "not positively homogeneous",
+    "SiLU": "not positively homogeneous",
+    "ELU": "not positively homogeneous",
+    "LeakyReLU": "its negative slope is allowed in theory but not by pathir's neuron types",
+    "Softmax": "softmax inside the graph is not positively homogeneous",
+    "LogSoftmax": "log-softmax is not positively homogeneous",
+    "LayerNorm": "normalizes by input-dependent statistics",
+    "GroupNorm": "normalizes by input-dependent statistics",
+    "LocalResponseNorm": "normalizes by input-dependent statistics",
+    "MultiheadAttention": "attention multiplies activations together",
+    "mul": "a multiplicative gate between two activations (or a constant factor)",
+    "sigmoid": "not positively homogeneous",
+    "hardsigmoid": "not positively homogeneous",
+    "layer_norm": "normalizes by input-dependent statistics",
+    "relu6": "clips at 6: not positively homogeneous",
+    "hardtanh": "clips at fixed thresholds: not positively homogeneous (hardtanh(0, inf) is a ReLU and is lowered)",
+    "abs": "positively homogeneous, but |x| is not one of pathir's neurons (identity, ReLU, max-pool)",
+    "pow": "a power of an activation: not positively homogeneous",
+    "sort": "orders by value: not a fixed map",
+    "topk": "selects by value: not a fixed map",
+    "cumsum": "a cumulative sum is a fixed linear map pathir does not lower (write it as a Linear with fixed weights)",
+    "softplus": "not positively homogeneous",
+    "normalize": "divides by the activation's own norm: not positively homogeneous",
+    "einsum": "einsum is not lowered: write a contraction with a weight as a Linear layer or x @ W",
+    **{op: ("makes a new tensor of an activation's shape: a constant (or random) input inside the network, not a "
+            "ReLU DAG edge (to pad with zeros, use F.pad; a constant zero channel is a zero-padded layer)")
+       for op in ("zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like", "randint_like",
+                  "new_zeros", "new_ones", "new_full", "new_empty", "new_tensor")},
+    **{op: "casts an activation to another dtype inside the forward: the IR computes in the model's dtype"
+       for op in ("to", "type", "float", "double", "half", "bfloat16")},
+    **{op: "compares an activation: a data-dependent mask, not a fixed linear map" for op in (
+        "gt", "lt", "ge", "le", "eq", "ne", "greater", "less", "greater_equal", "less_equal", "__gt__", "__lt__",
+        "__ge__", "__le__", "__eq__", "__ne__")},
+}
+
+
+def why(op: str) -> str:
+    """Why ``op`` (a module class name, a function or method name, an ATen op name) is refused."""
+    return WHY.get(op, "outside the ReLU DAG model (identity, ReLU and max-pool neurons with linear edges)")
+
+
+def refuse(low):
+    """Refuse the op being lowered (``low.op``) with its reason; never returns."""
+    op = low.op.split(".")[0]
+    low.unsupported(why(op), low.op)
