@@ -1,0 +1,89 @@
+"""benchmarks/bench_equalize.py: its folding and quantization model, its clean skip without Brevitas (and
+without pathir.equalize), and one tiny Brevitas run where Brevitas is installed."""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_equalize as bench  # noqa: E402
+import equalize_models as em  # noqa: E402
+
+TINY = ["--models", "resnet18", "--size", "32", "--bits", "8", "--batch", "2", "--calib-batches", "1",
+        "--threads", "1", "--eq-iters", "2"]
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    model = em.build("resnet18", size=32, calib_batches=1)
+    return model, em.eval_inputs(32, 2)
+
+
+def test_batch_norms_look_trained_and_fold_exactly(resnet):
+    model, x = resnet
+    gammas = torch.cat([m.weight for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)])
+    assert gammas.max() / gammas.min() > 20  # log-normal spread, not the init's ones
+    folded, n, left = em.fold_bn(model)
+    assert (n, left) == (20, 0) and not any(isinstance(m, torch.nn.BatchNorm2d) for m in folded.modules())
+    with torch.no_grad():
+        assert em.relative_error(model(x), folded(x)) < 1e-5
+    assert any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())  # the input is left as it was
+
+
+def test_quantization_model():
+    w = torch.tensor([[1.0, -0.5, 0.26], [0.01, 0.02, -0.03]])
+    q = em._quantize(w, 3, False)  # Δ = 1/3: every entry a multiple of it
+    assert torch.allclose(q / (1 / 3), torch.round(q / (1 / 3))) and q[1].abs().max() == 0
+    qc = em._quantize(w, 3, True)  # one Δ per row: the small row survives
+    assert torch.allclose(qc[1], w[1], atol=1e-7)  # Δ = 0.01: exact
+    lin = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    qlin = em.quantize_weights(lin, 3, per_channel=False)
+    assert torch.equal(qlin.weight, q) and torch.equal(qlin.bias, lin.bias) and torch.equal(lin.weight, w)
+    assert not torch.equal(em.quantize_weights(lin, 3, quant_bias=True).bias, lin.bias)
+    y = torch.randn(100)
+    assert em.sqnr_db(y, y) == math.inf and abs(em.sqnr_db(y, 0.9 * y) - 20) < 1e-4
+
+
+def test_per_channel_is_the_ceiling(resnet):
+    folded, _, _ = em.fold_bn(resnet[0])
+    x = resnet[1]
+    with torch.no_grad():
+        y = folded(x)
+        tensor, channel = (em.sqnr_db(y, em.quantize_weights(folded, 6, pc)(x)) for pc in (False, True))
+    assert channel > tensor
+
+
+def test_skips_cleanly_without_brevitas_and_pathir_equalize(monkeypatch, capsys):
+    for name in ["brevitas", "brevitas.graph", "brevitas.graph.equalize", "brevitas.graph.quantize"]:
+        monkeypatch.setitem(sys.modules, name, None)  # importing brevitas fails, even after an earlier import
+    import pathir
+
+    if hasattr(pathir, "equalize"):
+        monkeypatch.delattr(pathir, "equalize")
+    assert bench.main(TINY + ["--sides", "brevitas,pathir"]) == []
+    out = capsys.readouterr().out
+    assert "brevitas: skipped, brevitas is not installed" in out and "pathir.equalize does not exist" in out
+    assert "nothing to compare, skipped" in out and "|" not in out
+
+
+def test_table_shows_why_a_side_is_missing():
+    row = {"model": "m", "bits": 6, "sqnr_none": -1.23, "sqnr_per_channel": 10.0, "weight_layers": 5,
+           "brevitas_error": "RuntimeError: a | b", "sqnr_pathir": 9.0, "pathir_s": 0.5, "pathir_float_ok": False,
+           "pathir_float_rel_err": 0.02}
+    line = bench.table([row], ["brevitas", "pathir"]).splitlines()[2]
+    assert line == "| m | 6 | -1.2 | 10.0 | RuntimeError: a \\| b | – | – | 9.0 (float ✗ 2e-02) | 0.50 |"
+
+
+def test_brevitas_side_keeps_the_float_function(capsys):
+    pytest.importorskip("brevitas")
+    (row,) = bench.main(TINY + ["--sides", "brevitas"])
+    assert row["brevitas_float_ok"] and row["brevitas_regions"] > 0 and row["brevitas_bn_merged"] == 0
+    assert row["brevitas_layers_changed"] == row["weight_layers"] == 21 and 1 <= row["brevitas_iterations"] <= 2
+    assert row["sqnr_brevitas"] > row["sqnr_none"]  # equalization helps per-tensor quantization here
+    assert "| resnet18 | 8 |" in capsys.readouterr().out
