@@ -66,11 +66,12 @@ def pathir_equalize(model, input_shape):
     equalize = getattr(pathir, "equalize", None)
     if equalize is None:
         raise Skipped("pathir.equalize does not exist yet")
-    return equalize(model, input_shape)
+    report = equalize(model, input_shape=input_shape, bits=6, progress=False)
+    return model, {"objective_after": report.objective_after, "iterations": sum(report.iterations)}
 
 
 def _pathir_side(model, input_shape, args):
-    return pathir_equalize(model, input_shape), {}
+    return pathir_equalize(model, input_shape)
 
 
 def _import_brevitas():

@@ -15,7 +15,7 @@ from pathir.errors import (
 )
 
 __version__ = "0.1.0"
-from pathir.api import compile
+from pathir.api import compile, equalize
 from pathir.compiled import Compiled, Summary
 from pathir.ir import Graph, GraphBuilder, verify
 from pathir.lifting.active_metric import ActivePathMetric, active_path_metric
@@ -23,7 +23,7 @@ from pathir.lifting.path_metric import PathMetric, output_bound, path_metric
 from pathir.observe import Observations, observe
 
 __all__ = [
-    "compile", "Compiled", "Summary", "Graph", "GraphBuilder", "verify",
+    "compile", "equalize", "Compiled", "Summary", "Graph", "GraphBuilder", "verify",
     "PathirError", "UnsupportedOperation", "GraphVerificationError", "GraphTooLarge",
     "PathNormOverflow", "BackendError", "ModelChanged", "SelfCheckFailed", "InputShapeError",
     "PathirWarning", "NotConvergedWarning",

@@ -11,7 +11,7 @@ from pathir.ir import Graph, verify
 from pathir.passes import DEFAULT_PIPELINE, run_passes
 from pathir.support.progress import Phases
 
-__all__ = ["compile"]
+__all__ = ["compile", "equalize"]
 
 
 def _is_onnx(model) -> bool:
@@ -86,3 +86,27 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
         run_self_check(cm, model, kind)
     bar.close()
     return cm
+
+
+def equalize(model, input_shape: Sequence[int] | None = None, example_input=None, bits: int = 8,
+             objective: str = "range", inputs=None, progress: bool | None = None, **kwargs):
+    """Compile ``model`` and equalize it for quantization in place (``Compiled.equalize``): the one-call
+    form. Returns the EqualizeReport; ``kwargs`` go to ``Compiled.equalize`` (``max_log_scale``,
+    ``optimizer``, ...). See docs/equalize.md.
+
+    >>> import torch, pathir
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> with torch.no_grad():
+    ...     _ = net[0].weight.mul_(torch.logspace(-2, 1, 8).reshape(8, 1))  # rows over three decades
+    >>> x = torch.randn(16, 4)
+    >>> before = net(x)
+    >>> report = pathir.equalize(net, input_shape=(4,), bits=6)
+    >>> report.tensors[0].spread_after < report.tensors[0].spread_before
+    True
+    >>> bool(torch.allclose(net(x), before, atol=1e-5))
+    True
+    """
+    cm = compile(model, input_shape=input_shape, example_input=example_input, progress=progress)
+    return cm.equalize(bits=bits, objective=objective, inputs=inputs, progress=progress, **kwargs)

@@ -16,6 +16,7 @@ import numpy as np
 from pathir.analyses.facts import GraphFacts
 from pathir.backends import get_backend
 from pathir.enorm.run import enorm, normalize_units
+from pathir.equalization.run import equalize
 from pathir.errors import ModelChanged, PathirError
 from pathir.ir import Graph, MapKind, Role
 from pathir.lifting.active import active_path_counts, active_path_norm, local_affine
@@ -335,6 +336,25 @@ class Compiled:
         return pathcond(self.facts, self.get_backend(backend), solver=solver, max_sweeps=max_sweeps, tol=tol,
                         commit=self._committer(write_back, optimizer), name=self.name,
                         max_log_scale=max_log_scale, callback=callback, progress=progress)
+
+    def equalize(self, bits: int = 8, objective: str = "range", inputs=None, write_back: bool = True,
+                 max_log_scale: float | None = None, optimizer=None, backend=None, progress: bool | None = None,
+                 callback=None):
+        """Equalization for quantization: the rescaling that makes per-tensor quantization of every
+        weight tensor (batch-norm folded) as fine as possible, ``objective="range"``, or that minimises
+        the certified bound on the output change quantizing at ``bits`` causes, ``"path-metric"``
+        (docs/math.md §12), over every unit of the graph; rescales the model in place (function
+        preserved) and returns an EqualizeReport. ``inputs`` (a batch): the report measures the real
+        output change of quantizing on it. ``max_log_scale``, ``optimizer``, ``progress``: as for
+        :meth:`pathcond`. See docs/equalize.md."""
+
+        self._check_writable(write_back)
+        max_log_scale = self._bound(max_log_scale)
+        if inputs is not None and hasattr(inputs, "detach"):
+            inputs = inputs.detach().cpu().double().numpy()
+        return equalize(self.facts, self.get_backend(backend), bits=bits, objective=objective,
+                        max_log_scale=max_log_scale, commit=self._committer(write_back, optimizer), inputs=inputs,
+                        name=self.name, progress=progress, callback=callback)
 
     def rescaled_variance_ratio(self) -> float | None:
         """min (var + eps) / eps over the batch-norm channels whose running statistics a rescaling

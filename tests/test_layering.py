@@ -31,6 +31,7 @@ LAYERS = {
     "pathir.neurons": 14,
     "pathir.testing": 15,
     "pathir.pathcond": 16,
+    "pathir.equalization": 16,
     "pathir.compiled": 17,
     "pathir.self_check": 18,
     "pathir.observe": 18,

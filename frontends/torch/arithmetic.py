@@ -27,7 +27,7 @@ from pathir.frontends.core.values import ParamTensor, Value
 from pathir.frontends.torch.why import refuse
 from pathir.ir import Scale, SourceRef
 
-__all__ = ["add", "radd", "sub", "rsub", "mul", "div", "neg", "maximum", "matmul", "literal"]
+__all__ = ["add", "sub", "rsub", "mul", "div", "neg", "maximum", "matmul", "literal"]
 
 
 def literal(x) -> bool:
@@ -88,13 +88,13 @@ def add(low, input, other, *, alpha=1):
     return low.add(input, other)
 
 
-def radd(low, input, other, *, alpha=1):
-    """``other + input`` (``x.__radd__(y)``)."""
-    return add(low, other, input, alpha=alpha)
-
-
 def sub(low, input, other, *, alpha=1):
-    """``input - alpha * other``: a fixed edge of weight −alpha on ``other``."""
+    """``input - alpha * other``: a fixed edge of weight −alpha on ``other``; subtracting the literal 0
+    is nothing, and ``0 - x`` is ``-x``."""
+    if literal(other) and other == 0 and isinstance(input, Value):
+        return input
+    if literal(input) and input == 0 and isinstance(other, Value):
+        return fixed_scale(low, other, -_alpha(low, alpha))
     if not (isinstance(input, Value) and isinstance(other, Value)):
         low.unsupported("subtracting a constant: a fixed non-zero bias breaks the rescaling symmetry")
     return low.add(input, fixed_scale(low, other, -_alpha(low, alpha)))

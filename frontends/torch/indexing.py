@@ -99,6 +99,7 @@ def index_with(fn):
     def rule(low, input, indices):
         if any(isinstance(i, Value) for i in (indices or [])):
             low.unsupported("indexes by an activation: a data-dependent selection, not a fixed map")
+        indices = substitute(indices, [])  # an index lifted to a constant by torch.export: its tensor
         return low.index_op(lambda t: fn(t, indices), [input])[0][0]
     return rule
 

@@ -12,7 +12,7 @@ from pathir.frontends.core.fixed_maps import axis_matrices, interpolate, resampl
 from pathir.frontends.core.fixed_maps import pad as pad_selection
 
 __all__ = ["pad_fn", "pad_module", "constant_pad", "mode_pad", "interpolate_fn", "upsample_module",
-           "upsample_nearest", "upsample_bilinear", "pixel_shuffle", "pixel_unshuffle", "pixel_shuffle_module",
+           "pixel_shuffle", "pixel_unshuffle", "pixel_shuffle_module",
            "pixel_unshuffle_module", "upsample_vec", "upsample_explicit", "PAD_MODULES", "ATEN_PADS",
            "ATEN_UPSAMPLE", "ATEN_EXPLICIT"]
 
@@ -62,14 +62,6 @@ def upsample_module(low, mod, input):  # UpsamplingNearest2d / UpsamplingBilinea
                        getattr(mod, "recompute_scale_factor", None))
 
 
-def upsample_nearest(low, input, size=None, scale_factor=None):
-    return interpolate(low, input, size, scale_factor, "nearest", None)
-
-
-def upsample_bilinear(low, input, size=None, scale_factor=None):
-    return interpolate(low, input, size, scale_factor, "bilinear", True)
-
-
 def pixel_shuffle(low, input, upscale_factor):
     """r^2 input channels -> one output channel (a Gather: its ties make them one unit)."""
     r = int(upscale_factor)
@@ -101,7 +93,8 @@ def _aten_tables():
     for name, mode in (("upsample_nearest{}d", "nearest"), ("_upsample_nearest_exact{}d", "nearest-exact"),
                        ("upsample_linear1d", "linear"), ("upsample_bilinear2d", "bilinear"),
                        ("upsample_trilinear3d", "trilinear"), ("upsample_bicubic2d", "bicubic")):
-        for n in (1, 2, 3):
+        # a name with {} comes in 1, 2 and 3 spatial axes; the others name their rank
+        for n in ((1, 2, 3) if "{}" in name else (int(name[-2]),)):
             overload = getattr(aten, name.format(n), None)
             if overload is not None and hasattr(overload, "vec"):
                 upsample[overload.vec] = mode

@@ -36,6 +36,7 @@ WHY = {
     "cumsum": "a cumulative sum is a fixed linear map pathir does not lower (write it as a Linear with fixed weights)",
     "softplus": "not positively homogeneous",
     "normalize": "divides by the activation's own norm: not positively homogeneous",
+    **{op: "reverses axis 0, the batch axis: it mixes the samples of a batch" for op in ("flipud", "flipud.default")},
     "einsum": "einsum is not lowered: write a contraction with a weight as a Linear layer or x @ W",
     **{op: ("makes a new tensor of an activation's shape: a constant (or random) input inside the network, not a "
             "ReLU DAG edge (to pad with zeros, use F.pad; a constant zero channel is a zero-padded layer)")

@@ -1,0 +1,119 @@
+"""The equalization objectives (docs/math.md §12) on the quantized tensors' unit-pair grids, with
+their gradients.
+
+With a_rc(z) = log max_{i∈(r,c)} |θ_i| + (z_r − z_c)/2 the log range of the pair entering unit r and
+leaving unit c after a rescaling z (z = 0 for "no unit"), tensor T's log range is
+log R_T(z) = max_{rc} a_rc(z).
+
+``range``: Σ_T [log R_T(z) − mean_{i∈T, θ_i≠0} log |θ_i(z)|], the log of each tensor's quantization
+step over the geometric mean of its weights, summed. The second term is linear in z, so the
+objective is convex and piecewise linear; it does not change when one tensor is scaled as a whole
+(nothing any quantizer could gain), and on a chain of two layers the linear terms cancel and it is
+Nagel's criterion (Σ_h r¹_h r²_h / (R¹ R²) is rescaling-invariant there).
+
+``path-metric``: log Σ_T R_T(z) · Σ_{i∈T} (S_i/|θ_i|) e^{(z_c(i) − z_r(i))/2}, the log of the first-order
+bound on ‖Φ(θ) − Φ(Q(θ))‖₁ (up to the constant Δ/R / 2 = 1/(2(2^{b−1} − 1))): a log-sum-exp of sums of
+convex functions, convex.
+
+Each max is smoothed by a log-sum-exp of sharpness p, (1/p) log Σ e^{p a} ≥ max a, within
+log(#pairs)/p of it; p = inf is the exact objective.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pathir.equalization.tensors import TensorGrid, TensorPairs
+
+__all__ = ["Objective", "OBJECTIVES"]
+
+OBJECTIVES = ("range", "path-metric")
+
+
+def _lse(a: np.ndarray, p: float, marginals: bool):
+    """(1/p) log Σ e^{p a} over a grid (its max for p = inf), and its softmax's row and column sums."""
+    top = float(np.max(a))
+    if not math.isfinite(top):
+        return top, None
+    if math.isinf(p):
+        return top, None
+    e = np.exp(p * (a - top))
+    total = float(e.sum())
+    value = top + math.log(total) / p
+    if not marginals:
+        return value, None
+    return value, (e.sum(axis=1) / total, e.sum(axis=0) / total)
+
+
+class Objective:
+    """One objective on one graph's quantized tensors: ``value(z, p)`` and ``value_and_grad(z, p)``
+    (the gradient with respect to z ∈ R^H). ``extra``: further sharpnesses whose smoothed value and
+    gradient ``value_and_grad`` adds, weighted (the solver's balance term), at no second pass."""
+
+    def __init__(self, pairs: TensorPairs, kind: str = "range"):
+        if kind not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {kind!r}")
+        if kind == "path-metric" and any(g.log_weight is None for g in pairs.grids):
+            raise ValueError("the path-metric objective needs the pairs' weights (S_i / |θ_i|)")
+        self.pairs, self.kind = pairs, kind
+        self.H = pairs.num_units
+        # Σ_T mean_{i∈T, θ_i≠0} (z_r(i) − z_c(i))/2 = linear · z: the geometric means' part of "range"
+        self.linear = np.zeros(self.H)
+        if kind == "range":
+            for g in pairs.grids:
+                self._add(self.linear, g, g.row_count / g.nonzero, g.col_count / g.nonzero)
+
+    def _add(self, out: np.ndarray, g: TensorGrid, rows: np.ndarray, cols: np.ndarray, scale: float = 1.0) -> None:
+        """out += scale · Σ (rows_r ½δ_r − cols_c ½δ_c) over g's units (none dropped)."""
+        H = self.H
+        r, c = g.rows < H, g.cols < H
+        np.add.at(out, g.rows[r], 0.5 * scale * rows[r])
+        np.add.at(out, g.cols[c], -0.5 * scale * cols[c])
+
+    def _shifted(self, g: TensorGrid, zp: np.ndarray, log: np.ndarray, sign: float) -> np.ndarray:
+        return log + sign * 0.5 * (zp[g.rows][:, None] - zp[g.cols][None, :])
+
+    def value(self, z: np.ndarray, p: float = math.inf) -> float:
+        return self.value_and_grad(z, p, grad=False)[0]
+
+    def value_and_grad(self, z: np.ndarray, p: float, grad: bool = True, extra: tuple = ()):
+        """(objective at sharpness p + Σ weight · objective at sharpness q for (q, weight) in ``extra``,
+        its gradient or None)."""
+        z = np.asarray(z, dtype=np.float64)
+        zp = np.append(z, 0.0)
+        out = np.zeros(self.H) if grad else None
+        if self.kind == "range":
+            scale = 1.0 + sum(w for _, w in extra)
+            value = -scale * float(self.linear @ z)
+            for g in self.pairs.grids:
+                a = self._shifted(g, zp, g.log_max, 1.0)
+                for q, weight in ((p, 1.0), *extra):
+                    v, marg = _lse(a, q, grad)
+                    value += weight * v
+                    if grad and marg is not None:
+                        self._add(out, g, *marg, weight)
+            if grad:
+                out -= scale * self.linear
+            return value, out
+        total = 0.0
+        for q, weight in ((p, 1.0), *extra):
+            terms, parts = [], []
+            for g in self.pairs.grids:
+                r, rm = _lse(self._shifted(g, zp, g.log_max, 1.0), q, grad)
+                w, wm = _lse(self._shifted(g, zp, g.log_weight, -1.0), 1.0, grad)
+                terms.append(r + w)
+                parts.append((g, rm, wm))
+            terms = np.asarray(terms)
+            top = float(np.max(terms))
+            c = np.exp(terms - top)
+            total += weight * (top + math.log(float(c.sum())))
+            if grad:
+                c /= c.sum()
+                for ct, (g, rm, wm) in zip(c, parts):
+                    if rm is not None:
+                        self._add(out, g, *rm, weight * ct)
+                    if wm is not None:
+                        self._add(out, g, *wm, -weight * ct)
+        return total, out

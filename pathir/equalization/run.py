@@ -1,0 +1,121 @@
+"""Equalization on a graph: group the quantized tensors by unit pair, solve, report, commit.
+
+The rescaling is found over the graph's whole unit group (residual streams, concatenations,
+depthwise and grouped convolutions, fixed maps and all), and written through ``commit`` in one
+transaction, so the model computes the same function; only its quantization changes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from pathir.equalization.objective import OBJECTIVES, Objective
+from pathir.equalization.report import EqualizeReport, TensorRow
+from pathir.equalization.solver import solve
+from pathir.equalization.tensors import channel_ranges, quantize, quantize_graph, quantized_params, sqnr_db, tensor_pairs
+from pathir.errors import PathirError
+from pathir.lifting.path_metric import path_metric
+from pathir.lifting.pruning import score_log_parts
+from pathir.lifting.walk import forward
+from pathir.rescaling.apply import rescale_graph
+from pathir.support.progress import Phases, warn_not_converged
+
+__all__ = ["equalize", "PHASES"]
+
+PHASES = ("pairs", "solve", "report", "write")
+
+
+def _log_path_weights(graph, backend) -> dict[int, np.ndarray]:
+    """{id(quantized param): log(S_i / |θ_i|)}, S the path-magnitude scores (docs/math.md §4): the
+    first-order sensitivity of ‖Φ‖₁ to |θ_i|, -inf where θ_i = 0 (Q(0) = 0 moves nothing)."""
+    wanted = {id(p) for p in quantized_params(graph)}
+    out = {}
+    for p, (m, L) in zip(graph.params(), score_log_parts(graph, backend)):
+        if id(p) in wanted:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                out[id(p)] = np.where(m > 0, np.log(m) + L - np.log(np.abs(p.value)), -np.inf)
+    return out
+
+
+def _spread(value: np.ndarray) -> float:
+    r = channel_ranges(value)
+    r = r[r > 0]
+    return float(r.max() / r.min()) if r.size else 1.0
+
+
+def _observed(graph, quantized, backend, inputs) -> float | None:
+    """max over the samples of ‖R_θ(x) − R_Q(θ)(x)‖₁ (every output summed)."""
+    if inputs is None:
+        return None
+    a, b = forward(graph, backend, inputs), forward(quantized, backend, inputs)
+    total = 0.0
+    for name in a:
+        diff = np.abs(backend.to_numpy(a[name]) - backend.to_numpy(b[name]))
+        total = total + diff.reshape(diff.shape[0], -1).sum(axis=1)
+    return float(np.max(total))
+
+
+def _input_scale(inputs) -> float:
+    """max(‖x‖∞, 1) over the inputs given (1 without inputs: the bound per unit of input)."""
+    if inputs is None:
+        return 1.0
+    arrays = inputs.values() if isinstance(inputs, dict) else [inputs]
+    return max(1.0, *(float(np.max(np.abs(np.asarray(a, dtype=np.float64)))) for a in arrays))
+
+
+def equalize(facts, backend, bits: int = 8, objective: str = "range", max_log_scale: float = math.inf,
+             commit=None, inputs=None, name: str = "", progress: bool | None = None,
+             callback=None) -> EqualizeReport:
+    """Find the rescaling z minimising ``objective`` over |z_h| ≤ ``max_log_scale`` and, with a
+    ``commit`` callback, write it (the function is kept); returns an EqualizeReport.
+
+    ``objective``: "range" (Σ_T log of tensor T's per-tensor quantization step over the geometric mean
+    of its weights; Nagel's criterion on a chain) or "path-metric" (the first-order bound on
+    ‖Φ(θ) − Φ(Q(θ))‖₁); see docs/math.md §12. ``inputs``: a batch (array, or {input: array}) on which
+    the report measures the real output change of quantizing at ``bits``, and whose ‖x‖∞ scales the
+    certified bound.
+    """
+    if objective not in OBJECTIVES:
+        raise PathirError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    if not (isinstance(bits, int) and 2 <= bits <= 16):
+        raise PathirError(f"bits must be an integer from 2 to 16, got {bits!r}")
+    start = time.perf_counter()
+    graph, units = facts.graph, facts.units
+    bar = Phases(PHASES if commit is not None else PHASES[:-1], desc=f"equalize {name}".strip(), progress=progress)
+    bar.phase("pairs")
+    params = quantized_params(graph)
+    if not params:
+        raise PathirError("the graph has no dense or convolution weight to quantize: nothing to equalize")
+    weights = _log_path_weights(graph, backend) if objective == "path-metric" else None
+    pairs = tensor_pairs(graph, units, facts.row_ends, weights)
+    bar.phase("solve")
+    result = solve(Objective(pairs, objective), max_log_scale, callback=callback)
+    z = result.z
+    bar.phase("report")
+    rescaled = rescale_graph(graph, units, z)
+    after = {p.name: p for p in quantized_params(rescaled)}
+    rows = [TensorRow(p.source_name, _spread(p.value), _spread(after[p.name].value),
+                      sqnr_db(p.value, quantize(p.value, bits)), sqnr_db(after[p.name].value, quantize(after[p.name].value, bits)))
+            for p in params]
+    scale = _input_scale(inputs)
+    q_before, q_after = quantize_graph(graph, bits), quantize_graph(rescaled, bits)
+    bound_before = scale * path_metric(graph, q_before, backend).upper
+    bound_after = scale * path_metric(rescaled, q_after, backend).upper
+    observed = (_observed(graph, q_before, backend, inputs), _observed(rescaled, q_after, backend, inputs))
+    del rescaled, q_before, q_after
+    if commit is not None:
+        bar.phase("write")
+        commit(z)
+    bar.close()
+    if not result.converged:
+        warn_not_converged("equalize", name, sum(result.iterations), "raise max_iter")
+    return EqualizeReport(
+        name=name, objective=objective, bits=bits, units=len(units), tensors=rows,
+        objective_before=result.value_before, objective_after=result.value_after,
+        bound_before=bound_before, bound_after=bound_after, observed_before=observed[0], observed_after=observed[1],
+        units_moved=int(np.count_nonzero(z)), units_at_bound=result.at_bound, max_log_scale=float(max_log_scale),
+        iterations=result.iterations, converged=result.converged, seconds=time.perf_counter() - start,
+        written=commit is not None, z=z)
