@@ -9,6 +9,7 @@ from pathir.compiled import Compiled
 from pathir.frontends.onnx import lower as lower_onnx
 from pathir.ir import Graph, verify
 from pathir.passes import DEFAULT_PIPELINE, run_passes
+from pathir.support.model_state import keeps_model, kept
 from pathir.support.progress import Phases
 
 __all__ = ["compile", "equalize"]
@@ -20,6 +21,7 @@ def _is_onnx(model) -> bool:
     return type(model).__name__ == "ModelProto"
 
 
+@keeps_model
 def compile(model, input_shape: Sequence[int] | None = None, example_input=None, passes: Sequence = (),
             backend=None, check: bool = True, self_check: bool = True, progress: bool | None = None) -> Compiled:
     """Lower ``model`` to the pathir IR and run the compile pipeline.
@@ -38,7 +40,8 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
     progress : a bar on stderr over the phases lower, passes, self-check (``pathir.support.progress``;
         None: only when stderr is a terminal).
 
-    The model is never modified.
+    The model is never modified: a refused call puts back everything its forward wrote
+    (pathir.support.model_state, docs/capture.md).
 
     >>> import torch, pathir
     >>> net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
@@ -72,7 +75,8 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
             recipe inputs ``moved`` (docs/live.md), else lowered again."""
             raw = reread.graph(model) if reread is not None and reread.covers(moved) else None
             if raw is None:
-                raw = lower(model, input_shape=input_shape, example_input=example_input).graph
+                with kept(model):  # tracing runs the forward: a refusal leaves the model as it was
+                    raw = lower(model, input_shape=input_shape, example_input=example_input).graph
             return run_passes(raw, (*DEFAULT_PIPELINE, *passes), check=False)
 
     bar.phase("passes")

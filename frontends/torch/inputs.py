@@ -84,7 +84,7 @@ def warn_train_batchnorm(model: nn.Module) -> None:
     if model.training and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         warnings.warn(f"{type(model).__name__} is in train mode: pathir analyses its batch-norms with their "
                       "running (inference statistics), as in eval mode; call model.eval() to silence this",
-                      UserWarning, stacklevel=4)
+                      UserWarning, stacklevel=5)  # warn <- lower <- compile <- keeps_model <- caller
 
 
 def explain(model: nn.Module, shapes, err: Exception) -> None:
