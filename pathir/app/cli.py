@@ -26,6 +26,7 @@ COMMANDS = {
     "check": "check",
     "pathcond": "pathcond",
     "enorm": "enorm",
+    "equalize": "equalize",
     "prune": "prune",
     "demo": "demo",
     "observe": "observe",

@@ -47,6 +47,38 @@ def _lse(a: np.ndarray, p: float, marginals: bool):
     return value, (e.sum(axis=1) / total, e.sum(axis=0) / total)
 
 
+class _Grid:
+    """A grid's log values l_rc and their exponentials at one sharpness, A = e^{p(l − max l)}, so that
+    the smoothed max of l_rc + σ(z_r − z_c)/2 is two mat-vecs (no exponential per cell)."""
+
+    def __init__(self, log: np.ndarray, sign: float):
+        self.log, self.sign = log, sign
+        self.top = float(np.max(log))
+        self.cache: dict[float, np.ndarray] = {}  # p -> A (the solver uses two sharpnesses at a time)
+
+    def lse(self, zr: np.ndarray, zc: np.ndarray, p: float, marginals: bool):
+        if not math.isfinite(self.top):
+            return self.top, None
+        if math.isinf(p):
+            return _lse(self.log + self.sign * 0.5 * (zr[:, None] - zc[None, :]), p, False)
+        A = self.cache.get(p)
+        if A is None:
+            if len(self.cache) > 1:
+                self.cache.pop(max(self.cache))  # the stage before's sharpness
+            A = self.cache[p] = np.exp(p * (self.log - self.top))
+        sr, sc = self.sign * 0.5 * p * zr, -self.sign * 0.5 * p * zc
+        mr, mc = float(sr.max()), float(sc.max())
+        u, v = np.exp(sr - mr), np.exp(sc - mc)
+        Av = A @ v
+        total = float(u @ Av)
+        if not (total > 1e-250 and math.isfinite(total)):  # the product under- or overflowed: cell by cell
+            return _lse(self.log + self.sign * 0.5 * (zr[:, None] - zc[None, :]), p, marginals)
+        value = self.top + (mr + mc + math.log(total)) / p
+        if not marginals:
+            return value, None
+        return value, (u * Av / total, v * (A.T @ u) / total)
+
+
 class Objective:
     """One objective on one graph's quantized tensors: ``value(z, p)`` and ``value_and_grad(z, p)``
     (the gradient with respect to z ∈ R^H). ``extra``: further sharpnesses whose smoothed value and
@@ -59,8 +91,11 @@ class Objective:
             raise ValueError("the path-metric objective needs the pairs' weights (S_i / |θ_i|)")
         self.pairs, self.kind = pairs, kind
         self.H = pairs.num_units
+        self.ranges = [_Grid(g.log_max, 1.0) for g in pairs.grids]
+        self.weights = [_Grid(g.log_weight, -1.0) for g in pairs.grids] if kind == "path-metric" else None
         # Σ_T mean_{i∈T, θ_i≠0} (z_r(i) − z_c(i))/2 = linear · z: the geometric means' part of "range"
         self.linear = np.zeros(self.H)
+        self.constant = -sum(g.mean_log for g in pairs.grids) if kind == "range" else 0.0
         if kind == "range":
             for g in pairs.grids:
                 self._add(self.linear, g, g.row_count / g.nonzero, g.col_count / g.nonzero)
@@ -72,8 +107,19 @@ class Objective:
         np.add.at(out, g.rows[r], 0.5 * scale * rows[r])
         np.add.at(out, g.cols[c], -0.5 * scale * cols[c])
 
-    def _shifted(self, g: TensorGrid, zp: np.ndarray, log: np.ndarray, sign: float) -> np.ndarray:
-        return log + sign * 0.5 * (zp[g.rows][:, None] - zp[g.cols][None, :])
+    def curvature(self, z: np.ndarray, p: float, extra: tuple = ()) -> np.ndarray:
+        """An estimate of the Hessian's diagonal at z (each smoothed max's softmax marginals times q/4,
+        summed over the units they touch): the solver's diagonal preconditioner."""
+        zp = np.append(np.asarray(z, dtype=np.float64), 0.0)
+        out = np.zeros(self.H)
+        for g, grid in zip(self.pairs.grids, self.ranges):
+            zr, zc = zp[g.rows], zp[g.cols]
+            for q, weight in ((p, 1.0), *extra):
+                _, marg = grid.lse(zr, zc, q, True)
+                if marg is not None:
+                    rows, cols = marg
+                    self._add(out, g, rows, -cols, weight * q / 2)  # (q/4)·(rows + cols): _add halves
+        return out
 
     def value(self, z: np.ndarray, p: float = math.inf) -> float:
         return self.value_and_grad(z, p, grad=False)[0]
@@ -86,11 +132,11 @@ class Objective:
         out = np.zeros(self.H) if grad else None
         if self.kind == "range":
             scale = 1.0 + sum(w for _, w in extra)
-            value = -scale * float(self.linear @ z)
-            for g in self.pairs.grids:
-                a = self._shifted(g, zp, g.log_max, 1.0)
+            value = scale * (self.constant - float(self.linear @ z))
+            for g, grid in zip(self.pairs.grids, self.ranges):
+                zr, zc = zp[g.rows], zp[g.cols]
                 for q, weight in ((p, 1.0), *extra):
-                    v, marg = _lse(a, q, grad)
+                    v, marg = grid.lse(zr, zc, q, grad)
                     value += weight * v
                     if grad and marg is not None:
                         self._add(out, g, *marg, weight)
@@ -100,9 +146,10 @@ class Objective:
         total = 0.0
         for q, weight in ((p, 1.0), *extra):
             terms, parts = [], []
-            for g in self.pairs.grids:
-                r, rm = _lse(self._shifted(g, zp, g.log_max, 1.0), q, grad)
-                w, wm = _lse(self._shifted(g, zp, g.log_weight, -1.0), 1.0, grad)
+            for g, rg, wg in zip(self.pairs.grids, self.ranges, self.weights):
+                zr, zc = zp[g.rows], zp[g.cols]
+                r, rm = rg.lse(zr, zc, q, grad)
+                w, wm = wg.lse(zr, zc, 1.0, grad)
                 terms.append(r + w)
                 parts.append((g, rm, wm))
             terms = np.asarray(terms)

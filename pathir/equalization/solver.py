@@ -4,8 +4,8 @@ The objectives are convex but piecewise linear (maxima). The solver follows the 
 (each max a log-sum-exp of sharpness p) along increasing p, each stage a bounded L-BFGS-B started
 where the last one stopped. The exact objective is flat along many directions (a channel below its
 tensor's range may move freely until it reaches it); a small multiple ``balance`` of the objective at
-sharpness ``BALANCE_SHARPNESS`` is added at every stage so that the channels left free end balanced
-(on a chain of two layers, r¹_h/R¹ = r²_h/R² as in Nagel's closed form), and a tiny ridge
+sharpness ``BALANCE_SHARPNESS`` is added at every stage, which pulls the channels left free toward
+balance (on a chain of two layers, toward r¹_h/R¹ = r²_h/R² as in Nagel's closed form), and a tiny ridge
 (ridge/2)‖z‖² keeps z = 0 where nothing is seen at all (a tensor scaled as a whole, units no quantized
 tensor touches). Every stage's iterate is function-preserving; the last one's convergence is reported.
 """
@@ -17,14 +17,17 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import minimize
+import scipy.sparse as sp
+from scipy.optimize import linprog, minimize
 
 from pathir.equalization.objective import Objective
 
-__all__ = ["SolveResult", "solve", "SHARPNESS"]
+__all__ = ["SolveResult", "solve", "SHARPNESS", "exact_range_optimum"]
 
 #: the sharpness schedule: the last stage is within log(#pairs)/p of the exact objective per max
-SHARPNESS = (1.0, 4.0, 16.0)
+SHARPNESS = (1.0, 4.0, 16.0, 64.0, 256.0)
+#: graphs with at most this many unit-pair cells get the range objective's exact optimum (an LP)
+EXACT_LP_CELLS = 200_000
 #: the sharpness of the balance term, and its weight
 BALANCE_SHARPNESS, BALANCE = 2.0, 1e-2
 
@@ -53,22 +56,71 @@ def solve(objective: Objective, max_log_scale: float = math.inf, sharpness=SHARP
     H = objective.H
     z = np.zeros(H)
     before = objective.value(z)
+    if H == 0:  # no unit to move
+        return SolveResult(z, before, before, seconds=time.perf_counter() - start)
     bounds = None if math.isinf(max_log_scale) else [(-max_log_scale, max_log_scale)] * H
     iterations, converged, message = [], True, ""
+    extra = ((BALANCE_SHARPNESS, balance),)
     for stage, p in enumerate(sharpness):
-        def f(x, p=p):
-            value, grad = objective.value_and_grad(x, p, extra=((BALANCE_SHARPNESS, balance),))
-            return value + 0.5 * ridge * float(x @ x), grad + ridge * x
+        # in y = d ⊙ z, d² the Hessian's diagonal estimate at the stage's start: the units a tensor's range
+        # hangs on and the units only the balance term sees get comparable curvature
+        d = np.sqrt(objective.curvature(z, p, extra) + ridge)
 
-        res = minimize(f, z, jac=True, method="L-BFGS-B", bounds=bounds,
+        # past p = 16 the balance term fades with the smoothing, so the exact objective's optimum is reached
+        extra_p = ((BALANCE_SHARPNESS, balance * min(1.0, 16.0 / p)),)
+
+        def f(y, p=p, d=d, extra_p=extra_p):
+            x = y / d
+            value, grad = objective.value_and_grad(x, p, extra=extra_p)
+            return value + 0.5 * ridge * float(x @ x), (grad + ridge * x) / d
+
+        scaled = None if bounds is None else [(-max_log_scale * di, max_log_scale * di) for di in d]
+        res = minimize(f, z * d, jac=True, method="L-BFGS-B", bounds=scaled,
                        options={"maxiter": max_iter, "ftol": tol, "gtol": 1e-8, "maxcor": 20})
-        z = np.asarray(res.x, dtype=np.float64)
+        z = np.asarray(res.x, dtype=np.float64) / d
+        if bounds is not None:
+            np.clip(z, -max_log_scale, max_log_scale, out=z)
         iterations.append(int(res.nit))
         converged, message = bool(res.success), str(res.message)
         if callback is not None:
             callback(stage, objective.value(z))
+    if objective.kind == "range" and objective.pairs.size <= EXACT_LP_CELLS:
+        polished = exact_range_optimum(objective, z, max_log_scale)
+        if polished is not None and objective.value(polished) <= objective.value(z):
+            z = polished
     after = objective.value(z)
     if not after <= before:  # the smoothing never makes things worse than doing nothing
         z, after = np.zeros(H), before
     at_bound = 0 if bounds is None else int(np.sum(np.abs(z) >= max_log_scale * (1 - 1e-9)))
     return SolveResult(z, before, after, iterations, converged, at_bound, time.perf_counter() - start, message)
+
+
+def exact_range_optimum(objective: Objective, z0: np.ndarray, max_log_scale: float, proximity: float = 1e-6):
+    """The range objective's exact minimiser nearest z0 (in ℓ1, weight ``proximity``): the LP
+    min Σ_T t_T − linear·z + proximity·‖z − z0‖₁ s.t. t_T ≥ log max_(r,c) + (z_r − z_c)/2 for every cell,
+    |z_h| ≤ max_log_scale (HiGHS). None where the LP solver fails."""
+    H, grids = objective.H, objective.pairs.grids
+    T = len(grids)
+    rows, cols, vals, rhs = [], [], [], []
+    k = 0
+    for t, g in enumerate(grids):
+        r_idx, c_idx = np.nonzero(np.isfinite(g.log_max))
+        n = r_idx.size
+        ids = np.arange(k, k + n)
+        for units, sign in ((g.rows[r_idx], 0.5), (g.cols[c_idx], -0.5)):
+            keep = units < H
+            rows.append(ids[keep]), cols.append(units[keep]), vals.append(np.full(keep.sum(), sign))
+        rows.append(ids), cols.append(np.full(n, H + t)), vals.append(np.full(n, -1.0))
+        rhs.append(-g.log_max[r_idx, c_idx])
+        k += n
+    # variables: z (H), t (T), s+ (H), s- (H); z - s+ + s- = z0
+    width = 3 * H + T
+    A_ub = sp.csr_array((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(k, width))
+    eye = sp.identity(H, format="csr")
+    A_eq = sp.hstack([eye, sp.csr_array((H, T)), -eye, eye], format="csr")
+    c = np.concatenate([-objective.linear, np.ones(T), np.full(2 * H, proximity)])
+    box = (None, None) if math.isinf(max_log_scale) else (-max_log_scale, max_log_scale)
+    bounds = [box] * H + [(None, None)] * T + [(0, None)] * (2 * H)
+    res = linprog(c, A_ub=A_ub, b_ub=np.concatenate(rhs), A_eq=A_eq, b_eq=np.asarray(z0, dtype=np.float64),
+                  bounds=bounds, method="highs")
+    return np.asarray(res.x[:H], dtype=np.float64) if res.status == 0 else None

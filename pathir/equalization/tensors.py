@@ -37,7 +37,8 @@ class TensorGrid:
     """One quantized tensor's unit pairs as a grid: entry [r, c] is the pair entering unit ``rows[r]``
     and leaving unit ``cols[c]`` (H for none); ``log_max`` its log max |θ_i| (-inf where no entry of
     the tensor is that pair, or all are 0), ``log_weight`` its log Σ w_i (None without weights);
-    ``row_count`` / ``col_count`` the non-zero entries entering each row unit / leaving each column unit."""
+    ``row_count`` / ``col_count`` the non-zero entries entering each row unit / leaving each column unit;
+    ``mean_log`` the mean of log |θ_i| over the non-zero entries (the log of their geometric mean)."""
 
     name: str
     rows: np.ndarray
@@ -46,6 +47,8 @@ class TensorGrid:
     log_weight: np.ndarray | None
     row_count: np.ndarray
     col_count: np.ndarray
+    mean_log: float = 0.0  # mean of log |θ_i| over the non-zero entries
+
 
     @property
     def nonzero(self) -> int:
@@ -124,7 +127,9 @@ def tensor_pairs(graph: Graph, units, row_ends, log_weights: dict[int, np.ndarra
         if log_weights is not None:
             w = np.asarray(log_weights[id(p)], dtype=np.float64).reshape(value.shape)
             log_weight = _log_sum_grid(e, l, w, rows, cols, H)
-        grids.append(TensorGrid(p.source_name, rows, cols, log_max, log_weight, count.sum(axis=1), count.sum(axis=0)))
+        logs = _log_abs(value[value != 0])
+        grids.append(TensorGrid(p.source_name, rows, cols, log_max, log_weight, count.sum(axis=1), count.sum(axis=0),
+                                float(logs.mean())))
     return TensorPairs(tuple(grids), H)
 
 

@@ -39,7 +39,7 @@ def write_output(cm, args) -> None:
 
     if args.output is None:
         return
-    if _is_onnx(args):
+    if is_onnx(args):
         cm.save(args.output)
     elif cm.model is not None and hasattr(cm.model, "state_dict"):
         save_state_dict(cm.model, args.output)
@@ -49,10 +49,10 @@ def write_output(cm, args) -> None:
 
 def check_output(args) -> None:
     if args.output is not None:
-        check_output_path(args.output, _is_onnx(args))
+        check_output_path(args.output, is_onnx(args))
 
 
-def _is_onnx(args) -> bool:
+def is_onnx(args) -> bool:
     import os
 
     return args.model.endswith(".onnx") or os.path.isfile(args.model)

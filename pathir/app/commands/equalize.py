@@ -1,0 +1,41 @@
+"""pathir equalize MODEL [-o OUT]: equalization for quantization (docs/math.md §12), function preserved.
+
+Same inputs and outputs as ``pathir pathcond``: a torch model is written as its state_dict (.pt), an
+ONNX model as an .onnx file; without ``-o`` only the report is printed.
+"""
+
+from __future__ import annotations
+
+from .common import add_model_arguments, check_output_path, compile_model, emit_json, model_info, progress
+from .pathcond import is_onnx, write_output
+
+HELP = ("rescale a model so that per-tensor quantization of its weights is as fine as possible "
+        "(cross-layer equalization over every unit; the function is unchanged)")
+
+
+def add_arguments(parser):
+    add_model_arguments(parser)
+    parser.add_argument("-o", "--output", default=None,
+                        help="output file: .pt state_dict (torch models) or .onnx; omit to only print the report")
+    parser.add_argument("--bits", type=int, default=8, help="the weights' bit width the report measures (default 8)")
+    parser.add_argument("--objective", default="range", choices=["range", "path-metric"],
+                        help="range: per-tensor quantization steps over the weights' geometric means (default); "
+                             "path-metric: the certified bound on the output change quantizing causes")
+    parser.add_argument("--max-log-scale", type=float, default=None,
+                        help="bound on every |z_h| (inf: none); default: the largest the model's dtype holds")
+
+
+def run(args) -> int:
+    if args.output is not None:
+        check_output_path(args.output, is_onnx(args))
+    cm = compile_model(args)
+    report = cm.equalize(bits=args.bits, objective=args.objective, write_back=args.output is not None,
+                         max_log_scale=args.max_log_scale, progress=progress(args))
+    write_output(cm, args)
+    if args.json:
+        emit_json({"model": cm.name, **model_info(args), "output": args.output, **report.to_dict()})
+    else:
+        print(report)
+        if args.output is not None:
+            print(f"written to {args.output}")
+    return 0

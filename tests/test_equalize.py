@@ -1,0 +1,282 @@
+"""Equalization for quantization (docs/equalize.md, docs/math.md §12), against definitions: the function
+kept, Nagel's closed form on chains, the pairwise balance iteration on DAGs, the certified bound against
+the real output change, refusals that leave the model untouched, the report, ONNX and the CLI."""
+
+import json
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings
+
+import pathir
+from pathir.app.cli import main
+from pathir.equalization.objective import Objective
+from pathir.equalization.tensors import quantize, quantized_params, tensor_pairs
+from pathir.errors import PathirError, UnsupportedOperation
+from pathir.testing import relu_dags
+
+
+def _outputs(out):
+    return list(out.values()) if isinstance(out, dict) else [out]
+
+
+def _spread_bn(model, seed=0):
+    """Batch-norm statistics as training leaves them: γ log-normal, the running statistics not unit."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.weight.copy_(torch.exp(torch.randn(m.weight.shape, generator=g)))
+                m.bias.copy_(0.3 * torch.randn(m.bias.shape, generator=g))
+                m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) + 0.2)
+    return model.eval()
+
+
+def _range_objective(graph):
+    """F_range(0) read from the definition, tensor by tensor (docs/math.md §12)."""
+    total = 0.0
+    for p in quantized_params(graph):
+        a = np.abs(p.value)
+        if a.max() > 0:
+            total += math.log(a.max()) - float(np.mean(np.log(a[a > 0])))
+    return total
+
+
+# ---------------------------------------------------------------- the function is kept
+
+
+@settings(max_examples=15, deadline=None)
+@given(relu_dags(max_neurons=50, max_paths=500))
+def test_random_dags_keep_their_function(graph):
+    cm = pathir.compile(graph)
+    if not quantized_params(graph):
+        with pytest.raises(PathirError, match="nothing to equalize"):
+            cm.equalize()
+        return
+    rng = np.random.default_rng(0)
+    x = {n.name: rng.normal(size=(3, *n.shape)) for n in graph.nodes if n.kind.name == "INPUT"}
+    before = _outputs(pathir.compile(graph).forward(x, "numpy"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pathir.NotConvergedWarning)
+        report = cm.equalize(max_log_scale=20.0)
+    assert report.objective_after <= report.objective_before + 1e-12
+    for a, b in zip(before, _outputs(cm.forward(x, "numpy"))):
+        np.testing.assert_allclose(b, a, rtol=1e-9, atol=1e-9 * max(1.0, float(np.abs(a).max())))
+    # the reported objective is the definition's, read off the rescaled graph
+    assert report.objective_after == pytest.approx(_range_objective(cm.graph), rel=1e-9, abs=1e-9)
+
+
+def test_zoo_model_keeps_its_function_and_gains_per_tensor_precision():
+    torch.manual_seed(0)
+    import torchvision
+
+    model = _spread_bn(torchvision.models.resnet18()).double()
+    x = torch.randn(3, 3, 32, 32, dtype=torch.float64)
+    before = model(x)
+    report = pathir.equalize(model, input_shape=(3, 32, 32), bits=6, inputs=x)
+    torch.testing.assert_close(model(x), before, rtol=1e-9, atol=1e-9 * float(before.abs().max()))
+    assert report.written and report.objective_after < report.objective_before
+    gains = [t.sqnr_after - t.sqnr_before for t in report.tensors]
+    assert np.mean(gains) > 0
+    assert report.observed_after is not None and report.bound_after >= report.observed_after
+
+
+# ---------------------------------------------------------------- chains and DAGs
+
+
+def _chain(seed, widths=(6, 5, 3)):
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(widths[0], widths[1]), nn.ReLU(), nn.Linear(widths[1], widths[2])).double()
+    with torch.no_grad():
+        net[0].weight.mul_(torch.exp(2 * torch.randn(widths[1], 1)))
+    return net
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_chains_reach_nagels_closed_form(seed):
+    net = _chain(seed)
+    cm = pathir.compile(net, input_shape=(6,))
+    facts = cm.facts
+    objective = Objective(tensor_pairs(facts.graph, facts.units, facts.row_ends))
+    w1, w2 = net[0].weight.detach().numpy(), net[2].weight.detach().numpy()
+    nagel = np.log(np.abs(w2).max(axis=0) / np.abs(w1).max(axis=1))  # s_h = sqrt(r1/r2): incoming e^{z/2}
+    report = cm.equalize(write_back=False)
+    assert report.objective_after <= objective.value(nagel) + 1e-9
+    assert report.objective_after == pytest.approx(objective.value(nagel), abs=1e-9)
+
+
+def _pairwise_balance(graph, units, row_ends, sweeps=200):
+    """Nagel's rule iterated over units: incoming max-abs = outgoing max-abs at every unit (the p -> inf
+    limit of ENorm's balance), over the quantized tensors; returns z."""
+    H = len(units)
+    z = np.zeros(H)
+    ends = {id(p): e for p, e in zip(units.params, row_ends.ends)}
+    tensors = [(np.log(np.abs(p.value) + 1e-300), *ends[id(p)]) for p in quantized_params(graph)]
+    for _ in range(sweeps):
+        for h in range(H):
+            zp = np.append(z, 0.0)
+            inc = out = -np.inf
+            for logs, e, l in tensors:
+                shifted = logs + 0.5 * (zp[e] - zp[l])
+                inc = max(inc, float(np.max(np.where(np.broadcast_to(e == h, logs.shape), shifted, -np.inf))))
+                out = max(out, float(np.max(np.where(np.broadcast_to(l == h, logs.shape), shifted, -np.inf))))
+            if np.isfinite(inc) and np.isfinite(out):
+                z[h] += out - inc  # both sides meet at the geometric mean
+    return z
+
+
+def _skip_net(seed):
+    torch.manual_seed(seed)
+
+    class Skip(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c, self.o = nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+            with torch.no_grad():
+                for layer in (self.a, self.b, self.c):
+                    layer.weight.mul_(torch.exp(1.5 * torch.randn(6, 1)))
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            h = h + torch.relu(self.b(h))  # a residual stream: every channel tied across the blocks
+            h = h + torch.relu(self.c(h))
+            return self.o(h)
+
+    return Skip().double()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dags_do_no_worse_than_the_pairwise_iteration(seed):
+    cm = pathir.compile(_skip_net(seed), input_shape=(4,))
+    facts = cm.facts
+    objective = Objective(tensor_pairs(facts.graph, facts.units, facts.row_ends))
+    pairwise = objective.value(_pairwise_balance(facts.graph, facts.units, facts.row_ends))
+    report = cm.equalize(write_back=False)
+    assert report.objective_after <= pairwise + 1e-9
+
+
+# ---------------------------------------------------------------- the certified bound
+
+
+@pytest.mark.parametrize("objective", ["range", "path-metric"])
+def test_certified_bound_holds_on_random_inputs(objective):
+    net = _spread_bn(nn.Sequential(nn.Conv2d(2, 6, 3), nn.BatchNorm2d(6), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                                   nn.Linear(6 * 3 * 3, 5), nn.ReLU(), nn.Linear(5, 2))).double()
+    x = torch.randn(64, 2, 8, 8, dtype=torch.float64) * 3
+    cm = pathir.compile(net, input_shape=(2, 8, 8))
+    report = cm.equalize(bits=4, objective=objective, inputs=x)
+    assert report.observed_before <= report.bound_before and report.observed_after <= report.bound_after
+    # the observed change, read without pathir: the model with every weight tensor quantized
+    graph = cm.graph
+    weights = {id(p) for p in quantized_params(graph)}
+    quantized = graph.map_params(lambda p: p.__class__(p.name, quantize(p.value, 4), p.sources, p.how)
+                                 if id(p) in weights else p)
+    diff = np.abs(_outputs(cm.forward(x.numpy(), "numpy"))[0] - _outputs(pathir.compile(quantized).forward(x.numpy(), "numpy"))[0])
+    assert float(diff.sum(axis=1).max()) == pytest.approx(report.observed_after, rel=1e-9)
+
+
+def test_path_metric_objective_lowers_its_own_bound():
+    net = _spread_bn(nn.Sequential(nn.Conv2d(2, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3),
+                                   nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 4 * 4, 3))).double()
+    cm = pathir.compile(net, input_shape=(2, 8, 8))
+    report = cm.equalize(bits=6, objective="path-metric", write_back=False)
+    assert report.objective_after <= report.objective_before
+    assert report.bound_after <= report.bound_before * 1.05
+
+
+# ---------------------------------------------------------------- refusals leave the model untouched
+
+
+def _state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _same(model, state):
+    return all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_refusals_leave_the_model_untouched():
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.b(torch.sigmoid(self.a(x)))
+
+    model = Gate()
+    state = _state(model)
+    with pytest.raises(UnsupportedOperation, match="sigmoid"):
+        pathir.equalize(model, input_shape=(3,))
+    assert _same(model, state)
+
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    torch.nn.utils.parametrize.register_parametrization(net[0], "weight", _Twice())
+    state = _state(net)
+    cm = pathir.compile(net, input_shape=(3,))
+    with pytest.raises(PathirError):
+        cm.equalize()
+    assert _same(net, state)
+    for bad in ({"bits": 1}, {"bits": 8.5}, {"objective": "nagel"}):
+        with pytest.raises(PathirError):
+            pathir.compile(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)), input_shape=(3,)).equalize(**bad)
+
+
+class _Twice(nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+# ---------------------------------------------------------------- report, ONNX, CLI
+
+
+def test_report_table_and_dict():
+    cm = pathir.compile(_chain(0), input_shape=(6,))
+    report = cm.equalize(bits=6)
+    d = report.to_dict()
+    assert d["bits"] == 6 and len(d["tensors"]) == 2 and "z" not in d
+    json.dumps(d)
+    text = str(report)
+    assert "0.weight" in text and "certified output bound" in text
+
+
+def test_onnx_file_equalized_matches_onnxruntime(tmp_path):
+    import onnxruntime as ort
+
+    net = _spread_bn(nn.Sequential(nn.Conv2d(2, 6, 3), nn.BatchNorm2d(6), nn.ReLU(), nn.Conv2d(6, 4, 3), nn.ReLU(),
+                                   nn.Flatten(), nn.Linear(4 * 4 * 4, 3)))
+    path, out = tmp_path / "m.onnx", tmp_path / "eq.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, (torch.randn(1, 2, 8, 8),), str(path), dynamo=False, input_names=["x"],
+                          dynamic_axes={"x": {0: "batch"}})
+    cm = pathir.compile(str(path))
+    report = cm.equalize(bits=6)
+    assert report.written
+    cm.save(str(out))
+    x = np.random.default_rng(0).normal(size=(5, 2, 8, 8)).astype(np.float32)
+    a = ort.InferenceSession(str(path)).run(None, {"x": x})[0]
+    b = ort.InferenceSession(str(out)).run(None, {"x": x})[0]
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4 * float(np.abs(a).max()))
+
+
+def test_cli_writes_an_equalized_state_dict(tmp_path, capsys, monkeypatch):
+    (tmp_path / "eq_models.py").write_text(
+        "import torch\nfrom torch import nn\n\n\ndef small():\n    torch.manual_seed(0)\n"
+        "    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)).eval()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "eq.pt"
+    code = main(["equalize", "eq_models:small", "--input-shape", "4", "--bits", "6", "-o", str(out), "--json"])
+    printed = json.loads(capsys.readouterr().out)
+    assert code == 0 and printed["bits"] == 6 and printed["written"]
+    import eq_models
+
+    fresh = eq_models.small()
+    x = torch.randn(7, 4)
+    before = fresh(x)
+    fresh.load_state_dict(torch.load(out))
+    torch.testing.assert_close(fresh(x), before, rtol=1e-5, atol=1e-6)
