@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pathir.errors import PathirError
+from pathir.errors import ArgumentError, PathirError
 from pathir.ir import Graph
 from pathir.sorted_unique import sorted_unique
 
@@ -153,7 +153,7 @@ def normalize_log_scales(graph: Graph, units, p: float = 2.0) -> Normalization:
     from pathir.passes.normalize_forward import feedforward_log_u
 
     if not p > 0:
-        raise ValueError(f"p must be > 0, got {p}")
+        raise ArgumentError(f"p must be > 0, got {p}")
     params = graph.params()
     check_units_match(params, units)
     forward = feedforward_log_u(params, units, p)

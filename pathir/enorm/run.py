@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pathir.errors import PathirError
+from pathir.errors import ArgumentError, ArgumentKeyError, PathirError
 from pathir.progress import Phases, chain_callbacks, warn_not_converged
 
 __all__ = ["ENormReport", "NormalizeReport", "enorm", "normalize_units", "PHASES"]
@@ -139,14 +139,14 @@ def _costs(costs, layout) -> np.ndarray | None:
     if not isinstance(costs, dict):
         c = np.asarray(costs, dtype=np.float64)
         if c.shape != (len(layout),):
-            raise ValueError(f"costs must have one entry per parameter, shape ({len(layout)},); got {c.shape}")
+            raise ArgumentError(f"costs must have one entry per parameter, shape ({len(layout)},); got {c.shape}")
         return c
     c = np.ones(len(layout))
     names = {p.name: p for p in layout.params}
     names.update({p.source_name: p for p in layout.params if p.source_name not in names})
     for key, value in costs.items():
         if key not in names:
-            raise KeyError(f"costs name '{key}', which is no parameter of the graph")
+            raise ArgumentKeyError(f"costs name '{key}', which is no parameter of the graph")
         p = names[key]
         c[layout.slice(p)] = np.broadcast_to(np.asarray(value, dtype=np.float64), p.shape).ravel()
     return c
@@ -207,7 +207,7 @@ def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, cos
     from pathir.rescaling.param_pairs import pairs_from_params
 
     if not p > 0:
-        raise ValueError(f"p must be > 0, got {p}")
+        raise ArgumentError(f"p must be > 0, got {p}")
     start = time.perf_counter()
     bar = Phases(PHASES if commit is not None else PHASES[:-1], desc=f"ENorm {name}".strip(), progress=progress,
                  value_name=f"Σ|θ|^{p:g}")

@@ -36,6 +36,7 @@ import time
 
 import numpy as np
 
+from pathir.errors import ArgumentError
 from pathir.pathcond.block import block_sweeps, pair_state
 from pathir.pathcond.coarse_start import coarse_shift
 from pathir.pathcond.objective import PathCondResult, as_g, finish
@@ -202,7 +203,7 @@ def _solve(g, B, *, max_sweeps, tol, row_key, max_log_scale, warm_sweeps, max_cg
     A = A.astype(np.float64)
     bound = float(max_log_scale)
     if not bound >= 0:
-        raise ValueError(f"max_log_scale must be >= 0 (math.inf: unbounded), got {max_log_scale}")
+        raise ArgumentError(f"max_log_scale must be >= 0 (math.inf: unbounded), got {max_log_scale}")
     if pairs is None:
         g = as_g(g, n)
         pairs = group_pairs(g, key, H)

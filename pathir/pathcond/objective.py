@@ -19,6 +19,8 @@ from functools import cached_property
 import numpy as np
 import scipy.sparse as sp
 
+from pathir.errors import ArgumentError
+
 __all__ = [
     "objective", "gradient", "rescaled_log_g", "log_spread", "log_spreads", "spread_ends", "PathCondResult",
     "log_positive_root", "as_g", "log0", "logsumexp",
@@ -28,11 +30,11 @@ __all__ = [
 def as_g(g, n: int | None = None) -> np.ndarray:
     g = np.asarray(g, dtype=np.float64)
     if g.ndim != 1:
-        raise ValueError(f"g must be a vector, got shape {g.shape}")
+        raise ArgumentError(f"g must be a vector, got shape {g.shape}")
     if n is not None and g.size != n:
-        raise ValueError(f"g has {g.size} entries but B has {n} rows")
+        raise ArgumentError(f"g has {g.size} entries but B has {n} rows")
     if g.size and not (g.min() >= 0 and g.max() < math.inf):  # NaN fails both
-        raise ValueError("g must be finite and non-negative")
+        raise ArgumentError("g must be finite and non-negative")
     return g
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pathir.errors import PathirError
+from pathir.errors import ArgumentError, PathirError
 from pathir.progress import Phases, chain_callbacks, warn_not_converged
 
 __all__ = ["PathCondReport", "pathcond", "PHASES"]
@@ -205,7 +205,7 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
     from pathir.rescaling.bounds import default_max_log_scale
     from pathir.rescaling.coarse import unit_groups
     if solver not in METHODS:
-        raise ValueError(f"unknown PathCond solver '{solver}'; choose one of {sorted(METHODS)}")
+        raise ArgumentError(f"solver={solver!r}: unknown PathCond solver; choose one of {sorted(METHODS)}")
     start = time.perf_counter()
     timings: dict[str, float] = {}
     bar = Phases(PHASES if commit is not None else PHASES[:-1], desc=f"PathCond {name}".strip(), progress=progress)
