@@ -23,7 +23,8 @@ import math
 
 import numpy as np
 
-from pathir.backends.numpy import pad_axes, window_slices, window_stack
+from pathir.backends.numpy import NumpyBackend, pad_axes, window_slices, window_stack
+from pathir.errors import PathirError
 from pathir.ir import Graph, MapKind, NodeKind
 
 __all__ = ["log_forward", "log_backward", "log_grand_total", "coefficient_logs"]
@@ -31,15 +32,13 @@ __all__ = ["log_forward", "log_backward", "log_grand_total", "coefficient_logs"]
 _NEG = -np.inf
 
 
-def _lse(a: np.ndarray, axis, keepdims: bool = False) -> np.ndarray:
-    """log Σ exp(a) along ``axis`` (-inf where every term is -inf)."""
-    top = np.max(a, axis=axis, keepdims=True) if a.size else np.full(
-        [1 if (i in np.atleast_1d(axis) % max(a.ndim, 1)) else n for i, n in enumerate(a.shape)], _NEG)
+def _lse(a: np.ndarray, axis: int) -> np.ndarray:
+    """log Σ exp(a) along ``axis`` (-inf where every term is -inf, or there is none)."""
+    top = np.max(a, axis=axis, keepdims=True, initial=_NEG)
     safe = np.where(np.isfinite(top), top, 0.0)
     with np.errstate(divide="ignore", invalid="ignore"):
         out = safe + np.log(np.sum(np.exp(a - safe), axis=axis, keepdims=True))
-    out = np.where(np.isneginf(top), _NEG, out)
-    return out if keepdims else np.squeeze(out, axis=axis)
+    return np.squeeze(np.where(np.isneginf(top), _NEG, out), axis=axis)
 
 
 def _reducer(q):
@@ -207,8 +206,6 @@ def log_forward(graph: Graph, q, pattern=None, sample: int = 0, backend=None) ->
             for e in node.edges:
                 src = graph.node(e.source).shape
                 if pattern is not None and node.kind is NodeKind.MAXPOOL:
-                    from pathir.backends.numpy import NumpyBackend
-
                     choice = np.asarray(backend.to_numpy(pattern.choice[node.name]))[sample:sample + 1]
                     term = NumpyBackend().select_apply(node, choice, acts[e.source][None], src)[0]
                 else:
@@ -221,8 +218,6 @@ def log_forward(graph: Graph, q, pattern=None, sample: int = 0, backend=None) ->
                 mask = np.asarray(backend.to_numpy(pattern.relu[node.name]))[sample]
                 total = np.where(mask, total, _NEG)
             if np.any(np.isnan(total)) or np.any(np.isposinf(total)):
-                from pathir.errors import PathirError
-
                 raise PathirError(f"non-finite value in a path computation at node '{node.name}' (NaN or inf weights?)")
             acts[node.name] = total
     return acts

@@ -1,38 +1,39 @@
-"""Path walks that keep one log-scale per channel, and the certificate of the fast walks.
+"""The certificate of the fast path walks, and the walk with one log-scale per channel.
 
 The fast walks of :mod:`pathir.lifting.walk` and :mod:`pathir.lifting.pattern` keep
 each node's tensor as ``m · e^L`` with one L per node (per sample) and read the
 weights as ``|w|^q`` in float64. That is exact as long as nothing that matters
 underflows or overflows on the way; it stops being so when ``|w|^q`` leaves
-float64 (q in the hundreds, or a unit rescaled by e^100) or when the channels of
-one node spread beyond float64's range (an extreme rescaling). So:
+float64 (q in the hundreds, a unit rescaled by e^100) or when the neurons of one
+node spread beyond float64's range (an extreme rescaling, q in the thousands). So:
 
-- **the certificate.** A fast walk checks, at every node, the largest entry of
-  every channel (``channel_amax``, which replaces the node's peak: no extra
-  pass). What it can lose is bounded: an underflowed weight, product or
-  rescaled term is below 2.2e-308 in units where the node's mantissa is at
-  most 1e100, so at most ~1e-207 per term. A channel whose largest entry is at
-  least :data:`FLOOR` = 1e-150 has lost at most ~1e-57 of it; a channel that is
-  exactly 0 is exact if no path with nonzero factors reaches it (its *support*,
-  computed only when such a channel appears). Any other channel, or a
-  non-finite value, raises :class:`Uncertified` and the caller walks again here.
+- **the certificate** (:class:`Certifier`). A fast walk checks every node's sum
+  before renormalising it, with the (min, max) reduction that finds its peak
+  anyway. What a walk can lose is bounded: an underflowed weight, product or
+  rescaled term is below 2.2e-308 next to a mantissa of at most 1e50, so below
+  2.2e-258 of the node's unit. An entry of at least :data:`FLOOR` = 1e-200 has
+  lost at most ~1e-58 of itself per term; an entry exactly 0 is exact if no path
+  of nonzero weights reaches it (its *support*, walked only when such an entry
+  appears). Any other entry, or a non-finite one, raises :class:`Uncertified`,
+  and the caller walks again. Weight-gradients are checked the same way.
 
-- **the scaled walk** (this module): every node's tensor is ``m ⊙ e^{lc}`` with
-  lc one log-scale per channel and every live channel of m of largest entry 1.
-  A weighted edge (dense, conv, scale) is applied with its weights folded with
-  the scales in log space, ``exp(q log|W| + lc_src − t_tgt)`` with
-  ``t_tgt = max(q log|W| + lc_src)`` over the target's entries: every folded
-  weight is at most 1 and nothing is raised to q outside a logarithm. A fixed
-  map is applied with its coefficients divided by their largest (that largest,
-  to the power q, goes into lc). This is the walk of the representation
-  normalised channel by channel (a rescaling of every neuron of a channel by
-  one factor, which leaves every Φ_p unchanged), done on the fly: a unit
-  rescaling of θ only shifts the lc of its channels, so the results do not
-  depend on the representative. What it can lose is below 1e-308 of a
-  channel's largest entry (positions of one channel share one scale).
+- **the scaled walk** (:func:`scaled_forward`, :func:`scaled_backward`): every
+  node's tensor is ``m ⊙ e^{lc}`` with lc one log-scale per channel and every live
+  channel of m of largest entry 1. A weighted edge (dense, conv, scale) is applied
+  with its weights folded with the scales in log space,
+  ``exp(q log|W| + lc_src − t_tgt)`` with ``t_tgt = max(q log|W| + lc_src)`` over
+  the target's entries: every folded weight is at most 1 and nothing is raised to
+  q outside a logarithm. A fixed map is applied with its coefficients divided by
+  their largest (that largest, to the power q, goes into lc). This is the walk of
+  the representation normalised channel by channel (every neuron of a channel
+  rescaled by one factor, which leaves every Φ_p unchanged), done as it goes: a
+  unit rescaling of θ only shifts the lc of its channels, so the result does not
+  depend on the representative. Its terms are at most the fan-in, so it is
+  certified with the same check; where the positions of one channel still spread
+  beyond float64, :mod:`pathir.lifting.log_walk` (per neuron, exact) answers.
 
-Both are walks of the path-norm network of docs/math.md §3 (weights |w|^q,
-ReLUs and max-pools linearised, or with an activation pattern frozen).
+All are walks of the path-norm network of docs/math.md §3 (weights |w|^q, ReLUs
+and max-pools linearised, or with an activation pattern frozen), on the all-ones input.
 """
 
 from __future__ import annotations
@@ -77,19 +78,20 @@ def _support_map(m, zeros_count: bool, cache: dict):
 class Certifier:
     """The checks of a fast walk of ``graph`` on ``backend`` (see the module docstring).
 
-    ``zeros_count``: every edge of a free weight counts (q = 0, path counts); ``pattern``
-    (and ``sample``, one of its samples, or all): an activation pattern frozen; ``inputs``:
-    the inputs that feed the walk (default all); ``bias``: the biases take part. A check
+    The walk is fed the all-ones input, biases included. ``zeros_count``: every edge of a free
+    weight counts (q = 0, path counts); ``pattern`` (and ``sample``, one of its samples, or all):
+    an activation pattern frozen; ``forward``: the certifier of the walk whose values feed the
+    weight-gradients of this (backward) one, if not this one's graph. A check
     raises :class:`Uncertified` unless every entry is finite and at least :data:`FLOOR`
     (in the units of the sum it belongs to) or exactly 0 where no nonzero path reaches it.
     The support (which neurons nonzero paths reach, from the inputs or to the outputs) is
     walked only when a zero entry has to be judged."""
 
     def __init__(self, graph: Graph, zeros_count: bool, backend, pattern=None, sample=None,
-                 inputs=None, bias: bool = True, forward: "Certifier | None" = None):
+                 forward: "Certifier | None" = None):
         self.graph, self.zeros_count = graph, zeros_count
         self.backend = getattr(backend, "base", backend)  # a power view's own backend: 0/1 weights as they are
-        self.pattern, self.sample, self.inputs, self.bias = pattern, sample, inputs, bias
+        self.pattern, self.sample = pattern, sample
         self._source = forward  # the certifier of the walk whose values feed the weight-gradients
         self._forward = self._backward = None
         self._maps: dict = {}
@@ -150,8 +152,7 @@ class Certifier:
         for node in g.nodes:
             shape = (1, *node.shape)
             if node.kind is NodeKind.INPUT:
-                on = self.inputs is None or node.name in self.inputs
-                post[node.name] = be.ones(shape) if on else be.zeros(shape)
+                post[node.name] = be.ones(shape)
                 continue
             acc = be.zeros(shape)
             for e in node.edges:
@@ -160,7 +161,7 @@ class Certifier:
                     acc = acc + be.select_apply(node, self._slice(pat.choice[node.name]), x, src)
                 else:
                     acc = acc + be.apply(_support_map(e.map, self.zeros_count, self._maps), x, src)
-            if self.bias and node.bias is not None:
+            if node.bias is not None:
                 b = node.bias.value
                 on = np.ones(b.shape) if self.zeros_count else (b != 0).astype(np.float64)
                 acc = acc + be.asarray(on.reshape(_bshape(b.size, len(shape))))

@@ -142,11 +142,10 @@ def flushing(walk):
     return wrapped
 
 
-def _certifier(graph: Graph, backend, inputs=None) -> Certifier:
+def _certifier(graph: Graph, backend) -> Certifier:
     """The certificate of a walk of ``graph`` on ``backend`` (a power view with q = 0 counts every
     edge of a free weight; a path view graph holds its weights already)."""
-    zeros_count = getattr(backend, "q", None) == 0
-    return Certifier(graph, zeros_count, backend, inputs=None if inputs is None else set(inputs))
+    return Certifier(graph, getattr(backend, "q", None) == 0, backend)
 
 
 @flushing
@@ -156,12 +155,13 @@ def path_forward(graph: Graph, backend, inputs=None, linearize: bool = False, ce
     With ``linearize`` any graph is walked as its path graph: ReLU nodes as
     identity, max-pool nodes as the sum of their window (maxpool_to_sum), so a
     backend's ``power_view(q)`` stands for the ``path_view(q)`` pass.
-    Returns {node name: (m, L)}; node value = m * exp(L). Raises
+    Returns {node name: (m, L)}; node value = m * exp(L). On the all-ones input it raises
     :class:`~pathir.lifting.scaled.Uncertified` where a node cannot be certified exact
     (``certify``: the check, by default read from ``graph``'s own weights; a path view's
-    caller passes the one of the graph it was made from, whose zeros are the true ones)."""
+    caller passes the one of the graph it was made from, whose zeros are the true ones);
+    given ``inputs`` (signed values) it checks nothing."""
     _require_path_graph(graph, linearize)
-    cert = _certifier(graph, backend, inputs) if certify is None else certify
+    cert = certify if certify is not None or inputs is not None else _certifier(graph, backend)
     acts = {}
     for node in graph.nodes:
         if node.kind is NodeKind.INPUT:
