@@ -64,6 +64,8 @@ CALLS = [
     (lambda cm: pathir.path_metric(cm, "a model"), "a and b", ArgumentTypeError),
     (lambda cm: pathir.output_bound(cm, cm, X_BAD), "x", InputShapeError),
     (lambda cm: pathir.active_path_metric(cm, cm, X_BAD), "x", InputShapeError),
+    (lambda cm: pathir.observe(cm, np.ones((2, 3)), qs=(1, 0)), "q", ArgumentError),
+    (lambda cm: pathir.observe(cm, X_BAD), "x", InputShapeError),
     (lambda cm: pathir.optim.PathSGD(cm.model.parameters(), cm, lr=-1), "lr", ArgumentError),
     (lambda cm: pathir.optim.PathSGD(cm.model.parameters(), cm, k=1.5), "k", ArgumentError),
     (lambda cm: pathir.optim.PathSGD(cm.model.parameters(), cm, momentum=1), "momentum", ArgumentError),

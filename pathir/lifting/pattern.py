@@ -85,6 +85,7 @@ def as_input_dict(graph: Graph, x) -> dict:
         if len(graph.inputs) != 1:
             raise InputShapeError(f"x: the graph has inputs {list(graph.inputs)}: pass a dict {{input name: array}}")
         x = {graph.inputs[0]: x}
+    x = {k: v if hasattr(v, "shape") else np.asarray(v, dtype=np.float64) for k, v in x.items()}  # nested lists
     for name in graph.inputs:
         if name not in x:
             raise InputShapeError(f"x: no value for input '{name}'")
