@@ -41,6 +41,15 @@ def _lse(a: np.ndarray, axis: int) -> np.ndarray:
     return np.squeeze(np.where(np.isneginf(top), _NEG, out), axis=axis)
 
 
+#: entries of a convolution's temporary (one tap, a block of channels): 128 MB of float64
+_TEMP = 1 << 24
+
+
+def _chunk(per_channel: int) -> int:
+    """Channels per block so that a block's temporary holds at most _TEMP entries."""
+    return max(1, _TEMP // max(1, per_channel))
+
+
 def _reducer(q):
     """(reduce along an axis, combine two arrays) of the semiring of q: log-sum-exp, or max for q = inf."""
     if q == math.inf:
@@ -104,10 +113,12 @@ def _apply(m, L: np.ndarray, in_shape, q, red, comb) -> np.ndarray:
         xp = pad_axes(L[None], m.padding, _NEG)[0]
         xp = xp.reshape(G, I_g, *xp.shape[1:])
         y = np.full((G, O // G, *out), _NEG)
+        step = _chunk(G * I_g * math.prod(out))
         for off in itertools.product(*(range(n) for n in kernel)):
             win = xp[(slice(None), slice(None)) + window_slices(off, m.dilation, m.stride, out)]  # (G, I_g, *out)
             w = Wg[(Ellipsis,) + off].reshape(G, O // G, I_g, *([1] * len(out)))
-            y = comb(y, red(w + win[:, None], 2))
+            for o in range(0, O // G, step):  # output channels a block at a time: a bounded temporary
+                y[:, o:o + step] = comb(y[:, o:o + step], red(w[:, o:o + step] + win[:, None], 2))
         return y.reshape(O, *out)
     raise NotImplementedError(f"log walk: no rule for {k.value}")
 
@@ -158,10 +169,13 @@ def _adjoint(m, G_: np.ndarray, in_shape, q) -> np.ndarray:
         gg = G_.reshape(G, O // G, *out)
         padded = [L + a + b for L, (a, b) in zip(in_shape[1:], m.padding)]
         gx = np.full((G, I_g, *padded), _NEG)
+        step = _chunk(G * (O // G) * math.prod(out))
         for off in itertools.product(*(range(n) for n in kernel)):
             w = Wg[(Ellipsis,) + off].reshape(G, O // G, I_g, *([1] * len(out)))
-            sl = (slice(None), slice(None)) + window_slices(off, m.dilation, m.stride, out)
-            gx[sl] = np.logaddexp(gx[sl], _lse(w + gg[:, :, None], 1))
+            win = window_slices(off, m.dilation, m.stride, out)
+            for i in range(0, I_g, step):  # source channels a block at a time
+                sl = (slice(None), slice(i, i + step)) + win
+                gx[sl] = np.logaddexp(gx[sl], _lse(w[:, :, i:i + step] + gg[:, :, None], 1))
         crop = tuple(slice(a, a + L) for L, (a, _) in zip(in_shape[1:], m.padding))
         return gx.reshape(in_shape[0], *padded)[(slice(None),) + crop]
     raise NotImplementedError(f"log walk: no rule for {k.value}")
@@ -182,9 +196,11 @@ def _weight_logs(m, LF: np.ndarray, LG: np.ndarray, in_shape) -> np.ndarray:
     xp = xp.reshape(G, I_g, *xp.shape[1:])
     gg = LG.reshape(G, O // G, 1, -1)
     res = np.full((G, O // G, I_g, *kernel), _NEG)
+    step = _chunk(G * I_g * math.prod(out))
     for off in itertools.product(*(range(n) for n in kernel)):
         win = xp[(slice(None), slice(None)) + window_slices(off, m.dilation, m.stride, out)].reshape(G, 1, I_g, -1)
-        res[(Ellipsis,) + off] = _lse(gg + win, -1)
+        for o in range(0, O // G, step):
+            res[(slice(None), slice(o, o + step), slice(None)) + off] = _lse(gg[:, o:o + step] + win, -1)
     return res.reshape(m.W.shape)
 
 
