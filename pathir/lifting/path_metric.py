@@ -106,7 +106,7 @@ def graph_of(obj) -> Graph:
     graph = obj if isinstance(obj, Graph) else getattr(obj, "graph", None)
     if isinstance(graph, Graph):
         return graph
-    raise ArgumentTypeError(f"a and b must be pathir.Compiled or Graph objects, got {type(obj).__name__}")
+    raise ArgumentTypeError(f"a and b must each be a pathir.Compiled or a Graph, got {type(obj).__name__}")
 
 
 def backend_of(a, backend):

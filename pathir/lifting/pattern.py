@@ -20,8 +20,9 @@ active paths is one walk of the graph in which a ReLU node multiplies by its
 
 Both keep every node's value as ``(m, L)`` with value m · exp(L) and L a numpy
 array (B,) — one log-scale per sample, so that samples whose path sums differ
-by any factor stay exact (1e-100 ≤ max|m[b]| ≤ 1e100, as in
-:mod:`pathir.lifting.walk`).
+by any factor stay exact (1e-50 ≤ max|m[b]| ≤ 1e50, as in
+:mod:`pathir.lifting.walk`); with a :class:`~pathir.lifting.scaled.Certifier` the forward
+walk certifies every node as the path walks do.
 """
 
 from __future__ import annotations

@@ -4,13 +4,13 @@
 - ``path_forward`` / ``path_backward``: the linear walks behind every path
   quantity. They run on a *path graph* (all nodes identity, e.g. the output of
   ``path_view``) and keep each node's tensor as ``(m, L)`` with value
-  ``m * exp(L)`` and 1e-100 <= max|m| <= 1e100, so that no path sum overflows or underflows
+  ``m * exp(L)`` and 1e-50 <= max|m| <= 1e50, so that no path sum overflows or underflows
   float64 however deep the network (the l1 path-norm of ResNet-50 is ~1e73,
   path counts far beyond 1e308). Every node is certified (:class:`pathir.lifting.scaled.Certifier`):
-  where |w|^q or the spread of a node's channels leaves float64 they raise
+  where |w|^q or the spread of a node's entries leaves float64 they raise
   :class:`~pathir.lifting.scaled.Uncertified`, and the path quantities below walk again with
-  per-channel log-scales (:func:`~pathir.lifting.scaled.scaled_forward`), exact on any
-  representative of θ and for any q.
+  per-channel log-scales (:mod:`pathir.lifting.scaled`) or per-neuron logs
+  (:mod:`pathir.lifting.log_walk`): exact on any representative of θ and for any q.
 """
 
 from __future__ import annotations
