@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathir.errors import ArgumentError
+
 from .base import Backend
 from .numpy import NumpyBackend
 
@@ -37,4 +39,4 @@ def get_backend(name=None, device=None):
         from .sympy import SympyBackend  # lazy: imports sympy
 
         return SympyBackend()
-    raise ValueError(f"unknown backend '{name}'; available: {available_backends()}")
+    raise ArgumentError(f"backend={name!r} is unknown; available: {available_backends()}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Optional
 
+import numpy as np
+
 from pathir.errors import BackendError
 from pathir.ir import Map, MapKind, Node
 
@@ -54,6 +56,17 @@ class Backend:
     def amax(self, x) -> float: raise NotImplementedError
     def total(self, x) -> float: raise NotImplementedError
     def channel_sum(self, g): raise NotImplementedError
+
+    def extrema(self, x) -> tuple[float, float]:
+        """(min, max) of the entries of x ((0.0, 0.0) when empty)."""
+        a = np.asarray(self.to_numpy(x), dtype=np.float64)
+        return (float(a.min()), float(a.max())) if a.size else (0.0, 0.0)
+
+    def channel_amax(self, x):
+        """max |x| over every axis but the first two, as a numpy float64 array (B, C): the
+        certificate of the path walks (pathir.lifting.scaled) reads every channel's largest entry."""
+        a = np.abs(np.asarray(self.to_numpy(x), dtype=np.float64))
+        return a.reshape(a.shape[0], a.shape[1], -1).max(axis=2, initial=0.0)
 
     # the masked walks of pathir.lifting.pattern (activation patterns at data)
     def pool_choice(self, node: Node, x, in_shape, kth=None):

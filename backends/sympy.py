@@ -34,7 +34,7 @@ from typing import Callable, Mapping
 import numpy as np
 import sympy as sp
 
-from pathir.errors import BackendError
+from pathir.errors import ArgumentError, BackendError
 from pathir.ir import FIXED, PARAMETERIZED, MapKind, Node, Pool, Resample, SpatialMatrix
 
 from .base import Backend, RuleTable
@@ -64,7 +64,7 @@ def exact(value) -> sp.Expr:
         return sp.Integer(int(value))
     f = float(value)
     if not math.isfinite(f):
-        raise ValueError(f"cannot read {f} as an exact number")
+        raise ArgumentError(f"cannot read {f} as an exact number")
     r = Fraction(f).limit_denominator(MAX_DENOMINATOR)
     if float(r) != f:
         r = Fraction(f)
@@ -247,7 +247,7 @@ class SympyBackend(Backend):
         else:
             arr = exact_array(np.asarray(given, dtype=object))
             if arr.size != p.size:
-                raise ValueError(f"values['{p.name}'] has {arr.size} entries, the param {p.size} (shape {p.shape})")
+                raise ArgumentError(f"values['{p.name}'] has {arr.size} entries, the param {p.size} (shape {p.shape})")
             arr = arr.reshape(p.shape)
         if self._transform is not None:
             arr = np.frompyfunc(self._transform, 1, 1)(arr).astype(object).reshape(p.shape)

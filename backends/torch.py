@@ -453,6 +453,19 @@ class TorchBackend(Backend):
     def total(self, x) -> float:
         return float(x.sum())
 
+    def extrema(self, x) -> tuple[float, float]:
+        if not x.numel():
+            return 0.0, 0.0
+        lo, hi = torch.aminmax(x)
+        return float(lo), float(hi)
+
+    def channel_amax(self, x):
+        v = x.reshape(x.shape[0], x.shape[1], -1)
+        if not v.numel():
+            return np.zeros(tuple(v.shape[:2]))
+        lo, hi = torch.aminmax(v, dim=2)  # no |x| temporary
+        return torch.maximum(hi, -lo).cpu().numpy()
+
     def channel_sum(self, g):
         return g.reshape(g.shape[0], g.shape[1], -1).sum(dim=(0, 2))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 from pathir.enorm.normalize import normalize
-from pathir.errors import GraphVerificationError
+from pathir.errors import ArgumentError, ArgumentKeyError, ArgumentTypeError, GraphVerificationError
 from pathir.ir import Graph, verify
 
 from .fold_batchnorm import fold_batchnorm
@@ -40,9 +40,9 @@ def register(name: str, fn: Pass, replace: bool = False) -> Pass:
     accepted (``run_passes``, ``pathir.compile(passes=...)``, ``cm.apply``).
     Returns ``fn``. A taken name is refused unless ``replace``."""
     if not callable(fn):
-        raise TypeError(f"pass '{name}' must be a function Graph -> Graph, got {type(fn).__name__}")
+        raise ArgumentTypeError(f"pass '{name}' must be a function Graph -> Graph, got {type(fn).__name__}")
     if name in PASSES and PASSES[name] is not fn and not replace:
-        raise ValueError(f"a pass named '{name}' is already registered ({_name(PASSES[name])}); pass replace=True")
+        raise ArgumentError(f"a pass named '{name}' is already registered ({_name(PASSES[name])}); pass replace=True")
     PASSES[name] = fn
     return fn
 
@@ -51,10 +51,10 @@ def _resolve(p) -> tuple[str, Pass]:
     """(name, function) of a pass given as a function or a registered name."""
     if isinstance(p, str):
         if p not in PASSES:
-            raise KeyError(f"no pass named '{p}'; registered: {sorted(PASSES)}")
+            raise ArgumentKeyError(f"no pass named '{p}'; registered: {sorted(PASSES)}")
         return p, PASSES[p]
     if not callable(p):
-        raise TypeError(f"a pass is a function Graph -> Graph or a registered name, got {type(p).__name__}")
+        raise ArgumentTypeError(f"a pass is a function Graph -> Graph or a registered name, got {type(p).__name__}")
     return _name(p), p
 
 
@@ -72,7 +72,7 @@ def run_passes(graph: Graph, passes: Iterable[Pass], check: bool = True) -> Grap
                 err.add_note(f"in pass '{name}' after {done}")
             raise
         if not isinstance(out, Graph):
-            raise TypeError(f"in pass '{name}' after {done}: returned {type(out).__name__}, not a Graph")
+            raise ArgumentTypeError(f"in pass '{name}' after {done}: returned {type(out).__name__}, not a Graph")
         if check:
             try:
                 verify(out)

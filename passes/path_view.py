@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from pathir.errors import PathirError
+from pathir.errors import ArgumentError, PathirError
 from pathir.ir import Graph, NodeKind
 
 __all__ = ["path_view", "abs_pow"]
@@ -31,7 +31,7 @@ def path_view(graph: Graph, q: float = 1.0) -> Graph:
     """Requires: no MAXPOOL node (run maxpool_to_sum). Ensures: identity nodes only,
     every weight and bias non-negative. Preserves: the set of paths; Phi_p becomes |Phi_p|^q."""
     if q < 0:
-        raise ValueError(f"path_view needs q >= 0, got {q}")
+        raise ArgumentError(f"path_view: q must be >= 0, got {q!r}")
     for n in graph.nodes:
         if n.kind is NodeKind.MAXPOOL:
             raise PathirError(f"path_view: node '{n.name}' is a maxpool; run maxpool_to_sum first")

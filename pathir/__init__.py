@@ -1,6 +1,9 @@
 """pathir: ReLU networks with their rescaling symmetries factored out."""
 
 from pathir.errors import (
+    ArgumentError,
+    ArgumentKeyError,
+    ArgumentTypeError,
     BackendError,
     GraphTooLarge,
     GraphVerificationError,
@@ -26,6 +29,7 @@ __all__ = [
     "compile", "equalize", "Compiled", "Summary", "Graph", "GraphBuilder", "verify",
     "PathirError", "UnsupportedOperation", "GraphVerificationError", "GraphTooLarge",
     "PathNormOverflow", "BackendError", "ModelChanged", "SelfCheckFailed", "InputShapeError",
+    "ArgumentError", "ArgumentTypeError", "ArgumentKeyError",
     "PathirWarning", "NotConvergedWarning",
     "path_metric", "output_bound", "PathMetric", "optim",
     "active_path_metric", "ActivePathMetric", "observe", "Observations",

@@ -17,7 +17,7 @@ from pathir.analyses.facts import GraphFacts
 from pathir.backends import get_backend
 from pathir.enorm.run import enorm, normalize_units
 from pathir.equalization.run import equalize
-from pathir.errors import ModelChanged, PathirError
+from pathir.errors import ArgumentError, ModelChanged, PathirError
 from pathir.ir import Graph, MapKind, Role
 from pathir.lifting.active import active_path_counts, active_path_norm, local_affine
 from pathir.lifting.diag_g import diag_g
@@ -203,8 +203,9 @@ class Compiled:
         return out[self.graph.outputs[0]] if len(out) == 1 else out
 
     def path_norm(self, q: float = 1.0, log10: bool = False, backend=None) -> float:
-        """The l_q path-norm ||Phi(theta)||_q (docs/math.md), exact in float64 without
-        overflow; ``log10=True`` gives its log10 (for norms beyond 1e308)."""
+        """The l_q path-norm ||Phi(theta)||_q (docs/math.md §3), q > 0, or max_p |Phi_p| for
+        q = math.inf; exact in log scale for every q and every representative of θ
+        (docs/paths.md); ``log10=True`` gives its log10 (for norms beyond 1e308)."""
 
         return path_norm(self.graph, q, self.get_backend(backend), log10)
 
@@ -409,7 +410,7 @@ class Compiled:
         model's dtype finite and normal (``pathir.rescaling.bounds.default_max_log_scale``)."""
         if max_log_scale is not None:
             if not max_log_scale >= 0:
-                raise ValueError(f"max_log_scale must be >= 0 (math.inf: unbounded), got {max_log_scale}")
+                raise ArgumentError(f"max_log_scale must be >= 0 (math.inf: unbounded), got {max_log_scale}")
             return float(max_log_scale)
 
         return default_max_log_scale(self.graph, self.narrowest_dtype(), variance_ratio=self.rescaled_variance_ratio())

@@ -12,6 +12,9 @@ __all__ = [
     "ModelChanged",
     "SelfCheckFailed",
     "InputShapeError",
+    "ArgumentError",
+    "ArgumentTypeError",
+    "ArgumentKeyError",
     "PathirWarning",
     "NotConvergedWarning",
 ]
@@ -66,6 +69,22 @@ class SelfCheckFailed(PathirError):
 
 class InputShapeError(PathirError, ValueError):
     """``input_shape`` (or ``example_input``) does not fit the model; the message says the expected form."""
+
+
+class ArgumentError(PathirError, ValueError):
+    """An argument of a pathir call is outside its domain (``q=0``, ``max_log_scale=-1``, an
+    unknown solver); the message names the argument and what it accepts."""
+
+
+class ArgumentTypeError(ArgumentError, TypeError):
+    """An argument of a pathir call has the wrong type; the message names the argument."""
+
+
+class ArgumentKeyError(ArgumentError, KeyError):
+    """A name given to a pathir call names nothing there (a node, a unit, a param, a pass)."""
+
+    def __str__(self) -> str:  # the message as written, not KeyError's repr of it
+        return str(self.args[0]) if self.args else ""
 
 
 class PathirWarning(RuntimeWarning):

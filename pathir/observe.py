@@ -21,7 +21,7 @@ from pathir.ir import Graph
 from pathir.lifting.active import log_active_path_sum
 from pathir.lifting.active_metric import active_path_metric
 from pathir.lifting.path_metric import backend_of, graph_of, path_metric
-from pathir.lifting.path_norm import log_path_sum
+from pathir.lifting.path_norm import check_q, log_max_path, log_path_sum
 from pathir.lifting.pattern import activation_pattern, as_input_dict
 from pathir.lifting.walk import forward
 
@@ -143,8 +143,10 @@ def observe(cm, inputs, qs=(1.0,), counts: bool = True, compare=None, batch_size
 
 
     graph, be = graph_of(cm), backend_of(cm, backend)
+    qs = [check_q(q, "observe") for q in qs]
     ln10 = math.log(10)
-    glob = {f"log10_path_norm_l{q:g}": log_path_sum(graph, q, be) / q / ln10 for q in qs}
+    glob = {f"log10_path_norm_l{q:g}": (log_max_path(graph) if q == math.inf else log_path_sum(graph, q, be) / q) / ln10
+            for q in qs}
     if counts:
         glob["log10_paths"] = log_path_sum(graph, 0, be) / ln10
     metric = None
@@ -158,7 +160,8 @@ def observe(cm, inputs, qs=(1.0,), counts: bool = True, compare=None, batch_size
             x = as_input_dict(graph, batch)
             pat = activation_pattern(graph, be, x)
             for q in qs:
-                cols.setdefault(f"log10_active_l{q:g}", []).append(log_active_path_sum(graph, be, pat, q) / q / ln10)
+                root = 1.0 if q == math.inf else q
+                cols.setdefault(f"log10_active_l{q:g}", []).append(log_active_path_sum(graph, be, pat, q) / root / ln10)
             if counts:
                 cols.setdefault("log10_active_paths", []).append(log_active_path_sum(graph, be, pat, 0) / ln10)
             cols.setdefault("active_fraction", []).append(pat.active_fraction(be))

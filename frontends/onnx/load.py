@@ -10,12 +10,13 @@ inference runs on a copy whose input sizes are fixed).
 
 from __future__ import annotations
 
+import operator
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from pathir.errors import PathirError
+from pathir.errors import InputShapeError, PathirError
 
 __all__ = ["OnnxModelError", "Source", "load", "skeleton", "input_shapes", "infer_shapes", "numpy_dtype"]
 
@@ -162,7 +163,7 @@ def input_shapes(src: Source, input_shape=None) -> tuple[dict[str, tuple[int, ..
             )
         want = given.get(vi.name)
         if want is not None:
-            want = tuple(int(s) for s in want)
+            want = _sizes(want, vi.name)
             if len(want) != len(dims) - 1:
                 raise OnnxModelError(
                     f"input_shape {list(want)} has {len(want)} sizes; input '{vi.name}' {_show(dims)} needs "
@@ -185,6 +186,19 @@ def input_shapes(src: Source, input_shape=None) -> tuple[dict[str, tuple[int, ..
         batches.add(b if isinstance(b, int) and b > 0 else None)
     batch = batches.pop() if len(batches) == 1 else None
     return shapes, batch
+
+
+def _sizes(want, name: str) -> tuple[int, ...]:
+    """The sizes of ``input_shape`` for input ``name``: positive integers (no float is truncated)."""
+    try:
+        sizes = tuple(operator.index(d) for d in want)
+        if any(isinstance(d, bool) for d in want):
+            raise TypeError(want)
+    except TypeError:
+        raise InputShapeError(f"input_shape {want!r} for input '{name}' must hold integer sizes") from None
+    if any(d <= 0 for d in sizes):
+        raise InputShapeError(f"input_shape {want!r} for input '{name}' has a non-positive size")
+    return sizes
 
 
 def _show(dims) -> str:

@@ -18,6 +18,7 @@ is touched.
 from __future__ import annotations
 
 import contextlib
+import operator
 import warnings
 
 import torch
@@ -30,15 +31,20 @@ __all__ = ["input_shapes", "check_model", "warn_train_batchnorm", "explain", "mo
 _FORM = "input_shape is one sample's shape without the batch axis, e.g. (3, 224, 224) or (784,)"
 
 
+def _size(d) -> int:
+    """An integer size (int, numpy integer, a torch.Size entry); never a float, a bool or a string."""
+    if isinstance(d, bool):
+        raise TypeError(d)
+    return operator.index(d)
+
+
 def _shape(s) -> tuple[int, ...]:
     if isinstance(s, bool):
         raise InputShapeError(f"input_shape={s!r}: {_FORM}")
-    if isinstance(s, int):
-        return (s,)
     try:
-        shape = tuple(int(d) for d in s)
-    except (TypeError, ValueError):
-        raise InputShapeError(f"input_shape={s!r} is not a shape: {_FORM}") from None
+        shape = (_size(s),) if not hasattr(s, "__iter__") else tuple(_size(d) for d in s)
+    except TypeError:
+        raise InputShapeError(f"input_shape={s!r} is not a shape of integer sizes: {_FORM}") from None
     if not shape or any(d <= 0 for d in shape):
         raise InputShapeError(f"input_shape={s!r} has no or non-positive sizes: {_FORM}")
     return shape

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pathir.errors import ModelChanged
 from pathir.frontends.core.lowering import Recipe
 from pathir.ir import Graph, Param
 
@@ -70,7 +71,8 @@ class Reread:
             r = self.recipes[p.name]
             v = r.make(*(named[n] for n in r.inputs))
             if v.shape != p.shape:
-                raise ValueError(f"param '{p.name}': re-read shape {v.shape}, expected {p.shape}")
+                raise ModelChanged(f"param '{p.name}': the model's tensors now give shape {v.shape}, expected "
+                                   f"{p.shape}: compile it again with pathir.compile")
             return Param.adopt(p.name, v, p.sources, p.how)
 
         return self.skeleton.map_params(value)

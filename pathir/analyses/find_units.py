@@ -31,7 +31,7 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
-from pathir.errors import PathirError
+from pathir.errors import ArgumentKeyError, PathirError
 from pathir.ir import Graph, NodeKind, Param
 
 __all__ = ["find_units", "Units", "Unit"]
@@ -111,7 +111,7 @@ class Units:
         try:
             return self._by_name[name]
         except KeyError:
-            raise KeyError(f"no unit named '{name}'") from None
+            raise ArgumentKeyError(f"no unit named '{name}'") from None
 
     def __getitem__(self, key: int | str) -> Unit:
         h = self.index(key) if isinstance(key, str) else int(key)

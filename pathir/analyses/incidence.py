@@ -37,7 +37,7 @@ from functools import cached_property
 import numpy as np
 
 from pathir.analyses.unit_rows import CompactRows, RowKeys
-from pathir.errors import PathirError
+from pathir.errors import ArgumentError, ArgumentKeyError, PathirError
 from pathir.ir import Graph, Param
 
 from .find_units import Units
@@ -77,7 +77,7 @@ class ParamLayout:
         try:
             return self._index[name]
         except KeyError:
-            raise KeyError(f"no param named '{name}' in the layout") from None
+            raise ArgumentKeyError(f"no param named '{name}' in the layout") from None
 
     def slice(self, param: Param | str) -> slice:
         k = self.position(param)
@@ -106,7 +106,7 @@ class ParamLayout:
         """{param name: its entries of ``flat``, in the param's shape}."""
         flat = np.asarray(flat)
         if flat.shape != (len(self),):
-            raise ValueError(f"expected a flat vector of length {len(self)}, got shape {flat.shape}")
+            raise ArgumentError(f"expected a flat vector of length {len(self)}, got shape {flat.shape}")
         return {p.name: flat[self.slice(p)].reshape(p.shape) for p in self.params}
 
     def by_source(self, flat) -> dict[str, np.ndarray]:

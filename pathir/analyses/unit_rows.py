@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
+from pathir.errors import ArgumentError
+
 __all__ = ["canonical", "matrix_row_keys", "RowKeys", "CompactRows", "keys_for", "row_units", "column_balance", "key_balance", "row_shifts"]
 
 
@@ -36,15 +38,15 @@ def canonical(B) -> sp.csr_array:
         csr = csr.copy()
         csr.eliminate_zeros()
         if not np.all(np.abs(csr.data) == 1):
-            raise ValueError("B may hold only -1, 0 and +1")
+            raise ArgumentError("B may hold only -1, 0 and +1")
     counts = np.diff(csr.indptr)
     if counts.max(initial=0) > 2:
-        raise ValueError(f"row {int(np.argmax(counts))} of B has more than two non-zeros")
+        raise ArgumentError(f"row {int(np.argmax(counts))} of B has more than two non-zeros")
     # a row of at most two ±1 entries sums to ±2 iff both have one sign
     same = np.flatnonzero(np.abs(csr @ np.ones(csr.shape[1])) > 1)
     if same.size:
         row = int(same[0])
-        raise ValueError(f"row {row} of B has two {csr.data[csr.indptr[row]]:+g} entries: "
+        raise ArgumentError(f"row {row} of B has two {csr.data[csr.indptr[row]]:+g} entries: "
                          "a parameter enters at most one unit and leaves at most one")
     return csr
 
@@ -126,7 +128,7 @@ def keys_for(B, row_key=None, balance: bool = True) -> tuple[sp.csr_array | None
     needs nothing else (returned B is then None). ``balance=False``: A is None unless given."""
     if isinstance(row_key, CompactRows):
         if B is not None:
-            raise ValueError("row_key as CompactRows is given without B (it is B's description)")
+            raise ArgumentError("row_key as CompactRows is given without B (it is B's description)")
         return None, row_key, row_key.num_units, row_key.balance
     if row_key is None:
         csr = canonical(B)
@@ -136,20 +138,20 @@ def keys_for(B, row_key=None, balance: bool = True) -> tuple[sp.csr_array | None
         csr = None if B is None else (B if isinstance(B, sp.csr_array) else sp.csr_array(B))
         given = np.asarray(row_key.balance) if isinstance(row_key, RowKeys) else None
         if csr is None and given is None:
-            raise ValueError("without B, row_key must be a RowKeys (keys and column balance)")
+            raise ArgumentError("without B, row_key must be a RowKeys (keys and column balance)")
         H = given.size if csr is None else csr.shape[1]
         if given is not None and given.shape != (H,):
-            raise ValueError(f"RowKeys for {given.size} units given with a B of {H} columns")
+            raise ArgumentError(f"RowKeys for {given.size} units given with a B of {H} columns")
         key = np.asarray(row_key.key if isinstance(row_key, RowKeys) else row_key)
         n = key.size if csr is None else csr.shape[0]
         if key.shape != (n,) or key.dtype.kind not in "iu":
-            raise ValueError(f"row_key must be an integer vector of length {n}, got {key.dtype} {key.shape}")
+            raise ArgumentError(f"row_key must be an integer vector of length {n}, got {key.dtype} {key.shape}")
         if n and not (key.min() >= 0 and key.max() < (H + 1) ** 2):
-            raise ValueError(f"row_key must lie in [0, (H + 1)²) = [0, {(H + 1) ** 2})")
+            raise ArgumentError(f"row_key must lie in [0, (H + 1)²) = [0, {(H + 1) ** 2})")
         if csr is not None and n:
             sample = np.unique(np.linspace(0, n - 1, min(n, 1024)).astype(np.int64))
             if not np.array_equal(matrix_row_keys(csr[sample])[0], key[sample]):
-                raise ValueError("row_key does not describe the rows of B")
+                raise ArgumentError("row_key does not describe the rows of B")
         key = key.astype(np.int64, copy=False)
     if given is None and balance:
         given = key_balance(key, H)

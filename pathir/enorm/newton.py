@@ -29,6 +29,7 @@ import numpy as np
 
 from pathir.analyses.unit_rows import keys_for
 from pathir.enorm.result import ENormResult, at_bound, masses
+from pathir.errors import ArgumentError
 from pathir.pairs.pair_laplacian import TINY, PairLaplacian, PairPoint
 from pathir.pairs.unit_pairs import Pairs, blocks_of, greedy_coloring, group_pairs, pad
 
@@ -141,7 +142,7 @@ def solve_enorm_newton(w, B, c=None, *, max_sweeps: int = 1000, tol: float = 1e-
 def _solve(w, B, c, *, max_sweeps, tol, row_key, max_log_scale, callback, max_cg, pairs) -> ENormResult:
     start = time.perf_counter()
     if max_log_scale is not None and not max_log_scale >= 0:
-        raise ValueError(f"max_log_scale must be >= 0 or None, got {max_log_scale}")
+        raise ArgumentError(f"max_log_scale must be >= 0 or None, got {max_log_scale}")
     bound = None if max_log_scale is None else float(max_log_scale)
     if pairs is None:
         _, key, H, _ = keys_for(B, row_key, balance=False)

@@ -34,7 +34,7 @@ import numpy as np
 from pathir.analyses.find_units import find_units
 from pathir.analyses.incidence import check_units_match, compact_rows
 from pathir.enorm.normalize_forward import feedforward_log_u
-from pathir.errors import PathirError
+from pathir.errors import ArgumentError, PathirError
 from pathir.ir import Graph
 from pathir.pairs.param_pairs import pair_sums, row_blocks, separable_blocks
 from pathir.rescaling.apply import rescale_graph
@@ -153,7 +153,7 @@ def normalize_log_scales(graph: Graph, units, p: float = 2.0) -> Normalization:
 
 
     if not p > 0:
-        raise ValueError(f"p must be > 0, got {p}")
+        raise ArgumentError(f"p must be > 0, got {p}")
     params = graph.params()
     check_units_match(params, units)
     forward = feedforward_log_u(params, units, p)

@@ -23,7 +23,7 @@ from pathir.analyses.incidence import ParamLayout
 from pathir.enorm.newton import solve_enorm_newton
 from pathir.enorm.normalize import normalize_log_scales
 from pathir.enorm.solver import solve_enorm
-from pathir.errors import PathirError
+from pathir.errors import ArgumentError, ArgumentKeyError, PathirError
 from pathir.pairs.param_pairs import pairs_from_params
 from pathir.support.progress import Phases, chain_callbacks, warn_not_converged
 
@@ -144,14 +144,14 @@ def _costs(costs, layout) -> np.ndarray | None:
     if not isinstance(costs, dict):
         c = np.asarray(costs, dtype=np.float64)
         if c.shape != (len(layout),):
-            raise ValueError(f"costs must have one entry per parameter, shape ({len(layout)},); got {c.shape}")
+            raise ArgumentError(f"costs must have one entry per parameter, shape ({len(layout)},); got {c.shape}")
         return c
     c = np.ones(len(layout))
     names = {p.name: p for p in layout.params}
     names.update({p.source_name: p for p in layout.params if p.source_name not in names})
     for key, value in costs.items():
         if key not in names:
-            raise KeyError(f"costs name '{key}', which is no parameter of the graph")
+            raise ArgumentKeyError(f"costs name '{key}', which is no parameter of the graph")
         p = names[key]
         c[layout.slice(p)] = np.broadcast_to(np.asarray(value, dtype=np.float64), p.shape).ravel()
     return c
@@ -209,7 +209,7 @@ def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, cos
     """
 
     if not p > 0:
-        raise ValueError(f"p must be > 0, got {p}")
+        raise ArgumentError(f"p must be > 0, got {p}")
     start = time.perf_counter()
     bar = Phases(PHASES if commit is not None else PHASES[:-1], desc=f"ENorm {name}".strip(), progress=progress,
                  value_name=f"Σ|θ|^{p:g}")

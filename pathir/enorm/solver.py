@@ -26,6 +26,7 @@ from pathir.analyses.unit_rows import canonical, keys_for
 from pathir.enorm.newton import solve_enorm_newton
 from pathir.enorm.result import ENormResult, at_bound
 from pathir.enorm.result import masses as _masses
+from pathir.errors import ArgumentError
 from pathir.pairs.log_space import log0, logsumexp
 from pathir.pairs.unit_pairs import all_pairs, blocks_of, greedy_coloring, group_pairs, log_pair_total, pad
 
@@ -192,8 +193,8 @@ def solve_enorm(w, B, c=None, *, method: str = "newton", max_sweeps: int = 1000,
     """
     solvers = {"newton": solve_enorm_newton, "block": solve_enorm_block, "coordinate": solve_enorm_coordinate}
     if method not in solvers:
-        raise ValueError(f"unknown ENorm method {method!r}; choose one of {sorted(solvers)}")
+        raise ArgumentError(f"method={method!r}: unknown ENorm method (solver= of cm.enorm); choose one of {sorted(solvers)}")
     if max_log_scale is not None and not max_log_scale >= 0:
-        raise ValueError(f"max_log_scale must be >= 0 or None, got {max_log_scale}")
+        raise ArgumentError(f"max_log_scale must be >= 0 or None, got {max_log_scale}")
     return solvers[method](w, B, c, max_sweeps=max_sweeps, tol=tol, row_key=row_key, max_log_scale=max_log_scale,
                            callback=callback)

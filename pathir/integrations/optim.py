@@ -36,7 +36,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pathir.errors import PathirError, PathNormOverflow
+from pathir.errors import ArgumentError, PathirError, PathNormOverflow
 from pathir.ir import Graph, Param, Role
 from pathir.lifting.diag_g import diag_g_log_parts
 
@@ -232,12 +232,13 @@ class PathSGD(torch.optim.Optimizer):
     """
 
     def __init__(self, params, compiled, lr: float = 0.01, k: int = 1, momentum: float = 0.0, backend=None):
-        if not lr > 0:
-            raise ValueError(f"PathSGD needs lr > 0, got {lr}")
-        if int(k) != k or k < 1:
-            raise ValueError(f"PathSGD needs an integer k >= 1, got {k}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"PathSGD needs 0 <= momentum < 1, got {momentum}")
+        real = (int, float, np.integer, np.floating)
+        if isinstance(lr, bool) or not isinstance(lr, real) or not lr > 0:
+            raise ArgumentError(f"PathSGD needs lr > 0, got {lr!r}")
+        if isinstance(k, bool) or not isinstance(k, real) or not np.isfinite(k) or int(k) != k or k < 1:
+            raise ArgumentError(f"PathSGD needs an integer k >= 1, got {k!r}")
+        if isinstance(momentum, bool) or not isinstance(momentum, real) or not 0.0 <= momentum < 1.0:
+            raise ArgumentError(f"PathSGD needs 0 <= momentum < 1, got {momentum!r}")
         model = getattr(compiled, "model", None)
         if not isinstance(model, torch.nn.Module):
             raise PathirError(

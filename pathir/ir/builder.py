@@ -6,6 +6,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from pathir.errors import ArgumentError
+
 from .graph import Graph
 from .maps import Map
 from .node import Edge, Node, NodeKind
@@ -76,7 +78,7 @@ class GraphBuilder:
         edges = tuple(Edge(src, m) for src, m in edges)
         if shape is None:
             if not edges:
-                raise ValueError(f"node '{name}': give a shape or at least one edge")
+                raise ArgumentError(f"node '{name}': give a shape or at least one edge")
             shape = edges[0].map.out_shape(self._nodes[edges[0].source].shape)
         node = Node(self.unique(name), kind, tuple(int(s) for s in shape), edges, bias, k, origin)
         return self.add(node)
@@ -92,7 +94,7 @@ class GraphBuilder:
 
     def add(self, node: Node) -> str:
         if node.name in self._nodes:
-            raise ValueError(f"node '{node.name}' defined twice")
+            raise ArgumentError(f"node '{node.name}' defined twice")
         self._nodes[node.name] = node
         return node.name
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Iterable, Iterator
 
+from pathir.errors import ArgumentKeyError
+
 from .node import Node, NodeKind
 from .param import Param
 
@@ -45,7 +47,7 @@ class Graph:
         try:
             return self._by_name[name]
         except KeyError:
-            raise KeyError(f"no node named '{name}' in the graph") from None
+            raise ArgumentKeyError(f"no node named '{name}' in the graph") from None
 
     def __contains__(self, name: str) -> bool:
         return name in self._by_name

@@ -28,6 +28,8 @@ from typing import Callable
 
 import numpy as np
 
+from pathir.errors import ArgumentError
+
 from .param import Param
 
 __all__ = [
@@ -160,7 +162,7 @@ class Reshape(Map):
 
     def out_shape(self, in_shape):
         if _prod(in_shape) != _prod(self.shape):
-            raise ValueError(f"reshape {in_shape} -> {self.shape} changes the number of elements")
+            raise ArgumentError(f"reshape {in_shape} -> {self.shape} changes the number of elements")
         return tuple(self.shape)
 
     def describe(self):
@@ -182,7 +184,7 @@ class ChannelMap(Map):
 
     def out_shape(self, in_shape):
         if max(self.index, default=-1) >= in_shape[0]:
-            raise ValueError(f"channel map reads channel {max(self.index)} of a {in_shape[0]}-channel input")
+            raise ArgumentError(f"channel map reads channel {max(self.index)} of a {in_shape[0]}-channel input")
         return (len(self.index), *in_shape[1:])
 
     def describe(self):
@@ -223,7 +225,7 @@ class Pool(Map):
     def __post_init__(self):
         n = len(self.kernel)
         if not (len(self.stride) == len(self.padding) == len(self.dilation) == n):
-            raise ValueError("pool geometry: kernel, stride, padding, dilation must have one entry per spatial axis")
+            raise ArgumentError("pool geometry: kernel, stride, padding, dilation must have one entry per spatial axis")
         if self.mult is not None:
             m = np.array(self.mult, dtype=np.float64)
             m.setflags(write=False)
@@ -232,13 +234,13 @@ class Pool(Map):
     def out_shape(self, in_shape):
         spatial = in_shape[1:]
         if len(spatial) != len(self.kernel):
-            raise ValueError(f"{len(self.kernel)}-d pool on input of shape {in_shape}")
+            raise ArgumentError(f"{len(self.kernel)}-d pool on input of shape {in_shape}")
         out = tuple(
             pool_output_size(L, k, s, p, d, self.ceil_mode)
             for L, k, s, p, d in zip(spatial, self.kernel, self.stride, self.padding, self.dilation)
         )
         if self.mult is not None and tuple(self.mult.shape) not in (out, (in_shape[0], *out)):
-            raise ValueError(f"pool multiplier has shape {self.mult.shape}, output positions {out} "
+            raise ArgumentError(f"pool multiplier has shape {self.mult.shape}, output positions {out} "
                              f"(or {(in_shape[0], *out)} per channel)")
         return (in_shape[0], *out)
 
@@ -291,7 +293,7 @@ class SpatialMatrix(Map):
 
     def out_shape(self, in_shape):
         if self.matrix.shape != (_prod(self.out_spatial), _prod(in_shape[1:])):
-            raise ValueError(f"spatial matrix {self.matrix.shape} does not fit input {in_shape} -> {self.out_spatial}")
+            raise ArgumentError(f"spatial matrix {self.matrix.shape} does not fit input {in_shape} -> {self.out_spatial}")
         return (in_shape[0], *self.out_spatial)
 
     def describe(self):
@@ -328,7 +330,7 @@ class Resample(Map):
         for a in self.matrices:
             m = np.array(a, dtype=np.float64)
             if m.ndim != 2:
-                raise ValueError(f"resample: each axis matrix is 2-d, got shape {m.shape}")
+                raise ArgumentError(f"resample: each axis matrix is 2-d, got shape {m.shape}")
             m.setflags(write=False)
             mats.append(m)
         object.__setattr__(self, "matrices", tuple(mats))
@@ -336,10 +338,10 @@ class Resample(Map):
     def out_shape(self, in_shape):
         spatial = tuple(in_shape[1:])
         if len(spatial) != len(self.matrices):
-            raise ValueError(f"{len(self.matrices)}-axis resample on input of shape {tuple(in_shape)}")
+            raise ArgumentError(f"{len(self.matrices)}-axis resample on input of shape {tuple(in_shape)}")
         for d, (L, a) in enumerate(zip(spatial, self.matrices)):
             if a.shape[1] != L:
-                raise ValueError(f"resample axis {d}: matrix {a.shape} on length {L}")
+                raise ArgumentError(f"resample axis {d}: matrix {a.shape} on length {L}")
         return (in_shape[0], *(a.shape[0] for a in self.matrices))
 
     def describe(self):
@@ -374,9 +376,9 @@ class Gather(Map):
 
     def out_shape(self, in_shape):
         if self.index.size != _prod(self.shape):
-            raise ValueError(f"gather of {self.index.size} elements into shape {self.shape}")
+            raise ArgumentError(f"gather of {self.index.size} elements into shape {self.shape}")
         if self.index.size and self.index.max() >= _prod(in_shape):
-            raise ValueError(f"gather reads element {self.index.max()} of an input of {_prod(in_shape)}")
+            raise ArgumentError(f"gather reads element {self.index.max()} of an input of {_prod(in_shape)}")
         return tuple(self.shape)
 
     def describe(self):
@@ -405,7 +407,7 @@ class Dense(Map):
 
     def out_shape(self, in_shape):
         if self.W.shape[1] != _prod(in_shape):
-            raise ValueError(f"dense weight {self.W.shape} on input of shape {in_shape} ({_prod(in_shape)} features)")
+            raise ArgumentError(f"dense weight {self.W.shape} on input of shape {in_shape} ({_prod(in_shape)} features)")
         return (self.W.shape[0],)
 
     def describe(self):
@@ -441,9 +443,9 @@ class Conv(Map):
     def out_shape(self, in_shape):
         O, I_g, *k = self.W.shape
         if in_shape[0] != I_g * self.groups or O % self.groups:
-            raise ValueError(f"conv weight {self.W.shape} (groups={self.groups}) on input of shape {in_shape}")
+            raise ArgumentError(f"conv weight {self.W.shape} (groups={self.groups}) on input of shape {in_shape}")
         if len(in_shape) - 1 != len(k):
-            raise ValueError(f"{len(k)}-d conv on input of shape {in_shape}")
+            raise ArgumentError(f"{len(k)}-d conv on input of shape {in_shape}")
         out = tuple(
             pool_output_size(L, kk, s, p, d, False)
             for L, kk, s, p, d in zip(in_shape[1:], k, self.stride, self.padding, self.dilation)
@@ -488,7 +490,7 @@ class Scale(Map):
 
     def out_shape(self, in_shape):
         if self.W.shape != (in_shape[0],):
-            raise ValueError(f"scale of shape {self.W.shape} on input of shape {in_shape}")
+            raise ArgumentError(f"scale of shape {self.W.shape} on input of shape {in_shape}")
         return tuple(in_shape)
 
     def describe(self):

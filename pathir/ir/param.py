@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pathir.errors import ArgumentError
+
 __all__ = ["Role", "SourceRef", "TransposedConvLayout", "Param"]
 
 
@@ -161,7 +163,7 @@ class Param:
         fresh float64 array nobody else holds, taken without a copy (as :meth:`adopt`)."""
         value = np.asarray(value, dtype=np.float64)
         if value.shape != self.value.shape:
-            raise ValueError(f"param '{self.name}': new value has shape {value.shape}, expected {self.shape}")
+            raise ArgumentError(f"param '{self.name}': new value has shape {value.shape}, expected {self.shape}")
         if owned:
             return Param.adopt(self.name, value, self.sources, self.how)
         return Param(self.name, value, self.sources, self.how)

@@ -4,7 +4,10 @@ The walk (:mod:`.walk`) runs the graph forward and backward with one rule per
 map kind; path-norms and counts, diag G, the path-metric brackets and the
 path-magnitude scores are short programs over it; at data, the same
 walks run with an activation pattern frozen (:mod:`.pattern`, :mod:`.active`,
-:mod:`.active_metric`). Everything here takes a
+:mod:`.active_metric`). Every path walk is certified node by node; where it
+cannot be (q in the hundreds, an extreme rescaling) the walk with per-channel
+log-scales (:mod:`.scaled`) or the per-neuron log-space one (:mod:`.log_walk`,
+also q = inf) answers instead. Everything here takes a
 Graph and a backend and returns numbers; nothing touches a model.
 
 The entry points live in their modules (``pathir.lifting.diag_g.diag_g``,

@@ -22,8 +22,10 @@ from typing import Iterator
 
 import numpy as np
 
-from pathir.errors import PathNormOverflow
+from pathir.errors import ArgumentError, InputShapeError, PathNormOverflow
 from pathir.ir import Graph
+from pathir.lifting.log_walk import log_forward, log_grand_total
+from pathir.lifting.path_norm import check_q
 from pathir.lifting.pattern import (
     ActivationPattern,
     activation_pattern,
@@ -34,6 +36,7 @@ from pathir.lifting.pattern import (
     power_walk,
     to_value,
 )
+from pathir.lifting.scaled import Certifier, Uncertified, robust_log_path_sum
 
 __all__ = ["active_path_norm", "active_path_counts", "log_active_path_sum", "LocalAffine", "local_affine",
            "chunks", "DEFAULT_CHUNK"]
@@ -52,10 +55,19 @@ def chunks(graph: Graph, x, chunk: int = DEFAULT_CHUNK) -> Iterator[dict]:
 
 
 def log_active_path_sum(graph: Graph, backend, pattern: ActivationPattern, q: float) -> np.ndarray:
-    """Per sample, the natural log of Σ_p |Φ_p|^q a_p (q = 0: of the number of active paths); -inf if none."""
+    """Per sample, the natural log of Σ_p |Φ_p|^q a_p (q = 0: of the number of active paths; q = inf:
+    of max_p |Φ_p| a_p); -inf if none. Certified like the path walks (pathir.lifting.scaled): where the
+    batched walk cannot be, each sample is walked again with per-channel (or per-neuron) log-scales."""
+    if q == math.inf:
+
+        return np.array([log_grand_total(log_forward(graph, q, pattern, b, backend), graph.outputs, q)
+                         for b in range(pattern.batch)])
     view, view_be = power_walk(graph, backend, q)
-    acts = masked_forward(view, view_be, pattern)
-    return log_row_total(view_be, acts, view.outputs, pattern.batch)
+    try:
+        acts = masked_forward(view, view_be, pattern, certify=Certifier(graph, q == 0, backend, pattern=pattern))
+        return log_row_total(view_be, acts, view.outputs, pattern.batch)
+    except Uncertified:  # sample by sample, with per-channel (or per-neuron) log-scales
+        return np.array([robust_log_path_sum(graph, backend, q, pattern, b) for b in range(pattern.batch)])
 
 
 def _per_chunk(graph, backend, x, chunk, fn) -> np.ndarray:
@@ -73,7 +85,8 @@ def _finish(log_values: np.ndarray, log10: bool, what: str) -> np.ndarray:
 
 def active_path_norm(graph: Graph, backend, x, q: float = 1.0, log10: bool = False,
                      chunk: int = DEFAULT_CHUNK) -> np.ndarray:
-    """‖Φ(θ) ⊙ a(θ, x)‖_q for every sample of ``x`` (array (B, *shape) or {input: array}): (B,).
+    """‖Φ(θ) ⊙ a(θ, x)‖_q for every sample of ``x`` (array (B, *shape) or {input: array}): (B,);
+    q = math.inf: max_p |Φ_p| a_p.
 
     ``log10``: its log10 (-inf for a sample with no active path); without it a value
     beyond float64 raises :class:`pathir.PathNormOverflow`.
@@ -89,9 +102,10 @@ def active_path_norm(graph: Graph, backend, x, q: float = 1.0, log10: bool = Fal
     >>> active_path_norm(g, get_backend("numpy"), np.array([[1.0, 0.0], [0.0, 1.0]]))
     array([15., 57.])
     """
-    if not q > 0:
-        raise ValueError(f"active_path_norm needs q > 0, got {q}")
-    logs = _per_chunk(graph, backend, x, chunk, lambda pat: log_active_path_sum(graph, backend, pat, q) / q)
+
+    q = check_q(q, "active_path_norm")
+    root = 1.0 if q == math.inf else q
+    logs = _per_chunk(graph, backend, x, chunk, lambda pat: log_active_path_sum(graph, backend, pat, q) / root)
     return _finish(logs, log10, f"the active l{q:g} path-norm")
 
 
@@ -120,7 +134,7 @@ class LocalAffine:
     def _inputs(self, v) -> dict:
         v = as_input_dict(self.graph, v)
         if any(int(a.shape[0]) not in (1, self.pattern.batch) for a in v.values()):
-            raise ValueError(f"directions need batch 1 or {self.pattern.batch}")
+            raise InputShapeError(f"v: directions need batch 1 or {self.pattern.batch}")
         return v
 
     def jvp(self, v) -> dict:
@@ -133,7 +147,7 @@ class LocalAffine:
         (an array when there is one output); a missing output contributes nothing."""
         if not isinstance(u, dict):
             if len(self.graph.outputs) != 1:
-                raise ValueError(f"graph has outputs {list(self.graph.outputs)}: pass a dict")
+                raise InputShapeError(f"u: the graph has outputs {list(self.graph.outputs)}: pass a dict")
             u = {self.graph.outputs[0]: u}
         seeds = {o: u[o] if o in u else np.zeros((1, *self.graph.node(o).shape)) for o in self.graph.outputs}
         grads = masked_backward(self.graph, self.backend, self.pattern, seeds=seeds)
@@ -156,10 +170,10 @@ class LocalAffine:
 def _only(names, name, what):
     if name is None:
         if len(names) != 1:
-            raise ValueError(f"graph has {what}s {list(names)}: name one")
+            raise ArgumentError(f"{what}: the graph has {what}s {list(names)}: name one")
         return names[0]
     if name not in names:
-        raise ValueError(f"no {what} '{name}' (the graph's {what}s: {list(names)})")
+        raise ArgumentError(f"{what}={name!r} is no {what} of the graph (its {what}s: {list(names)})")
     return name
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from pathir.backends import get_backend
-from pathir.errors import PathirError
+from pathir.errors import ArgumentTypeError, InputShapeError, PathirError
 from pathir.ir import Graph, Param
 from pathir.lifting.path_norm import log_path_sum
 from pathir.lifting.walk import param_grads
@@ -109,7 +109,7 @@ def graph_of(obj) -> Graph:
     graph = obj if isinstance(obj, Graph) else getattr(obj, "graph", None)
     if isinstance(graph, Graph):
         return graph
-    raise TypeError(f"expected a pathir.Compiled or a Graph, got {type(obj).__name__}")
+    raise ArgumentTypeError(f"a and b must each be a pathir.Compiled or a Graph, got {type(obj).__name__}")
 
 
 def backend_of(a, backend):
@@ -195,7 +195,7 @@ def sign_relations(pairs) -> tuple[bool, bool]:
     for pa, pb in pairs:
         for x, y in _blocks(pa.value, pb.value):
             ax, ay = np.abs(x), np.abs(y)
-            same = same and bool(np.all(x * y >= 0))
+            same = same and bool(np.all((x == 0) | (y == 0) | (np.signbit(x) == np.signbit(y))))  # no x*y: it underflows
             below = below and bool(np.all(ay <= ax))
             above = above and bool(np.all(ax <= ay))
     return same, below or above
@@ -214,6 +214,16 @@ def _log_upper(ga: Graph, gb: Graph, be) -> float:
             if part is None:
                 continue
             grad = np.asarray(be.to_numpy(part[0]), dtype=np.float64).reshape(pa.shape)
+            if np.ndim(part[1]):  # the scaled walk's per-channel log-scales: the sum in log space
+                with np.errstate(divide="ignore"):
+                    terms = np.log(np.abs(pa.value - pb.value)) + np.log(grad) + np.broadcast_to(part[1], pa.shape)
+                if np.any(np.isnan(terms)) or np.any(np.isposinf(terms)):
+                    raise PathirError(f"path-metric: non-finite contribution of param '{pa.name}'")
+                terms = terms[terms > -np.inf]
+                if terms.size:
+                    top = float(terms.max())
+                    logs.append(top + math.log(float(np.exp(terms - top).sum())))
+                continue
             s = math.fsum(float(np.dot(np.abs(x - y), g)) for x, y, g in _blocks(pa.value, pb.value, grad))
             if not math.isfinite(s):
                 raise PathirError(f"path-metric: non-finite contribution of param '{pa.name}'")
@@ -324,18 +334,18 @@ def _sup_norms(x, graph: Graph) -> np.ndarray:
     """max over every input coordinate of |x|, per sample: (B,)."""
     if not isinstance(x, dict):
         if len(graph.inputs) != 1:
-            raise ValueError(f"graph has inputs {list(graph.inputs)}: pass a dict")
+            raise InputShapeError(f"x: the graph has inputs {list(graph.inputs)}: pass a dict {{input name: array}}")
         x = {graph.inputs[0]: x}
     out = None
     for name in graph.inputs:
         if name not in x:
-            raise ValueError(f"no value for input '{name}'")
+            raise InputShapeError(f"x: no value for input '{name}'")
         v = x[name]
         v = v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)
         v = np.asarray(v, dtype=np.float64)
         shape = graph.node(name).shape
         if tuple(v.shape[1:]) != shape:
-            raise ValueError(f"input '{name}' expects (B, {', '.join(map(str, shape))}), got {tuple(v.shape)}")
+            raise InputShapeError(f"x: input '{name}' expects (B, {', '.join(map(str, shape))}), got {tuple(v.shape)}")
         m = np.abs(v.reshape(v.shape[0], -1)).max(axis=1, initial=0.0)
         out = m if out is None else np.maximum(out, m)
     return out

@@ -3,23 +3,50 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Iterable
 
-from pathir.errors import PathNormOverflow
+import numpy as np
+
+from pathir.errors import ArgumentError, ArgumentTypeError, PathNormOverflow
 from pathir.ir import Graph
+from pathir.lifting.log_walk import log_forward, log_grand_total
+from pathir.lifting.scaled import Certifier, Uncertified, robust_log_path_sum
 from pathir.lifting.walk import log_total, path_forward
 from pathir.passes import maxpool_to_sum, path_view
 
-__all__ = ["log_path_sum", "path_norm", "num_paths"]
+__all__ = ["log_path_sum", "log_max_path", "path_norm", "num_paths", "check_q"]
 
 
 def log_path_sum(graph: Graph, q: float, backend) -> float:
-    """Natural log of sum_p |Phi_p(theta)|^q (q = 0: of the number of paths); -inf if zero."""
-    if hasattr(backend, "power_view"):  # the path view, lazily on the backend's device
-        return log_total(backend, path_forward(graph, backend.power_view(q), linearize=True), graph.outputs)
+    """Natural log of sum_p |Phi_p(theta)|^q (q = 0: of the number of paths); -inf if zero.
 
-    view = path_view(maxpool_to_sum(graph), q)
-    return log_total(backend, path_forward(view, backend), view.outputs)
+    The fast walk on |w|^q, certified node by node; where it cannot be (|w|^q or a node's
+    channels beyond float64), the walk with per-channel log-scales (pathir.lifting.scaled)."""
+    try:
+        if hasattr(backend, "power_view"):  # the path view, lazily on the backend's device
+            return log_total(backend, path_forward(graph, backend.power_view(q), linearize=True), graph.outputs)
+        with np.errstate(over="ignore", under="ignore"):  # out of range: the walk refuses to certify
+            view = path_view(maxpool_to_sum(graph), q)
+        return log_total(backend, path_forward(view, backend, certify=Certifier(graph, q == 0, backend)), view.outputs)
+    except Uncertified:
+        return robust_log_path_sum(graph, backend, q)
+
+
+def log_max_path(graph: Graph) -> float:
+    """log max_p |Φ_p(θ)| (-inf if every path is 0): the longest path in log|θ|, a max-pool read
+    as the sum of its window, exactly (pathir.lifting.log_walk with max-plus steps)."""
+
+    return log_grand_total(log_forward(graph, math.inf), graph.outputs, math.inf)
+
+
+def check_q(q, what: str = "path_norm") -> float:
+    """``q`` as a float if it is a number > 0 (math.inf included), else ArgumentError naming it."""
+    if isinstance(q, bool) or not isinstance(q, numbers.Real):
+        raise ArgumentTypeError(f"{what}: q must be a number > 0 (math.inf for the max over paths), got {q!r}")
+    if not q > 0:  # NaN too
+        raise ArgumentError(f"{what}: q must be > 0 (math.inf for the max over paths), got {q!r}")
+    return float(q)
 
 
 def _finish(log_value: float, log10: bool, what: str) -> float:
@@ -31,9 +58,11 @@ def _finish(log_value: float, log10: bool, what: str) -> float:
 
 
 def path_norm(graph: Graph, q: float, backend, log10: bool = False) -> float:
-    """||Phi(theta)||_q = (sum_p |Phi_p|^q)^(1/q), q > 0; its log10 with ``log10``."""
-    if not q > 0:
-        raise ValueError(f"path_norm needs q > 0, got {q}")
+    """||Phi(theta)||_q = (sum_p |Phi_p|^q)^(1/q), q > 0; q = inf: max_p |Phi_p| (docs/math.md §3);
+    its log10 with ``log10``. Exact in log scale for every q and every representative of θ."""
+    q = check_q(q)
+    if q == math.inf:
+        return _finish(log_max_path(graph), log10, "the l-inf path-norm")
     return _finish(log_path_sum(graph, q, backend) / q, log10, f"the l{q:g} path-norm")
 
 

@@ -20,8 +20,9 @@ active paths is one walk of the graph in which a ReLU node multiplies by its
 
 Both keep every node's value as ``(m, L)`` with value m · exp(L) and L a numpy
 array (B,) — one log-scale per sample, so that samples whose path sums differ
-by any factor stay exact (1e-100 ≤ max|m[b]| ≤ 1e100, as in
-:mod:`pathir.lifting.walk`).
+by any factor stay exact (1e-50 ≤ max|m[b]| ≤ 1e50, as in
+:mod:`pathir.lifting.walk`); with a :class:`~pathir.lifting.scaled.Certifier` the forward
+walk certifies every node as the path walks do.
 """
 
 from __future__ import annotations
@@ -31,15 +32,18 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pathir.errors import BackendError, PathirError
+from pathir.errors import BackendError, InputShapeError, PathirError
 from pathir.ir import Graph, Node, NodeKind
+from pathir.lifting.scaled import Uncertified
 from pathir.lifting.walk import flushing
 from pathir.passes.path_view import abs_pow
 
 __all__ = ["ActivationPattern", "activation_pattern", "masked_forward", "masked_backward", "power_walk",
            "as_input_dict", "to_value"]
 
-_LOW, _HIGH = 1e-100, 1e100
+#: the band of the samples' mantissas (as in pathir.lifting.walk, whose certificate bounds hold here)
+_LOW, _HIGH = 1e-50, 1e50
+_SPAN, _LOG_LOST = 700.0, math.log(2.2e-258)
 
 
 @dataclass
@@ -80,17 +84,19 @@ def as_input_dict(graph: Graph, x) -> dict:
     """{input name: array (B, *shape)} from one array or a dict; checks names and shapes."""
     if not isinstance(x, dict):
         if len(graph.inputs) != 1:
-            raise ValueError(f"graph has inputs {list(graph.inputs)}: pass a dict")
+            raise InputShapeError(f"x: the graph has inputs {list(graph.inputs)}: pass a dict {{input name: array}}")
         x = {graph.inputs[0]: x}
+    x = {k: v if hasattr(v, "shape") else np.asarray(v, dtype=np.float64) for k, v in x.items()}  # nested lists
     for name in graph.inputs:
         if name not in x:
-            raise ValueError(f"no value for input '{name}'")
+            raise InputShapeError(f"x: no value for input '{name}'")
         shape = tuple(x[name].shape)
         if shape[1:] != graph.node(name).shape:
-            raise ValueError(f"input '{name}' expects (B, {', '.join(map(str, graph.node(name).shape))}), got {shape}")
+            raise InputShapeError(f"x: input '{name}' expects (B, {', '.join(map(str, graph.node(name).shape))}), "
+                                  f"got {shape}")
     batches = {int(x[name].shape[0]) for name in graph.inputs}
     if len(batches) != 1:
-        raise ValueError(f"inputs have different batch sizes {sorted(batches)}")
+        raise InputShapeError(f"x: the inputs have different batch sizes {sorted(batches)}")
     return x
 
 
@@ -155,8 +161,11 @@ def _scale(backend, m, factors: np.ndarray):
     return m * backend.asarray(factors.reshape(-1, *([1] * (m.ndim - 1))))
 
 
-def _combine(backend, terms, batch: int):
-    """Sum of m_t · exp(L_t) (L_t arrays (B,)) as (m, L) with max|m[b]| in [_LOW, _HIGH] or m[b] = 0."""
+def _combine(backend, terms, batch: int, check=None):
+    """Sum of m_t · exp(L_t) (L_t arrays (B,)) as (m, L) with max|m[b]| in [_LOW, _HIGH] or m[b] = 0.
+
+    ``check(acc)``, when given, certifies the sum (pathir.lifting.scaled.Certifier.node); a term
+    whose factor e^{L − top} underflows for a sample is then certified only if negligible there."""
     terms = [(m, L) for m, L in terms if m is not None]
     if not terms:
         return None, np.zeros(batch)
@@ -164,8 +173,15 @@ def _combine(backend, terms, batch: int):
     top = np.where(np.isfinite(top), top, 0.0)
     acc = None
     for m, L in terms:
+        if check is not None and np.any(L < top - _SPAN):
+            with np.errstate(divide="ignore"):
+                size = np.log(np.broadcast_to(backend.row_amax(m), (batch,))) + L - top
+            if np.any((L < top - _SPAN) & (size > _LOG_LOST)):
+                raise Uncertified("a term of a node more than e^700 below its sum")
         t = _scale(backend, m, np.exp(L - top))
         acc = t if acc is None else acc + t
+    if check is not None:
+        check(acc)
     peak = backend.row_amax(acc) if acc.shape[0] == batch else np.repeat(backend.row_amax(acc), batch)
     if not np.all(np.isfinite(peak)):
         raise PathirError("non-finite value in a path computation (NaN or inf weights?)")
@@ -189,12 +205,14 @@ def to_value(backend, mL) -> np.ndarray:
 
 @flushing
 def masked_forward(graph: Graph, backend, pattern: ActivationPattern, inputs=None, bias: bool = True,
-                   keep=None) -> dict:
+                   keep=None, certify=None) -> dict:
     """Walk of ``graph`` (on ``backend``'s weights) with the pattern frozen.
 
     ``inputs``: {input name: array (B or 1, *shape)} (default: all ones); an input
     missing from the dict contributes nothing. ``bias``: add the biases. ``keep``: node
     names whose values to return (default: the outputs; "all" for every node).
+    ``certify``: a :class:`pathir.lifting.scaled.Certifier` of a walk of non-negative
+    weights: a node it cannot certify raises :class:`~pathir.lifting.scaled.Uncertified`.
     Returns {name: (m, L)}, value m · exp(L), per sample."""
     B = pattern.batch
     inputs = {n: backend.ones((1, *graph.node(n).shape)) for n in graph.inputs} if inputs is None else inputs
@@ -220,7 +238,8 @@ def masked_forward(graph: Graph, backend, pattern: ActivationPattern, inputs=Non
                 terms.append((backend.bias(node, len(node.shape) + 1), np.zeros(B)))
                 if len(terms) == 1:  # a bias alone broadcasts: give it the node's shape
                     terms[0] = (terms[0][0] + backend.zeros((1, *node.shape)), terms[0][1])
-            m, L = _combine(backend, terms, B)
+            check = None if certify is None else (lambda acc, name=node.name: certify.node(name, acc))
+            m, L = _combine(backend, terms, B, check)
             if m is not None and node.kind is NodeKind.RELU:
                 m = m * pattern.relu[node.name]
             acts[node.name] = (m, L)

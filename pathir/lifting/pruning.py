@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from pathir.backends import get_backend
-from pathir.errors import PathirError
+from pathir.errors import ArgumentError, PathirError
 from pathir.ir import Graph, MapKind, Param
 from pathir.lifting.diag_g import arrays_by_source, source_layout
 from pathir.lifting.path_metric import pruned_path_metric
@@ -127,14 +127,17 @@ def _log_scores(graph: Graph, criterion: str, backend) -> _Scores:
 def _count(amount, n: int) -> int:
     """Entries to prune out of n: a fraction in [0, 1] (rounded, as torch's prune) or a count."""
     if isinstance(amount, (bool, np.bool_)):
-        raise ValueError(f"amount must be a fraction in [0, 1] or a number of entries, got {amount!r}")
+        raise ArgumentError(f"amount must be a fraction in [0, 1] or a number of entries, got {amount!r}")
     if isinstance(amount, (int, np.integer)):
         if not 0 <= amount <= n:
-            raise ValueError(f"amount={amount} entries, but there are {n} candidates")
+            raise ArgumentError(f"amount={amount} entries, but there are {n} candidates")
         return int(amount)
-    amount = float(amount)
+    try:
+        amount = float(amount)
+    except (TypeError, ValueError):
+        raise ArgumentError(f"amount must be a fraction in [0, 1] or a number of entries, got {amount!r}") from None
     if not 0.0 <= amount <= 1.0:
-        raise ValueError(f"amount must be a fraction in [0, 1] or a number of entries, got {amount}")
+        raise ArgumentError(f"amount must be a fraction in [0, 1] or a number of entries, got {amount}")
     return int(round(amount * n))
 
 
@@ -211,9 +214,9 @@ def prune_masks(graph: Graph, amount, criterion: str = "path-magnitude", scope: 
     order, so the selection is deterministic. ``log_scores``: the criterion's
     scores (`_log_scores`) if already computed."""
     if criterion not in CRITERIA:
-        raise ValueError(f"criterion must be one of {CRITERIA}, got '{criterion}'")
+        raise ArgumentError(f"criterion must be one of {CRITERIA}, got '{criterion}'")
     if scope not in SCOPES:
-        raise ValueError(f"scope must be one of {SCOPES}, got '{scope}'")
+        raise ArgumentError(f"scope must be one of {SCOPES}, got '{scope}'")
     params = _candidates(graph, include_biases)
     if not params:
         raise PathirError("nothing to prune: the graph has no dense or conv weight")
@@ -339,7 +342,7 @@ def prune(graph: Graph, backend, amount, criterion: str = "path-magnitude", scop
     """
 
     if criterion not in CRITERIA:  # before the scores are computed
-        raise ValueError(f"criterion must backend one of {CRITERIA}, got '{criterion}'")
+        raise ArgumentError(f"criterion must be one of {CRITERIA}, got '{criterion}'")
     scores = _log_scores(graph, "path-magnitude", backend)
     masks = prune_masks(graph, amount, criterion, scope, include_biases, backend,
                         log_scores=scores if criterion == "path-magnitude" else None)

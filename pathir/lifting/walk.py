@@ -4,9 +4,13 @@
 - ``path_forward`` / ``path_backward``: the linear walks behind every path
   quantity. They run on a *path graph* (all nodes identity, e.g. the output of
   ``path_view``) and keep each node's tensor as ``(m, L)`` with value
-  ``m * exp(L)`` and 1e-100 <= max|m| <= 1e100, so that no path sum overflows or underflows
+  ``m * exp(L)`` and 1e-50 <= max|m| <= 1e50, so that no path sum overflows or underflows
   float64 however deep the network (the l1 path-norm of ResNet-50 is ~1e73,
-  path counts far beyond 1e308).
+  path counts far beyond 1e308). Every node is certified (:class:`pathir.lifting.scaled.Certifier`):
+  where |w|^q or the spread of a node's entries leaves float64 they raise
+  :class:`~pathir.lifting.scaled.Uncertified`, and the path quantities below walk again with
+  per-channel log-scales (:mod:`pathir.lifting.scaled`) or per-neuron logs
+  (:mod:`pathir.lifting.log_walk`): exact on any representative of θ and for any q.
 """
 
 from __future__ import annotations
@@ -14,8 +18,11 @@ from __future__ import annotations
 import functools
 import math
 
-from pathir.errors import BackendError, PathirError
+import numpy as np
+
+from pathir.errors import BackendError, InputShapeError, PathirError
 from pathir.ir import Graph, Node, NodeKind
+from pathir.lifting.scaled import Certifier, Uncertified, robust_param_grads
 from pathir.passes import maxpool_to_sum, path_view
 
 __all__ = ["forward", "path_forward", "path_backward", "log_total", "param_grads", "param_log_parts", "at_common_scale"]
@@ -32,7 +39,7 @@ def forward(graph: Graph, backend, inputs, all_nodes: bool = False):
     names = graph.inputs
     if not isinstance(inputs, dict):
         if len(names) != 1:
-            raise ValueError(f"graph has inputs {list(names)}: pass a dict")
+            raise InputShapeError(f"x: the graph has inputs {list(names)}: pass a dict {{input name: array}}")
         inputs = {names[0]: inputs}
     acts = {}
     for node in graph.nodes:
@@ -40,7 +47,8 @@ def forward(graph: Graph, backend, inputs, all_nodes: bool = False):
             if node.kind is NodeKind.INPUT:
                 x = backend.asarray(inputs[node.name])
                 if tuple(x.shape[1:]) != node.shape:
-                    raise ValueError(f"input '{node.name}' expects (B, {', '.join(map(str, node.shape))}), got {tuple(x.shape)}")
+                    raise InputShapeError(f"x: input '{node.name}' expects (B, {', '.join(map(str, node.shape))}), "
+                                          f"got {tuple(x.shape)}")
                 acts[node.name] = x
                 continue
             if node.kind is NodeKind.MAXPOOL:
@@ -63,21 +71,33 @@ def forward(graph: Graph, backend, inputs, all_nodes: bool = False):
 
 #: mantissas are renormalised only outside this band, so that a walk costs one
 #: max-reduction per node and products of two mantissas (weight-gradients) stay
-#: far from float64's limits
-_LOW, _HIGH = 1e-100, 1e100
+#: far from float64's limits; a weight or product that underflows next to a mantissa
+#: of at most _HIGH loses below 2.2e-258 of its node's unit (what the certificate bounds)
+_LOW, _HIGH = 1e-50, 1e50
+
+#: a term more than this many e-folds below its node's sum has its factor underflow: it is
+#: certified only if its largest entry stays below e^_LOG_LOST of the sum's unit
+_SPAN, _LOG_LOST = 700.0, math.log(2.2e-258)
 
 
-def _combine(backend, terms, shape=None, placed=()):
+def _combine(backend, terms, shape=None, placed=(), check=None):
     """Sum of m_t * exp(L_t) as (m, L) with _LOW <= max|m| <= _HIGH (or m = 0, L = 0).
 
     Terms may broadcast (a bias is (1, C, 1, ...)); ``shape`` is the full shape. ``placed`` terms
     ``((values, positions, channels), L)`` are zero but at ``positions`` along axis 1 (the
-    backend's ``placed``): added into those channels of the sum."""
+    backend's ``placed``): added into those channels of the sum. ``check(acc)``, when given,
+    certifies the sum before it is renormalised and returns its largest entry
+    (:meth:`pathir.lifting.scaled.Certifier.node`)."""
     terms = [(m, L) for m, L in terms if L != -math.inf]
     placed = [(p, L) for p, L in placed if L != -math.inf]
     if not terms and not placed:
         return None, 0.0
     top = max(L for _, L in [*terms, *placed])
+    if check is not None:
+        for m, L in [*terms, *((p[0], L) for p, L in placed)]:
+            # a term whose factor e^{L - top} underflows is dropped: certified only if it is negligible
+            if L < top - _SPAN and math.log(max(backend.amax(m), 1e-300)) + L - top > _LOG_LOST:
+                raise Uncertified("a term of a node more than e^700 below its sum")
     acc = None
     for m, L in terms:
         t = m if L == top else m * math.exp(L - top)
@@ -91,7 +111,7 @@ def _combine(backend, terms, shape=None, placed=()):
             acc.index_add_(1, positions, values if L == top else values * math.exp(L - top))
     if shape is not None and tuple(acc.shape) != tuple(shape):
         acc = acc + backend.zeros(shape)
-    peak = backend.amax(acc)
+    peak = backend.amax(acc) if check is None else check(acc)
     if not math.isfinite(peak):
         raise PathirError("non-finite value in a path computation (NaN or inf weights?)")
     if peak == 0.0:
@@ -123,15 +143,26 @@ def flushing(walk):
     return wrapped
 
 
+def _certifier(graph: Graph, backend) -> Certifier:
+    """The certificate of a walk of ``graph`` on ``backend`` (a power view with q = 0 counts every
+    edge of a free weight; a path view graph holds its weights already)."""
+    return Certifier(graph, getattr(backend, "q", None) == 0, backend)
+
+
 @flushing
-def path_forward(graph: Graph, backend, inputs=None, linearize: bool = False):
+def path_forward(graph: Graph, backend, inputs=None, linearize: bool = False, certify: Certifier | None = None):
     """Forward on a path graph with the all-ones input (or ``inputs``: {name: (B,*shape)}).
 
     With ``linearize`` any graph is walked as its path graph: ReLU nodes as
     identity, max-pool nodes as the sum of their window (maxpool_to_sum), so a
     backend's ``power_view(q)`` stands for the ``path_view(q)`` pass.
-    Returns {node name: (m, L)}; node value = m * exp(L)."""
+    Returns {node name: (m, L)}; node value = m * exp(L). On the all-ones input it raises
+    :class:`~pathir.lifting.scaled.Uncertified` where a node cannot be certified exact
+    (``certify``: the check, by default read from ``graph``'s own weights; a path view's
+    caller passes the one of the graph it was made from, whose zeros are the true ones);
+    given ``inputs`` (signed values) it checks nothing."""
     _require_path_graph(graph, linearize)
+    cert = certify if certify is not None or inputs is not None else _certifier(graph, backend)
     acts = {}
     for node in graph.nodes:
         if node.kind is NodeKind.INPUT:
@@ -152,7 +183,8 @@ def path_forward(graph: Graph, backend, inputs=None, linearize: bool = False):
                     placed.append((part, L))
             if node.bias is not None:
                 terms.append((backend.bias(node, len(node.shape) + 1), 0.0))
-            acts[node.name] = _combine(backend, terms, (1, *node.shape), placed)
+            acts[node.name] = _combine(backend, terms, (1, *node.shape), placed,
+                                       check=lambda acc, name=node.name: cert.node(name, acc))
         except PathirError:
             raise
         except Exception as err:
@@ -179,7 +211,8 @@ def log_total(backend, acts, names) -> float:
 
 
 @flushing
-def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = False):
+def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = False,
+                  certify: Certifier | None = None):
     """Reverse walk on a path graph: d(sum of outputs)/d(everything).
 
     ``acts`` from :func:`path_forward`. Returns (node_grads, param_grads):
@@ -187,9 +220,10 @@ def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = Fal
     i.e. B(v) of docs/math.md §3: the sum over paths from v to an output of the
     product of weights; param_grads[id(param)] = (array, log-scale) with the
     weight-gradient (sum over paths through the parameter of the other factors).
-    ``linearize`` as in :func:`path_forward`.
+    ``linearize`` and ``certify`` (a backward one) as in :func:`path_forward`.
     """
     _require_path_graph(graph, linearize)
+    cert = certify if certify is not None or seeds is not None else _certifier(graph, backend)
     grads: dict[str, tuple] = {}
     pending: dict[str, list] = {n.name: [] for n in graph.nodes}
     for o in graph.outputs:
@@ -197,7 +231,8 @@ def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = Fal
         pending[o].append((seed, 0.0))
     by_param: dict[int, tuple] = {}
     for node in reversed(graph.nodes):
-        g, M = _combine(backend, pending.pop(node.name))
+        check = None if cert is None else (lambda acc, name=node.name: cert.node(name, acc, backward=True))
+        g, M = _combine(backend, pending.pop(node.name), check=check)
         grads[node.name] = (g, M)
         if g is None or node.kind is NodeKind.INPUT:
             continue
@@ -208,9 +243,15 @@ def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = Fal
                 pending[e.source].append((backend.adjoint(e.map, g, src.shape), M))
                 w = e.map.weight
                 if w is not None and x is not None:
-                    _accumulate(by_param, w, backend.weight_grad(e.map, x, g, src.shape), L + M)
+                    wg = backend.weight_grad(e.map, x, g, src.shape)
+                    if cert is not None:
+                        cert.weights(w.name, e.source, node.name, e.map, src.shape, wg)
+                    _accumulate(by_param, w, wg, L + M)
             if node.bias is not None:
-                _accumulate(by_param, node.bias, backend.channel_sum(g), M)
+                bg = backend.channel_sum(g)
+                if cert is not None:
+                    cert.bias_grad(node.bias.name, node.name, bg)
+                _accumulate(by_param, node.bias, bg, M)
         except PathirError:
             raise
         except Exception as err:
@@ -233,28 +274,42 @@ def param_grads(graph: Graph, backend, q: float = 1.0, forward_graph: Graph | No
     """{id(param of graph): [(array, log-scale) per use]}: the param grads of the
     backward walk on the path-norm network of ``graph`` (weights |w|^q), whose
     weight-gradients read the forward walk of ``forward_graph`` (default
-    ``graph``; same structure). An entry is None where no path reaches it.
+    ``graph``; same structure). An entry is None where no path reaches it; a
+    log-scale is a float, or (from the scaled walk) a numpy array broadcastable to
+    the param's shape (per target and source channel, or per entry).
     ``totals``, when given, receives ``"log_path_sum"``: log Σ_p |Φ_p|^q of the
     forward walk (what `path_norm.log_path_sum` of ``forward_graph`` returns), at no extra walk.
 
     Backends with ``power_view`` walk the graph itself (``linearize``); others
     walk ``path_view(maxpool_to_sum(graph), q)``, which gives every edge its own
-    Param object, so a shared param has one part per use."""
+    Param object, so a shared param has one part per use. Where the fast walks
+    cannot certify a node, both walks run again with per-channel log-scales."""
+    try:
+        return _fast_param_grads(graph, backend, q, forward_graph, totals)
+    except Uncertified:
+        return robust_param_grads(graph, backend, q, forward_graph, totals)
+
+
+def _fast_param_grads(graph, backend, q, forward_graph, totals):
 
     fwd = graph if forward_graph is None else forward_graph
     if hasattr(backend, "power_view"):
         view_be = backend.power_view(q)
-        acts = path_forward(fwd, view_be, linearize=True)
+        cert = Certifier(fwd, q == 0, backend)
+        acts = path_forward(fwd, view_be, linearize=True, certify=cert)
         if totals is not None:
             totals["log_path_sum"] = log_total(view_be, acts, fwd.outputs)
-        _, grads = path_backward(graph, view_be, acts, linearize=True)
+        _, grads = path_backward(graph, view_be, acts, linearize=True,
+                                 certify=Certifier(graph, q == 0, backend, forward=cert))
         return {id(p): [grads.get(id(p))] for p in graph.params()}
-    view = path_view(maxpool_to_sum(graph), q)
-    fview = view if forward_graph is None else path_view(maxpool_to_sum(fwd), q)
-    acts = path_forward(fview, backend)
+    with np.errstate(over="ignore", under="ignore"):  # |w|^q out of range: the walk refuses to certify
+        view = path_view(maxpool_to_sum(graph), q)
+        fview = view if forward_graph is None else path_view(maxpool_to_sum(fwd), q)
+    cert = Certifier(fwd, q == 0, backend)
+    acts = path_forward(fview, backend, certify=cert)
     if totals is not None:
         totals["log_path_sum"] = log_total(backend, acts, fview.outputs)
-    _, grads = path_backward(view, backend, acts)
+    _, grads = path_backward(view, backend, acts, certify=Certifier(graph, q == 0, backend, forward=cert))
     del acts
     parts: dict[int, list] = {}
     for n, nv in zip(graph.nodes, view.nodes):
@@ -279,8 +334,6 @@ def param_log_parts(graph: Graph, backend, q: float, scale=None, what: str = "va
     Memory: the walk's param grads are the only full-size arrays. Each is turned
     into its m in place and dropped from the walk's record once read, so the result
     takes the grads' place (about one float64 copy of θ, no second one)."""
-    import numpy as np
-
     parts = param_grads(graph, backend, q, totals=totals)
     out = []
     for p in graph.params():
@@ -291,6 +344,17 @@ def param_log_parts(graph: Graph, backend, q: float, scale=None, what: str = "va
             grad, log_scale = part
             m = np.asarray(backend.to_numpy(grad), dtype=np.float64).reshape(p.shape)
             del grad, part
+            if np.ndim(log_scale):  # the scaled walk's per-channel scales: |scale| ⊙ grad in log space
+                with np.errstate(divide="ignore"):
+                    logs = np.log(np.abs(m)) + np.broadcast_to(log_scale, p.shape)
+                    if scale is not None:
+                        logs += np.log(np.abs(scale(p)))
+                if np.any(np.isnan(logs)) or np.any(np.isposinf(logs)):
+                    raise PathirError(f"{what} of param '{p.name}' is not finite (NaN or inf weights?)")
+                top = float(logs.max(initial=-np.inf))
+                if top > -math.inf:
+                    terms.append((np.exp(logs - top, out=logs), top))
+                continue
             if not m.flags.writeable:  # everything else is the walk's own fresh array
                 m = m.copy()
             if scale is not None:

@@ -30,7 +30,7 @@ from typing import Iterator, Union
 import networkx as nx
 import numpy as np
 
-from pathir.errors import GraphTooLarge, PathirError
+from pathir.errors import ArgumentError, GraphTooLarge, InputShapeError, PathirError
 from pathir.ir import Graph, NodeKind
 from pathir.neurons.expand import Neuron, antecedents, expand
 
@@ -179,7 +179,7 @@ def input_incidence(net: nx.MultiDiGraph, paths: list[Path]) -> tuple[np.ndarray
 
 
 def enumerate_path_norm(graph: GraphLike, q: float, max_paths: int = DEFAULT_MAX_PATHS) -> float:
-    """(sum_p |Phi_p|^q)^(1/q) over the enumerated paths (q > 0).
+    """(sum_p |Phi_p|^q)^(1/q) over the enumerated paths (q > 0; q = inf: max_p |Phi_p|).
 
     >>> import numpy as np
     >>> from pathir.ir import GraphBuilder, Dense
@@ -190,9 +190,11 @@ def enumerate_path_norm(graph: GraphLike, q: float, max_paths: int = DEFAULT_MAX
     13.0
     """
     if not q > 0:
-        raise ValueError(f"path-norm needs q > 0, got {q}")
+        raise ArgumentError(f"q must be > 0 (math.inf for max_p |Phi_p|), got {q!r}")
     net = _net(graph)
     values = phi(net, enumerate_paths(net, max_paths))
+    if q == math.inf:
+        return float(np.abs(values).max(initial=0.0))
     return math.fsum(np.abs(values) ** q) ** (1.0 / q)
 
 
@@ -208,7 +210,7 @@ def lifted_output(graph: Graph, x, max_paths: int = DEFAULT_MAX_PATHS) -> dict[s
     {input name: array}. Returns {output name: array (B, *output shape)}."""
     if not isinstance(x, dict):
         if len(graph.inputs) != 1:
-            raise ValueError(f"graph has inputs {list(graph.inputs)}: pass a dict")
+            raise InputShapeError(f"x: the graph has inputs {list(graph.inputs)}: pass a dict {{input name: array}}")
         x = {graph.inputs[0]: x}
     x = {name: np.asarray(value, dtype=np.float64) for name, value in x.items()}
     net = expand(graph)

@@ -33,7 +33,7 @@ import numpy as np
 
 from pathir.analyses.find_units import find_units
 from pathir.analyses.incidence import incidence
-from pathir.errors import GraphTooLarge
+from pathir.errors import ArgumentError, ArgumentKeyError, GraphTooLarge
 from pathir.ir import Graph
 from pathir.lifting.walk import forward
 from pathir.neurons.expand import expand
@@ -92,7 +92,7 @@ class SymbolicReport:
         for c in self.checks:
             if c.name == name:
                 return c
-        raise KeyError(f"no check named '{name}'; checks: {[c.name for c in self.checks]}")
+        raise ArgumentKeyError(f"no check named '{name}'; checks: {[c.name for c in self.checks]}")
 
     @property
     def rank(self) -> int | None:
@@ -397,7 +397,7 @@ def _theta(layout, theta) -> np.ndarray:
         return np.concatenate(parts) if parts else np.zeros(0)
     theta = np.asarray(theta, dtype=np.float64)
     if theta.shape != (len(layout),):
-        raise ValueError(f"theta must be flat of length {len(layout)} (the graph's params in order), got {theta.shape}")
+        raise ArgumentError(f"theta must be flat of length {len(layout)} (the graph's params in order), got {theta.shape}")
     return theta
 
 

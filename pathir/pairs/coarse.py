@@ -20,6 +20,8 @@ from __future__ import annotations
 import numpy as np
 import scipy.linalg as sla
 
+from pathir.errors import ArgumentError
+
 __all__ = ["unit_groups", "CoarseSpace"]
 
 
@@ -39,9 +41,9 @@ class CoarseSpace:
     def __init__(self, groups: np.ndarray, num_units: int):
         groups = np.asarray(groups, dtype=np.int64)
         if groups.shape != (num_units,):
-            raise ValueError(f"groups must give one group per unit ({num_units}), got shape {groups.shape}")
+            raise ArgumentError(f"groups must give one group per unit ({num_units}), got shape {groups.shape}")
         if groups.size and groups.min() < 0:
-            raise ValueError("groups must be non-negative")
+            raise ArgumentError("groups must be non-negative")
         _, self.groups = np.unique(groups, return_inverse=True)  # densely: every group holds a unit
         self.m = int(self.groups.max(initial=-1)) + 1
         self.padded = np.append(self.groups, self.m)  # one array for every call: the matrices' plans key on it

@@ -7,17 +7,19 @@ import math
 
 import numpy as np
 
+from pathir.errors import ArgumentError
+
 __all__ = ["as_g", "log0", "logsumexp"]
 
 
 def as_g(g, n: int | None = None) -> np.ndarray:
     g = np.asarray(g, dtype=np.float64)
     if g.ndim != 1:
-        raise ValueError(f"g must be a vector, got shape {g.shape}")
+        raise ArgumentError(f"g must be a vector, got shape {g.shape}")
     if n is not None and g.size != n:
-        raise ValueError(f"g has {g.size} entries but B has {n} rows")
+        raise ArgumentError(f"g has {g.size} entries but B has {n} rows")
     if g.size and not (g.min() >= 0 and g.max() < math.inf):  # NaN fails both
-        raise ValueError("g must be finite and non-negative")
+        raise ArgumentError("g must be finite and non-negative")
     return g
 
 

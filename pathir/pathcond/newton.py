@@ -37,6 +37,7 @@ import time
 import numpy as np
 
 from pathir.analyses.unit_rows import keys_for
+from pathir.errors import ArgumentError
 from pathir.pairs.coarse import CoarseSpace
 from pathir.pairs.pair_laplacian import PairLaplacian
 from pathir.pairs.unit_pairs import group_pairs
@@ -202,7 +203,7 @@ def _solve(g, B, *, max_sweeps, tol, row_key, max_log_scale, warm_sweeps, max_cg
     A = A.astype(np.float64)
     bound = float(max_log_scale)
     if not bound >= 0:
-        raise ValueError(f"max_log_scale must be >= 0 (math.inf: unbounded), got {max_log_scale}")
+        raise ArgumentError(f"max_log_scale must be >= 0 (math.inf: unbounded), got {max_log_scale}")
     if pairs is None:
         g = as_g(g, n)
         pairs = group_pairs(g, key, H)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pathir.analyses.incidence import compact_rows
-from pathir.errors import PathirError
+from pathir.errors import ArgumentError, PathirError
 from pathir.lifting.diag_g import diag_g_parts
 from pathir.pairs.coarse import unit_groups
 from pathir.pathcond.g_summary import summarize
@@ -205,7 +205,7 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
     True
     """
     if solver not in METHODS:
-        raise ValueError(f"unknown PathCond solver '{solver}'; choose one of {sorted(METHODS)}")
+        raise ArgumentError(f"solver={solver!r}: unknown PathCond solver; choose one of {sorted(METHODS)}")
     start = time.perf_counter()
     timings: dict[str, float] = {}
     bar = Phases(PHASES if commit is not None else PHASES[:-1], desc=f"PathCond {name}".strip(), progress=progress)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 
+from pathir.errors import ArgumentError
 from pathir.pathcond.block import solve_block
 from pathir.pathcond.coordinate import solve_coordinate
 from pathir.pathcond.newton import solve_newton
@@ -58,15 +59,15 @@ def solve(g, B, *, method: str = "newton", max_sweeps: int = 1000, tol: float = 
     solver's coarse start and preconditioner; the other methods do not use them.
     """
     if method not in METHODS:
-        raise ValueError(f"unknown PathCond method {method!r}; choose one of {sorted(METHODS)}")
+        raise ArgumentError(f"method={method!r}: unknown PathCond method; choose one of {sorted(METHODS)}")
     if B is None and method == "coordinate":
-        raise ValueError("the coordinate solver needs B itself (the newton and block solvers run on row keys alone)")
+        raise ArgumentError("the coordinate solver needs B itself (the newton and block solvers run on row keys alone)")
     if not max_log_scale >= 0:
-        raise ValueError(f"max_log_scale must be >= 0 (math.inf: unbounded), got {max_log_scale}")
+        raise ArgumentError(f"max_log_scale must be >= 0 (math.inf: unbounded), got {max_log_scale}")
     options = {"groups": groups} if method == "newton" else {}
     if pairs is not None:
         if method == "coordinate":
-            raise ValueError("the coordinate solver reads g itself, not its unit pairs")
+            raise ArgumentError("the coordinate solver reads g itself, not its unit pairs")
         options["pairs"] = pairs
     return METHODS[method](g, B, max_sweeps=max_sweeps, tol=tol, row_key=row_key, max_log_scale=max_log_scale,
                            callback=callback, **options)

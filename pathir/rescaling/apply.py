@@ -19,7 +19,7 @@ from typing import Mapping
 import numpy as np
 
 from pathir.analyses.incidence import check_units_match, compact_rows
-from pathir.errors import PathirError
+from pathir.errors import ArgumentError, ArgumentKeyError, PathirError
 from pathir.ir import Graph, NodeKind
 
 __all__ = ["rescale_graph", "log_scales", "apply_log_scales", "check_log_scales", "param_factors"]
@@ -28,9 +28,9 @@ __all__ = ["rescale_graph", "log_scales", "apply_log_scales", "check_log_scales"
 def _z(units, z) -> np.ndarray:
     z = np.asarray(z, dtype=np.float64)
     if z.shape != (len(units),):
-        raise ValueError(f"z must have one entry per unit, shape ({len(units)},); got {z.shape}")
+        raise ArgumentError(f"z must have one entry per unit, shape ({len(units)},); got {z.shape}")
     if not np.all(np.isfinite(z)):
-        raise ValueError("z has non-finite entries")
+        raise ArgumentError("z has non-finite entries")
     return z
 
 
@@ -96,11 +96,11 @@ def _scales(graph: Graph, log_scales: Mapping[str, np.ndarray]) -> dict[str, np.
         s = log_scales.get(n.name)
         s = np.zeros(n.channels) if s is None else np.asarray(s, dtype=np.float64)
         if s.shape != (n.channels,):
-            raise ValueError(f"log-scale of node '{n.name}' has shape {s.shape}, expected ({n.channels},)")
+            raise ArgumentError(f"log-scale of node '{n.name}' has shape {s.shape}, expected ({n.channels},)")
         out[n.name] = s
     unknown = set(log_scales) - set(out)
     if unknown:
-        raise KeyError(f"log-scales name nodes not in the graph: {sorted(unknown)}")
+        raise ArgumentKeyError(f"log-scales name nodes not in the graph: {sorted(unknown)}")
     return out
 
 

@@ -22,6 +22,8 @@ import math
 
 import numpy as np
 
+from pathir.errors import ArgumentError
+
 __all__ = ["default_max_log_scale", "dtype_range", "SAFETY_MARGIN"]
 
 #: headroom, in nats, kept between the rescaled magnitudes and the dtype's limits
@@ -44,7 +46,7 @@ def dtype_range(dtype) -> tuple[float, float]:
         except TypeError:
             pass
     if name not in _RANGES:
-        raise ValueError(f"no float range known for dtype {dtype!r} (known: {sorted(_RANGES)})")
+        raise ArgumentError(f"no float range known for dtype {dtype!r} (known: {sorted(_RANGES)})")
     return _RANGES[name]
 
 

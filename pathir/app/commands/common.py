@@ -8,6 +8,7 @@ import os
 import sys
 
 import pathir
+from pathir.errors import ArgumentError
 from pathir.support.files import write_atomic
 
 from .weights import load_weights
@@ -22,7 +23,7 @@ def parse_shape(text: str | None):
     try:
         return tuple(int(s) for s in text.replace("x", ",").split(",") if s.strip())
     except ValueError:
-        raise ValueError(f"--input-shape must look like 3,224,224, got '{text}'") from None
+        raise ArgumentError(f"--input-shape must look like 3,224,224, got '{text}'") from None
 
 
 def add_model_arguments(parser):
@@ -94,19 +95,19 @@ def _build(spec: str):
         try:
             factory = getattr(importlib.import_module(mod_name), attr)
         except (ImportError, AttributeError) as err:
-            raise ValueError(f"cannot load '{spec}': {err}") from None
+            raise ArgumentError(f"cannot load '{spec}': {err}") from None
         import torch
 
         model = factory if isinstance(factory, torch.nn.Module) else factory() if callable(factory) else factory
         if not isinstance(model, torch.nn.Module):
-            raise ValueError(f"'{spec}' gave a {type(model).__name__}, not a torch.nn.Module")
+            raise ArgumentError(f"'{spec}' gave a {type(model).__name__}, not a torch.nn.Module")
         return model, spec
     import torchvision
 
     try:
         builder = torchvision.models.get_model_builder(spec)
     except ValueError:
-        raise ValueError(f"'{spec}' is neither a torchvision model name, a module:factory path nor an .onnx file") from None
+        raise ArgumentError(f"'{spec}' is neither a torchvision model name, a module:factory path nor an .onnx file") from None
     return builder(weights=None), spec
 
 
@@ -117,7 +118,7 @@ def prepare_model(args):
     model, name = load_model(args.model, args.seed)
     if isinstance(model, str):
         if args.weights:
-            raise ValueError("--weights applies to torch models; an .onnx file carries its own weights")
+            raise ArgumentError("--weights applies to torch models; an .onnx file carries its own weights")
     elif args.weights:
         load_weights(model, args.weights, args.trust_pickle)
     elif ":" in args.model:
@@ -151,7 +152,7 @@ def _jsonable(value):
 def check_output_path(path: str, onnx_model: bool) -> None:
     want = ".onnx" if onnx_model else ".pt"
     if not path.endswith(want) and not (not onnx_model and path.endswith(".pth")):
-        raise ValueError(f"output for {'an ONNX' if onnx_model else 'a torch'} model must be a {want} file, got '{path}'")
+        raise ArgumentError(f"output for {'an ONNX' if onnx_model else 'a torch'} model must be a {want} file, got '{path}'")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"output folder does not exist: {folder}")

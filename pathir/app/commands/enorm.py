@@ -5,6 +5,8 @@ Same inputs and outputs as ``pathir pathcond``; ``-p`` chooses the norm.
 
 from __future__ import annotations
 
+from pathir.errors import ArgumentError
+
 from .common import add_model_arguments, compile_model, progress
 from .pathcond import add_output_arguments, check_output, report_and_exit, write_output
 
@@ -24,7 +26,7 @@ def add_arguments(parser):
 
 def run(args) -> int:
     if not args.p > 0:  # before the model is built
-        raise ValueError(f"p must be > 0, got {args.p}")
+        raise ArgumentError(f"p must be > 0, got {args.p}")
     check_output(args)
     cm = compile_model(args)
     report = cm.enorm(p=args.p, max_sweeps=args.max_sweeps, tol=args.tol, solver=args.solver,

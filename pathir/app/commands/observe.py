@@ -15,6 +15,7 @@ import copy
 import numpy as np
 
 import pathir
+from pathir.errors import ArgumentError
 
 from .common import add_model_arguments, emit_json, load_model, parse_shape
 
@@ -39,7 +40,7 @@ def _load_weights(model, path: str):
     import torch
 
     if isinstance(model, str):
-        raise ValueError("--weights/--compare load a state_dict into a torch model; an .onnx file carries its own")
+        raise ArgumentError("--weights/--compare load a state_dict into a torch model; an .onnx file carries its own")
     state = torch.load(path, map_location="cpu", weights_only=True)
     model.load_state_dict(state)
     return model
@@ -54,7 +55,7 @@ def _compile(model, name, shape, backend):
 def run(args) -> int:
     x = np.load(args.inputs)
     if x.ndim < 2:
-        raise ValueError(f"--inputs must hold an array (N, *input shape), got shape {x.shape}")
+        raise ArgumentError(f"--inputs must hold an array (N, *input shape), got shape {x.shape}")
     model, name = load_model(args.model)
     shape = parse_shape(args.input_shape) or tuple(x.shape[1:])
     if getattr(args, "weights", None):

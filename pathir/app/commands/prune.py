@@ -10,6 +10,8 @@ temporary file beside it, so nothing is left behind on failure.
 
 from __future__ import annotations
 
+from pathir.errors import ArgumentError
+
 from .common import add_model_arguments, compile_model, emit_json, model_info, progress
 from .pathcond import check_output, write_output
 
@@ -45,7 +47,7 @@ def parse_amount(text: str):
         return value, f"a fraction {value:g} of the candidates"
     if value >= 1.0 and value == int(value) and value < 2**63:
         return int(value), f"{int(value):,} entries (a count)"
-    raise ValueError(f"--amount must be {AMOUNT_FORMS}; got '{text}'")
+    raise ArgumentError(f"--amount must be {AMOUNT_FORMS}; got '{text}'")
 
 
 def run(args) -> int:
