@@ -31,15 +31,15 @@ __all__ = [
     "PathNormOverflow", "BackendError", "ModelChanged", "SelfCheckFailed", "InputShapeError",
     "ArgumentError", "ArgumentTypeError", "ArgumentKeyError",
     "PathirWarning", "NotConvergedWarning",
-    "path_metric", "output_bound", "PathMetric", "optim",
+    "path_metric", "output_bound", "PathMetric", "optim", "nn",
     "active_path_metric", "ActivePathMetric", "observe", "Observations",
 ]
 
 
 def __getattr__(name):
-    # pathir.integrations.optim needs torch: imported on first use, not with pathir
-    if name == "optim":
+    # pathir.integrations.optim and pathir.nn need torch: imported on first use, not with pathir
+    if name in ("optim", "nn"):
         import importlib
 
-        return importlib.import_module(".optim", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'pathir' has no attribute '{name}'")

@@ -41,6 +41,7 @@ from torch_models import randomize_bn
 
 import pathir
 from pathir.frontends.torch.export import _ExportInterpreter, lower_exported
+from pathir.nn import ClippedReLU
 
 aten = torch.ops.aten
 INF = math.inf
@@ -183,6 +184,12 @@ case("threshold", V, lambda m, a, b: F.threshold(a, 0.0, 0.0) + torch.threshold(
      lambda: {"t": nn.Threshold(0.0, 0.0)})
 case("hardtanh", V, lambda m, a, b: F.hardtanh(a, 0.0, INF) + F.hardtanh_(b * 2, 0.0, INF) + m.h(a - b),
      lambda: {"h": nn.Hardtanh(0.0, INF)})
+case("relu6", V, lambda m, a, b: F.relu6(a) + F.relu6(b * 2, inplace=True) + m.r(a - b), lambda: {"r": nn.ReLU6()})
+case("clipped hardtanh and clamp", C2, lambda m, a, b: F.hardtanh(a, 0.0, 0.5) + F.hardtanh_(b * 2, 0.0, 0.7)
+     + m.h(a - b) + torch.clamp(a, 0, 0.4) + b.clamp(min=0.0, max=0.3), lambda: {"h": nn.Hardtanh(0.0, 0.6)})
+case("ClippedReLU module", C2, lambda m, a: m.c(a), lambda: {"c": ClippedReLU(torch.tensor([0.2, 0.5, 0.9]))})
+case("minimum", C2, lambda m, a, b: torch.minimum(torch.relu(a), m.t) + torch.relu(b).minimum(m.u),
+     lambda: {"t": torch.tensor([0.2, 0.5, 0.3]).reshape(3, 1, 1), "u": torch.full((1, 3, 1, 1), 0.4)})
 case("dropout fns", C2, lambda m, a: F.dropout2d(F.dropout1d(F.dropout(a, 0.5, m.training).flatten(2), 0.5,
                                                              m.training).unflatten(2, (6, 6)), 0.5, m.training))
 case("alpha_dropout fn", C2, lambda m, a: F.alpha_dropout(a, 0.5, m.training))
@@ -623,6 +630,8 @@ onnx_case("GlobalAveragePool", C2, lambda h: one("GlobalAveragePool"))
 onnx_case("Relu", V, lambda h: one("Relu"))
 onnx_case("LeakyRelu", V, lambda h: one("LeakyRelu", alpha=0.0))
 onnx_case("Clip", V, lambda h: one("Clip", ["h", "lo"], {"lo": np.zeros((), np.float32)}))
+onnx_case("Min of a Relu", C2, lambda h: ([node("Relu", ["h"], ["r"]), node("Min", ["r", "t"], ["y"])],
+                                          {"t": np.array([0.2, 0.5, 0.9], np.float32).reshape(1, 3, 1, 1)}, "y"))
 onnx_case("identities", C2, lambda h: ([node("Identity", ["h"], ["i"]), node("Dropout", ["i"], ["d"]),
                                         node("Cast", ["d"], ["c"], to=TensorProto.FLOAT),
                                         node("CastLike", ["c", "i"], ["y"])], {}, "y"))

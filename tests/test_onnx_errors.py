@@ -74,7 +74,7 @@ def test_unsupported_op_names_node_op_and_reason(op, tmp_path, capsys):
     assert code != 0 and stderr.count("\n") == 1 and "'the_op'" in stderr and op in stderr
 
 
-@pytest.mark.parametrize("layer,op", [(torch.nn.ReLU6(), "Clip"), (torch.nn.Sigmoid(), "Sigmoid"),
+@pytest.mark.parametrize("layer,op", [(torch.nn.Hardtanh(-1.0, 1.0), "Clip"), (torch.nn.Sigmoid(), "Sigmoid"),
                                       (torch.nn.Tanh(), "Tanh"), (torch.nn.Softmax(dim=1), "Softmax")])
 def test_unsupported_layers_exported_from_torch(layer, op):
     net = torch.nn.Sequential(torch.nn.Linear(3, 4), layer, torch.nn.Linear(4, 2))

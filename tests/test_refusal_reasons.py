@@ -23,8 +23,8 @@ class After(nn.Module):
 
 
 CASES = {
-    "relu6": (lambda m, h: F.relu6(h), "relu6.*clips at 6"),
-    "hardtanh(0, 1)": (lambda m, h: F.hardtanh(h, 0.0, 1.0), "hardtanh.*clips"),
+    "clamp(0.5, 6)": (lambda m, h: torch.clamp(h, 0.5, 6.0), "clamp.*lower bound other than 0"),
+    "hardtanh(-1, 1)": (lambda m, h: F.hardtanh(h, -1.0, 1.0), "hardtanh.*clips below"),
     "abs": (lambda m, h: h.abs(), "abs.*not one of pathir's neurons"),
     "pow": (lambda m, h: h**2, "pow.*power of an activation"),
     "sort": (lambda m, h: h.sort(1).values, "sort.*orders by value"),

@@ -5,7 +5,8 @@ For each model (random init, float64, eval mode, small input):
 - pathir's forward equals the model's own;
 - the l1 path-norm equals the definition computed without pathir: a deep copy with every
   parameter |θ| (a batch-norm as the per-channel affine |γ/σ| x + |β - μγ/σ|), ReLU -> identity,
-  max-pool -> window sum, fed all ones (the fixed coefficients of these models, average pools,
+  ReLU6 -> 2x + 6^q (its ReLU DAG A − ReLU(A − 6): two paths through x, |±1|^q, and the bias path
+  of −6), max-pool -> window sum, fed all ones (the fixed coefficients of these models, average pools,
   blur filters, nearest/bilinear upsampling, padding, are non-negative: |c| = c); for q = 2 each
   parameter-free pooling or upsampling layer is replaced by its own matrix, per channel, with
   every coefficient squared (not for blur pools: their reflect padding is a layer of neurons of
@@ -33,12 +34,11 @@ SHAPES = {"inception_resnet_v2": (3, 96, 96)}  # its stem needs more than 64x64
 FAST = ["resnet10t", "resnetblur18", "resnet26d", "hrnet_w18_small"]
 SLOW = ["resnet18", "resnetaa50", "densenet121", "densenetblur121d", "dla34", "vgg11", "selecsls42",
         "mobileone_s0", "regnetx_002", "dpn68", "xception41", "spnasnet_100", "fbnetc_100", "res2net50_14w_8s",
-        "resnetv2_50", "repvgg_a0", "gernet_s", "inception_resnet_v2"]
+        "resnetv2_50", "repvgg_a0", "gernet_s", "inception_resnet_v2", "mobilenetv2_050"]
 REFUSED = {
     "mnasnet_small": "Sigmoid",
     "regnety_002": "sigmoid",
     "efficientnet_b0": "SiLU",
-    "mobilenetv2_050": "ReLU6",
     "ese_vovnet19b_slim_dw": "Hardsigmoid",
     "convnext_atto": "layer_norm",
     "cspresnet50": "LeakyReLU",
@@ -70,6 +70,18 @@ class _Sum(nn.Module):
 
     def forward(self, x):
         return F.avg_pool2d(x, **self.args)
+
+
+class _ClipNorm(nn.Module):
+    """A clipped ReLU min(max(x, 0), t) in the path-norm network: A + B with B = A + |−t|^q (fixed
+    weights |1|^q, |−1|^q = 1)."""
+
+    def __init__(self, t: float, q: float):
+        super().__init__()
+        self.c = abs(t) ** q
+
+    def forward(self, x):
+        return 2 * x + self.c
 
 
 class _PerChannelPower(nn.Module):
@@ -107,6 +119,8 @@ def definition_path_norm(model, q, shape=SHAPE):
                 new = None
                 if isinstance(child, nn.ReLU):
                     new = nn.Identity()
+                elif isinstance(child, nn.ReLU6):
+                    new = _ClipNorm(6.0, q)
                 elif isinstance(child, nn.MaxPool2d):
                     new = _Sum(child)
                 elif isinstance(child, nn.modules.batchnorm._BatchNorm):
@@ -154,7 +168,7 @@ def test_timm_relu_families_match_the_definition(name):
     # vgg11's head calls F.adaptive_avg_pool2d itself (inputs below 7x7), inception-resnet scales its
     # residual branches by a constant (x * 0.17): fixed coefficients outside modules, q = 1 only
     q2 = "blur" not in name and name not in ("vgg11", "inception_resnet_v2")
-    _check(name, q2=q2, pathcond=name in ("resnet18", "dla34", "regnetx_002"))
+    _check(name, q2=q2, pathcond=name in ("resnet18", "dla34", "regnetx_002", "mobilenetv2_050"))
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))

@@ -188,7 +188,7 @@ class Gated(nn.Module):
 @pytest.mark.parametrize(
     "model, op, where, words",
     [
-        (nn.Sequential(nn.Linear(3, 3), nn.ReLU6()), "ReLU6", "1", "clips"),
+        (nn.Sequential(nn.Linear(3, 3), nn.Hardtanh(-1.0, 1.0)), "Hardtanh", "1", "clips"),
         (nn.Sequential(nn.Linear(3, 3), nn.GELU()), "GELU", "1", "homogeneous"),
         (nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3)), "LayerNorm", "1", "statistics"),
         (Gated(), "sigmoid", "", "homogeneous"),

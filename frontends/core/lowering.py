@@ -1,7 +1,7 @@
 """The lowering core: what each supported op does to pending Values, for every frontend.
 
 ``Lowering`` holds the GraphBuilder and the Param cache; its methods are the
-ops (linear, conv, batch_norm, relu, max_pool, avg_pool, adaptive_avg_pool,
+ops (linear, conv, batch_norm, relu, clipped_relu, max_pool, avg_pool, adaptive_avg_pool,
 mean, add, index ops): the public API every rule of the torch and ONNX op tables
 calls (docs/architecture.md lists it). Rules bind their op's arguments and call
 these; nothing here reads a model.
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from pathir.backends.numpy import NumpyBackend  # counts the in-input entries of each window
 from pathir.errors import UnsupportedOperation
+from pathir.frontends.core.clipped import clipped_relu
 from pathir.frontends.core.fixed_maps import adaptive_avg_pool
 from pathir.frontends.core.pointwise_linear import linear_last_axis
 from pathir.frontends.core.values import SELECTION, ParamTensor, Value, f64, run_index_op, selection_index, selection_map
@@ -197,6 +198,24 @@ class Lowering:
             return v  # relu(relu(x)) = relu(x)
         name = self.b.relu(self.label, v.terms, v.bias, origin=self.where, shape=v.shape)
         return Value.of_node(name, v.shape)
+
+    def clipped_relu(self, v: Value, threshold: Param) -> Value:
+        """min(max(v, 0), t), the param ``threshold`` holding −t per channel: ReLU(v) − ReLU(ReLU(v) − t)
+        (:mod:`pathir.frontends.core.clipped`)."""
+        return clipped_relu(self, v, threshold)
+
+    def param_of(self, name: str) -> Param | None:
+        """The param called ``name`` made so far, or None."""
+        return self._params.get(name)
+
+    def unique_param_name(self, name: str) -> str:
+        """``name``, or ``name_1``, ``name_2``... if a param has it already."""
+        if name not in self._params:
+            return name
+        i = 1
+        while f"{name}_{i}" in self._params:
+            i += 1
+        return f"{name}_{i}"
 
     def _window(self, v: Value, kernel, stride, padding, dilation, ceil_mode) -> tuple[str, Pool]:
         n = len(v.shape) - 1

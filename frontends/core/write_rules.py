@@ -6,7 +6,11 @@ A param on edge u -> v changes entry [o, i] by e^{s_v}[o] · e^{-s_u}[i]
 in-factor unless the param has IN_STATS sources and the out-factor unless it
 has OUT_SCALE ones; OUT_SCALE tensors (batch-norm scale and bias) take
 e^{s_v}; IN_STATS tensors take the input factor λ = e^{s_u}, which each writer
-applies as mean ← λ·mean, var ← λ²(var + eps) − eps.
+applies as mean ← λ·mean, var ← λ²(var + eps) − eps. A CLIP_THRESHOLD source (the
+threshold t of a clipped ReLU, the param being −t, the bias of its ReLU(ReLU(x) − t)
+neuron) takes e^{s_v} per channel, like a bias: each writer writes it where its
+frontend found it (a buffer, a module to replace, an initializer, a Clip node to
+rewrite) or refuses it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pathir.errors import PathirError
 from pathir.ir import Graph, Param, Role, SourceRef
 from pathir.rescaling.apply import check_log_scales, param_factors
 
-__all__ = ["source_factors", "EntryFactor", "mask_ref", "mask_plan"]
+__all__ = ["source_factors", "EntryFactor", "mask_ref", "mask_plan", "clip_threshold_names"]
 
 _SAME = dict(rtol=1e-9, atol=1e-300)
 
@@ -96,6 +100,8 @@ def source_factors(graph: Graph, log_scales: Mapping[str, np.ndarray], lazy: boo
         for ref in p.sources:
             if ref.role is Role.IN_STATS and u is None:
                 raise PathirError(f"bias '{p.name}' lists running statistics '{ref.name}', which only an edge can feed")
+            if ref.role is Role.CLIP_THRESHOLD and u is not None:
+                raise PathirError(f"edge weight '{p.name}' lists the clip threshold '{ref.name}', which only a bias holds")
             uses.setdefault((ref.name, ref.role), []).append((p, ref, roles, fo, fi, v))
     tensors: dict[str, list[Role]] = {}
     for name, role in uses:
@@ -117,7 +123,7 @@ def _one_factor(uses, s, lazy: bool):
             f = EntryFactor(0.0 if Role.IN_STATS in roles else fi, 0.0 if Role.OUT_SCALE in roles else fo, ref,
                             p.shape)
             f = f if lazy and len(uses) == 1 else np.asarray(f)
-        elif ref.role is Role.OUT_SCALE:
+        elif ref.role in (Role.OUT_SCALE, Role.CLIP_THRESHOLD):
             f = np.exp(s[v.name])
         else:
             f = np.exp(-np.asarray(fi))
@@ -164,3 +170,8 @@ def mask_plan(graph: Graph, masks: Mapping[str, np.ndarray]) -> list[tuple[Param
             raise PathirError(f"mask for '{p.name}' has shape {m.shape}, the param {p.shape}")
         plan.append((p, m, mask_ref(p, id(p) in biases)))
     return plan
+
+
+def clip_threshold_names(graph: Graph) -> list[str]:
+    """The source names of the graph's clipped-ReLU thresholds (``Role.CLIP_THRESHOLD``), in param order."""
+    return list(dict.fromkeys(r.name for p in graph.params() for r in p.sources if r.role is Role.CLIP_THRESHOLD))

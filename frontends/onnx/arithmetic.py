@@ -1,6 +1,7 @@
 """ONNX rules for arithmetic inside the ReLU DAG model: Sub and Neg (a fixed −1 edge), Mul / Div by a
 constant (a scalar, or one factor per channel, position or element: a fixed edge), Max of activations
-(a max-pool neuron over its operands), LeakyRelu(alpha=0) and Clip(min=0, no max) as ReLU,
+(a max-pool neuron over its operands), LeakyRelu(alpha=0) and Clip(min=0, no max) as ReLU, Clip(min=0,
+max=t) and Min(Relu(x), t) with t a constant per channel as clipped ReLUs (:mod:`..core.clipped`),
 ReduceSum / ReduceMean / ReduceMax over any non-batch axes (fixed edges, or a max-pool neuron), Where
 with a constant mask. The semantics are the lowering core's (:mod:`..core.fixed_factors`,
 :mod:`..core.reductions`), shared with the torch rules, so both frontends build the same graph."""
@@ -9,12 +10,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from pathir.frontends.core.clipped import threshold_vector
 from pathir.frontends.core.fixed_factors import fixed_scale
 from pathir.frontends.core.reductions import all_spatial, elementwise_max, reduce, where
 from pathir.frontends.core.values import Value
 from pathir.frontends.onnx.layers import attrs
+from pathir.frontends.onnx.load import numpy_dtype
+from pathir.frontends.onnx.writer import Binding
+from pathir.ir import NodeKind, Role, SourceRef
 
-__all__ = ["sub", "neg", "mul", "div", "max_", "leaky_relu", "clip", "where_", "reduce_sum", "reduce_mean",
+__all__ = ["sub", "neg", "mul", "div", "max_", "min_", "leaky_relu", "clip", "where_", "reduce_sum", "reduce_mean",
            "reduce_max"]
 
 
@@ -98,8 +103,46 @@ def clip(low, node, ins):
     hi_s = None if hi is None else _scalar(np.asarray(hi, dtype=np.float64))
     if lo_s == 0.0 and (hi_s is None or hi_s == np.inf):
         return [low.relu(low.act(node, 0))]
-    low.unsupported("clips at fixed thresholds (ReLU6, hardtanh): rescaling the input moves where it saturates, "
-                    "so it is not positively homogeneous")
+    if lo_s == 0.0 and hi_s is not None:
+        return [_clip_node(low, node, hi_s)]
+    low.unsupported("clips below at a bound other than 0 (or only above): not positively homogeneous; Clip(min=0) "
+                    "is a ReLU and Clip(min=0, max=t) a clipped ReLU, ReLU(x) - ReLU(ReLU(x) - t)")
+
+
+def _clip_node(low, node, t: float) -> Value:
+    """Clip(x, 0, t): a clipped ReLU whose threshold param is bound to the Clip node itself (``<node>.threshold``);
+    a write-back that moves its channels rewrites the node as Relu then Min with a per-channel constant."""
+    v = low.act(node, 0)
+    c = v.shape[0]
+    what = f"Clip '{low.label}'"
+    vec = threshold_vector(low, t, c, what)
+    ref = low.claim(f"{low.label}.threshold")
+    dtype = numpy_dtype(low.types.get(node.input[0], 1))
+    tensor = node.input[2] if len(node.input) > 2 else ""
+    low.bindings[ref] = Binding(tensor, [(node.output[0], 2)], np.asarray(t, dtype=dtype), "clip",
+                                (1, c, *(1,) * (len(v.shape) - 1)))
+    p = low.param(ref, vec, (SourceRef(ref, Role.CLIP_THRESHOLD),), f"-{t:g}, the threshold of {what}")
+    return low.clipped_relu(v, p)
+
+
+def min_(low, node, ins):
+    """Min(Relu(x), t) with t a constant of one value per channel: a clipped ReLU, its threshold bound to
+    the constant (as Relu then Min is what a write-back of a rescaled Clip(min=0, max=t) writes)."""
+    acts = [k for k, v in enumerate(ins) if isinstance(v, Value)]
+    if len(ins) != 2 or len(acts) != 1:
+        low.unsupported("an elementwise min is lowered only as Min(Relu(x), t) with t a constant per channel "
+                        "(a clipped ReLU)")
+    k = acts[0]
+    v, c = ins[k], ins[1 - k]
+    if v.node is None or low.b.kind(v.node) is not NodeKind.RELU or _constant(c) is None:
+        low.unsupported("an elementwise min is lowered only as Min(Relu(x), t) with t a constant per channel "
+                        "(a clipped ReLU)")
+    vec, layout = low.channel_vector(c, v, 0)
+    neg = threshold_vector(low, vec, v.shape[0], f"Min '{low.label}'")
+    ref, _ = low.param_ref(node, 1 - k, ("clip_min", layout, vec))
+    p = low.param(ref, neg, (SourceRef(ref, Role.CLIP_THRESHOLD),), f"-{node.input[1 - k]}, per channel")
+    low.bind(ref, node, 1 - k, "clip_min", layout)
+    return [low.clipped_relu(v, p)]
 
 
 def _reduce(low, node, kind):

@@ -217,6 +217,16 @@ class OnnxLowering(Lowering):
         self._uses.setdefault(t, []).append((key, name))
         return name, False
 
+    def claim(self, name: str) -> str:
+        """A ref name for a param that no tensor names (a Clip's threshold): ``name``, or ``name_1``,
+        ``name_2``... when a tensor or another ref has it."""
+        taken = self._claimed | set(self.bindings) | {t.name for t in self.proto.graph.initializer}
+        ref, i = name, 1
+        while ref in taken:
+            ref, i = f"{name}_{i}", i + 1
+        self._claimed.add(ref)
+        return ref
+
     def bind(self, ref: str, node, k: int, kind: str, layout=None, eps: float = 0.0) -> None:
         key = (node.output[0], k)
         b = self.bindings.get(ref)

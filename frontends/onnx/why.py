@@ -28,7 +28,6 @@ WHY = {
     "Attention": "attention multiplies activations together (queries by keys, weights by values)",
     "MultiHeadAttention": "attention multiplies activations together (queries by keys, weights by values)",
     "Pow": "a power of an activation: not positively homogeneous",
-    "Min": "an elementwise min of activations is not a ReLU DAG neuron",
     "LpPool": "an Lp pool is not positively homogeneous of degree 1 per window",
     "TopK": "selects by value: not a fixed map",
     "If": "control flow on activations is not lowered",

@@ -20,6 +20,15 @@ bias, which is expanded to one value per channel when the factors differ).
 A tensor that other nodes also read (a deduplicated initializer, an Identity
 alias) is not overwritten: the bound slots get a new initializer; producers
 and initializers nothing reads any more are removed.
+
+A clipped ReLU's threshold (``Role.CLIP_THRESHOLD``, a bias of its unit: e^{s_v}
+per channel) is bound to a ``Clip(x, 0, t)`` node (kind ``clip``) or to the
+constant of a ``Min(Relu(x), t)`` (kind ``clip_min``). A Clip takes one number: a
+rescaling that moves its channels (any factor other than exactly 1) rewrites it as
+``Relu(x)`` then ``Min`` with a constant initializer of shape (1, C, 1, ..., 1)
+holding the rescaled thresholds (opset 8 or later, for Min's broadcasting); the
+Min's output keeps the Clip's name, so the model's interface is unchanged. A
+Min's constant is rescaled like a bias.
 """
 
 from __future__ import annotations
@@ -43,7 +52,9 @@ __all__ = ["Binding", "OnnxWriter"]
 class Binding:
     """Where one ref name lives in the ONNX graph.
 
-    ``kind``: weight, bias, bn_scale, bn_bias, bn_mean or bn_var; ``layout``
+    ``kind``: weight, bias, bn_scale, bn_bias, bn_mean, bn_var, clip (a Clip node's
+    threshold: ``value`` the number, ``tensor`` its max input or "" for an attribute,
+    the slot (Clip output, 2)) or clip_min (a Min's per-channel constant); ``layout``
     (all kinds but weight): the shape a per-channel vector takes to broadcast
     against the tensor; ``eps``: the batch-norm epsilon (bn_var)."""
 
@@ -114,11 +125,16 @@ class OnnxWriter:
         Every new tensor is computed before anything is written; on any error
         (not a rescaling of ``graph``, an unknown tensor, two different factors
         for one tensor) the current model is unchanged."""
-        updates = {}
+        updates, rewrites = {}, {}
         for name, sides in source_factors(graph, log_scales).items():
             b = self._binding(name)
+            if b.kind == "clip":  # a Clip holds one number: rewritten when its channels move
+                if np.any(np.asarray(sides[Role.CLIP_THRESHOLD]) != 1.0):
+                    new = self._rescaled(name, b, sides)
+                    rewrites[name] = np.broadcast_to(new, b.layout).astype(b.value.dtype)
+                continue
             updates[name] = self._rescaled(name, b, sides)
-        self._commit(updates)
+        self._commit(updates, rewrites)
 
     def _binding(self, name: str) -> Binding:
         b = self.bindings.get(name)
@@ -178,23 +194,27 @@ class OnnxWriter:
         self._commit(updates)
 
     # ------------------------------------------------------------ commit
-    def _commit(self, updates: Mapping[str, np.ndarray]) -> None:
+    def _commit(self, updates: Mapping[str, np.ndarray], rewrites: Mapping[str, np.ndarray] | None = None) -> None:
         """Write new values (float64, the source layout) into a copy of the current
-        model; swap it in only when every write succeeded and the checker agrees."""
+        model, and rewrite the Clip nodes of ``rewrites`` ({ref: per-channel thresholds in
+        the binding's layout}); swap it in only when every write succeeded and the checker agrees."""
         import onnx
         from onnx import numpy_helper
 
 
-        if not updates:
+        if not updates and not rewrites:
             return
         model = self.to_onnx()
         bindings = {k: _copy(b) for k, b in self.bindings.items()}
         g = model.graph
+        orphans: set[str] = set()
+        if rewrites:
+            orphans |= _rewrite_clips(model, bindings, rewrites)
         nodes = {n.output[0]: n for n in g.node}
         readers = _readers(g)
         inits = {t.name: t for t in g.initializer}
         outputs = {o.name for o in g.output}
-        rebind, orphans = [], set()
+        rebind = []
         for ref, value in updates.items():
             b = bindings[ref]
             arr = np.asarray(value).astype(b.value.dtype)
@@ -222,6 +242,42 @@ class OnnxWriter:
         except (onnx.checker.ValidationError, ValueError) as err:
             raise PathirError(f"write-back produced an invalid ONNX model (nothing was changed): {err}") from None
         self._model, self.bindings = model, bindings
+
+
+def _rewrite_clips(model, bindings: dict, rewrites: Mapping[str, np.ndarray]) -> set[str]:
+    """Each rewritten Clip(x, 0, t) becomes Relu(x) then Min(·, T), T a new initializer of per-channel
+    thresholds (its binding becomes a clip_min one); returns the Clip's bound inputs, which may now be dead."""
+    from onnx import helper, numpy_helper
+
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset < 8:
+        raise PathirError(f"write-back refused: the model's opset {opset} has no broadcasting Min (opset 8) to hold "
+                          "the per-channel thresholds of a rescaled Clip; nothing was changed")
+    g = model.graph
+    taken = _names(g) | {n.name for n in g.node}
+
+    def fresh(base: str) -> str:
+        name, i = base, 1
+        while name in taken:
+            name, i = f"{base}_{i}", i + 1
+        taken.add(name)
+        return name
+
+    nodes, orphans = list(g.node), set()
+    for ref, value in rewrites.items():
+        b = bindings[ref]
+        key = b.slots[0][0]
+        k = next(i for i, n in enumerate(nodes) if n.op_type == "Clip" and n.output[0] == key)
+        clip = nodes[k]
+        relu_out, tensor = fresh(f"{key}_relu"), fresh(ref)
+        g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(value), tensor))
+        nodes[k:k + 1] = [helper.make_node("Relu", [clip.input[0]], [relu_out], name=fresh(f"{clip.name or key}_relu")),
+                          helper.make_node("Min", [relu_out, tensor], [key], name=clip.name)]
+        orphans.update(x for x in clip.input[1:] if x)
+        b.tensor, b.slots, b.kind, b.value = tensor, [(key, 1)], "clip_min", np.asarray(value)
+    del g.node[:]
+    g.node.extend(nodes)
+    return orphans
 
 
 def _copy(b: Binding) -> Binding:

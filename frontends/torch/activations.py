@@ -1,9 +1,13 @@
-"""Rules for ReLU and its other spellings, and for ops that are the identity in inference.
+"""Rules for ReLU and its other spellings, clipped ReLUs, and ops that are the identity in inference.
 
 A ReLU is ``relu`` / ``relu_`` / ``nn.ReLU``, and ``leaky_relu`` with slope 0, ``clamp(min=0)`` /
-``clamp_min(0)`` without a max, ``threshold(0, 0)``, ``hardtanh(0, inf)``. Dropout (any kind) and
-``nn.Identity`` are the identity (inference semantics; dropout fixed in train mode in the code is
-refused by the capture checks before any rule runs).
+``clamp_min(0)`` without a max, ``threshold(0, 0)``, ``hardtanh(0, inf)``. A clipped ReLU
+min(max(x, 0), t) is ``nn.ReLU6`` / ``relu6``, ``nn.Hardtanh(0, t)`` / ``hardtanh(x, 0, t)``,
+``clamp(x, 0, t)``, ``pathir.nn.ClippedReLU`` and ``torch.minimum(relu(x), buffer)``: ReLU(x) −
+ReLU(ReLU(x) − t) with −t a param of the unit (:mod:`pathir.frontends.core.clipped`), bound to the
+module, buffer or call that holds it (:mod:`.clipped`). Dropout (any kind) and ``nn.Identity`` are
+the identity (inference semantics; dropout fixed in train mode in the code is refused by the
+capture checks before any rule runs).
 """
 
 from __future__ import annotations
@@ -11,16 +15,130 @@ from __future__ import annotations
 import math
 import numbers
 
-import torch.nn as nn
+import numpy as np
 
+from pathir.frontends.core.clipped import threshold_vector
+from pathir.frontends.core.values import ParamTensor, Value, f64
+from pathir.frontends.torch.clipped import WRITABLE, ClipSite, module_threshold
 from pathir.frontends.torch.why import refuse
+from pathir.ir import NodeKind, Role, SourceRef
 
 __all__ = ["relu", "relu_module", "leaky_relu", "leaky_relu_module", "clamp", "clamp_min", "threshold",
-           "threshold_module", "hardtanh", "hardtanh_module", "same", "same_module"]
+           "threshold_module", "hardtanh", "hardtanh_module", "relu6", "clipped_relu_module", "minimum", "same",
+           "same_module"]
 
 
 def _is_zero(c) -> bool:
     return isinstance(c, numbers.Real) and not isinstance(c, bool) and float(c) == 0.0
+
+
+def _number(c) -> bool:
+    return isinstance(c, numbers.Real) and not isinstance(c, bool)
+
+
+# ---------------------------------------------------------------- clipped ReLUs
+
+
+def _clip_module(low, t: float, module_path: str | None) -> str | None:
+    """The path of the nn.ReLU6 / nn.Hardtanh(0, t) module that runs this clip (the fx module call, or
+    on the export path the module the ATen op runs in), or None for a functional call."""
+    path = module_path if module_path is not None else low.where
+    if not path:
+        return None
+    try:
+        m = low.model.get_submodule(path)
+    except AttributeError:
+        return None
+    if type(m) in WRITABLE and float(m.min_val) == 0.0 and float(m.max_val) == float(t):
+        return path
+    return None
+
+
+def _clip(low, input, t, module_path: str | None = None):
+    """min(max(input, 0), t) with t a number: the threshold param bound to its module or its call."""
+    v = low.value(input)
+    c = v.shape[0]
+    what = f"{low.op} at '{low.fx_name}'" + (f" in '{low.where}'" if low.where else "")
+    vec = threshold_vector(low, t, c, what)
+    path = _clip_module(low, t, module_path)
+    if path is not None:
+        name = f"{path}.threshold"
+        known = low.param_of(name)
+        if known is not None and known.shape != (c,):  # one module called on tensors of other channel counts
+            name = low.unique_param_name(name)
+        model = low.model
+
+        def make(model=model, path=path, c=c):  # the module as it is now (pathir.nn.ClippedReLU after a write-back)
+            return -module_threshold(model.get_submodule(path), c)
+
+        site, how = ClipSite("module", path), f"-{path}.max_val, one entry per channel"
+    else:
+        name = low.unique_param_name(f"{low.label}.threshold")
+
+        def make(vec=vec):
+            return vec.copy()
+
+        site, how = ClipSite("call", what), f"-{float(t):g}, the threshold of {what}"
+    low.clips[name] = site
+    p = low.made(name, make, (), (SourceRef(name, Role.CLIP_THRESHOLD),), how)
+    return low.clipped_relu(v, p)
+
+
+def _per_channel(t: np.ndarray, shape, name: str) -> np.ndarray:
+    """A threshold tensor that broadcasts against (N, *shape) to one value per channel, as (C,);
+    ValueError saying why for any other."""
+    full = (1, *shape)
+    try:
+        ok = np.broadcast_shapes(t.shape, full) == full and t.ndim <= len(full)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"the threshold '{name}' of shape {list(t.shape)} does not broadcast to one value per "
+                         f"channel of an activation of per-sample shape {list(shape)}")
+    per = np.broadcast_to(t, full)[0].reshape(shape[0], -1)
+    if not np.all(per == per[:, :1]):
+        raise ValueError(f"the threshold '{name}' varies over positions: a clipped ReLU's threshold is per channel")
+    return per[:, 0].copy()
+
+
+def _buffer_clip(low, v, pt: ParamTensor):
+    """min(ReLU(v), buffer): the threshold param −buffer, per channel, written back into the buffer."""
+    if not low.is_buffer(pt):
+        low.unsupported(f"the threshold '{pt.name}' is a learnable parameter: pathir lowers clipped ReLUs whose "
+                        "threshold is a number or a buffer")
+    shape = v.shape
+    try:
+        vec = _per_channel(f64(pt.tensor), shape, pt.name)
+    except ValueError as err:
+        low.unsupported(str(err))
+    threshold_vector(low, vec, shape[0], f"the threshold '{pt.name}'")  # finite, >= 0
+
+    def make(t, shape=shape, name=pt.name):
+        return -_per_channel(f64(t), shape, name)
+
+    low.clips[pt.name] = ClipSite("buffer", pt.name)
+    p = low.made(pt.name, make, (pt,), (SourceRef(pt.name, Role.CLIP_THRESHOLD),), f"-{pt.name}, per channel")
+    return low.clipped_relu(v, p)
+
+
+def relu6(low, input, inplace=False):
+    """``relu6``: min(max(x, 0), 6), a clipped ReLU."""
+    return _clip(low, input, 6.0)
+
+
+def clipped_relu_module(low, mod, input):
+    """``pathir.nn.ClippedReLU``: min(max(x, 0), t) with its threshold buffer per channel."""
+    kind = "buffer" if low.is_buffer(ParamTensor(f"{low.where}.threshold", mod.threshold)) else "parameter"
+    return _buffer_clip(low, low.value(input), ParamTensor(f"{low.where}.threshold", mod.threshold, kind))
+
+
+def minimum(low, input, other):
+    """``torch.minimum(relu(x), t)`` with t a buffer of one value per channel: a clipped ReLU."""
+    v, t = (input, other) if isinstance(input, Value) else (other, input)
+    if not (isinstance(v, Value) and isinstance(t, ParamTensor)) or v.node is None \
+            or low.b.kind(v.node) is not NodeKind.RELU:
+        refuse(low)
+    return _buffer_clip(low, v, t)
 
 
 def relu(low, input, inplace=False):
@@ -42,10 +160,12 @@ def leaky_relu_module(low, mod, input):
 
 
 def clamp(low, input, min=None, max=None):
-    """``clamp(x, 0)``: a ReLU; a clamp with a max (a clipped ReLU) or another min is refused."""
-    if not _is_zero(min) or max is not None:
+    """``clamp(x, 0)``: a ReLU; ``clamp(x, 0, t)``: a clipped ReLU; another min is refused."""
+    if not _is_zero(min) or not (max is None or _number(max)):
         refuse(low)
-    return low.relu(input)
+    if max is None or float(max) == math.inf:
+        return low.relu(input)
+    return _clip(low, input, float(max))
 
 
 def clamp_min(low, input, min):
@@ -62,17 +182,23 @@ def threshold_module(low, mod, input):
     return threshold(low, input, mod.threshold, mod.value)
 
 
-def hardtanh(low, input, min_val=-1.0, max_val=1.0, inplace=False):
-    """``hardtanh(x, 0, inf)`` is a ReLU; any finite bound clips (refused)."""
-    if not (min_val == 0 and max_val == math.inf):
+def _hardtanh(low, input, min_val, max_val, module_path):
+    if not (_is_zero(min_val) and _number(max_val)):
         refuse(low)
-    return low.relu(input)
+    if float(max_val) == math.inf:
+        return low.relu(input)
+    return _clip(low, input, float(max_val), module_path)
+
+
+def hardtanh(low, input, min_val=-1.0, max_val=1.0, inplace=False):
+    """``hardtanh(x, 0, inf)`` is a ReLU, ``hardtanh(x, 0, t)`` a clipped ReLU; another min is refused."""
+    return _hardtanh(low, input, min_val, max_val, None)
 
 
 def hardtanh_module(low, mod, input):
-    if isinstance(mod, nn.ReLU6):
-        refuse(low)
-    return hardtanh(low, input, mod.min_val, mod.max_val)
+    """``nn.Hardtanh`` / ``nn.ReLU6``: its threshold bound to the module (a rescaling replaces it by a
+    ``pathir.nn.ClippedReLU`` when it moves the channels' thresholds)."""
+    return _hardtanh(low, input, mod.min_val, mod.max_val, low.where)
 
 
 def same(low, input, *args, **kwargs):

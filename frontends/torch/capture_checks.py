@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from pathir.errors import UnsupportedOperation
 from pathir.frontends.core.values import Value
+from pathir.nn import ClippedReLU
 
 __all__ = ["InplaceTracer", "state_kept", "alias_plan", "refuse_inplace", "apply_inplace", "check_modes", "check_hooks", "fresh_hook_tensors",
            "effect_fx", "effect_export"]
@@ -74,10 +75,14 @@ for _name, _fn in _IOPS.items():
 
 
 class InplaceTracer(torch.fx.Tracer):
-    """The default fx tracer, except that ``a += b`` becomes ``operator.iadd(a, b)``."""
+    """The default fx tracer, except that ``a += b`` becomes ``operator.iadd(a, b)``, and
+    ``pathir.nn.ClippedReLU`` is a leaf like a torch.nn module (its op table row lowers it)."""
 
     def proxy(self, node):
         return _InplaceProxy(node, self)
+
+    def is_leaf_module(self, m, module_qualified_name):
+        return isinstance(m, ClippedReLU) or super().is_leaf_module(m, module_qualified_name)
 
 
 def trace(model: nn.Module) -> torch.fx.GraphModule:

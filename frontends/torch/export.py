@@ -17,9 +17,10 @@ from pathir.frontends.torch.interpreter import FxInterpreter
 __all__ = ["lower_exported"]
 
 
-def lower_exported(model, shapes, name):
+def lower_exported(model, shapes, name, clips: dict | None = None):
     """Export with example inputs in the model's own dtype and device (batch 2) and interpret;
-    constants torch.export lifts to inputs are constants, never tensor inputs."""
+    constants torch.export lifts to inputs are constants, never tensor inputs. ``clips`` receives the
+    clipped ReLUs' threshold sites (frontends/torch/clipped.py)."""
     shapes = [tuple(shapes)] if shapes and not isinstance(shapes[0], (tuple, list)) else list(shapes)
     dtype, device = model_dtype_device(model)
     examples = tuple(torch.zeros((2, *s), dtype=dtype, device=device) for s in shapes)
@@ -28,7 +29,11 @@ def lower_exported(model, shapes, name):
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers()), **dict(program.constants)}
     lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers,
               **getattr(sig, "inputs_to_lifted_tensor_constants", {})}
-    return _ExportInterpreter(model, program.graph_module, name, lifted, tensors).run(shapes)
+    interpreter = _ExportInterpreter(model, program.graph_module, name, lifted, tensors)
+    graph = interpreter.run(shapes)
+    if clips is not None:
+        clips.update(interpreter.low.clips)
+    return graph
 
 
 class _ExportInterpreter(FxInterpreter):

@@ -36,6 +36,7 @@ class TorchLowering(Lowering):
         self.model = model
         self._buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
         self._parameters = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        self.clips: dict = {}  # threshold param name -> ClipSite, what holds it in the model (frontends/torch/clipped.py)
 
     def is_buffer(self, t) -> bool:
         """Whether ``t`` is a registered buffer of the model (a fixed tensor, never a parameter)."""

@@ -50,33 +50,36 @@ def lower(model: nn.Module, input_shape=None, example_input=None) -> Lowered:
     name = type(model).__name__
     with torch_inputs.eval_forward(model), capture_checks.fresh_hook_tensors(stale), capture_checks.state_kept(model):
         try:
-            graph, low = _lower_graph(model, shapes, name)
+            graph, low, clips = _lower_graph(model, shapes, name)
         except Exception as err:
             torch_inputs.explain(model, shapes, err)
             raise
     n_params = sum(p.numel() for p in model.parameters())
     reread = None if low is None else Reread.of(model, graph, low.recipes, low.read, low.direct_reads)
-    return Lowered(graph, TorchWriter(model, train_only=train_only_modules(model, graph)), n_params, name, reread)
+    writer = TorchWriter(model, train_only=train_only_modules(model, graph), clips=clips)
+    return Lowered(graph, writer, n_params, name, reread)
 
 
 def _lower_graph(model, shapes, name):
+    """(raw graph, the fx lowering or None, the clipped ReLUs' threshold sites)."""
     try:
         gm = trace(model)
         interpreter = FxInterpreter(model, gm, name)
-        return interpreter.run(shapes), interpreter.low
+        return interpreter.run(shapes), interpreter.low, interpreter.low.clips
     except (torch.fx.proxy.TraceError, TypeError, NotImplementedError) as fx_error:
         if isinstance(fx_error, UnsupportedOperation):
             raise
-        return _lower_exported(model, shapes, name, fx_error), None  # no re-read record: re-lowered
+        clips: dict = {}
+        return _lower_exported(model, shapes, name, fx_error, clips), None, clips  # no re-read record: re-lowered
 
 
 # ---------------------------------------------------------------- torch.export
 
 
-def _lower_exported(model, shape, name, fx_error):
+def _lower_exported(model, shape, name, fx_error, clips):
     """Fallback for models torch.fx cannot trace: interpret the exported ATen graph."""
     try:
-        return lower_exported(model, shape, name)
+        return lower_exported(model, shape, name, clips)
     except UnsupportedOperation:
         raise
     except Exception as err:

@@ -29,6 +29,7 @@ from pathir.frontends.torch import indexing as ix
 from pathir.frontends.torch import layers as ly
 from pathir.frontends.torch import pooling as pl
 from pathir.frontends.torch import resampling as rs
+from pathir.nn import ClippedReLU
 
 __all__ = ["RULES", "rule_for", "target_name"]
 
@@ -80,7 +81,7 @@ RULES: dict = {
     **_rows(ly.batch_norm_no_training, aten._native_batch_norm_legit_no_training.default),
     **_rows(ar.matmul, torch.matmul, torch.mm, operator.matmul, "matmul", "mm", aten.matmul.default,
             aten.mm.default),
-    # ---------------------------------------------------------------- ReLU and the identity
+    # ---------------------------------------------------------------- ReLU, clipped ReLUs and the identity
     **_rows(act.relu, F.relu, torch.relu, torch.relu_, F.relu_, "relu", "relu_", aten.relu.default,
             aten.relu_.default),
     **_rows(act.relu_module, nn.ReLU),
@@ -92,6 +93,9 @@ RULES: dict = {
     **_rows(act.threshold_module, nn.Threshold),
     **_rows(act.hardtanh, F.hardtanh, F.hardtanh_, aten.hardtanh.default, aten.hardtanh_.default),
     **_rows(act.hardtanh_module, nn.Hardtanh),
+    **_rows(act.relu6, F.relu6, aten.relu6.default, aten.relu6_.default),
+    **_rows(act.clipped_relu_module, ClippedReLU),
+    **_rows(act.minimum, torch.minimum, "minimum", aten.minimum.default),
     **_rows(act.same, F.dropout, F.dropout1d, F.dropout2d, F.alpha_dropout, F.feature_alpha_dropout, "contiguous",
             "clone", "detach", "detach_", aten.clone.default, aten.alias.default, aten.detach.default, aten.detach_.default,
             aten.contiguous.default, aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default,
@@ -194,7 +198,11 @@ def target_name(target) -> str:
         return f"aten.{target.__name__}"
     if isinstance(target, type):
         module = target.__module__
-        return f"torch.nn.{target.__name__}" if module.startswith("torch.nn.modules") else f"{module}.{target.__name__}"
+        if module.startswith("torch.nn.modules"):
+            return f"torch.nn.{target.__name__}"
+        if module.startswith("pathir.nn."):  # pathir.nn re-exports its modules
+            return f"pathir.nn.{target.__name__}"
+        return f"{module}.{target.__name__}"
     if target is getattr:
         return "getattr"
     return _PUBLIC.get(id(target), getattr(target, "__name__", str(target)))

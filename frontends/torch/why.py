@@ -7,8 +7,8 @@ __all__ = ["WHY", "why", "refuse"]
 
 #: op name -> why it is refused
 WHY = {
-    "ReLU6": "clips at 6: not positively homogeneous",
-    "Hardtanh": "clips: not positively homogeneous",
+    "Hardtanh": ("clips below at a bound other than 0: not positively homogeneous (Hardtanh(0, t) is a clipped ReLU "
+                 "and is lowered)"),
     "Hardswish": "not positively homogeneous (a smooth gate)",
     "Hardsigmoid": "not positively homogeneous",
     "Sigmoid": "not positively homogeneous",
@@ -27,8 +27,13 @@ WHY = {
     "sigmoid": "not positively homogeneous",
     "hardsigmoid": "not positively homogeneous",
     "layer_norm": "normalizes by input-dependent statistics",
-    "relu6": "clips at 6: not positively homogeneous",
-    "hardtanh": "clips at fixed thresholds: not positively homogeneous (hardtanh(0, inf) is a ReLU and is lowered)",
+    "hardtanh": ("clips below at a bound other than 0: not positively homogeneous (hardtanh(x, 0, t) is a clipped "
+                 "ReLU and is lowered)"),
+    **{op: ("a lower bound other than 0 (or a max without one) is not lowered: clamp(x, 0) is a ReLU and clamp(x, 0, t) "
+            "a clipped ReLU, ReLU(x) - ReLU(ReLU(x) - t); any other clamp is not positively homogeneous")
+       for op in ("clamp", "clip", "clamp_min")},
+    "minimum": ("an elementwise minimum is lowered only as min(ReLU(x), t) with t a buffer of one value per channel "
+                "(a clipped ReLU)"),
     "abs": "positively homogeneous, but |x| is not one of pathir's neurons (identity, ReLU, max-pool)",
     "pow": "a power of an activation: not positively homogeneous",
     "sort": "orders by value: not a fixed map",

@@ -14,6 +14,13 @@ tensor of the param (``Param.sources``) takes its share by role:
              ← λ·mean, running_var ← λ²(var + eps) − eps (exact in eval mode;
              in train mode batch statistics scale with the input, only eps does not).
 
+- CLIP_THRESHOLD  the threshold of a clipped ReLU (a bias of its unit: e^{s_v}),
+             written where the lowering found it (frontends/torch/clipped.py): a
+             threshold buffer in place; an nn.ReLU6 / nn.Hardtanh module replaced
+             by a per-channel ``pathir.nn.ClippedReLU`` when its channels move
+             (a factor exactly 1 everywhere keeps it); a functional call refused
+             when it moves.
+
 One (tensor, role) reached through several params must get one factor (checked);
 each is applied once. Every new tensor is computed first (float64, then cast to
 the tensor's own dtype and device) and assigned only when all succeeded, so on
@@ -31,7 +38,8 @@ import numpy as np
 
 from pathir.errors import PathirError
 from pathir.frontends.core.param_write import derived, per_slice_factor, refresh, weight_norm_update
-from pathir.frontends.core.write_rules import EntryFactor, mask_plan, source_factors
+from pathir.frontends.core.write_rules import EntryFactor, clip_threshold_names, mask_plan, source_factors
+from pathir.frontends.torch.clipped import plan_clips
 from pathir.ir import Graph, Role
 
 __all__ = ["TorchWriter"]
@@ -53,9 +61,10 @@ class TorchWriter:
     True
     """
 
-    def __init__(self, model, train_only=()):
+    def __init__(self, model, train_only=(), clips=None):
         self.model = model
         self.train_only = list(train_only)  # modules only the train-mode forward runs (train_branches)
+        self.clips = dict(clips or {})  # threshold param -> ClipSite (frontends/torch/clipped.py)
 
     # ------------------------------------------------------------ helpers
     def _locate(self, name: str):
@@ -93,6 +102,9 @@ class TorchWriter:
         # each tensor's factors are computed when it is reached and dropped once its new value is
         # (lazy: a large layer's factor is applied a block of rows at a time, never held whole)
         by_tensor = source_factors(graph, log_scales, lazy=True)
+        clips = plan_clips(self.model, graph, self.clips,
+                           {n: by_tensor.pop(n)() for n in clip_threshold_names(graph) if n in by_tensor})
+        by_tensor.update({name: (lambda sides=sides: sides) for name, sides in clips.tensors.items()})
         updates = []  # (tensor, new value) computed before anything is written
         seen: dict[int, tuple[str, object]] = {}
         for name, sides_of in by_tensor.items():
@@ -108,6 +120,7 @@ class TorchWriter:
         with torch.no_grad():
             for t, new_t, _, _ in updates:
                 t.copy_(new_t)
+        clips.apply()  # clipped ReLU modules whose thresholds moved: per-channel ClippedReLUs
         for _, _, module, attr in updates:
             _refresh_pruned(module, attr)
             _refresh_derived(module, attr)
@@ -119,7 +132,7 @@ class TorchWriter:
         factor (a weight_norm g whose rescaling also moves v non-uniformly). Nothing is written."""
         out, seen = [], set()
         for name, sides in source_factors(graph, log_scales).items():
-            if Role.IN_STATS in sides:
+            if Role.IN_STATS in sides or Role.CLIP_THRESHOLD in sides:  # no optimizer state: not parameters
                 continue
             module, attr = self._locate(name)
             d = derived(module, attr, name)
@@ -149,6 +162,8 @@ class TorchWriter:
                 "(model.<name> = None) before rescaling. The model is untouched")
         for p in graph.params():
             for ref in p.sources:
+                if ref.role is Role.CLIP_THRESHOLD:  # a module, buffer or call: frontends/torch/clipped.py
+                    continue
                 module, attr = self._locate(ref.name)
                 d = derived(module, attr, ref.name)
                 if d is not None and d.kind == "refused":

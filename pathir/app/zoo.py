@@ -23,11 +23,11 @@ SUPPORTED = [
     "googlenet", "inception_v3",
     "shufflenet_v2_x0_5", "shufflenet_v2_x1_0", "shufflenet_v2_x1_5", "shufflenet_v2_x2_0",
     "mnasnet0_5", "mnasnet0_75", "mnasnet1_0", "mnasnet1_3",
+    "mobilenet_v2",
     "regnet_x_400mf", "regnet_x_800mf", "regnet_x_1_6gf", "regnet_x_3_2gf",
 ]
 
 REJECTED = {
-    "mobilenet_v2": "ReLU6",
     "mobilenet_v3_small": "Hardswish",
     "mobilenet_v3_large": "Hardswish",
     "efficientnet_b0": "SiLU",

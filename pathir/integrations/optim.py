@@ -95,11 +95,27 @@ def _batchnorm(model, p: Param):
     return path, bn
 
 
+def _threshold(p: Param, model: torch.nn.Module) -> _Recipe:
+    """A clipped ReLU's threshold param (−t per channel): read from its buffer, else a constant (a number
+    in an nn.ReLU6 / nn.Hardtanh or a call); not a parameter, so PathSGD never steps it."""
+    name = next(r.name for r in p.sources if r.role is Role.CLIP_THRESHOLD)
+    if name in dict(model.named_buffers()):
+        return _Recipe(p, [name], lambda t, name=name, s=p.shape: -torch.broadcast_to(t[name].reshape(-1), s))
+    return _Recipe(p, [], lambda t, v=torch.as_tensor(p.value): v.clone())
+
+
+def _is_threshold(p: Param) -> bool:
+    return any(r.role is Role.CLIP_THRESHOLD for r in p.sources)
+
+
 def _recipes(graph: Graph, model: torch.nn.Module) -> list[_Recipe]:
     biases = {id(n.bias): n for n in graph.nodes if n.bias is not None}
-    value_names = {_value_ref(p).name for p in graph.params()}
+    value_names = {_value_ref(p).name for p in graph.params() if not _is_threshold(p)}
     out = []
     for p in graph.params():
+        if _is_threshold(p):
+            out.append(_threshold(p, model))
+            continue
         ref = _value_ref(p)
         roles = {r.role for r in p.sources}
         shape = p.shape

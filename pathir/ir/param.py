@@ -22,11 +22,19 @@ class Role(enum.Enum):
                factor of the unit lands here instead of on the VALUE tensor.
     IN_STATS   batch-norm running statistics that absorb an incoming factor of
                an unfolded batch-norm scale (eval-mode exact).
+    CLIP_THRESHOLD  the threshold t of a clipped ReLU min(max(x, 0), t): the param
+               is −t, one entry per channel, the bias of the ReLU neuron
+               ReLU(ReLU(x) − t) (docs/ir.md, "Clipped ReLUs"). The source is the
+               clipped ReLU itself (an ``nn.ReLU6`` / ``nn.Hardtanh`` module, a
+               ``pathir.nn.ClippedReLU``'s threshold buffer, a functional call, an
+               ONNX Clip or Min node), not a model parameter: a rescaling's
+               factor e^{s} of the unit moves t like a bias (t ← e^{s} t).
     """
 
     VALUE = "value"
     OUT_SCALE = "out_scale"
     IN_STATS = "in_stats"
+    CLIP_THRESHOLD = "clip_threshold"
 
 
 @dataclass(frozen=True, slots=True)

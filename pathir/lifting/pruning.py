@@ -17,7 +17,8 @@ zero moves the path-lifting by exactly d = ‖Φ(θ)‖₁ − ‖Φ(θ ⊙ mask
 and for every input ‖R_θ(x) − R_{θ⊙mask}(x)‖₁ ≤ max(‖x‖∞, 1) · d.
 
 Candidates are the weights of dense and conv maps (biases with
-``include_biases``; per-channel scales of unfolded batch-norms never). A folded
+``include_biases``; per-channel scales of unfolded batch-norms and the thresholds
+of clipped ReLUs, which are no model parameters, never). A folded
 batch-norm weight W' = W·γ/σ is pruned through its VALUE source W: W'_i = 0 iff
 W_i = 0, and S_i is the same for both.
 """
@@ -31,7 +32,7 @@ import numpy as np
 
 from pathir.backends import get_backend
 from pathir.errors import ArgumentError, PathirError
-from pathir.ir import Graph, MapKind, Param
+from pathir.ir import Graph, MapKind, Param, Role
 from pathir.lifting.diag_g import arrays_by_source, source_layout
 from pathir.lifting.path_metric import pruned_path_metric
 from pathir.lifting.walk import at_common_scale, param_log_parts
@@ -80,7 +81,8 @@ def path_magnitude_scores(graph: Graph, backend=None) -> dict[str, np.ndarray]:
 def _candidates(graph: Graph, include_biases: bool) -> list[Param]:
     """Params pruning may zero, in ``graph.params()`` order."""
     weights = {id(e.map.weight) for n in graph.nodes for e in n.edges if e.map.kind in (MapKind.DENSE, MapKind.CONV)}
-    biases = {id(n.bias) for n in graph.nodes if n.bias is not None}
+    biases = {id(n.bias) for n in graph.nodes
+              if n.bias is not None and all(r.role is not Role.CLIP_THRESHOLD for r in n.bias.sources)}
     keep = weights | (biases if include_biases else set())
     return [p for p in graph.params() if id(p) in keep]
 

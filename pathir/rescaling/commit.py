@@ -15,7 +15,9 @@ assigned, in float64, cast back to each tensor's dtype and device):
   float64 range (a finite entry becomes inf, a nonzero one 0);
 - a torch model is snapshotted before the write and restored if the writer
   fails, or if a written tensor lost an entry to its dtype's range (float16
-  or bfloat16 overflow or underflow), so on any error the model is untouched.
+  or bfloat16 overflow or underflow), so on any error the model is untouched
+  (its tensors, and its submodules: a clipped ReLU module the writer replaced
+  by a ``pathir.nn.ClippedReLU`` is put back).
 """
 
 from __future__ import annotations
@@ -138,6 +140,7 @@ def _transaction(model, max_abs_z: float):
     import torch
 
     saved = []  # (module, kind, name, full name, tensor, its copy) or the pruned attribute object
+    children = [(module, dict(module._modules)) for module in model.modules()]  # submodules a writer may replace
     for prefix, module in model.named_modules():
         for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
             for name, t in table.items():
@@ -149,6 +152,10 @@ def _transaction(model, max_abs_z: float):
         yield
         _check_values(saved, max_abs_z)
     except BaseException:
+        for module, kids in children:
+            for name, child in kids.items():
+                if module._modules.get(name) is not child:
+                    setattr(module, name, child)
         with torch.no_grad():
             for module, kind, name, _, t, copy in saved:
                 if kind == "attr":

@@ -1,0 +1,194 @@
+"""Clipped ReLUs of a torch model: where each threshold lives, how a rescaling is written to it,
+and how to trade every clipped ReLU for a plain ReLU.
+
+A clipped ReLU min(max(x, 0), t) is lowered with its threshold as the param −t of a unit
+(docs/ir.md, "Clipped ReLUs"); a rescaling moves it per channel (t ← e^s t). The lowering records
+for each threshold param a :class:`ClipSite`, what holds the threshold in the model:
+
+- ``module``: an ``nn.ReLU6`` / ``nn.Hardtanh(0, t)`` module (exactly those classes), called as a
+  module (torch.fx) or the module an ATen op runs in (torch.export). A rescaling that moves its
+  channels replaces it by a :class:`pathir.nn.ClippedReLU` with the per-channel thresholds
+  (``setattr`` on its parent); a factor exactly 1 on every channel keeps it;
+- ``buffer``: a threshold buffer (``pathir.nn.ClippedReLU.threshold``, or any buffer in
+  ``torch.minimum(relu(x), buf)``), rescaled in place like any tensor;
+- ``call``: a functional call (``F.relu6(x)``, ``torch.clamp(x, 0, t)``) whose threshold is a
+  number in the code: a rescaling that moves it cannot be written and is refused, naming the call.
+
+:func:`clipped_to_relu` is the other way out (the ``relu6="relu"`` option of equalization, as AIMET
+and Quark do): every clipped ReLU module becomes ``nn.ReLU``, and the output change is reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from pathir.errors import PathirError
+from pathir.frontends.torch.inputs import model_dtype_device
+from pathir.nn import ClippedReLU
+
+__all__ = ["ClipSite", "WRITABLE", "module_threshold", "ClipPlan", "plan_clips", "ReluSwap", "clipped_to_relu"]
+
+#: the module classes a clipped ReLU is written back into by replacement (a subclass may do more)
+WRITABLE = (nn.ReLU6, nn.Hardtanh)
+
+
+@dataclass(frozen=True)
+class ClipSite:
+    """What holds one threshold param in the model: ``kind`` module / buffer / call; ``target`` the
+    module path, the buffer name, or a description of the call."""
+
+    kind: str
+    target: str
+
+
+def module_threshold(module, channels: int) -> np.ndarray:
+    """The threshold of a clipped ReLU module as one float64 entry per channel (a copy)."""
+    if isinstance(module, ClippedReLU):
+        t = module.threshold.detach().to("cpu", torch.float64).reshape(-1).numpy().copy()
+    elif isinstance(module, nn.Hardtanh):
+        t = np.full(channels, float(module.max_val))
+    else:
+        raise PathirError(f"{type(module).__name__} holds no clipped-ReLU threshold")
+    if t.size != channels:
+        raise PathirError(f"a clipped ReLU of {t.size} thresholds reads {channels} channels")
+    return t
+
+
+@dataclass
+class ClipPlan:
+    """A write-back's clipped-ReLU part, computed before anything is written: buffers to rescale as
+    tensors (``{buffer name: {role: factor}}``) and modules to replace ([(parent, name, new module)])."""
+
+    tensors: dict
+    replace: list
+
+    def apply(self) -> None:
+        for parent, name, new in self.replace:
+            setattr(parent, name, new)
+
+
+def plan_clips(model, graph, sites: dict, sides: dict) -> ClipPlan:
+    """The plan for the threshold sources ``sides`` ({source name: {Role.CLIP_THRESHOLD: factor (C,)}}).
+
+    Refuses (PathirError, nothing written) a moved threshold of a functional call, a module called
+    at several places whose thresholds would move apart, and a threshold its dtype cannot hold."""
+    users: dict[int, list] = {}  # id(threshold param) -> the nodes it is the bias of (one per call)
+    for n in graph.nodes:
+        if n.bias is not None:
+            users.setdefault(id(n.bias), []).append(n)
+    params = {p.name: p for p in graph.params()}
+    tensors, by_module = {}, {}
+    for name, roles in sides.items():
+        f = np.asarray(next(iter(roles.values())), dtype=np.float64).reshape(-1)
+        site = sites.get(name)
+        if site is None:
+            raise PathirError(f"clip threshold '{name}' is not one this model was lowered with")
+        moved = bool(np.any(f != 1.0))
+        if site.kind == "call":
+            if moved:
+                raise PathirError(
+                    f"write-back refused: the rescaling moves the threshold of the clipped ReLU {site.target} per "
+                    "channel, and a functional call holds one number in the code; use an nn.ReLU6 / nn.Hardtanh "
+                    "module there (pathir writes it back as a per-channel pathir.nn.ClippedReLU), or "
+                    "pathir.frontends.torch.clipped.clipped_to_relu. Analyses stay exact; the model is untouched")
+            continue
+        if site.kind == "buffer" or isinstance(model.get_submodule(site.target), ClippedReLU):
+            buffer = site.target if site.kind == "buffer" else f"{site.target}.threshold"
+            if moved:
+                held = model.get_buffer(buffer).numel()
+                if held != f.size:
+                    raise PathirError(
+                        f"write-back refused: the buffer '{buffer}' holds {held} threshold(s) for the {f.size} channels "
+                        "of its clipped ReLU, which the rescaling moves apart; give it one value per channel "
+                        "(shape (C, 1, ..., 1)). The model is untouched")
+                tensors[buffer] = roles
+            continue
+        by_module.setdefault(site.target, []).append((name, f, moved, users.get(id(params[name]), [])))
+    dtype, device = model_dtype_device(model)
+    replace = []
+    for path, uses in by_module.items():
+        if not any(moved for _, _, moved, _ in uses):
+            continue
+        module = model.get_submodule(path)
+        if type(module) not in WRITABLE:
+            raise PathirError(f"the clipped ReLU '{path}' is a {type(module).__name__}: pathir writes thresholds "
+                              "into nn.ReLU6, nn.Hardtanh or pathir.nn.ClippedReLU only; the model is untouched")
+        new = [module_threshold(module, f.size) * f for _, f, _, _ in uses]
+        if any(t.shape != new[0].shape or not np.array_equal(t, new[0]) for t in new[1:]):
+            raise PathirError(
+                f"write-back refused: the module '{path}' is called at {len(uses)} places whose thresholds the "
+                "rescaling moves apart; one module holds one threshold per channel: give each call its own "
+                f"{type(module).__name__}. The model is untouched")
+        ranks = {len(n.shape) - 1 for _, _, _, nodes in uses for n in nodes}
+        if len(ranks) != 1:
+            raise PathirError(
+                f"write-back refused: the module '{path}' is called on tensors of {len(ranks) or 'unknown'} different "
+                "ranks, and one ClippedReLU broadcasts its per-channel thresholds against one rank: give each call "
+                f"its own {type(module).__name__}. The model is untouched")
+        spatial = ranks.pop()
+        t = torch.as_tensor(new[0], dtype=torch.float64).to(dtype=dtype, device=device)
+        back = t.double().cpu().numpy()
+        if not (np.all(np.isfinite(back)) and np.array_equal(back == 0, new[0] == 0)):
+            raise PathirError(f"the rescaled thresholds of '{path}' do not fit {dtype}; the model is untouched")
+        parent_path, _, attr = path.rpartition(".")
+        replace.append((model.get_submodule(parent_path), attr, ClippedReLU(t, spatial_dims=spatial)))
+    return ClipPlan(tensors, replace)
+
+
+# ---------------------------------------------------------------- relu6="relu"
+
+
+@dataclass
+class ReluSwap:
+    """What :func:`clipped_to_relu` did: the module paths replaced by ``nn.ReLU``, and the largest
+    change of the model's output on the given inputs (absolute, and relative to max |output|)."""
+
+    replaced: list
+    max_abs_change: float
+    max_rel_change: float
+
+
+def clipped_to_relu(model: nn.Module, inputs) -> ReluSwap:
+    """Replace every clipped ReLU module of ``model`` (``nn.ReLU6``, ``nn.Hardtanh(0, t)``,
+    ``pathir.nn.ClippedReLU``) by ``nn.ReLU``, in place, and report the output change on ``inputs``
+    (a tensor, or a tuple of the model's inputs), measured in eval mode without gradients.
+
+    This *changes the function* wherever an activation exceeded its threshold: the report says by how
+    much. Functional clips in a forward (``F.relu6(x)``) cannot be swapped and stay as they are.
+
+    >>> import torch, torch.nn as nn
+    >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU6(), nn.Linear(3, 1))
+    >>> swap = clipped_to_relu(net, torch.randn(4, 2))
+    >>> swap.replaced, type(net[1]).__name__
+    (['1'], 'ReLU')
+    """
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    targets = [(path, m) for path, m in model.named_modules()
+               if isinstance(m, ClippedReLU) or (type(m) in WRITABLE and float(m.min_val) == 0.0)]
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            before = model(*args)
+            for path, m in targets:
+                parent, _, attr = path.rpartition(".")
+                setattr(model.get_submodule(parent), attr, nn.ReLU(inplace=bool(getattr(m, "inplace", False))))
+            after = model(*args)
+    finally:
+        model.train(training)
+    before, after = _flat(before), _flat(after)
+    diff = float((after - before).abs().max()) if before.numel() else 0.0
+    scale = float(before.abs().max()) if before.numel() else 0.0
+    return ReluSwap([p for p, _ in targets], diff, diff / scale if scale > 0 else diff)
+
+
+def _flat(out) -> torch.Tensor:
+    """Every tensor of a model's output, float64, flattened into one vector."""
+    if isinstance(out, torch.Tensor):
+        return out.detach().double().reshape(-1)
+    parts = list(out.values()) if isinstance(out, dict) else list(out)
+    return torch.cat([_flat(p) for p in parts]) if parts else torch.zeros(0, dtype=torch.float64)

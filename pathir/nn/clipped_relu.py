@@ -1,0 +1,55 @@
+"""ClippedReLU: min(max(x, 0), t) with a threshold per channel."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+__all__ = ["ClippedReLU"]
+
+
+class ClippedReLU(nn.Module):
+    """``min(max(x, 0), t[c])`` on channel c (axis 1 of the input): a ReLU6 whose threshold differs per channel.
+
+    pathir writes it in place of an ``nn.ReLU6`` / ``nn.Hardtanh(0, t)`` module when a rescaling moves
+    the channels' thresholds apart (a unit scaled by e^s has its threshold scaled by e^s, as a bias:
+    ReLU6(e^s x) / e^s = min(ReLU(x), 6 e^{-s})). The threshold is the buffer ``threshold`` (it follows
+    ``.to()`` / ``.double()`` and is saved in the ``state_dict``), held in the shape
+    ``(C, 1, ..., 1)`` (``spatial_dims`` ones) that broadcasts against an input ``(N, C, *spatial)``,
+    so that the forward is one ReLU and one ``torch.minimum``. pathir lowers it as it lowers ReLU6
+    (docs/ir.md): compiling a rescaled model gives the same function and the same path-norms.
+
+    Parameters
+    ----------
+    threshold : tensor of shape (C,), finite and ≥ 0 (kept in its dtype: give the model's)
+    spatial_dims : the number of axes after the channel axis (2 for images, 0 for (N, C) vectors)
+
+    >>> import torch
+    >>> from pathir.nn import ClippedReLU
+    >>> act = ClippedReLU(torch.tensor([6.0, 1.0]), spatial_dims=0)
+    >>> act(torch.tensor([[-1.0, 3.0], [8.0, 0.5]]))
+    tensor([[0.0000, 1.0000],
+            [6.0000, 0.5000]])
+    >>> act
+    ClippedReLU(channels=2, spatial_dims=0)
+    """
+
+    def __init__(self, threshold, spatial_dims: int = 2):
+        super().__init__()
+        t = torch.as_tensor(threshold).detach()
+        if not t.is_floating_point():
+            t = t.to(torch.get_default_dtype())
+        if t.dim() != 1 or t.numel() == 0:
+            raise ValueError(f"ClippedReLU: threshold must have shape (C,), got {list(t.shape)}")
+        if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
+            raise ValueError("ClippedReLU: every threshold must be finite and >= 0")
+        if int(spatial_dims) < 0:
+            raise ValueError(f"ClippedReLU: spatial_dims must be >= 0, got {spatial_dims}")
+        self.spatial_dims = int(spatial_dims)
+        self.register_buffer("threshold", t.clone().reshape(-1, *(1,) * self.spatial_dims))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.minimum(torch.relu(x), self.threshold)
+
+    def extra_repr(self) -> str:
+        return f"channels={self.threshold.shape[0]}, spatial_dims={self.spatial_dims}"

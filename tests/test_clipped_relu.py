@@ -1,0 +1,493 @@
+"""Clipped ReLUs min(max(x, 0), t) are lowered exactly (ReLU(x) − ReLU(ReLU(x) − t), the threshold −t a
+bias of the unit) and written back per channel. Every check is against the definition: the model's own
+float64 forward (fx and export paths), onnxruntime, path enumeration, and the path-lifting of the
+clipped network written out by hand below (the threshold as a bias path)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import warnings
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import pathir
+from pathir.backends import get_backend
+from pathir.errors import PathirError, UnsupportedOperation
+from pathir.frontends.torch.clipped import clipped_to_relu
+from pathir.frontends.torch.export import lower_exported
+from pathir.lifting.walk import forward
+from pathir.neurons.paths import enumerate_num_paths, enumerate_path_norm, lifted_output
+from pathir.nn import ClippedReLU
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+
+
+def _x(*shape, scale=3.0, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale
+
+
+def _eager(model, x):
+    with torch.no_grad():
+        return model(x).numpy()
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-300))
+
+
+# ====================================================================== the models
+
+
+class Functional(nn.Module):
+    """Every spelling of a clipped ReLU a forward may use, after conv layers."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+        self.c1, self.c2 = nn.Conv2d(2, 3, 3, padding=1), nn.Conv2d(3, 3, 3, padding=1)
+        self.fc = nn.Linear(3 * 5 * 5, 2)
+        self.register_buffer("t", torch.tensor([0.5, 1.0, 2.0]).reshape(3, 1, 1))
+
+    def forward(self, x):
+        h = self.op(self, self.c1(x))
+        return self.fc(torch.flatten(self.op(self, self.c2(h)), 1))
+
+
+SPELLINGS = {
+    "F.relu6": lambda m, h: F.relu6(h),
+    "F.hardtanh(0, t)": lambda m, h: F.hardtanh(h, 0.0, 1.5),
+    "torch.clamp(x, 0, t)": lambda m, h: torch.clamp(h, 0, 2.5),
+    "clamp(min=0, max=t)": lambda m, h: h.clamp(min=0.0, max=0.8),
+    "minimum(relu, buffer)": lambda m, h: torch.minimum(torch.relu(h), m.t),
+}
+
+
+def _modules_net(act):
+    return nn.Sequential(OrderedDict(
+        c1=nn.Conv2d(2, 4, 3, padding=1), bn=nn.BatchNorm2d(4), a1=act(4), c2=nn.Conv2d(4, 3, 3), a2=act(3),
+        flat=nn.Flatten(), fc=nn.Linear(3 * 3 * 3, 2)))
+
+
+ACTS = {
+    "nn.ReLU6": lambda c: nn.ReLU6(),
+    "nn.Hardtanh(0, t)": lambda c: nn.Hardtanh(0.0, 1.5),
+    "ClippedReLU": lambda c: ClippedReLU(torch.linspace(0.5, 2.0, c)),
+}
+
+
+def _randomized(model, seed=0):
+    torch.manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            with torch.no_grad():
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 1.5)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    return model.double().eval()
+
+
+# ====================================================================== forward: the definition
+
+
+@pytest.mark.parametrize("name", list(SPELLINGS))
+def test_functional_spellings_match_eager_on_both_capture_paths(name):
+    torch.manual_seed(0)
+    model = Functional(SPELLINGS[name]).double().eval()
+    x = _x(4, 2, 5, 5)
+    ref = _eager(model, x)
+    assert np.abs(ref).max() > 0
+    cm = pathir.compile(model, input_shape=(2, 5, 5))
+    assert _rel(cm.forward(x.numpy(), backend="numpy"), ref) <= 1e-12
+    assert sum(n.name.endswith(".excess") for n in cm.graph.nodes) == 2
+    graph = lower_exported(model, (2, 5, 5), "export")
+    assert _rel(forward(graph, get_backend("numpy"), x.numpy())[graph.outputs[0]], ref) <= 1e-12
+
+
+@pytest.mark.parametrize("name", list(ACTS))
+def test_modules_match_eager_and_saturate(name):
+    torch.manual_seed(1)
+    model = _randomized(_modules_net(ACTS[name]))
+    x = _x(4, 2, 5, 5, scale=5.0)
+    with torch.no_grad():
+        pre = model.bn(model.c1(x))
+        assert float(model.a1(pre).amax()) < float(pre.amax())  # some activations clip
+    ref = _eager(model, x)
+    cm = pathir.compile(model, input_shape=(2, 5, 5))
+    assert _rel(cm.forward(x.numpy(), backend="numpy"), ref) <= 1e-12
+    graph = lower_exported(model, (2, 5, 5), "export")
+    assert _rel(forward(graph, get_backend("numpy"), x.numpy())[graph.outputs[0]], ref) <= 1e-12
+
+
+def test_the_ir_shape_of_a_clipped_relu():
+    torch.manual_seed(0)
+    net = nn.Sequential(OrderedDict(fc1=nn.Linear(2, 3), act=nn.ReLU6(), fc2=nn.Linear(3, 1))).double()
+    cm = pathir.compile(net, input_shape=(2,))
+    lines = str(cm.graph).splitlines()[2:]
+    assert lines[0].split(": ")[1] == "relu[3] = dense(fc1.weight)(input_1) + bias(fc1.bias)"
+    assert lines[1].split(": ")[1] == "relu[3] = identity(act.relu) + bias(act.threshold)"
+    assert lines[2].startswith("  3  act: identity[3] = identity(act.relu) + ")  # + a fixed −1 edge from act.excess
+    p = cm.graph.node("act.excess").bias
+    assert p.value.tolist() == [-6.0, -6.0, -6.0]
+    assert [(r.name, r.role.value) for r in p.sources] == [("act.threshold", "clip_threshold")]
+    # one unit per channel: fc1's row, its bias and the threshold in, fc2's column out
+    assert len(cm.units) == 3 and sorted(n for n, _ in cm.units.members[0]) == ["act", "act.excess", "act.relu"]
+    assert {p.name: idx.size for p, idx in cm.units[0].incoming} == {"fc1.weight": 2, "fc1.bias": 1, "act.threshold": 1}
+    # not a model parameter
+    assert cm.source_num_params == sum(p.numel() for p in net.parameters()) == cm.graph.num_params() - 3
+
+
+def test_onnx_clip_and_min_match_onnxruntime():
+    from onnx_cases import export, ort_run, rel
+
+    torch.manual_seed(0)
+    net = _randomized(_modules_net(ACTS["nn.ReLU6"])).float()
+    mixed = nn.Sequential(nn.Conv2d(2, 3, 3), ClippedReLU(torch.tensor([0.2, 0.4, 0.6])), nn.Flatten(),
+                          nn.Linear(27, 2)).eval()
+    x = (np.random.default_rng(0).normal(size=(4, 2, 5, 5)) * 4).astype(np.float32)
+    for model in (net, mixed):
+        for exporter in ("legacy", "dynamo"):
+            proto = export(model, (2, 5, 5), exporter)
+            ops = {n.op_type for n in proto.graph.node}
+            assert ("Clip" in ops) if model is net else ("Min" in ops)
+            cm = pathir.compile(proto)
+            assert rel(cm.forward(x, backend="numpy"), ort_run(proto, x)[0]) <= 1e-5
+            assert rel(ort_run(proto, x)[0], model(torch.from_numpy(x)).detach().numpy()) <= 1e-5
+
+
+# ====================================================================== path-lifting: the definition
+
+
+def _reference_lq(W1, b1, t, W2, b2, q):
+    """Σ_p |Φ_p|^q of Linear -> min(max(·, 0), t) -> Linear written as the ReLU DAG A = ReLU(W1 x + b1),
+    B = ReLU(A − t), out = A − B: each input and each bias of A reaches out through A (+1) and through B
+    (−1); B's bias −t reaches out through −1; then W2, then b2."""
+    a2 = np.abs(W2) ** q  # (o, h)
+    return (2 * np.sum(a2 @ (np.abs(W1) ** q)) + 2 * np.sum(a2 * np.abs(b1) ** q) + np.sum(a2 * np.abs(t) ** q)
+            + np.sum(np.abs(b2) ** q))
+
+
+@pytest.mark.parametrize("act", ["relu6", "per-channel"])
+def test_path_norms_count_and_diag_g_equal_the_definition(act):
+    torch.manual_seed(3)
+    d, h, o = 3, 4, 2
+    t = np.full(h, 6.0) if act == "relu6" else np.array([0.5, 1.0, 1.5, 2.0])
+    layer = nn.ReLU6() if act == "relu6" else ClippedReLU(torch.tensor(t), spatial_dims=0)
+    net = nn.Sequential(OrderedDict(fc1=nn.Linear(d, h), act=layer, fc2=nn.Linear(h, o))).double()
+    W1, b1 = net.fc1.weight.detach().numpy(), net.fc1.bias.detach().numpy()
+    W2, b2 = net.fc2.weight.detach().numpy(), net.fc2.bias.detach().numpy()
+    cm = pathir.compile(net, input_shape=(d,))
+    for q in (1, 2, 0.5):
+        ref = _reference_lq(W1, b1, t, W2, b2, q) ** (1 / q)
+        assert cm.path_norm(q) == pytest.approx(ref, rel=1e-12)
+        assert enumerate_path_norm(cm.graph, q) == pytest.approx(ref, rel=1e-12)
+    count = 2 * o * h * d + 2 * o * h + o * h + o
+    assert cm.num_paths() == count == enumerate_num_paths(cm.graph)
+    # diag G by definition: g_i = Σ_{p ∋ i} (Φ_p / θ_i)², the other factors of each path squared
+    col = (W2**2).sum(0)  # Σ_k W2[k, j]²
+    g = cm.diag_g()
+    np.testing.assert_allclose(g["fc1.weight"], np.repeat(2 * col[:, None], d, 1), rtol=1e-12)
+    np.testing.assert_allclose(g["fc1.bias"], 2 * col, rtol=1e-12)
+    np.testing.assert_allclose(g["act.threshold"], col, rtol=1e-12)  # one path per output: B's bias, −1, W2
+    np.testing.assert_allclose(g["fc2.weight"], np.broadcast_to(2 * (W1**2).sum(1) + 2 * b1**2 + t**2, (o, h)),
+                               rtol=1e-12)
+    np.testing.assert_allclose(g["fc2.bias"], np.ones(o), rtol=1e-12)
+    # path-magnitude scores: S(threshold j) = Σ_k |W2[k, j]| t_j
+    np.testing.assert_allclose(cm.path_magnitude_scores()["act.threshold"], np.abs(W2).sum(0) * t, rtol=1e-12)
+
+
+def test_lifting_identity_and_enumeration_on_a_conv_net():
+    torch.manual_seed(2)
+    net = nn.Sequential(nn.Conv2d(1, 2, 2), nn.ReLU6(), nn.Conv2d(2, 2, 2), nn.Hardtanh(0.0, 0.7), nn.Flatten(),
+                        nn.Linear(2, 1)).double().eval()
+    with torch.no_grad():
+        net[0].weight.mul_(8)
+    cm = pathir.compile(net, input_shape=(1, 3, 3))
+    x = _x(6, 1, 3, 3, scale=2.0)
+    ref = _eager(net, x)
+    assert np.allclose(lifted_output(cm.graph, x.numpy())[cm.graph.outputs[0]], ref, rtol=1e-12, atol=1e-12)
+    for q in (1, 2):
+        assert cm.path_norm(q) == pytest.approx(enumerate_path_norm(cm.graph, q), rel=1e-12)
+    assert cm.num_paths() == enumerate_num_paths(cm.graph)
+
+
+# ====================================================================== write-back (torch)
+
+
+def _check_rewritten(model, cm, x, before, shape):
+    after = _eager(model, x)
+    assert _rel(after, before) <= 1e-9
+    clipped = [m for m in model.modules() if isinstance(m, ClippedReLU)]
+    assert clipped and not any(type(m) in (nn.ReLU6, nn.Hardtanh) for m in model.modules())
+    assert any(len(set(m.threshold.reshape(-1).tolist())) > 1 for m in clipped)  # per channel
+    again = pathir.compile(model, input_shape=shape, self_check=False)  # checked against eager below
+    assert _rel(again.forward(x.numpy(), backend="numpy"), after) <= 1e-12
+    for q in (1, 2):
+        assert again.path_norm(q) == pytest.approx(cm.path_norm(q), rel=1e-10)
+    return again
+
+
+@pytest.mark.parametrize("name", list(ACTS))
+def test_pathcond_writes_per_channel_thresholds_and_keeps_the_function(name):
+    torch.manual_seed(4)
+    model = _randomized(_modules_net(ACTS[name]))
+    x = _x(4, 2, 5, 5, scale=5.0)
+    before = _eager(model, x)
+    cm = pathir.compile(model, input_shape=(2, 5, 5))
+    norms = [cm.path_norm(q) for q in (1, 2)]
+    cm.pathcond()
+    assert [cm.path_norm(q) for q in (1, 2)] == pytest.approx(norms, rel=1e-10)  # Φ is rescaling-invariant
+    _check_rewritten(model, cm, x, before, (2, 5, 5))
+    # the Compiled follows the rewritten model: a weight edited in place is re-read
+    with torch.no_grad():
+        model.c1.weight.mul_(1.5)
+    assert cm.path_norm(1) == pytest.approx(pathir.compile(model, input_shape=(2, 5, 5)).path_norm(1), rel=1e-12)
+
+
+def test_a_factor_of_one_keeps_the_module_and_a_uniform_one_too_replaces_it():
+    torch.manual_seed(5)
+    model = _randomized(_modules_net(ACTS["nn.ReLU6"]))
+    cm = pathir.compile(model, input_shape=(2, 5, 5))
+    cm.commit_rescaling(np.zeros(len(cm.units)))
+    assert isinstance(model.a1, nn.ReLU6) and isinstance(model.a2, nn.ReLU6)
+    x = _x(3, 2, 5, 5)
+    before = _eager(model, x)
+    z = np.zeros(len(cm.units))
+    z[[cm.units.channel_units["a2"][c] for c in range(3)]] = math.log(3.0)
+    cm.commit_rescaling(z)
+    assert isinstance(model.a1, nn.ReLU6) and isinstance(model.a2, ClippedReLU)
+    assert model.a2.threshold.reshape(-1).tolist() == pytest.approx([6 * math.sqrt(3.0)] * 3, rel=1e-12)
+    assert _rel(_eager(model, x), before) <= 1e-12
+
+
+def test_export_path_writes_back_too():
+    class Shapes(nn.Module):  # Python control flow on a shape: torch.fx cannot trace it
+        def __init__(self):
+            super().__init__()
+            self.c, self.act, self.fc = nn.Conv2d(2, 3, 3), nn.ReLU6(), nn.Linear(27, 2)
+
+        def forward(self, x):
+            h = self.act(self.c(x) * 3)
+            if h.shape[-1] > 2:
+                h = h.flatten(1)
+            return self.fc(h)
+
+    torch.manual_seed(6)
+    model = Shapes().double().eval()
+    x = _x(3, 2, 5, 5)
+    before = _eager(model, x)
+    cm = pathir.compile(model, input_shape=(2, 5, 5))
+    assert "act.threshold" in cm.diag_g()
+    cm.commit_rescaling(np.random.default_rng(0).normal(size=len(cm.units)))
+    assert isinstance(model.act, ClippedReLU) and _rel(_eager(model, x), before) <= 1e-12
+
+
+def test_a_module_called_twice_shares_its_threshold_and_ties_its_units():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.act, self.fc = nn.Linear(3, 4), nn.Linear(4, 4), nn.ReLU6(), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.fc(self.act(self.b(self.act(self.a(x) * 4)) * 4))
+
+    torch.manual_seed(7)
+    model = Twice().double().eval()
+    x = _x(8, 3)
+    before = _eager(model, x)
+    cm = pathir.compile(model, input_shape=(3,))
+    assert [p.name for p in cm.graph.params()].count("act.threshold") == 1
+    assert len(cm.units) == 4  # channel c of both calls is one unit: one threshold per channel
+    cm.pathcond()
+    assert isinstance(model.act, ClippedReLU) and _rel(_eager(model, x), before) <= 1e-12
+
+
+class _Reused(nn.Module):
+    """One nn.ReLU6 after a conv (4-d) and after a linear layer of ``width`` features (2-d)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.c, self.act = nn.Conv2d(1, 3, 3), nn.ReLU6()
+        self.fc, self.out = nn.Linear(27, width), nn.Linear(width, 2)
+
+    def forward(self, x):
+        return self.out(self.act(self.fc(self.act(self.c(x) * 4).flatten(1)) * 4))
+
+
+@pytest.mark.parametrize("width,match", [(3, "different ranks"), (5, "called at 2 places")])
+def test_a_module_called_on_different_tensors_is_refused_when_it_moves(width, match):
+    torch.manual_seed(14)
+    model = _Reused(width).double().eval()
+    x = _x(4, 1, 5, 5)
+    cm = pathir.compile(model, input_shape=(1, 5, 5))
+    assert _rel(cm.forward(x.numpy(), backend="numpy"), _eager(model, x)) <= 1e-12
+    with pytest.raises(PathirError, match=match):
+        cm.pathcond()
+    assert type(model.act) is nn.ReLU6
+    cm.commit_rescaling(np.zeros(len(cm.units)))
+
+
+def test_a_functional_clip_that_moves_is_refused_and_nothing_changes():
+    torch.manual_seed(8)
+    model = Functional(SPELLINGS["F.relu6"]).double().eval()
+    cm = pathir.compile(model, input_shape=(2, 5, 5))
+    state = copy.deepcopy(model.state_dict())
+    norm = cm.path_norm(1)
+    with pytest.raises(PathirError, match=r"relu6 at 'relu6'.*use an nn.ReLU6"):
+        cm.pathcond()
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert cm.path_norm(1) == norm and "relu6.threshold" in cm.diag_g()  # analyses stay exact
+    cm.commit_rescaling(np.zeros(len(cm.units)))  # a rescaling that leaves it alone is written
+
+
+def test_a_failed_transaction_puts_the_replaced_modules_back(monkeypatch):
+    from pathir.rescaling import commit
+
+    torch.manual_seed(9)
+    model = _randomized(_modules_net(ACTS["nn.ReLU6"]))
+    cm = pathir.compile(model, input_shape=(2, 5, 5))
+    state = copy.deepcopy(model.state_dict())
+    a1 = model.a1
+
+    def broken(*args):
+        assert isinstance(model.a1, ClippedReLU)  # the writer replaced it, then something failed
+        raise PathirError("a value broke")
+
+    monkeypatch.setattr(commit, "_check_values", broken)
+    with pytest.raises(PathirError, match="a value broke"):
+        cm.commit_rescaling(np.random.default_rng(1).normal(size=len(cm.units)))
+    assert model.a1 is a1 and set(model.state_dict()) == set(state)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_refusals_keep_their_reasons():
+    torch.manual_seed(10)
+    for op, match in [(lambda m, h: torch.clamp(h, 0.5, 6.0), r"clamp.*lower bound other than 0"),
+                      (lambda m, h: F.hardtanh(h, -1.0, 1.0), r"hardtanh.*clips below"),
+                      (lambda m, h: torch.clamp(h, 0.0, -1.0), r"negative threshold"),
+                      (lambda m, h: torch.minimum(h, m.t), r"minimum.*min\(ReLU\(x\), t\)")]:
+        with pytest.raises(UnsupportedOperation, match=match):
+            pathir.compile(Functional(op).double(), input_shape=(2, 5, 5))
+
+
+def test_thresholds_are_no_pruning_candidates_and_pathsgd_steps():
+    torch.manual_seed(11)
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU6(), nn.Linear(4, 2)).double()
+    cm = pathir.compile(net, input_shape=(3,))
+    report = cm.prune(0.5, include_biases=True)
+    assert report.candidates == 26 and "1.threshold" not in report.per_tensor  # 12 + 4 + 8 + 2: no threshold
+    assert isinstance(net[1], nn.ReLU6)
+    opt = pathir.optim.PathSGD(net.parameters(), compiled=cm, lr=0.01)
+    net(_x(8, 3)).pow(2).sum().backward()
+    opt.step()
+
+
+def test_clipped_to_relu_reports_the_change():
+    torch.manual_seed(12)
+    model = _randomized(_modules_net(ACTS["nn.ReLU6"]))
+    small, large = _x(4, 2, 5, 5, scale=1e-3), _x(4, 2, 5, 5, scale=50.0)
+    twin = copy.deepcopy(model)
+    swap = clipped_to_relu(model, small)
+    assert swap.replaced == ["a1", "a2"] and swap.max_abs_change == 0.0
+    assert all(type(m) is nn.ReLU for m in (model.a1, model.a2))
+    assert clipped_to_relu(twin, large).max_rel_change > 0.01
+    assert not model.training
+
+
+# ====================================================================== write-back (ONNX)
+
+
+def _onnx_export(model, shape, opset=17):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        f = io.BytesIO()
+        torch.onnx.export(model.eval(), (torch.randn(2, *shape),), f, dynamo=False, opset_version=opset,
+                          input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "N"}, "y": {0: "N"}})
+    return onnx.load_from_string(f.getvalue())
+
+
+def _ort(proto, x):
+    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {sess.get_inputs()[0].name: x})[0]
+
+
+def _check_onnx_round_trip(model, shape, batch=4):
+    proto = _onnx_export(model.float(), shape)
+    x = (np.random.default_rng(0).normal(size=(batch, *shape)) * 3).astype(np.float32)
+    ref = _ort(proto, x)
+    cm = pathir.compile(proto)
+    norms = [cm.path_norm(q) for q in (1, 2)]
+    cm.pathcond()
+    new = cm.to_onnx()
+    ops = [n.op_type for n in new.graph.node]
+    assert "Clip" not in ops and ops.count("Min") == [n.op_type for n in proto.graph.node].count("Clip")
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in new.graph.initializer}
+    for n in new.graph.node:
+        if n.op_type == "Min":
+            t = inits[n.input[1]]
+            assert t.ndim == 4 and t.shape[0] == 1 and t.shape[2:] == (1, 1) and len(np.unique(t)) > 1
+    assert _rel(_ort(new, x), ref) <= 1e-5
+    again = pathir.compile(new)
+    assert _rel(again.forward(x, backend="numpy"), ref) <= 1e-5
+    assert [again.path_norm(q) for q in (1, 2)] == pytest.approx(norms, rel=1e-5)
+    return cm
+
+
+def test_onnx_pathcond_writes_relu_then_min_and_keeps_the_function():
+    torch.manual_seed(13)
+    cm = _check_onnx_round_trip(_randomized(_modules_net(ACTS["nn.ReLU6"])), (2, 5, 5))
+    assert any(k.endswith(".threshold") for k in cm.diag_g())
+    cm.pathcond()  # a second write-back rescales the Min constants
+    assert "Clip" not in {n.op_type for n in cm.to_onnx().graph.node}
+
+
+def test_onnx_clip_of_an_old_opset_is_lowered_but_its_rewrite_refused():
+    from onnx_cases import make_model, node, tensor_info
+
+    rng = np.random.default_rng(0)
+    nodes = [node("MatMul", ["x", "W"], ["h"], name="fc"), node("Clip", ["h"], ["r"], name="clip", min=0.0, max=1.0),
+             node("MatMul", ["r", "W2"], ["y"], name="out")]
+    proto = make_model(nodes, [tensor_info("x", [2, 3])], [tensor_info("y", [2, 2])],
+                       {"W": rng.normal(size=(3, 4)) * 3, "W2": rng.normal(size=(4, 2))}, opset=6)
+    cm = pathir.compile(proto)
+    x = rng.normal(size=(2, 3)).astype(np.float32)
+    assert _rel(cm.forward(x, backend="numpy"), _ort(proto, x)) <= 1e-6
+    with pytest.raises(PathirError, match="opset 6 has no broadcasting Min"):
+        cm.commit_rescaling(np.ones(len(cm.units)))
+    assert [n.op_type for n in cm.to_onnx().graph.node] == ["MatMul", "Clip", "MatMul"]
+
+
+# ====================================================================== mobilenet_v2
+
+
+@pytest.fixture(scope="module")
+def mobilenet():
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    return _randomized(torchvision.models.mobilenet_v2(weights=None), seed=0)
+
+
+def test_mobilenet_v2_pathcond_keeps_its_function(mobilenet):
+    model = copy.deepcopy(mobilenet)
+    x = _x(2, 3, 64, 64, scale=1.0)
+    before = _eager(model, x)
+    cm = pathir.compile(model, input_shape=(3, 64, 64))
+    n_relu6 = sum(isinstance(m, nn.ReLU6) for m in mobilenet.modules())
+    assert n_relu6 == 35 and sum(k.endswith(".threshold") for k in cm.diag_g()) == n_relu6
+    cm.pathcond()
+    _check_rewritten(model, cm, x, before, (3, 64, 64))
+    assert sum(isinstance(m, ClippedReLU) for m in model.modules()) == n_relu6
+
+
+@pytest.mark.slow
+def test_mobilenet_v2_onnx_round_trip(mobilenet):
+    _check_onnx_round_trip(copy.deepcopy(mobilenet), (3, 64, 64), batch=2)
