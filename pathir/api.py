@@ -6,6 +6,7 @@ import os
 from typing import Sequence
 
 from pathir.compiled import Compiled
+from pathir.errors import ArgumentError
 from pathir.frontends.onnx import lower as lower_onnx
 from pathir.ir import Graph, verify
 from pathir.passes import DEFAULT_PIPELINE, run_passes
@@ -93,10 +94,12 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
 
 
 def equalize(model, input_shape: Sequence[int] | None = None, example_input=None, bits: int = 8,
-             objective: str = "range", inputs=None, progress: bool | None = None, **kwargs):
+             objective: str = "range", inputs=None, relu6: str = "clip", progress: bool | None = None, **kwargs):
     """Compile ``model`` and equalize it for quantization in place (``Compiled.equalize``): the one-call
     form. Returns the EqualizeReport; ``kwargs`` go to ``Compiled.equalize`` (``max_log_scale``,
-    ``optimizer``, ...). See docs/equalize.md.
+    ``optimizer``, ...). ``relu6``: "clip" keeps clipped ReLUs exact (a moved one is written back as a
+    per-channel ``pathir.nn.ClippedReLU``); "relu" replaces each clipped ReLU module by a ReLU first, as
+    AIMET and Quark do, which changes the function (the report's notes say by how much). See docs/equalize.md.
 
     >>> import torch, pathir
     >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
@@ -112,5 +115,40 @@ def equalize(model, input_shape: Sequence[int] | None = None, example_input=None
     >>> bool(torch.allclose(net(x), before, atol=1e-5))
     True
     """
-    cm = compile(model, input_shape=input_shape, example_input=example_input, progress=progress)
-    return cm.equalize(bits=bits, objective=objective, inputs=inputs, progress=progress, **kwargs)
+    if relu6 not in ("clip", "relu"):
+        raise ArgumentError(f"relu6 must be 'clip' (keep clipped ReLUs, write per-channel thresholds) or 'relu' "
+                            f"(replace them by ReLU first), got {relu6!r}")
+    if relu6 == "clip" or _is_onnx(model) or isinstance(model, Graph):
+        cm = compile(model, input_shape=input_shape, example_input=example_input, progress=progress)
+        return cm.equalize(bits=bits, objective=objective, inputs=inputs, progress=progress, **kwargs)
+    return _equalize_with_relus(model, input_shape, example_input, bits, objective, inputs, progress, kwargs)
+
+
+def _equalize_with_relus(model, input_shape, example_input, bits, objective, inputs, progress, kwargs):
+    """relu6="relu": every clipped ReLU module becomes a ReLU (the function changes; the report says by
+    how much on ``inputs``, or on a seeded random batch), then equalize; on any error the modules are put back."""
+    import torch  # lazy: imports torch
+
+    from pathir.frontends.torch.clipped import clipped_to_relu  # lazy: imports torch
+
+    modules = dict(model.named_modules())
+    if inputs is not None:
+        probe = torch.as_tensor(inputs)
+    else:
+        shape = tuple(example_input.shape[1:]) if example_input is not None else tuple(input_shape)
+        probe = torch.randn((8, *shape), generator=torch.Generator().manual_seed(0))
+    dtype = next((t.dtype for t in model.parameters()), torch.float32)
+    swap = clipped_to_relu(model, probe.to(dtype))
+    try:
+        cm = compile(model, input_shape=input_shape, example_input=example_input, progress=progress)
+        report = cm.equalize(bits=bits, objective=objective, inputs=inputs, progress=progress, **kwargs)
+    except BaseException:
+        for path in swap.replaced:
+            parent, _, attr = path.rpartition(".")
+            setattr(model.get_submodule(parent), attr, modules[path])
+        raise
+    report.notes.append(f"relu6='relu': {len(swap.replaced)} clipped ReLUs replaced by ReLU; the function changed by "
+                        f"at most {swap.max_abs_change:.4g} ({swap.max_rel_change:.3g} of the largest output) on "
+                        f"{'the inputs' if inputs is not None else 'a random batch'}")
+    report.relu_change = swap.max_rel_change
+    return report

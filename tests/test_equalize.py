@@ -280,3 +280,26 @@ def test_cli_writes_an_equalized_state_dict(tmp_path, capsys, monkeypatch):
     before = fresh(x)
     fresh.load_state_dict(torch.load(out))
     torch.testing.assert_close(fresh(x), before, rtol=1e-5, atol=1e-6)
+
+
+def test_relu6_replaced_by_relu_reports_the_change_and_restores_on_error():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU6(), nn.Linear(8, 2)).double()
+    with torch.no_grad():
+        net[0].weight.mul_(5.0)  # activations past 6: the swap changes the function
+    x = torch.randn(32, 4, dtype=torch.float64)
+    before = net(x)
+    report = pathir.equalize(net, input_shape=(4,), relu6="relu", inputs=x)
+    assert type(net[1]) is nn.ReLU and report.relu_change > 0 and "replaced by ReLU" in str(report)
+    relu = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).double()
+    relu.load_state_dict(net.state_dict())
+    torch.testing.assert_close(relu(x), net(x))
+    change = float((net(x) - before).abs().max()) / float(before.abs().max())  # equalized: ReLU's function kept
+    assert report.relu_change == pytest.approx(change, rel=1e-6)
+    # a refusal after the swap puts the clipped ReLU back
+    gate = nn.Sequential(nn.Linear(4, 8), nn.ReLU6(), nn.Sigmoid(), nn.Linear(8, 2))
+    with pytest.raises(UnsupportedOperation):
+        pathir.equalize(gate, input_shape=(4,), relu6="relu")
+    assert type(gate[1]) is nn.ReLU6
+    with pytest.raises(PathirError, match="relu6"):
+        pathir.equalize(nn.Sequential(nn.Linear(4, 2)), input_shape=(4,), relu6="drop")

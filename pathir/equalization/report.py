@@ -53,6 +53,7 @@ class EqualizeReport:
     written: bool
     z: object = field(repr=False, default=None)
     notes: list[str] = field(default_factory=list)
+    relu_change: float | None = None  # relu6="relu": the largest output change, relative, replacing clipped ReLUs
 
     def to_dict(self) -> dict:
         out = asdict(self)
