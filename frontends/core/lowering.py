@@ -37,6 +37,7 @@ from pathir.ir import (
     Scale,
     SourceRef,
 )
+from pathir.ir.builder import unique_name
 
 __all__ = ["Lowering", "Recipe"]
 
@@ -210,12 +211,7 @@ class Lowering:
 
     def unique_param_name(self, name: str) -> str:
         """``name``, or ``name_1``, ``name_2``... if a param has it already."""
-        if name not in self._params:
-            return name
-        i = 1
-        while f"{name}_{i}" in self._params:
-            i += 1
-        return f"{name}_{i}"
+        return unique_name(name, self._params)
 
     def _window(self, v: Value, kernel, stride, padding, dilation, ceil_mode) -> tuple[str, Pool]:
         n = len(v.shape) - 1

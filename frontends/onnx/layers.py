@@ -101,17 +101,23 @@ def matmul(low, node, ins):
     return [_dense(low, v, low.weight(node, 0, A, False, node.input[0]), None)]
 
 
-def conv(low, node, ins):
+def _conv_inputs(low, node, what: str):
+    """(activation, weight, spatial rank, attributes, kernel, strides, dilations) of a Conv or
+    ConvTranspose node, its kernel_shape checked against the weight."""
     v = low.act(node, 0)
     W = f64(low.const(node, 1, "weight"))
     n = W.ndim - 2
-    if len(v.shape) != n + 1:
-        low.unsupported(f"{n}-d convolution on an activation of per-sample shape {list(v.shape)}")
+    if n < 1 or len(v.shape) != n + 1:
+        low.unsupported(f"{n}-d {what} on an activation of per-sample shape {list(v.shape)}")
     a = attrs(node)
     k = tuple(W.shape[2:])
     if tuple(a.get("kernel_shape", k)) != k:
         low.fail(f"kernel_shape {a['kernel_shape']} disagrees with the weight {list(W.shape)}")
-    strides, dil = tuple(a.get("strides", (1,) * n)), tuple(a.get("dilations", (1,) * n))
+    return v, W, n, a, k, tuple(a.get("strides", (1,) * n)), tuple(a.get("dilations", (1,) * n))
+
+
+def conv(low, node, ins):
+    v, W, n, a, k, strides, dil = _conv_inputs(low, node, "convolution")
     pads = _pads(low, a, v.shape[1:], k, strides, dil)
     Wp = low.weight(node, 1, W, False, "")
     B = low.bias_const(node, 2)
@@ -124,16 +130,7 @@ def conv_transpose(low, node, ins):
     the param stays bound to the initializer W (C_in, C_out/group, *k)."""
     import torch
 
-    v = low.act(node, 0)
-    W = f64(low.const(node, 1, "weight"))
-    n = W.ndim - 2
-    if n < 1 or len(v.shape) != n + 1:
-        low.unsupported(f"{n}-d transposed convolution on an activation of per-sample shape {list(v.shape)}")
-    a = attrs(node)
-    k = tuple(W.shape[2:])
-    if tuple(a.get("kernel_shape", k)) != k:
-        low.fail(f"kernel_shape {a['kernel_shape']} disagrees with the weight {list(W.shape)}")
-    strides, dil = tuple(a.get("strides", (1,) * n)), tuple(a.get("dilations", (1,) * n))
+    v, W, n, a, k, strides, dil = _conv_inputs(low, node, "transposed convolution")
     op = tuple(a.get("output_padding", (0,) * n))
     pads = _transpose_pads(low, a, v.shape[1:], k, strides, dil, op)
     ref, _ = low.param_ref(node, 1, ("conv_transpose", int(a.get("group", 1)), W))  # tied only in this layout

@@ -49,12 +49,7 @@ class GraphBuilder:
 
     def unique(self, name: str) -> str:
         """``name``, or ``name_1``, ``name_2``... if taken."""
-        if name not in self._nodes:
-            return name
-        i = 1
-        while f"{name}_{i}" in self._nodes:
-            i += 1
-        return f"{name}_{i}"
+        return unique_name(name, self._nodes)
 
     @staticmethod
     def param(name: str, value, source: str | None = None, how: str = "") -> Param:
@@ -109,3 +104,13 @@ class GraphBuilder:
             nodes = tuple(n for n in nodes if n.name in live or n.kind.value == "input")
         graph = Graph(nodes, tuple(outputs), self.name)
         return verify(graph) if check else graph
+
+
+def unique_name(name: str, taken) -> str:
+    """``name``, or ``name_1``, ``name_2``... whichever is first not in ``taken``."""
+    if name not in taken:
+        return name
+    i = 1
+    while f"{name}_{i}" in taken:
+        i += 1
+    return f"{name}_{i}"
