@@ -94,7 +94,7 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
 
 
 def equalize(model, input_shape: Sequence[int] | None = None, example_input=None, bits: int = 8,
-             objective: str = "range", inputs=None, relu6: str = "clip", progress: bool | None = None, **kwargs):
+             objective: str = "noise", inputs=None, relu6: str = "clip", progress: bool | None = None, **kwargs):
     """Compile ``model`` and equalize it for quantization in place (``Compiled.equalize``): the one-call
     form. Returns the EqualizeReport; ``kwargs`` go to ``Compiled.equalize`` (``max_log_scale``,
     ``optimizer``, ...). ``relu6``: "clip" keeps clipped ReLUs exact (a moved one is written back as a

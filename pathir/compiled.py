@@ -338,15 +338,17 @@ class Compiled:
                         commit=self._committer(write_back, optimizer), name=self.name,
                         max_log_scale=max_log_scale, callback=callback, progress=progress)
 
-    def equalize(self, bits: int = 8, objective: str = "range", inputs=None, write_back: bool = True,
+    def equalize(self, bits: int = 8, objective: str = "noise", inputs=None, write_back: bool = True,
                  max_log_scale: float | None = None, optimizer=None, backend=None, progress: bool | None = None,
-                 callback=None):
-        """Equalization for quantization: the rescaling that makes per-tensor quantization of every
-        weight tensor (batch-norm folded) as fine as possible, ``objective="range"``, or that minimises
-        the certified bound on the output change quantizing at ``bits`` causes, ``"path-metric"``
-        (docs/math.md §12), over every unit of the graph; rescales the model in place (function
-        preserved) and returns an EqualizeReport. ``inputs`` (a batch): the report measures the real
-        output change of quantizing on it. ``max_log_scale``, ``optimizer``, ``progress``: as for
+                 callback=None, certify: bool | None = None):
+        """Equalization for quantization: the rescaling, over every unit of the graph, that makes
+        per-tensor quantization of every weight tensor (batch-norm folded) add the least rounding noise
+        to the network, ``objective="noise"``; that balances the tensors' ranges (Nagel's criterion),
+        ``"range"``; or that minimises the certified bound on the output change quantizing at ``bits``
+        causes, ``"path-metric"`` (docs/math.md §12). Rescales the model in place (function preserved)
+        and returns an EqualizeReport. ``inputs`` (a batch): the report measures the real output
+        change of quantizing on it. ``certify``: the report computes the certified bound (default:
+        with the path-metric objective only). ``max_log_scale``, ``optimizer``, ``progress``: as for
         :meth:`pathcond`. See docs/equalize.md."""
 
         self._check_writable(write_back)
@@ -355,7 +357,7 @@ class Compiled:
             inputs = inputs.detach().cpu().double().numpy()
         return equalize(self.facts, self.get_backend(backend), bits=bits, objective=objective,
                         max_log_scale=max_log_scale, commit=self._committer(write_back, optimizer), inputs=inputs,
-                        name=self.name, progress=progress, callback=callback)
+                        name=self.name, progress=progress, callback=callback, certify=certify)
 
     def rescaled_variance_ratio(self) -> float | None:
         """min (var + eps) / eps over the batch-norm channels whose running statistics a rescaling

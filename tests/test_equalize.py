@@ -18,6 +18,7 @@ from pathir.equalization.objective import Objective
 from pathir.equalization.tensors import quantize, quantized_params, tensor_pairs
 from pathir.errors import PathirError, UnsupportedOperation
 from pathir.testing import relu_dags
+from enumerated import path_factors
 
 
 def _outputs(out):
@@ -34,6 +35,23 @@ def _spread_bn(model, seed=0):
                 m.bias.copy_(0.3 * torch.randn(m.bias.shape, generator=g))
                 m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) + 0.2)
     return model.eval()
+
+
+def _noise_objective(graph):
+    """F_noise read from the definition: log Σ_T (max_{i∈T} |θ_i|)² Σ_{i∈T} G_ii, G_ii = Σ_{p∋i} (Φ_p/θ_i)²
+    over the enumerated paths (docs/math.md §12); None where no quantized weight lies on a path."""
+    paths, layout = path_factors(graph)
+    g = np.zeros(sum(p.value.size for p in graph.params()))
+    for const, free in paths:
+        values = np.array([v for _, v in free])
+        for k, (index, _) in enumerate(free):
+            g[index] += (const * np.prod(np.delete(values, k))) ** 2
+    terms = []
+    for p in quantized_params(graph):
+        sl = layout.slice(p)
+        if np.abs(p.value).max() > 0 and g[sl].sum() > 0:
+            terms.append(2 * math.log(np.abs(p.value).max()) + math.log(g[sl].sum()))
+    return float(np.logaddexp.reduce(terms)) if terms else None
 
 
 def _range_objective(graph):
@@ -63,26 +81,27 @@ def test_random_dags_keep_their_function(graph):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", pathir.NotConvergedWarning)
         report = cm.equalize(max_log_scale=20.0)
-    assert report.objective_after <= report.objective_before + 1e-12
+    assert report.objective_after <= report.objective_before + 1e-12 or report.objective_before == -math.inf
     for a, b in zip(before, _outputs(cm.forward(x, "numpy"))):
         np.testing.assert_allclose(b, a, rtol=1e-9, atol=1e-9 * max(1.0, float(np.abs(a).max())))
     # the reported objective is the definition's, read off the rescaled graph
-    assert report.objective_after == pytest.approx(_range_objective(cm.graph), rel=1e-9, abs=1e-9)
+    reference = _noise_objective(cm.graph)
+    assert report.objective_after == (-math.inf if reference is None else pytest.approx(reference, rel=1e-9, abs=1e-9))
 
 
-def test_zoo_model_keeps_its_function_and_gains_per_tensor_precision():
+def test_zoo_model_keeps_its_function_and_quantizes_with_less_output_change():
     torch.manual_seed(0)
     import torchvision
 
     model = _spread_bn(torchvision.models.resnet18()).double()
     x = torch.randn(3, 3, 32, 32, dtype=torch.float64)
     before = model(x)
-    report = pathir.equalize(model, input_shape=(3, 32, 32), bits=6, inputs=x)
+    report = pathir.equalize(model, input_shape=(3, 32, 32), bits=6, inputs=x, certify=True)
     torch.testing.assert_close(model(x), before, rtol=1e-9, atol=1e-9 * float(before.abs().max()))
     assert report.written and report.objective_after < report.objective_before
-    gains = [t.sqnr_after - t.sqnr_before for t in report.tensors]
-    assert np.mean(gains) > 0
-    assert report.observed_after is not None and report.bound_after >= report.observed_after
+    # quantizing at W6 now moves the outputs less (the noise objective's aim; per-tensor weight SQNR may not)
+    assert report.observed_after is not None and report.observed_after < 0.5 * report.observed_before
+    assert report.bound_after >= report.observed_after
 
 
 # ---------------------------------------------------------------- chains and DAGs
@@ -104,7 +123,7 @@ def test_chains_reach_nagels_closed_form(seed):
     objective = Objective(tensor_pairs(facts.graph, facts.units, facts.row_ends))
     w1, w2 = net[0].weight.detach().numpy(), net[2].weight.detach().numpy()
     nagel = np.log(np.abs(w2).max(axis=0) / np.abs(w1).max(axis=1))  # s_h = sqrt(r1/r2): incoming e^{z/2}
-    report = cm.equalize(write_back=False)
+    report = cm.equalize(objective="range", write_back=False)
     assert report.objective_after <= objective.value(nagel) + 1e-9
     assert report.objective_after == pytest.approx(objective.value(nagel), abs=1e-9)
 
@@ -155,20 +174,20 @@ def test_dags_do_no_worse_than_the_pairwise_iteration(seed):
     facts = cm.facts
     objective = Objective(tensor_pairs(facts.graph, facts.units, facts.row_ends))
     pairwise = objective.value(_pairwise_balance(facts.graph, facts.units, facts.row_ends))
-    report = cm.equalize(write_back=False)
+    report = cm.equalize(objective="range", write_back=False)
     assert report.objective_after <= pairwise + 1e-9
 
 
 # ---------------------------------------------------------------- the certified bound
 
 
-@pytest.mark.parametrize("objective", ["range", "path-metric"])
+@pytest.mark.parametrize("objective", ["noise", "range", "path-metric"])
 def test_certified_bound_holds_on_random_inputs(objective):
     net = _spread_bn(nn.Sequential(nn.Conv2d(2, 6, 3), nn.BatchNorm2d(6), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
                                    nn.Linear(6 * 3 * 3, 5), nn.ReLU(), nn.Linear(5, 2))).double()
     x = torch.randn(64, 2, 8, 8, dtype=torch.float64) * 3
     cm = pathir.compile(net, input_shape=(2, 8, 8))
-    report = cm.equalize(bits=4, objective=objective, inputs=x)
+    report = cm.equalize(bits=4, objective=objective, inputs=x, certify=True)
     assert report.observed_before <= report.bound_before and report.observed_after <= report.bound_after
     # the observed change, read without pathir: the model with every weight tensor quantized
     graph = cm.graph
@@ -236,7 +255,7 @@ class _Twice(nn.Module):
 
 def test_report_table_and_dict():
     cm = pathir.compile(_chain(0), input_shape=(6,))
-    report = cm.equalize(bits=6)
+    report = cm.equalize(bits=6, certify=True)
     d = report.to_dict()
     assert d["bits"] == 6 and len(d["tensors"]) == 2 and "z" not in d
     json.dumps(d)

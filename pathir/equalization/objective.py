@@ -24,12 +24,17 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import scipy.sparse as sp
 
 from pathir.equalization.tensors import TensorGrid, TensorPairs
 
 __all__ = ["Objective", "OBJECTIVES"]
 
-OBJECTIVES = ("range", "path-metric")
+OBJECTIVES = ("noise", "range", "path-metric")
+#: grids larger than this with fewer than this fraction of cells filled are kept sparse
+SPARSE_FROM, SPARSE_FILL = 4096, 0.25
+#: per kind with weights: the power k of the term R_T^k · Σ_i w_i e^{−k(z_r(i) − z_c(i))/2}
+POWER = {"noise": 2, "path-metric": 1}
 
 
 def _lse(a: np.ndarray, p: float, marginals: bool):
@@ -49,12 +54,22 @@ def _lse(a: np.ndarray, p: float, marginals: bool):
 
 class _Grid:
     """A grid's log values l_rc and their exponentials at one sharpness, A = e^{p(l − max l)}, so that
-    the smoothed max of l_rc + σ(z_r − z_c)/2 is two mat-vecs (no exponential per cell)."""
+    the smoothed max of l_rc + σ(z_r − z_c)/2 is two mat-vecs (no exponential per cell). A grid whose
+    cells are mostly empty (-inf: a grouped convolution's block diagonal) keeps A sparse."""
 
     def __init__(self, log: np.ndarray, sign: float):
         self.log, self.sign = log, sign
         self.top = float(np.max(log))
-        self.cache: dict[float, np.ndarray] = {}  # p -> A (the solver uses two sharpnesses at a time)
+        self.sparse = log.size > SPARSE_FROM and np.count_nonzero(np.isfinite(log)) < SPARSE_FILL * log.size
+        self.cache: dict[float, object] = {}  # p -> A (the solver uses two sharpnesses at a time)
+
+    def _exp(self, p: float):
+        """(A, Aᵀ) at sharpness p."""
+        A = np.exp(p * (self.log - self.top))
+        if not self.sparse:
+            return A, A.T
+        A = sp.csr_array(A)
+        return A, A.T.tocsr()
 
     def lse(self, zr: np.ndarray, zc: np.ndarray, p: float, marginals: bool):
         if not math.isfinite(self.top):
@@ -65,7 +80,8 @@ class _Grid:
         if A is None:
             if len(self.cache) > 1:
                 self.cache.pop(max(self.cache))  # the stage before's sharpness
-            A = self.cache[p] = np.exp(p * (self.log - self.top))
+            A = self.cache[p] = self._exp(p)
+        A, At = A
         sr, sc = self.sign * 0.5 * p * zr, -self.sign * 0.5 * p * zc
         mr, mc = float(sr.max()), float(sc.max())
         u, v = np.exp(sr - mr), np.exp(sc - mc)
@@ -76,7 +92,7 @@ class _Grid:
         value = self.top + (mr + mc + math.log(total)) / p
         if not marginals:
             return value, None
-        return value, (u * Av / total, v * (A.T @ u) / total)
+        return value, (u * Av / total, v * (At @ u) / total)
 
 
 class Objective:
@@ -87,12 +103,14 @@ class Objective:
     def __init__(self, pairs: TensorPairs, kind: str = "range"):
         if kind not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {kind!r}")
-        if kind == "path-metric" and any(g.log_weight is None for g in pairs.grids):
-            raise ValueError("the path-metric objective needs the pairs' weights (S_i / |θ_i|)")
+        if kind in POWER and any(g.log_weight is None for g in pairs.grids):
+            raise ValueError(f"the {kind} objective needs the pairs' weights")
         self.pairs, self.kind = pairs, kind
         self.H = pairs.num_units
         self.ranges = [_Grid(g.log_max, 1.0) for g in pairs.grids]
-        self.weights = [_Grid(g.log_weight, -1.0) for g in pairs.grids] if kind == "path-metric" else None
+        # Σ_i w_i e^{−kΔ/2} = (k-th power of) the smoothed max at sharpness k of log(w)/k − Δ/2
+        self.power = POWER.get(kind, 1)
+        self.weights = [_Grid(g.log_weight / self.power, -1.0) for g in pairs.grids] if kind in POWER else None
         # Σ_T mean_{i∈T, θ_i≠0} (z_r(i) − z_c(i))/2 = linear · z: the geometric means' part of "range"
         self.linear = np.zeros(self.H)
         self.constant = -sum(g.mean_log for g in pairs.grids) if kind == "range" else 0.0
@@ -102,10 +120,10 @@ class Objective:
 
     def _add(self, out: np.ndarray, g: TensorGrid, rows: np.ndarray, cols: np.ndarray, scale: float = 1.0) -> None:
         """out += scale · Σ (rows_r ½δ_r − cols_c ½δ_c) over g's units (none dropped)."""
-        H = self.H
+        H = self.H  # a grid's rows (and its columns) are distinct units: plain fancy-index adds
         r, c = g.rows < H, g.cols < H
-        np.add.at(out, g.rows[r], 0.5 * scale * rows[r])
-        np.add.at(out, g.cols[c], -0.5 * scale * cols[c])
+        out[g.rows[r]] += 0.5 * scale * rows[r]
+        out[g.cols[c]] -= 0.5 * scale * cols[c]
 
     def curvature(self, z: np.ndarray, p: float, extra: tuple = ()) -> np.ndarray:
         """An estimate of the Hessian's diagonal at z (each smoothed max's softmax marginals times q/4,
@@ -143,24 +161,26 @@ class Objective:
             if grad:
                 out -= scale * self.linear
             return value, out
-        total = 0.0
+        total, k = 0.0, self.power
         for q, weight in ((p, 1.0), *extra):
             terms, parts = [], []
             for g, rg, wg in zip(self.pairs.grids, self.ranges, self.weights):
                 zr, zc = zp[g.rows], zp[g.cols]
                 r, rm = rg.lse(zr, zc, q, grad)
-                w, wm = wg.lse(zr, zc, 1.0, grad)
-                terms.append(r + w)
+                w, wm = wg.lse(zr, zc, float(k), grad)
+                terms.append(k * (r + w))
                 parts.append((g, rm, wm))
             terms = np.asarray(terms)
             top = float(np.max(terms))
+            if not math.isfinite(top):  # no quantized weight on any path (or no weights): nothing to move
+                return (-math.inf, np.zeros(self.H) if grad else None)
             c = np.exp(terms - top)
             total += weight * (top + math.log(float(c.sum())))
             if grad:
                 c /= c.sum()
                 for ct, (g, rm, wm) in zip(c, parts):
                     if rm is not None:
-                        self._add(out, g, *rm, weight * ct)
+                        self._add(out, g, *rm, k * weight * ct)
                     if wm is not None:
-                        self._add(out, g, *wm, -weight * ct)
+                        self._add(out, g, *wm, -k * weight * ct)
         return total, out

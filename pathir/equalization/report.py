@@ -40,8 +40,8 @@ class EqualizeReport:
     tensors: list[TensorRow]
     objective_before: float
     objective_after: float
-    bound_before: float
-    bound_after: float
+    bound_before: float | None  # None unless certified (``certify=True``, or the path-metric objective)
+    bound_after: float | None
     observed_before: float | None
     observed_after: float | None
     units_moved: int
@@ -75,7 +75,8 @@ class EqualizeReport:
                      f"{self.units_moved} units moved, {self.units_at_bound} at the bound |z| = {self.max_log_scale:.3g}; "
                      f"{sum(self.iterations)} iterations, {'converged' if self.converged else 'NOT converged'}, "
                      f"{self.seconds:.2f} s")
-        lines.append(f"certified output bound of W{self.bits}: {self.bound_before:.4g} -> {self.bound_after:.4g}")
+        if self.bound_before is not None:
+            lines.append(f"certified output bound of W{self.bits}: {self.bound_before:.4g} -> {self.bound_after:.4g}")
         if self.observed_before is not None:
             lines.append(f"observed output change on the inputs: {self.observed_before:.4g} -> {self.observed_after:.4g}")
         lines += self.notes

@@ -17,6 +17,7 @@ from pathir.equalization.report import EqualizeReport, TensorRow
 from pathir.equalization.solver import solve
 from pathir.equalization.tensors import channel_ranges, quantize, quantize_graph, quantized_params, sqnr_db, tensor_pairs
 from pathir.errors import PathirError
+from pathir.lifting.diag_g import diag_g_log_parts
 from pathir.lifting.path_metric import path_metric
 from pathir.lifting.pruning import score_log_parts
 from pathir.lifting.walk import forward
@@ -28,16 +29,26 @@ __all__ = ["equalize", "PHASES"]
 PHASES = ("pairs", "solve", "report", "write")
 
 
-def _log_path_weights(graph, backend) -> dict[int, np.ndarray]:
-    """{id(quantized param): log(S_i / |θ_i|)}, S the path-magnitude scores (docs/math.md §4): the
-    first-order sensitivity of ‖Φ‖₁ to |θ_i|, -inf where θ_i = 0 (Q(0) = 0 moves nothing)."""
+def _path_weights(graph, backend) -> dict[int, tuple]:
+    """{id(quantized param): (m, L)} with m·e^L = S_i / |θ_i|, S the path-magnitude scores (docs/math.md
+    §4): the first-order sensitivity of ‖Φ‖₁ to |θ_i|, 0 where θ_i = 0 (Q(0) = 0 moves nothing)."""
     wanted = {id(p) for p in quantized_params(graph)}
     out = {}
     for p, (m, L) in zip(graph.params(), score_log_parts(graph, backend)):
         if id(p) in wanted:
             with np.errstate(divide="ignore", invalid="ignore"):
-                out[id(p)] = np.where(m > 0, np.log(m) + L - np.log(np.abs(p.value)), -np.inf)
+                logs = np.where(m > 0, np.log(m) + L - np.log(np.abs(p.value)), -np.inf)
+            top = float(np.max(logs)) if np.any(np.isfinite(logs)) else 0.0
+            out[id(p)] = (np.exp(logs - top), top)
     return out
+
+
+def _noise_weights(graph, backend) -> dict[int, tuple]:
+    """{id(quantized param): (m, L)} with m·e^L = G_ii = Σ_{p∋i} (Φ_p/θ_i)², the path-lifting's
+    sensitivity to θ_i (diag G, docs/math.md §6): independent rounding errors δ_i move Φ by
+    Σ_i δ_i² G_ii in squared ℓ2 (docs/math.md §12)."""
+    wanted = {id(p) for p in quantized_params(graph)}
+    return {id(p): parts for p, parts in zip(graph.params(), diag_g_log_parts(graph, backend)) if id(p) in wanted}
 
 
 def _spread(value: np.ndarray) -> float:
@@ -66,17 +77,19 @@ def _input_scale(inputs) -> float:
     return max(1.0, *(float(np.max(np.abs(np.asarray(a, dtype=np.float64)))) for a in arrays))
 
 
-def equalize(facts, backend, bits: int = 8, objective: str = "range", max_log_scale: float = math.inf,
+def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_scale: float = math.inf,
              commit=None, inputs=None, name: str = "", progress: bool | None = None,
-             callback=None) -> EqualizeReport:
+             callback=None, certify: bool | None = None) -> EqualizeReport:
     """Find the rescaling z minimising ``objective`` over |z_h| ≤ ``max_log_scale`` and, with a
     ``commit`` callback, write it (the function is kept); returns an EqualizeReport.
 
-    ``objective``: "range" (Σ_T log of tensor T's per-tensor quantization step over the geometric mean
-    of its weights; Nagel's criterion on a chain) or "path-metric" (the first-order bound on
-    ‖Φ(θ) − Φ(Q(θ))‖₁); see docs/math.md §12. ``inputs``: a batch (array, or {input: array}) on which
+    ``objective`` (docs/math.md §12): "noise" (the rounding noise per-tensor quantization adds to the
+    path-lifting, Σ_T Δ_T² Σ_{i∈T} G_ii), "range" (Σ_T log of tensor T's per-tensor quantization step
+    over the geometric mean of its weights; Nagel's criterion on a chain) or "path-metric" (the
+    first-order bound on ‖Φ(θ) − Φ(Q(θ))‖₁). ``inputs``: a batch (array, or {input: array}) on which
     the report measures the real output change of quantizing at ``bits``, and whose ‖x‖∞ scales the
-    certified bound.
+    certified bound. ``certify``: compute the certified bound before and after (two path-metric walks;
+    default: only for the path-metric objective).
     """
     if objective not in OBJECTIVES:
         raise PathirError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
@@ -89,7 +102,8 @@ def equalize(facts, backend, bits: int = 8, objective: str = "range", max_log_sc
     params = quantized_params(graph)
     if not params:
         raise PathirError("the graph has no dense or convolution weight to quantize: nothing to equalize")
-    weights = _log_path_weights(graph, backend) if objective == "path-metric" else None
+    weights = _path_weights(graph, backend) if objective == "path-metric" else \
+        _noise_weights(graph, backend) if objective == "noise" else None
     pairs = tensor_pairs(graph, units, facts.row_ends, weights)
     bar.phase("solve")
     result = solve(Objective(pairs, objective), max_log_scale, callback=callback)
@@ -102,8 +116,10 @@ def equalize(facts, backend, bits: int = 8, objective: str = "range", max_log_sc
             for p in params]
     scale = _input_scale(inputs)
     q_before, q_after = quantize_graph(graph, bits), quantize_graph(rescaled, bits)
-    bound_before = scale * path_metric(graph, q_before, backend).upper
-    bound_after = scale * path_metric(rescaled, q_after, backend).upper
+    bound_before = bound_after = None
+    if objective == "path-metric" if certify is None else certify:
+        bound_before = scale * path_metric(graph, q_before, backend).upper
+        bound_after = scale * path_metric(rescaled, q_after, backend).upper
     observed = (_observed(graph, q_before, backend, inputs), _observed(rescaled, q_after, backend, inputs))
     del rescaled, q_before, q_after
     if commit is not None:

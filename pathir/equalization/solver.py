@@ -24,8 +24,11 @@ from pathir.equalization.objective import Objective
 
 __all__ = ["SolveResult", "solve", "SHARPNESS", "exact_range_optimum"]
 
-#: the sharpness schedule: the last stage is within log(#pairs)/p of the exact objective per max
-SHARPNESS = (1.0, 4.0, 16.0, 64.0, 256.0)
+#: the sharpness schedule per objective. ``range`` is piecewise linear: its last stage is within
+#: log(#pairs)/p of the exact objective per max, and an exact LP finishes it. ``noise`` and
+#: ``path-metric`` are smooth but for the per-tensor max; a max smoothed at p = 32 (within
+#: log(#pairs)/32 nats, a few percent of a step) is as good a model of the rounding as the max itself.
+SHARPNESS = {"range": (1.0, 4.0, 16.0, 64.0, 256.0), "noise": (2.0, 8.0, 32.0), "path-metric": (2.0, 8.0, 32.0)}
 #: graphs with at most this many unit-pair cells get the range objective's exact optimum (an LP)
 EXACT_LP_CELLS = 200_000
 #: the sharpness of the balance term, and its weight
@@ -47,27 +50,38 @@ class SolveResult:
     message: str = ""
 
 
-def solve(objective: Objective, max_log_scale: float = math.inf, sharpness=SHARPNESS, ridge: float = 1e-6,
-          balance: float = BALANCE,
-          max_iter: int = 300, tol: float = 1e-7, callback=None) -> SolveResult:
+def solve(objective: Objective, max_log_scale: float = math.inf, sharpness=None, ridge: float = 1e-6,
+          balance: float = BALANCE, max_iter: int = 300, tol: float = 1e-7, callback=None) -> SolveResult:
     """Minimise ``objective`` over z with |z_h| ≤ ``max_log_scale``; ``callback(stage, value)`` after
-    each stage. The result's z never does worse than z = 0 on the exact objective (else z = 0)."""
+    each stage. The result's z never does worse than z = 0 on the exact objective (else z = 0).
+
+    BLAS runs on one thread meanwhile: the solver's vector operations are small, and threaded BLAS
+    spins them ten times slower on a busy machine."""
+    from threadpoolctl import threadpool_limits  # lazy: spares `import pathir` the package
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        return _solve(objective, max_log_scale, SHARPNESS[objective.kind] if sharpness is None else sharpness,
+                      ridge, balance, max_iter, tol, callback)
+
+
+def _solve(objective, max_log_scale, sharpness, ridge, balance, max_iter, tol, callback) -> SolveResult:
     start = time.perf_counter()
     H = objective.H
     z = np.zeros(H)
     before = objective.value(z)
-    if H == 0:  # no unit to move
+    if H == 0 or before == -math.inf:  # no unit to move, or no quantized weight on any path
         return SolveResult(z, before, before, seconds=time.perf_counter() - start)
     bounds = None if math.isinf(max_log_scale) else [(-max_log_scale, max_log_scale)] * H
     iterations, converged, message = [], True, ""
-    extra = ((BALANCE_SHARPNESS, balance),)
+    ranged = objective.kind == "range"  # the others weigh every channel: no balance term, no preconditioner
+    extra = ((BALANCE_SHARPNESS, balance),) if ranged else ()
     for stage, p in enumerate(sharpness):
         # in y = d ⊙ z, d² the Hessian's diagonal estimate at the stage's start: the units a tensor's range
         # hangs on and the units only the balance term sees get comparable curvature
-        d = np.sqrt(objective.curvature(z, p, extra) + ridge)
+        d = np.sqrt(objective.curvature(z, p, extra) + ridge) if ranged else np.ones(H)
 
         # past p = 16 the balance term fades with the smoothing, so the exact objective's optimum is reached
-        extra_p = ((BALANCE_SHARPNESS, balance * min(1.0, 16.0 / p)),)
+        extra_p = ((BALANCE_SHARPNESS, balance * min(1.0, 16.0 / p)),) if ranged else ()
 
         def f(y, p=p, d=d, extra_p=extra_p):
             x = y / d

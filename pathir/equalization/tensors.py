@@ -76,60 +76,120 @@ class TensorPairs:
         return sum(g.log_max.size for g in self.grids)
 
 
-def _log_abs(x: np.ndarray) -> np.ndarray:
+def _log(x: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore"):
-        return np.log(np.abs(x))
+        return np.log(x)
 
 
-def _grid(e: np.ndarray, l: np.ndarray, values: np.ndarray, reduce, fill: float, H: int, axes: tuple):
-    """(rows, cols, grid) of ``reduce`` over the entries of each (entered, left) pair; ``fill`` elsewhere."""
-    reduced = reduce.reduce(values, axis=axes, keepdims=True) if axes else values
-    er, lr = np.broadcast_arrays(np.broadcast_to(e, reduced.shape), np.broadcast_to(l, reduced.shape))
-    rows, r = np.unique(er.reshape(-1), return_inverse=True)
-    cols, c = np.unique(lr.reshape(-1), return_inverse=True)
-    grid = np.full((rows.size, cols.size), fill)
-    reduce.at(grid, (r, c), reduced.reshape(-1))
-    return rows, cols, grid
+def _varying(ends: np.ndarray, shape: tuple) -> np.ndarray:
+    """``ends`` broadcast to ``shape``'s rank (a 0-d "none" end stays 0-d)."""
+    return ends.reshape((1,) * (len(shape) - ends.ndim) + ends.shape) if 0 < ends.ndim < len(shape) else ends
 
 
-def _log_sum_grid(e, l, logs: np.ndarray, rows, cols, H: int) -> np.ndarray:
-    """log Σ e^{logs} per (entered, left) pair on the grid of ``rows`` × ``cols``, without overflow."""
-    er, lr = np.broadcast_to(e, logs.shape).reshape(-1), np.broadcast_to(l, logs.shape).reshape(-1)
-    r, c = np.searchsorted(rows, er), np.searchsorted(cols, lr)
-    top = np.full((rows.size, cols.size), -np.inf)
-    flat = logs.reshape(-1)
-    np.maximum.at(top, (r, c), flat)
-    base = np.where(np.isfinite(top), top, 0.0)
-    total = np.zeros_like(top)
-    np.add.at(total, (r, c), np.exp(flat - base[r, c]))
-    with np.errstate(divide="ignore"):
-        return np.where(total > 0, base + np.log(total), -np.inf)
+def _groups(keys: np.ndarray):
+    """(distinct keys ascending, order putting equal keys together or None where ``keys`` is sorted,
+    start of each run in that order)."""
+    order = None if keys.size < 2 or bool(np.all(keys[1:] >= keys[:-1])) else np.argsort(keys, kind="stable")
+    ordered = keys if order is None else keys[order]
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+    return ordered[starts], order, starts
 
 
-def tensor_pairs(graph: Graph, units, row_ends, log_weights: dict[int, np.ndarray] | None = None) -> TensorPairs:
+def _cells(e: np.ndarray, l: np.ndarray, arrays: list[tuple[np.ndarray, np.ufunc]]):
+    """(rows, cols, [grid per array]): each array reduced by its ufunc over the entries of each
+    (entered, left) unit pair; cells no entry belongs to hold the ufunc's identity (0 for max of |θ|).
+
+    Axes along which neither end varies (kernel positions) are reduced first. Where no axis carries
+    both ends (dense and convolution weights, a flatten before a dense), entries are grouped with one
+    sort and ``reduceat`` per side; otherwise (grouped convolutions) pair by pair with ``ufunc.at``."""
+    shape = arrays[0][0].shape
+    e, l = _varying(e, shape), _varying(l, shape)
+    ev = [a for a in range(e.ndim) if e.shape[a] > 1]
+    lv = [a for a in range(l.ndim) if l.shape[a] > 1]
+    keep = sorted(set(ev) | set(lv))
+    if len(shape) and not set(ev) & set(lv):
+        order = [a for a in range(len(shape)) if a in ev] + [a for a in range(len(shape)) if a in lv]
+        rest = tuple(a for a in range(len(shape)) if a not in keep)
+        n_rows = int(np.prod([shape[a] for a in ev])) if ev else 1
+        ef = np.broadcast_to(e, shape).transpose(order + list(rest))[(...,) + (0,) * len(rest)].reshape(n_rows, -1)[:, 0]
+        lf = np.broadcast_to(l, shape).transpose(order + list(rest))[(...,) + (0,) * len(rest)].reshape(n_rows, -1)[0]
+        rows, r_order, r_starts = _groups(ef)
+        cols, c_order, c_starts = _groups(lf)
+        grids = []
+        for a, ufunc in arrays:
+            v = ufunc.reduce(a, axis=rest, dtype=np.float64) if rest else a
+            v = v.transpose([keep.index(x) for x in order]).reshape(n_rows, -1)
+            v = ufunc.reduceat(v if c_order is None else v[:, c_order], c_starts, axis=1, dtype=np.float64)
+            grids.append(ufunc.reduceat(v if r_order is None else v[r_order], r_starts, axis=0))
+        return rows, cols, grids
+    rest = tuple(a for a in range(len(shape)) if a not in keep)
+    er = np.broadcast_to(e, shape)[tuple(slice(None) if a in keep else slice(0, 1) for a in range(len(shape)))]
+    lr = np.broadcast_to(l, shape)[tuple(slice(None) if a in keep else slice(0, 1) for a in range(len(shape)))]
+    reduced = [ufunc.reduce(a, axis=rest, keepdims=True, dtype=np.float64) if rest else a for a, ufunc in arrays]
+    er, lr = np.broadcast_to(er, reduced[0].shape).reshape(-1), np.broadcast_to(lr, reduced[0].shape).reshape(-1)
+    rows, r = np.unique(er, return_inverse=True)
+    cols, c = np.unique(lr, return_inverse=True)
+    grids = []
+    for v, (_, ufunc) in zip(reduced, arrays):
+        grid = np.zeros((rows.size, cols.size))
+        ufunc.at(grid, (r, c), v.reshape(-1).astype(np.float64))
+        grids.append(grid)
+    return rows, cols, grids
+
+
+def _sum_log(value: np.ndarray, chunk: int = 1 << 20) -> float:
+    """Σ log |θ_i| over the non-zero entries of ``value`` (≥ 0), a chunk at a time (no θ-sized temporaries)."""
+    flat, total = value.reshape(-1), 0.0
+    for s in range(0, flat.size, chunk):
+        part = flat[s:s + chunk]
+        total += float(np.sum(np.log(part, where=part > 0, out=np.zeros_like(part))))
+    return total
+
+
+def _weight_mantissa(weight) -> np.ndarray:
+    """w as m·e^L (``weight`` = (m, L), L a float or an array broadcastable to m) at one scale per
+    tensor: m·e^{L − max L} (entries more than ~708 nats below the tensor's largest scale read 0)."""
+    m, L = weight
+    m = np.asarray(m, dtype=np.float64)
+    if np.ndim(L) == 0:
+        return m
+    L = np.asarray(L, dtype=np.float64)
+    top = float(np.max(L[np.isfinite(L)])) if np.any(np.isfinite(L)) else 0.0
+    with np.errstate(under="ignore"):
+        return m * np.exp(L - top)
+
+
+def _weight_scale(weight) -> float:
+    L = weight[1]
+    if np.ndim(L) == 0:
+        return float(L)
+    finite = np.asarray(L)[np.isfinite(L)]
+    return float(finite.max()) if finite.size else -np.inf
+
+
+def tensor_pairs(graph: Graph, units, row_ends, weights: dict[int, tuple] | None = None) -> TensorPairs:
     """The unit-pair grid of every quantized tensor of ``graph``. ``row_ends``: the graph's
-    ``CompactRows`` (``GraphFacts.row_ends``); ``log_weights``: {id(param): log w of its shape, w ≥ 0},
-    w summed per pair in log space (the path-metric objective's S_i / |θ_i|, which may exceed float64)."""
+    ``CompactRows`` (``GraphFacts.row_ends``); ``weights``: {id(param): (m, L)}, a weight per entry
+    w = m·e^L ≥ 0 (m of the param's shape, L a float or broadcastable to it: the walks' log-scaled
+    form, since w may exceed float64), summed per pair into ``log_weight``."""
     H = len(units)
     ends = {id(p): e for p, e in zip(units.params, row_ends.ends)}
     grids = []
     for p in quantized_params(graph):
         e, l = ends[id(p)]
-        value = np.asarray(p.value, dtype=np.float64)
+        value = np.abs(np.asarray(p.value, dtype=np.float64))
         if not np.any(value):
             continue
-        # axes where neither end varies (kernel positions) are reduced before the grid is keyed
-        axes = tuple(a for a in range(value.ndim) if e.shape[a] == 1 and l.shape[a] == 1 and value.shape[a] > 1) \
-            if e.ndim == value.ndim and l.ndim == value.ndim else ()
-        rows, cols, log_max = _grid(e, l, _log_abs(value), np.maximum, -np.inf, H, axes)
-        _, _, count = _grid(e, l, (value != 0).astype(np.float64), np.add, 0.0, H, axes)
-        log_weight = None
-        if log_weights is not None:
-            w = np.asarray(log_weights[id(p)], dtype=np.float64).reshape(value.shape)
-            log_weight = _log_sum_grid(e, l, w, rows, cols, H)
-        logs = _log_abs(value[value != 0])
-        grids.append(TensorGrid(p.source_name, rows, cols, log_max, log_weight, count.sum(axis=1), count.sum(axis=0),
-                                float(logs.mean())))
+        nonzero = value > 0
+        arrays = [(value, np.maximum), (nonzero, np.add)]  # booleans counted in float64
+        if weights is not None:
+            arrays.append((_weight_mantissa(weights[id(p)]), np.add))
+        rows, cols, cells = _cells(e, l, arrays)
+        log_weight = None if weights is None else _log(cells[2]) + _weight_scale(weights[id(p)])
+        count = cells[1]
+        mean_log = _sum_log(value) / float(count.sum())
+        grids.append(TensorGrid(p.source_name, rows, cols, _log(cells[0]), log_weight, count.sum(axis=1),
+                                count.sum(axis=0), mean_log))
     return TensorPairs(tuple(grids), H)
 
 

@@ -18,9 +18,12 @@ def add_arguments(parser):
     parser.add_argument("-o", "--output", default=None,
                         help="output file: .pt state_dict (torch models) or .onnx; omit to only print the report")
     parser.add_argument("--bits", type=int, default=8, help="the weights' bit width the report measures (default 8)")
-    parser.add_argument("--objective", default="range", choices=["range", "path-metric"],
-                        help="range: per-tensor quantization steps over the weights' geometric means (default); "
-                             "path-metric: the certified bound on the output change quantizing causes")
+    parser.add_argument("--objective", default="noise", choices=["noise", "range", "path-metric"],
+                        help="noise: the rounding noise per-tensor quantization adds to the network (default); "
+                             "range: per-tensor quantization steps over the weights' geometric means (Nagel's "
+                             "criterion); path-metric: the certified bound on the output change quantizing causes")
+    parser.add_argument("--certify", action="store_true",
+                        help="also compute the certified bound on the output change (always with path-metric)")
     parser.add_argument("--max-log-scale", type=float, default=None,
                         help="bound on every |z_h| (inf: none); default: the largest the model's dtype holds")
 
@@ -30,7 +33,8 @@ def run(args) -> int:
         check_output_path(args.output, is_onnx(args))
     cm = compile_model(args)
     report = cm.equalize(bits=args.bits, objective=args.objective, write_back=args.output is not None,
-                         max_log_scale=args.max_log_scale, progress=progress(args))
+                         max_log_scale=args.max_log_scale, progress=progress(args),
+                         certify=True if args.certify else None)
     write_output(cm, args)
     if args.json:
         emit_json({"model": cm.name, **model_info(args), "output": args.output, **report.to_dict()})
