@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from enumerated import path_factors
 from hypothesis import given, settings
 
 import pathir
@@ -18,7 +19,6 @@ from pathir.equalization.objective import Objective
 from pathir.equalization.tensors import quantize, quantized_params, tensor_pairs
 from pathir.errors import PathirError, UnsupportedOperation
 from pathir.testing import relu_dags
-from enumerated import path_factors
 
 
 def _outputs(out):
