@@ -130,6 +130,14 @@ class Objective:
         summed over the units they touch): the solver's diagonal preconditioner."""
         zp = np.append(np.asarray(z, dtype=np.float64), 0.0)
         out = np.zeros(self.H)
+        if self.weights is not None:  # k·c_T times each smoothed max's own curvature (the LSE over T left out)
+            k = self.power
+            _, c, parts = self._terms(zp, p, True)
+            for ct, (g, rm, wm) in zip(() if c is None else c, parts):
+                for marg, q in ((rm, p), (wm, k)):
+                    if marg is not None:
+                        self._add(out, g, marg[0], -marg[1], k * ct * q / 2)
+            return out
         for g, grid in zip(self.pairs.grids, self.ranges):
             zr, zc = zp[g.rows], zp[g.cols]
             for q, weight in ((p, 1.0), *extra):
@@ -163,24 +171,33 @@ class Objective:
             return value, out
         total, k = 0.0, self.power
         for q, weight in ((p, 1.0), *extra):
-            terms, parts = [], []
-            for g, rg, wg in zip(self.pairs.grids, self.ranges, self.weights):
-                zr, zc = zp[g.rows], zp[g.cols]
-                r, rm = rg.lse(zr, zc, q, grad)
-                w, wm = wg.lse(zr, zc, float(k), grad)
-                terms.append(k * (r + w))
-                parts.append((g, rm, wm))
-            terms = np.asarray(terms)
-            top = float(np.max(terms))
-            if not math.isfinite(top):  # no quantized weight on any path (or no weights): nothing to move
-                return (-math.inf, np.zeros(self.H) if grad else None)
-            c = np.exp(terms - top)
-            total += weight * (top + math.log(float(c.sum())))
+            value, c, parts = self._terms(zp, q, grad)
+            if c is None:  # no quantized weight on any path (or no weights): nothing to move
+                return (value, np.zeros(self.H) if grad else None)
+            total += weight * value
             if grad:
-                c /= c.sum()
                 for ct, (g, rm, wm) in zip(c, parts):
                     if rm is not None:
                         self._add(out, g, *rm, k * weight * ct)
                     if wm is not None:
                         self._add(out, g, *wm, -k * weight * ct)
         return total, out
+
+    def _terms(self, zp: np.ndarray, q: float, marginals: bool):
+        """(log Σ_T e^{k(r_T + w_T)} at sharpness q, the softmax c_T over the tensors, per tensor (grid,
+        range marginals, weight marginals)); c is None where every term is -inf."""
+        k = self.power
+        terms, parts = [], []
+        for g, rg, wg in zip(self.pairs.grids, self.ranges, self.weights):
+            zr, zc = zp[g.rows], zp[g.cols]
+            r, rm = rg.lse(zr, zc, q, marginals)
+            w, wm = wg.lse(zr, zc, float(k), marginals)
+            terms.append(k * (r + w))
+            parts.append((g, rm, wm))
+        terms = np.asarray(terms)
+        top = float(np.max(terms))
+        if not math.isfinite(top):
+            return -math.inf, None, parts
+        c = np.exp(terms - top)
+        total = float(c.sum())
+        return top + math.log(total), c / total, parts

@@ -73,12 +73,12 @@ def _solve(objective, max_log_scale, sharpness, ridge, balance, max_iter, tol, c
         return SolveResult(z, before, before, seconds=time.perf_counter() - start)
     bounds = None if math.isinf(max_log_scale) else [(-max_log_scale, max_log_scale)] * H
     iterations, converged, message = [], True, ""
-    ranged = objective.kind == "range"  # the others weigh every channel: no balance term, no preconditioner
+    ranged = objective.kind == "range"  # the others weigh every channel: no balance term
     extra = ((BALANCE_SHARPNESS, balance),) if ranged else ()
     for stage, p in enumerate(sharpness):
         # in y = d ⊙ z, d² the Hessian's diagonal estimate at the stage's start: the units a tensor's range
         # hangs on and the units only the balance term sees get comparable curvature
-        d = np.sqrt(objective.curvature(z, p, extra) + ridge) if ranged else np.ones(H)
+        d = np.sqrt(objective.curvature(z, p, extra) + ridge)
 
         # past p = 16 the balance term fades with the smoothing, so the exact objective's optimum is reached
         extra_p = ((BALANCE_SHARPNESS, balance * min(1.0, 16.0 / p)),) if ranged else ()
@@ -94,7 +94,7 @@ def _solve(objective, max_log_scale, sharpness, ridge, balance, max_iter, tol, c
         z = np.asarray(res.x, dtype=np.float64) / d
         if bounds is not None:
             np.clip(z, -max_log_scale, max_log_scale, out=z)
-        iterations.append(int(res.nit))
+        iterations.append(int(getattr(res, "nit", 0)))
         converged, message = bool(res.success), str(res.message)
         if callback is not None:
             callback(stage, objective.value(z))
