@@ -352,12 +352,40 @@ class Compiled:
         :meth:`pathcond`. See docs/equalize.md."""
 
         self._check_writable(write_back)
-        max_log_scale = self._bound(max_log_scale)
+        lower = self.variance_lower_bounds() if max_log_scale is None else None
+        max_log_scale = self._bound(max_log_scale, variance=lower is None)
         if inputs is not None and hasattr(inputs, "detach"):
             inputs = inputs.detach().cpu().double().numpy()
         return equalize(self.facts, self.get_backend(backend), bits=bits, objective=objective,
                         max_log_scale=max_log_scale, commit=self._committer(write_back, optimizer), inputs=inputs,
-                        name=self.name, progress=progress, callback=callback, certify=certify)
+                        name=self.name, progress=progress, callback=callback, certify=certify, lower=lower)
+
+    def variance_lower_bounds(self) -> np.ndarray | None:
+        """Per unit, the lowest z_h whose write-back keeps the running variance of every batch-norm it
+        feeds (one that could not be folded) to the dtype's precision: var ← λ²(var + eps) − eps with
+        λ = e^{z_h/2} needs λ²(var + eps) ≥ 1e-3·eps, less a margin of log 4. Growing a channel is
+        always exact, so only the lower side is bounded, and only for those units; None if no unit is."""
+
+        if not hasattr(self.model, "get_submodule"):
+            return None
+        units = self.facts.units
+        H = len(units)
+        lower = np.full(H + 1, -np.inf)
+        ends = {id(p): e for p, e in zip(units.params, units.ends)}
+        for p in self.graph.params():
+            for ref in p.sources:
+                if ref.role == Role.IN_STATS and ref.name.endswith("running_var") and id(p) in ends:
+                    leave = ends[id(p)][1]
+                    if leave is None:
+                        continue
+                    module = self.model.get_submodule(ref.name.rpartition(".")[0])
+                    var = module.running_var.detach().double().cpu().numpy().reshape(-1)
+                    if var.shape != np.shape(p.value):
+                        return None  # not one variance per entry: the scalar bound applies
+                    bound = np.log(1e-3 * module.eps / (var + module.eps)) + math.log(4.0)
+                    np.maximum.at(lower, np.broadcast_to(np.asarray(leave), var.shape), bound)
+        lower = lower[:H]
+        return lower if np.isfinite(lower).any() else None
 
     def rescaled_variance_ratio(self) -> float | None:
         """min (var + eps) / eps over the batch-norm channels whose running statistics a rescaling
@@ -407,15 +435,16 @@ class Compiled:
                      commit=self._committer(write_back, optimizer), name=self.name,
                      max_log_scale=None if math.isinf(bound) else bound, callback=callback, progress=progress)
 
-    def _bound(self, max_log_scale: float | None) -> float:
+    def _bound(self, max_log_scale: float | None, variance: bool = True) -> float:
         """``max_log_scale``, or for None the largest bound whose rescalings write back into the
-        model's dtype finite and normal (``pathir.rescaling.bounds.default_max_log_scale``)."""
+        model's dtype finite and normal (``pathir.rescaling.bounds.default_max_log_scale``; with
+        ``variance``, also the running variances of unfolded batch-norms, as one scalar)."""
         if max_log_scale is not None:
             if not max_log_scale >= 0:
                 raise ArgumentError(f"max_log_scale must be >= 0 (math.inf: unbounded), got {max_log_scale}")
             return float(max_log_scale)
-
-        return default_max_log_scale(self.graph, self.narrowest_dtype(), variance_ratio=self.rescaled_variance_ratio())
+        ratio = self.rescaled_variance_ratio() if variance else None
+        return default_max_log_scale(self.graph, self.narrowest_dtype(), variance_ratio=ratio)
 
     def normalize(self, p: float = 2.0, write_back: bool = True, optimizer=None, progress: bool | None = None):
         """The canonical representative: every unit's incoming weights and bias get unit

@@ -79,7 +79,7 @@ def _input_scale(inputs) -> float:
 
 def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_scale: float = math.inf,
              commit=None, inputs=None, name: str = "", progress: bool | None = None,
-             callback=None, certify: bool | None = None) -> EqualizeReport:
+             callback=None, certify: bool | None = None, lower: np.ndarray | None = None) -> EqualizeReport:
     """Find the rescaling z minimising ``objective`` over |z_h| ≤ ``max_log_scale`` and, with a
     ``commit`` callback, write it (the function is kept); returns an EqualizeReport.
 
@@ -89,7 +89,7 @@ def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_sc
     first-order bound on ‖Φ(θ) − Φ(Q(θ))‖₁). ``inputs``: a batch (array, or {input: array}) on which
     the report measures the real output change of quantizing at ``bits``, and whose ‖x‖∞ scales the
     certified bound. ``certify``: compute the certified bound before and after (two path-metric walks;
-    default: only for the path-metric objective).
+    default: only for the path-metric objective). ``lower``: per unit, a further lower bound on z_h.
     """
     if objective not in OBJECTIVES:
         raise PathirError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
@@ -106,7 +106,7 @@ def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_sc
         _noise_weights(graph, backend) if objective == "noise" else None
     pairs = tensor_pairs(graph, units, facts.row_ends, weights)
     bar.phase("solve")
-    result = solve(Objective(pairs, objective), max_log_scale, callback=callback)
+    result = solve(Objective(pairs, objective), max_log_scale, callback=callback, lower=lower)
     z = result.z
     bar.phase("report")
     rescaled = rescale_graph(graph, units, z)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import scipy.sparse as sp
-from scipy.optimize import linprog, minimize
+from scipy.optimize import Bounds, linprog, minimize
 
 from pathir.equalization.objective import Objective
 
@@ -51,9 +51,11 @@ class SolveResult:
 
 
 def solve(objective: Objective, max_log_scale: float = math.inf, sharpness=None, ridge: float = 1e-6,
-          balance: float = BALANCE, max_iter: int = 300, tol: float = 1e-7, callback=None) -> SolveResult:
-    """Minimise ``objective`` over z with |z_h| ≤ ``max_log_scale``; ``callback(stage, value)`` after
-    each stage. The result's z never does worse than z = 0 on the exact objective (else z = 0).
+          balance: float = BALANCE, max_iter: int = 300, tol: float = 1e-7, callback=None,
+          lower: np.ndarray | None = None) -> SolveResult:
+    """Minimise ``objective`` over z with |z_h| ≤ ``max_log_scale`` (and z_h ≥ ``lower[h]``, where
+    given); ``callback(stage, value)`` after each stage. The result's z never does worse than z = 0 on
+    the exact objective (else z = 0).
 
     BLAS runs on one thread meanwhile: the solver's vector operations are small, and threaded BLAS
     spins them ten times slower on a busy machine."""
@@ -61,17 +63,21 @@ def solve(objective: Objective, max_log_scale: float = math.inf, sharpness=None,
 
     with threadpool_limits(limits=1, user_api="blas"):
         return _solve(objective, max_log_scale, SHARPNESS[objective.kind] if sharpness is None else sharpness,
-                      ridge, balance, max_iter, tol, callback)
+                      ridge, balance, max_iter, tol, callback, lower)
 
 
-def _solve(objective, max_log_scale, sharpness, ridge, balance, max_iter, tol, callback) -> SolveResult:
+def _solve(objective, max_log_scale, sharpness, ridge, balance, max_iter, tol, callback, lower) -> SolveResult:
     start = time.perf_counter()
     H = objective.H
     z = np.zeros(H)
     before = objective.value(z)
     if H == 0 or before == -math.inf:  # no unit to move, or no quantized weight on any path
         return SolveResult(z, before, before, seconds=time.perf_counter() - start)
-    bounds = None if math.isinf(max_log_scale) else [(-max_log_scale, max_log_scale)] * H
+    lo = np.full(H, -float(max_log_scale))
+    if lower is not None:
+        lo = np.minimum(np.maximum(lo, lower), 0.0)  # z = 0 stays feasible
+    hi = np.full(H, float(max_log_scale))
+    bounded = bool(np.isfinite(lo).any() or np.isfinite(hi).any())
     iterations, converged, message = [], True, ""
     ranged = objective.kind == "range"  # the others weigh every channel: no balance term
     extra = ((BALANCE_SHARPNESS, balance),) if ranged else ()
@@ -88,31 +94,29 @@ def _solve(objective, max_log_scale, sharpness, ridge, balance, max_iter, tol, c
             value, grad = objective.value_and_grad(x, p, extra=extra_p)
             return value + 0.5 * ridge * float(x @ x), (grad + ridge * x) / d
 
-        scaled = None if bounds is None else [(-max_log_scale * di, max_log_scale * di) for di in d]
+        scaled = Bounds(lo * d, hi * d) if bounded else None
         res = minimize(f, z * d, jac=True, method="L-BFGS-B", bounds=scaled,
                        options={"maxiter": max_iter, "ftol": tol, "gtol": 1e-8, "maxcor": 20})
-        z = np.asarray(res.x, dtype=np.float64) / d
-        if bounds is not None:
-            np.clip(z, -max_log_scale, max_log_scale, out=z)
+        z = np.clip(np.asarray(res.x, dtype=np.float64) / d, lo, hi)
         iterations.append(int(getattr(res, "nit", 0)))
         converged, message = bool(res.success), str(res.message)
         if callback is not None:
             callback(stage, objective.value(z))
     if objective.kind == "range" and objective.pairs.size <= EXACT_LP_CELLS:
-        polished = exact_range_optimum(objective, z, max_log_scale)
+        polished = exact_range_optimum(objective, z, lo, hi)
         if polished is not None and objective.value(polished) <= objective.value(z):
             z = polished
     after = objective.value(z)
     if not after <= before:  # the smoothing never makes things worse than doing nothing
         z, after = np.zeros(H), before
-    at_bound = 0 if bounds is None else int(np.sum(np.abs(z) >= max_log_scale * (1 - 1e-9)))
+    at_bound = int(np.sum((z <= lo + 1e-9 * np.abs(lo)) | (z >= hi - 1e-9 * np.abs(hi)))) if bounded else 0
     return SolveResult(z, before, after, iterations, converged, at_bound, time.perf_counter() - start, message)
 
 
-def exact_range_optimum(objective: Objective, z0: np.ndarray, max_log_scale: float, proximity: float = 1e-6):
+def exact_range_optimum(objective: Objective, z0: np.ndarray, lo: np.ndarray, hi: np.ndarray, proximity: float = 1e-6):
     """The range objective's exact minimiser nearest z0 (in ℓ1, weight ``proximity``): the LP
     min Σ_T t_T − linear·z + proximity·‖z − z0‖₁ s.t. t_T ≥ log max_(r,c) + (z_r − z_c)/2 for every cell,
-    |z_h| ≤ max_log_scale (HiGHS). None where the LP solver fails."""
+    lo ≤ z ≤ hi (HiGHS). None where the LP solver fails."""
     H, grids = objective.H, objective.pairs.grids
     T = len(grids)
     rows, cols, vals, rhs = [], [], [], []
@@ -133,8 +137,8 @@ def exact_range_optimum(objective: Objective, z0: np.ndarray, max_log_scale: flo
     eye = sp.identity(H, format="csr")
     A_eq = sp.hstack([eye, sp.csr_array((H, T)), -eye, eye], format="csr")
     c = np.concatenate([-objective.linear, np.ones(T), np.full(2 * H, proximity)])
-    box = (None, None) if math.isinf(max_log_scale) else (-max_log_scale, max_log_scale)
-    bounds = [box] * H + [(None, None)] * T + [(0, None)] * (2 * H)
+    box = [(None if math.isinf(a) else a, None if math.isinf(b) else b) for a, b in zip(lo, hi)]
+    bounds = box + [(None, None)] * T + [(0, None)] * (2 * H)
     res = linprog(c, A_ub=A_ub, b_ub=np.concatenate(rhs), A_eq=A_eq, b_eq=np.asarray(z0, dtype=np.float64),
                   bounds=bounds, method="highs")
     return np.asarray(res.x[:H], dtype=np.float64) if res.status == 0 else None
