@@ -1,7 +1,7 @@
 """Minimising an equalization objective over |z_h| ≤ max_log_scale.
 
 The objectives are convex but piecewise linear (maxima). The solver follows the smoothed objective
-(each max a log-sum-exp of sharpness p) along increasing p, each stage a bounded L-BFGS-B started
+(each max a log-sum-exp of sharpness p) along increasing p, each stage a bounded L-BFGS (:mod:`pathir.equalization.lbfgs`) started
 where the last one stopped. The exact objective is flat along many directions (a channel below its
 tensor's range may move freely until it reaches it); a small multiple ``balance`` of the objective at
 sharpness ``BALANCE_SHARPNESS`` is added at every stage, which pulls the channels left free toward
@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import scipy.sparse as sp
-from scipy.optimize import Bounds, linprog, minimize
+from scipy.optimize import linprog
 
+from pathir.equalization.lbfgs import minimize_box
 from pathir.equalization.objective import Objective
 
 __all__ = ["SolveResult", "solve", "SHARPNESS", "exact_range_optimum"]
@@ -94,11 +95,9 @@ def _solve(objective, max_log_scale, sharpness, ridge, balance, max_iter, tol, c
             value, grad = objective.value_and_grad(x, p, extra=extra_p)
             return value + 0.5 * ridge * float(x @ x), (grad + ridge * x) / d
 
-        scaled = Bounds(lo * d, hi * d) if bounded else None
-        res = minimize(f, z * d, jac=True, method="L-BFGS-B", bounds=scaled,
-                       options={"maxiter": max_iter, "ftol": tol, "gtol": 1e-8, "maxcor": 20})
+        res = minimize_box(f, z * d, lo * d, hi * d, max_iter=max_iter, ftol=tol)
         z = np.clip(np.asarray(res.x, dtype=np.float64) / d, lo, hi)
-        iterations.append(int(getattr(res, "nit", 0)))
+        iterations.append(res.nit)
         converged, message = bool(res.success), str(res.message)
         if callback is not None:
             callback(stage, objective.value(z))

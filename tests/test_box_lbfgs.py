@@ -1,0 +1,42 @@
+"""The equalization solver's box-bounded L-BFGS against scipy's L-BFGS-B and known optima."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.optimize import minimize, rosen, rosen_der
+
+from pathir.equalization.lbfgs import minimize_box
+
+
+def test_rosenbrock_unbounded_reaches_the_optimum():
+    res = minimize_box(lambda x: (rosen(x), rosen_der(x)), np.full(10, -1.2), max_iter=3000, ftol=1e-16, gtol=1e-10)
+    np.testing.assert_allclose(res.x, np.ones(10), atol=1e-5)
+
+
+def test_rosenbrock_in_a_box_matches_scipy():
+    x0 = np.full(12, 1.5)
+    ours = minimize_box(lambda x: (rosen(x), rosen_der(x)), x0, -0.5, 0.8, max_iter=3000, ftol=1e-16, gtol=1e-10)
+    ref = minimize(rosen, x0, jac=rosen_der, method="L-BFGS-B", bounds=[(-0.5, 0.8)] * 12,
+                   options={"ftol": 1e-16, "gtol": 1e-10, "maxiter": 3000})
+    assert ours.fun == pytest.approx(ref.fun, rel=1e-7)
+    assert ours.x.min() >= -0.5 and ours.x.max() <= 0.8
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 30), st.integers(0, 2**31 - 1))
+def test_bounded_convex_quadratic_meets_its_kkt_conditions(n, seed):
+    """min ½xᵀAx − bᵀx over lo ≤ x ≤ hi (A positive definite): at the result every free coordinate has a
+    zero gradient and every held one a gradient pointing out of the box, as the KKT conditions ask."""
+    rng = np.random.default_rng(seed)
+    M = rng.normal(size=(n, n))
+    A = M @ M.T + 0.5 * np.eye(n)
+    b = rng.normal(size=n) * 3
+    lo, hi = -rng.uniform(0.1, 1, n), rng.uniform(0.1, 1, n)
+    res = minimize_box(lambda x: (0.5 * x @ A @ x - b @ x, A @ x - b), np.zeros(n), lo, hi, max_iter=5000,
+                       ftol=0.0, gtol=1e-9)
+    g = A @ res.x - b
+    free = (res.x > lo + 1e-9) & (res.x < hi - 1e-9)
+    assert np.all(np.abs(g[free]) <= 1e-6)
+    assert np.all(g[res.x <= lo + 1e-9] >= -1e-6) and np.all(g[res.x >= hi - 1e-9] <= 1e-6)
+    assert np.all(res.x >= lo) and np.all(res.x <= hi)
