@@ -307,16 +307,18 @@ class Compiled:
         return diag_g(self.graph, self.get_backend(backend))
 
     # ---------------------------------------------------------------- rescaling the model
-    def commit_rescaling(self, z, optimizer=None) -> None:
+    def commit_rescaling(self, z, optimizer=None, bias_shifts=None) -> None:
         """Rescale the model and the graph by z (one log-scale per unit: θ ← θ ⊙ exp(-Bz/2)),
         all or nothing: the model is written through the frontend writer (a Compiled made from
         a bare Graph has only its graph rescaled), then the rescaled graph becomes current and
         keeps the units, B and row keys found so far. With ``optimizer`` (a torch.optim optimizer
-        of the model) its state moves too (docs/training.md). On any error nothing changed."""
+        of the model) its state moves too (docs/training.md). ``bias_shifts`` ({bias param name: array}):
+        added to those biases after the rescaling, in the same transaction (bias absorption,
+        docs/equalize.md). On any error nothing changed."""
 
         facts = self.facts
         try:
-            new_graph = commit_rescaling(facts.graph, facts.units, z, self.model, self.writer, optimizer)
+            new_graph = commit_rescaling(facts.graph, facts.units, z, self.model, self.writer, optimizer, bias_shifts)
         finally:  # written, or restored exactly: either way the model matches what the graph becomes
             self._mark()
         self._facts = facts.with_values(new_graph)
@@ -340,22 +342,35 @@ class Compiled:
 
     def equalize(self, bits: int = 8, objective: str = "range", inputs=None, write_back: bool = True,
                  max_log_scale: float | None = None, optimizer=None, backend=None, progress: bool | None = None,
-                 callback=None):
+                 callback=None, absorb_bias: bool = False):
         """Equalization for quantization: the rescaling that makes per-tensor quantization of every
         weight tensor (batch-norm folded) as fine as possible, ``objective="range"``, or that minimises
         the certified bound on the output change quantizing at ``bits`` causes, ``"path-metric"``
         (docs/math.md §12), over every unit of the graph; rescales the model in place (function
         preserved) and returns an EqualizeReport. ``inputs`` (a batch): the report measures the real
         output change of quantizing on it. ``max_log_scale``, ``optimizer``, ``progress``: as for
-        :meth:`pathcond`. See docs/equalize.md."""
+        :meth:`pathcond`. ``absorb_bias``: then bias absorption (DFQ §4.2, not exact: the report's
+        ``absorption`` measures the output change on ``inputs``, or on a seeded random batch; torch
+        models only). See docs/equalize.md."""
 
         self._check_writable(write_back)
+        read_source = self._source_reader() if absorb_bias else None
+        if absorb_bias and read_source is None:
+            raise PathirError("absorb_bias=True reads the batch-norm tensors of a torch model; this Compiled holds "
+                              f"{type(self.model).__name__}: bias absorption is not offered for it (nothing was changed)")
         max_log_scale = self._bound(max_log_scale)
         if inputs is not None and hasattr(inputs, "detach"):
             inputs = inputs.detach().cpu().double().numpy()
         return equalize(self.facts, self.get_backend(backend), bits=bits, objective=objective,
                         max_log_scale=max_log_scale, commit=self._committer(write_back, optimizer), inputs=inputs,
-                        name=self.name, progress=progress, callback=callback)
+                        name=self.name, progress=progress, callback=callback, read_source=read_source)
+
+    def _source_reader(self):
+        """name -> float64 array of a torch model's parameter or buffer (None for any other model)."""
+        if not hasattr(self.model, "named_buffers"):
+            return None
+        named = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+        return lambda name: named[name].detach().cpu().double().numpy()
 
     def rescaled_variance_ratio(self) -> float | None:
         """min (var + eps) / eps over the batch-norm channels whose running statistics a rescaling
@@ -438,7 +453,7 @@ class Compiled:
             raise PathirError("optimizer= moves the optimizer's state with a written rescaling: it needs write_back=True")
 
         check_optimizer(self.writer, optimizer)
-        return lambda z: self.commit_rescaling(z, optimizer=optimizer)
+        return lambda z, **kw: self.commit_rescaling(z, optimizer=optimizer, **kw)
 
     def rescaled(self, z) -> "Compiled":
         """A new Compiled whose graph is rescaled by z (one log-scale per unit:

@@ -21,6 +21,9 @@ def add_arguments(parser):
     parser.add_argument("--objective", default="range", choices=["range", "path-metric"],
                         help="range: per-tensor quantization steps over the weights' geometric means (default); "
                              "path-metric: the certified bound on the output change quantizing causes")
+    parser.add_argument("--absorb-bias", action="store_true",
+                        help="then absorb batch-norm biases into the next layers (DFQ bias absorption; not exact: "
+                             "the report gives the output change on a seeded random batch)")
     parser.add_argument("--max-log-scale", type=float, default=None,
                         help="bound on every |z_h| (inf: none); default: the largest the model's dtype holds")
 
@@ -30,7 +33,7 @@ def run(args) -> int:
         check_output_path(args.output, is_onnx(args))
     cm = compile_model(args)
     report = cm.equalize(bits=args.bits, objective=args.objective, write_back=args.output is not None,
-                         max_log_scale=args.max_log_scale, progress=progress(args))
+                         max_log_scale=args.max_log_scale, progress=progress(args), absorb_bias=args.absorb_bias)
     write_output(cm, args)
     if args.json:
         emit_json({"model": cm.name, **model_info(args), "output": args.output, **report.to_dict()})
