@@ -16,7 +16,7 @@
    CNN with batch-norms, folded, quantized per tensor at 8/6/4 bits as it is, after Brevitas's
    equalization (where installed) and after ``pathir.equalize``. Reported: test accuracy.
 
-No download, CPU only; about 30 s of CPU time (``pathir demo``; ``--quick`` for a smoke run).
+No download, CPU only; about 50 s of CPU time (``pathir demo``; ``--quick`` for a smoke run).
 What the figures and tables show is written on them; docs/demo.md explains them.
 """
 

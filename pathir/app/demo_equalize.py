@@ -145,11 +145,11 @@ def equalized_models(folded: nn.Module, brevitas: bool = True) -> tuple[dict[str
 
 
 def part_equalize(data, out: str | None, epochs: int = 6, bits=(8, 6, 4), brevitas: bool = True,
-                  seed: int = 0) -> dict:
-    """Train (seeded), fold, equalize, quantize; the test accuracies {side: {float, W8, ...}} (and the plot in
-    ``out``)."""
+                  seed: int = 0, model: nn.Module | None = None) -> dict:
+    """Train (seeded; or take the trained ``model``), fold, equalize, quantize; the test accuracies
+    {side: {float, W8, ...}} (and the plot in ``out``)."""
     X_train, X_test, y_train, y_test = data
-    model = train_separable(X_train, y_train, epochs, seed)
+    model = train_separable(X_train, y_train, epochs, seed) if model is None else model
     folded = fold_batch_norms(model)
     models, notes = equalized_models(folded, brevitas)
     table = {side: {"float": accuracy_on(m, X_test, y_test),
@@ -204,11 +204,12 @@ def _plot(result: dict, path: str) -> None:
     for i, side in enumerate(sides):
         heights = [result["table"][side][f"W{b}"] for b in bits]
         bars = ax.bar(np.arange(len(bits)) + i * width, heights, width, label=TITLES[side])
-        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
+        ax.bar_label(bars, fmt="%.3f", fontsize=6, padding=2)
     ax.axhline(result["table"]["none"]["float"], color="k", lw=0.8, ls="--",
                label=f"float ({result['table']['none']['float']:.3f})")
     ax.set_xticks(np.arange(len(bits)) + 0.4 - width / 2, [f"W{b}" for b in bits])
-    ax.set_ylim(0, 1.12)
+    low = min(min(row.values()) for row in result["table"].values())
+    ax.set_ylim(max(0.0, low - 0.1), 1.01)
     ax.set_xlabel("weight bits (per-tensor symmetric; biases and activations float)")
     ax.set_ylabel("test accuracy")
     ax.set_title("quantizing a separable residual CNN trained on digits, after equalization")
