@@ -35,7 +35,24 @@ class Block(nn.Module):
         return torch.relu(y + (x if self.pad else x[:, :, 1:-1, 1:-1]))
 
 
+class Concat(nn.Module):
+    """Two conv → BN → ReLU branches concatenated, then an average pool and a linear layer (through a sum and
+    a pooling with no bias of their own, the absorbed constants reach the linear layer's bias)."""
+
+    def __init__(self, c=4):
+        super().__init__()
+        self.a = nn.Sequential(nn.Conv2d(2, c, 3), nn.BatchNorm2d(c), nn.ReLU())
+        self.b = nn.Sequential(nn.Conv2d(2, c, 1), nn.BatchNorm2d(c), nn.ReLU(), nn.MaxPool2d(3, 1))
+        self.head = nn.Linear(2 * c * 4, 3)
+
+    def forward(self, x):
+        y = torch.cat([self.a(x), self.b(x)], 1)
+        return self.head(torch.flatten(nn.functional.avg_pool2d(y, 2), 1))
+
+
 def _net(c=4, pad=1, pool="max"):
+    if pool == "cat":
+        return Concat(c).double()
     return nn.Sequential(nn.Conv2d(2, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(), Block(c, pad),
                          nn.MaxPool2d(2) if pool == "max" else nn.AvgPool2d(2), nn.Flatten(),
                          nn.Linear(c * (3 if pad else 2) ** 2, 3)).double()
@@ -74,15 +91,16 @@ def _relu_maxima(model, x):
     return out
 
 
-@settings(max_examples=6, deadline=None)
-@given(st.integers(0, 2**16), st.sampled_from([0, 1]), st.sampled_from(["max", "avg"]), st.booleans())
+@settings(max_examples=8, deadline=None)
+@given(st.integers(0, 2**16), st.sampled_from([0, 1]), st.sampled_from(["max", "avg", "cat"]), st.booleans())
 def test_reported_deviation_is_the_models_own_output_change(seed, pad, pool, given_inputs):
     torch.manual_seed(seed)
     model = _trained_bn(_net(pad=pad, pool=pool), seed)
     x = torch.randn(12, 2, 6, 6, dtype=torch.float64)
     probe = x if given_inputs else torch.as_tensor(np.random.default_rng(0).standard_normal((32, 2, 6, 6)))
     before = model(probe).detach()
-    stem_gamma, stem_beta = model[1].weight.detach().clone(), model[1].bias.detach().clone()
+    stem = model.a[1] if pool == "cat" else model[1]
+    stem_gamma, stem_beta = stem.weight.detach().clone(), stem.bias.detach().clone()
     report = pathir.equalize(model, input_shape=(2, 6, 6), bits=6, inputs=x if given_inputs else None, absorb_bias=True)
     after = model(probe).detach()
     a = report.absorption
@@ -92,7 +110,7 @@ def test_reported_deviation_is_the_models_own_output_change(seed, pad, pool, giv
     # the stem's ReLU reads only its batch-norm and nothing shifts into it: β/γ became min(β/γ, 3 sign γ) there
     # (the rescaling multiplies β and γ alike)
     ratio_before = (stem_beta / stem_gamma).numpy()
-    ratio_after = (model[1].bias / model[1].weight).detach().numpy()
+    ratio_after = (stem.bias / stem.weight).detach().numpy()
     c = np.maximum(0.0, stem_beta.numpy() - 3 * np.abs(stem_gamma.numpy()))
     expected = np.where(c > 0, (stem_beta.numpy() - c) / stem_gamma.numpy(), ratio_before)
     np.testing.assert_allclose(ratio_after, expected, rtol=1e-9, atol=1e-12)
@@ -165,6 +183,17 @@ def test_a_consumer_without_bias_is_refused_and_the_model_untouched():
         pathir.equalize(model, input_shape=(4,), absorb_bias=True)
     assert "3" in str(err.value)
     assert _same(model, state)
+
+
+def test_a_clipped_relu_reader_is_refused_and_relu6_relu_absorbs():
+    model = _above_c_model()
+    model[2] = nn.ReLU6()
+    state = _state(model)
+    with pytest.raises(PathirError, match="clipped ReLU"):
+        pathir.equalize(model, input_shape=(4,), absorb_bias=True)
+    assert _same(model, state) and isinstance(model[2], nn.ReLU6)
+    report = pathir.equalize(model, input_shape=(4,), absorb_bias=True, relu6="relu")
+    assert report.absorption.channels == 6 and isinstance(model[2], nn.ReLU)
 
 
 def test_a_failed_bias_write_restores_the_rescaled_model(monkeypatch):

@@ -121,6 +121,10 @@ def writable_bias_ref(graph: Graph, node) -> str:
     where = f"node '{node.name}' ({node.origin or node.kind.value})"
     if p is None:
         raise PathirError(f"bias absorption: {where} has no bias to take the absorbed constant; nothing was written")
+    if any(r.role is Role.CLIP_THRESHOLD for r in p.sources):
+        raise PathirError(f"bias absorption: {where} is the clip of a clipped ReLU (ReLU6, hardtanh, clamp): its "
+                          "threshold would have to move with the absorbed constant, which is not written; equalize "
+                          "with relu6='relu' to absorb into ReLUs. Nothing was written")
     value = [r for r in p.sources if r.role is Role.VALUE]
     scales = {r.name for r in p.sources if r.role is Role.OUT_SCALE}
     others = [r for r in p.sources if r.role not in (Role.VALUE, Role.OUT_SCALE)]
