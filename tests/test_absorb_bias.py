@@ -196,6 +196,17 @@ def test_a_clipped_relu_reader_is_refused_and_relu6_relu_absorbs():
     assert report.absorption.channels == 6 and isinstance(model[2], nn.ReLU)
 
 
+def test_a_map_whose_image_of_a_constant_varies_is_refused():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3), nn.ReLU(), nn.AvgPool2d(3, 1, padding=1),
+                          nn.Flatten(), nn.Linear(3 * 4 * 4, 2)).double()
+    _trained_bn(model, 0, beta=4.0, gamma=0.3)  # zero padding counted in the average: the borders see less of c
+    state = _state(model)
+    with pytest.raises(PathirError, match="not constant per channel"):
+        pathir.equalize(model, input_shape=(2, 4, 4), absorb_bias=True)
+    assert _same(model, state)
+
+
 def test_a_failed_bias_write_restores_the_rescaled_model(monkeypatch):
     model = _trained_bn(_net(), 3, beta=4.0, gamma=0.3)
     state = _state(model)

@@ -138,7 +138,7 @@ def writable_bias_ref(graph: Graph, node) -> str:
     return value[0].name
 
 
-def _constant_image(m, c: np.ndarray, shape: tuple) -> tuple[np.ndarray, bool]:
+def _constant_image(m, c: np.ndarray, shape: tuple, where: str) -> tuple[np.ndarray, bool]:
     """M applied to the per-channel constant c on a node of ``shape``: (its value per output channel,
     whether that is only its interior value, a zero-padded convolution's)."""
     backend = NumpyBackend()
@@ -153,8 +153,8 @@ def _constant_image(m, c: np.ndarray, shape: tuple) -> tuple[np.ndarray, bool]:
         flat = y.reshape(y.shape[0], -1)
         if flat.shape[1] and np.allclose(flat, flat[:, :1], rtol=1e-12, atol=1e-300):
             return flat[:, 0].copy(), True
-    raise PathirError(f"bias absorption: a {m.kind.value} map carries a per-channel constant to a value that is not "
-                      "constant per channel; nothing was written")
+    raise PathirError(f"bias absorption: the {m.kind.value} map of the edge {where} carries a per-channel constant to "
+                      "a value that is not constant per channel, which no bias holds; nothing was written")
 
 
 def absorb(graph: Graph, units, z, read_source) -> Absorption:
@@ -188,7 +188,8 @@ def absorb(graph: Graph, units, z, read_source) -> Absorption:
             if n.kind is NodeKind.MAXPOOL:
                 image, padded = d.copy(), False
             else:
-                image, padded = _constant_image(e.map, d, nodes[e.source].shape)
+                image, padded = _constant_image(e.map, d, nodes[e.source].shape,
+                                                f"'{e.source}' -> '{n.name}' ({n.origin or n.kind.value})")
             if padded:
                 border.append(f"{e.source} -> {n.name}")
             incoming = image if incoming is None else incoming + image
