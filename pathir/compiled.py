@@ -307,16 +307,18 @@ class Compiled:
         return diag_g(self.graph, self.get_backend(backend))
 
     # ---------------------------------------------------------------- rescaling the model
-    def commit_rescaling(self, z, optimizer=None) -> None:
+    def commit_rescaling(self, z, optimizer=None, bias_shifts=None) -> None:
         """Rescale the model and the graph by z (one log-scale per unit: θ ← θ ⊙ exp(-Bz/2)),
         all or nothing: the model is written through the frontend writer (a Compiled made from
         a bare Graph has only its graph rescaled), then the rescaled graph becomes current and
         keeps the units, B and row keys found so far. With ``optimizer`` (a torch.optim optimizer
-        of the model) its state moves too (docs/training.md). On any error nothing changed."""
+        of the model) its state moves too (docs/training.md). ``bias_shifts`` ({bias param name: array}):
+        added to those biases after the rescaling, in the same transaction (bias absorption,
+        docs/equalize.md). On any error nothing changed."""
 
         facts = self.facts
         try:
-            new_graph = commit_rescaling(facts.graph, facts.units, z, self.model, self.writer, optimizer)
+            new_graph = commit_rescaling(facts.graph, facts.units, z, self.model, self.writer, optimizer, bias_shifts)
         finally:  # written, or restored exactly: either way the model matches what the graph becomes
             self._mark()
         self._facts = facts.with_values(new_graph)
@@ -340,7 +342,7 @@ class Compiled:
 
     def equalize(self, bits: int = 8, objective: str = "noise", inputs=None, write_back: bool = True,
                  max_log_scale: float | None = None, optimizer=None, backend=None, progress: bool | None = None,
-                 callback=None, certify: bool | None = None):
+                 callback=None, certify: bool | None = None, absorb_bias: bool = False):
         """Equalization for quantization: the rescaling, over every unit of the graph, that makes
         per-tensor quantization of every weight tensor (batch-norm folded) add the least rounding noise
         to the network, ``objective="noise"``; that balances the tensors' ranges (Nagel's criterion),
@@ -349,16 +351,23 @@ class Compiled:
         and returns an EqualizeReport. ``inputs`` (a batch): the report measures the real output
         change of quantizing on it. ``certify``: the report computes the certified bound (default:
         with the path-metric objective only). ``max_log_scale``, ``optimizer``, ``progress``: as for
-        :meth:`pathcond`. See docs/equalize.md."""
+        :meth:`pathcond`. ``absorb_bias``: then bias absorption (DFQ §4.2, not exact: the report's
+        ``absorption`` measures the output change on ``inputs``, or on a seeded random batch; torch
+        models only). See docs/equalize.md."""
 
         self._check_writable(write_back)
+        read_source = self._source_reader() if absorb_bias else None
+        if absorb_bias and read_source is None:
+            raise PathirError("absorb_bias=True reads the batch-norm tensors of a torch model; this Compiled holds "
+                              f"{type(self.model).__name__}: bias absorption is not offered for it (nothing was changed)")
         lower = self.variance_lower_bounds() if max_log_scale is None else None
         max_log_scale = self._bound(max_log_scale, variance=lower is None)
         if inputs is not None and hasattr(inputs, "detach"):
             inputs = inputs.detach().cpu().double().numpy()
         return equalize(self.facts, self.get_backend(backend), bits=bits, objective=objective,
                         max_log_scale=max_log_scale, commit=self._committer(write_back, optimizer), inputs=inputs,
-                        name=self.name, progress=progress, callback=callback, certify=certify, lower=lower)
+                        name=self.name, progress=progress, callback=callback, certify=certify, lower=lower,
+                        read_source=read_source)
 
     def variance_lower_bounds(self) -> np.ndarray | None:
         """Per unit, the lowest z_h whose write-back keeps the running variance of every batch-norm it
@@ -386,6 +395,13 @@ class Compiled:
                     np.maximum.at(lower, np.broadcast_to(np.asarray(leave), var.shape), bound)
         lower = lower[:H]
         return lower if np.isfinite(lower).any() else None
+
+    def _source_reader(self):
+        """name -> float64 array of a torch model's parameter or buffer (None for any other model)."""
+        if not hasattr(self.model, "named_buffers"):
+            return None
+        named = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+        return lambda name: named[name].detach().cpu().double().numpy()
 
     def rescaled_variance_ratio(self) -> float | None:
         """min (var + eps) / eps over the batch-norm channels whose running statistics a rescaling
@@ -469,7 +485,7 @@ class Compiled:
             raise PathirError("optimizer= moves the optimizer's state with a written rescaling: it needs write_back=True")
 
         check_optimizer(self.writer, optimizer)
-        return lambda z: self.commit_rescaling(z, optimizer=optimizer)
+        return lambda z, **kw: self.commit_rescaling(z, optimizer=optimizer, **kw)
 
     def rescaled(self, z) -> "Compiled":
         """A new Compiled whose graph is rescaled by z (one log-scale per unit:

@@ -72,3 +72,14 @@ def test_activations_benchmark_runs():
 
     row = bench_activations.bench("resnet18", batch=2, size=32, repeat=1)
     assert row["ratio_active_path_norm"] > 0 and row["ratio_active_path_metric"] > 0
+
+
+def test_equalize_digits_benchmark_runs(capsys):
+    import bench_equalize_digits as bench
+
+    rows = bench.main(["--seeds", "0", "--epochs", "1", "--bits", "8"])
+    sides = {r["side"] for r in rows}
+    assert {"none", "pathir", "pathir-path-metric"} <= sides
+    kept = [r for r in rows if r["side"] != "pathir-absorb"]  # bias absorption is not exact
+    assert all(0 <= r["W8"] <= 1 and r["float"] == rows[0]["float"] for r in kept)  # equalizing keeps the function
+    assert "| not equalized |" in capsys.readouterr().out

@@ -18,7 +18,8 @@ def test_demo_quick_writes_tables_and_plots(tmp_path, capsys):
     results = json.loads((out / "results.json").read_text())
     assert set(results["pathcond"]["compression_8"]) == {"baseline", "enorm", "pathcond"}
     assert "Path activations on the digits test set" in text
-    for name in ("activations.json", "active_path_norms.png", "local_vs_global_bounds.png"):
+    assert "Equalization before quantization" in text
+    for name in ("activations.json", "active_path_norms.png", "local_vs_global_bounds.png", "equalize_digits.png"):
         assert (out / name).stat().st_size > 0
     act = results["activations"]
     assert act["log10_active_l1_quantiles"]["1"] <= act["log10_path_norm_l1"]

@@ -125,6 +125,29 @@ class TorchWriter:
             _refresh_pruned(module, attr)
             _refresh_derived(module, attr)
 
+    def shift_biases(self, graph: Graph, shifts: Mapping[str, np.ndarray]) -> None:
+        """Add ``shifts[name]`` (the param's layout) to the tensor behind each named bias param of ``graph``:
+        the param's one VALUE tensor, which enters it with coefficient 1 (a plain bias, or a batch-norm β;
+        ``pathir.equalization.absorb.writable_bias_ref``). All computed before any is written."""
+        import torch
+
+        updates = []
+        for p in graph.params():
+            if p.name not in shifts:
+                continue
+            (ref,) = [r for r in p.sources if r.role is Role.VALUE]
+            module, attr = self._locate(ref.name)
+            if derived(module, attr, ref.name) is not None:
+                raise PathirError(f"'{ref.name}' is computed from other tensors (a parametrization or a hook): a "
+                                  "constant cannot be added to it; the model is untouched")
+            module, attr, t = self._tensor(ref.name)
+            delta = np.asarray(shifts[p.name], dtype=np.float64).reshape(tuple(t.shape))
+            new = t.detach().to("cpu", torch.float64) + torch.from_numpy(delta)
+            updates.append((t, new.to(dtype=t.dtype, device=t.device)))
+        with torch.no_grad():
+            for t, new in updates:
+                t.copy_(new)
+
     def param_factors(self, graph: Graph, log_scales: Mapping[str, np.ndarray]) -> list[tuple[object, object]]:
         """[(stored tensor, factor)] for every stored tensor the rescaling multiplies entrywise
         (running statistics excepted): factor is a float64 array of the tensor's shape, the one

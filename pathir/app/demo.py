@@ -11,8 +11,12 @@
    small CNN trained on digits, then randomly rescaled by an element of the
    rescaling group (same function), then pruned at 40/60/80% by weight
    magnitude and by path-magnitude. Reported: test accuracy.
+3. Path activations on the digits test set (``pathir.app.demo_activations``).
+4. Equalization before quantization (``pathir.app.demo_equalize``): a depthwise-separable residual
+   CNN with batch-norms, folded, quantized per tensor at 8/6/4 bits as it is, after Brevitas's
+   equalization (where installed) and after ``pathir.equalize``. Reported: test accuracy.
 
-No download, CPU only; about 30 s of CPU time (``pathir demo``; ``--quick`` for a smoke run).
+No download, CPU only; about 50 s of CPU time (``pathir demo``; ``--quick`` for a smoke run).
 What the figures and tables show is written on them; docs/demo.md explains them.
 """
 
@@ -33,6 +37,7 @@ from tqdm import tqdm
 
 import pathir
 from pathir.app.demo_activations import format_activations, part_activations
+from pathir.app.demo_equalize import format_equalize, part_equalize
 from pathir.support.progress import enabled
 
 __all__ = ["run_demo", "DemoConfig"]
@@ -54,6 +59,8 @@ class DemoConfig:
     rescale_spread: float = 3.0
     methods: tuple[str, ...] = ("baseline", "enorm", "pathcond")
     activation_amounts: tuple[float, ...] = (0.05, 0.4, 0.6, 0.8)  # pathir.app.demo_activations
+    equalize_epochs: int = 6  # pathir.app.demo_equalize
+    equalize_bits: tuple[int, ...] = (8, 6, 4)
     results: dict = field(default_factory=dict)
 
 
@@ -324,9 +331,12 @@ def run_demo(cfg: DemoConfig | None = None, progress: bool | None = True) -> dic
     _plot_pruning(cfg, part2, os.path.join(cfg.out, PRUNING_PNG))
 
     part3 = part_activations(part2.pop("model"), data[1], cfg.activation_amounts, cfg.out)  # part 2's CNN, unpruned
+    part4 = part_equalize(data, cfg.out, cfg.equalize_epochs, cfg.equalize_bits)
+    part4.pop("models")
     results = {"seconds": time.perf_counter() - start, "pathcond": part1["table"], "pruning": part2,
-               "curves": part1["curves"], "activations": part3}
+               "curves": part1["curves"], "activations": part3, "equalize": part4}
     with open(os.path.join(cfg.out, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
-    results["text"] = format_tables(cfg, part1, part2) + "\n\n" + format_activations(part3)
+    results["text"] = format_tables(cfg, part1, part2) + "\n\n" + format_activations(part3) + "\n\n" + \
+        format_equalize(part4)
     return results

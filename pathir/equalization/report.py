@@ -8,6 +8,8 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
+from pathir.equalization.absorb import AbsorbReport
+
 __all__ = ["TensorRow", "EqualizeReport"]
 
 
@@ -54,6 +56,7 @@ class EqualizeReport:
     z: object = field(repr=False, default=None)
     notes: list[str] = field(default_factory=list)
     relu_change: float | None = None  # relu6="relu": the largest output change, relative, replacing clipped ReLUs
+    absorption: AbsorbReport | None = None  # absorb_bias=True: what bias absorption changed (absorb.py)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -79,6 +82,8 @@ class EqualizeReport:
             lines.append(f"certified output bound of W{self.bits}: {self.bound_before:.4g} -> {self.bound_after:.4g}")
         if self.observed_before is not None:
             lines.append(f"observed output change on the inputs: {self.observed_before:.4g} -> {self.observed_after:.4g}")
+        if self.absorption is not None:
+            lines += self.absorption.lines()
         lines += self.notes
         lines.append("written into the model" if self.written else "not written (write_back=False)")
         return "\n".join(lines)

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 
+from pathir.equalization.absorb import absorb, measure
 from pathir.equalization.objective import OBJECTIVES, Objective
 from pathir.equalization.report import EqualizeReport, TensorRow
 from pathir.equalization.solver import solve
@@ -79,7 +80,8 @@ def _input_scale(inputs) -> float:
 
 def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_scale: float = math.inf,
              commit=None, inputs=None, name: str = "", progress: bool | None = None,
-             callback=None, certify: bool | None = None, lower: np.ndarray | None = None) -> EqualizeReport:
+             callback=None, certify: bool | None = None, lower: np.ndarray | None = None,
+             read_source=None) -> EqualizeReport:
     """Find the rescaling z minimising ``objective`` over |z_h| ≤ ``max_log_scale`` and, with a
     ``commit`` callback, write it (the function is kept); returns an EqualizeReport.
 
@@ -90,6 +92,8 @@ def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_sc
     the report measures the real output change of quantizing at ``bits``, and whose ‖x‖∞ scales the
     certified bound. ``certify``: compute the certified bound before and after (two path-metric walks;
     default: only for the path-metric objective). ``lower``: per unit, a further lower bound on z_h.
+    ``read_source`` (name -> array of the model's tensor): then bias absorption after
+    the rescaling (:mod:`pathir.equalization.absorb`), written in the same transaction.
     """
     if objective not in OBJECTIVES:
         raise PathirError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
@@ -105,6 +109,8 @@ def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_sc
     weights = _path_weights(graph, backend) if objective == "path-metric" else \
         _noise_weights(graph, backend) if objective == "noise" else None
     pairs = tensor_pairs(graph, units, facts.row_ends, weights)
+    if read_source is not None:  # bias absorption: refuse an unwritable shift before solving
+        absorb(graph, units, None, read_source)
     bar.phase("solve")
     result = solve(Objective(pairs, objective), max_log_scale, callback=callback, lower=lower)
     z = result.z
@@ -121,10 +127,19 @@ def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_sc
         bound_before = scale * path_metric(graph, q_before, backend).upper
         bound_after = scale * path_metric(rescaled, q_after, backend).upper
     observed = (_observed(graph, q_before, backend, inputs), _observed(rescaled, q_after, backend, inputs))
+    # ---- bias absorption (optional): on the rescaled graph, written with the rescaling
+    absorption = absorbed = None
+    if read_source is not None:
+        absorbed = absorb(graph, units, z, read_source)
+        absorption = measure(rescaled, absorbed, backend, inputs)
+    # ----
     del rescaled, q_before, q_after
     if commit is not None:
         bar.phase("write")
-        commit(z)
+        if absorbed is None:
+            commit(z)
+        else:
+            commit(z, bias_shifts=absorbed.shifts)
     bar.close()
     if not result.converged:
         warn_not_converged("equalize", name, sum(result.iterations), "raise max_iter")
@@ -134,4 +149,4 @@ def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_sc
         bound_before=bound_before, bound_after=bound_after, observed_before=observed[0], observed_after=observed[1],
         units_moved=int(np.count_nonzero(z)), units_at_bound=result.at_bound, max_log_scale=float(max_log_scale),
         iterations=result.iterations, converged=result.converged, seconds=time.perf_counter() - start,
-        written=commit is not None, z=z)
+        written=commit is not None, z=z, absorption=absorption)

@@ -49,9 +49,12 @@ def check_writable(graph: Graph, writer) -> None:
         check(graph)
 
 
-def commit_rescaling(graph: Graph, units, z, model=None, writer=None, optimizer=None) -> Graph:
+def commit_rescaling(graph: Graph, units, z, model=None, writer=None, optimizer=None, bias_shifts=None) -> Graph:
     """Write the rescaling z of ``graph`` into ``model`` through ``writer``, all or nothing,
     and return the rescaled graph (the caller makes it current).
+
+    ``bias_shifts`` ({bias param name: array added to it after the rescaling}, bias absorption):
+    written in the same transaction by ``writer.shift_biases``; a writer without it is refused first.
 
     With no writer (a graph compiled from a bare Graph) only the graph is rescaled.
     With ``optimizer`` (a torch model's), its per-parameter state moves with the rescaling
@@ -60,6 +63,9 @@ def commit_rescaling(graph: Graph, units, z, model=None, writer=None, optimizer=
     """
     if optimizer is not None:
         check_optimizer(writer, optimizer)
+    if bias_shifts and writer is not None and not hasattr(writer, "shift_biases"):
+        raise PathirError(f"bias absorption writes new biases, which {type(writer).__name__} cannot write yet "
+                          "(torch models only); nothing was changed")
     new_graph = rescaled_graph(graph, units, z)
     for p, q in zip(graph.params(), new_graph.params()):
         if not _kept_in_range(p.value, q.value):
@@ -72,12 +78,17 @@ def commit_rescaling(graph: Graph, units, z, model=None, writer=None, optimizer=
         try:
             with _transaction(model, float(np.max(np.abs(z), initial=0.0))):
                 writer.rescale(graph, scales)
+                if bias_shifts:
+                    writer.shift_biases(new_graph, bias_shifts)
                 if transport is not None:
                     transport.write()
         except BaseException:
             if transport is not None:
                 transport.undo()
             raise
+    if bias_shifts:
+        new_graph = new_graph.map_params(lambda p: p.with_value(p.value + bias_shifts[p.name])
+                                         if p.name in bias_shifts else p)
     return new_graph
 
 

@@ -6,7 +6,8 @@ import os
 
 from .common import emit_json
 
-HELP = "run the demo: PathCond vs ENorm vs baseline on a digits autoencoder, and pruning under rescaling"
+HELP = ("run the demo: PathCond vs ENorm vs baseline on a digits autoencoder, pruning under rescaling, path "
+        "activations, and equalization before quantization")
 
 
 def add_arguments(parser):
@@ -22,6 +23,7 @@ def run(args) -> int:
     cfg = DemoConfig(out=args.out)
     if args.quick:
         cfg.seeds, cfg.epochs, cfg.compressions, cfg.cnn_epochs, cfg.amounts = (0,), 4, (8,), 2, (0.6,)
+        cfg.equalize_epochs = 1
     results = run_demo(cfg, progress=False if args.json or args.quiet else None)
     if args.json:
         emit_json({k: v for k, v in results.items() if k not in ("text", "curves")})

@@ -24,6 +24,9 @@ def add_arguments(parser):
                              "criterion); path-metric: the certified bound on the output change quantizing causes")
     parser.add_argument("--certify", action="store_true",
                         help="also compute the certified bound on the output change (always with path-metric)")
+    parser.add_argument("--absorb-bias", action="store_true",
+                        help="then absorb batch-norm biases into the next layers (DFQ bias absorption; not exact: "
+                             "the report gives the output change on a seeded random batch)")
     parser.add_argument("--max-log-scale", type=float, default=None,
                         help="bound on every |z_h| (inf: none); default: the largest the model's dtype holds")
 
@@ -34,7 +37,8 @@ def run(args) -> int:
     cm = compile_model(args)
     report = cm.equalize(bits=args.bits, objective=args.objective, write_back=args.output is not None,
                          max_log_scale=args.max_log_scale, progress=progress(args),
-                         certify=True if args.certify else None)
+                         certify=True if args.certify else None,
+                         absorb_bias=args.absorb_bias)
     write_output(cm, args)
     if args.json:
         emit_json({"model": cm.name, **model_info(args), "output": args.output, **report.to_dict()})
