@@ -79,7 +79,7 @@ def test_equalize_digits_benchmark_runs(capsys):
 
     rows = bench.main(["--seeds", "0", "--epochs", "1", "--bits", "8"])
     sides = {r["side"] for r in rows}
-    assert {"none", "pathir", "pathir-path-metric"} <= sides
+    assert {"none", "pathir", "pathir-range"} <= sides
     kept = [r for r in rows if r["side"] != "pathir-absorb"]  # bias absorption is not exact
     assert all(0 <= r["W8"] <= 1 and r["float"] == rows[0]["float"] for r in kept)  # equalizing keeps the function
     assert "| not equalized |" in capsys.readouterr().out

@@ -44,7 +44,7 @@ def _predictions(model, X):
 def test_every_equalized_float_model_keeps_the_float_accuracy(run):
     (_, X_test, _, y_test), result, out = run
     models, table = result["models"], result["table"]
-    assert set(models) >= {"none", "pathir", "pathir-path-metric"}
+    assert set(models) >= {"none", "pathir", "pathir-range"}
     reference = _predictions(models["none"], X_test)
     for side, model in models.items():
         assert np.array_equal(_predictions(model, X_test), reference), side

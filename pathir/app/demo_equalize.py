@@ -25,7 +25,7 @@ __all__ = ["SeparableNet", "train_separable", "fold_batch_norms", "quantize_weig
            "equalized_models", "part_equalize", "format_equalize", "EQUALIZE_PNG", "SIDES"]
 
 EQUALIZE_PNG = "equalize_digits.png"
-SIDES = ("none", "brevitas", "pathir", "pathir-path-metric")
+SIDES = ("none", "brevitas", "pathir", "pathir-range")
 
 
 class SeparableBlock(nn.Module):
@@ -127,7 +127,7 @@ def _brevitas(model: nn.Module) -> nn.Module:
 
 def equalized_models(folded: nn.Module, brevitas: bool = True) -> tuple[dict[str, nn.Module], list[str]]:
     """{side: float model} for the folded model as it is, Brevitas's equalization of it (when ``brevitas``
-    and importable) and pathir's with each objective (``range``, the default, and ``path-metric``); and
+    and importable) and pathir's with the default objective (``noise``) and with ``range`` (Nagel's); and
     the notes on sides skipped."""
     models, notes = {"none": folded}, []
     if brevitas:
@@ -137,7 +137,7 @@ def equalized_models(folded: nn.Module, brevitas: bool = True) -> tuple[dict[str
             notes.append(f"Brevitas skipped: not installed ({err.name or err}; it is an optional benchmark extra)")
     else:
         notes.append("Brevitas skipped (not asked for)")
-    for side, objective in (("pathir", "range"), ("pathir-path-metric", "path-metric")):
+    for side, objective in (("pathir", "noise"), ("pathir-range", "range")):
         ours = copy.deepcopy(folded)
         pathir.equalize(ours, input_shape=(1, 8, 8), bits=6, objective=objective, progress=False)
         models[side] = ours
@@ -173,8 +173,8 @@ def _spread(model: nn.Module) -> float:
     return float(np.median(spreads))
 
 
-TITLES = {"none": "not equalized", "brevitas": "Brevitas CLE", "pathir": "pathir (range)",
-          "pathir-path-metric": "pathir (path-metric)"}
+TITLES = {"none": "not equalized", "brevitas": "Brevitas CLE", "pathir": "pathir (noise)",
+          "pathir-range": "pathir (range)"}
 
 
 def format_equalize(result: dict) -> str:

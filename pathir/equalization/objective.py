@@ -24,75 +24,15 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import scipy.sparse as sp
 
+from pathir.equalization.stack import GridStack
 from pathir.equalization.tensors import TensorGrid, TensorPairs
 
 __all__ = ["Objective", "OBJECTIVES"]
 
 OBJECTIVES = ("noise", "range", "path-metric")
-#: grids larger than this with fewer than this fraction of cells filled are kept sparse
-SPARSE_FROM, SPARSE_FILL = 4096, 0.25
 #: per kind with weights: the power k of the term R_T^k · Σ_i w_i e^{−k(z_r(i) − z_c(i))/2}
 POWER = {"noise": 2, "path-metric": 1}
-
-
-def _lse(a: np.ndarray, p: float, marginals: bool):
-    """(1/p) log Σ e^{p a} over a grid (its max for p = inf), and its softmax's row and column sums."""
-    top = float(np.max(a))
-    if not math.isfinite(top):
-        return top, None
-    if math.isinf(p):
-        return top, None
-    e = np.exp(p * (a - top))
-    total = float(e.sum())
-    value = top + math.log(total) / p
-    if not marginals:
-        return value, None
-    return value, (e.sum(axis=1) / total, e.sum(axis=0) / total)
-
-
-class _Grid:
-    """A grid's log values l_rc and their exponentials at one sharpness, A = e^{p(l − max l)}, so that
-    the smoothed max of l_rc + σ(z_r − z_c)/2 is two mat-vecs (no exponential per cell). A grid whose
-    cells are mostly empty (-inf: a grouped convolution's block diagonal) keeps A sparse."""
-
-    def __init__(self, log: np.ndarray, sign: float):
-        self.log, self.sign = log, sign
-        self.top = float(np.max(log))
-        self.sparse = log.size > SPARSE_FROM and np.count_nonzero(np.isfinite(log)) < SPARSE_FILL * log.size
-        self.cache: dict[float, object] = {}  # p -> A (the solver uses two sharpnesses at a time)
-
-    def _exp(self, p: float):
-        """(A, Aᵀ) at sharpness p."""
-        A = np.exp(p * (self.log - self.top))
-        if not self.sparse:
-            return A, A.T
-        A = sp.csr_array(A)
-        return A, A.T.tocsr()
-
-    def lse(self, zr: np.ndarray, zc: np.ndarray, p: float, marginals: bool):
-        if not math.isfinite(self.top):
-            return self.top, None
-        if math.isinf(p):
-            return _lse(self.log + self.sign * 0.5 * (zr[:, None] - zc[None, :]), p, False)
-        A = self.cache.get(p)
-        if A is None:
-            if len(self.cache) > 1:
-                self.cache.pop(max(self.cache))  # the stage before's sharpness
-            A = self.cache[p] = self._exp(p)
-        A, At = A
-        sr, sc = self.sign * 0.5 * p * zr, -self.sign * 0.5 * p * zc
-        mr, mc = float(sr.max()), float(sc.max())
-        u, v = np.exp(sr - mr), np.exp(sc - mc)
-        Av = A @ v
-        total = float(u @ Av)
-        if not (total > 1e-250 and math.isfinite(total)):  # the product under- or overflowed: cell by cell
-            return _lse(self.log + self.sign * 0.5 * (zr[:, None] - zc[None, :]), p, marginals)
-        value = self.top + (mr + mc + math.log(total)) / p
-        if not marginals:
-            return value, None
-        return value, (u * Av / total, v * (At @ u) / total)
 
 
 class Objective:
@@ -107,10 +47,12 @@ class Objective:
             raise ValueError(f"the {kind} objective needs the pairs' weights")
         self.pairs, self.kind = pairs, kind
         self.H = pairs.num_units
-        self.ranges = [_Grid(g.log_max, 1.0) for g in pairs.grids]
+        rows, cols = [g.rows for g in pairs.grids], [g.cols for g in pairs.grids]
+        self.ranges = GridStack([g.log_max for g in pairs.grids], rows, cols, 1.0)
         # Σ_i w_i e^{−kΔ/2} = (k-th power of) the smoothed max at sharpness k of log(w)/k − Δ/2
         self.power = POWER.get(kind, 1)
-        self.weights = [_Grid(g.log_weight / self.power, -1.0) for g in pairs.grids] if kind in POWER else None
+        self.weights = GridStack([g.log_weight / self.power for g in pairs.grids], rows, cols, -1.0) \
+            if kind in POWER else None
         # Σ_T mean_{i∈T, θ_i≠0} (z_r(i) − z_c(i))/2 = linear · z: the geometric means' part of "range"
         self.linear = np.zeros(self.H)
         self.constant = -sum(g.mean_log for g in pairs.grids) if kind == "range" else 0.0
@@ -125,26 +67,31 @@ class Objective:
         out[g.rows[r]] += 0.5 * scale * rows[r]
         out[g.cols[c]] -= 0.5 * scale * cols[c]
 
+    def _scatter(self, out: np.ndarray, stack: GridStack, rows, cols, scale: np.ndarray) -> None:
+        """out += Σ_T scale_T · (½ rows → the tensor's row units, −½ cols → its column units), every
+        tensor at once (marginals laid end to end as ``stack`` lays them)."""
+        H = self.H
+        out += 0.5 * np.bincount(stack.row_unit, scale[stack.row_owner] * rows, minlength=H + 1)[:H]
+        out -= 0.5 * np.bincount(stack.col_unit, scale[stack.col_owner] * cols, minlength=H + 1)[:H]
+
     def curvature(self, z: np.ndarray, p: float, extra: tuple = ()) -> np.ndarray:
         """An estimate of the Hessian's diagonal at z (each smoothed max's softmax marginals times q/4,
         summed over the units they touch): the solver's diagonal preconditioner."""
         zp = np.append(np.asarray(z, dtype=np.float64), 0.0)
         out = np.zeros(self.H)
+        ones = np.ones(len(self.pairs))
         if self.weights is not None:  # k·c_T times each smoothed max's own curvature (the LSE over T left out)
             k = self.power
             _, c, parts = self._terms(zp, p, True)
-            for ct, (g, rm, wm) in zip(() if c is None else c, parts):
-                for marg, q in ((rm, p), (wm, k)):
-                    if marg is not None:
-                        self._add(out, g, marg[0], -marg[1], k * ct * q / 2)
+            if c is not None:
+                (rr, rc), (wr, wc) = parts
+                self._scatter(out, self.ranges, rr, -rc, k * c * p / 2)
+                self._scatter(out, self.weights, wr, -wc, k * c * k / 2)
             return out
-        for g, grid in zip(self.pairs.grids, self.ranges):
-            zr, zc = zp[g.rows], zp[g.cols]
-            for q, weight in ((p, 1.0), *extra):
-                _, marg = grid.lse(zr, zc, q, True)
-                if marg is not None:
-                    rows, cols = marg
-                    self._add(out, g, rows, -cols, weight * q / 2)  # (q/4)·(rows + cols): _add halves
+        for q, weight in ((p, 1.0), *extra):
+            _, rows, cols = self.ranges.lse(zp, q, True)
+            if rows is not None:
+                self._scatter(out, self.ranges, rows, -cols, weight * q / 2 * ones)  # (q/4)·(rows + cols)
         return out
 
     def value(self, z: np.ndarray, p: float = math.inf) -> float:
@@ -159,13 +106,12 @@ class Objective:
         if self.kind == "range":
             scale = 1.0 + sum(w for _, w in extra)
             value = scale * (self.constant - float(self.linear @ z))
-            for g, grid in zip(self.pairs.grids, self.ranges):
-                zr, zc = zp[g.rows], zp[g.cols]
-                for q, weight in ((p, 1.0), *extra):
-                    v, marg = grid.lse(zr, zc, q, grad)
-                    value += weight * v
-                    if grad and marg is not None:
-                        self._add(out, g, *marg, weight)
+            ones = np.ones(len(self.pairs))
+            for q, weight in ((p, 1.0), *extra):
+                values, rows, cols = self.ranges.lse(zp, q, grad)
+                value += weight * float(values.sum())
+                if grad and rows is not None:
+                    self._scatter(out, self.ranges, rows, cols, weight * ones)
             if grad:
                 out -= scale * self.linear
             return value, out
@@ -176,26 +122,24 @@ class Objective:
                 return (value, np.zeros(self.H) if grad else None)
             total += weight * value
             if grad:
-                for ct, (g, rm, wm) in zip(c, parts):
-                    if rm is not None:
-                        self._add(out, g, *rm, k * weight * ct)
-                    if wm is not None:
-                        self._add(out, g, *wm, -k * weight * ct)
+                (rr, rc), (wr, wc) = parts
+                if rr is not None:
+                    self._scatter(out, self.ranges, rr, rc, k * weight * c)
+                if wr is not None:
+                    self._scatter(out, self.weights, wr, wc, -k * weight * c)
         return total, out
 
     def _terms(self, zp: np.ndarray, q: float, marginals: bool):
-        """(log Σ_T e^{k(r_T + w_T)} at sharpness q, the softmax c_T over the tensors, per tensor (grid,
-        range marginals, weight marginals)); c is None where every term is -inf."""
+        """(log Σ_T e^{k(r_T + w_T)} at sharpness q, the softmax c_T over the tensors, ((range row and
+        column marginals), (weight row and column marginals))); c is None where every term is -inf."""
         k = self.power
-        terms, parts = [], []
-        for g, rg, wg in zip(self.pairs.grids, self.ranges, self.weights):
-            zr, zc = zp[g.rows], zp[g.cols]
-            r, rm = rg.lse(zr, zc, q, marginals)
-            w, wm = wg.lse(zr, zc, float(k), marginals)
-            terms.append(k * (r + w))
-            parts.append((g, rm, wm))
-        terms = np.asarray(terms)
-        top = float(np.max(terms))
+        r, rr, rc = self.ranges.lse(zp, q, marginals)
+        w, wr, wc = self.weights.lse(zp, float(k), marginals)
+        parts = ((rr, rc), (wr, wc))
+        with np.errstate(invalid="ignore"):
+            terms = k * (r + w)
+        terms = np.where(np.isnan(terms), -np.inf, terms)
+        top = float(np.max(terms)) if terms.size else -math.inf
         if not math.isfinite(top):
             return -math.inf, None, parts
         c = np.exp(terms - top)

@@ -1,0 +1,85 @@
+"""The equalization objectives' evaluation against their definitions: the stacked smoothed maxima
+(pathir.equalization.stack) cell by cell, and every objective's gradient against finite differences."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pathir
+from pathir.equalization import stack as stack_module
+from pathir.equalization.objective import Objective
+from pathir.equalization.run import _noise_weights, _path_weights
+from pathir.equalization.stack import GridStack
+from pathir.equalization.tensors import quantized_params, tensor_pairs
+from pathir.testing import relu_dags
+
+
+def _definition(log, zr, zc, sign, p):
+    a = log + sign * 0.5 * (zr[:, None] - zc[None, :])
+    top = np.max(a)
+    if not np.isfinite(top):
+        return -np.inf, np.zeros(log.shape[0]), np.zeros(log.shape[1])
+    if math.isinf(p):
+        return top, None, None
+    e = np.exp(p * (a - top))
+    return top + np.log(e.sum()) / p, e.sum(1) / e.sum(), e.sum(0) / e.sum()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([1.0, 2.0, 8.0, 32.0, math.inf]), st.sampled_from([1.0, -1.0]),
+       st.integers(1, 40))
+def test_stacked_smoothed_maxima_equal_the_definition(seed, p, sign, one_by_one):
+    rng = np.random.default_rng(seed)
+    H = 12
+    logs, rows, cols = [], [], []
+    for _ in range(rng.integers(1, 6)):
+        r = np.sort(rng.choice(H + 1, rng.integers(1, 6), replace=False))  # H: "no unit"
+        c = np.sort(rng.choice(H + 1, rng.integers(1, 6), replace=False))
+        log = rng.normal(scale=3, size=(r.size, c.size))
+        log[rng.random(log.shape) < 0.3] = -np.inf
+        logs.append(log), rows.append(r), cols.append(c)
+    old = stack_module.ONE_BY_ONE
+    stack_module.ONE_BY_ONE = one_by_one  # some grids alone, the others stacked
+    try:
+        stack = GridStack(logs, rows, cols, sign)
+    finally:
+        stack_module.ONE_BY_ONE = old
+    zp = np.append(rng.normal(scale=2, size=H), 0.0)
+    values, rm, cm = stack.lse(zp, p, True)
+    for t, (log, r, c) in enumerate(zip(logs, rows, cols)):
+        value, mr, mc = _definition(log, zp[r], zp[c], sign, p)
+        assert values[t] == pytest.approx(value, rel=1e-12, abs=1e-12)
+        if mr is not None and rm is not None:
+            np.testing.assert_allclose(rm[stack.row_slice(t)], mr, rtol=1e-10, atol=1e-14)
+            np.testing.assert_allclose(cm[stack.col_slice(t)], mc, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("kind", ["noise", "range", "path-metric"])
+@settings(max_examples=10, deadline=None)
+@given(graph=relu_dags(max_neurons=30, max_paths=300), seed=st.integers(0, 2**31 - 1))
+def test_objective_gradients_equal_finite_differences(kind, graph, seed):
+    if not quantized_params(graph):
+        return
+    cm = pathir.compile(graph)
+    facts = cm.facts
+    weights = {"noise": _noise_weights, "path-metric": _path_weights}.get(kind)
+    weights = weights(facts.graph, cm.get_backend(None)) if weights else None
+    objective = Objective(tensor_pairs(facts.graph, facts.units, facts.row_ends, weights), kind)
+    H = objective.H
+    if H == 0:
+        return
+    rng = np.random.default_rng(seed)
+    z = rng.normal(size=H)
+    for p in (2.0, 8.0):
+        value, grad = objective.value_and_grad(z, p)
+        if not math.isfinite(value):
+            continue
+        h = 1e-6
+        for j in rng.choice(H, min(H, 4), replace=False):
+            e = np.zeros(H)
+            e[j] = h
+            fd = (objective.value(z + e, p) - objective.value(z - e, p)) / (2 * h)
+            assert grad[j] == pytest.approx(fd, rel=1e-5, abs=1e-6)
