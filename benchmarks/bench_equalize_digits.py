@@ -1,7 +1,7 @@
 """A real accuracy number for equalization before quantization: the demo's depthwise-separable residual CNN
 (pathir/app/demo_equalize.py) trained on scikit-learn's digits, batch-norms folded, every conv/linear weight
 quantized per tensor, symmetric, at 8/6/4 bits (biases and activations float), as it is, after Brevitas's
-cross-layer equalization and after ``pathir.equalize`` (range and path-metric objectives; and range with
+cross-layer equalization and after ``pathir.equalize`` (noise and range objectives; and noise with
 bias absorption, applied to the model with its batch-norms before folding). Test accuracy, per training seed
 and mean ± std over the seeds.
 
@@ -24,7 +24,7 @@ import pathir
 from pathir.app.demo import _digits
 from pathir.app.demo_equalize import TITLES, accuracy_on, fold_batch_norms, part_equalize, quantize_weights, train_separable
 
-TITLES = {**TITLES, "pathir-absorb": "pathir (range) + bias absorption"}
+TITLES = {**TITLES, "pathir-absorb": "pathir (noise) + bias absorption"}
 
 
 def absorbed(model, data, bits) -> dict:
@@ -71,7 +71,7 @@ def table(measured_rows: list[dict], bits) -> str:
         out.append(f"seed {seed}: " + "; ".join(cells))
     absorb = [r for r in measured_rows if r["side"] == "pathir-absorb"]
     if absorb:
-        out += ["", "pathir (range) + bias absorption on the model before folding, per seed: channels absorbed (c > 0); "
+        out += ["", "pathir (noise) + bias absorption on the model before folding, per seed: channels absorbed (c > 0); "
                 "largest output change over the largest output on the test images; sum over the absorbed ReLUs of "
                 "their activation range (max), before -> after; test accuracy float / " + " / ".join(cols[1:]) + ":", ""]
         out += [f"seed {r['seed']}: {r['absorbed_channels']} channels; output change {r['output_change_rel']:.3g}; "
