@@ -318,7 +318,8 @@ class Compiled:
 
         facts = self.facts
         try:
-            new_graph = commit_rescaling(facts.graph, facts.units, z, self.model, self.writer, optimizer, bias_shifts)
+            new_graph = commit_rescaling(facts.graph, facts.units, z, self.model, self.writer, optimizer,
+                                         bias_shifts=bias_shifts)
         finally:  # written, or restored exactly: either way the model matches what the graph becomes
             self._mark()
         self._facts = facts.with_values(new_graph)

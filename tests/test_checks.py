@@ -70,8 +70,8 @@ def test_a_wrong_unit_fails_the_rescaling_checks(monkeypatch):
         first = []
         return real_ir(graph, units, z).map_params(lambda p: p if first else first.append(p) or _doubled(p))
 
-    def commit_off_by_one(graph, units, z, model=None, writer=None, optimizer=None):
-        out = real_commit(graph, units, z, model, writer, optimizer)
+    def commit_off_by_one(graph, units, z, model=None, writer=None, optimizer=None, **kwargs):
+        out = real_commit(graph, units, z, model, writer, optimizer, **kwargs)
         with torch.no_grad():
             next(iter(model.parameters())).mul_(2.0)
         return out
