@@ -48,7 +48,7 @@ from pathir.errors import UnsupportedOperation
 from pathir.frontends.core.values import Value
 from pathir.nn import ClippedReLU
 
-__all__ = ["InplaceTracer", "state_kept", "alias_plan", "refuse_inplace", "apply_inplace", "check_modes", "check_hooks", "fresh_hook_tensors",
+__all__ = ["InplaceTracer", "WriteThroughView", "state_kept", "alias_plan", "refuse_inplace", "apply_inplace", "check_modes", "check_hooks", "fresh_hook_tensors",
            "effect_fx", "effect_export"]
 
 # ---------------------------------------------------------------- tracing with augmented assignment
@@ -318,11 +318,18 @@ def _on_activation(plan: dict, node, env: dict):
     return action[1]
 
 
+class WriteThroughView(UnsupportedOperation):
+    """An in-place op writes an activation that a later reader sees through a view (or as the base
+    of the written view): the traced graph would read the value before the write. The torch
+    frontend then lowers torch.export's functionalized graph, which has eager semantics."""
+
+
 def refuse_inplace(plan: dict, node, env: dict) -> None:
-    """Before ``node`` is evaluated: raise the plan's refusal if it writes an activation through a view."""
+    """Before ``node`` is evaluated: raise the plan's refusal (a :class:`WriteThroughView`) if it
+    writes an activation through a view."""
     todo = _on_activation(plan, node, env)
     if isinstance(todo, UnsupportedOperation):
-        raise todo
+        raise WriteThroughView(todo.node, todo.op, todo.where, todo.why) from None
 
 
 def apply_inplace(plan: dict, node, env: dict, value) -> None:
