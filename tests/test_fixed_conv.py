@@ -185,3 +185,34 @@ def test_onnx_export_reads_the_kernel_as_a_weight_with_the_same_numbers(name):
     assert onnx_cases.rel(cm.forward(x, backend="numpy"), onnx_cases.ort_run(proto, x)[0]) <= 1e-5
     for q in (1, 2):
         assert cm.path_norm(q) == pytest.approx(ct.path_norm(q), rel=1e-9)
+
+
+def _module_with_buffer_kernel(bias_buffer=False):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 1)).double()
+    kernel = net[2].weight.detach().clone()
+    del net[2].weight
+    net[2].register_buffer("weight", kernel)
+    if bias_buffer:
+        b = net[2].bias.detach().clone()
+        del net[2].bias
+        net[2].register_buffer("bias", b)
+    return net
+
+
+def test_a_conv_module_whose_weight_is_a_buffer_is_a_fixed_filter_with_a_learnable_bias():
+    net = _module_with_buffer_kernel()
+    cm = assert_forward(net, (2, 7, 7), tol=1e-12)
+    assert [e.map.kind for n in cm.graph.nodes for e in n.edges].count(MapKind.FIXED_CONV) == 1
+    assert "2.bias" in {p.source_name for p in cm.graph.params()}
+    kernel = net[2].weight.clone()
+    x = torch.randn(3, 2, 7, 7, dtype=torch.float64)
+    before = eval_forward(net, x)
+    cm.commit_rescaling(np.linspace(-1.0, 1.0, len(cm.facts.units)))
+    assert torch.equal(net[2].weight, kernel)
+    assert torch.allclose(eval_forward(net, x), before, rtol=1e-10, atol=1e-12)
+
+
+def test_a_conv_module_whose_weight_and_bias_are_buffers_is_refused():
+    with pytest.raises(UnsupportedOperation, match="a fixed bias no parameter carries"):
+        pathir.compile(_module_with_buffer_kernel(bias_buffer=True), input_shape=(2, 7, 7))

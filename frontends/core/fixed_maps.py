@@ -24,8 +24,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pathir.frontends.core.values import ParamTensor, Value
-from pathir.ir import FixedConv, Resample
+from pathir.frontends.core.values import ParamTensor, Value, f64
+from pathir.ir import FixedConv, Resample, SourceRef
 
 __all__ = ["pad", "interpolate", "adaptive_avg_pool", "fixed_conv", "axis_matrices", "resampled"]
 
@@ -170,11 +170,25 @@ def fixed_conv(low, v: Value, weight: ParamTensor, bias, stride, padding, dilati
     """A convolution with a fixed (buffer) kernel: one separable kernel shared by every channel of a
     depthwise convolution (anti-aliasing blur) is a Resample of per-axis 1-d convolutions; any
     other kernel (per-channel depthwise filters, dense filter banks, fixed random features) is a
-    ``FixedConv`` edge holding the kernel: constant edges, never rescaled."""
+    ``FixedConv`` edge holding the kernel: constant edges, never rescaled. A learnable bias (one entry
+    per output channel) is the bias of its neurons; any other bias is refused."""
     v = low.value(v)
-    if bias is not None:
-        low.unsupported("a convolution with a fixed kernel and a bias: a fixed bias no parameter carries")
     W = weight.tensor.detach().to("cpu", torch.float64).numpy()
+    if bias is not None and not (isinstance(bias, ParamTensor) and isinstance(bias.tensor, torch.nn.Parameter)
+                                 and tuple(bias.tensor.shape) == (W.shape[0],)):
+        low.unsupported("a convolution with a fixed kernel and a bias that is not a learnable parameter of one entry "
+                        "per output channel: a fixed bias no parameter carries")
+    out = _fixed_kernel(low, v, weight, W, stride, padding, dilation, groups)
+    if bias is None:
+        return out
+    if out.bias is not None:
+        out = Value.of_node(low.materialize(out), out.shape)
+    b = low.made(bias.name, lambda x: f64(x).reshape(-1), (bias,),
+                 (SourceRef(bias.name),))
+    return Value(list(out.terms), out.shape, b, low.label)
+
+
+def _fixed_kernel(low, v: Value, weight: ParamTensor, W: np.ndarray, stride, padding, dilation, groups) -> Value:
     C, n, g = v.shape[0], W.ndim - 2, int(groups)
     if n != len(v.shape) - 1 or C != W.shape[1] * g or W.shape[0] % g:
         low.unsupported(f"the fixed (buffer) kernel '{weight.name}' of shape {list(W.shape)} (groups={g}) on an "
