@@ -216,3 +216,26 @@ def test_a_conv_module_whose_weight_is_a_buffer_is_a_fixed_filter_with_a_learnab
 def test_a_conv_module_whose_weight_and_bias_are_buffers_is_refused():
     with pytest.raises(UnsupportedOperation, match="a fixed bias no parameter carries"):
         pathir.compile(_module_with_buffer_kernel(bias_buffer=True), input_shape=(2, 7, 7))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 2), st.integers(1, 2), st.integers(0, 2**31 - 1))
+def test_the_map_ties_exactly_the_channels_its_non_zero_filters_join(groups, i_g, o_g, seed):
+    """channel_ties = {(source, target): some edge of the convolution joins them}, read off torch's
+    conv2d on one-hot inputs; out_shape is torch's; |c|^q keeps the zeros."""
+    from pathir.ir import FixedConv
+
+    rng = np.random.default_rng(seed)
+    K = rng.normal(size=(groups * o_g, i_g, 2, 3)) * (rng.random((groups * o_g, i_g, 1, 1)) < 0.6)
+    m = FixedConv(K, (1, 2), ((1, 0), (0, 1)), (2, 1), groups)
+    in_shape = (groups * i_g, 5, 6)
+    want = set()
+    for c in range(in_shape[0]):
+        x = torch.zeros(1, *in_shape, dtype=torch.float64)
+        x[0, c] = 1.0
+        y = F.conv2d(F.pad(x, (0, 1, 1, 0)), torch.as_tensor(K), stride=(1, 2), dilation=(2, 1), groups=groups)
+        want |= {(c, int(o)) for o in torch.nonzero(y[0].abs().sum(dim=(1, 2))).flatten()}
+        assert m.out_shape(in_shape) == tuple(y.shape[1:])
+    assert {tuple(map(int, p)) for p in m.channel_ties(in_shape)} == want
+    assert np.array_equal(m.with_weights(np.abs).kernel, np.abs(K))
+    assert np.array_equal(m.with_weights(lambda c: c**0).kernel != 0, K != 0)
