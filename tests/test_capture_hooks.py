@@ -38,6 +38,8 @@ class Hooked(nn.Module):
             self.fc.register_forward_pre_hook(lambda m, i: (i[0] * _c(m, 3.0),))
         if "kwargs" in hooks:
             self.b.register_forward_hook(lambda m, a, k, o: _c(m, 2.0) * o, with_kwargs=True)
+        if "pre_kwargs" in hooks:
+            self.b.register_forward_pre_hook(lambda m, a, k: ((a[0] * _c(m, -2.0),), k), with_kwargs=True)
         if "observe" in hooks:
             self.seen = []
             self.a.register_forward_hook(lambda m, i, o: self.seen.append(type(o).__name__))
@@ -59,8 +61,9 @@ class Hooked(nn.Module):
         return self.fc(h.flatten(1))
 
 
-HOOKS = {"double": ["double"], "scale": ["scale"], "pre": ["pre"], "kwargs": ["kwargs"], "observe": ["observe"],
-         "all": ["double", "scale", "pre", "kwargs"], "model": ["model", "double"]}
+HOOKS = {"double": ["double"], "scale": ["scale"], "pre": ["pre"], "kwargs": ["kwargs"], "pre_kwargs": ["pre_kwargs"],
+         "observe": ["observe"],
+         "all": ["double", "scale", "pre", "kwargs", "pre_kwargs"], "model": ["model", "double"]}
 
 
 def _hooked(name):
