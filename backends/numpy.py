@@ -227,6 +227,7 @@ RULES: RuleTable = {
     MapKind.SPATIAL_MATRIX: (_spatial_apply, _spatial_adjoint, None),
     MapKind.RESAMPLE: (_resample_apply, _resample_adjoint, None),
     MapKind.GATHER: (_gather_apply, _gather_adjoint, None),
+    MapKind.FIXED_CONV: (_conv_apply, _conv_adjoint, None),
     MapKind.DENSE: (_dense_apply, _dense_adjoint, _dense_wgrad),
     MapKind.CONV: (_conv_apply, _conv_adjoint, _conv_wgrad),
     MapKind.SCALE: (_scale_apply, _scale_adjoint, _scale_wgrad),

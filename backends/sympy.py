@@ -35,7 +35,7 @@ import numpy as np
 import sympy as sp
 
 from pathir.errors import ArgumentError, BackendError
-from pathir.ir import FIXED, PARAMETERIZED, MapKind, Node, Pool, Resample, SpatialMatrix
+from pathir.ir import FIXED, PARAMETERIZED, Conv, FixedConv, MapKind, Node, Pool, Resample, SpatialMatrix
 
 from .base import Backend, RuleTable
 from .numpy import RULES as NUMPY_RULES
@@ -159,6 +159,7 @@ RULES: RuleTable = {
     **NUMPY_RULES,
     MapKind.POOL: (_pool_apply, NUMPY_RULES[MapKind.POOL][1], None),
     MapKind.CONV: (_conv_apply, NUMPY_RULES[MapKind.CONV][1], _conv_wgrad),
+    MapKind.FIXED_CONV: (_conv_apply, NUMPY_RULES[MapKind.FIXED_CONV][1], None),
 }
 
 
@@ -274,6 +275,9 @@ class SympyBackend(Backend):
             out = _with(m, matrix=self._constant(m.matrix))
         elif isinstance(m, Resample):
             out = _with(m, matrices=tuple(self._constant(a) for a in m.matrices))
+        elif isinstance(m, FixedConv):  # the same arithmetic as a Conv reading the exact constants
+            conv = Conv(m.W, m.stride, m.padding, m.dilation, m.groups)
+            out = _with(conv, W=_ExactWeight(m.label, self._constant(m.kernel)))
         else:
             assert m.kind in FIXED
             out = m  # weights 1: the transforms send 1 to 1

@@ -253,19 +253,26 @@ def _dense_wgrad(be, m, x, g, s):
     return g.T @ x.reshape(x.shape[0], -1)
 
 
+def _kernel(be, m):
+    """A Conv's weight (a Param), or a FixedConv's constant kernel (zeros stay no edge)."""
+    if m.kind is MapKind.FIXED_CONV:
+        return be.cached(m, lambda: be.constant(m.kernel))
+    return be.param(m.W)
+
+
 def _conv_apply(be, m, x, s):
     n = len(s) - 1
     conv = _table(_CONV, n, "conv")
     sym = _symmetric(m.padding)
     if sym is None:
         x, sym = _pad(x, m.padding), 0
-    return conv(x, be.param(m.W), None, m.stride, sym, m.dilation, m.groups)
+    return conv(x, _kernel(be, m), None, m.stride, sym, m.dilation, m.groups)
 
 
 def _conv_adjoint(be, m, g, s):
     n = len(s) - 1
     conv_input = _table(_CONV_INPUT, n, "conv")
-    W = be.param(m.W)
+    W = _kernel(be, m)
     sym = _symmetric(m.padding)
     if sym is not None:
         return conv_input((g.shape[0], *s), W, g, m.stride, sym, m.dilation, m.groups)
@@ -307,6 +314,7 @@ RULES: RuleTable = {
     MapKind.SPATIAL_MATRIX: (_spatial_apply, _spatial_adjoint, None),
     MapKind.RESAMPLE: (_resample_apply, _resample_adjoint, None),
     MapKind.GATHER: (_gather_apply, _gather_adjoint, None),
+    MapKind.FIXED_CONV: (_conv_apply, _conv_adjoint, None),
     MapKind.DENSE: (_dense_apply, _dense_adjoint, _dense_wgrad),
     MapKind.CONV: (_conv_apply, _conv_adjoint, _conv_wgrad),
     MapKind.SCALE: (_scale_apply, _scale_adjoint, _scale_wgrad),

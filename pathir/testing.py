@@ -7,7 +7,7 @@
   slices/permutations (ChannelMap), k-max-pools (k >= 1, padding, ceil_mode),
   average pools (Pool with multiplier, per position or per channel and position), adaptive pools (SpatialMatrix), separable
   fixed maps with signed coefficients and structural zeros (Resample: interpolation,
-  fixed filters), element gathers, flatten (Reshape), per-channel Scale edges, several inputs and outputs.
+  fixed filters), convolutions with a fixed kernel (FixedConv), element gathers, flatten (Reshape), per-channel Scale edges, several inputs and outputs.
 - :func:`mlps` builds layered fully-connected networks.
 - :func:`random_inputs` draws a batch of inputs for a graph.
 
@@ -46,6 +46,7 @@ from pathir.ir import (
     ChannelMap,
     Conv,
     Dense,
+    FixedConv,
     Gather,
     Graph,
     GraphBuilder,
@@ -102,6 +103,7 @@ class _Options:
     conv: bool
     scale: bool
     flatten: bool
+    fixed_conv: bool
 
 
 class _Dag:
@@ -186,7 +188,9 @@ class _Dag:
         edges += self.skip_edges((width,), src)
         return self.add("dense", self.activation(), edges, self.bias(width))
 
-    def conv(self, src) -> str | None:
+    def conv(self, src, fixed: bool = False) -> str | None:
+        """A convolution; ``fixed``: a FixedConv, its constant kernel dyadic (k/8; integers in [-2, 2]
+        with ``integer_weights``) and signed, with structural zeros (whole filters among them)."""
         c_in, *spatial = self.shape(src)
         groups = self.draw(st.sampled_from([g for g in range(1, c_in + 1) if c_in % g == 0]))
         same = self.draw(st.booleans())  # shape-preserving, so skips can join it
@@ -205,11 +209,23 @@ class _Dag:
         if any(pool_output_size(L, k, s, p, d, False) < 1 for L, k, s, p, d in geometry):
             kernel, stride, dilation = [1] * len(spatial), [1] * len(spatial), [1] * len(spatial)
             padding = [(0, 0)] * len(spatial)
-        W = self.param("w", (c_out, c_in // groups, *kernel))
-        m = Conv(W, tuple(stride), tuple(padding), tuple(dilation), groups)
+        if fixed:
+            shape = (c_out, c_in // groups, *kernel)
+            top, den = (2, 1) if self.opts.integer else (12, 8)
+            K = self.rng.choice([-1.0, 1.0], size=shape) * self.rng.integers(1, top + 1, size=shape) / den
+            K *= self.rng.random(shape) < 0.7
+            K *= self.rng.random(shape[:2] + (1,) * len(kernel)) < 0.8  # whole (target, source) filters zero
+            K[(self.rng.integers(0, c_out), self.rng.integers(0, c_in // groups)) + (0,) * len(kernel)] = 1.0
+            m = FixedConv(K, tuple(stride), tuple(padding), tuple(dilation), groups)
+        else:
+            W = self.param("w", (c_out, c_in // groups, *kernel))
+            m = Conv(W, tuple(stride), tuple(padding), tuple(dilation), groups)
         out = m.out_shape(self.shape(src))
         edges = [(src, m)] + self.skip_edges(out, src)
-        return self.add("conv", self.activation(), edges, self.bias(c_out))
+        return self.add("fixed_conv" if fixed else "conv", self.activation(), edges, self.bias(c_out))
+
+    def fixed_conv(self, src) -> str | None:
+        return self.conv(src, fixed=True)
 
     def _window(self, src):
         """A random pool window over ``src`` (padding at most half the kernel, as torch asks)."""
@@ -312,6 +328,7 @@ class _Dag:
                 (self.maxpool, o.maxpool), (self.avgpool, o.avgpool),
                 (self.adaptive_pool, o.adaptive_pool), (self.resample, o.resample),
                 (self.resample, o.resample), (self.concat, o.concat), (self.flatten, o.flatten),
+                (self.fixed_conv, o.fixed_conv),
             ] if on]
         choices += [f for f, on in [(self.scale, o.scale), (self.channel_map, o.channel_maps), (self.gather, o.gather)] if on]
         return choices
@@ -349,6 +366,7 @@ def relu_dags(
     conv: bool = True,
     scale: bool = True,
     flatten: bool = True,
+    fixed_conv: bool = True,
     max_inputs: int = 2,
     integer_weights: bool = False,
     max_neurons: int = 200,
@@ -362,7 +380,8 @@ def relu_dags(
     max_width, max_channels : widths of dense layers, channels of convs
     spatial_dims : spatial axes of the main input, drawn from these (0: a flat vector)
     bias : True / False for biases everywhere / nowhere; None draws each node
-    skip, concat, channel_maps, maxpool, kmax, avgpool, adaptive_pool, resample, gather, conv, scale, flatten :
+    skip, concat, channel_maps, maxpool, kmax, avgpool, adaptive_pool, resample, gather, conv, scale, flatten,
+    fixed_conv :
         switch each feature on or off (``kmax``: k-max-pools with k > 1)
     max_inputs : a second, flat input joining the dense head may be drawn when 2
     integer_weights : free weights and biases are nonzero integers in [-3, 3]
@@ -373,7 +392,8 @@ def relu_dags(
     Every node reaches an output: the outputs are the nodes nothing reads.
     """
     opts = _Options(max_width, max_channels, max_neurons, max_paths, bias, integer_weights, skip, concat,
-                    channel_maps, maxpool, kmax, avgpool, adaptive_pool, resample, gather, conv, scale, flatten)
+                    channel_maps, maxpool, kmax, avgpool, adaptive_pool, resample, gather, conv, scale, flatten,
+                    fixed_conv)
     dag = _Dag(draw, opts, draw(st.integers(0, 2**32 - 1)))
     dims = draw(st.sampled_from([d for d in (1, 2, 0) if d in spatial_dims]))
     if dims == 0:

@@ -290,6 +290,28 @@ def _masked_fill(h, m1, m2):
     return torch.masked_fill(h, m2, 0).masked_fill(m1, 0.0)
 
 
+case("slice_scatter", C2, lambda m, a: torch.slice_scatter(a, torch.relu(a[:, :2]), 1, 0, 2))
+case("select_scatter", C2, lambda m, a: torch.select_scatter(a, torch.relu(a[:, 1]), 1, 1))
+# an in-place write through a view that a later op reads: the fx path hands it to torch.export's
+# functionalized graph (tests/test_functional_writes.py), so only the export path is a case here
+case("relu_ on a slice, the base read later", C2, lambda m, a: _write_slices(a * 1.0), paths=("export",))
+case("setitem 0 and fill_ on a channel", C2, lambda m, a: _zero_channels(a * 1.0), paths=("export",))
+
+
+def _write_slices(h):
+    h[:, :2].relu_()  # functionalized: relu, slice_scatter
+    h[:, 2].mul_(-0.5)  # mul, select_scatter
+    h[:, :1] = torch.relu(h[:, 1:2])  # copy, slice_scatter
+    return h
+
+
+def _zero_channels(h):
+    h[:, 1] = 0  # functionalized: fill.Tensor, select_scatter
+    h[:, 0, :2].fill_(0.0)  # fill.Scalar, slice_scatter
+    h[:, 2, 1].zero_()  # zero, select_scatter
+    return h
+
+
 # ---------------------------------------------------------------- fixed linear maps
 case("pad fn", C2, lambda m, a: F.pad(F.pad(F.pad(F.pad(a, (1, 2)), (1, 1, 2, 0), mode="reflect"), (1, 1, 1, 1),
                                             mode="replicate"), (2, 1, 0, 1), mode="circular"))

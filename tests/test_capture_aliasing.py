@@ -120,11 +120,14 @@ def test_inplace_on_the_input():
 
 
 @pytest.mark.parametrize("cls", [SliceReluInplace, SliceAugmented, ViewThenMutateBase])
-def test_inplace_through_a_view_is_refused(cls):
+def test_inplace_through_a_view_has_eager_semantics(cls):
+    """Lowered from torch.export's functionalized graph (tests/test_functional_writes.py)."""
+    torch.manual_seed(0)
     model = cls().double()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(UnsupportedOperation, match="in-place op on .* writes storage"):
-        pathir.compile(model, input_shape=(3,))
+    cm = assert_forward(model, (3,), tol=1e-12)
+    for q in (1.0, 2.0):
+        assert cm.path_norm(q) ** q == pytest.approx(path_norm_q(model, [(3,)], q), rel=1e-10)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -174,10 +177,25 @@ class SetItemZero(_Lin):
         return self.c(h)
 
 
-@pytest.mark.parametrize("cls", [CastThenMutate, ChunkThenMutate, SetItemZero])
-def test_more_writes_through_aliases_refused(cls):
-    with pytest.raises(UnsupportedOperation, match="in-place|writes|double"):
-        pathir.compile(cls().double(), input_shape=(3,))
+@pytest.mark.parametrize("cls,match", [(CastThenMutate, "casts an activation"),
+                                       (ChunkThenMutate, "in-place op on .* writes storage .* torch.export, whose "
+                                                         "functionalized graph .* failed")])
+def test_writes_torch_export_cannot_functionalize_are_refused(cls, match):
+    model = cls().double()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedOperation, match=match):
+        pathir.compile(model, input_shape=(3,))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("cls", [SetItemZero])
+def test_more_writes_through_aliases_have_eager_semantics(cls):
+    """Lowered from torch.export's functionalized graph (tests/test_functional_writes.py)."""
+    torch.manual_seed(0)
+    model = cls().double()
+    cm = assert_forward(model, (3,), tol=1e-12)
+    for q in (1.0, 2.0):
+        assert cm.path_norm(q) ** q == pytest.approx(path_norm_q(model, [(3,)], q), rel=1e-10)
 
 
 class InplaceOnConcat(_Lin):

@@ -7,6 +7,9 @@ Invariants kept:
   they become pending selection maps (``Gather``, or a more specific one),
   composed with the selections already pending, exactly as ``index_op`` does;
   zero padding positions read nothing (index -1: no edge);
+- a fixed (buffer) convolution kernel is one ``FixedConv`` edge (constant edges, never
+  rescaled), or, when it is one separable kernel shared by every channel of a depthwise
+  convolution, a ``Resample``;
 - resampling (interpolate in every mode) and separable fixed filters become one
   ``Resample`` edge whose per-axis matrices are read off *torch's own op* on
   one-hot inputs along that axis, so the coefficients are torch's, bit for bit;
@@ -21,8 +24,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pathir.frontends.core.values import ParamTensor, Value
-from pathir.ir import Resample
+from pathir.frontends.core.values import ParamTensor, Value, f64
+from pathir.ir import FixedConv, Resample, SourceRef
 
 __all__ = ["pad", "interpolate", "adaptive_avg_pool", "fixed_conv", "axis_matrices", "resampled"]
 
@@ -164,31 +167,64 @@ def _separable(K: np.ndarray) -> list[np.ndarray] | None:
 
 
 def fixed_conv(low, v: Value, weight: ParamTensor, bias, stride, padding, dilation, groups) -> Value:
-    """A depthwise convolution with a fixed (buffer) kernel shared by every channel and
-    separable (anti-aliasing blur filters): a Resample of per-axis 1-d convolutions."""
+    """A convolution with a fixed (buffer) kernel: one separable kernel shared by every channel of a
+    depthwise convolution (anti-aliasing blur) is a Resample of per-axis 1-d convolutions; any
+    other kernel (per-channel depthwise filters, dense filter banks, fixed random features) is a
+    ``FixedConv`` edge holding the kernel: constant edges, never rescaled. A learnable bias (one entry
+    per output channel) is the bias of its neurons; any other bias is refused."""
     v = low.value(v)
-    if bias is not None:
-        low.unsupported("a convolution with a fixed kernel and a bias: a fixed bias no parameter carries")
     W = weight.tensor.detach().to("cpu", torch.float64).numpy()
-    C, n = v.shape[0], W.ndim - 2
-    if not (int(groups) == C == W.shape[0] and W.shape[1] == 1 and np.all(W == W[:1])):
-        low.unsupported(f"a convolution with the fixed (buffer) kernel '{weight.name}' that is not one "
-                        "depthwise kernel shared by every channel: not lowered")
-    factors = _separable(W[0, 0])
-    if factors is None:
-        low.unsupported(f"the fixed (buffer) kernel '{weight.name}' is not separable: not lowered")
+    if bias is not None and not (isinstance(bias, ParamTensor) and isinstance(bias.tensor, torch.nn.Parameter)
+                                 and tuple(bias.tensor.shape) == (W.shape[0],)):
+        low.unsupported("a convolution with a fixed kernel and a bias that is not a learnable parameter of one entry "
+                        "per output channel: a fixed bias no parameter carries")
+    out = _fixed_kernel(low, v, weight, W, stride, padding, dilation, groups)
+    if bias is None:
+        return out
+    if out.bias is not None:
+        out = Value.of_node(low.materialize(out), out.shape)
+    b = low.made(bias.name, lambda x: f64(x).reshape(-1), (bias,),
+                 (SourceRef(bias.name),))
+    return Value(list(out.terms), out.shape, b, low.label)
+
+
+def _fixed_kernel(low, v: Value, weight: ParamTensor, W: np.ndarray, stride, padding, dilation, groups) -> Value:
+    C, n, g = v.shape[0], W.ndim - 2, int(groups)
+    if n != len(v.shape) - 1 or C != W.shape[1] * g or W.shape[0] % g:
+        low.unsupported(f"the fixed (buffer) kernel '{weight.name}' of shape {list(W.shape)} (groups={g}) on an "
+                        f"input of shape {list(v.shape)}")
+    if not np.all(np.isfinite(W)):
+        low.unsupported(f"the fixed (buffer) kernel '{weight.name}' has non-finite entries")
     st, dil = _ints(stride, n), _ints(dilation, n)
-    pads = _ints(padding, n) if not isinstance(padding, str) else None
-    if pads is None:
-        low.unsupported(f"padding '{padding}' with a fixed kernel")
+    pads = _conv_pads(low, padding, W.shape[2:], st, dil)
+    factors = _separable(W[0, 0]) if g == C == W.shape[0] and W.shape[1] == 1 and np.all(W == W[:1]) else None
+    if factors is None:
+        m = FixedConv(W, st, pads, dil, g, "fixed_conv")
+        src = low.materialize(v)
+        return Value([(src, m)], m.out_shape(low.b.shape(src)), None, low.label)
 
     def call(basis, d):
         k = torch.as_tensor(factors[d], dtype=torch.float64).reshape(1, 1, -1)
         flat = basis.reshape(basis.shape[0], 1, -1)
-        return F.conv1d(flat, k, None, st[d], pads[d], dil[d]).reshape(basis.shape[0], 1, *(
-            [1] * d + [-1] + [1] * (n - d - 1)))
+        out = F.conv1d(F.pad(flat, pads[d]), k, None, st[d], 0, dil[d])
+        return out.reshape(basis.shape[0], 1, *([1] * d + [-1] + [1] * (n - d - 1)))
 
     return resampled(low, v, axis_matrices(low, v.shape[1:], call, other=1), "fixed_filter")
+
+
+def _conv_pads(low, padding, kernel, stride, dilation) -> tuple[tuple[int, int], ...]:
+    """(before, after) per spatial axis of a convolution's ``padding`` (ints, 'valid' or 'same')."""
+    n = len(kernel)
+    if padding == "valid":
+        return ((0, 0),) * n
+    if padding == "same":
+        if any(s != 1 for s in stride):
+            low.unsupported("padding='same' with a stride (torch refuses it too)")
+        total = [d * (k - 1) for k, d in zip(kernel, dilation)]
+        return tuple((t // 2, t - t // 2) for t in total)
+    if isinstance(padding, str):
+        low.unsupported(f"padding '{padding}' with a fixed kernel")
+    return tuple((p, p) for p in _ints(padding, n))
 
 
 def _ints(x, n: int) -> tuple[int, ...]:

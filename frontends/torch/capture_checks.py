@@ -14,16 +14,19 @@ This module checks a traced graph against these, before it is lowered:
 - :func:`check_modes` refuses functional calls whose mode is fixed in the code:
   ``F.dropout(x, p, training=True)`` (random), ``F.batch_norm(..., training=True)``
   (batch statistics: input-dependent).
-- :func:`check_hooks` refuses module and global forward (pre-)hooks, which the
-  traced graph does not run, except the ones whose effect is already in the
-  tensors the module reads (pruning, legacy weight/spectral norm) when those
-  tensors are up to date.
+- :func:`check_hooks` refuses global forward (pre-)hooks; a module's forward hooks and
+  pre-hooks are traced where the module is called (:class:`InplaceTracer`), like the forward;
+  a pre-hook whose effect is already in the tensors the module reads (pruning, legacy
+  weight/spectral norm) is not run again, and must be up to date.
 - :func:`state_kept` refuses a forward that writes the model's own parameters or buffers from
   Python (``self.count += 1``, ``self.buf = ...``): tracing runs that code on the real tensors,
   and the traced graph does not show it. The tensors are put back before the refusal.
 - :class:`InplaceTracer` is the fx tracer the torch frontend uses: unlike the
   default one it records ``h += y`` as ``operator.iadd`` (the default traces it
-  as ``h = h + y``, hiding the mutation of ``h``'s storage).
+  as ``h = h + y``, hiding the mutation of ``h``'s storage), and it runs a called
+  module's forward pre-hooks and hooks on the symbolic values around the module
+  (the default skips them). Hooks on the model itself leave the fx path: torch.export
+  runs them.
 
 Invariant: after these checks pass and the plan is applied, every value the
 interpreter reads is the value eager PyTorch reads at that point of the program.
@@ -45,7 +48,7 @@ from pathir.errors import UnsupportedOperation
 from pathir.frontends.core.values import Value
 from pathir.nn import ClippedReLU
 
-__all__ = ["InplaceTracer", "state_kept", "alias_plan", "refuse_inplace", "apply_inplace", "check_modes", "check_hooks", "fresh_hook_tensors",
+__all__ = ["InplaceTracer", "WriteThroughView", "state_kept", "alias_plan", "refuse_inplace", "apply_inplace", "check_modes", "check_hooks", "fresh_hook_tensors",
            "effect_fx", "effect_export"]
 
 # ---------------------------------------------------------------- tracing with augmented assignment
@@ -84,8 +87,46 @@ class InplaceTracer(torch.fx.Tracer):
     def is_leaf_module(self, m, module_qualified_name):
         return isinstance(m, ClippedReLU) or super().is_leaf_module(m, module_qualified_name)
 
+    def call_module(self, m, forward, args, kwargs):
+        """The module's call as eager PyTorch runs it: its pre-hooks on the inputs, the module, its
+        forward hooks on the output, each hook traced like the forward. A hook that cannot be
+        traced is refused, naming the module."""
+        pre = [(k, h) for k, h in m._forward_pre_hooks.items() if _harmless_hook(m, h) is None]
+        if not pre and not m._forward_hooks:
+            return super().call_module(m, forward, args, kwargs)
+        where = self.path_of_module(m)
+        for k, hook in pre:
+            with_kwargs = k in m._forward_pre_hooks_with_kwargs
+            r = _run_hook(hook, where, "pre-hook", (m, args, kwargs) if with_kwargs else (m, args))
+            if r is not None and with_kwargs:
+                args, kwargs = r
+            elif r is not None:
+                args = r if isinstance(r, tuple) else (r,)
+        out = super().call_module(m, forward, args, kwargs)
+        for k, hook in m._forward_hooks.items():
+            with_kwargs = k in m._forward_hooks_with_kwargs
+            r = _run_hook(hook, where, "hook", (m, args, kwargs, out) if with_kwargs else (m, args, out))
+            if r is not None:
+                out = r
+        return out
+
+
+def _run_hook(hook, where: str, kind: str, args):
+    try:
+        return hook(*args)
+    except UnsupportedOperation:
+        raise
+    except Exception as err:
+        raise UnsupportedOperation("hook", _hook_name(hook), where,
+                                   f"a forward {kind} that cannot be traced ({type(err).__name__}: {err}); "
+                                   "write it with traceable tensor ops or remove it") from err
+
 
 def trace(model: nn.Module) -> torch.fx.GraphModule:
+    """The fx graph of ``model``; a model with forward hooks or pre-hooks of its own (not of its
+    submodules) is left to torch.export, which runs them (fx traces ``forward`` only)."""
+    if model._forward_hooks or any(_harmless_hook(model, h) is None for h in model._forward_pre_hooks.values()):
+        raise torch.fx.proxy.TraceError("the model has forward hooks of its own: torch.fx traces forward only")
     tracer = InplaceTracer()
     graph = tracer.trace(model)
     return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
@@ -277,11 +318,18 @@ def _on_activation(plan: dict, node, env: dict):
     return action[1]
 
 
+class WriteThroughView(UnsupportedOperation):
+    """An in-place op writes an activation that a later reader sees through a view (or as the base
+    of the written view): the traced graph would read the value before the write. The torch
+    frontend then lowers torch.export's functionalized graph, which has eager semantics."""
+
+
 def refuse_inplace(plan: dict, node, env: dict) -> None:
-    """Before ``node`` is evaluated: raise the plan's refusal if it writes an activation through a view."""
+    """Before ``node`` is evaluated: raise the plan's refusal (a :class:`WriteThroughView`) if it
+    writes an activation through a view."""
     todo = _on_activation(plan, node, env)
     if isinstance(todo, UnsupportedOperation):
-        raise todo
+        raise WriteThroughView(todo.node, todo.op, todo.where, todo.why) from None
 
 
 def apply_inplace(plan: dict, node, env: dict, value) -> None:
@@ -434,14 +482,11 @@ def _hook_name(hook) -> str:
 
 
 def check_hooks(model: nn.Module) -> list:
-    """Refuse forward hooks and pre-hooks a traced graph would not run.
-
-    Module hooks: ``_forward_hooks`` (with or without kwargs, always-called),
-    ``_forward_pre_hooks``; global ones registered with
-    ``register_module_forward_(pre_)hook``. Pruning and the legacy weight_norm /
-    spectral_norm pre-hooks are accepted: the tensor they compute is what the
-    module reads. Returns the attributes that lag behind their hook (for
-    :func:`fresh_hook_tensors`)."""
+    """Refuse the global forward (pre-)hooks (``register_module_forward_(pre_)hook``): they run
+    around every module call. A module's own hooks are traced (:class:`InplaceTracer`; torch.export
+    runs them too). Pruning and the legacy weight_norm / spectral_norm pre-hooks are not run again:
+    the tensor they compute is what the module reads. Returns the attributes that lag behind their
+    hook (for :func:`fresh_hook_tensors`)."""
     from torch.nn.modules import module as M
 
     for kind, hooks in (("global forward pre-hook", M._global_forward_pre_hooks),
@@ -452,15 +497,10 @@ def check_hooks(model: nn.Module) -> list:
     stale = []
     for path, mod in model.named_modules():
         where = path or type(model).__name__
-        for hook in mod._forward_hooks.values():
-            raise UnsupportedOperation("hook", _hook_name(hook), where,
-                                       "a forward hook changes the module's output and is not traced; remove it")
         for hook in mod._forward_pre_hooks.values():
             name = _harmless_hook(mod, hook)
             if name is None:
-                raise UnsupportedOperation("hook", _hook_name(hook), where,
-                                           "a forward pre-hook changes the module's input and is not traced; "
-                                           "remove it")
+                continue  # traced where the module is called
             lag = _stale(mod, hook, name, where)
             if lag is not None:
                 stale.append(lag)

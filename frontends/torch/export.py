@@ -1,6 +1,9 @@
 """torch.export fallback of the torch frontend: interpret the exported ATen graph.
 
-Used when torch.fx symbolic tracing fails (e.g. Python control flow on shapes).
+Used when torch.fx symbolic tracing fails (e.g. Python control flow on shapes), or when a traced
+graph writes an activation in place through a view a later op reads (``c[:, :2].relu_()``,
+``c[:, 1] = 0``): then torch.export's functionalized graph (``slice_scatter``, ``select_scatter``)
+is lowered, which has eager semantics.
 ATen ops are rows of the same op table as the fx path (:mod:`.table`); parameters and
 buffers arrive as lifted placeholders named by their FQN.
 """
@@ -9,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from pathir.errors import UnsupportedOperation
 from pathir.frontends.core.values import ParamTensor, leaves, values_in
-from pathir.frontends.torch.capture_checks import effect_export
+from pathir.frontends.torch.capture_checks import WriteThroughView, effect_export
 from pathir.frontends.torch.inputs import model_dtype_device
 from pathir.frontends.torch.interpreter import FxInterpreter
 
@@ -25,6 +29,18 @@ def lower_exported(model, shapes, name, clips: dict | None = None):
     dtype, device = model_dtype_device(model)
     examples = tuple(torch.zeros((2, *s), dtype=dtype, device=device) for s in shapes)
     program = torch.export.export(model, examples)
+    try:
+        return _interpret(model, program, shapes, name, clips)
+    except WriteThroughView as err:  # an in-place write through a view: the functionalized graph
+        functional = program.run_decompositions({})
+        try:
+            return _interpret(model, functional, shapes, name, clips)
+        except UnsupportedOperation as again:
+            raise UnsupportedOperation(err.node, err.op, err.where, f"{err.why}; torch.export's functionalized "
+                                       f"graph was refused too: {again}") from again
+
+
+def _interpret(model, program, shapes, name, clips):
     sig = program.graph_signature
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers()), **dict(program.constants)}
     lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers,

@@ -9,12 +9,14 @@ and ``x.ndim`` are read off the activation's shape.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pathir.frontends.core.values import ParamTensor, Value, leaves, substitute
 
 __all__ = ["moves", "method_moves", "cat", "getattr_", "size", "dim", "unflatten", "unflatten_module",
-           "flatten_module", "channel_shuffle_module", "index_with", "transposed_param"]
+           "flatten_module", "channel_shuffle_module", "index_with", "transposed_param", "scatter", "fill", "zero", "copy"]
 
 
 def _index(low, fn, args, kwargs):
@@ -24,6 +26,52 @@ def _index(low, fn, args, kwargs):
     tensors = [a for a in leaves(args, kwargs) if isinstance(a, Value)]
     outs, many = low.index_op(lambda *ids: fn(*substitute(args, ids), **substitute(kwargs, ids)), tensors)
     return tuple(outs) if many else outs[0]
+
+
+def scatter(fn, view):
+    """``slice_scatter`` / ``select_scatter`` (``fn``): ``input`` with its view ``view(input, *args)``
+    replaced by ``src``, as torch.export's functionalization writes ``x[:, :2].relu_()`` or
+    ``x[:, 1] = 0``. An activation ``src``: element moves from both; a constant zero (:func:`fill`):
+    those elements read nothing (no edge); any other constant is a fixed value no parameter carries."""
+    def rule(low, input, src, *args):
+        if isinstance(src, Value):
+            return _index(low, fn, (input, src, *args), {})
+        v = low.value(input)
+        zero = src.tensor if isinstance(src, ParamTensor) else src
+        if not (isinstance(zero, (torch.Tensor, int, float)) and not torch.as_tensor(zero).any()):
+            low.unsupported("writes a constant other than 0 into an activation: a fixed value no parameter carries")
+        ids = torch.arange(math.prod(v.shape), dtype=torch.int64).reshape(1, *v.shape)
+        out = fn(ids, torch.full(view(ids, *args).shape, -1, dtype=torch.int64), *args)
+        return low.compose_selection([(low.selectable(v), out.reshape(-1).numpy())], tuple(v.shape))
+    rule.__name__ = f"scatter({getattr(fn, '__name__', fn)})"
+    return rule
+
+
+def fill(low, input, value):
+    """``aten.fill`` of an activation with 0 (functionalized ``x[:, 1] = 0``): the constant 0 that
+    :func:`scatter` writes; any other value is refused."""
+    low.value(input)
+    c = value.tensor if isinstance(value, ParamTensor) else value
+    if torch.as_tensor(c).any():
+        low.unsupported(f"fills an activation with the constant {torch.as_tensor(c).tolist()}: a fixed value no "
+                        "parameter carries")
+    return torch.zeros((1, *input.shape))
+
+
+def zero(low, input):
+    """``aten.zero`` (functionalized ``x[:, 0].zero_()``): :func:`fill` with 0."""
+    return fill(low, input, 0)
+
+
+def copy(low, input, src, non_blocking=False):
+    """``aten.copy`` (functionalized ``x[:, :2] = y``): ``src``'s values in ``input``'s shape (an
+    activation broadcast by element moves, or the constant 0 of :func:`fill`)."""
+    if not isinstance(src, Value):
+        return fill(low, input, src)
+    shape = tuple(low.value(input).shape)
+    if tuple(src.shape) == shape:
+        return src
+    return _index(low, lambda t: t.expand(t.shape[0], *shape), (src,), {})
 
 
 def moves(fn):

@@ -39,13 +39,14 @@ def conv(low, input, weight, bias=None, stride=1, padding=0, dilation=1, groups=
 
 
 def conv_module(low, mod, input):
+    """A ConvNd; whose weight is a registered buffer: a fixed filter (as ``F.conv2d(x, buffer)``)."""
     w, b = _param(mod, low.label, "weight"), _param(mod, low.label, "bias")
     if mod.padding_mode == "zeros":
-        return low.conv(input, w, b, mod.stride, mod.padding, mod.dilation, mod.groups)
+        return conv(low, input, w, b, mod.stride, mod.padding, mod.dilation, mod.groups)
     if mod.padding_mode not in ("reflect", "replicate", "circular"):
         low.unsupported(f"padding_mode='{mod.padding_mode}'")
     padded = pad(low, input, mod._reversed_padding_repeated_twice, mod.padding_mode)
-    return low.conv(padded, w, b, mod.stride, 0, mod.dilation, mod.groups)
+    return conv(low, padded, w, b, mod.stride, 0, mod.dilation, mod.groups)
 
 
 def convolution(low, input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):

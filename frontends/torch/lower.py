@@ -66,8 +66,8 @@ def _lower_graph(model, shapes, name):
         gm = trace(model)
         interpreter = FxInterpreter(model, gm, name)
         return interpreter.run(shapes), interpreter.low, interpreter.low.clips
-    except (torch.fx.proxy.TraceError, TypeError, NotImplementedError) as fx_error:
-        if isinstance(fx_error, UnsupportedOperation):
+    except (torch.fx.proxy.TraceError, TypeError, NotImplementedError, capture_checks.WriteThroughView) as fx_error:
+        if isinstance(fx_error, UnsupportedOperation) and not isinstance(fx_error, capture_checks.WriteThroughView):
             raise
         clips: dict = {}
         return _lower_exported(model, shapes, name, fx_error, clips), None, clips  # no re-read record: re-lowered
@@ -83,6 +83,10 @@ def _lower_exported(model, shape, name, fx_error, clips):
     except UnsupportedOperation:
         raise
     except Exception as err:
+        if isinstance(fx_error, capture_checks.WriteThroughView):
+            raise UnsupportedOperation(fx_error.node, fx_error.op, fx_error.where, (
+                f"{fx_error.why}; torch.export, whose functionalized graph would give the eager semantics, "
+                f"failed ({type(err).__name__}: {err})")) from err
         raise PathirError(
             f"could not trace {name}: torch.fx failed ({type(fx_error).__name__}: {fx_error}); "
             f"torch.export failed too ({type(err).__name__}: {err})"

@@ -8,6 +8,7 @@ from .maps import (
     ChannelMap,
     Conv,
     Dense,
+    FixedConv,
     Gather,
     Identity,
     Map,
@@ -26,7 +27,7 @@ from .verify import verify
 __all__ = [
     "Param", "PointwiseKernelLayout", "Role", "SourceRef", "TransposedConvLayout",
     "Map", "MapKind", "PARAMETERIZED", "FIXED",
-    "Identity", "Reshape", "ChannelMap", "Pool", "SpatialMatrix", "Resample", "Gather", "Dense", "Conv", "Scale",
+    "Identity", "Reshape", "ChannelMap", "Pool", "SpatialMatrix", "Resample", "Gather", "FixedConv", "Dense", "Conv", "Scale",
     "pool_output_size",
     "Node", "Edge", "NodeKind", "POSITIVELY_HOMOGENEOUS",
     "Graph", "verify", "GraphBuilder",

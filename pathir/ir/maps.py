@@ -4,7 +4,8 @@ A map sends the output of its source node (shape ``(C, *spatial)``, batch left
 out) to a contribution to the pre-activation of its target node. Maps are either
 parameterized (their weights are a free :class:`Param`: ``Dense``, ``Conv``,
 ``Scale``) or fixed (constant weights: ``Identity``, ``Reshape``,
-``ChannelMap``, ``Pool``, ``SpatialMatrix``, ``Resample``, ``Gather``).
+``ChannelMap``, ``Pool``, ``SpatialMatrix``, ``Resample``, ``Gather``,
+``FixedConv``).
 
 Every map states its structure here; the arithmetic (apply, adjoint,
 weight-gradient) lives in each backend's rule table, keyed by ``MapKind``.
@@ -44,6 +45,7 @@ __all__ = [
     "SpatialMatrix",
     "Resample",
     "Gather",
+    "FixedConv",
     "Dense",
     "Conv",
     "Scale",
@@ -59,6 +61,7 @@ class MapKind(enum.Enum):
     SPATIAL_MATRIX = "spatial_matrix"
     RESAMPLE = "resample"
     GATHER = "gather"
+    FIXED_CONV = "fixed_conv"
     DENSE = "dense"
     CONV = "conv"
     SCALE = "scale"
@@ -389,6 +392,60 @@ class Gather(Map):
         src = _element_channels(tuple(in_shape))[self.index[t]]
         tgt = _element_channels(self.shape)[t]
         return _unique_pairs(src, tgt)
+
+
+@dataclass(frozen=True, eq=False)
+class FixedConv(Map):
+    """A convolution whose kernel is a constant (a buffer or a constant of the model, never a
+    free weight): ``Conv``'s semantics and geometry, the kernel (out_channels,
+    in_channels // groups, *kernel) held as an array. Per-channel and dense fixed filter banks
+    (Sobel, Gabor, fixed random features). A kernel entry exactly 0 is no edge; every other
+    entry joins its source channel and target channel by a constant edge, so
+    ``channel_ties`` ties them (one log-scale), and a rescaling never changes the kernel."""
+
+    kernel: np.ndarray
+    stride: Shape
+    padding: tuple[tuple[int, int], ...]
+    dilation: Shape
+    groups: int = 1
+    label: str = "fixed_conv"
+    kind = MapKind.FIXED_CONV
+
+    def __post_init__(self):
+        k = np.array(self.kernel, dtype=np.float64)
+        if k.ndim < 3:
+            raise ArgumentError(f"fixed conv: the kernel has shape {k.shape}, expected (out, in/groups, *kernel)")
+        k.setflags(write=False)
+        object.__setattr__(self, "kernel", k)
+
+    @property
+    def W(self) -> Param:
+        """The kernel as an unbound Param (for the convolution arithmetic the backends share with
+        ``Conv``); it is not a param of the graph: ``weight`` is None."""
+        return Param.adopt(self.label, self.kernel)
+
+    def out_shape(self, in_shape):
+        return Conv(self.W, self.stride, self.padding, self.dilation, self.groups).out_shape(in_shape)
+
+    def describe(self):
+        opts = [f"{k}={_fmt(v)}" for k, v, plain in (("s", self.stride, 1), ("p", self.padding, (0, 0)),
+                                                     ("d", self.dilation, 1)) if any(e != plain for e in v)]
+        opts += [f"g={self.groups}"] if self.groups != 1 else []
+        return f"{self.label}{_fmt(self.kernel.shape)}" + (f"({', '.join(opts)})" if opts else "")
+
+    def with_weights(self, fn, fixed_fn=None):
+        return replace(self, kernel=np.where(self.kernel != 0, (fixed_fn or fn)(self.kernel), 0.0))
+
+    def kernel_channels(self, in_shape: Shape) -> tuple[np.ndarray, np.ndarray]:
+        """For every kernel entry, its target channel and source channel (as ``Conv.weight_channels``)."""
+        return Conv(self.W, self.stride, self.padding, self.dilation, self.groups).weight_channels(in_shape)
+
+    def channel_ties(self, in_shape):
+        O, I_g = self.kernel.shape[:2]
+        nz = np.any(self.kernel.reshape(O, I_g, -1) != 0, axis=2)
+        o, i = np.nonzero(nz)
+        src = (o // (O // self.groups)) * I_g + i
+        return _unique_pairs(src, o)
 
 
 # ---------------------------------------------------------- parameterized maps

@@ -24,7 +24,7 @@ def verify(graph: Graph) -> Graph:
       6. a maxpool node has exactly one edge, a Pool without multiplier, and 1 <= k <= the
          number of in-input entries of its smallest window (padding positions are not neurons);
       7. distinct Param objects have distinct names (a shared weight is one object);
-      8. a Resample's per-axis coefficients are finite (0 is allowed: no edge);
+      8. a Resample's per-axis coefficients and a FixedConv's kernel are finite (0 is allowed: no edge);
       9. outputs name existing, non-input nodes; every non-output node feeds some node
          and every node reaches an output.
     The error message names the broken rule and prints the graph.
@@ -77,6 +77,8 @@ def _problems(graph: Graph) -> list[str]:
         for i, e in enumerate(node.edges):
             if e.map.kind is MapKind.RESAMPLE and not all(np.isfinite(a).all() for a in e.map.matrices):
                 out.append(f"{where}: edge {i} ({e.map.describe()}) has a non-finite coefficient")
+            if e.map.kind is MapKind.FIXED_CONV and not np.isfinite(e.map.kernel).all():
+                out.append(f"{where}: edge {i} ({e.map.describe()}) has a non-finite kernel entry")
         for p in node.params():
             if params.setdefault(p.name, id(p)) != id(p):
                 out.append(f"{where}: two different params are named '{p.name}'")

@@ -104,8 +104,8 @@ def _apply(m, L: np.ndarray, in_shape, q, red, comb) -> np.ndarray:
         return red(L.reshape(1, -1) + coefficient_logs(m.W.value, q, True), -1)
     if k is MapKind.SCALE:
         return L + coefficient_logs(m.W.value, q, True).reshape(-1, *([1] * (L.ndim - 1)))
-    if k is MapKind.CONV:
-        W = coefficient_logs(m.W.value, q, True)
+    if k in (MapKind.CONV, MapKind.FIXED_CONV):
+        W = coefficient_logs(m.W.value, q, k is MapKind.CONV)
         O, I_g, *kernel = W.shape
         G = m.groups
         out = m.out_shape(in_shape)[1:]
@@ -160,8 +160,8 @@ def _adjoint(m, G_: np.ndarray, in_shape, q) -> np.ndarray:
         return _lse(G_.reshape(-1, 1) + coefficient_logs(m.W.value, q, True), 0).reshape(in_shape)
     if k is MapKind.SCALE:
         return G_ + coefficient_logs(m.W.value, q, True).reshape(-1, *([1] * (G_.ndim - 1)))
-    if k is MapKind.CONV:
-        W = coefficient_logs(m.W.value, q, True)
+    if k in (MapKind.CONV, MapKind.FIXED_CONV):
+        W = coefficient_logs(m.W.value, q, k is MapKind.CONV)
         O, I_g, *kernel = W.shape
         G = m.groups
         out = G_.shape[1:]

@@ -253,6 +253,23 @@ def _log_abs(W: np.ndarray, q: float) -> np.ndarray:
         return q * np.log(np.abs(W))
 
 
+#: maps whose coefficients join source channels to other target channels entry by entry
+_CHANNEL_MIXING = frozenset({MapKind.DENSE, MapKind.CONV, MapKind.SCALE, MapKind.FIXED_CONV})
+
+
+def _mixing_parts(m, q: float, in_shape):
+    """(coefficients, their target and source channels, q log|c|): a free weight's zeros count at
+    q = 0, a fixed kernel's zeros are no edge (−inf)."""
+    if m.kind is MapKind.FIXED_CONV:
+        W = m.kernel
+        o, c = m.kernel_channels(in_shape)
+        logs = _log_abs(W, q) if q != 0 else np.where(W != 0, 0.0, -np.inf)
+        return W, o, c, logs
+    W = m.weight.value
+    o, c = m.weight_channels(in_shape)
+    return W, o, c, _log_abs(W, q)
+
+
 def _subtract(E0: np.ndarray, t: np.ndarray) -> np.ndarray:
     """E0 − t with −inf where t = −inf (the whole target is zero)."""
     dead = np.isneginf(t)
@@ -328,10 +345,9 @@ def _target_elements(m, lc_el: np.ndarray) -> np.ndarray:
 def _forward_term(be, m, x, lc, in_shape, q, cache):
     """(map applied to x ⊙ e^{lc}) as (y, lc_y), y's channels of largest entry at most ~1."""
     in_shape = tuple(in_shape)
-    if m.kind in (MapKind.DENSE, MapKind.CONV, MapKind.SCALE):
-        W = m.weight.value
-        o, c = m.weight_channels(in_shape)
-        E0 = _log_abs(W, q) + lc[c]
+    if m.kind in _CHANNEL_MIXING:
+        W, o, c, logs = _mixing_parts(m, q, in_shape)
+        E0 = logs + lc[c]
         t = E0.reshape(W.shape[0], -1).max(axis=1) if E0.size else np.full(W.shape[0], -np.inf)
         _finite_or_raise(E0, t)
         Wq = np.exp(_subtract(E0, t[o]))
@@ -357,10 +373,9 @@ def _forward_term(be, m, x, lc, in_shape, q, cache):
 def _adjoint_term(be, m, g, lcg, in_shape, q, cache):
     """(adjoint of the map applied to g ⊙ e^{lcg}) as (gx, lc_gx)."""
     in_shape = tuple(in_shape)
-    if m.kind in (MapKind.DENSE, MapKind.CONV, MapKind.SCALE):
-        W = m.weight.value
-        o, c = m.weight_channels(in_shape)
-        E0 = np.broadcast_to(_log_abs(W, q) + lcg[o], W.shape)
+    if m.kind in _CHANNEL_MIXING:
+        W, o, c, logs = _mixing_parts(m, q, in_shape)
+        E0 = np.broadcast_to(logs + lcg[o], W.shape)
         t = _by_source(E0, m, in_shape) if E0.size else np.full(in_shape[0], -np.inf)
         _finite_or_raise(E0, t)
         Wq = np.exp(_subtract(E0, t[c]))

@@ -32,6 +32,7 @@ from pathir.ir import (
     Conv,
     Dense,
     Edge,
+    FixedConv,
     Gather,
     GraphBuilder,
     Identity,
@@ -243,7 +244,8 @@ def random_graph(rng):
     shared = P("c2.w", rng.normal(size=(C, C // 2, 3, 3)) / 2)
     same = dict(stride=(1, 1), padding=((1, 1), (1, 1)), dilation=(1, 1), groups=2)
     c2 = b.relu("c2", [(c1, Conv(shared, **same)), (c1, Identity())], bias("c2.b", C))
-    c3 = b.relu("c3", [(c2, Conv(shared, **same))], bias("c3.b", C))
+    fixed = rng.normal(size=(C, C // 2, 3, 3)) * (rng.random((C, C // 2, 3, 3)) < 0.7)  # a fixed filter bank
+    c3 = b.relu("c3", [(c2, Conv(shared, **same)), (c2, FixedConv(fixed, **same))], bias("c3.b", C))
     sc = b.identity("sc", [(c3, Scale(P("sc.w", rng.normal(size=C))))], bias("sc.b", C))
     mp1_window = Pool((2, 2), (2, 2), ((0, 1), (1, 0)), (1, 1), ceil_mode=True)
     mp1 = b.maxpool("mp1", sc, mp1_window, k=1, bias=bias("mp1.b", C))
