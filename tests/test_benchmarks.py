@@ -72,3 +72,11 @@ def test_activations_benchmark_runs():
 
     row = bench_activations.bench("resnet18", batch=2, size=32, repeat=1)
     assert row["ratio_active_path_norm"] > 0 and row["ratio_active_path_metric"] > 0
+
+
+def test_penalty_benchmark_runs(capsys):
+    import bench_penalty
+
+    bench_penalty.main(["--batch", "2", "--size", "32", "--repeat", "1"])
+    out = capsys.readouterr().out
+    assert "penalised training step" in out and "ratio" in out
