@@ -7,7 +7,8 @@ backward, step. The penalised step adds ``lam * penalty()`` to the loss, ``penal
 pathir.PathNormPenalty(model, q)``: the exact gradient of the l_q path-norm (log-scaled walk,
 chained to the model's parameters), the Compiled following the model the optimizer moves. Both
 steps are timed in the same process, alternately, and the median of each is reported, with the
-penalty's own parts (its forward and backward alone).
+ratio of each pair and the penalty alone (its forward and backward after the model moved). On a
+shared machine the pairs show how much of a spread is load from elsewhere.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def run(model_name: str = "resnet18", batch: int = 32, size: int = 224, threads:
            "step_s": statistics.median(plain), "penalised_step_s": statistics.median(penalised),
            "penalty_s": statistics.median(alone)}
     out["ratio"] = out["penalised_step_s"] / out["step_s"]
+    out["pair_ratios"] = [b / a for a, b in zip(plain, penalised)]  # each penalised step over the plain one before it
     return out
 
 
@@ -85,6 +87,7 @@ def main(argv=None) -> None:
     print(f"  compile (once)          {r['compile_s']:.2f} s")
     print(f"  training step           {r['step_s']:.3f} s")
     print(f"  penalised training step {r['penalised_step_s']:.3f} s   ratio {r['ratio']:.2f}x (goal <= 1.5x)")
+    print(f"  per pair: {', '.join(f'{x:.2f}x' for x in r['pair_ratios'])} (median {statistics.median(r['pair_ratios']):.2f}x)")
     print(f"  penalty alone (after the model moved: re-read, walk, backward) {r['penalty_s']:.3f} s")
 
 
