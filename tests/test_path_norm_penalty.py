@@ -362,3 +362,19 @@ def test_penalty_holds_no_parameters_of_its_own():
     assert list(penalty.parameters()) == []
     with pytest.raises(ArgumentError, match="not compiled from"):
         pathir.PathNormPenalty(two_layer(1), q=2, compiled=penalty.compiled)
+
+
+def test_train_mode_steps_move_the_running_statistics_and_the_penalty_follows():
+    torch.manual_seed(4)
+    model = _randomise_bn(mlp_bn().double()).train()  # forwards move running stats and num_batches_tracked
+    penalty = pathir.PathNormPenalty(model, q=1.5, input_shape=(4,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x, y = torch.randn(16, 4, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64)
+    for _ in range(3):
+        opt.zero_grad()
+        (F.mse_loss(model(x), y) + 0.1 * penalty()).backward()
+        opt.step()
+        got = _grads(model, penalty())
+        ref = mlp_bn_reference(model, 1.5)  # the inference network: the running statistics as they are now
+        assert float(penalty()) == pytest.approx(float(ref), rel=1e-12)
+        _assert_grads_close(got, _grads(model, ref))
