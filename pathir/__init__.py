@@ -32,7 +32,7 @@ __all__ = [
     "ArgumentError", "ArgumentTypeError", "ArgumentKeyError",
     "PathirWarning", "NotConvergedWarning",
     "path_metric", "output_bound", "PathMetric", "optim", "nn",
-    "active_path_metric", "ActivePathMetric", "observe", "Observations",
+    "active_path_metric", "ActivePathMetric", "observe", "Observations", "PathNormPenalty",
 ]
 
 
@@ -42,4 +42,8 @@ def __getattr__(name):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)
+    if name == "PathNormPenalty":  # pathir.integrations.penalty needs torch: imported on first use
+        import importlib
+
+        return importlib.import_module(".integrations.penalty", __name__).PathNormPenalty
     raise AttributeError(f"module 'pathir' has no attribute '{name}'")

@@ -22,6 +22,7 @@ from pathir.ir import Graph, MapKind, Role
 from pathir.lifting.active import active_path_counts, active_path_norm, local_affine
 from pathir.lifting.diag_g import diag_g
 from pathir.lifting.path_norm import num_paths, path_norm, path_norms
+from pathir.lifting.path_norm_grad import check_differentiable_q, path_norm_and_grads
 from pathir.lifting.pruning import path_magnitude_scores, prune
 from pathir.lifting.walk import forward
 from pathir.passes import run_passes
@@ -129,6 +130,7 @@ class Compiled:
         self.backend = backend
         self.name = name or graph.name
         self._backends: dict = {}
+        self._coordinates = None  # the graph's params as torch functions of the model's tensors
 
     @property
     def graph(self) -> Graph:
@@ -194,6 +196,7 @@ class Compiled:
         device copies of the params. Later calls rebuild what they need."""
         self._facts = GraphFacts(self._facts.graph)
         self._backends.clear()
+        self._coordinates = None
 
     def forward(self, x, backend=None):
         """The IR's own forward R_theta(x) (float64); x of shape (B, *input shape).
@@ -202,12 +205,37 @@ class Compiled:
         out = forward(self.graph, self.get_backend(backend), x)
         return out[self.graph.outputs[0]] if len(out) == 1 else out
 
-    def path_norm(self, q: float = 1.0, log10: bool = False, backend=None) -> float:
+    def path_norm(self, q: float = 1.0, log10: bool = False, backend=None, differentiable: bool = False):
         """The l_q path-norm ||Phi(theta)||_q (docs/math.md §3), q > 0, or max_p |Phi_p| for
         q = math.inf; exact in log scale for every q and every representative of θ
-        (docs/paths.md); ``log10=True`` gives its log10 (for norms beyond 1e308)."""
+        (docs/paths.md); ``log10=True`` gives its log10 (for norms beyond 1e308).
 
+        ``differentiable=True`` (a torch model, 1 <= q < inf): a float64 torch scalar whose autograd
+        gradient with respect to the model's own parameters is exactly d||Phi||_q/dθ, batch-norms
+        folded or not, for use in a loss (docs/training.md)."""
+
+        if differentiable:
+            if log10:
+                raise ArgumentError("path_norm: differentiable=True returns the norm itself; log10 is not offered with it")
+            return self._differentiable_path_norm(q, backend)
         return path_norm(self.graph, q, self.get_backend(backend), log10)
+
+    def _differentiable_path_norm(self, q, backend):
+        q = check_differentiable_q(q)
+        if self._relower is None:
+            raise PathirError(f"{self.name}: path_norm(differentiable=True) needs a Compiled of a torch nn.Module, "
+                              "following it (not an ONNX model, a bare Graph or a snapshot)")
+        from pathir.frontends.torch.coordinates import Coordinates  # lazy: imports torch
+        from pathir.frontends.torch.differentiable import attach  # lazy: imports torch
+
+        graph = self.graph  # follows the model first
+        value, grads = path_norm_and_grads(graph, q, self.get_backend(backend))
+        if self._coordinates is None:
+            self._coordinates = Coordinates(graph, self.model, rtol=1e-12, who="path_norm(differentiable=True)")
+        coords = self._coordinates
+        values = coords.values(coords.read(live=True))
+        coords.check(graph, values, 1e-12, "path_norm(differentiable=True)")
+        return attach(value, values, grads)
 
     def path_norms(self, qs: Iterable[float] = (1, 2, 4), log10: bool = False, backend=None) -> dict[float, float]:
         return path_norms(self.graph, qs, self.get_backend(backend), log10)

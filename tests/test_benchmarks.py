@@ -83,3 +83,11 @@ def test_equalize_digits_benchmark_runs(capsys):
     kept = [r for r in rows if r["side"] != "pathir-absorb"]  # bias absorption is not exact
     assert all(0 <= r["W8"] <= 1 and r["float"] == rows[0]["float"] for r in kept)  # equalizing keeps the function
     assert "| not equalized |" in capsys.readouterr().out
+
+
+def test_penalty_benchmark_runs(capsys):
+    import bench_penalty
+
+    bench_penalty.main(["--batch", "2", "--size", "32", "--repeat", "1"])
+    out = capsys.readouterr().out
+    assert "penalised training step" in out and "ratio" in out

@@ -25,185 +25,24 @@ statistics), the network pathir lowers; in train mode the batch statistics make
 the function input-dependent, but rescalings still act on it the same way
 (written onto γ and β), so the equivariance above still holds.
 A pruned parameter (``torch.nn.utils.prune``) is stepped through its
-``weight_orig``; its mask is a constant factor.
+``weight_orig``; its mask is a constant factor. The graph as a function of the
+model's tensors is ``pathir.frontends.torch.coordinates``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import numpy as np
 import torch
 
 from pathir.errors import ArgumentError, PathirError, PathNormOverflow
-from pathir.ir import Graph, Param, Role
+from pathir.frontends.torch.coordinates import Coordinates
 from pathir.lifting.diag_g import diag_g_log_parts
 
 __all__ = ["PathSGD"]
 
 _LOG_MAX = math.log(np.finfo(np.float64).max)
-
-
-class _Leaf:
-    """A model tensor by source name: the parameter to step (or None for a
-    buffer), the tensor to read (float64), a constant mask (pruned) or None."""
-
-    def __init__(self, model: torch.nn.Module, name: str):
-        params = dict(model.named_parameters())
-        buffers = dict(model.named_buffers())
-        self.name, self.mask = name, None
-        if name in params:
-            self.param_name = name
-        elif name + "_orig" in params and name + "_mask" in buffers:
-            self.param_name, self.mask = name + "_orig", name + "_mask"
-        elif name in buffers:
-            self.param_name = None
-        else:
-            raise PathirError(f"PathSGD: source tensor '{name}' is neither a parameter nor a buffer of the model")
-
-    def read(self, model: torch.nn.Module) -> torch.Tensor:
-        t = model.get_parameter(self.param_name) if self.param_name else model.get_buffer(self.name)
-        t = t.detach().to(torch.float64)
-        return t * model.get_buffer(self.mask).to(torch.float64) if self.mask else t
-
-
-class _Recipe:
-    """One graph param as a torch function of model tensors: ``fn({name: tensor})``,
-    each entry of the result depending on at most one entry of each tensor."""
-
-    def __init__(self, param: Param, leaves: list[str], fn: Callable):
-        self.param, self.leaves, self.fn = param, leaves, fn
-
-
-def _value_ref(p: Param):
-    refs = [r for r in p.sources if r.role is Role.VALUE]
-    if len(refs) != 1:
-        raise PathirError(f"PathSGD: param '{p.name}' has {len(refs)} VALUE source tensors, expected one")
-    return refs[0]
-
-
-def _batchnorm(model, p: Param):
-    """(module path, module) of the batch-norm behind a param's OUT_SCALE refs."""
-    paths = {r.name.rpartition(".")[0] for r in p.sources if r.role is Role.OUT_SCALE}
-    if len(paths) != 1:
-        raise PathirError(f"PathSGD: param '{p.name}' is scaled by {sorted(paths)}, expected one batch-norm")
-    path = paths.pop()
-    bn = model.get_submodule(path)
-    if getattr(bn, "running_var", None) is None or getattr(bn, "running_mean", None) is None:
-        raise PathirError(f"PathSGD: '{path}' has no running statistics")
-    return path, bn
-
-
-def _threshold(p: Param, model: torch.nn.Module) -> _Recipe:
-    """A clipped ReLU's threshold param (−t per channel): read from its buffer, else a constant (a number
-    in an nn.ReLU6 / nn.Hardtanh or a call); not a parameter, so PathSGD never steps it."""
-    name = next(r.name for r in p.sources if r.role is Role.CLIP_THRESHOLD)
-    if name in dict(model.named_buffers()):
-        return _Recipe(p, [name], lambda t, name=name, s=p.shape: -torch.broadcast_to(t[name].reshape(-1), s))
-    return _Recipe(p, [], lambda t, v=torch.as_tensor(p.value): v.clone())
-
-
-def _is_threshold(p: Param) -> bool:
-    return any(r.role is Role.CLIP_THRESHOLD for r in p.sources)
-
-
-def _recipes(graph: Graph, model: torch.nn.Module) -> list[_Recipe]:
-    biases = {id(n.bias): n for n in graph.nodes if n.bias is not None}
-    value_names = {_value_ref(p).name for p in graph.params() if not _is_threshold(p)}
-    out = []
-    for p in graph.params():
-        if _is_threshold(p):
-            out.append(_threshold(p, model))
-            continue
-        ref = _value_ref(p)
-        roles = {r.role for r in p.sources}
-        shape = p.shape
-        if roles == {Role.VALUE}:
-            out.append(_Recipe(p, [ref.name], lambda t, ref=ref, s=shape: ref.from_source(t[ref.name]).reshape(s)))
-            continue
-        path, bn = _batchnorm(model, p)
-        g_name, b_name, m_name, v_name = (f"{path}.{a}" for a in ("weight", "bias", "running_mean", "running_var"))
-        eps = float(bn.eps)
-
-        def c_of(t, g_name=g_name, v_name=v_name, eps=eps):
-            return t[g_name] / torch.sqrt(t[v_name] + eps)
-
-        if Role.IN_STATS in roles:  # an unfolded batch-norm scale: c itself
-            out.append(_Recipe(p, [g_name, v_name], lambda t, c_of=c_of, s=shape: c_of(t).reshape(s)))
-        elif id(p) in biases:  # β − μc (+ c · the biases of the layers folded into it)
-            convs = []
-            for e in biases[id(p)].edges:
-                w = e.map.weight
-                if w is None or not any(r.role is Role.OUT_SCALE and r.name.startswith(path + ".") for r in w.sources):
-                    continue
-                owner = _value_ref(w).name.rpartition(".")[0]
-                name = f"{owner}.bias" if owner else "bias"
-                bias = getattr(model.get_submodule(owner), "bias", None)
-                if isinstance(bias, torch.Tensor) and name not in value_names:
-                    convs.append(name)
-
-            def fn(t, c_of=c_of, b_name=b_name, m_name=m_name, convs=tuple(convs), s=shape):
-                c = c_of(t)
-                extra = sum((t[n] for n in convs), torch.zeros_like(c))
-                return (t[b_name] - t[m_name] * c + c * extra).reshape(s)
-
-            out.append(_Recipe(p, [b_name, g_name, m_name, v_name, *convs], fn))
-        else:  # a weight folded with the batch-norm after it: W · c per output channel
-            def fn(t, ref=ref, c_of=c_of, s=shape):
-                w = ref.from_source(t[ref.name]).reshape(s)
-                return w * c_of(t).reshape(-1, *([1] * (len(s) - 1)))
-
-            out.append(_Recipe(p, [ref.name, g_name, v_name], fn))
-    return out
-
-
-class _Coordinates:
-    """The compiled graph as a function of the model's tensors, and diag G pulled back to them."""
-
-    def __init__(self, graph: Graph, model: torch.nn.Module):
-        self.graph, self.model = graph, model
-        self.recipes = _recipes(graph, model)
-        names = {n for r in self.recipes for n in r.leaves}
-        self.leaves = {n: _Leaf(model, n) for n in sorted(names)}
-        tensors = self.read()
-        for r in self.recipes:  # the recipes must rebuild the compiled graph
-            value = r.fn(tensors).numpy()
-            scale = max(float(np.abs(r.param.value).max(initial=0)), 1e-300)
-            if value.shape != r.param.shape or np.abs(value - r.param.value).max(initial=0) > 1e-6 * scale:
-                raise PathirError(
-                    f"PathSGD cannot rebuild param '{r.param.name}' ({r.param.how or r.param.name}) "
-                    "from the model's tensors: was the model changed after compiling?"
-                )
-
-    def read(self) -> dict[str, torch.Tensor]:
-        return {n: leaf.read(self.model).cpu() for n, leaf in self.leaves.items()}
-
-    def current_graph(self, tensors) -> Graph:
-        values = {id(r.param): r.fn(tensors).numpy() for r in self.recipes}
-        return self.graph.map_params(lambda p: Param.adopt(p.name, values[id(p)].copy(), p.sources, p.how))
-
-    def pull_back(self, tensors, g: list[np.ndarray]) -> dict[str, torch.Tensor]:
-        """{model parameter name: Σ over graph params j of (∂θ_j/∂θ_model)² g_j}."""
-        out: dict[str, torch.Tensor] = {}
-        for r, gj in zip(self.recipes, g):
-            gj = torch.as_tensor(gj, dtype=torch.float64)
-            for name in r.leaves:
-                leaf = self.leaves[name]
-                if leaf.param_name is None:
-                    continue
-                x = tensors[name]
-
-                def f(v, name=name, r=r):
-                    return r.fn({**tensors, name: v})
-
-                _, slope = torch.func.jvp(f, (x,), (torch.ones_like(x),))  # ∂θ_j/∂x, one x entry per j
-                _, vjp = torch.func.vjp(f, x)
-                (contrib,) = vjp(gj * slope)
-                if leaf.mask:
-                    contrib = contrib * self.model.get_buffer(leaf.mask).to(torch.float64).cpu()
-                out[leaf.param_name] = out[leaf.param_name] + contrib if leaf.param_name in out else contrib
-        return out
 
 
 class PathSGD(torch.optim.Optimizer):
@@ -263,7 +102,7 @@ class PathSGD(torch.optim.Optimizer):
             )
         super().__init__(params, dict(lr=lr, momentum=momentum))
         self.compiled, self.k, self.backend = compiled, int(k), backend
-        self._coords = _Coordinates(compiled.graph, model)
+        self._coords = Coordinates(compiled.graph, model)
         self._names = {id(t): n for n, t in model.named_parameters()}
         reached = {leaf.param_name for leaf in self._coords.leaves.values() if leaf.param_name}
         for group in self.param_groups:

@@ -1,0 +1,210 @@
+"""The compiled graph's params as torch functions of the model's own tensors.
+
+A torch model's graph param is its source tensor (in the param's layout), or, for a folded
+batch-norm (docs/math.md; ``passes/fold_batchnorm.py``), a product of them:
+
+- a weight folded with the batch-norm after it: W' = W · c per output channel, c = γ/√(var + eps);
+- the bias of a folded batch-norm: b' = β − μc + c · (the biases of the layers folded into it);
+- an unfolded batch-norm scale: c; a clipped ReLU's threshold: −t (a buffer or a constant).
+
+``Coordinates`` builds one torch function per param (``ParamRecipe``), checks at construction that
+they rebuild the compiled graph, and evaluates them on detached copies (Path-SGD's diag G pulled
+back to the model's coordinates) or on the live tensors, with autograd (the differentiable
+path-norm, ``pathir.frontends.torch.differentiable``). Each entry of a param depends on at most
+one entry of each tensor it reads. A pruned parameter (``torch.nn.utils.prune``) is read through
+its ``weight_orig``, its mask a constant factor.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from pathir.errors import PathirError
+from pathir.ir import Graph, Param, Role
+
+__all__ = ["Leaf", "ParamRecipe", "graph_recipes", "Coordinates", "value_ref", "batchnorm_of", "is_threshold"]
+
+
+class Leaf:
+    """A model tensor by source name: the parameter to step (or None for a
+    buffer), the tensor to read (float64), a constant mask (pruned) or None."""
+
+    def __init__(self, model: torch.nn.Module, name: str):
+        params = dict(model.named_parameters())
+        buffers = dict(model.named_buffers())
+        self.name, self.mask = name, None
+        if name in params:
+            self.param_name = name
+        elif name + "_orig" in params and name + "_mask" in buffers:
+            self.param_name, self.mask = name + "_orig", name + "_mask"
+        elif name in buffers:
+            self.param_name = None
+        else:
+            raise PathirError(f"source tensor '{name}' is neither a parameter nor a buffer of the model")
+
+    def read(self, model: torch.nn.Module, live: bool = False) -> torch.Tensor:
+        """The tensor in float64: detached, or ``live`` (autograd reaches the model's parameter)."""
+        t = model.get_parameter(self.param_name) if self.param_name else model.get_buffer(self.name)
+        t = t.to(torch.float64) if live else t.detach().to(torch.float64)
+        return t * model.get_buffer(self.mask).to(torch.float64) if self.mask else t
+
+
+class ParamRecipe:
+    """One graph param as a torch function of model tensors: ``fn({name: tensor})``,
+    each entry of the result depending on at most one entry of each tensor."""
+
+    def __init__(self, param: Param, leaves: list[str], fn: Callable):
+        self.param, self.leaves, self.fn = param, leaves, fn
+
+
+def value_ref(p: Param):
+    refs = [r for r in p.sources if r.role is Role.VALUE]
+    if len(refs) != 1:
+        raise PathirError(f"param '{p.name}' has {len(refs)} VALUE source tensors, expected one")
+    return refs[0]
+
+
+def batchnorm_of(model, p: Param):
+    """(module path, module) of the batch-norm behind a param's OUT_SCALE refs."""
+    paths = {r.name.rpartition(".")[0] for r in p.sources if r.role is Role.OUT_SCALE}
+    if len(paths) != 1:
+        raise PathirError(f"param '{p.name}' is scaled by {sorted(paths)}, expected one batch-norm")
+    path = paths.pop()
+    bn = model.get_submodule(path)
+    if getattr(bn, "running_var", None) is None or getattr(bn, "running_mean", None) is None:
+        raise PathirError(f"'{path}' has no running statistics")
+    return path, bn
+
+
+def threshold_recipe(p: Param, model: torch.nn.Module) -> ParamRecipe:
+    """A clipped ReLU's threshold param (−t per channel): read from its buffer, else a constant (a number
+    in an nn.ReLU6 / nn.Hardtanh or a call); not a parameter, so no optimizer steps it."""
+    name = next(r.name for r in p.sources if r.role is Role.CLIP_THRESHOLD)
+    if name in dict(model.named_buffers()):
+        return ParamRecipe(p, [name], lambda t, name=name, s=p.shape: -torch.broadcast_to(t[name].reshape(-1), s))
+    return ParamRecipe(p, [], lambda t, v=torch.as_tensor(p.value): v.clone())
+
+
+def is_threshold(p: Param) -> bool:
+    return any(r.role is Role.CLIP_THRESHOLD for r in p.sources)
+
+
+def graph_recipes(graph: Graph, model: torch.nn.Module) -> list[ParamRecipe]:
+    biases = {id(n.bias): n for n in graph.nodes if n.bias is not None}
+    value_names = {value_ref(p).name for p in graph.params() if not is_threshold(p)}
+    out = []
+    for p in graph.params():
+        if is_threshold(p):
+            out.append(threshold_recipe(p, model))
+            continue
+        ref = value_ref(p)
+        roles = {r.role for r in p.sources}
+        shape = p.shape
+        if roles == {Role.VALUE}:
+            out.append(ParamRecipe(p, [ref.name], lambda t, ref=ref, s=shape: ref.from_source(t[ref.name]).reshape(s)))
+            continue
+        path, bn = batchnorm_of(model, p)
+        g_name, b_name, m_name, v_name = (f"{path}.{a}" for a in ("weight", "bias", "running_mean", "running_var"))
+        eps = float(bn.eps)
+
+        def c_of(t, g_name=g_name, v_name=v_name, eps=eps):
+            return t[g_name] / torch.sqrt(t[v_name] + eps)
+
+        if Role.IN_STATS in roles:  # an unfolded batch-norm scale: c itself
+            out.append(ParamRecipe(p, [g_name, v_name], lambda t, c_of=c_of, s=shape: c_of(t).reshape(s)))
+        elif id(p) in biases:  # β − μc (+ c · the biases of the layers folded into it)
+            convs = []
+            for e in biases[id(p)].edges:
+                w = e.map.weight
+                if w is None or not any(r.role is Role.OUT_SCALE and r.name.startswith(path + ".") for r in w.sources):
+                    continue
+                owner = value_ref(w).name.rpartition(".")[0]
+                name = f"{owner}.bias" if owner else "bias"
+                bias = getattr(model.get_submodule(owner), "bias", None)
+                if isinstance(bias, torch.Tensor) and name not in value_names:
+                    convs.append(name)
+
+            def fn(t, c_of=c_of, b_name=b_name, m_name=m_name, convs=tuple(convs), s=shape):
+                c = c_of(t)
+                extra = sum((t[n] for n in convs), torch.zeros_like(c))
+                return (t[b_name] - t[m_name] * c + c * extra).reshape(s)
+
+            out.append(ParamRecipe(p, [b_name, g_name, m_name, v_name, *convs], fn))
+        else:  # a weight folded with the batch-norm after it: W · c per output channel
+            def fn(t, ref=ref, c_of=c_of, s=shape):
+                w = ref.from_source(t[ref.name]).reshape(s)
+                return w * c_of(t).reshape(-1, *([1] * (len(s) - 1)))
+
+            out.append(ParamRecipe(p, [ref.name, g_name, v_name], fn))
+    return out
+
+
+class Coordinates:
+    """The compiled graph as a function of the model's tensors, and diag G pulled back to them.
+
+    ``values(tensors)[j]`` is ``graph.params()[j]`` computed in torch from ``tensors`` (``read()``);
+    built once per graph structure, it holds for every later value of the model's tensors."""
+
+    def __init__(self, graph: Graph, model: torch.nn.Module, rtol: float = 1e-6, who: str = "PathSGD"):
+        self.graph, self.model = graph, model
+        self.recipes = graph_recipes(graph, model)
+        names = {n for r in self.recipes for n in r.leaves}
+        self.leaves = {n: Leaf(model, n) for n in sorted(names)}
+        with torch.no_grad():
+            self.check(graph, self.values(self.read()), rtol, who)  # the recipes must rebuild the compiled graph
+
+    def read(self, live: bool = False) -> dict[str, torch.Tensor]:
+        """{source name: float64 tensor}: detached copies on the CPU, or ``live`` (on the tensors'
+        devices, autograd reaching the model's parameters)."""
+        if live:
+            return {n: leaf.read(self.model, live=True) for n, leaf in self.leaves.items()}
+        return {n: leaf.read(self.model).cpu() for n, leaf in self.leaves.items()}
+
+    def values(self, tensors) -> list[torch.Tensor]:
+        """Every param of the graph (``graph.params()`` order) as a torch function of ``tensors``."""
+        return [r.fn(tensors) for r in self.recipes]
+
+    def check(self, graph: Graph, values, rtol: float, who: str) -> None:
+        """PathirError naming the first param of ``graph`` (same structure) that ``values`` does not
+        rebuild to ``rtol`` of its largest entry."""
+        params = graph.params()
+        if len(params) != len(values):
+            raise PathirError(f"{who}: the graph has {len(params)} params, the model's tensors give {len(values)}")
+        for p, v in zip(params, values):
+            ref = torch.as_tensor(p.value).to(v.device)
+            scale = float(ref.abs().max()) if ref.numel() else 0.0
+            off = float((v.detach() - ref).abs().max()) if ref.numel() and tuple(v.shape) == p.shape else 0.0
+            if tuple(v.shape) != p.shape or not off <= rtol * max(scale, 1e-300):
+                raise PathirError(
+                    f"{who} cannot rebuild param '{p.name}' ({p.how or p.name}) from the model's tensors: "
+                    "was the model changed after compiling?"
+                )
+
+    def current_graph(self, tensors) -> Graph:
+        values = {id(r.param): r.fn(tensors).numpy() for r in self.recipes}
+        return self.graph.map_params(lambda p: Param.adopt(p.name, values[id(p)].copy(), p.sources, p.how))
+
+    def pull_back(self, tensors, g: list[np.ndarray]) -> dict[str, torch.Tensor]:
+        """{model parameter name: Σ over graph params j of (∂θ_j/∂θ_model)² g_j}."""
+        out: dict[str, torch.Tensor] = {}
+        for r, gj in zip(self.recipes, g):
+            gj = torch.as_tensor(gj, dtype=torch.float64)
+            for name in r.leaves:
+                leaf = self.leaves[name]
+                if leaf.param_name is None:
+                    continue
+                x = tensors[name]
+
+                def f(v, name=name, r=r):
+                    return r.fn({**tensors, name: v})
+
+                _, slope = torch.func.jvp(f, (x,), (torch.ones_like(x),))  # ∂θ_j/∂x, one x entry per j
+                _, vjp = torch.func.vjp(f, x)
+                (contrib,) = vjp(gj * slope)
+                if leaf.mask:
+                    contrib = contrib * self.model.get_buffer(leaf.mask).to(torch.float64).cpu()
+                out[leaf.param_name] = out[leaf.param_name] + contrib if leaf.param_name in out else contrib
+        return out

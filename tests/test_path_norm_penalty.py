@@ -1,0 +1,380 @@
+"""The differentiable path-norm (``cm.path_norm(q, differentiable=True)``, ``pathir.PathNormPenalty``)
+against definitions: path enumeration with autograd and finite differences on random DAGs, and on
+torch models an independent forward of the path-norm network (docs/math.md §3: every weight and
+bias, batch-norms folded, replaced by |w|^q, ReLUs removed, a max-pool the sum of its window, input
+ones, outputs summed) differentiated by autograd; a training step against its closed form."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from enumerated import path_factors
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import pathir
+from pathir.errors import ArgumentError, PathirError
+from pathir.lifting.path_norm_grad import path_norm_and_grads
+from pathir.neurons.paths import enumerate_path_norm
+from pathir.testing import relu_dags
+
+QS = [1.0, 1.5, 2.0, 3.0]
+
+
+# ----------------------------------------------------------------------------- random DAGs
+
+
+def enumerated_norm(theta: torch.Tensor, factors, q: float) -> torch.Tensor:
+    """(Σ_p |const_p|^q Π_{i ∈ p} |θ_i|^q)^{1/q}: the definition, differentiable in θ."""
+    total = theta.new_zeros(())
+    for const, free in factors:
+        term = theta.new_tensor(abs(const) ** q)
+        for i, _ in free:
+            term = term * theta[i].abs() ** q
+        total = total + term
+    return total ** (1.0 / q)
+
+
+def _flat(graph):
+    return np.concatenate([p.value.reshape(-1) for p in graph.params()]) if graph.params() else np.zeros(0)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@settings(max_examples=60, deadline=None)
+@given(graph=relu_dags(), q=st.sampled_from(QS))
+def test_gradient_equals_autograd_through_enumerated_paths(backend, graph, q):
+    factors, _ = path_factors(graph)
+    theta = torch.tensor(_flat(graph), dtype=torch.float64, requires_grad=True)
+    ref = enumerated_norm(theta, factors, q)
+    value, grads = path_norm_and_grads(graph, q, pathir.backends.get_backend(backend))
+    assert value == pytest.approx(float(ref), rel=1e-10, abs=1e-300)
+    if float(ref) == 0.0 or not ref.requires_grad:  # the norm's minimum, or no params
+        assert all(not g.any() for g in grads)
+        return
+    (expected,) = torch.autograd.grad(ref, theta)
+    got = np.concatenate([g.reshape(-1) for g in grads]) if grads else np.zeros(0)
+    np.testing.assert_allclose(got, expected.numpy(), rtol=1e-9, atol=1e-12 * float(expected.abs().max()))
+
+
+@settings(max_examples=25, deadline=None)
+@given(graph=relu_dags(max_depth=3), q=st.sampled_from(QS), seed=st.integers(0, 2**16))
+def test_gradient_equals_finite_differences_of_enumeration(graph, q, seed):
+    params = graph.params()
+    sizes = [p.size for p in params]
+    if not sum(sizes):
+        return
+    _, grads = path_norm_and_grads(graph, q, "numpy")
+    flat_grad = np.concatenate([g.reshape(-1) for g in grads])
+    rng = np.random.default_rng(seed)
+    theta = _flat(graph)
+    for k in rng.choice(theta.size, size=min(4, theta.size), replace=False):
+        if abs(theta[k]) < 1e-2:  # |θ|^q is not smooth at 0
+            continue
+        h = 1e-6 * abs(theta[k])
+
+        def norm_at(delta):
+            t = theta.copy()
+            t[k] += delta
+            it = iter(np.split(t, np.cumsum(sizes)[:-1]))
+            return enumerate_path_norm(graph.map_params(lambda p: p.with_value(next(it).reshape(p.shape))), q)
+
+        fd = (norm_at(h) - norm_at(-h)) / (2 * h)
+        assert flat_grad[k] == pytest.approx(fd, rel=1e-5, abs=1e-7 * max(1.0, np.abs(flat_grad).max()))
+
+
+# ----------------------------------------------------------------------------- torch models
+
+
+def _folded(conv_weight, conv_bias, bn):
+    """W·γ/σ and (b − μ)·γ/σ + β: the inference batch-norm folded into the layer before it."""
+    s = bn.weight / torch.sqrt(bn.running_var + bn.eps)
+    b = conv_bias if conv_bias is not None else torch.zeros_like(bn.bias)
+    return conv_weight * s.reshape(-1, *([1] * (conv_weight.dim() - 1))), (b - bn.running_mean) * s + bn.bias
+
+
+def _randomise_bn(model, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.running_mean.copy_(torch.randn(m.num_features, generator=gen) * 0.5)
+                m.running_var.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
+                m.weight.copy_(torch.randn(m.num_features, generator=gen))
+                m.bias.copy_(torch.randn(m.num_features, generator=gen))
+    return model
+
+
+class SmallCNN(nn.Module):
+    """BN on the input (not foldable: an identity-neuron layer), conv+BN (folded), a residual add,
+    an average pool, a max-pool and a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn0 = nn.BatchNorm2d(2)
+        self.conv1 = nn.Conv2d(2, 3, 3, padding=1, bias=True)
+        self.bn1 = nn.BatchNorm2d(3)
+        self.conv2 = nn.Conv2d(3, 3, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(3)
+        self.fc = nn.Linear(3 * 3 * 3, 4)
+
+    def forward(self, x):
+        h = F.relu(self.bn1(self.conv1(self.bn0(x))))
+        h = F.relu(self.bn2(self.conv2(h)) + h)
+        h = F.max_pool2d(F.avg_pool2d(h, 2), 2, padding=1)
+        return self.fc(h.flatten(1))
+
+
+def small_cnn_reference(m: SmallCNN, q: float) -> torch.Tensor:
+    """‖Φ‖_q of SmallCNN by its path-norm network, autograd-differentiable in m's parameters."""
+    p = lambda t: t.abs() ** q  # noqa: E731
+    s0 = m.bn0.weight / torch.sqrt(m.bn0.running_var + m.bn0.eps)
+    c0 = m.bn0.bias - m.bn0.running_mean * s0
+    h = torch.ones(1, 2, 8, 8, dtype=torch.float64)
+    h = p(s0).reshape(1, -1, 1, 1) * h + p(c0).reshape(1, -1, 1, 1)
+    w1, b1 = _folded(m.conv1.weight, m.conv1.bias, m.bn1)
+    h = F.conv2d(h, p(w1), p(b1), padding=1)
+    w2, b2 = _folded(m.conv2.weight, None, m.bn2)
+    h = F.conv2d(h, p(w2), p(b2), padding=1) + h
+    h = F.avg_pool2d(h, 2) * 4 * 0.25**q  # each input of the window by the fixed weight 1/4
+    h = F.avg_pool2d(h, 2, padding=1, count_include_pad=True) * 4  # max-pool: the sum of its window
+    out = F.linear(h.flatten(1), p(m.fc.weight), p(m.fc.bias))
+    return out.sum() ** (1.0 / q)
+
+
+def mlp_bn():
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+
+
+def mlp_bn_reference(m, q: float) -> torch.Tensor:
+    p = lambda t: t.abs() ** q  # noqa: E731
+    w, b = _folded(m[0].weight, m[0].bias, m[1])
+    h = p(w) @ torch.ones(4, dtype=torch.float64) + p(b)
+    h = p(m[3].weight) @ h + p(m[3].bias)
+    return (p(m[5].weight) @ h + p(m[5].bias)).sum() ** (1.0 / q)
+
+
+def _grads(model, scalar):
+    model.zero_grad()
+    scalar.backward()
+    return {n: t.grad.detach().clone() for n, t in model.named_parameters()}
+
+
+def _assert_grads_close(got, expected, rtol=1e-10):
+    assert got.keys() == expected.keys()
+    for name in expected:
+        scale = float(expected[name].abs().max())
+        assert float((got[name] - expected[name]).abs().max()) <= rtol * max(scale, 1e-300), name
+
+
+@pytest.mark.parametrize("q", QS)
+@pytest.mark.parametrize("build, reference, shape", [(mlp_bn, mlp_bn_reference, (4,)),
+                                                      (SmallCNN, small_cnn_reference, (2, 8, 8))])
+def test_gradient_in_model_coordinates_equals_autograd_through_the_path_norm_network(q, build, reference, shape):
+    torch.manual_seed(1)
+    model = _randomise_bn(build().double()).eval()
+    cm = pathir.compile(model, input_shape=shape)
+    penalty = cm.path_norm(q, differentiable=True)
+    assert penalty.dtype == torch.float64 and penalty.dim() == 0
+    got = _grads(model, penalty)
+    ref = reference(model, q)
+    assert float(penalty) == pytest.approx(float(ref), rel=1e-12)
+    _assert_grads_close(got, _grads(model, ref))
+    assert got["bn1.weight" if build is SmallCNN else "1.weight"].abs().max() > 0  # γ gets its share
+
+
+def test_gradient_equals_finite_differences_in_model_coordinates():
+    torch.manual_seed(2)
+    model = _randomise_bn(SmallCNN().double()).eval()
+    cm = pathir.compile(model, input_shape=(2, 8, 8))
+    got = _grads(model, cm.path_norm(2, differentiable=True))
+    gen = torch.Generator().manual_seed(0)
+    for name, t in model.named_parameters():
+        for k in torch.randint(0, t.numel(), (2,), generator=gen).tolist():
+            h = 1e-6 * max(abs(float(t.view(-1)[k])), 1e-2)
+            values = []
+            for delta in (h, -h):
+                with torch.no_grad():
+                    t.view(-1)[k] += delta
+                values.append(cm.path_norm(2))  # the Compiled follows the edit
+                with torch.no_grad():
+                    t.view(-1)[k] -= delta
+            fd = (values[0] - values[1]) / (2 * h)
+            assert float(got[name].view(-1)[k]) == pytest.approx(fd, rel=1e-5, abs=1e-8), (name, k)
+
+
+def resnet18_reference(m, q: float, size: int) -> torch.Tensor:
+    """‖Φ‖_q of a torchvision resnet18 by its path-norm network (written for BasicBlock resnets)."""
+    p = lambda t: t.abs() ** q  # noqa: E731
+
+    def conv_bn(conv, bn, h):
+        w, b = _folded(conv.weight, conv.bias, bn)
+        return F.conv2d(h, p(w), p(b), stride=conv.stride, padding=conv.padding)
+
+    h = conv_bn(m.conv1, m.bn1, torch.ones(1, 3, size, size, dtype=torch.float64))
+    h = F.avg_pool2d(h, 3, 2, 1, count_include_pad=True) * 9  # max-pool: the sum of its window
+    for layer in (m.layer1, m.layer2, m.layer3, m.layer4):
+        for block in layer:
+            out = conv_bn(block.conv2, block.bn2, conv_bn(block.conv1, block.bn1, h))
+            h = out + (conv_bn(block.downsample[0], block.downsample[1], h) if block.downsample is not None else h)
+    hw = h.shape[2] * h.shape[3]
+    h = h.sum((2, 3)) * (1.0 / hw) ** q
+    return F.linear(h, p(m.fc.weight), p(m.fc.bias)).sum() ** (1.0 / q)
+
+
+def test_resnet18_gradient_equals_autograd_through_its_path_norm_network():
+    from pathir.app import zoo
+
+    model = zoo.build("resnet18").double()
+    penalty = pathir.PathNormPenalty(model, q=2, input_shape=(3, 32, 32))
+    got = _grads(model, penalty())
+    ref = resnet18_reference(model, 2.0, 32)
+    assert float(penalty()) == pytest.approx(float(ref), rel=1e-10)
+    _assert_grads_close(got, _grads(model, ref), rtol=1e-9)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def two_layer(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1)).double()
+
+
+def closed_form_grads(net, q: float) -> dict:
+    """d‖Φ‖_q of f(x) = v·relu(Wx + b) + c, S = Σ_j |v_j|^q (Σ_i |W_ji|^q + |b_j|^q) + |c|^q, by hand."""
+    W, b, v, c = (t.detach() for t in (net[0].weight, net[0].bias, net[2].weight[0], net[2].bias))
+    a = W.abs() ** q
+    inner = a.sum(1) + b.abs() ** q
+    S = float((v.abs() ** q * inner).sum() + c.abs() ** q)
+    outer = S ** (1.0 / q - 1.0)  # d S^{1/q} = S^{1/q - 1} / q · dS, dS/dθ = q |θ|^{q-1} sign θ · (...)
+    return {
+        "0.weight": outer * (v.abs() ** q)[:, None] * W.abs() ** (q - 1) * W.sign(),
+        "0.bias": outer * v.abs() ** q * b.abs() ** (q - 1) * b.sign(),
+        "2.weight": (outer * inner * v.abs() ** (q - 1) * v.sign())[None, :],
+        "2.bias": outer * c.abs() ** (q - 1) * c.sign(),
+    }
+
+
+@pytest.mark.parametrize("q", [1.0, 2.0])
+def test_a_training_step_equals_its_closed_form_on_a_two_layer_net(q):
+    net = two_layer()
+    penalty = pathir.PathNormPenalty(net, q=q, input_shape=(3,))
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    lr, lam = 0.1, 0.5
+    opt = torch.optim.SGD(net.parameters(), lr=lr)
+    for _ in range(3):
+        before = {n: t.detach().clone() for n, t in net.named_parameters()}
+        data_grads = _grads(net, F.mse_loss(net(x), y))
+        pen = closed_form_grads(net, q)
+        opt.zero_grad()
+        (F.mse_loss(net(x), y) + lam * penalty()).backward()
+        opt.step()
+        for n, t in net.named_parameters():
+            expected = before[n] - lr * (data_grads[n] + lam * pen[n])
+            torch.testing.assert_close(t.detach(), expected, rtol=1e-12, atol=1e-14)
+
+
+def test_follows_the_live_model_across_optimizer_steps_without_compiling_again(monkeypatch):
+    from pathir.frontends.torch.interpreter import FxInterpreter
+
+    torch.manual_seed(3)
+    model = _randomise_bn(mlp_bn().double()).eval()
+    penalty = pathir.PathNormPenalty(model, q=2, input_shape=(4,))
+    lowerings, run = [], FxInterpreter.run
+    monkeypatch.setattr(FxInterpreter, "run", lambda self, *a, **k: lowerings.append(1) or run(self, *a, **k))
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    x, y = torch.randn(16, 4, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64)
+    values = []
+    for _ in range(4):
+        opt.zero_grad()
+        p = penalty()
+        got = _grads(model, p)
+        ref = mlp_bn_reference(model, 2.0)
+        assert float(p) == pytest.approx(float(ref), rel=1e-12)
+        _assert_grads_close(got, _grads(model, ref))
+        values.append(float(p))
+        opt.zero_grad()
+        (F.mse_loss(model(x), y) + 0.1 * penalty()).backward()
+        opt.step()
+    assert len(set(values)) == len(values)  # the model moved, and the penalty with it
+    assert not lowerings  # values re-read, never traced again
+
+
+def test_a_float32_model_gets_the_exact_gradient_in_float32():
+    import copy
+
+    net = two_layer().float()
+    penalty = pathir.PathNormPenalty(net, q=2, input_shape=(3,))
+    loss = net(torch.randn(4, 3)).pow(2).mean() + penalty()
+    assert loss.dtype == torch.float64
+    got = _grads(net, penalty())
+    expected = closed_form_grads(copy.deepcopy(net).double(), 2.0)  # the float32 values, in float64
+    for n, g in got.items():
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, expected[n].float(), rtol=0, atol=0)  # the float64 gradient, rounded once
+
+
+def test_a_float32_model_trains_with_the_penalty():
+    net = two_layer().float()
+    penalty = pathir.PathNormPenalty(net, q=1, input_shape=(3,))
+    before = float(penalty())
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    for _ in range(20):
+        opt.zero_grad()
+        penalty().backward()
+        assert all(t.grad.dtype == torch.float32 for t in net.parameters())
+        opt.step()
+    assert float(penalty()) < before
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("q", [0.5, math.inf, 0, -1])
+def test_a_q_where_the_norm_is_not_differentiable_is_refused(q):
+    cm = pathir.compile(two_layer(), input_shape=(3,))
+    with pytest.raises(ArgumentError, match="q"):
+        cm.path_norm(q, differentiable=True)
+    with pytest.raises(ArgumentError, match="q"):
+        pathir.PathNormPenalty(two_layer(), q=q, input_shape=(3,))
+
+
+def test_log10_with_differentiable_is_refused():
+    cm = pathir.compile(two_layer(), input_shape=(3,))
+    with pytest.raises(ArgumentError, match="log10"):
+        cm.path_norm(2, log10=True, differentiable=True)
+
+
+def test_a_compiled_graph_or_snapshot_is_refused():
+    cm = pathir.compile(two_layer(), input_shape=(3,))
+    with pytest.raises(PathirError, match="torch nn.Module"):
+        pathir.compile(cm.graph).path_norm(2, differentiable=True)
+    with pytest.raises(PathirError, match="torch nn.Module"):
+        cm.rescaled(np.zeros(4)).path_norm(2, differentiable=True)  # the two-layer net's 4 hidden units
+
+
+def test_penalty_holds_no_parameters_of_its_own():
+    net = two_layer()
+    penalty = pathir.PathNormPenalty(net, q=2, input_shape=(3,))
+    assert list(penalty.parameters()) == []
+    with pytest.raises(ArgumentError, match="not compiled from"):
+        pathir.PathNormPenalty(two_layer(1), q=2, compiled=penalty.compiled)
+
+
+def test_train_mode_steps_move_the_running_statistics_and_the_penalty_follows():
+    torch.manual_seed(4)
+    model = _randomise_bn(mlp_bn().double()).train()  # forwards move running stats and num_batches_tracked
+    penalty = pathir.PathNormPenalty(model, q=1.5, input_shape=(4,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x, y = torch.randn(16, 4, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64)
+    for _ in range(3):
+        opt.zero_grad()
+        (F.mse_loss(model(x), y) + 0.1 * penalty()).backward()
+        opt.step()
+        got = _grads(model, penalty())
+        ref = mlp_bn_reference(model, 1.5)  # the inference network: the running statistics as they are now
+        assert float(penalty()) == pytest.approx(float(ref), rel=1e-12)
+        _assert_grads_close(got, _grads(model, ref))
