@@ -15,6 +15,7 @@ __all__ = [
     "ArgumentError",
     "ArgumentTypeError",
     "ArgumentKeyError",
+    "RankFailed",
     "PathirWarning",
     "NotConvergedWarning",
 ]
@@ -85,6 +86,11 @@ class ArgumentKeyError(ArgumentError, KeyError):
 
     def __str__(self) -> str:  # the message as written, not KeyError's repr of it
         return str(self.args[0]) if self.args else ""
+
+
+class RankFailed(PathirError):
+    """A job split across the ranks of a torch.distributed process group raised on one or more
+    ranks; every rank raises this, naming each failing rank and its error."""
 
 
 class PathirWarning(RuntimeWarning):

@@ -5,6 +5,10 @@ paths, the fraction of active ReLU neurons; with ``compare`` (a pruned or quanti
 θ' of the same architecture) also the active path-metric brackets, whether θ' keeps
 θ's pattern at x, the local bound, the global bound (path-metric upper ·
 max(‖x‖∞, 1)) and the real change ‖R_θ(x) − R_θ'(x)‖₁.
+
+Under an initialised torch.distributed process group each rank walks only its
+share of the samples and every rank returns the whole table, in data set order
+(docs/activations.md, "Across processes").
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pathir.errors import ArgumentError
 from pathir.ir import Graph
 from pathir.lifting.active import log_active_path_sum
 from pathir.lifting.active_metric import active_path_metric
@@ -24,6 +29,7 @@ from pathir.lifting.path_metric import backend_of, graph_of, path_metric
 from pathir.lifting.path_norm import check_q, log_max_path, log_path_sum
 from pathir.lifting.pattern import activation_pattern, as_input_dict
 from pathir.lifting.walk import forward
+from pathir.support.distributed import Group, gather_or_raise, group, shard
 
 __all__ = ["Observations", "observe", "QUANTILES"]
 
@@ -124,7 +130,12 @@ def observe(cm, inputs, qs=(1.0,), counts: bool = True, compare=None, batch_size
         ``local_estimate`` (upper · max(‖x‖∞, 1)), ``local_bound`` (the estimate where the
         pattern is shared, a bound there; nan elsewhere), ``global_bound`` and ``output_change``
     batch_size : samples per walk (arrays and tensors are cut into such batches)
-    progress : a tqdm bar on stderr; None shows it only on a terminal
+    progress : a tqdm bar on stderr; None shows it only on a terminal (and on rank 0)
+
+    Under an initialised torch.distributed process group, each rank walks only its share:
+    an array, a tensor or a DataLoader over a map-style data set in order is cut into
+    contiguous shards; a DataLoader with a DistributedSampler walks the sampler's samples
+    (its padding duplicates are dropped). Every rank returns the same table, in data set order.
 
     Returns
     -------
@@ -139,8 +150,18 @@ def observe(cm, inputs, qs=(1.0,), counts: bool = True, compare=None, batch_size
     >>> bool(np.all(obs.columns["log10_active_l1"] <= obs.global_values["log10_path_norm_l1"] + 1e-12))
     True
     """
-    from tqdm import tqdm
+    grp = group()
+    if grp is None:
+        return _walk(cm, inputs, qs, counts, compare, batch_size, _enabled(progress), backend, _total(inputs))
+    return _observe_shards(cm, inputs, qs, counts, compare, batch_size, progress, backend, grp)
 
+
+def _enabled(progress, rank: int = 0) -> bool:
+    return (rank == 0 and sys.stderr.isatty()) if progress is None else bool(progress)
+
+
+def _walk(cm, inputs, qs, counts, compare, batch_size, show, backend, total) -> Observations:
+    from tqdm import tqdm
 
     graph, be = graph_of(cm), backend_of(cm, backend)
     qs = [check_q(q, "observe") for q in qs]
@@ -154,8 +175,7 @@ def observe(cm, inputs, qs=(1.0,), counts: bool = True, compare=None, batch_size
         metric = path_metric(cm if not isinstance(cm, Graph) else graph, compare, be)
         glob["path_metric_upper"] = metric.upper
     cols: dict[str, list] = {}
-    show = sys.stderr.isatty() if progress is None else progress
-    with tqdm(total=_total(inputs), desc="pathir observe", unit="sample", disable=not show, file=sys.stderr) as bar:
+    with tqdm(total=total, desc="pathir observe", unit="sample", disable=not show, file=sys.stderr) as bar:
         for batch in _batches(inputs, batch_size):
             x = as_input_dict(graph, batch)
             pat = activation_pattern(graph, be, x)
@@ -177,3 +197,54 @@ def observe(cm, inputs, qs=(1.0,), counts: bool = True, compare=None, batch_size
                     cols.setdefault(name, []).append(np.asarray(v, dtype=np.float64))
             bar.update(pat.batch)
     return Observations({k: np.concatenate(v) for k, v in cols.items()}, glob)
+
+
+def _observe_shards(cm, inputs, qs, counts, compare, batch_size, progress, backend, grp: Group) -> Observations:
+    """Each rank walks its shard; the all-gathered rows are put back in data set order on every rank."""
+
+    def run():
+        local, rows, n = _local_shard(inputs, grp)
+        obs = _walk(cm, local, qs, counts, compare, batch_size, _enabled(progress, grp.rank), backend, len(rows))
+        if len(obs) != len(rows):
+            raise ArgumentError(f"rank {grp.rank} walked {len(obs)} samples of its shard of {len(rows)}")
+        return rows, n, obs.columns, obs.global_values
+
+    parts = gather_or_raise(run, "pathir.observe")
+    rows = np.concatenate([np.asarray(p[0], dtype=np.int64) for p in parts])
+    first, keep = np.unique(rows, return_index=True)  # a DistributedSampler pads with repeated samples
+    n = parts[0][1]
+    if not np.array_equal(first, np.arange(n)):
+        missing = np.setdiff1d(np.arange(n), first)
+        raise ArgumentError(f"pathir.observe: the ranks' samples leave out {len(missing)} of the {n} samples "
+                            f"(first {missing[:5].tolist()}; a DistributedSampler with drop_last=True?)")
+    names = next((list(p[2]) for p in parts if p[2]), [])
+    columns = {c: np.concatenate([np.asarray(p[2].get(c, ()), dtype=np.float64) for p in parts])[keep] for c in names}
+    return Observations(columns, dict(parts[0][3]))
+
+
+def _local_shard(inputs, grp: Group):
+    """(this rank's samples, their indices in the data set, the number of samples a single process walks)."""
+    if hasattr(inputs, "shape"):
+        part = shard(int(inputs.shape[0]), grp.rank, grp.size)
+        return inputs[part.start:part.stop], np.arange(part.start, part.stop), int(inputs.shape[0])
+    import torch.utils.data as tud  # lazy: torch is imported already when a process group exists
+
+    if isinstance(inputs, tud.DataLoader) and not isinstance(inputs.dataset, tud.IterableDataset):
+        sampler = getattr(inputs.batch_sampler, "sampler", None)
+        if isinstance(sampler, tud.DistributedSampler) and type(inputs.batch_sampler) is tud.BatchSampler:
+            return inputs, np.fromiter(iter(sampler), dtype=np.int64), len(sampler.dataset)
+        if isinstance(sampler, tud.SequentialSampler) and type(inputs.batch_sampler) is tud.BatchSampler:
+            n = len(inputs.dataset)
+            if inputs.drop_last:
+                n -= n % inputs.batch_size
+            part = shard(n, grp.rank, grp.size)
+            loader = tud.DataLoader(tud.Subset(inputs.dataset, part), batch_size=inputs.batch_size,
+                                    collate_fn=inputs.collate_fn, num_workers=inputs.num_workers,
+                                    pin_memory=inputs.pin_memory, timeout=inputs.timeout,
+                                    worker_init_fn=inputs.worker_init_fn)
+            return loader, np.arange(part.start, part.stop), n
+    raise ArgumentError(
+        f"pathir.observe under a process group of {grp.size} ranks splits an array, a tensor, or a DataLoader "
+        f"over a map-style data set read in order (shuffle=False) or with a DistributedSampler; got "
+        f"{type(inputs).__name__} (a shuffled loader, an iterable data set or a custom sampler has no order "
+        "every rank agrees on)")

@@ -4,7 +4,8 @@ Prints the quantiles over the samples of the active path-norms, active path coun
 and active-neuron fractions (and, with ``--compare W2``, of the active path-metric,
 the local and global output bounds and the real output change), or every sample
 with ``--csv`` / ``--json``. ``--weights W`` loads a state_dict (.pt) into a torch
-model first.
+model first. Under ``torchrun --nproc_per_node N pathir observe ...`` each rank walks
+its shard of the samples and rank 0 alone prints the whole table.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 
 import pathir
 from pathir.errors import ArgumentError
+from pathir.support.distributed import group, join_launcher_group, leave_group
 
 from .common import add_model_arguments, emit_json, load_model, parse_shape
 
@@ -53,7 +55,17 @@ def _compile(model, name, shape, backend):
 
 
 def run(args) -> int:
-    x = np.load(args.inputs)
+    joined = join_launcher_group()
+    try:
+        return _run(args)
+    finally:
+        if joined:
+            leave_group()
+
+
+def _run(args) -> int:
+    grp = group()
+    x = np.load(args.inputs, mmap_mode="r" if grp is not None else None)  # a rank reads only its shard
     if x.ndim < 2:
         raise ArgumentError(f"--inputs must hold an array (N, *input shape), got shape {x.shape}")
     model, name = load_model(args.model)
@@ -65,6 +77,8 @@ def run(args) -> int:
         other = _compile(_load_weights(copy.deepcopy(model), args.compare), name, shape, args.backend)
     cm = _compile(model, name, shape, args.backend)
     obs = pathir.observe(cm, x, qs=args.q, compare=other, batch_size=args.batch_size, progress=args.progress)
+    if grp is not None and grp.rank != 0:
+        return 0  # every rank holds the whole table; rank 0 prints it
     if args.json:
         emit_json({"model": name, "inputs": args.inputs, **obs.to_dict()})
     elif args.csv:
