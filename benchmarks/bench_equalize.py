@@ -167,12 +167,20 @@ def available(sides: list[str]) -> tuple[list[str], list[str]]:
 
                 if not hasattr(pathir, "equalize"):
                     raise Skipped("pathir.equalize does not exist yet")
+                _warm_up(pathir)
             else:
                 raise Skipped(f"unknown side (one of {', '.join(SIDES)})")
             ok.append(side)
         except Skipped as why:
             notes.append(f"{side}: skipped, {why}")
     return ok, notes
+
+
+def _warm_up(pathir) -> None:
+    """Pay once, untimed, what a process pays on its first compile (torch's lazily imported modules, a few
+    seconds): as Brevitas's import, which is not timed either."""
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 1))
+    pathir.equalize(net, input_shape=(2,), progress=False)
 
 
 # --- one model -----------------------------------------------------------------------------------------------
