@@ -4,9 +4,11 @@ pathir analyses the eval-mode function. A module whose parameters the eval graph
 never reads but which the *train-mode* forward calls (torchvision googlenet /
 inception_v3 with ``aux_logits=True``) reads hidden channels that a rescaling
 changes; its own weights are not rescaled, so its train-mode output would change.
-:func:`train_only_modules` finds such modules (one extra fx trace in train mode,
-run only when some parameterized module is unreached by the eval graph; if that
-trace fails, every unreached module counts). The torch writer refuses a
+:func:`train_only_modules` finds such modules: those whose output the train-mode
+forward uses and the eval-mode forward does not (two extra fx traces, run only when
+some parameterized module is unreached by the eval graph; if the train-mode trace
+fails, every unreached module counts). A module called for nothing in either mode,
+or used in eval mode at no channel the graph keeps, is not one of them. The torch writer refuses a
 rescaling naming them; masks (pruning) are not refused: pruning changes the
 function anyway.
 """
@@ -54,8 +56,8 @@ def _collapse(paths: list[str], unreached: set[str], holders: set[str]) -> list[
 
 
 def train_only_modules(model: nn.Module, graph: Graph) -> list[str]:
-    """Paths of the modules (collapsed to their highest such ancestor) that the train-mode
-    forward calls but the eval graph does not read."""
+    """Paths of the modules (collapsed to their highest such ancestor) whose output the train-mode
+    forward uses but the eval graph does not read (a module whose output no mode uses is dead code)."""
     holders = _param_modules(model)
     reached = _reached_paths(graph)
     unreached = {p for p in holders if p not in reached}
@@ -65,16 +67,38 @@ def train_only_modules(model: nn.Module, graph: Graph) -> list[str]:
     return _collapse(sorted(called), unreached, set(holders))
 
 
+def _live(graph) -> set:
+    """The nodes of an fx graph whose values reach its output (a module called for nothing, dead code in
+    either mode, reads nothing a rescaling could change the meaning of)."""
+    live, stack = set(), [n for n in graph.nodes if n.op == "output"]
+    while stack:
+        node = stack.pop()
+        if node not in live:
+            live.add(node)
+            stack.extend(node.all_input_nodes)
+    return live
+
+
 def _called_in_train_mode(model: nn.Module, unreached: set[str]) -> set[str]:
+    """The unreached modules whose output the train-mode forward uses and the eval-mode forward does not
+    (a module the eval forward uses too is one the eval graph reads, or reads no channel of)."""
+    live = {mode: _live_modules(model, mode) for mode in (True, False)}
+    if live[True] is None:
+        return unreached  # cannot tell: every unreached module may run in train mode
+    train_only = live[True] - (live[False] or set())
+    return {p for p in unreached if p in train_only or any(t.startswith(p + ".") for t in train_only)
+            or any(p.startswith(t + ".") for t in train_only)}
+
+
+def _live_modules(model: nn.Module, training: bool) -> set[str] | None:
+    """The module paths whose output the forward in that mode uses (an fx trace); None if it cannot be traced."""
     flags = [(m, m.training) for m in model.modules()]
     try:
-        model.train(True)
+        model.train(training)
         gm = trace(model)
     except Exception:
-        return unreached  # cannot tell: every unreached module may run in train mode
+        return None
     finally:
         for m, flag in flags:
             m.training = flag
-    targets = {str(n.target) for n in gm.graph.nodes if n.op in ("call_module", "get_attr")}
-    return {p for p in unreached if p in targets or any(t.startswith(p + ".") for t in targets)
-            or any(p.startswith(t + ".") for t in targets)}
+    return {str(n.target) for n in _live(gm.graph) if n.op in ("call_module", "get_attr")}

@@ -1,0 +1,106 @@
+"""Differential fuzzing of the torch frontend: random torch programs (tests/torch_programs.py), each
+compiled on the fx path and on the torch.export fallback, and each exact or refused.
+
+- accepted: the forward equals eager float64 PyTorch to 1e-10, the ℓ1 and ℓ2 path-norms and the path
+  count equal the program's path-norm network (written from the definition, not by pathir; programs
+  without batch-norms), and a PathCond write-back keeps the eager function;
+- refused: a PathirError naming the non-homogeneous op the program holds, the state_dict bit-identical;
+- anything else (another exception type, an accepted non-homogeneous program) fails.
+
+The CI profile is derandomized; ``pytest -m fuzz --hypothesis-seed=random -p no:randomly`` with
+``PATHIR_FUZZ_EXAMPLES=2000`` runs a long search (docs/architecture.md, "Testing")."""
+
+import contextlib
+import importlib
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from torch_programs import torch_programs
+
+import pathir
+from pathir.errors import PathirError
+
+CI_EXAMPLES = 100  # per path: 200 programs, about half a minute on two cores
+LONG_EXAMPLES = int(os.environ.get("PATHIR_FUZZ_EXAMPLES", "500"))
+
+
+@contextlib.contextmanager
+def export_path():
+    """Compile through the torch.export fallback: torch.fx's trace made to fail."""
+    lower_module = importlib.import_module("pathir.frontends.torch.lower")  # the module, not its function
+
+    def no_fx(model):
+        raise TypeError("forced: the export path")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lower_module, "trace", no_fx)
+        yield
+
+
+def _outputs(out):
+    if isinstance(out, dict):
+        return [out[k] for k in sorted(out)]
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _close(got, want, what, source):
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    scale = max(float(np.abs(want).max()), 1e-300)
+    assert got.shape == want.shape and float(np.abs(got - want).max()) <= 1e-10 * scale, f"{what}\n{source}"
+
+
+def judge(program, path: str):
+    model = program.build()
+    source = program.source()
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    with torch.no_grad():
+        eager = [t.numpy() for t in _outputs(model(x))]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    context = export_path() if path == "export" else contextlib.nullcontext()
+    try:
+        with context:
+            cm = pathir.compile(model, input_shape=(3, 8, 8))
+    except PathirError as err:
+        assert program.refused_op is not None, f"refused a homogeneous program ({err})\n{source}"
+        assert program.refused_op in str(err).lower(), f"the refusal does not name {program.refused_op}: {err}\n{source}"
+        assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items()), f"refusal changed the model\n{source}"
+        return
+    assert program.refused_op is None, f"accepted a program with {program.refused_op}\n{source}"
+    got = cm.forward(x.numpy(), backend="numpy")
+    got = [got[k] for k in cm.graph.outputs] if isinstance(got, dict) else [got]
+    assert len(got) == len(eager), source
+    for g, e in zip(got, eager):
+        _close(g, e.reshape(g.shape) if g.size == e.size else e, "forward", source)
+    if not program.has_bn:
+        for q in (1.0, 2.0):
+            want = program.path_sum(model, q) ** (1 / q)
+            assert cm.path_norm(q) == pytest.approx(want, rel=1e-9), f"path_norm({q})\n{source}"
+        assert cm.num_paths() == pytest.approx(program.path_sum(model, 0), rel=1e-9), f"path count\n{source}"
+    with contextlib.suppress(pathir.NotConvergedWarning):
+        cm.pathcond(max_sweeps=5)
+    with torch.no_grad():
+        after = [t.numpy() for t in _outputs(model(x))]
+    for a, e in zip(after, eager):
+        _close(a, e, "PathCond write-back", source)
+
+
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@pytest.mark.parametrize("path", ["fx", "export"])
+@settings(max_examples=CI_EXAMPLES, derandomize=True, **SETTINGS)
+@given(program=torch_programs())
+def test_random_programs_are_exact_or_refused(path, program):
+    judge(program, path)
+
+
+@pytest.mark.slow
+@pytest.mark.fuzz
+@pytest.mark.parametrize("path", ["fx", "export"])
+@settings(max_examples=LONG_EXAMPLES, **SETTINGS)
+@given(program=torch_programs(max_statements=12, non_homogeneous=0.15))
+def test_long_fuzz(path, program):
+    judge(program, path)

@@ -1,0 +1,93 @@
+"""Defects the frontend fuzzer (tests/test_fuzz_frontends.py) found, each as the shrunk program it drew."""
+
+import contextlib
+import importlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import pathir
+
+
+@contextlib.contextmanager
+def _export_path():
+    lower_module = importlib.import_module("pathir.frontends.torch.lower")
+
+    def no_fx(model):
+        raise TypeError("forced: the export path")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lower_module, "trace", no_fx)
+        yield
+
+
+class DeadConv(nn.Module):
+    """A module called for nothing: its output is unused in either mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv2 = nn.Conv2d(3, 1, 1, bias=False)
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x):
+        v1 = self.conv2(x)  # noqa: F841 - dead, as users leave it
+        v4 = F.relu(x)
+        return self.head(torch.flatten(F.adaptive_avg_pool2d(v4, 1), 1))
+
+
+class ChannelDeadBatchNorm(nn.Module):
+    """A batch-norm whose channels the forward drops again (cat, then chunk keeps the other half)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn2 = nn.BatchNorm2d(3)
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x):
+        v1 = self.bn2(x)
+        v4, _ = torch.chunk(torch.cat([x, v1], dim=1), 2, dim=1)
+        return self.head(torch.flatten(F.adaptive_avg_pool2d(x + v4, 1), 1))
+
+
+@pytest.mark.parametrize("make", [DeadConv, ChannelDeadBatchNorm])
+@pytest.mark.parametrize("path", ["fx", "export"])
+def test_modules_no_mode_reads_do_not_block_write_back(make, path):
+    """Both were refused at write-back as "run only in train mode": the check counted every module the
+    train-mode trace calls, used or not."""
+    torch.manual_seed(0)
+    model = make().double().eval()
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    with torch.no_grad():
+        before = model(x)
+    with _export_path() if path == "export" else contextlib.nullcontext():
+        cm = pathir.compile(model, input_shape=(3, 8, 8))
+    cm.pathcond(max_sweeps=5)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before, rtol=1e-10, atol=1e-10 * float(before.abs().max()))
+
+
+class TrainOnlyHead(nn.Module):
+    """The pattern the check is for: a head whose output only the train-mode forward uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Conv2d(3, 4, 3, padding=1)
+        self.aux = nn.Linear(4, 2)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.flatten(F.adaptive_avg_pool2d(F.relu(self.body(x)), 1), 1)
+        if self.training:
+            return self.head(h), self.aux(h)
+        return self.head(h)
+
+
+def test_a_train_only_head_is_still_refused():
+    model = TrainOnlyHead().double().eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    cm = pathir.compile(model, input_shape=(3, 8, 8))
+    with pytest.raises(pathir.PathirError, match="aux"):
+        cm.pathcond(max_sweeps=5)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
