@@ -404,24 +404,18 @@ class Compiled:
         λ = e^{z_h/2} needs λ²(var + eps) ≥ 1e-3·eps, less a margin of log 4. Growing a channel is
         always exact, so only the lower side is bounded, and only for those units; None if no unit is."""
 
-        if not hasattr(self.model, "get_submodule"):
-            return None
         units = self.facts.units
         H = len(units)
         lower = np.full(H + 1, -np.inf)
         ends = {id(p): e for p, e in zip(units.params, units.ends)}
-        for p in self.graph.params():
-            for ref in p.sources:
-                if ref.role == Role.IN_STATS and ref.name.endswith("running_var") and id(p) in ends:
-                    leave = ends[id(p)][1]
-                    if leave is None:
-                        continue
-                    module = self.model.get_submodule(ref.name.rpartition(".")[0])
-                    var = module.running_var.detach().double().cpu().numpy().reshape(-1)
-                    if var.shape != np.shape(p.value):
-                        return None  # not one variance per entry: the scalar bound applies
-                    bound = np.log(1e-3 * module.eps / (var + module.eps)) + math.log(4.0)
-                    np.maximum.at(lower, np.broadcast_to(np.asarray(leave), var.shape), bound)
+        for p, var, eps in self._unfolded_variances():
+            leave = ends[id(p)][1] if id(p) in ends else None
+            if leave is None:
+                continue
+            if var.shape != np.shape(p.value):
+                return None  # not one variance per entry: the scalar bound applies
+            bound = np.log(1e-3 * eps / (var + eps)) + math.log(4.0)
+            np.maximum.at(lower, np.broadcast_to(np.asarray(leave), var.shape), bound)
         lower = lower[:H]
         return lower if np.isfinite(lower).any() else None
 
@@ -432,20 +426,25 @@ class Compiled:
         named = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
         return lambda name: named[name].detach().cpu().double().numpy()
 
-    def rescaled_variance_ratio(self) -> float | None:
-        """min (var + eps) / eps over the batch-norm channels whose running statistics a rescaling
-        moves (batch-norms that could not be folded), for the default bound; None if there are none."""
-
+    def _unfolded_variances(self):
+        """(param, running variance as float64 array, eps) of every batch-norm that could not be folded and
+        whose running statistics a rescaling moves (a torch model's IN_STATS sources; none otherwise)."""
         if not hasattr(self.model, "get_submodule"):
-            return None
-        ratio = None
+            return
         for p in self.graph.params():
             for ref in p.sources:
                 if ref.role == Role.IN_STATS and ref.name.endswith("running_var"):
                     module = self.model.get_submodule(ref.name.rpartition(".")[0])
-                    var = module.running_var.detach().double().cpu()
-                    low = float(((var + module.eps) / module.eps).min())
-                    ratio = low if ratio is None else min(ratio, low)
+                    yield p, module.running_var.detach().double().cpu().numpy().reshape(-1), module.eps
+
+    def rescaled_variance_ratio(self) -> float | None:
+        """min (var + eps) / eps over the batch-norm channels whose running statistics a rescaling
+        moves (batch-norms that could not be folded), for the default bound; None if there are none."""
+
+        ratio = None
+        for _, var, eps in self._unfolded_variances():
+            low = float(((var + eps) / eps).min())
+            ratio = low if ratio is None else min(ratio, low)
         return ratio
 
     def narrowest_dtype(self) -> str:

@@ -146,25 +146,20 @@ def _sum_log(value: np.ndarray, chunk: int = 1 << 20) -> float:
     return total
 
 
-def _weight_mantissa(weight) -> np.ndarray:
-    """w as m·e^L (``weight`` = (m, L), L a float or an array broadcastable to m) at one scale per
-    tensor: m·e^{L − max L} (entries more than ~708 nats below the tensor's largest scale read 0)."""
+def _weight_parts(weight) -> tuple[np.ndarray, float]:
+    """w = m·e^L (``weight`` = (m, L), L a float or an array broadcastable to m) at one scale per tensor:
+    (m·e^{L − max L}, max L) (entries more than ~708 nats below the tensor's largest scale read 0)."""
     m, L = weight
     m = np.asarray(m, dtype=np.float64)
     if np.ndim(L) == 0:
-        return m
+        return m, float(L)
     L = np.asarray(L, dtype=np.float64)
-    top = float(np.max(L[np.isfinite(L)])) if np.any(np.isfinite(L)) else 0.0
+    finite = L[np.isfinite(L)]
+    if not finite.size:
+        return np.zeros_like(m), -np.inf
+    top = float(finite.max())
     with np.errstate(under="ignore"):
-        return m * np.exp(L - top)
-
-
-def _weight_scale(weight) -> float:
-    L = weight[1]
-    if np.ndim(L) == 0:
-        return float(L)
-    finite = np.asarray(L)[np.isfinite(L)]
-    return float(finite.max()) if finite.size else -np.inf
+        return m * np.exp(L - top), top
 
 
 def tensor_pairs(graph: Graph, units, row_ends, weights: dict[int, tuple] | None = None) -> TensorPairs:
@@ -183,9 +178,10 @@ def tensor_pairs(graph: Graph, units, row_ends, weights: dict[int, tuple] | None
         nonzero = value > 0
         arrays = [(value, np.maximum), (nonzero, np.add)]  # booleans counted in float64
         if weights is not None:
-            arrays.append((_weight_mantissa(weights[id(p)]), np.add))
+            mantissa, scale = _weight_parts(weights[id(p)])
+            arrays.append((mantissa, np.add))
         rows, cols, cells = _cells(e, l, arrays)
-        log_weight = None if weights is None else _log(cells[2]) + _weight_scale(weights[id(p)])
+        log_weight = None if weights is None else _log(cells[2]) + scale
         count = cells[1]
         mean_log = _sum_log(value) / float(count.sum())
         grids.append(TensorGrid(p.source_name, rows, cols, _log(cells[0]), log_weight, count.sum(axis=1),
