@@ -322,3 +322,35 @@ def test_relu6_replaced_by_relu_reports_the_change_and_restores_on_error():
     assert type(gate[1]) is nn.ReLU6
     with pytest.raises(PathirError, match="relu6"):
         pathir.equalize(nn.Sequential(nn.Linear(4, 2)), input_shape=(4,), relu6="drop")
+
+
+class _AddThenBatchNorm(nn.Module):
+    """A batch-norm after a residual add cannot be folded: a rescaling writes its running statistics."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(3, 4, 1)
+        self.bn, self.c, self.head = nn.BatchNorm2d(4), nn.Conv2d(4, 4, 3, padding=1), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.a(x) + self.b(x)))
+        return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(torch.relu(self.c(h)), 1), 1))
+
+
+def test_an_unfolded_batch_norm_bounds_only_its_own_units_and_only_downward():
+    torch.manual_seed(0)
+    net = _spread_bn(_AddThenBatchNorm()).double()
+    with torch.no_grad():
+        net.bn.running_var[0] = 0.0  # a dead channel: var + eps = eps
+        net.c.weight.mul_(torch.exp(2 * torch.randn(4, 1, 1, 1, dtype=torch.float64)))
+    x = torch.randn(8, 3, 6, 6, dtype=torch.float64)
+    before = net(x)
+    cm = pathir.compile(net, input_shape=(3, 6, 6))
+    lower = cm.variance_lower_bounds()
+    assert lower is not None and np.isfinite(lower).sum() == 4  # the four channels the batch-norm reads
+    assert np.nanmax(lower[np.isfinite(lower)]) == pytest.approx(math.log(4e-3), abs=1e-6)  # var = 0: λ² ≥ 4e-3
+    report = cm.equalize(bits=6)
+    assert report.units_moved > 0  # the scalar bound (var/eps = 1) would have held every unit at z = 0
+    assert np.all(report.z[np.isfinite(lower)] >= lower[np.isfinite(lower)] - 1e-9)
+    assert torch.all(net.bn.running_var >= 0)
+    torch.testing.assert_close(net(x), before, rtol=1e-9, atol=1e-9 * float(before.abs().max()))
