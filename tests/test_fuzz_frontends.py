@@ -7,6 +7,10 @@ compiled on the fx path and on the torch.export fallback, and each exact or refu
 - refused: a PathirError naming the non-homogeneous op the program holds, the state_dict bit-identical;
 - anything else (another exception type, an accepted non-homogeneous program) fails.
 
+The same programs exported to ONNX (the TorchScript exporter, no constant folding) are judged against
+onnxruntime: forward to float32 precision, path-norms against the same path-norm network, a PathCond
+write-back whose file onnxruntime runs to the same outputs.
+
 The CI profile is derandomized; ``pytest -m fuzz --hypothesis-seed=random -p no:randomly`` with
 ``PATHIR_FUZZ_EXAMPLES=2000`` runs a long search (docs/architecture.md, "Testing")."""
 
@@ -104,3 +108,42 @@ def test_random_programs_are_exact_or_refused(path, program):
 @given(program=torch_programs(max_statements=12, non_homogeneous=0.15))
 def test_long_fuzz(path, program):
     judge(program, path)
+
+
+def judge_onnx(program):
+    """The program exported to ONNX (the TorchScript exporter, no constant folding): pathir's compile of
+    the file equals onnxruntime to float32 precision and the path-norms equal the program's path-norm
+    network, or it is refused naming the op; a PathCond write-back keeps onnxruntime's output."""
+    from onnx_cases import export, ort_run
+
+    model = program.build().float()  # exported as users export: float32
+    source = program.source()
+    proto = export(model, (3, 8, 8), "legacy-nofold", dynamic_batch=True)
+    x = np.random.default_rng(5).normal(size=(2, 3, 8, 8)).astype(np.float32)
+    ref = ort_run(proto, x)
+    try:
+        cm = pathir.compile(proto)
+    except PathirError as err:
+        assert program.refused_op is not None, f"refused a homogeneous program ({err})\n{source}"
+        return
+    assert program.refused_op is None, f"accepted a program with {program.refused_op}\n{source}"
+    got = cm.forward(x.astype(np.float64), backend="numpy")
+    got = [got[k] for k in cm.graph.outputs] if isinstance(got, dict) else [got]
+    for g, r in zip(got, ref):
+        scale = max(float(np.abs(r).max()), 1e-30)
+        assert float(np.abs(g - r).max()) <= 1e-5 * scale, f"ONNX forward\n{source}"
+    if not program.has_bn:
+        for q in (1.0, 2.0):  # the exported weights are the model's, rounded to float32
+            want = program.path_sum(model.double(), q) ** (1 / q)
+            assert cm.path_norm(q) == pytest.approx(want, rel=1e-6), f"ONNX path_norm({q})\n{source}"
+    with contextlib.suppress(pathir.NotConvergedWarning):
+        cm.pathcond(max_sweeps=5)
+    for a, r in zip(ort_run(cm.writer.to_onnx(), x), ref):
+        scale = max(float(np.abs(r).max()), 1e-30)
+        assert float(np.abs(a - r).max()) <= 1e-4 * scale, f"ONNX PathCond write-back\n{source}"
+
+
+@settings(max_examples=40, derandomize=True, **SETTINGS)
+@given(program=torch_programs(max_statements=5))
+def test_random_programs_exported_to_onnx_are_exact_or_refused(program):
+    judge_onnx(program)
