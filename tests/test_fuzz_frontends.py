@@ -15,33 +15,19 @@ The CI profile is derandomized; ``pytest -m fuzz --hypothesis-seed=random -p no:
 ``PATHIR_FUZZ_EXAMPLES=2000`` runs a long search (docs/architecture.md, "Testing")."""
 
 import contextlib
-import importlib
 import os
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from torch_programs import torch_programs
+from torch_programs import export_path, torch_programs
 
 import pathir
 from pathir.errors import PathirError
 
 CI_EXAMPLES = 100  # per path: 200 programs, about half a minute on two cores
 LONG_EXAMPLES = int(os.environ.get("PATHIR_FUZZ_EXAMPLES", "500"))
-
-
-@contextlib.contextmanager
-def export_path():
-    """Compile through the torch.export fallback: torch.fx's trace made to fail."""
-    lower_module = importlib.import_module("pathir.frontends.torch.lower")  # the module, not its function
-
-    def no_fx(model):
-        raise TypeError("forced: the export path")
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(lower_module, "trace", no_fx)
-        yield
 
 
 def _outputs(out):

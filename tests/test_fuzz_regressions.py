@@ -1,26 +1,14 @@
 """Defects the frontend fuzzer (tests/test_fuzz_frontends.py) found, each as the shrunk program it drew."""
 
 import contextlib
-import importlib
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch_programs import export_path
 
 import pathir
-
-
-@contextlib.contextmanager
-def _export_path():
-    lower_module = importlib.import_module("pathir.frontends.torch.lower")
-
-    def no_fx(model):
-        raise TypeError("forced: the export path")
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(lower_module, "trace", no_fx)
-        yield
 
 
 class DeadConv(nn.Module):
@@ -61,7 +49,7 @@ def test_modules_no_mode_reads_do_not_block_write_back(make, path):
     x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
     with torch.no_grad():
         before = model(x)
-    with _export_path() if path == "export" else contextlib.nullcontext():
+    with export_path() if path == "export" else contextlib.nullcontext():
         cm = pathir.compile(model, input_shape=(3, 8, 8))
     cm.pathcond(max_sweeps=5)
     with torch.no_grad():

@@ -9,12 +9,29 @@ fed all ones, its outputs sum to Σ_p |Φ_p|^q (q = 0: the number of paths)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import strategies as st
+
+
+@contextlib.contextmanager
+def export_path():
+    """Compile through the torch.export fallback: torch.fx's trace made to fail."""
+    lower_module = importlib.import_module("pathir.frontends.torch.lower")  # the module, not its function
+
+    def no_fx(model):
+        raise TypeError("forced: the export path")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lower_module, "trace", no_fx)
+        yield
+
 
 #: non-homogeneous ops: (user line template, a word the refusal must name)
 NON_HOMOGENEOUS = (("torch.sigmoid({a})", "sigmoid"), ("{a} * {a}", "mul"), ("{a}.clamp(min=0.1)", "clamp"),
