@@ -381,14 +381,15 @@ class Compiled:
         change of quantizing on it. ``certify``: the report computes the certified bound (default:
         with the path-metric objective only). ``max_log_scale``, ``optimizer``, ``progress``: as for
         :meth:`pathcond`. ``absorb_bias``: then bias absorption (DFQ §4.2, not exact: the report's
-        ``absorption`` measures the output change on ``inputs``, or on a seeded random batch; torch
-        models only). See docs/equalize.md."""
+        ``absorption`` measures the output change on ``inputs``, or on a seeded random batch; an ONNX
+        model's batch-norms must be kept as BatchNormalization nodes). See docs/equalize.md."""
 
         self._check_writable(write_back)
         read_source = self._source_reader() if absorb_bias else None
         if absorb_bias and read_source is None:
-            raise PathirError("absorb_bias=True reads the batch-norm tensors of a torch model; this Compiled holds "
-                              f"{type(self.model).__name__}: bias absorption is not offered for it (nothing was changed)")
+            raise PathirError("absorb_bias=True reads the batch-norm tensors of a torch or ONNX model; this Compiled "
+                              f"holds {type(self.model).__name__}: bias absorption is not offered for it (nothing was "
+                              "changed)")
         lower = self.variance_lower_bounds() if max_log_scale is None else None
         max_log_scale = self._bound(max_log_scale, variance=lower is None)
         if inputs is not None and hasattr(inputs, "detach"):
@@ -420,7 +421,11 @@ class Compiled:
         return lower if np.isfinite(lower).any() else None
 
     def _source_reader(self):
-        """name -> float64 array of a torch model's parameter or buffer (None for any other model)."""
+        """name -> float64 array of the model's source tensor: an ONNX writer's current initializer, a torch
+        model's parameter or buffer (None for a bare graph)."""
+        read = getattr(self.writer, "read", None)
+        if read is not None:
+            return read
         if not hasattr(self.model, "named_buffers"):
             return None
         named = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}

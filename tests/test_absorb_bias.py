@@ -5,8 +5,11 @@ above c keeps its function, the activation ranges are the eager ReLU outputs' ma
 leave the model bit-identical."""
 
 import copy
+import io
 
 import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 import torch
 import torch.nn as nn
@@ -16,6 +19,7 @@ from hypothesis import strategies as st
 import pathir
 from pathir.app.cli import main
 from pathir.errors import PathirError
+from pathir.frontends.onnx.writer import OnnxWriter
 from pathir.frontends.torch.writer import TorchWriter
 
 
@@ -222,12 +226,60 @@ def test_a_failed_bias_write_restores_the_rescaled_model(monkeypatch):
     assert _same(model, state)
 
 
-def test_onnx_is_refused(tmp_path):
-    model = _above_c_model().float()
-    path = tmp_path / "m.onnx"
-    torch.onnx.export(model, torch.randn(2, 4), str(path), dynamo=False)
-    with pytest.raises(PathirError, match="torch model"):
-        pathir.equalize(str(path), absorb_bias=True)
+def _onnx(model, x, fold: bool):
+    """``model`` exported in float32 with its batch-norms kept as BatchNormalization nodes (or folded)."""
+    f = io.BytesIO()
+    torch.onnx.export(model.float(), x[:1].float(), f, dynamo=False, do_constant_folding=fold, input_names=["x"],
+                      dynamic_axes={"x": {0: "N"}})
+    return onnx.load_from_string(f.getvalue())
+
+
+def _ort(model, x):
+    return ort.InferenceSession(model.SerializeToString()).run(None, {"x": x.float().numpy()})[0].astype(np.float64)
+
+
+@pytest.mark.parametrize("pool", ["max", "cat"])
+def test_onnx_absorbs_into_its_initializers_as_torch_does(pool):
+    model = _trained_bn(_net(pad=1, pool=pool), 3, beta=4.0, gamma=0.3)
+    x = torch.randn(8, 2, 6, 6, dtype=torch.float64)
+    source = _onnx(copy.deepcopy(model), x, fold=False)
+    before = source.SerializeToString()
+    assert "BatchNormalization" in {n.op_type for n in source.graph.node}
+    cm = pathir.compile(source)
+    report = cm.equalize(inputs=x.numpy(), absorb_bias=True)
+    assert report.absorption.channels > 0
+    assert source.SerializeToString() == before  # the source proto is never written
+    y0, y1 = _ort(source, x), _ort(cm.to_onnx(), x)
+    # onnxruntime's own output change is the one the report states (float32 evaluation)
+    assert abs(np.abs(y1 - y0).max() - report.absorption.max_abs_deviation) <= 1e-4 * np.abs(y0).max()
+    # an absorbed model's function does not depend on the rescaling: it is the torch model absorbed
+    pathir.equalize(model, input_shape=(2, 6, 6), inputs=x, absorb_bias=True)
+    with torch.no_grad():
+        assert np.abs(y1 - model(x).numpy()).max() <= 1e-4 * np.abs(y0).max()
+
+
+def test_onnx_with_folded_batch_norms_has_nothing_to_absorb():
+    model = _trained_bn(_net(), 3, beta=4.0, gamma=0.3)
+    x = torch.randn(4, 2, 6, 6, dtype=torch.float64)
+    cm = pathir.compile(_onnx(model, x, fold=True))
+    report = cm.equalize(absorb_bias=True)
+    assert report.absorption.channels == 0 and "nothing to absorb" in str(report)
+
+
+def test_a_failed_onnx_bias_write_restores_the_model(monkeypatch):
+    model = _trained_bn(_net(), 3, beta=4.0, gamma=0.3)
+    x = torch.randn(4, 2, 6, 6, dtype=torch.float64)
+    cm = pathir.compile(_onnx(model, x, fold=False))
+    before, graph = cm.to_onnx().SerializeToString(), cm.graph
+
+    def broken(self, graph, shifts):
+        self._commit({name: b.value * 0 for name, b in self.bindings.items() if b.kind == "bias"})
+        raise PathirError("a write failed")
+
+    monkeypatch.setattr(OnnxWriter, "shift_biases", broken)
+    with pytest.raises(PathirError, match="a write failed"):
+        cm.equalize(absorb_bias=True)
+    assert cm.to_onnx().SerializeToString() == before and cm.graph is graph
 
 
 def test_cli_absorb_bias(tmp_path, capsys, monkeypatch):

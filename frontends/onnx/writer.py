@@ -176,6 +176,43 @@ class OnnxWriter:
             new = new * f
         return new
 
+    # ------------------------------------------------------------ bias absorption
+    def read(self, name: str) -> np.ndarray:
+        """The current value of the source tensor ``name`` (float64, its own shape)."""
+        return np.asarray(self._binding(name).value, dtype=np.float64)
+
+    def shift_biases(self, graph: Graph, shifts: Mapping[str, np.ndarray]) -> None:
+        """Add ``shifts[name]`` (the param's layout) to the initializer behind each named bias param of
+        ``graph``: the param's one VALUE tensor, which enters it with coefficient 1 (a Conv/Gemm bias or a
+        BatchNormalization's B; ``pathir.equalization.absorb.writable_bias_ref``). All computed before
+        any is written, as :meth:`rescale`."""
+        updates = {}
+        for p in graph.params():
+            if p.name not in shifts:
+                continue
+            (ref,) = [r for r in p.sources if r.role is Role.VALUE]
+            b = self._binding(ref.name)
+            if b.kind not in ("bias", "bn_bias"):
+                raise PathirError(f"source tensor '{ref.name}' ({b.kind}) is no bias initializer: a constant cannot "
+                                  "be added to it; nothing was changed")
+            old = np.asarray(b.value, dtype=np.float64)
+            delta = self._per_channel(ref.name, b, np.asarray(shifts[p.name], dtype=np.float64).reshape(-1))
+            new = old + delta
+            if new.shape != old.shape:
+                raise PathirError(f"source tensor '{ref.name}' holds one value for {delta.size} channels: a "
+                                  "per-channel constant cannot be added to it; nothing was changed")
+            updates[ref.name] = new
+        self._commit(updates)
+
+    # ------------------------------------------------------------ transactions
+    def snapshot(self):
+        """The current model and bindings (never mutated in place: every write swaps in new ones)."""
+        return self._model, self.bindings
+
+    def restore(self, state) -> None:
+        """Back to a :meth:`snapshot`."""
+        self._model, self.bindings = state
+
     # ------------------------------------------------------------ masks
     def mask(self, graph: Graph, masks: Mapping[str, np.ndarray]) -> None:
         """Zero the pruned entries: ``masks`` maps a param name (or its source

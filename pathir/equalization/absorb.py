@@ -91,6 +91,9 @@ class AbsorbReport:
         out = [f"bias absorption: {self.channels} channels of {self.nodes} batch-norm ReLUs; output changed by at most "
                f"{self.max_abs_deviation:.4g} ({self.rel_deviation:.3g} of the largest output) on {self.batch}; "
                f"their activation ranges sum {before:.4g} -> {after:.4g}"]
+        if not self.nodes:
+            out.append("  no ReLU reads a batch-norm's output with its γ and β (folded batch-norms have none): nothing "
+                       "to absorb")
         if self.border_edges:
             out.append(f"  zero-padded convolutions (borders see c as 0): {', '.join(self.border_edges)}")
         return out

@@ -64,8 +64,8 @@ def commit_rescaling(graph: Graph, units, z, model=None, writer=None, optimizer=
     if optimizer is not None:
         check_optimizer(writer, optimizer)
     if bias_shifts and writer is not None and not hasattr(writer, "shift_biases"):
-        raise PathirError(f"bias absorption writes new biases, which {type(writer).__name__} cannot write yet "
-                          "(torch models only); nothing was changed")
+        raise PathirError(f"bias absorption writes new biases, which {type(writer).__name__} cannot write; "
+                          "nothing was changed")
     new_graph = rescaled_graph(graph, units, z)
     for p, q in zip(graph.params(), new_graph.params()):
         if not _kept_in_range(p.value, q.value):
@@ -75,6 +75,7 @@ def commit_rescaling(graph: Graph, units, z, model=None, writer=None, optimizer=
         scales = log_scales(graph, units, z)
         _refuse_train_mode_statistics(model, graph, scales)
         transport = None if optimizer is None else plan_transport(optimizer, writer.param_factors(graph, scales))
+        state = writer.snapshot() if hasattr(writer, "snapshot") else None  # a writer that swaps whole models
         try:
             with _transaction(model, float(np.max(np.abs(z), initial=0.0))):
                 writer.rescale(graph, scales)
@@ -85,6 +86,8 @@ def commit_rescaling(graph: Graph, units, z, model=None, writer=None, optimizer=
         except BaseException:
             if transport is not None:
                 transport.undo()
+            if state is not None:
+                writer.restore(state)
             raise
     if bias_shifts:
         new_graph = new_graph.map_params(lambda p: p.with_value(p.value + bias_shifts[p.name])
