@@ -39,11 +39,27 @@ class ChannelDeadBatchNorm(nn.Module):
         return self.head(torch.flatten(F.adaptive_avg_pool2d(x + v4, 1), 1))
 
 
-@pytest.mark.parametrize("make", [DeadConv, ChannelDeadBatchNorm])
+class DeadConvBesideAWrite(nn.Module):
+    """A dead module in a forward torch.fx cannot trace (a channel zeroed through a view)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv3 = nn.Conv2d(3, 3, 3, padding=1, padding_mode="circular", bias=False)
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x):
+        v1 = x * 1.0
+        v1[:, 1] = 0
+        v2 = self.conv3(v1)  # noqa: F841 - dead
+        v4 = v1 * 2.0
+        return self.head(torch.flatten(F.adaptive_avg_pool2d(v4, 1), 1))
+
+
+@pytest.mark.parametrize("make", [DeadConv, ChannelDeadBatchNorm, DeadConvBesideAWrite])
 @pytest.mark.parametrize("path", ["fx", "export"])
 def test_modules_no_mode_reads_do_not_block_write_back(make, path):
-    """Both were refused at write-back as "run only in train mode": the check counted every module the
-    train-mode trace calls, used or not."""
+    """All were refused at write-back as "run only in train mode": the check counted every module the
+    train-mode trace calls, used or not, and every module at all where torch.fx could not trace."""
     torch.manual_seed(0)
     model = make().double().eval()
     x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
@@ -72,8 +88,18 @@ class TrainOnlyHead(nn.Module):
         return self.head(h)
 
 
-def test_a_train_only_head_is_still_refused():
-    model = TrainOnlyHead().double().eval()
+class TrainOnlyHeadBesideAWrite(TrainOnlyHead):
+    """The same behind a write torch.fx cannot trace: the check reads torch.export's graphs."""
+
+    def forward(self, x):
+        y = x * 1.0
+        y[:, 0] = 0
+        return super().forward(y)
+
+
+@pytest.mark.parametrize("make", [TrainOnlyHead, TrainOnlyHeadBesideAWrite])
+def test_a_train_only_head_is_still_refused(make):
+    model = make().double().eval()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     cm = pathir.compile(model, input_shape=(3, 8, 8))
     with pytest.raises(pathir.PathirError, match="aux"):

@@ -1,8 +1,8 @@
 """A hypothesis strategy that writes random torch *programs*: an nn.Module subclass whose forward is
 generated Python source, drawn from what users write (modules built once and called twice, functional
-calls next to module calls, in-place ReLUs and residual adds, cat / chunk, pools, padding modes,
-interpolation, batch-norms, literal constants, tuple and dict outputs, and now and then one
-non-homogeneous op). Each program comes with a second source, its *path-norm network*, written from
+calls next to module calls, in-place ops on whole tensors and through views and slices, residual adds,
+cat / chunk / split, permutes and views, pools and adaptive pools, padding modes, interpolation,
+batch-norms, literal constants, tuple and dict outputs, and now and then one non-homogeneous op). Each program comes with a second source, its *path-norm network*, written from
 the definition (docs/math.md §3) and not from pathir: every weight and bias w replaced by |w|^q, every
 ReLU by the identity, max-pools by window sums, constants c by |c|^q, a subtraction by an addition;
 fed all ones, its outputs sum to Σ_p |Φ_p|^q (q = 0: the number of paths)."""
@@ -110,7 +110,7 @@ def torch_programs(draw, max_statements: int = 7, non_homogeneous: float = 0.1) 
     for _ in range(draw(st.integers(1, max_statements))):
         name, c, s = draw(st.sampled_from(values))
         kind = draw(st.sampled_from(["conv", "conv", "reuse", "relu", "relu", "bn", "residual", "const", "cat",
-                                     "chunk", "pool", "interp"]))
+                                     "chunk", "pool", "interp", "inplace", "split", "reshape", "adaptive"]))
         out = new()
         if kind == "conv" or (kind == "reuse" and not any(ci == c for _, ci, _ in convs)):
             c2, k = draw(st.integers(1, 6)), draw(st.sampled_from([1, 3]))
@@ -173,6 +173,38 @@ def torch_programs(draw, max_statements: int = 7, non_homogeneous: float = 0.1) 
                 ("F.max_pool2d({a}, 3, 1, 1)", "F.avg_pool2d({a}, 3, 1, 1, count_include_pad=True) * 9.0", s)]))
             add(f"{out} = {user.format(a=name)}", f"{out} = {ref.format(a=name)}")
             values.append((out, c, s2))
+        elif kind == "inplace":  # on a fresh tensor, whole or through a view, as users write
+            k = draw(st.integers(1, max(c - 1, 1)))
+            user, ref = draw(st.sampled_from([
+                ("{o}[:, :{k}].relu_()", "pass"), ("{o}[:, {k2}:].relu_()", "pass"),
+                ("{o}[:, :{k}].mul_(2.0)", "{o}[:, :{k}].mul_(" + _k(2.0) + ")"),
+                ("{o}[:, {k2}] = 0", "{o}[:, {k2}] = 0"), ("{o}.mul_(3.0)", "{o}.mul_(" + _k(3.0) + ")"),
+                ("{o}[:, :, 1:] *= 0.5", "{o}[:, :, 1:] *= " + _k(0.5)), ("{o}.relu_()", "pass")]))
+            add(f"{out} = {name} * 1.0", f"{out} = {name} * {_k(1.0)}")
+            add(user.format(o=out, k=k, k2=k % c), ref.format(o=out, k=k, k2=k % c))
+            values.append((out, c, s))
+        elif kind == "split" and c >= 2:
+            k, second = draw(st.integers(1, c - 1)), new()
+            spelling = draw(st.sampled_from(["torch.split({a}, [{k}, {r}], dim=1)", "{a}.split([{k}, {r}], 1)"]))
+            add(f"{out}, {second} = {spelling.format(a=name, k=k, r=c - k)}")
+            values += [(out, k, s), (second, c - k, s)]
+        elif kind == "reshape":
+            spelling = draw(st.sampled_from([
+                "{a}.permute(0, 2, 3, 1).permute(0, 3, 1, 2)", "torch.flatten({a}, 2).view(-1, {c}, {s}, {s})",
+                "{a}.reshape({a}.shape[0], -1).view(-1, {c}, {s}, {s})", "{a}.transpose(2, 3).contiguous().transpose(2, 3)",
+                "{a}.unsqueeze(1).squeeze(1)"]))
+            add(f"{out} = {spelling.format(a=name, c=c, s=s)}")
+            values.append((out, c, s))
+        elif kind == "adaptive" and s % 2 == 0:
+            w = s // 2
+            user, ref = draw(st.sampled_from([
+                ("F.adaptive_avg_pool2d({a}, 2)", "F.avg_pool2d({a}, {w}) * {n}.0 * " + _k(1.0 / (w * w))),
+                ("F.adaptive_max_pool2d({a}, (2, 2))", "F.avg_pool2d({a}, {w}) * {n}.0"),
+                ("self.apool({a})", "F.avg_pool2d({a}, {w}) * {n}.0 * " + _k(1.0 / (w * w)))]))
+            if "self.apool" in user and "self.apool = nn.AdaptiveAvgPool2d(2)" not in prog.init:
+                prog.init.append("self.apool = nn.AdaptiveAvgPool2d(2)")
+            add(f"{out} = {user.format(a=name)}", f"{out} = {ref.format(a=name, w=w, n=w * w)}")
+            values.append((out, c, 2))
         elif kind == "interp" and s <= 8:
             add(f"{out} = F.interpolate({name}, scale_factor=2, mode='nearest')")
             values.append((out, c, s * 2))

@@ -56,7 +56,7 @@ def lower(model: nn.Module, input_shape=None, example_input=None) -> Lowered:
             raise
     n_params = sum(p.numel() for p in model.parameters())
     reread = None if low is None else Reread.of(model, graph, low.recipes, low.read, low.direct_reads)
-    writer = TorchWriter(model, train_only=train_only_modules(model, graph), clips=clips)
+    writer = TorchWriter(model, train_only=train_only_modules(model, graph, shapes), clips=clips)
     return Lowered(graph, writer, n_params, name, reread)
 
 

@@ -6,8 +6,8 @@ inception_v3 with ``aux_logits=True``) reads hidden channels that a rescaling
 changes; its own weights are not rescaled, so its train-mode output would change.
 :func:`train_only_modules` finds such modules: those whose output the train-mode
 forward uses and the eval-mode forward does not (two extra fx traces, run only when
-some parameterized module is unreached by the eval graph; if the train-mode trace
-fails, every unreached module counts). A module called for nothing in either mode,
+some parameterized module is unreached by the eval graph; torch.export's functionalized
+graphs where fx cannot trace; if neither can, every unreached module counts). A module called for nothing in either mode,
 or used in eval mode at no channel the graph keeps, is not one of them. The torch writer refuses a
 rescaling naming them; masks (pruning) are not refused: pruning changes the
 function anyway.
@@ -15,9 +15,11 @@ function anyway.
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 from pathir.frontends.torch.capture_checks import trace
+from pathir.frontends.torch.inputs import model_dtype_device
 from pathir.ir import Graph
 
 __all__ = ["train_only_modules"]
@@ -55,15 +57,16 @@ def _collapse(paths: list[str], unreached: set[str], holders: set[str]) -> list[
     return sorted(out)
 
 
-def train_only_modules(model: nn.Module, graph: Graph) -> list[str]:
+def train_only_modules(model: nn.Module, graph: Graph, shapes=None) -> list[str]:
     """Paths of the modules (collapsed to their highest such ancestor) whose output the train-mode
-    forward uses but the eval graph does not read (a module whose output no mode uses is dead code)."""
+    forward uses but the eval graph does not read (a module whose output no mode uses is dead code).
+    ``shapes``: the input shapes, for torch.export where torch.fx cannot trace the forward."""
     holders = _param_modules(model)
     reached = _reached_paths(graph)
     unreached = {p for p in holders if p not in reached}
     if not unreached:
         return []
-    called = _called_in_train_mode(model, unreached)
+    called = _called_in_train_mode(model, unreached, shapes)
     return _collapse(sorted(called), unreached, set(holders))
 
 
@@ -79,10 +82,10 @@ def _live(graph) -> set:
     return live
 
 
-def _called_in_train_mode(model: nn.Module, unreached: set[str]) -> set[str]:
+def _called_in_train_mode(model: nn.Module, unreached: set[str], shapes=None) -> set[str]:
     """The unreached modules whose output the train-mode forward uses and the eval-mode forward does not
     (a module the eval forward uses too is one the eval graph reads, or reads no channel of)."""
-    live = {mode: _live_modules(model, mode) for mode in (True, False)}
+    live = {mode: _live_modules(model, mode, shapes) for mode in (True, False)}
     if live[True] is None:
         return unreached  # cannot tell: every unreached module may run in train mode
     train_only = live[True] - (live[False] or set())
@@ -90,15 +93,37 @@ def _called_in_train_mode(model: nn.Module, unreached: set[str]) -> set[str]:
             or any(p.startswith(t + ".") for t in train_only)}
 
 
-def _live_modules(model: nn.Module, training: bool) -> set[str] | None:
-    """The module paths whose output the forward in that mode uses (an fx trace); None if it cannot be traced."""
+def _live_modules(model: nn.Module, training: bool, shapes=None) -> set[str] | None:
+    """The module paths whose output the forward in that mode uses: by an fx trace, or where fx cannot
+    trace it (a write through a view, ``c[:, 1] = 0``) and ``shapes`` is given, by torch.export's
+    functionalized graph; None if neither can."""
     flags = [(m, m.training) for m in model.modules()]
     try:
         model.train(training)
-        gm = trace(model)
+        try:
+            gm = trace(model)
+        except Exception:
+            return None if shapes is None else _live_exported(model, shapes)
+        return {str(n.target) for n in _live(gm.graph) if n.op in ("call_module", "get_attr")}
     except Exception:
         return None
     finally:
         for m, flag in flags:
             m.training = flag
-    return {str(n.target) for n in _live(gm.graph) if n.op in ("call_module", "get_attr")}
+
+
+def _live_exported(model: nn.Module, shapes) -> set[str]:
+    """The module paths (every one on a node's module stack) of the nodes of torch.export's functionalized
+    graph whose values reach a user output (buffer updates of a train-mode batch-norm are not uses)."""
+    dtype, device = model_dtype_device(model)
+    examples = tuple(torch.zeros((2, *s), dtype=dtype, device=device) for s in shapes)
+    program = torch.export.export(model, examples).run_decompositions({})
+    users = set(program.graph_signature.user_outputs)
+    (out,) = [n for n in program.graph.nodes if n.op == "output"]
+    live, stack = set(), [n for n in out.all_input_nodes if n.name in users]
+    while stack:
+        node = stack.pop()
+        if node not in live:
+            live.add(node)
+            stack.extend(node.all_input_nodes)
+    return {path for n in live for path, _ in (n.meta.get("nn_module_stack") or {}).values() if path}
