@@ -55,7 +55,35 @@ class DeadConvBesideAWrite(nn.Module):
         return self.head(torch.flatten(F.adaptive_avg_pool2d(v4, 1), 1))
 
 
-@pytest.mark.parametrize("make", [DeadConv, ChannelDeadBatchNorm, DeadConvBesideAWrite])
+class DeadWrite(nn.Module):
+    """A channel zeroed through a view of a tensor nothing reads again: the exported graph's in-place
+    ``fill_`` has no table row (its functional form has one)."""
+
+    def __init__(self, clamp: bool = False):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+        self.head = nn.Linear(3, 3)
+        self.clamp = clamp
+
+    def forward(self, x):
+        v2 = x * 1.0
+        v2[:, 1] = 0
+        v8 = self.conv(x)
+        if self.clamp:
+            v8 = v8.clamp(min=0.1)
+        return self.head(torch.flatten(F.adaptive_avg_pool2d(v8, 1), 1))
+
+
+@pytest.mark.parametrize("path", ["fx", "export"])
+def test_a_dead_write_beside_a_refused_op_names_that_op(path):
+    """It was refused naming ``fill_`` (a homogeneous write) instead of the clamp."""
+    model = DeadWrite(clamp=True).double().eval()
+    with export_path() if path == "export" else contextlib.nullcontext():
+        with pytest.raises(pathir.PathirError, match="clamp"):
+            pathir.compile(model, input_shape=(3, 8, 8))
+
+
+@pytest.mark.parametrize("make", [DeadConv, ChannelDeadBatchNorm, DeadConvBesideAWrite, DeadWrite])
 @pytest.mark.parametrize("path", ["fx", "export"])
 def test_modules_no_mode_reads_do_not_block_write_back(make, path):
     """All were refused at write-back as "run only in train mode": the check counted every module the

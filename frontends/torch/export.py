@@ -31,13 +31,24 @@ def lower_exported(model, shapes, name, clips: dict | None = None):
     program = torch.export.export(model, examples)
     try:
         return _interpret(model, program, shapes, name, clips)
-    except WriteThroughView as err:  # an in-place write through a view: the functionalized graph
+    except UnsupportedOperation as err:
+        # an in-place write through a view, or an in-place op the table has only functionally (a write
+        # into a tensor nothing reads again): the functionalized graph, which has eager semantics
+        if not isinstance(err, WriteThroughView) and not _in_place(err.op):
+            raise
         functional = program.run_decompositions({})
         try:
             return _interpret(model, functional, shapes, name, clips)
         except UnsupportedOperation as again:
+            if not isinstance(err, WriteThroughView):
+                raise again from None  # the functionalized graph's refusal names the op really refused
             raise UnsupportedOperation(err.node, err.op, err.where, f"{err.why}; torch.export's functionalized "
                                        f"graph was refused too: {again}") from again
+
+
+def _in_place(op: str) -> bool:
+    """Whether an ATen op name (``fill_.Tensor``) is an in-place overload."""
+    return op.split(".")[0].endswith("_") and not op.startswith("_")
 
 
 def _interpret(model, program, shapes, name, clips):
