@@ -30,17 +30,20 @@ from onnx import TensorProto, helper, numpy_helper
 #: draws only these, so onnxruntime computes it in double and the forward is compared to 1e-10
 DOUBLE_OPS = {"Relu", "LeakyRelu", "Clip", "MaxPool", "BatchNormalization", "Add", "Sub", "Max", "Mul", "Div",
               "Concat", "Split", "Slice", "Transpose", "Pad", "Reshape", "Squeeze", "Unsqueeze", "Identity",
-              "Dropout", "Flatten", "Gemm", "MatMul", "ReduceSum", "Sigmoid", "Tanh", "Softplus"}
+              "Dropout", "Flatten", "Gemm", "MatMul", "ReduceSum", "Sigmoid", "Tanh", "Softplus", "Gather", "Neg",
+              "Where"}
 
 #: kinds of body statements; each says which ops it writes (a float64 graph draws only DOUBLE_OPS ones)
 KINDS = {"conv": {"Conv"}, "conv_bn": {"Conv", "BatchNormalization"}, "conv_t": {"ConvTranspose"},
          "relu": {"Relu"}, "bn": {"BatchNormalization"}, "maxpool": {"MaxPool"}, "avgpool": {"AveragePool"},
          "gpool": {"GlobalAveragePool"}, "branch": {"Add"}, "const": {"Mul"}, "concat": {"Concat"},
          "split": {"Split"}, "slice": {"Slice"}, "transpose": {"Transpose"}, "pad": {"Pad"}, "resize": {"Resize"},
-         "shuffle": {"Reshape"}, "unsqueeze": {"Unsqueeze"}, "identity": {"Identity"}}
+         "shuffle": {"Reshape"}, "unsqueeze": {"Unsqueeze"}, "identity": {"Identity"}, "move": {"Gather"},
+         "reduce": {"ReduceSum"}, "neg": {"Neg"}, "where": {"Where"}}
 
 #: kinds that compute (not only move elements)
-COMPUTING = {"conv", "conv_bn", "conv_t", "relu", "bn", "maxpool", "avgpool", "gpool", "branch", "const"}
+COMPUTING = {"conv", "conv_bn", "conv_t", "relu", "bn", "maxpool", "avgpool", "gpool", "branch", "const", "reduce",
+             "neg", "where"}
 
 #: ops the frontend must refuse: name -> a word the refusal must hold
 REFUSED = ("Sigmoid", "MulActs", "ClipAbove0", "Softplus", "CumSum")
@@ -314,8 +317,8 @@ def onnx_programs(draw, min_statements: int = 1, max_statements: int = 6, refuse
             w.add(op, [src, other], [out], [helper.make_node("Add", [src, other], [out])])
             shape = (C, H, W)
         elif kind == "const":
-            per_channel = draw(st.booleans())
-            c = w.rng.uniform(0.5, 2.0, size=(C, 1, 1) if per_channel else ()) * w.rng.choice([-1.0, 1.0])
+            size = draw(st.sampled_from([(), (C, 1, 1), (1, H, W), (C, H, W), (W,)]))  # scalar, channel, position, element
+            c = w.rng.uniform(0.5, 2.0, size=size) * w.rng.choice([-1.0, 1.0], size=size)
             op = draw(st.sampled_from(["Mul", "Div"]))
             name = w.init(c, ref=False)
             factor = prog.inits[name].astype(np.float64)
@@ -396,6 +399,50 @@ def onnx_programs(draw, min_statements: int = 1, max_statements: int = 6, refuse
             w.add("Reshape", [src, w.ints([0, 2, C // 2, H, W])], [a])
             w.add("Transpose", [a], [b], perm=[0, 2, 1, 3, 4])
             w.add("Reshape", [b, w.ints([-1, C, H, W])], [out])
+            shape = (C, H, W)
+        elif kind == "move":
+            how = draw(st.sampled_from(["Gather", "Tile", "DepthToSpace", "SpaceToDepth"]))
+            if how == "Gather":  # channels picked (repeated, dropped, counted from the end)
+                idx = [draw(st.integers(-C, C - 1)) for _ in range(draw(st.integers(1, 4)))]
+                w.add("Gather", [src, w.ints(idx)], [out], axis=1)
+                shape = (len(idx), H, W)
+            elif how == "Tile" and H * W <= 36:
+                reps = [1, draw(st.integers(1, 2)), draw(st.integers(1, 2)), 1]
+                w.add("Tile", [src, w.ints(reps)], [out])
+                shape = (C * reps[1], H * reps[2], W)
+            elif how == "DepthToSpace" and C % 4 == 0:
+                w.add("DepthToSpace", [src], [out], blocksize=2, mode=draw(st.sampled_from(["DCR", "CRD"])))
+                shape = (C // 4, 2 * H, 2 * W)
+            elif how == "SpaceToDepth" and H % 2 == 0 and W % 2 == 0:
+                w.add("SpaceToDepth", [src], [out], blocksize=2)
+                shape = (4 * C, H // 2, W // 2)
+            else:
+                w.add("Identity", [src], [out])
+                shape = (C, H, W)
+        elif kind == "reduce":  # over some non-batch axes, kept as size 1
+            op = draw(st.sampled_from(["ReduceSum", "ReduceMean", "ReduceMax"]))
+            axes = sorted(draw(st.sets(st.sampled_from([1, 2, 3]), min_size=1)))
+            n = int(np.prod([(C, H, W)[a - 1] for a in axes]))
+            as_input = op == "ReduceSum" or opset >= 18
+            ref_axes = w.ref_init(np.array(axes, np.int64), powered=False)
+            total = w.name("sum")
+            ref = [helper.make_node("ReduceSum", [src, ref_axes], [total if op == "ReduceMean" else out], keepdims=1)]
+            if op == "ReduceMean":
+                ref.append(helper.make_node("Mul", [total, w.ref_init(np.array(1.0 / n))], [out]))
+            if as_input:
+                w.add(op, [src, w.init(np.array(axes, np.int64), ref=False)], [out], ref, keepdims=1)
+            else:
+                w.add(op, [src], [out], ref, axes=axes, keepdims=1)
+            shape = tuple(1 if i + 1 in axes else d for i, d in enumerate((C, H, W)))
+        elif kind == "neg":
+            w.add("Neg", [src], [out], [helper.make_node("Identity", [src], [out])])
+            shape = (C, H, W)
+        elif kind == "where":  # a constant mask choosing between two branches, or a branch and 0
+            other = draw(st.sampled_from(same_shape((C, H, W)) + [("zero", None)]))[0]
+            if other == "zero":
+                other = w.init(np.array(0.0), powered=False)
+            mask = w.init(w.rng.random((C, H, W)) < 0.5)
+            w.add("Where", [mask, src, other], [out])
             shape = (C, H, W)
         elif kind == "unsqueeze":
             axis, mid = draw(st.sampled_from([1, 2, 4, -1])), w.name()
