@@ -253,11 +253,14 @@ def onnx_programs(draw, min_statements: int = 1, max_statements: int = 6, refuse
             shape = (C2, *outs)
         elif kind == "relu":
             # onnxruntime's LeakyRelu takes float64 from opset 16
-            spelling = draw(st.sampled_from(["Relu", "Clip"] + (["LeakyRelu"] if opset >= 16 or not double else [])))
+            spelling = draw(st.sampled_from(["Relu", "Clip", "Max0"] + (["LeakyRelu"] if opset >= 16 or not double else [])))
             ref = [helper.make_node("Identity", [src], [out])]
             relus.add(out)
             if spelling == "Relu":
                 w.add("Relu", [src], [out], ref)
+            elif spelling == "Max0":  # Max(x, 0), the zero a scalar or one per channel, on either side
+                zero = w.init(np.zeros(draw(st.sampled_from([(), (1,), (C, 1, 1)]))), ref=False)
+                w.add("Max", [src, zero] if draw(st.booleans()) else [zero, src], [out], ref)
             elif spelling == "LeakyRelu":
                 w.add("LeakyRelu", [src], [out], ref, alpha=0.0)
             else:
