@@ -34,7 +34,7 @@ DOUBLE_OPS = {"Relu", "LeakyRelu", "Clip", "MaxPool", "BatchNormalization", "Add
               "Where"}
 
 #: kinds of body statements; each says which ops it writes (a float64 graph draws only DOUBLE_OPS ones)
-KINDS = {"conv": {"Conv"}, "conv_bn": {"Conv", "BatchNormalization"}, "conv_t": {"ConvTranspose"},
+KINDS = {"conv": {"Conv"}, "reuse": {"Conv"}, "conv_bn": {"Conv", "BatchNormalization"}, "conv_t": {"ConvTranspose"},
          "relu": {"Relu"}, "bn": {"BatchNormalization"}, "maxpool": {"MaxPool"}, "avgpool": {"AveragePool"},
          "gpool": {"GlobalAveragePool"}, "branch": {"Add"}, "const": {"Mul"}, "concat": {"Concat"},
          "split": {"Split"}, "slice": {"Slice"}, "transpose": {"Transpose"}, "pad": {"Pad"}, "resize": {"Resize"},
@@ -42,7 +42,7 @@ KINDS = {"conv": {"Conv"}, "conv_bn": {"Conv", "BatchNormalization"}, "conv_t": 
          "reduce": {"ReduceSum"}, "neg": {"Neg"}, "where": {"Where"}}
 
 #: kinds that compute (not only move elements)
-COMPUTING = {"conv", "conv_bn", "conv_t", "relu", "bn", "maxpool", "avgpool", "gpool", "branch", "const", "reduce",
+COMPUTING = {"conv", "reuse", "conv_bn", "conv_t", "relu", "bn", "maxpool", "avgpool", "gpool", "branch", "const", "reduce",
              "neg", "where"}
 
 #: ops the frontend must refuse: name -> a word the refusal must hold
@@ -72,6 +72,7 @@ class OnnxProgram:
     ref_inits: dict = field(default_factory=dict)  # name -> (array, powered: bool)
     outputs: list = field(default_factory=list)  # (name, per-sample shape)
     has_bn: bool = False
+    constants: set = field(default_factory=set)  # tensors a Constant node writes (in the path-norm network: initializers)
     refused: tuple | None = None  # (node name, op type) of the op the frontend must refuse
 
     @property
@@ -86,7 +87,8 @@ class OnnxProgram:
         return helper.make_model(g, opset_imports=[helper.make_opsetid("", self.opset)], ir_version=8)
 
     def model(self) -> onnx.ModelProto:
-        return self._model(self.nodes, self.inits, self.dtype, "fuzzed")
+        inits = {n: a for n, a in self.inits.items() if n not in self.constants}
+        return self._model(self.nodes, inits, self.dtype, "fuzzed")
 
     def reference(self, q: float) -> onnx.ModelProto:
         """The path-norm network (float32): every powered constant c becomes |c|^q."""
@@ -115,6 +117,8 @@ class OnnxProgram:
 def session(model: onnx.ModelProto) -> ort.InferenceSession:
     opts = ort.SessionOptions()
     opts.log_severity_level = 3  # shape inference over-reports ceil_mode pools: onnxruntime warns
+    # the graph as written, no fusions (onnxruntime 1.32's Relu + Clip fusion fails on a float64 Clip)
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
@@ -132,14 +136,20 @@ class _Writer:
         self.n += 1
         return f"{prefix}{self.n}"
 
-    def init(self, arr, ref: bool = True, powered: bool | None = None, prefix="c", cast: bool = True) -> str:
-        """A user initializer (floats in the graph's dtype unless ``cast`` is False), also in the path-norm
-        network unless ``ref`` is False; floats are powered there, integers kept."""
+    def init(self, arr, ref: bool = True, powered: bool | None = None, prefix="c", cast: bool = True,
+             constant: bool = False) -> str:
+        """A user initializer (floats in the graph's dtype unless ``cast`` is False; written by a Constant
+        node if ``constant``), also in the path-norm network unless ``ref`` is False; floats are powered
+        there, integers kept."""
         name = self.name(prefix)
         arr = np.asarray(arr)
         if arr.dtype.kind == "f" and cast:
             arr = arr.astype(self.prog.np_dtype)
         self.prog.inits[name] = arr
+        if constant:
+            self.prog.constants.add(name)
+            self.prog.nodes.append(helper.make_node("Constant", [], [name], name=self.name("constant"),
+                                                    value=numpy_helper.from_array(arr)))
         if ref:
             self.prog.ref_inits[name] = (arr, arr.dtype.kind == "f" if powered is None else powered)
         return name
@@ -194,6 +204,7 @@ def onnx_programs(draw, min_statements: int = 1, max_statements: int = 6, refuse
     values = [("x", (C0, S0, S0))]
     kinds = [k for k, ops in KINDS.items() if not double or ops <= DOUBLE_OPS]
     relus: set[str] = set()  # ReLU outputs
+    convs: list = []  # (weight names, in channels, attributes, kernel, strides, dilations, pads, out channels)
     computed: set[str] = set()  # values no pure element move of the input (pathir refuses outputs equal to the input)
 
     def same_shape(shape):
@@ -225,8 +236,9 @@ def onnx_programs(draw, min_statements: int = 1, max_statements: int = 6, refuse
                 values.append((src, (C, H, W)))
                 continue
             bias = kind == "conv" and draw(st.booleans())
-            wt = w.init(w.weights(C2, C // g, *k), prefix="W")
-            ins_ = [src, wt] + ([w.init(w.rng.normal(size=C2), prefix="B")] if bias else [])
+            constant = draw(st.sampled_from([False, False, True]))  # weights from Constant nodes
+            wt = w.init(w.weights(C2, C // g, *k), prefix="W", constant=constant)
+            ins_ = [src, wt] + ([w.init(w.rng.normal(size=C2), prefix="B", constant=constant)] if bias else [])
             attrs = dict(kernel_shape=list(k), strides=list(s), dilations=list(dil), group=g)
             attrs.update(auto_pad=auto) if auto != "NOTSET" else attrs.update(pads=pads)
             if auto != "NOTSET" and draw(st.booleans()):
@@ -234,8 +246,18 @@ def onnx_programs(draw, min_statements: int = 1, max_statements: int = 6, refuse
             conv_out = out if kind == "conv" else w.name()
             w.add("Conv", ins_, [conv_out], **attrs)
             shape = (C2, *outs)
+            if auto == "NOTSET":
+                convs.append((ins_[1:], C, attrs, k, s, dil, pads, C2))
             if kind == "conv_bn":  # the exporters' pattern: a bias-free conv, its batch-norm
                 _batch_norm(w, prog, conv_out, out, C2)
+        elif kind == "reuse" and any(c[1] == C for c in convs):  # a Conv's weights read by a second Conv
+            params, _, attrs, k, s, dil, pads, C2 = draw(st.sampled_from([c for c in convs if c[1] == C]))
+            outs = tuple(window_out(L, k[i], s[0], pads[i], pads[i + 2], dil[0]) for i, L in enumerate((H, W)))
+            if min(outs) < 1:
+                values.append((src, (C, H, W)))
+                continue
+            w.add("Conv", [src, *params], [out], **attrs)
+            shape = (C2, *outs)
         elif kind == "conv_t":
             g = draw(st.sampled_from(_divisors(C)))
             C2 = g * draw(st.integers(1, max(1, 4 // g)))
@@ -519,24 +541,31 @@ def _refused(w: _Writer, prog: OnnxProgram, what: str, src: str) -> str:
 
 def _head(draw, w: _Writer, prog: OnnxProgram, src: str, features: int):
     """Flatten, then a Gemm (transB, alpha, beta, a vector or scalar C) or a MatMul + Add; now and then
-    a hidden ReLU layer before it."""
+    a hidden ReLU layer before it, written as a Gemm with the activation as B (the batch on axis 1,
+    read back by the next Gemm with transA=1)."""
     flat = w.name("flat")
     w.add("Flatten", [src], [flat], axis=1)
     n_layers = draw(st.integers(1, 2))
+    axis1 = False  # the activation is (features, N)
     for layer in range(n_layers):
         n_out = draw(st.integers(1, 4))
         out = "y" if layer == n_layers - 1 else w.name("h")
-        if draw(st.booleans()):
-            trans_b = draw(st.booleans())
+        if axis1 or draw(st.booleans()):
             alpha, beta = draw(st.sampled_from([1.0, 0.5, -2.0])), draw(st.sampled_from([1.0, 0.25]))
             wt = w.weights(n_out, features)
-            c = w.rng.normal(size=n_out if draw(st.booleans()) else ())
-            b_name, c_name = w.init(wt if trans_b else wt.T, ref=False, prefix="G"), w.init(c, ref=False, prefix="C")
+            as_b = not axis1 and layer < n_layers - 1 and draw(st.sampled_from([False, False, True]))
+            trans_b = as_b or draw(st.booleans())
+            c = w.rng.normal(size=((n_out, 1) if as_b else n_out) if draw(st.booleans()) else ())
+            w_name = w.init(wt if trans_b or as_b else wt.T, ref=False, prefix="G")
+            c_name = w.init(c, ref=False, prefix="C")
             # alpha and beta folded into the tensors in the path-norm network
-            ref_b = w.ref_init(alpha * prog.inits[b_name].astype(np.float64))
-            ref_c = w.ref_init(beta * np.broadcast_to(prog.inits[c_name].astype(np.float64), (n_out,)))
-            w.add("Gemm", [flat, b_name, c_name], [out], [helper.make_node("Gemm", [flat, ref_b, ref_c], [out], transB=int(trans_b))],
-                  transB=int(trans_b), alpha=alpha, beta=beta)
+            ref_w = w.ref_init(alpha * prog.inits[w_name].astype(np.float64))
+            ref_c = w.ref_init(beta * np.broadcast_to(prog.inits[c_name].astype(np.float64), (n_out, 1) if as_b else (n_out,)))
+            ins, ref_ins = ([w_name, flat], [ref_w, flat]) if as_b else ([flat, w_name], [flat, ref_w])
+            w.add("Gemm", [*ins, c_name], [out],
+                  [helper.make_node("Gemm", [*ref_ins, ref_c], [out], transA=int(axis1), transB=int(trans_b))],
+                  transA=int(axis1), transB=int(trans_b), alpha=alpha, beta=beta)
+            axis1 = as_b
         else:
             mm = w.name("mm")
             w.add("MatMul", [flat, w.init(w.weights(n_out, features).T, prefix="M")], [mm])

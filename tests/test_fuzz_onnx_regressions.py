@@ -40,3 +40,24 @@ def test_max_with_another_constant_is_refused(zero, why):
         pathir.compile(model)
     assert "max0" in str(err.value) and "Max" in str(err.value)
     assert model.SerializeToString() == source
+
+
+@pytest.mark.parametrize("how", ["sizes", "scales"])
+def test_resize_with_axes(how):
+    """An opset-18 Resize whose sizes or scales name only the spatial axes (the batch symbolic) was
+    refused as "Resize with axes=[2, 3]"."""
+    given = np.array([8, 6], np.int64) if how == "sizes" else np.array([2.0, 1.5], np.float32)
+    ins = ["x", "", "", "s"] if how == "sizes" else ["x", "", "s"]
+    W = np.random.default_rng(0).normal(size=(2 * 8 * 6, 2)).astype(np.float32)
+    g = helper.make_graph(
+        [helper.make_node("Resize", ins, ["r"], name="resize", mode="nearest", axes=[2, -1]),
+         helper.make_node("Flatten", ["r"], ["f"]), helper.make_node("MatMul", ["f", "W"], ["y"])], "fuzzed",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2])],
+        [numpy_helper.from_array(given, "s"), numpy_helper.from_array(W, "W")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    x = np.random.default_rng(1).normal(size=(3, 2, 4, 4)).astype(np.float32)
+    cm = pathir.compile(model)
+    np.testing.assert_allclose(cm.forward(x.astype(np.float64), backend="numpy"), run(model, x)[0], rtol=1e-5, atol=1e-5)
+    # nearest: every output position copies one input position, so each weight is one path per input
+    assert cm.num_paths() == W.size
