@@ -1,12 +1,14 @@
 """A hypothesis strategy that writes random ONNX graphs with ``onnx.helper`` (no exporter), drawn
-from the ops the ONNX frontend's table claims: Conv (groups, strides, pads, dilations, auto_pad),
-ConvTranspose, BatchNormalization, Relu / LeakyRelu(0) / Clip(min=0), MaxPool / AveragePool
-(ceil_mode, count_include_pad), the global pools, Add / Sub / Max of two branches, Mul / Div by a
-scalar or per-channel constant, Concat, Split (split input or num_outputs), Slice, Transpose, Pad
-(constant, reflect, edge), Resize (nearest), Reshape (channel shuffle), Squeeze / Unsqueeze,
-Identity, Dropout, a Gemm (transB, alpha, beta) or MatMul + Add head, one or two outputs; opsets 13
-to 18; float32, or float64 where onnxruntime has double kernels (no Conv, pools but MaxPool, Resize).
-Now and then one op the frontend must refuse ends the body.
+from the ops the ONNX frontend's table claims: Conv (groups, strides, pads, dilations, auto_pad;
+weights shared by two Convs or written by Constant nodes), ConvTranspose, BatchNormalization, Relu /
+LeakyRelu(0) / Clip(min=0) / Max(x, 0), MaxPool / AveragePool (ceil_mode, count_include_pad), the
+global pools, Add / Sub / Max of two branches, Mul / Div by a scalar, per-channel, per-position or
+per-element constant, Neg, Where (a constant mask), ReduceSum / Mean / Max, Concat, Split (split
+input or num_outputs), Slice, Transpose, Gather, Tile, DepthToSpace, SpaceToDepth, Pad (constant,
+reflect, edge), Resize (nearest; scales, or sizes with axes), Reshape (channel shuffle), Squeeze /
+Unsqueeze, Identity, Dropout, a Gemm (transA / transB, alpha, beta) or MatMul + Add head, one or two
+outputs; opsets 13 to 18; float32, or float64 where onnxruntime has double kernels (no Conv, pools
+but MaxPool, Resize). Now and then one op the frontend must refuse ends the body.
 
 Each graph comes with its *path-norm network*, written from the definition (docs/math.md §3) and not
 from pathir: every weight, bias and constant factor c replaced by |c|^q (Gemm's alpha / beta folded
@@ -475,6 +477,7 @@ def onnx_programs(draw, min_statements: int = 1, max_statements: int = 6, refuse
             w.add("Squeeze", [mid, w.ints([axis])], [out])
             shape = (C, H, W)
         else:
+            kind = "identity"  # (also where the drawn kind did not fit: a pure move of src)
             op = draw(st.sampled_from(["Identity", "Dropout"]))
             w.add(op, [src], [out])
             shape = (C, H, W)
