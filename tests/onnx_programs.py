@@ -403,10 +403,13 @@ def onnx_programs(draw, min_statements: int = 1, max_statements: int = 6, refuse
             top = [draw(st.integers(0, 2)) for _ in range(4)]  # h0, w0, h1, w1
             if mode == "reflect":
                 top = [min(t, (H, W)[i % 2] - 1) for i, t in enumerate(top)]
-            pads = [0, 0, top[0], top[1], 0, 0, top[2], top[3]]
+            axes = opset >= 18 and draw(st.booleans())  # opset 18: pads of the named axes only
+            pads = [top[0], top[1], top[2], top[3]] if axes else [0, 0, top[0], top[1], 0, 0, top[2], top[3]]
             ins_ = [src, w.ints(pads)]
             if mode == "constant" and draw(st.booleans()):
                 ins_.append(w.init(np.array(0.0), powered=False))
+            if axes:
+                ins_ += [""] * (3 - len(ins_)) + [w.ints(draw(st.sampled_from([[2, 3], [-2, -1], [2, -1]])))]
             w.add("Pad", ins_, [out], mode=mode)
             shape = (C, H + top[0] + top[2], W + top[1] + top[3])
         elif kind == "resize" and H <= 8:
