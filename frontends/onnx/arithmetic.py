@@ -80,11 +80,16 @@ def div(low, node, ins):
 
 
 def max_(low, node, ins):
-    if not all(isinstance(v, Value) for v in ins):
-        low.unsupported("a max with a constant: clipping at a fixed non-zero level is not positively homogeneous")
-    if len(ins) == 1:
-        return [ins[0]]
-    return [elementwise_max(low, list(ins))]
+    """The max of activations (a max-pool node over them); with zero constants, Max(x, 0) = ReLU(x)."""
+    acts = [v for v in ins if isinstance(v, Value)]
+    zeros = [np.asarray(v) for v in ins if not isinstance(v, Value)]
+    if any(z.size and np.any(z != 0) for z in zeros):
+        low.unsupported("a max with a non-zero constant: clipping at a fixed non-zero level is not positively homogeneous")
+    full = (1, *acts[0].shape)
+    if any(z.ndim > len(full) or np.broadcast_shapes(z.shape, full) != full for z in zeros):
+        low.unsupported("a max with a zero constant that broadcasts the activation to a larger shape")
+    out = acts[0] if len(acts) == 1 else elementwise_max(low, acts)
+    return [low.relu(out) if zeros else out]
 
 
 def leaky_relu(low, node, ins):

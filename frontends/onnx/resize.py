@@ -6,7 +6,8 @@ others, so every mode and coordinate transform is the op's own, and the op is
 checked to act axis by axis. Refused, naming what: a region of interest
 (tf_crop_and_resize), coordinate transforms other than half_pixel, align_corners,
 asymmetric and pytorch_half_pixel, cubic with exclude_outside, antialias,
-``axes`` / keep_aspect_ratio_policy, and any scaling of the batch or channel axes.
+keep_aspect_ratio_policy, and any scaling of the batch or channel axes. ``axes`` (opset 18): the
+scales or sizes of the axes it names, the others kept.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def resize(low, node, ins):
         low.unsupported(f"Resize coordinate_transformation_mode '{transform}'")
     if mode == "cubic" and a.get("exclude_outside", 0):
         low.unsupported("Resize cubic with exclude_outside=1")
-    for name, ok in (("antialias", 0), ("axes", None), ("keep_aspect_ratio_policy", "stretch")):
+    for name, ok in (("antialias", 0), ("keep_aspect_ratio_policy", "stretch")):
         if a.get(name, ok) != ok:
             low.unsupported(f"Resize with {name}={a[name]}")
     roi = low.const(node, 1, "roi", required=False) if len(node.input) > 1 and node.input[1] else None
@@ -43,7 +44,29 @@ def resize(low, node, ins):
         low.unsupported("Resize with a region of interest (roi)")
     scales = _resize_input(low, node, 2, "scales")
     sizes = _resize_input(low, node, 3, "sizes")
+    if a.get("axes") is not None:
+        node, scales, sizes = _all_axes(low, node, a["axes"], scales, sizes)
     return [_resampled_by(low, node, ins, scales, sizes, f"resize_{mode}")]
+
+
+def _all_axes(low, node, axes, scales, sizes):
+    """The node without ``axes``, its scales or sizes given for every axis (the others kept)."""
+    from onnx import helper
+
+    v = low.act(node, 0)
+    rank = len(v.shape) + 1
+    axes = [int(d) + rank if int(d) < 0 else int(d) for d in axes]
+    given = scales if scales is not None else sizes
+    if given is None or given.size != len(axes) or sorted(set(axes)) != sorted(axes) or not all(0 <= d < rank for d in axes):
+        low.unsupported(f"Resize with axes={axes} and {0 if given is None else given.size} scales/sizes")
+    if scales is not None:
+        full = np.ones(rank, dtype=scales.dtype)
+    else:
+        full = np.array([low.batch, *v.shape], dtype=sizes.dtype)
+    full[axes] = given.reshape(-1)
+    bare = helper.make_node(node.op_type, node.input, node.output, name=node.name,
+                            **{k: v for k, v in attrs(node).items() if k != "axes"})
+    return bare, (full if scales is not None else None), (full if sizes is not None else None)
 
 
 def upsample(low, node, ins):
