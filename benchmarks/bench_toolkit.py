@@ -122,7 +122,9 @@ def path_norm_twin(model: torch.nn.Module, q: float) -> torch.nn.Module:
 @torch.no_grad()
 def load_powered(twin: torch.nn.Module, model: torch.nn.Module, q: float) -> None:
     """The twin's tensors ← |w|^q of the model's, in float64; a batch-norm as its eval-mode affine map
-    a·x + c (a = γ/√(var + eps), c = β − μ·a): weight |a|^q, bias |c|^q, statistics 0 and 1."""
+    a·x + c (a = γ/√(var + eps), c = β − μ·a): weight |a|^q, bias |c|^q, statistics 0 and 1.
+    (pathir folds a batch-norm into the layer before it, whose bias b then joins c as |a·b + c|^q:
+    the same path-norm where that layer has no bias, as in every torchvision model.)"""
     ours = dict(twin.named_modules())
     for name, module in model.named_modules():
         theirs = ours[name]
