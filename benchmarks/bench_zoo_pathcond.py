@@ -3,11 +3,14 @@
 For each model (randomly initialised, ``pathir.app.zoo.build``; googlenet and
 inception_v3 without their train-only aux heads):
 
-1. one forward+backward of the model in float64 at batch 1 (best of
-   ``--repeat``), the baseline, measured in this process;
+1. one forward+backward of the model in float64 at batch 1, the baseline,
+   measured in this process right before each run of 2. (interleaved, so that a
+   load change on a shared machine moves both);
 2. ``cm.pathcond()`` on a freshly compiled model (compile not timed; units, B,
-   diag G, solve and write-back are), best of ``--repeat``, with its solver
-   steps (block sweeps + Newton iterations) and the split diag G / solve;
+   diag G, solve and write-back are), ``--repeat`` times, with its solver
+   steps (block sweeps + Newton iterations) and the split diag G / solve of its
+   fastest run; the ratio columns: best pathcond / best baseline, and the median
+   over the runs of pathcond / the baseline measured just before it;
 3. with ``--reference``, the coordinate solver (the published algorithm) on
    the same g, row keys and bound, run to convergence (``--reference-sweeps``
    at most), and F(default) - F(coordinate) relative to |F|: <= 0 means the
@@ -23,7 +26,7 @@ Run:  python benchmarks/bench_zoo_pathcond.py [--models resnet18 googlenet ...|a
 from __future__ import annotations
 
 import argparse
-import math
+import statistics
 import time
 
 import torch
@@ -39,31 +42,37 @@ def build(name):
     return zoo.build(name, **extra)
 
 
-def forward_backward_seconds(name, repeat):
+def forward_backward(name):
+    """A function timing one float64 forward+backward of the model at batch 1 (warmed up once)."""
     model = build(name).double()
     x = torch.randn(1, *zoo.input_shape(name), dtype=torch.float64)
 
     def step():
+        t = time.perf_counter()
         model.zero_grad(set_to_none=True)
         model(x).sum().backward()
+        return time.perf_counter() - t
 
     step()  # warm-up
-    best = math.inf
-    for _ in range(repeat):
-        t = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - t)
-    return best
+    return step
+
+
+def forward_backward_seconds(name, repeat):
+    step = forward_backward(name)
+    return min(step() for _ in range(repeat))
 
 
 def pathcond_runs(name, repeat, solver):
-    runs = []
+    """(best baseline, (seconds, report, cm) of the fastest run, median of run / the baseline just before it)."""
+    step, runs, bases = forward_backward(name), [], []
     for _ in range(repeat):  # each on a fresh model: pathcond() rescales it in place
         cm = pathir.compile(build(name), input_shape=zoo.input_shape(name), self_check=False)
+        bases.append(step())
         t = time.perf_counter()
         report = cm.pathcond(solver=solver)
         runs.append((time.perf_counter() - t, report, cm))
-    return min(runs, key=lambda r: r[0])
+    median = statistics.median(r[0] / b for r, b in zip(runs, bases))
+    return min(bases), min(runs, key=lambda r: r[0]), median
 
 
 def coordinate_gap(name, report, max_sweeps):
@@ -92,19 +101,18 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     names = zoo.SUPPORTED if args.models == ["all"] else args.models
     print(f"torch threads: {torch.get_num_threads()}, solver {args.solver}")
-    print("| model | fwd+bwd f64 (s) | pathcond (s) | ratio | diag G / solve (s) | sweeps + Newton its | "
-          "max\\|z\\| (bound, at bound) | F vs coordinate |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | fwd+bwd f64 (s) | pathcond (s) | ratio (best) | ratio (median) | diag G / solve (s) | "
+          "sweeps + Newton its | max\\|z\\| (bound, at bound) | F vs coordinate |")
+    print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for name in names:
-        base = forward_backward_seconds(name, args.repeat)
-        seconds, report, cm = pathcond_runs(name, args.repeat, args.solver)
+        base, (seconds, report, cm), median = pathcond_runs(name, args.repeat, args.solver)
         steps = f"{report.sweeps}" + ("" if report.converged else " (NOT converged)")
         gap = "—"
         if args.reference:
             rel, ref = coordinate_gap(name, report, args.reference_sweeps)
             gap = f"{rel:+.1e} (coord. {ref.sweeps} sweeps{'' if ref.converged else ', not converged'})"
-        row = (f"| {name} | {base:.3f} | {seconds:.2f} | {seconds / base:.1f}x | "
+        row = (f"| {name} | {base:.3f} | {seconds:.2f} | {seconds / base:.1f}x | {median:.1f}x | "
                f"{report.timings.get('diag G', 0):.2f} / {report.timings.get('solve', 0):.2f} | {steps} | "
                f"{report.max_abs_log_scale:.3g} ({report.max_log_scale:.3g}, {len(report.units_at_bound)}) | {gap} |")
         print(row, flush=True)

@@ -238,6 +238,8 @@ class Compiled:
         return attach(value, values, grads)
 
     def path_norms(self, qs: Iterable[float] = (1, 2, 4), log10: bool = False, backend=None) -> dict[float, float]:
+        """{q: :meth:`path_norm` (q)} for several q, on one compile: the model is read once, and the
+        float64 copies of its weights on the backend are shared by the walks (one walk per q)."""
         return path_norms(self.graph, qs, self.get_backend(backend), log10)
 
     def num_paths(self, log10: bool = False, backend=None) -> float:

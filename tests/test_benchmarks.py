@@ -91,3 +91,36 @@ def test_penalty_benchmark_runs(capsys):
     bench_penalty.main(["--batch", "2", "--size", "32", "--repeat", "1"])
     out = capsys.readouterr().out
     assert "penalised training step" in out and "ratio" in out
+
+
+@pytest.mark.parametrize("q", [1.0, 2.0, 4.0])
+def test_toolkit_reference_is_the_path_norm(q):
+    """The benchmark's float64 stand-in for the toolkit (|w|^q, batch-norms as affine maps, max-pools as
+    sums, an n-entry average as weights |1/n|^q, all-ones forward) gives pathir's path-norm, which its
+    own tests check by path enumeration; the model is left as it was."""
+    import bench_toolkit
+    import torch
+
+    import pathir
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(2, 3, 3, padding=1, bias=False), torch.nn.BatchNorm2d(3), torch.nn.ReLU(),
+        torch.nn.MaxPool2d(3, 2, padding=1), torch.nn.Conv2d(3, 4, 1), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, 2)).eval()
+    with torch.no_grad():
+        bn = model[1]
+        bn.running_mean.uniform_(-1, 1), bn.running_var.uniform_(0.5, 2), bn.weight.uniform_(-2, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    twin = bench_toolkit.path_norm_twin(model, q)
+    ours = bench_toolkit.reference_path_norm(twin, model, (2, 8, 8), q)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert ours == pytest.approx(pathir.compile(model, input_shape=(2, 8, 8)).path_norm(q, log10=True), abs=1e-12)
+
+
+def test_toolkit_benchmark_runs_without_a_checkout(capsys):
+    import bench_toolkit
+
+    (row,) = bench_toolkit.main(["squeezenet1_1", "--repeat", "1", "--steps", "1", "--threads", "1"])
+    assert {"a_ratio", "b_ratio", "c_ratio", "s_forwards"} <= set(row) and row["a_log10_gap"] < 1e-9
+    assert "| squeezenet1_1 |" in capsys.readouterr().out

@@ -333,6 +333,9 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
             enter, leave = runs[2], runs[3]
         e_units, e_rank = _ranks(np.asarray(enter), nd)
         l_units, l_rank = _ranks(np.asarray(leave), nd)
+        if runs is None:  # an end with one unit throughout (a classifier's pinned outputs) varies along no axis
+            e_rank, l_rank = (r if u.size != 1 else r.reshape(-1)[:1].reshape((1,) * nd)
+                              for u, r in ((e_units, e_rank), (l_units, l_rank)))
         grid = np.broadcast_shapes(e_rank.shape, l_rank.shape, (1,) * nd)
         flat_axes = tuple(ax for ax in range(nd) if grid[ax] == 1 and shape[ax] != 1)
         raw = mk
@@ -418,7 +421,9 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
                     continue
                 np.minimum.at(low_k, local, lows.reshape(-1))
                 np.maximum.at(high_k, local, highs.reshape(-1))
-                count_k += np.bincount(local, weights=counts.reshape(-1), minlength=size).astype(np.int32)
+                counts = counts.reshape(-1)
+                count_k += (np.bincount(local[counts], minlength=size) if counts.dtype == bool  # no float weights
+                            else np.bincount(local, weights=counts, minlength=size)).astype(np.int32)
         keys = np.empty((e_units.size, l_units.size), dtype=np.int64)  # the grid's cells, row-major
         np.add((e_units * (H + 1))[:, None], l_units[None, :], out=keys)
         keys = keys.reshape(-1)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pathir.support.threads import one_torch_thread
+
 __all__ = ["sum_log_positive", "log_in_place"]
 
 #: entries per chunk: a 512 KB buffer, in the cache for the sum that follows the log
@@ -25,18 +27,20 @@ _CHUNK = 1 << 16
 
 
 def sum_log_positive(x: np.ndarray) -> tuple[int, float]:
-    """(number of entries > 0, Σ log x_i over them) of a float64 array x ≥ 0, a chunk at a time."""
+    """(number of entries > 0, Σ log x_i over them) of a float64 array x ≥ 0, a chunk at a time
+    (on one torch thread: `pathir.support.threads`)."""
     import torch
 
     flat = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64).reshape(-1))
     buf = torch.empty(min(_CHUNK, flat.numel()), dtype=torch.float64)
     count, total = 0, 0.0
-    for i in range(0, flat.numel(), _CHUNK):
-        part = flat[i:i + _CHUNK]
-        logs = torch.log(part, out=buf[:part.numel()])
-        positive = int(torch.count_nonzero(part > 0))
-        count += positive
-        total += float(logs.sum() if positive == part.numel() else logs[part > 0].sum())
+    with one_torch_thread():
+        for i in range(0, flat.numel(), _CHUNK):
+            part = flat[i:i + _CHUNK]
+            logs = torch.log(part, out=buf[:part.numel()])
+            positive = int(torch.count_nonzero(part))  # x >= 0: nonzero is positive
+            count += positive
+            total += float(logs.sum() if positive == part.numel() else logs[part > 0].sum())
     return count, total
 
 
