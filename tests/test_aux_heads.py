@@ -2,7 +2,7 @@
 
 A model compiled in train mode is lowered in its heads forward: every module in eval mode
 (batch-norm on running statistics, dropout the identity) except the ancestors of the aux heads.
-Checked against definitions: the graph's forward equals the model's own float64 heads forward,
+Checked against definitions, on both capture paths: the graph's forward equals the model's own float64 heads forward,
 head by head; the path-norms (q = ½, 1, 2) and path counts of every head, and of the whole DAG
 (the sum over outputs, docs/math.md §3), equal the model run as its path-norm network; a
 PathCond or random rescaling written back keeps every head, the eval function and the real
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from capture_reference import linearized
+from capture_reference import Untraceable, linearized
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -167,7 +167,11 @@ def _state(model):
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("make, train_paths", [(WithAux, ("",)), (Nested, ("", "body"))])
+@pytest.mark.parametrize("make, train_paths", [
+    (WithAux, ("",)),
+    (Nested, ("", "body")),
+    (lambda: Untraceable(Nested()), ("", "inner", "inner.body")),  # the torch.export path
+], ids=["aux", "nested", "nested-export"])
 def test_heads_are_outputs_exact_and_kept_by_pathcond(make, train_paths):
     torch.manual_seed(0)
     model = make().double().train()
@@ -273,3 +277,13 @@ def test_zoo_aux_heads_kept_by_pathcond(name, shape, heads_):
     cm, model = _zoo_check(name, shape, pathcond=True)
     assert len(cm.graph.outputs) == heads_
     assert_path_norms(cm, model, shape, qs=(1.0, 2.0), rel=1e-8)
+
+
+def test_checks_run_the_heads_forward():
+    """``pathir.checks.check`` compares and writes back in the forward the graph computes: every
+    check holds and every parameter (the heads' included) is read by the graph."""
+    import pathir.checks
+
+    torch.manual_seed(0)
+    report = pathir.checks.check(Nested().double().train(), input_shape=(3,))
+    assert report.passed and all(c.passed for c in report.checks) and not report.not_reached
