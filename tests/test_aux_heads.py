@@ -203,6 +203,23 @@ def test_random_rescaling_keeps_every_head(width, seed, scale):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
+class TrainScaled(WithAux):
+    """The train-mode forward computes its main output differently: keeping the heads would not keep
+    the eval function."""
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return (self.b(h) * 2.0, self.aux(h)) if self.training else self.b(h)
+
+
+def test_eval_output_not_among_the_heads_fails_the_self_check():
+    model = TrainScaled().double().train()
+    state = _state(model)
+    with pytest.raises(pathir.SelfCheckFailed, match="eval forward's output 0 is none of the outputs"):
+        pathir.compile(model, input_shape=(3,))
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items()) and model.training
+
+
 def test_eval_mode_refuses_and_says_how():
     model = WithAux().double().eval()
     cm = pathir.compile(model, input_shape=(3,))
