@@ -151,10 +151,10 @@ def assert_heads_forward(cm, model, x, train_paths=("",)):
         np.testing.assert_allclose(o, r.numpy(), rtol=1e-10, atol=1e-10 * float(r.abs().max()))
 
 
-def assert_path_norms(cm, model, shape, qs=(0.5, 1.0, 2.0), train_paths=("",), rel=1e-10):
+def assert_path_norms(cm, model, shape, qs=(0.5, 1.0, 2.0), train_paths=("",), rel=1e-10, counts=True):
     """Every head's path-norms and path count, and the whole DAG's (their sum), against the definition."""
     backend = get_backend("torch")
-    for q in (*qs, 0.0):
+    for q in (*qs, 0.0) if counts else qs:
         want = head_path_norms(model, shape, q, train_paths)
         got = [num_paths(to_head(cm.graph, h), backend) if q == 0 else path_norm(to_head(cm.graph, h), q, backend) ** q
                for h in cm.graph.outputs]
@@ -282,7 +282,7 @@ def _zoo_check(name, shape, pathcond, num_classes=10):
 def test_googlenet_aux_heads_exact_and_kept():
     cm, model = _zoo_check("googlenet", (3, 32, 32), pathcond=False)
     assert cm.graph.outputs == ("fc", "aux2.fc2", "aux1.fc2")
-    assert_path_norms(cm, model, (3, 32, 32), qs=(1.0,), rel=1e-8)
+    assert_path_norms(cm, model, (3, 32, 32), qs=(1.0,), rel=1e-8, counts=False)  # the slow test counts
 
 
 @pytest.mark.slow
