@@ -23,9 +23,10 @@ holds every supported model to 1e-9). *Units* counts the free rescaling
 directions (batch-norms folded, residual-stream channels tied across blocks). The supported models are checked by `tests/test_zoo.py`.
 Regenerate this page with `python benchmarks/zoo_table.py`.
 googlenet and inception_v3 are built with their default `aux_logits=True`: their
-aux classifiers run only in train mode, so a rescaling write-back (`pathcond`,
-`enorm`, `normalize`) is refused naming them; build them with `aux_logits=False`
-to rescale (see [capture](capture.md)).
+aux classifiers run only in train mode, so in eval mode (this table) a rescaling
+write-back (`pathcond`, `enorm`, `normalize`) is refused naming them; compile them
+in train mode to have the aux heads as extra outputs, which a rescaling keeps, or
+build them with `aux_logits=False` (see [capture](capture.md)).
 
 | model | status | input | nodes | parameters | hidden channels | units | compile (s) | rel. error |
 |---|---|---|---|---|---|---|---|---|

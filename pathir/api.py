@@ -77,7 +77,8 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
             raw = reread.graph(model) if reread is not None and reread.covers(moved) else None
             if raw is None:
                 with kept(model):  # tracing runs the forward: a refusal leaves the model as it was
-                    raw = lower(model, input_shape=input_shape, example_input=example_input).graph
+                    raw = lower(model, input_shape=input_shape, example_input=example_input,
+                                heads=bool(writer.train_paths)).graph  # the outputs it was compiled with
             return run_passes(raw, (*DEFAULT_PIPELINE, *passes), check=False)
 
     bar.phase("passes")

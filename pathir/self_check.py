@@ -7,7 +7,8 @@ model's own forward once each, on a seeded random batch of 2 (cast to the
 model's dtype and device, the same values fed to both), and compares them
 relative to max|model output|, with a tolerance fitted to the model's dtype
 (:data:`TOLERANCE`). A torch model runs in eval mode under ``torch.no_grad``
-(its training flags are restored, nothing is copied); an ONNX model runs in
+(its training flags are restored, nothing is copied; a model compiled with its aux heads runs
+its heads forward, and each output of its eval forward must be one of the heads); an ONNX model runs in
 onnxruntime (skipped when onnxruntime is not installed).
 
 A mismatch raises :class:`pathir.SelfCheckFailed` with the deviation and the
@@ -117,15 +118,39 @@ def torch_inputs(cm, model):
     return xs
 
 
+def train_paths(cm) -> list[str]:
+    """The modules in train mode in the forward the graph computes (the heads forward of a model with
+    aux heads, frontends/torch/train_branches.py); [] for the eval forward."""
+    return list(getattr(cm.writer, "train_paths", ()))
+
+
 def _check_torch(cm, model) -> None:
     import torch
 
     xs = torch_inputs(cm, model)
-    with eval_forward(model), torch.no_grad():
+    with eval_forward(model, train_paths(cm)), torch.no_grad():
         refs = [_numpy(t) for t in _tensors(model(*[x.clone() for _, _, x in xs]))]
     dtype = str(model_dtype_device(model)[0]).replace("torch.", "")
     outs = _ir_forward(cm, {n: a for n, a, _ in xs}, dtype)
     _compare(cm, outs, refs, dtype, lambda: _first_torch(cm, model, xs, dtype))
+    if train_paths(cm):
+        _check_eval_among_heads(cm, model, xs, outs, dtype)
+
+
+def _check_eval_among_heads(cm, model, xs, outs: dict, dtype: str) -> None:
+    """Every output of the eval forward is one of the heads forward's outputs: a rescaling that keeps
+    every head keeps the eval function."""
+    import torch
+
+    with eval_forward(model), torch.no_grad():
+        evals = [_numpy(t) for t in _tensors(model(*[x.clone() for _, _, x in xs]))]
+    tol = TOLERANCE.get(dtype, 1e-4)
+    for k, ref in enumerate(evals):
+        if np.isfinite(ref).all() and not any(_deviation(o, ref) <= tol for o in outs.values()):
+            raise SelfCheckFailed(f"self-check: the eval forward's output {k} is none of the outputs of the heads "
+                                  f"forward pathir lowered (modules {train_paths(cm)} in train mode), so a rescaling "
+                                  "keeping the heads might not keep the eval function; compile the model in eval "
+                                  "mode (pass self_check=False to skip)")
 
 
 def _first_torch(cm, model, xs, dtype: str) -> str:
@@ -139,7 +164,7 @@ def _first_torch(cm, model, xs, dtype: str) -> str:
                 recorded[path] = _numpy(o.clone())
         handles.append(mod.register_forward_hook(hook))
     try:
-        with eval_forward(model), torch.no_grad():
+        with eval_forward(model, train_paths(cm)), torch.no_grad():
             model(*[x.clone() for _, _, x in xs])
     finally:
         for h in handles:

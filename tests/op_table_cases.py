@@ -298,6 +298,27 @@ case("relu_ on a slice, the base read later", C2, lambda m, a: _write_slices(a *
 case("setitem 0 and fill_ on a channel", C2, lambda m, a: _zero_channels(a * 1.0), paths=("export",))
 
 
+# torch.export writes x[:, idx] = src as index_put_ (index_put once functionalized); the torch spelling
+# indexes the leading axes, the batch axis first, so it has no row: only ATen's index_put takes None
+case("index_put_: a list, a mask, an activation", C2, lambda m, a: _index_put(a * 1.0, m.idx, m.mask, m.src),
+     lambda: {"idx": torch.tensor([0, 2]), "mask": torch.tensor([False, True, False]), "src": torch.tensor([2])},
+     paths=("export",))
+case("index_put through a view read later", C2, lambda m, a: _index_put_view(a * 1.0, m.idx),
+     lambda: {"idx": torch.tensor([1])}, paths=("export",))
+
+
+def _index_put(h, idx, mask, src):
+    h[:, mask] = torch.relu(h[:, src])  # channel 1 reads channel 2
+    h[:, idx] = 0  # zeroes channels 0 and 2
+    return h
+
+
+def _index_put_view(h, idx):
+    v = h[:, 1:]
+    v[:, idx] = 0  # through a view: functionalized as index_put, slice_scatter
+    return h
+
+
 def _write_slices(h):
     h[:, :2].relu_()  # functionalized: relu, slice_scatter
     h[:, 2].mul_(-0.5)  # mul, select_scatter

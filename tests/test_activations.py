@@ -135,3 +135,26 @@ def test_chunks_and_log10():
         assert np.allclose(active_path_norm(g, be, xs, log10=True), np.log10(whole), rtol=1e-12)
     dead = active_path_norm(g, be, np.full((1, 3), -1e6), log10=True)  # every h off, y has no bias
     assert dead[0] == -math.inf
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_local_affine_beyond_float64_raises_instead_of_inf(backend):
+    """J of 200 layers of weight 40 (every ReLU active at x = 1) is 40^200 ≈ 10^320: beyond float64.
+    The signed walks (J v, uᵀ J, the intercept) raise PathNormOverflow, not inf or nan; below
+    float64's range they equal the product of the layers."""
+    from pathir.errors import PathNormOverflow
+    from pathir.ir import Dense, GraphBuilder
+
+    def chain(depth):
+        b = GraphBuilder("chain")
+        h = b.input("x", (1,))
+        for i in range(depth):
+            h = b.relu(f"h{i}", [(h, Dense(b.param(f"w{i}", [[40.0]])))], bias=b.param(f"b{i}", [1.0]))
+        return b.build(outputs=[h])
+
+    be, x = get_backend(backend), np.ones((1, 1))
+    small = local_affine(chain(150), be, x)
+    assert _close(float(small.jvp(np.ones((1, 1)))["h149"][0, 0]), 40.0**150)
+    assert _close(float(small.vjp(np.ones((1, 1)))["x"][0, 0]), 40.0**150)
+    with pytest.raises(PathNormOverflow, match="does not fit in float64"):
+        local_affine(chain(200), be, x)  # the intercept Σ_k 40^k ≈ 10^320

@@ -90,3 +90,27 @@ def test_refuses_two_architectures():
 
     with pytest.raises(PathirError, match="architecture"):
         active_path_metric(net(2), net(3), np.ones((1, 2)), "numpy")
+
+
+@pytest.mark.parametrize("tiny, refused", [(1e-150, False), (1e-250, True)])
+def test_a_walk_it_cannot_certify_is_refused(tiny, refused):
+    """θ' whose hidden channels spread beyond the certificate (an entry below 1e-200 of its node's
+    largest): refused rather than a bracket that may have lost terms; within it, the brackets equal
+    enumeration."""
+    from pathir.ir import Dense, GraphBuilder
+
+    def net(w1):
+        b = GraphBuilder()
+        x = b.input("x", (2,))
+        h = b.relu("h", [(x, Dense(b.param("w1", w1)))])
+        return b.build(outputs=[b.identity("y", [(h, Dense(b.param("w2", [[3.0, 1.0]])))])])
+
+    a, b = net([[1.0, 2.0], [1.0, 1.0]]), net([[tiny, 0.0], [1.0, 1.0]])
+    x = np.ones((1, 2))
+    if refused:
+        with pytest.raises(PathirError, match="cannot be certified"):
+            active_path_metric(a, b, x, "numpy")
+        return
+    m = active_path_metric(a, b, x, "numpy")
+    (d, norm_a, norm_b, _), = enumerated(a, b, {"x": x})
+    assert _le(m.lower[0], d) and _le(d, m.upper[0]) and m.norm_b[0] == pytest.approx(norm_b, rel=1e-12)

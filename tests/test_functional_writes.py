@@ -2,7 +2,9 @@
 a traced graph would read the value before the write, so the torch frontend lowers torch.export's
 functionalized graph (``slice_scatter``, ``select_scatter``), which has eager semantics. Checked
 against the model's own float64 forward and the path-norm network, on both capture paths; a
-PathCond write-back keeps the function. A write of a constant other than 0 stays refused."""
+PathCond write-back keeps the function. ``c[:, [0, 2]] = 0`` and ``c[:, mask] = y`` (``index_put``)
+likewise. A write of a constant other than 0, into some samples of a batch, or accumulating, stays
+refused, naming the op."""
 
 import copy
 
@@ -42,11 +44,24 @@ class Writes(nn.Module):
             c[:, 3, :, 1].fill_(0.0)
         elif self.how == "setitem 1":
             c[:, 1] = 1.0
+        elif self.how == "setitem a list 0":  # index_put_: the channels zeroed
+            c = torch.relu(c)
+            c[:, [0, 2]] = 0
+        elif self.how == "setitem a mask an activation, a list 0 through a view":
+            c[:, torch.tensor([False, True, False, True])] = torch.relu(c[:, [0, 2]])
+            v = c[:, 1:]
+            v[:, [0]] = 0  # read later through c: functionalized, index_put and slice_scatter
+        elif self.how == "setitem a list 1":
+            c[:, [0, 2]] = 1.0
+        elif self.how == "setitem the batch axis 0":
+            c[[0]] = 0
+        elif self.how == "index_put_ accumulate":
+            torch.ops.aten.index_put_.default(c, [None, torch.tensor([1])], torch.relu(c[:, [0]]), True)
         return self.o(torch.relu(c) if self.how != "relu_ on a slice" else c)
 
 
 HOW = ["relu_ on a slice", "setitem 0", "strided relu_ and a scaled channel", "setitem an activation",
-       "zero_ and fill_"]
+       "zero_ and fill_", "setitem a list 0", "setitem a mask an activation, a list 0 through a view"]
 
 
 def _model(how):
@@ -72,11 +87,18 @@ def test_pathcond_keeps_the_function(how):
     assert torch.allclose(eval_forward(model, x), before, rtol=1e-10, atol=1e-12)
 
 
-def test_writing_a_non_zero_constant_is_refused_and_the_model_untouched():
-    model = _model("setitem 1")
+@pytest.mark.parametrize("how, op, why", [
+    ("setitem 1", "fill_", "a fixed value no parameter carries"),
+    ("setitem a list 1", "index_put_", "a fixed value no parameter carries"),
+    ("setitem the batch axis 0", "index_put_", "writes some samples of a batch and not others"),
+    ("index_put_ accumulate", "index_put_", "adds into the indexed elements"),
+])
+def test_writing_a_non_zero_constant_is_refused_and_the_model_untouched(how, op, why):
+    model = _model(how)
     state = copy.deepcopy(model.state_dict())
-    with pytest.raises(UnsupportedOperation, match="a fixed value no parameter carries"):
+    with pytest.raises(UnsupportedOperation, match=why) as err:
         pathir.compile(model, input_shape=(2, 6, 6))
+    assert err.value.op.startswith(op), err.value
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
 

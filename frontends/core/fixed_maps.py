@@ -9,7 +9,8 @@ Invariants kept:
   zero padding positions read nothing (index -1: no edge);
 - a fixed (buffer) convolution kernel is one ``FixedConv`` edge (constant edges, never
   rescaled), or, when it is one separable kernel shared by every channel of a depthwise
-  convolution, a ``Resample``;
+  convolution, a ``Resample``; a fixed (buffer) matrix of a linear layer or a matmul is a
+  1x1 ``FixedConv`` over the features;
 - resampling (interpolate in every mode) and separable fixed filters become one
   ``Resample`` edge whose per-axis matrices are read off *torch's own op* on
   one-hot inputs along that axis, so the coefficients are torch's, bit for bit;
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from pathir.frontends.core.values import ParamTensor, Value, f64
 from pathir.ir import FixedConv, Resample, SourceRef
 
-__all__ = ["pad", "interpolate", "adaptive_avg_pool", "fixed_conv", "axis_matrices", "resampled"]
+__all__ = ["pad", "interpolate", "adaptive_avg_pool", "fixed_conv", "fixed_linear", "axis_matrices", "resampled"]
 
 _PAD_MODES = {"constant", "reflect", "replicate", "circular"}
 _INTERP_MODES = {"nearest", "nearest-exact", "linear", "bilinear", "trilinear", "bicubic", "area"}
@@ -186,6 +187,28 @@ def fixed_conv(low, v: Value, weight: ParamTensor, bias, stride, padding, dilati
     b = low.made(bias.name, lambda x: f64(x).reshape(-1), (bias,),
                  (SourceRef(bias.name),))
     return Value(list(out.terms), out.shape, b, low.label)
+
+
+def fixed_linear(low, v: Value, weight: ParamTensor, bias, transposed: bool = False) -> Value:
+    """``F.linear(v, W, b)`` (``v @ W`` with ``transposed``) whose matrix W is a fixed (buffer)
+    tensor: a 1x1 ``FixedConv`` over the last axis, the features (constant edges, never rescaled:
+    the buffer stays as it is). A learnable bias per output feature is its neurons' bias."""
+    v = low.value(v)
+    t = weight.tensor.detach()
+    if t.dim() != 2 or t.shape[0 if transposed else 1] != v.shape[-1] or len(v.shape) > 4:
+        low.unsupported(f"the fixed (buffer) matrix '{weight.name}' of shape {list(t.shape)} on an activation of "
+                        f"shape {list(v.shape)}")
+    W = t.T if transposed else t
+    n = max(len(v.shape) - 1, 1)  # a flat (F,) input is read as (F, 1)
+    if len(v.shape) == 1:
+        first = low.index_op(lambda x: x.unsqueeze(-1), [v])[0][0]
+    else:
+        first = low.index_op(lambda x: x.movedim(-1, 1), [v])[0][0]  # (F, *S)
+    kernel = ParamTensor(weight.name, W.reshape(*W.shape, *([1] * n)), "buffer")
+    out = fixed_conv(low, first, kernel, bias, 1, 0, 1, 1)
+    if len(v.shape) == 1:
+        return low.index_op(lambda x: x.squeeze(-1), [out])[0][0]
+    return low.index_op(lambda x: x.movedim(1, -1), [out])[0][0]
 
 
 def _fixed_kernel(low, v: Value, weight: ParamTensor, W: np.ndarray, stride, padding, dilation, groups) -> Value:

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from pathir.frontends.core.fixed_factors import fixed_scale
+from pathir.frontends.core.fixed_maps import fixed_linear
 from pathir.frontends.core.reductions import elementwise_max
 from pathir.frontends.core.values import ParamTensor, Value
 from pathir.frontends.torch.why import refuse
@@ -181,7 +182,9 @@ def maximum(low, input, other):
 
 
 def matmul(low, input, other):
-    """``x @ W`` with W an (in, out) parameter: a dense layer."""
+    """``x @ W`` with W an (in, out) parameter: a dense layer; with W a buffer, a fixed map."""
     if not (isinstance(input, Value) and isinstance(other, ParamTensor)):
         refuse(low)
+    if low.is_buffer(other):
+        return fixed_linear(low, input, other, None, transposed=True)
     return low.matmul_param(input, other)

@@ -16,7 +16,7 @@ import torch
 from pathir.frontends.core.values import ParamTensor, Value, leaves, substitute
 
 __all__ = ["moves", "method_moves", "cat", "getattr_", "size", "dim", "unflatten", "unflatten_module",
-           "flatten_module", "channel_shuffle_module", "index_with", "transposed_param", "scatter", "fill", "zero", "copy"]
+           "flatten_module", "channel_shuffle_module", "index_with", "transposed_param", "scatter", "index_put", "fill", "zero", "copy"]
 
 
 def _index(low, fn, args, kwargs):
@@ -45,6 +45,38 @@ def scatter(fn, view):
         return low.compose_selection([(low.selectable(v), out.reshape(-1).numpy())], tuple(v.shape))
     rule.__name__ = f"scatter({getattr(fn, '__name__', fn)})"
     return rule
+
+
+_INDEX_PUT = torch.ops.aten.index_put.default  # takes None for an axis not indexed, as export writes it
+
+
+def index_put(low, input, indices, values, accumulate=False):
+    """``aten.index_put(_)``, as torch.export writes ``x[:, [0, 2]] = src`` (constant list, tensor or
+    mask indices): the indexed elements read ``src`` (an activation: element moves from both) or
+    nothing (the constant 0: no edge, the channels zeroed). An activation index (data-dependent), an
+    index on the batch axis, ``accumulate=True`` (a sum into the elements) or a constant other than 0
+    is refused."""
+    if any(isinstance(i, Value) for i in (indices or [])):
+        low.unsupported("indexes by an activation: a data-dependent selection, not a fixed map")
+    if accumulate:
+        low.unsupported("index_put with accumulate=True adds into the indexed elements (x[idx] += src) instead of "
+                        "writing them: write x[idx] = x[idx] + src")
+    indices = substitute(indices, [])  # an index lifted to a constant by torch.export: its tensor
+    if isinstance(values, Value):
+        return low.index_op(lambda t, src: _INDEX_PUT(t, indices, src), [input, values])[0][0]
+    v = low.value(input)
+    zero = values.tensor if isinstance(values, ParamTensor) else values
+    if not (isinstance(zero, (torch.Tensor, int, float)) and not torch.as_tensor(zero).any()):
+        low.unsupported("writes a constant other than 0 into an activation: a fixed value no parameter carries")
+    n = math.prod(v.shape)
+    ids = torch.arange(2 * n, dtype=torch.int64).reshape(2, *v.shape)  # two samples: is the write per sample?
+    try:
+        out = _INDEX_PUT(ids, indices, torch.tensor(-1, dtype=torch.int64)).reshape(2, -1)
+    except (IndexError, RuntimeError) as err:
+        low.unsupported(f"index_put with indices that do not fit the activation ({err})")
+    if not torch.equal(out[1], torch.where(out[0] < 0, out[0], out[0] + n)):
+        low.unsupported("index_put on the batch axis: writes some samples of a batch and not others")
+    return low.compose_selection([(low.selectable(v), out[0].numpy())], tuple(v.shape))
 
 
 def fill(low, input, value):

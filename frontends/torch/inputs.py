@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import warnings
+from typing import Sequence
 
 import torch
 import torch.nn as nn
@@ -115,14 +116,18 @@ def model_dtype_device(model):
 
 
 @contextlib.contextmanager
-def eval_forward(model):
-    """Eval mode for one forward; afterwards every training flag is restored and so is
+def eval_forward(model, train: Sequence[str] = ()):
+    """Eval mode for one forward, except that the modules at the paths ``train`` ("" the model
+    itself) keep ``training = True`` (the ancestors of aux heads: train_branches.head_modes);
+    afterwards every training flag is restored and so is
     every attribute a forward pre-hook assigns (pruning and weight/spectral-norm hooks
     recompute ``module.weight`` as a new tensor object: the same one stays in place)."""
     flags = [(m, m.training) for m in model.modules()]
     kept = [(m, name, getattr(m, name)) for m in model.modules() for name in hook_attrs(m) if hasattr(m, name)]
     try:
         model.train(False)
+        for path in train:
+            model.get_submodule(path).training = True
         yield
     finally:
         for m, flag in flags:

@@ -126,6 +126,7 @@ class FxInterpreter:
 
     def _output(self, node):
         out = node.args[0]
+        out = self.env[out] if isinstance(out, torch.fx.Node) else out  # a namedtuple built in the forward
         if isinstance(out, dict):  # {"out": ..., "aux": ...}: every value an output, in order
             out = list(out.values())
         values = out if isinstance(out, (tuple, list)) else [out]
@@ -156,6 +157,8 @@ class FxInterpreter:
             if any(isinstance(a, ParamTensor) for a in list(args) + list(kwargs.values())):
                 low.unsupported("computes with a model parameter outside linear/conv/batch-norm layers")
             return fn(*args, **kwargs)  # shape arithmetic on concrete sizes
+        if isinstance(fn, type) and issubclass(fn, tuple) and hasattr(fn, "_fields"):
+            return fn(*args, **kwargs)  # a namedtuple of results (GoogLeNetOutputs): read by the output
         if fn is operator.getitem and isinstance(args[0], tuple) and isinstance(args[1], int):
             return args[0][args[1]]  # an op's tuple of results (chunk, max(dim), max-pool with indices)
         return self._call(fn, getattr(fn, "__name__", str(fn)), args, kwargs)

@@ -3,7 +3,8 @@ buffer kernel is a fixed filter), transposed convolution, inference batch-norm, 
 
 A ConvNd with ``padding_mode`` reflect / replicate / circular is the padding (a selection) then a
 convolution without padding. A convolution whose kernel is a registered buffer is a fixed map
-(:func:`..core.fixed_maps.fixed_conv`); a transposed convolution with a buffer kernel is refused.
+(:func:`..core.fixed_maps.fixed_conv`), and so is a linear layer whose matrix is a buffer
+(:func:`..core.fixed_maps.fixed_linear`); a transposed convolution with a buffer kernel is refused.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from pathir.frontends.core.conv_transpose import conv_transpose
-from pathir.frontends.core.fixed_maps import fixed_conv, pad
+from pathir.frontends.core.fixed_maps import fixed_conv, fixed_linear, pad
 from pathir.frontends.core.values import ParamTensor, Value
 
 __all__ = ["linear", "linear_module", "conv", "conv_module", "convolution", "conv_transpose_fn",
@@ -24,11 +25,15 @@ def _param(mod, path: str, attr: str):
 
 
 def linear(low, input, weight, bias=None):
+    """A linear layer; with a buffer matrix, a fixed map (the buffer is never rescaled)."""
+    if low.is_buffer(weight):
+        return fixed_linear(low, input, weight, bias)
     return low.linear(input, weight, bias)
 
 
 def linear_module(low, mod, input):
-    return low.linear(input, _param(mod, low.label, "weight"), _param(mod, low.label, "bias"))
+    """``nn.Linear``; whose weight is a registered buffer: a fixed map (as ``F.linear(x, buffer)``)."""
+    return linear(low, input, _param(mod, low.label, "weight"), _param(mod, low.label, "bias"))
 
 
 def conv(low, input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):

@@ -6,13 +6,17 @@ arithmetic (``x.size(0)``, ``x.shape``) is evaluated on concrete sizes, and any
 other op that touches an activation raises ``UnsupportedOperation`` naming the
 fx node, its op, the module path it came from and why it breaks the rescaling
 symmetry. Batch-norm uses its running statistics and dropout is the identity
-(inference semantics), whatever mode the model is in.
+(inference semantics), whatever mode the model is in. A model in train mode whose
+train-mode forward returns heads the eval forward does not (aux classifiers) is lowered
+in its heads forward (train_branches.head_modes): every head an output.
 
 The user's model is never modified: tracing flips no flag for good (the
 training flags are restored), and no tensor is written.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.fx
@@ -25,7 +29,7 @@ from pathir.frontends.torch import inputs as torch_inputs
 from pathir.frontends.torch.export import lower_exported
 from pathir.frontends.torch.interpreter import FxInterpreter
 from pathir.frontends.torch.reread import Reread
-from pathir.frontends.torch.train_branches import train_only_modules
+from pathir.frontends.torch.train_branches import head_modes, train_only_modules
 from pathir.frontends.torch.writer import TorchWriter
 
 __all__ = ["lower", "trace"]
@@ -39,8 +43,11 @@ def trace(model: nn.Module) -> torch.fx.GraphModule:
     return capture_checks.trace(model)
 
 
-def lower(model: nn.Module, input_shape=None, example_input=None) -> Lowered:
-    """Lower ``model`` to a raw Graph (batch-norms not yet folded)."""
+def lower(model: nn.Module, input_shape=None, example_input=None, heads: bool | None = None) -> Lowered:
+    """Lower ``model`` to a raw Graph (batch-norms not yet folded). A model whose train-mode forward
+    runs heads its eval forward does not (aux classifiers) is lowered in its heads forward, every
+    head an output, when ``heads`` (None: when the model is in train mode); otherwise, or when the
+    heads forward cannot be lowered (warned), the eval graph's write-back is refused naming them."""
     if not isinstance(model, nn.Module):
         raise PathirError(f"expected a torch.nn.Module, got {type(model).__name__}")
     shapes = torch_inputs.input_shapes(input_shape, example_input)
@@ -54,9 +61,22 @@ def lower(model: nn.Module, input_shape=None, example_input=None) -> Lowered:
         except Exception as err:
             torch_inputs.explain(model, shapes, err)
             raise
+    train_only, train, why_not = train_only_modules(model, graph, shapes), [], ""
+    if train_only and (model.training if heads is None else heads):
+        try:
+            train = head_modes(train_only)
+            with torch_inputs.eval_forward(model, train), capture_checks.fresh_hook_tensors(stale), \
+                    capture_checks.state_kept(model):
+                graph, low, clips = _lower_graph(model, shapes, name)
+            train_only = train_only_modules(model, graph, shapes)
+        except Exception as err:  # the eval graph stays, its write-back refused naming the heads and why
+            train, why_not = [], f"{type(err).__name__}: {err}"
+            warnings.warn(f"{name}: the heads {', '.join(train_only)} that run only in train mode could not be "
+                          f"lowered as extra outputs ({why_not}); pathir analyses the eval forward and refuses "
+                          "a rescaling write-back", UserWarning, stacklevel=4)
     n_params = sum(p.numel() for p in model.parameters())
     reread = None if low is None else Reread.of(model, graph, low.recipes, low.read, low.direct_reads)
-    writer = TorchWriter(model, train_only=train_only_modules(model, graph, shapes), clips=clips)
+    writer = TorchWriter(model, train_only=train_only, clips=clips, train_paths=train, why_not=why_not)
     return Lowered(graph, writer, n_params, name, reread)
 
 

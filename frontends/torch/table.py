@@ -157,6 +157,7 @@ RULES: dict = {
             aten.slice_scatter.default),
     **_rows(ix.scatter(aten.select_scatter.default, aten.select.int), torch.select_scatter,
             aten.select_scatter.default),
+    **_rows(ix.index_put, aten.index_put.default, aten.index_put_.default),
     **_rows(ix.fill, aten.fill.Scalar, aten.fill.Tensor),
     **_rows(ix.copy, aten.copy.default),
     **_rows(ix.zero, aten.zero.default),

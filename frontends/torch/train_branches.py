@@ -1,4 +1,5 @@
-"""Branches that run only in train mode (aux classifiers): found, so write-back can refuse them.
+"""Branches that run only in train mode (aux classifiers): found, then lowered as extra outputs or
+refused at write-back.
 
 pathir analyses the eval-mode function. A module whose parameters the eval graph
 never reads but which the *train-mode* forward calls (torchvision googlenet /
@@ -11,6 +12,12 @@ graphs where fx cannot trace; if neither can, every unreached module counts). A 
 or used in eval mode at no channel the graph keeps, is not one of them. The torch writer refuses a
 rescaling naming them; masks (pruning) are not refused: pruning changes the
 function anyway.
+
+A model compiled in train mode is lowered instead in its *heads* forward
+(:func:`head_modes`): every module in eval mode (batch-norms on running statistics,
+dropout the identity) except the ancestors of the train-only modules, which keep
+``training = True`` so that their forward calls the heads and returns them: every
+head is an output of the graph, and a rescaling keeps each one.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from pathir.frontends.torch.capture_checks import trace
 from pathir.frontends.torch.inputs import model_dtype_device
 from pathir.ir import Graph
 
-__all__ = ["train_only_modules"]
+__all__ = ["train_only_modules", "head_modes"]
 
 
 def _reached_paths(graph: Graph) -> set[str]:
@@ -68,6 +75,16 @@ def train_only_modules(model: nn.Module, graph: Graph, shapes=None) -> list[str]
         return []
     called = _called_in_train_mode(model, unreached, shapes)
     return _collapse(sorted(called), unreached, set(holders))
+
+
+def head_modes(train_only: list[str]) -> list[str]:
+    """The module paths kept in train mode in the heads forward: every strict ancestor of a
+    train-only module ("" the model itself), the modules whose forward decides to call it."""
+    out = {""}
+    for path in train_only:
+        parts = path.split(".")
+        out.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    return sorted(out)
 
 
 def _live(graph) -> set:

@@ -61,9 +61,11 @@ class TorchWriter:
     True
     """
 
-    def __init__(self, model, train_only=(), clips=None):
+    def __init__(self, model, train_only=(), clips=None, train_paths=(), why_not=""):
         self.model = model
         self.train_only = list(train_only)  # modules only the train-mode forward runs (train_branches)
+        self.train_paths = list(train_paths)  # modules in train mode in the forward the graph computes
+        self.why_not = why_not  # why the heads forward could not be lowered ("" if not tried or lowered)
         self.clips = dict(clips or {})  # threshold param -> ClipSite (frontends/torch/clipped.py)
 
     # ------------------------------------------------------------ helpers
@@ -178,10 +180,13 @@ class TorchWriter:
         the train-mode forward runs (train_branches), or a source tensor computed by a spectral norm
         or an unknown parametrization (param_write). Nothing is written either way."""
         if self.train_only:
+            how = (f"lowering them as extra outputs failed ({self.why_not}); " if self.why_not else
+                   "compile the model in train mode (model.train()) to have them as extra outputs of the graph, "
+                   "which a rescaling then keeps, or ")
             raise PathirError(
                 f"write-back refused: module(s) {', '.join(self.train_only)} run only in train mode (the eval graph "
                 "pathir analyses does not contain them) and read channels a rescaling changes, so their train-mode "
-                "output would change; build the model without them (e.g. aux_logits=False) or drop them "
+                f"output would change; {how}build the model without them (e.g. aux_logits=False) or drop them "
                 "(model.<name> = None) before rescaling. The model is untouched")
         for p in graph.params():
             for ref in p.sources:

@@ -165,7 +165,8 @@ def _coverage(cm, model, xs) -> tuple[int, int, tuple]:
     if hasattr(model, "named_parameters"):
         train_only = tuple(getattr(cm.writer, "train_only", ()))
         params = {name: int(t.numel()) for name, t in model.named_parameters()}
-        reached |= _used_by_forward(model, xs, [n for n in params if n not in reached])
+        reached |= _used_by_forward(model, xs, [n for n in params if n not in reached],
+                                    getattr(cm.writer, "train_paths", ()))
 
         def why(name):
             if any(name == m or name.startswith(m + ".") for m in train_only):
@@ -236,18 +237,18 @@ def _flat(out) -> list:
     return []
 
 
-def _torch_outputs(model, xs) -> list:
+def _torch_outputs(model, xs, train=()) -> list:
     import torch
 
     from pathir.frontends.torch.inputs import eval_forward, model_dtype_device  # lazy: imports torch
 
     dtype, device = model_dtype_device(model)
-    with eval_forward(model), torch.no_grad():
+    with eval_forward(model, train), torch.no_grad():  # the heads forward when compiled with aux heads
         inputs = [torch.from_numpy(x.copy()).to(dtype=dtype, device=device) for x in xs.values()]
         return [t.double().cpu().numpy() for t in _flat(model(*inputs))]
 
 
-def _used_by_forward(model, xs, names) -> set[str]:
+def _used_by_forward(model, xs, names, train=()) -> set[str]:
     """Those of ``names`` (parameters requiring grad) the eval-mode output depends on, by
     ``torch.autograd.grad`` (the model's ``.grad`` fields are not touched)."""
     import torch
@@ -259,7 +260,7 @@ def _used_by_forward(model, xs, names) -> set[str]:
     if not wanted:
         return set()
     dtype, device = model_dtype_device(model)
-    with eval_forward(model), torch.enable_grad():
+    with eval_forward(model, train), torch.enable_grad():
         outs = [t for t in _flat(model(*[torch.from_numpy(x).to(dtype=dtype, device=device) for x in xs.values()]))
                 if t.requires_grad]
         if not outs:
@@ -276,12 +277,13 @@ def _torch_write_back(name, cm, model, z, xs, input_shape, example_input) -> Che
     if len(twin_cm.units) != len(z):
         return CheckResult(name, False, f"the float64 copy has {len(twin_cm.units)} units, the model {len(z)}")
     before_tensors = {k: v.clone() for k, v in twin.state_dict().items()}
-    before = _torch_outputs(twin, xs)
+    train = twin_cm.writer.train_paths
+    before = _torch_outputs(twin, xs, train)
     try:
         twin_cm.commit_rescaling(z)
     except PathirError as err:
         return CheckResult(name, None, f"write-back refused on this model: {err}")
-    after = _torch_outputs(twin, xs)
+    after = _torch_outputs(twin, xs, train)
     changed = sum(not bool((v == before_tensors[k]).all()) for k, v in twin.state_dict().items())
     err = max((_deviation(a, b) for a, b in zip(after, before)), default=0.0)
     tol = TOLERANCE["float64"]

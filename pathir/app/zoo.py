@@ -48,8 +48,8 @@ def input_shape(name: str) -> tuple[int, int, int]:
 def build(name: str, seed: int = 0, **overrides):
     """A randomly initialised torchvision model with non-trivial batch-norm statistics;
     ``overrides`` go to the torchvision builder (e.g. ``aux_logits=False`` for googlenet
-    and inception_v3, whose aux heads run only in train mode and make pathir refuse a
-    rescaling write-back)."""
+    and inception_v3, whose aux heads run only in train mode: compiled in eval mode, pathir
+    refuses a rescaling write-back; in train mode they are extra outputs of the graph)."""
     import warnings
 
     import torch

@@ -139,8 +139,10 @@ class LocalAffine:
 
     def jvp(self, v) -> dict:
         """J v per sample: {output: (B, *out shape)}; ``v`` array or {input: array}, batch B (or 1)."""
-        acts = masked_forward(self.graph, self.backend, self.pattern, inputs=self._inputs(v), bias=False)
-        return {o: _full(to_value(self.backend, acts[o]), self.graph, o, self.pattern.batch) for o in self.graph.outputs}
+        v = self._inputs(v)
+        acts = masked_forward(self.graph, self.backend, self.pattern, inputs=v, bias=False)
+        return {o: _full(_finite(to_value(self.backend, acts[o]), v, f"J v at output '{o}'"), self.graph, o,
+                         self.pattern.batch) for o in self.graph.outputs}
 
     def vjp(self, u) -> dict:
         """uᵀ J per sample: {input: (B, *in shape)}; ``u``: {output: array (B or 1, *out shape)}
@@ -151,7 +153,8 @@ class LocalAffine:
             u = {self.graph.outputs[0]: u}
         seeds = {o: u[o] if o in u else np.zeros((1, *self.graph.node(o).shape)) for o in self.graph.outputs}
         grads = masked_backward(self.graph, self.backend, self.pattern, seeds=seeds)
-        return {i: _full(to_value(self.backend, grads[i]), self.graph, i, self.pattern.batch) for i in self.graph.inputs}
+        return {i: _full(_finite(to_value(self.backend, grads[i]), seeds, f"uᵀ J at input '{i}'"), self.graph, i,
+                         self.pattern.batch) for i in self.graph.inputs}
 
     def slope(self, output: str | None = None, input: str | None = None) -> np.ndarray:
         """J of one output w.r.t. one input, (B, *out shape, *in shape): one :meth:`vjp` per output entry."""
@@ -177,6 +180,16 @@ def _only(names, name, what):
     return name
 
 
+def _finite(value: np.ndarray, given, what: str) -> np.ndarray:
+    """``value`` (a signed walk's result), or PathNormOverflow if it left float64 while what it was
+    walked from (``given``: {name: array}) is finite."""
+    if not np.all(np.isfinite(value)) and all(np.all(np.isfinite(np.asarray(a, dtype=np.float64)))
+                                              for a in given.values()):
+        raise PathNormOverflow(f"local affine piece: {what} does not fit in float64 (the walk is exact in log "
+                               "scale per node, its signed values are not)")
+    return value
+
+
 def _full(value: np.ndarray, graph: Graph, name: str, batch: int) -> np.ndarray:
     return np.broadcast_to(value, (batch, *graph.node(name).shape)).copy()
 
@@ -198,6 +211,7 @@ def local_affine(graph: Graph, backend, x) -> LocalAffine:
     """
     pattern = activation_pattern(graph, backend, x)
     acts = masked_forward(graph, backend, pattern, inputs={})
-    intercept = {o: _full(to_value(backend, acts[o]), graph, o, pattern.batch) for o in graph.outputs}
+    intercept = {o: _full(_finite(to_value(backend, acts[o]), {}, f"the intercept at output '{o}'"), graph, o,
+                          pattern.batch) for o in graph.outputs}
     values = {o: np.asarray(backend.to_numpy(v), dtype=np.float64) for o, v in pattern.outputs.items()}
     return LocalAffine(graph, backend, pattern, intercept, values)

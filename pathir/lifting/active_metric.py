@@ -38,6 +38,7 @@ from pathir.lifting.pattern import (
     masked_forward,
     power_walk,
 )
+from pathir.lifting.scaled import Certifier, Uncertified
 
 __all__ = ["ActivePathMetric", "active_path_metric"]
 
@@ -115,7 +116,11 @@ def _chunk_logs(ga, gb, be, x, diff_edges, diff_biases):
     va, be_a = power_walk(ga, be, 1.0)
     vb, be_b = power_walk(gb, be, 1.0)
     sources = {va.node(name).edges[i].source for name, i in diff_edges}
-    fb = masked_forward(vb, be_b, pat, keep=sources | set(vb.outputs))
+    try:  # certified like the path walks (docs/paths.md); refused where it cannot be
+        fb = masked_forward(vb, be_b, pat, keep=sources | set(vb.outputs), certify=Certifier(gb, False, be, pattern=pat))
+    except Uncertified as err:
+        raise PathirError(f"active path-metric: the walk of θ' cannot be certified in float64 ({err}): a bracket "
+                          "from it could lose terms; refused (docs/paths.md)") from err
     log_b = log_row_total(be_b, fb, vb.outputs, B)
     upper_logs, norm_logs = [], []
 
