@@ -40,8 +40,8 @@ def lower_exported(model, shapes, name, clips: dict | None = None):
         try:
             return _interpret(model, functional, shapes, name, clips)
         except UnsupportedOperation as again:
-            if not isinstance(err, WriteThroughView):
-                raise again from None  # the functionalized graph's refusal names the op really refused
+            if not isinstance(err, WriteThroughView):  # the refusal of the op really refused, in its user's words
+                raise (err if again.op.split(".")[0] == err.op.split(".")[0].rstrip("_") else again) from None
             raise UnsupportedOperation(err.node, err.op, err.where, f"{err.why}; torch.export's functionalized "
                                        f"graph was refused too: {again}") from again
 
