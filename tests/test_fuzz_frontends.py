@@ -20,11 +20,12 @@ import os
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, reject, settings
 from torch_programs import export_path, torch_programs
 
 import pathir
 from pathir.errors import PathirError
+from pathir.frontends.onnx.table import RULES as ONNX_RULES
 
 CI_EXAMPLES = 100  # per path: 200 programs, about half a minute on two cores
 LONG_EXAMPLES = int(os.environ.get("PATHIR_FUZZ_EXAMPLES", "500"))
@@ -104,13 +105,19 @@ def judge_onnx(program):
 
     model = program.build().float()  # exported as users export: float32
     source = program.source()
-    proto = export(model, (3, 8, 8), "legacy-nofold", dynamic_batch=True)
+    try:
+        proto = export(model, (3, 8, 8), "legacy-nofold", dynamic_batch=True)
+    except Exception:  # the exporter's own failure (adaptive max-pools to a size > 1): no file to judge
+        reject()
     x = np.random.default_rng(5).normal(size=(2, 3, 8, 8)).astype(np.float32)
     ref = ort_run(proto, x)
     try:
         cm = pathir.compile(proto)
     except PathirError as err:
-        assert program.refused_op is not None, f"refused a homogeneous program ({err})\n{source}"
+        if program.refused_op is None:  # only an op the ONNX table does not claim (ScatterND: a slice written)
+            op = getattr(err, "op", None)
+            assert op in {n.op_type for n in proto.graph.node} and op not in ONNX_RULES, \
+                f"refused a homogeneous program ({err})\n{source}"
         return
     assert program.refused_op is None, f"accepted a program with {program.refused_op}\n{source}"
     got = cm.forward(x.astype(np.float64), backend="numpy")
