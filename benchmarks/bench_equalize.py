@@ -1,5 +1,5 @@
 """Cross-layer equalization before post-training weight quantization (Nagel et al. 2019, "Data-Free
-Quantization"): Brevitas's graph equalization side by side with pathir's (once ``pathir.equalize`` exists).
+Quantization"): Brevitas's graph equalization side by side with pathir's.
 
     python benchmarks/bench_equalize.py [--models vgg11_bn,resnet18,...] [--bits 8,6] [--sides brevitas,pathir]
                                         [--repeat 1] [--json out.json]
@@ -33,7 +33,7 @@ the paper; our biases stay float). The regions it found are counted with ``Equal
 return_regions=True)`` on its output, the conv/linear layers whose weights it changed against the input, and
 the iterations it ran (it stops before ``--eq-iters`` once no scale factor moves by more than 5 %).
 
-pathir side: ``pathir_equalize`` below, the one function to fill in when the API lands.
+pathir side: ``pathir_equalize`` below, ``pathir.equalize(model, input_shape=..., bits=6)`` (compile included).
 """
 
 from __future__ import annotations
@@ -58,9 +58,7 @@ class Skipped(Exception):
 
 def pathir_equalize(model, input_shape):
     """pathir's equalization of ``model`` (a folded float torch model), returned as a torch model with the
-    same float function. Imported lazily: skipped until ``pathir.equalize`` exists. Should the API land as
-    a method instead, this becomes ``cm = pathir.compile(model, input_shape=input_shape); cm.equalize();
-    return model`` (a write-back)."""
+    same float function (a write-back), compile included."""
     import pathir
 
     equalize = getattr(pathir, "equalize", None)
