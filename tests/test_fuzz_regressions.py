@@ -133,3 +133,51 @@ def test_a_train_only_head_is_still_refused(make):
     with pytest.raises(pathir.PathirError, match="aux"):
         cm.pathcond(max_sweeps=5)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+class ZeroedOnlyChannel(nn.Module):
+    """The only channel of a tensor written with 0 through a view, then concatenated with a live one
+    (``concat=True``) or read on its own."""
+
+    def __init__(self, concat: bool):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 1, 1)
+        self.conv2 = nn.Conv2d(3, 2, 1)
+        self.head = nn.Linear(3 if concat else 1, 3)
+        self.concat = concat
+
+    def forward(self, x):
+        v = self.conv(x) * 1.0
+        v[:, 0] = 0
+        if self.concat:
+            v = torch.cat([v, F.relu(self.conv2(x))], 1)
+        return self.head(torch.flatten(F.adaptive_avg_pool2d(v, 1), 1))
+
+
+@pytest.mark.parametrize("path", ["fx", "export"])
+def test_a_zeroed_tensor_is_exact_beside_others_and_refused_alone(path):
+    """A select_scatter that keeps no element of its input was refused as "selects no element" even
+    where the zeros are concatenated with live channels; read on its own (a constant activation the
+    graph cannot hold) it is refused saying so, the model untouched."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    context = export_path if path == "export" else contextlib.nullcontext
+    model = ZeroedOnlyChannel(concat=True).double().eval()
+    with torch.no_grad():
+        before = model(x)
+    with context():
+        cm = pathir.compile(model, input_shape=(3, 8, 8))
+    torch.testing.assert_close(torch.as_tensor(cm.forward(x.numpy(), backend="numpy")), before, rtol=1e-12, atol=1e-12)
+    # the zero channel carries no path: those of conv2 through the head, and the biases' own
+    w2, w = model.conv2.weight.detach().reshape(2, 3), model.head.weight.detach()[:, 1:]
+    edges = int((w != 0).sum()) * 64  # (head output, conv2 channel) pairs x the 64 positions the average reads
+    paths = edges * 3 + edges + 3  # from the 3 input channels, from conv2's biases, the head's own biases
+    assert cm.num_paths() == paths and bool((w2 != 0).all())
+    cm.pathcond(max_sweeps=5)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before, rtol=1e-10, atol=1e-10)
+    alone = ZeroedOnlyChannel(concat=False).double().eval()
+    state = {k: v.clone() for k, v in alone.state_dict().items()}
+    with context(), pytest.raises(pathir.PathirError, match="every element of this activation is 0"):
+        pathir.compile(alone, input_shape=(3, 8, 8))
+    assert all(torch.equal(v, state[k]) for k, v in alone.state_dict().items())

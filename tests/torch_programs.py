@@ -178,7 +178,8 @@ def torch_programs(draw, max_statements: int = 7, non_homogeneous: float = 0.1) 
             user, ref = draw(st.sampled_from([
                 ("{o}[:, :{k}].relu_()", "pass"), ("{o}[:, {k2}:].relu_()", "pass"),
                 ("{o}[:, :{k}].mul_(2.0)", "{o}[:, :{k}].mul_(" + _k(2.0) + ")"),
-                ("{o}[:, {k2}] = 0", "{o}[:, {k2}] = 0"), ("{o}.mul_(3.0)", "{o}.mul_(" + _k(3.0) + ")"),
+                *([("{o}[:, {k2}] = 0", "{o}[:, {k2}] = 0")] if c >= 2 else []),  # (not the only channel)
+                ("{o}.mul_(3.0)", "{o}.mul_(" + _k(3.0) + ")"),
                 ("{o}[:, :, 1:] *= 0.5", "{o}[:, :, 1:] *= " + _k(0.5)), ("{o}.relu_()", "pass")]))
             add(f"{out} = {name} * 1.0", f"{out} = {name} * {_k(1.0)}")
             add(user.format(o=out, k=k, k2=k % c), ref.format(o=out, k=k, k2=k % c))

@@ -112,6 +112,9 @@ class Lowering:
         (a value used twice must not become two copies of the same neurons)."""
         if v.node is not None:
             return v.node
+        if not v.terms and v.bias is None:
+            self.unsupported("every element of this activation is 0 (written with zeros through a view): the graph "
+                             "holds no constant activation, and a later op would read it")
         name = self.b.identity(hint or v.origin or "node", v.terms, v.bias, origin=self.where, shape=v.shape)
         v.terms, v.bias = [(name, Identity())], None
         return name
@@ -370,9 +373,7 @@ class Lowering:
                 new = selection_map(composed, self.b.shape(src), out_shape)
                 if new is not None:
                     terms.append((src, new))
-        if not terms:
-            self.unsupported("the op selects no element of its input")
-        return Value(terms, out_shape, None, self.label)
+        return Value(terms, out_shape, None, self.label)  # no term: every element written with 0
 
     def selectable(self, v: Value) -> Value:
         """v as a sum of selection maps without bias (a new node if it is anything else)."""
