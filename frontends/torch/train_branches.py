@@ -87,10 +87,10 @@ def head_modes(train_only: list[str]) -> list[str]:
     return sorted(out)
 
 
-def _live(graph) -> set:
-    """The nodes of an fx graph whose values reach its output (a module called for nothing, dead code in
-    either mode, reads nothing a rescaling could change the meaning of)."""
-    live, stack = set(), [n for n in graph.nodes if n.op == "output"]
+def _live(graph, roots=None) -> set:
+    """The nodes of an fx graph whose values reach its output, or ``roots`` (a module called for nothing,
+    dead code in either mode, reads nothing a rescaling could change the meaning of)."""
+    live, stack = set(), [n for n in graph.nodes if n.op == "output"] if roots is None else list(roots)
     while stack:
         node = stack.pop()
         if node not in live:
@@ -137,10 +137,5 @@ def _live_exported(model: nn.Module, shapes) -> set[str]:
     program = torch.export.export(model, examples).run_decompositions({})
     users = set(program.graph_signature.user_outputs)
     (out,) = [n for n in program.graph.nodes if n.op == "output"]
-    live, stack = set(), [n for n in out.all_input_nodes if n.name in users]
-    while stack:
-        node = stack.pop()
-        if node not in live:
-            live.add(node)
-            stack.extend(node.all_input_nodes)
+    live = _live(program.graph, [n for n in out.all_input_nodes if n.name in users])
     return {path for n in live for path, _ in (n.meta.get("nn_module_stack") or {}).values() if path}
