@@ -28,14 +28,17 @@ class BoxResult:
 
 
 def minimize_box(fun, x0: np.ndarray, lower=-math.inf, upper=math.inf, max_iter: int = 200,
-                 ftol: float = 1e-8, gtol: float = 1e-8, memory: int = 20) -> BoxResult:
+                 ftol: float = 1e-8, gtol: float = 1e-8, memory: int = 20, atol: float = 0.0,
+                 window: int = 1) -> BoxResult:
     """Minimise ``fun`` (x ↦ (value, gradient)) over lower ≤ x ≤ upper (scalars or arrays) from ``x0``.
     Stops when an iteration lowers the value by less than ``ftol`` relative to max(|f|, 1), when the
-    projected gradient's largest entry is at most ``gtol``, or after ``max_iter`` iterations
-    (``success`` False). Every iterate is feasible, and the value never increases."""
+    last ``window`` iterations lowered it by less than ``atol`` each on average, when the projected
+    gradient's largest entry is at most ``gtol``, or after ``max_iter`` iterations (``success``
+    False). Every iterate is feasible, and the value never increases."""
     x = np.clip(np.asarray(x0, dtype=np.float64), lower, upper)
     fx, g = fun(x)
     pairs: deque = deque(maxlen=memory)
+    history = deque([fx], maxlen=window + 1)
     for it in range(1, max_iter + 1):
         held = ((x <= lower) & (g > 0)) | ((x >= upper) & (g < 0))
         gf = np.where(held, 0.0, g)
@@ -63,6 +66,9 @@ def minimize_box(fun, x0: np.ndarray, lower=-math.inf, upper=math.inf, max_iter:
         x, fx, g = xn, fn, gn
         if decrease <= ftol * max(abs(fx), 1.0):
             return BoxResult(x, fx, it, True, "relative decrease below ftol")
+        history.append(fx)
+        if len(history) > window and history[0] - fx <= atol * window:
+            return BoxResult(x, fx, it, True, f"decrease over the last {window} iterations below atol")
     return BoxResult(x, fx, max_iter, False, "iteration limit reached")
 
 
