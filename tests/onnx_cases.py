@@ -53,6 +53,23 @@ def ort_run(proto: onnx.ModelProto, x: np.ndarray) -> list[np.ndarray]:
     return [np.concatenate(p) for p in zip(*parts)]
 
 
+def assert_export_matches(proto: onnx.ModelProto, model: nn.Module, shape, counts: bool = True):
+    """The ONNX frontend on ``proto`` (``model`` exported) against onnxruntime's forward and against the
+    torch frontend's path-norms (q = 1, 2) and, with ``counts``, path counts; returns both Compileds."""
+    import pytest
+
+    import pathir
+
+    cm, ct = pathir.compile(proto), pathir.compile(model, input_shape=shape)
+    x = np.random.default_rng(0).normal(size=(2, *shape)).astype(np.float32)
+    assert rel(cm.forward(x, backend="numpy"), ort_run(proto, x)[0]) <= 1e-5
+    for q in (1, 2):
+        assert cm.path_norm(q) == pytest.approx(ct.path_norm(q), rel=1e-9)
+    if counts:
+        assert cm.num_paths() == pytest.approx(ct.num_paths(), rel=1e-12)
+    return cm, ct
+
+
 def rel(a, b) -> float:
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     assert a.shape == b.shape, (a.shape, b.shape)

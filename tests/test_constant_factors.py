@@ -160,12 +160,7 @@ def test_onnx_export_gives_the_torch_frontends_numbers(name, exporter):
     model, shape = _model(name)
     model = model.float()
     proto = onnx_cases.export(model, shape, exporter)
-    cm, ct = pathir.compile(proto), pathir.compile(model, input_shape=shape)
-    x = np.random.default_rng(0).normal(size=(2, *shape)).astype(np.float32)
-    assert onnx_cases.rel(cm.forward(x, backend="numpy"), onnx_cases.ort_run(proto, x)[0]) <= 1e-5
-    for q in (1, 2):
-        assert cm.path_norm(q) == pytest.approx(ct.path_norm(q), rel=1e-9)
-    assert cm.num_paths() == pytest.approx(ct.num_paths(), rel=1e-12)
+    cm, ct = onnx_cases.assert_export_matches(proto, model, shape)
 
 
 def _mul_proto(op, c, x_shape=(1, 3, 2, 2)):

@@ -4,7 +4,6 @@ the definition on both torch capture paths and through ONNX: each is a fixed 0/1
 the same neurons (a copied element is one neuron read twice), so the forward is the model's own, the
 path-norms and counts equal the model run on |θ|^q, and pathcond keeps the function."""
 
-import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -134,12 +133,7 @@ def test_onnx_export_gives_the_torch_frontends_numbers(name, exporter):
         with pytest.raises(UnsupportedOperation, match="control flow whose body reads an activation"):
             pathir.compile(proto)
         return
-    cm, ct = pathir.compile(proto), pathir.compile(model, input_shape=shape)
-    x = np.random.default_rng(0).normal(size=(2, *shape)).astype(np.float32)
-    assert onnx_cases.rel(cm.forward(x, backend="numpy"), onnx_cases.ort_run(proto, x)[0]) <= 1e-5
-    for q in (1, 2):
-        assert cm.path_norm(q) == pytest.approx(ct.path_norm(q), rel=1e-9)
-    assert cm.num_paths() == pytest.approx(ct.num_paths(), rel=1e-12)
+    cm, ct = onnx_cases.assert_export_matches(proto, model, shape)
 
 
 # ---------------------------------------------------------------- random chains of moves
