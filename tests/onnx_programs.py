@@ -4,7 +4,8 @@ weights shared by two Convs or written by Constant nodes), ConvTranspose, BatchN
 LeakyRelu(0) / Clip(min=0) / Max(x, 0), MaxPool / AveragePool (ceil_mode, count_include_pad), the
 global pools, Add / Sub / Max of two branches, Mul / Div by a scalar, per-channel, per-position or
 per-element constant, Neg, Where (a constant mask), ReduceSum / Mean / Max, Concat, Split (split
-input or num_outputs), Slice, Transpose, Gather, Tile, DepthToSpace, SpaceToDepth, Pad (constant,
+input or num_outputs), Slice, Transpose, Gather, Tile, DepthToSpace, SpaceToDepth, ScatterND / ScatterElements
+(channels written in place), Pad (constant,
 reflect, edge), Resize (nearest; scales, or sizes with axes), Reshape (channel shuffle), Squeeze /
 Unsqueeze, Identity, Dropout, a Gemm (transA / transB, alpha, beta) or MatMul + Add head, one or two
 outputs; opsets 13 to 18; float32, or float64 where onnxruntime has double kernels (no Conv, pools
@@ -431,7 +432,8 @@ def onnx_programs(draw, min_statements: int = 1, max_statements: int = 6, refuse
             w.add("Reshape", [b, w.ints([-1, C, H, W])], [out])
             shape = (C, H, W)
         elif kind == "move":
-            how = draw(st.sampled_from(["Gather", "Tile", "DepthToSpace", "SpaceToDepth"]))
+            how = draw(st.sampled_from(["Gather", "Tile", "DepthToSpace", "SpaceToDepth", "ScatterND",
+                                        "ScatterElements"]))
             if how == "Gather":  # channels picked (repeated, dropped, counted from the end)
                 idx = [draw(st.integers(-C, C - 1)) for _ in range(draw(st.integers(1, 4)))]
                 w.add("Gather", [src, w.ints(idx)], [out], axis=1)
@@ -446,6 +448,9 @@ def onnx_programs(draw, min_statements: int = 1, max_statements: int = 6, refuse
             elif how == "SpaceToDepth" and H % 2 == 0 and W % 2 == 0:
                 w.add("SpaceToDepth", [src], [out], blocksize=2)
                 shape = (4 * C, H // 2, W // 2)
+            elif how in ("ScatterND", "ScatterElements") and C >= 2:
+                _scatter(draw, w, prog, how, src, out, C)
+                shape = (C, H, W)
             else:
                 w.add("Identity", [src], [out])
                 shape = (C, H, W)
@@ -498,6 +503,38 @@ def onnx_programs(draw, min_statements: int = 1, max_statements: int = 6, refuse
         if second not in [o for o, _ in prog.outputs]:
             prog.outputs.append((second, shape))
     return prog
+
+
+def _scatter(draw, w: _Writer, prog: OnnxProgram, how: str, src: str, out: str, C: int) -> None:
+    """Channels written in place, as the exporters write ``x[:, dst] = x[:, from]`` or ``= 0``: ScatterND
+    on the channels moved first (the dynamo exporter's Transpose -> ScatterND -> Transpose), or
+    ScatterElements along the channels with per-element indices; the written values are other channels
+    of ``src`` or zeros of their shape (ConstantOfShape of their Shape)."""
+    zero = draw(st.booleans())  # zeros into every channel would leave an all-zero activation (refused when read)
+    dst = draw(st.lists(st.integers(0, C - 1), min_size=1, max_size=C - 1 if zero else C, unique=True))
+    picked = [draw(st.integers(0, C - 1)) for _ in dst]
+    dtype = helper.np_dtype_to_tensor_dtype(np.dtype(prog.np_dtype))
+    moved, values, written = w.name(), w.name(), w.name()
+
+    def zeros_like(name):
+        shp, z = w.name(), w.name()
+        w.add("Shape", [name], [shp])
+        ref = helper.make_node("ConstantOfShape", [shp], [z])  # the path-norm network is float32: its default
+        w.add("ConstantOfShape", [shp], [z], ref=[ref], value=helper.make_tensor("zero", dtype, [1], [0.0]))
+        return z
+
+    if how == "ScatterND":
+        w.add("Transpose", [src], [moved], perm=[1, 0, 2, 3])
+        w.add("Gather", [moved, w.ints(picked)], [values], axis=0)
+        upd = zeros_like(values) if zero else values
+        w.add("ScatterND", [moved, w.ints([[d] for d in dst]), upd], [written])
+        w.add("Transpose", [written], [out], perm=[1, 0, 2, 3])
+        return
+    w.add("Gather", [src, w.ints(picked)], [values], axis=1)
+    shp, idx = w.name(), w.name()
+    w.add("Shape", [values], [shp])
+    w.add("Expand", [w.ints(np.asarray(dst).reshape(1, -1, 1, 1)), shp], [idx])
+    w.add("ScatterElements", [src, idx, zeros_like(values) if zero else values], [out], axis=1)
 
 
 def _batch_norm(w: _Writer, prog: OnnxProgram, src: str, out: str, C: int):

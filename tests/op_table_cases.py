@@ -736,6 +736,19 @@ onnx_case("Expand Tile", C2, lambda h: ([node("ReduceMax", ["h"], ["m"], axes=[2
                                          node("Slice", ["t", "st", "en", "ax"], ["u"]), node("Add", ["e", "u"], ["y"])],
                                         {"s": _i64(1, 1, 6, 1), "r": _i64(1, 1, 1, 2), "st": _i64(3), "en": _i64(9),
                                          "ax": _i64(3)}, "y"))
+onnx_case("ScatterND", C2, lambda h: (  # as the dynamo exporter writes x[:, 1:3] = x[:, :1]; x[:, 0] = 0
+    [node("Transpose", ["h"], ["t"], perm=[1, 0, 2, 3]), node("Gather", ["t", "i0"], ["g"], axis=0),
+     node("ScatterND", ["t", "idx", "g"], ["s"]), node("Gather", ["t", "i1g"], ["g1"], axis=0),
+     node("Shape", ["g1"], ["gs"]), node("ConstantOfShape", ["gs"], ["z"]),
+     node("ScatterND", ["s", "i1", "z"], ["s2"]), node("Transpose", ["s2"], ["y"], perm=[1, 0, 2, 3])],
+    {"i0": _i64(0, 0), "idx": np.array([[1], [2]], dtype=np.int64), "i1": np.array([[0]], dtype=np.int64),
+     "i1g": _i64(0)}, "y"))
+onnx_case("ScatterElements", C2, lambda h: (  # x[:, 1] = x[:, 0]; x[:, 2] = 0 with per-element indices
+    [node("Slice", ["h", "c0", "c1", "ax"], ["u"]), node("Shape", ["u"], ["us"]),
+     node("Expand", ["one", "us"], ["i"]), node("ScatterElements", ["h", "i", "u"], ["s"], axis=1),
+     node("ConstantOfShape", ["us"], ["z"]), node("Expand", ["two", "us"], ["j"]),
+     node("ScatterElements", ["s", "j", "z"], ["y"], axis=1)],
+    {"c0": _i64(0), "c1": _i64(1), "ax": _i64(1), "one": _i64(1), "two": _i64(2)}, "y"))
 onnx_case("DepthToSpace SpaceToDepth", (4, 4, 4), lambda h: (
     [node("DepthToSpace", ["h"], ["d"], blocksize=2, mode="CRD"), node("SpaceToDepth", ["d"], ["y"], blocksize=2)], {}, "y"))
 onnx_case("SplitToSequence SequenceAt", C2, lambda h: (

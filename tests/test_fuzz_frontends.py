@@ -114,7 +114,7 @@ def judge_onnx(program):
     try:
         cm = pathir.compile(proto)
     except PathirError as err:
-        if program.refused_op is None:  # only an op the ONNX table does not claim (ScatterND: a slice written)
+        if program.refused_op is None:  # only an op the ONNX table does not claim
             op = getattr(err, "op", None)
             assert op in {n.op_type for n in proto.graph.node} and op not in ONNX_RULES, \
                 f"refused a homogeneous program ({err})\n{source}"

@@ -9,7 +9,10 @@ Two uses while lowering:
   run on tensors of *element ids*: element e of sample b of activation input k
   holds 1 + offset_k + b * numel_k + e, zero stands for "no element" (zero
   padding). The output says which input element lands where, and whether the
-  op keeps every sample to itself (the batch axis first, samples not mixed).
+  op keeps every sample to itself (the batch axis first, samples not mixed). An
+  output that does not is kept as its id tensor until a later index op puts the
+  batch first again (dynamo's Transpose -> ScatterND -> Transpose), or refused
+  where anything else reads it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import math
 
 import numpy as np
 
-__all__ = ["run_node", "run_on_ids"]
+__all__ = ["run_node", "run_on_ids", "IdTensor"]
 
 
 def _value_info(name: str, value: np.ndarray):
@@ -83,35 +86,57 @@ def run_node(proto, node, inputs: list, outer: dict | None = None) -> list[np.nd
     return out
 
 
-def run_on_ids(proto, node, inputs: list, act_shapes: dict[int, tuple[int, ...]], batch: int):
+def run_on_ids(proto, node, inputs: list, blocks: dict[int, tuple], batch: int):
     """Run an index-moving ``node`` on element ids.
 
-    ``inputs``: the node's inputs, constants as arrays; ``act_shapes``: {input
-    position: per-sample shape} of the activation inputs. Returns one
-    (per-sample out shape, {input position: index}) per output (a list of them
-    for a sequence output, None for an absent one), index[t] being the element
-    of that input at output element t, or -1. Raises ValueError if
-    the op moves the batch axis, mixes samples or computes new values."""
-    positions = sorted(act_shapes)
-    sizes = [math.prod(act_shapes[k]) for k in positions]
-    offsets = np.cumsum([0] + [batch * n for n in sizes])
+    ``inputs``: the node's inputs, constants as arrays; ``blocks``: {input position: ``(per-sample
+    shape, None)`` for an activation (fresh ids), or ``(sizes, ids)`` for the id tensor of a displaced
+    one (:class:`IdTensor`: ids over its own activations, whose per-sample sizes are ``sizes``)}. The
+    activations are laid end to end in input order. Returns (the per-sample sizes of every activation
+    laid end to end, one result per output): a result is ``(per-sample out shape, {activation j:
+    index})``, index[t] being the element of activation j at output element t or -1; an
+    :class:`IdTensor` where the output does not have the batch axis first with every sample to itself
+    (a Transpose that moves it, undone by a later op); a list of them for a sequence output; None for
+    an absent one. Raises ValueError if the op computes new values."""
+    sizes: list[int] = []
     feeds = list(inputs)
-    for k, n, off in zip(positions, sizes, offsets):
-        feeds[k] = (np.arange(batch * n, dtype=np.int64) + 1 + int(off)).reshape(batch, *act_shapes[k])
+    for k in sorted(blocks):
+        shape_or_sizes, ids = blocks[k]
+        start = int(batch * sum(sizes))
+        if ids is None:
+            n = math.prod(shape_or_sizes)
+            feeds[k] = (np.arange(batch * n, dtype=np.int64) + 1 + start).reshape(batch, *shape_or_sizes)
+            sizes.append(n)
+        else:
+            feeds[k] = np.where(ids > 0, ids + start, 0)
+            sizes.extend(shape_or_sizes)
     result = run_node(proto, node, feeds)
-    total = int(offsets[-1])
-    decode = lambda r: _decode(r, batch, offsets, sizes, total, positions)
-    return [None if r is None else [decode(x) for x in r] if isinstance(r, list) else decode(r) for r in result]
+    offsets = np.cumsum([0] + [batch * n for n in sizes])
+    decode = lambda r: _decode(r, batch, offsets, sizes)
+    return sizes, [None if r is None else [decode(x) for x in r] if isinstance(r, list) else decode(r) for r in result]
 
 
-def _decode(r, batch, offsets, sizes, total, positions):
-    """(per-sample shape, {input position: index}) of one output tensor of ids."""
+class IdTensor:
+    """Element ids (over activations of per-sample ``sizes``, laid end to end) of an output whose batch
+    axis is not first with every sample to itself; ``why`` says what the op did."""
+
+    def __init__(self, ids: np.ndarray, sizes: list[int], why: str):
+        self.ids, self.sizes, self.why = ids, list(sizes), why
+
+
+def _decode(r, batch, offsets, sizes):
+    """(per-sample shape, {activation j: index}) of one output tensor of ids, or an IdTensor where its
+    batch axis is not first with every sample to itself."""
     r = np.asarray(r)
-    if r.dtype != np.int64 or r.ndim == 0 or r.shape[0] != batch:
-        raise ValueError("the op does not keep the batch axis first")
-    flat = r.reshape(batch, -1)
+    total = int(offsets[-1])
+    if r.dtype != np.int64:
+        raise ValueError("the op computes new values instead of moving elements")
+    flat = r.reshape(-1)
     if np.any((flat < 0) | (flat > total)):
         raise ValueError("the op computes new values instead of moving elements")
+    if r.ndim == 0 or r.shape[0] != batch:
+        return IdTensor(r, sizes, "the op does not keep the batch axis first")
+    flat = r.reshape(batch, -1)
     present = flat > 0
     g = np.where(present, flat - 1, 0)
     which = np.searchsorted(offsets, g, side="right") - 1
@@ -122,6 +147,6 @@ def _decode(r, batch, offsets, sizes, total, positions):
         and np.all(np.where(present, elem == elem[:1], True))
     own = np.all(np.where(present, sample == np.arange(batch)[:, None], True))
     if not (same and own):
-        raise ValueError("the op mixes the samples of a batch")
-    index = {k: np.where(present[0] & (which[0] == i), elem[0], -1) for i, k in enumerate(positions)}
+        return IdTensor(r, sizes, "the op mixes the samples of a batch")
+    index = {j: np.where(present[0] & (which[0] == j), elem[0], -1) for j in range(len(sizes))}
     return tuple(int(s) for s in r.shape[1:]), index

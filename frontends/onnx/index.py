@@ -8,15 +8,33 @@ from __future__ import annotations
 
 import numpy as np
 
+from pathir.errors import UnsupportedOperation
 from pathir.frontends.core.values import Value
-from pathir.frontends.onnx.evaluate import run_on_ids
+from pathir.frontends.onnx.evaluate import IdTensor, run_on_ids
 from pathir.frontends.onnx.layers import attrs
 
-__all__ = ["Sequence", "concat", "pad", "index", "split_to_sequence", "sequence_at"]
+__all__ = ["Sequence", "Displaced", "concat", "pad", "index", "scatter", "split_to_sequence", "sequence_at",
+           "READS_DISPLACED"]
 
 
 class Sequence(list):
     """An ONNX sequence of activations (SplitToSequence), read by SequenceAt."""
+
+
+class Displaced:
+    """An intermediate tensor whose batch axis an index op moved (the dynamo exporter writes ``x[:, k] = src``
+    as Transpose -> ScatterND -> Transpose): its element ids over the activations ``base`` (selectable
+    Values, laid end to end), kept until a later index op puts the batch axis first again. Anything else
+    that reads it refuses it, naming the op that moved the batch axis."""
+
+    def __init__(self, ids: IdTensor, base: list, low):
+        self.ids, self.base = ids, base
+        self.where = (low.fx_name, low.op, low.at)
+
+    def refuse(self, reader: str):
+        name, op, at = self.where
+        raise UnsupportedOperation(name, op, at, f"{self.ids.why}, and {reader} reads the result before an index op "
+                                                 "puts the batch axis first again")
 
 
 def concat(low, node, ins):
@@ -40,33 +58,68 @@ def pad(low, node, ins):
     return index(low, node, ins)
 
 
+def scatter(low, node, ins):
+    """ScatterND / ScatterElements with constant indices (the exporters' in-place writes, ``x[:, k] = src``
+    and ``x[:, :k] = 0``): the written elements read ``updates`` (an activation: element moves from both
+    inputs) or nothing (the constant 0: those elements zeroed, no term). A reduction (``x[idx] += src``),
+    an activation index or a constant other than 0 is refused; a write into some samples of a batch only
+    is refused by the element-id run."""
+    reduction = attrs(node).get("reduction", "none")
+    if reduction != "none":
+        low.unsupported(f"reduction='{reduction}' combines the written elements with the ones there (x[idx] "
+                        f"{'+' if reduction == 'add' else '*' if reduction == 'mul' else reduction}= src) instead of "
+                        "writing them: not an element move")
+    data, indices, updates = ins[:3]
+    if not isinstance(indices, np.ndarray):
+        low.unsupported("its indices depend on the input: a data-dependent selection, not a fixed map")
+    ins = list(ins)
+    for k, what in ((0, "data"), (2, "updates")):
+        if isinstance(ins[k], np.ndarray):
+            if np.any(ins[k] != 0):
+                low.unsupported(f"its {what} is a constant other than 0: a fixed value in the activation that no "
+                                "parameter carries")
+            ins[k] = np.zeros(ins[k].shape, dtype=np.int64)  # element id 0: no element
+    if not any(isinstance(v, (Value, Displaced)) for v in ins):
+        low.unsupported("it writes constants into a constant: no activation")
+    return index(low, node, ins)
+
+
 def index(low, node, ins):
     """Run an index-moving op on element ids and compose the result with
     the pending selection maps of its inputs (as the torch frontend does)."""
-    acts = {k: v.shape for k, v in enumerate(ins) if isinstance(v, Value)}
+    blocks, base = {}, []
+    for k, v in enumerate(ins):
+        if isinstance(v, Value):
+            v = low.selectable(v)
+            blocks[k] = (v.shape, None)
+            base.append(v)
+        elif isinstance(v, Displaced):
+            blocks[k] = (v.ids.sizes, v.ids.ids)
+            base.extend(v.base)
     try:
-        decoded = run_on_ids(low.proto, node, ins, acts, low.batch)
+        _, decoded = run_on_ids(low.proto, node, ins, blocks, low.batch)
     except ValueError as err:
         low.unsupported(str(err))
     except Exception as err:
         low.fail(f"could not run it on element ids: {type(err).__name__}: {err}")
-    prepared = {k: low.selectable(ins[k]) for k in acts}
     outs = []
     for d in decoded:
         if d is None:
             outs.append(None)
         elif isinstance(d, list):
-            outs.append(Sequence(_selected(low, prepared, x) for x in d))
+            outs.append(Sequence(_selected(low, base, x) for x in d))
         else:
-            outs.append(_selected(low, prepared, d))
+            outs.append(_selected(low, base, d))
     return outs
 
 
-def _selected(low, prepared: dict, decoded) -> Value:
+def _selected(low, base: list, decoded):
+    if isinstance(decoded, IdTensor):
+        return Displaced(decoded, base, low)
     out_shape, per_input = decoded
     if not out_shape:
         low.unsupported("the result has no per-sample axis")
-    return low.compose_selection(((v, per_input[k]) for k, v in prepared.items()), out_shape)
+    return low.compose_selection(((v, per_input[j]) for j, v in enumerate(base)), out_shape)
 
 
 def split_to_sequence(low, node, ins):
@@ -78,3 +131,7 @@ def sequence_at(low, node, ins):
     if not isinstance(seq, Sequence):
         low.unsupported("expected a sequence of activations")
     return [seq[int(np.asarray(pos).reshape(-1)[0])]]
+
+
+#: the rules that read a Displaced tensor (every other rule refuses it)
+READS_DISPLACED = frozenset({index, scatter, pad, concat, split_to_sequence})

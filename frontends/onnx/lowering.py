@@ -28,7 +28,7 @@ from pathir.errors import PathirError, UnsupportedOperation
 from pathir.frontends.core.lowering import Lowering
 from pathir.frontends.core.values import Value
 from pathir.frontends.onnx.evaluate import outer_names, run_node
-from pathir.frontends.onnx.index import Sequence
+from pathir.frontends.onnx.index import READS_DISPLACED, Displaced, Sequence
 from pathir.frontends.onnx.layers import f64
 from pathir.frontends.onnx.table import RULES
 from pathir.frontends.onnx.why import AXIS1_OK, DEFAULT_WHY, SECOND_OUTPUT, WHY
@@ -121,12 +121,12 @@ class OnnxLowering(Lowering):
 
     def _lower(self, node) -> list:
         ins = [self._input(x) for x in node.input]
-        acts = [k for k, v in enumerate(ins) if isinstance(v, (Value, Sequence))]
+        acts = [k for k, v in enumerate(ins) if isinstance(v, (Value, Sequence, Displaced))]
         if not acts:
             if node.op_type == "Constant" or (node.op_type == "Identity" and node.input[0] in self.stored):
                 self.stored.add(node.output[0])  # stored data, or an alias the exporter made of it
             outer = {x: self._input(x) for x in outer_names(node)}
-            if any(isinstance(v, (Value, Sequence)) for v in outer.values()):
+            if any(isinstance(v, (Value, Sequence, Displaced)) for v in outer.values()):
                 self.unsupported("control flow whose body reads an activation: not a fixed map")
             try:
                 return run_node(self.proto, node, ins, outer)
@@ -138,6 +138,11 @@ class OnnxLowering(Lowering):
                 self.unsupported(f"'{node.input[k]}' has its batch on axis 1; "
                                  "only Gemm, MatMul, Relu and Add read that layout")
         rule = RULES.get(op) if op else None
+        displaced = [v for v in ins if isinstance(v, Displaced)]
+        if displaced and op in ("Shape", "Size"):  # the id tensor has the real shape (at the walk's batch)
+            return run_node(self.proto, node, [v.ids.ids if isinstance(v, Displaced) else v for v in ins])
+        if displaced and rule not in READS_DISPLACED:
+            displaced[0].refuse(f"'{self.label}' ({self.op})")
         if rule is not None:
             outs = rule(self, node, ins)
             for v in outs:
@@ -153,6 +158,8 @@ class OnnxLowering(Lowering):
         names = []
         for o in self.proto.graph.output:
             v = self.env.get(o.name)
+            if isinstance(v, Displaced):
+                v.refuse(f"the graph output '{o.name}'")
             if not isinstance(v, Value):
                 raise PathirError(
                     f"output '{o.name}' of '{self.src.name}' does not depend on the input (a constant or a shape "

@@ -41,5 +41,6 @@ RULES = {
     "Resize": rz.resize, "Upsample": rz.upsample,
     # element moves and sequences
     "Concat": ix.concat, "Pad": ix.pad, **dict.fromkeys(INDEX_OPS, ix.index),
+    "ScatterND": ix.scatter, "ScatterElements": ix.scatter,
     "SplitToSequence": ix.split_to_sequence, "SequenceAt": ix.sequence_at,
 }
