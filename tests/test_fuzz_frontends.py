@@ -97,16 +97,16 @@ def test_long_fuzz(path, program):
     judge(program, path)
 
 
-def judge_onnx(program):
-    """The program exported to ONNX (the TorchScript exporter, no constant folding): pathir's compile of
-    the file equals onnxruntime to float32 precision and the path-norms equal the program's path-norm
-    network, or it is refused naming the op; a PathCond write-back keeps onnxruntime's output."""
+def judge_onnx(program, exporter: str = "legacy-nofold"):
+    """The program exported to ONNX (by default the TorchScript exporter, no constant folding): pathir's
+    compile of the file equals onnxruntime to float32 precision and the path-norms equal the program's
+    path-norm network, or it is refused naming the op; a PathCond write-back keeps onnxruntime's output."""
     from onnx_cases import export, ort_run
 
     model = program.build().float()  # exported as users export: float32
     source = program.source()
     try:
-        proto = export(model, (3, 8, 8), "legacy-nofold", dynamic_batch=True)
+        proto = export(model, (3, 8, 8), exporter, dynamic_batch=True)
     except Exception:  # the exporter's own failure (adaptive max-pools to a size > 1): no file to judge
         reject()
     x = np.random.default_rng(5).normal(size=(2, 3, 8, 8)).astype(np.float32)
@@ -140,3 +140,10 @@ def judge_onnx(program):
 @given(program=torch_programs(max_statements=5))
 def test_random_programs_exported_to_onnx_are_exact_or_refused(program):
     judge_onnx(program)
+
+
+@settings(max_examples=10, derandomize=True, **SETTINGS)
+@given(program=torch_programs(max_statements=5))
+def test_random_programs_exported_by_dynamo_are_exact_or_refused(program):
+    """The exporter torch.onnx.export uses by default (dynamo; about 2 s a program, so a few in CI)."""
+    judge_onnx(program, "dynamo")
