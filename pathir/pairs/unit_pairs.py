@@ -233,6 +233,12 @@ def least_positive(m: np.ndarray) -> float:
 
 def _extremes(m: np.ndarray, axes: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(min of the positive entries (inf if none), max, number of positive entries) over ``axes``."""
+    if m.size and float(m.min()) > 0:  # every entry positive (the usual g): no mask, no masked copy of m
+        if not axes:
+            return m, m, np.ones(m.shape, dtype=bool)
+        count = math.prod(m.shape[a] for a in axes)
+        low = m.min(axis=axes, keepdims=True)
+        return low, m.max(axis=axes, keepdims=True), np.full(low.shape, count, dtype=np.int64)
     positive = m > 0
     low = np.where(positive, m, math.inf)
     if not axes:
