@@ -29,6 +29,7 @@ from torch.nn import grad as nn_grad
 
 from pathir.errors import BackendError
 from pathir.ir import MapKind, Node
+from pathir.support.threads import one_torch_thread
 
 from .base import Backend, RuleTable
 from .numpy import window_slices
@@ -582,8 +583,9 @@ class _PowerView(TorchBackend):
         if blocks is None:
             return x @ self.param(m.W).T
         out = x.new_empty((x.shape[0], m.W.shape[0]))
-        for i, block in blocks:
-            out[:, i:i + block.shape[0]] = x @ block.T
+        with one_torch_thread():  # cache-sized, memory-bound ops: `pathir.support.threads`
+            for i, block in blocks:
+                out[:, i:i + block.shape[0]] = x @ block.T
         return out
 
     def _dense_adjoint(self, m, g, s):
@@ -591,8 +593,9 @@ class _PowerView(TorchBackend):
         if blocks is None:
             return (g @ self.param(m.W)).reshape(g.shape[0], *s)
         out = g.new_zeros((g.shape[0], m.W.shape[1]))
-        for i, block in blocks:
-            out += g[:, i:i + block.shape[0]] @ block
+        with one_torch_thread():
+            for i, block in blocks:
+                out += g[:, i:i + block.shape[0]] @ block
         return out.reshape(g.shape[0], *s)
 
     def constant(self, array) -> torch.Tensor:

@@ -280,24 +280,26 @@ def test_pairs_read_by_runs_and_permutations_equal_the_ones_from_row_keys(zeros,
 
 @settings(max_examples=80, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), parts=st.integers(1, 6), width=st.integers(2, 12), layout=st.sampled_from(
-    ["random", "disjoint columns", "twins", "stream"]))
-def test_merging_sorted_pair_keys_equals_a_sort_of_them_all(seed, parts, width, layout):
+    ["random", "disjoint columns", "twins", "stream"]), lazy=st.sampled_from(["none", "some", "all"]))
+def test_merging_sorted_pair_keys_equals_a_sort_of_them_all(seed, parts, width, layout, lazy):
     """unit_pairs._merge_sorted (placed, woven row by row or as one table of bands, folded or sorted) against
     np.unique of all keys. "stream": every part the same rows and a constant band of columns (a residual
-    stream's convolutions, a bias)."""
-    from pathir.pairs.unit_pairs import _STAND_INS, _merge_sorted
+    stream's convolutions, a bias). Every part is a grid of (rows x columns): ``lazy`` gives none, some or
+    all of them as `GridKeys` (never written out) instead of arrays."""
+    from pathir.pairs.unit_pairs import _STAND_INS, GridKeys, _merge_sorted
 
     rng = np.random.default_rng(seed)
-    keys, sums, lows = [], [], []
+    keys, sums, lows, grids = [], [], [], []
     for p in range(parts):
         if layout == "twins" and p % 2 and keys:
-            k = keys[-1].copy()  # a bias beside its weights: the very same pairs
+            k, grid = keys[-1].copy(), grids[-1]  # a bias beside its weights: the very same pairs
         elif layout == "stream":
             if p == 0:
                 stream_rows = np.sort(rng.choice(8, size=rng.integers(1, 8), replace=False))
             lo = p * width + int(rng.integers(0, width // 2))
             cols = np.arange(lo, lo + int(rng.integers(1, width - (lo - p * width) + 1)))
             k = (stream_rows[:, None] * (width * parts) + cols[None, :]).reshape(-1)
+            grid = (stream_rows * (width * parts), cols)
         else:
             rows = rng.choice(8, size=rng.integers(1, 8), replace=False)
             if layout == "disjoint columns":
@@ -306,7 +308,9 @@ def test_merging_sorted_pair_keys_equals_a_sort_of_them_all(seed, parts, width, 
             else:
                 cols = rng.choice(width * parts, size=rng.integers(1, width), replace=False)
             k = np.unique((rows[:, None] * (width * parts) + cols[None, :]).reshape(-1))
+            grid = (np.sort(rows) * (width * parts), np.sort(cols))
         keys.append(k)
+        grids.append(grid)
         sums.append(rng.uniform(0.1, 1.0, k.size))
         lows.append(rng.uniform(0.1, 1.0, k.size))
     # a member whose pairs are one row each gives None: its lows stand in as its sums, its counts as 1
@@ -320,6 +324,11 @@ def test_merging_sorted_pair_keys_equals_a_sort_of_them_all(seed, parts, width, 
     want_counts = np.array([np.concatenate(counts)[everything == k].sum() for k in want_keys])
     given = [list(sums), [None if single else low for low, single in zip(lows, one_row)],
              [None if single else c for c, single in zip(counts, one_row)]]
+    as_grid = {"none": np.zeros(parts, bool), "some": rng.random(parts) < 0.5, "all": np.ones(parts, bool)}[lazy]
+    for p in np.flatnonzero(as_grid):
+        lazy_keys = GridKeys(*grids[p])
+        assert np.array_equal(np.asarray(lazy_keys), keys[p])  # the grid's keys are the part's
+        keys[p] = lazy_keys
     got_keys, (got_sums, got_lows, got_counts), single = _merge_sorted(
         keys, given, (np.add, np.minimum, np.add), width * parts, (None, _STAND_INS[2], _STAND_INS[1]))
     assert np.array_equal(got_keys, want_keys)

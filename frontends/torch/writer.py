@@ -41,6 +41,7 @@ from pathir.frontends.core.param_write import derived, per_slice_factor, refresh
 from pathir.frontends.core.write_rules import EntryFactor, clip_threshold_names, mask_plan, source_factors
 from pathir.frontends.torch.clipped import plan_clips
 from pathir.ir import Graph, Role
+from pathir.support.threads import one_torch_thread
 
 __all__ = ["TorchWriter"]
 
@@ -234,11 +235,12 @@ class TorchWriter:
         new = torch.empty(shape, dtype=t.dtype)
         source = t.detach()
         step = max(1, _BLOCK // max(1, int(np.prod(shape[1:]))))
-        for i in range(0, shape[0], step):
-            j = min(i + step, shape[0])
-            block = source[i:j].to("cpu", torch.float64, copy=True).numpy()
-            rows = {role: f.rows(i, j) if isinstance(f, EntryFactor) else f[i:j] for role, f in factors.items()}
-            new[i:j] = torch.from_numpy(self._new_value(name, module, attr, block, rows))
+        with one_torch_thread():  # a loop of cache-sized conversions (`pathir.support.threads`)
+            for i in range(0, shape[0], step):
+                j = min(i + step, shape[0])
+                block = source[i:j].to("cpu", torch.float64, copy=True).numpy()
+                rows = {role: f.rows(i, j) if isinstance(f, EntryFactor) else f[i:j] for role, f in factors.items()}
+                new[i:j] = torch.from_numpy(self._new_value(name, module, attr, block, rows))
         return new.to(device=t.device)
 
     @staticmethod

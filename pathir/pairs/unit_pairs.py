@@ -233,6 +233,12 @@ def least_positive(m: np.ndarray) -> float:
 
 def _extremes(m: np.ndarray, axes: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(min of the positive entries (inf if none), max, number of positive entries) over ``axes``."""
+    if m.size and float(m.min()) > 0:  # every entry positive (the usual g): no mask, no masked copy of m
+        if not axes:
+            return m, m, np.ones(m.shape, dtype=bool)
+        count = math.prod(m.shape[a] for a in axes)
+        low = m.min(axis=axes, keepdims=True)
+        return low, m.max(axis=axes, keepdims=True), np.full(low.shape, count, dtype=np.int64)
     positive = m > 0
     low = np.where(positive, m, math.inf)
     if not axes:
@@ -270,12 +276,55 @@ def _place(target: np.ndarray, block: np.ndarray, rows, col_order, width: int) -
     target.reshape(-1, width)[rows] = values if col_order is None else values[:, col_order]
 
 
+class GridKeys:
+    """The sorted pair keys ``rows[r] + cols[c]`` of an (entered x left) grid, row-major, not written out:
+    ``rows`` = entered units x width (increasing), ``cols`` = left units (increasing, < width). The merge
+    (`_merge_sorted`) reads their ends, column range and row bounds from the two short arrays and writes
+    the keys straight into its result; anything else sees them as an int64 array (``np.asarray``).
+
+    >>> k = GridKeys(np.array([0, 10]), np.array([2, 3, 5]))
+    >>> np.asarray(k).tolist(), k.size, int(k[-1]), k.row_bounds(np.array([0, 10, 20])).tolist()
+    ([2, 3, 5, 12, 13, 15], 6, 15, [0, 3, 6])
+    """
+
+    dtype = np.dtype(np.int64)
+    ndim = 1
+
+    def __init__(self, rows: np.ndarray, cols: np.ndarray):
+        self.rows, self.cols = rows.astype(np.int64), cols.astype(np.int64)
+        self.size = self.rows.size * self.cols.size
+        self.shape = (self.size,)
+
+    def __array__(self, dtype=None, copy=None):
+        out = np.empty((self.rows.size, self.cols.size), dtype=np.int64)
+        np.add(self.rows[:, None], self.cols[None, :], out=out)
+        return out.reshape(-1) if dtype is None else out.reshape(-1).astype(dtype)
+
+    def __getitem__(self, index):
+        if isinstance(index, (int, np.integer)):
+            r, c = divmod(int(index) % self.size, self.cols.size)
+            return self.rows[r] + self.cols[c]
+        return np.asarray(self)[index]
+
+    def column_range(self) -> tuple[int, int]:
+        """(min, max) of the left units."""
+        return int(self.cols[0]), int(self.cols[-1])
+
+    def row_bounds(self, starts: np.ndarray) -> np.ndarray:
+        """``np.searchsorted(keys, starts)`` for ``starts`` multiples of the width (row starts)."""
+        return np.searchsorted(self.rows, starts) * self.cols.size
+
+    def write_rows(self, table: np.ndarray) -> None:
+        """The keys into ``table`` (rows x cols, a view: a band of the merge's result)."""
+        np.add(self.rows[:, None], self.cols[None, :], out=table)
+
+
 def _add_pairs(parts: dict, keys: np.ndarray, kept: list) -> None:
     """Append a param's pair keys and their sums (then lows, highs, counts) to ``parts``, the pairs
     with no mass (rows of zeros) left out."""
     if np.count_nonzero(kept[0]) != keys.size:
         keep = kept[0] != 0
-        keys, kept = keys[keep], [None if x is None else x[keep] for x in kept]
+        keys, kept = np.asarray(keys)[keep], [None if x is None else x[keep] for x in kept]
     parts["keys"].append(keys)
     for name, x in zip(("sums", "low", "high", "count"), kept):
         parts[name].append(x)
@@ -382,9 +431,7 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
                     and (derived or not extremes) and mk.flags.c_contiguous)
         if in_order:
             sums = mk.reshape(-1)
-            keys = np.empty((e_units.size, l_units.size), dtype=np.int64)
-            np.add((e_units * (H + 1))[:, None], l_units[None, :], out=keys)
-            _add_pairs(parts, keys.reshape(-1), [sums] + ([None] * 3 if derived else []))
+            _add_pairs(parts, GridKeys(e_units * (H + 1), l_units), [sums] + ([None] * 3 if derived else []))
             continue
         sums = np.zeros(size)
         if extremes and not derived:
@@ -424,9 +471,7 @@ def group_compact(m: np.ndarray, rows, extremes: bool = False):
                 counts = counts.reshape(-1)
                 count_k += (np.bincount(local[counts], minlength=size) if counts.dtype == bool  # no float weights
                             else np.bincount(local, weights=counts, minlength=size)).astype(np.int32)
-        keys = np.empty((e_units.size, l_units.size), dtype=np.int64)  # the grid's cells, row-major
-        np.add((e_units * (H + 1))[:, None], l_units[None, :], out=keys)
-        keys = keys.reshape(-1)
+        keys = GridKeys(e_units * (H + 1), l_units)  # the grid's cells, row-major (written by the merge)
         _add_pairs(parts, keys, [sums] + ([None] * 3 if derived else [low_k, high_k, count_k] if extremes else []))
     names = ("sums", "count", "low", "high") if extremes else ("sums",)
     sums = low_k = high_k = count_k = keys = None  # the merge frees each param's arrays once it is copied
@@ -474,7 +519,7 @@ def _fold_equal_keys(members: list, keys: list, values: list, reduces: tuple, ge
     ``get(list, member)``: a member's values, stand-ins resolved)."""
     kept = []
     for i in members:
-        twin = next((j for j in kept if keys[j].size == keys[i].size and np.array_equal(keys[j], keys[i])), None)
+        twin = next((j for j in kept if _same_keys(keys[j], keys[i])), None)
         if twin is None:
             kept.append(i)
             continue
@@ -484,8 +529,18 @@ def _fold_equal_keys(members: list, keys: list, values: list, reduces: tuple, ge
     return kept
 
 
+def _same_keys(a, b) -> bool:
+    if a.size != b.size:
+        return False
+    if isinstance(a, GridKeys) and isinstance(b, GridKeys):
+        return np.array_equal(a.rows, b.rows) and np.array_equal(a.cols, b.cols)
+    return np.array_equal(np.asarray(a), np.asarray(b))
+
+
 def _column_range(keys: np.ndarray, width: int, chunk: int = 1 << 16) -> tuple[int, int]:
     """(min, max) of keys % width (the left units), a cache-sized chunk at a time into one buffer."""
+    if isinstance(keys, GridKeys):
+        return keys.column_range()
     buf = np.empty(min(chunk, keys.size), dtype=keys.dtype)
     low, high = None, None
     for i in range(0, keys.size, chunk):
@@ -510,7 +565,8 @@ def _row_pieces(members: list, keys: list, width: int):
     size = max(int(keys[i][-1]) // width for i in order) - first + 1
     # the keys are sorted, so each row's run starts where the keys pass row x width: no division of them all
     starts = np.arange(first, first + size + 1, dtype=np.int64) * width
-    bounds = {i: np.searchsorted(keys[i], starts) for i in order}
+    bounds = {i: keys[i].row_bounds(starts) if isinstance(keys[i], GridKeys) else np.searchsorted(keys[i], starts)
+              for i in order}
     counts = {i: np.diff(b) for i, b in bounds.items()}
     present = counts[order[0]] > 0
     columns = [(i, int(counts[i][present][0])) for i in order]
@@ -579,7 +635,7 @@ def _merge_sorted(keys: list, values: list, reduces: tuple, width: int, stand_in
         total += starts.size
         explicit += starts.size
     live = [i for i, k in enumerate(keys) if k is not None]
-    out_keys = np.empty(total, dtype=np.result_type(*keys))
+    out_keys = np.empty(total, dtype=np.result_type(*(k.dtype for k in keys if k is not None)))
     outs = [np.empty(total if v == 0 or not compact else explicit, dtype=np.result_type(*(get(v, i) for i in live)))
             for v in range(len(values))]
     single = np.zeros(total, dtype=bool) if compact else None
@@ -623,14 +679,33 @@ def _woven_size(kind: str, pieces: list, keys: list) -> int:
 
 def _fill_runs(out: np.ndarray, pieces: list, source) -> None:
     """``out`` ← the runs (member, start, stop) of ``source(member)``, one after the other."""
-    np.concatenate([source(i)[a:b] for i, a, b in pieces], out=out)
+    if len(pieces) == 1 and isinstance(source(pieces[0][0]), GridKeys) and pieces[0][1] == 0 \
+            and pieces[0][2] == out.size == source(pieces[0][0]).size:  # one whole grid: written in place
+        grid = source(pieces[0][0])
+        grid.write_rows(out.reshape(grid.rows.size, grid.cols.size))
+        return
+    np.concatenate([_run(source(i), a, b) for i, a, b in pieces], out=out)
+
+
+def _run(values, a: int, b: int) -> np.ndarray:
+    """values[a:b]; of `GridKeys`, only the rows it spans are written out."""
+    if not isinstance(values, GridKeys):
+        return values[a:b]
+    width = values.cols.size
+    first, last = a // width, -(-b // width)
+    part = np.asarray(GridKeys(values.rows[first:last], values.cols))
+    return part[a - first * width:b - first * width]
 
 
 def _fill_rect(out: np.ndarray, bands: list, source) -> None:
     """``out`` as a table of rows × Σ widths ← each band (member, width) of ``source(member)``, in turn."""
     table, left = out.reshape(-1, sum(w for _, w in bands)), 0
     for i, w in bands:
-        table[:, left:left + w] = source(i).reshape(-1, w)
+        values = source(i)
+        if isinstance(values, GridKeys) and values.cols.size == w:
+            values.write_rows(table[:, left:left + w])
+        else:
+            table[:, left:left + w] = np.asarray(values).reshape(-1, w)
         left += w
 
 

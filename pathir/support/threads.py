@@ -6,6 +6,9 @@ more than the op's share of work, and on a loaded machine a wait for a
 descheduled thread (measured on 2 shared cores: a chunked log over diag G 5 to 15x
 slower on 2 threads than on 1). Inside :func:`one_torch_thread` such loops run on the
 calling thread; large single ops (a walk's convolutions) keep every thread.
+Used by: the chunked logs of diag G (`pathir.support.fast_log`), the power view's
+|w|^q blocks of a large dense weight (``backends.torch``) and the torch writer's
+row blocks (``frontends.torch.writer``).
 
 >>> import torch
 >>> before = torch.get_num_threads()
