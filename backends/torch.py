@@ -430,6 +430,10 @@ class TorchBackend(Backend):
     def zeros(self, shape):
         return torch.zeros(tuple(shape), dtype=self.dtype, device=self.device)
 
+    def take(self, x, axis: int, index):
+        """``x``'s entries at ``index`` (a numpy int array) along ``axis``."""
+        return x.index_select(axis, torch.as_tensor(index, dtype=torch.long, device=x.device))
+
     def bias(self, node: Node, ndim: int):
         return bcast(self.param(node.bias), ndim)
 
