@@ -151,6 +151,25 @@ def reference_path_norm(twin: torch.nn.Module, model: torch.nn.Module, shape, q:
     return math.log10(total) / q if 0 < total < math.inf else math.inf
 
 
+@contextlib.contextmanager
+def full_walk(enabled: bool):
+    """pathir's path-norms by the full-resolution walk (before the all-ones walk stored feature maps
+    along their constant runs, pathir.lifting.ones_walk): the *before* of ``--full-walk``."""
+    if not enabled:
+        yield
+        return
+    from pathir.lifting import path_norm as pn
+    from pathir.lifting import walk
+
+    saved = pn.ones_forward, pn.ones_log_total
+    pn.ones_forward = lambda graph, backend, linearize=False: walk.path_forward(graph, backend, linearize=linearize)
+    pn.ones_log_total = walk.log_total
+    try:
+        yield
+    finally:
+        pn.ones_forward, pn.ones_log_total = saved
+
+
 # ------------------------------------------------------------------ timing
 
 
@@ -302,6 +321,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workloads", default="abcs", help="which of a, b, c, s to run (e.g. c)")
+    ap.add_argument("--full-walk", action="store_true",
+                    help="pathir walks every feature map at full size (the walk before the stored runs)")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -309,7 +330,7 @@ def main(argv=None) -> list[dict]:
     if args.toolkit and toolkit is None:
         print("pathnorm_toolkit not found at --toolkit / PATHNORM_TOOLKIT: nothing to compare, skipped")
         return []
-    with inside(os.path.abspath(args.toolkit) if toolkit is not None else None):
+    with inside(os.path.abspath(args.toolkit) if toolkit is not None else None), full_walk(args.full_walk):
         rows = measured({**bench(name, toolkit, args.repeat, args.steps, args.workloads), "steps": args.steps}
                         for name in args.models.split(","))
     print(table(rows))
