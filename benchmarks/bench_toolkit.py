@@ -162,13 +162,14 @@ def full_walk(enabled: bool):
     from pathir.lifting import path_norm as pn
     from pathir.lifting import walk
 
-    saved = pn.ones_forward, pn.ones_log_total
+    saved = pn.ones_forward, pn.ones_log_total, pn._log_path_sums
     pn.ones_forward = lambda graph, backend, linearize=False: walk.path_forward(graph, backend, linearize=linearize)
     pn.ones_log_total = walk.log_total
+    pn._log_path_sums = lambda graph, qs, backend: {}  # no q walked in step with another
     try:
         yield
     finally:
-        pn.ones_forward, pn.ones_log_total = saved
+        pn.ones_forward, pn.ones_log_total, pn._log_path_sums = saved
 
 
 # ------------------------------------------------------------------ timing

@@ -154,3 +154,38 @@ def test_large_maps_are_stored_along_their_runs():
     stored = {n.name: tuple(acts[n.name][0].shape[2:]) for n in cm.graph.nodes if len(n.shape) == 3}
     assert all(max(s) <= 16 for s in stored.values()), stored
     assert cm.path_norm(1.0, log10=True) == pytest.approx(net.path_norm(shape, 1.0), rel=0, abs=1e-12)
+
+
+def test_several_q_in_step_equal_their_definitions():
+    """cm.path_norms walks every q in step, a dense weight above the block size (4 MiB) read once for
+    all of them: each value is still its definition."""
+    torch.manual_seed(1)
+    layers = [Layer("conv", 2, 3, 3, 1, 1, 1, False, True), Layer("max", 3, 3, 2, 2, 0, 1, False, True)]
+    net = Net(layers, 3, 1)
+    net.fc = torch.nn.Linear(3, 1)
+    wide = torch.nn.Linear(3 * 20 * 20, 600)  # 720,000 weights: 5.5 MiB in float64, walked in blocks
+    head = torch.nn.Linear(600, 2)
+
+    class Wide(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers, self.wide, self.head = torch.nn.ModuleList(layers), wide, head
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(F.relu(self.wide(x.flatten(1))))
+
+    model, shape = Wide(), (2, 40, 40)
+    qs = (0.5, 1.0, 2.0, 4.0)
+    cm = pathir.compile(model, input_shape=shape, self_check=False)
+    norms = cm.path_norms(qs, log10=True)
+    with torch.no_grad():
+        for q in qs:
+            x = torch.ones(1, *shape, dtype=torch.float64)
+            for layer in model.double().layers:
+                x = layer.path_norm_network(x, q)
+            x = x.flatten(1) @ (wide.weight.abs() ** q).T + wide.bias.abs() ** q
+            x = x @ (head.weight.abs() ** q).T + head.bias.abs() ** q
+            assert norms[q] == pytest.approx(math.log10(float(x.sum())) / q, rel=0, abs=1e-12)
+    model.float()

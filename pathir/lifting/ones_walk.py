@@ -34,9 +34,9 @@ import numpy as np
 from pathir.errors import BackendError, PathirError
 from pathir.ir import Graph, MapKind, NodeKind, pool_output_size
 from pathir.lifting.scaled import Certifier
-from pathir.lifting.walk import combine_scaled, flushing, log_total, node_context, require_path_graph
+from pathir.lifting.walk import combine_scaled, log_total, node_context, require_path_graph
 
-__all__ = ["Runs", "ones_forward", "ones_log_total", "expand"]
+__all__ = ["Runs", "ones_forward", "ones_forwards", "ones_log_total", "expand"]
 
 _POINTWISE = (MapKind.IDENTITY, MapKind.SCALE, MapKind.CHANNEL_MAP)
 _WINDOWED = (MapKind.CONV, MapKind.FIXED_CONV, MapKind.POOL)
@@ -169,55 +169,89 @@ def _stored_shape(shape, runs: Runs) -> tuple:
     return (1, *shape[:1], *runs.stored)
 
 
-@flushing
+def _node_sum(graph: Graph, node, backend, cert: Certifier, acts: dict, given: dict) -> tuple:
+    """(m, L, runs) of ``node`` from its sources' in ``acts``; ``given``: {edge index: (its term, runs)}
+    computed already (a dense map shared by several q)."""
+    spatial = _spatial(node.shape)
+    place = getattr(backend, "placed", None)
+    parts = []  # (is placed, value, L, runs)
+    for k, e in enumerate(node.edges):
+        m, L, runs = acts[e.source]
+        if m is None:
+            continue
+        if k in given:
+            parts.append((False, *given[k][:1], L, given[k][1]))
+            continue
+        src = graph.node(e.source).shape
+        part = None if place is None else place(e.map, m, (src[0], *runs.stored))
+        if part is not None:  # a concat operand: its channels of the node's sum
+            parts.append((True, part, L, Runs(spatial, runs.runs)))
+            continue
+        y, out_runs = _apply(backend, e.map, m, runs, src, spatial)
+        parts.append((False, y, L, out_runs))
+    common = Runs.constant(spatial)
+    for *_, runs in parts:
+        common = common.meet(runs)
+    terms, placed = [], []
+    for is_placed, value, L, runs in parts:
+        if is_placed:
+            vals, pos, channels = value
+            placed.append(((restore(backend, vals, runs, common), pos, channels), L))
+        else:
+            terms.append((restore(backend, value, runs, common), L))
+    if node.bias is not None:
+        terms.append((backend.bias(node, len(node.shape) + 1), 0.0))
+    m, L = combine_scaled(backend, terms, _stored_shape(node.shape, common), placed,
+                          check=lambda acc: cert.node(node.name, acc, full=lambda a: expand(backend, a, common)))
+    return m, L, common
+
+
+def _input(node, backend) -> tuple:
+    runs = Runs.constant(_spatial(node.shape))
+    return backend.ones(_stored_shape(node.shape, runs)), 0.0, runs
+
+
 def ones_forward(graph: Graph, backend, linearize: bool = False, certify: Certifier | None = None):
     """:func:`pathir.lifting.walk.path_forward` on the all-ones input, each node's tensor stored
     compressed: {node name: (m, L, runs)}, node value = expand(m) · exp(L). Needs the backend's
     ``take``; raises :class:`~pathir.lifting.scaled.Uncertified` as path_forward does."""
+    return ones_forwards(graph, [backend], linearize, None if certify is None else [certify])[0]
+
+
+def ones_forwards(graph: Graph, views: list, linearize: bool = False, certs: list | None = None) -> list:
+    """:func:`ones_forward` of each power view in ``views`` (one per q), node by node in step, so
+    that a large dense weight is read once for every q (the views' ``dense_powers``)."""
     require_path_graph(graph, linearize)
-    cert = certify if certify is not None else Certifier(graph, getattr(backend, "q", None) == 0, backend)
-    place = getattr(backend, "placed", None)
-    acts = {}
+    if certs is None:
+        certs = [Certifier(graph, getattr(v, "q", None) == 0, v) for v in views]
+    with views[0].flush_denormals():
+        return _in_step(graph, views, certs)
+
+
+def _in_step(graph: Graph, views: list, certs: list) -> list:
+    shared = len(views) > 1 and hasattr(views[0], "dense_powers")
+    walks = [{} for _ in views]
     for node in graph.nodes:
-        spatial = _spatial(node.shape)
         if node.kind is NodeKind.INPUT:
-            runs = Runs.constant(spatial)
-            acts[node.name] = (backend.ones(_stored_shape(node.shape, runs)), 0.0, runs)
+            for v, acts in zip(views, walks):
+                acts[node.name] = _input(node, v)
             continue
         try:
-            parts = []  # (is placed, value, L, runs)
-            for e in node.edges:
-                m, L, runs = acts[e.source]
-                if m is None:
+            given = [{} for _ in views]
+            for k, e in enumerate(node.edges):
+                if not shared or e.map.kind is not MapKind.DENSE or any(a[e.source][0] is None for a in walks):
                     continue
-                src = graph.node(e.source).shape
-                part = None if place is None else place(e.map, m, (src[0], *runs.stored))
-                if part is not None:  # a concat operand: its channels of the node's sum
-                    parts.append((True, part, L, Runs(spatial, runs.runs)))
-                    continue
-                y, out_runs = _apply(backend, e.map, m, runs, src, spatial)
-                parts.append((False, y, L, out_runs))
-            common = Runs.constant(spatial)
-            for *_, runs in parts:
-                common = common.meet(runs)
-            terms, placed = [], []
-            for is_placed, value, L, runs in parts:
-                if is_placed:
-                    vals, pos, channels = value
-                    placed.append(((restore(backend, vals, runs, common), pos, channels), L))
-                else:
-                    terms.append((restore(backend, value, runs, common), L))
-            if node.bias is not None:
-                terms.append((backend.bias(node, len(node.shape) + 1), 0.0))
-            m, L = combine_scaled(backend, terms, _stored_shape(node.shape, common), placed,
-                                  check=lambda acc, name=node.name, r=common: cert.node(
-                                      name, acc, full=lambda a: expand(backend, a, r)))
-            acts[node.name] = (m, L, common)
+                xs = [expand(v, *a[e.source][::2]) for v, a in zip(views, walks)]
+                ys = views[0].dense_powers(e.map, xs, views)
+                for g, y in zip(given, ys or ()):
+                    g[k] = (y, Runs.none(_spatial(node.shape)))
+            for v, cert, acts, g in zip(views, certs, walks, given):
+                acts[node.name] = _node_sum(graph, node, v, cert, acts, g)
         except PathirError:
             raise
         except Exception as err:
             raise BackendError(f"{node_context(node)}: {type(err).__name__}: {err}") from err
-    return acts
+    return walks
 
 
 def ones_log_total(backend, acts, names) -> float:

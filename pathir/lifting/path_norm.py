@@ -11,7 +11,7 @@ import numpy as np
 from pathir.errors import ArgumentError, ArgumentTypeError, PathNormOverflow
 from pathir.ir import Graph
 from pathir.lifting.log_walk import log_forward, log_grand_total
-from pathir.lifting.ones_walk import ones_forward, ones_log_total
+from pathir.lifting.ones_walk import ones_forward, ones_forwards, ones_log_total
 from pathir.lifting.scaled import Certifier, Uncertified, robust_log_path_sum
 from pathir.lifting.walk import log_total, path_forward
 from pathir.passes import maxpool_to_sum, path_view
@@ -83,5 +83,26 @@ def num_paths(graph: Graph, backend, log10: bool = False) -> float:
     return float(round(value)) if not log10 and value < EXACT_COUNT_LIMIT else value
 
 
+def _log_path_sums(graph: Graph, qs: list[float], backend) -> dict[float, float]:
+    """{q: log_path_sum(graph, q)} of the all-ones walks of every q in step (a large dense weight
+    read once for all); {} where the backend has no such walk or one q cannot be certified (each
+    q then walks on its own, with its fallbacks)."""
+    if len(qs) < 2 or not hasattr(backend, "power_view"):
+        return {}
+    views = [backend.power_view(q) for q in qs]
+    if not all(hasattr(v, "take") for v in views):
+        return {}
+    try:
+        walks = ones_forwards(graph, views, linearize=True)
+    except Uncertified:
+        return {}
+    return {q: ones_log_total(v, w, graph.outputs) for q, v, w in zip(qs, views, walks)}
+
+
 def path_norms(graph: Graph, qs: Iterable[float], backend, log10: bool = False) -> dict[float, float]:
-    return {q: path_norm(graph, q, backend, log10) for q in qs}
+    """{q: path_norm(graph, q)} for each q in ``qs`` (each checked first), the finite ones walked in step."""
+    qs = list(qs)
+    finite = sorted({check_q(q) for q in qs} - {math.inf})
+    logs = _log_path_sums(graph, finite, backend)
+    return {q: _finish(logs[float(q)] / float(q), log10, f"the l{float(q):g} path-norm") if float(q) in logs
+            else path_norm(graph, q, backend, log10) for q in qs}
