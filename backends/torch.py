@@ -431,6 +431,10 @@ class TorchBackend(Backend):
     def zeros(self, shape):
         return torch.zeros(tuple(shape), dtype=self.dtype, device=self.device)
 
+    def take(self, x, axis: int, index):
+        """``x``'s entries at ``index`` (a numpy int array) along ``axis``."""
+        return x.index_select(axis, torch.as_tensor(index, dtype=torch.long, device=x.device))
+
     def bias(self, node: Node, ndim: int):
         return bcast(self.param(node.bias), ndim)
 
@@ -533,6 +537,20 @@ class TorchBackend(Backend):
 _BLOCK_BYTES = 1 << 22
 
 
+def _power_into(src: torch.Tensor, out: torch.Tensor, q: float) -> None:
+    """out ← |src|^q (q = 0: 1 everywhere, a dense weight's every entry counted)."""
+    if q == 0:
+        out.fill_(1.0)
+    elif q in (2, 4):  # multiplications: far cheaper than pow
+        torch.mul(src, src, out=out)
+        if q == 4:
+            out.mul_(out)
+    else:
+        torch.abs(src, out=out)
+        if q != 1:
+            out.pow_(q)
+
+
 class _PowerView(TorchBackend):
     """A TorchBackend whose weights are |w|^q of a base backend's (see power_view)."""
 
@@ -562,20 +580,29 @@ class _PowerView(TorchBackend):
 
         def blocks():
             for i in range(0, W.shape[0], rows):
-                src, out = W[i:i + rows], buf[: min(rows, W.shape[0] - i)]
-                if self.q == 0:
-                    out.fill_(1.0)
-                elif self.q in (2, 4):
-                    torch.mul(src, src, out=out)
-                    if self.q == 4:
-                        out.mul_(out)
-                else:
-                    torch.abs(src, out=out)
-                    if self.q != 1:
-                        out.pow_(self.q)
+                out = buf[: min(rows, W.shape[0] - i)]
+                _power_into(W[i:i + rows], out, self.q)
                 yield i, out
 
         return blocks()
+
+    def dense_powers(self, m, xs, views):
+        """``[x @ (|W|^q).T for each view's q]`` of a large dense map read once, a block of rows at a
+        time, every q's block computed from it while it is in cache (several path-norms at once);
+        None where W is small (each view's own apply is then as cheap)."""
+        W = self.base.param(m.W)
+        if W.numel() * W.element_size() <= _BLOCK_BYTES:
+            return None
+        rows = max(1, _BLOCK_BYTES // (W.shape[1] * W.element_size()))
+        buf = torch.empty((rows, W.shape[1]), dtype=W.dtype, device=W.device)
+        xs = [x.reshape(x.shape[0], -1) for x in xs]
+        outs = [x.new_empty((x.shape[0], W.shape[0])) for x in xs]
+        for i in range(0, W.shape[0], rows):
+            src, block = W[i:i + rows], buf[: min(rows, W.shape[0] - i)]
+            for x, out, view in zip(xs, outs, views):
+                _power_into(src, block, view.q)
+                out[:, i:i + block.shape[0]] = x @ block.T
+        return outs
 
     def _dense_apply(self, m, x, s):
         x = x.reshape(x.shape[0], -1)

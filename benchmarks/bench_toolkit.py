@@ -25,8 +25,9 @@ Workloads per model, each timed end to end in this process, interleaved with its
 (s) the self-check's cost: compile with it minus compile without, in float32 forwards of the
     model at batch 1 (its own dtype; measured interleaved).
 
-ratio = pathir time / toolkit time (below 1: pathir faster). The log10 gap of the two values is
-printed too (pathir's path-norm is exact; the reference's float64 sums agree to ~1e-13 unless
+ratio = pathir time / toolkit time (below 1: pathir faster): the median of the per-repeat
+ratios, and in parentheses that of the fastest runs (min / min, the least disturbed by other
+jobs). The log10 gap of the two values is printed too (pathir's path-norm is exact; the reference's float64 sums agree to ~1e-13 unless
 they overflow float64, shown as inf).
 """
 
@@ -151,12 +152,33 @@ def reference_path_norm(twin: torch.nn.Module, model: torch.nn.Module, shape, q:
     return math.log10(total) / q if 0 < total < math.inf else math.inf
 
 
+@contextlib.contextmanager
+def full_walk(enabled: bool):
+    """pathir's path-norms by the full-resolution walk (before the all-ones walk stored feature maps
+    along their constant runs, pathir.lifting.ones_walk): the *before* of ``--full-walk``."""
+    if not enabled:
+        yield
+        return
+    from pathir.lifting import path_norm as pn
+    from pathir.lifting import walk
+
+    saved = pn.ones_forward, pn.ones_log_total, pn._log_path_sums
+    pn.ones_forward = lambda graph, backend, linearize=False: walk.path_forward(graph, backend, linearize=linearize)
+    pn.ones_log_total = walk.log_total
+    pn._log_path_sums = lambda graph, qs, backend: {}  # no q walked in step with another
+    try:
+        yield
+    finally:
+        pn.ones_forward, pn.ones_log_total, pn._log_path_sums = saved
+
+
 # ------------------------------------------------------------------ timing
 
 
 def interleaved(ours, theirs, repeat: int):
-    """(median of ours' seconds, median of theirs', median of the ratios ours/theirs, last values),
-    the two called in turn, each timed by itself (``theirs`` returns (seconds, value))."""
+    """(median of ours' seconds, median of theirs', median of the ratios ours/theirs, last values,
+    ratio of the fastest runs min ours / min theirs), the two called in turn, each timed by itself
+    (``theirs`` returns (seconds, value))."""
     times, values = [], (None, None)
     for _ in range(repeat):
         start = time.perf_counter()
@@ -166,7 +188,8 @@ def interleaved(ours, theirs, repeat: int):
         times.append((seconds, their_seconds))
         values = (mine, their_value)
     return (statistics.median(t for t, _ in times), statistics.median(t for _, t in times),
-            statistics.median(a / b for a, b in times), values)
+            statistics.median(a / b for a, b in times), values,
+            min(t for t, _ in times) / min(t for _, t in times))
 
 
 def sgd_steps(model, shape, steps: int, seed: int = 0):
@@ -229,11 +252,11 @@ def bench(name: str, toolkit, repeat: int, steps: int, workloads: str = "abcs") 
 
     if "a" in workloads:
         a = interleaved(ours_one, theirs, repeat)
-        row.update(a_pathir_s=a[0], a_toolkit_s=a[1], a_ratio=a[2], a_log10_gap=_log10_gap(a[3][0], a[3][1][0]))
+        row.update(a_pathir_s=a[0], a_toolkit_s=a[1], a_ratio=a[2], a_ratio_min=a[4], a_log10_gap=_log10_gap(a[3][0], a[3][1][0]))
     if "b" in workloads:
         b = interleaved(ours_many, lambda: theirs(QS), repeat)
         gaps = [_log10_gap(b[3][0][q], v) for q, v in zip(QS, b[3][1])]
-        row.update(b_pathir_s=b[0], b_toolkit_s=b[1], b_ratio=b[2], b_log10_gap=max(gaps))
+        row.update(b_pathir_s=b[0], b_toolkit_s=b[1], b_ratio=b[2], b_ratio_min=b[4], b_log10_gap=max(gaps))
     if "c" in workloads:
         _workload_c(row, model, shape, steps, theirs)
     if "s" in workloads:
@@ -279,7 +302,8 @@ def _self_check_cost(row, model, shape, repeat):
 def _cell(r, k) -> str:
     if f"{k}_ratio" not in r:
         return "not run | |"
-    return f"{r[f'{k}_pathir_s']:.3f} s / {r[f'{k}_toolkit_s']:.3f} s | {r[f'{k}_ratio']:.2f}× |"
+    fastest = f" ({r[f'{k}_ratio_min']:.2f}×)" if f"{k}_ratio_min" in r else ""
+    return f"{r[f'{k}_pathir_s']:.3f} s / {r[f'{k}_toolkit_s']:.3f} s | {r[f'{k}_ratio']:.2f}×{fastest} |"
 
 
 def table(rows) -> str:
@@ -302,6 +326,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workloads", default="abcs", help="which of a, b, c, s to run (e.g. c)")
+    ap.add_argument("--full-walk", action="store_true",
+                    help="pathir walks every feature map at full size (the walk before the stored runs)")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -309,7 +335,7 @@ def main(argv=None) -> list[dict]:
     if args.toolkit and toolkit is None:
         print("pathnorm_toolkit not found at --toolkit / PATHNORM_TOOLKIT: nothing to compare, skipped")
         return []
-    with inside(os.path.abspath(args.toolkit) if toolkit is not None else None):
+    with inside(os.path.abspath(args.toolkit) if toolkit is not None else None), full_walk(args.full_walk):
         rows = measured({**bench(name, toolkit, args.repeat, args.steps, args.workloads), "steps": args.steps}
                         for name in args.models.split(","))
     print(table(rows))

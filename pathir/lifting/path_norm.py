@@ -11,6 +11,7 @@ import numpy as np
 from pathir.errors import ArgumentError, ArgumentTypeError, PathNormOverflow
 from pathir.ir import Graph
 from pathir.lifting.log_walk import log_forward, log_grand_total
+from pathir.lifting.ones_walk import ones_forward, ones_forwards, ones_log_total
 from pathir.lifting.scaled import Certifier, Uncertified, robust_log_path_sum
 from pathir.lifting.walk import log_total, path_forward
 from pathir.passes import maxpool_to_sum, path_view
@@ -21,11 +22,15 @@ __all__ = ["log_path_sum", "log_max_path", "path_norm", "num_paths", "check_q"]
 def log_path_sum(graph: Graph, q: float, backend) -> float:
     """Natural log of sum_p |Phi_p(theta)|^q (q = 0: of the number of paths); -inf if zero.
 
-    The fast walk on |w|^q, certified node by node; where it cannot be (|w|^q or a node's
+    The fast walk on |w|^q, certified node by node (on a backend that can gather, with feature
+    maps stored along their constant runs: pathir.lifting.ones_walk); where it cannot be (|w|^q or a node's
     channels beyond float64), the walk with per-channel log-scales (pathir.lifting.scaled)."""
     try:
         if hasattr(backend, "power_view"):  # the path view, lazily on the backend's device
-            return log_total(backend, path_forward(graph, backend.power_view(q), linearize=True), graph.outputs)
+            view = backend.power_view(q)
+            if hasattr(view, "take"):  # feature maps stored along their constant runs
+                return ones_log_total(view, ones_forward(graph, view, linearize=True), graph.outputs)
+            return log_total(backend, path_forward(graph, view, linearize=True), graph.outputs)
         with np.errstate(over="ignore", under="ignore"):  # out of range: the walk refuses to certify
             view = path_view(maxpool_to_sum(graph), q)
         return log_total(backend, path_forward(view, backend, certify=Certifier(graph, q == 0, backend)), view.outputs)
@@ -78,5 +83,26 @@ def num_paths(graph: Graph, backend, log10: bool = False) -> float:
     return float(round(value)) if not log10 and value < EXACT_COUNT_LIMIT else value
 
 
+def _log_path_sums(graph: Graph, qs: list[float], backend) -> dict[float, float]:
+    """{q: log_path_sum(graph, q)} of the all-ones walks of every q in step (a large dense weight
+    read once for all); {} where the backend has no such walk or one q cannot be certified (each
+    q then walks on its own, with its fallbacks)."""
+    if len(qs) < 2 or not hasattr(backend, "power_view"):
+        return {}
+    views = [backend.power_view(q) for q in qs]
+    if not all(hasattr(v, "take") for v in views):
+        return {}
+    try:
+        walks = ones_forwards(graph, views, linearize=True)
+    except Uncertified:
+        return {}
+    return {q: ones_log_total(v, w, graph.outputs) for q, v, w in zip(qs, views, walks)}
+
+
 def path_norms(graph: Graph, qs: Iterable[float], backend, log10: bool = False) -> dict[float, float]:
-    return {q: path_norm(graph, q, backend, log10) for q in qs}
+    """{q: path_norm(graph, q)} for each q in ``qs`` (each checked first), the finite ones walked in step."""
+    qs = list(qs)
+    finite = sorted({check_q(q) for q in qs} - {math.inf})
+    logs = _log_path_sums(graph, finite, backend)
+    return {q: _finish(logs[float(q)] / float(q), log10, f"the l{float(q):g} path-norm") if float(q) in logs
+            else path_norm(graph, q, backend, log10) for q in qs}

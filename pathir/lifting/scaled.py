@@ -97,11 +97,13 @@ class Certifier:
         self._forward = self._backward = None
         self._maps: dict = {}
 
-    def node(self, name: str, acc, backward: bool = False) -> float:
+    def node(self, name: str, acc, backward: bool = False, full=None) -> float:
         """Check the sum ``acc`` (before renormalisation) of node ``name``, forward or backward;
-        returns its largest entry."""
+        returns its largest entry. ``full(acc)``: the node's full tensor, where ``acc`` is stored
+        compressed (pathir.lifting.ones_walk), read only to judge entries that are 0."""
         hi = self._fine(acc)
         if hi is None:
+            acc = acc if full is None else full(acc)
             sup = self.backward_support()[name] if backward else self.forward_support()[0][name]
             self._zeros(acc, sup, f"node '{name}'")
             hi = float(self.backend.extrema(acc)[1])

@@ -28,7 +28,7 @@ from pathir.passes import maxpool_to_sum, path_view
 __all__ = ["forward", "path_forward", "path_backward", "log_total", "param_grads", "param_log_parts", "at_common_scale"]
 
 
-def _context(node: Node) -> str:
+def node_context(node: Node) -> str:
     return f"while evaluating node '{node.name}' ({node.kind.value}, {'x'.join(map(str, node.shape))})"
 
 
@@ -65,7 +65,7 @@ def forward(graph: Graph, backend, inputs, all_nodes: bool = False):
         except PathirError:
             raise
         except Exception as err:
-            raise BackendError(f"{_context(node)}: {type(err).__name__}: {err}") from err
+            raise BackendError(f"{node_context(node)}: {type(err).__name__}: {err}") from err
     return acts if all_nodes else {o: acts[o] for o in graph.outputs}
 
 
@@ -80,7 +80,7 @@ _LOW, _HIGH = 1e-50, 1e50
 _SPAN, _LOG_LOST = 700.0, math.log(2.2e-258)
 
 
-def _combine(backend, terms, shape=None, placed=(), check=None):
+def combine_scaled(backend, terms, shape=None, placed=(), check=None):
     """Sum of m_t * exp(L_t) as (m, L) with _LOW <= max|m| <= _HIGH (or m = 0, L = 0).
 
     Terms may broadcast (a bias is (1, C, 1, ...)); ``shape`` is the full shape. ``placed`` terms
@@ -121,7 +121,7 @@ def _combine(backend, terms, shape=None, placed=(), check=None):
     return acc / peak, top + math.log(peak)
 
 
-def _require_path_graph(graph: Graph, linearize: bool = False):
+def require_path_graph(graph: Graph, linearize: bool = False):
     if linearize:
         return
     for node in graph.nodes:
@@ -161,13 +161,13 @@ def path_forward(graph: Graph, backend, inputs=None, linearize: bool = False, ce
     (``certify``: the check, by default read from ``graph``'s own weights; a path view's
     caller passes the one of the graph it was made from, whose zeros are the true ones);
     given ``inputs`` (signed values) it checks nothing."""
-    _require_path_graph(graph, linearize)
+    require_path_graph(graph, linearize)
     cert = certify if certify is not None or inputs is not None else _certifier(graph, backend)
     acts = {}
     for node in graph.nodes:
         if node.kind is NodeKind.INPUT:
             x = backend.ones((1, *node.shape)) if inputs is None else backend.asarray(inputs[node.name])
-            acts[node.name] = _combine(backend, [(x, 0.0)]) if inputs is not None else (x, 0.0)
+            acts[node.name] = combine_scaled(backend, [(x, 0.0)]) if inputs is not None else (x, 0.0)
             continue
         try:
             terms, placed = [], []
@@ -183,12 +183,12 @@ def path_forward(graph: Graph, backend, inputs=None, linearize: bool = False, ce
                     placed.append((part, L))
             if node.bias is not None:
                 terms.append((backend.bias(node, len(node.shape) + 1), 0.0))
-            acts[node.name] = _combine(backend, terms, (1, *node.shape), placed,
+            acts[node.name] = combine_scaled(backend, terms, (1, *node.shape), placed,
                                        check=lambda acc, name=node.name: cert.node(name, acc))
         except PathirError:
             raise
         except Exception as err:
-            raise BackendError(f"{_context(node)}: {type(err).__name__}: {err}") from err
+            raise BackendError(f"{node_context(node)}: {type(err).__name__}: {err}") from err
     return acts
 
 
@@ -222,7 +222,7 @@ def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = Fal
     weight-gradient (sum over paths through the parameter of the other factors).
     ``linearize`` and ``certify`` (a backward one) as in :func:`path_forward`.
     """
-    _require_path_graph(graph, linearize)
+    require_path_graph(graph, linearize)
     cert = certify if certify is not None or seeds is not None else _certifier(graph, backend)
     grads: dict[str, tuple] = {}
     pending: dict[str, list] = {n.name: [] for n in graph.nodes}
@@ -232,7 +232,7 @@ def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = Fal
     by_param: dict[int, tuple] = {}
     for node in reversed(graph.nodes):
         check = None if cert is None else (lambda acc, name=node.name: cert.node(name, acc, backward=True))
-        g, M = _combine(backend, pending.pop(node.name), check=check)
+        g, M = combine_scaled(backend, pending.pop(node.name), check=check)
         grads[node.name] = (g, M)
         if g is None or node.kind is NodeKind.INPUT:
             continue
@@ -255,7 +255,7 @@ def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = Fal
         except PathirError:
             raise
         except Exception as err:
-            raise BackendError(f"{_context(node)} (backward): {type(err).__name__}: {err}") from err
+            raise BackendError(f"{node_context(node)} (backward): {type(err).__name__}: {err}") from err
     return grads, by_param
 
 

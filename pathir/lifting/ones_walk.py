@@ -1,0 +1,260 @@
+"""The path walk on the all-ones input with feature maps kept compressed along their constant runs.
+
+On the all-ones input every spatial map of the path-norm network is translation invariant
+away from its borders: a convolution, a pool (one multiplier everywhere), a scale or a
+channel map sends a map whose slices along an axis are equal on a *run* of positions to one
+whose slices are equal on a run again (the outputs whose windows lie inside the input's run).
+So each spatial axis of a node's tensor is kept as its full length N with one run
+``(start, count)``: full positions ``start .. start + count - 1`` are one stored slice, at
+index ``start``; the stored axis has ``N - count + 1`` entries (count 1: the axis as it is).
+
+A map of windows (conv, fixed conv, pool) is applied to the tensor *materialised* with only
+``t`` copies of the run's slice, ``t ≡ count (mod stride)``, ``t ≥ 2·(span − 1)`` and
+``t ≥ span + stride − 1`` (span: a window's extent, dilation included). Cutting ``stride · r`` equal slices out of the
+middle of a run cuts exactly ``r`` outputs, each equal to the outputs whose windows lie inside
+the run, and leaves every other output as it is (its window lies left of the cut, or right of
+it and r outputs on). So the output's run is those inside outputs and the r cut ones, and the
+stored values are the very sums of the full walk (same windows, same weights, same rounding
+bound). Every other map (dense, reshape, gather, spatial matrices, resampling, a pool whose
+multiplier varies) reads its input expanded to full size; terms summed into one node are
+first re-stored on the intersection of their runs.
+
+It is :func:`pathir.lifting.walk.path_forward` on the all-ones input, certified the same way
+(a stored tensor holds every distinct value of the full one; where an entry is 0 the support
+check reads the full tensor); on the early, large maps of a convolutional network it computes
+a few border bands and one interior slice instead of the whole map.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from pathir.errors import BackendError, PathirError
+from pathir.ir import Graph, MapKind, NodeKind, pool_output_size
+from pathir.lifting.scaled import Certifier
+from pathir.lifting.walk import combine_scaled, log_total, node_context, require_path_graph
+
+__all__ = ["Runs", "ones_forward", "ones_forwards", "ones_log_total", "expand"]
+
+_POINTWISE = (MapKind.IDENTITY, MapKind.SCALE, MapKind.CHANNEL_MAP)
+_WINDOWED = (MapKind.CONV, MapKind.FIXED_CONV, MapKind.POOL)
+
+
+class Runs:
+    """Per spatial axis of a node (full spatial shape ``full``) its run ``(start, count)``."""
+
+    __slots__ = ("full", "runs")
+
+    def __init__(self, full, runs):
+        self.full, self.runs = tuple(full), tuple(runs)
+
+    @classmethod
+    def none(cls, full) -> "Runs":
+        """Every axis as it is."""
+        return cls(full, [(0, 1)] * len(full))
+
+    @classmethod
+    def constant(cls, full) -> "Runs":
+        """Every axis one run (a map equal everywhere, the all-ones input)."""
+        return cls(full, [(0, n) for n in full])
+
+    @property
+    def stored(self) -> tuple:
+        """The stored spatial shape."""
+        return tuple(n - c + 1 for n, (_, c) in zip(self.full, self.runs))
+
+    @property
+    def compressed(self) -> bool:
+        return any(c > 1 for _, c in self.runs)
+
+    def index(self, axis: int, positions: np.ndarray) -> np.ndarray:
+        """The stored index of each full position along ``axis``."""
+        s, c = self.runs[axis]
+        return np.where(positions < s, positions, np.where(positions < s + c, s, positions - c + 1))
+
+    def meet(self, other: "Runs") -> "Runs":
+        """The runs on which both are constant (count 1 where theirs do not overlap)."""
+        out = []
+        for (s0, c0), (s1, c1) in zip(self.runs, other.runs):
+            lo, hi = max(s0, s1), min(s0 + c0, s1 + c1)
+            out.append((lo, hi - lo) if hi - lo > 1 else (0, 1))
+        return Runs(self.full, out)
+
+
+def restore(backend, x, old: Runs, new: Runs):
+    """``x`` stored with runs ``old`` re-stored with runs ``new`` (each new run inside the old one,
+    or of count 1): a gather along every axis whose run changes."""
+    for d, (a, b) in enumerate(zip(old.runs, new.runs)):
+        if a != b:
+            (s, c), n = b, old.full[d]
+            reps = np.concatenate([np.arange(s + 1), np.arange(s + c, n)])  # a full position per stored index
+            x = backend.take(x, 2 + d, old.index(d, reps))
+    return x
+
+
+def expand(backend, x, runs: Runs):
+    """The full tensor of ``x`` stored with ``runs``."""
+    return restore(backend, x, runs, Runs.none(runs.full)) if runs.compressed else x
+
+
+def _geometry(m):
+    """(kernel, stride, padding, dilation, ceil_mode) of a map of windows."""
+    if m.kind is MapKind.POOL:
+        return m.kernel, m.stride, m.padding, m.dilation, m.ceil_mode
+    kernel = (m.W.shape if m.kind is MapKind.CONV else m.kernel.shape)[2:]
+    return kernel, m.stride, m.padding, m.dilation, False
+
+
+def _one_multiplier(m) -> float | None:
+    """A pool's single multiplier (1.0 for none), or None where it varies or is per channel."""
+    if m.mult is None:
+        return 1.0
+    if m.mult.ndim != len(m.kernel) or m.mult.size == 0:
+        return None
+    first = float(m.mult.reshape(-1)[0])
+    return first if bool(np.all(m.mult == first)) else None
+
+
+def _windowed(backend, m, x, runs: Runs, channels: int, mult: float):
+    """Map of windows ``m`` on ``x`` stored with ``runs``: (its output stored, the output's runs)."""
+    kernel, stride, padding, dilation, ceil = _geometry(m)
+    lengths, out_full, out_runs, keeps = [], [], [], []
+    for d, (n, (s0, c0)) in enumerate(zip(runs.full, runs.runs)):
+        k, st, pad, dil = kernel[d], stride[d], padding[d], dilation[d]
+        span = dil * (k - 1) + 1
+        least = max(2 * span - 2, span + st - 1, 1)  # a cut inside the run; an inside output beside it
+        cut = (c0 - least) // st if c0 > least else 0
+        t = c0 - st * cut  # copies of the run's slice materialised
+        if t != 1:
+            x = backend.take(x, 2 + d, np.concatenate([np.arange(s0), np.full(t, s0), np.arange(s0 + 1, n - c0 + 1)]))
+        lengths.append(n - st * cut)
+        n_out = pool_output_size(n, k, st, pad, dil, ceil)
+        first = -(-(s0 + pad[0]) // st)  # the outputs whose windows lie inside the run
+        inner = max(0, (s0 + t - span + pad[0]) // st - first + 1)
+        out_full.append(n_out)
+        if inner + cut <= 1:
+            out_runs.append((0, 1))
+            keeps.append(None)
+        else:
+            out_runs.append((first, inner + cut))
+            keeps.append(np.concatenate([np.arange(first + 1), np.arange(first + inner, n_out - cut)]))
+    shape = (channels, *lengths)
+    if m.kind is MapKind.POOL and m.mult is not None:  # its one multiplier over the materialised outputs
+        m = replace(m, mult=np.full(replace(m, mult=None).out_shape(shape)[1:], mult))
+    y = backend.apply(m, x, shape)
+    for d, keep in enumerate(keeps):
+        if keep is not None:
+            y = backend.take(y, 2 + d, keep)
+    return y, Runs(out_full, out_runs)
+
+
+def _apply(backend, m, x, runs: Runs, src_shape, out_spatial):
+    """Map ``m`` on ``x`` stored with ``runs`` (source of full shape ``src_shape``): (output, its runs)."""
+    if m.kind in _POINTWISE and runs.compressed:
+        return backend.apply(m, x, (src_shape[0], *runs.stored)), Runs(out_spatial, runs.runs)
+    if m.kind in _WINDOWED and runs.compressed:
+        mult = _one_multiplier(m) if m.kind is MapKind.POOL else 1.0
+        if mult is not None:
+            return _windowed(backend, m, x, runs, src_shape[0], mult)
+    return backend.apply(m, expand(backend, x, runs), src_shape), Runs.none(out_spatial)
+
+
+def _spatial(shape) -> tuple:
+    return tuple(shape[1:])
+
+
+def _stored_shape(shape, runs: Runs) -> tuple:
+    return (1, *shape[:1], *runs.stored)
+
+
+def _node_sum(graph: Graph, node, backend, cert: Certifier, acts: dict, given: dict) -> tuple:
+    """(m, L, runs) of ``node`` from its sources' in ``acts``; ``given``: {edge index: (its term, runs)}
+    computed already (a dense map shared by several q)."""
+    spatial = _spatial(node.shape)
+    place = getattr(backend, "placed", None)
+    parts = []  # (is placed, value, L, runs)
+    for k, e in enumerate(node.edges):
+        m, L, runs = acts[e.source]
+        if m is None:
+            continue
+        if k in given:
+            parts.append((False, *given[k][:1], L, given[k][1]))
+            continue
+        src = graph.node(e.source).shape
+        part = None if place is None else place(e.map, m, (src[0], *runs.stored))
+        if part is not None:  # a concat operand: its channels of the node's sum
+            parts.append((True, part, L, Runs(spatial, runs.runs)))
+            continue
+        y, out_runs = _apply(backend, e.map, m, runs, src, spatial)
+        parts.append((False, y, L, out_runs))
+    common = Runs.constant(spatial)
+    for *_, runs in parts:
+        common = common.meet(runs)
+    terms, placed = [], []
+    for is_placed, value, L, runs in parts:
+        if is_placed:
+            vals, pos, channels = value
+            placed.append(((restore(backend, vals, runs, common), pos, channels), L))
+        else:
+            terms.append((restore(backend, value, runs, common), L))
+    if node.bias is not None:
+        terms.append((backend.bias(node, len(node.shape) + 1), 0.0))
+    m, L = combine_scaled(backend, terms, _stored_shape(node.shape, common), placed,
+                          check=lambda acc: cert.node(node.name, acc, full=lambda a: expand(backend, a, common)))
+    return m, L, common
+
+
+def _input(node, backend) -> tuple:
+    runs = Runs.constant(_spatial(node.shape))
+    return backend.ones(_stored_shape(node.shape, runs)), 0.0, runs
+
+
+def ones_forward(graph: Graph, backend, linearize: bool = False, certify: Certifier | None = None):
+    """:func:`pathir.lifting.walk.path_forward` on the all-ones input, each node's tensor stored
+    compressed: {node name: (m, L, runs)}, node value = expand(m) · exp(L). Needs the backend's
+    ``take``; raises :class:`~pathir.lifting.scaled.Uncertified` as path_forward does."""
+    return ones_forwards(graph, [backend], linearize, None if certify is None else [certify])[0]
+
+
+def ones_forwards(graph: Graph, views: list, linearize: bool = False, certs: list | None = None) -> list:
+    """:func:`ones_forward` of each power view in ``views`` (one per q), node by node in step, so
+    that a large dense weight is read once for every q (the views' ``dense_powers``)."""
+    require_path_graph(graph, linearize)
+    if certs is None:
+        certs = [Certifier(graph, getattr(v, "q", None) == 0, v) for v in views]
+    with views[0].flush_denormals():
+        return _in_step(graph, views, certs)
+
+
+def _in_step(graph: Graph, views: list, certs: list) -> list:
+    shared = len(views) > 1 and hasattr(views[0], "dense_powers")
+    walks = [{} for _ in views]
+    for node in graph.nodes:
+        if node.kind is NodeKind.INPUT:
+            for v, acts in zip(views, walks):
+                acts[node.name] = _input(node, v)
+            continue
+        try:
+            given = [{} for _ in views]
+            for k, e in enumerate(node.edges):
+                if not shared or e.map.kind is not MapKind.DENSE or any(a[e.source][0] is None for a in walks):
+                    continue
+                xs = [expand(v, *a[e.source][::2]) for v, a in zip(views, walks)]
+                ys = views[0].dense_powers(e.map, xs, views)
+                for g, y in zip(given, ys or ()):
+                    g[k] = (y, Runs.none(_spatial(node.shape)))
+            for v, cert, acts, g in zip(views, certs, walks, given):
+                acts[node.name] = _node_sum(graph, node, v, cert, acts, g)
+        except PathirError:
+            raise
+        except Exception as err:
+            raise BackendError(f"{node_context(node)}: {type(err).__name__}: {err}") from err
+    return walks
+
+
+def ones_log_total(backend, acts, names) -> float:
+    """log of the sum of every entry of the named nodes of :func:`ones_forward`, at full size."""
+    return log_total(backend, {n: (None if acts[n][0] is None else expand(backend, acts[n][0], acts[n][2]),
+                                   acts[n][1]) for n in names}, names)

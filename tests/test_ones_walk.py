@@ -1,0 +1,191 @@
+"""The path-norm of convolutional networks on the torch backend (whose all-ones walk stores feature
+maps along their constant runs, pathir.lifting.ones_walk) equals its definition: a float64 forward,
+on the all-ones input, of the model with every weight and bias w made |w|^q, its max-pools made sums
+over their windows and every average's coefficient c made |c|^q (docs/math.md §3)."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+import pathir  # noqa: E402
+from pathir.lifting.ones_walk import ones_forward  # noqa: E402
+
+
+class Layer(torch.nn.Module):
+    """One step of a random network: conv (+ ReLU), max-pool, average pool, or a residual block."""
+
+    def __init__(self, kind, channels, out, k, stride, pad, dil, ceil, include_pad):
+        super().__init__()
+        self.kind, self.k, self.stride, self.pad, self.dil = kind, k, stride, pad, dil
+        self.ceil, self.include_pad = ceil, include_pad
+        if kind in ("conv", "residual"):
+            self.conv = torch.nn.Conv2d(channels, out, k, stride, pad, dil, bias=True)
+        if kind == "residual":
+            self.skip = torch.nn.Conv2d(channels, out, 1, stride, 0, bias=False)
+            self.second = torch.nn.Conv2d(out, out, 3, 1, 1, bias=False)
+
+    def forward(self, x):
+        if self.kind == "conv":
+            return F.relu(self.conv(x))
+        if self.kind == "residual":
+            return F.relu(self.second(F.relu(self.conv(x))) + self.skip(x))
+        if self.kind == "max":
+            return F.max_pool2d(x, self.k, self.stride, self.pad, self.dil, self.ceil)
+        return F.avg_pool2d(x, self.k, self.stride, self.pad, self.ceil, self.include_pad)
+
+    def path_norm_network(self, x, q):
+        """This step of the path-norm network (its weights |w|^q) on ``x``."""
+        if self.kind in ("conv", "residual"):
+            c = self.conv
+            y = F.conv2d(x, c.weight.abs() ** q, c.bias.abs() ** q, c.stride, c.padding, c.dilation)
+            if self.kind == "conv":
+                return y
+            y = F.conv2d(y, self.second.weight.abs() ** q, None, 1, 1)
+            return y + F.conv2d(x, self.skip.weight.abs() ** q, None, self.stride)
+        if self.kind == "max":
+            return _window_sum(x, self.k, self.stride, self.pad, self.dil, self.ceil)
+        # an average: Σ_window x / divisor; its divisor per output read off torch's own average of ones
+        ones = torch.ones_like(x[:, :1])
+        sums = F.avg_pool2d(ones, self.k, self.stride, self.pad, self.ceil, True, divisor_override=1)
+        avgs = F.avg_pool2d(ones, self.k, self.stride, self.pad, self.ceil, self.include_pad)
+        coeff = avgs / sums
+        return F.avg_pool2d(x, self.k, self.stride, self.pad, self.ceil, True, divisor_override=1) * coeff ** q
+
+
+def _window_sum(x, k, stride, pad, dil, ceil):
+    """Σ over each max-pool window (torch's max-pool geometry, dilation included)."""
+    windows = F.max_pool2d(torch.ones_like(x[:, :1]), k, stride, pad, dil, ceil, return_indices=True)[1]
+    out = torch.zeros(x.shape[0], x.shape[1], *windows.shape[2:], dtype=x.dtype)
+    n = x.shape[2] + 2 * pad
+    padded = F.pad(x, (pad, pad, pad, pad))
+    oh, ow = windows.shape[2:]
+    for i in range(oh):
+        for j in range(ow):
+            for a in range(k):
+                for b in range(k):
+                    r, c = i * stride + a * dil, j * stride + b * dil
+                    if r < n and c < padded.shape[3]:
+                        out[:, :, i, j] += padded[:, :, r, c]
+    return out
+
+
+class Net(torch.nn.Module):
+    def __init__(self, layers, channels, classes):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+        self.fc = torch.nn.Linear(channels, classes)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+    def path_norm(self, shape, q) -> float:
+        """log10 ||Φ||_q by its definition, in float64."""
+        net = self.double()
+        with torch.no_grad():
+            x = torch.ones(1, *shape, dtype=torch.float64)
+            for layer in net.layers:
+                x = layer.path_norm_network(x, q)
+            n = x.shape[2] * x.shape[3]
+            x = x.sum(dim=(2, 3)) * (1.0 / n) ** q
+            y = x @ (net.fc.weight.abs() ** q).T + net.fc.bias.abs() ** q
+        self.float()
+        return math.log10(float(y.sum())) / q
+
+
+@st.composite
+def networks(draw):
+    channels = draw(st.integers(1, 3))
+    size = draw(st.integers(12, 48))
+    layers, c, n = [], channels, size
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["conv", "conv", "residual", "max", "avg"]))
+        k = draw(st.integers(1, 4))
+        stride = draw(st.integers(1, 3))
+        pad = draw(st.integers(0, k // 2))
+        dil = draw(st.integers(1, 2)) if kind in ("conv", "max") else 1
+        ceil = draw(st.booleans()) if kind in ("max", "avg") else False
+        if kind == "residual":
+            k, pad, dil = 3, 1, 1
+        span = dil * (k - 1) + 1
+        if n + 2 * pad < span:
+            break
+        out = draw(st.integers(1, 3)) if kind in ("conv", "residual") else c
+        layer = Layer(kind, c, out, k, stride, pad, dil, ceil, draw(st.booleans()))
+        probe = layer(torch.zeros(1, c, n, n))
+        if probe.shape[2] < 1:
+            break
+        layers.append(layer)
+        c, n = out, probe.shape[2]
+    seed = draw(st.integers(0, 2**16))
+    net = Net(layers, c, draw(st.integers(1, 3)))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return net, (channels, size, size)
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=networks(), q=st.sampled_from([0.5, 1.0, 2.0, 3.0]))
+def test_path_norm_equals_the_path_norm_networks_forward(case, q):
+    net, shape = case
+    cm = pathir.compile(net, input_shape=shape, self_check=False)
+    assert cm.path_norm(q, log10=True) == pytest.approx(net.path_norm(shape, q), rel=0, abs=1e-12)
+
+
+def test_large_maps_are_stored_along_their_runs():
+    """A 3x3 conv stack on a 64x64 input: every stored map is a few border bands and one interior
+    slice, and the path-norm is still its definition."""
+    torch.manual_seed(0)
+    layers = [Layer("conv", 3, 4, 3, 1, 1, 1, False, True), Layer("max", 4, 4, 2, 2, 0, 1, False, True),
+              Layer("residual", 4, 4, 3, 2, 1, 1, False, True), Layer("avg", 4, 4, 3, 1, 1, 1, False, False)]
+    net = Net(layers, 4, 2)
+    shape = (3, 64, 64)
+    cm = pathir.compile(net, input_shape=shape, self_check=False)
+    view = cm.get_backend().power_view(1.0)
+    acts = ones_forward(cm.graph, view, linearize=True)
+    stored = {n.name: tuple(acts[n.name][0].shape[2:]) for n in cm.graph.nodes if len(n.shape) == 3}
+    assert all(max(s) <= 16 for s in stored.values()), stored
+    assert cm.path_norm(1.0, log10=True) == pytest.approx(net.path_norm(shape, 1.0), rel=0, abs=1e-12)
+
+
+def test_several_q_in_step_equal_their_definitions():
+    """cm.path_norms walks every q in step, a dense weight above the block size (4 MiB) read once for
+    all of them: each value is still its definition."""
+    torch.manual_seed(1)
+    layers = [Layer("conv", 2, 3, 3, 1, 1, 1, False, True), Layer("max", 3, 3, 2, 2, 0, 1, False, True)]
+    net = Net(layers, 3, 1)
+    net.fc = torch.nn.Linear(3, 1)
+    wide = torch.nn.Linear(3 * 20 * 20, 600)  # 720,000 weights: 5.5 MiB in float64, walked in blocks
+    head = torch.nn.Linear(600, 2)
+
+    class Wide(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers, self.wide, self.head = torch.nn.ModuleList(layers), wide, head
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(F.relu(self.wide(x.flatten(1))))
+
+    model, shape = Wide(), (2, 40, 40)
+    qs = (0.5, 1.0, 2.0, 4.0)
+    cm = pathir.compile(model, input_shape=shape, self_check=False)
+    norms = cm.path_norms(qs, log10=True)
+    with torch.no_grad():
+        for q in qs:
+            x = torch.ones(1, *shape, dtype=torch.float64)
+            for layer in model.double().layers:
+                x = layer.path_norm_network(x, q)
+            x = x.flatten(1) @ (wide.weight.abs() ** q).T + wide.bias.abs() ** q
+            x = x @ (head.weight.abs() ** q).T + head.bias.abs() ** q
+            assert norms[q] == pytest.approx(math.log10(float(x.sum())) / q, rel=0, abs=1e-12)
+    model.float()
