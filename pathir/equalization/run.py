@@ -16,7 +16,7 @@ from pathir.equalization.absorb import absorb, measure
 from pathir.equalization.objective import OBJECTIVES, Objective
 from pathir.equalization.report import EqualizeReport, TensorRow
 from pathir.equalization.solver import solve
-from pathir.equalization.tensors import channel_ranges, quantize, quantize_graph, quantized_params, sqnr_db, tensor_pairs
+from pathir.equalization.tensors import channel_ranges, quantize_graph, quantized_params, quantized_sqnr_db, tensor_pairs
 from pathir.errors import PathirError
 from pathir.lifting.diag_g import diag_g_log_parts
 from pathir.lifting.path_metric import path_metric
@@ -118,22 +118,26 @@ def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_sc
     rescaled = rescale_graph(graph, units, z)
     after = {p.name: p for p in quantized_params(rescaled)}
     rows = [TensorRow(p.source_name, _spread(p.value), _spread(after[p.name].value),
-                      sqnr_db(p.value, quantize(p.value, bits)), sqnr_db(after[p.name].value, quantize(after[p.name].value, bits)))
+                      quantized_sqnr_db(p.value, bits), quantized_sqnr_db(after[p.name].value, bits))
             for p in params]
     scale = _input_scale(inputs)
-    q_before, q_after = quantize_graph(graph, bits), quantize_graph(rescaled, bits)
     bound_before = bound_after = None
-    if objective == "path-metric" if certify is None else certify:
-        bound_before = scale * path_metric(graph, q_before, backend).upper
-        bound_after = scale * path_metric(rescaled, q_after, backend).upper
-    observed = (_observed(graph, q_before, backend, inputs), _observed(rescaled, q_after, backend, inputs))
+    observed = (None, None)
+    certified = objective == "path-metric" if certify is None else bool(certify)
+    if certified or inputs is not None:
+        q_before, q_after = quantize_graph(graph, bits), quantize_graph(rescaled, bits)  # only where read
+        if certified:
+            bound_before = scale * path_metric(graph, q_before, backend).upper
+            bound_after = scale * path_metric(rescaled, q_after, backend).upper
+        observed = (_observed(graph, q_before, backend, inputs), _observed(rescaled, q_after, backend, inputs))
+        del q_before, q_after
     # ---- bias absorption (optional): on the rescaled graph, written with the rescaling
     absorption = absorbed = None
     if read_source is not None:
         absorbed = absorb(graph, units, z, read_source)
         absorption = measure(rescaled, absorbed, backend, inputs)
     # ----
-    del rescaled, q_before, q_after
+    del rescaled
     if commit is not None:
         bar.phase("write")
         if absorbed is None:

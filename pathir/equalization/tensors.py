@@ -20,7 +20,7 @@ import numpy as np
 from pathir.ir import Graph, MapKind, Param
 
 __all__ = ["quantized_params", "TensorGrid", "TensorPairs", "tensor_pairs", "quantize", "sqnr_db", "channel_ranges",
-           "quantize_graph"]
+           "quantize_graph", "quantized_sqnr_db"]
 
 #: edge maps whose weight is quantized
 QUANTIZED_MAPS = frozenset({MapKind.DENSE, MapKind.CONV})
@@ -207,6 +207,21 @@ def sqnr_db(value: np.ndarray, quantized: np.ndarray) -> float:
     """10 log10(Σ θ² / Σ (θ − Q(θ))²): inf where quantization is exact."""
     signal = float(np.sum(np.square(value)))
     noise = float(np.sum(np.square(np.asarray(value) - quantized)))
+    return np.inf if noise == 0 else 10.0 * np.log10(signal / noise) if signal > 0 else -np.inf
+
+
+def quantized_sqnr_db(value: np.ndarray, bits: int, chunk: int = 1 << 20) -> float:
+    """``sqnr_db(value, quantize(value, bits))`` (per tensor), a block of ``chunk`` entries at a time: no
+    temporary of the tensor's size."""
+    flat = np.asarray(value, dtype=np.float64).reshape(-1)
+    R = float(np.max(np.abs(flat), initial=0.0))
+    step = R / (2 ** (int(bits) - 1) - 1) if R > 0 else 1.0
+    signal = noise = 0.0
+    for i in range(0, flat.size, chunk):
+        part = flat[i:i + chunk]
+        signal += float(np.dot(part, part))
+        err = part - np.round(part / step) * step
+        noise += float(np.dot(err, err))
     return np.inf if noise == 0 else 10.0 * np.log10(signal / noise) if signal > 0 else -np.inf
 
 
