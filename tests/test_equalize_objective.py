@@ -96,3 +96,27 @@ def test_blockwise_quantized_sqnr_equals_the_quantized_copys(n, bits, chunk, see
     want = sqnr_db(value, quantize(value, bits))
     got = quantized_sqnr_db(value, bits, chunk=chunk)
     assert got == pytest.approx(want, rel=1e-9) if np.isfinite(want) else got == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 4), st.integers(1, 6), st.integers(0, 1), st.booleans(), st.booleans(),
+       st.integers(0, 2**31 - 1))
+def test_runs_reduce_as_reduceat_does(groups, run, other, axis, ragged, boolean, seed):
+    """The pair grid's reduction over runs of one length (a reshaped axis) equals ``reduceat``: maxima
+    and counts of booleans exactly, float sums to rounding; ragged runs take ``reduceat`` itself."""
+    from pathir.equalization.tensors import _reduce_runs
+
+    rng = np.random.default_rng(seed)
+    n = groups * run
+    starts = np.arange(0, n, run)
+    if ragged and n > 2:
+        starts = np.unique(np.r_[0, rng.integers(1, n, size=2)])
+    shape = (other, n) if axis == 1 else (n, other)
+    v = rng.normal(size=shape) > 0 if boolean else rng.normal(size=shape)
+    for ufunc in (np.add,) if boolean else (np.maximum, np.add):
+        want = ufunc.reduceat(v, starts, axis=axis, dtype=np.float64)
+        got = _reduce_runs(v, ufunc, starts, axis)
+        if ufunc is np.add and not boolean:  # float sums in another order: to rounding
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
+        else:  # maxima and counts: exact
+            np.testing.assert_array_equal(got, want)

@@ -95,6 +95,20 @@ def _groups(keys: np.ndarray):
     return ordered[starts], order, starts
 
 
+def _reduce_runs(v: np.ndarray, ufunc: np.ufunc, starts: np.ndarray, axis: int) -> np.ndarray:
+    """``ufunc.reduceat(v, starts, axis)`` in float64 (runs of a 2-d ``v`` along ``axis``); runs of one
+    length (a dense layer's features, channel by channel after a flatten) are reduced as a reshaped
+    axis, many times faster than ``reduceat`` along the rows."""
+    n = v.shape[axis]
+    run = n // starts.size if starts.size else 0
+    if run and run * starts.size == n and np.array_equal(starts, np.arange(0, n, run)):
+        if run == 1:
+            return v.astype(np.float64, copy=False)
+        shape = (v.shape[0], starts.size, run) if axis == 1 else (starts.size, run, v.shape[1])
+        return ufunc.reduce(v.reshape(shape), axis=axis + 1, dtype=np.float64)
+    return ufunc.reduceat(v, starts, axis=axis, dtype=np.float64)
+
+
 def _cells(e: np.ndarray, l: np.ndarray, arrays: list[tuple[np.ndarray, np.ufunc]]):
     """(rows, cols, [grid per array]): each array reduced by its ufunc over the entries of each
     (entered, left) unit pair; cells no entry belongs to hold the ufunc's identity (0 for max of |θ|).
@@ -119,8 +133,8 @@ def _cells(e: np.ndarray, l: np.ndarray, arrays: list[tuple[np.ndarray, np.ufunc
         for a, ufunc in arrays:
             v = ufunc.reduce(a, axis=rest, dtype=np.float64) if rest else a
             v = v.transpose([keep.index(x) for x in order]).reshape(n_rows, -1)
-            v = ufunc.reduceat(v if c_order is None else v[:, c_order], c_starts, axis=1, dtype=np.float64)
-            grids.append(ufunc.reduceat(v if r_order is None else v[r_order], r_starts, axis=0))
+            v = _reduce_runs(v if c_order is None else v[:, c_order], ufunc, c_starts, 1)
+            grids.append(_reduce_runs(v if r_order is None else v[r_order], ufunc, r_starts, 0))
         return rows, cols, grids
     rest = tuple(a for a in range(len(shape)) if a not in keep)
     er = np.broadcast_to(e, shape)[tuple(slice(None) if a in keep else slice(0, 1) for a in range(len(shape)))]
