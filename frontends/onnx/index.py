@@ -69,8 +69,7 @@ def scatter(low, node, ins):
         low.unsupported(f"reduction='{reduction}' combines the written elements with the ones there (x[idx] "
                         f"{'+' if reduction == 'add' else '*' if reduction == 'mul' else reduction}= src) instead of "
                         "writing them: not an element move")
-    data, indices, updates = ins[:3]
-    if not isinstance(indices, np.ndarray):
+    if not isinstance(ins[1], np.ndarray):
         low.unsupported("its indices depend on the input: a data-dependent selection, not a fixed map")
     ins = list(ins)
     for k, what in ((0, "data"), (2, "updates")):
