@@ -92,9 +92,8 @@ def run_on_ids(proto, node, inputs: list, blocks: dict[int, tuple], batch: int):
     ``inputs``: the node's inputs, constants as arrays; ``blocks``: {input position: ``(per-sample
     shape, None)`` for an activation (fresh ids), or ``(sizes, ids)`` for the id tensor of a displaced
     one (:class:`IdTensor`: ids over its own activations, whose per-sample sizes are ``sizes``)}. The
-    activations are laid end to end in input order. Returns (the per-sample sizes of every activation
-    laid end to end, one result per output): a result is ``(per-sample out shape, {activation j:
-    index})``, index[t] being the element of activation j at output element t or -1; an
+    activations are laid end to end in input order. Returns one result per output: ``(per-sample out
+    shape, {activation j: index})``, index[t] being the element of activation j at output element t or -1; an
     :class:`IdTensor` where the output does not have the batch axis first with every sample to itself
     (a Transpose that moves it, undone by a later op); a list of them for a sequence output; None for
     an absent one. Raises ValueError if the op computes new values."""
@@ -113,7 +112,7 @@ def run_on_ids(proto, node, inputs: list, blocks: dict[int, tuple], batch: int):
     result = run_node(proto, node, feeds)
     offsets = np.cumsum([0] + [batch * n for n in sizes])
     decode = lambda r: _decode(r, batch, offsets, sizes)
-    return sizes, [None if r is None else [decode(x) for x in r] if isinstance(r, list) else decode(r) for r in result]
+    return [None if r is None else [decode(x) for x in r] if isinstance(r, list) else decode(r) for r in result]
 
 
 class IdTensor:

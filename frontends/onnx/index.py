@@ -96,7 +96,7 @@ def index(low, node, ins):
             blocks[k] = (v.ids.sizes, v.ids.ids)
             base.extend(v.base)
     try:
-        _, decoded = run_on_ids(low.proto, node, ins, blocks, low.batch)
+        decoded = run_on_ids(low.proto, node, ins, blocks, low.batch)
     except ValueError as err:
         low.unsupported(str(err))
     except Exception as err:

@@ -31,10 +31,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from pathir.errors import BackendError, PathirError
 from pathir.ir import Graph, MapKind, NodeKind, pool_output_size
 from pathir.lifting.scaled import Certifier
-from pathir.lifting.walk import combine_scaled, log_total, node_context, require_path_graph
+from pathir.lifting.walk import combine_scaled, log_total, node_errors, require_path_graph
 
 __all__ = ["Runs", "ones_forward", "ones_forwards", "ones_log_total", "expand"]
 
@@ -236,7 +235,7 @@ def _in_step(graph: Graph, views: list, certs: list) -> list:
             for v, acts in zip(views, walks):
                 acts[node.name] = _input(node, v)
             continue
-        try:
+        with node_errors(node):
             given = [{} for _ in views]
             for k, e in enumerate(node.edges):
                 if not shared or e.map.kind is not MapKind.DENSE or any(a[e.source][0] is None for a in walks):
@@ -247,10 +246,6 @@ def _in_step(graph: Graph, views: list, certs: list) -> list:
                     g[k] = (y, Runs.none(_spatial(node.shape)))
             for v, cert, acts, g in zip(views, certs, walks, given):
                 acts[node.name] = _node_sum(graph, node, v, cert, acts, g)
-        except PathirError:
-            raise
-        except Exception as err:
-            raise BackendError(f"{node_context(node)}: {type(err).__name__}: {err}") from err
     return walks
 
 

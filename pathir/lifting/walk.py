@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -32,6 +33,18 @@ def node_context(node: Node) -> str:
     return f"while evaluating node '{node.name}' ({node.kind.value}, {'x'.join(map(str, node.shape))})"
 
 
+@contextmanager
+def node_errors(node: Node, where: str = ""):
+    """A backend's failure inside the block as a BackendError naming ``node`` (``where``: e.g. " (backward)");
+    a PathirError passes as it is."""
+    try:
+        yield
+    except PathirError:
+        raise
+    except Exception as err:
+        raise BackendError(f"{node_context(node)}{where}: {type(err).__name__}: {err}") from err
+
+
 def forward(graph: Graph, backend, inputs, all_nodes: bool = False):
     """Evaluate the graph on a batch. ``inputs``: one array (single input) or
     {input name: array}, each of shape (B, *shape). Returns {output name: array}
@@ -43,7 +56,7 @@ def forward(graph: Graph, backend, inputs, all_nodes: bool = False):
         inputs = {names[0]: inputs}
     acts = {}
     for node in graph.nodes:
-        try:
+        with node_errors(node):
             if node.kind is NodeKind.INPUT:
                 x = backend.asarray(inputs[node.name])
                 if tuple(x.shape[1:]) != node.shape:
@@ -62,10 +75,6 @@ def forward(graph: Graph, backend, inputs, all_nodes: bool = False):
             if node.bias is not None:
                 pre = pre + backend.bias(node, len(node.shape) + 1)
             acts[node.name] = backend.relu(pre) if node.kind is NodeKind.RELU else pre
-        except PathirError:
-            raise
-        except Exception as err:
-            raise BackendError(f"{node_context(node)}: {type(err).__name__}: {err}") from err
     return acts if all_nodes else {o: acts[o] for o in graph.outputs}
 
 
@@ -169,7 +178,7 @@ def path_forward(graph: Graph, backend, inputs=None, linearize: bool = False, ce
             x = backend.ones((1, *node.shape)) if inputs is None else backend.asarray(inputs[node.name])
             acts[node.name] = combine_scaled(backend, [(x, 0.0)]) if inputs is not None else (x, 0.0)
             continue
-        try:
+        with node_errors(node):
             terms, placed = [], []
             place = getattr(backend, "placed", None)
             for e in node.edges:
@@ -185,10 +194,6 @@ def path_forward(graph: Graph, backend, inputs=None, linearize: bool = False, ce
                 terms.append((backend.bias(node, len(node.shape) + 1), 0.0))
             acts[node.name] = combine_scaled(backend, terms, (1, *node.shape), placed,
                                        check=lambda acc, name=node.name: cert.node(name, acc))
-        except PathirError:
-            raise
-        except Exception as err:
-            raise BackendError(f"{node_context(node)}: {type(err).__name__}: {err}") from err
     return acts
 
 
@@ -236,7 +241,7 @@ def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = Fal
         grads[node.name] = (g, M)
         if g is None or node.kind is NodeKind.INPUT:
             continue
-        try:
+        with node_errors(node, " (backward)"):
             for e in node.edges:
                 src = graph.node(e.source)
                 x, L = acts[e.source]
@@ -252,10 +257,6 @@ def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = Fal
                 if cert is not None:
                     cert.bias_grad(node.bias.name, node.name, bg)
                 _accumulate(by_param, node.bias, bg, M)
-        except PathirError:
-            raise
-        except Exception as err:
-            raise BackendError(f"{node_context(node)} (backward): {type(err).__name__}: {err}") from err
     return grads, by_param
 
 
