@@ -5,7 +5,15 @@ cat / chunk / split, permutes and views, pools and adaptive pools, padding modes
 batch-norms, literal constants, tuple and dict outputs, and now and then one non-homogeneous op). Each program comes with a second source, its *path-norm network*, written from
 the definition (docs/math.md §3) and not from pathir: every weight and bias w replaced by |w|^q, every
 ReLU by the identity, max-pools by window sums, constants c by |c|^q, a subtraction by an addition;
-fed all ones, its outputs sum to Σ_p |Φ_p|^q (q = 0: the number of paths)."""
+fed all ones, its outputs sum to Σ_p |Φ_p|^q (q = 0: the number of paths).
+
+An inference batch-norm is the affine map x ↦ a·x + c per channel (a = γ/√(var + ε), c = β − a·μ),
+its own layer in the path-norm network: |a|^q·x + |c|^q. Where it reads a layer with a bias b that
+nothing else reads, docs/math.md folds it into that layer instead (one bias a·b + c, one bias path:
+|a·b + c|^q in place of |a|^q|b|^q + |c|^q). Which producers nothing else reads depends on the whole
+program (dead code, a module called again later), so the network is written for every choice of
+folded or kept at those batch-norms (``path_sums``), and pathir's figure must be one of them; the
+rule itself is tested in tests/test_fold_batchnorm.py."""
 
 from __future__ import annotations
 
@@ -45,12 +53,15 @@ class Program:
     init: list[str] = field(default_factory=list)
     forward: list[str] = field(default_factory=list)
     reference: list[str] = field(default_factory=list)
-    has_bn: bool = False
     refused_op: str | None = None  # the non-homogeneous op's name, if one was drawn
     output: str = "tensor"
+    #: value -> the signed bias of the layer that holds it, as an expression over the model (``self.orig``),
+    #: where a batch-norm reading it could fold into that layer ("0": a layer without a bias)
+    node_bias: dict = field(default_factory=dict)
+    _networks: dict = field(default_factory=dict, repr=False, compare=False)  # fold choices -> path-norm network
 
-    def source(self, reference: bool = False) -> str:
-        body = self.reference if reference else self.forward
+    def source(self, reference: bool = False, folds: tuple = ()) -> str:
+        body = self._reference_lines(folds) if reference else self.forward
         lines = ["class Program(nn.Module):", "    def __init__(self):", "        super().__init__()"]
         lines += [f"        {line}" for line in self.init] or ["        pass"]
         lines += ["", "    def forward(self, x):" if not reference else "    def forward(self, x, q):"]
@@ -73,17 +84,86 @@ class Program:
                     m.running_var.copy_(torch.rand(m.num_features, generator=g, dtype=torch.float64) + 0.5)
         return model.eval()
 
+    def foldable_bns(self) -> int:
+        """How many batch-norms read a layer with a bias (each folded or kept: 2^n path-norm networks)."""
+        return len(self._reference_choices())
+
+    def _reference_choices(self) -> list[str]:
+        """The batch-norm lines (by output name) where folding changes the path-norm network."""
+        bias, out = dict(self.node_bias), []
+        for line in self.reference:
+            if line.startswith("@bn "):
+                _, name, attr, src = line.split()
+                if bias.get(src, "0") != "0":
+                    out.append(name)
+                bias[name] = "bias"  # a batch-norm's layer always holds a bias (c, or a·b + c)
+        return out
+
+    def _reference_lines(self, folds: tuple) -> list[str]:
+        """The path-norm network's forward, the batch-norms named in ``folds`` folded into their producer."""
+        bias, lines = dict(self.node_bias), []
+        for line in self.reference:
+            if not line.startswith("@bn "):
+                lines.append(line)
+                continue
+            _, name, attr, src = line.split()
+            a, c = f"_bn_scale(self.orig.{attr})", f"_bn_shift(self.orig.{attr})"
+            if name in folds:
+                b = bias[src]
+                lines.append(f"{name} = _pw({a}, q) * ({src} - _pw({b}, q)) + _pw({a} * {b} + {c}, q)")
+                bias[name] = f"({a} * {b} + {c})"
+            else:
+                lines.append(f"{name} = _pw({a}, q) * {src} + _pw({c}, q)")
+                bias[name] = c
+        return lines
+
     def path_sum(self, model: nn.Module, q: float) -> float:
-        """Σ_p |Φ_p|^q of ``model`` (q = 0: the path count) by its path-norm network."""
-        namespace = {"nn": nn, "F": F, "torch": torch}
-        exec(self.source(reference=True), namespace)  # noqa: S102
-        ref = namespace["Program"]().double()
+        """Σ_p |Φ_p|^q of ``model`` (q = 0: the path count) by its path-norm network (a program with
+        batch-norms that could fold: see ``path_sums``)."""
+        sums = self.path_sums(model, q)
+        assert len(sums) == 1, "batch-norms that may fold: several path-norm networks (path_sums)"
+        return sums[0]
+
+    def path_sums(self, model: nn.Module, q: float) -> list[float]:
+        """Σ_p |Φ_p|^q of ``model`` by each of its path-norm networks (one per choice of folded or kept at
+        the batch-norms that read a layer with a bias)."""
+        choices = self._reference_choices()
+        return [self._path_sum(model, q, tuple(c for i, c in enumerate(choices) if mask >> i & 1))
+                for mask in range(2 ** len(choices))]
+
+    def _path_sum(self, model: nn.Module, q: float, folds: tuple) -> float:
+        if folds not in self._networks:  # each network written once, for every q
+            namespace = {"nn": nn, "F": F, "torch": torch, "_pw": _pw, "_bn_scale": _bn_scale, "_bn_shift": _bn_shift}
+            exec(self.source(reference=True, folds=folds), namespace)  # noqa: S102
+            self._networks[folds] = namespace["Program"]().double()
+        ref = self._networks[folds]
         with torch.no_grad():
             for (name, p), (_, w) in zip(ref.named_parameters(), model.named_parameters()):
                 p.copy_((w != 0).double() if q == 0 else w.abs() ** q)
+            object.__setattr__(ref, "orig", model)  # the signed tensors the batch-norm lines read (not a submodule)
             out = ref(torch.ones(1, 3, 8, 8, dtype=torch.float64), q)
         return float(sum(t.sum() for t in (out.values() if isinstance(out, dict) else
                                               out if isinstance(out, tuple) else (out,))))
+
+
+def _channels(v: torch.Tensor) -> torch.Tensor:
+    return v.detach().double().reshape(1, -1, 1, 1)
+
+
+def _pw(v, q) -> torch.Tensor:
+    """|v|^q per channel, shaped to broadcast over a feature map (q = 0: 1 where v ≠ 0, else 0)."""
+    v = _channels(v) if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64)
+    return (v != 0).double() if q == 0 else v.abs() ** q
+
+
+def _bn_scale(bn: nn.BatchNorm2d) -> torch.Tensor:
+    """a = γ/√(var + ε): the batch-norm's per-channel scale in eval mode."""
+    return bn.weight.detach() / torch.sqrt(bn.running_var + bn.eps)
+
+
+def _bn_shift(bn: nn.BatchNorm2d) -> torch.Tensor:
+    """c = β − a·μ: its per-channel shift."""
+    return bn.bias.detach() - _bn_scale(bn) * bn.running_mean
 
 
 def _k(c: float, q_expr: str = "q") -> str:
@@ -96,6 +176,7 @@ def torch_programs(draw, max_statements: int = 7, non_homogeneous: float = 0.1) 
     prog = Program()
     values = [("x", 3, 8)]  # (name, channels, spatial size)
     convs: list[tuple[str, int, int]] = []  # (attribute, in channels, out channels): for a second call
+    conv_bias: dict[str, str] = {}  # attribute -> its bias as an expression over the model ("0": none)
     n = 0
 
     def new(prefix="v"):
@@ -119,15 +200,18 @@ def torch_programs(draw, max_statements: int = 7, non_homogeneous: float = 0.1) 
             attr = new("conv")
             prog.init.append(f"self.{attr} = nn.Conv2d({c}, {c2}, {k}, padding={k // 2}, padding_mode={mode!r}, bias={bias})")
             convs.append((attr, c, c2))
+            conv_bias[attr] = f"self.orig.{attr}.bias" if bias else "0"
             if draw(st.booleans()):  # the conv's fresh output made non-negative in place, as users write
                 add(f"{out} = self.{attr}({name})")
                 add(f"{out}.relu_()", "pass")
             else:
                 add(f"{out} = self.{attr}({name})")
+                prog.node_bias[out] = conv_bias[attr]
             values.append((out, c2, s))
         elif kind == "reuse":
             attr, _, c2 = draw(st.sampled_from([cv for cv in convs if cv[1] == c]))
             add(f"{out} = self.{attr}({name})")  # a module called a second time
+            prog.node_bias[out] = conv_bias[attr]
             values.append((out, c2, s))
         elif kind == "relu":
             spelling = draw(st.sampled_from(["F.relu({a})", "torch.relu({a})", "{a}.relu()", "self.act({a})",
@@ -139,8 +223,7 @@ def torch_programs(draw, max_statements: int = 7, non_homogeneous: float = 0.1) 
         elif kind == "bn":
             attr = new("bn")
             prog.init.append(f"self.{attr} = nn.BatchNorm2d({c})")
-            prog.has_bn = True
-            add(f"{out} = self.{attr}({name})", f"{out} = {name}")  # (no path-norm reference with batch-norms)
+            add(f"{out} = self.{attr}({name})", f"@bn {out} {attr} {name}")  # written per fold choice
             values.append((out, c, s))
         elif kind == "residual":
             same = [v for v in values if v[1] == c and v[2] == s]
@@ -195,6 +278,8 @@ def torch_programs(draw, max_statements: int = 7, non_homogeneous: float = 0.1) 
                 "{a}.reshape({a}.shape[0], -1).view(-1, {c}, {s}, {s})", "{a}.transpose(2, 3).contiguous().transpose(2, 3)",
                 "{a}.unsqueeze(1).squeeze(1)"]))
             add(f"{out} = {spelling.format(a=name, c=c, s=s)}")
+            if name in prog.node_bias:  # a view of the same layer's output
+                prog.node_bias[out] = prog.node_bias[name]
             values.append((out, c, s))
         elif kind == "adaptive" and s % 2 == 0:
             w = s // 2
