@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pathir.frontends.core.values import ParamTensor, Value, f64
+from pathir.frontends.core.values import ParamTensor, Value
 from pathir.ir import FixedConv, Resample, SourceRef
 
 __all__ = ["pad", "interpolate", "adaptive_avg_pool", "fixed_conv", "fixed_linear", "axis_matrices", "resampled"]
@@ -184,8 +184,7 @@ def fixed_conv(low, v: Value, weight: ParamTensor, bias, stride, padding, dilati
         return out
     if out.bias is not None:
         out = Value.of_node(low.materialize(out), out.shape)
-    b = low.made(bias.name, lambda x: f64(x).reshape(-1), (bias,),
-                 (SourceRef(bias.name),))
+    b = low.widened(bias, (SourceRef(bias.name),), view=lambda x: x.reshape(-1))
     return Value(list(out.terms), out.shape, b, low.label)
 
 

@@ -22,7 +22,16 @@ from pathir.errors import UnsupportedOperation
 from pathir.frontends.core.clipped import clipped_relu
 from pathir.frontends.core.fixed_maps import adaptive_avg_pool
 from pathir.frontends.core.pointwise_linear import linear_last_axis
-from pathir.frontends.core.values import SELECTION, ParamTensor, Value, f64, run_index_op, selection_index, selection_map
+from pathir.frontends.core.values import (
+    SELECTION,
+    ParamTensor,
+    Value,
+    f64,
+    f64_into,
+    run_index_op,
+    selection_index,
+    selection_map,
+)
 from pathir.ir import (
     ChannelMap,
     Conv,
@@ -38,6 +47,7 @@ from pathir.ir import (
     SourceRef,
 )
 from pathir.ir.builder import unique_name
+from pathir.support.array_pool import ArrayPool
 
 __all__ = ["Lowering", "Recipe"]
 
@@ -45,10 +55,12 @@ __all__ = ["Lowering", "Recipe"]
 @dataclass(frozen=True)
 class Recipe:
     """A param's value as ``make(*tensors)`` of the model tensors named ``inputs``: called again on
-    the model's current tensors, it gives bit for bit what a fresh lowering would."""
+    the model's current tensors, it gives bit for bit what a fresh lowering would. ``view``, where
+    set: ``make(t)`` is ``f64(view(t))`` of its one tensor, so a re-read may widen it into a reused array."""
 
     inputs: tuple[str, ...]
     make: Callable[..., np.ndarray]
+    view: Callable | None = None
 
 
 def _tuple(x, n: int) -> tuple[int, ...]:
@@ -70,6 +82,7 @@ class Lowering:
         self.b = GraphBuilder(name)
         self._params: dict[str, Param] = {}
         self.recipes: dict[str, Recipe] = {}  # param name -> how to make it again (frontends/torch/reread.py)
+        self.arrays = ArrayPool()  # widened params' memory, reused by re-reads once they die
         self.read: dict = {}  # tensor name -> the tensor a recipe read
         self.direct_reads: set[str] = set()  # tensors the traced program read by attribute
         self.where = ""  # module path / op of the fx node being lowered, for errors
@@ -92,18 +105,31 @@ class Lowering:
         return self._params[name]
 
     def made(self, name: str, make, tensors: tuple[ParamTensor, ...], refs: tuple[SourceRef, ...],
-             how: str = "") -> Param:
+             how: str = "", view=None) -> Param:
         """``self.param`` of the value ``make(*tensors)``, the recipe kept so that the value can be
         re-read from the model's current tensors without lowering again (frontends/torch/reread.py)."""
         if name in self._params:
             return self.param(name, self._params[name].value, refs, how)
         p = self.param(name, make(*(t.tensor for t in tensors)), refs, how)
-        self.recipes[name] = Recipe(tuple(t.name for t in tensors), make)
+        self.recipes[name] = Recipe(tuple(t.name for t in tensors), make, view)
         self.read.update((t.name, t.tensor) for t in tensors)
         return p
 
+    def widened(self, pt: ParamTensor, refs: tuple[SourceRef, ...], how: str = "", view=lambda t: t) -> Param:
+        """The param ``f64(view(tensor))``: a layout of one tensor widened into an array of
+        ``self.arrays``, whose memory a later re-read reuses once the param is gone."""
+        arrays = self.arrays  # not self: a recipe outlives the lowering, which holds every param
+
+        def make(x):
+            v = view(x)
+            out = arrays.empty(tuple(v.shape))
+            f64_into(out, v)
+            return out
+
+        return self.made(pt.name, make, (pt,), refs, how, view)
+
     def direct(self, pt: ParamTensor) -> Param:
-        return self.made(pt.name, f64, (pt,), (SourceRef(pt.name),))
+        return self.widened(pt, (SourceRef(pt.name),))
 
     def materialize(self, v: Value, hint: str | None = None) -> str:
         """The node holding v: v's own node, or a new identity node with v's terms.
@@ -310,7 +336,7 @@ class Lowering:
                              "rescaling symmetry)")
         if v.bias is not None:
             v = Value.of_node(self.materialize(v), v.shape)
-        b = self.made(bias.name, lambda x: f64(x).reshape(-1), (bias,), (SourceRef(bias.name),))
+        b = self.widened(bias, (SourceRef(bias.name),), view=lambda x: x.reshape(-1))
         return Value(list(v.terms), v.shape, b, self.label)
 
     def matmul_param(self, v: Value, weight: ParamTensor) -> Value:
@@ -321,7 +347,7 @@ class Lowering:
             self.unsupported(f"matmul of an activation of shape {list(v.shape)} by the parameter '{weight.name}' "
                              f"of shape {list(t.shape)}: only a flat (in,) activation times an (in, out) matrix is a "
                              "dense layer")
-        W = self.made(weight.name, lambda x: f64(x).T, (weight,), (SourceRef(weight.name, transposed=True),))
+        W = self.widened(weight, (SourceRef(weight.name, transposed=True),), view=lambda x: x.T)
         return self.apply(v, Dense(W), None, flat_ok=True)
 
     # ------------------------------------------------------------ index ops

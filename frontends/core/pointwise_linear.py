@@ -8,7 +8,7 @@ own layout), the bias per output feature, and the feature axis moved back last."
 
 from __future__ import annotations
 
-from pathir.frontends.core.values import ParamTensor, Value, f64
+from pathir.frontends.core.values import ParamTensor, Value
 from pathir.ir import Conv, PointwiseKernelLayout, SourceRef
 
 __all__ = ["linear_last_axis"]
@@ -25,8 +25,8 @@ def linear_last_axis(low, v: Value, weight: ParamTensor, bias: ParamTensor | Non
     n = len(positions)
     first = low.index_op(lambda x: x.movedim(-1, 1), [v])[0][0]  # (F, *S)
     layout = PointwiseKernelLayout(n)
-    W = low.made(weight.name, lambda x: layout.from_source(f64(x)), (weight,),
-                 (SourceRef(weight.name, layout=layout),), f"{weight.name} as a pointwise convolution kernel")
+    W = low.widened(weight, (SourceRef(weight.name, layout=layout),), f"{weight.name} as a pointwise convolution kernel",
+                    view=layout.from_source)
     b = low.direct(bias) if bias is not None else None
     out = low.apply(first, Conv(W, (1,) * n, ((0, 0),) * n, (1,) * n, 1), b)
     return low.index_op(lambda x: x.movedim(1, -1), [out])[0][0]

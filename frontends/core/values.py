@@ -74,6 +74,13 @@ def f64(t: torch.Tensor) -> np.ndarray:
     return t.to("cpu", torch.float64, copy=True).numpy()
 
 
+def f64_into(out: np.ndarray, t: torch.Tensor) -> None:
+    """``out[...] = f64(t)``: the same exact widening, written into an array of t's shape."""
+    t = t.detach()
+    np.copyto(out, t.numpy() if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64)
+              else t.to("cpu", torch.float64).numpy())
+
+
 def _numel(shape) -> int:
     return int(math.prod(shape))
 
