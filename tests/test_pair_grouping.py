@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pathir.pairs.unit_pairs import _sum_by_key, end_dtype, ends_of_keys, group_pairs
+from pathir.pairs.unit_pairs import _sum_by_key, group_pairs
 
 
 @st.composite
@@ -46,16 +46,3 @@ def test_group_pairs_on_small_and_large_unit_counts(rows, H):
     assert (pairs.enter * (H + 1) + pairs.leave).tolist() == expected_keys
     np.testing.assert_allclose(np.exp(pairs.log_mass), expected_total, rtol=1e-12)
     assert math.isclose(pairs.log_top, math.log(max(expected_total)), rel_tol=1e-12)
-
-
-@settings(derandomize=True, max_examples=60, deadline=None)
-@given(st.integers(0, 2**32 - 1), st.sampled_from([1, 40, 70_000]), st.integers(1, 300))
-def test_ends_of_keys_are_divmod_of_the_keys_in_the_narrow_dtype(seed, H, n):
-    """e = key // (H + 1), l = key % (H + 1), in int32 here (H = 70 000: keys beyond int32, ends within it)."""
-    rng = np.random.default_rng(seed)
-    keys = np.unique(rng.integers(0, (H + 1) ** 2, n, dtype=np.int64))
-    before = keys.copy()
-    enter, leave = ends_of_keys(keys, H, chunk=7)
-    assert enter.dtype == leave.dtype == end_dtype(H) == np.int32
-    assert enter.tolist() == (before // (H + 1)).tolist() and leave.tolist() == (before % (H + 1)).tolist()
-    assert np.array_equal(keys, before)  # only read

@@ -160,6 +160,5 @@ def pairs_from_params(units, p: float, costs: np.ndarray | None = None):
     key, (mass,), _ = _merge_sorted(keys, [sums], (np.add,), H + 1)
     big = float(mass.max())
     mass /= big
-    enter, leave = ends_of_keys(key, H)
-    del key
+    enter, leave = ends_of_keys(key, H)  # (key becomes leave in place)
     return Pairs(None, enter, leave, H, mass, math.log(big))

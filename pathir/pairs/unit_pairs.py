@@ -30,7 +30,7 @@ from pathir.analyses.unit_rows import CompactRows
 __all__ = [
     "degenerate_units", "pad", "Pairs", "LeaveOrder", "group_pairs", "group_compact", "greedy_coloring", "segment_logsumexp",
     "SideSums", "side_sums", "all_pairs", "log_pair_total", "pair_terms", "Block", "blocks_of", "PairExtremes",
-    "least_positive", "end_dtype", "ends_of_keys",
+    "least_positive",
 ]
 
 # A linear-domain sum below this (relative to its static bound 1) may have lost
@@ -98,9 +98,8 @@ class Pairs:
         indptr = np.searchsorted(self.enter, np.arange(H + 2))
         # CSR -> CSC moves every entry to its column in row order: a stable counting sort by leave
         by_column = sp.csr_array((np.arange(self.size), self.leave, indptr), shape=(H + 1, H + 1)).tocsc()
-        dtype = end_dtype(H)
-        leave = np.repeat(np.arange(H + 1, dtype=dtype), np.diff(by_column.indptr))
-        return LeaveOrder(by_column.data, leave, by_column.indices.astype(dtype, copy=False))
+        leave = np.repeat(np.arange(H + 1), np.diff(by_column.indptr))
+        return LeaveOrder(by_column.data, leave, by_column.indices.astype(np.int64))
 
     def drop_leave_order(self) -> None:
         """Free :attr:`by_leave` (three arrays of the pairs' size; built again if asked for)."""
@@ -209,24 +208,15 @@ def _pairs_from_sums(keys: np.ndarray, total: np.ndarray, scale: float, H: int) 
     return Pairs(None, enter, leave, H, total, math.log(big) + math.log(scale))
 
 
-def end_dtype(H: int) -> np.dtype:
-    """The integer dtype of pair ends over H units and "no unit" (int32 where 0..H fit it: half the
-    memory of int64 for arrays of the pairs' size)."""
-    return np.dtype(np.int32 if H < np.iinfo(np.int32).max else np.int64)
-
-
 def ends_of_keys(keys: np.ndarray, H: int, chunk: int = 1 << 18) -> tuple[np.ndarray, np.ndarray]:
-    """(enter, leave) of sorted pair keys e (H + 1) + l, in `end_dtype` (``keys`` is only read): two
-    new arrays of half the keys' size where the ends fit int32, the leave ends a chunk at a time."""
+    """(enter, leave) of sorted pair keys e (H + 1) + l; ``keys`` (the caller's own int64 array) becomes
+    ``leave`` in place, a chunk at a time: one new array of the pairs' size, not two."""
     # sorted keys: the entered unit of each from where its row of the (H + 1)² key grid begins
     bounds = np.searchsorted(keys, np.arange(H + 2) * (H + 1))
-    dtype = end_dtype(H)
-    enter = np.repeat(np.arange(H + 1, dtype=dtype), np.diff(bounds))
-    leave = np.empty(keys.size, dtype=dtype)
+    enter = np.repeat(np.arange(H + 1), np.diff(bounds))
     for i in range(0, keys.size, chunk):
-        part = slice(i, i + chunk)
-        leave[part] = keys[part] - enter[part].astype(np.int64) * (H + 1)
-    return enter, leave
+        keys[i:i + chunk] -= enter[i:i + chunk] * (H + 1)
+    return enter, keys
 
 
 def _ranks(ends: np.ndarray, ndim: int) -> tuple[np.ndarray, np.ndarray]:
