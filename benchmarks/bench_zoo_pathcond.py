@@ -8,7 +8,7 @@ inception_v3 without their train-only aux heads):
    load change on a shared machine moves both);
 2. ``cm.pathcond()`` on a freshly compiled model (compile not timed; units, B,
    diag G, solve and write-back are), ``--repeat`` times, with its solver
-   steps (block sweeps + Newton iterations) and the split diag G / solve of its
+   steps (block sweeps + Newton iterations) and the split diag G / group / solve / write of its
    fastest run; the ratio columns: best pathcond / best baseline, and the median
    over the runs of pathcond / the baseline measured just before it;
 3. with ``--reference``, the coordinate solver (the published algorithm) on
@@ -101,7 +101,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     names = zoo.SUPPORTED if args.models == ["all"] else args.models
     print(f"torch threads: {torch.get_num_threads()}, solver {args.solver}")
-    print("| model | fwd+bwd f64 (s) | pathcond (s) | ratio (best) | ratio (median) | diag G / solve (s) | "
+    print("| model | fwd+bwd f64 (s) | pathcond (s) | ratio (best) | ratio (median) | diag G / group / solve / write (s) | "
           "sweeps + Newton its | max\\|z\\| (bound, at bound) | F vs coordinate |")
     print("|---|---|---|---|---|---|---|---|---|")
     rows = []
@@ -113,7 +113,7 @@ def main(argv=None):
             rel, ref = coordinate_gap(name, report, args.reference_sweeps)
             gap = f"{rel:+.1e} (coord. {ref.sweeps} sweeps{'' if ref.converged else ', not converged'})"
         row = (f"| {name} | {base:.3f} | {seconds:.2f} | {seconds / base:.1f}x | {median:.1f}x | "
-               f"{report.timings.get('diag G', 0):.2f} / {report.timings.get('solve', 0):.2f} | {steps} | "
+               f"{' / '.join(f'{report.timings.get(k, 0):.2f}' for k in ('diag G', 'group', 'solve', 'write'))} | {steps} | "
                f"{report.max_abs_log_scale:.3g} ({report.max_log_scale:.3g}, {len(report.units_at_bound)}) | {gap} |")
         print(row, flush=True)
         rows.append((name, seconds / base, report))

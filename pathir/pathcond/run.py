@@ -56,7 +56,8 @@ class PathCondReport:
     ``max_log_scale`` is the bound M on every |z_h| the solve ran under (``math.inf``: none);
     ``units_at_bound`` names the units that ended on it, in which case the unconstrained optimum
     was cut (``bound_cut``): run with ``max_log_scale=math.inf`` to get it.
-    ``timings``: seconds per step. ``z`` holds the log-scales, one per unit.
+    ``timings``: seconds per step (units, B, diag G, group: g grouped by unit pair with its summary,
+    solve, write). ``z`` holds the log-scales, one per unit.
 
     F depends on the point it is measured from (F(z) − F(0) is what the solver
     lowers; a second run starts from F(0) of the rescaled model, which differs
@@ -234,6 +235,7 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
     # g grouped by unit pair, with what the report needs of it (pathir.pathcond.g_summary): g itself,
     # one float64 per parameter, is freed before the solver runs (the coordinate solver reads it)
     pairs, summary = summarize(g, rows)
+    lap("group")
     if solver == "coordinate":
         g = np.concatenate([part.reshape(-1) for part in g]) if g else np.zeros(0)  # it reads g flat
         result = solve(g, B, method=solver, max_sweeps=max_sweeps, tol=tol, row_key=facts.row_keys,
