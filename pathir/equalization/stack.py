@@ -12,7 +12,9 @@ A is taken at a centre z⁰: A = e^{p(l_rc + σ(z⁰_r − z⁰_c)/2 − top)}, 
 scales rows and columns by the move z − z⁰. Far from the centre at a high sharpness the scaled product
 under- or overflows (the cells that dominate at z were below e^{-745} at z⁰); then A is taken again
 centred at z, where the product is at least 1, and only if that fails too is the grid summed cell by
-cell. The solver moves z a little per step, so a grid is re-centred a few times per stage.
+cell. A re-centring costs one pass over the grid, as a cell-by-cell sum does, and serves the calls
+near z after it: the noise objective's solve re-centres a few times per stage; the range objective's
+sharpest stages (p = 64, 256), whose trial points jump, still re-centre at most calls.
 """
 
 from __future__ import annotations
@@ -151,7 +153,8 @@ class GridStack:
         return self.cache[p]
 
     def _together(self, zr_all, zc_all, p, entry):
-        """(values of the small grids' tensors at z, -inf where the product failed; u, Av, v, totals)."""
+        """(values (T,), finite for the small grids whose product held; those grids; those where it under-
+        or overflowed; (u, Av, v, per-tensor totals, Aᵀ) for the marginals)."""
         A, At, zr0, zc0, tops = entry
         sr, sc = self.sign * 0.5 * p * (zr_all - zr0), -self.sign * 0.5 * p * (zc_all - zc0)
         mr = np.maximum.reduceat(sr, self.row_off[:-1])
