@@ -84,10 +84,6 @@ class Program:
                     m.running_var.copy_(torch.rand(m.num_features, generator=g, dtype=torch.float64) + 0.5)
         return model.eval()
 
-    def foldable_bns(self) -> int:
-        """How many batch-norms read a layer with a bias (each folded or kept: 2^n path-norm networks)."""
-        return len(self._reference_choices())
-
     def _reference_choices(self) -> list[str]:
         """The batch-norm lines (by output name) where folding changes the path-norm network."""
         bias, out = dict(self.node_bias), []
@@ -116,13 +112,6 @@ class Program:
                 lines.append(f"{name} = _pw({a}, q) * {src} + _pw({c}, q)")
                 bias[name] = c
         return lines
-
-    def path_sum(self, model: nn.Module, q: float) -> float:
-        """Σ_p |Φ_p|^q of ``model`` (q = 0: the path count) by its path-norm network (a program with
-        batch-norms that could fold: see ``path_sums``)."""
-        sums = self.path_sums(model, q)
-        assert len(sums) == 1, "batch-norms that may fold: several path-norm networks (path_sums)"
-        return sums[0]
 
     def path_sums(self, model: nn.Module, q: float) -> list[float]:
         """Σ_p |Φ_p|^q of ``model`` by each of its path-norm networks (one per choice of folded or kept at
