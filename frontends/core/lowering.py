@@ -55,12 +55,10 @@ __all__ = ["Lowering", "Recipe"]
 @dataclass(frozen=True)
 class Recipe:
     """A param's value as ``make(*tensors)`` of the model tensors named ``inputs``: called again on
-    the model's current tensors, it gives bit for bit what a fresh lowering would. ``view``, where
-    set: ``make(t)`` is ``f64(view(t))`` of its one tensor, so a re-read may widen it into a reused array."""
+    the model's current tensors, it gives bit for bit what a fresh lowering would."""
 
     inputs: tuple[str, ...]
     make: Callable[..., np.ndarray]
-    view: Callable | None = None
 
 
 def _tuple(x, n: int) -> tuple[int, ...]:
@@ -105,13 +103,13 @@ class Lowering:
         return self._params[name]
 
     def made(self, name: str, make, tensors: tuple[ParamTensor, ...], refs: tuple[SourceRef, ...],
-             how: str = "", view=None) -> Param:
+             how: str = "") -> Param:
         """``self.param`` of the value ``make(*tensors)``, the recipe kept so that the value can be
         re-read from the model's current tensors without lowering again (frontends/torch/reread.py)."""
         if name in self._params:
             return self.param(name, self._params[name].value, refs, how)
         p = self.param(name, make(*(t.tensor for t in tensors)), refs, how)
-        self.recipes[name] = Recipe(tuple(t.name for t in tensors), make, view)
+        self.recipes[name] = Recipe(tuple(t.name for t in tensors), make)
         self.read.update((t.name, t.tensor) for t in tensors)
         return p
 
@@ -126,7 +124,7 @@ class Lowering:
             f64_into(out, v)
             return out
 
-        return self.made(pt.name, make, (pt,), refs, how, view)
+        return self.made(pt.name, make, (pt,), refs, how)
 
     def direct(self, pt: ParamTensor) -> Param:
         return self.widened(pt, (SourceRef(pt.name),))

@@ -75,7 +75,7 @@ def lower(model: nn.Module, input_shape=None, example_input=None, heads: bool | 
                           f"lowered as extra outputs ({why_not}); pathir analyses the eval forward and refuses "
                           "a rescaling write-back", UserWarning, stacklevel=4)
     n_params = sum(p.numel() for p in model.parameters())
-    reread = None if low is None else Reread.of(model, graph, low.recipes, low.read, low.direct_reads, low.arrays)
+    reread = None if low is None else Reread.of(model, graph, low.recipes, low.read, low.direct_reads)
     writer = TorchWriter(model, train_only=train_only, clips=clips, train_paths=train, why_not=why_not)
     return Lowered(graph, writer, n_params, name, reread)
 

@@ -15,7 +15,7 @@ program reads directly may be a fixed constant of the graph). Anything else (a m
 buffer no recipe reads, such as ``num_batches_tracked`` in train mode; a pruned or
 hooked weight) is left to a full re-lowering.
 
-A recipe that widens one tensor (``Recipe.view``) is re-read into an array of the
+A recipe that widens one tensor (``Lowering.widened``) is re-read into an array of the
 lowering's :class:`ArrayPool`: the memory of the values two re-reads ago (or the compile's),
 once nothing holds them, instead of fresh memory (a page fault per 4 KiB).
 """
@@ -26,9 +26,7 @@ import numpy as np
 
 from pathir.errors import ModelChanged
 from pathir.frontends.core.lowering import Recipe
-from pathir.frontends.core.values import f64_into
 from pathir.ir import Graph, Param
-from pathir.support.array_pool import ArrayPool
 
 __all__ = ["Recipe", "Reread", "named_tensors"]
 
@@ -41,18 +39,17 @@ def named_tensors(model) -> dict:
 class Reread:
     """The raw graph's structure and one recipe per param: the model's values without tracing."""
 
-    def __init__(self, raw: Graph, recipes: dict[str, Recipe], inputs: frozenset[str], arrays: ArrayPool):
-        self.recipes, self.inputs, self.arrays = recipes, inputs, arrays
+    def __init__(self, raw: Graph, recipes: dict[str, Recipe], inputs: frozenset[str]):
+        self.recipes, self.inputs = recipes, inputs
         self.skeleton = raw.map_params(lambda p: Param(p.name, np.broadcast_to(np.float64(0.0), p.shape),
                                                        p.sources, p.how))
 
     @classmethod
-    def of(cls, model, raw: Graph, recipes: dict[str, Recipe], read: dict, direct_reads: set[str], arrays: ArrayPool):
+    def of(cls, model, raw: Graph, recipes: dict[str, Recipe], read: dict, direct_reads: set[str]):
         """The record of a lowering, or None where a param has no recipe or a recipe read a tensor
         that is not the model's own named tensor (a hook's or a parametrization's product).
         ``read``: name -> the tensor the lowering read; ``direct_reads``: tensors the traced program
-        read by attribute (which may become fixed constants): these must never move; ``arrays``: the
-        pool of the lowering's widened params."""
+        read by attribute (which may become fixed constants): these must never move."""
         named = named_tensors(model)
         if any(p.name not in recipes for p in raw.params()):
             return None
@@ -61,7 +58,7 @@ class Reread:
             return None
         parameters = dict(model.named_parameters(remove_duplicate=False))
         loose = {n for n in direct_reads if n not in parameters}
-        return cls(raw, recipes, frozenset(inputs - loose), arrays)
+        return cls(raw, recipes, frozenset(inputs - loose))
 
     def covers(self, moved: set[str] | None) -> bool:
         """Whether the tensors that ``moved`` (None: unknown) are all recipe inputs."""
@@ -76,15 +73,10 @@ class Reread:
 
         def value(p: Param) -> Param:
             r = self.recipes[p.name]
-            tensors = [named[n] for n in r.inputs]
-            v = r.view(*tensors) if r.view is not None else r.make(*tensors)
-            if tuple(v.shape) != p.shape:
-                raise ModelChanged(f"param '{p.name}': the model's tensors now give shape {tuple(v.shape)}, "
-                                   f"expected {p.shape}: compile it again with pathir.compile")
-            if r.view is not None:
-                out = self.arrays.empty(p.shape)
-                f64_into(out, v)
-                v = out
+            v = r.make(*(named[n] for n in r.inputs))  # a widening recipe writes into the lowering's pool
+            if v.shape != p.shape:
+                raise ModelChanged(f"param '{p.name}': the model's tensors now give shape {v.shape}, expected "
+                                   f"{p.shape}: compile it again with pathir.compile")
             return Param.adopt(p.name, v, p.sources, p.how)
 
         return self.skeleton.map_params(value)
