@@ -4,13 +4,13 @@ compiled on the fx path and on the torch.export fallback, and each exact or refu
 - accepted: the forward equals eager float64 PyTorch to 1e-10, the ℓ1 and ℓ2 path-norms and the path
   count equal the program's path-norm network (written from the definition, not by pathir; with a
   batch-norm that reads a layer with a bias, one of the networks with it folded or kept), and a
-  PathCond write-back keeps the eager function;
+  PathCond write-back, then an equalization write-back, keep the eager function;
 - refused: a PathirError naming the non-homogeneous op the program holds, the state_dict bit-identical;
 - anything else (another exception type, an accepted non-homogeneous program) fails.
 
 The same programs exported to ONNX (the TorchScript exporter, no constant folding) are judged against
 onnxruntime: forward to float32 precision, path-norms against the same path-norm network, a PathCond
-write-back whose file onnxruntime runs to the same outputs.
+write-back and then an equalization write-back whose files onnxruntime runs to the same outputs.
 
 The CI profile is derandomized; ``pytest -m fuzz --hypothesis-seed=random -p no:randomly`` with
 ``PATHIR_FUZZ_EXAMPLES=2000`` runs a long search (docs/architecture.md, "Testing")."""
@@ -21,6 +21,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from fuzz_checks import equalized
 from hypothesis import HealthCheck, given, reject, settings
 from torch_programs import export_path, torch_programs
 
@@ -82,6 +83,11 @@ def judge(program, path: str):
         after = [t.numpy() for t in _outputs(model(x))]
     for a, e in zip(after, eager):
         _close(a, e, "PathCond write-back", source)
+    if equalized(cm):
+        with torch.no_grad():
+            after = [t.numpy() for t in _outputs(model(x))]
+        for a, e in zip(after, eager):
+            _close(a, e, "equalization write-back", source)
 
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -139,6 +145,10 @@ def judge_onnx(program, exporter: str = "legacy-nofold"):
     for a, r in zip(ort_run(cm.writer.to_onnx(), x), ref):
         scale = max(float(np.abs(r).max()), 1e-30)
         assert float(np.abs(a - r).max()) <= 1e-4 * scale, f"ONNX PathCond write-back\n{source}"
+    if equalized(cm):
+        for a, r in zip(ort_run(cm.writer.to_onnx(), x), ref):
+            scale = max(float(np.abs(r).max()), 1e-30)
+            assert float(np.abs(a - r).max()) <= 1e-4 * scale, f"ONNX equalization write-back\n{source}"
 
 
 @settings(max_examples=40, derandomize=True, **SETTINGS)

@@ -5,7 +5,8 @@
   1e-10; float32 graphs: to 1e-5 of the output's scale, onnxruntime rounding every product and sum to
   float32 over a few dozen terms), the ℓ1 and ℓ2 path-norms and the path count equal the graph's
   path-norm network run by onnxruntime (written from the definition, not by pathir; float32: 1e-5),
-  and the file a PathCond write-back saves gives onnxruntime's original outputs;
+  and the files a PathCond write-back and then an equalization write-back save give onnxruntime's
+  original outputs;
 - refused: a PathirError naming the node and the op type of the op the graph must be refused for;
 - either way the source file stays bytes-identical; any other exception fails.
 
@@ -17,6 +18,7 @@ import os
 
 import numpy as np
 import pytest
+from fuzz_checks import equalized
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
@@ -72,6 +74,10 @@ def judge(program, folder):
         cm.save(written)
         for a, r in zip(run_file(written, x), ref):
             _close(a, r, 1e-9 if double else 1e-4, "PathCond write-back", text)
+        if equalized(cm):
+            cm.save(written)
+            for a, r in zip(run_file(written, x), ref):
+                _close(a, r, 1e-9 if double else 1e-4, "equalization write-back", text)
     finally:
         assert open(path, "rb").read() == source, f"the source file changed\n{text}"
 
