@@ -7,9 +7,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pathir.analyses.unit_rows import CompactRows
 from pathir.pairs.factored_grid import FactoredGrid
 from pathir.pairs.pair_laplacian import PairLaplacian
-from pathir.pairs.unit_pairs import pad
+from pathir.pairs.unit_pairs import group_compact, pad
 
 
 @st.composite
@@ -84,3 +85,36 @@ def test_linear_sums_and_hessian_match_the_pair_laplacian(case):
     bound = np.bincount(e, t * np.abs(pp[e] - pp[l]), H + 1)[:H] + np.bincount(l, t * np.abs(pp[e] - pp[l]), H + 1)[:H]
     assert np.all(np.abs(hp[:H] - definition) <= 1e-11 * (bound + np.abs(t).max() * np.abs(pp).max()) + 1e-290)
     assert np.all(np.abs(hp[:H] - reference.hessian_times(p)) <= 1e-10 * (bound + (reference.inc + reference.out) * np.abs(p)) + 1e-290)
+
+
+@st.composite
+def dense_layers(draw):
+    """A dense param's g = b aᵀ over H units: rows entering units (or all pinned, H), columns leaving
+    units in runs of equal units (a flatten) or one each, some factors 0 (dead units), factors spread
+    over up to ~1400 nats (grouping then runs in log space)."""
+    H = draw(st.integers(1, 8))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    out, channels, run = draw(st.integers(1, 6)), draw(st.integers(1, 5)), draw(st.sampled_from([1, 1, 3]))
+    enter = np.full(out, H) if draw(st.booleans()) else rng.permutation(H + 1)[:out] if out <= H + 1 else rng.integers(0, H + 1, out)
+    leave = np.repeat(rng.permutation(H + 1)[:channels], run) if channels <= H + 1 else np.repeat(np.arange(channels) % (H + 1), run)
+    spread = draw(st.sampled_from([0.0, 2.0, 350.0]))
+    b = np.exp(rng.uniform(-spread, spread, out)) * (rng.random(out) < 0.8)
+    a = np.exp(rng.uniform(-spread, spread, leave.size)) * (rng.random(leave.size) < 0.8)
+    return H, b, a, np.asarray(enter, dtype=np.int64), leave.astype(np.int64)
+
+
+@settings(derandomize=True, max_examples=200, deadline=None)
+@given(dense_layers())
+def test_of_outer_gives_the_pairs_that_grouping_g_gives(layer):
+    H, b, a, enter, leave = layer
+    g = np.outer(b, a)
+    rows = CompactRows(((enter[:, None], leave[None, :]),), (g.shape,), np.zeros(H))
+    expected = group_compact(g.ravel(), rows)
+    grid = FactoredGrid.of_outer(b, a, enter, leave, H)
+    if grid is None:
+        assert expected.size == 0
+        return
+    got = grid.materialise()
+    np.testing.assert_array_equal(got.enter, expected.enter)
+    np.testing.assert_array_equal(got.leave, expected.leave)
+    np.testing.assert_allclose(got.log_mass, expected.log_mass, rtol=1e-12, atol=1e-12)

@@ -13,6 +13,9 @@ it costs O(|E| + |L|) instead of O(|E| |L|). Index H ("no unit") may sit on eith
 (z_H = 0); a unit on both sides gives a pair (e, e) whose Hessian share cancels exactly.
 
 A consumer that does not read grids calls `materialise` (the same pairs, sorted, distinct).
+`FactoredGrid.of_outer` builds the grid of a dense param whose masses are g_{o,i} = b_o a_i: a unit
+spanning several rows or columns (pinned outputs, a flatten's run of positions) sums them, so
+P_{e,l} = (Σ_{o in e} b_o)(Σ_{i in l} a_i) stays separable.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pathir.pairs.log_space import logsumexp
-from pathir.pairs.unit_pairs import Pairs, pad
+from pathir.pairs.unit_pairs import Pairs, pad, segment_logsumexp
 
 __all__ = ["FactoredGrid", "GridPoint"]
 
@@ -32,7 +35,7 @@ __all__ = ["FactoredGrid", "GridPoint"]
 class FactoredGrid:
     """Pairs E x L with log P_{e,l} = log_u[i] + log_v[j] for e = enter[i], l = leave[j].
 
-    ``enter`` and ``leave`` are sorted, distinct, in [0, num_units] (num_units = "no unit");
+    ``enter`` and ``leave`` are sorted, distinct, non-empty, in [0, num_units] (num_units = "no unit");
     the logs are finite (a zero factor's units carry no pair: leave them out).
     """
 
@@ -41,6 +44,19 @@ class FactoredGrid:
     log_u: np.ndarray
     log_v: np.ndarray
     num_units: int
+
+    @classmethod
+    def of_outer(cls, b: np.ndarray, a: np.ndarray, enter: np.ndarray, leave: np.ndarray,
+                 num_units: int) -> "FactoredGrid | None":
+        """The pairs of masses g_{o,i} = b_o a_i (b, a >= 0) with row o entering unit enter[o] and column
+        i leaving unit leave[i] (units in [0, num_units]): per unit the log of its summed factor, in
+        log space (exact for any spread); units whose factor is 0 carry no pair and are left out (None:
+        no pair at all)."""
+        enter_units, log_u = _log_sums_by_unit(b, enter)
+        leave_units, log_v = _log_sums_by_unit(a, leave)
+        if enter_units.size == 0 or leave_units.size == 0:
+            return None
+        return cls(enter_units, leave_units, log_u, log_v, num_units)
 
     @property
     def size(self) -> int:
@@ -104,3 +120,14 @@ class GridPoint:
         """(min, max) over the grid of log t_{e,l}."""
         return (float(self.log_alpha.min() + self.log_beta.min()),
                 float(self.log_alpha.max() + self.log_beta.max()))
+
+
+def _log_sums_by_unit(x: np.ndarray, unit: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(units with Σ x > 0, sorted; log Σ x over each) for x >= 0 given one unit per entry."""
+    live = x > 0
+    order = np.argsort(unit[live], kind="stable")
+    su, lx = unit[live][order], np.log(x[live][order])
+    if su.size == 0:
+        return su, lx
+    starts = np.flatnonzero(np.r_[True, su[1:] != su[:-1]])
+    return su[starts], segment_logsumexp(lx, starts)
