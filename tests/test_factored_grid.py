@@ -118,3 +118,34 @@ def test_of_outer_gives_the_pairs_that_grouping_g_gives(layer):
     np.testing.assert_array_equal(got.enter, expected.enter)
     np.testing.assert_array_equal(got.leave, expected.leave)
     np.testing.assert_allclose(got.log_mass, expected.log_mass, rtol=1e-12, atol=1e-12)
+
+
+@settings(derandomize=True, max_examples=150, deadline=None)
+@given(grids(), st.integers(1, 4), st.integers(0, 2**32 - 1), st.booleans())
+def test_grouped_table_and_self_terms_match_the_pair_laplacian(case, m1, seed, masked):
+    grid, z, _ = case
+    H = grid.num_units
+    rng = np.random.default_rng(seed)
+    groups = rng.integers(0, m1, H + 1)
+    keep = (rng.random(H + 1) < 0.7).astype(float) if masked else None
+    reference = PairLaplacian(grid.materialise()).point(z)
+    scale = reference.log_e - math.log(reference.total)
+    point = grid.point(z)
+    table = np.zeros((m1, m1))
+    point.add_grouped(table, groups, keep, scale)
+    np.testing.assert_allclose(table, reference.grouped(groups, m1, keep), rtol=1e-11, atol=1e-290)
+    selfs = np.zeros(H + 1)
+    point.add_self_terms(selfs, scale)
+    np.testing.assert_allclose(selfs[:H], reference.self_terms(), rtol=1e-11, atol=1e-290)
+
+
+@settings(derandomize=True, max_examples=150, deadline=None)
+@given(grids(), st.integers(0, 2**32 - 1))
+def test_freeze_gives_the_pairs_that_freezing_the_materialised_pairs_gives(case, seed):
+    grid, _, _ = case
+    H = grid.num_units
+    units = np.flatnonzero(np.random.default_rng(seed).random(H) < 0.4)
+    got, expected = grid.freeze(units).materialise(), grid.materialise().freeze(units)
+    np.testing.assert_array_equal(got.enter, expected.enter)
+    np.testing.assert_array_equal(got.leave, expected.leave)
+    np.testing.assert_allclose(got.log_mass, expected.log_mass, rtol=1e-12, atol=1e-9)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pathir.pairs.log_space import logsumexp
+from pathir.pairs.log_space import log0, logsumexp
 from pathir.pairs.unit_pairs import Pairs, pad, segment_logsumexp
 
 __all__ = ["FactoredGrid", "GridPoint"]
@@ -52,8 +52,7 @@ class FactoredGrid:
         i leaving unit leave[i] (units in [0, num_units]): per unit the log of its summed factor, in
         log space (exact for any spread); units whose factor is 0 carry no pair and are left out (None:
         no pair at all)."""
-        enter_units, log_u = _log_sums_by_unit(b, enter)
-        leave_units, log_v = _log_sums_by_unit(a, leave)
+        (enter_units, log_u), (leave_units, log_v) = _log_sums_by_unit(log0(b), enter), _log_sums_by_unit(log0(a), leave)
         if enter_units.size == 0 or leave_units.size == 0:
             return None
         return cls(enter_units, leave_units, log_u, log_v, num_units)
@@ -69,6 +68,18 @@ class FactoredGrid:
         enter = np.repeat(self.enter, self.leave.size)
         leave = np.tile(self.leave, self.enter.size)
         return Pairs(log_mass, enter, leave, self.num_units)
+
+    def freeze(self, units: np.ndarray) -> "FactoredGrid":
+        """The grid with ``units`` read as "no unit" (z fixed at 0): on each side, their factors and
+        "no unit"'s are summed into one (the grid stays separable; `Pairs.freeze` regroups the same)."""
+        H, units = self.num_units, np.asarray(units, dtype=np.int64)
+        if units.size == 0:
+            return self
+        remap = np.arange(H + 1)
+        remap[units] = H
+        (enter, log_u), (leave, log_v) = (_log_sums_by_unit(self.log_u, remap[self.enter]),
+                                          _log_sums_by_unit(self.log_v, remap[self.leave]))
+        return FactoredGrid(enter, leave, log_u, log_v, H)
 
     def log_mass_sum(self) -> float:
         """Σ log P over the grid's pairs."""
@@ -116,17 +127,32 @@ class GridPoint:
         into[self.grid.enter] += a * (float(b.sum()) * pe - float(b @ pl))
         into[self.grid.leave] += b * (float(a.sum()) * pl - float(a @ pe))
 
+    def add_grouped(self, table: np.ndarray, groups: np.ndarray, keep: np.ndarray | None, log_scale: float) -> None:
+        """The terms summed by (group entered, group left) added into ``table`` (m1 x m1) over
+        e^{log_scale} (`PairPoint.grouped`: ``groups`` and ``keep`` have H + 1 entries)."""
+        m1 = table.shape[0]
+        a = self.alpha * math.exp(self.log_scale - log_scale)
+        b = self.beta
+        if keep is not None:
+            a, b = a * keep[self.grid.enter], b * keep[self.grid.leave]
+        table += np.outer(np.bincount(groups[self.grid.enter], a, m1), np.bincount(groups[self.grid.leave], b, m1))
+
+    def add_self_terms(self, into: np.ndarray, log_scale: float) -> None:
+        """The terms of the pairs (h, h) (units on both sides) added into ``into`` over e^{log_scale}."""
+        both, ie, il = np.intersect1d(self.grid.enter, self.grid.leave, assume_unique=True, return_indices=True)
+        into[both] += self.alpha[ie] * self.beta[il] * math.exp(self.log_scale - log_scale)
+
     def log_extremes(self) -> tuple[float, float]:
         """(min, max) over the grid of log t_{e,l}."""
         return (float(self.log_alpha.min() + self.log_beta.min()),
                 float(self.log_alpha.max() + self.log_beta.max()))
 
 
-def _log_sums_by_unit(x: np.ndarray, unit: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(units with Σ x > 0, sorted; log Σ x over each) for x >= 0 given one unit per entry."""
-    live = x > 0
+def _log_sums_by_unit(log_x: np.ndarray, unit: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(units with some x > 0, sorted; log Σ x over each) given log x (-inf: x = 0) and one unit per entry."""
+    live = log_x > -math.inf
     order = np.argsort(unit[live], kind="stable")
-    su, lx = unit[live][order], np.log(x[live][order])
+    su, lx = unit[live][order], log_x[live][order]
     if su.size == 0:
         return su, lx
     starts = np.flatnonzero(np.r_[True, su[1:] != su[:-1]])
