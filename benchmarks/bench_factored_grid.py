@@ -1,9 +1,10 @@
 """What keeping a dense layer's pairs factored would save the Newton solver, per point.
 
 One grid of alexnet's fc2 shape (4096 entered x 4096 left units, masses u_e v_l): the
-materialised pairs as ``cm.pathcond()`` builds them today (linear masses, `PairLaplacian` on
-its dense `PairMatrix` block) against `FactoredGrid`, for the work of one Newton iteration
-(E, I and O at z, then one Hessian-vector product), and the memory each holds. Both answers are
+materialised pairs as ``cm.pathcond()`` builds them today (g = b aᵀ grouped by `group_compact`,
+`PairLaplacian` on its dense `PairMatrix` block) against `FactoredGrid` (`of_outer` on b and a),
+for the grouping and for the work of one Newton iteration (E, I and O at z, then one
+Hessian-vector product), and the memory each holds. Both answers are
 checked equal before timing. Ratios are measured in one process; best and median of --repeat.
 
 Run:  python benchmarks/bench_factored_grid.py [--rows 4096] [--cols 4096] [--repeat 7]
@@ -19,9 +20,10 @@ import tracemalloc
 
 import numpy as np
 
+from pathir.analyses.unit_rows import CompactRows
 from pathir.pairs.factored_grid import FactoredGrid
 from pathir.pairs.pair_laplacian import PairLaplacian
-from pathir.pairs.unit_pairs import Pairs, pad
+from pathir.pairs.unit_pairs import Pairs, group_compact, pad
 
 
 def grid_and_pairs(rows: int, cols: int, seed: int = 0) -> tuple[FactoredGrid, Pairs]:
@@ -80,8 +82,18 @@ def main() -> None:
     assert math.isclose(log_m, log_f, rel_tol=1e-12)
     # each product is over its own point's scale
     np.testing.assert_allclose(hp_m, hp_f * math.exp(scale_f - scale_m), rtol=1e-9, atol=1e-12 * np.abs(hp_m).max())
+    b, a = np.exp(grid.log_u), np.exp(grid.log_v)
+    g = np.outer(b, a)
+    layout = CompactRows(((grid.enter[:, None], grid.leave[None, :]),), (g.shape,), np.zeros(grid.num_units))
+    grouped = group_compact(g, layout)
+    of_outer = FactoredGrid.of_outer(b, a, grid.enter, grid.leave, grid.num_units).materialise()
+    assert np.array_equal(grouped.enter, of_outer.enter) and np.array_equal(grouped.leave, of_outer.leave)
+    np.testing.assert_allclose(grouped.log_mass, of_outer.log_mass, rtol=1e-12, atol=1e-12)
+    del grouped, of_outer
     rows = {
-        "materialise pairs": timed(lambda: grid_and_pairs(args.rows, args.cols), args.repeat),
+        "group g (group_compact)": timed(lambda: group_compact(g, layout), args.repeat),
+        "grid of b, a (of_outer)": timed(lambda: FactoredGrid.of_outer(b, a, grid.enter, grid.leave, grid.num_units),
+                                         args.repeat),
         "PairLaplacian build": timed(lambda: PairLaplacian(pairs), args.repeat),
         "iteration, materialised": timed(lambda: materialised_iteration(lap, z, p), args.repeat),
         "iteration, factored": timed(lambda: factored_iteration(grid, z, p), args.repeat),
@@ -90,9 +102,11 @@ def main() -> None:
     print(f"{'step':26s} {'best s':>10s} {'median s':>10s}")
     for name, times in rows.items():
         print(f"{name:26s} {min(times):10.5f} {statistics.median(times):10.5f}")
-    m, f = rows["iteration, materialised"], rows["iteration, factored"]
-    print(f"iteration ratio materialised / factored: best {min(m) / min(f):.0f}x, "
-          f"median {statistics.median(m) / statistics.median(f):.0f}x")
+    for what, (slow, fast) in {"grouping": ("group g (group_compact)", "grid of b, a (of_outer)"),
+                               "iteration": ("iteration, materialised", "iteration, factored")}.items():
+        m, f = rows[slow], rows[fast]
+        print(f"{what} ratio materialised / factored: best {min(m) / min(f):.0f}x, "
+              f"median {statistics.median(m) / statistics.median(f):.0f}x")
     print(f"held: pairs {(pairs.mass.nbytes + pairs.enter.nbytes + pairs.leave.nbytes) / 2**20:.0f} MiB, "
           f"grid {(grid.log_u.nbytes + grid.log_v.nbytes + grid.enter.nbytes + grid.leave.nbytes) / 2**10:.0f} KiB")
     print(f"peak of one iteration: materialised {peak_bytes(lambda: materialised_iteration(lap, z, p)) / 2**20:.2f} MiB, "
