@@ -1,5 +1,6 @@
 """solve_newton on pairs whose dense layers stay factored (`GriddedPairs`) against the same solver
-on every pair materialised (`group_compact` of g): the same z, F, degenerate and bound units."""
+on every pair materialised (`group_compact` of g): the same z, F, degenerate and bound units; the
+report's summary with those layers factored (`GridSummary`) against `summarize` of g."""
 
 import numpy as np
 from hypothesis import given, settings
@@ -9,6 +10,8 @@ from pathir.analyses.unit_rows import CompactRows
 from pathir.pairs.factored_grid import FactoredGrid
 from pathir.pairs.gridded_pairs import GriddedPairs
 from pathir.pairs.unit_pairs import group_compact
+from pathir.pathcond.g_summary import summarize, with_grids
+from pathir.pathcond.grid_summary import GridSummary
 from pathir.pathcond.solvers import solve, solve_newton
 
 
@@ -75,3 +78,35 @@ def test_block_solver_and_warm_sweeps_read_gridded_pairs_materialised(mlp):
     g = [np.outer(b, a) for b, a, _, _ in weights] + [b for b, _ in biases]
     block = solve(None, None, method="block", row_key=rows, pairs=group_compact(g, rows))
     assert_same(block, solve(None, None, method="block", row_key=rows, pairs=gridded))
+
+
+def balance_of(H, weights, biases):
+    """A = -Bᵀ1: per unit, the rows entering it minus the rows leaving it."""
+    A = np.zeros(H + 1)
+    for b, a, e, l in weights:
+        np.add.at(A, e, a.size)
+        np.add.at(A, l, -b.size)
+    for b, e in biases:
+        np.add.at(A, e, 1)
+    return A[:H]
+
+
+@settings(derandomize=True, max_examples=100, deadline=None)
+@given(mlps(), st.integers(0, 2**32 - 1))
+def test_summary_with_factored_grids_matches_the_summary_of_g(mlp, seed):
+    H, weights, biases, _ = mlp
+    rows = rows_of(H, weights, biases)
+    g = [np.outer(b, a) for b, a, _, _ in weights] + [b for b, _ in biases]
+    _, expected = summarize(g, rows)
+    _, rest = summarize([b for b, _ in biases], rows_of(H, [], biases))
+    got = with_grids(rest, tuple(GridSummary.of_outer(b, a, e, l) for b, a, e, l in weights))
+    assert (got.n, got.kept) == (expected.n, expected.kept)
+    assert np.isclose(got.sum_log, expected.sum_log, rtol=1e-12, atol=1e-9)
+    rng = np.random.default_rng(seed)
+    z = rng.normal(size=H) * 5
+    balance = balance_of(H, weights, biases)
+    np.testing.assert_allclose(got.spreads(z), expected.spreads(z), rtol=1e-12, atol=1e-9)
+    assert np.isclose(got.kept_shift(z, balance), expected.kept_shift(z, balance), rtol=1e-12, atol=1e-9)
+    f0, f1 = rng.normal(size=2) * 100
+    np.testing.assert_allclose(got.divergences(f0, f1, z, balance), expected.divergences(f0, f1, z, balance),
+                               rtol=1e-12, atol=1e-8)
