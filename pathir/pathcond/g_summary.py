@@ -12,15 +12,17 @@ so g (one float64 per parameter) is freed before the solver runs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from pathir.pairs.unit_pairs import group_compact
+from pathir.pathcond.grid_summary import GridSummary
 from pathir.support.fast_log import log_in_place, sum_log_positive
 
-__all__ = ["GSummary", "summarize"]
+__all__ = ["GSummary", "summarize", "with_grids"]
 
 _CHUNK = 1 << 20
 
@@ -34,7 +36,8 @@ class GSummary:
     ``single`` (bool per pair, or None for none) marks the pairs made of one row (every weight of a
     dense layer between unit layers, a bias): their extremes are their g, ``mass`` e^{``log_top``}
     (the pairs' own normalised masses), and ``log_low``, ``log_high``, ``count`` hold only the other
-    pairs', in order."""
+    pairs', in order. ``grids``: dense params kept factored (`GridSummary`), counted in n, kept
+    and sum_log (`with_grids`)."""
 
     enter: np.ndarray
     leave: np.ndarray
@@ -47,6 +50,7 @@ class GSummary:
     single: np.ndarray | None = None
     mass: np.ndarray | None = None
     log_top: float = 0.0
+    grids: tuple[GridSummary, ...] = ()
 
     def _chunks(self, z: np.ndarray):
         """(shift of the pairs not single, their stored slice, log g and shift of the single ones or None)
@@ -73,9 +77,11 @@ class GSummary:
 
     def spreads(self, z: np.ndarray) -> tuple[float, float]:
         """max − min of log g and of log(g ⊙ e^{Bz}) over the entries g > 0 ((0, 0) if there are none)."""
-        if not self.enter.size:
-            return 0.0, 0.0
         top, bottom, high, low = -math.inf, math.inf, -math.inf, math.inf
+        zp = np.append(np.asarray(z, dtype=np.float64), 0.0)
+        for grid in self.grids:
+            g_top, g_bottom, g_high, g_low = grid.extremes(zp)
+            top, bottom, high, low = max(top, g_top), min(bottom, g_bottom), max(high, g_high), min(low, g_low)
         for shift, stored, ones in self._chunks(z):
             if shift.size:
                 log_high, log_low = self.log_high[stored], self.log_low[stored]
@@ -86,13 +92,16 @@ class GSummary:
                 top, bottom = max(top, float(logs.max())), min(bottom, float(logs.min()))
                 logs += shift
                 high, low = max(high, float(logs.max())), min(low, float(logs.min()))
+        if top == -math.inf:
+            return 0.0, 0.0
         return top - bottom, high - low
 
     def kept_shift(self, z: np.ndarray, balance: np.ndarray) -> float:
         """Σ_i (Bz)_i over the rows with g_i > 0 (−A·z from B's column balance A when all are)."""
         if self.kept == self.n:
             return -float(balance @ z)
-        total = 0.0
+        zp = np.append(np.asarray(z, dtype=np.float64), 0.0)
+        total = math.fsum(grid.kept_shift(zp) for grid in self.grids)
         for shift, stored, ones in self._chunks(z):
             total += float(self.count[stored] @ shift) + (0.0 if ones is None else float(ones[1].sum()))
         return total
@@ -124,3 +133,11 @@ def summarize(g: np.ndarray, rows):
     summary = GSummary(pairs.enter, pairs.leave, log_in_place(ext.low), log_in_place(ext.high), ext.count, int(n),
                        kept, sum_log, ext.single, None if ext.single is None else pairs.mass, pairs.log_top)
     return pairs, summary
+
+
+def with_grids(summary: GSummary, grids: tuple[GridSummary, ...]) -> GSummary:
+    """``summary`` (of the params grouped pair by pair) with the dense params kept factored added."""
+    return dataclasses.replace(summary, n=summary.n + sum(g.n for g in grids),
+                               kept=summary.kept + sum(g.kept for g in grids),
+                               sum_log=math.fsum([summary.sum_log] + [g.sum_log for g in grids]),
+                               grids=summary.grids + tuple(grids))

@@ -39,6 +39,7 @@ import numpy as np
 from pathir.analyses.unit_rows import keys_for
 from pathir.errors import ArgumentError
 from pathir.pairs.coarse import CoarseSpace
+from pathir.pairs.gridded_pairs import GriddedPairs
 from pathir.pairs.pair_laplacian import PairLaplacian
 from pathir.pairs.unit_pairs import group_pairs
 from pathir.pathcond.block import block_sweeps, pair_state
@@ -147,6 +148,8 @@ def solve_newton(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, row_key=No
     max_cg : CG iterations per Newton step at most.
     callback : called as ``callback(step, F)`` after the coarse start, each sweep and each Newton iteration.
     pairs : g already grouped by unit pair (`unit_pairs.group_compact` over ``row_key``); g may then be None.
+        A `GriddedPairs` keeps its dense layers' grids factored through the coarse start and Newton
+        (materialised for ``warm_sweeps``).
     groups : (H,) group of each unit (`pathir.pairs.coarse.unit_groups`: by layer) for the coarse
         start and the coarse correction of CG; None: neither (diagonal preconditioning only).
 
@@ -195,6 +198,10 @@ def _coarse_start(lap, coarse: CoarseSpace, A: np.ndarray, n: int, here: _State,
     return there if there.f < here.f else here
 
 
+def _materialised(pairs):
+    return pairs.materialise() if isinstance(pairs, GriddedPairs) else pairs
+
+
 def _solve(g, B, *, max_sweeps, tol, row_key, max_log_scale, warm_sweeps, max_cg, callback, pairs,
            groups) -> PathCondResult:
     start = time.perf_counter()
@@ -207,18 +214,21 @@ def _solve(g, B, *, max_sweeps, tol, row_key, max_log_scale, warm_sweeps, max_cg
     if pairs is None:
         g = as_g(g, n)
         pairs = group_pairs(g, key, H)
+    if warm_sweeps and isinstance(pairs, GriddedPairs):
+        pairs = pairs.materialise()  # the block sweeps read the pairs one by one
     degenerate = pairs.degenerate()
     pairs = pairs.freeze(degenerate)
     live = np.ones(H, dtype=bool)
     live[degenerate] = False
     z = np.zeros(H)
     coarse = None if groups is None or not pairs.size else CoarseSpace(groups, H)
-    lap = PairLaplacian(pairs) if pairs.size and live.any() else None
+    lap = None if not (pairs.size and live.any()) else (
+        pairs.laplacian() if isinstance(pairs, GriddedPairs) else PairLaplacian(pairs))
     iterations = cg_total = sweeps = 0
     converged = lap is None
     extra = {"coarse_groups": 0 if coarse is None else coarse.m}
     here = None if lap is None else _State(lap, A, n, z)
-    history = [pair_state(pairs, A, z, n)[0] if here is None else here.f]
+    history = [pair_state(_materialised(pairs), A, z, n)[0] if here is None else here.f]
     times = [time.perf_counter() - start]
     coarse_steps = 0
     if coarse is not None and here is not None:  # one step: the coarse start
@@ -292,7 +302,7 @@ def _solve(g, B, *, max_sweeps, tol, row_key, max_log_scale, warm_sweeps, max_cg
                 break
     at_bound = np.flatnonzero(live & (np.abs(z) >= bound)).tolist() if bound < math.inf else []
     if here is None or here.z is not z:
-        state = pair_state(pairs, A, z, n)
+        state = pair_state(_materialised(pairs), A, z, n)
     else:  # F(0), F(z), ∇F(z) and its scale n|B|ᵀp + |A| from the points already evaluated
         state = (history[0], here.f, here.grad, n * (here.out + here.inn) + np.abs(A))
     return finish(g, B, z, state, method="newton", sweeps=coarse_steps + sweeps + iterations,

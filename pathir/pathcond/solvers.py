@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 
 from pathir.errors import ArgumentError
+from pathir.pairs.gridded_pairs import GriddedPairs
 from pathir.pathcond.block import solve_block
 from pathir.pathcond.coordinate import solve_coordinate
 from pathir.pathcond.newton import solve_newton
@@ -55,6 +56,7 @@ def solve(g, B, *, method: str = "newton", max_sweeps: int = 1000, tol: float = 
     called after each sweep or iteration (a hook for progress display). ``pairs``: g already
     grouped by unit pair over ``row_key`` (`unit_pairs.group_compact`), for the newton and block
     solvers; g may then be None (the caller keeps what it needs of g, and g need not stay in memory).
+    A `GriddedPairs` (dense layers' grids factored) is read as it is by newton, materialised for block.
     ``groups``: the units grouped by layer (`pathir.pairs.coarse.unit_groups`), for the newton
     solver's coarse start and preconditioner; the other methods do not use them.
     """
@@ -68,6 +70,7 @@ def solve(g, B, *, method: str = "newton", max_sweeps: int = 1000, tol: float = 
     if pairs is not None:
         if method == "coordinate":
             raise ArgumentError("the coordinate solver reads g itself, not its unit pairs")
-        options["pairs"] = pairs
+        # only Newton reads factored grids: any other method gets every pair one by one
+        options["pairs"] = pairs if method == "newton" or not isinstance(pairs, GriddedPairs) else pairs.materialise()
     return METHODS[method](g, B, max_sweeps=max_sweeps, tol=tol, row_key=row_key, max_log_scale=max_log_scale,
                            callback=callback, **options)

@@ -1,0 +1,72 @@
+"""GriddedLaplacian (pairs plus factored grids) against PairLaplacian on the same pairs all
+materialised and merged (the definition), masses and z spanning beyond float64's range."""
+
+import math
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pathir.pairs.factored_grid import FactoredGrid
+from pathir.pairs.gridded_laplacian import GriddedLaplacian
+from pathir.pairs.pair_laplacian import PairLaplacian
+from pathir.pairs.unit_pairs import Pairs, segment_logsumexp
+
+
+def merged(parts: list[Pairs], H: int) -> Pairs:
+    """The pairs of every part, one pair per distinct (enter, leave), masses summed in log space."""
+    key = np.concatenate([p.enter * (H + 1) + p.leave for p in parts])
+    log_mass = np.concatenate([p.log_mass for p in parts])
+    order = np.argsort(key, kind="stable")
+    sk = key[order]
+    starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
+    return Pairs(segment_logsumexp(log_mass[order], starts), sk[starts] // (H + 1), sk[starts] % (H + 1), H)
+
+
+@st.composite
+def problems(draw):
+    """Rest pairs (possibly none, linear masses or log only) and one to three grids over H units,
+    some overlapping the rest's pairs; a z and a direction p."""
+    H = draw(st.integers(1, 8))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    spread = draw(st.sampled_from([0.0, 1.0, 300.0]))
+    keys = np.flatnonzero(rng.random((H + 1) ** 2) < draw(st.sampled_from([0.0, 0.3])))
+    keys = keys[keys != H * (H + 1) + H]  # no (none, none) pair
+    log_mass = rng.uniform(-spread, spread, keys.size)
+    if draw(st.booleans()) and keys.size and np.ptp(log_mass) < 600:
+        top = float(log_mass.max())
+        rest = Pairs(None, keys // (H + 1), keys % (H + 1), H, mass=np.exp(log_mass - top), log_top=top)
+    else:
+        rest = Pairs(log_mass, keys // (H + 1), keys % (H + 1), H)
+    grids = []
+    for _ in range(draw(st.integers(1, 3))):
+        enter = np.flatnonzero(rng.random(H + 1) < 0.6)
+        leave = np.flatnonzero(rng.random(H) < 0.6)  # never (none, none)
+        enter = enter if enter.size else np.array([0])
+        leave = leave if leave.size else np.array([0])
+        grids.append(FactoredGrid(enter, leave, rng.uniform(-spread, spread, enter.size) + rng.normal() * spread,
+                                  rng.uniform(-spread, spread, leave.size), H))
+    z = rng.normal(size=H) * draw(st.sampled_from([0.0, 1.0, 200.0]))
+    return rest, grids, z, rng.normal(size=H), rng.integers(0, 3, H + 1), rng.random(H + 1) < 0.7
+
+
+@settings(derandomize=True, max_examples=200, deadline=None)
+@given(problems(), st.booleans())
+def test_gridded_point_matches_the_materialised_pairs(problem, both):
+    rest, grids, z, p, groups, keep = problem
+    H = rest.num_units
+    point = GriddedLaplacian(rest, tuple(grids)).point(z, both)
+    reference = PairLaplacian(merged([rest] + [g.materialise() for g in grids], H)).point(z)
+    assert math.isclose(point.log_e, reference.log_e, rel_tol=1e-12, abs_tol=1e-10)
+    ratio = math.exp(point.log_e - reference.log_e) * reference.total / point.total  # reference scale / ours
+    tiny = 1e-290
+    np.testing.assert_allclose(point.inc * ratio, reference.inc, rtol=1e-10, atol=tiny)
+    np.testing.assert_allclose(point.out * ratio, reference.out, rtol=1e-10, atol=tiny)
+    np.testing.assert_allclose(point.self_terms() * ratio, reference.self_terms(), rtol=1e-10, atol=tiny)
+    scale = reference.inc + reference.out
+    assert np.all(np.abs(point.diag() * ratio - reference.diag()) <= 1e-10 * scale + tiny)
+    assert np.all(np.abs(point.hessian_times(p) * ratio - reference.hessian_times(p))
+                  <= 1e-10 * scale * np.abs(p).max() + tiny)
+    mask = keep.astype(float)
+    np.testing.assert_allclose(point.grouped(groups, 3, mask) * ratio, reference.grouped(groups, 3, mask),
+                               rtol=1e-10, atol=tiny)
