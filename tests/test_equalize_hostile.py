@@ -114,34 +114,20 @@ class _ClipInCode(nn.Module):
         return self.c(F.relu(self.b(F.hardtanh(self.a(x), 0.0, 0.5))))
 
 
-def _with_weight_norm():
-    m = _mlp()
-    parametrizations.weight_norm(m[2])
-    return m
+def _mlp_with(edit):
+    """A factory of `_mlp`s with ``edit(model)`` applied (a parametrization, a pruning, a module swapped)."""
+    def make():
+        m = _mlp()
+        edit(m)
+        return m
+    return make
 
 
-def _pruned():
-    m = _mlp()
-    prune.l1_unstructured(m[2], "weight", 0.3)
-    return m
-
-
-def _spectral():
-    m = _mlp()
-    parametrizations.spectral_norm(m[2])
-    return m
-
-
-def _gelu():
-    m = _mlp()
-    m[1] = nn.GELU()
-    return m
-
-
-def _inplace_relu():
-    m = _mlp()
-    m[1], m[3] = nn.ReLU(inplace=True), nn.ReLU(inplace=True)
-    return m
+_with_weight_norm = _mlp_with(lambda m: parametrizations.weight_norm(m[2]))
+_pruned = _mlp_with(lambda m: prune.l1_unstructured(m[2], "weight", 0.3))
+_spectral = _mlp_with(lambda m: parametrizations.spectral_norm(m[2]))
+_gelu = _mlp_with(lambda m: m.__setitem__(1, nn.GELU()))
+_inplace_relu = _mlp_with(lambda m: [m.__setitem__(i, nn.ReLU(inplace=True)) for i in (1, 3)])
 
 
 # name: (model factory, input shape, dtype, relative tolerance of the kept function)
