@@ -23,6 +23,7 @@ import numpy as np
 
 from pathir.errors import BackendError, InputShapeError, PathirError
 from pathir.ir import Graph, Node, NodeKind
+from pathir.lifting.rank_one import RankOne
 from pathir.lifting.scaled import Certifier, Uncertified, robust_param_grads
 from pathir.passes import maxpool_to_sum, path_view
 
@@ -217,7 +218,7 @@ def log_total(backend, acts, names) -> float:
 
 @flushing
 def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = False,
-                  certify: Certifier | None = None):
+                  certify: Certifier | None = None, outer=frozenset()):
     """Reverse walk on a path graph: d(sum of outputs)/d(everything).
 
     ``acts`` from :func:`path_forward`. Returns (node_grads, param_grads):
@@ -226,6 +227,9 @@ def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = Fal
     product of weights; param_grads[id(param)] = (array, log-scale) with the
     weight-gradient (sum over paths through the parameter of the other factors).
     ``linearize`` and ``certify`` (a backward one) as in :func:`path_forward`.
+    ``outer``: ids of dense params used once whose weight-gradient, on a batch of one, is kept as
+    its factors (a `RankOne` of the target's gradient and the source's value, both certified with
+    their nodes: no product is formed, so nothing of it can underflow).
     """
     require_path_graph(graph, linearize)
     cert = certify if certify is not None or seeds is not None else _certifier(graph, backend)
@@ -247,7 +251,9 @@ def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = Fal
                 x, L = acts[e.source]
                 pending[e.source].append((backend.adjoint(e.map, g, src.shape), M))
                 w = e.map.weight
-                if w is not None and x is not None:
+                if w is not None and x is not None and id(w) in outer and g.shape[0] == 1:
+                    by_param[id(w)] = (RankOne.of(backend, g[0], x.reshape(1, -1)[0]), L + M)
+                elif w is not None and x is not None:
                     wg = backend.weight_grad(e.map, x, g, src.shape)
                     if cert is not None:
                         cert.weights(w.name, e.source, node.name, e.map, src.shape, wg)
@@ -271,7 +277,7 @@ def _accumulate(store, param, value, log_scale):
 
 
 def param_grads(graph: Graph, backend, q: float = 1.0, forward_graph: Graph | None = None,
-                totals: dict | None = None) -> dict[int, list]:
+                totals: dict | None = None, outer=frozenset()) -> dict[int, list]:
     """{id(param of graph): [(array, log-scale) per use]}: the param grads of the
     backward walk on the path-norm network of ``graph`` (weights |w|^q), whose
     weight-gradients read the forward walk of ``forward_graph`` (default
@@ -284,14 +290,16 @@ def param_grads(graph: Graph, backend, q: float = 1.0, forward_graph: Graph | No
     Backends with ``power_view`` walk the graph itself (``linearize``); others
     walk ``path_view(maxpool_to_sum(graph), q)``, which gives every edge its own
     Param object, so a shared param has one part per use. Where the fast walks
-    cannot certify a node, both walks run again with per-channel log-scales."""
+    cannot certify a node, both walks run again with per-channel log-scales.
+    ``outer``: ids of dense params of ``graph`` used once whose grad the fast walks keep as a `RankOne`
+    (`path_backward`); the per-channel walk gives every grad as an array."""
     try:
-        return _fast_param_grads(graph, backend, q, forward_graph, totals)
+        return _fast_param_grads(graph, backend, q, forward_graph, totals, outer)
     except Uncertified:
         return robust_param_grads(graph, backend, q, forward_graph, totals)
 
 
-def _fast_param_grads(graph, backend, q, forward_graph, totals):
+def _fast_param_grads(graph, backend, q, forward_graph, totals, outer):
 
     fwd = graph if forward_graph is None else forward_graph
     if hasattr(backend, "power_view"):
@@ -301,7 +309,7 @@ def _fast_param_grads(graph, backend, q, forward_graph, totals):
         if totals is not None:
             totals["log_path_sum"] = log_total(view_be, acts, fwd.outputs)
         _, grads = path_backward(graph, view_be, acts, linearize=True,
-                                 certify=Certifier(graph, q == 0, backend, forward=cert))
+                                 certify=Certifier(graph, q == 0, backend, forward=cert), outer=outer)
         return {id(p): [grads.get(id(p))] for p in graph.params()}
     with np.errstate(over="ignore", under="ignore"):  # |w|^q out of range: the walk refuses to certify
         view = path_view(maxpool_to_sum(graph), q)
@@ -310,7 +318,10 @@ def _fast_param_grads(graph, backend, q, forward_graph, totals):
     acts = path_forward(fview, backend, certify=cert)
     if totals is not None:
         totals["log_path_sum"] = log_total(backend, acts, fview.outputs)
-    _, grads = path_backward(view, backend, acts, certify=Certifier(graph, q == 0, backend, forward=cert))
+    outer_view = {id(ev.map.weight) for n, nv in zip(graph.nodes, view.nodes) for e, ev in zip(n.edges, nv.edges)
+                  if e.map.weight is not None and id(e.map.weight) in outer}
+    _, grads = path_backward(view, backend, acts, certify=Certifier(graph, q == 0, backend, forward=cert),
+                             outer=outer_view)
     del acts
     parts: dict[int, list] = {}
     for n, nv in zip(graph.nodes, view.nodes):
@@ -323,19 +334,22 @@ def _fast_param_grads(graph, backend, q, forward_graph, totals):
 
 
 def param_log_parts(graph: Graph, backend, q: float, scale=None, what: str = "value",
-                    totals: dict | None = None) -> list[tuple]:
+                    totals: dict | None = None, outer=frozenset()) -> list[tuple]:
     """Per param of ``graph.params()``: (m, L) with value = m·e^L, m ≥ 0 of the
     param's shape, max m = 1 (m = 0, L = -inf where the value vanishes), where
     value = |scale(p)| ⊙ (param grad of the path-norm network with weights |w|^q),
     summed over the param's uses. ``scale`` (default 1) gives a numpy array per param.
 
     q = 2 gives diag G (docs/math.md §6); q = 1 with scale θ the path-magnitude
-    scores (docs/math.md §4). ``totals``: as for `param_grads`.
+    scores (docs/math.md §4). ``totals``: as for `param_grads`. ``outer`` (without ``scale``): as for
+    `param_grads`; such a param's m is a `RankOne` where the walk kept it so.
 
     Memory: the walk's param grads are the only full-size arrays. Each is turned
     into its m in place and dropped from the walk's record once read, so the result
     takes the grads' place (about one float64 copy of θ, no second one)."""
-    parts = param_grads(graph, backend, q, totals=totals)
+    if outer and scale is not None:
+        raise ValueError("outer= keeps unscaled grads only")
+    parts = param_grads(graph, backend, q, totals=totals, outer=outer)
     out = []
     for p in graph.params():
         terms = []
@@ -343,6 +357,11 @@ def param_log_parts(graph: Graph, backend, q: float, scale=None, what: str = "va
             if part is None:
                 continue
             grad, log_scale = part
+            if isinstance(grad, RankOne):  # (a param used once: its only term)
+                kept = grad.normalised(float(log_scale), what, p.name)
+                if kept is not None:
+                    terms.append(kept)
+                continue
             m = np.asarray(backend.to_numpy(grad), dtype=np.float64).reshape(p.shape)
             del grad, part
             if np.ndim(log_scale):  # the scaled walk's per-channel scales: |scale| ⊙ grad in log space
@@ -393,7 +412,9 @@ def at_common_scale(parts: list[tuple]) -> tuple[list, float]:
     top = max((L for _, L in parts), default=-math.inf)
     out = []
     for m, L in parts:
-        if L != top:  # (then top > -inf)
+        if isinstance(m, RankOne):  # its row factor carries the scale
+            m.b *= 0.0 if L == -math.inf else math.exp(L - top)
+        elif L != top:  # (then top > -inf)
             if not m.flags.writeable:
                 m = m.copy()
             m *= 0.0 if L == -math.inf else math.exp(L - top)

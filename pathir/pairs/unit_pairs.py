@@ -115,7 +115,7 @@ class Pairs:
     def freeze(self, units) -> "Pairs":
         """The pairs with ``units`` read as "no unit" (their z fixed at 0), regrouped."""
         units = np.asarray(units, dtype=np.int64)
-        if units.size == 0:
+        if units.size == 0 or self.size == 0:
             return self
         H = self.num_units
         remap = np.arange(H + 1)

@@ -18,11 +18,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pathir.analyses.unit_rows import CompactRows
+from pathir.lifting.rank_one import RankOne, row_and_column_units
+from pathir.pairs.factored_grid import FactoredGrid
+from pathir.pairs.gridded_pairs import GriddedPairs
 from pathir.pairs.unit_pairs import group_compact
 from pathir.pathcond.grid_summary import GridSummary
 from pathir.support.fast_log import log_in_place, sum_log_positive
 
-__all__ = ["GSummary", "summarize", "with_grids"]
+__all__ = ["GSummary", "summarize", "summarize_factored", "with_grids"]
 
 _CHUNK = 1 << 20
 
@@ -141,3 +145,24 @@ def with_grids(summary: GSummary, grids: tuple[GridSummary, ...]) -> GSummary:
                                kept=summary.kept + sum(g.kept for g in grids),
                                sum_log=math.fsum([summary.sum_log] + [g.sum_log for g in grids]),
                                grids=summary.grids + tuple(grids))
+
+
+def summarize_factored(g: list, rows: CompactRows):
+    """`summarize` of g given one part per param, where a part may be a `RankOne` (a dense param's
+    g = b aᵀ kept factored, `pathir.lifting.rank_one`): those become `FactoredGrid`s beside the pairs
+    of the other params (a `GriddedPairs`, the same pairs once materialised) and `GridSummary`s
+    added to their summary; without one, exactly `summarize`."""
+    H = rows.num_units
+    rest, ends, shapes, grids, summaries = [], [], [], [], []
+    for part, shape, (enter, leave) in zip(g, rows.shapes, rows.ends, strict=True):
+        if not isinstance(part, RankOne):
+            rest.append(part), ends.append((enter, leave)), shapes.append(shape)
+            continue
+        e, l = row_and_column_units(enter, leave, shape)
+        grid = FactoredGrid.of_outer(part.b, part.a, e, l, H)
+        grids.extend([] if grid is None else [grid])
+        summaries.append(GridSummary.of_outer(part.b, part.a, e, l))
+    if not summaries:
+        return summarize(g, rows)
+    pairs, summary = summarize(rest, CompactRows(tuple(ends), tuple(shapes), rows.balance))
+    return GriddedPairs(pairs, tuple(grids)), with_grids(summary, tuple(summaries))

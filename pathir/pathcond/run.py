@@ -29,8 +29,9 @@ import numpy as np
 from pathir.analyses.incidence import compact_rows
 from pathir.errors import ArgumentError, PathirError
 from pathir.lifting.diag_g import diag_g_parts
+from pathir.lifting.rank_one import factorable
 from pathir.pairs.coarse import unit_groups
-from pathir.pathcond.g_summary import summarize
+from pathir.pathcond.g_summary import summarize_factored
 from pathir.pathcond.objective import log_spreads, spread_ends
 from pathir.pathcond.solvers import METHODS, solve
 from pathir.rescaling.bounds import default_max_log_scale
@@ -225,7 +226,9 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
     B = facts.incidence[0] if solver == "coordinate" else None
     lap("B")
     bar.phase("diag G")
-    g, log_top = diag_g_parts(facts.graph, backend)  # one array per param: no flat copy of g
+    # one array per param (no flat copy of g); Newton reads a large dense param's g = b aᵀ as its factors
+    outer = factorable(facts.graph, rows.ends) if solver == "newton" else frozenset()
+    g, log_top = diag_g_parts(facts.graph, backend, outer)
     lap("diag G")
     n = sum(part.size for part in g)
     if not math.isfinite(log_top):
@@ -234,7 +237,7 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
     bar.phase("solve")
     # g grouped by unit pair, with what the report needs of it (pathir.pathcond.g_summary): g itself,
     # one float64 per parameter, is freed before the solver runs (the coordinate solver reads it)
-    pairs, summary = summarize(g, rows)
+    pairs, summary = summarize_factored(g, rows)
     lap("group")
     if solver == "coordinate":
         g = np.concatenate([part.reshape(-1) for part in g]) if g else np.zeros(0)  # it reads g flat

@@ -1,0 +1,126 @@
+"""cm.pathcond() with large dense layers' diag G kept factored (g = b aᵀ, `pathir.lifting.rank_one`)
+against the same call with every param grouped pair by pair: the same z, report and written model,
+on random torch MLPs (flattened conv-shaped inputs, biases or none, dead units, layers scaled over
+decades), on the torch and numpy backends; and the factors against the dense diag G they stand for."""
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pathir
+import pathir.lifting.rank_one as rank_one
+from pathir.lifting.diag_g import diag_g_parts
+from pathir.lifting.rank_one import RankOne, factorable
+from pathir.pairs.gridded_pairs import GriddedPairs
+from pathir.pathcond import g_summary
+
+FIELDS = ("objective_before", "objective_after", "log_spread_before", "log_spread_after", "divergence_before",
+          "divergence_after", "max_abs_log_scale", "params", "units")
+
+
+@st.composite
+def mlps(draw):
+    """(model, input shape): Flatten, then Linear/ReLU layers of random widths, some rows zeroed (dead
+    units), each layer's rows scaled by up to e^{±spread}."""
+    seed = draw(st.integers(0, 2**31 - 1))
+    torch.manual_seed(seed)
+    shape = draw(st.sampled_from([(6,), (2, 3), (3, 2, 2)]))
+    widths = [math.prod(shape)] + [draw(st.integers(1, 6)) for _ in range(draw(st.integers(1, 3)))] + [draw(st.integers(1, 3))]
+    bias = draw(st.booleans())
+    spread = draw(st.sampled_from([0.0, 2.0, 20.0]))
+    dead = draw(st.sampled_from([0.0, 0.3]))
+    layers = [torch.nn.Flatten()]
+    for k in range(len(widths) - 1):
+        lin = torch.nn.Linear(widths[k], widths[k + 1], bias=bias).double()
+        with torch.no_grad():
+            lin.weight.mul_(torch.exp(spread * torch.randn(widths[k + 1], 1, dtype=torch.float64)))
+            lin.weight.mul_((torch.rand(widths[k + 1], 1) >= dead).double())
+        layers += [lin, torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1]), shape
+
+
+def _pathcond(model, shape, factored: bool, backend=None):
+    """The report, or the PathirError's message where PathCond refuses (diag G vanishing everywhere)."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(rank_one, "MIN_SIZE", 0 if factored else 1 << 62)
+        cm = pathir.compile(model, input_shape=shape)
+        try:
+            return cm.pathcond(backend=backend)
+        except pathir.PathirError as err:
+            return str(err)
+
+
+@settings(derandomize=True, max_examples=40, deadline=None)
+@given(mlps(), st.sampled_from(["torch", "numpy"]))
+def test_pathcond_on_factored_dense_layers_matches_pathcond_on_every_pair(mlp, backend):
+    model, shape = mlp
+    x = torch.randn(5, *shape, dtype=torch.float64)
+    before = model(x).detach()
+    grouped, factored = copy.deepcopy(model), copy.deepcopy(model)
+    a, b = _pathcond(grouped, shape, False, backend), _pathcond(factored, shape, True, backend)
+    if isinstance(a, str) or isinstance(b, str):
+        assert a == b
+        return
+    for name in FIELDS:
+        assert getattr(b, name) == pytest.approx(getattr(a, name), rel=1e-9, abs=1e-9), name
+    assert b.degenerate_units == a.degenerate_units and b.converged == a.converged
+    np.testing.assert_allclose(b.z, a.z, rtol=1e-9, atol=1e-9 * max(1.0, np.abs(a.z).max(initial=0.0)))
+    for p, q in zip(grouped.parameters(), factored.parameters()):
+        np.testing.assert_allclose(q.detach().numpy(), p.detach().numpy(), rtol=1e-8, atol=0)
+    torch.testing.assert_close(factored(x).detach(), before.detach(), rtol=1e-9, atol=1e-9 * float(before.abs().max()))
+
+
+def _alexnet_head():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d((4, 4)),
+                               torch.nn.Flatten(), torch.nn.Linear(128, 600), torch.nn.ReLU(),
+                               torch.nn.Linear(600, 300), torch.nn.ReLU(), torch.nn.Linear(300, 10))
+
+
+def test_the_factors_multiply_to_the_dense_diag_g_and_only_large_dense_params_used_once_qualify(monkeypatch):
+    """A conv stem, then three Linears: the two of ≥ 2^16 entries qualify (the first reads a flatten's run
+    of positions per channel unit); their RankOne is diag G's own part, to rounding."""
+    cm = pathir.compile(_alexnet_head(), input_shape=(3, 10, 10))
+    graph, rows = cm.facts.graph, cm.facts.row_ends
+    outer = factorable(graph, rows.ends)
+    params = graph.params()
+    assert [p.shape for p in params if id(p) in outer] == [(600, 128), (300, 600)]
+    dense, top = diag_g_parts(graph, "numpy")
+    kept, top_kept = diag_g_parts(graph, "numpy", outer)
+    assert top_kept == pytest.approx(top, rel=1e-13)
+    for p, d, k in zip(params, dense, kept):
+        assert isinstance(k, RankOne) == (id(p) in outer)
+        np.testing.assert_allclose(k.dense() if isinstance(k, RankOne) else k, d, rtol=1e-12, atol=1e-300)
+    pairs, summary = g_summary.summarize_factored(kept, rows)
+    assert isinstance(pairs, GriddedPairs) and len(summary.grids) == len(outer)
+    monkeypatch.setattr(rank_one, "MIN_SIZE", 0)
+    assert len(factorable(graph, rows.ends)) == 3
+
+
+def test_a_shared_linear_and_a_walk_that_needs_per_channel_scales_stay_dense():
+    """A Linear called twice is not factored; where the fast walk cannot certify a node (a layer scaled
+    by e^400) the per-channel walk gives every part as an array, and pathcond still matches."""
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(300, 300)
+    shared = torch.nn.Sequential(lin, torch.nn.ReLU(), lin)
+    cm = pathir.compile(shared, input_shape=(300,))
+    assert not factorable(cm.facts.graph, cm.facts.row_ends.ends)
+    net = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.ReLU(), torch.nn.Linear(300, 4)).double()
+    with torch.no_grad():
+        net[0].weight[:5] *= math.exp(400)
+    facts = pathir.compile(net, input_shape=(300,)).facts
+    graph = facts.graph
+    outer = factorable(graph, facts.row_ends.ends)
+    assert outer
+    parts, _ = diag_g_parts(graph, "torch", outer)
+    assert not any(isinstance(part, RankOne) for part in parts)
+    x = torch.randn(3, 300, dtype=torch.float64)
+    before = net(x).detach()
+    a, b = _pathcond(copy.deepcopy(net), (300,), False), _pathcond(net, (300,), True)
+    np.testing.assert_allclose(b.z, a.z, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(net(x).detach(), before.detach(), rtol=1e-9, atol=1e-9 * float(before.abs().max()))
