@@ -13,7 +13,7 @@ import numpy as np
 
 from pathir.pairs.factored_grid import FactoredGrid
 from pathir.pairs.gridded_laplacian import GriddedLaplacian
-from pathir.pairs.unit_pairs import Pairs, degenerate_units, segment_logsumexp
+from pathir.pairs.unit_pairs import Pairs, segment_logsumexp
 
 __all__ = ["GriddedPairs"]
 
@@ -36,9 +36,12 @@ class GriddedPairs:
 
     def degenerate(self) -> np.ndarray:
         """Units missing from the entered side or from the left side of every pair (sorted)."""
-        enter = np.concatenate([self.rest.enter] + [grid.enter for grid in self.grids])
-        leave = np.concatenate([self.rest.leave] + [grid.leave for grid in self.grids])
-        return degenerate_units(None, enter, leave, self.num_units)
+        H = self.num_units
+        has_in, has_out = np.zeros(H + 1, dtype=bool), np.zeros(H + 1, dtype=bool)
+        for part in (self.rest, *self.grids):  # marked part by part: no concatenation of the pairs' ends
+            has_in[part.enter] = True
+            has_out[part.leave] = True
+        return np.flatnonzero(~(has_in[:H] & has_out[:H]))
 
     def freeze(self, units) -> "GriddedPairs":
         """Every part with ``units`` read as "no unit" (`Pairs.freeze`, `FactoredGrid.freeze`)."""
