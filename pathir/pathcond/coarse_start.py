@@ -72,6 +72,8 @@ def coarse_shift(T: np.ndarray, a: np.ndarray, n: int, lo: np.ndarray, hi: np.nd
         try:
             d[idx] = np.linalg.solve(sub, -grad[idx])
         except np.linalg.LinAlgError:
+            d[idx] = np.nan
+        if not np.all(np.isfinite(d)):  # a singular group table: the diagonal step instead
             d[idx] = -grad[idx] / np.maximum(np.diag(sub), 1e-300)
         slope = float(grad @ d)
         if not slope < 0:
