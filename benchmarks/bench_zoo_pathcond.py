@@ -20,7 +20,10 @@ Prints one markdown table row per model (the table in docs/pathcond.md).
 Timings are noisy on a shared machine: compare the ratio column, measured in
 one process, not absolute seconds across runs.
 
-Run:  python benchmarks/bench_zoo_pathcond.py [--models resnet18 googlenet ...|all] [--repeat 2] [--reference]
+timm's ReLU models are measured the same way: ``--models timm`` (the list ``TIMM_MODELS``) or
+``--models timm:resnet50d ...`` (random init, batch-norm statistics drawn as for torchvision's).
+
+Run:  python benchmarks/bench_zoo_pathcond.py [--models resnet18 googlenet ...|all|timm] [--repeat 2] [--reference]
 """
 
 from __future__ import annotations
@@ -37,15 +40,41 @@ from pathir.app import zoo
 DEFAULT_MODELS = ["resnet18", "googlenet", "densenet121", "squeezenet1_0", "shufflenet_v2_x1_0", "mnasnet1_0"]
 
 
+TIMM = "timm:"
+#: timm's ReLU models measured for the 10x goal (``--models timm``), each compiled by tests/test_timm_zoo.py
+TIMM_MODELS = ["resnet50d", "regnetx_002", "dla34", "resnet26d", "xception41", "densenet121", "vgg11", "dpn68",
+               "repvgg_a0", "hrnet_w18_small"]
+
+
 def build(name):
+    """A torchvision model (``zoo.build``), or ``timm:NAME``: timm's, random init, batch-norm statistics
+    drawn as ``zoo.build`` draws them, eval mode."""
+    if name.startswith(TIMM):
+        import timm
+
+        torch.manual_seed(0)
+        model = timm.create_model(name[len(TIMM):], pretrained=False)
+        gen = torch.Generator().manual_seed(0)
+        for m in model.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+                m.running_mean.copy_(torch.randn(m.num_features, generator=gen) * 0.1)
+                m.running_var.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
+        return model.eval()
     extra = {"aux_logits": False} if name in ("googlenet", "inception_v3") else {}
     return zoo.build(name, **extra)
+
+
+def input_shape(name):
+    """224x224 for timm's models (299x299 for xception), ``zoo.input_shape`` for torchvision's."""
+    if name.startswith(TIMM):
+        return (3, 299, 299) if "xception" in name else (3, 224, 224)
+    return zoo.input_shape(name)
 
 
 def forward_backward(name):
     """A function timing one float64 forward+backward of the model at batch 1 (warmed up once)."""
     model = build(name).double()
-    x = torch.randn(1, *zoo.input_shape(name), dtype=torch.float64)
+    x = torch.randn(1, *input_shape(name), dtype=torch.float64)
 
     def step():
         t = time.perf_counter()
@@ -66,7 +95,7 @@ def pathcond_runs(name, repeat, solver):
     """(best baseline, (seconds, report, cm) of the fastest run, median of run / the baseline just before it)."""
     step, runs, bases = forward_backward(name), [], []
     for _ in range(repeat):  # each on a fresh model: pathcond() rescales it in place
-        cm = pathir.compile(build(name), input_shape=zoo.input_shape(name), self_check=False)
+        cm = pathir.compile(build(name), input_shape=input_shape(name), self_check=False)
         bases.append(step())
         t = time.perf_counter()
         report = cm.pathcond(solver=solver)
@@ -80,7 +109,7 @@ def coordinate_gap(name, report, max_sweeps):
     from pathir.lifting.diag_g import diag_g_flat
     from pathir.pathcond.solvers import solve
 
-    cm = pathir.compile(build(name), input_shape=zoo.input_shape(name), self_check=False)
+    cm = pathir.compile(build(name), input_shape=input_shape(name), self_check=False)
     g, log_top = diag_g_flat(cm.graph, cm.get_backend())
     B, _ = cm.incidence()
     ref = solve(g, B, method="coordinate", tol=1e-13, max_sweeps=max_sweeps, row_key=cm.row_keys(),
@@ -91,7 +120,8 @@ def coordinate_gap(name, report, max_sweeps):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=DEFAULT_MODELS, help="zoo names, or 'all' (zoo.SUPPORTED)")
+    ap.add_argument("--models", nargs="+", default=DEFAULT_MODELS,
+                    help="zoo names, 'all' (zoo.SUPPORTED), timm:NAME, or 'timm' (TIMM_MODELS)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--solver", default="newton")
@@ -99,7 +129,8 @@ def main(argv=None):
     ap.add_argument("--reference-sweeps", type=int, default=3000)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    names = zoo.SUPPORTED if args.models == ["all"] else args.models
+    names = zoo.SUPPORTED if args.models == ["all"] else \
+        [TIMM + n for n in TIMM_MODELS] if args.models == ["timm"] else args.models
     print(f"torch threads: {torch.get_num_threads()}, solver {args.solver}")
     print("| model | fwd+bwd f64 (s) | pathcond (s) | ratio (best) | ratio (median) | diag G / group / solve / write (s) | "
           "sweeps + Newton its | max\\|z\\| (bound, at bound) | F vs coordinate |")
