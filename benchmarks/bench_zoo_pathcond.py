@@ -48,7 +48,9 @@ TIMM_MODELS = ["resnet50d", "regnetx_002", "dla34", "resnet26d", "xception41", "
 
 def build(name):
     """A torchvision model (``zoo.build``), or ``timm:NAME``: timm's, random init, batch-norm statistics
-    drawn as ``zoo.build`` draws them, eval mode."""
+    drawn as ``zoo.build`` draws them and every γ in [0.5, 1.5] (timm zero-initialises the last γ of
+    each residual block, a choice for training from scratch that no trained model keeps: it would
+    leave every residual branch dead), eval mode."""
     if name.startswith(TIMM):
         import timm
 
@@ -59,6 +61,8 @@ def build(name):
             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
                 m.running_mean.copy_(torch.randn(m.num_features, generator=gen) * 0.1)
                 m.running_var.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
+                if m.affine:
+                    m.weight.data.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
         return model.eval()
     extra = {"aux_logits": False} if name in ("googlenet", "inception_v3") else {}
     return zoo.build(name, **extra)
