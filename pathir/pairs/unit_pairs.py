@@ -113,19 +113,30 @@ class Pairs:
         return degenerate_units(None, self.enter, self.leave, self.num_units)
 
     def freeze(self, units) -> "Pairs":
-        """The pairs with ``units`` read as "no unit" (their z fixed at 0), regrouped."""
+        """The pairs with ``units`` read as "no unit" (their z fixed at 0), regrouped: only the pairs
+        touching them are sorted again, then merged into the others (already sorted and distinct)."""
         units = np.asarray(units, dtype=np.int64)
         if units.size == 0 or self.size == 0:
             return self
-        H = self.num_units
+        H, width = self.num_units, self.num_units + 1
         remap = np.arange(H + 1)
         remap[units] = H
-        key = remap[self.enter] * (H + 1) + remap[self.leave]
+        moved = (remap[self.enter] != self.enter) | (remap[self.leave] != self.leave)
+        if not moved.any():
+            return self
+        kept = ~moved
+        keys, log_mass = self.enter[kept] * width + self.leave[kept], self.log_mass[kept]
+        key = remap[self.enter[moved]] * width + remap[self.leave[moved]]
         order = np.argsort(key, kind="stable")
         sk = key[order]
         starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
-        keys = sk[starts]
-        return Pairs(segment_logsumexp(self.log_mass[order], starts), keys // (H + 1), keys % (H + 1), H)
+        new_keys, new_log = sk[starts], segment_logsumexp(self.log_mass[moved][order], starts)
+        at = np.searchsorted(keys, new_keys)
+        same = at < keys.size
+        same[same] = keys[at[same]] == new_keys[same]
+        log_mass[at[same]] = np.logaddexp(log_mass[at[same]], new_log[same])  # a pair it regrouped onto
+        keys = np.insert(keys, at[~same], new_keys[~same])
+        return Pairs(np.insert(log_mass, at[~same], new_log[~same]), keys // width, keys % width, H)
 
 
 @dataclass(frozen=True)
