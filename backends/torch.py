@@ -367,6 +367,11 @@ class TorchBackend(Backend):
             value = self._cache[owner] = make()
             return value
 
+    def forget(self, owner) -> None:
+        """Drop ``owner``'s cached tensor (computed again if asked for): a walk's last use of a weight
+        frees it, so a walk holds one layer's converted weights at a time, not the model's."""
+        self._cache.pop(owner, None)
+
     def constant(self, array) -> torch.Tensor:
         """A numpy array on this backend's device and dtype, read-only by contract:
         float64 arrays on the CPU are shared, not copied (rules never write weights)."""

@@ -233,6 +233,7 @@ def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = Fal
     """
     require_path_graph(graph, linearize)
     cert = certify if certify is not None or seeds is not None else _certifier(graph, backend)
+    release = getattr(backend, "forget", None) if linearize else None
     grads: dict[str, tuple] = {}
     pending: dict[str, list] = {n.name: [] for n in graph.nodes}
     for o in graph.outputs:
@@ -251,6 +252,8 @@ def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = Fal
                 x, L = acts[e.source]
                 pending[e.source].append((backend.adjoint(e.map, g, src.shape), M))
                 w = e.map.weight
+                if w is not None and release:
+                    release(w)  # the backward walk is its last use: no copy of θ held to the end
                 if w is not None and x is not None and id(w) in outer and g.shape[0] == 1:
                     by_param[id(w)] = (RankOne.of(backend, g[0], x.reshape(1, -1)[0]), L + M)
                 elif w is not None and x is not None:
