@@ -24,25 +24,29 @@ from dataclasses import replace
 import numpy as np
 
 from pathir.ir import PARAMETERIZED, Edge, Graph, MapKind, NodeKind, Param, Role, SourceRef
+from pathir.support.array_pool import ArrayPool
 
-__all__ = ["fold_batchnorm"]
+__all__ = ["fold_batchnorm", "pooled_folds"]
 
 
 def _out_scale_refs(scale: Param) -> tuple[SourceRef, ...]:
     return tuple(r for r in scale.sources if r.role is Role.OUT_SCALE)
 
 
-def _scaled_weight(w: Param, s: np.ndarray, refs) -> Param:
-    value = w.value * s.reshape(-1, *([1] * (w.value.ndim - 1)))
+def _scaled_weight(w: Param, s: np.ndarray, refs, arrays) -> Param:
+    rows = w.value.reshape(w.shape[0], -1)  # one long inner loop per output channel, not one per kernel row
+    value = np.multiply(rows, s.reshape(-1, 1), out=None if arrays is None else arrays.empty(rows.shape)).reshape(w.shape)
     sources = tuple(r for r in w.sources if r.role is not Role.OUT_SCALE) + refs
     how = (w.how or w.name) + f" * {refs[0].name if refs else 'scale'}/sigma"
     return Param.adopt(w.name, value, sources, how)  # value is a fresh array: no copy
 
 
-def fold_batchnorm(graph: Graph) -> Graph:
+def fold_batchnorm(graph: Graph, arrays=None) -> Graph:
     """Requires: a verified graph. Ensures: no foldable Scale edge remains.
     Preserves: the function R_theta (exactly, up to rounding) and the units
-    (each folded channel stays one unit)."""
+    (each folded channel stays one unit). ``arrays``: an ``ArrayPool`` the folded
+    weights are written into (a live model's re-reads: memory of the values two
+    re-reads ago instead of fresh pages), else new arrays."""
     nodes = {n.name: n for n in graph.nodes}
     shared = _shared_params(graph)
     removed: set[str] = set()
@@ -57,7 +61,7 @@ def fold_batchnorm(graph: Graph) -> Graph:
                 continue
             s, refs = e.map.W.value, _out_scale_refs(e.map.W)
             for ue in u.edges:
-                new_edges.append(Edge(ue.source, replace(ue.map, W=_scaled_weight(ue.map.W, s, refs))))
+                new_edges.append(Edge(ue.source, replace(ue.map, W=_scaled_weight(ue.map.W, s, refs, arrays))))
             if u.bias is not None:
                 folded = s * u.bias.value
                 if bias is None:
@@ -92,3 +96,16 @@ def _foldable(graph: Graph, u, shared: set[str]) -> bool:
         and all(e.map.W.name not in shared for e in u.edges)
         and (u.bias is None or u.bias.name not in shared)
     )
+
+
+def pooled_folds(passes) -> tuple:
+    """``passes`` with ``fold_batchnorm`` (given as itself or by name) writing into one ArrayPool that the
+    returned pipeline keeps: a live model's re-reads then reuse the memory of the folded weights two
+    re-reads ago."""
+    arrays = ArrayPool()
+
+    def pooled(graph: Graph) -> Graph:
+        return fold_batchnorm(graph, arrays)
+
+    pooled.__name__ = "fold_batchnorm"
+    return tuple(pooled if p is fold_batchnorm or p == "fold_batchnorm" else p for p in passes)

@@ -10,6 +10,7 @@ from pathir.errors import ArgumentError
 from pathir.frontends.onnx import lower as lower_onnx
 from pathir.ir import Graph, verify
 from pathir.passes import DEFAULT_PIPELINE, run_passes
+from pathir.passes.fold_batchnorm import pooled_folds
 from pathir.support.model_state import keeps_model, kept
 from pathir.support.progress import Phases
 
@@ -70,6 +71,7 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
         watch = ModelWatch(model)
 
         reread = low.reread
+        pipeline = pooled_folds((*DEFAULT_PIPELINE, *passes))
 
         def relower(moved: set[str] | None = None) -> Graph:
             """The model's current values in the same pipeline: re-read without tracing when only
@@ -79,7 +81,7 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
                 with kept(model):  # tracing runs the forward: a refusal leaves the model as it was
                     raw = lower(model, input_shape=input_shape, example_input=example_input,
                                 heads=bool(writer.train_paths)).graph  # the outputs it was compiled with
-            return run_passes(raw, (*DEFAULT_PIPELINE, *passes), check=False)
+            return run_passes(raw, pipeline, check=False)
 
     bar.phase("passes")
     graph = run_passes(graph, (*DEFAULT_PIPELINE, *passes), check=check)
