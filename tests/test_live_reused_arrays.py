@@ -150,9 +150,12 @@ def test_tracking_reuses_the_memory_of_dead_values(pooled):
     torch.manual_seed(0)
     model = _Net().eval()
     cm = pathir.compile(model, input_shape=SHAPE, self_check=False)
-    addresses = set()
+    addresses, folded = set(), set()
     for step in range(4):
         _edit(model, "sgd", step)
         W = next(p for p in cm.graph.params() if p.name == "W")
         addresses.add(W.value.__array_interface__["data"][0])
+        conv = next(p for p in cm.graph.params() if p.value.ndim == 4)  # the conv weight folded with its batch-norm
+        folded.add(conv.value.__array_interface__["data"][0])
     assert len(addresses) <= 2  # W's memory: two blocks taken in turn (the live one and the one before)
+    assert len(folded) <= 2  # the fold's output too (passes.fold_batchnorm.pooled_folds)
