@@ -157,5 +157,6 @@ def test_tracking_reuses_the_memory_of_dead_values(pooled):
         addresses.add(W.value.__array_interface__["data"][0])
         conv = next(p for p in cm.graph.params() if p.value.ndim == 4)  # the conv weight folded with its batch-norm
         folded.add(conv.value.__array_interface__["data"][0])
+        assert isinstance(conv.value.base.base, memoryview)  # over one of the fold's pool blocks
     assert len(addresses) <= 2  # W's memory: two blocks taken in turn (the live one and the one before)
     assert len(folded) <= 2  # the fold's output too (passes.fold_batchnorm.pooled_folds)
