@@ -29,7 +29,7 @@ from pathir.passes import run_passes
 from pathir.pathcond.run import pathcond
 from pathir.rescaling.apply import rescale_graph
 from pathir.rescaling.bounds import default_max_log_scale
-from pathir.rescaling.commit import check_optimizer, check_writable, commit_rescaling
+from pathir.rescaling.commit import check_optimizer, check_writable, commit_rescaling, rescaled_graph, with_bias_shifts
 from pathir.support.progress import Phases
 
 __all__ = ["Compiled", "Summary"]
@@ -347,11 +347,18 @@ class Compiled:
         docs/equalize.md). On any error nothing changed."""
 
         facts = self.facts
+        follows = self._relower is not None and self.writer is not None  # a live torch model: re-read it
         try:
             new_graph = commit_rescaling(facts.graph, facts.units, z, self.model, self.writer, optimizer,
-                                         bias_shifts=bias_shifts)
-        finally:  # written, or restored exactly: either way the model matches what the graph becomes
+                                         bias_shifts=bias_shifts, rescaled=not follows)
+        except BaseException:  # restored exactly: the model matches the graph again
             self._mark()
+            raise
+        if new_graph is None and self._watch.changed() == "values":
+            return  # the next query re-reads the values the model holds now (docs/live.md): no graph built here
+        if new_graph is None:  # a module replaced (a clipped ReLU made per-channel): the graph is rescaled here
+            new_graph = with_bias_shifts(rescaled_graph(facts.graph, facts.units, z), bias_shifts)
+        self._mark()
         self._facts = facts.with_values(new_graph)
 
     def pathcond(self, solver: str = "newton", max_sweeps: int = 1000, tol: float = 1e-10,

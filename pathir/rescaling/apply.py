@@ -22,7 +22,7 @@ from pathir.analyses.incidence import check_units_match, compact_rows
 from pathir.errors import ArgumentError, ArgumentKeyError, PathirError
 from pathir.ir import Graph, NodeKind
 
-__all__ = ["rescale_graph", "log_scales", "apply_log_scales", "check_log_scales", "param_factors"]
+__all__ = ["rescale_graph", "first_out_of_range", "log_scales", "apply_log_scales", "check_log_scales", "param_factors"]
 
 
 def _z(units, z) -> np.ndarray:
@@ -62,25 +62,54 @@ def rescale_graph(graph: Graph, units, z) -> Graph:
     [[4.0], [2.0], [1.5]]
     """
 
+    factors = _entry_factors(graph, units, z)
+
+    def scaled(p):
+        value = np.empty(p.shape)
+        for _ in _scaled_blocks(p, factors[id(p)], value):
+            pass  # each block is written into value as it is made
+        return p.with_value(value, owned=True)
+
+    return graph.map_params(scaled)
+
+
+def first_out_of_range(graph: Graph, units, z) -> str | None:
+    """The name of the first param of ``graph`` whose rescaling by z leaves float64 (a finite entry
+    becomes inf or nan, a nonzero one 0), else None: the products of `rescale_graph`, a block of rows
+    at a time into one reused buffer, nothing kept."""
+    buf = np.empty(_BLOCK)
+    with np.errstate(over="ignore", under="ignore"):
+        factors = _entry_factors(graph, units, z)
+        for p in graph.params():
+            for at, block in _scaled_blocks(p, factors[id(p)], None, buf):
+                if not np.isfinite(block).all() or np.count_nonzero(block) != np.count_nonzero(p.value[at]):
+                    return p.name
+    return None
+
+
+def _entry_factors(graph: Graph, units, z) -> dict:
+    """{id(param): (e^{z_e/2}, e^{-z_l/2})} on the units' compact row ends (one of them 1 where |z| is
+    so large that apart they would overflow): no exponential over every entry."""
     z = _z(units, z)
     params = graph.params()
     check_units_match(params, units)
     half = np.append(z / 2, 0.0)  # index H ("no unit") reads 0
-    factors = {}
-    for p, (enter, leave) in zip(params, compact_rows(units)):
-        # e^{z_e/2} and e^{-z_l/2} apart, on the compact ends: no exponential over every entry
-        factors[id(p)] = ((np.exp(half[enter]), np.exp(-half[leave])) if np.abs(half).max() < 300
-                          else (np.exp(half[enter] - half[leave]), 1.0))
-    def scaled(p):
-        f_in, f_out = (np.broadcast_to(f, p.shape) for f in factors[id(p)])
-        value = np.empty(p.shape)
-        rows = max(1, _BLOCK // max(1, p.size // max(1, p.shape[0]))) if p.shape else 1
-        for at in (slice(i, i + rows) for i in range(0, p.shape[0], rows)) if p.shape else [...]:
-            block = np.multiply(p.value[at], f_in[at], out=value[at])  # a block of rows at a time, in cache
-            block *= f_out[at]
-        return p.with_value(value, owned=True)
+    return {id(p): ((np.exp(half[enter]), np.exp(-half[leave])) if np.abs(half).max() < 300
+                    else (np.exp(half[enter] - half[leave]), 1.0))
+            for p, (enter, leave) in zip(params, compact_rows(units))}
 
-    return graph.map_params(scaled)
+
+def _scaled_blocks(p, factors, out: np.ndarray | None, buf: np.ndarray | None = None):
+    """(rows, θ[rows] · f_in · f_out) of param ``p``, a block of leading rows at a time (in cache), written
+    into ``out[rows]``, or into the front of ``buf`` (at least one block's size) when ``out`` is None."""
+    f_in, f_out = (np.broadcast_to(f, p.shape) for f in factors)
+    rows = max(1, _BLOCK // max(1, p.size // max(1, p.shape[0]))) if p.shape else 1
+    for at in (slice(i, i + rows) for i in range(0, p.shape[0], rows)) if p.shape else [...]:
+        part = p.value[at]
+        target = out[at] if out is not None else buf[:part.size].reshape(part.shape)
+        block = np.multiply(part, f_in[at], out=target)
+        block *= f_out[at]
+        yield at, block
 
 
 def log_scales(graph: Graph, units, z) -> dict[str, np.ndarray]:

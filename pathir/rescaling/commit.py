@@ -29,10 +29,10 @@ import numpy as np
 
 from pathir.errors import PathirError
 from pathir.ir import Graph, Role
-from pathir.rescaling.apply import log_scales, rescale_graph
+from pathir.rescaling.apply import first_out_of_range, log_scales, rescale_graph
 from pathir.rescaling.optimizer_state import check_transportable, plan_transport
 
-__all__ = ["commit_rescaling", "rescaled_graph", "check_writable", "check_optimizer"]
+__all__ = ["commit_rescaling", "rescaled_graph", "with_bias_shifts", "check_writable", "check_optimizer"]
 
 
 def rescaled_graph(graph: Graph, units, z) -> Graph:
@@ -49,9 +49,11 @@ def check_writable(graph: Graph, writer) -> None:
         check(graph)
 
 
-def commit_rescaling(graph: Graph, units, z, model=None, writer=None, optimizer=None, bias_shifts=None) -> Graph:
+def commit_rescaling(graph: Graph, units, z, model=None, writer=None, optimizer=None, bias_shifts=None,
+                     rescaled: bool = True) -> Graph | None:
     """Write the rescaling z of ``graph`` into ``model`` through ``writer``, all or nothing,
-    and return the rescaled graph (the caller makes it current).
+    and return the rescaled graph (the caller makes it current); ``rescaled=False`` (a writer is
+    needed): the same checks and write, and None (the caller re-reads the model as written).
 
     ``bias_shifts`` ({bias param name: array added to it after the rescaling}, bias absorption):
     written in the same transaction by ``writer.shift_biases``; a writer without it is refused first.
@@ -66,11 +68,15 @@ def commit_rescaling(graph: Graph, units, z, model=None, writer=None, optimizer=
     if bias_shifts and writer is not None and not hasattr(writer, "shift_biases"):
         raise PathirError(f"bias absorption writes new biases, which {type(writer).__name__} cannot write; "
                           "nothing was changed")
-    new_graph = rescaled_graph(graph, units, z)
-    for p, q in zip(graph.params(), new_graph.params()):
-        if not _kept_in_range(p.value, q.value):
-            raise PathirError(f"the rescaled param '{p.name}' overflows or underflows float64: the rescaling "
-                              "is too large; nothing was changed")
+    if rescaled or writer is None:
+        new_graph = rescaled_graph(graph, units, z)
+        out = next((p.name for p, q in zip(graph.params(), new_graph.params()) if not _kept_in_range(p.value, q.value)),
+                   None)
+    else:  # the same products, checked a block at a time and not kept
+        new_graph, out = None, first_out_of_range(graph, units, z)
+    if out is not None:
+        raise PathirError(f"the rescaled param '{out}' overflows or underflows float64: the rescaling "
+                          "is too large; nothing was changed")
     if writer is not None:
         scales = log_scales(graph, units, z)
         _refuse_train_mode_statistics(model, graph, scales)
@@ -80,7 +86,7 @@ def commit_rescaling(graph: Graph, units, z, model=None, writer=None, optimizer=
             with _transaction(model, float(np.max(np.abs(z), initial=0.0))):
                 writer.rescale(graph, scales)
                 if bias_shifts:
-                    writer.shift_biases(new_graph, bias_shifts)
+                    writer.shift_biases(graph, bias_shifts)  # (names and sources: the same in both)
                 if transport is not None:
                     transport.write()
         except BaseException:
@@ -89,10 +95,14 @@ def commit_rescaling(graph: Graph, units, z, model=None, writer=None, optimizer=
             if state is not None:
                 writer.restore(state)
             raise
-    if bias_shifts:
-        new_graph = new_graph.map_params(lambda p: p.with_value(p.value + bias_shifts[p.name])
-                                         if p.name in bias_shifts else p)
-    return new_graph
+    return None if new_graph is None else with_bias_shifts(new_graph, bias_shifts)
+
+
+def with_bias_shifts(graph: Graph, bias_shifts) -> Graph:
+    """``graph`` with ``bias_shifts[name]`` added to each bias param so named (None: ``graph`` itself)."""
+    if not bias_shifts:
+        return graph
+    return graph.map_params(lambda p: p.with_value(p.value + bias_shifts[p.name]) if p.name in bias_shifts else p)
 
 
 def _kept_in_range(old: np.ndarray, new: np.ndarray, chunk: int = 1 << 18) -> bool:
