@@ -38,16 +38,20 @@ def _z(units, z) -> np.ndarray:
 _BLOCK = 1 << 18
 
 
-def rescale_graph(graph: Graph, units, z) -> Graph:
+def rescale_graph(graph: Graph, units, z, kept=None) -> Graph:
     """The graph with θ ← θ ⊙ exp(-Bz/2) (B from :func:`pathir.analyses.incidence.incidence`).
 
-    Computed param by param from the units' compact row ends, (Bz)_i = z_l(i) - z_e(i), without B.
+    Computed param by param from the units' compact row ends, (Bz)_i = z_l(i) - z_e(i), without B,
+    a block of rows at a time; ``kept(old block, new block) -> bool``, when given, is asked of each
+    block while it is in cache, and a False raises PathirError naming the param (the range check
+    of a write-back, in the same pass).
 
     Parameters
     ----------
     graph : Graph
     units : Units of ``graph`` (from ``find_units``), or of a graph with the same structure
     z : (H,) array of log-scales, one per unit
+    kept : optional predicate on (old, new) blocks of one param
 
     >>> import numpy as np
     >>> from pathir.ir import GraphBuilder, Dense
@@ -78,6 +82,9 @@ def rescale_graph(graph: Graph, units, z) -> Graph:
         for at in (slice(i, i + rows) for i in range(0, p.shape[0], rows)) if p.shape else [...]:
             block = np.multiply(p.value[at], f_in[at], out=value[at])  # a block of rows at a time, in cache
             block *= f_out[at]
+            if kept is not None and not kept(p.value[at], block):
+                raise PathirError(f"the rescaled param '{p.name}' overflows or underflows float64: the rescaling "
+                                  "is too large; nothing was changed")
         return p.with_value(value, owned=True)
 
     return graph.map_params(scaled)

@@ -35,10 +35,11 @@ from pathir.rescaling.optimizer_state import check_transportable, plan_transport
 __all__ = ["commit_rescaling", "rescaled_graph", "check_writable", "check_optimizer"]
 
 
-def rescaled_graph(graph: Graph, units, z) -> Graph:
-    """``graph`` rescaled by z (no model touched; overflow is checked by :func:`commit_rescaling`)."""
+def rescaled_graph(graph: Graph, units, z, kept=None) -> Graph:
+    """``graph`` rescaled by z (no model touched; overflow is checked by :func:`commit_rescaling`,
+    through ``kept``: see :func:`pathir.rescaling.apply.rescale_graph`)."""
     with np.errstate(over="ignore", under="ignore"):
-        return rescale_graph(graph, units, z)
+        return rescale_graph(graph, units, z, kept)
 
 
 def check_writable(graph: Graph, writer) -> None:
@@ -66,11 +67,7 @@ def commit_rescaling(graph: Graph, units, z, model=None, writer=None, optimizer=
     if bias_shifts and writer is not None and not hasattr(writer, "shift_biases"):
         raise PathirError(f"bias absorption writes new biases, which {type(writer).__name__} cannot write; "
                           "nothing was changed")
-    new_graph = rescaled_graph(graph, units, z)
-    for p, q in zip(graph.params(), new_graph.params()):
-        if not _kept_in_range(p.value, q.value):
-            raise PathirError(f"the rescaled param '{p.name}' overflows or underflows float64: the rescaling "
-                              "is too large; nothing was changed")
+    new_graph = rescaled_graph(graph, units, z, _kept_in_range)  # each block range-checked while in cache
     if writer is not None:
         scales = log_scales(graph, units, z)
         _refuse_train_mode_statistics(model, graph, scales)
