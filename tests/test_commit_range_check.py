@@ -29,7 +29,7 @@ def _state(net):
 @pytest.mark.parametrize("blocks", [1, 7])
 def test_an_overflow_in_the_last_entry_of_the_last_tensor_is_refused_untouched(monkeypatch, blocks):
     monkeypatch.setattr(apply, "_BLOCK", blocks)  # rows of one entry: the break is in the last block
-    net, cm = _mlp()
+    net, _ = _mlp()
     with torch.no_grad():
         net[4].weight[-1, -1] = 1e307
     cm = pathir.compile(net, input_shape=(3,))
