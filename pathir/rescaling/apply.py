@@ -22,7 +22,7 @@ from pathir.analyses.incidence import check_units_match, compact_rows
 from pathir.errors import ArgumentError, ArgumentKeyError, PathirError
 from pathir.ir import Graph, NodeKind
 
-__all__ = ["rescale_graph", "first_out_of_range", "log_scales", "apply_log_scales", "check_log_scales", "param_factors"]
+__all__ = ["rescale_graph", "check_rescaling", "log_scales", "apply_log_scales", "check_log_scales", "param_factors"]
 
 
 def _z(units, z) -> np.ndarray:
@@ -38,16 +38,20 @@ def _z(units, z) -> np.ndarray:
 _BLOCK = 1 << 18
 
 
-def rescale_graph(graph: Graph, units, z) -> Graph:
+def rescale_graph(graph: Graph, units, z, kept=None) -> Graph:
     """The graph with θ ← θ ⊙ exp(-Bz/2) (B from :func:`pathir.analyses.incidence.incidence`).
 
-    Computed param by param from the units' compact row ends, (Bz)_i = z_l(i) - z_e(i), without B.
+    Computed param by param from the units' compact row ends, (Bz)_i = z_l(i) - z_e(i), without B,
+    a block of rows at a time; ``kept(old block, new block) -> bool``, when given, is asked of each
+    block while it is in cache, and a False raises PathirError naming the param (the range check
+    of a write-back, in the same pass).
 
     Parameters
     ----------
     graph : Graph
     units : Units of ``graph`` (from ``find_units``), or of a graph with the same structure
     z : (H,) array of log-scales, one per unit
+    kept : optional predicate on (old, new) blocks of one param
 
     >>> import numpy as np
     >>> from pathir.ir import GraphBuilder, Dense
@@ -66,25 +70,28 @@ def rescale_graph(graph: Graph, units, z) -> Graph:
 
     def scaled(p):
         value = np.empty(p.shape)
-        for _ in _scaled_blocks(p, factors[id(p)], value):
-            pass  # each block is written into value as it is made
+        for at, block in _scaled_blocks(p, factors[id(p)], value):
+            _check(p, at, block, kept)
         return p.with_value(value, owned=True)
 
     return graph.map_params(scaled)
 
 
-def first_out_of_range(graph: Graph, units, z) -> str | None:
-    """The name of the first param of ``graph`` whose rescaling by z leaves float64 (a finite entry
-    becomes inf or nan, a nonzero one 0), else None: the products of `rescale_graph`, a block of rows
-    at a time into one reused buffer, nothing kept."""
+def check_rescaling(graph: Graph, units, z, kept) -> None:
+    """Raise PathirError naming the first param of ``graph`` with a block of its rescaling by z for which
+    ``kept(old block, new block)`` is False (the range check of `rescale_graph`, ``kept=``): the same
+    products, a block of rows at a time into one reused buffer, nothing kept."""
     buf = np.empty(_BLOCK)
-    with np.errstate(over="ignore", under="ignore"):
-        factors = _entry_factors(graph, units, z)
-        for p in graph.params():
-            for at, block in _scaled_blocks(p, factors[id(p)], None, buf):
-                if not np.isfinite(block).all() or np.count_nonzero(block) != np.count_nonzero(p.value[at]):
-                    return p.name
-    return None
+    factors = _entry_factors(graph, units, z)
+    for p in graph.params():
+        for at, block in _scaled_blocks(p, factors[id(p)], None, buf):
+            _check(p, at, block, kept)
+
+
+def _check(p, at, block, kept) -> None:
+    if kept is not None and not kept(p.value[at], block):
+        raise PathirError(f"the rescaled param '{p.name}' overflows or underflows float64: the rescaling "
+                          "is too large; nothing was changed")
 
 
 def _entry_factors(graph: Graph, units, z) -> dict:

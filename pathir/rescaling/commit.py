@@ -29,16 +29,17 @@ import numpy as np
 
 from pathir.errors import PathirError
 from pathir.ir import Graph, Role
-from pathir.rescaling.apply import first_out_of_range, log_scales, rescale_graph
+from pathir.rescaling.apply import check_rescaling, log_scales, rescale_graph
 from pathir.rescaling.optimizer_state import check_transportable, plan_transport
 
 __all__ = ["commit_rescaling", "rescaled_graph", "with_bias_shifts", "check_writable", "check_optimizer"]
 
 
-def rescaled_graph(graph: Graph, units, z) -> Graph:
-    """``graph`` rescaled by z (no model touched; overflow is checked by :func:`commit_rescaling`)."""
+def rescaled_graph(graph: Graph, units, z, kept=None) -> Graph:
+    """``graph`` rescaled by z (no model touched; overflow is checked by :func:`commit_rescaling`,
+    through ``kept``: see :func:`pathir.rescaling.apply.rescale_graph`)."""
     with np.errstate(over="ignore", under="ignore"):
-        return rescale_graph(graph, units, z)
+        return rescale_graph(graph, units, z, kept)
 
 
 def check_writable(graph: Graph, writer) -> None:
@@ -68,15 +69,12 @@ def commit_rescaling(graph: Graph, units, z, model=None, writer=None, optimizer=
     if bias_shifts and writer is not None and not hasattr(writer, "shift_biases"):
         raise PathirError(f"bias absorption writes new biases, which {type(writer).__name__} cannot write; "
                           "nothing was changed")
-    if rescaled or writer is None:
-        new_graph = rescaled_graph(graph, units, z)
-        out = next((p.name for p, q in zip(graph.params(), new_graph.params()) if not _kept_in_range(p.value, q.value)),
-                   None)
-    else:  # the same products, checked a block at a time and not kept
-        new_graph, out = None, first_out_of_range(graph, units, z)
-    if out is not None:
-        raise PathirError(f"the rescaled param '{out}' overflows or underflows float64: the rescaling "
-                          "is too large; nothing was changed")
+    if rescaled or writer is None:  # each block range-checked while in cache
+        new_graph = rescaled_graph(graph, units, z, _kept_in_range)
+    else:  # the same products and check, a block at a time into one buffer: no graph kept
+        new_graph = None
+        with np.errstate(over="ignore", under="ignore"):
+            check_rescaling(graph, units, z, _kept_in_range)
     if writer is not None:
         scales = log_scales(graph, units, z)
         _refuse_train_mode_statistics(model, graph, scales)
