@@ -117,9 +117,12 @@ def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_sc
     bar.phase("report")
     rescaled = rescale_graph(graph, units, z)
     after = {p.name: p for p in quantized_params(rescaled)}
-    rows = [TensorRow(p.source_name, _spread(p.value), _spread(after[p.name].value),
-                      quantized_sqnr_db(p.value, bits), quantized_sqnr_db(after[p.name].value, bits))
-            for p in params]
+    from threadpoolctl import threadpool_limits  # lazy: spares `import pathir` the package
+
+    with threadpool_limits(limits=1, user_api="blas"):  # threaded dot products spin 2-15x slower on a busy machine
+        rows = [TensorRow(p.source_name, _spread(p.value), _spread(after[p.name].value),
+                          quantized_sqnr_db(p.value, bits), quantized_sqnr_db(after[p.name].value, bits))
+                for p in params]
     scale = _input_scale(inputs)
     bound_before = bound_after = None
     observed = (None, None)

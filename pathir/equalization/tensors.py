@@ -226,15 +226,21 @@ def sqnr_db(value: np.ndarray, quantized: np.ndarray) -> float:
 
 def quantized_sqnr_db(value: np.ndarray, bits: int, chunk: int = 1 << 20) -> float:
     """``sqnr_db(value, quantize(value, bits))`` (per tensor), a block of ``chunk`` entries at a time: no
-    temporary of the tensor's size."""
+    temporary of the tensor's size, and one reused buffer for the rounding error (the same operations as
+    ``quantize``, in place)."""
     flat = np.asarray(value, dtype=np.float64).reshape(-1)
     R = float(np.max(np.abs(flat), initial=0.0))
     step = R / (2 ** (int(bits) - 1) - 1) if R > 0 else 1.0
     signal = noise = 0.0
+    buffer = np.empty(min(chunk, flat.size))
     for i in range(0, flat.size, chunk):
         part = flat[i:i + chunk]
+        err = buffer[:part.size]
+        np.divide(part, step, out=err)
+        np.rint(err, out=err)  # np.round's rounding (half to even)
+        err *= step
+        np.subtract(part, err, out=err)
         signal += float(np.dot(part, part))
-        err = part - np.round(part / step) * step
         noise += float(np.dot(err, err))
     return np.inf if noise == 0 else 10.0 * np.log10(signal / noise) if signal > 0 else -np.inf
 
