@@ -83,6 +83,8 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
                                 heads=bool(writer.train_paths)).graph  # the outputs it was compiled with
             return run_passes(raw, pipeline, check=False)
 
+        relower.covers = lambda moved: reread is not None and reread.covers(moved)  # a re-read without tracing
+
     bar.phase("passes")
     graph = run_passes(graph, (*DEFAULT_PIPELINE, *passes), check=check)
     cm = Compiled(graph, model=model, writer=writer, source_num_params=n_src, backend=backend, name=name,

@@ -354,9 +354,10 @@ class Compiled:
         except BaseException:  # restored exactly: the model matches the graph again
             self._mark()
             raise
-        if new_graph is None and self._watch.changed() == "values":
+        if new_graph is None and self._watch.changed() == "values" and self._relower.covers(self._watch.moved()):
             return  # the next query re-reads the values the model holds now (docs/live.md): no graph built here
-        if new_graph is None:  # a module replaced (a clipped ReLU made per-channel): the graph is rescaled here
+        if new_graph is None:  # a module replaced (a clipped ReLU made per-channel), or a re-read would trace:
+            # the graph is rescaled here
             new_graph = with_bias_shifts(rescaled_graph(facts.graph, facts.units, z), bias_shifts)
         self._mark()
         self._facts = facts.with_values(new_graph)

@@ -51,3 +51,20 @@ def test_a_refused_rescaling_leaves_the_model_and_the_graph_as_they_were():
         cm.commit_rescaling(z)
     assert all(torch.equal(v, state[k]) for k, v in net.state_dict().items())
     assert cm.graph is graph
+
+
+def test_where_a_re_read_would_trace_again_the_graph_is_rescaled_at_write_time():
+    """A weight_norm layer's weight is computed by a hook: no re-read without tracing covers it, so the
+    write-back makes the float64 rescaled graph current at once and the model stays marked as read."""
+    torch.manual_seed(1)
+    net = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(4, 6)), nn.ReLU(), nn.Linear(6, 2)).double()
+    cm = pathir.compile(net, input_shape=(4,))
+    graph = cm.graph
+    x = torch.randn(5, 4, dtype=torch.float64)
+    before = net(x).detach()
+    z = np.linspace(-1.0, 1.0, len(cm.units))
+    cm.commit_rescaling(z)
+    assert cm._watch.changed() is None and cm._facts.graph is not graph
+    for p, q in zip(cm.graph.params(), pathir.compile(net, input_shape=(4,)).graph.params(), strict=True):
+        np.testing.assert_allclose(p.value, q.value, rtol=1e-12, atol=0)
+    torch.testing.assert_close(net(x).detach(), before, rtol=1e-12, atol=1e-12)

@@ -81,9 +81,12 @@ def check_rescaling(graph: Graph, units, z, kept) -> None:
     """Raise PathirError naming the first param of ``graph`` with a block of its rescaling by z for which
     ``kept(old block, new block)`` is False (the range check of `rescale_graph`, ``kept=``): the same
     products, a block of rows at a time into one reused buffer, nothing kept."""
-    buf = np.empty(_BLOCK)
+    buf = np.empty(0)
     factors = _entry_factors(graph, units, z)
     for p in graph.params():
+        row = p.size // max(1, p.shape[0]) if p.shape else 1
+        if buf.size < min(p.size, max(_BLOCK, row)):  # a block holds one row at least
+            buf = np.empty(min(p.size, max(_BLOCK, row)))
         for at, block in _scaled_blocks(p, factors[id(p)], None, buf):
             _check(p, at, block, kept)
 
