@@ -40,10 +40,6 @@ class RankOne:
         return cls(*(np.array(backend.to_numpy(x), dtype=np.float64).reshape(-1) for x in (b, a)))
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return (len(self.b), len(self.a))
-
-    @property
     def size(self) -> int:
         return len(self.b) * len(self.a)
 
