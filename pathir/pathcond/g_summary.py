@@ -156,7 +156,9 @@ def summarize_factored(g: list, rows: CompactRows):
     rest, ends, shapes, grids, summaries = [], [], [], [], []
     for part, shape, (enter, leave) in zip(g, rows.shapes, rows.ends, strict=True):
         if not isinstance(part, RankOne):
-            rest.append(part), ends.append((enter, leave)), shapes.append(shape)
+            rest.append(part)
+            ends.append((enter, leave))
+            shapes.append(shape)
             continue
         e, l = row_and_column_units(enter, leave, shape)
         grid = FactoredGrid.of_outer(part.b, part.a, e, l, H)

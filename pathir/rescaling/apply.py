@@ -81,13 +81,9 @@ def check_rescaling(graph: Graph, units, z, kept) -> None:
     """Raise PathirError naming the first param of ``graph`` with a block of its rescaling by z for which
     ``kept(old block, new block)`` is False (the range check of `rescale_graph`, ``kept=``): the same
     products, a block of rows at a time into one reused buffer, nothing kept."""
-    buf = np.empty(0)
     factors = _entry_factors(graph, units, z)
     for p in graph.params():
-        row = p.size // max(1, p.shape[0]) if p.shape else 1
-        if buf.size < min(p.size, max(_BLOCK, row)):  # a block holds one row at least
-            buf = np.empty(min(p.size, max(_BLOCK, row)))
-        for at, block in _scaled_blocks(p, factors[id(p)], None, buf):
+        for at, block in _scaled_blocks(p, factors[id(p)], None):
             _check(p, at, block, kept)
 
 
@@ -109,14 +105,16 @@ def _entry_factors(graph: Graph, units, z) -> dict:
             for p, (enter, leave) in zip(params, compact_rows(units))}
 
 
-def _scaled_blocks(p, factors, out: np.ndarray | None, buf: np.ndarray | None = None):
+def _scaled_blocks(p, factors, out: np.ndarray | None):
     """(rows, θ[rows] · f_in · f_out) of param ``p``, a block of leading rows at a time (in cache), written
-    into ``out[rows]``, or into the front of ``buf`` (at least one block's size) when ``out`` is None."""
+    into ``out[rows]``, or into one scratch block reused block after block when ``out`` is None."""
     f_in, f_out = (np.broadcast_to(f, p.shape) for f in factors)
     rows = max(1, _BLOCK // max(1, p.size // max(1, p.shape[0]))) if p.shape else 1
+    scratch = np.empty(min(p.size, rows * (p.size // max(1, p.shape[0])))) if out is None and p.shape else None
     for at in (slice(i, i + rows) for i in range(0, p.shape[0], rows)) if p.shape else [...]:
         part = p.value[at]
-        target = out[at] if out is not None else buf[:part.size].reshape(part.shape)
+        target = out[at] if out is not None else part.copy() if scratch is None else \
+            scratch[:part.size].reshape(part.shape)
         block = np.multiply(part, f_in[at], out=target)
         block *= f_out[at]
         yield at, block
