@@ -38,14 +38,15 @@ def test_stacked_smoothed_maxima_equal_the_definition(seed, p, sign, one_by_one)
     rng = np.random.default_rng(seed)
     H = 12
     logs, rows, cols = [], [], []
-    for _ in range(rng.integers(1, 6)):
-        r = np.sort(rng.choice(H + 1, rng.integers(1, 6), replace=False))  # H: "no unit"
-        c = np.sort(rng.choice(H + 1, rng.integers(1, 6), replace=False))
+    for _ in range(rng.integers(1, 7)):
+        shape = (rows[-1].size, cols[-1].size) if logs and rng.random() < 0.5 else rng.integers(1, 6, size=2)
+        r = np.sort(rng.choice(H + 1, shape[0], replace=False))  # H: "no unit"; grids of one shape are stacked
+        c = np.sort(rng.choice(H + 1, shape[1], replace=False))
         log = rng.normal(scale=3, size=(r.size, c.size))
         log[rng.random(log.shape) < rng.choice([0.3, 0.8])] = -np.inf  # dense, or kept sparse
         logs.append(log), rows.append(r), cols.append(c)
     old = stack_module.ONE_BY_ONE
-    stack_module.ONE_BY_ONE = one_by_one  # some grids alone, the others stacked
+    stack_module.ONE_BY_ONE = one_by_one  # dense grids above it stacked by shape, the others in the sparse block
     try:
         stack = GridStack(logs, rows, cols, sign)
     finally:
@@ -53,7 +54,7 @@ def test_stacked_smoothed_maxima_equal_the_definition(seed, p, sign, one_by_one)
     zp = np.append(rng.normal(scale=2, size=H), 0.0)
     with pytest.MonkeyPatch.context() as mp:
         if not math.isinf(p):
-            mp.setattr(stack_module._Grid, "cells", _never)
+            mp.setattr(stack_module, "_by_cells", _never)
         for move in (0.0, 20.0, 0.1):
             zp[:H] += rng.normal(scale=move, size=H)
             values, rm, cm = stack.lse(zp, p, True)

@@ -3,18 +3,20 @@
 Tensor T's grid holds log values l_rc (-inf where no entry of T is that unit pair); the term is, per
 tensor, the log-sum-exp at sharpness p of l_rc + σ(z_r − z_c)/2 (its max for p = inf), with the
 softmax's row and column sums as marginals. With A = e^{p(l − max l)} precomputed, a tensor costs two
-mat-vecs and no exponential per cell. Large grids are evaluated one by one (dense BLAS, or sparse
-where mostly empty); the many small ones (depthwise, 1×1 and classifier layers of zoo models) share
-one block-diagonal sparse matrix, so an evaluation makes a handful of calls instead of two per tensor.
-Rows (and columns) of all tensors are laid end to end: tensor t's rows are ``row_slice(t)``.
+mat-vecs and no exponential per cell. Large dense grids of one shape (the 1×1 convolutions of a stage)
+are stacked and evaluated by one batched BLAS product per shape; every other grid (small ones, and
+mostly empty ones such as grouped convolutions) shares one block-diagonal sparse matrix. An evaluation
+makes a handful of calls however many tensors there are. Rows (and columns) of all tensors are laid
+end to end: tensor t's rows are ``row_slice(t)``.
 
 A is taken at a centre z⁰: A = e^{p(l_rc + σ(z⁰_r − z⁰_c)/2 − top)}, its largest entry 1, and a call at z
 scales rows and columns by the move z − z⁰. Far from the centre at a high sharpness the scaled product
 under- or overflows (the cells that dominate at z were below e^{-745} at z⁰); then A is taken again
-centred at z, where the product is at least 1, and only if that fails too is the grid summed cell by
-cell. A re-centring costs one pass over the grid, as a cell-by-cell sum does, and serves the calls
-near z after it: the noise objective's solve re-centres a few times per stage; the range objective's
-sharpest stages (p = 64, 256), whose trial points jump, still re-centre at most calls.
+centred at z (only that grid's, in a stack of dense grids), where the product is at least 1, and only if
+that fails too is the grid summed cell by cell. A re-centring costs one pass over the grid, as a
+cell-by-cell sum does, and serves the calls near z after it: the noise objective's solve re-centres a
+few times per stage; the range objective's sharpest stages (p = 64, 256), whose trial points jump,
+still re-centre at most calls.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import scipy.sparse as sp
 
 __all__ = ["GridStack"]
 
-#: grids larger than this are evaluated one by one; smaller ones together
+#: dense grids larger than this are stacked by shape (batched BLAS); smaller ones join the sparse block
 ONE_BY_ONE = 32768
-#: a grid evaluated alone is kept sparse where fewer than this fraction of its cells is filled
+#: a grid is sparse (it joins the sparse block whatever its size) where fewer than this fraction of its
+#: cells is filled
 SPARSE_FILL = 0.25
 #: a product below this (or not finite) is redone cell by cell
 _UNDERFLOW = 1e-250
@@ -47,65 +50,76 @@ def _lse(a: np.ndarray, p: float, marginals: bool):
     return value, (e.sum(axis=1) / total, e.sum(axis=0) / total)
 
 
-class _Grid:
-    """One large grid: A centred at some z⁰ per sharpness (dense, or sparse where mostly empty)."""
+def _by_cells(log: np.ndarray, zr: np.ndarray, zc: np.ndarray, sign: float, p: float, marginals: bool):
+    """One grid's smoothed max (and marginals) at (zr, zc), summed cell by cell: at p = inf, and where a
+    product failed even at its own centre."""
+    return _lse(log + sign * 0.5 * (zr[:, None] - zc[None, :]), p, marginals)
 
-    def __init__(self, log: np.ndarray, sign: float):
-        self.log, self.sign = log, sign
-        self.top = float(np.max(log))
-        self.sparse = np.count_nonzero(np.isfinite(log)) < SPARSE_FILL * log.size
-        if self.sparse:  # the filled cells in row-major (CSR) order, and the order of Aᵀ's CSR
-            self.r, self.c = np.nonzero(np.isfinite(log))
-            self.filled = log[self.r, self.c]
-            self.by_col = np.lexsort((self.r, self.c))
-            self.indptr = np.concatenate([[0], np.cumsum(np.bincount(self.r, minlength=log.shape[0]))])
-            self.indptr_t = np.concatenate([[0], np.cumsum(np.bincount(self.c, minlength=log.shape[1]))])
-        self.cache: dict[float, tuple] = {}  # p -> (A, Aᵀ, z⁰ rows, z⁰ cols, top at z⁰): two sharpnesses at a time
 
-    def _centre(self, p: float, zr: np.ndarray, zc: np.ndarray) -> tuple:
-        """A at sharpness p centred at (zr, zc), cached (replacing the entry of p)."""
-        if p not in self.cache and len(self.cache) > 1:
-            self.cache.pop(max(self.cache))  # the stage before's sharpness
-        if self.sparse:
-            shifted = self.filled + self.sign * 0.5 * (zr[self.r] - zc[self.c])
-            top = float(np.max(shifted))
-            e = np.exp(p * (shifted - top))
-            R, C = self.log.shape
-            A = sp.csr_array((e, self.c, self.indptr), shape=(R, C))
-            At = sp.csr_array((e[self.by_col], self.r[self.by_col], self.indptr_t), shape=(C, R))
+class _Batch:
+    """Dense grids of one shape R × C, stacked: A (G, R, C) centred per grid, one batched BLAS product per
+    evaluation for all G. ``rows`` (G, R) and ``cols`` (G, C): each grid's rows and columns in the
+    end-to-end layout."""
+
+    def __init__(self, logs: list[np.ndarray], rows: np.ndarray, cols: np.ndarray, sign: float):
+        self.logs, self.rows, self.cols, self.sign = logs, rows, cols, sign
+        self.cache: dict[float, tuple] = {}  # p -> (A, z⁰ rows, z⁰ cols, tops at z⁰): two sharpnesses at a time
+
+    def _centre(self, p: float, zr: np.ndarray, zc: np.ndarray, which) -> tuple:
+        """A at sharpness p with grids ``which`` (all where p is new) centred at their rows of (zr, zc)."""
+        entry = self.cache.get(p)
+        if entry is None:
+            if len(self.cache) > 1:
+                self.cache.pop(max(self.cache))
+            G, (R, C) = len(self.logs), self.logs[0].shape
+            entry = self.cache[p] = (np.empty((G, R, C)), np.empty((G, R)), np.empty((G, C)), np.empty(G))
+            which = range(G)
+        A, zr0, zc0, tops = entry
+        for g in which:
+            shifted = self.logs[g] + self.sign * 0.5 * (zr[g][:, None] - zc[g][None, :])
+            tops[g] = float(np.max(shifted))
+            np.exp(p * (shifted - tops[g]), out=A[g])
+            zr0[g], zc0[g] = zr[g], zc[g]
+        return entry
+
+    def _products(self, zr: np.ndarray, zc: np.ndarray, p: float, entry: tuple, marginals: bool):
+        """(tops + scale shifts, u, v, A v, uᵀ A or None, totals uᵀ A v) per grid. With ``marginals`` both
+        products of a grid run back to back, the second on a grid still in cache: one pass over memory."""
+        A, zr0, zc0, tops = entry
+        sr, sc = self.sign * 0.5 * p * (zr - zr0), -self.sign * 0.5 * p * (zc - zc0)
+        mr, mc = sr.max(axis=1), sc.max(axis=1)
+        u, v = np.exp(sr - mr[:, None]), np.exp(sc - mc[:, None])
+        if marginals:
+            Av, Atu = np.empty_like(u), np.empty_like(v)
+            for g in range(A.shape[0]):
+                np.matmul(A[g], v[g], out=Av[g])
+                np.matmul(u[g], A[g], out=Atu[g])
         else:
-            shifted = self.log + self.sign * 0.5 * (zr[:, None] - zc[None, :])
-            top = float(np.max(shifted))
-            A = np.exp(p * (shifted - top))
-            At = A.T
-        self.cache[p] = (A, At, zr.copy(), zc.copy(), top)
-        return self.cache[p]
+            Av, Atu = np.matmul(A, v[:, :, None])[:, :, 0], None
+        totals = np.einsum("gr,gr->g", u, Av)
+        return tops + (mr + mc) / p, u, v, Av, Atu, totals
 
-    def cells(self, zr, zc, p, marginals):
-        return _lse(self.log + self.sign * 0.5 * (zr[:, None] - zc[None, :]), p, marginals)
-
-    def lse(self, zr: np.ndarray, zc: np.ndarray, p: float, marginals: bool):
-        if not math.isfinite(self.top) or math.isinf(p):
-            return self.cells(zr, zc, p, False)
-        entry, centred = self.cache.get(p), False
+    def lse(self, zr_all: np.ndarray, zc_all: np.ndarray, p: float, marginals: bool):
+        """(values (G,), row marginals (G, R), column marginals (G, C)) at the rows' and columns' z laid end to
+        end, and the grids whose product failed even at their own centre (the caller sums them cell by cell)."""
+        zr, zc = zr_all[self.rows], zc_all[self.cols]
+        entry, centred = self.cache.get(p), np.zeros(len(self.logs), dtype=bool)
+        if entry is None:
+            entry, centred[:] = self._centre(p, zr, zc, None), True
         while True:
-            if entry is None:
-                entry, centred = self._centre(p, zr, zc), True
-            A, At, zr0, zc0, top = entry
-            sr, sc = self.sign * 0.5 * p * (zr - zr0), -self.sign * 0.5 * p * (zc - zc0)
-            mr, mc = float(sr.max()), float(sc.max())
-            u, v = np.exp(sr - mr), np.exp(sc - mc)
-            Av = A @ v
-            total = float(u @ Av)
-            if total > _UNDERFLOW and math.isfinite(total):
-                value = top + (mr + mc + math.log(total)) / p
-                if not marginals:
-                    return value, None
-                return value, (u * Av / total, v * (At @ u) / total)
-            if centred:  # not even at its own centre (cannot happen but for a NaN z)
+            base, u, v, Av, Atu, totals = self._products(zr, zc, p, entry, marginals)
+            ok = (totals > _UNDERFLOW) & np.isfinite(totals)
+            redo = ~ok & ~centred
+            if not redo.any():
                 break
-            entry = None  # the product under- or overflowed: centre A here
-        return self.cells(zr, zc, p, marginals)
+            self._centre(p, zr, zc, np.flatnonzero(redo))  # under- or overflowed: centre those grids here, once
+            centred |= redo
+        with np.errstate(divide="ignore", invalid="ignore"):
+            values = np.where(ok, base + np.log(np.where(ok, totals, 1.0)) / p, -np.inf)
+        if not marginals:
+            return values, None, None, np.flatnonzero(~ok)
+        scale = np.where(ok, 1.0 / np.where(ok, totals, 1.0), 0.0)[:, None]
+        return values, u * Av * scale, v * Atu * scale, np.flatnonzero(~ok)
 
 
 class GridStack:
@@ -114,8 +128,8 @@ class GridStack:
 
     def __init__(self, logs: list[np.ndarray], rows: list[np.ndarray], cols: list[np.ndarray], sign: float):
         self.T, self.sign = len(logs), sign
-        self.grids = [_Grid(log, sign) for log in logs]
-        self.top = np.array([g.top for g in self.grids])
+        self.logs = logs
+        self.top = np.array([float(np.max(log)) if log.size else -math.inf for log in logs])
         self.row_unit = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
         self.col_unit = np.concatenate(cols) if cols else np.zeros(0, dtype=np.int64)
         self.row_off = np.concatenate([[0], np.cumsum([r.size for r in rows])]).astype(np.int64)
@@ -123,8 +137,18 @@ class GridStack:
         self.row_owner = np.repeat(np.arange(self.T), np.diff(self.row_off))
         self.col_owner = np.repeat(np.arange(self.T), np.diff(self.col_off))
         finite = np.isfinite(self.top)
-        self.alone = [t for t in range(self.T) if finite[t] and logs[t].size > ONE_BY_ONE]
-        self.together = np.array([t for t in range(self.T) if finite[t] and logs[t].size <= ONE_BY_ONE], dtype=np.int64)
+        by_shape: dict[tuple, list[int]] = {}
+        for t in np.flatnonzero(finite).tolist():
+            if logs[t].size > ONE_BY_ONE and np.count_nonzero(np.isfinite(logs[t])) >= SPARSE_FILL * logs[t].size:
+                by_shape.setdefault(logs[t].shape, []).append(t)
+        self.batched = [np.array(ts, dtype=np.int64) for ts in by_shape.values()]
+        self.batches = [_Batch([logs[t] for t in ts], self.row_off[ts][:, None] + np.arange(logs[ts[0]].shape[0]),
+                               self.col_off[ts][:, None] + np.arange(logs[ts[0]].shape[1]), sign)
+                        for ts in self.batched]
+        stacked = np.zeros(self.T, dtype=bool)
+        for ts in self.batched:
+            stacked[ts] = True
+        self.together = np.flatnonzero(finite & ~stacked)
         r_idx, c_idx, vals, owner = [], [], [], []
         for t in self.together:
             r, c = np.nonzero(np.isfinite(logs[t]))
@@ -176,9 +200,11 @@ class GridStack:
         rm = np.zeros(self.row_unit.size) if marginals and not math.isinf(p) else None
         cm = np.zeros(self.col_unit.size) if rm is not None else None
         zr_all, zc_all = zp[self.row_unit], zp[self.col_unit]
-        one_by_one = list(self.alone)
+        one_by_one = []
         if math.isinf(p):
             one_by_one += list(self.together)
+            for ts in self.batched:
+                one_by_one += list(ts)
         elif self.together.size:
             entry, centred = self.cache.get(p), False
             if entry is None:
@@ -194,9 +220,16 @@ class GridStack:
                 scale[ok] = 1.0 / totals[ok]
                 rm[:] = u * Av * scale[self.row_owner]
                 cm[:] = v * (At @ u) * scale[self.col_owner]
+        if not math.isinf(p):
+            for ts, batch in zip(self.batched, self.batches):
+                vals, rows, cols, failed = batch.lse(zr_all, zc_all, p, rm is not None)
+                values[ts] = vals
+                if rows is not None:
+                    rm[batch.rows], cm[batch.cols] = rows, cols
+                one_by_one += list(ts[failed])
         for t in one_by_one:
             rs, cs = self.row_slice(t), self.col_slice(t)
-            value, marg = self.grids[t].lse(zr_all[rs], zc_all[cs], p, rm is not None)
+            value, marg = _by_cells(self.logs[t], zr_all[rs], zc_all[cs], self.sign, p, rm is not None)
             values[t] = value
             if marg is not None:
                 rm[rs], cm[cs] = marg
