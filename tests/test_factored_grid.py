@@ -1,5 +1,6 @@
 """FactoredGrid's separable sums against its pairs formed one by one (the definition) and against
-`PairLaplacian` on the materialised pairs, masses and z spanning far more than float64's range."""
+`PairLaplacian` on the materialised pairs, masses and z spanning far more than float64's range; rank
+one (a dense layer) and rank k (a 1×1 convolution: rows U_e, V_l of k entries within 1e100)."""
 
 import math
 
@@ -25,10 +26,20 @@ def grids(draw):
         units = np.flatnonzero(rng.random(H + 1) < rng.uniform(0.2, 1.0))
         sides.append(units if units.size else np.array([rng.integers(H + 1)]))
     enter, leave = sides
+    factors = ()
+    k = draw(st.sampled_from([0, 0, 1, 3]))  # 0: rank one; else rank-k rows
+    if k:
+        factors = tuple(_bounded_rows(rng, n, k, draw(st.sampled_from([1.0, 1e6, 1e99]))) for n in (enter.size, leave.size))
     grid = FactoredGrid(enter, leave, rng.uniform(-spread, spread, enter.size),
-                        rng.uniform(-spread, spread, leave.size), H)
+                        rng.uniform(-spread, spread, leave.size), H, *factors)
     z = rng.normal(size=H) * draw(st.sampled_from([0.0, 0.5, 30.0, 250.0]))
     return grid, z, rng.normal(size=H)
+
+
+def _bounded_rows(rng, n: int, k: int, spread: float) -> np.ndarray:
+    """n rows of k entries in [1/spread, 1], each row's largest exactly 1."""
+    rows = np.exp(rng.uniform(-math.log(spread), 0.0, (n, k)))
+    return rows / rows.max(axis=1, keepdims=True)
 
 
 def _log_terms(grid: FactoredGrid, z: np.ndarray):
@@ -118,6 +129,38 @@ def test_of_outer_gives_the_pairs_that_grouping_g_gives(layer):
     np.testing.assert_array_equal(got.enter, expected.enter)
     np.testing.assert_array_equal(got.leave, expected.leave)
     np.testing.assert_allclose(got.log_mass, expected.log_mass, rtol=1e-12, atol=1e-12)
+
+
+@settings(derandomize=True, max_examples=150, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 4), st.sampled_from([1.0, 1e3, 1e99]), st.booleans())
+def test_of_low_rank_gives_the_pairs_that_grouping_g_gives(seed, k, spread, pinned):
+    """g = b aᵀ of rank k (rows within ``spread``, some all zero), outputs entering distinct units or all
+    pinned, inputs leaving units in runs (a flatten) or one each: the grid's pairs are g's grouped."""
+    rng = np.random.default_rng(seed)
+    H = int(rng.integers(1, 8))
+    out, channels, run = int(rng.integers(1, 6)), int(rng.integers(1, 5)), int(rng.choice([1, 3]))
+    enter = np.full(out, H) if pinned else rng.integers(0, H + 1, out)
+    leave = np.repeat(rng.integers(0, H + 1, channels), run)
+    b = _bounded_rows(rng, out, k, spread) * np.exp(rng.uniform(-300, 300, (out, 1))) * (rng.random((out, 1)) < 0.8)
+    a = _bounded_rows(rng, leave.size, k, spread) * np.exp(rng.uniform(-300, 300, (leave.size, 1))) \
+        * (rng.random((leave.size, 1)) < 0.8)
+    expected_logs = np.full((out, leave.size), -np.inf)
+    live = np.outer(b.max(1) > 0, a.max(1) > 0)
+    bs, as_ = b.max(1, keepdims=True), a.max(1, keepdims=True)
+    with np.errstate(divide="ignore"):  # log g in log space: row scales apart, the normalised rows' products
+        expected_logs[live] = (np.log(bs) + np.log(as_).T + np.log((b / np.where(bs > 0, bs, 1)) @ (a / np.where(as_ > 0, as_, 1)).T))[live]
+    pairs = {}  # (unit entered, unit left) -> log Σ g over its entries, the grouping's definition
+    for o, i in zip(*np.nonzero(live)):
+        pairs.setdefault((int(enter[o]), int(leave[i])), []).append(expected_logs[o, i])
+    keys = sorted(pairs)
+    grid = FactoredGrid.of_low_rank(b, a, enter, leave, H)
+    if grid is None:
+        assert not keys
+        return
+    got = grid.materialise()
+    assert list(zip(got.enter.tolist(), got.leave.tolist())) == keys
+    want = [max(v) + math.log(sum(math.exp(x - max(v)) for x in v)) for v in (pairs[key] for key in keys)]
+    np.testing.assert_allclose(got.log_mass, want, rtol=1e-12, atol=1e-9)
 
 
 @settings(derandomize=True, max_examples=150, deadline=None)

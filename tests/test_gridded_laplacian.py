@@ -1,5 +1,5 @@
-"""GriddedLaplacian (pairs plus factored grids) against PairLaplacian on the same pairs all
-materialised and merged (the definition), masses and z spanning beyond float64's range."""
+"""GriddedLaplacian (pairs plus factored grids, rank one or rank k) against PairLaplacian on the same
+pairs all materialised and merged (the definition), masses and z spanning beyond float64's range."""
 
 import math
 
@@ -23,6 +23,11 @@ def merged(parts: list[Pairs], H: int) -> Pairs:
     return Pairs(segment_logsumexp(log_mass[order], starts), sk[starts] // (H + 1), sk[starts] % (H + 1), H)
 
 
+def _bounded_rows(rng, n: int, k: int) -> np.ndarray:
+    rows = np.exp(rng.uniform(-228.0, 0.0, (n, k)))  # within 1e99
+    return rows / rows.max(axis=1, keepdims=True)
+
+
 @st.composite
 def problems(draw):
     """Rest pairs (possibly none, linear masses or log only) and one to three grids over H units,
@@ -44,8 +49,10 @@ def problems(draw):
         leave = np.flatnonzero(rng.random(H) < 0.6)  # never (none, none)
         enter = enter if enter.size else np.array([0])
         leave = leave if leave.size else np.array([0])
+        k = draw(st.sampled_from([0, 0, 2]))  # rank one, or rank-k rows within 1e99 (a 1×1 convolution)
+        factors = () if not k else tuple(_bounded_rows(rng, n, k) for n in (enter.size, leave.size))
         grids.append(FactoredGrid(enter, leave, rng.uniform(-spread, spread, enter.size) + rng.normal() * spread,
-                                  rng.uniform(-spread, spread, leave.size), H))
+                                  rng.uniform(-spread, spread, leave.size), H, *factors))
     z = rng.normal(size=H) * draw(st.sampled_from([0.0, 1.0, 200.0]))
     return rest, grids, z, rng.normal(size=H), rng.integers(0, 3, H + 1), rng.random(H + 1) < 0.7
 

@@ -1,7 +1,9 @@
-"""cm.pathcond() with large dense layers' diag G kept factored (g = b aᵀ, `pathir.lifting.rank_one`)
-against the same call with every param grouped pair by pair: the same z, report and written model,
-on random torch MLPs (flattened conv-shaped inputs, biases or none, dead units, layers scaled over
-decades), on the torch and numpy backends; and the factors against the dense diag G they stand for."""
+"""cm.pathcond() with large dense layers' and 1×1 convolutions' diag G kept factored (g = b aᵀ,
+`pathir.lifting.low_rank`) against the same call with every param grouped pair by pair: the same z,
+report and written model, on random torch MLPs (flattened conv-shaped inputs, biases or none, dead
+units, layers scaled over decades) and CNNs (1×1 convolutions between padded 3×3 ones, residual
+adds, dead and scaled channels), on the torch and numpy backends; and the factors against the dense
+diag G they stand for."""
 
 import copy
 import math
@@ -13,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pathir
-import pathir.lifting.rank_one as rank_one
+import pathir.lifting.low_rank as low_rank
 from pathir.lifting.diag_g import diag_g_parts
-from pathir.lifting.rank_one import RankOne, factorable
+from pathir.lifting.low_rank import LowRank, factorable
 from pathir.pairs.gridded_pairs import GriddedPairs
 from pathir.pathcond import g_summary
 
@@ -44,10 +46,12 @@ def mlps(draw):
     return torch.nn.Sequential(*layers[:-1]), shape
 
 
-def _pathcond(model, shape, factored: bool, backend=None):
+def _pathcond(model, shape, factored: bool, backend=None, row_spread: float = low_rank.ROW_SPREAD):
     """The report, or the PathirError's message where PathCond refuses (diag G vanishing everywhere)."""
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(rank_one, "MIN_SIZE", 0 if factored else 1 << 62)
+        m.setattr(low_rank, "MIN_SIZE", 0 if factored else 1 << 62)
+        m.setattr(low_rank, "CONV_RATIO", math.inf)
+        m.setattr(low_rank, "ROW_SPREAD", row_spread)
         cm = pathir.compile(model, input_shape=shape)
         try:
             return cm.pathcond(backend=backend)
@@ -75,6 +79,90 @@ def test_pathcond_on_factored_dense_layers_matches_pathcond_on_every_pair(mlp, b
     torch.testing.assert_close(factored(x).detach(), before.detach(), rtol=1e-9, atol=1e-9 * float(before.abs().max()))
 
 
+class _Block(torch.nn.Module):
+    """x + conv1x1(relu(conv3x3(x))) or the plain branch: 1×1 convolutions read maps whose borders differ."""
+
+    def __init__(self, c, hidden, residual, bias):
+        super().__init__()
+        self.a = torch.nn.Conv2d(c, hidden, 3, padding=1, bias=bias)
+        self.b = torch.nn.Conv2d(hidden, c, 1, bias=bias)
+        self.residual = residual
+
+    def forward(self, x):
+        y = self.b(torch.relu(self.a(x)))
+        return torch.relu(x + y if self.residual else y)
+
+
+@st.composite
+def cnns(draw):
+    """(model, input shape): a 1×1 stem, blocks, a 1×1 head, global pooling or a flatten, a Linear; some
+    output channels zeroed (dead units), each conv's channels scaled by up to e^{±spread}."""
+    torch.manual_seed(draw(st.integers(0, 2**31 - 1)))
+    c, side = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    width, bias = draw(st.integers(1, 5)), draw(st.booleans())
+    spread, dead = draw(st.sampled_from([0.0, 2.0, 20.0])), draw(st.sampled_from([0.0, 0.3]))
+    layers = [torch.nn.Conv2d(c, width, 1, bias=bias), torch.nn.ReLU()]
+    for _ in range(draw(st.integers(0, 2))):
+        layers.append(_Block(width, draw(st.integers(1, 4)), draw(st.booleans()), bias))
+    out = draw(st.integers(1, 5))
+    layers += [torch.nn.Conv2d(width, out, 1, bias=bias), torch.nn.ReLU()]
+    layers += [torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()] if draw(st.booleans()) else [torch.nn.Flatten()]
+    layers.append(torch.nn.Linear(out if isinstance(layers[-2], torch.nn.AdaptiveAvgPool2d) else out * side * side,
+                                  draw(st.integers(1, 3))))
+    model = torch.nn.Sequential(*layers).double()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Conv2d):
+                m.weight.mul_(torch.exp(spread * torch.randn(m.out_channels, 1, 1, 1, dtype=torch.float64)))
+                m.weight.mul_((torch.rand(m.out_channels, 1, 1, 1) >= dead).double())
+    return model, (c, side, side)
+
+
+@settings(derandomize=True, max_examples=40, deadline=None)
+@given(cnns(), st.sampled_from(["torch", "numpy"]), st.sampled_from([low_rank.ROW_SPREAD, 1.0 + 1e-9]))
+def test_pathcond_on_factored_pointwise_convs_matches_pathcond_on_every_pair(cnn, backend, row_spread):
+    """Every 1×1 convolution factored (its rows bounded), or only those whose rows are constant (a row
+    spread of 1: the others formed by the walk as any param)."""
+    model, shape = cnn
+    x = torch.randn(5, *shape, dtype=torch.float64)
+    before = model(x).detach()
+    grouped, factored = copy.deepcopy(model), copy.deepcopy(model)
+    a, b = _pathcond(grouped, shape, False, backend), _pathcond(factored, shape, True, backend, row_spread)
+    if isinstance(a, str) or isinstance(b, str):
+        assert a == b
+        return
+    for name in FIELDS:
+        assert getattr(b, name) == pytest.approx(getattr(a, name), rel=1e-9, abs=1e-9), name
+    assert b.degenerate_units == a.degenerate_units and b.converged == a.converged
+    np.testing.assert_allclose(b.z, a.z, rtol=1e-9, atol=1e-9 * max(1.0, np.abs(a.z).max(initial=0.0)))
+    for p, q in zip(grouped.parameters(), factored.parameters()):
+        np.testing.assert_allclose(q.detach().numpy(), p.detach().numpy(), rtol=1e-8, atol=0)
+    torch.testing.assert_close(factored(x).detach(), before, rtol=1e-9, atol=1e-9 * float(before.abs().max()))
+
+
+def test_a_pointwise_convs_factors_multiply_to_its_dense_diag_g(monkeypatch):
+    """A 1×1 convolution after a padded 3×3 one (rows not constant): its LowRank has one column per
+    output position and multiplies to diag G's own part; with a row spread below its rows' it is formed."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 40, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(40, 50, 1),
+                              torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(50 * 4, 2))
+    cm = pathir.compile(net, input_shape=(3, 2, 2))
+    graph, rows = cm.facts.graph, cm.facts.row_ends
+    monkeypatch.setattr(low_rank, "MIN_SIZE", 0)
+    outer = factorable(graph, rows.ends)
+    assert [p.shape for p in graph.params() if id(p) in outer] == [(50, 40, 1, 1), (2, 200)]
+    dense, top = diag_g_parts(graph, "numpy")
+    kept, top_kept = diag_g_parts(graph, "numpy", outer)
+    conv = [k for k in kept if isinstance(k, LowRank) and k.b.ndim == 2]
+    assert len(conv) == 1 and conv[0].b.shape == (50, 4) and conv[0].a.shape == (40, 4)
+    for p, d, k in zip(graph.params(), dense, kept):  # both at their common scales: g = part · e^top
+        got = k.dense().reshape(p.shape) if isinstance(k, LowRank) else k
+        np.testing.assert_allclose(got * math.exp(top_kept - top), d, rtol=1e-12, atol=1e-300)
+    monkeypatch.setattr(low_rank, "ROW_SPREAD", 1.0)
+    formed, _ = diag_g_parts(graph, "numpy", outer)
+    assert not any(isinstance(k, LowRank) and k.b.ndim == 2 for k in formed)
+
+
 def _alexnet_head():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d((4, 4)),
@@ -84,7 +172,7 @@ def _alexnet_head():
 
 def test_the_factors_multiply_to_the_dense_diag_g_and_only_large_dense_params_used_once_qualify(monkeypatch):
     """A conv stem, then three Linears: the two of ≥ 2^16 entries qualify (the first reads a flatten's run
-    of positions per channel unit); their RankOne is diag G's own part, to rounding."""
+    of positions per channel unit); their LowRank is diag G's own part, to rounding."""
     cm = pathir.compile(_alexnet_head(), input_shape=(3, 10, 10))
     graph, rows = cm.facts.graph, cm.facts.row_ends
     outer = factorable(graph, rows.ends)
@@ -94,11 +182,11 @@ def test_the_factors_multiply_to_the_dense_diag_g_and_only_large_dense_params_us
     kept, top_kept = diag_g_parts(graph, "numpy", outer)
     assert top_kept == pytest.approx(top, rel=1e-13)
     for p, d, k in zip(params, dense, kept):
-        assert isinstance(k, RankOne) == (id(p) in outer)
-        np.testing.assert_allclose(k.dense() if isinstance(k, RankOne) else k, d, rtol=1e-12, atol=1e-300)
+        assert isinstance(k, LowRank) == (id(p) in outer)
+        np.testing.assert_allclose(k.dense() if isinstance(k, LowRank) else k, d, rtol=1e-12, atol=1e-300)
     pairs, summary = g_summary.summarize_factored(kept, rows)
     assert isinstance(pairs, GriddedPairs) and len(summary.grids) == len(outer)
-    monkeypatch.setattr(rank_one, "MIN_SIZE", 0)
+    monkeypatch.setattr(low_rank, "MIN_SIZE", 0)
     assert len(factorable(graph, rows.ends)) == 3
 
 
@@ -118,7 +206,7 @@ def test_a_shared_linear_and_a_walk_that_needs_per_channel_scales_stay_dense():
     outer = factorable(graph, facts.row_ends.ends)
     assert outer
     parts, _ = diag_g_parts(graph, "torch", outer)
-    assert not any(isinstance(part, RankOne) for part in parts)
+    assert not any(isinstance(part, LowRank) for part in parts)
     x = torch.randn(3, 300, dtype=torch.float64)
     before = net(x).detach()
     a, b = _pathcond(copy.deepcopy(net), (300,), False), _pathcond(net, (300,), True)

@@ -68,7 +68,7 @@ def arrays_by_source(params, log_parts, what: str, hint: str, layout=None) -> di
 def diag_g_log_parts(graph: Graph, backend, outer=frozenset()) -> list[tuple[np.ndarray, float]]:
     """For each param of ``graph.params()``: (m, L) with g = m·e^L, m ≥ 0 of
     the param's shape and max m = 1 (m = 0, L = -inf where g vanishes). ``outer``: ids of dense
-    params used once (`pathir.lifting.rank_one.factorable`) whose m may come as a `RankOne`."""
+    params used once (`pathir.lifting.low_rank.factorable`) whose m may come as a `LowRank`."""
 
     return param_log_parts(graph, get_backend(backend), 2.0, what="diag G", outer=outer)
 
@@ -76,7 +76,7 @@ def diag_g_log_parts(graph: Graph, backend, outer=frozenset()) -> list[tuple[np.
 def diag_g_parts(graph: Graph, backend=None, outer=frozenset()) -> tuple[list[np.ndarray], float]:
     """([g / max g per param of ``graph.params()``, in its shape], log max g): `diag_g_flat` without
     the flat copy; each array is the walk's own, scaled in place. ``log max g`` is -inf when g = 0.
-    ``outer`` as for `diag_g_log_parts` (a `RankOne` in place of the array where kept factored)."""
+    ``outer`` as for `diag_g_log_parts` (a `LowRank` in place of the array where kept factored)."""
 
     return at_common_scale(diag_g_log_parts(graph, backend, outer))
 

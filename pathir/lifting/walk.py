@@ -22,8 +22,8 @@ from contextlib import contextmanager
 import numpy as np
 
 from pathir.errors import BackendError, InputShapeError, PathirError
-from pathir.ir import Graph, Node, NodeKind
-from pathir.lifting.rank_one import RankOne
+from pathir.ir import Graph, MapKind, Node, NodeKind
+from pathir.lifting.low_rank import LowRank
 from pathir.lifting.scaled import Certifier, Uncertified, robust_param_grads
 from pathir.passes import maxpool_to_sum, path_view
 
@@ -227,9 +227,10 @@ def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = Fal
     product of weights; param_grads[id(param)] = (array, log-scale) with the
     weight-gradient (sum over paths through the parameter of the other factors).
     ``linearize`` and ``certify`` (a backward one) as in :func:`path_forward`.
-    ``outer``: ids of dense params used once whose weight-gradient, on a batch of one, is kept as
-    its factors (a `RankOne` of the target's gradient and the source's value, both certified with
-    their nodes: no product is formed, so nothing of it can underflow).
+    ``outer``: ids of dense and 1×1-convolution params used once (`low_rank.factorable`) whose
+    weight-gradient, on a batch of one, is kept as its factors (a `LowRank` of the target's gradient
+    and the source's value, both certified with their nodes; a convolution's where its rows are
+    `low_rank.rows_bounded`, else formed as any other).
     """
     require_path_graph(graph, linearize)
     cert = certify if certify is not None or seeds is not None else _certifier(graph, backend)
@@ -254,8 +255,12 @@ def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = Fal
                 w = e.map.weight
                 if w is not None and release:
                     release(w)  # the backward walk is its last use: no copy of θ held to the end
+                kept = None
                 if w is not None and x is not None and id(w) in outer and g.shape[0] == 1:
-                    by_param[id(w)] = (RankOne.of(backend, g[0], x.reshape(1, -1)[0]), L + M)
+                    kept = LowRank.of(backend, g[0], x.reshape(1, -1)[0]) if e.map.kind is MapKind.DENSE \
+                        else LowRank.of_conv(backend, g[0], x[0])
+                if kept is not None:
+                    by_param[id(w)] = (kept, L + M)
                 elif w is not None and x is not None:
                     wg = backend.weight_grad(e.map, x, g, src.shape)
                     if cert is not None:
@@ -294,7 +299,7 @@ def param_grads(graph: Graph, backend, q: float = 1.0, forward_graph: Graph | No
     walk ``path_view(maxpool_to_sum(graph), q)``, which gives every edge its own
     Param object, so a shared param has one part per use. Where the fast walks
     cannot certify a node, both walks run again with per-channel log-scales.
-    ``outer``: ids of dense params of ``graph`` used once whose grad the fast walks keep as a `RankOne`
+    ``outer``: ids of dense params of ``graph`` used once whose grad the fast walks keep as a `LowRank`
     (`path_backward`); the per-channel walk gives every grad as an array."""
     try:
         return _fast_param_grads(graph, backend, q, forward_graph, totals, outer)
@@ -345,7 +350,7 @@ def param_log_parts(graph: Graph, backend, q: float, scale=None, what: str = "va
 
     q = 2 gives diag G (docs/math.md §6); q = 1 with scale θ the path-magnitude
     scores (docs/math.md §4). ``totals``: as for `param_grads`. ``outer`` (without ``scale``): as for
-    `param_grads`; such a param's m is a `RankOne` where the walk kept it so.
+    `param_grads`; such a param's m is a `LowRank` where the walk kept it so.
 
     Memory: the walk's param grads are the only full-size arrays. Each is turned
     into its m in place and dropped from the walk's record once read, so the result
@@ -360,7 +365,7 @@ def param_log_parts(graph: Graph, backend, q: float, scale=None, what: str = "va
             if part is None:
                 continue
             grad, log_scale = part
-            if isinstance(grad, RankOne):  # (a param used once: its only term)
+            if isinstance(grad, LowRank):  # (a param used once: its only term)
                 kept = grad.normalised(float(log_scale), what, p.name)
                 if kept is not None:
                     terms.append(kept)
@@ -415,7 +420,7 @@ def at_common_scale(parts: list[tuple]) -> tuple[list, float]:
     top = max((L for _, L in parts), default=-math.inf)
     out = []
     for m, L in parts:
-        if isinstance(m, RankOne):  # its row factor carries the scale
+        if isinstance(m, LowRank):  # its row factor carries the scale
             m.b *= 0.0 if L == -math.inf else math.exp(L - top)
         elif L != top:  # (then top > -inf)
             if not m.flags.writeable:

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from pathir.analyses.unit_rows import CompactRows
-from pathir.lifting.rank_one import RankOne, row_and_column_units
+from pathir.lifting.low_rank import LowRank, row_and_column_units
 from pathir.pairs.factored_grid import FactoredGrid
 from pathir.pairs.gridded_pairs import GriddedPairs
 from pathir.pairs.unit_pairs import group_compact
-from pathir.pathcond.grid_summary import GridSummary
+from pathir.pathcond.grid_summary import GridSummary, LowRankSummary
 from pathir.support.fast_log import log_in_place, sum_log_positive
 
 __all__ = ["GSummary", "summarize", "summarize_factored", "with_grids"]
@@ -40,8 +40,8 @@ class GSummary:
     ``single`` (bool per pair, or None for none) marks the pairs made of one row (every weight of a
     dense layer between unit layers, a bias): their extremes are their g, ``mass`` e^{``log_top``}
     (the pairs' own normalised masses), and ``log_low``, ``log_high``, ``count`` hold only the other
-    pairs', in order. ``grids``: dense params kept factored (`GridSummary`), counted in n, kept
-    and sum_log (`with_grids`)."""
+    pairs', in order. ``grids``: params kept factored (`GridSummary`, `LowRankSummary`), counted in
+    n and kept (`with_grids`) and in `sum_log`; ``rest_sum_log`` is the other params' Σ log g."""
 
     enter: np.ndarray
     leave: np.ndarray
@@ -50,11 +50,16 @@ class GSummary:
     count: np.ndarray
     n: int
     kept: int
-    sum_log: float
+    rest_sum_log: float
     single: np.ndarray | None = None
     mass: np.ndarray | None = None
     log_top: float = 0.0
-    grids: tuple[GridSummary, ...] = ()
+    grids: tuple = ()
+
+    @property
+    def sum_log(self) -> float:
+        """Σ log g_i over the entries > 0 (a factored convolution's read when first asked)."""
+        return math.fsum([self.rest_sum_log] + [g.sum_log for g in self.grids])
 
     def _chunks(self, z: np.ndarray):
         """(shift of the pairs not single, their stored slice, log g and shift of the single ones or None)
@@ -119,8 +124,9 @@ class GSummary:
         kept, n = self.kept, self.n
         bz_all = -float(balance @ z)
         log_s0, log_s1 = f_initial / n, (f_final + bz_all) / n
-        before = kept * (log_s0 - math.log(kept)) - self.sum_log
-        after = kept * (log_s1 - math.log(kept)) - self.sum_log - self.kept_shift(z, balance)
+        sum_log = self.sum_log
+        before = kept * (log_s0 - math.log(kept)) - sum_log
+        after = kept * (log_s1 - math.log(kept)) - sum_log - self.kept_shift(z, balance)
         return float(before), float(after)
 
 
@@ -139,31 +145,34 @@ def summarize(g: np.ndarray, rows):
     return pairs, summary
 
 
-def with_grids(summary: GSummary, grids: tuple[GridSummary, ...]) -> GSummary:
-    """``summary`` (of the params grouped pair by pair) with the dense params kept factored added."""
+def with_grids(summary: GSummary, grids: tuple) -> GSummary:
+    """``summary`` (of the params grouped pair by pair) with the params kept factored added."""
     return dataclasses.replace(summary, n=summary.n + sum(g.n for g in grids),
                                kept=summary.kept + sum(g.kept for g in grids),
-                               sum_log=math.fsum([summary.sum_log] + [g.sum_log for g in grids]),
                                grids=summary.grids + tuple(grids))
 
 
 def summarize_factored(g: list, rows: CompactRows):
-    """`summarize` of g given one part per param, where a part may be a `RankOne` (a dense param's
-    g = b aᵀ kept factored, `pathir.lifting.rank_one`): those become `FactoredGrid`s beside the pairs
-    of the other params (a `GriddedPairs`, the same pairs once materialised) and `GridSummary`s
-    added to their summary; without one, exactly `summarize`."""
+    """`summarize` of g given one part per param, where a part may be a `LowRank` (a dense or 1×1
+    convolution param's g = b aᵀ kept factored, `pathir.lifting.low_rank`): those become
+    `FactoredGrid`s beside the pairs of the other params (a `GriddedPairs`, the same pairs once
+    materialised) and `GridSummary`s (`LowRankSummary`s) added to their summary; without one,
+    exactly `summarize`."""
     H = rows.num_units
     rest, ends, shapes, grids, summaries = [], [], [], [], []
     for part, shape, (enter, leave) in zip(g, rows.shapes, rows.ends, strict=True):
-        if not isinstance(part, RankOne):
+        if not isinstance(part, LowRank):
             rest.append(part)
             ends.append((enter, leave))
             shapes.append(shape)
             continue
         e, l = row_and_column_units(enter, leave, shape)
-        grid = FactoredGrid.of_outer(part.b, part.a, e, l, H)
+        if part.b.ndim == 1:
+            grid, grid_summary = FactoredGrid.of_outer(part.b, part.a, e, l, H), GridSummary.of_outer(part.b, part.a, e, l)
+        else:
+            grid, grid_summary = FactoredGrid.of_low_rank(part.b, part.a, e, l, H), LowRankSummary(part.b, part.a, e, l)
         grids.extend([] if grid is None else [grid])
-        summaries.append(GridSummary.of_outer(part.b, part.a, e, l))
+        summaries.append(grid_summary)
     if not summaries:
         return summarize(g, rows)
     pairs, summary = summarize(rest, CompactRows(tuple(ends), tuple(shapes), rows.balance))

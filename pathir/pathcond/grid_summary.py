@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["GridSummary"]
+__all__ = ["GridSummary", "LowRankSummary"]
+
+#: entries of a low-rank param's product formed at a time
+_BLOCK = 1 << 18
 
 
 def _side(x: np.ndarray, unit: np.ndarray):
@@ -73,3 +76,63 @@ class GridSummary:
             return 0.0
         ce, cl = float(self.e_count.sum()), float(self.l_count.sum())
         return ce * float(self.l_count @ zp[self.l_units]) - cl * float(self.e_count @ zp[self.e_units])
+
+
+class LowRankSummary:
+    """`GridSummary`'s figures for g = b aᵀ of rank k (a 1×1 convolution, `pathir.lifting.low_rank`):
+    each live row (not all zero) normalised to largest entry 1, with its log-scale and its unit;
+    g_{o,i} > 0 exactly where both rows live (their entries are then > 0). Σ log g and the extremes
+    form the product a block of rows at a time, in one pass (the first of ``extremes`` or ``sum_log``
+    asked, ``extremes`` first: the report's order); the counts are sums of side totals."""
+
+    def __init__(self, b: np.ndarray, a: np.ndarray, enter: np.ndarray, leave: np.ndarray):
+        """b: outputs x k, a: inputs x k, rows `low_rank.rows_bounded`; output o enters unit enter[o],
+        input i leaves leave[i]."""
+        sides = []
+        for x, unit in ((b, enter), (a, leave)):
+            peak = x.max(axis=1)
+            live = peak > 0
+            sides.append((unit[live], np.log(peak[live]), x[live] / peak[live][:, None]))
+        (self.e_units, self.e_log, self.b), (self.l_units, self.l_log, self.a) = sides
+        self.n, self.kept = int(b.shape[0] * a.shape[0]), int(self.e_units.size * self.l_units.size)
+        self._at_zero: tuple[float, float, float] | None = None  # (Σ log g, max, min)
+
+    def _pass(self, zp: np.ndarray | None) -> tuple[float, float]:
+        """One pass over log g (a block of outputs at a time): Σ, max and min cached, and the max and min of
+        log g + z_l − z_e with ``zp``."""
+        rows = max(1, _BLOCK // max(1, self.a.shape[0]))
+        col = self.l_log[None, :]
+        moved = None if zp is None else (self.l_log + zp[self.l_units])[None, :]
+        total, top, bottom, high, low = 0.0, -math.inf, math.inf, -math.inf, math.inf
+        for i in range(0, self.b.shape[0], rows):
+            logs = np.log(self.b[i:i + rows] @ self.a.T)
+            logs += col
+            logs += self.e_log[i:i + rows, None]
+            total += float(logs.sum())
+            top, bottom = max(top, float(logs.max())), min(bottom, float(logs.min()))
+            if moved is not None:
+                logs += moved - col
+                logs -= zp[self.e_units[i:i + rows], None]
+                high, low = max(high, float(logs.max())), min(low, float(logs.min()))
+        self._at_zero = (total, top, bottom)
+        return high, low
+
+    @property
+    def sum_log(self) -> float:
+        """Σ log g over the entries > 0."""
+        if self._at_zero is None:
+            self._pass(None)
+        return self._at_zero[0]
+
+    def extremes(self, zp: np.ndarray) -> tuple[float, float, float, float]:
+        """As `GridSummary.extremes`."""
+        if not self.kept:
+            return -math.inf, math.inf, -math.inf, math.inf
+        high, low = self._pass(zp)
+        return self._at_zero[1], self._at_zero[2], high, low
+
+    def kept_shift(self, zp: np.ndarray) -> float:
+        """Σ (z_l - z_e) over the entries > 0."""
+        if not self.kept:
+            return 0.0
+        return self.e_units.size * float(zp[self.l_units].sum()) - self.l_units.size * float(zp[self.e_units].sum())

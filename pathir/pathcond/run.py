@@ -29,7 +29,7 @@ import numpy as np
 from pathir.analyses.incidence import compact_rows
 from pathir.errors import ArgumentError, PathirError
 from pathir.lifting.diag_g import diag_g_parts
-from pathir.lifting.rank_one import factorable
+from pathir.lifting.low_rank import factorable
 from pathir.pairs.coarse import unit_groups
 from pathir.pathcond.g_summary import summarize_factored
 from pathir.pathcond.objective import log_spreads, spread_ends
@@ -250,8 +250,8 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
                        groups=unit_groups(units))
     del pairs
     lap("solve")
+    spreads = summary.spreads(result.z)  # first: a factored convolution's one pass serves both
     divergence = summary.divergences(result.f_initial, result.f_final, result.z, rows.balance)
-    spreads = summary.spreads(result.z)
     result = dataclasses.replace(result, g=None, B=None, key=None)
     g = summary = None  # freed before the write-back
     if commit is not None:
