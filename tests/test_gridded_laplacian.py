@@ -50,6 +50,9 @@ def problems(draw):
         enter = enter if enter.size else np.array([0])
         leave = leave if leave.size else np.array([0])
         k = draw(st.sampled_from([0, 0, 2]))  # rank one, or rank-k rows within 1e99 (a 1×1 convolution)
+        if k and grids and grids[-1].U is not None and draw(st.booleans()):  # one size as the last: stacked
+            enter = np.sort(rng.choice(H + 1, grids[-1].enter.size, replace=False))
+            leave = np.sort(rng.choice(H, grids[-1].leave.size, replace=False))
         factors = () if not k else tuple(_bounded_rows(rng, n, k) for n in (enter.size, leave.size))
         grids.append(FactoredGrid(enter, leave, rng.uniform(-spread, spread, enter.size) + rng.normal() * spread,
                                   rng.uniform(-spread, spread, leave.size), H, *factors))

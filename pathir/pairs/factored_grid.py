@@ -118,17 +118,20 @@ class FactoredGrid:
         total = self.leave.size * self.log_u.sum() + self.enter.size * self.log_v.sum()
         return float(total if self.U is None else total + np.log(self.U @ self.V.T).sum())
 
-    def point(self, z: np.ndarray) -> "GridPoint":
-        """The terms P_{e,l} e^{z_e - z_l} at z (over units 0..H-1)."""
-        return GridPoint(self, z)
+    def point(self, z: np.ndarray):
+        """The terms P_{e,l} e^{z_e - z_l} at z (over units 0..H-1): a `GridPoint`, or for a rank-k grid a
+        `low_rank_grids.StackPoint` of one grid."""
+        if self.U is None:
+            return GridPoint(self, z)
+        from pathir.pairs.low_rank_grids import LowRankStack  # (it reads FactoredGrid's fields only)
+
+        return LowRankStack((self,)).point(z)
 
 
 class GridPoint:
-    """The grid at one z. ``log_alpha``/``log_beta`` are log α, log β per grid row/column;
-    ``alpha``/``beta`` are α e^{-a_top}, β e^{-b_top} (max 1), so each term t_{e,l} = alpha_e beta_l
-    e^{a_top + b_top} (times U_e · V_l for a rank-k grid, whose rows ``A`` = alpha_e U_e and ``B`` =
-    beta_l V_l sum to ``sa``, ``sb``). ``log_scale`` ≥ log of every term: a_top + b_top for rank one,
-    the log of the grid's total for rank k."""
+    """A rank-one grid at one z. ``log_alpha``/``log_beta`` are log α, log β per grid row/column;
+    ``alpha``/``beta`` are α e^{-a_top}, β e^{-b_top} (max 1) and ``log_scale`` = a_top + b_top,
+    so each term t_{e,l} = alpha_e beta_l e^{log_scale}."""
 
     def __init__(self, grid: FactoredGrid, z: np.ndarray):
         zp = pad(z)
@@ -137,47 +140,27 @@ class GridPoint:
         self.log_beta = grid.log_v - zp[grid.leave]
         a_top, b_top = float(self.log_alpha.max()), float(self.log_beta.max())
         self.alpha, self.beta = np.exp(self.log_alpha - a_top), np.exp(self.log_beta - b_top)
-        self.log_scale = self._base = a_top + b_top
-        if grid.U is not None:  # the scale is the grid's total (a_top + b_top may exceed every term by 1e200)
-            self.A, self.B = grid.U * self.alpha[:, None], grid.V * self.beta[:, None]
-            self.sa, self.sb = self.A.sum(axis=0), self.B.sum(axis=0)
-            self.log_scale = self._base + math.log(float(self.sa @ self.sb))
+        self.log_scale = a_top + b_top
 
     def log_total(self) -> float:
-        """log E over the grid (log Σα + log Σβ: no term is formed; rank k: log sa · sb, at least 1e-200)."""
-        if self.grid.U is not None:
-            return self.log_scale
+        """log E over the grid (log Σα + log Σβ: no term is formed)."""
         return logsumexp(self.log_alpha) + logsumexp(self.log_beta)
 
     def log_sides(self) -> tuple[np.ndarray, np.ndarray]:
         """(log I_e per grid row, log O_l per grid column), exact for any spread of masses and z."""
-        if self.grid.U is not None:
-            a_top = float(self.log_alpha.max())
-            b_top = self._base - a_top
-            return (self.log_alpha + b_top + np.log(self.grid.U @ self.sb),
-                    self.log_beta + a_top + np.log(self.grid.V @ self.sa))
         return self.log_alpha + logsumexp(self.log_beta), self.log_beta + logsumexp(self.log_alpha)
 
     def add_sides(self, inc: np.ndarray, out: np.ndarray, log_scale: float) -> None:
         """I and O added into ``inc``/``out`` (H + 1 entries, "no unit" last) over e^{log_scale}."""
-        shift = math.exp(self._base - log_scale)
-        if self.grid.U is not None:
-            inc[self.grid.enter] += (self.A @ self.sb) * shift
-            out[self.grid.leave] += (self.B @ self.sa) * shift
-            return
+        shift = math.exp(self.log_scale - log_scale)
         inc[self.grid.enter] += self.alpha * (float(self.beta.sum()) * shift)
         out[self.grid.leave] += self.beta * (float(self.alpha.sum()) * shift)
 
     def add_hessian_times(self, p: np.ndarray, into: np.ndarray, log_scale: float) -> None:
         """∇²E p over the grid's pairs added into ``into`` (H + 1 entries) over e^{log_scale};
         ``p`` has H + 1 entries, p_H = 0."""
-        shift = math.exp(self._base - log_scale)
+        shift = math.exp(self.log_scale - log_scale)
         pe, pl = p[self.grid.enter], p[self.grid.leave]
-        if self.grid.U is not None:
-            A, B = self.A, self.B
-            into[self.grid.enter] += ((A @ self.sb) * pe - A @ (pl @ B)) * shift
-            into[self.grid.leave] += ((B @ self.sa) * pl - B @ (pe @ A)) * shift
-            return
         a, b = self.alpha * shift, self.beta
         into[self.grid.enter] += a * (float(b.sum()) * pe - float(b @ pl))
         into[self.grid.leave] += b * (float(a.sum()) * pl - float(a @ pe))
@@ -186,14 +169,7 @@ class GridPoint:
         """The terms summed by (group entered, group left) added into ``table`` (m1 x m1) over
         e^{log_scale} (`PairPoint.grouped`: ``groups`` and ``keep`` have H + 1 entries)."""
         m1 = table.shape[0]
-        shift = math.exp(self._base - log_scale)
-        if self.grid.U is not None:
-            A, B = self.A, self.B
-            if keep is not None:
-                A, B = A * keep[self.grid.enter][:, None], B * keep[self.grid.leave][:, None]
-            table += (_row_sums_by(groups[self.grid.enter], A, m1) @ _row_sums_by(groups[self.grid.leave], B, m1).T) * shift
-            return
-        a = self.alpha * shift
+        a = self.alpha * math.exp(self.log_scale - log_scale)
         b = self.beta
         if keep is not None:
             a, b = a * keep[self.grid.enter], b * keep[self.grid.leave]
@@ -202,32 +178,12 @@ class GridPoint:
     def add_self_terms(self, into: np.ndarray, log_scale: float) -> None:
         """The terms of the pairs (h, h) (units on both sides) added into ``into`` over e^{log_scale}."""
         both, ie, il = np.intersect1d(self.grid.enter, self.grid.leave, assume_unique=True, return_indices=True)
-        shift = math.exp(self._base - log_scale)
-        if self.grid.U is not None:
-            into[both] += np.einsum("ij,ij->i", self.A[ie], self.B[il]) * shift
-            return
-        into[both] += self.alpha[ie] * self.beta[il] * shift
+        into[both] += self.alpha[ie] * self.beta[il] * math.exp(self.log_scale - log_scale)
 
     def log_extremes(self) -> tuple[float, float]:
         """(min, max) over the grid of log t_{e,l}."""
-        if self.grid.U is not None:
-            logs = self.log_alpha[:, None] + self.log_beta[None, :] + np.log(self.grid.U @ self.grid.V.T)
-            return float(logs.min()), float(logs.max())
         return (float(self.log_alpha.min() + self.log_beta.min()),
                 float(self.log_alpha.max() + self.log_beta.max()))
-
-
-def _row_sums_by(index: np.ndarray, M: np.ndarray, m: int) -> np.ndarray:
-    """(m x k): row j the sum of the rows r of M with index[r] = j."""
-    out = np.zeros((m, M.shape[1]))
-    if index.size and index[0] == index[-1] and np.all(index == index[0]):  # a layer's units: one group
-        out[index[0]] = M.sum(axis=0)
-        return out
-    order = np.argsort(index, kind="stable")
-    si = index[order]
-    starts = np.flatnonzero(np.r_[True, si[1:] != si[:-1]])
-    out[si[starts]] = np.add.reduceat(M[order], starts, axis=0)
-    return out
 
 
 def _scaled_row_sums(log_s: np.ndarray, M: np.ndarray, unit: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

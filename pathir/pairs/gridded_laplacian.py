@@ -1,7 +1,8 @@
 """`PairLaplacian` over pairs plus factored grids, never materialising the grids (docs/math.md §8).
 
-The pairs of a model split into the ones grouped one by one (``pairs``) and dense layers' grids
-(`FactoredGrid`, masses u_e v_l). A point evaluates the rest as `PairLaplacian` does and adds each
+The pairs of a model split into the ones grouped one by one (``pairs``) and factored grids
+(`FactoredGrid`: a dense layer's masses u_e v_l, a 1×1 convolution's of rank k, the latter stacked
+by size, `low_rank_grids`). A point evaluates the rest as `PairLaplacian` does and adds each
 grid's separable sums in one common scale: the largest of the parts' scales, so every part's
 terms stay at most 1 and nothing overflows. A pair present in the rest and in a grid (after a
 freeze) simply adds up, as the materialised pairs would merge it.
@@ -18,6 +19,7 @@ from functools import cached_property
 import numpy as np
 
 from pathir.pairs.factored_grid import FactoredGrid
+from pathir.pairs.low_rank_grids import LowRankStack
 from pathir.pairs.pair_laplacian import PairLaplacian
 from pathir.pairs.unit_pairs import Pairs, pad
 
@@ -32,6 +34,12 @@ class GriddedLaplacian:
             raise ValueError("every grid must be over the pairs' units")
         self.pairs, self.grids, self.H = pairs, tuple(grids), pairs.num_units
         self.rest = PairLaplacian(pairs) if pairs.size else None
+        by_size: dict[tuple, list] = {}
+        for grid in self.grids:
+            if grid.U is not None:
+                by_size.setdefault((grid.enter.size, grid.leave.size, grid.U.shape[1]), []).append(grid)
+        # rank one: a point each; rank k: one point per stack of one size
+        self.parts = tuple(g for g in self.grids if g.U is None) + tuple(LowRankStack(gs) for gs in by_size.values())
 
     def point(self, z: np.ndarray, both: bool = False) -> "GriddedPoint":
         return GriddedPoint(self, z, both)
@@ -45,7 +53,7 @@ class GriddedPoint:
         H = lap.H
         self.lap, self.z = lap, z
         self.rest = None if lap.rest is None else lap.rest.point(z, both)
-        self.grid_points = [grid.point(z) for grid in lap.grids]
+        self.grid_points = [part.point(z) for part in lap.parts]
         rest_scale = -math.inf if self.rest is None else self.rest.log_e - math.log(self.rest.total)
         self.scale = max([rest_scale] + [p.log_scale for p in self.grid_points])
         self.rest_factor = math.exp(rest_scale - self.scale)
