@@ -4,7 +4,8 @@ A convolution or dense layer gives every one of its output units a pair with
 every one of its input units, and the pairs come sorted by (enter, leave): the
 rows of M of such a layer are consecutive and hold the same columns. Runs of
 consecutive rows with identical column sets are kept as dense blocks (views of
-the masses, no copy; one BLAS mat-vec each), the remaining rows as one CSR
+the masses, no copy; one BLAS mat-vec each; small blocks of one shape copied
+into a stack, one batched call for all), the remaining rows as one CSR
 matrix. ``M @ x`` and ``Mᵀ @ y`` are then exact sums of the same terms as the
 CSR of every pair would give, in another order; the dense blocks save the
 column indices' memory traffic and the per-point rebuilds of a CSR.
@@ -27,6 +28,9 @@ __all__ = ["PairMatrix", "DenseBlock"]
 
 #: a run of rows becomes a dense block from this many entries on (fewer: the CSR's per-call cost wins)
 MIN_BLOCK = 4096
+#: dense blocks of one shape below this many entries are copied into one stack (a batched BLAS call
+#: for all of them instead of one call each: the grouped and pointwise layers of a small network)
+STACK_BELOW = 1 << 16
 #: rows of a block read at a time by `PairMatrix.both`: a few MB, still in the last-level cache for the
 #: second product, large enough that each BLAS call runs at memory speed (256 KB chunks ran at half of it)
 _CHUNK_BYTES = 1 << 22
@@ -73,26 +77,41 @@ class PairMatrix:
         keep = ~in_block[enter]
         self.blocks = blocks
         self.rest = sp.csr_array((mass[keep], (enter[keep], leave[keep])), shape=(size, size))
+        by_shape: dict[tuple, list] = {}
+        for blk in blocks:
+            if blk.values.size < STACK_BELOW:
+                by_shape.setdefault(blk.values.shape, []).append(blk)
+        stacked = [group for group in by_shape.values() if len(group) > 1]
+        self._stacks = [_Stack.of(group, size) for group in stacked]
+        in_stack = {id(blk) for group in stacked for blk in group}
+        self._alone = [blk for blk in blocks if id(blk) not in in_stack]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """M @ x."""
         y = self.rest @ x
-        for blk in self.blocks:
+        for blk in self._alone:
             y[blk.rows] = blk.values @ x[blk.cols]
+        for stack in self._stacks:
+            y[stack.rows] = stack.times(x)
         return y
 
     def T(self, y: np.ndarray) -> np.ndarray:
         """Mᵀ @ y."""
         x = self.rest.T @ y
-        for blk in self.blocks:
+        for blk in self._alone:
             x[blk.cols] += blk.values.T @ y[blk.rows]
+        for stack in self._stacks:
+            x += stack.transposed_times(y)
         return x
 
     def both(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(M @ x, Mᵀ @ y) in one pass over the blocks: each chunk of rows, read for the first
         product, is still in cache for the second (half the memory traffic of two passes)."""
         mx, my = self.rest @ x, self.rest.T @ y
-        for blk in self.blocks:
+        for stack in self._stacks:
+            mx[stack.rows] = stack.times(x)
+            my += stack.transposed_times(y)
+        for blk in self._alone:
             values, xs, first = blk.values, x[blk.cols], blk.first
             rows, width = values.shape
             step = max(1, _CHUNK_BYTES // (values.itemsize * width))
@@ -107,7 +126,6 @@ class PairMatrix:
                 acc += chunk.T @ y[first + a:first + a + chunk.shape[0]]
             my[blk.cols] += acc
         return mx, my
-
 
     def grouped(self, x: np.ndarray, w: np.ndarray, groups: np.ndarray, m1: int) -> np.ndarray:
         """T (m1 x m1) with T[a, b] = Σ w_r M[r, c] x_c over the rows r of group a and the columns c of
@@ -150,6 +168,32 @@ class PairMatrix:
         rest_rows = np.repeat(np.arange(self.size), np.diff(self.rest.indptr))
         self._plan = _GroupPlan(groups, blocks, rest_rows)
         return self._plan
+
+
+@dataclass(frozen=True)
+class _Stack:
+    """Dense blocks of one shape R x W copied into ``values`` (G, R, W): block g holds rows ``rows[g]`` and
+    columns ``cols[g]`` of M (rows distinct over the stack; columns may repeat across blocks)."""
+
+    values: np.ndarray
+    rows: np.ndarray
+    cols: np.ndarray
+    size: int
+
+    @classmethod
+    def of(cls, blocks: list, size: int) -> "_Stack":
+        every = np.arange(size)
+        return cls(np.stack([blk.values for blk in blocks]), np.stack([every[blk.rows] for blk in blocks]),
+                   np.stack([every[blk.cols] for blk in blocks]), size)
+
+    def times(self, x: np.ndarray) -> np.ndarray:
+        """(G, R): each block times its columns of x."""
+        return np.matmul(self.values, x[self.cols][:, :, None])[:, :, 0]
+
+    def transposed_times(self, y: np.ndarray) -> np.ndarray:
+        """(size,): Σ over the blocks of blockᵀ times its rows of y, scattered to their columns."""
+        part = np.matmul(y[self.rows][:, None, :], self.values)[:, 0, :]
+        return np.bincount(self.cols.ravel(), part.ravel(), minlength=self.size)
 
 
 @dataclass(frozen=True)
