@@ -32,6 +32,7 @@ for params whose zeros are exactly its zeros.
 
 from __future__ import annotations
 
+import functools
 from typing import Mapping
 
 import numpy as np
@@ -44,6 +45,23 @@ from pathir.ir import Graph, Role
 from pathir.support.threads import one_torch_thread
 
 __all__ = ["TorchWriter"]
+
+
+def _with_paths(method):
+    """Run ``method`` with the model's modules looked up once by path (a write locates each tensor's
+    module several times: ``get_submodule`` walks the path every time)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if self._paths is not None:  # called from another public method
+            return method(self, *args, **kwargs)
+        self._paths = dict(self.model.named_modules(remove_duplicate=False))
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._paths = None
+
+    return wrapper
 
 
 class TorchWriter:
@@ -68,11 +86,14 @@ class TorchWriter:
         self.train_paths = list(train_paths)  # modules in train mode in the forward the graph computes
         self.why_not = why_not  # why the heads forward could not be lowered ("" if not tried or lowered)
         self.clips = dict(clips or {})  # threshold param -> ClipSite (frontends/torch/clipped.py)
+        self._paths = None  # path -> module while one public call runs (`_with_paths`)
 
     # ------------------------------------------------------------ helpers
     def _locate(self, name: str):
         """(module, attribute) of a tensor name such as ``layer1.0.bn1.running_var``."""
         path, _, attr = name.rpartition(".")
+        if self._paths is not None and path in self._paths:
+            return self._paths[path], attr
         try:
             module = self.model.get_submodule(path) if path else self.model
         except AttributeError as err:
@@ -91,6 +112,7 @@ class TorchWriter:
         return module, attr, t
 
     # ------------------------------------------------------------ rescaling
+    @_with_paths
     def rescale(self, graph: Graph, log_scales: Mapping[str, np.ndarray]) -> None:
         """Apply the rescaling given by per-channel ``log_scales`` to the model.
 
@@ -128,6 +150,7 @@ class TorchWriter:
             _refresh_pruned(module, attr)
             _refresh_derived(module, attr)
 
+    @_with_paths
     def shift_biases(self, graph: Graph, shifts: Mapping[str, np.ndarray]) -> None:
         """Add ``shifts[name]`` (the param's layout) to the tensor behind each named bias param of ``graph``:
         the param's one VALUE tensor, which enters it with coefficient 1 (a plain bias, or a batch-norm β;
@@ -151,6 +174,7 @@ class TorchWriter:
             for t, new in updates:
                 t.copy_(new)
 
+    @_with_paths
     def param_factors(self, graph: Graph, log_scales: Mapping[str, np.ndarray]) -> list[tuple[object, object]]:
         """[(stored tensor, factor)] for every stored tensor the rescaling multiplies entrywise
         (running statistics excepted): factor is a float64 array of the tensor's shape, the one
@@ -176,6 +200,7 @@ class TorchWriter:
                     out.append((t, f))
         return out
 
+    @_with_paths
     def check_rescalable(self, graph: Graph) -> None:
         """Raise PathirError if a rescaling of ``graph`` cannot be written exactly: modules that only
         the train-mode forward runs (train_branches), or a source tensor computed by a spectral norm
@@ -267,6 +292,7 @@ class TorchWriter:
         return old
 
     # ------------------------------------------------------------ masks
+    @_with_paths
     def mask(self, graph: Graph, masks: Mapping[str, np.ndarray]) -> None:
         """Prune the model: ``masks`` maps a param name (or its source name) to a
         bool array of the param's shape (True: keep). Applied with
