@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pathir.pairs.log_space import log0, logsumexp
+from pathir.pairs.low_rank_grids import LowRankStack
 from pathir.pairs.unit_pairs import Pairs, pad, segment_logsumexp
 
 __all__ = ["FactoredGrid", "GridPoint"]
@@ -121,11 +122,7 @@ class FactoredGrid:
     def point(self, z: np.ndarray):
         """The terms P_{e,l} e^{z_e - z_l} at z (over units 0..H-1): a `GridPoint`, or for a rank-k grid a
         `low_rank_grids.StackPoint` of one grid."""
-        if self.U is None:
-            return GridPoint(self, z)
-        from pathir.pairs.low_rank_grids import LowRankStack  # (it reads FactoredGrid's fields only)
-
-        return LowRankStack((self,)).point(z)
+        return GridPoint(self, z) if self.U is None else LowRankStack((self,)).point(z)
 
 
 class GridPoint:
