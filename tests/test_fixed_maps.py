@@ -139,8 +139,7 @@ def test_pixel_shuffle_ties_its_r2_channels_into_one_unit_and_a_finer_grouping_i
         if p.name in ("c1.w", "c1.b"):
             t = split.reshape(np.shape(t)) if np.size(t) == 4 else t
         ends.append((t, src))
-    fine = replace(units, names=("u0", "u1", "u2", "u3"),
-                   members=((("h", 0), ("s", 0)), (("h", 1),), (("h", 2),), (("h", 3),)),
+    fine = replace(units, members=((("h", 0), ("s", 0)), (("h", 1),), (("h", 2),), (("h", 3),)),
                    channel_units={**units.channel_units, "h": split}, ends=tuple(ends))
     report = verify_symbolic(g, units=fine)
     assert not report.passed and "rescaling_invariance" in {c.name for c in report.failed}

@@ -67,6 +67,8 @@ class GraphFacts:
         if "units" in self.__dict__:
             params = tuple(graph.params())
             new.units = dataclasses.replace(self.units, params=params)
+            if "names" in self.units.__dict__:  # made already: the same structure, the same names
+                new.units.__dict__["names"] = self.units.names
             if "incidence" in self.__dict__:
                 new.incidence = (self.incidence[0], ParamLayout(params))
         for name in ("row_keys", "row_ends"):

@@ -25,7 +25,7 @@ e^{-z_h/2}; a weight with both ends in the unit is unchanged.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Iterator, Mapping
 
@@ -69,7 +69,8 @@ class Units:
 
     Compact form, from which B and the per-unit views are built:
 
-    - ``names[h]``: readable name of unit h (``conv1:c3``, ``stream:layer1/c5``);
+    - ``names[h]``: readable name of unit h (``conv1:c3``, ``stream:layer1/c5``), made on first use
+      from ``graph``;
     - ``members[h]``: its (node name, channel) pairs, in node order;
     - ``channel_units[node]``: (channels,) int array, the unit of each channel
       (``no_unit`` = H where it has none: pinned to an input or output, or reached
@@ -85,19 +86,24 @@ class Units:
     e(i) (H + 1) + l(i) (``pathir.analyses.unit_rows``) use the same H.
     """
 
-    names: tuple[str, ...]
     members: tuple[tuple[tuple[str, int], ...], ...]
     channel_units: Mapping[str, np.ndarray]
     params: tuple[Param, ...]
     ends: tuple[tuple[np.ndarray, np.ndarray | None], ...]
+    graph: Graph = field(repr=False, default=None)
+
+    @cached_property
+    def names(self) -> tuple[str, ...]:
+        """The units' names, made when first asked (a solve that names no unit never pays for them)."""
+        return tuple(_names(self.graph, self.members))
 
     def __len__(self) -> int:
-        return len(self.names)
+        return len(self.members)
 
     @property
     def no_unit(self) -> int:
         """The index that stands for "no unit": H."""
-        return len(self.names)
+        return len(self.members)
 
     def __iter__(self) -> Iterator[Unit]:
         return (self[h] for h in range(len(self)))
@@ -228,8 +234,7 @@ def find_units(graph: Graph) -> tuple[Graph, Units]:
 
     params = tuple(graph.params())
     ends = tuple(_entry_channels(*uses[id(p)][0], offsets, unit_of) for p in params)
-    names = _names(graph, members)
-    return graph, Units(tuple(names), tuple(tuple(m) for m in members), channel_units, params, ends)
+    return graph, Units(tuple(tuple(m) for m in members), channel_units, params, ends, graph)
 
 
 def _channel_offsets(graph: Graph) -> tuple[dict[str, int], np.ndarray]:
