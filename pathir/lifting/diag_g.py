@@ -67,8 +67,9 @@ def arrays_by_source(params, log_parts, what: str, hint: str, layout=None) -> di
 
 def diag_g_log_parts(graph: Graph, backend, outer=frozenset()) -> list[tuple[np.ndarray, float]]:
     """For each param of ``graph.params()``: (m, L) with g = m·e^L, m ≥ 0 of
-    the param's shape and max m = 1 (m = 0, L = -inf where g vanishes). ``outer``: ids of dense
-    params used once (`pathir.lifting.low_rank.factorable`) whose m may come as a `LowRank`."""
+    the param's shape and max m = 1 (m = 0, L = -inf where g vanishes). ``outer``: ids of dense and
+    1×1-convolution params used once (`pathir.lifting.low_rank.factorable`) whose m may come as a
+    `LowRank` (a convolution's product at most its rank P, not 1)."""
 
     return param_log_parts(graph, get_backend(backend), 2.0, what="diag G", outer=outer)
 

@@ -299,8 +299,8 @@ def param_grads(graph: Graph, backend, q: float = 1.0, forward_graph: Graph | No
     walk ``path_view(maxpool_to_sum(graph), q)``, which gives every edge its own
     Param object, so a shared param has one part per use. Where the fast walks
     cannot certify a node, both walks run again with per-channel log-scales.
-    ``outer``: ids of dense params of ``graph`` used once whose grad the fast walks keep as a `LowRank`
-    (`path_backward`); the per-channel walk gives every grad as an array."""
+    ``outer``: ids of dense and 1×1-convolution params of ``graph`` used once whose grad the fast walks
+    keep as a `LowRank` (`path_backward`); the per-channel walk gives every grad as an array."""
     try:
         return _fast_param_grads(graph, backend, q, forward_graph, totals, outer)
     except Uncertified:
