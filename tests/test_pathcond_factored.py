@@ -210,3 +210,33 @@ def test_a_shared_linear_and_a_walk_that_needs_per_channel_scales_stay_dense():
     a, b = _pathcond(copy.deepcopy(net), (300,), False), _pathcond(net, (300,), True)
     np.testing.assert_allclose(b.z, a.z, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(net(x).detach(), before.detach(), rtol=1e-9, atol=1e-9 * float(before.abs().max()))
+
+
+class _PaddedPointwise(torch.nn.Module):
+    """A 1×1 convolution reading a zero-padded map: its source rows hold zeros (the border) beside positive
+    entries, so the walk must form its weight-gradient rather than keep factors."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(2, 30, 3, padding=1)
+        self.point = torch.nn.Conv2d(30, 40, 1)
+        self.head = torch.nn.Linear(40 * 16, 3)
+
+    def forward(self, x):
+        y = torch.relu(self.point(torch.nn.functional.pad(torch.relu(self.stem(x)), (1, 1, 1, 1))))
+        return self.head(torch.flatten(y, 1))
+
+
+def test_a_pointwise_conv_reading_zero_padding_is_formed_and_pathcond_is_unchanged(monkeypatch):
+    torch.manual_seed(3)
+    model = _PaddedPointwise().double()
+    cm = pathir.compile(model, input_shape=(2, 2, 2))
+    graph, rows = cm.facts.graph, cm.facts.row_ends
+    monkeypatch.setattr(low_rank, "MIN_SIZE", 0)
+    monkeypatch.setattr(low_rank, "CONV_RATIO", math.inf)
+    outer = factorable(graph, rows.ends)
+    point = next(p for p in graph.params() if p.shape == (40, 30, 1, 1))
+    assert id(point) in outer  # allowed by its shape; refused by its rows
+    parts, _ = diag_g_parts(graph, "torch", outer)
+    assert not any(isinstance(k, LowRank) and k.b.ndim == 2 for k in parts)
+    _factored_matches_grouped(model, (2, 2, 2), "torch")
