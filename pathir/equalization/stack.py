@@ -57,12 +57,15 @@ def _by_cells(log: np.ndarray, zr: np.ndarray, zc: np.ndarray, sign: float, p: f
 
 
 class _Batch:
-    """Dense grids of one shape R × C, stacked: A (G, R, C) centred per grid, one batched BLAS product per
-    evaluation for all G. ``rows`` (G, R) and ``cols`` (G, C): each grid's rows and columns in the
-    end-to-end layout."""
+    """The dense grids ``tensors`` of one shape R × C, stacked: A (G, R, C) centred per grid, one batched BLAS
+    product per evaluation for all G. ``rows`` (G, R) and ``cols`` (G, C): each grid's rows and columns in
+    the end-to-end layout (tensor t's start at ``row_off[t]``, ``col_off[t]``)."""
 
-    def __init__(self, logs: list[np.ndarray], rows: np.ndarray, cols: np.ndarray, sign: float):
-        self.logs, self.rows, self.cols, self.sign = logs, rows, cols, sign
+    def __init__(self, tensors: np.ndarray, logs: list[np.ndarray], row_off: np.ndarray, col_off: np.ndarray,
+                 sign: float):
+        self.tensors, self.logs, self.sign = tensors, [logs[t] for t in tensors], sign
+        R, C = self.logs[0].shape
+        self.rows, self.cols = row_off[tensors][:, None] + np.arange(R), col_off[tensors][:, None] + np.arange(C)
         self.cache: dict[float, tuple] = {}  # p -> (A, z⁰ rows, z⁰ cols, tops at z⁰): two sharpnesses at a time
 
     def _centre(self, p: float, zr: np.ndarray, zc: np.ndarray, which) -> tuple:
@@ -141,13 +144,11 @@ class GridStack:
         for t in np.flatnonzero(finite).tolist():
             if logs[t].size > ONE_BY_ONE and np.count_nonzero(np.isfinite(logs[t])) >= SPARSE_FILL * logs[t].size:
                 by_shape.setdefault(logs[t].shape, []).append(t)
-        self.batched = [np.array(ts, dtype=np.int64) for ts in by_shape.values()]
-        self.batches = [_Batch([logs[t] for t in ts], self.row_off[ts][:, None] + np.arange(logs[ts[0]].shape[0]),
-                               self.col_off[ts][:, None] + np.arange(logs[ts[0]].shape[1]), sign)
-                        for ts in self.batched]
+        self.batches = [_Batch(ts, logs, self.row_off, self.col_off, sign)
+                        for ts in (np.array(ts, dtype=np.int64) for ts in by_shape.values())]
         stacked = np.zeros(self.T, dtype=bool)
-        for ts in self.batched:
-            stacked[ts] = True
+        for batch in self.batches:
+            stacked[batch.tensors] = True
         self.together = np.flatnonzero(finite & ~stacked)
         r_idx, c_idx, vals, owner = [], [], [], []
         for t in self.together:
@@ -203,8 +204,8 @@ class GridStack:
         one_by_one = []
         if math.isinf(p):
             one_by_one += list(self.together)
-            for ts in self.batched:
-                one_by_one += list(ts)
+            for batch in self.batches:
+                one_by_one += list(batch.tensors)
         elif self.together.size:
             entry, centred = self.cache.get(p), False
             if entry is None:
@@ -221,12 +222,12 @@ class GridStack:
                 rm[:] = u * Av * scale[self.row_owner]
                 cm[:] = v * (At @ u) * scale[self.col_owner]
         if not math.isinf(p):
-            for ts, batch in zip(self.batched, self.batches):
+            for batch in self.batches:
                 vals, rows, cols, failed = batch.lse(zr_all, zc_all, p, rm is not None)
-                values[ts] = vals
+                values[batch.tensors] = vals
                 if rows is not None:
                     rm[batch.rows], cm[batch.cols] = rows, cols
-                one_by_one += list(ts[failed])
+                one_by_one += list(batch.tensors[failed])
         for t in one_by_one:
             rs, cs = self.row_slice(t), self.col_slice(t)
             value, marg = _by_cells(self.logs[t], zr_all[rs], zc_all[cs], self.sign, p, rm is not None)
