@@ -5,6 +5,7 @@ over their windows and every average's coefficient c made |c|^q (docs/math.md §
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,6 +14,7 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 import pathir  # noqa: E402
+from pathir.lifting import ones_walk  # noqa: E402
 from pathir.lifting.ones_walk import ones_forward  # noqa: E402
 
 
@@ -85,18 +87,31 @@ class Net(torch.nn.Module):
             x = layer(x)
         return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
 
+    def path_sum(self, shape, q):
+        """Σ_p |Φ_p|^q by its definition: the path-norm network's forward on the all-ones input, summed
+        (a float64 tensor, autograd reaching the parameters; call it on the model made double)."""
+        x = torch.ones(1, *shape, dtype=torch.float64)
+        for layer in self.layers:
+            x = layer.path_norm_network(x, q)
+        n = x.shape[2] * x.shape[3]
+        x = x.sum(dim=(2, 3)) * (1.0 / n) ** q
+        return (x @ (self.fc.weight.abs() ** q).T + self.fc.bias.abs() ** q).sum()
+
     def path_norm(self, shape, q) -> float:
         """log10 ||Φ||_q by its definition, in float64."""
-        net = self.double()
         with torch.no_grad():
-            x = torch.ones(1, *shape, dtype=torch.float64)
-            for layer in net.layers:
-                x = layer.path_norm_network(x, q)
-            n = x.shape[2] * x.shape[3]
-            x = x.sum(dim=(2, 3)) * (1.0 / n) ** q
-            y = x @ (net.fc.weight.abs() ** q).T + net.fc.bias.abs() ** q
+            total = float(self.double().path_sum(shape, q))
         self.float()
-        return math.log10(float(y.sum())) / q
+        return math.log10(total) / q
+
+    def diag_g(self, shape) -> dict:
+        """diag G by its definition: g = ∂(Σ_p |Φ_p|²)/∂u at u = θ² (docs/math.md §6), read off autograd's
+        ∂/∂θ = 2θ ∂/∂u of the q = 2 path-norm network, per parameter name."""
+        named = list(self.double().named_parameters())
+        grads = torch.autograd.grad(self.path_sum(shape, 2.0), [p for _, p in named])
+        out = {name: (g / (2 * p)).detach().numpy() for (name, p), g in zip(named, grads)}
+        self.float()
+        return out
 
 
 @st.composite
@@ -189,3 +204,37 @@ def test_several_q_in_step_equal_their_definitions():
             x = x @ (head.weight.abs() ** q).T + head.bias.abs() ** q
             assert norms[q] == pytest.approx(math.log10(float(x.sum())) / q, rel=0, abs=1e-12)
     model.float()
+
+
+def _assert_diag_g_is_its_definition(net, shape):
+    cm = pathir.compile(net, input_shape=shape, self_check=False)
+    got, want = cm.diag_g(), net.diag_g(shape)
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-10, atol=0, err_msg=name)
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=networks())
+def test_diag_g_equals_the_gradient_of_the_q2_networks_forward(case):
+    """diag G's backward walk reads the forward maps stored along their runs (expanded per read) and
+    drops each once walked: every entry is still ∂(Σ_p |Φ_p|²)/∂(θ²), by autograd on the definition."""
+    _assert_diag_g_is_its_definition(*case)
+
+
+def test_diag_g_reads_large_maps_from_their_runs(monkeypatch):
+    """On a 64x64 input the backward walk's forward maps come stored along their runs (expanded when
+    read), and diag G is still its definition."""
+    torch.manual_seed(2)
+    layers = [Layer("conv", 3, 4, 3, 1, 1, 1, False, True), Layer("max", 4, 4, 2, 2, 0, 1, False, True),
+              Layer("residual", 4, 4, 3, 2, 1, 1, False, True), Layer("avg", 4, 4, 3, 1, 1, 1, False, False)]
+    net = Net(layers, 4, 2)
+    expanded, expand = [], ones_walk.expand
+
+    def counting(backend, x, runs):
+        expanded.append(runs.compressed)
+        return expand(backend, x, runs)
+
+    monkeypatch.setattr(ones_walk, "expand", counting)
+    _assert_diag_g_is_its_definition(net, (3, 64, 64))
+    assert sum(expanded) >= 4  # the conv, pool and residual inputs were read from their runs

@@ -23,7 +23,7 @@ import numpy as np
 from pathir.backends import get_backend
 from pathir.errors import PathirError, PathNormOverflow
 from pathir.ir import Graph, Param, Role
-from pathir.lifting.walk import at_common_scale, param_log_parts
+from pathir.lifting.param_grads import at_common_scale, param_log_parts
 
 __all__ = ["diag_g", "diag_g_flat", "diag_g_log_parts", "source_layout"]
 

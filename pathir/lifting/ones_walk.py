@@ -27,6 +27,7 @@ a few border bands and one interior slice instead of the whole map.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 
 import numpy as np
@@ -35,7 +36,7 @@ from pathir.ir import Graph, MapKind, NodeKind, pool_output_size
 from pathir.lifting.scaled import Certifier
 from pathir.lifting.walk import combine_scaled, log_total, node_errors, require_path_graph
 
-__all__ = ["Runs", "ones_forward", "ones_forwards", "ones_log_total", "expand"]
+__all__ = ["Runs", "ones_forward", "ones_forwards", "ones_log_total", "expand", "Expanded"]
 
 _POINTWISE = (MapKind.IDENTITY, MapKind.SCALE, MapKind.CHANNEL_MAP)
 _WINDOWED = (MapKind.CONV, MapKind.FIXED_CONV, MapKind.POOL)
@@ -96,6 +97,30 @@ def restore(backend, x, old: Runs, new: Runs):
 def expand(backend, x, runs: Runs):
     """The full tensor of ``x`` stored with ``runs``."""
     return restore(backend, x, runs, Runs.none(runs.full)) if runs.compressed else x
+
+
+class Expanded(Mapping):
+    """:func:`ones_forward`'s result read as :func:`pathir.lifting.walk.path_forward`'s, {node: (m, L)}:
+    each node's tensor expanded to full size when it is read, never held (a backward walk reads a
+    node once per edge leaving it, so only the stored maps outlive a read). Owns ``stored``:
+    :meth:`release` drops a node's map for good."""
+
+    def __init__(self, backend, stored: dict):
+        self.backend, self.stored = backend, stored
+
+    def __getitem__(self, name):
+        m, L, runs = self.stored[name]
+        return (None if m is None else expand(self.backend, m, runs)), L
+
+    def release(self, name) -> None:
+        """Drop ``name``'s stored map (its readers are done with it)."""
+        self.stored.pop(name, None)
+
+    def __iter__(self):
+        return iter(self.stored)
+
+    def __len__(self):
+        return len(self.stored)
 
 
 def _geometry(m):

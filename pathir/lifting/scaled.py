@@ -518,7 +518,7 @@ def robust_log_path_sum(graph: Graph, backend, q: float, pattern=None, sample: i
 
 def robust_param_grads(graph: Graph, backend, q: float, forward_graph: Graph | None = None,
                        totals: dict | None = None) -> dict[int, list]:
-    """`pathir.lifting.walk.param_grads` by the scaled walks, or the exact log-space ones."""
+    """`pathir.lifting.param_grads.param_grads` by the scaled walks, or the exact log-space ones."""
 
     fwd = graph if forward_graph is None else forward_graph
     try:

@@ -19,15 +19,12 @@ import functools
 import math
 from contextlib import contextmanager
 
-import numpy as np
-
 from pathir.errors import BackendError, InputShapeError, PathirError
 from pathir.ir import Graph, MapKind, Node, NodeKind
 from pathir.lifting.low_rank import LowRank
-from pathir.lifting.scaled import Certifier, Uncertified, robust_param_grads
-from pathir.passes import maxpool_to_sum, path_view
+from pathir.lifting.scaled import Certifier, Uncertified
 
-__all__ = ["forward", "path_forward", "path_backward", "log_total", "param_grads", "param_log_parts", "at_common_scale"]
+__all__ = ["forward", "path_forward", "path_backward", "log_total", "combine_scaled"]
 
 
 def node_context(node: Node) -> str:
@@ -218,7 +215,7 @@ def log_total(backend, acts, names) -> float:
 
 @flushing
 def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = False,
-                  certify: Certifier | None = None, outer=frozenset()):
+                  certify: Certifier | None = None, outer=frozenset(), node_grads: bool = True):
     """Reverse walk on a path graph: d(sum of outputs)/d(everything).
 
     ``acts`` from :func:`path_forward`. Returns (node_grads, param_grads):
@@ -231,10 +228,13 @@ def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = Fal
     weight-gradient, on a batch of one, is kept as its factors (a `LowRank` of the target's gradient
     and the source's value, both certified with their nodes; a convolution's where its rows are
     `low_rank.rows_bounded`, else formed as any other).
+    ``node_grads=False``: node_grads comes back empty, each node's gradient freed once its edges are
+    walked (a walk that wants the param grads only holds one adjoint map per pending edge, not all).
     """
     require_path_graph(graph, linearize)
     cert = certify if certify is not None or seeds is not None else _certifier(graph, backend)
     release = getattr(backend, "forget", None) if linearize else None
+    done = getattr(acts, "release", None)  # acts that can drop a node's map once its last reader is walked
     grads: dict[str, tuple] = {}
     pending: dict[str, list] = {n.name: [] for n in graph.nodes}
     for o in graph.outputs:
@@ -244,7 +244,10 @@ def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = Fal
     for node in reversed(graph.nodes):
         check = None if cert is None else (lambda acc, name=node.name: cert.node(name, acc, backward=True))
         g, M = combine_scaled(backend, pending.pop(node.name), check=check)
-        grads[node.name] = (g, M)
+        if node_grads:
+            grads[node.name] = (g, M)
+        if done is not None:
+            done(node.name)  # every edge reading it came later in the graph, so was walked already
         if g is None or node.kind is NodeKind.INPUT:
             continue
         with node_errors(node, " (backward)"):
@@ -282,149 +285,3 @@ def _accumulate(store, param, value, log_scale):
         store[key] = (old * math.exp(L - top) + value * math.exp(log_scale - top), top)
     else:
         store[key] = (value, log_scale)
-
-
-def param_grads(graph: Graph, backend, q: float = 1.0, forward_graph: Graph | None = None,
-                totals: dict | None = None, outer=frozenset()) -> dict[int, list]:
-    """{id(param of graph): [(array, log-scale) per use]}: the param grads of the
-    backward walk on the path-norm network of ``graph`` (weights |w|^q), whose
-    weight-gradients read the forward walk of ``forward_graph`` (default
-    ``graph``; same structure). An entry is None where no path reaches it; a
-    log-scale is a float, or (from the scaled walk) a numpy array broadcastable to
-    the param's shape (per target and source channel, or per entry).
-    ``totals``, when given, receives ``"log_path_sum"``: log Σ_p |Φ_p|^q of the
-    forward walk (what `path_norm.log_path_sum` of ``forward_graph`` returns), at no extra walk.
-
-    Backends with ``power_view`` walk the graph itself (``linearize``); others
-    walk ``path_view(maxpool_to_sum(graph), q)``, which gives every edge its own
-    Param object, so a shared param has one part per use. Where the fast walks
-    cannot certify a node, both walks run again with per-channel log-scales.
-    ``outer``: ids of dense and 1×1-convolution params of ``graph`` used once whose grad the fast walks
-    keep as a `LowRank` (`path_backward`); the per-channel walk gives every grad as an array."""
-    try:
-        return _fast_param_grads(graph, backend, q, forward_graph, totals, outer)
-    except Uncertified:
-        return robust_param_grads(graph, backend, q, forward_graph, totals)
-
-
-def _fast_param_grads(graph, backend, q, forward_graph, totals, outer):
-
-    fwd = graph if forward_graph is None else forward_graph
-    if hasattr(backend, "power_view"):
-        view_be = backend.power_view(q)
-        cert = Certifier(fwd, q == 0, backend)
-        acts = path_forward(fwd, view_be, linearize=True, certify=cert)
-        if totals is not None:
-            totals["log_path_sum"] = log_total(view_be, acts, fwd.outputs)
-        _, grads = path_backward(graph, view_be, acts, linearize=True,
-                                 certify=Certifier(graph, q == 0, backend, forward=cert), outer=outer)
-        return {id(p): [grads.get(id(p))] for p in graph.params()}
-    with np.errstate(over="ignore", under="ignore"):  # |w|^q out of range: the walk refuses to certify
-        view = path_view(maxpool_to_sum(graph), q)
-        fview = view if forward_graph is None else path_view(maxpool_to_sum(fwd), q)
-    cert = Certifier(fwd, q == 0, backend)
-    acts = path_forward(fview, backend, certify=cert)
-    if totals is not None:
-        totals["log_path_sum"] = log_total(backend, acts, fview.outputs)
-    outer_view = {id(ev.map.weight) for n, nv in zip(graph.nodes, view.nodes) for e, ev in zip(n.edges, nv.edges)
-                  if e.map.weight is not None and id(e.map.weight) in outer}
-    _, grads = path_backward(view, backend, acts, certify=Certifier(graph, q == 0, backend, forward=cert),
-                             outer=outer_view)
-    del acts
-    parts: dict[int, list] = {}
-    for n, nv in zip(graph.nodes, view.nodes):
-        for e, ev in zip(n.edges, nv.edges):
-            if e.map.weight is not None:
-                parts.setdefault(id(e.map.weight), []).append(grads.get(id(ev.map.weight)))
-        if n.bias is not None:
-            parts.setdefault(id(n.bias), []).append(grads.get(id(nv.bias)))
-    return parts
-
-
-def param_log_parts(graph: Graph, backend, q: float, scale=None, what: str = "value",
-                    totals: dict | None = None, outer=frozenset()) -> list[tuple]:
-    """Per param of ``graph.params()``: (m, L) with value = m·e^L, m ≥ 0 of the
-    param's shape, max m = 1 (m = 0, L = -inf where the value vanishes), where
-    value = |scale(p)| ⊙ (param grad of the path-norm network with weights |w|^q),
-    summed over the param's uses. ``scale`` (default 1) gives a numpy array per param.
-
-    q = 2 gives diag G (docs/math.md §6); q = 1 with scale θ the path-magnitude
-    scores (docs/math.md §4). ``totals``: as for `param_grads`. ``outer`` (without ``scale``): as for
-    `param_grads`; such a param's m is a `LowRank` where the walk kept it so.
-
-    Memory: the walk's param grads are the only full-size arrays. Each is turned
-    into its m in place and dropped from the walk's record once read, so the result
-    takes the grads' place (about one float64 copy of θ, no second one)."""
-    if outer and scale is not None:
-        raise ValueError("outer= keeps unscaled grads only")
-    parts = param_grads(graph, backend, q, totals=totals, outer=outer)
-    out = []
-    for p in graph.params():
-        terms = []
-        for part in parts.pop(id(p)):
-            if part is None:
-                continue
-            grad, log_scale = part
-            if isinstance(grad, LowRank):  # (a param used once: its only term)
-                kept = grad.normalised(float(log_scale), what, p.name)
-                if kept is not None:
-                    terms.append(kept)
-                continue
-            m = np.asarray(backend.to_numpy(grad), dtype=np.float64).reshape(p.shape)
-            del grad, part
-            if np.ndim(log_scale):  # the scaled walk's per-channel scales: |scale| ⊙ grad in log space
-                with np.errstate(divide="ignore"):
-                    logs = np.log(np.abs(m)) + np.broadcast_to(log_scale, p.shape)
-                    if scale is not None:
-                        logs += np.log(np.abs(scale(p)))
-                if np.any(np.isnan(logs)) or np.any(np.isposinf(logs)):
-                    raise PathirError(f"{what} of param '{p.name}' is not finite (NaN or inf weights?)")
-                top = float(logs.max(initial=-np.inf))
-                if top > -math.inf:
-                    terms.append((np.exp(logs - top, out=logs), top))
-                continue
-            if not m.flags.writeable:  # everything else is the walk's own fresh array
-                m = m.copy()
-            if scale is not None:
-                np.multiply(m, scale(p), out=m)
-                np.abs(m, out=m)  # the grads are >= 0: |scale| ⊙ grad
-            peak = float(m.max()) if m.size else 0.0
-            if not math.isfinite(peak):
-                raise PathirError(f"{what} of param '{p.name}' is not finite (NaN or inf weights?)")
-            if peak > 0:
-                m /= peak
-                terms.append((m, float(log_scale) + math.log(peak)))
-        if not terms:
-            out.append((np.zeros(p.shape), -math.inf))
-            continue
-        if len(terms) == 1:  # one use: m already has max 1
-            out.append(terms[0])
-            continue
-        top = max(L for _, L in terms)
-        m, L = terms.pop()
-        m *= math.exp(L - top)
-        while terms:  # a shared param: sum its uses at a common scale, freeing each
-            mt, L = terms.pop()
-            m += mt * math.exp(L - top)
-            del mt
-        peak = float(m.max())
-        m /= peak
-        out.append((m, top + math.log(peak)))
-    return out
-
-
-def at_common_scale(parts: list[tuple]) -> tuple[list, float]:
-    """``([m·e^{L − top} per part], top)`` of `param_log_parts`' (m, L), top = max L: each m scaled in
-    place (copied first where not writeable), so the values share one log-scale with no second copy
-    of θ. top is -inf where every value vanishes (the arrays are then all 0)."""
-    top = max((L for _, L in parts), default=-math.inf)
-    out = []
-    for m, L in parts:
-        if isinstance(m, LowRank):  # its row factor carries the scale
-            m.b *= 0.0 if L == -math.inf else math.exp(L - top)
-        elif L != top:  # (then top > -inf)
-            if not m.flags.writeable:
-                m = m.copy()
-            m *= 0.0 if L == -math.inf else math.exp(L - top)
-        out.append(m)
-    return out, top
