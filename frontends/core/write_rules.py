@@ -48,13 +48,31 @@ class EntryFactor:
         """Whether :meth:`rows` slices without building the whole factor (no kernel re-layout)."""
         return self.ref.layout is None and len(self.param_shape) >= (2 if self.ref.transposed else 1)
 
-    def _exp(self, index) -> np.ndarray:
+    def _exponentials(self) -> tuple:
+        """(e^a, e^b) on the logs' own (unbroadcast) shapes, or () where one side passes e^600 (then
+        e^{a+b} is formed from the sum)."""
         if self._compact is None:
             a, b = (_unbroadcast(np.asarray(x, dtype=np.float64)) for x in (self.log_in, self.log_out))
             big = max(float(np.max(np.abs(a), initial=0.0)), float(np.max(np.abs(b), initial=0.0)))
-            # e^a e^b from the per-channel logs (a beyond e^600 on one side: the sum first)
             self._compact = (np.exp(a), np.exp(b)) if big < 600.0 else ()
-        if self._compact:
+        return self._compact
+
+    def scale_rows(self, block: np.ndarray, start: int, stop: int) -> bool:
+        """``block`` (rows start:stop of the tensor, float64) ← block · e^a · e^b, the compact exponentials
+        broadcast onto it (no block of the factor formed); False, block untouched, where the factor has no
+        such rows (a re-laid-out kernel, a transposed one, exponentials past e^600)."""
+        if not self.by_rows or self.ref.transposed or not self._exponentials():
+            return False
+        ndim = len(self.param_shape)
+        sides = [x.reshape((1,) * (ndim - x.ndim) + x.shape) for x in self._compact]
+        if any(x.ndim != ndim for x in sides):
+            return False
+        for x in sides:
+            block *= x if x.shape[0] == 1 else x[start:stop]
+        return True
+
+    def _exp(self, index) -> np.ndarray:
+        if self._exponentials():
             ea, eb = (np.broadcast_to(x, self.param_shape)[index] for x in self._compact)
             return ea * eb
         a, b = (np.broadcast_to(x, self.param_shape)[index] for x in (self.log_in, self.log_out))

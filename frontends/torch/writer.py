@@ -264,7 +264,8 @@ class TorchWriter:
             for i in range(0, shape[0], step):
                 j = min(i + step, shape[0])
                 block = source[i:j].to("cpu", torch.float64, copy=True).numpy()
-                rows = {role: f.rows(i, j) if isinstance(f, EntryFactor) else f[i:j] for role, f in factors.items()}
+                rows = {role: f.rows(i, j) if isinstance(f, EntryFactor) else f[i:j] for role, f in factors.items()
+                        if not (isinstance(f, EntryFactor) and f.scale_rows(block, i, j))}  # (else scaled already)
                 new[i:j] = torch.from_numpy(self._new_value(name, module, attr, block, rows))
         return new.to(device=t.device)
 
