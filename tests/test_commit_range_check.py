@@ -63,3 +63,61 @@ def test_a_float16_overflow_is_still_refused_untouched():
     with pytest.raises(PathirError, match="does not fit torch.float16"):
         cm.commit_rescaling(np.full(len(cm.units), 30.0))
     assert cm.graph is graph and all(torch.equal(v, state[k]) for k, v in net.state_dict().items())
+
+
+def _graph_with(values):
+    from pathir.ir import Dense, GraphBuilder
+
+    b = GraphBuilder()
+    x = b.input("x", (len(values),))
+    y = b.identity("y", [(x, Dense(b.param("w", [values])))])
+    return b.build(outputs=[y])
+
+
+@pytest.mark.parametrize("values, M, safe", [
+    ([1e-300, 1.0], 10.0, True),          # e^{-10} keeps 1e-300 normal, with the margin
+    ([1e-300, 1.0], 20.0, False),         # ... e^{-20} does not
+    ([1e300, 1.0], 20.0, False),          # overflow side
+    ([1e-310, 1.0], 0.5, False),          # a subnormal entry: any shrink may flush it
+    ([0.0, 0.0], 300.0, True),            # zeros stay zeros
+    ([np.inf, 1.0], 0.0, False),          # not finite: left to the entrywise check
+])
+def test_float64_safe_is_a_sufficient_condition(values, M, safe):
+    from pathir.rescaling.bounds import float64_safe
+
+    assert float64_safe(_graph_with(values), np.array([M, -M / 2])) is safe
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-300, 300), min_size=2, max_size=6), st.floats(0, 700))
+def test_where_float64_safe_holds_the_entrywise_check_passes(log10s, M):
+    """float64_safe only skips checks that would pass: wherever it holds, every entry times every
+    factor in [e^{-M}, e^M] (both halves at either end) stays finite and nonzero."""
+    from pathir.rescaling.bounds import float64_safe
+
+    values = [10.0 ** v for v in log10s]
+    if float64_safe(_graph_with(values), np.array([M])):
+        for a in (np.exp(M / 2), np.exp(-M / 2)):  # θ · e^{z_e/2} · e^{-z_l/2}, as the commit multiplies
+            for b in (np.exp(M / 2), np.exp(-M / 2)):
+                assert _kept_in_range(np.asarray(values), np.asarray(values) * a * b)
+
+
+def test_a_commit_past_the_magnitude_range_still_checks_every_entry(monkeypatch):
+    """Where the graph's magnitude range does not settle it, the commit checks entry by entry (and
+    refuses), and where it does the entrywise check is skipped."""
+    from pathir.rescaling import commit
+
+    calls = []
+    real = commit.check_rescaling
+    monkeypatch.setattr(commit, "check_rescaling", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    net, cm = _mlp()
+    cm.commit_rescaling(0.1 * np.ones(len(cm.units)))
+    assert calls == []
+    with torch.no_grad():
+        net[4].weight[0, 0] = 1e307
+    cm = pathir.compile(net, input_shape=(3,))
+    z = np.zeros(len(cm.units))
+    z[cm.units.channel_units[cm.graph.nodes[-2].name][0]] = -10.0
+    with pytest.raises(PathirError, match="overflows or underflows float64"):
+        cm.commit_rescaling(z)
+    assert calls == [1]

@@ -19,12 +19,13 @@ range (a bound near 350, which no sane rescaling reaches).
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 
 from pathir.errors import ArgumentError
 
-__all__ = ["default_max_log_scale", "dtype_range", "SAFETY_MARGIN"]
+__all__ = ["default_max_log_scale", "dtype_range", "magnitude_range", "float64_safe", "SAFETY_MARGIN"]
 
 #: headroom, in nats, kept between the rescaled magnitudes and the dtype's limits
 SAFETY_MARGIN = 10 * math.log(2.0)
@@ -70,11 +71,7 @@ def default_max_log_scale(graph, dtype, *, variance_ratio: float | None = None) 
     True
     """
     log_big, log_tiny = dtype_range(dtype)
-    tiny = math.exp(log_tiny)
-    low, high = math.inf, -math.inf
-    for p in graph.params():
-        lo, hi = _normal_magnitude_range(np.asarray(p.value), tiny)
-        low, high = min(low, lo), max(high, hi)
+    low, high, _ = magnitude_range(graph, math.exp(log_tiny))
     if high == -math.inf:  # nothing nonzero: any rescaling writes zeros as zeros
         low = high = 1.0
     margin = min(SAFETY_MARGIN, 0.1 * (log_big - log_tiny))
@@ -86,21 +83,56 @@ def default_max_log_scale(graph, dtype, *, variance_ratio: float | None = None) 
 
 
 _CHUNK = 1 << 16
+#: graph -> {threshold: (low, high, finite)}: a graph's params never change, so each range is read once
+_RANGES_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _normal_magnitude_range(value: np.ndarray, tiny: float) -> tuple[float, float]:
-    """(min, max) of |value| over its finite entries >= ``tiny`` ((inf, -inf) if none), a cache-sized
-    chunk at a time: one |x| per chunk, and the masks only for a chunk holding a zero, a subnormal, inf or nan."""
+def magnitude_range(graph, tiny: float) -> tuple[float, float, bool]:
+    """(min, max) of |θ| over the finite entries >= ``tiny`` of ``graph``'s params ((inf, -inf) if none),
+    and whether every entry is finite. The pass that reads it also reads the range over the entries > 0
+    (``tiny=0``: what a commit's float64 range check needs, `float64_safe`); both are kept per graph."""
+    seen = _RANGES_SEEN.setdefault(graph, {})
+    if tiny not in seen:
+        low, low_any, high, finite = math.inf, math.inf, -math.inf, True
+        for p in graph.params():
+            lo, lo_any, hi, fin = _magnitude_range(np.asarray(p.value), tiny)
+            low, low_any, high, finite = min(low, lo), min(low_any, lo_any), max(high, hi), finite and fin
+        seen[tiny], seen[0.0] = (low, high, finite), (low_any, high, finite)
+    return seen[tiny]
+
+
+def float64_safe(graph, z) -> bool:
+    """True where no param entry of ``graph`` times a factor in [e^{-M}, e^M] (M = max |z_h|: every factor a
+    rescaling by z applies) can leave float64's normal range or stop being finite: the entries > 0 span
+    [low, high] and e^{±M} keeps them SAFETY_MARGIN inside it. False says nothing (check entry by entry)."""
+    low, high, finite = magnitude_range(graph, 0.0)
+    if not finite:
+        return False
+    if low == math.inf:  # every entry 0: stays 0
+        return True
+    log_big, log_tiny = _RANGES["float64"]
+    M = float(np.max(np.abs(z), initial=0.0))
+    return math.log(high) + M <= log_big - SAFETY_MARGIN and math.log(low) - M >= log_tiny + SAFETY_MARGIN
+
+
+def _magnitude_range(value: np.ndarray, tiny: float) -> tuple[float, float, float, bool]:
+    """(min of |value| over its finite entries >= ``tiny``, min over those > 0, max over the finite ones,
+    all finite) ((inf, inf, -inf) for the extremes where there are none), a cache-sized chunk at a time:
+    one |x| per chunk, and the masks only for a chunk holding a zero, a subnormal, inf or nan."""
     flat = value.reshape(-1)
-    low, high = math.inf, -math.inf
+    low, low_any, high, finite = math.inf, math.inf, -math.inf, True
     buf = np.empty(min(_CHUNK, flat.size), dtype=np.result_type(flat.dtype, np.float32))
     for i in range(0, flat.size, _CHUNK):
         part = flat[i:i + _CHUNK]
         mag = np.abs(part, out=buf[:part.size])
         lo, hi = float(mag.min()), float(mag.max())
-        if not (lo >= tiny and hi < math.inf):  # zeros, subnormals, inf or nan here: mask them out
-            keep = (mag >= tiny) & np.isfinite(mag)
+        lo_any = lo
+        if not (lo >= tiny and lo > 0 and hi < math.inf):  # zeros, subnormals, inf or nan here: mask them out
+            fin = np.isfinite(mag)
+            finite = finite and bool(fin.all())
+            keep = (mag >= tiny) & fin
             lo = float(np.min(mag, where=keep, initial=math.inf))
-            hi = float(np.max(mag, where=keep, initial=-math.inf))
-        low, high = min(low, lo), max(high, hi)
-    return low, high
+            lo_any = float(np.min(mag, where=(mag > 0) & fin, initial=math.inf))
+            hi = float(np.max(mag, where=fin, initial=-math.inf))
+        low, low_any, high = min(low, lo), min(low_any, lo_any), max(high, hi)
+    return low, low_any, high, finite

@@ -30,6 +30,7 @@ import numpy as np
 from pathir.errors import PathirError
 from pathir.ir import Graph, Role
 from pathir.rescaling.apply import check_rescaling, log_scales, rescale_graph
+from pathir.rescaling.bounds import float64_safe
 from pathir.rescaling.optimizer_state import check_transportable, plan_transport
 
 __all__ = ["commit_rescaling", "rescaled_graph", "with_bias_shifts", "check_writable", "check_optimizer"]
@@ -73,8 +74,9 @@ def commit_rescaling(graph: Graph, units, z, model=None, writer=None, optimizer=
         new_graph = rescaled_graph(graph, units, z, _kept_in_range)
     else:  # the same products and check, a block at a time into one buffer: no graph kept
         new_graph = None
-        with np.errstate(over="ignore", under="ignore"):
-            check_rescaling(graph, units, z, _kept_in_range)
+        if not float64_safe(graph, z):  # (else the graph's magnitude range, read for the bound, settles it)
+            with np.errstate(over="ignore", under="ignore"):
+                check_rescaling(graph, units, z, _kept_in_range)
     if writer is not None:
         scales = log_scales(graph, units, z)
         _refuse_train_mode_statistics(model, graph, scales)
