@@ -31,6 +31,7 @@ from pathir.errors import BackendError
 from pathir.ir import MapKind, Node
 from pathir.support.threads import one_torch_thread
 
+from . import depthwise
 from .base import Backend, RuleTable
 from .numpy import window_slices
 
@@ -264,16 +265,21 @@ def _kernel(be, m):
 def _conv_apply(be, m, x, s):
     n = len(s) - 1
     conv = _table(_CONV, n, "conv")
+    W = _kernel(be, m)
+    if depthwise.is_depthwise(s[0], W.shape, m.groups, W):  # torch: one call per channel in float64
+        return depthwise.conv(x, W, m.stride, m.padding, m.dilation)
     sym = _symmetric(m.padding)
     if sym is None:
         x, sym = _pad(x, m.padding), 0
-    return conv(x, _kernel(be, m), None, m.stride, sym, m.dilation, m.groups)
+    return conv(x, W, None, m.stride, sym, m.dilation, m.groups)
 
 
 def _conv_adjoint(be, m, g, s):
     n = len(s) - 1
     conv_input = _table(_CONV_INPUT, n, "conv")
     W = _kernel(be, m)
+    if depthwise.is_depthwise(s[0], W.shape, m.groups, W):
+        return depthwise.conv_input((g.shape[0], *s), W, g, m.stride, m.padding, m.dilation)
     sym = _symmetric(m.padding)
     if sym is not None:
         return conv_input((g.shape[0], *s), W, g, m.stride, sym, m.dilation, m.groups)
@@ -285,6 +291,8 @@ def _conv_adjoint(be, m, g, s):
 def _conv_wgrad(be, m, x, g, s):
     n = len(s) - 1
     conv_weight = _table(_CONV_WEIGHT, n, "conv")
+    if depthwise.is_depthwise(s[0], m.W.shape, m.groups, g):
+        return depthwise.conv_weight(x, m.W.shape, g, m.stride, m.padding, m.dilation)
     sym = _symmetric(m.padding)
     if sym is None:
         x, sym = _pad(x, m.padding), 0
