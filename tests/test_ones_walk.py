@@ -238,3 +238,21 @@ def test_diag_g_reads_large_maps_from_their_runs(monkeypatch):
     monkeypatch.setattr(ones_walk, "expand", counting)
     _assert_diag_g_is_its_definition(net, (3, 64, 64))
     assert sum(expanded) >= 4  # the conv, pool and residual inputs were read from their runs
+
+
+@pytest.mark.parametrize("forget", [True, False])
+def test_the_forward_walk_drops_each_converted_weight_after_its_node(forget):
+    """With ``forget`` the walk's backend holds no |w|^q once the walk is done (one layer's at a time
+    while it runs), and the values are the same either way."""
+    torch.manual_seed(3)
+    net = Net([Layer("conv", 3, 4, 3, 1, 1, 1, False, True), Layer("residual", 4, 4, 3, 2, 1, 1, False, True)], 4, 2)
+    cm = pathir.compile(net, input_shape=(3, 16, 16), self_check=False)
+    view = cm.get_backend().power_view(2.0)
+    acts = ones_forward(cm.graph, view, linearize=True, forget=forget)
+    weights = [e.map.weight for n in cm.graph.nodes for e in n.edges if e.map.weight is not None]
+    held = [w for w in weights if w in view._cache]
+    assert held == ([] if forget else weights)
+    again = ones_forward(cm.graph, cm.get_backend().power_view(2.0), linearize=True, forget=not forget)
+    for name, (m, L, runs) in acts.items():
+        if m is not None:
+            assert torch.equal(m, again[name][0]) and L == again[name][1]

@@ -235,24 +235,28 @@ def _input(node, backend) -> tuple:
     return backend.ones(_stored_shape(node.shape, runs)), 0.0, runs
 
 
-def ones_forward(graph: Graph, backend, linearize: bool = False, certify: Certifier | None = None):
+def ones_forward(graph: Graph, backend, linearize: bool = False, certify: Certifier | None = None,
+                 forget: bool = True):
     """:func:`pathir.lifting.walk.path_forward` on the all-ones input, each node's tensor stored
     compressed: {node name: (m, L, runs)}, node value = expand(m) · exp(L). Needs the backend's
-    ``take``; raises :class:`~pathir.lifting.scaled.Uncertified` as path_forward does."""
-    return ones_forwards(graph, [backend], linearize, None if certify is None else [certify])[0]
+    ``take``; raises :class:`~pathir.lifting.scaled.Uncertified` as path_forward does. ``forget``: each
+    weight's converted tensor (|w|^q on a power view) is dropped from the backend's cache once its node
+    is summed, so the walk holds one layer's, not the model's (a weight read again is converted again)."""
+    return ones_forwards(graph, [backend], linearize, None if certify is None else [certify], forget)[0]
 
 
-def ones_forwards(graph: Graph, views: list, linearize: bool = False, certs: list | None = None) -> list:
+def ones_forwards(graph: Graph, views: list, linearize: bool = False, certs: list | None = None,
+                  forget: bool = True) -> list:
     """:func:`ones_forward` of each power view in ``views`` (one per q), node by node in step, so
     that a large dense weight is read once for every q (the views' ``dense_powers``)."""
     require_path_graph(graph, linearize)
     if certs is None:
         certs = [Certifier(graph, getattr(v, "q", None) == 0, v) for v in views]
     with views[0].flush_denormals():
-        return _in_step(graph, views, certs)
+        return _in_step(graph, views, certs, forget)
 
 
-def _in_step(graph: Graph, views: list, certs: list) -> list:
+def _in_step(graph: Graph, views: list, certs: list, forget: bool) -> list:
     shared = len(views) > 1 and hasattr(views[0], "dense_powers")
     walks = [{} for _ in views]
     for node in graph.nodes:
@@ -271,6 +275,9 @@ def _in_step(graph: Graph, views: list, certs: list) -> list:
                     g[k] = (y, Runs.none(_spatial(node.shape)))
             for v, cert, acts, g in zip(views, certs, walks, given):
                 acts[node.name] = _node_sum(graph, node, v, cert, acts, g)
+                for e in node.edges if forget and hasattr(v, "forget") else ():
+                    if e.map.weight is not None:
+                        v.forget(e.map.weight)
     return walks
 
 
