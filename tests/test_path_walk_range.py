@@ -20,10 +20,10 @@ import pathir
 from pathir.backends import get_backend
 from pathir.ir import Dense, GraphBuilder, Resample, SpatialMatrix
 from pathir.lifting.log_walk import log_backward, log_forward, log_grand_total
+from pathir.lifting.param_grads import param_grads
 from pathir.lifting.path_metric import path_metric
 from pathir.lifting.pattern import activation_pattern
 from pathir.lifting.scaled import Uncertified, scaled_backward, scaled_forward, scaled_log_total
-from pathir.lifting.param_grads import param_grads
 from pathir.lifting.walk import forward, path_forward
 from pathir.neurons.expand import expand
 from pathir.neurons.paths import activations, enumerate_path_norm, enumerate_paths, neuron_forward, phi

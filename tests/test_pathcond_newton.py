@@ -249,9 +249,10 @@ def test_the_default_bound_reads_the_finite_magnitudes_at_least_the_dtype_smalle
     [0.0, 1e-310, math.inf, -math.inf, math.nan, 1e300, -1e-300])), max_size=4), st.integers(0, 2 ** 32 - 1))
 @settings(max_examples=25, deadline=None, derandomize=True)
 def test_the_bound_reads_magnitudes_chunk_by_chunk_as_over_the_whole_array(size, specials, seed):
-    """The chunked min/max of the normal finite |θ| equals the masked reduction over the whole array,
-    with zeros, subnormals, infs and nans landing in any chunk."""
-    from pathir.rescaling.bounds import _normal_magnitude_range
+    """The chunked min/max of the normal finite |θ| (and the min over the positive finite ones, and
+    whether all are finite) equal the masked reductions over the whole array, with zeros, subnormals,
+    infs and nans landing in any chunk."""
+    from pathir.rescaling.bounds import _magnitude_range
 
     x = np.random.default_rng(seed).standard_normal(size) * 1e-3
     for at, v in specials:
@@ -261,4 +262,8 @@ def test_the_bound_reads_magnitudes_chunk_by_chunk_as_over_the_whole_array(size,
     mag = np.abs(x)
     keep = np.isfinite(mag) & (mag >= tiny)
     expected = (float(mag[keep].min()), float(mag[keep].max())) if keep.any() else (math.inf, -math.inf)
-    assert _normal_magnitude_range(x, tiny) == expected
+    low, low_any, high, finite = _magnitude_range(x, tiny)
+    assert (low, high if keep.any() else -math.inf) == expected
+    positive = np.isfinite(mag) & (mag > 0)
+    assert low_any == (float(mag[positive].min()) if positive.any() else math.inf)
+    assert finite == bool(np.isfinite(x).all())

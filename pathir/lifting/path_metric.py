@@ -34,8 +34,8 @@ import numpy as np
 from pathir.backends import get_backend
 from pathir.errors import ArgumentTypeError, InputShapeError, PathirError
 from pathir.ir import Graph, Param
-from pathir.lifting.path_norm import log_path_sum
 from pathir.lifting.param_grads import param_grads
+from pathir.lifting.path_norm import log_path_sum
 from pathir.support.progress import Phases
 
 __all__ = ["PathMetric", "path_metric", "pruned_path_metric", "output_bound", "check_same_architecture", "graph_of", "backend_of", "param_pairs",

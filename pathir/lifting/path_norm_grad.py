@@ -23,8 +23,8 @@ import numpy as np
 from pathir.backends import get_backend
 from pathir.errors import ArgumentError, PathirError, PathNormOverflow
 from pathir.ir import Graph
-from pathir.lifting.path_norm import check_q
 from pathir.lifting.param_grads import param_log_parts
+from pathir.lifting.path_norm import check_q
 
 __all__ = ["path_norm_and_grads", "check_differentiable_q"]
 

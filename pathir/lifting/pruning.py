@@ -34,8 +34,8 @@ from pathir.backends import get_backend
 from pathir.errors import ArgumentError, PathirError
 from pathir.ir import Graph, MapKind, Param, Role
 from pathir.lifting.diag_g import arrays_by_source, source_layout
-from pathir.lifting.path_metric import pruned_path_metric
 from pathir.lifting.param_grads import at_common_scale, param_log_parts
+from pathir.lifting.path_metric import pruned_path_metric
 from pathir.pairs.unit_pairs import least_positive
 
 __all__ = ["PruneReport", "score_log_parts", "path_magnitude_scores", "prune_masks", "prune_graph", "prune"]

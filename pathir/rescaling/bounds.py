@@ -97,7 +97,9 @@ def magnitude_range(graph, tiny: float) -> tuple[float, float, bool]:
         for p in graph.params():
             lo, lo_any, hi, fin = _magnitude_range(np.asarray(p.value), tiny)
             low, low_any, high, finite = min(low, lo), min(low_any, lo_any), max(high, hi), finite and fin
-        seen[tiny], seen[0.0] = (low, high, finite), (low_any, high, finite)
+        # (the largest finite |θ| is the largest >= any threshold wherever one entry reaches it)
+        seen[tiny], seen[0.0] = ((low, high if low < math.inf else -math.inf, finite),
+                                 (low_any, high if low_any < math.inf else -math.inf, finite))
     return seen[tiny]
 
 
