@@ -50,9 +50,10 @@ def problems(draw):
         enter = enter if enter.size else np.array([0])
         leave = leave if leave.size else np.array([0])
         k = draw(st.sampled_from([0, 0, 2]))  # rank one, or rank-k rows within 1e99 (a 1×1 convolution)
-        if k and grids and grids[-1].U is not None and draw(st.booleans()):  # one size as the last: stacked
+        if k and grids and grids[-1].U is not None and draw(st.booleans()):  # |E| as the last: stacked
             enter = np.sort(rng.choice(H + 1, grids[-1].enter.size, replace=False))
-            leave = np.sort(rng.choice(H, grids[-1].leave.size, replace=False))
+            width = grids[-1].leave.size if draw(st.booleans()) else draw(st.integers(1, H))  # (else padded)
+            leave = np.sort(rng.choice(H, width, replace=False))
         factors = () if not k else tuple(_bounded_rows(rng, n, k) for n in (enter.size, leave.size))
         grids.append(FactoredGrid(enter, leave, rng.uniform(-spread, spread, enter.size) + rng.normal() * spread,
                                   rng.uniform(-spread, spread, leave.size), H, *factors))
@@ -63,7 +64,10 @@ def problems(draw):
 @settings(derandomize=True, max_examples=200, deadline=None)
 @given(problems(), st.booleans())
 def test_gridded_point_matches_the_materialised_pairs(problem, both):
-    rest, grids, z, p, groups, keep = problem
+    _matches_the_materialised_pairs(*problem, both)
+
+
+def _matches_the_materialised_pairs(rest, grids, z, p, groups, keep, both):
     H = rest.num_units
     point = GriddedLaplacian(rest, tuple(grids)).point(z, both)
     reference = PairLaplacian(merged([rest] + [g.materialise() for g in grids], H)).point(z)
@@ -80,3 +84,22 @@ def test_gridded_point_matches_the_materialised_pairs(problem, both):
     mask = keep.astype(float)
     np.testing.assert_allclose(point.grouped(groups, 3, mask) * ratio, reference.grouped(groups, 3, mask),
                                rtol=1e-10, atol=tiny)
+
+
+def test_grids_of_one_rank_and_near_widths_share_a_padded_stack():
+    """Rank-k grids of one |E| whose |L| are within a factor of 2 are one stack (padded to the widest), a
+    wider one starts another, and the stacked point is still the materialised pairs'."""
+    from pathir.pairs.low_rank_grids import LowRankStack
+
+    H, rng = 12, np.random.default_rng(5)
+    grids = []
+    for width in (3, 5, 6, 11):
+        enter, leave = np.sort(rng.choice(H + 1, 4, replace=False)), np.sort(rng.choice(H, width, replace=False))
+        grids.append(FactoredGrid(enter, leave, rng.uniform(-3, 3, 4), rng.uniform(-3, 3, width), H,
+                                  _bounded_rows(rng, 4, 2), _bounded_rows(rng, width, 2)))
+    rest = Pairs(np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), H)
+    stacks = [p for p in GriddedLaplacian(rest, tuple(grids)).parts if isinstance(p, LowRankStack)]
+    assert sorted(len(s.grids) for s in stacks) == [1, 3]
+    for z_scale in (0.0, 1.0, 200.0):
+        _matches_the_materialised_pairs(rest, grids, rng.normal(size=H) * z_scale, rng.normal(size=H),
+                                        rng.integers(0, 3, H + 1), rng.random(H + 1) < 0.7, False)

@@ -26,6 +26,23 @@ from pathir.pairs.unit_pairs import Pairs, pad
 __all__ = ["GriddedLaplacian", "GriddedPoint"]
 
 
+def near_sizes(grids: list) -> list[list]:
+    """Rank-k grids grouped for stacking: one rank and one |E| each, their |L| within a factor of 2 of the
+    group's smallest (padding at most doubles a group's work, and merges its Python calls into one)."""
+    by_rank: dict[tuple, list] = {}
+    for grid in grids:
+        by_rank.setdefault((grid.U.shape[1], grid.enter.size), []).append(grid)
+    groups = []
+    for same in by_rank.values():
+        same.sort(key=lambda g: g.leave.size)
+        start = 0
+        for i in range(1, len(same) + 1):
+            if i == len(same) or same[i].leave.size > 2 * same[start].leave.size:
+                groups.append(same[start:i])
+                start = i
+    return groups
+
+
 class GriddedLaplacian:
     """E(z) = Σ_k P_k e^{z_e - z_l} over ``pairs`` and every pair of ``grids`` (one unit count H)."""
 
@@ -34,12 +51,9 @@ class GriddedLaplacian:
             raise ValueError("every grid must be over the pairs' units")
         self.pairs, self.grids, self.H = pairs, tuple(grids), pairs.num_units
         self.rest = PairLaplacian(pairs) if pairs.size else None
-        by_size: dict[tuple, list] = {}
-        for grid in self.grids:
-            if grid.U is not None:
-                by_size.setdefault((grid.enter.size, grid.leave.size, grid.U.shape[1]), []).append(grid)
-        # rank one: a point each; rank k: one point per stack of one size
-        self.parts = tuple(g for g in self.grids if g.U is None) + tuple(LowRankStack(gs) for gs in by_size.values())
+        # rank one: a point each; rank k: one point per stack of near sizes
+        self.parts = tuple(g for g in self.grids if g.U is None) + tuple(
+            LowRankStack(gs) for gs in near_sizes([g for g in self.grids if g.U is not None]))
 
     def point(self, z: np.ndarray, both: bool = False) -> "GriddedPoint":
         return GriddedPoint(self, z, both)
