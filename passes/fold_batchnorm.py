@@ -33,22 +33,33 @@ def _out_scale_refs(scale: Param) -> tuple[SourceRef, ...]:
     return tuple(r for r in scale.sources if r.role is Role.OUT_SCALE)
 
 
-def _scaled_weight(w: Param, s: np.ndarray, refs, arrays) -> Param:
+def _scaled_weight(w: Param, s: np.ndarray, refs, arrays, in_place: bool) -> Param:
+    """W * s[out channel] as a new Param: into W's own memory where ``in_place`` (the caller owns it
+    alone), else into a fresh or pooled array."""
+    if in_place:
+        w.value.setflags(write=True)  # the value dies with this graph; its memory becomes the new one's
     rows = w.value.reshape(w.shape[0], -1)  # one long inner loop per output channel, not one per kernel row
-    value = np.multiply(rows, s.reshape(-1, 1), out=None if arrays is None else arrays.empty(rows.shape)).reshape(w.shape)
+    if in_place:
+        out = rows
+    else:
+        out = None if arrays is None else arrays.empty(rows.shape)
+    value = np.multiply(rows, s.reshape(-1, 1), out=out).reshape(w.shape)
     sources = tuple(r for r in w.sources if r.role is not Role.OUT_SCALE) + refs
     how = (w.how or w.name) + f" * {refs[0].name if refs else 'scale'}/sigma"
     return Param.adopt(w.name, value, sources, how)  # value is a fresh array: no copy
 
 
-def fold_batchnorm(graph: Graph, arrays=None) -> Graph:
+def fold_batchnorm(graph: Graph, arrays=None, in_place: bool = False) -> Graph:
     """Requires: a verified graph. Ensures: no foldable Scale edge remains.
     Preserves: the function R_theta (exactly, up to rounding) and the units
     (each folded channel stays one unit). ``arrays``: an ``ArrayPool`` the folded
     weights are written into (a live model's re-reads: memory of the values two
-    re-reads ago instead of fresh pages), else new arrays."""
+    re-reads ago instead of fresh pages), else new arrays. ``in_place``: the caller hands over
+    ``graph``, which nobody reads afterwards (a fresh lowering's): a folded weight whose memory no
+    other param shares is scaled where it is, with no new array (one copy of the model less)."""
     nodes = {n.name: n for n in graph.nodes}
     shared = _shared_params(graph)
+    sole = _sole_memory(graph) if in_place else set()
     removed: set[str] = set()
     for v in graph.nodes:
         if len(v.edges) == 0:
@@ -61,7 +72,7 @@ def fold_batchnorm(graph: Graph, arrays=None) -> Graph:
                 continue
             s, refs = e.map.W.value, _out_scale_refs(e.map.W)
             for ue in u.edges:
-                new_edges.append(Edge(ue.source, replace(ue.map, W=_scaled_weight(ue.map.W, s, refs, arrays))))
+                new_edges.append(Edge(ue.source, replace(ue.map, W=_scaled_weight(ue.map.W, s, refs, arrays, ue.map.W.name in sole))))
             if u.bias is not None:
                 folded = s * u.bias.value
                 if bias is None:
@@ -86,6 +97,18 @@ def _shared_params(graph: Graph) -> set[str]:
     return shared
 
 
+def _sole_memory(graph: Graph) -> set[str]:
+    """Names of the params whose value is a C-contiguous array over memory no other param's value
+    reaches (followed through ``base`` to the first array that is not a view of another array)."""
+    roots: dict[int, list[Param]] = {}
+    for p in graph.params():
+        a = p.value
+        while isinstance(a.base, np.ndarray):
+            a = a.base
+        roots.setdefault(id(a), []).append(p)
+    return {ps[0].name for ps in roots.values() if len(ps) == 1 and ps[0].value.flags.c_contiguous}
+
+
 def _foldable(graph: Graph, u, shared: set[str]) -> bool:
     return (
         u is not None
@@ -98,14 +121,15 @@ def _foldable(graph: Graph, u, shared: set[str]) -> bool:
     )
 
 
-def pooled_folds(passes) -> tuple:
+def pooled_folds(passes, in_place: bool = False) -> tuple:
     """``passes`` with ``fold_batchnorm`` (given as itself or by name) writing into one ArrayPool that the
     returned pipeline keeps: a live model's re-reads then reuse the memory of the folded weights two
-    re-reads ago."""
+    re-reads ago. ``in_place``: every graph the pipeline is run on is handed over (a fresh lowering's,
+    read by nothing after): weights are folded in their own memory (``fold_batchnorm(in_place=True)``)."""
     arrays = ArrayPool()
 
     def pooled(graph: Graph) -> Graph:
-        return fold_batchnorm(graph, arrays)
+        return fold_batchnorm(graph, arrays, in_place)
 
     pooled.__name__ = "fold_batchnorm"
     return tuple(pooled if p is fold_batchnorm or p == "fold_batchnorm" else p for p in passes)

@@ -71,7 +71,7 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
         watch = ModelWatch(model)
 
         reread = low.reread
-        pipeline = pooled_folds((*DEFAULT_PIPELINE, *passes))
+        pipeline = (*pooled_folds(DEFAULT_PIPELINE, in_place=True), *passes)  # each raw graph is handed over
 
         def relower(moved: set[str] | None = None) -> Graph:
             """The model's current values in the same pipeline: re-read without tracing when only
@@ -86,7 +86,9 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
         relower.covers = lambda moved: reread is not None and reread.covers(moved)  # a re-read without tracing
 
     bar.phase("passes")
-    graph = run_passes(graph, (*DEFAULT_PIPELINE, *passes), check=check)
+    # the torch lowering's raw graph is read by nothing after the default passes: batch-norms fold into
+    # its own memory (never in a user pass's graph, which the pass may keep)
+    graph = run_passes(graph, (*pooled_folds(DEFAULT_PIPELINE, in_place=kind == "torch"), *passes), check=check)
     cm = Compiled(graph, model=model, writer=writer, source_num_params=n_src, backend=backend, name=name,
                   watch=watch, relower=relower)
     if self_check:

@@ -48,6 +48,64 @@ def test_fold_batchnorm_folds_and_preserves_the_function(with_conv_bias):
     assert len(g) == 3  # the input graph is untouched
 
 
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)  # a Param takes a read-only float64 array as it is, without a copy
+    return a
+
+
+def conv_bn_graph_over(conv_weight: np.ndarray, conv_bias: np.ndarray) -> "pathir.ir.Graph":
+    """conv_bn_graph with the conv's weight and bias given (read-only: the Params hold these very arrays)."""
+    b = GraphBuilder("cbr")
+    x = b.input("x", (2, 5))
+    c = b.identity("conv", [(x, Conv(b.param("conv.weight", conv_weight), (1,), ((1, 1),), (1,)))],
+                   bias=b.param("conv.bias", conv_bias))
+    out = (SourceRef("bn.weight", Role.OUT_SCALE), SourceRef("bn.bias", Role.OUT_SCALE))
+    s = Param("bn.weight", np.array([0.5, 2.0, -1.5]), (SourceRef("bn.weight"),) + out)
+    r = b.relu("relu", [(c, Scale(s))], bias=Param("bn.bias", np.array([0.1, -0.2, 0.3]), (SourceRef("bn.bias"),) + out))
+    return b.build([r])
+
+
+def test_fold_batchnorm_in_place_scales_a_weight_in_its_own_memory():
+    w = _read_only(rng.normal(size=(3, 2, 3)))
+    g, twin = conv_bn_graph_over(w, _read_only(rng.normal(size=3))), conv_bn_graph_over(w.copy(), rng.normal(size=3))
+    x = rng.normal(size=(4, 2, 5))
+    expected = forward(g, BE, x)["relu"]
+    copied, folded = fold_batchnorm(twin), fold_batchnorm(g, in_place=True)
+    W = folded.node("relu").edges[0].map.W.value
+    assert np.shares_memory(W, w) and not W.flags.writeable  # no new array, and read-only again
+    np.testing.assert_array_equal(W, copied.node("relu").edges[0].map.W.value)  # the same rounding as a copy
+    np.testing.assert_allclose(forward(folded, BE, x)["relu"], expected, rtol=1e-12, atol=1e-12)
+
+
+def test_fold_batchnorm_in_place_copies_a_weight_whose_memory_another_param_reaches():
+    block = rng.normal(size=3 * 2 * 3 + 3)
+    before = block.copy()
+    w, bias = _read_only(block[:18].reshape(3, 2, 3)), _read_only(block[18:])  # two params over one array
+    g = conv_bn_graph_over(w, bias)
+    x = rng.normal(size=(4, 2, 5))
+    expected = forward(g, BE, x)["relu"]
+    folded = fold_batchnorm(g, in_place=True)
+    np.testing.assert_array_equal(block, before)  # neither param's memory was written
+    assert not np.shares_memory(folded.node("relu").edges[0].map.W.value, block)
+    np.testing.assert_allclose(forward(folded, BE, x)["relu"], expected, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(forward(g, BE, x)["relu"], expected, rtol=0, atol=0)  # the input graph still computes it
+
+
+def test_compile_folds_a_torch_models_batch_norms_as_a_copy_would():
+    """compile hands the fresh lowering's raw graph to fold_batchnorm(in_place=True): the same values."""
+    net = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 3, 1), nn.BatchNorm2d(3)).eval()
+    for m in net.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_var.uniform_(0.5, 2)
+            m.weight.data.normal_()
+    from pathir.frontends.torch.lower import lower
+    from pathir.passes import DEFAULT_PIPELINE
+    by_copy = run_passes(lower(net, input_shape=(2, 6, 6)).graph, DEFAULT_PIPELINE)
+    cm = pathir.compile(net, input_shape=(2, 6, 6))
+    for p, q in zip(cm.graph.params(), by_copy.params(), strict=True):
+        assert p.name == q.name and np.array_equal(p.value, q.value)
+
+
 def test_fold_batchnorm_leaves_a_shared_node_alone():
     g = conv_bn_graph(extra_consumer=True)
     folded = fold_batchnorm(g)
