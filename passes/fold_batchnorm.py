@@ -37,7 +37,10 @@ def _scaled_weight(w: Param, s: np.ndarray, refs, arrays, in_place: bool) -> Par
     """W * s[out channel] as a new Param: into W's own memory where ``in_place`` (the caller owns it
     alone), else into a fresh or pooled array."""
     if in_place:
-        w.value.setflags(write=True)  # the value dies with this graph; its memory becomes the new one's
+        try:
+            w.value.setflags(write=True)  # the value dies with this graph; its memory becomes the new one's
+        except ValueError:  # over memory that is read-only at its root: scaled into a new array
+            in_place = False
     rows = w.value.reshape(w.shape[0], -1)  # one long inner loop per output channel, not one per kernel row
     if in_place:
         out = rows

@@ -91,6 +91,15 @@ def test_fold_batchnorm_in_place_copies_a_weight_whose_memory_another_param_reac
     np.testing.assert_allclose(forward(g, BE, x)["relu"], expected, rtol=0, atol=0)  # the input graph still computes it
 
 
+def test_fold_batchnorm_in_place_copies_a_weight_over_read_only_memory():
+    w = np.frombuffer(rng.normal(size=18).tobytes()).reshape(3, 2, 3)  # its root is immutable bytes
+    g = conv_bn_graph_over(w, _read_only(rng.normal(size=3)))
+    x = rng.normal(size=(4, 2, 5))
+    folded = fold_batchnorm(g, in_place=True)
+    assert not np.shares_memory(folded.node("relu").edges[0].map.W.value, w)
+    np.testing.assert_allclose(forward(folded, BE, x)["relu"], forward(g, BE, x)["relu"], rtol=1e-12, atol=1e-12)
+
+
 def test_compile_folds_a_torch_models_batch_norms_as_a_copy_would():
     """compile hands the fresh lowering's raw graph to fold_batchnorm(in_place=True): the same values."""
     net = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 3, 1), nn.BatchNorm2d(3)).eval()

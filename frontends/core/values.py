@@ -74,11 +74,20 @@ def f64(t: torch.Tensor) -> np.ndarray:
     return t.to("cpu", torch.float64, copy=True).numpy()
 
 
+#: tensors of this many entries or more are widened by torch's threaded copy, smaller ones by numpy's
+_PARALLEL_COPY = 1 << 16
+
+
 def f64_into(out: np.ndarray, t: torch.Tensor) -> None:
     """``out[...] = f64(t)``: the same exact widening, written into an array of t's shape."""
     t = t.detach()
-    np.copyto(out, t.numpy() if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64)
-              else t.to("cpu", torch.float64).numpy())
+    if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64):
+        if t.numel() >= _PARALLEL_COPY and out.flags.c_contiguous:  # torch's copy runs on its threads (fresh pages fault in parallel)
+            torch.from_numpy(out).copy_(t)
+        else:
+            np.copyto(out, t.numpy())
+    else:
+        np.copyto(out, t.to("cpu", torch.float64).numpy())
 
 
 def _numel(shape) -> int:
