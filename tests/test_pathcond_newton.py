@@ -5,7 +5,9 @@ test_pathcond_solvers, plus DenseNet-like blocks where every layer reads the
 concatenation of all earlier ones (the graphs on which block sweeps crawl).
 """
 
+import gc
 import math
+import weakref
 
 import numpy as np
 import pytest
@@ -167,6 +169,21 @@ def test_pathcond_reports_the_units_at_the_bound_and_keeps_the_function():
     default = cm32.pathcond(write_back=False)
     assert default.max_log_scale == default_max_log_scale(cm32.graph, torch.float32)
     assert default.units_at_bound == ()
+
+
+def test_reported_unit_names_are_made_when_read_and_keep_no_graph_alive():
+    model = _mlp(torch.float64)
+    expected = pathir.compile(model, input_shape=(6,)).units.names
+    cm = pathir.compile(model, input_shape=(6,))
+    units = cm.units
+    lazy = units.names_of([2, 0])
+    assert "names" not in units.__dict__ and len(lazy) == 2 and lazy  # counted and tested for truth unnamed
+    graph = weakref.ref(cm.graph)
+    del cm, units
+    gc.collect()
+    assert graph() is None  # the lazy names hold node names and ids, not the graph's values
+    assert lazy == (expected[2], expected[0]) and list(lazy) == [expected[2], expected[0]] and lazy[1] == expected[0]
+    assert lazy != (expected[0],) and hash(lazy) == hash((expected[2], expected[0]))
 
 
 @pytest.mark.slow

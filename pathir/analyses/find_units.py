@@ -27,14 +27,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
 from pathir.errors import ArgumentKeyError, PathirError
 from pathir.ir import Graph, NodeKind, Param
 
-__all__ = ["find_units", "Units", "Unit"]
+__all__ = ["find_units", "Units", "Unit", "UnitNames"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,6 +61,42 @@ class Unit:
             f"unit {self.index} '{self.name}': {len(self.members)} channels in {', '.join(nodes)}; "
             f"in: {side(self.incoming)}; out: {side(self.outgoing)}"
         )
+
+
+class UnitNames(Sequence):
+    """The names of some units, made on first read: naming every unit of a large model is a pass over
+    all its classes (0.15 s on densenet169), and most reports that list units are never printed.
+    Equal to the tuple of its names; holds names and node lists, never a parameter value."""
+
+    def __init__(self, every_name, indices):
+        self._every_name, self._indices = every_name, tuple(int(h) for h in indices)
+        self._names: tuple[str, ...] | None = None
+
+    def _all(self) -> tuple[str, ...]:
+        if self._names is None:
+            every = self._every_name()
+            self._names, self._every_name = tuple(every[h] for h in self._indices), None
+        return self._names
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    def __getitem__(self, i):
+        return self._all()[i]
+
+    def __iter__(self):
+        return iter(self._all())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (tuple, list, UnitNames)):
+            return self._all() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._all())
+
+    def __repr__(self) -> str:
+        return repr(self._all())
 
 
 @dataclass(frozen=True, eq=False)
@@ -96,6 +132,14 @@ class Units:
     def names(self) -> tuple[str, ...]:
         """The units' names, made when first asked (a solve that names no unit never pays for them)."""
         return tuple(_names(self.graph, self.members))
+
+    def names_of(self, indices) -> "UnitNames":
+        """The names of units ``indices``, made when first read, holding none of the graph's values."""
+        if "names" in self.__dict__:
+            names = self.names
+            return UnitNames(lambda: names, indices)
+        table, members = _name_table(self.graph), self.members
+        return UnitNames(lambda: tuple(_names_from(table, members)), indices)
 
     def __len__(self) -> int:
         return len(self.members)
@@ -367,16 +411,24 @@ def _names(graph: Graph, members) -> list[str]:
     parameterized edge) are all fed by one param first (one layer, or copies of
     it), ``<node>:c<k>`` for a one-node unit fed by none, ``stream:<prefix>/c<k>``
     for a class computed by several layers (a residual stream, a concat)."""
-    first_param = {
-        n.name: next((e.map.weight for e in n.edges if e.map.weight is not None), None) for n in graph.nodes
-    }
+    return _names_from(_name_table(graph), members)
+
+
+def _name_table(graph: Graph) -> dict[str, tuple[int, str] | None]:
+    """Node -> (identity, name) of the first param it reads, None for none: all that naming reads of a graph."""
+    first = {n.name: next((e.map.weight for e in n.edges if e.map.weight is not None), None) for n in graph.nodes}
+    return {name: None if p is None else (id(p), p.name) for name, p in first.items()}
+
+
+def _names_from(first_param: dict, members) -> list[str]:
+    """:func:`_names` from the graph's :func:`_name_table`."""
     out, seen = [], {}
     pattern: dict[tuple[str, ...], tuple[str, str]] = {}  # node list -> (name prefix, node read for the channel)
 
     def name_pattern(node_names: tuple[str, ...]) -> tuple[str, str]:
         fed = [n for n in node_names if first_param[n] is not None]
-        if len({id(first_param[n]) for n in fed}) == 1:
-            return f"{_strip(first_param[fed[0]].name)}:c", fed[0]
+        if len({first_param[n][0] for n in fed}) == 1:
+            return f"{_strip(first_param[fed[0]][1])}:c", fed[0]
         if len(node_names) == 1:
             return f"{node_names[0]}:c", node_names[0]
         named = fed or list(node_names)  # the nodes that compute the class, not the pools after it

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -64,13 +65,13 @@ class ENormReport:
     converged: bool
     imbalance: float
     max_abs_log_scale: float
-    degenerate_units: tuple[str, ...]
+    degenerate_units: Sequence[str]  # a UnitNames: named when first read
     seconds: float
     written: bool
     history: tuple[float, ...] = ()
     z: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
     max_log_scale: float | None = None
-    units_at_bound: tuple[str, ...] = ()
+    units_at_bound: Sequence[str] = ()  # a UnitNames: named when first read
     step: float = float("nan")
 
     def to_dict(self, z: bool = False) -> dict:
@@ -113,7 +114,7 @@ class NormalizeReport:
     units: int
     cycles: int
     max_abs_log_scale: float
-    degenerate_units: tuple[str, ...]
+    degenerate_units: Sequence[str]  # a UnitNames: named when first read
     seconds: float
     written: bool
     z: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
@@ -253,11 +254,11 @@ def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, cos
         criterion_before=result.e_initial, criterion_after=result.e_final, sweeps=result.sweeps,
         converged=result.converged, imbalance=result.imbalance,
         max_abs_log_scale=float(np.abs(z).max(initial=0.0)),
-        degenerate_units=tuple(units.names[int(h)] for h in result.degenerate),
+        degenerate_units=units.names_of(result.degenerate),
         seconds=time.perf_counter() - start, written=commit is not None,
         history=tuple(float(e) for e in result.history), z=z,
         max_log_scale=None if max_log_scale is None else float(max_log_scale),
-        units_at_bound=tuple(units.names[int(h)] for h in result.at_bound), step=result.step,
+        units_at_bound=units.names_of(result.at_bound), step=result.step,
     )
 
 
@@ -289,6 +290,6 @@ def normalize_units(facts, p: float = 2.0, commit=None, name: str = "", progress
     return NormalizeReport(
         model=name, p=float(p), units=len(units), cycles=result.cycles,
         max_abs_log_scale=float(np.abs(result.z).max(initial=0.0)),
-        degenerate_units=tuple(units.names[int(h)] for h in result.degenerate),
+        degenerate_units=units.names_of(result.degenerate),
         seconds=time.perf_counter() - start, written=commit is not None, z=result.z,
     )

@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Callable
 
 import numpy as np
@@ -190,8 +191,15 @@ class ChannelMap(Map):
             raise ArgumentError(f"channel map reads channel {max(self.index)} of a {in_shape[0]}-channel input")
         return (len(self.index), *in_shape[1:])
 
+    @cached_property
+    def index_array(self) -> np.ndarray:
+        """``index`` as a read-only int64 array (made once: a concat's map is read once per channel tie)."""
+        a = np.asarray(self.index, dtype=np.int64)
+        a.setflags(write=False)
+        return a
+
     def describe(self):
-        idx = np.asarray(self.index)
+        idx = self.index_array
         sel = np.flatnonzero(idx >= 0)
         src = idx[sel]
         if sel.size and np.all(np.diff(sel) == 1) and np.all(np.diff(src) == 1):
@@ -199,7 +207,7 @@ class ChannelMap(Map):
         return f"channel_map({len(idx)} from {int(sel.size)})"
 
     def channel_ties(self, in_shape):
-        idx = np.asarray(self.index)
+        idx = self.index_array
         t = np.flatnonzero(idx >= 0)
         return np.stack([idx[t], t], axis=1).astype(np.int64)
 

@@ -23,6 +23,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -81,7 +82,7 @@ class PathCondReport:
     log_spread_after: float
     divergence_before: float
     divergence_after: float
-    degenerate_units: tuple[str, ...]
+    degenerate_units: Sequence[str]  # a UnitNames: named when first read
     gradient_max: float
     gradient_relative: float
     seconds: float
@@ -89,7 +90,7 @@ class PathCondReport:
     history: tuple[float, ...] = ()
     timings: dict = field(default_factory=dict)
     max_log_scale: float = math.inf
-    units_at_bound: tuple[str, ...] = ()
+    units_at_bound: Sequence[str] = ()  # a UnitNames: named when first read
     z: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
 
     @property
@@ -268,7 +269,7 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
         sweeps=result.sweeps, converged=result.converged, max_abs_log_scale=result.max_abs_z,
         log_spread_before=spreads[0], log_spread_after=spreads[1],
         divergence_before=divergence[0], divergence_after=divergence[1],
-        degenerate_units=tuple(units.names[int(h)] for h in result.degenerate),
+        degenerate_units=units.names_of(result.degenerate),
         gradient_max=result.grad_max, gradient_relative=result.grad_rel,
         seconds=time.perf_counter() - start, written=commit is not None,
         history=tuple(float(f) + shift for f in result.history), timings=timings, z=result.z,
@@ -276,9 +277,9 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
     )
 
 
-def _at_bound(units, result, bound: float) -> tuple[str, ...]:
+def _at_bound(units, result, bound: float) -> Sequence[str]:
     if not math.isfinite(bound):
         return ()
     live = np.ones(result.z.size, dtype=bool)
     live[result.degenerate] = False
-    return tuple(units.names[int(h)] for h in np.flatnonzero(live & (np.abs(result.z) >= bound * (1 - 1e-12))))
+    return units.names_of(np.flatnonzero(live & (np.abs(result.z) >= bound * (1 - 1e-12))))
