@@ -277,3 +277,20 @@ def test_random_models_and_edits_follow_exactly():
             assert cm.path_norm(2) == pytest.approx(fresh.path_norm(2), rel=1e-12)
 
     check()
+
+
+def test_a_rescaling_method_compares_the_model_once_and_the_next_query_sees_a_later_edit(monkeypatch):
+    from pathir.frontends.torch.live import ModelWatch
+
+    model = _net().eval()
+    cm = pathir.compile(model, input_shape=SHAPE)
+    looks = []
+    real = ModelWatch.changed
+    monkeypatch.setattr(ModelWatch, "changed", lambda self: looks.append(1) or real(self))
+    cm.pathcond()
+    assert len(looks) <= 2  # once at the first query, once after its own write-back
+    with torch.no_grad():
+        model[0].weight.mul_(3.0)  # the user's edit after the call
+    assert cm.path_norm(2.0) == pytest.approx(_fresh(model), rel=1e-12)
+    cm.pathcond()
+    assert cm.path_norm(2.0) == pytest.approx(_fresh(model), rel=1e-12)  # the write-back is followed too
