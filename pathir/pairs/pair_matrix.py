@@ -77,6 +77,7 @@ class PairMatrix:
         keep = ~in_block[enter]
         self.blocks = blocks
         self.rest = sp.csr_array((mass[keep], (enter[keep], leave[keep])), shape=(size, size))
+        self._rest_t = self.rest.T  # its transpose (a CSC view of the same arrays), made once, not per product
         by_shape: dict[tuple, list] = {}
         for blk in blocks:
             if blk.values.size < STACK_BELOW:
@@ -97,7 +98,7 @@ class PairMatrix:
 
     def T(self, y: np.ndarray) -> np.ndarray:
         """Mᵀ @ y."""
-        x = self.rest.T @ y
+        x = self._rest_t @ y
         for blk in self._alone:
             x[blk.cols] += blk.values.T @ y[blk.rows]
         for stack in self._stacks:
@@ -107,7 +108,7 @@ class PairMatrix:
     def both(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(M @ x, Mᵀ @ y) in one pass over the blocks: each chunk of rows, read for the first
         product, is still in cache for the second (half the memory traffic of two passes)."""
-        mx, my = self.rest @ x, self.rest.T @ y
+        mx, my = self.rest @ x, self._rest_t @ y
         for stack in self._stacks:
             mx[stack.rows] = stack.times(x)
             my += stack.transposed_times(y)
