@@ -32,6 +32,7 @@ from pathir.enorm.result import ENormResult, at_bound, masses
 from pathir.errors import ArgumentError
 from pathir.pairs.pair_laplacian import TINY, PairLaplacian, PairPoint
 from pathir.pairs.unit_pairs import Pairs, blocks_of, greedy_coloring, group_pairs, pad
+from pathir.support.threads import one_blas_thread
 
 __all__ = ["solve_enorm_newton", "newton_direction"]
 
@@ -130,11 +131,10 @@ def solve_enorm_newton(w, B, c=None, *, max_sweeps: int = 1000, tol: float = 1e-
     >>> np.round(r.z, 6).tolist(), f"{r.e_final:.6g}", r.converged
     ([0.693147, 1.098612], '10', True)
     """
-    from threadpoolctl import threadpool_limits
 
     # the mat-vecs are memory-bound: more BLAS threads gain nothing and, on cores shared with other
     # work, cost up to 5x (resnet50's M @ x and Mᵀ @ y: 26 ms on one thread, 137 ms on two, loaded)
-    with threadpool_limits(limits=1, user_api="blas"):
+    with one_blas_thread():
         return _solve(w, B, c, max_sweeps=max_sweeps, tol=tol, row_key=row_key, max_log_scale=max_log_scale,
                       callback=callback, max_cg=max_cg, pairs=pairs)
 

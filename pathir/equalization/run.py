@@ -24,6 +24,7 @@ from pathir.lifting.pruning import score_log_parts
 from pathir.lifting.walk import forward
 from pathir.rescaling.apply import rescale_graph
 from pathir.support.progress import Phases, warn_not_converged
+from pathir.support.threads import one_blas_thread
 
 __all__ = ["equalize", "PHASES"]
 
@@ -117,9 +118,8 @@ def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_sc
     bar.phase("report")
     rescaled = rescale_graph(graph, units, z)
     after = {p.name: p for p in quantized_params(rescaled)}
-    from threadpoolctl import threadpool_limits  # lazy: spares `import pathir` the package
 
-    with threadpool_limits(limits=1, user_api="blas"):  # threaded dot products spin 2-15x slower on a busy machine
+    with one_blas_thread():  # threaded dot products spin 2-15x slower on a busy machine
         rows = [TensorRow(p.source_name, _spread(p.value), _spread(after[p.name].value),
                           quantized_sqnr_db(p.value, bits), quantized_sqnr_db(after[p.name].value, bits))
                 for p in params]

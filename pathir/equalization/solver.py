@@ -22,6 +22,7 @@ from scipy.optimize import linprog
 
 from pathir.equalization.lbfgs import minimize_box
 from pathir.equalization.objective import Objective
+from pathir.support.threads import one_blas_thread
 
 __all__ = ["SolveResult", "solve", "SHARPNESS", "exact_range_optimum"]
 
@@ -64,9 +65,8 @@ def solve(objective: Objective, max_log_scale: float = math.inf, sharpness=None,
 
     BLAS runs on one thread meanwhile: the solver's vector operations are small, and threaded BLAS
     spins them ten times slower on a busy machine."""
-    from threadpoolctl import threadpool_limits  # lazy: spares `import pathir` the package
 
-    with threadpool_limits(limits=1, user_api="blas"):
+    with one_blas_thread():
         return _solve(objective, max_log_scale, SHARPNESS[objective.kind] if sharpness is None else sharpness,
                       ridge, balance, max_iter, tol, callback, lower, atol, window)
 

@@ -45,6 +45,7 @@ from pathir.pairs.unit_pairs import group_pairs
 from pathir.pathcond.block import block_sweeps, pair_state
 from pathir.pathcond.coarse_start import coarse_shift
 from pathir.pathcond.objective import PathCondResult, as_g, finish
+from pathir.support.threads import one_blas_thread
 
 __all__ = ["solve_newton"]
 
@@ -169,10 +170,9 @@ def solve_newton(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, row_key=No
     >>> np.round(r.z, 6).tolist(), r.extra["at_bound"]
     ([-0.693147, -0.8], [1])
     """
-    from threadpoolctl import threadpool_limits
 
     # the mat-vecs are memory-bound: more BLAS threads gain nothing (`pathir.enorm.newton`)
-    with threadpool_limits(limits=1, user_api="blas"):
+    with one_blas_thread():
         return _solve(g, B, max_sweeps=max_sweeps, tol=tol, row_key=row_key, max_log_scale=max_log_scale,
                       warm_sweeps=warm_sweeps, max_cg=max_cg, callback=callback, pairs=pairs, groups=groups)
 

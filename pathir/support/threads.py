@@ -6,7 +6,8 @@ more than the op's share of work, and on a loaded machine a wait for a
 descheduled thread (measured on 2 shared cores: a chunked log over diag G 5 to 15x
 slower on 2 threads than on 1). Inside :func:`one_torch_thread` such loops run on the
 calling thread; large single ops (a walk's convolutions) keep every thread.
-Used by: the chunked logs of diag G (`pathir.support.fast_log`), the power view's
+:func:`one_blas_thread` does the same for numpy's and scipy's BLAS (the solvers' small
+vector operations). Used by: the chunked logs of diag G (`pathir.support.fast_log`), the power view's
 |w|^q blocks of a large dense weight (``backends.torch``) and the torch writer's
 row blocks (``frontends.torch.writer``).
 
@@ -17,13 +18,19 @@ row blocks (``frontends.torch.writer``).
 1
 >>> torch.get_num_threads() == before
 True
+>>> from threadpoolctl import threadpool_info
+>>> with one_blas_thread():
+...     all(lib["num_threads"] == 1 for lib in threadpool_info() if lib["user_api"] == "blas")
+True
 """
 
 from __future__ import annotations
 
 import contextlib
 
-__all__ = ["one_torch_thread"]
+__all__ = ["one_torch_thread", "one_blas_thread"]
+
+_BLAS = None  # threadpoolctl's controller of the loaded BLAS libraries, made once (see one_blas_thread)
 
 
 @contextlib.contextmanager
@@ -40,3 +47,18 @@ def one_torch_thread():
         yield
     finally:
         torch.set_num_threads(old)
+
+
+@contextlib.contextmanager
+def one_blas_thread():
+    """numpy's and scipy's BLAS limited to one thread inside the block (threadpoolctl), restored after.
+    The controller is made once per process: making one scans every loaded library, 2 to 8 ms with
+    torch loaded, and PathCond and equalize each entered such a limit at least once per call."""
+    global _BLAS
+    if _BLAS is None:
+        import scipy.linalg  # noqa: F401  (its BLAS loaded before the libraries are listed)
+        from threadpoolctl import ThreadpoolController  # lazy: spares `import pathir` the package
+
+        _BLAS = ThreadpoolController()
+    with _BLAS.limit(limits=1, user_api="blas"):
+        yield
