@@ -2,7 +2,7 @@
 Quantization"): Brevitas's graph equalization side by side with pathir's.
 
     python benchmarks/bench_equalize.py [--models vgg11_bn,resnet18,...] [--bits 8,6] [--sides brevitas,pathir]
-                                        [--repeat 1] [--json out.json]
+                                        [--repeat 1] [--seeds 0,1,2,3] [--json out.json]
 
 Brevitas is an optional dependency (``pip install -e '.[bench-equalize]'``); without it the Brevitas side is
 skipped with a message, and without any equalizer to run the script says so and exits 0.
@@ -22,6 +22,12 @@ Setup, the same for every side:
    random images, 10·log10(Σ y² / Σ (y − y_q)²), every image pooled (run in chunks of ``--chunk``). The default
    128 images: on a model that amplifies its rounding (shufflenet_v2 at 6 bits) the score of 16 images moves
    by up to 30 dB from one batch to the next, and neither side's figure means anything at that size.
+
+With ``--seeds`` every model is built, calibrated and scored once per seed, and a second table gives per
+model and width the medians over the seeds of each side's pooled SQNR and of its median per-image SQNR (each
+image's own 10·log10(Σ y² / Σ (y − y_q)²), the median over the batch: not decided by one image), and on how
+many seeds pathir's pooled figure is at least each other side's. The JSON rows carry ``seed`` and the
+per-image medians (``sqnr_<side>_image_median``).
 
 Columns: ``none`` per tensor (the floor), ``none`` per channel (the ceiling that equalization aims at), and
 each equalizer per tensor (its per-channel figure is in the JSON rows).
@@ -43,6 +49,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import statistics
 import sys
 import time
 import warnings
@@ -211,13 +218,21 @@ def bench(name: str, args, sides: list[str]) -> list[dict]:
     base = {"model": name, "size": args.size, "weight_layers": len(em.weight_layers(folded)), "bn_folded": n_folded,
             "bn_left": n_left, "fold_rel_err": em.relative_error(y_model, y), "quant_bias": args.quant_bias}
 
-    def score(m, bits, per_channel):
+    def scores(m, bits, per_channel):
+        """(pooled SQNR, median per-image SQNR) in dB."""
         with torch.no_grad():
             q = em.quantize_weights(m, bits, per_channel, args.quant_bias)
-            return em.sqnr_db(y, torch.cat([q(c) for c in chunks]))
+            y_q = torch.cat([q(c) for c in chunks])
+            return em.sqnr_db(y, y_q), em.median_image_sqnr_db(y, y_q)
 
-    rows = {bits: dict(base, bits=bits, sqnr_none=score(folded, bits, False), sqnr_per_channel=score(folded, bits, True))
-            for bits in args.bits}
+    def score(m, bits, per_channel):
+        return scores(m, bits, per_channel)[0]
+
+    rows = {}
+    for bits in args.bits:
+        none, none_image = scores(folded, bits, False)
+        rows[bits] = dict(base, bits=bits, seed=args.seed, sqnr_none=none, sqnr_none_image_median=none_image,
+                          sqnr_per_channel=score(folded, bits, True))
     for side in sides:
         try:
             seconds, (eq, info) = _timed(lambda m: SIDES[side](m, shape, args), lambda: copy.deepcopy(folded),
@@ -239,9 +254,11 @@ def bench(name: str, args, sides: list[str]) -> list[dict]:
             print(f"warning: {name}, {side}: the equalized float model differs from the original by {float_err:.1e} "
                   f"(relative, > {args.float_tol:g})", file=sys.stderr)
         for bits, row in rows.items():
+            pooled, image = scores(eq, bits, False)
             row.update({f"{side}_s": seconds, f"{side}_float_rel_err": float_err,
                         f"{side}_float_ok": float_err <= args.float_tol,
-                        f"sqnr_{side}": score(eq, bits, False), f"sqnr_{side}_per_channel": score(eq, bits, True)})
+                        f"sqnr_{side}": pooled, f"sqnr_{side}_image_median": image,
+                        f"sqnr_{side}_per_channel": score(eq, bits, True)})
             row.update({f"{side}_{k}": v for k, v in info.items()})
         del eq
     return list(rows.values())
@@ -272,10 +289,40 @@ def table(rows: list[dict], sides: list[str]) -> str:
         if side.startswith("brevitas"):
             head.append(f"{TITLES[side]}: regions / layers changed / iterations")
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    several = len({r.get("seed") for r in rows}) > 1
     for r in rows:
-        cells = [r["model"], str(r["bits"]), _db(r["sqnr_none"]), _db(r["sqnr_per_channel"])]
+        model = f"{r['model']} (seed {r['seed']})" if several else r["model"]
+        cells = [model, str(r["bits"]), _db(r["sqnr_none"]), _db(r["sqnr_per_channel"])]
         for side in sides:
             cells += _side_cells(r, side)
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def seed_summary(rows: list[dict], sides: list[str]) -> str:
+    """Per model and bit width over the seeds run: each side's median pooled SQNR, its median per-image
+    SQNR (medians over the seeds), and on how many seeds pathir's pooled figure is at least each other
+    side's. A single seed's pooled figure can be decided by one image (shufflenet_v2 at 6 bits)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["bits"]), []).append(r)
+    head = ["model", "W bits", "seeds"]
+    for side in ["none", *sides]:
+        title = "none" if side == "none" else TITLES[side]
+        head += [f"{title}: median pooled (dB)", f"{title}: median per-image (dB)"]
+    others = [s for s in sides if s != "pathir"] if "pathir" in sides else []
+    head += [f"pathir ≥ {TITLES[s]} (seeds)" for s in others]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (model, bits), rs in groups.items():
+        cells = [model, str(bits), ",".join(str(r["seed"]) for r in rs)]
+        for side in ["none", *sides]:
+            for key in (f"sqnr_{side}", f"sqnr_{side}_image_median"):
+                vals = [r[key] for r in rs if r.get(key) is not None]
+                cells.append(_db(statistics.median(vals)) if vals else "–")
+        for other in others:
+            both = [r for r in rs if "sqnr_pathir" in r and f"sqnr_{other}" in r]
+            wins = sum(r["sqnr_pathir"] >= r[f"sqnr_{other}"] for r in both)
+            cells.append(f"{wins} of {len(both)}")
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -294,6 +341,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--gamma-sigma", type=float, default=1.0, help="BN gamma = exp(N(0, sigma))")
     ap.add_argument("--beta-std", type=float, default=0.5, help="BN beta = N(0, std)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", help="several seeds, comma-separated (each: its own BN statistics and scoring batch); "
+                                    "adds a table of medians over them")
     ap.add_argument("--quant-bias", action="store_true", help="quantize biases too (per tensor, at the same bits)")
     ap.add_argument("--float-tol", type=float, default=1e-4, help="max relative change of the float output")
     ap.add_argument("--eq-iters", type=int, default=20, help="Brevitas equalize_iters (its ImageNet PTQ default)")
@@ -315,8 +364,17 @@ def main(argv=None) -> list[dict]:
         print("no equalizer to run: nothing to compare, skipped")
         return []
     names = [n for arg in args.models for n in arg.split(",") if n]
-    rows = measured(row for name in names for row in bench(name, args, sides))
+    seeds = [int(v) for v in args.seeds.split(",")] if args.seeds else [args.seed]
+
+    def seeded(seed):
+        args.seed = seed
+        return args
+
+    rows = measured(row for name in names for seed in seeds for row in bench(name, seeded(seed), sides))
     print(table(rows, sides))
+    if len(seeds) > 1:
+        print()
+        print(seed_summary(rows, sides))
     save_json(rows, args.json)
     return rows
 

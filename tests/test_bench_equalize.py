@@ -87,3 +87,22 @@ def test_brevitas_side_keeps_the_float_function(capsys):
     assert row["brevitas_layers_changed"] == row["weight_layers"] == 21 and 1 <= row["brevitas_iterations"] <= 2
     assert row["sqnr_brevitas"] > row["sqnr_none"]  # equalization helps per-tensor quantization here
     assert "| resnet18 | 8 |" in capsys.readouterr().out
+
+
+def test_median_image_sqnr_is_not_decided_by_one_image():
+    y = torch.ones(5, 4)
+    y_q = y.clone()
+    y_q[:4] *= 0.9  # four images at 20 dB
+    y_q[4] = -3.0  # one image far off: it dominates the pooled figure
+    assert abs(em.median_image_sqnr_db(y, y_q) - 20) < 1e-4  # 0.9 in float32
+    assert em.sqnr_db(y, y_q) < 0
+    assert em.median_image_sqnr_db(y, y) == math.inf
+
+
+def test_seed_summary_takes_medians_and_counts_pathir_at_least_brevitas():
+    rows = [{"model": "m", "bits": 6, "seed": k, "sqnr_none": 0.0, "sqnr_none_image_median": 1.0,
+             "sqnr_brevitas": b, "sqnr_brevitas_image_median": b + 1, "sqnr_pathir": p, "sqnr_pathir_image_median": p + 1}
+            for k, (b, p) in enumerate([(1.0, 2.0), (3.0, 2.5), (-5.0, 9.0)])]
+    lines = bench.seed_summary(rows, ["brevitas", "pathir"]).splitlines()
+    assert lines[0].split(" | ")[-1] == "pathir ≥ Brevitas (seeds) |"
+    assert lines[2] == "| m | 6 | 0,1,2 | 0.0 | 1.0 | 1.0 | 2.0 | 2.5 | 3.5 | 2 of 3 |"
