@@ -19,6 +19,8 @@ as keys e(i) (H + 1) + l(i) (`unit_rows`).
 from __future__ import annotations
 
 import math
+import sys
+import warnings
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -242,8 +244,28 @@ def least_positive(m: np.ndarray) -> float:
     return low if low > 0 else float(np.min(m, where=m > 0, initial=math.inf))
 
 
+def _trailing_min_max(m: np.ndarray, axes: tuple):
+    """(min, max) of m over ``axes`` (kept as axes of size 1) in one pass over m (torch's aminmax), where
+    ``axes`` are m's last axes, m is a C-contiguous float64 array and torch is already loaded; else None."""
+    torch = sys.modules.get("torch")
+    nd, k = m.ndim, len(axes)
+    if torch is None or not k or tuple(axes) != tuple(range(nd - k, nd)) or m.dtype != np.float64 \
+            or not m.flags.c_contiguous:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "not writable": only read
+        rows = torch.from_numpy(m).view(-1, math.prod(m.shape[nd - k:]))
+    low, high = torch.aminmax(rows, dim=1)
+    shape = m.shape[:nd - k] + (1,) * k
+    return low.numpy().reshape(shape), high.numpy().reshape(shape)
+
+
 def _extremes(m: np.ndarray, axes: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(min of the positive entries (inf if none), max, number of positive entries) over ``axes``."""
+    both = _trailing_min_max(m, axes) if m.size else None
+    if both is not None and float(both[0].min()) > 0:  # every entry positive: one pass for both
+        count = math.prod(m.shape[a] for a in axes)
+        return both[0], both[1], np.full(both[0].shape, count, dtype=np.int64)
     if m.size and float(m.min()) > 0:  # every entry positive (the usual g): no mask, no masked copy of m
         if not axes:
             return m, m, np.ones(m.shape, dtype=bool)
