@@ -14,6 +14,7 @@ from pathir.pairs.coarse import CoarseSpace, unit_groups
 from pathir.pairs.pair_laplacian import PairLaplacian
 from pathir.pairs.unit_pairs import Pairs
 from pathir.pathcond.coarse_start import coarse_shift
+from pathir.testing import relu_dags
 
 
 @st.composite
@@ -132,3 +133,15 @@ def test_units_are_grouped_by_the_node_they_start_in():
     assert groups.tolist() == [0] * 4 + [1] * 5
     first_nodes = [members[0][0] for members in cm.units.members]
     assert len(set(first_nodes)) == len(set(groups.tolist()))
+
+
+@settings(max_examples=30, deadline=None)
+@given(relu_dags())
+def test_unit_groups_number_the_first_member_nodes_in_unit_order(graph):
+    """From the channel arrays alone, as from the members: units whose first member lies in one node share
+    a group, groups numbered in the order their first unit comes."""
+    units = pathir.compile(graph).units
+    index: dict[str, int] = {}
+    expected = [index.setdefault(members[0][0], len(index)) for members in units.members]
+    assert unit_groups(units).tolist() == expected
+    assert len(units) == len(units.members)

@@ -107,7 +107,8 @@ class Units:
 
     - ``names[h]``: readable name of unit h (``conv1:c3``, ``stream:layer1/c5``), made on first use
       from ``graph``;
-    - ``members[h]``: its (node name, channel) pairs, in node order;
+    - ``members[h]``: its (node name, channel) pairs, in node order (made on first use from
+      ``channel_units``: a PathCond or equalize solve never reads them);
     - ``channel_units[node]``: (channels,) int array, the unit of each channel
       (``no_unit`` = H where it has none: pinned to an input or output, or reached
       by no free parameter);
@@ -122,11 +123,30 @@ class Units:
     e(i) (H + 1) + l(i) (``pathir.analyses.unit_rows``) use the same H.
     """
 
-    members: tuple[tuple[tuple[str, int], ...], ...]
-    channel_units: Mapping[str, np.ndarray]
+    count: int  # H
+    channel_units: Mapping[str, np.ndarray]  # in node order
     params: tuple[Param, ...]
     ends: tuple[tuple[np.ndarray, np.ndarray | None], ...]
     graph: Graph = field(repr=False, default=None)
+
+    @cached_property
+    def members(self) -> tuple[tuple[tuple[str, int], ...], ...]:
+        """Per unit, its (node name, channel) pairs in node order."""
+        H = self.count
+        members: list[list[tuple[str, int]]] = [[] for _ in range(H)]
+        for name, cu in self.channel_units.items():
+            for c in np.flatnonzero(cu < H).tolist():
+                members[cu[c]].append((name, c))
+        return tuple(tuple(m) for m in members)
+
+    def first_nodes(self) -> np.ndarray:
+        """(H,) per unit, the position in node order of the first node holding one of its channels."""
+        first = np.full(self.count, -1, dtype=np.int64)
+        for i, cu in enumerate(self.channel_units.values()):
+            hs = cu[cu < self.count]
+            hs = hs[first[hs] < 0]
+            first[hs] = i
+        return first
 
     @cached_property
     def names(self) -> tuple[str, ...]:
@@ -142,12 +162,12 @@ class Units:
         return UnitNames(lambda: tuple(_names_from(table, members)), indices)
 
     def __len__(self) -> int:
-        return len(self.members)
+        return self.count
 
     @property
     def no_unit(self) -> int:
         """The index that stands for "no unit": H."""
-        return len(self.members)
+        return self.count
 
     def __iter__(self) -> Iterator[Unit]:
         return (self[h] for h in range(len(self)))
@@ -270,15 +290,10 @@ def find_units(graph: Graph) -> tuple[Graph, Units]:
     channel_units = {n.name: unit_of[offsets[n.name] : offsets[n.name] + n.channels] for n in graph.nodes}
     for arr in channel_units.values():
         arr.setflags(write=False)
-    members: list[list[tuple[str, int]]] = [[] for _ in range(H)]
-    for n in graph.nodes:
-        cu = channel_units[n.name]
-        for c in np.flatnonzero(cu < H):
-            members[cu[c]].append((n.name, int(c)))
 
     params = tuple(graph.params())
     ends = tuple(_entry_channels(*uses[id(p)][0], offsets, unit_of) for p in params)
-    return graph, Units(tuple(tuple(m) for m in members), channel_units, params, ends, graph)
+    return graph, Units(H, channel_units, params, ends, graph)
 
 
 def _channel_offsets(graph: Graph) -> tuple[dict[str, int], np.ndarray]:

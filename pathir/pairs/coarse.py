@@ -28,8 +28,13 @@ __all__ = ["unit_groups", "CoarseSpace"]
 def unit_groups(units) -> np.ndarray:
     """(H,) group per unit: units whose first member lies in the same node share a group, numbered
     in unit order (``pathir.analyses.find_units.Units``)."""
-    index: dict[str, int] = {}
-    return np.array([index.setdefault(members[0][0], len(index)) for members in units.members], dtype=np.int64)
+    first = units.first_nodes()
+    if not first.size:
+        return first
+    nodes, at, group = np.unique(first, return_index=True, return_inverse=True)
+    rank = np.empty(nodes.size, dtype=np.int64)
+    rank[np.argsort(at, kind="stable")] = np.arange(nodes.size)  # numbered by first appearance in unit order
+    return rank[group.reshape(-1)]
 
 
 class CoarseSpace:
