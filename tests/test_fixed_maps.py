@@ -134,12 +134,17 @@ def test_pixel_shuffle_ties_its_r2_channels_into_one_unit_and_a_finer_grouping_i
     assert verify_symbolic(g).passed
     # too fine: each of h's channels its own unit, s's channel with h's channel 0
     split = np.arange(4)
+
+    def renumbered(a):  # "no unit" is H: 1 before, 4 after
+        return None if a is None else np.where(np.asarray(a) == len(units), 4, a)
+
     ends = []
     for p, (t, src) in zip(units.params, units.ends):
         if p.name in ("c1.w", "c1.b"):
             t = split.reshape(np.shape(t)) if np.size(t) == 4 else t
-        ends.append((t, src))
-    fine = replace(units, members=((("h", 0), ("s", 0)), (("h", 1),), (("h", 2),), (("h", 3),)),
-                   channel_units={**units.channel_units, "h": split}, ends=tuple(ends))
+        ends.append((renumbered(t), renumbered(src)))
+    channel_units = {name: renumbered(a) for name, a in units.channel_units.items()}
+    fine = replace(units, count=4, channel_units={**channel_units, "h": split}, ends=tuple(ends))
+    assert fine.members == ((("h", 0), ("s", 0)), (("h", 1),), (("h", 2),), (("h", 3),))
     report = verify_symbolic(g, units=fine)
     assert not report.passed and "rescaling_invariance" in {c.name for c in report.failed}

@@ -132,12 +132,7 @@ class Units:
     @cached_property
     def members(self) -> tuple[tuple[tuple[str, int], ...], ...]:
         """Per unit, its (node name, channel) pairs in node order."""
-        H = self.count
-        members: list[list[tuple[str, int]]] = [[] for _ in range(H)]
-        for name, cu in self.channel_units.items():
-            for c in np.flatnonzero(cu < H).tolist():
-                members[cu[c]].append((name, c))
-        return tuple(tuple(m) for m in members)
+        return _members(self.channel_units, self.count)
 
     def first_nodes(self) -> np.ndarray:
         """(H,) per unit, the position in node order of the first node holding one of its channels."""
@@ -158,8 +153,9 @@ class Units:
         if "names" in self.__dict__:
             names = self.names
             return UnitNames(lambda: names, indices)
-        table, members = _name_table(self.graph), self.members
-        return UnitNames(lambda: tuple(_names_from(table, members)), indices)
+        table, channel_units, H = _name_table(self.graph), self.channel_units, self.count
+        members = self.__dict__.get("members")
+        return UnitNames(lambda: tuple(_names_from(table, members or _members(channel_units, H))), indices)
 
     def __len__(self) -> int:
         return self.count
@@ -294,6 +290,15 @@ def find_units(graph: Graph) -> tuple[Graph, Units]:
     params = tuple(graph.params())
     ends = tuple(_entry_channels(*uses[id(p)][0], offsets, unit_of) for p in params)
     return graph, Units(H, channel_units, params, ends, graph)
+
+
+def _members(channel_units: Mapping[str, np.ndarray], H: int) -> tuple[tuple[tuple[str, int], ...], ...]:
+    """Per unit, its (node name, channel) pairs, in the order of ``channel_units`` (node order)."""
+    members: list[list[tuple[str, int]]] = [[] for _ in range(H)]
+    for name, cu in channel_units.items():
+        for c in np.flatnonzero(cu < H).tolist():
+            members[cu[c]].append((name, c))
+    return tuple(tuple(m) for m in members)
 
 
 def _channel_offsets(graph: Graph) -> tuple[dict[str, int], np.ndarray]:
