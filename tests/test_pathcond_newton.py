@@ -5,8 +5,10 @@ test_pathcond_solvers, plus DenseNet-like blocks where every layer reads the
 concatenation of all earlier ones (the graphs on which block sweeps crawl).
 """
 
+import copy
 import gc
 import math
+import pickle
 import weakref
 
 import numpy as np
@@ -185,6 +187,7 @@ def test_reported_unit_names_are_made_when_read_and_keep_no_graph_alive():
     assert graph() is None  # the lazy names hold node names and ids, not the graph's values
     assert lazy == (expected[2], expected[0]) and list(lazy) == [expected[2], expected[0]] and lazy[1] == expected[0]
     assert lazy != (expected[0],) and hash(lazy) == hash((expected[2], expected[0]))
+    assert pickle.loads(pickle.dumps(lazy)) == (expected[2], expected[0]) == copy.deepcopy(lazy)
 
 
 @pytest.mark.slow

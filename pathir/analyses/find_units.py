@@ -98,6 +98,9 @@ class UnitNames(Sequence):
     def __repr__(self) -> str:
         return repr(self._all())
 
+    def __reduce__(self):
+        return tuple, (self._all(),)  # pickled (and deep-copied) as the tuple of its names
+
 
 @dataclass(frozen=True, eq=False)
 class Units:
