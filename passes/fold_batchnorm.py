@@ -42,10 +42,7 @@ def _scaled_weight(w: Param, s: np.ndarray, refs, arrays, in_place: bool) -> Par
         except ValueError:  # over memory that is read-only at its root: scaled into a new array
             in_place = False
     rows = w.value.reshape(w.shape[0], -1)  # one long inner loop per output channel, not one per kernel row
-    if in_place:
-        out = rows
-    else:
-        out = None if arrays is None else arrays.empty(rows.shape)
+    out = rows if in_place else None if arrays is None else arrays.empty(rows.shape)
     value = np.multiply(rows, s.reshape(-1, 1), out=out).reshape(w.shape)
     sources = tuple(r for r in w.sources if r.role is not Role.OUT_SCALE) + refs
     how = (w.how or w.name) + f" * {refs[0].name if refs else 'scale'}/sigma"

@@ -65,7 +65,7 @@ class Unit:
 
 class UnitNames(Sequence):
     """The names of some units, made on first read: naming every unit of a large model is a pass over
-    all its classes (0.15 s on densenet169), and most reports that list units are never printed.
+    all its classes (0.25 s on densenet169), and most reports that list units are never printed.
     Equal to the tuple of its names; holds names and node lists, never a parameter value."""
 
     def __init__(self, every_name, indices):

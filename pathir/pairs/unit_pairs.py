@@ -263,10 +263,12 @@ def _trailing_min_max(m: np.ndarray, axes: tuple):
 def _extremes(m: np.ndarray, axes: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(min of the positive entries (inf if none), max, number of positive entries) over ``axes``."""
     both = _trailing_min_max(m, axes) if m.size else None
-    if both is not None and float(both[0].min()) > 0:  # every entry positive: one pass for both
+    # every entry positive (the usual g): no mask, no masked copy of m (the one-pass minima already tell)
+    positive_everywhere = m.size > 0 and float((m if both is None else both[0]).min()) > 0
+    if both is not None and positive_everywhere:  # one pass gave both
         count = math.prod(m.shape[a] for a in axes)
         return both[0], both[1], np.full(both[0].shape, count, dtype=np.int64)
-    if m.size and float(m.min()) > 0:  # every entry positive (the usual g): no mask, no masked copy of m
+    if positive_everywhere:
         if not axes:
             return m, m, np.ones(m.shape, dtype=bool)
         count = math.prod(m.shape[a] for a in axes)
