@@ -17,6 +17,7 @@ the frame and crop it back to the input ``[before, before + L)``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import warnings
@@ -330,12 +331,6 @@ RULES: RuleTable = {
 }
 
 
-def _bind(rule, backend):
-    if rule is None:
-        return None
-    return lambda *args: rule(backend, *args)
-
-
 class TorchBackend(Backend):
     """The fast backend: torch tensors on ``device`` (CPU by default, "cuda"), in ``dtype``.
 
@@ -361,7 +356,14 @@ class TorchBackend(Backend):
         self.dtype = dtype
         # Param / fixed map -> its tensors on this device; dies with the object.
         self._cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.rules = {kind: tuple(_bind(r, self) for r in triple) for kind, triple in RULES.items()}
+
+    #: each rule takes the backend first; it is bound at the call. Rules bound once on the instance
+    #: would make each backend a reference cycle, and a dropped one (a power view made per path-norm)
+    #: would keep its cached tensors until the cyclic collector ran.
+    rules = RULES
+
+    def _rule(self, m, which: int):
+        return functools.partial(super()._rule(m, which), self)
 
     def __repr__(self) -> str:
         return f"TorchBackend(device='{self.device}', dtype={self.dtype})"
@@ -570,7 +572,6 @@ class _PowerView(TorchBackend):
     def __init__(self, base: TorchBackend, q: float):
         super().__init__(base.device, base.dtype)
         self.base, self.q = base, float(q)
-        self.rules[MapKind.DENSE] = (self._dense_apply, self._dense_adjoint, self.rules[MapKind.DENSE][2])
 
     def _power(self, t: torch.Tensor, keep_zeros: bool) -> torch.Tensor:
         if self.q == 0:
@@ -637,6 +638,8 @@ class _PowerView(TorchBackend):
             for i, block in blocks:
                 out += g[:, i:i + block.shape[0]] @ block
         return out.reshape(g.shape[0], *s)
+
+    rules = {**RULES, MapKind.DENSE: (_dense_apply, _dense_adjoint, RULES[MapKind.DENSE][2])}
 
     def constant(self, array) -> torch.Tensor:
         return self._power(self.base.constant(array), keep_zeros=True)

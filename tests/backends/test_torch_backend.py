@@ -341,6 +341,27 @@ def test_params_are_converted_once_and_not_kept_alive():
     assert len(tb._cache) == 0
 
 
+def test_a_dropped_backend_and_its_power_view_free_their_tensors_at_once():
+    """No backend is a reference cycle: one dropped (a power view is made per path-norm) frees its
+    cached tensors by reference counting, without waiting for the cyclic collector."""
+    p = Param("w", np.array([[1.0, -2.0], [3.0, 4.0]]))
+    x = np.ones((1, 2))
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        for make in (TorchBackend, lambda: TorchBackend().power_view(2.0)):
+            tb = make()
+            out = tb.to_numpy(tb.apply(Dense(p), tb.asarray(x), (2,)))
+            cached = weakref.ref(tb.param(p))
+            refs = weakref.ref(tb), cached
+            del tb
+            assert all(r() is None for r in refs)
+        np.testing.assert_array_equal(out, [[5.0, 25.0]])
+    finally:
+        if was:
+            gc.enable()
+
+
 def test_rules_read_weights_through_the_cache():
     tb = TorchBackend()
     p = Param("w", np.array([[1.0, 2.0]]))
