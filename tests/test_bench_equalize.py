@@ -106,3 +106,22 @@ def test_seed_summary_takes_medians_and_counts_pathir_at_least_brevitas():
     lines = bench.seed_summary(rows, ["brevitas", "pathir"]).splitlines()
     assert lines[0].split(" | ")[-1] == "pathir ≥ Brevitas (seeds) |"
     assert lines[2] == "| m | 6 | 0,1,2 | 0.0 | 1.0 | 1.0 | 2.0 | 2.5 | 3.5 | 2 of 3 |"
+
+
+def test_sensitivity_bench_moves_keep_the_function_and_redraw_the_rounding():
+    """bench_equalize_sensitivity.py: a move of σ = 0 scores exactly as the equalized model does, and 1 %
+    moves (rescalings: the float function kept by commit_rescaling) draw other roundings, other scores."""
+    import bench_equalize_sensitivity as sens
+
+    model = em.build("resnet18", size=32, calib_batches=1)
+    folded, _, _ = em.fold_bn(model)
+    x = em.eval_inputs(32, 4)
+    with torch.no_grad():
+        y = folded(x)
+    still = sens.moved_scores(folded, (3, 32, 32), [x], y, [4], moves=1, sigma=0.0, seed=0)
+    assert still[4][0] == still[4][1]
+    moved = sens.moved_scores(folded, (3, 32, 32), [x], y, [4], moves=2, sigma=0.01, seed=0)
+    assert moved[4][0] == still[4][0] and len(set(moved[4])) == 3
+    rows = sens.main(["--models", "resnet18", "--seeds", "0", "--bits", "8", "--sides", "pathir", "--moves", "1",
+                      "--size", "32", "--batch", "2"])
+    assert [(r["side"], r["bits"], len(r["moved"])) for r in rows] == [("pathir", 8, 1)]
