@@ -52,3 +52,16 @@ def test_window_rule_stops_once_the_last_iterations_gain_less_than_atol_each():
     assert res.nit < full.nit and full.fun <= res.fun < rosen(x0)
     again = minimize_box(lambda x: (rosen(x), rosen_der(x)), x0, max_iter=res.nit + 5, ftol=0.0, gtol=0.0)
     assert again.fun <= res.fun  # the same path, a little further: still lower (the rule stopped a live run)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.floats(-10, 10), st.floats(0.01, 100), st.floats(0.1, 100))
+def test_a_cut_step_goes_to_the_quadratic_minimiser_kept_within_a_tenth_and_a_half(f0, descent, curvature):
+    """On f(t) = f0 − descent·t + curvature·t² (the rejected step at t = 1) the cut is f's minimiser
+    descent / (2·curvature), clipped to [0.1, 0.5]; a non-finite value halves the step."""
+    from pathir.equalization.lbfgs import _cut
+
+    f1 = f0 - descent + curvature
+    want = min(0.5, max(0.1, descent / (2 * curvature)))
+    assert _cut(f0, f1, -descent) == pytest.approx(want, rel=1e-9)
+    assert _cut(f0, float("inf"), -descent) == 0.5 and _cut(f0, float("nan"), -descent) == 0.5

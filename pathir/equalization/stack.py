@@ -11,12 +11,18 @@ end to end: tensor t's rows are ``row_slice(t)``.
 
 A is taken at a centre z⁰: A = e^{p(l_rc + σ(z⁰_r − z⁰_c)/2 − top)}, its largest entry 1, and a call at z
 scales rows and columns by the move z − z⁰. Far from the centre at a high sharpness the scaled product
-under- or overflows (the cells that dominate at z were below e^{-745} at z⁰); then A is taken again
+under- or overflows (the cells that dominate at z were flushed to 0 at z⁰); then A is taken again
 centred at z (only that grid's, in a stack of dense grids), where the product is at least 1, and only if
 that fails too is the grid summed cell by cell. A re-centring costs one pass over the grid, as a
 cell-by-cell sum does, and serves the calls near z after it: the noise objective's solve re-centres a
 few times per stage; the range objective's sharpest stages (p = 64, 256), whose trial points jump,
 still re-centre at most calls.
+
+The stacked dense grids hold A in float32 by default (``GridStack(dtype=...)``): their products are
+bound by memory traffic (a regnet's 400×400 grids outgrow the cache), and half the bytes is nearly
+half the time. A float32 A is a consistent smooth model of the objective (a sum of positive terms,
+each log value within about C·6e-8/p nats of the float64 one for C columns): the solver's smoothed
+stages follow it, and every value the solver reports (p = inf) is summed cell by cell in float64.
 """
 
 from __future__ import annotations
@@ -29,12 +35,15 @@ import scipy.sparse as sp
 __all__ = ["GridStack"]
 
 #: dense grids larger than this are stacked by shape (batched BLAS); smaller ones join the sparse block
-ONE_BY_ONE = 32768
+ONE_BY_ONE = 12000
 #: a grid is sparse (it joins the sparse block whatever its size) where fewer than this fraction of its
 #: cells is filled
 SPARSE_FILL = 0.25
-#: a product below this (or not finite) is redone cell by cell
+#: a product below this (or not finite) is re-centred, then redone cell by cell
 _UNDERFLOW = 1e-250
+#: the same for products of a float32 A: its cells below float32's smallest normal (1.2e-38) are lost,
+#: each less than that, so a total above 1e-20 is exact to 1e-18 relative per cell
+_UNDERFLOW_32 = 1e-20
 
 
 def _lse(a: np.ndarray, p: float, marginals: bool):
@@ -62,8 +71,9 @@ class _Batch:
     the end-to-end layout (tensor t's start at ``row_off[t]``, ``col_off[t]``)."""
 
     def __init__(self, tensors: np.ndarray, logs: list[np.ndarray], row_off: np.ndarray, col_off: np.ndarray,
-                 sign: float):
-        self.tensors, self.logs, self.sign = tensors, [logs[t] for t in tensors], sign
+                 sign: float, dtype=np.float32):
+        self.tensors, self.logs, self.sign, self.dtype = tensors, [logs[t] for t in tensors], sign, np.dtype(dtype)
+        self.floor = _UNDERFLOW_32 if self.dtype == np.float32 else _UNDERFLOW
         R, C = self.logs[0].shape
         self.rows, self.cols = row_off[tensors][:, None] + np.arange(R), col_off[tensors][:, None] + np.arange(C)
         self.cache: dict[float, tuple] = {}  # p -> (A, z⁰ rows, z⁰ cols, tops at z⁰): two sharpnesses at a time
@@ -75,13 +85,14 @@ class _Batch:
             if len(self.cache) > 1:
                 self.cache.pop(max(self.cache))
             G, (R, C) = len(self.logs), self.logs[0].shape
-            entry = self.cache[p] = (np.empty((G, R, C)), np.empty((G, R)), np.empty((G, C)), np.empty(G))
+            entry = self.cache[p] = (np.empty((G, R, C), dtype=self.dtype), np.empty((G, R)), np.empty((G, C)),
+                                     np.empty(G))
             which = range(G)
         A, zr0, zc0, tops = entry
         for g in which:
             shifted = self.logs[g] + self.sign * 0.5 * (zr[g][:, None] - zc[g][None, :])
             tops[g] = float(np.max(shifted))
-            np.exp(p * (shifted - tops[g]), out=A[g])
+            A[g] = np.exp(p * (shifted - tops[g]))
             zr0[g], zc0[g] = zr[g], zc[g]
         return entry
 
@@ -92,13 +103,15 @@ class _Batch:
         sr, sc = self.sign * 0.5 * p * (zr - zr0), -self.sign * 0.5 * p * (zc - zc0)
         mr, mc = sr.max(axis=1), sc.max(axis=1)
         u, v = np.exp(sr - mr[:, None]), np.exp(sc - mc[:, None])
+        ua, va = u.astype(A.dtype, copy=False), v.astype(A.dtype, copy=False)
         if marginals:
-            Av, Atu = np.empty_like(u), np.empty_like(v)
+            Av, Atu = np.empty_like(ua), np.empty_like(va)
             for g in range(A.shape[0]):
-                np.matmul(A[g], v[g], out=Av[g])
-                np.matmul(u[g], A[g], out=Atu[g])
+                np.matmul(A[g], va[g], out=Av[g])
+                np.matmul(ua[g], A[g], out=Atu[g])
+            Av, Atu = Av.astype(np.float64, copy=False), Atu.astype(np.float64, copy=False)
         else:
-            Av, Atu = np.matmul(A, v[:, :, None])[:, :, 0], None
+            Av, Atu = np.matmul(A, va[:, :, None])[:, :, 0].astype(np.float64, copy=False), None
         totals = np.einsum("gr,gr->g", u, Av)
         return tops + (mr + mc) / p, u, v, Av, Atu, totals
 
@@ -111,7 +124,7 @@ class _Batch:
             entry, centred[:] = self._centre(p, zr, zc, None), True
         while True:
             base, u, v, Av, Atu, totals = self._products(zr, zc, p, entry, marginals)
-            ok = (totals > _UNDERFLOW) & np.isfinite(totals)
+            ok = (totals > self.floor) & np.isfinite(totals)
             redo = ~ok & ~centred
             if not redo.any():
                 break
@@ -127,9 +140,11 @@ class _Batch:
 
 class GridStack:
     """Every tensor's grid of one term (``logs[t]`` over units ``rows[t]`` × ``cols[t]``), evaluated
-    together: :meth:`lse` gives the per-tensor values and the marginals laid end to end."""
+    together: :meth:`lse` gives the per-tensor values and the marginals laid end to end. ``dtype``: that
+    of the stacked dense grids' A (float64 for products exact to rounding)."""
 
-    def __init__(self, logs: list[np.ndarray], rows: list[np.ndarray], cols: list[np.ndarray], sign: float):
+    def __init__(self, logs: list[np.ndarray], rows: list[np.ndarray], cols: list[np.ndarray], sign: float,
+                 dtype=np.float32):
         self.T, self.sign = len(logs), sign
         self.logs = logs
         self.top = np.array([float(np.max(log)) if log.size else -math.inf for log in logs])
@@ -144,7 +159,7 @@ class GridStack:
         for t in np.flatnonzero(finite).tolist():
             if logs[t].size > ONE_BY_ONE and np.count_nonzero(np.isfinite(logs[t])) >= SPARSE_FILL * logs[t].size:
                 by_shape.setdefault(logs[t].shape, []).append(t)
-        self.batches = [_Batch(ts, logs, self.row_off, self.col_off, sign)
+        self.batches = [_Batch(ts, logs, self.row_off, self.col_off, sign, dtype)
                         for ts in (np.array(ts, dtype=np.int64) for ts in by_shape.values())]
         stacked = np.zeros(self.T, dtype=bool)
         for batch in self.batches:
