@@ -147,7 +147,7 @@ def _one_factor(uses, s, lazy: bool):
             f = np.exp(-np.asarray(fi))
         if first is None:
             first, via = f, p.name
-        elif first.shape != f.shape or not np.allclose(first, f, **_SAME):
+        elif first.shape != f.shape or not (np.array_equal(first, f) or np.allclose(first, f, **_SAME)):
             raise PathirError(
                 f"source tensor '{ref.name}' ({ref.role.value}) would be rescaled differently "
                 f"through params '{via}' and '{p.name}'"
