@@ -92,7 +92,7 @@ class _Batch:
         for g in which:
             shifted = self.logs[g] + self.sign * 0.5 * (zr[g][:, None] - zc[g][None, :])
             tops[g] = float(np.max(shifted))
-            A[g] = np.exp(p * (shifted - tops[g]))
+            np.exp(p * (shifted - tops[g]), out=A[g], casting="same_kind")  # float64 exponent, stored as A's dtype
             zr0[g], zc0[g] = zr[g], zc[g]
         return entry
 
