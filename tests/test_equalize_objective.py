@@ -136,3 +136,29 @@ def test_runs_reduce_as_reduceat_does(groups, run, other, axis, ragged, boolean,
             np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
         else:  # maxima and counts: exact
             np.testing.assert_array_equal(got, want)
+
+
+@settings(max_examples=15, deadline=None)
+@given(graph=relu_dags(max_neurons=30, max_paths=300), seed=st.integers(0, 2**31 - 1),
+       margin=st.sampled_from([0.0, 0.05, 0.5, 5.0]))
+def test_cutting_planes_reach_the_whole_linear_programs_optimum(graph, seed, margin):
+    """The range objective's LP solved on the cells near each tensor's max, cut by cut, ends at the
+    optimum of the LP over every cell (whatever the first set: a margin of 0 starts from the maxima
+    alone); and it gives up (None) rather than hold more cells than it is allowed."""
+    from pathir.equalization.solver import cutting_plane_range_optimum, exact_range_optimum
+
+    if not quantized_params(graph):
+        return
+    facts = pathir.compile(graph).facts
+    objective = Objective(tensor_pairs(facts.graph, facts.units, facts.row_ends), "range")
+    H = objective.H
+    if H == 0:
+        return
+    z0 = np.random.default_rng(seed).normal(size=H)
+    lo, hi = np.full(H, -8.0), np.full(H, 8.0)
+    whole = exact_range_optimum(objective, z0, lo, hi)
+    cut = cutting_plane_range_optimum(objective, z0, lo, hi, margin=margin)
+    assert whole is not None and cut is not None
+    assert objective.value(cut) == pytest.approx(objective.value(whole), abs=1e-7)
+    assert np.all(cut >= lo - 1e-9) and np.all(cut <= hi + 1e-9)
+    assert cutting_plane_range_optimum(objective, z0, lo, hi, margin=margin, max_cells=0) is None

@@ -8,6 +8,14 @@ sharpness ``BALANCE_SHARPNESS`` is added at every stage, which pulls the channel
 balance (on a chain of two layers, toward r¹_h/R¹ = r²_h/R² as in Nagel's closed form), and a tiny ridge
 (ridge/2)‖z‖² keeps z = 0 where nothing is seen at all (a tensor scaled as a whole, units no quantized
 tensor touches). Every stage's iterate is function-preserving; the last one's convergence is reported.
+
+The range objective is a linear program (one t_T per tensor above every cell's a_rc(z)). Once its
+smoothing has reached p = ``LP_FROM`` the LP finishes it by cutting planes: solved on the cells near
+each tensor's max, then on those the solution lifts above its t_T too, until none is (that solution
+is then the whole LP's optimum), in the ℓ1-nearest point to the smoothed iterate (which carries the
+balance term's choice among the optimal points). Where the LP would grow past ``LP_CELLS`` cells the
+sharp stages run as before. On regnet_x_400mf this takes the range objective from 36 s (stopped at
+the iteration limit) to 3.3 s, at its exact optimum.
 """
 
 from __future__ import annotations
@@ -24,14 +32,23 @@ from pathir.equalization.lbfgs import minimize_box
 from pathir.equalization.objective import Objective
 from pathir.support.threads import one_blas_thread
 
-__all__ = ["SolveResult", "solve", "SHARPNESS", "exact_range_optimum"]
+__all__ = ["SolveResult", "solve", "SHARPNESS", "exact_range_optimum", "cutting_plane_range_optimum"]
 
 #: the sharpness schedule per objective. ``range`` is piecewise linear: its last stage is within
-#: log(#pairs)/p of the exact objective per max, and an exact LP finishes it. ``noise`` and
+#: log(#pairs)/p of the exact objective per max, and an exact LP finishes it (from p = LP_FROM on, where
+#: cutting planes settle it: the sharper stages are its fallback). ``noise`` and
 #: ``path-metric`` are smooth but for the per-tensor max; a max smoothed at p = 32 (within
 #: log(#pairs)/32 nats, a few percent of a step) is as good a model of the rounding as the max itself.
 SHARPNESS = {"range": (1.0, 4.0, 16.0, 64.0, 256.0), "noise": (2.0, 8.0, 32.0), "path-metric": (2.0, 8.0, 32.0)}
-#: graphs with at most this many unit-pair cells get the range objective's exact optimum (an LP)
+#: the range objective's smoothing stops once this sharpness is done: its exact optimum (an LP) finishes
+#: it, by cutting planes (:func:`cutting_plane_range_optimum`); the sharper stages run only where that fails
+LP_FROM = 4.0
+#: a cutting-plane round constrains each tensor's cells within this many nats of its max
+LP_MARGIN = 0.5
+#: cutting planes are given up once the LP holds more cells than this (HiGHS then takes seconds a round:
+#: 2.4 s at 67,000 cells on densenet121's 44,576 units, 13 s at 128,000) and the sharp stages run instead
+LP_CELLS = 40_000
+#: graphs with at most this many unit-pair cells get the exact LP over all of them after the sharp stages
 EXACT_LP_CELLS = 200_000
 #: the sharpness of the balance term, and its weight
 BALANCE_SHARPNESS, BALANCE = 2.0, 1e-2
@@ -88,7 +105,10 @@ def _solve(objective, max_log_scale, sharpness, ridge, balance, max_iter, tol, c
     iterations, converged, message = [], True, ""
     ranged = objective.kind == "range"  # the others weigh every channel: no balance term
     extra = ((BALANCE_SHARPNESS, balance),) if ranged else ()
+    exact = tried = False  # the range objective's LP by cutting planes: solved; attempted (once)
     for stage, p in enumerate(sharpness):
+        if exact:
+            break
         # in y = d ⊙ z, d² the Hessian's diagonal estimate at the stage's start: the units a tensor's range
         # hangs on and the units only the balance term sees get comparable curvature
         d = np.sqrt(objective.curvature(z, p, extra) + ridge)
@@ -107,9 +127,14 @@ def _solve(objective, max_log_scale, sharpness, ridge, balance, max_iter, tol, c
         z = np.clip(np.asarray(res.x, dtype=np.float64) / d, lo, hi)
         iterations.append(res.nit)
         converged, message = bool(res.success), str(res.message)
+        if ranged and p >= LP_FROM and not tried:
+            tried = True
+            polished = cutting_plane_range_optimum(objective, z, lo, hi)
+            if polished is not None and objective.value(polished) <= objective.value(z):
+                z, exact, converged, message = polished, True, True, "the exact optimum (linear program)"
         if callback is not None:
             callback(stage, objective.value(z))
-    if objective.kind == "range" and objective.pairs.size <= EXACT_LP_CELLS:
+    if ranged and not exact and objective.pairs.size <= EXACT_LP_CELLS:
         polished = exact_range_optimum(objective, z, lo, hi)
         if polished is not None and objective.value(polished) <= objective.value(z):
             z = polished
@@ -120,32 +145,62 @@ def _solve(objective, max_log_scale, sharpness, ridge, balance, max_iter, tol, c
     return SolveResult(z, before, after, iterations, converged, at_bound, time.perf_counter() - start, message)
 
 
-def exact_range_optimum(objective: Objective, z0: np.ndarray, lo: np.ndarray, hi: np.ndarray, proximity: float = 1e-6):
+def cutting_plane_range_optimum(objective: Objective, z0: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                                margin: float = LP_MARGIN, rounds: int = 50, max_cells: int = LP_CELLS):
+    """:func:`exact_range_optimum` over every cell, solved on a few: each tensor's cells within ``margin``
+    nats of its max at z0 first, then, round by round, the cells the last solution lifts above its
+    tensor's t_T (with their own margin band). A solution that violates no cell's constraint is
+    feasible for the whole LP and optimal in its relaxation, so it is the whole LP's optimum. None
+    where an LP fails, or ``rounds`` do not settle it, or it would hold more than ``max_cells`` cells."""
+    grids = objective.pairs.grids
+
+    def lifted(zp):  # per grid, every cell's log range at z (-inf where the tensor has no such pair)
+        return [g.log_max + 0.5 * (zp[g.rows][:, None] - zp[g.cols][None, :]) for g in grids]
+
+    cells = [a >= np.max(a) - margin for a in lifted(np.append(z0, 0.0))]
+    for _ in range(rounds):
+        if sum(int(np.count_nonzero(mask)) for mask in cells) > max_cells:
+            return None
+        z = exact_range_optimum(objective, z0, lo, hi, cells)
+        if z is None:
+            return None
+        settled = True
+        for mask, a in zip(cells, lifted(np.append(z, 0.0))):
+            top = np.max(a)
+            if top > np.max(a, where=mask, initial=-np.inf) + 1e-7:  # a cell left out is above t_T: cut
+                mask |= a >= top - margin
+                settled = False
+        if settled:
+            return z
+    return None
+
+
+def exact_range_optimum(objective: Objective, z0: np.ndarray, lo: np.ndarray, hi: np.ndarray, cells=None,
+                        proximity: float = 1e-6):
     """The range objective's exact minimiser nearest z0 (in ℓ1, weight ``proximity``): the LP
-    min Σ_T t_T − linear·z + proximity·‖z − z0‖₁ s.t. t_T ≥ log max_(r,c) + (z_r − z_c)/2 for every cell,
-    lo ≤ z ≤ hi (HiGHS). None where the LP solver fails."""
+    min Σ_T t_T − linear·z + proximity·‖z − z0‖₁ s.t. t_T ≥ log max_(r,c) + (z_r − z_c)/2 for every cell
+    (for the cells ``cells[t]`` marks in tensor t's grid, where given), lo ≤ z ≤ hi (HiGHS), in the
+    variables z = z0 + u − w, 0 ≤ u ≤ hi − z0, 0 ≤ w ≤ z0 − lo and t (the box and the ℓ1 term need no
+    rows of their own). None where the LP solver fails."""
     H, grids = objective.H, objective.pairs.grids
     T = len(grids)
+    z0 = np.asarray(z0, dtype=np.float64)
+    zp = np.append(z0, 0.0)
     rows, cols, vals, rhs = [], [], [], []
     k = 0
     for t, g in enumerate(grids):
-        r_idx, c_idx = np.nonzero(np.isfinite(g.log_max))
+        r_idx, c_idx = np.nonzero(np.isfinite(g.log_max) if cells is None else cells[t])
         n = r_idx.size
         ids = np.arange(k, k + n)
         for units, sign in ((g.rows[r_idx], 0.5), (g.cols[c_idx], -0.5)):
             keep = units < H
-            rows.append(ids[keep]), cols.append(units[keep]), vals.append(np.full(keep.sum(), sign))
-        rows.append(ids), cols.append(np.full(n, H + t)), vals.append(np.full(n, -1.0))
-        rhs.append(-g.log_max[r_idx, c_idx])
+            for offset, coefficient in ((0, sign), (H, -sign)):  # u, then w
+                rows.append(ids[keep]), cols.append(units[keep] + offset), vals.append(np.full(keep.sum(), coefficient))
+        rows.append(ids), cols.append(np.full(n, 2 * H + t)), vals.append(np.full(n, -1.0))
+        rhs.append(-g.log_max[r_idx, c_idx] - 0.5 * (zp[g.rows[r_idx]] - zp[g.cols[c_idx]]))
         k += n
-    # variables: z (H), t (T), s+ (H), s- (H); z - s+ + s- = z0
-    width = 3 * H + T
-    A_ub = sp.csr_array((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(k, width))
-    eye = sp.identity(H, format="csr")
-    A_eq = sp.hstack([eye, sp.csr_array((H, T)), -eye, eye], format="csr")
-    c = np.concatenate([-objective.linear, np.ones(T), np.full(2 * H, proximity)])
-    box = [(None if math.isinf(a) else a, None if math.isinf(b) else b) for a, b in zip(lo, hi)]
-    bounds = box + [(None, None)] * T + [(0, None)] * (2 * H)
-    res = linprog(c, A_ub=A_ub, b_ub=np.concatenate(rhs), A_eq=A_eq, b_eq=np.asarray(z0, dtype=np.float64),
-                  bounds=bounds, method="highs")
-    return np.asarray(res.x[:H], dtype=np.float64) if res.status == 0 else None
+    A_ub = sp.csr_array((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(k, 2 * H + T))
+    c = np.concatenate([proximity - objective.linear, proximity + objective.linear, np.ones(T)])
+    room = [(0, None if math.isinf(b) else b) for b in np.concatenate([hi - z0, z0 - lo])]
+    res = linprog(c, A_ub=A_ub, b_ub=np.concatenate(rhs), bounds=room + [(None, None)] * T, method="highs")
+    return z0 + res.x[:H] - res.x[H:2 * H] if res.status == 0 else None
