@@ -151,15 +151,19 @@ def cutting_plane_range_optimum(objective: Objective, z0: np.ndarray, lo: np.nda
     nats of its max at z0 first, then, round by round, the cells the last solution lifts above its
     tensor's t_T (with their own margin band). A solution that violates no cell's constraint is
     feasible for the whole LP and optimal in its relaxation, so it is the whole LP's optimum. None
-    where an LP fails, or ``rounds`` do not settle it, or it would hold more than ``max_cells`` cells."""
+    where an LP fails, or ``rounds`` do not settle it, or one LP would hold more than ``max_cells``
+    cells, or all of them together more than four times that."""
     grids = objective.pairs.grids
 
     def lifted(zp):  # per grid, every cell's log range at z (-inf where the tensor has no such pair)
         return [g.log_max + 0.5 * (zp[g.rows][:, None] - zp[g.cols][None, :]) for g in grids]
 
     cells = [a >= np.max(a) - margin for a in lifted(np.append(z0, 0.0))]
+    work = 0  # cells summed over the rounds' LPs: a round costs about its cells (deterministic, unlike a clock)
     for _ in range(rounds):
-        if sum(int(np.count_nonzero(mask)) for mask in cells) > max_cells:
+        held = sum(int(np.count_nonzero(mask)) for mask in cells)
+        work += held
+        if held > max_cells or work > 4 * max_cells:
             return None
         z = exact_range_optimum(objective, z0, lo, hi, cells)
         if z is None:
