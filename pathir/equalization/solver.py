@@ -48,6 +48,9 @@ LP_MARGIN = 0.5
 #: cutting planes are given up once the LP holds more cells than this (HiGHS then takes seconds a round:
 #: 2.4 s at 67,000 cells on densenet121's 44,576 units, 13 s at 128,000) and the sharp stages run instead
 LP_CELLS = 40_000
+#: how far (nats) a cutting-plane LP may move a unit from the smoothed iterate; a solution that needs more
+#: is left to the sharp stages
+LP_REACH = 8.0
 #: graphs with at most this many unit-pair cells get the exact LP over all of them after the sharp stages
 EXACT_LP_CELLS = 200_000
 #: the sharpness of the balance term, and its weight
@@ -146,7 +149,8 @@ def _solve(objective, max_log_scale, sharpness, ridge, balance, max_iter, tol, c
 
 
 def cutting_plane_range_optimum(objective: Objective, z0: np.ndarray, lo: np.ndarray, hi: np.ndarray,
-                                margin: float = LP_MARGIN, rounds: int = 50, max_cells: int = LP_CELLS):
+                                margin: float = LP_MARGIN, rounds: int = 50, max_cells: int = LP_CELLS,
+                                reach: float = LP_REACH):
     """:func:`exact_range_optimum` over every cell, solved on a few: each tensor's cells within ``margin``
     nats of its max at z0 first, then, round by round, the cells the last solution lifts above its
     tensor's t_T (with their own margin band). A solution that violates no cell's constraint is
@@ -158,6 +162,9 @@ def cutting_plane_range_optimum(objective: Objective, z0: np.ndarray, lo: np.nda
     def lifted(zp):  # per grid, every cell's log range at z (-inf where the tensor has no such pair)
         return [g.log_max + 0.5 * (zp[g.rows][:, None] - zp[g.cols][None, :]) for g in grids]
 
+    # a box of ±reach around z0 inside the LP: no unit runs to a far bound (or to infinity) before the
+    # cells that hold it are cut in; a solution inside it solves the LP without it (a convex problem)
+    lo_lp, hi_lp = np.maximum(lo, z0 - reach), np.minimum(hi, z0 + reach)
     cells = [a >= np.max(a) - margin for a in lifted(np.append(z0, 0.0))]
     work = 0  # cells summed over the rounds' LPs: a round costs about its cells (deterministic, unlike a clock)
     for _ in range(rounds):
@@ -165,7 +172,7 @@ def cutting_plane_range_optimum(objective: Objective, z0: np.ndarray, lo: np.nda
         work += held
         if held > max_cells or work > 4 * max_cells:
             return None
-        z = exact_range_optimum(objective, z0, lo, hi, cells)
+        z = exact_range_optimum(objective, z0, lo_lp, hi_lp, cells)
         if z is None:
             return None
         settled = True
@@ -175,7 +182,8 @@ def cutting_plane_range_optimum(objective: Objective, z0: np.ndarray, lo: np.nda
                 mask |= a >= top - margin
                 settled = False
         if settled:
-            return z
+            inner = ((z > lo_lp + 1e-9) | (lo_lp <= lo)) & ((z < hi_lp - 1e-9) | (hi_lp >= hi))
+            return z if inner.all() else None
     return None
 
 
