@@ -327,7 +327,8 @@ def seed_summary(rows: list[dict], sides: list[str]) -> str:
     return "\n".join(out)
 
 
-def main(argv=None) -> list[dict]:
+def parser() -> argparse.ArgumentParser:
+    """The command line; ``parser().parse_args([])`` gives every default (the sides' settings among them)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=[",".join(em.MODELS)], help="comma- or space-separated torchvision names")
     ap.add_argument("--bits", default="8,6", help="weight bit widths, comma-separated")
@@ -352,7 +353,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--scale-computation", default="maxabs", choices=["maxabs", "range"],
                     help="Brevitas equalize_scale_computation")
     ap.add_argument("--json", help="also write the rows here")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> list[dict]:
+    args = parser().parse_args(argv)
     args.bits = [int(b) for b in args.bits.split(",")]
     if args.bias_shrinkage != "vaiq":
         args.bias_shrinkage = float(args.bias_shrinkage)

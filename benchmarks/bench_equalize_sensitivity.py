@@ -47,12 +47,11 @@ def moved_scores(eq, shape, x_chunks, y, bits_list, moves: int, sigma: float, se
 def bench(name: str, seed: int, args) -> list[dict]:
     shape = (3, args.size, args.size)
     model = em.build(name, size=args.size, seed=seed)
-    x = em.eval_inputs(args.size, args.batch, seed)
-    chunks = x.split(32)
+    side_args = be.parser().parse_args([])  # each side with bench_equalize.py's default settings
+    chunks = em.eval_inputs(args.size, args.batch, seed).split(side_args.chunk)
     folded, _, _ = em.fold_bn(model)
     with torch.no_grad():
         y = torch.cat([folded(c) for c in chunks])
-    side_args = argparse.Namespace(eq_iters=20, merge_bias=True, bias_shrinkage="vaiq", scale_computation="maxabs")
     rows = []
     for side in args.sides:
         eq, _ = be.SIDES[side](copy.deepcopy(folded), shape, side_args)
