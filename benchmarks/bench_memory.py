@@ -18,7 +18,11 @@ runaway call fails instead of exhausting a shared machine. In the child:
 5. ``cm.release()``; ``after_release`` = VmRSS − base: what release could not free.
 
 Figures are in "copies": bytes / (8 × the model's parameter count); the goal is
-peak ≤ 4 copies on vgg16 and vgg11_bn. ``path_metric`` compares the model with a
+peak ≤ 4 copies on vgg16 and vgg11_bn. The baseline row ``forward_backward`` is the model's own
+float64 forward+backward at batch 1 (autograd: its activations and gradients; the float64 copy of
+the model is made before ``base``, as pathir's compile is): what one training-style pass of the
+model needs. A walk that keeps a value per feature-map entry (diag G, PathCond) needs about that
+on a model whose feature maps outweigh its parameters (densenet, shufflenet). ``path_metric`` compares the model with a
 pruned copy of itself (a second Compiled, compiled before ``base``).
 """
 
@@ -40,6 +44,8 @@ from rows_out import measured, save_json  # run as a script: benchmarks/ is on s
 METHODS = ("path_norm", "diag_g", "path_magnitude_scores", "path_metric", "prune", "normalize", "pathcond",
            "enorm")
 MODELS = ("vgg16", "vgg11_bn", "resnet50")
+#: the model's own float64 forward+backward at batch 1: the baseline row
+BASELINE = "forward_backward"
 
 
 def _status(field: str) -> int:
@@ -92,6 +98,10 @@ class PeakMeter:
 def _call(cm, method: str, other):
     import pathir
 
+    if method == BASELINE:
+        model, x = other
+        model(x).sum().backward()
+        return None
     if method == "path_norm":
         return cm.path_norm()
     if method == "path_metric":
@@ -121,6 +131,8 @@ def child(model_name: str, method: str) -> dict:
                 p.mul_((torch.rand_like(p) > 0.1).to(p.dtype))
         other = pathir.compile(twin, input_shape=zoo.input_shape(model_name), self_check=False)
         del twin
+    if method == BASELINE:
+        other = (model.double(), torch.ones(1, *zoo.input_shape(model_name), dtype=torch.float64))
     base = settle()
     meter = PeakMeter()
     start = time.perf_counter()
@@ -169,7 +181,7 @@ def table(rows) -> str:
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("models", nargs="?", default=",".join(MODELS))
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join((BASELINE, *METHODS)))
     ap.add_argument("--limit-gb", type=float, default=12.0, help="address-space limit of each child")
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)

@@ -369,3 +369,12 @@ def test_g_as_one_array_per_param_groups_and_summarises_as_the_flat_g(graph, see
     got, top_parts = diag_g_parts(graph, "numpy")
     assert top_parts == top
     assert np.array_equal(np.concatenate([x.reshape(-1) for x in got]) if got else np.zeros(0), g)
+
+
+def test_memory_baseline_is_the_models_own_float64_forward_backward():
+    import bench_memory
+
+    row = bench_memory.child("squeezenet1_1", bench_memory.BASELINE)
+    # the pass ran in float64 and kept its gradients: one float64 copy of the parameters
+    assert row["kept_copies"] > 0.9
+    assert row["peak_copies"] >= row["kept_copies"]
