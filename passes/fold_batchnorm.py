@@ -77,8 +77,9 @@ def fold_batchnorm(graph: Graph, arrays=None, in_place: bool = False) -> Graph:
                 folded = s * u.bias.value
                 if bias is None:
                     bias = Param(f"{u.bias.name}", folded, u.bias.sources + refs, f"{u.bias.name} * scale")
-                else:
-                    bias = Param(bias.name, bias.value + folded, bias.sources, (bias.how or bias.name) + f" + scale * {u.bias.name}")
+                else:  # a new value: under a new name where the batch-norm's own bias is read elsewhere too
+                    name = f"{bias.name}@{v.name}" if bias.name in shared else bias.name
+                    bias = Param(name, bias.value + folded, bias.sources, (bias.how or bias.name) + f" + scale * {u.bias.name}")
             removed.add(u.name)
             changed = True
         if changed:

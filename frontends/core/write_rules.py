@@ -22,6 +22,7 @@ import numpy as np
 from pathir.errors import PathirError
 from pathir.ir import Graph, Param, Role, SourceRef
 from pathir.rescaling.apply import check_log_scales, param_factors
+from pathir.rescaling.shared_sources import check_batch_norm_uses
 
 __all__ = ["source_factors", "EntryFactor", "mask_ref", "mask_plan", "clip_threshold_names"]
 
@@ -109,6 +110,7 @@ def source_factors(graph: Graph, log_scales: Mapping[str, np.ndarray], lazy: boo
     :class:`EntryFactor` (computed when the writer reaches the tensor: the factors of a whole model
     never sit in memory at once); a tensor given different factors through two params raises then."""
 
+    check_batch_norm_uses(graph)
     s = check_log_scales(graph, log_scales)
     uses: dict[tuple[str, Role], list] = {}  # (tensor, role) -> the params that reach it, in order
     for p, fo, fi, v, u in param_factors(graph, s).values():

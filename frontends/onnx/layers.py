@@ -181,8 +181,10 @@ def batch_normalization(low, node, ins):
     v = low.act(node, 0)
     # the attribute is float32: take the decimal it was written from (1e-3, not 0.0010000000475)
     eps = float(str(np.float32(a.get("epsilon", 1e-5))))
-    group = ("bn", tuple(node.input[1:5]), eps)  # a batch-norm applied twice shares all four
-    names = [low.param_ref(node, k, group)[0] for k in range(1, 5)]
+    # a batch-norm applied twice shares all four; one tensor in two slots of one node (a deduplicated
+    # initializer: scale = variance = 1, bias = mean = 0) is one ref per slot, each written in its own role
+    group = ("bn", tuple(node.input[1:5]), eps)
+    names = [low.param_ref(node, k, (*group, k))[0] for k in range(1, 5)]
     what = ("scale", "bias", "running mean", "running variance")
     tensors = [ParamTensor(n, torch.from_numpy(f64(low.const(node, k, w)).reshape(-1).copy()))
                for k, (n, w) in enumerate(zip(names, what), start=1)]

@@ -32,6 +32,7 @@ from pathir.ir import Graph, Role
 from pathir.rescaling.apply import check_rescaling, log_scales, rescale_graph
 from pathir.rescaling.bounds import float64_safe
 from pathir.rescaling.optimizer_state import check_transportable, plan_transport
+from pathir.rescaling.shared_sources import check_batch_norm_uses
 
 __all__ = ["commit_rescaling", "rescaled_graph", "with_bias_shifts", "check_writable", "check_optimizer"]
 
@@ -46,6 +47,8 @@ def rescaled_graph(graph: Graph, units, z, kept=None) -> Graph:
 def check_writable(graph: Graph, writer) -> None:
     """Refuse early (before a solver runs) a write-back the writer would refuse anyway:
     train-mode-only modules, spectral-normalized or otherwise parametrized weights."""
+    if writer is not None:
+        check_batch_norm_uses(graph)
     check = getattr(writer, "check_rescalable", None)
     if check is not None:
         check(graph)
