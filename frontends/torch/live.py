@@ -8,7 +8,8 @@ by every in-place change: an optimizer step, ``load_state_dict``, an edit under
 ``torch.no_grad()``). Reading both costs about a millisecond on resnet50.
 
 An in-place edit through ``tensor.data`` bypasses the version counter; call
-``cm.refresh()`` after one.
+``cm.refresh()`` after one. So do torch's fused optimizers (``fused=True``): their steps are
+counted per parameter by a global optimizer step hook, registered with the first watch.
 """
 
 from __future__ import annotations
@@ -21,11 +22,33 @@ from torch.nn.utils.prune import BasePruningMethod
 __all__ = ["ModelWatch"]
 
 
+#: id(parameter) -> the steps of fused optimizers that wrote it (those do not bump ``_version``)
+_FUSED_STEPS: dict[int, int] = {}
+_COUNTING: list = []  # the global hook's handle, once registered
+
+
+def _count_fused_step(optimizer, args, kwargs) -> None:
+    """After every optimizer step: count it on each parameter of a fused param group."""
+    for group in optimizer.param_groups:
+        if group.get("fused"):
+            for p in group["params"]:
+                _FUSED_STEPS[id(p)] = _FUSED_STEPS.get(id(p), 0) + 1
+
+
+def _count_fused_steps() -> None:
+    """Register :func:`_count_fused_step` as a global optimizer step post-hook, once per process."""
+    if not _COUNTING:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _COUNTING.append(register_optimizer_step_post_hook(_count_fused_step))
+
+
 class ModelWatch:
     """The modules and tensor versions of ``model`` as last marked."""
 
     def __init__(self, model: nn.Module):
         self.model = model
+        _count_fused_steps()
         self.mark()
 
     def modules(self) -> tuple:
@@ -36,7 +59,8 @@ class ModelWatch:
     def versions(self) -> tuple:
         """What an in-place change moves: each tensor's name, identity, version, storage, dtype, device and shape."""
         tensors = chain(self.model.named_parameters(remove_duplicate=False), self.model.named_buffers(remove_duplicate=False))
-        return tuple((name, id(t), t._version, t.data_ptr(), t.dtype, t.device, tuple(t.shape)) for name, t in tensors)
+        return tuple((name, id(t), (t._version, _FUSED_STEPS.get(id(t), 0)), t.data_ptr(), t.dtype, t.device,
+                      tuple(t.shape)) for name, t in tensors)
 
     def mark(self) -> None:
         """Take the model as it is now as the reference."""
