@@ -114,6 +114,22 @@ def test_blockwise_quantized_sqnr_equals_the_quantized_copys(n, bits, chunk, see
     assert got == pytest.approx(want, rel=1e-9) if np.isfinite(want) else got == want
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 100), st.integers(2, 16), st.integers(-900, 900), st.integers(0, 2**31 - 1))
+def test_quantized_sqnr_is_scale_free_to_the_ends_of_float64(n, bits, k, seed):
+    """A tensor scaled by 2^k (exact in float64, its entries as large as 1e271 or as small as 1e-271)
+    quantizes to the same relative grid: the report's SQNR is the same number, not nan or ±inf (the
+    squares of such entries leave float64)."""
+    from pathir.equalization.tensors import quantize, quantized_sqnr_db, sqnr_db
+
+    value = np.random.default_rng(seed).normal(size=(n, 3))
+    scaled = np.ldexp(value, k)
+    want = quantized_sqnr_db(value, bits)
+    assert quantized_sqnr_db(scaled, bits, chunk=7) == pytest.approx(want, rel=1e-12) if np.isfinite(want) else \
+        quantized_sqnr_db(scaled, bits) == want
+    assert sqnr_db(scaled, quantize(scaled, bits)) == pytest.approx(sqnr_db(value, quantize(value, bits)), rel=1e-12)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 5), st.integers(1, 4), st.integers(1, 6), st.integers(0, 1), st.booleans(), st.booleans(),
        st.integers(0, 2**31 - 1))

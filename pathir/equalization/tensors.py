@@ -218,29 +218,36 @@ def quantize(value: np.ndarray, bits: int, per_channel: bool = False) -> np.ndar
 
 
 def sqnr_db(value: np.ndarray, quantized: np.ndarray) -> float:
-    """10 log10(Σ θ² / Σ (θ − Q(θ))²): inf where quantization is exact."""
-    signal = float(np.sum(np.square(value)))
-    noise = float(np.sum(np.square(np.asarray(value) - quantized)))
+    """10 log10(Σ θ² / Σ (θ − Q(θ))²): inf where quantization is exact. Both sums are taken in units of
+    max |θ| (the ratio is scale-free): no square over- or underflows float64 (weights of 1e160 or 1e-160)."""
+    value = np.asarray(value, dtype=np.float64)
+    top = float(np.max(np.abs(value), initial=0.0))
+    top = top if 0 < top < np.inf else 1.0
+    signal = float(np.sum(np.square(value / top)))
+    noise = float(np.sum(np.square((value - quantized) / top)))
     return np.inf if noise == 0 else 10.0 * np.log10(signal / noise) if signal > 0 else -np.inf
 
 
 def quantized_sqnr_db(value: np.ndarray, bits: int, chunk: int = 1 << 20) -> float:
     """``sqnr_db(value, quantize(value, bits))`` (per tensor), a block of ``chunk`` entries at a time: no
     temporary of the tensor's size, and one reused buffer for the rounding error (the same operations as
-    ``quantize``, in place)."""
+    ``quantize``, in place). Both sums are taken in units of R = max |θ|: no square over- or underflows."""
     flat = np.asarray(value, dtype=np.float64).reshape(-1)
     R = float(np.max(np.abs(flat), initial=0.0))
     step = R / (2 ** (int(bits) - 1) - 1) if R > 0 else 1.0
+    unit = R if 0 < R < np.inf else 1.0
     signal = noise = 0.0
     buffer = np.empty(min(chunk, flat.size))
     for i in range(0, flat.size, chunk):
         part = flat[i:i + chunk]
         err = buffer[:part.size]
+        np.divide(part, unit, out=err)
+        signal += float(np.dot(err, err))
         np.divide(part, step, out=err)
         np.rint(err, out=err)  # np.round's rounding (half to even)
         err *= step
         np.subtract(part, err, out=err)
-        signal += float(np.dot(part, part))
+        err /= unit
         noise += float(np.dot(err, err))
     return np.inf if noise == 0 else 10.0 * np.log10(signal / noise) if signal > 0 else -np.inf
 
