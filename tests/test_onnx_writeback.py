@@ -239,3 +239,40 @@ def test_compiled_write_backs_give_a_new_onnx_model(method, kwargs, tmp_path):
         assert rel(after, before) <= 1e-5
     cm.save(tmp_path / "out.onnx")
     assert onnx.load(str(tmp_path / "out.onnx")).SerializeToString() == new.SerializeToString()
+
+
+def _ir3(model):
+    """``model`` as IR version 3 writes it: every initializer also a graph input."""
+    from onnx import helper
+
+    model.ir_version = 3
+    for t in model.graph.initializer:
+        model.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    return model
+
+
+@pytest.mark.parametrize("opset", [8, 10])
+def test_an_ir3_model_takes_its_rewritten_clip_and_rebound_initializers_as_graph_inputs(opset):
+    """IR version 3 lists every initializer as a graph input: the per-channel Min thresholds of a rewritten
+    Clip, and a scale initializer rebound apart from the variance slot it shared, are declared so too."""
+    rng = np.random.default_rng(0)
+    spread = np.logspace(-1, 1, 8)
+    nodes = [node("Conv", ["x", "W1", "b1"], ["h1"], pads=[1, 1, 1, 1]),
+             node("Clip", ["h1"], ["m1"], min=0.0, max=6.0),
+             node("Conv", ["m1", "W2"], ["h2"], pads=[1, 1, 1, 1]),
+             node("BatchNormalization", ["h2", "S", "B", "M", "S"], ["n2"], epsilon=1e-3),
+             node("Relu", ["n2"], ["r2"]), node("GlobalAveragePool", ["r2"], ["p"]), node("Flatten", ["p"], ["f"]),
+             node("Gemm", ["f", "Wf", "bf"], ["y"], transB=1)]
+    inits = dict(W1=3 * rng.normal(size=(8, 3, 3, 3)) * spread[:, None, None, None], b1=rng.normal(size=8),
+                 W2=rng.normal(size=(8, 8, 3, 3)), S=spread + 0.5, B=rng.normal(size=8), M=rng.normal(size=8),
+                 Wf=rng.normal(size=(4, 8)), bf=rng.normal(size=4))
+    model = _ir3(make_model(nodes, [tensor_info("x", ["N", 3, 6, 6])], [tensor_info("y", ["N", 4])], inits, opset=opset))
+    x = rng.normal(size=(4, 3, 6, 6)).astype(np.float32)
+    before = ort_run(model, x)[0]
+    cm = pathir.compile(model)
+    assert cm.equalize(progress=False).units_moved > 0
+    new = cm.to_onnx()
+    onnx.checker.check_model(new)
+    assert {t.name for t in new.graph.initializer} <= {i.name for i in new.graph.input}
+    assert "Min" in {n.op_type for n in new.graph.node}
+    assert rel(ort_run(new, x)[0], before) < 1e-5

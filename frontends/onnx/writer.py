@@ -270,7 +270,7 @@ class OnnxWriter:
             while name in taken:
                 name, i = f"{ref}_{i}", i + 1
             taken.add(name)
-            g.initializer.append(numpy_helper.from_array(arr, name))
+            add_initializer(model, arr, name)
             for key, k in b.slots:
                 nodes[key].input[k] = name
             b.tensor = name
@@ -284,7 +284,7 @@ class OnnxWriter:
 def _rewrite_clips(model, bindings: dict, rewrites: Mapping[str, np.ndarray]) -> set[str]:
     """Each rewritten Clip(x, 0, t) becomes Relu(x) then Min(·, T), T a new initializer of per-channel
     thresholds (its binding becomes a clip_min one); returns the Clip's bound inputs, which may now be dead."""
-    from onnx import helper, numpy_helper
+    from onnx import helper
 
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     if opset < 8:
@@ -307,7 +307,7 @@ def _rewrite_clips(model, bindings: dict, rewrites: Mapping[str, np.ndarray]) ->
         k = next(i for i, n in enumerate(nodes) if n.op_type == "Clip" and n.output[0] == key)
         clip = nodes[k]
         relu_out, tensor = fresh(f"{key}_relu"), fresh(ref)
-        g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(value), tensor))
+        add_initializer(model, np.ascontiguousarray(value), tensor)
         nodes[k:k + 1] = [helper.make_node("Relu", [clip.input[0]], [relu_out], name=fresh(f"{clip.name or key}_relu")),
                           helper.make_node("Min", [relu_out, tensor], [key], name=clip.name)]
         orphans.update(x for x in clip.input[1:] if x)
@@ -315,6 +315,17 @@ def _rewrite_clips(model, bindings: dict, rewrites: Mapping[str, np.ndarray]) ->
     del g.node[:]
     g.node.extend(nodes)
     return orphans
+
+
+def add_initializer(model, value: np.ndarray, name: str) -> None:
+    """Append initializer ``name``; a model of IR version 3 also lists it as a graph input (its rule:
+    every initializer is one), so the checker and onnxruntime accept it."""
+    from onnx import helper, numpy_helper
+
+    tensor = numpy_helper.from_array(value, name)
+    model.graph.initializer.append(tensor)
+    if model.ir_version < 4:
+        model.graph.input.append(helper.make_tensor_value_info(name, tensor.data_type, list(value.shape)))
 
 
 def _copy(b: Binding) -> Binding:
