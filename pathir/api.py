@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
+import numpy as np
+
 from pathir.compiled import Compiled
-from pathir.errors import ArgumentError
+from pathir.errors import ArgumentError, InputShapeError
 from pathir.frontends.onnx import lower as lower_onnx
 from pathir.ir import Graph, verify
 from pathir.passes import DEFAULT_PIPELINE, run_passes
@@ -127,35 +129,77 @@ def equalize(model, input_shape: Sequence[int] | None = None, example_input=None
                             f"(replace them by ReLU first), got {relu6!r}")
     if relu6 == "clip" or _is_onnx(model) or isinstance(model, Graph):
         cm = compile(model, input_shape=input_shape, example_input=example_input, progress=progress)
-        return cm.equalize(bits=bits, objective=objective, inputs=inputs, progress=progress, **kwargs)
+        return cm.equalize(bits=bits, objective=objective, inputs=_graph_inputs(cm.graph, inputs), progress=progress,
+                           **kwargs)
     return _equalize_with_relus(model, input_shape, example_input, bits, objective, inputs, progress, kwargs)
+
+
+def _graph_inputs(graph: Graph, inputs) -> dict | None:
+    """``inputs`` as {graph input name: float64 array}, each checked against its input's shape
+    (InputShapeError, as the graph's forward raises it). Accepted: one array or tensor (a graph of one
+    input), a dict by input name, or a tuple of arrays (a list, for several inputs) in the graph's input
+    order, the model's argument order."""
+    if inputs is None:
+        return None
+    names = list(graph.inputs)
+    positional = (isinstance(inputs, (tuple, list)) and all(hasattr(a, "shape") for a in inputs)
+                  and (isinstance(inputs, tuple) or len(names) > 1))  # a list of rows stays one array
+    if isinstance(inputs, dict):
+        missing = [n for n in names if n not in inputs]
+        if missing:
+            raise InputShapeError(f"x: the graph has inputs {names}: the dict {{input name: array}} lacks {missing}")
+        feed = {n: inputs[n] for n in names}
+    elif positional:
+        if len(inputs) != len(names):
+            raise InputShapeError(f"x: the graph has inputs {names}: pass {len(names)} arrays in that order (or a "
+                                  f"dict {{input name: array}}), got {len(inputs)}")
+        feed = dict(zip(names, inputs))
+    elif len(names) != 1:
+        raise InputShapeError(f"x: the graph has inputs {names}: pass a dict {{input name: array}} or a tuple of "
+                              "arrays in that order")
+    else:
+        feed = {names[0]: inputs}
+    out = {}
+    for name, x in feed.items():
+        try:
+            x = x.detach().cpu().double().numpy() if hasattr(x, "detach") else np.asarray(x, dtype=np.float64)
+        except (TypeError, ValueError) as err:
+            raise InputShapeError(f"x: input '{name}' is not an array of numbers ({err})") from None
+        shape = graph.node(name).shape
+        if x.ndim < 1 or tuple(x.shape[1:]) != tuple(shape):
+            raise InputShapeError(f"x: input '{name}' expects (B, {', '.join(map(str, shape))}), got {tuple(x.shape)}")
+        out[name] = x
+    return out
 
 
 def _equalize_with_relus(model, input_shape, example_input, bits, objective, inputs, progress, kwargs):
     """relu6="relu": every clipped ReLU module becomes a ReLU (the function changes; the report says by
-    how much on ``inputs``, or on a seeded random batch), then equalize; on any error the modules are put back."""
+    how much on ``inputs``, or on a seeded random batch), then equalize. ``inputs`` take every form
+    ``relu6="clip"`` takes (:func:`_graph_inputs`). On any error the modules are put back; either way
+    every module keeps its train/eval flag."""
     import torch  # lazy: imports torch
 
-    from pathir.frontends.torch.clipped import clipped_to_relu  # lazy: imports torch
+    from pathir.frontends.torch.clipped import measure_swap, relu_swap  # lazy: imports torch
+    from pathir.frontends.torch.inputs import model_dtype_device  # lazy: imports torch
 
-    modules = dict(model.named_modules())
-    if inputs is not None:
-        probe = torch.as_tensor(inputs)
-    else:
-        shape = tuple(example_input.shape[1:]) if example_input is not None else tuple(input_shape)
-        probe = torch.randn((8, *shape), generator=torch.Generator().manual_seed(0))
-    dtype = next((t.dtype for t in model.parameters()), torch.float32)
-    swap = clipped_to_relu(model, probe.to(dtype))
+    paths, swap = relu_swap(model)
+    swap.apply()
     try:
         cm = compile(model, input_shape=input_shape, example_input=example_input, progress=progress)
-        report = cm.equalize(bits=bits, objective=objective, inputs=inputs, progress=progress, **kwargs)
+        feed = _graph_inputs(cm.graph, inputs)
+        dtype, device = model_dtype_device(model)
+        if feed is not None:
+            probe = [torch.from_numpy(feed[n]) for n in cm.graph.inputs]
+        else:
+            seeded = torch.Generator().manual_seed(0)
+            probe = [torch.randn((8, *cm.graph.node(n).shape), generator=seeded) for n in cm.graph.inputs]
+        change, rel = measure_swap(model, swap, tuple(x.to(dtype=dtype, device=device) for x in probe))
+        report = cm.equalize(bits=bits, objective=objective, inputs=feed, progress=progress, **kwargs)
     except BaseException:
-        for path in swap.replaced:
-            parent, _, attr = path.rpartition(".")
-            setattr(model.get_submodule(parent), attr, modules[path])
+        swap.undo()
         raise
-    report.notes.append(f"relu6='relu': {len(swap.replaced)} clipped ReLUs replaced by ReLU; the function changed by "
-                        f"at most {swap.max_abs_change:.4g} ({swap.max_rel_change:.3g} of the largest output) on "
+    report.notes.append(f"relu6='relu': {len(paths)} clipped ReLUs replaced by ReLU; the function changed by "
+                        f"at most {change:.4g} ({rel:.3g} of the largest output) on "
                         f"{'the inputs' if inputs is not None else 'a random batch'}")
-    report.relu_change = swap.max_rel_change
+    report.relu_change = rel
     return report

@@ -403,6 +403,138 @@ def test_clipped_to_relu_reports_the_change():
     assert not model.training
 
 
+# ====================================================================== replacing a module: names, hooks, flags
+
+
+class _Aliased(nn.Module):
+    """One nn.ReLU6 registered as ``act`` and as ``body[1]``; the forward calls it as ``body[1]``."""
+
+    def __init__(self, act):
+        super().__init__()
+        self.act = act
+        self.body = nn.Sequential(nn.Linear(6, 8), self.act, nn.Linear(8, 2))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _spread_rows(model, first):
+    """Rows of ``first``'s weight over 2.5 decades: equalization moves every channel, activations pass 6."""
+    with torch.no_grad():
+        first.weight.mul_(torch.logspace(-1, 1.5, first.weight.shape[0], dtype=torch.float64).reshape(-1, 1))
+    return model
+
+
+def _relu_twin(model):
+    """The definition of relu6="relu": a deep copy with every clipped ReLU module, under every name,
+    one nn.ReLU (the copy keeps the aliasing; no pathir code involved)."""
+    twin = copy.deepcopy(model)
+    relus = {}
+    for path, m in list(twin.named_modules(remove_duplicate=False)):
+        if type(m) in (nn.ReLU6, nn.Hardtanh):
+            parent, _, attr = path.rpartition(".")
+            setattr(twin.get_submodule(parent), attr, relus.setdefault(id(m), nn.ReLU()))
+    return twin
+
+
+@pytest.mark.parametrize("relu6", ["clip", "relu"])
+def test_a_module_under_two_names_is_replaced_under_both(relu6):
+    torch.manual_seed(0)
+    model = _Aliased(nn.ReLU6()).double()
+    _spread_rows(model, model.body[0])
+    x = _x(64, 6)
+    definition = copy.deepcopy(model) if relu6 == "clip" else _relu_twin(model)
+    original = _eager(copy.deepcopy(model), x)
+    report = pathir.equalize(model, input_shape=(6,), relu6=relu6, progress=False, inputs=x)
+    assert model.act is model.body[1]  # still one module under two names
+    assert type(model.act) is (ClippedReLU if relu6 == "clip" else nn.ReLU)
+    assert _rel(_eager(model, x), _eager(definition, x)) <= 1e-9
+    if relu6 == "relu":  # the change reported is the swap's, measured on the inputs
+        assert report.relu_change == pytest.approx(_rel(_eager(definition, x), original), rel=1e-6)
+        assert report.relu_change > 0.1
+
+
+HOOKS = {
+    "forward": lambda m: m.register_forward_hook(lambda mod, args, out: out * 2.0),
+    "forward with kwargs": lambda m: m.register_forward_hook(lambda mod, args, kw, out: out * 2.0, with_kwargs=True),
+    "forward always called": lambda m: m.register_forward_hook(lambda mod, args, out: out * 2.0, always_call=True),
+    "pre": lambda m: m.register_forward_pre_hook(lambda mod, args: (args[0] * 0.5,)),
+    "pre with kwargs": lambda m: m.register_forward_pre_hook(lambda mod, args, kw: ((args[0] * 0.5,), kw),
+                                                             with_kwargs=True),
+    "backward": lambda m: m.register_full_backward_hook(lambda mod, gin, gout: (gin[0] * 2.0,)),
+    "backward pre": lambda m: m.register_full_backward_pre_hook(lambda mod, gout: (gout[0] * 2.0,)),
+}
+
+
+def _value_and_grad(model, x):
+    x = x.clone().requires_grad_(True)
+    y = model(x)
+    y.sum().backward()
+    return y.detach().numpy(), x.grad.numpy()
+
+
+@pytest.mark.parametrize("relu6", ["clip", "relu"])
+@pytest.mark.parametrize("kind", list(HOOKS))
+def test_hooks_of_a_replaced_module_are_carried_and_their_handles_still_work(kind, relu6):
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU6(), nn.Linear(8, 2)).double().eval()
+    _spread_rows(model, model[0])
+    bare = copy.deepcopy(model) if relu6 == "clip" else _relu_twin(model)
+    handle = HOOKS[kind](model[1])
+    definition = copy.deepcopy(bare)
+    HOOKS[kind](definition[1])  # the same hook on the definition's own module
+    x = _x(64, 6)
+    pathir.equalize(model, input_shape=(6,), relu6=relu6, progress=False)
+    assert type(model[1]) is (ClippedReLU if relu6 == "clip" else nn.ReLU)
+    (y, g), (y_def, g_def) = _value_and_grad(model, x), _value_and_grad(definition, x)
+    assert _rel(y, y_def) <= 1e-9 and _rel(g, g_def) <= 1e-9  # the hook runs on the replacement
+    handle.remove()  # the user's handle removes it from the replacement
+    (y, g), (y_bare, g_bare) = _value_and_grad(model, x), _value_and_grad(bare, x)
+    assert _rel(y, y_bare) <= 1e-9 and _rel(g, g_bare) <= 1e-9
+
+
+def test_a_hook_bound_to_the_module_is_refused_and_nothing_changes():
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU6(), nn.Linear(8, 2)).double().eval()
+    _spread_rows(model, model[0])
+    model[1].register_state_dict_post_hook(lambda mod, state, prefix, meta: None)
+    act, state = model[1], copy.deepcopy(model.state_dict())
+    for relu6 in ("clip", "relu"):
+        with pytest.raises(PathirError, match=r"'1' \(ReLU6\) has hooks in _state_dict_hooks"):
+            pathir.equalize(model, input_shape=(6,), relu6=relu6, progress=False)
+        assert model[1] is act and all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def _flags(model):
+    return {path: m.training for path, m in model.named_modules()}
+
+
+@pytest.mark.parametrize("relu6", ["clip", "relu"])
+def test_every_train_eval_flag_is_kept_on_success_and_on_refusal(relu6):
+    torch.manual_seed(3)
+    ok = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU6(), nn.Linear(8, 2), nn.ReLU6(), nn.Linear(2, 2))
+    refused = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU6(), nn.Linear(8, 2), nn.Sigmoid())
+    for model in (ok, refused):
+        _spread_rows(model.double(), model[0])
+        model.train()
+        model[1].eval()
+        model[2].eval()  # the replaced module's own flag goes to its replacement
+    before = _flags(ok)
+    x = _x(32, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # train mode with a batch-norm: analysed with its running statistics
+        definition = _relu_twin(ok) if relu6 == "relu" else copy.deepcopy(ok)
+        pathir.equalize(ok, input_shape=(6,), relu6=relu6, progress=False)
+        assert _flags(ok) == before
+        ok.eval(), definition.eval()
+        assert _rel(_eager(ok, x), _eager(definition, x)) <= 1e-9
+        before, state = _flags(refused), copy.deepcopy(refused.state_dict())
+        with pytest.raises(PathirError):
+            pathir.equalize(refused, input_shape=(6,), relu6=relu6, progress=False)
+    assert _flags(refused) == before and type(refused[2]) is nn.ReLU6
+    assert all(torch.equal(v, state[k]) for k, v in refused.state_dict().items())
+
+
 # ====================================================================== write-back (ONNX)
 
 

@@ -301,6 +301,40 @@ def test_cli_writes_an_equalized_state_dict(tmp_path, capsys, monkeypatch):
     torch.testing.assert_close(fresh(x), before, rtol=1e-5, atol=1e-6)
 
 
+RELU6_FACTORY = (
+    "import torch\nfrom torch import nn\n\n\ndef net():\n"
+    "    m = nn.Sequential(nn.Linear(4, 6), nn.ReLU6(), nn.Linear(6, 2))\n"
+    "    with torch.no_grad():\n"
+    "        m[0].weight.mul_(torch.logspace(-1, 1.5, 6).reshape(6, 1))\n"
+    "    return m.eval()\n")
+
+
+@pytest.mark.parametrize("command", ["equalize", "pathcond"])
+@pytest.mark.parametrize("json_out", [False, True])
+def test_cli_saves_the_whole_model_where_modules_were_replaced(command, json_out, tmp_path, capsys, monkeypatch):
+    (tmp_path / "eq_relu6.py").write_text(RELU6_FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "eq.pt"
+    code = main([command, "eq_relu6:net", "--input-shape", "4", "-o", str(out), "-q", *(["--json"] if json_out else [])])
+    printed = capsys.readouterr().out
+    assert code == 0
+    if json_out:
+        info = json.loads(printed)
+        assert info["output_format"] == "module" and info["replaced_modules"] == ["1"]
+    else:
+        assert f"torch.load({str(out)!r}, weights_only=False)" in printed and "not as a state_dict" in printed
+    import eq_relu6
+
+    torch.manual_seed(0)  # the CLI builds the factory's model under --seed 0
+    original = eq_relu6.net()
+    loaded = torch.load(out, weights_only=False)  # as the output line says
+    assert type(loaded[1]).__name__ == "ClippedReLU"  # per-channel thresholds: no fresh instance holds them
+    x = torch.randn(64, 4) * 3
+    with torch.no_grad():
+        want = original(x)
+        torch.testing.assert_close(loaded(x), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
 def test_relu6_replaced_by_relu_reports_the_change_and_restores_on_error():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.ReLU6(), nn.Linear(8, 2)).double()
@@ -322,6 +356,61 @@ def test_relu6_replaced_by_relu_reports_the_change_and_restores_on_error():
     assert type(gate[1]) is nn.ReLU6
     with pytest.raises(PathirError, match="relu6"):
         pathir.equalize(nn.Sequential(nn.Linear(4, 2)), input_shape=(4,), relu6="drop")
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.a, self.b, self.act, self.c = nn.Linear(6, 8), nn.Linear(3, 8), act, nn.Linear(8, 2)
+
+    def forward(self, x, y):
+        return self.c(self.act(self.a(x) + self.b(y)))
+
+
+def _two_inputs(act):
+    torch.manual_seed(0)
+    net = _TwoInputs(act).double().eval()
+    with torch.no_grad():
+        net.a.weight.mul_(torch.logspace(-1, 1.5, 8, dtype=torch.float64).reshape(8, 1))  # some pass 6
+    return net
+
+
+_XY = (torch.randn(32, 6, dtype=torch.float64) * 3, torch.randn(32, 3, dtype=torch.float64) * 3)
+
+
+@pytest.mark.parametrize("relu6", ["clip", "relu"])
+@pytest.mark.parametrize("form", ["example_input", "input_shape list", "inputs tuple", "inputs dict"])
+def test_every_input_form_of_a_two_input_model(form, relu6):
+    net = _two_inputs(nn.ReLU6())
+    definition = _two_inputs(nn.ReLU6() if relu6 == "clip" else nn.ReLU())  # the same weights
+    original = net(*_XY).detach()
+    kwargs = {"example_input": (_XY[0][:1], _XY[1][:1])} if form != "input_shape list" else {
+        "input_shape": [(6,), (3,)]}
+    inputs = {"inputs tuple": _XY, "inputs dict": {"x": _XY[0], "y": _XY[1]}}.get(form)
+    report = pathir.equalize(net, relu6=relu6, inputs=inputs, progress=False, **kwargs)
+    want = definition(*_XY).detach()
+    torch.testing.assert_close(net(*_XY).detach(), want, rtol=1e-9, atol=1e-9 * float(want.abs().max()))
+    if relu6 == "relu" and inputs is not None:  # measured on the inputs given
+        change = float((want - original).abs().max() / original.abs().max())
+        assert report.relu_change == pytest.approx(change, rel=1e-6) and change > 0.01
+
+
+@pytest.mark.parametrize("relu6", ["clip", "relu"])
+@pytest.mark.parametrize("model,kwargs,inputs,match", [
+    ("one", {"input_shape": (4,)}, torch.randn(5, 7), r"input 'input_1' expects \(B, 4\), got \(5, 7\)"),
+    ("two", {"input_shape": [(6,), (3,)]}, (torch.randn(5, 7), torch.randn(5, 3)), r"input 'x' expects \(B, 6\)"),
+    ("two", {"input_shape": [(6,), (3,)]}, torch.randn(5, 6), r"the graph has inputs \['x', 'y'\]"),
+    ("two", {"input_shape": [(6,), (3,)]}, {"x": torch.randn(5, 6)}, r"lacks \['y'\]"),
+])
+def test_wrong_inputs_are_an_input_shape_error_and_nothing_changes(model, kwargs, inputs, match, relu6):
+    from pathir.errors import InputShapeError
+
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU6(), nn.Linear(8, 2)) if model == "one" else _two_inputs(nn.ReLU6())
+    act, state = net.get_submodule("1" if model == "one" else "act"), {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(InputShapeError, match=match):
+        pathir.equalize(net, relu6=relu6, inputs=inputs, progress=False, **kwargs)
+    assert net.get_submodule("1" if model == "one" else "act") is act
+    assert all(torch.equal(v, state[k]) for k, v in net.state_dict().items())
 
 
 class _AddThenBatchNorm(nn.Module):

@@ -8,7 +8,8 @@ for each threshold param a :class:`ClipSite`, what holds the threshold in the mo
 - ``module``: an ``nn.ReLU6`` / ``nn.Hardtanh(0, t)`` module (exactly those classes), called as a
   module (torch.fx) or the module an ATen op runs in (torch.export). A rescaling that moves its
   channels replaces it by a :class:`pathir.nn.ClippedReLU` with the per-channel thresholds
-  (``setattr`` on its parent); a factor exactly 1 on every channel keeps it;
+  (``setattr`` on its parent, under every name the module is registered under); a factor exactly 1
+  on every channel keeps it;
 - ``buffer``: a threshold buffer (``pathir.nn.ClippedReLU.threshold``, or any buffer in
   ``torch.minimum(relu(x), buf)``), rescaled in place like any tensor;
 - ``call``: a functional call (``F.relu6(x)``, ``torch.clamp(x, 0, t)``) whose threshold is a
@@ -16,6 +17,12 @@ for each threshold param a :class:`ClipSite`, what holds the threshold in the mo
 
 :func:`clipped_to_relu` is the other way out (the ``relu6="relu"`` option of equalization, as AIMET
 and Quark do): every clipped ReLU module becomes ``nn.ReLU``, and the output change is reported.
+
+A replacement stands in for its module (:func:`stand_in`): one new module per old one, set at every
+name the old one is registered under (an alias stays an alias), with the old one's train/eval flag and
+its hook tables (the same dict objects: the forward hooks were traced as part of the function, and a
+handle the user holds still removes its hook). A hook bound to the module itself (a state_dict hook) is
+refused before anything changes.
 """
 
 from __future__ import annotations
@@ -27,13 +34,19 @@ import torch
 import torch.nn as nn
 
 from pathir.errors import PathirError
-from pathir.frontends.torch.inputs import model_dtype_device
+from pathir.frontends.torch.inputs import eval_forward, model_dtype_device
 from pathir.nn import ClippedReLU
 
-__all__ = ["ClipSite", "WRITABLE", "module_threshold", "ClipPlan", "plan_clips", "ReluSwap", "clipped_to_relu"]
+__all__ = ["ClipSite", "WRITABLE", "CARRIED_HOOKS", "module_threshold", "stand_in", "ModuleSwap", "swap_everywhere",
+           "ClipPlan", "plan_clips", "ReluSwap", "relu_swap", "measure_swap", "clipped_to_relu"]
 
 #: the module classes a clipped ReLU is written back into by replacement (a subclass may do more)
 WRITABLE = (nn.ReLU6, nn.Hardtanh)
+
+#: the hook tables of an nn.Module a replacement takes over as they are: forward (pre-)hooks (traced
+#: with the module, so part of the function), their with-kwargs and always-called flags, backward hooks
+CARRIED_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+                 "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
 
 
 @dataclass(frozen=True)
@@ -58,24 +71,73 @@ def module_threshold(module, channels: int) -> np.ndarray:
     return t
 
 
+def stand_in(path: str, old: nn.Module, new: nn.Module) -> nn.Module:
+    """``new`` made ready to take the place of ``old`` (at ``path``): ``old``'s train/eval flag and its
+    hook tables (:data:`CARRIED_HOOKS`, the same dict objects, so a user's handle still removes its hook).
+    ``old`` is not changed. PathirError for a hook no replacement can carry (nothing changed)."""
+    for attr, table in vars(old).items():
+        if "hook" in attr and isinstance(table, dict) and table and attr not in CARRIED_HOOKS:
+            raise PathirError(
+                f"the clipped ReLU '{path}' ({type(old).__name__}) has hooks in {attr}, which are bound to the module "
+                f"itself: pathir cannot move them to the {type(new).__name__} that replaces it; remove them (forward "
+                "and backward hooks are carried over). The model is untouched")
+    for attr in CARRIED_HOOKS:
+        setattr(new, attr, getattr(old, attr))
+    new._is_full_backward_hook = old._is_full_backward_hook
+    new.training = old.training
+    return new
+
+
+@dataclass
+class ModuleSwap:
+    """Module replacements, one entry per name a replaced module is registered under:
+    [(parent, attribute, old module, new module)]. ``apply`` sets every new one, ``undo`` every old one."""
+
+    entries: list
+
+    def apply(self) -> None:
+        for parent, attr, _, new in self.entries:
+            setattr(parent, attr, new)
+
+    def undo(self) -> None:
+        for parent, attr, old, _ in self.entries:
+            setattr(parent, attr, old)
+
+
+def swap_everywhere(model: nn.Module, pairs) -> ModuleSwap:
+    """The swap of each (old, new) of ``pairs`` at every name ``old`` has in ``model``, so that every call
+    of ``old``, through any of its names, reaches ``new`` (one object: modules shared stay shared)."""
+    new_of = {id(old): new for old, new in pairs}
+    entries = []
+    for path, m in model.named_modules(remove_duplicate=False):
+        if id(m) in new_of:
+            if not path:
+                raise PathirError(f"the model itself is the clipped ReLU {type(m).__name__}: pathir replaces a "
+                                  "submodule only; the model is untouched")
+            parent, _, attr = path.rpartition(".")
+            entries.append((model.get_submodule(parent), attr, m, new_of[id(m)]))
+    return ModuleSwap(entries)
+
+
 @dataclass
 class ClipPlan:
     """A write-back's clipped-ReLU part, computed before anything is written: buffers to rescale as
-    tensors (``{buffer name: {role: factor}}``) and modules to replace ([(parent, name, new module)])."""
+    tensors (``{buffer name: {role: factor}}``) and the module replacements (a :class:`ModuleSwap`)."""
 
     tensors: dict
-    replace: list
+    replace: ModuleSwap
 
     def apply(self) -> None:
-        for parent, name, new in self.replace:
-            setattr(parent, name, new)
+        self.replace.apply()
 
 
 def plan_clips(model, graph, sites: dict, sides: dict) -> ClipPlan:
     """The plan for the threshold sources ``sides`` ({source name: {Role.CLIP_THRESHOLD: factor (C,)}}).
 
     Refuses (PathirError, nothing written) a moved threshold of a functional call, a module called
-    at several places whose thresholds would move apart, and a threshold its dtype cannot hold."""
+    at several places whose thresholds would move apart, a threshold its dtype cannot hold, and a
+    module with a hook its replacement cannot carry (:func:`stand_in`). A module is grouped by
+    identity, whatever name its calls were lowered under, and replaced under every name."""
     users: dict[int, list] = {}  # id(threshold param) -> the nodes it is the bias of (one per call)
     for n in graph.nodes:
         if n.bias is not None:
@@ -107,13 +169,14 @@ def plan_clips(model, graph, sites: dict, sides: dict) -> ClipPlan:
                         "(shape (C, 1, ..., 1)). The model is untouched")
                 tensors[buffer] = roles
             continue
-        by_module.setdefault(site.target, []).append((name, f, moved, users.get(id(params[name]), [])))
+        module = model.get_submodule(site.target)
+        by_module.setdefault(id(module), (site.target, module, []))[2].append(
+            (name, f, moved, users.get(id(params[name]), [])))
     dtype, device = model_dtype_device(model)
     replace = []
-    for path, uses in by_module.items():
+    for path, module, uses in by_module.values():
         if not any(moved for _, _, moved, _ in uses):
             continue
-        module = model.get_submodule(path)
         if type(module) not in WRITABLE:
             raise PathirError(f"the clipped ReLU '{path}' is a {type(module).__name__}: pathir writes thresholds "
                               "into nn.ReLU6, nn.Hardtanh or pathir.nn.ClippedReLU only; the model is untouched")
@@ -134,9 +197,8 @@ def plan_clips(model, graph, sites: dict, sides: dict) -> ClipPlan:
         back = t.double().cpu().numpy()
         if not (np.all(np.isfinite(back)) and np.array_equal(back == 0, new[0] == 0)):
             raise PathirError(f"the rescaled thresholds of '{path}' do not fit {dtype}; the model is untouched")
-        parent_path, _, attr = path.rpartition(".")
-        replace.append((model.get_submodule(parent_path), attr, ClippedReLU(t, spatial_dims=spatial)))
-    return ClipPlan(tensors, replace)
+        replace.append((module, stand_in(path, module, ClippedReLU(t, spatial_dims=spatial))))
+    return ClipPlan(tensors, swap_everywhere(model, replace))
 
 
 # ---------------------------------------------------------------- relu6="relu"
@@ -152,13 +214,48 @@ class ReluSwap:
     max_rel_change: float
 
 
+def relu_swap(model: nn.Module) -> tuple[list[str], ModuleSwap]:
+    """(the path of each clipped ReLU module of ``model``, the swap that replaces each by an
+    ``nn.ReLU`` stand-in at every name): nothing is changed yet. PathirError if a hook cannot be carried."""
+    paths, pairs = [], []
+    for path, m in model.named_modules():  # each module once, under its first name
+        if isinstance(m, ClippedReLU) or (type(m) in WRITABLE and float(m.min_val) == 0.0):
+            paths.append(path)
+            pairs.append((m, stand_in(path, m, nn.ReLU(inplace=bool(getattr(m, "inplace", False))))))
+    return paths, swap_everywhere(model, pairs)
+
+
+def measure_swap(model: nn.Module, swap: ModuleSwap, args: tuple) -> tuple[float, float]:
+    """(max |change|, relative to max |output|) of the model's output on ``args`` that the (applied)
+    ``swap`` made, both outputs in eval mode without gradients. Leaves the swap applied and every
+    module's train/eval flag as it was."""
+    after = _eval_output(model, args)
+    swap.undo()
+    try:
+        before = _eval_output(model, args)
+    finally:
+        swap.apply()
+    diff = float((after - before).abs().max()) if before.numel() else 0.0
+    scale = float(before.abs().max()) if before.numel() else 0.0
+    return diff, diff / scale if scale > 0 else diff
+
+
+def _eval_output(model: nn.Module, args: tuple) -> torch.Tensor:
+    """The model's output on ``args`` in eval mode, flattened (every module's own flag restored after)."""
+    with eval_forward(model), torch.no_grad():
+        return _flat(model(*args))
+
+
 def clipped_to_relu(model: nn.Module, inputs) -> ReluSwap:
     """Replace every clipped ReLU module of ``model`` (``nn.ReLU6``, ``nn.Hardtanh(0, t)``,
     ``pathir.nn.ClippedReLU``) by ``nn.ReLU``, in place, and report the output change on ``inputs``
     (a tensor, or a tuple of the model's inputs), measured in eval mode without gradients.
 
     This *changes the function* wherever an activation exceeded its threshold: the report says by how
-    much. Functional clips in a forward (``F.relu6(x)``) cannot be swapped and stay as they are.
+    much. Functional clips in a forward (``F.relu6(x)``) cannot be swapped and stay as they are. A
+    module registered under several names is replaced under each (by one ReLU); its hooks and its
+    train/eval flag go to the ReLU, and every module's train/eval flag is kept. On an error the model
+    is left as it was.
 
     >>> import torch, torch.nn as nn
     >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU6(), nn.Linear(3, 1))
@@ -167,23 +264,14 @@ def clipped_to_relu(model: nn.Module, inputs) -> ReluSwap:
     (['1'], 'ReLU')
     """
     args = inputs if isinstance(inputs, tuple) else (inputs,)
-    targets = [(path, m) for path, m in model.named_modules()
-               if isinstance(m, ClippedReLU) or (type(m) in WRITABLE and float(m.min_val) == 0.0)]
-    training = model.training
-    model.eval()
+    paths, swap = relu_swap(model)
+    swap.apply()
     try:
-        with torch.no_grad():
-            before = model(*args)
-            for path, m in targets:
-                parent, _, attr = path.rpartition(".")
-                setattr(model.get_submodule(parent), attr, nn.ReLU(inplace=bool(getattr(m, "inplace", False))))
-            after = model(*args)
-    finally:
-        model.train(training)
-    before, after = _flat(before), _flat(after)
-    diff = float((after - before).abs().max()) if before.numel() else 0.0
-    scale = float(before.abs().max()) if before.numel() else 0.0
-    return ReluSwap([p for p, _ in targets], diff, diff / scale if scale > 0 else diff)
+        diff, rel = measure_swap(model, swap, args)
+    except BaseException:
+        swap.undo()
+        raise
+    return ReluSwap(paths, diff, rel)
 
 
 def _flat(out) -> torch.Tensor:

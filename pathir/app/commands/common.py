@@ -8,7 +8,7 @@ import os
 import sys
 
 import pathir
-from pathir.errors import ArgumentError
+from pathir.errors import ArgumentError, PathirError
 from pathir.support.files import write_atomic
 
 from .weights import load_weights
@@ -169,3 +169,18 @@ def save_state_dict(model, path: str) -> None:
                 torch_prune.remove(module, hook._tensor_name)
     state = model.state_dict()
     write_atomic(path, lambda f: torch.save(state, f))
+
+
+def save_module(model, path: str) -> None:
+    """``torch.save(model)``, the whole module (classes by reference, read back with
+    ``torch.load(path, weights_only=False)``); PathirError, nothing written, if it cannot be pickled."""
+    import pickle
+
+    import torch
+
+    try:
+        write_atomic(path, lambda f: torch.save(model, f))
+    except (pickle.PicklingError, AttributeError, TypeError) as err:
+        raise PathirError(f"the model cannot be pickled whole ({type(err).__name__}: {err}), and a state_dict would "
+                          "not load into a fresh instance (pathir replaced some of its modules): rescale it with the "
+                          "Python API (docs/equalize.md) and save it your way. Nothing was written") from None

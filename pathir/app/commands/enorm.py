@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathir.errors import ArgumentError
 
 from .common import add_model_arguments, compile_model, progress
-from .pathcond import add_output_arguments, check_output, report_and_exit, write_output
+from .pathcond import add_output_arguments, check_output, module_tree, report_and_exit, write_output
 
 HELP = "rescale a model by ENorm (minimises the l_p norm of the weights; the function is unchanged)"
 
@@ -29,8 +29,8 @@ def run(args) -> int:
         raise ArgumentError(f"p must be > 0, got {args.p}")
     check_output(args)
     cm = compile_model(args)
+    tree = module_tree(cm.model)
     report = cm.enorm(p=args.p, max_sweeps=args.max_sweeps, tol=args.tol, solver=args.solver,
                       write_back=args.output is not None, max_log_scale=args.max_log_scale,
                       progress=progress(args))
-    write_output(cm, args)
-    return report_and_exit(cm, report, args)
+    return report_and_exit(cm, report, args, write_output(cm, args, tree))

@@ -1,13 +1,14 @@
 """pathir equalize MODEL [-o OUT]: equalization for quantization (docs/math.md §12), function preserved.
 
-Same inputs and outputs as ``pathir pathcond``: a torch model is written as its state_dict (.pt), an
-ONNX model as an .onnx file; without ``-o`` only the report is printed.
+Same inputs and outputs as ``pathir pathcond``: a torch model is written as its state_dict (.pt), or
+whole (``torch.save(model)``) where the write-back replaced modules (a ReLU6 made a per-channel
+``pathir.nn.ClippedReLU``), an ONNX model as an .onnx file; without ``-o`` only the report is printed.
 """
 
 from __future__ import annotations
 
 from .common import add_model_arguments, check_output_path, compile_model, emit_json, model_info, progress
-from .pathcond import is_onnx, write_output
+from .pathcond import is_onnx, module_tree, write_output, written_line
 
 HELP = ("rescale a model so that per-tensor quantization of its weights is as fine as possible "
         "(cross-layer equalization over every unit; the function is unchanged)")
@@ -16,7 +17,8 @@ HELP = ("rescale a model so that per-tensor quantization of its weights is as fi
 def add_arguments(parser):
     add_model_arguments(parser)
     parser.add_argument("-o", "--output", default=None,
-                        help="output file: .pt state_dict (torch models) or .onnx; omit to only print the report")
+                        help="output file: .pt state_dict (torch models; the whole model where the write-back "
+                             "replaced modules) or .onnx; omit to only print the report")
     parser.add_argument("--bits", type=int, default=8, help="the weights' bit width the report measures (default 8)")
     parser.add_argument("--objective", default="noise", choices=["noise", "range", "path-metric"],
                         help="noise: the rounding noise per-tensor quantization adds to the network (default); "
@@ -35,15 +37,16 @@ def run(args) -> int:
     if args.output is not None:
         check_output_path(args.output, is_onnx(args))
     cm = compile_model(args)
+    tree = module_tree(cm.model)
     report = cm.equalize(bits=args.bits, objective=args.objective, write_back=args.output is not None,
                          max_log_scale=args.max_log_scale, progress=progress(args),
                          certify=True if args.certify else None,
                          absorb_bias=args.absorb_bias)
-    write_output(cm, args)
+    written = write_output(cm, args, tree)
     if args.json:
-        emit_json({"model": cm.name, **model_info(args), "output": args.output, **report.to_dict()})
+        emit_json({"model": cm.name, **model_info(args), "output": args.output, **written, **report.to_dict()})
     else:
         print(report)
         if args.output is not None:
-            print(f"written to {args.output}")
+            print(written_line(args, written))
     return 0

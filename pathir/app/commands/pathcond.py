@@ -1,8 +1,10 @@
 """pathir pathcond MODEL [-o OUT]: PathCond rescaling (docs/math.md §7), function preserved.
 
 A torch model (torchvision name or ``module:factory``) is written as its
-state_dict (.pt), loadable into a fresh instance of the model; an ONNX model
-as an .onnx file. Without ``-o`` only the report is printed. The output is
+state_dict (.pt), loadable into a fresh instance of the model; where the write-back
+replaced modules (a clipped ReLU made per-channel), a state_dict would not load into a
+fresh instance, so the whole model is saved instead (``torch.save(model)``), which the
+output line and the JSON's ``output_format`` say; an ONNX model as an .onnx file. Without ``-o`` only the report is printed. The output is
 written through a temporary file beside it: nothing is left behind on failure.
 """
 
@@ -10,14 +12,24 @@ from __future__ import annotations
 
 from pathir.errors import PathirError
 
-from .common import add_model_arguments, check_output_path, compile_model, emit_json, model_info, progress, save_state_dict
+from .common import (
+    add_model_arguments,
+    check_output_path,
+    compile_model,
+    emit_json,
+    model_info,
+    progress,
+    save_module,
+    save_state_dict,
+)
 
 HELP = "rescale a model by PathCond (balances diag G; the function is unchanged)"
 
 
 def add_output_arguments(parser) -> None:
     parser.add_argument("-o", "--output", default=None,
-                        help="output file: .pt state_dict (torch models) or .onnx; omit to only print the report")
+                        help="output file: .pt state_dict (torch models; the whole model where the write-back "
+                             "replaced modules) or .onnx; omit to only print the report")
     parser.add_argument("--max-sweeps", type=int, default=1000, help="sweeps of the solver at most")
     parser.add_argument("--tol", type=float, default=1e-10,
                         help="stop when a sweep changes F by at most tol*max(1,|F|)")
@@ -34,17 +46,46 @@ def add_arguments(parser):
                         help="bound on every |z_h| (inf: none); default: the largest the model's dtype holds")
 
 
-def write_output(cm, args) -> None:
-    """Write the rescaled model to ``args.output`` (checked before any work by ``check_output``)."""
+def module_tree(model) -> tuple | None:
+    """Every (path, class) of the model's module tree, under every name: a fresh instance has the tree the
+    model had before the command (None for a model that is not a torch module)."""
+    if not hasattr(model, "named_modules"):
+        return None
+    return tuple((path, type(m)) for path, m in model.named_modules(remove_duplicate=False))
+
+
+def write_output(cm, args, tree) -> dict:
+    """Write the rescaled model to ``args.output`` (checked before any work by ``check_output``) and
+    return what the report says of it: ``{"output_format": "state_dict" | "module" | "onnx" | None,
+    "replaced_modules": [...]}``. ``tree``: :func:`module_tree` of the model before the rescaling; where
+    the write-back replaced modules it differs, a state_dict would not load into a fresh instance, and the
+    whole model is saved (``torch.save(model)``)."""
 
     if args.output is None:
-        return
+        return {"output_format": None, "replaced_modules": []}
     if is_onnx(args):
         cm.save(args.output)
-    elif cm.model is not None and hasattr(cm.model, "state_dict"):
-        save_state_dict(cm.model, args.output)
-    else:
+        return {"output_format": "onnx", "replaced_modules": []}
+    if cm.model is None or not hasattr(cm.model, "state_dict"):
         raise PathirError(f"cannot write a model of type {type(cm.model).__name__}")
+    if module_tree(cm.model) == tree:
+        save_state_dict(cm.model, args.output)
+        return {"output_format": "state_dict", "replaced_modules": []}
+    before = dict(tree)
+    replaced = sorted({path for path, kind in module_tree(cm.model) if before.get(path) is not kind})
+    save_module(cm.model, args.output)
+    return {"output_format": "module", "replaced_modules": replaced}
+
+
+def written_line(args, written: dict) -> str:
+    """The report's line about the output file."""
+    if written["output_format"] != "module":
+        return f"written to {args.output}"
+    where = ", ".join(f"'{p}'" for p in written["replaced_modules"])
+    return (f"written to {args.output} as the whole model (torch.save(model)), not as a state_dict: the write-back "
+            f"replaced the module(s) at {where} (a clipped ReLU made a per-channel pathir.nn.ClippedReLU), which a "
+            f"fresh instance lacks; load it with torch.load({args.output!r}, weights_only=False) (this unpickles "
+            "code: the model's own module and pathir must be importable)")
 
 
 def check_output(args) -> None:
@@ -58,24 +99,24 @@ def is_onnx(args) -> bool:
     return args.model.endswith(".onnx") or os.path.isfile(args.model)
 
 
-def report_and_exit(cm, report, args) -> int:
+def report_and_exit(cm, report, args, written: dict) -> int:
     if args.json:
-        out = {"model": cm.name, **model_info(args), "output": args.output, **report.to_dict()}
+        out = {"model": cm.name, **model_info(args), "output": args.output, **written, **report.to_dict()}
         if not args.history:
             out.pop("history", None)
         emit_json(out)
     else:
         print(report)
         if args.output is not None:
-            print(f"written to {args.output}")
+            print(written_line(args, written))
     return 0
 
 
 def run(args) -> int:
     check_output(args)
     cm = compile_model(args)
+    tree = module_tree(cm.model)
     report = cm.pathcond(solver=args.solver, max_sweeps=args.max_sweeps, tol=args.tol,
                          write_back=args.output is not None, max_log_scale=args.max_log_scale,
                          progress=progress(args))
-    write_output(cm, args)
-    return report_and_exit(cm, report, args)
+    return report_and_exit(cm, report, args, write_output(cm, args, tree))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathir.errors import ArgumentError
 
 from .common import add_model_arguments, compile_model, emit_json, model_info, progress
-from .pathcond import check_output, write_output
+from .pathcond import check_output, module_tree, write_output
 
 HELP = "prune a model by path-magnitude scores (rescaling-invariant) or by magnitude"
 
@@ -54,9 +54,10 @@ def run(args) -> int:
     amount, understood = parse_amount(args.amount)
     check_output(args)
     cm = compile_model(args)
+    tree = module_tree(cm.model)
     report = cm.prune(amount, criterion=args.criterion, scope=args.scope, include_biases=args.include_biases,
                       progress=progress(args))
-    write_output(cm, args)
+    write_output(cm, args, tree)  # pruning replaces no module: a state_dict
     if args.json:
         emit_json({"model": cm.name, **model_info(args), "output": args.output, "amount_understood": understood,
                    **report.to_dict()})
