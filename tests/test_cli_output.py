@@ -145,6 +145,28 @@ def test_outputs_follow_the_umask(umask, capsys, tmp_path):
     assert _files(tmp_path) == ["p.pt", "r.pt"]  # no temporary left
 
 
+@pytest.mark.parametrize("command", ["equalize", "pathcond", "prune"])
+def test_an_output_path_that_is_a_folder_is_one_error_line_before_any_work(command, capsys, tmp_path, monkeypatch):
+    (tmp_path / "out.pt").mkdir()
+    monkeypatch.setattr(pathir, "compile", lambda *a, **k: pytest.fail("compiled before the output path was checked"))
+    extra = ("--amount", "0.5") if command == "prune" else ()
+    code, out, err = _run(capsys, command, *TINY, *extra, "-q", "-o", "out.pt")
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines() == [f"pathir {command}: error: output path is a folder: 'out.pt' (name the file to write)"]
+    assert _files(tmp_path) == ["out.pt"] and not any((tmp_path / "out.pt").iterdir())
+
+
+def test_a_write_that_fails_is_one_error_line(capsys, tmp_path, monkeypatch):
+    from pathir.app.commands import common
+
+    def refuse(path, write):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(common, "write_atomic", refuse)
+    code, out, err = _run(capsys, "pathcond", *TINY, "-q", "-o", "r.pt")
+    assert code == 2 and err.strip().splitlines() == ["pathir pathcond: error: [Errno 13] Permission denied: 'r.pt'"]
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])

@@ -62,7 +62,7 @@ def main(argv=None) -> int:
         close_all()
         print(f"pathir {args.command}: interrupted", file=sys.stderr)
         return 130
-    except (PathirError, FileNotFoundError, ValueError) as err:
+    except (PathirError, OSError, ValueError) as err:  # OSError: a file that cannot be read or written
         close_all()  # a bar the failing call left drawn goes before the error line
         print(f"pathir {args.command}: error: {err}", file=sys.stderr)
         return 2

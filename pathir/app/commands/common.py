@@ -153,9 +153,13 @@ def check_output_path(path: str, onnx_model: bool) -> None:
     want = ".onnx" if onnx_model else ".pt"
     if not path.endswith(want) and not (not onnx_model and path.endswith(".pth")):
         raise ArgumentError(f"output for {'an ONNX' if onnx_model else 'a torch'} model must be a {want} file, got '{path}'")
+    if os.path.isdir(path):
+        raise ArgumentError(f"output path is a folder: '{path}' (name the file to write)")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"output folder does not exist: {folder}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ArgumentError(f"output folder is not writable: {folder}")
 
 
 def save_state_dict(model, path: str) -> None:
