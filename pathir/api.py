@@ -127,6 +127,13 @@ def equalize(model, input_shape: Sequence[int] | None = None, example_input=None
     if relu6 not in ("clip", "relu"):
         raise ArgumentError(f"relu6 must be 'clip' (keep clipped ReLUs, write per-channel thresholds) or 'relu' "
                             f"(replace them by ReLU first), got {relu6!r}")
+    if _is_onnx(model) and kwargs.get("write_back", True):
+        raise ArgumentError("pathir.equalize rescales a torch model in place; an ONNX model is never changed in place: "
+                            "cm = pathir.compile(model); cm.equalize(...); cm.save('equalized.onnx') (or the command "
+                            "line: pathir equalize model.onnx -o equalized.onnx)")
+    if relu6 == "relu" and not hasattr(model, "named_modules"):
+        raise ArgumentError("relu6='relu' replaces clipped ReLU modules of a torch model; this model has none to "
+                            "replace (an ONNX Clip or a Graph keeps relu6='clip')")
     if relu6 == "clip" or _is_onnx(model) or isinstance(model, Graph):
         cm = compile(model, input_shape=input_shape, example_input=example_input, progress=progress)
         return cm.equalize(bits=bits, objective=objective, inputs=_graph_inputs(cm.graph, inputs), progress=progress,

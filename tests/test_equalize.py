@@ -17,7 +17,7 @@ import pathir
 from pathir.app.cli import main
 from pathir.equalization.objective import Objective
 from pathir.equalization.tensors import quantize, quantized_params, tensor_pairs
-from pathir.errors import PathirError, UnsupportedOperation
+from pathir.errors import ArgumentError, PathirError, UnsupportedOperation
 from pathir.testing import relu_dags
 
 
@@ -443,3 +443,24 @@ def test_an_unfolded_batch_norm_bounds_only_its_own_units_and_only_downward():
     assert np.all(report.z[np.isfinite(lower)] >= lower[np.isfinite(lower)] - 1e-9)
     assert torch.all(net.bn.running_var >= 0)
     torch.testing.assert_close(net(x), before, rtol=1e-9, atol=1e-9 * float(before.abs().max()))
+
+
+def test_the_one_call_form_refuses_an_onnx_model_it_could_not_hand_back(tmp_path):
+    """An ONNX model is never changed in place: ``pathir.equalize`` on one would equalize a copy and drop
+    it, so it refuses and names the way that keeps the result; ``relu6='relu'`` (a torch module swap)
+    is refused for it too. A report without a write (``write_back=False``) is given."""
+    import onnx
+    from onnx_cases import exported
+
+    _, shape, proto = exported("mlp", "legacy")
+    path = tmp_path / "m.onnx"
+    onnx.save(proto, str(path))
+    source = path.read_bytes()
+    for model in (str(path), proto):
+        with pytest.raises(ArgumentError, match=r"cm\.save"):
+            pathir.equalize(model, progress=False)
+        with pytest.raises(ArgumentError, match="relu6='relu'"):
+            pathir.equalize(model, relu6="relu", write_back=False, progress=False)
+        report = pathir.equalize(model, write_back=False, progress=False)
+        assert not report.written and report.units_moved > 0
+    assert path.read_bytes() == source
