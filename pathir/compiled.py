@@ -252,7 +252,7 @@ class Compiled:
 
         graph = self.graph  # follows the model first
         value, grads = path_norm_and_grads(graph, q, self.get_backend(backend))
-        if self._coordinates is None:
+        if self._coordinates is None or not self._coordinates.fits():  # built again after pruning, a module replaced
             self._coordinates = Coordinates(graph, self.model, rtol=1e-12, who="path_norm(differentiable=True)")
         coords = self._coordinates
         values = coords.values(coords.read(live=True))

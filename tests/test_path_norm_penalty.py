@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from enumerated import path_factors
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -378,3 +378,209 @@ def test_train_mode_steps_move_the_running_statistics_and_the_penalty_follows():
         ref = mlp_bn_reference(model, 1.5)  # the inference network: the running statistics as they are now
         assert float(penalty()) == pytest.approx(float(ref), rel=1e-12)
         _assert_grads_close(got, _grads(model, ref))
+
+
+# ----------------------------------------------------------------------------- any representative
+
+
+def mlp_reference(net, q: float) -> torch.Tensor:
+    """‖Φ‖_q of a Sequential of Linear and ReLU layers by its path-norm network: every weight and bias
+    replaced by |w|^q, the ReLUs removed, run on the ones vector, the outputs summed."""
+    layers = [m for m in net if isinstance(m, nn.Linear)]
+    h = torch.ones(layers[0].in_features, dtype=torch.float64)
+    for m in layers:
+        h = (m.weight.abs() ** q) @ h + (0.0 if m.bias is None else m.bias.abs() ** q)
+    return h.sum() ** (1.0 / q)
+
+
+def mlp_3442(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+
+
+def unit_factors(net, log10_scales) -> dict:
+    """{param name: s} of the rescaling that multiplies hidden unit h's incoming weights and bias by
+    λ_h = 10^{log10_scales[h]} and divides its outgoing weights by λ_h (units of layer 1, then layer 2)."""
+    lam = torch.tensor([10.0**z for z in log10_scales], dtype=torch.float64)
+    l1, l2 = lam[:4], lam[4:]
+    return {"0.weight": l1[:, None].expand(4, 3), "0.bias": l1, "2.weight": l2[:, None] / l1[None, :], "2.bias": l2,
+            "4.weight": (1.0 / l2)[None, :].expand(2, 4), "4.bias": torch.ones(2, dtype=torch.float64)}
+
+
+def _assert_entries_close(got, expected, rtol=1e-9, tiny=1e-300):
+    """Every entry to ``rtol`` of itself (not of its param's largest), below ``tiny`` absolutely."""
+    for name in expected:
+        off = (got[name] - expected[name]).abs()
+        assert bool((off <= rtol * expected[name].abs() + tiny).all()), (name, got[name], expected[name])
+
+
+@settings(max_examples=40, deadline=None)
+@given(q=st.sampled_from([1.0, 1.5, 2.0, 3.0, 4.0, 7.5, 20.0, 100.0]),
+       log10_scales=st.lists(st.floats(-150, 150), min_size=8, max_size=8), seed=st.integers(0, 7))
+@example(q=3.0, log10_scales=[155.0] + [0.0] * 7, seed=0)
+@example(q=4.0, log10_scales=[110.0] + [0.0] * 7, seed=0)
+@example(q=100.0, log10_scales=[3.0] + [0.0] * 7, seed=0)
+@example(q=100.0, log10_scales=[4.0, 0.0, 0.0, 0.0, -4.0, 0.0, 0.0, 0.0], seed=0)
+@example(q=100.0, log10_scales=[0.0] * 8, seed=6)  # entries 1e-247 of their param's largest, each exact
+def test_gradient_on_a_rescaled_network_is_the_covariant_transform_of_the_unscaled_one(q, log10_scales, seed):
+    """Φ is invariant under θ ↦ s ⊙ θ (the unit rescalings), so ∇‖Φ‖_q(s ⊙ θ) = ∇‖Φ‖_q(θ) / s: compared
+    with autograd of the path-norm network of the unscaled net, entry by entry, on representatives whose
+    |θ|^q leaves float64 by far (1e150^100)."""
+    net = mlp_3442(seed)
+    ref = mlp_reference(net, q)
+    expected_at_theta = _grads(net, ref)
+    s = unit_factors(net, log10_scales)
+    with torch.no_grad():
+        for name, t in net.named_parameters():
+            t.mul_(s[name])
+    penalty = pathir.compile(net, input_shape=(3,)).path_norm(q, differentiable=True)
+    assert float(penalty) == pytest.approx(float(ref), rel=1e-10)
+    got = _grads(net, penalty)
+    _assert_entries_close(got, {n: g / s[n] for n, g in expected_at_theta.items()})
+
+
+def chain(weights):
+    """1 → 2 → 1 → 1 without biases: x ↦ u·relu(v·relu(w x)), ``weights`` = (w (2,), v (2,), u)."""
+    net = nn.Sequential(nn.Linear(1, 2, bias=False), nn.ReLU(), nn.Linear(2, 1, bias=False), nn.ReLU(),
+                        nn.Linear(1, 1, bias=False)).double()
+    with torch.no_grad():
+        for layer, w in zip((net[0], net[2], net[4]), weights):
+            layer.weight.copy_(torch.tensor(w, dtype=torch.float64).reshape(layer.weight.shape))
+    return net
+
+
+@pytest.mark.parametrize("q", [1.0, 3.0])
+def test_a_derivative_beyond_float64_is_refused_not_returned_as_zero_or_inf(q):
+    # paths w_0 v_0 u = 1e50 and w_1 v_1 u = 1e60: ∂‖Φ‖/∂w_1 ≈ |v_1 u| (the second path dominates) = 1e310
+    net = chain(([1.0, 1e-250], [1e-10, 1e250], 1e60))
+    cm = pathir.compile(net, input_shape=(1,))
+    with pytest.raises(PathirError, match="'0.weight'.*beyond float64"):
+        cm.path_norm(q, differentiable=True)
+    with torch.no_grad():  # 1e-10 of it fits: every entry exact, the small ones too
+        net[4].weight.mul_(1e-10)
+    got = _grads(net, cm.path_norm(q, differentiable=True))
+    # the same function on a representative whose |θ|^q fits float64: the second hidden unit × 1e250, the
+    # third × 1e-40; θ = θ_twin ⊙ r there, so ∇ = ∇_twin / r
+    twin = chain(([1.0, 1.0], [1e-50, 1e-40], 1e90))
+    expected = _grads(twin, mlp_reference(twin, q))
+    ratio = {n: t.detach() / dict(twin.named_parameters())[n].detach() for n, t in net.named_parameters()}
+    _assert_entries_close(got, {n: g / ratio[n] for n, g in expected.items()})
+
+
+# ----------------------------------------------------------------------------- second derivatives
+
+
+def test_a_second_derivative_is_refused_not_silently_missing_the_penalty_term():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    penalty = pathir.PathNormPenalty(net, q=2, input_shape=(3,))
+    x = torch.randn(8, 3, dtype=torch.float64)
+    loss = net(x).pow(2).mean() + penalty()
+    with pytest.raises(PathirError, match="first derivative only.*create_graph"):
+        torch.autograd.grad(loss, list(net.parameters()), create_graph=True)
+    loss = net(x).pow(2).mean() + penalty()  # a first derivative still is one
+    got = dict(zip([n for n, _ in net.named_parameters()], torch.autograd.grad(loss, list(net.parameters()))))
+    data = _grads(net, net(x).pow(2).mean())
+    pen = _grads(net, mlp_reference(net, 2.0))
+    for name in got:
+        torch.testing.assert_close(got[name], data[name] + pen[name], rtol=1e-12, atol=1e-15)
+
+
+# ----------------------------------------------------------------------------- the model restructured
+
+
+def _weight(layer):
+    """The weight a (possibly torch-pruned) layer computes with: weight_orig · weight_mask."""
+    if hasattr(layer, "weight_orig"):
+        return layer.weight_orig * layer.weight_mask
+    return layer.weight
+
+
+def clipped_reference(net, q: float) -> torch.Tensor:
+    """‖Φ‖_q of Linear → clipped ReLU (threshold t per channel) → Linear by its path-norm network
+    (docs/math.md: A = relu(x), B = relu(A − t), output A − B: the hidden channel is 2A + |t|^q)."""
+    t = net[1].threshold if hasattr(net[1], "threshold") else torch.full((4,), 6.0, dtype=torch.float64)
+    a = (_weight(net[0]).abs() ** q) @ torch.ones(3, dtype=torch.float64) + net[0].bias.abs() ** q
+    h = 2 * a + t.detach().to(torch.float64).abs() ** q
+    return ((_weight(net[2]).abs() ** q) @ h + net[2].bias.abs() ** q).sum() ** (1.0 / q)
+
+
+def pruned_reference(net, q: float) -> torch.Tensor:
+    a = (_weight(net[0]).abs() ** q) @ torch.ones(3, dtype=torch.float64) + net[0].bias.abs() ** q
+    return ((_weight(net[2]).abs() ** q) @ a + net[2].bias.abs() ** q).sum() ** (1.0 / q)
+
+
+def _check_against(net, penalty, reference, q=2.0):
+    assert float(penalty) == pytest.approx(float(reference(net, q)), rel=1e-12)
+    _assert_grads_close(_grads(net, penalty), _grads(net, reference(net, q)))
+
+
+def _two_layer_net(activation):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), activation, nn.Linear(4, 2)).double()
+
+
+def test_the_gradient_follows_pathirs_own_pruning():
+    net = _two_layer_net(nn.ReLU())
+    cm = pathir.compile(net, input_shape=(3,))
+    _check_against(net, cm.path_norm(2, differentiable=True), pruned_reference)
+    cm.prune(0.5)
+    assert hasattr(net[0], "weight_orig") or hasattr(net[2], "weight_orig")
+    _check_against(net, cm.path_norm(2, differentiable=True), pruned_reference)  # to weight_orig, through the mask
+
+
+def test_the_gradient_follows_torch_pruning():
+    net = _two_layer_net(nn.ReLU())
+    penalty = pathir.PathNormPenalty(net, q=2, input_shape=(3,))
+    _check_against(net, penalty(), pruned_reference)
+    torch.nn.utils.prune.l1_unstructured(net[2], "weight", amount=0.5)
+    _check_against(net, penalty(), pruned_reference)
+    torch.nn.utils.prune.remove(net[2], "weight")  # back to a plain weight, its zeros kept
+    _check_against(net, penalty(), pruned_reference)
+
+
+def test_the_gradient_follows_a_relu6_replaced_by_pathcond():
+    net = _two_layer_net(nn.ReLU6())
+    penalty = pathir.PathNormPenalty(net, q=2, input_shape=(3,))
+    _check_against(net, penalty(), clipped_reference)
+    penalty.compiled.pathcond()
+    assert type(net[1]).__name__ == "ClippedReLU"
+    _check_against(net, penalty(), clipped_reference)
+    assert float(penalty()) == pytest.approx(penalty.compiled.path_norm(2), rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- tied weights
+
+
+class Tied(nn.Module):
+    """Two layers sharing one weight Parameter (``b.weight is a.weight``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 2)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.c(F.relu(self.b(F.relu(self.a(x)))))
+
+
+def tied_reference(m, q: float) -> torch.Tensor:
+    p = lambda t: t.abs() ** q  # noqa: E731
+    h = p(m.a.weight) @ torch.ones(3, dtype=torch.float64) + p(m.a.bias)
+    h = p(m.b.weight) @ h + p(m.b.bias)
+    return (p(m.c.weight) @ h + p(m.c.bias)).sum() ** (1.0 / q)
+
+
+@pytest.mark.parametrize("q", [1.0, 2.0, 3.0])
+def test_a_tied_weight_gets_the_sum_over_its_uses(q):
+    torch.manual_seed(0)
+    model = Tied().double()
+    penalty = pathir.compile(model, input_shape=(3,)).path_norm(q, differentiable=True)
+    assert [n for n, _ in model.named_parameters()] == ["a.weight", "a.bias", "b.bias", "c.weight", "c.bias"]
+    _check_against(model, penalty, tied_reference, q)
+
+
+def test_a_refused_q_is_printed_as_given():
+    cm = pathir.compile(two_layer(), input_shape=(3,))
+    with pytest.raises(ArgumentError, match=r"got q=0\.999999999999:"):
+        cm.path_norm(1 - 1e-12, differentiable=True)

@@ -25,16 +25,33 @@ import torch
 from pathir.errors import PathirError
 from pathir.ir import Graph, Param, Role
 
-__all__ = ["Leaf", "ParamRecipe", "graph_recipes", "Coordinates", "value_ref", "batchnorm_of", "is_threshold"]
+__all__ = ["tensor_names", "layout", "Leaf", "ParamRecipe", "graph_recipes", "Coordinates", "value_ref", "batchnorm_of",
+           "is_threshold"]
+
+
+def tensor_names(model: torch.nn.Module) -> tuple[set, set]:
+    """(parameter names, buffer names) of ``model``, every name a tensor is reachable by: a parameter
+    shared by two modules (tied weights) is named by both, as the lowering names its uses."""
+    return ({n for n, _ in model.named_parameters(remove_duplicate=False)},
+            {n for n, _ in model.named_buffers(remove_duplicate=False)})
+
+
+def layout(model: torch.nn.Module) -> tuple:
+    """What the recipes and leaves are resolved against: every module (path, identity) and every
+    parameter and buffer name, duplicates included. Values moving leave it as it is; pruning's
+    reparametrization (weight → weight_orig, weight_mask) or a replaced module changes it."""
+    modules = tuple((n, id(m)) for n, m in model.named_modules(remove_duplicate=False))
+    params, buffers = tensor_names(model)
+    return modules, tuple(sorted(params)), tuple(sorted(buffers))
 
 
 class Leaf:
     """A model tensor by source name: the parameter to step (or None for a
-    buffer), the tensor to read (float64), a constant mask (pruned) or None."""
+    buffer), the tensor to read (float64), a constant mask (pruned) or None.
+    ``names``: ``tensor_names(model)``, if already read."""
 
-    def __init__(self, model: torch.nn.Module, name: str):
-        params = dict(model.named_parameters())
-        buffers = dict(model.named_buffers())
+    def __init__(self, model: torch.nn.Module, name: str, names: tuple[set, set] | None = None):
+        params, buffers = tensor_names(model) if names is None else names
         self.name, self.mask = name, None
         if name in params:
             self.param_name = name
@@ -83,7 +100,7 @@ def threshold_recipe(p: Param, model: torch.nn.Module) -> ParamRecipe:
     """A clipped ReLU's threshold param (−t per channel): read from its buffer, else a constant (a number
     in an nn.ReLU6 / nn.Hardtanh or a call); not a parameter, so no optimizer steps it."""
     name = next(r.name for r in p.sources if r.role is Role.CLIP_THRESHOLD)
-    if name in dict(model.named_buffers()):
+    if name in tensor_names(model)[1]:
         return ParamRecipe(p, [name], lambda t, name=name, s=p.shape: -torch.broadcast_to(t[name].reshape(-1), s))
     return ParamRecipe(p, [], lambda t, v=torch.as_tensor(p.value): v.clone())
 
@@ -146,15 +163,22 @@ class Coordinates:
     """The compiled graph as a function of the model's tensors, and diag G pulled back to them.
 
     ``values(tensors)[j]`` is ``graph.params()[j]`` computed in torch from ``tensors`` (``read()``);
-    built once per graph structure, it holds for every later value of the model's tensors."""
+    built once per graph structure, it holds for every later value of the model's tensors as long as
+    the model's ``layout`` is the one it was built on (``fits``)."""
 
     def __init__(self, graph: Graph, model: torch.nn.Module, rtol: float = 1e-6, who: str = "PathSGD"):
         self.graph, self.model = graph, model
+        self.layout = layout(model)
         self.recipes = graph_recipes(graph, model)
         names = {n for r in self.recipes for n in r.leaves}
-        self.leaves = {n: Leaf(model, n) for n in sorted(names)}
+        tensors = tensor_names(model)
+        self.leaves = {n: Leaf(model, n, tensors) for n in sorted(names)}
         with torch.no_grad():
             self.check(graph, self.values(self.read()), rtol, who)  # the recipes must rebuild the compiled graph
+
+    def fits(self) -> bool:
+        """Whether the model still has the layout the recipes and leaves were resolved against."""
+        return layout(self.model) == self.layout
 
     def read(self, live: bool = False) -> dict[str, torch.Tensor]:
         """{source name: float64 tensor}: detached copies on the CPU, or ``live`` (on the tensors'

@@ -5,15 +5,17 @@ pathir computes a quantity f of the graph's params θ_graph and its exact gradie
 torch scalar whose backward gives ∂f/∂θ_graph to the graph params computed with autograd from the
 model's live tensors (``Coordinates.values``): autograd then chains it through the batch-norm
 folding and the dtype casts to the model's own parameters, so their ``.grad`` is exactly
-∂f/∂θ_model = (∂θ_graph/∂θ_model)ᵀ ∂f/∂θ_graph. A first derivative only: a second backward
-through it is refused by torch (``once_differentiable``).
+∂f/∂θ_model = (∂θ_graph/∂θ_model)ᵀ ∂f/∂θ_graph. A first derivative only: a backward that builds a
+graph of the gradient (``create_graph=True``, for a second derivative) is refused with a PathirError,
+since the gradient given here would carry no second-order term.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from torch.autograd.function import once_differentiable
+
+from pathir.errors import PathirError
 
 __all__ = ["attach"]
 
@@ -27,8 +29,13 @@ class _GivenGradient(torch.autograd.Function):
         return value.clone()
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_output):
+        """The given gradients, constants: refused where autograd records the backward (``create_graph=True``),
+        which would differentiate them as if f had no second derivative."""
+        if torch.is_grad_enabled():  # autograd runs a backward with grad mode on only under create_graph=True
+            raise PathirError("the differentiable path-norm gives a first derivative only: a backward with "
+                              "create_graph=True (a second derivative, a gradient penalty) would silently drop its "
+                              "second-order term; take the path-norm's term out of the loss you differentiate twice")
         return (None, None, *(grad_output.to(g.device) * g for g in ctx.grads))
 
 
