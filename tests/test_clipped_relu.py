@@ -623,3 +623,73 @@ def test_mobilenet_v2_pathcond_keeps_its_function(mobilenet):
 @pytest.mark.slow
 def test_mobilenet_v2_onnx_round_trip(mobilenet):
     _check_onnx_round_trip(copy.deepcopy(mobilenet), (3, 64, 64), batch=2)
+
+
+class _ListHeld(nn.Module):
+    """A ReLU6 reached through a plain list (``registered``: also an attribute, so a submodule)."""
+
+    def __init__(self, registered: bool):
+        super().__init__()
+        act = nn.ReLU6()
+        if registered:
+            self.act = act
+        self.hidden = [act]
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 2)
+        with torch.no_grad():
+            self.a.weight.mul_(torch.logspace(-1, 1.5, 8).reshape(8, 1))
+
+    def forward(self, x):
+        return self.b(self.hidden[0](self.a(x)))
+
+
+@pytest.mark.parametrize("relu6", ["clip", "relu"])
+@pytest.mark.parametrize("registered", [True, False])
+def test_a_clipped_relu_called_through_a_plain_list_is_refused_untouched(registered, relu6):
+    """The writer replaces modules at their registered names only; one the forward reaches through a
+    plain list would keep its old threshold under the rescaled weights (the function changed by 64 %):
+    refused, with the model as it was (its tensors, its module tree, the list's module)."""
+    torch.manual_seed(0)
+    net = _ListHeld(registered)
+    held = net.hidden[0]
+    state = copy.deepcopy(net.state_dict())
+    modules = [(n, id(m)) for n, m in net.named_modules(remove_duplicate=False)]
+    with pytest.raises(PathirError, match="outside the module tree|functional call|not a registered"):
+        pathir.equalize(net, input_shape=(6,), relu6=relu6, progress=False)
+    assert net.hidden[0] is held and "forward" not in vars(held)
+    assert [(n, id(m)) for n, m in net.named_modules(remove_duplicate=False)] == modules
+    assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())
+
+
+def test_a_stateless_module_made_in_forward_is_traced_through_and_one_with_tensors_is_not_written():
+    class Made(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.b(nn.ReLU()(self.a(x)))
+
+    class Held(Made):
+        def __init__(self):
+            super().__init__()
+            self.extra = [nn.Linear(2, 2)]
+
+        def forward(self, x):
+            return self.extra[0](super().forward(x))
+
+    torch.manual_seed(0)
+    made = Made().double()
+    twin = nn.Sequential(made.a, nn.ReLU(), made.b)
+    assert pathir.compile(made, input_shape=(3,)).path_norm(1) == pytest.approx(
+        pathir.compile(twin, input_shape=(3,)).path_norm(1), rel=1e-14)
+    held = Held().double()
+    held.extra[0].double()  # (not a submodule: .double() does not reach it)
+    # its list's Linear is lowered as constants (torch.export): analysed exactly,
+    cm = pathir.compile(held, input_shape=(3,))  # but not written
+    assert cm.path_norm(1) == pytest.approx(
+        pathir.compile(nn.Sequential(held.a, nn.ReLU(), held.b, held.extra[0]), input_shape=(3,)).path_norm(1), rel=1e-14)
+    state, weight = copy.deepcopy(held.state_dict()), held.extra[0].weight.clone()
+    with pytest.raises(PathirError, match="plain list"):
+        cm.pathcond(progress=False)
+    assert all(torch.equal(state[k], v) for k, v in held.state_dict().items())
+    assert torch.equal(weight, held.extra[0].weight)

@@ -77,6 +77,10 @@ for _name, _fn in _IOPS.items():
     setattr(_InplaceProxy, _name, _make_iop(_fn))
 
 
+def _has_hooks(m: nn.Module) -> bool:
+    return bool(m._forward_pre_hooks or m._forward_hooks or m._backward_hooks or m._backward_pre_hooks)
+
+
 class InplaceTracer(torch.fx.Tracer):
     """The default fx tracer, except that ``a += b`` becomes ``operator.iadd(a, b)``, and
     ``pathir.nn.ClippedReLU`` is a leaf like a torch.nn module (its op table row lowers it)."""
@@ -84,13 +88,30 @@ class InplaceTracer(torch.fx.Tracer):
     def proxy(self, node):
         return _InplaceProxy(node, self)
 
+    def _registered(self, m) -> bool:
+        """Whether ``m`` is a submodule of the model being traced (fx names it by its path)."""
+        try:
+            self.path_of_module(m)
+        except NameError:
+            return False
+        return True
+
     def is_leaf_module(self, m, module_qualified_name):
         return isinstance(m, ClippedReLU) or super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m, forward, args, kwargs):
         """The module's call as eager PyTorch runs it: its pre-hooks on the inputs, the module, its
         forward hooks on the output, each hook traced like the forward. A hook that cannot be
-        traced is refused, naming the module."""
+        traced is refused, naming the module. A module outside the model's module tree (held in a
+        plain list or dict, or made inside forward) is traced through where it holds no tensor and no
+        hook (its ops are the function), and refused otherwise (its tensors are not the model's)."""
+        if not self._registered(m):
+            if next(m.parameters(), None) is not None or next(m.buffers(), None) is not None or _has_hooks(m):
+                raise UnsupportedOperation(
+                    f"the forward calls a {type(m).__name__} that is not a registered submodule of the model (held in "
+                    "a plain list, dict or closure, or made inside forward), and it holds tensors or hooks, which are "
+                    "not the model's: register it (nn.ModuleList, nn.ModuleDict or an attribute)")
+            return forward(*args, **kwargs)
         pre = [(k, h) for k, h in m._forward_pre_hooks.items() if _harmless_hook(m, h) is None]
         if not pre and not m._forward_hooks:
             return super().call_module(m, forward, args, kwargs)

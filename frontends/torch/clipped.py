@@ -27,7 +27,8 @@ refused before anything changes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -94,6 +95,7 @@ class ModuleSwap:
     [(parent, attribute, old module, new module)]. ``apply`` sets every new one, ``undo`` every old one."""
 
     entries: list
+    names: dict = field(default_factory=dict)  # id(old module) -> its first name in the model
 
     def apply(self) -> None:
         for parent, attr, _, new in self.entries:
@@ -103,12 +105,53 @@ class ModuleSwap:
         for parent, attr, old, _ in self.entries:
             setattr(parent, attr, old)
 
+    def check_unused(self, model: nn.Module, args: tuple) -> None:
+        """Run ``model`` once on ``args`` (eval mode, no gradients; the swap applied) with every replaced
+        module marked: PathirError naming it where the forward still calls one. Such a module is held
+        outside the module tree (a plain list, a closure), where no replacement reaches it, and would
+        keep the old behaviour (its old threshold) under the rescaled weights. The marks are removed."""
+        called, saved = [], []
+        for _, _, old, _ in self.entries:
+            if any(o is old for o, _ in saved):
+                continue
+            own = vars(old).get("forward", _NO_FORWARD)
+            saved.append((old, own))
+            bound = own if own is not _NO_FORWARD else type(old).forward.__get__(old)
+            object.__setattr__(old, "forward", partial(_marked, called, self.names.get(id(old), "?"), bound))
+        try:
+            with eval_forward(model), torch.no_grad():
+                model(*args)
+        except Exception as err:
+            raise PathirError(f"write-back refused: running the model to check that no replaced module is still "
+                              f"called failed ({type(err).__name__}: {err}); the model is untouched") from err
+        finally:
+            for old, own in saved:
+                if own is _NO_FORWARD:
+                    object.__delattr__(old, "forward")
+                else:
+                    object.__setattr__(old, "forward", own)
+        if called:
+            raise PathirError(
+                f"write-back refused: the forward still calls the module '{called[0]}' ({type(saved[0][0]).__name__}) "
+                "through a reference outside the module tree (a plain list, dict or closure), where its replacement "
+                "cannot reach; register it as a submodule (nn.ModuleList, nn.ModuleDict, an attribute). The model "
+                "is untouched")
+
+
+_NO_FORWARD = object()
+
+
+def _marked(called: list, name: str, forward, *args, **kwargs):
+    """A replaced module's forward while :meth:`ModuleSwap.check_unused` runs: noted, then run."""
+    called.append(name)
+    return forward(*args, **kwargs)
+
 
 def swap_everywhere(model: nn.Module, pairs) -> ModuleSwap:
     """The swap of each (old, new) of ``pairs`` at every name ``old`` has in ``model``, so that every call
     of ``old``, through any of its names, reaches ``new`` (one object: modules shared stay shared)."""
     new_of = {id(old): new for old, new in pairs}
-    entries = []
+    entries, names = [], {}
     for path, m in model.named_modules(remove_duplicate=False):
         if id(m) in new_of:
             if not path:
@@ -116,7 +159,8 @@ def swap_everywhere(model: nn.Module, pairs) -> ModuleSwap:
                                   "submodule only; the model is untouched")
             parent, _, attr = path.rpartition(".")
             entries.append((model.get_submodule(parent), attr, m, new_of[id(m)]))
-    return ModuleSwap(entries)
+            names.setdefault(id(m), path)
+    return ModuleSwap(entries, names)
 
 
 @dataclass
@@ -267,6 +311,7 @@ def clipped_to_relu(model: nn.Module, inputs) -> ReluSwap:
     paths, swap = relu_swap(model)
     swap.apply()
     try:
+        swap.check_unused(model, args)
         diff, rel = measure_swap(model, swap, args)
     except BaseException:
         swap.undo()

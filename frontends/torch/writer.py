@@ -41,6 +41,7 @@ from pathir.errors import PathirError
 from pathir.frontends.core.param_write import derived, per_slice_factor, refresh, weight_norm_update
 from pathir.frontends.core.write_rules import EntryFactor, clip_threshold_names, mask_plan, source_factors
 from pathir.frontends.torch.clipped import plan_clips
+from pathir.frontends.torch.inputs import model_dtype_device
 from pathir.ir import Graph, Role
 from pathir.support.threads import one_torch_thread
 
@@ -62,6 +63,16 @@ def _with_paths(method):
             self._paths = None
 
     return wrapper
+
+
+def _probe_inputs(model, graph: Graph) -> tuple:
+    """One seeded random sample per graph input, in the model's dtype and device (batch 1)."""
+    import torch
+
+    dtype, device = model_dtype_device(model)
+    gen = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(1, *graph.node(name).shape, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
+                 for name in graph.inputs)
 
 
 class TorchWriter:
@@ -108,7 +119,10 @@ class TorchWriter:
         orig = getattr(module, attr + "_orig", None)
         t = orig if isinstance(orig, torch.Tensor) else getattr(module, attr, None)
         if not isinstance(t, torch.Tensor):
-            raise PathirError(f"source tensor '{name}' not found in the model")
+            hint = (" (torch.export made it a constant: a tensor outside the model's parameters and buffers, such as "
+                    "one of a module held in a plain list; register that module to have it rescaled)"
+                    if attr.startswith("lifted_tensor") else "")
+            raise PathirError(f"source tensor '{name}' not found in the model{hint}; the model is untouched")
         return module, attr, t
 
     # ------------------------------------------------------------ rescaling
@@ -146,6 +160,8 @@ class TorchWriter:
             for t, new_t, _, _ in updates:
                 t.copy_(new_t)
         clips.apply()  # clipped ReLU modules whose thresholds moved: per-channel ClippedReLUs
+        if clips.replace.entries:  # (a reference outside the module tree would keep calling the old one)
+            clips.replace.check_unused(self.model, _probe_inputs(self.model, graph))
         for _, _, module, attr in updates:
             _refresh_pruned(module, attr)
             _refresh_derived(module, attr)
@@ -222,6 +238,8 @@ class TorchWriter:
                 d = derived(module, attr, ref.name)
                 if d is not None and d.kind == "refused":
                     raise PathirError(d.why)
+                if d is None:
+                    self._tensor(ref.name)  # a tensor the model holds (not a constant export lifted)
 
     def _updates(self, name, sides):
         """[(stored tensor, its new value, module, attribute)] for source tensor ``name``;
