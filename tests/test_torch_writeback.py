@@ -268,3 +268,27 @@ def test_a_variance_eps_would_swallow_is_refused_and_the_model_untouched(dtype):
         before = model(x)
         cm.commit_rescaling(np.full(len(cm.units), -2.0))  # a moderate rescaling is still written
         assert torch.allclose(model(x), before, rtol=1e-4 if dtype == torch.float32 else 1e-10, atol=1e-5)
+
+
+def test_pruning_a_tied_weight_is_refused_untouched():
+    """One Parameter under two module names: pathir scores and masks each use on its own, so a prune
+    would zero the two uses differently (the model no longer the original with the reported entries
+    zeroed in one tensor): refused, nothing written."""
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.c = torch.nn.Linear(3, 3, bias=False), torch.nn.Linear(3, 3, bias=False)
+            self.c.weight = self.a.weight
+            self.b = torch.nn.Linear(3, 1, bias=False)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.c(torch.relu(self.a(x)))))
+
+    torch.manual_seed(0)
+    model = Tied().double()
+    state = copy.deepcopy(model.state_dict())
+    with pytest.raises(PathirError, match="tied weights"):
+        pathir.compile(model, input_shape=(3,)).prune(0.5)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert model.a.weight is model.c.weight and not list(model.named_buffers())

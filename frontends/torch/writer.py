@@ -41,6 +41,7 @@ from pathir.errors import PathirError
 from pathir.frontends.core.param_write import derived, per_slice_factor, refresh, weight_norm_update
 from pathir.frontends.core.write_rules import EntryFactor, clip_threshold_names, mask_plan, source_factors
 from pathir.frontends.torch.clipped import plan_clips
+from pathir.frontends.torch.function_kept import Probe
 from pathir.frontends.torch.inputs import model_dtype_device
 from pathir.ir import Graph, Role
 from pathir.support.threads import one_torch_thread
@@ -138,6 +139,7 @@ class TorchWriter:
         import torch
 
         self.check_rescalable(graph)
+        probe = Probe(self.model, graph, self.train_paths)  # the function before the write, checked after it
         # each tensor's factors are computed when it is reached and dropped once its new value is
         # (lazy: a large layer's factor is applied a block of rows at a time, never held whole)
         by_tensor = source_factors(graph, log_scales, lazy=True)
@@ -165,6 +167,7 @@ class TorchWriter:
         for _, _, module, attr in updates:
             _refresh_pruned(module, attr)
             _refresh_derived(module, attr)
+        probe.check()
 
     @_with_paths
     def shift_biases(self, graph: Graph, shifts: Mapping[str, np.ndarray]) -> None:
@@ -323,7 +326,7 @@ class TorchWriter:
         import torch
         from torch.nn.utils import prune
 
-        plan, targets = [], set()
+        plan, targets, tensors = [], set(), {}
         for p, m, ref in mask_plan(graph, masks):
             m = ref.to_source(m)
             module, attr = self._locate(ref.name)
@@ -337,8 +340,15 @@ class TorchWriter:
                 raise PathirError(f"mask for '{p.name}' has {m.size} entries, tensor '{ref.name}' {t.numel()}")
             if (id(module), attr) in targets:
                 raise PathirError(f"two masks for the tensor '{ref.name}'")
+            if id(t) in tensors:  # one tensor under two names: each use was scored and masked on its own
+                raise PathirError(
+                    f"'{tensors[id(t)]}' and '{ref.name}' are one tensor (tied weights): pathir scores and masks each "
+                    "use apart, which would prune the two uses differently; pruning tied weights is not offered. "
+                    "The model is untouched")
             targets.add((id(module), attr))
-            plan.append((module, attr, torch.as_tensor(m.reshape(tuple(t.shape)), device=t.device)))
+            tensors[id(t)] = ref.name
+            # (a copy: a transposed convolution's mask is a flipped view, which torch cannot take)
+            plan.append((module, attr, torch.as_tensor(np.ascontiguousarray(m.reshape(tuple(t.shape))), device=t.device)))
         for module, attr, mask in plan:
             prune.custom_from_mask(module, name=attr, mask=mask)
 

@@ -1,0 +1,118 @@
+"""A rescaling written into a torch model keeps its function, checked on a probe after the write.
+
+Each model here reads a tensor the writer rescales somewhere pathir's graph does not see it: running
+statistics shared by a folded and a kept batch-norm (one buffer, or a shallow copy of the module), a
+kept batch-norm's running variance also used as a constant factor, a clip threshold buffer also
+multiplied in. The write rules alone changed the output by 1-44 %; every write is now refused with the
+model untouched. Also: a transposed convolution's flipped mask prunes (was a torch ValueError)."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import pathir
+from pathir.errors import PathirError
+
+
+class _SharedStats(nn.Module):
+    """``bn`` folded into ``c1``; ``bn2`` (after a ReLU) kept; one running statistic is one buffer."""
+
+    def __init__(self, shared: str):
+        super().__init__()
+        self.c1, self.bn = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.c2, self.bn2 = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 2)
+        if shared == "module":
+            self.bn2 = copy.copy(self.bn)  # a second module holding the same tensors
+        else:
+            setattr(self.bn2, shared, getattr(self.bn, shared))
+
+    def forward(self, x):
+        h = F.relu(self.bn(self.c1(x)))
+        return self.fc(self.bn2(F.relu(self.c2(h))).mean((2, 3)))
+
+
+class _StatsAsFactor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.bn = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.c2, self.fc = nn.Conv2d(4, 4, 3, padding=1), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.bn(F.relu(self.c1(x)))  # kept: its running statistics are rescaled
+        h = F.relu(self.c2(h)) / self.bn.running_var.sqrt().view(1, -1, 1, 1)  # and read as a constant
+        return self.fc(h.mean((2, 3)))
+
+
+class _ThresholdAsFactor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.o = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+        self.register_buffer("t", torch.tensor([0.7, 1.2, 0.9, 1.5]))
+        with torch.no_grad():
+            self.a.weight.mul_(3)
+
+    def forward(self, x):
+        h = torch.minimum(F.relu(self.a(x)), self.t)  # a clipped ReLU whose threshold buffer is rescaled
+        return self.o(F.relu(self.b(h)) * self.t)  # and read as a constant factor
+
+
+def _random_stats(net):
+    with torch.no_grad():
+        for m in net.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.weight.uniform_(0.5, 2)
+                m.bias.uniform_(-1, 1)
+                m.running_mean.uniform_(-1, 1)
+                m.running_var.uniform_(0.5, 2)
+    return net
+
+
+CASES = {
+    "running_var shared": (lambda: _random_stats(_SharedStats("running_var")), (3, 6, 6)),
+    "running_mean shared": (lambda: _random_stats(_SharedStats("running_mean")), (3, 6, 6)),
+    "a shallow copy of the batch-norm": (lambda: _random_stats(_SharedStats("module")), (3, 6, 6)),
+    "running_var read as a factor": (lambda: _random_stats(_StatsAsFactor()), (3, 6, 6)),
+    "threshold read as a factor": (_ThresholdAsFactor, (3,)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", CASES)
+def test_a_write_that_would_change_the_function_is_refused_untouched(case, dtype):
+    build, shape = CASES[case]
+    torch.manual_seed(0)
+    net = build().to(dtype).eval()
+    if case == "running_var shared":
+        net.bn2.running_var = net.bn.running_var  # .to() makes new buffers: tie them again
+    elif case == "running_mean shared":
+        net.bn2.running_mean = net.bn.running_mean
+    state = copy.deepcopy(net.state_dict())
+    x = torch.randn(8, *shape, dtype=dtype)
+    with torch.no_grad():
+        before = net(x)
+    cm = pathir.compile(net, input_shape=shape)
+    z = np.random.default_rng(0).normal(scale=2, size=len(cm.units))
+    if case == "a shallow copy of the batch-norm":  # γ, β tied too: move only the kept one's input, so
+        z = np.array([1.5 if n.startswith("c2:") else 0.0 for n in cm.units.names])  # their factors agree
+    with pytest.raises(PathirError, match="output 0 moved by"):
+        cm.commit_rescaling(z)
+    assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(net(x), before)
+
+
+def test_a_transposed_convolution_is_pruned_through_its_flipped_mask():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 1), nn.ReLU(), nn.ConvTranspose2d(4, 3, 3), nn.ReLU(), nn.Flatten(),
+                        nn.Linear(3 * 7 * 7, 2))
+    weight = net[2].weight.detach().clone()
+    report = pathir.compile(net, input_shape=(3, 5, 5)).prune(0.3)
+    zeroed = int((net[2].weight == 0).sum() - (weight == 0).sum())
+    assert report.per_tensor["2.weight"][0] == zeroed > 0
+    kept = net[2].weight != 0
+    assert torch.equal(net[2].weight[kept], weight[kept])
