@@ -28,7 +28,7 @@ import torch
 from pathir.backends.torch import TorchBackend
 from pathir.errors import SelfCheckFailed
 from pathir.frontends.onnx.load import load
-from pathir.frontends.torch.inputs import eval_forward, model_dtype_device
+from pathir.frontends.torch.inputs import eval_forward, model_dtype_device, output_tensors
 from pathir.lifting.walk import forward
 
 __all__ = ["self_check", "TOLERANCE", "BATCH"]
@@ -93,16 +93,7 @@ def _compare(cm, outs: dict, refs: list, dtype: str, where) -> None:
 # ---------------------------------------------------------------- torch
 
 
-def _tensors(out) -> list:
-    import torch
-
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)):
-        return [t for o in out for t in _tensors(o)]
-    if isinstance(out, dict):
-        return [t for o in out.values() for t in _tensors(o)]
-    return []
+_tensors = output_tensors
 
 
 def torch_inputs(cm, model):

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from pathir.errors import PathirError
-from pathir.frontends.torch.inputs import eval_forward, model_dtype_device
+from pathir.frontends.torch.inputs import eval_forward, model_dtype_device, output_tensors
 
 __all__ = ["Probe"]
 
@@ -41,7 +41,7 @@ class Probe:
     def _outputs(self) -> list[np.ndarray]:
         with eval_forward(self.model, self.train_paths), torch.no_grad():
             out = self.model(*[x.clone() for x in self.inputs])
-        return [t.detach().to("cpu", torch.float64).numpy() for t in _tensors(out)]
+        return [t.detach().to("cpu", torch.float64).numpy() for t in output_tensors(out)]
 
     def check(self) -> None:
         """PathirError where an output moved by more than the tolerance, relative to its max |value|
@@ -64,13 +64,3 @@ class Probe:
                     f"at most {self.tolerance:g} is rounding) on a random probe. A tensor the rescaling changes is "
                     "also read where pathir's graph does not see it (a running statistic or a threshold buffer used as "
                     "a constant elsewhere, one shared by two batch-norms); the model is untouched")
-
-
-def _tensors(out) -> list:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)):
-        return [t for o in out for t in _tensors(o)]
-    if isinstance(out, dict):
-        return [t for o in out.values() for t in _tensors(o)]
-    return []

@@ -27,7 +27,8 @@ import torch.nn as nn
 
 from pathir.errors import InputShapeError, PathirError
 
-__all__ = ["input_shapes", "check_model", "warn_train_batchnorm", "explain", "model_dtype_device", "eval_forward", "hook_attrs"]
+__all__ = ["input_shapes", "check_model", "warn_train_batchnorm", "explain", "model_dtype_device", "eval_forward", "hook_attrs",
+           "output_tensors"]
 
 _FORM = "input_shape is one sample's shape without the batch axis, e.g. (3, 224, 224) or (784,)"
 
@@ -143,3 +144,17 @@ def hook_attrs(module) -> list[str]:
         if isinstance(name, str):
             names.append(name)
     return names
+
+
+def output_tensors(out) -> list:
+    """The tensors of a model's output, in order: a tensor, or tuples, lists and dicts of them (other
+    values skipped)."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in output_tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in output_tensors(o)]
+    return []
