@@ -178,3 +178,136 @@ def test_clear_errors():
     net[0].weight.data.mul_(2)  # the model moved away from the compiled graph, unseen by autograd's versions
     with pytest.raises(PathirError, match="cannot rebuild param '0.weight'"):
         PathSGD(net.parameters(), compiled=cm)
+
+
+# ------------------------------------------------------------ following the model after construction
+
+
+def brute_force_g(phi, tensors):
+    """g = Σ_p (∂Φ_p/∂θ)² for each tensor, by autograd on every enumerated path (float64)."""
+    jac = torch.autograd.functional.jacobian(phi, tuple(t.detach().clone() for t in tensors))
+    return [(J**2).sum(dim=0) for J in jac]
+
+
+def mlp2_phi(W1, b1, W2, b2):
+    """Φ of Linear -> ReLU -> Linear, path by path."""
+    return torch.cat([(W2[:, :, None] * W1[None]).reshape(-1), (W2 * b1[None]).reshape(-1), b2])
+
+
+@pytest.mark.parametrize("how", ["cm.prune", "torch.nn.utils.prune"])
+def test_follows_pruning_done_after_construction(how):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2)).double()
+    cm = pathir.compile(net, input_shape=(3,))
+    opt = PathSGD(net.parameters(), compiled=cm, lr=0.1)
+    opt.refresh()
+    if how == "cm.prune":
+        cm.prune(0.5)
+    else:
+        torch.nn.utils.prune.l1_unstructured(net[0], "weight", amount=0.4)
+    masks = [getattr(net[i], "weight_mask", torch.ones_like(net[i].weight)).clone() for i in (0, 2)]
+    assert (masks[0] == 0).any()
+    x, y = batches((3,), n=1)[0]
+    for _ in range(3):
+        before = {n: p.detach().clone() for n, p in net.named_parameters()}
+        opt.zero_grad()
+        ((net(x) - y) ** 2).mean().backward()
+        grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+        opt.step()
+        # the definition in the coordinates of weight_orig (its mask a constant factor), at the point stepped from
+        names = ("0.weight_orig", "0.bias", "2.weight_orig" if "2.weight_orig" in before else "2.weight", "2.bias")
+        g = brute_force_g(lambda W1, b1, W2, b2: mlp2_phi(W1 * masks[0], b1, W2 * masks[1], b2), [before[n] for n in names])
+        for name, gd in zip(names, g):
+            np.testing.assert_allclose(opt.diag_g()[name].numpy(), gd.numpy(), rtol=1e-10)
+            step = torch.where(gd > 0, grads[name] / torch.where(gd > 0, gd, 1.0), 0.0)
+            torch.testing.assert_close(net.get_parameter(name).detach(), before[name] - 0.1 * step, rtol=1e-12, atol=1e-15)
+        assert torch.all(net[0].weight[masks[0] == 0] == 0) and torch.all(net[2].weight[masks[1] == 0] == 0)
+
+
+def clipped_phi(W1, b1, t, W2, b2, W3, b3):
+    """Φ of Linear -> min(ReLU, t) -> Linear -> ReLU -> Linear, with the clipped unit as its three neurons
+    (docs/math.md §1): A = ReLU(W1 x + b1), B = ReLU(A − t), C = A − B; a path through x or b1 reaches C
+    through A (+1) and through A then B (−1), the bias −t of B through B (−1)."""
+    V = W3[:, :, None] * W2[None]  # out k <- hidden m <- clipped h
+    into_c = torch.cat([W1, -W1, b1[:, None], -b1[:, None], t[:, None]], dim=1)  # every path segment ending at C_h
+    return torch.cat([(V[:, :, :, None] * into_c[None, None]).reshape(-1), (W3 * b2[None]).reshape(-1), b3])
+
+
+def test_follows_a_clipped_relu_made_per_channel_by_pathcond():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU6(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    with torch.no_grad():
+        net[0].weight.mul_(torch.tensor([5.0, 0.2, 3.0, 0.1])[:, None])
+    cm = pathir.compile(net, input_shape=(3,))
+    opt = PathSGD(net.parameters(), compiled=cm, lr=0.01)
+    opt.refresh()
+    cm.pathcond()
+    assert isinstance(net[1], pathir.nn.ClippedReLU) and len(set(net[1].threshold.flatten().tolist())) == 4
+    opt.refresh()
+    tensors = (net[0].weight, net[0].bias, net[2].weight, net[2].bias, net[4].weight, net[4].bias)
+    g = brute_force_g(lambda W1, b1, W2, b2, W3, b3: clipped_phi(W1, b1, net[1].threshold.flatten(), W2, b2, W3, b3),
+                      tensors)
+    for name, gd in zip(("0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"), g):
+        np.testing.assert_allclose(opt.diag_g()[name].numpy(), gd.numpy(), rtol=1e-10)
+
+
+# ------------------------------------------------------------ tied weights
+
+
+class TiedInSeries(nn.Module):
+    """x -> a -> ReLU -> c -> ReLU -> b with c.weight the Parameter a.weight (or ``self.a`` called twice)."""
+
+    def __init__(self, call_twice: bool = False):
+        super().__init__()
+        self.call_twice = call_twice
+        self.a, self.b = nn.Linear(2, 2, bias=False), nn.Linear(2, 1, bias=False)
+        if not call_twice:
+            self.c = nn.Linear(2, 2, bias=False)
+            self.c.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(torch.relu((self.a if self.call_twice else self.c)(torch.relu(self.a(x)))))
+
+
+@pytest.mark.parametrize("call_twice", [False, True], ids=["tied-attribute", "called-twice"])
+def test_a_parameter_read_twice_along_one_path_is_refused(call_twice):
+    torch.manual_seed(0)
+    net = TiedInSeries(call_twice).double()
+    cm = pathir.compile(net, input_shape=(2,))
+    with pytest.raises(PathirError, match=r"parameter 'a\.weight' is read at two places one path crosses in turn"):
+        PathSGD(net.parameters(), compiled=cm)
+    # without it, b's diag G is the definition's: Φ_(j,h,k) = B[k] A[k,h] A[h,j], the tied A a repeated factor
+    opt = PathSGD([net.b.weight], compiled=cm)
+    opt.refresh()
+    A, B = net.a.weight.detach(), net.b.weight.detach()
+    (g,) = brute_force_g(lambda B: torch.stack([B[0, k] * A[k, h] * A[h, j] for j, h, k in np.ndindex(2, 2, 2)]), (B,))
+    np.testing.assert_allclose(opt.diag_g()["b.weight"].numpy(), g.numpy(), rtol=1e-12)
+
+
+class TiedInParallel(nn.Module):
+    """Two branches x -> a -> ReLU -> b and x -> c -> ReLU -> d summed, c's weight and bias a's Parameters
+    (or ``self.a`` called on both): no path crosses both uses."""
+
+    def __init__(self, call_twice: bool = False):
+        super().__init__()
+        self.call_twice = call_twice
+        self.a, self.b, self.d = nn.Linear(3, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+        if not call_twice:
+            self.c = nn.Linear(3, 4)
+            self.c.weight, self.c.bias = self.a.weight, self.a.bias
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))) + self.d(torch.relu((self.a if self.call_twice else self.c)(x)))
+
+
+@pytest.mark.parametrize("call_twice", [False, True], ids=["tied-attribute", "called-twice"])
+def test_a_parameter_used_on_parallel_branches_sums_its_uses_exactly(call_twice):
+    torch.manual_seed(0)
+    net = TiedInParallel(call_twice).double()
+    opt = PathSGD(net.parameters(), compiled=pathir.compile(net, input_shape=(3,)))
+    opt.refresh()
+    tensors = (net.a.weight, net.a.bias, net.b.weight, net.b.bias, net.d.weight, net.d.bias)
+    g = brute_force_g(lambda W, c, B, bb, D, db: torch.cat([mlp2_phi(W, c, B, bb), mlp2_phi(W, c, D, db)]), tensors)
+    assert opt.diag_g().keys() == {"a.weight", "a.bias", "b.weight", "b.bias", "d.weight", "d.bias"}
+    for name, gd in zip(("a.weight", "a.bias", "b.weight", "b.bias", "d.weight", "d.bias"), g):
+        np.testing.assert_allclose(opt.diag_g()[name].numpy(), gd.numpy(), rtol=1e-12)

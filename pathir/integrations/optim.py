@@ -26,11 +26,23 @@ the function input-dependent, but rescalings still act on it the same way
 (written onto γ and β), so the equivariance above still holds.
 A pruned parameter (``torch.nn.utils.prune``) is stepped through its
 ``weight_orig``; its mask is a constant factor. The graph as a function of the
-model's tensors is ``pathir.frontends.torch.coordinates``.
+model's tensors is ``pathir.frontends.torch.coordinates``; it is resolved again
+from the Compiled (which follows the model, docs/live.md) whenever the model's
+layout moves: pruning after construction, a ``pathcond`` that made a clipped
+ReLU per-channel (its threshold then read from its buffer), a Parameter tied
+or replaced.
+
+Tied parameters. A Parameter read at several places (tied between modules, a
+module called twice) gets the sum over its uses, g_i = Σ_uses Σ_{p ∋ use}
+(Φ_p/θ_i)², which is diag(Jᵀ G J) exactly when no path crosses two of its
+uses. Where one can (uses in series), an entry may be a repeated factor of Φ_p
+and diag(Jᵀ G J) has cross terms between the uses (a path crossing θ_i twice
+contributes (2Φ_p/θ_i)², not 2(Φ_p/θ_i)²): PathSGD refuses such a parameter.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -43,6 +55,70 @@ from pathir.lifting.diag_g import diag_g_log_parts
 __all__ = ["PathSGD"]
 
 _LOG_MAX = math.log(np.finfo(np.float64).max)
+
+
+def _names_of(model: torch.nn.Module) -> dict[int, tuple[str, ...]]:
+    """{id(parameter): every name it is reachable by, first as ``named_parameters()`` gives it}:
+    a parameter tied between modules has one name per module holding it."""
+    out: dict[int, tuple[str, ...]] = {}
+    for name, t in model.named_parameters(remove_duplicate=False):
+        out[id(t)] = out.get(id(t), ()) + (name,)
+    return out
+
+
+def _identity(model: torch.nn.Module) -> tuple:
+    """Which Parameter each parameter name holds: moves when one is replaced, tied or untied."""
+    return tuple((name, id(t)) for name, t in model.named_parameters(remove_duplicate=False))
+
+
+def _sites(coords: Coordinates) -> dict[int, set]:
+    """{id(model parameter): {(tail, head)}}: every place the graph reads the parameter, an edge
+    tail → head for a weight, (None, head) for a bias (where its paths start)."""
+    reads: dict[int, set] = {}
+    for r in coords.recipes:
+        for name in r.leaves:
+            leaf = coords.leaves[name]
+            if leaf.param_name:
+                reads.setdefault(id(r.param), set()).add(id(coords.model.get_parameter(leaf.param_name)))
+    sites: dict[int, set] = {}
+    for node in coords.graph.nodes:
+        for tail, p in [(e.source, e.map.weight) for e in node.edges] + [(None, node.bias)]:
+            for t in reads.get(id(p), ()) if p is not None else ():
+                sites.setdefault(t, set()).add((tail, node.name))
+    return sites
+
+
+def _reaches(graph, a: str, b: str, memo: dict) -> bool:
+    """Whether node ``b`` is ``a`` or one of its descendants (``memo``: {node: its descendants})."""
+    if a not in memo:
+        seen, todo = set(), [a]
+        while todo:
+            for node, _ in graph.consumers.get(todo.pop(), ()):
+                if node.name not in seen:
+                    seen.add(node.name)
+                    todo.append(node.name)
+        memo[a] = seen
+    return a == b or b in memo[a]
+
+
+def _refuse_uses_in_series(coords: Coordinates, names: dict, stepped: list) -> None:
+    """PathirError naming a parameter of ``stepped`` that one path can read twice: a use whose head
+    reaches another's tail (a weight tied across depth, a layer called twice in series). There the
+    same entry can be a repeated factor of Φ_p, and diag(Jᵀ G J) has cross terms between the uses
+    (∂Φ_p/∂θ_i = 2Φ_p/θ_i for a path crossing θ_i twice) that summing diag G over the uses omits.
+    Uses in parallel (entering one node, or on branches no path crosses in turn) share no path."""
+    sites, memo = _sites(coords), {}
+    for p in stepped:
+        uses = sorted(sites.get(id(p), ()), key=str)
+        for (_, head), (tail, later) in itertools.permutations(uses, 2):
+            if tail is not None and _reaches(coords.graph, head, tail, memo):
+                raise PathirError(
+                    f"PathSGD: parameter '{names[id(p)][0]}' is read at two places one path crosses in turn "
+                    f"(into node '{head}', then into node '{later}'): a weight tied across depth or a layer called "
+                    "twice in series. Its diag G in the model's coordinates then has cross terms between the uses, "
+                    "which PathSGD does not compute: untie it (one Parameter per use), or step it with another "
+                    "optimizer (leave it out of PathSGD's params)"
+                )
 
 
 class PathSGD(torch.optim.Optimizer):
@@ -102,22 +178,44 @@ class PathSGD(torch.optim.Optimizer):
             )
         super().__init__(params, dict(lr=lr, momentum=momentum))
         self.compiled, self.k, self.backend = compiled, int(k), backend
-        self._coords = Coordinates(compiled.graph, model)
-        self._names = {id(t): n for n, t in model.named_parameters()}
-        reached = {leaf.param_name for leaf in self._coords.leaves.values() if leaf.param_name}
-        for group in self.param_groups:
-            for p in group["params"]:
-                name = self._names.get(id(p))
-                if name is None:
-                    raise PathirError("PathSGD: a parameter given is not a parameter of the compiled model")
-                if name not in reached:
-                    raise PathirError(f"PathSGD: parameter '{name}' takes no part in the compiled graph (no diag G)")
+        self._resolve(compiled.graph, "the compiled model")
         self._steps = 0
+
+    def _resolve(self, graph, what: str) -> None:
+        """Resolve diag G's coordinates against the model as it is now: ``_coords`` rebuilds ``graph``
+        from the model's tensors, ``_names[id(p)]`` is every name of each stepped parameter (a tied one
+        has several), ``_resolved_at`` the ``_snapshot`` both were resolved against. PathirError naming
+        a parameter that is not ``what``'s, takes no part in ``graph``, or is read twice along one path."""
+        model = self.compiled.model
+        coords = Coordinates(graph, model)
+        names = _names_of(model)
+        reached = {leaf.param_name for leaf in coords.leaves.values() if leaf.param_name}
+        stepped = [p for group in self.param_groups for p in group["params"]]
+        for p in stepped:
+            if id(p) not in names:
+                raise PathirError(f"PathSGD: a parameter given is not a parameter of {what}")
+            if reached.isdisjoint(names[id(p)]):
+                raise PathirError(f"PathSGD: parameter '{names[id(p)][0]}' takes no part in the compiled graph (no diag G)")
+        _refuse_uses_in_series(coords, names, stepped)
+        self._coords, self._names, self._resolved_at = coords, names, self._snapshot()
+
+    def _snapshot(self) -> tuple:
+        """Which Parameter each name of the model holds, and the parameters stepped."""
+        return _identity(self.compiled.model), tuple(id(p) for group in self.param_groups for p in group["params"])
+
+    def _stale(self) -> bool:
+        """Whether the model or the params moved away from what ``_resolve`` resolved: the model's layout
+        (pruning's reparametrization, a module replaced by a write-back), which Parameter a name holds,
+        a param group added."""
+        return not self._coords.fits() or self._snapshot() != self._resolved_at
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Recompute diag G from the model's current parameters (``step`` does it every k steps)."""
+        """Recompute diag G from the model's current parameters (``step`` does it every k steps, and
+        whenever the model's layout changed: its coordinates are then resolved again)."""
 
+        if self._stale():
+            self._resolve(self.compiled.graph, "the model")  # the Compiled follows the model (docs/live.md)
         tensors = self._coords.read()
         graph = self._coords.current_graph(tensors)
         parts = diag_g_log_parts(graph, self.compiled.get_backend(self.backend))
@@ -129,12 +227,13 @@ class PathSGD(torch.optim.Optimizer):
             g = self._coords.pull_back(tensors, scaled)
         for group in self.param_groups:
             for p in group["params"]:
-                gp = g[self._names[id(p)]] * math.exp(top) if top > -math.inf else g[self._names[id(p)]] * 0
+                gp = sum(g[n] for n in self._names[id(p)] if n in g)  # a tied parameter: the sum over its uses
+                gp = gp * math.exp(top) if top > -math.inf else gp * 0
                 self.state[p]["g"] = gp.reshape(p.shape).to(p.device)
 
     def diag_g(self) -> dict[str, torch.Tensor]:
         """{model parameter name: the diag G in use} (float64, the parameter's shape)."""
-        return {self._names[id(p)]: self.state[p]["g"] for g in self.param_groups for p in g["params"] if "g" in self.state[p]}
+        return {self._names[id(p)][0]: self.state[p]["g"] for g in self.param_groups for p in g["params"] if "g" in self.state[p]}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -142,7 +241,7 @@ class PathSGD(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._steps % self.k == 0 or any("g" not in self.state[p] for g in self.param_groups for p in g["params"]):
+        if self._steps % self.k == 0 or self._stale() or any("g" not in self.state[p] for g in self.param_groups for p in g["params"]):
             self.refresh()
         for group in self.param_groups:
             lr, momentum = group["lr"], group["momentum"]
