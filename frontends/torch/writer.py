@@ -99,6 +99,7 @@ class TorchWriter:
         self.why_not = why_not  # why the heads forward could not be lowered ("" if not tried or lowered)
         self.clips = dict(clips or {})  # threshold param -> ClipSite (frontends/torch/clipped.py)
         self._paths = None  # path -> module while one public call runs (`_with_paths`)
+        self._written = None  # the probe of the last rescale, until check_written() reads it
 
     # ------------------------------------------------------------ helpers
     def _locate(self, name: str):
@@ -139,7 +140,7 @@ class TorchWriter:
         import torch
 
         self.check_rescalable(graph)
-        probe = Probe(self.model, graph, self.train_paths)  # the function before the write, checked after it
+        probe = Probe(self.model, graph, self.train_paths)  # the function before the write: check_written()
         # each tensor's factors are computed when it is reached and dropped once its new value is
         # (lazy: a large layer's factor is applied a block of rows at a time, never held whole)
         by_tensor = source_factors(graph, log_scales, lazy=True)
@@ -167,7 +168,15 @@ class TorchWriter:
         for _, _, module, attr in updates:
             _refresh_pruned(module, attr)
             _refresh_derived(module, attr)
-        probe.check()
+        self._written = probe
+
+    def check_written(self) -> None:
+        """Refuse (PathirError) the last :meth:`rescale` if the model's function moved on its probe
+        (``pathir.frontends.torch.function_kept``); ``commit_rescaling`` calls it after the dtype range
+        check and before any bias absorption, inside the transaction that puts the model back."""
+        probe, self._written = self._written, None
+        if probe is not None:
+            probe.check()
 
     @_with_paths
     def shift_biases(self, graph: Graph, shifts: Mapping[str, np.ndarray]) -> None:

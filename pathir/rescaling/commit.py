@@ -88,8 +88,12 @@ def commit_rescaling(graph: Graph, units, z, model=None, writer=None, optimizer=
         transport = None if optimizer is None else plan_transport(optimizer, writer.param_factors(graph, scales))
         state = writer.snapshot() if hasattr(writer, "snapshot") else None  # a writer that swaps whole models
         try:
-            with _transaction(model, float(np.max(np.abs(z), initial=0.0))):
+            with _transaction(model, float(np.max(np.abs(z), initial=0.0))) as check_values:
                 writer.rescale(graph, scales)
+                check_values()  # the dtype's range first: its refusal names the tensor and the bound
+                check_written = getattr(writer, "check_written", None)
+                if check_written is not None:  # then the function, before a bias absorption changes it on purpose
+                    check_written()
                 if bias_shifts:
                     writer.shift_biases(graph, bias_shifts)  # (names and sources: the same in both)
                 if transport is not None:
@@ -162,9 +166,10 @@ def _refuse_train_mode_statistics(model, graph, scales) -> None:
 
 @contextlib.contextmanager
 def _transaction(model, max_abs_z: float):
-    """Snapshot a torch model's tensors; restore them if the block fails or broke a value."""
+    """Snapshot a torch model's tensors; restore them if the block fails or broke a value. Yields the
+    range check, for the block to run early (it runs again at the end)."""
     if not hasattr(model, "named_modules"):
-        yield
+        yield lambda: None
         return
     import torch
 
@@ -178,7 +183,7 @@ def _transaction(model, max_abs_z: float):
         for name in _pruned_attributes(module):
             saved.append((module, "attr", name, f"{prefix}.{name}".lstrip("."), getattr(module, name), None))
     try:
-        yield
+        yield lambda: _check_values(saved, max_abs_z)
         _check_values(saved, max_abs_z)
     except BaseException:
         for module, kids in children:
