@@ -1,9 +1,10 @@
 """ONNX Resize and the legacy Upsample, lowered to a ``Resample`` (one matrix per spatial axis).
 
-The coefficients of each axis are read off the op itself
-(onnx's reference evaluator) on one-hot inputs along that axis, constant along the
-others, so every mode and coordinate transform is the op's own, and the op is
-checked to act axis by axis. Refused, naming what: a region of interest
+The coefficients of each axis are read off the op itself on one-hot inputs along that axis,
+constant along the others, so every mode and coordinate transform is the op's own, and the op is
+checked to act axis by axis: as onnxruntime runs it (where the two differ, onnxruntime is what the
+model runs on: a scale whose output length is not whole, align_corners by scale), or onnx's reference
+evaluator where onnxruntime is missing or cannot run the node alone. Refused, naming what: a region of interest
 (tf_crop_and_resize), coordinate transforms other than half_pixel, align_corners,
 asymmetric and pytorch_half_pixel, cubic with exclude_outside, antialias,
 keep_aspect_ratio_policy, and any scaling of the batch or channel axes. ``axes`` (opset 18): the
@@ -128,4 +129,31 @@ def _run_resize(low, node, ins, x, per, is_scales):
     new = list(ins)
     new[0] = x
     new[2 if is_scales else 3] = np.asarray(per, dtype=np.float32 if is_scales else np.int64)
-    return run_node(low.proto, node, new)[0]
+    ran = _onnxruntime_node(low.proto, node, new)
+    return ran if ran is not None else run_node(low.proto, node, new)[0]
+
+
+def _onnxruntime_node(proto, node, inputs: list):
+    """``node`` run by onnxruntime on ``inputs`` (its first, the one-hot basis, in float64 where
+    onnxruntime runs the op in it, else float32: a basis is exact in either): the coefficients of the op as onnxruntime runs the model, where onnx's reference
+    evaluator places samples differently (Resize by a scale whose output length is not whole, or
+    align_corners by scale). None where onnxruntime is missing or cannot run the node alone."""
+    try:
+        import onnxruntime as ort
+        from onnx import TensorProto, helper, numpy_helper
+    except ImportError:
+        return None
+    inits = [numpy_helper.from_array(np.asarray(v), name) for name, v in zip(node.input[1:], inputs[1:])
+             if name and v is not None]
+    for dtype, kind in ((np.float64, TensorProto.DOUBLE), (np.float32, TensorProto.FLOAT)):  # float64 where it runs
+        x = np.asarray(inputs[0], dtype=dtype)
+        graph = helper.make_graph([node], "resize", [helper.make_tensor_value_info(node.input[0], kind, x.shape)],
+                                  [helper.make_tensor_value_info(node.output[0], kind, None)], inits)
+        model = helper.make_model(graph, opset_imports=list(proto.opset_import))
+        model.ir_version = proto.ir_version
+        try:
+            session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+            return np.asarray(session.run(None, {node.input[0]: x})[0], dtype=np.float64)
+        except Exception:  # a type, opset or form onnxruntime cannot run alone
+            continue
+    return None  # the reference evaluator's
