@@ -11,6 +11,9 @@ and v reads u's sources directly (the onnxscript fusion rule
 W' = W * gamma / sigma, b' = (b - mu) * gamma / sigma + beta). The batch-norm's
 gamma and beta become OUT_SCALE sources of W' and b', so a rescaling of the
 unit is written back onto the batch-norm affine (exact in train and eval mode).
+Only a batch-norm's scale folds (one with OUT_SCALE sources, γ and β, that the folded weight takes
+over): a layer-scale g (x * g, a parameter of its own) stays a Scale edge, so that g stays a param
+of the graph (its diag G, its scores, its gradient) and the weight before it stays that weight.
 Where the pattern does not hold the Scale edge stays (an identity-neuron layer);
 in particular a weight or bias read by another edge too (one conv module called
 twice, each call followed by its own batch-norm) is never folded: scaling it
@@ -67,7 +70,7 @@ def fold_batchnorm(graph: Graph, arrays=None, in_place: bool = False) -> Graph:
         new_edges, bias, changed = [], v.bias, False
         for e in v.edges:
             u = nodes.get(e.source)
-            if not (e.map.kind is MapKind.SCALE and _foldable(graph, u, shared)):
+            if not (e.map.kind is MapKind.SCALE and _out_scale_refs(e.map.W) and _foldable(graph, u, shared)):
                 new_edges.append(e)
                 continue
             s, refs = e.map.W.value, _out_scale_refs(e.map.W)

@@ -110,3 +110,41 @@ def test_a_shared_batch_norm_in_an_onnx_file_is_refused_and_the_file_kept(tmp_pa
         cm.equalize(progress=False)
     assert cm.to_onnx().SerializeToString() == cm.writer.source.SerializeToString()
     assert path.read_bytes() == source
+
+
+class _LayerScale(nn.Module):
+    """``g * b(h)``: a layer-scale g, a parameter of its own, not a batch-norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(2, 3), nn.Linear(3, 2), nn.Linear(2, 1)
+        self.g = nn.Parameter(torch.tensor([0.5, -2.0]))
+
+    def forward(self, x):
+        return self.head(torch.relu(self.g * self.b(torch.relu(self.a(x)))))
+
+
+def test_a_layer_scale_stays_a_param_of_the_graph():
+    """A layer-scale's Scale edge is not folded as a batch-norm's is (it has no γ, β to take the unit's
+    factor): folded, g vanished from the graph, diag_g['b.weight'] was G of g·W, and the differentiable
+    path-norm refused the model as 'changed after compiling'. diag G against its definition,
+    G_ii = ∂(Σ_p Π θ²)/∂θ_i² (autograd on the squared parameters)."""
+    torch.manual_seed(0)
+    net = _LayerScale().double()
+    cm = pathir.compile(net, input_shape=(2,))
+    squares = {k: (p.detach() ** 2).requires_grad_(True) for k, p in net.named_parameters()}
+    v = squares["a.weight"] @ torch.ones(2, dtype=torch.float64) + squares["a.bias"]
+    v = squares["g"] * (squares["b.weight"] @ v + squares["b.bias"])
+    (squares["head.weight"] @ v + squares["head.bias"]).sum().backward()
+    g = cm.diag_g()
+    assert set(g) == set(squares)
+    for name, s in squares.items():
+        np.testing.assert_allclose(g[name], s.grad.numpy(), rtol=1e-12)
+    value = cm.path_norm(2, differentiable=True)
+    value.backward()
+    assert float(value) == pytest.approx(cm.path_norm(2), rel=1e-14)
+    assert net.g.grad is not None and torch.isfinite(net.g.grad).all()
+    x = torch.randn(6, 2, dtype=torch.float64)
+    before = net(x).detach()
+    cm.commit_rescaling(np.random.default_rng(0).normal(size=len(cm.units)))
+    assert rel(net(x).detach().numpy(), before.numpy()) < 1e-12
