@@ -140,7 +140,6 @@ class TorchWriter:
         import torch
 
         self.check_rescalable(graph)
-        probe = Probe(self.model, graph, self.train_paths)  # the function before the write: check_written()
         # each tensor's factors are computed when it is reached and dropped once its new value is
         # (lazy: a large layer's factor is applied a block of rows at a time, never held whole)
         by_tensor = source_factors(graph, log_scales, lazy=True)
@@ -159,6 +158,11 @@ class TorchWriter:
                     continue
                 seen[id(t)] = (name, new_t)
                 updates.append((t, new_t, module, attr))
+        # the function before the write, compared after it (check_written) where the write reaches past what
+        # the graph sees: a buffer (running statistics, a threshold: a forward may read it anywhere, while a
+        # parameter read outside the graph is refused at compile) or a module replaced
+        probe = Probe(self.model, graph, self.train_paths) if clips.replace.entries or any(
+            not isinstance(t, torch.nn.Parameter) for t, _, _, _ in updates) else None
         with torch.no_grad():
             for t, new_t, _, _ in updates:
                 t.copy_(new_t)

@@ -13,8 +13,9 @@ assigned, in float64, cast back to each tensor's dtype and device):
   could not be folded into a preceding layer (exact in eval mode only);
 - refused before anything is written: a rescaled graph param that leaves the
   float64 range (a finite entry becomes inf, a nonzero one 0);
-- the torch writer runs the model on a seeded probe before and after the write and
-  fails if the function moved (``pathir.frontends.torch.function_kept``);
+- where a write reaches a buffer or replaces a module, the torch writer runs the model on a
+  seeded probe before and after it and fails if the function moved
+  (``pathir.frontends.torch.function_kept``);
 - a torch model is snapshotted before the write and restored if the writer
   fails, or if a written tensor lost an entry to its dtype's range (float16
   or bfloat16 overflow or underflow), so on any error the model is untouched
