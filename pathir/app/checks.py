@@ -226,15 +226,9 @@ def _check_write_back(cm, model, z, xs, input_shape, example_input) -> CheckResu
 
 
 def _flat(out) -> list:
-    import torch
+    from pathir.frontends.torch.inputs import output_tensors  # lazy: imports torch
 
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)):
-        return [a for o in out for a in _flat(o)]
-    if isinstance(out, dict):
-        return [a for o in out.values() for a in _flat(o)]
-    return []
+    return output_tensors(out)
 
 
 def _torch_outputs(model, xs, train=()) -> list:
