@@ -42,7 +42,6 @@ from pathir.frontends.core.param_write import derived, per_slice_factor, refresh
 from pathir.frontends.core.write_rules import EntryFactor, clip_threshold_names, mask_plan, source_factors
 from pathir.frontends.torch.clipped import plan_clips
 from pathir.frontends.torch.function_kept import Probe
-from pathir.frontends.torch.inputs import model_dtype_device
 from pathir.ir import Graph, Role
 from pathir.support.threads import one_torch_thread
 
@@ -64,16 +63,6 @@ def _with_paths(method):
             self._paths = None
 
     return wrapper
-
-
-def _probe_inputs(model, graph: Graph) -> tuple:
-    """One seeded random sample per graph input, in the model's dtype and device (batch 1)."""
-    import torch
-
-    dtype, device = model_dtype_device(model)
-    gen = torch.Generator().manual_seed(0)
-    return tuple(torch.randn(1, *graph.node(name).shape, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
-                 for name in graph.inputs)
 
 
 class TorchWriter:
@@ -168,7 +157,7 @@ class TorchWriter:
                 t.copy_(new_t)
         clips.apply()  # clipped ReLU modules whose thresholds moved: per-channel ClippedReLUs
         if clips.replace.entries:  # (a reference outside the module tree would keep calling the old one)
-            clips.replace.check_unused(self.model, _probe_inputs(self.model, graph))
+            clips.replace.check_unused(self.model, tuple(probe.inputs))
         for _, _, module, attr in updates:
             _refresh_pruned(module, attr)
             _refresh_derived(module, attr)
