@@ -117,7 +117,8 @@ class ModuleSwap:
             own = vars(old).get("forward", _NO_FORWARD)
             saved.append((old, own))
             bound = own if own is not _NO_FORWARD else type(old).forward.__get__(old)
-            object.__setattr__(old, "forward", partial(_marked, called, self.names.get(id(old), "?"), bound))
+            where = f"{self.names.get(id(old), '?')}' ({type(old).__name__}"
+            object.__setattr__(old, "forward", partial(_marked, called, where, bound))
         try:
             with eval_forward(model), torch.no_grad():
                 model(*args)
@@ -132,7 +133,7 @@ class ModuleSwap:
                     object.__setattr__(old, "forward", own)
         if called:
             raise PathirError(
-                f"write-back refused: the forward still calls the module '{called[0]}' ({type(saved[0][0]).__name__}) "
+                f"write-back refused: the forward still calls the module '{called[0]}) "
                 "through a reference outside the module tree (a plain list, dict or closure), where its replacement "
                 "cannot reach; register it as a submodule (nn.ModuleList, nn.ModuleDict, an attribute). The model "
                 "is untouched")
