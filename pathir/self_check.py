@@ -27,6 +27,7 @@ import torch
 
 from pathir.backends.torch import TorchBackend
 from pathir.errors import SelfCheckFailed
+from pathir.frontends.onnx.function_kept import probe_feeds
 from pathir.frontends.onnx.load import load
 from pathir.frontends.torch.inputs import eval_forward, model_dtype_device, output_tensors
 from pathir.lifting.walk import forward
@@ -172,9 +173,6 @@ def _first_torch(cm, model, xs, dtype: str) -> str:
 
 # ---------------------------------------------------------------- onnx
 
-_ORT_TYPES = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16}
-
-
 def _check_onnx(cm, model) -> None:
     try:
         import onnxruntime as ort
@@ -187,17 +185,10 @@ def _check_onnx(cm, model) -> None:
     except Exception as err:  # a model onnxruntime cannot run is not pathir's to judge
         warnings.warn(f"self-check skipped: onnxruntime cannot load the model ({type(err).__name__})", stacklevel=3)
         return
-    rng = np.random.default_rng(0)
-    feeds, inputs = {}, {}
-    for inp in sess.get_inputs():
-        if inp.name not in cm.graph.inputs:
-            return
-        dtype = _ORT_TYPES.get(inp.type)
-        if dtype is None:
-            return
-        batch = inp.shape[0] if isinstance(inp.shape[0], int) and inp.shape[0] > 0 else BATCH
-        x = rng.normal(size=(batch, *cm.graph.node(inp.name).shape)).astype(dtype)
-        feeds[inp.name], inputs[inp.name] = x, x.astype(np.float64)
+    feeds = probe_feeds(sess, cm.graph, batch=BATCH)
+    if feeds is None:  # an input the graph does not have, or not a float type
+        return
+    inputs = {name: x.astype(np.float64) for name, x in feeds.items()}
     refs = [np.asarray(r, dtype=np.float64) for r in sess.run(None, feeds)]
     dtype = np.dtype(next(iter(feeds.values())).dtype).name
     outs = _ir_forward(cm, inputs, dtype)

@@ -276,3 +276,32 @@ def test_an_ir3_model_takes_its_rewritten_clip_and_rebound_initializers_as_graph
     assert {t.name for t in new.graph.initializer} <= {i.name for i in new.graph.input}
     assert "Min" in {n.op_type for n in new.graph.node}
     assert rel(ort_run(new, x)[0], before) < 1e-5
+
+
+def test_a_write_that_changes_onnxruntimes_function_is_refused_and_undone(monkeypatch):
+    """The net under the ONNX write rules: a writer that got one tensor wrong (here made so on purpose)
+    is caught by onnxruntime on a probe, and the writer's model is put back."""
+    from pathir.frontends.onnx.writer import OnnxWriter
+
+    _, shape, proto = exported("residual", "legacy")
+    cm = pathir.compile(proto)
+    source = cm.to_onnx().SerializeToString()
+    right = OnnxWriter._rescaled
+    wrong = {"done": False}
+
+    def one_wrong(self, name, b, sides):
+        new = right(self, name, b, sides)
+        if b.kind == "weight" and not wrong["done"]:
+            wrong["done"] = True
+            return 2.0 * new
+        return new
+
+    monkeypatch.setattr(OnnxWriter, "_rescaled", one_wrong)
+    z, _ = _random_rescaling(cm)
+    with pytest.raises(PathirError, match="onnxruntime's output .* moved by"):
+        cm.commit_rescaling(z)
+    assert wrong["done"] and cm.to_onnx().SerializeToString() == source
+    monkeypatch.setattr(OnnxWriter, "_rescaled", right)
+    cm.commit_rescaling(z)  # the same rescaling, written right, passes
+    x = np.random.default_rng(1).normal(size=(4, *shape)).astype(np.float32)
+    assert rel(ort_run(cm.to_onnx(), x)[0], ort_run(proto, x)[0]) < 1e-5

@@ -41,6 +41,7 @@ import numpy as np
 
 from pathir.errors import PathirError
 from pathir.frontends.core.write_rules import mask_plan, source_factors
+from pathir.frontends.onnx.function_kept import check_onnx_function
 from pathir.frontends.onnx.load import skeleton
 from pathir.ir import Graph, Role
 from pathir.support.files import write_atomic
@@ -98,6 +99,7 @@ class OnnxWriter:
         #: ONNX output name -> (IR output node, whether the ONNX tensor has its batch on axis 1)
         self.outputs = dict(outputs or {})
         self._model = None
+        self._written = None  # (the model before the last rescale, its graph) until check_written() reads it
 
     # ------------------------------------------------------------ the model
     def to_onnx(self):
@@ -134,7 +136,17 @@ class OnnxWriter:
                     rewrites[name] = np.broadcast_to(new, b.layout).astype(b.value.dtype)
                 continue
             updates[name] = self._rescaled(name, b, sides)
+        before = self.to_onnx()
         self._commit(updates, rewrites)
+        self._written = (before, graph)
+
+    def check_written(self) -> None:
+        """Refuse (PathirError) the last :meth:`rescale` if onnxruntime's outputs moved on a probe
+        (``pathir.frontends.onnx.function_kept``); ``commit_rescaling`` calls it and, on a refusal,
+        restores the writer's snapshot."""
+        written, self._written = self._written, None
+        if written is not None:
+            check_onnx_function(written[0], self.to_onnx(), written[1])
 
     def _binding(self, name: str) -> Binding:
         b = self.bindings.get(name)
