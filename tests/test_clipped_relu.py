@@ -693,3 +693,16 @@ def test_a_stateless_module_made_in_forward_is_traced_through_and_one_with_tenso
         cm.pathcond(progress=False)
     assert all(torch.equal(state[k], v) for k, v in held.state_dict().items())
     assert torch.equal(weight, held.extra[0].weight)
+
+
+def test_a_threshold_tensor_made_in_forward_is_refused_as_what_it_is():
+    class Made(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.b(torch.minimum(torch.relu(self.a(x)), torch.tensor(0.3)))
+
+    with pytest.raises(PathirError, match=r"made in the forward .*neither a parameter nor a buffer"):
+        pathir.compile(Made(), input_shape=(3,))

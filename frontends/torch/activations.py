@@ -104,8 +104,10 @@ def _per_channel(t: np.ndarray, shape, name: str) -> np.ndarray:
 def _buffer_clip(low, v, pt: ParamTensor):
     """min(ReLU(v), buffer): the threshold param −buffer, per channel, written back into the buffer."""
     if not low.is_buffer(pt):
-        low.unsupported(f"the threshold '{pt.name}' is a learnable parameter: pathir lowers clipped ReLUs whose "
-                        "threshold is a number or a buffer")
+        what = "is a learnable parameter" if low.is_parameter(pt) else \
+            "is a tensor made in the forward (torch.tensor(...)), neither a parameter nor a buffer"
+        low.unsupported(f"the threshold '{pt.name}' {what}: pathir lowers clipped ReLUs whose threshold is a number "
+                        "(torch.clamp(x, 0, 0.3)) or a registered buffer")
     shape = v.shape
     try:
         vec = _per_channel(f64(pt.tensor), shape, pt.name)
