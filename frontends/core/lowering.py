@@ -264,7 +264,7 @@ class Lowering:
         avg = getattr(F, f"avg_pool{n}d")
         kw = dict(kernel_size=pool.kernel, stride=pool.stride, padding=tuple(p[0] for p in pool.padding),
                   ceil_mode=pool.ceil_mode, count_include_pad=count_include_pad)
-        if n == 2:
+        if n >= 2:
             kw["divisor_override"] = divisor_override
         elif divisor_override is not None:
             self.unsupported("divisor_override on a 1-d average pool")
