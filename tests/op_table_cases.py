@@ -270,6 +270,13 @@ case("adaptive_max_pool fns", C2, lambda m, a: F.adaptive_max_pool2d(a, (3, 2)).
      F.adaptive_max_pool1d(a.flatten(2), 6))
 case("adaptive_max_pool modules", C2, lambda m, a: m.p1(m.p2(a).flatten(2)),
      lambda: {"p1": nn.AdaptiveMaxPool1d(3), "p2": nn.AdaptiveMaxPool2d(3)})
+case("avg_pool3d fn", C3, lambda m, a: F.avg_pool3d(a, 2, 1, 1, divisor_override=3))
+case("avg_pool3d module", C3, lambda m, a: m.p(a),
+     lambda: {"p": nn.AvgPool3d((2, 2, 3), stride=(1, 2, 1), padding=(0, 1, 1), count_include_pad=False, ceil_mode=True)})
+case("adaptive_avg_pool3d fn", C3, lambda m, a: F.adaptive_avg_pool3d(a, (2, 3, 3)))
+case("adaptive_avg_pool3d module", C3, lambda m, a: m.p(a), lambda: {"p": nn.AdaptiveAvgPool3d((3, 2, None))})
+case("adaptive_max_pool3d fn", C3, lambda m, a: F.adaptive_max_pool3d(a, (3, 2, 2)))
+case("adaptive_max_pool3d module", C3, lambda m, a: m.p(a), lambda: {"p": nn.AdaptiveMaxPool3d((1, 4, 2))})
 case("mean", C2, lambda m, a: torch.mean(a, (2, 3), keepdim=True) + a.mean(dim=2, keepdim=True).mean(-1, True))
 case("mean over channels", C2, lambda m, a: torch.mean(a, 1)[:, 0] + a.mean((1, 3)))
 case("sum", C2, lambda m, a: torch.sum(a, 1) + a.sum(dim=(1,)))
@@ -501,6 +508,10 @@ aten_case("_native_batch_norm_legit_no_training", C2, lambda c, h: c.item(c(
 aten_case("max_pool2d_with_indices", C2, lambda c, h: c.item(c(aten.max_pool2d_with_indices.default, h, [3, 3], [2, 2],
                                                                 [1, 1], [1, 1], True)))
 aten_case("_adaptive_avg_pool2d", C2, lambda c, h: c(aten._adaptive_avg_pool2d.default, h, [4, 3]))
+aten_case("_adaptive_avg_pool3d", C3, lambda c, h: c(aten._adaptive_avg_pool3d.default, h, [2, 3, 3]))
+aten_case("adaptive_avg_pool3d", C3, lambda c, h: c(aten.adaptive_avg_pool3d.default, h, [3, 2, 2]))
+aten_case("avg_pool3d", C3, lambda c, h: c(aten.avg_pool3d.default, h, [2, 2, 2], [1, 1, 1], [1, 1, 1]))
+aten_case("adaptive_max_pool3d", C3, lambda c, h: c.item(c(aten.adaptive_max_pool3d.default, h, [3, 2, 2])))
 aten_case("scalar arithmetic", C2, lambda c, h: c(aten.div.Scalar, c(aten.mul.Scalar, c(aten.add.Scalar, h, 0, alpha=2),
                                                                      -1.5), 4))
 aten_case("_unsafe_view", C2, lambda c, h: c(aten._unsafe_view.default, h, [-1, 3, 36]))
