@@ -273,7 +273,9 @@ def relu_swap(model: nn.Module) -> tuple[list[str], ModuleSwap]:
 def measure_swap(model: nn.Module, swap: ModuleSwap, args: tuple) -> tuple[float, float]:
     """(max |change|, relative to max |output|) of the model's output on ``args`` that the (applied)
     ``swap`` made, both outputs in eval mode without gradients. Leaves the swap applied and every
-    module's train/eval flag as it was."""
+    module's train/eval flag as it was. PathirError first where the forward still calls a replaced
+    module (:meth:`ModuleSwap.check_unused`): the change would then not be the swap's."""
+    swap.check_unused(model, args)
     after = _eval_output(model, args)
     swap.undo()
     try:
@@ -312,7 +314,6 @@ def clipped_to_relu(model: nn.Module, inputs) -> ReluSwap:
     paths, swap = relu_swap(model)
     swap.apply()
     try:
-        swap.check_unused(model, args)
         diff, rel = measure_swap(model, swap, args)
     except BaseException:
         swap.undo()
