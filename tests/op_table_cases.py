@@ -564,7 +564,7 @@ def _export(fn, shape):
 def _aten(name):
     def lower():
         gm = ATEN_REFUSED[name].make()
-        return _ExportInterpreter(gm, gm, name, {}, {}).run([ATEN_REFUSED[name].shape])
+        return _ExportInterpreter(gm, gm.graph, name, {}, {}).run([ATEN_REFUSED[name].shape])
     return lower
 
 
@@ -742,6 +742,10 @@ onnx_case("Split", C2, lambda h: ([node("Split", ["h", "sp"], ["a", "b"], axis=2
 onnx_case("Slice", C2, lambda h: one("Slice", ["h", "st", "en", "ax", "stp"], {"st": _i64(5, 1), "en": _i64(-7, 6),
                                                                                "ax": _i64(3, 2), "stp": _i64(-2, 2)}))
 onnx_case("Gather", C2, lambda h: one("Gather", ["h", "idx"], {"idx": _i64(4, 0, 0, 2)}, axis=3))
+onnx_case("GatherElements", C2, lambda h: (  # torch.gather(x, 3, idx.expand(N, -1, -1, -1)): repeats, drops
+    [node("Shape", ["h"], ["n"], end=1), node("Concat", ["n", "rest"], ["s"], axis=0), node("Expand", ["idx", "s"], ["i"]),
+     node("GatherElements", ["h", "i"], ["y"], axis=3)],
+    {"rest": _i64(3, 6, 4), "idx": lambda rng: rng.integers(0, 6, size=(1, 3, 6, 4))}, "y"))
 onnx_case("Expand Tile", C2, lambda h: ([node("ReduceMax", ["h"], ["m"], axes=[2], keepdims=1),
                                          node("Expand", ["m", "s"], ["e"]), node("Tile", ["h", "r"], ["t"]),
                                          node("Slice", ["t", "st", "en", "ax"], ["u"]), node("Add", ["e", "u"], ["y"])],

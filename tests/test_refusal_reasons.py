@@ -1,15 +1,24 @@
 """What users write that has no place in a ReLU DAG is refused with the reason, naming the op
-(never the generic "outside the model" when pathir knows why), and the model is left untouched."""
+(never the generic "outside the model" when pathir knows why), and the model is left untouched.
+
+PReLU, Softplus and Threshold (torch, on the fx and the export path) and PRelu, Softplus and ThresholdedRelu
+(ONNX) name the node, the op, where it came from and the reason docs/ops.md gives. GatherElements with constant
+indices is an element move and is lowered (against onnxruntime); indices read from the input are refused."""
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from onnx import TensorProto, helper
+from onnx_cases import make_model, node, tensor_info
+from op_table_cases import ort_output
 
 import pathir
 from pathir.errors import UnsupportedOperation
+from pathir.frontends.torch.export import lower_exported
 
 
 class After(nn.Module):
@@ -50,3 +59,155 @@ def test_refused_with_its_reason_and_the_model_untouched(name):
     with pytest.raises(UnsupportedOperation, match=why):
         pathir.compile(model, input_shape=(4,))
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+# ====================================================================== PReLU, Softplus, Threshold
+
+GENERIC = "outside the ReLU DAG model"
+
+
+class _Act(nn.Module):
+    """``act(fc(x))``: ``act`` a module, or a function of the activation."""
+
+    def __init__(self, act):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = act if isinstance(act, nn.Module) else None
+        self.fn = None if isinstance(act, nn.Module) else act
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.act(h) if self.act is not None else self.fn(h)
+
+
+#: case -> (the activation, the op the error names, key words of its reason)
+TORCH = {
+    "nn.PReLU": (lambda: nn.PReLU(4, init=0.1), "PReLU", ("positively homogeneous", "negative slope", "learnable")),
+    "F.prelu": (lambda: lambda h: F.prelu(h, torch.tensor([0.25])), "prelu", ("positively homogeneous", "slope")),
+    "nn.Softplus": (lambda: nn.Softplus(beta=2.0), "Softplus", ("not positively homogeneous", "softplus(0)")),
+    "F.softplus": (lambda: lambda h: F.softplus(h), "softplus", ("not positively homogeneous", "smooth ReLU")),
+    "nn.Threshold(0.1, 0)": (lambda: nn.Threshold(0.1, 0.0), "Threshold", ("threshold t ≠ 0", "homogeneous")),
+    "nn.Threshold(0, 1)": (lambda: nn.Threshold(0.0, 1.0), "Threshold", ("value v ≠ 0", "homogeneous")),
+    "F.threshold(x, 0.5, 0.5)": (lambda: lambda h: F.threshold(h, 0.5, 0.5), "threshold",
+                                 ("threshold(x, 0, 0) is a ReLU", "homogeneous")),
+    "torch.threshold(x, -1, 0)": (lambda: lambda h: torch.threshold(h, -1.0, 0.0), "threshold",
+                                  ("threshold(x, 0, 0) is a ReLU", "homogeneous")),
+}
+
+
+def _state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("name", list(TORCH))
+def test_torch_refusal_names_the_op_and_why(name):
+    make, op, words = TORCH[name]
+    model = _Act(make())
+    before = _state(model)
+    with pytest.raises(UnsupportedOperation) as info:
+        pathir.compile(model, input_shape=(4,))
+    err, text = info.value, str(info.value)
+    assert op.lower() in err.op.lower(), text  # F.threshold is torch's _threshold
+    assert err.node and f"node '{err.node}'" in text
+    if isinstance(model.act, nn.Module):
+        assert err.where == "act" and "from act" in text  # the module it came from
+    assert GENERIC not in text
+    for w in words:
+        assert w in text, text
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("name", ["nn.PReLU", "nn.Softplus", "nn.Threshold(0.1, 0)", "F.threshold(x, 0.5, 0.5)"])
+def test_torch_export_path_gives_the_same_reason(name):
+    make, op, words = TORCH[name]
+    model = _Act(make())
+    with pytest.raises(UnsupportedOperation) as info:
+        lower_exported(model, (4,), "M")
+    text = str(info.value)
+    assert info.value.op.split(".")[0] == op.lower().lstrip("_"), text  # the ATen op: prelu.default, ...
+    assert GENERIC not in text
+    for w in words:
+        assert w in text, text
+
+
+@pytest.mark.parametrize("act", [lambda: nn.Threshold(0.0, 0.0), lambda: lambda h: F.threshold(h, 0, 0)])
+def test_threshold_at_zero_is_a_relu(act):
+    model = _Act(act()).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    cm = pathir.compile(model, input_shape=(4,))
+    with torch.no_grad():
+        ref = torch.relu(model.fc(x)).numpy()
+    np.testing.assert_allclose(cm.forward(x.numpy(), backend="numpy"), ref, rtol=1e-10, atol=1e-12)
+
+
+# ====================================================================== ONNX
+
+
+def _onnx(op_nodes, inits=None, out_shape=("N", 4), extra_inputs=()):
+    """x -> Gemm 'fc' -> op nodes -> y."""
+    rng = np.random.default_rng(0)
+    return make_model([node("Gemm", ["x", "W"], ["h"], "fc", transB=1), *op_nodes],
+                      [tensor_info("x", ["N", 4]), *extra_inputs],
+                      [tensor_info("y", list(out_shape))],
+                      {"W": rng.normal(size=(4, 4)), **(inits or {})})
+
+
+ONNX = {
+    "PRelu": (lambda: _onnx([node("PRelu", ["h", "slope"], ["y"], "act")], {"slope": np.full(4, 0.1)}),
+              ("positively homogeneous", "slope", "learnable")),
+    "Softplus": (lambda: _onnx([node("Softplus", ["h"], ["y"], "act")]),
+                 ("not positively homogeneous", "smooth ReLU", "Softplus(0)")),
+    "ThresholdedRelu": (lambda: _onnx([node("ThresholdedRelu", ["h"], ["y"], "act", alpha=0.5)]),
+                        ("not positively homogeneous", "x > alpha", "alpha = 0")),
+}
+
+
+@pytest.mark.parametrize("op", list(ONNX))
+def test_onnx_refusal_names_the_node_and_why(op):
+    make, words = ONNX[op]
+    with pytest.raises(UnsupportedOperation) as info:
+        pathir.compile(make())
+    err, text = info.value, str(info.value)
+    assert (err.node, err.op) == ("act", op), text
+    assert "ONNX node #1" in err.where
+    for w in words:
+        assert w in text, text
+
+
+def _gather_elements(idx):
+    """y = GatherElements(fc(x), expand(idx, [N, 4]), axis=1): torch.gather(h, 1, idx.expand(N, -1))."""
+    return _onnx([node("Shape", ["h"], ["n"], end=1), node("Concat", ["n", "four"], ["s"], axis=0),
+                  node("Expand", ["idx", "s"], ["i"]), node("GatherElements", ["h", "i"], ["y"], "ge", axis=1)],
+                 {"idx": np.asarray([idx], dtype=np.int64), "four": np.asarray([len(idx)], dtype=np.int64)},
+                 out_shape=("N", len(idx)))
+
+
+@pytest.mark.parametrize("idx", [[3, 2, 1, 0], [1, 1, 0, 3], [2, 0]])
+def test_onnx_gather_elements_with_constant_indices_is_an_element_move(idx):
+    proto = _gather_elements(idx)
+    x = np.random.default_rng(1).normal(size=(3, 4)).astype(np.float32)
+    cm = pathir.compile(proto)  # its self-check runs onnxruntime too
+    np.testing.assert_allclose(cm.forward(x.astype(np.float64), backend="numpy"), ort_output(proto, x),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op, axis, out", [("GatherElements", 1, ("N", 4)), ("Gather", 1, ("N", "N", 4)),
+                                           ("Gather", 0, ("N", 4, 4))])
+def test_onnx_gather_with_indices_from_the_input_is_refused(op, axis, out):
+    proto = _onnx([node(op, ["h", "i"], ["y"], "ge", axis=axis)], out_shape=out,
+                  extra_inputs=[helper.make_tensor_value_info("i", TensorProto.INT64, ["N", 4])])
+    with pytest.raises(UnsupportedOperation) as info:
+        pathir.compile(proto, input_shape={"x": (4,), "i": (4,)})
+    assert (info.value.node, info.value.op) == ("ge", op)
+    assert "data-dependent selection" in str(info.value) and "'i'" in str(info.value)
+
+
+def test_onnx_gather_elements_keeping_a_prefix_of_the_batch_is_refused():
+    """Indices of one sample on a batch of N (onnxruntime keeps sample 0 only): refused, saying why."""
+    proto = _onnx([node("GatherElements", ["h", "idx"], ["y"], "ge", axis=1)],
+                  {"idx": np.asarray([[3, 2, 1, 0]], dtype=np.int64)}, out_shape=(1, 4))
+    with pytest.raises(UnsupportedOperation) as info:
+        pathir.compile(proto)
+    assert (info.value.node, info.value.op) == ("ge", "GatherElements")
+    assert "the batch axis" in str(info.value) and "expand the indices" in str(info.value)

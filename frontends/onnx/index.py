@@ -1,8 +1,8 @@
 """ONNX rules for the ops that only move elements (Reshape, Flatten, Transpose, Concat, Slice,
-Gather, Pad with zeros, Split, DepthToSpace, ...): run on element ids by onnx's reference evaluator
-and composed with the pending selection maps of their inputs (as the torch frontend does); Concat
-along the channels stays at channel granularity; sequences of activations (SplitToSequence,
-SequenceAt)."""
+Gather, GatherElements, Pad with zeros, Split, DepthToSpace, ...): run on element ids by onnx's
+reference evaluator and composed with the pending selection maps of their inputs (as the torch
+frontend does); Concat along the channels stays at channel granularity; sequences of activations
+(SplitToSequence, SequenceAt)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathir.frontends.core.values import Value
 from pathir.frontends.onnx.evaluate import IdTensor, run_on_ids
 from pathir.frontends.onnx.layers import attrs
 
-__all__ = ["Sequence", "Displaced", "concat", "pad", "index", "scatter", "split_to_sequence", "sequence_at",
-           "READS_DISPLACED"]
+__all__ = ["Sequence", "Displaced", "concat", "pad", "index", "moved", "gather_elements", "scatter", "split_to_sequence",
+           "sequence_at", "READS_DISPLACED"]
 
 
 class Sequence(list):
@@ -83,6 +83,40 @@ def scatter(low, node, ins):
     return index(low, node, ins)
 
 
+def gather_elements(low, node, ins):
+    """GatherElements with constant indices (``torch.gather`` by an index buffer): an element move, run on
+    element ids; indices that depend on the input, or shorter than the data on an axis it does not gather
+    along (which ONNX allows: a prefix of that axis), are refused."""
+    data, idx = ins[0], ins[1]
+    constant_operands(low, node, ins)
+    if isinstance(data, Value) and idx.ndim == len(data.shape) + 1:
+        full, axis = (low.batch, *data.shape), attrs(node).get("axis", 0) % idx.ndim
+        short = [d for d in range(idx.ndim) if d != axis and idx.shape[d] != full[d]]
+        if short:
+            d = short[0]
+            what = "the batch axis" if d == 0 else "not gathered along"
+            low.unsupported(f"its indices have {idx.shape[d]} entries on axis {d} ({what}) where the data has "
+                            f"{full[d]}: only a prefix of that axis would be kept, which pathir does not lower "
+                            "(expand the indices to the data's shape, e.g. idx.expand(x.shape[0], ...))")
+    return index(low, node, ins)
+
+
+def constant_operands(low, node, ins) -> None:
+    """Refuse an element move whose operands after the data (indices, shape, starts, repeats) are
+    computed from the model's input: the selection would depend on the data, not be a fixed map."""
+    for k, v in enumerate(ins[1:], start=1):
+        if isinstance(v, (Value, Displaced)):
+            what = node.input[k] if k < len(node.input) else f"input {k}"
+            low.unsupported(f"its operand {what!r} (input {k}: indices, shape or bounds) depends on the model's "
+                            "input: a data-dependent selection, not a fixed map (make it a constant or an initializer)")
+
+
+def moved(low, node, ins):
+    """An element move (``INDEX_OPS``: Reshape, Gather, Slice, ...) whose operands after the data are constants."""
+    constant_operands(low, node, ins)
+    return index(low, node, ins)
+
+
 def index(low, node, ins):
     """Run an index-moving op on element ids and compose the result with
     the pending selection maps of its inputs (as the torch frontend does)."""
@@ -133,4 +167,4 @@ def sequence_at(low, node, ins):
 
 
 #: the rules that read a Displaced tensor (every other rule refuses it)
-READS_DISPLACED = frozenset({index, scatter, pad, concat, split_to_sequence})
+READS_DISPLACED = frozenset({index, moved, gather_elements, scatter, pad, concat, split_to_sequence})

@@ -40,7 +40,7 @@ RULES = {
     # resampling
     "Resize": rz.resize, "Upsample": rz.upsample,
     # element moves and sequences
-    "Concat": ix.concat, "Pad": ix.pad, **dict.fromkeys(INDEX_OPS, ix.index),
-    "ScatterND": ix.scatter, "ScatterElements": ix.scatter,
+    "Concat": ix.concat, "Pad": ix.pad, **dict.fromkeys(INDEX_OPS, ix.moved),
+    "GatherElements": ix.gather_elements, "ScatterND": ix.scatter, "ScatterElements": ix.scatter,
     "SplitToSequence": ix.split_to_sequence, "SequenceAt": ix.sequence_at,
 }

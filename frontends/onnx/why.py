@@ -12,11 +12,18 @@ _NORMALIZES = "normalizes by statistics of the activation itself (an input-depen
 #: why an op has no place in a ReLU DAG (docs/math.md §1)
 WHY = {
     **{op: _NOT_HOMOGENEOUS for op in (
-        "Sigmoid", "Tanh", "Gelu", "FastGelu", "Elu", "Selu", "Celu", "Softplus", "Softsign", "Mish", "HardSigmoid",
+        "Sigmoid", "Tanh", "Gelu", "FastGelu", "Elu", "Selu", "Celu", "Softsign", "Mish", "HardSigmoid",
         "HardSwish", "Swish", "Exp", "Log", "Sqrt", "Erf", "Sin", "Cos", "Reciprocal", "Sign", "Round", "Floor", "Ceil",
-        "ThresholdedRelu", "Shrink",
+        "Shrink",
     )},
-    "PRelu": "positively homogeneous, but pathir's neurons are identity, ReLU and max-pool only",
+    "Softplus": ("not positively homogeneous: Softplus(x) = log(1 + e^x) is a smooth ReLU, Softplus(0) = log(2) ≠ 0 and "
+                 "Softplus(λx) ≠ λ·Softplus(x) for λ > 0, so rescaling a neuron would change the function (use Relu)"),
+    "ThresholdedRelu": ("not positively homogeneous: ThresholdedRelu(x) is x where x > alpha and 0 elsewhere, a cut at "
+                        "alpha that does not scale with x (f(λx) ≠ λ·f(x) for λ > 0), so rescaling a neuron would "
+                        "change the function (at alpha = 0 it is a ReLU: write Relu)"),
+    "PRelu": ("positively homogeneous, but its slope input (x·slope for x < 0, a learnable parameter of the source "
+              "model) makes it a neuron pathir does not have: pathir's neurons are identity, ReLU and max-pool only "
+              "(use Relu)"),
     "Abs": "positively homogeneous, but pathir's neurons are identity, ReLU and max-pool only",
     "Softmax": "softmax inside the graph normalizes across features: not positively homogeneous",
     "LogSoftmax": "log-softmax normalizes across features: not positively homogeneous",

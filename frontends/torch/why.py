@@ -17,6 +17,17 @@ WHY = {
     "SiLU": "not positively homogeneous",
     "ELU": "not positively homogeneous",
     "LeakyReLU": "its negative slope is allowed in theory but not by pathir's neuron types",
+    **{op: ("positively homogeneous, but its negative slope a (x·a for x < 0, a learnable parameter) makes it a "
+            "neuron pathir does not have: pathir's neurons are identity, ReLU and max-pool only (use nn.ReLU)")
+       for op in ("PReLU", "prelu")},
+    **{op: ("not positively homogeneous: softplus(x) = log(1 + exp(βx))/β is a smooth ReLU, softplus(0) = log(2)/β "
+            "≠ 0 and softplus(λx) ≠ λ·softplus(x) for λ > 0, so rescaling a neuron would change the function "
+            "(use nn.ReLU)")
+       for op in ("Softplus", "softplus")},
+    **{op: ("threshold(x, t, v) is x where x > t and v elsewhere: a threshold t ≠ 0 or a value v ≠ 0 is not "
+            "positively homogeneous (f(λx) ≠ λ·f(x) for λ > 0: the cut at t and the value v do not scale with x); "
+            "threshold(x, 0, 0) is a ReLU and is lowered")
+       for op in ("Threshold", "threshold", "_threshold")},
     "Softmax": "softmax inside the graph is not positively homogeneous",
     "LogSoftmax": "log-softmax is not positively homogeneous",
     "LayerNorm": "normalizes by input-dependent statistics",
@@ -39,7 +50,6 @@ WHY = {
     "sort": "orders by value: not a fixed map",
     "topk": "selects by value: not a fixed map",
     "cumsum": "a cumulative sum is a fixed linear map pathir does not lower (write it as a Linear with fixed weights)",
-    "softplus": "not positively homogeneous",
     "normalize": "divides by the activation's own norm: not positively homogeneous",
     **{op: "reverses axis 0, the batch axis: it mixes the samples of a batch" for op in ("flipud", "flipud.default")},
     "einsum": "einsum is not lowered: write a contraction with a weight as a Linear layer or x @ W",
