@@ -294,7 +294,7 @@ def test_core_aten_convolution_with_transposed_true(name):
     sig = program.graph_signature
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers()), **dict(program.constants)}
     lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
-    graph = torch_export._ExportInterpreter(model, program.graph_module, name, lifted, tensors).run([shape])
+    graph = torch_export._ExportInterpreter(model, program.graph_module.graph, name, lifted, tensors).run([shape])
     cm, ref = pathir.compile(graph), pathir.compile(model, input_shape=shape)
     x = np.random.default_rng(0).normal(size=(3, *shape))
     np.testing.assert_allclose(cm.forward(x, backend="numpy"), eval_forward(model, torch.from_numpy(x)).numpy(),

@@ -131,7 +131,7 @@ def run_aten_case(case: cases.AtenCase, seen: set):
     with torch.no_grad():
         ref = gm(x).numpy()
     with recording(seen):
-        graph = _ExportInterpreter(gm, gm, case.name, {}, {}).run([case.shape])
+        graph = _ExportInterpreter(gm, gm.graph, case.name, {}, {}).run([case.shape])
     _check("hand-built ATen graph", _graph_forward(graph, x), ref, TORCH_TOL)
 
 
@@ -269,7 +269,7 @@ class _Spellings(nn.Module):
 
 @pytest.mark.filterwarnings("ignore:`nn.functional.upsample")
 def test_torch_fx_never_produces_the_dead_targets():
-    nodes = trace(_Spellings()).graph.nodes
+    nodes = trace(_Spellings()).nodes
     produced = {n.target for n in nodes if n.op in ("call_method", "call_function")}
     assert not produced & set(DEAD), sorted(target_name(t) for t in produced & set(DEAD))
     # why the table has no rows for the dunder methods (but __rsub__) and F.upsample*: fx never makes them

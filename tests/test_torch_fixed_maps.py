@@ -231,7 +231,7 @@ def test_decomposed_aten_graphs_lower_to_the_same_function(case):
     sig = program.graph_signature
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
-    graph = _ExportInterpreter(model, program.graph_module, "decomposed", lifted, tensors).run(shape)
+    graph = _ExportInterpreter(model, program.graph_module.graph, "decomposed", lifted, tensors).run(shape)
     cm, ref = pathir.compile(graph), pathir.compile(model, input_shape=shape)
     x = torch.randn(2, *shape, dtype=torch.float64)
     with torch.no_grad():

@@ -143,14 +143,13 @@ def _run_hook(hook, where: str, kind: str, args):
                                    "write it with traceable tensor ops or remove it") from err
 
 
-def trace(model: nn.Module) -> torch.fx.GraphModule:
-    """The fx graph of ``model``; a model with forward hooks or pre-hooks of its own (not of its
-    submodules) is left to torch.export, which runs them (fx traces ``forward`` only)."""
+def trace(model: nn.Module) -> torch.fx.Graph:
+    """The fx graph of ``model`` (its ``get_attr`` targets resolve on ``model``: no GraphModule is built,
+    which would generate and compile its Python code); a model with forward hooks or pre-hooks of its
+    own (not of its submodules) is left to torch.export, which runs them (fx traces ``forward`` only)."""
     if model._forward_hooks or any(_harmless_hook(model, h) is None for h in model._forward_pre_hooks.values()):
         raise torch.fx.proxy.TraceError("the model has forward hooks of its own: torch.fx traces forward only")
-    tracer = InplaceTracer()
-    graph = tracer.trace(model)
-    return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+    return InplaceTracer().trace(model)
 
 
 # ---------------------------------------------------------------- what a node does to storage

@@ -56,7 +56,7 @@ def _interpret(model, program, shapes, name, clips):
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers()), **dict(program.constants)}
     lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers,
               **getattr(sig, "inputs_to_lifted_tensor_constants", {})}
-    interpreter = _ExportInterpreter(model, program.graph_module, name, lifted, tensors)
+    interpreter = _ExportInterpreter(model, program.graph_module.graph, name, lifted, tensors)
     graph = interpreter.run(shapes)
     if clips is not None:
         clips.update(interpreter.low.clips)
@@ -69,8 +69,8 @@ class _ExportInterpreter(FxInterpreter):
     def _is_state(self, node) -> bool:
         return node.op == "placeholder" and node.name in self.lifted
 
-    def __init__(self, model, gm, name, lifted, tensors):
-        super().__init__(model, gm, name)
+    def __init__(self, model, graph, name, lifted, tensors):
+        super().__init__(model, graph, name)
         self.lifted, self.tensors = lifted, tensors
 
     def _eval(self, node, shape):

@@ -64,8 +64,8 @@ class FxInterpreter:
     def _is_state(self, node) -> bool:
         return node.op == "get_attr"
 
-    def __init__(self, model: nn.Module, gm: torch.fx.GraphModule, name: str):
-        self.model, self.gm = model, gm
+    def __init__(self, model: nn.Module, graph: torch.fx.Graph, name: str):
+        self.model, self.graph = model, graph
         self.low = TorchLowering(name, model)
         self.env: dict[torch.fx.Node, object] = {}
 
@@ -73,9 +73,9 @@ class FxInterpreter:
         """Lower the traced program; ``shapes``: one per-sample shape per tensor input."""
         shapes = [tuple(shapes)] if shapes and not isinstance(shapes[0], (tuple, list)) else [tuple(s) for s in shapes]
         self._inputs = 0
-        check_modes(self.gm.graph)
-        rebind = alias_plan(self.gm.graph, self.model, self.effect, self._is_state)
-        for node in self.gm.graph.nodes:
+        check_modes(self.graph)
+        rebind = alias_plan(self.graph, self.model, self.effect, self._is_state)
+        for node in self.graph.nodes:
             self.low.fx_name = node.name
             self.low.label = str(node.target) if node.op == "call_module" else node.name
             self.low.where = _module_path(node)

@@ -37,7 +37,7 @@ __all__ = ["lower", "trace"]
 # ---------------------------------------------------------------- tracing
 
 
-def trace(model: nn.Module) -> torch.fx.GraphModule:
+def trace(model: nn.Module) -> torch.fx.Graph:
     """torch.fx symbolic trace with torch.nn modules as leaves; ``a += b`` is
     recorded as the in-place ``operator.iadd`` (capture_checks.InplaceTracer)."""
     return capture_checks.trace(model)
@@ -83,8 +83,7 @@ def lower(model: nn.Module, input_shape=None, example_input=None, heads: bool | 
 def _lower_graph(model, shapes, name):
     """(raw graph, the fx lowering or None, the clipped ReLUs' threshold sites)."""
     try:
-        gm = trace(model)
-        interpreter = FxInterpreter(model, gm, name)
+        interpreter = FxInterpreter(model, trace(model), name)
         return interpreter.run(shapes), interpreter.low, interpreter.low.clips
     except (torch.fx.proxy.TraceError, TypeError, NotImplementedError, capture_checks.WriteThroughView) as fx_error:
         if isinstance(fx_error, UnsupportedOperation) and not isinstance(fx_error, capture_checks.WriteThroughView):

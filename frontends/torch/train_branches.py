@@ -118,10 +118,10 @@ def _live_modules(model: nn.Module, training: bool, shapes=None) -> set[str] | N
     try:
         model.train(training)
         try:
-            gm = trace(model)
+            graph = trace(model)
         except Exception:
             return None if shapes is None else _live_exported(model, shapes)
-        return {str(n.target) for n in _live(gm.graph) if n.op in ("call_module", "get_attr")}
+        return {str(n.target) for n in _live(graph) if n.op in ("call_module", "get_attr")}
     except Exception:
         return None
     finally:
