@@ -26,7 +26,10 @@ the Laplacian of the unit graph weighted by q. F is smooth and convex.
 
 It stops when the Newton decrement -∇F·d falls below ``tol`` relative to F's
 size, and the result meets the first-order (KKT) condition: ∇F ≈ 0 on the
-free units, and ∇F points into the box at the bound.
+free units (each unit's in- and outflow equal to ``BALANCED``, or no step
+moves z), and ∇F points into the box at the bound. CG is asked for at most
+``RTOL_FLOOR`` relative accuracy per step: near z* that still gains three
+digits per Newton step, at a third of the products.
 """
 
 from __future__ import annotations
@@ -50,12 +53,22 @@ from pathir.support.threads import one_blas_thread
 __all__ = ["solve_newton"]
 
 _EPS = float(np.finfo(np.float64).eps)
+#: CG's relative accuracy per Newton step is never asked below this (near z* the sqrt rule asks ~1e-8 and
+#: CG runs 10-20 products for it; from 1e-3 on each Newton step still gains three digits, at 3-8 products)
+RTOL_FLOOR = 1e-3
+#: the relative imbalance |∂F/∂z_h| / (n(out_h + in_h) + |A_h|) at which a point is z* to float64's
+#: resolution: Newton stops there (after a full step whose decrement was below tol)
+BALANCED = 1e-12
 
 
-def _kkt(grad: np.ndarray, z: np.ndarray, bound: float, live: np.ndarray) -> float:
-    """max |projected gradient| over the live units (one held at the bound by a gradient pushing outward: 0)."""
+def _kkt(grad: np.ndarray, z: np.ndarray, bound: float, live: np.ndarray, scale=None) -> float:
+    """max |projected gradient| over the live units (one held at the bound by a gradient pushing outward: 0),
+    each divided by ``scale`` where given (the terms ∂F/∂z_h balances: the relative imbalance)."""
     held = ((z <= -bound) & (grad > 0)) | ((z >= bound) & (grad < 0)) | ~live
-    return float(np.max(np.abs(np.where(held, 0.0, grad)), initial=0.0))
+    top = np.abs(np.where(held, 0.0, grad))
+    if scale is not None:
+        top /= np.maximum(scale, 1e-300)
+    return float(np.max(top, initial=0.0))
 
 
 class _State:
@@ -255,7 +268,7 @@ def _solve(g, B, *, max_sweeps, tol, row_key, max_log_scale, warm_sweeps, max_cg
             diag = here.laplacian_diag()
             residual = float(np.linalg.norm(grad * free / np.sqrt(np.maximum(np.where(free, diag, 1.0), 1e-300)))) / n
             first_residual = first_residual or residual
-            rtol = min(0.1, math.sqrt(residual / first_residual)) if first_residual > 0 else 0.1
+            rtol = max(RTOL_FLOOR, min(0.1, math.sqrt(residual / first_residual))) if first_residual > 0 else 0.1
             d, k = _newton_direction(here, free, n, damping, rtol, max_cg, coarse)
             cg_total += k
             iterations += 1
@@ -297,7 +310,9 @@ def _solve(g, B, *, max_sweeps, tol, row_key, max_log_scale, warm_sweeps, max_cg
             times.append(time.perf_counter() - start)
             if callback is not None:
                 callback(len(history) - 1, here.f)
-            if small and (moved_by <= tol or not progress):  # at z* to float64's resolution
+            balanced = step == 1.0 and _kkt(here.grad, z, bound, live, n * (here.out + here.inn) + np.abs(A)) <= BALANCED
+            if small and (moved_by <= tol or not progress or balanced):
+                # at z* to float64's resolution, or every free unit's in- and outflow equal to BALANCED
                 converged = True
                 break
     at_bound = np.flatnonzero(live & (np.abs(z) >= bound)).tolist() if bound < math.inf else []
