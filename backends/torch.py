@@ -154,7 +154,8 @@ def _index_parts(be, m, index):
     """(safe index, mask of kept targets or None, kept target positions, their sources), cached per map."""
 
     def make():
-        idx = np.asarray(index, dtype=np.int64).reshape(-1)
+        idx = (m.index_array if index is getattr(m, "index", None) and hasattr(m, "index_array")
+               else np.asarray(index, dtype=np.int64)).reshape(-1)  # a channel map's array, made once per map
         keep = idx >= 0
         dev = be.device
         safe = torch.as_tensor(np.where(keep, idx, 0), device=dev)
