@@ -6,7 +6,8 @@ inception_v3 without their train-only aux heads):
 1. one forward+backward of the model in float64 at batch 1, the baseline,
    measured in this process right before each run of 2. (interleaved, so that a
    load change on a shared machine moves both);
-2. ``cm.pathcond()`` on a freshly compiled model (compile not timed; units, B,
+2. ``cm.pathcond()`` on a model freshly compiled with the defaults (compile and its self-check not
+   timed; the self-check's forward is the write-back check's "before"; units, B,
    diag G, solve and write-back are), ``--repeat`` times, with its solver
    steps (block sweeps + Newton iterations) and the split diag G / group / solve / write of its
    fastest run; the ratio columns: best pathcond / best baseline, and the median
@@ -99,7 +100,8 @@ def pathcond_runs(name, repeat, solver):
     """(best baseline, (seconds, report, cm) of the fastest run, median of run / the baseline just before it)."""
     step, runs, bases = forward_backward(name), [], []
     for _ in range(repeat):  # each on a fresh model: pathcond() rescales it in place
-        cm = pathir.compile(build(name), input_shape=input_shape(name), self_check=False)
+        # compiled as users compile: the self-check (untimed) records the forward the write-back's check reads
+        cm = pathir.compile(build(name), input_shape=input_shape(name))
         bases.append(step())
         t = time.perf_counter()
         report = cm.pathcond(solver=solver)

@@ -16,6 +16,7 @@ __all__ = [
     "ArgumentTypeError",
     "ArgumentKeyError",
     "RankFailed",
+    "StaleReference",
     "PathirWarning",
     "NotConvergedWarning",
 ]
@@ -86,6 +87,13 @@ class ArgumentKeyError(ArgumentError, KeyError):
 
     def __str__(self) -> str:  # the message as written, not KeyError's repr of it
         return str(self.args[0]) if self.args else ""
+
+
+class StaleReference(PathirError):
+    """A write-back's function check compared the written model with outputs recorded earlier
+    (at compile, or after the last write) and they differ: the model may have changed since in a way
+    the record's stamp does not show. ``commit_rescaling`` puts the model back and writes again,
+    checked against a fresh forward; users never see it."""
 
 
 class RankFailed(PathirError):

@@ -29,6 +29,7 @@ from pathir.backends.torch import TorchBackend
 from pathir.errors import SelfCheckFailed
 from pathir.frontends.onnx.function_kept import probe_feeds
 from pathir.frontends.onnx.load import load
+from pathir.frontends.torch.function_kept import Reference
 from pathir.frontends.torch.inputs import eval_forward, model_dtype_device, output_tensors
 from pathir.lifting.walk import forward
 
@@ -122,6 +123,8 @@ def _check_torch(cm, model) -> None:
     xs = torch_inputs(cm, model)
     with eval_forward(model, train_paths(cm)), torch.no_grad():
         refs = [_numpy(t) for t in _tensors(model(*[x.clone() for _, _, x in xs]))]
+    if hasattr(cm.writer, "reference"):  # the first write-back's "before" (frontends/torch/function_kept.py)
+        cm.writer.reference = Reference.of_batch(model, train_paths(cm), [x for _, _, x in xs], refs)
     dtype = str(model_dtype_device(model)[0]).replace("torch.", "")
     outs = _ir_forward(cm, {n: a for n, a, _ in xs}, dtype)
     _compare(cm, outs, refs, dtype, lambda: _first_torch(cm, model, xs, dtype))

@@ -116,3 +116,76 @@ def test_a_transposed_convolution_is_pruned_through_its_flipped_mask():
     assert report.per_tensor["2.weight"][0] == zeroed > 0
     kept = net[2].weight != 0
     assert torch.equal(net[2].weight[kept], weight[kept])
+
+
+class _KeptStats(nn.Module):
+    """``bn`` after a ReLU: kept, so a rescaling writes its running statistics (the probe runs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.bn, self.c2, self.fc = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 1), \
+            nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.c2(self.bn(F.relu(self.c1(x))))).mean((2, 3)))
+
+
+def _forwards(monkeypatch):
+    from pathir.frontends.torch.function_kept import Probe
+
+    calls, run = [], Probe._outputs
+    monkeypatch.setattr(Probe, "_outputs", lambda self: calls.append(1) or run(self))
+    return calls
+
+
+def test_the_first_write_reads_its_before_from_the_self_check_and_the_next_from_the_last_write(monkeypatch):
+    torch.manual_seed(0)
+    net = _random_stats(_KeptStats()).eval()
+    x = torch.randn(5, 3, 6, 6)
+    with torch.no_grad():
+        before = net(x)
+    cm = pathir.compile(net, input_shape=(3, 6, 6))
+    calls = _forwards(monkeypatch)
+    z = np.random.default_rng(0).normal(size=len(cm.units))
+    cm.commit_rescaling(z)
+    assert len(calls) == 1  # the "after" forward only: "before" was compile's self-check
+    cm.commit_rescaling(-z)
+    assert len(calls) == 2  # "before" was the last write's "after"
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), before, rtol=1e-4, atol=1e-5)
+        net.bn.running_mean.add_(0.1)  # a change autograd sees: the stamp moves, "before" runs again
+        moved = net(x)
+    cm.commit_rescaling(z)
+    assert len(calls) == 4
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), moved, rtol=1e-4, atol=1e-5)
+
+
+def test_a_change_the_stamp_cannot_see_is_written_again_against_a_fresh_forward(monkeypatch):
+    """An edit through ``.data`` bumps no version: the recorded "before" is stale, the check fails against
+    it, and the write is put back and done again, checked against a fresh forward (no false refusal)."""
+    torch.manual_seed(0)
+    net = _random_stats(_KeptStats()).eval()
+    cm = pathir.compile(net, input_shape=(3, 6, 6))
+    net.bn.running_mean.data.add_(3.0)  # the function moves; no version does
+    cm.refresh()
+    x = torch.randn(5, 3, 6, 6)
+    with torch.no_grad():
+        before = net(x)
+    calls = _forwards(monkeypatch)
+    cm.commit_rescaling(np.random.default_rng(1).normal(size=len(cm.units)))
+    assert len(calls) == 3  # after (against the stale record), then before and after afresh
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), before, rtol=1e-4, atol=1e-5)
+
+
+def test_a_refusal_against_a_recorded_before_is_confirmed_by_a_fresh_forward(monkeypatch):
+    torch.manual_seed(0)
+    net = _random_stats(_StatsAsFactor()).eval()
+    state = copy.deepcopy(net.state_dict())
+    cm = pathir.compile(net, input_shape=(3, 6, 6))
+    calls = _forwards(monkeypatch)
+    with pytest.raises(PathirError, match="output 0 moved by") as info:
+        cm.commit_rescaling(np.random.default_rng(0).normal(scale=2, size=len(cm.units)))
+    assert "recorded" not in str(info.value) and len(calls) == 3
+    assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())

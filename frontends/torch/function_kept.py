@@ -7,17 +7,27 @@ factor, a clip threshold buffer also multiplied in, running statistics shared by
 batch-norm. Two forwards of the model on the same probe, before the write and after it, find any
 such change the probe reaches; the write is then refused (``commit_rescaling``'s transaction puts
 the model back).
+
+The "before" forward is often one the model has already run: compile's self-check, or the "after"
+of the last write. Such outputs are kept as a :class:`Reference` with the model's `model_stamp`;
+a write whose model still has that stamp reads them instead of running the model again. A stamp
+cannot see every change (an edit through ``.data``, a Python attribute), so a check that fails
+against a reference raises :class:`StaleReference`, and ``commit_rescaling`` writes again against a
+fresh forward: a reference can save a forward, never decide a refusal.
 """
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-from pathir.errors import PathirError
+from pathir.errors import PathirError, StaleReference
 from pathir.frontends.torch.inputs import eval_forward, model_dtype_device, output_tensors
 
-__all__ = ["Probe"]
+__all__ = ["Probe", "Reference", "model_stamp"]
 
 #: the largest output change a write may make, relative to max |output|: ten times the compile
 #: self-check's tolerance per dtype (the rescaled model rounds its products differently)
@@ -25,14 +35,49 @@ KEPT = {torch.float64: 1e-8, torch.float32: 1e-3, torch.float16: 1e-1, torch.bfl
 BATCH = 1
 
 
+def model_stamp(model, train_paths=()) -> tuple:
+    """What a forward of ``model`` depends on that is cheap to read: every module's identity and mode, and
+    every parameter's and buffer's name, identity, storage, version, dtype and shape (an edit through
+    ``.data`` bumps no version: module docstring)."""
+    tensors = itertools.chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
+    return (tuple((n, id(t), t._version, t.data_ptr(), t.dtype, tuple(t.shape)) for n, t in tensors),
+            tuple((id(m), m.training) for m in model.modules()), tuple(train_paths))
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The model's outputs (float64 arrays) on ``inputs`` (model-dtype tensors, ``BATCH`` samples), read
+    when the model had ``stamp``."""
+
+    stamp: tuple
+    inputs: tuple
+    outputs: tuple
+
+    @classmethod
+    def of_batch(cls, model, train_paths, inputs, outputs) -> "Reference | None":
+        """The first ``BATCH`` samples of a forward already run (compile's self-check), or None where an
+        input or output has no such batch axis."""
+        if not all(t.dim() and t.shape[0] > BATCH for t in inputs) or not all(
+                a.ndim and a.shape[0] == inputs[0].shape[0] for a in outputs):
+            return None
+        return cls(model_stamp(model, train_paths), tuple(t[:BATCH] for t in inputs),
+                   tuple(np.ascontiguousarray(a[:BATCH]) for a in outputs))
+
+
 class Probe:
     """The model's outputs on a seeded random batch (``BATCH`` samples per graph input), taken at
-    construction: :meth:`check` runs the model again and refuses a changed function."""
+    construction, or read from ``reference`` where the model still has its stamp: :meth:`check` runs the
+    model again and refuses a changed function."""
 
-    def __init__(self, model, graph, train_paths=()):
+    def __init__(self, model, graph, train_paths=(), reference: Reference | None = None):
         self.model, self.train_paths = model, tuple(train_paths)
         dtype, device = model_dtype_device(model)
         self.dtype, self.tolerance = dtype, KEPT.get(dtype, 1e-3)
+        self.recorded = reference is not None and reference.stamp == model_stamp(model, self.train_paths)
+        self.after: Reference | None = None  # after a passing check: the written model's outputs
+        if self.recorded:
+            self.inputs, self.before = list(reference.inputs), list(reference.outputs)
+            return
         gen = torch.Generator().manual_seed(0)
         self.inputs = [torch.randn(BATCH, *graph.node(name).shape, generator=gen, dtype=torch.float64)
                        .to(dtype=dtype, device=device) for name in graph.inputs]
@@ -45,8 +90,20 @@ class Probe:
 
     def check(self) -> None:
         """PathirError where an output moved by more than the tolerance, relative to its max |value|
-        (outputs not finite before the write are not compared)."""
+        (outputs not finite before the write are not compared); StaleReference instead where "before"
+        was a recorded reference (the write is then checked again against a fresh forward)."""
         after = self._outputs()
+        try:
+            self._compare(after)
+        except PathirError as err:
+            if self.recorded:
+                raise StaleReference(f"checked against a recorded forward: {err}") from err
+            raise
+        self.after = Reference(model_stamp(self.model, self.train_paths), tuple(self.inputs), tuple(after))
+
+    def _compare(self, after) -> None:
+        if len(after) != len(self.before):
+            raise PathirError(f"write-back refused: the model returns {len(after)} outputs, {len(self.before)} before")
         for k, (a, b) in enumerate(zip(self.before, after)):
             if a.shape != b.shape:
                 raise PathirError(f"write-back refused: output {k} of the model changed shape under the write")

@@ -89,6 +89,7 @@ class TorchWriter:
         self.clips = dict(clips or {})  # threshold param -> ClipSite (frontends/torch/clipped.py)
         self._paths = None  # path -> module while one public call runs (`_with_paths`)
         self._written = None  # the probe of the last rescale, until check_written() reads it
+        self.reference = None  # the model's outputs on a probe, recorded with its stamp (function_kept.Reference)
 
     # ------------------------------------------------------------ helpers
     def _locate(self, name: str):
@@ -150,7 +151,7 @@ class TorchWriter:
         # the function before the write, compared after it (check_written) where the write reaches past what
         # the graph sees: a buffer (running statistics, a threshold: a forward may read it anywhere, while a
         # parameter read outside the graph is refused at compile) or a module replaced
-        probe = Probe(self.model, graph, self.train_paths) if clips.replace.entries or any(
+        probe = Probe(self.model, graph, self.train_paths, self.reference) if clips.replace.entries or any(
             not isinstance(t, torch.nn.Parameter) for t, _, _, _ in updates) else None
         with torch.no_grad():
             for t, new_t, _, _ in updates:
@@ -169,7 +170,9 @@ class TorchWriter:
         check and before any bias absorption, inside the transaction that puts the model back."""
         probe, self._written = self._written, None
         if probe is not None:
+            self.reference = None
             probe.check()
+            self.reference = probe.after  # the written model's outputs: the next write's "before"
 
     @_with_paths
     def shift_biases(self, graph: Graph, shifts: Mapping[str, np.ndarray]) -> None:

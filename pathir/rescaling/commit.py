@@ -30,7 +30,7 @@ import math
 
 import numpy as np
 
-from pathir.errors import PathirError
+from pathir.errors import PathirError, StaleReference
 from pathir.ir import Graph, Role
 from pathir.rescaling.apply import check_rescaling, log_scales, rescale_graph
 from pathir.rescaling.bounds import float64_safe
@@ -89,23 +89,37 @@ def commit_rescaling(graph: Graph, units, z, model=None, writer=None, optimizer=
         transport = None if optimizer is None else plan_transport(optimizer, writer.param_factors(graph, scales))
         state = writer.snapshot() if hasattr(writer, "snapshot") else None  # a writer that swaps whole models
         try:
-            with _transaction(model, float(np.max(np.abs(z), initial=0.0))) as check_values:
-                writer.rescale(graph, scales)
-                check_values()  # the dtype's range first: its refusal names the tensor and the bound
-                check_written = getattr(writer, "check_written", None)
-                if check_written is not None:  # then the function, before a bias absorption changes it on purpose
-                    check_written()
-                if bias_shifts:
-                    writer.shift_biases(graph, bias_shifts)  # (names and sources: the same in both)
-                if transport is not None:
-                    transport.write()
+            try:
+                _write(model, writer, graph, scales, z, bias_shifts, transport)
+            except StaleReference:  # its function check read a recorded forward: put back, written again, checked afresh
+                if state is not None:
+                    writer.restore(state)
+                _write(model, writer, graph, scales, z, bias_shifts, transport)
         except BaseException:
-            if transport is not None:
-                transport.undo()
             if state is not None:
                 writer.restore(state)
             raise
     return None if new_graph is None else with_bias_shifts(new_graph, bias_shifts)
+
+
+def _write(model, writer, graph, scales, z, bias_shifts, transport) -> None:
+    """One transaction: the rescaling, its checks, the bias shifts and the optimizer's state; on any error
+    the model (and the optimizer's state) as before."""
+    try:
+        with _transaction(model, float(np.max(np.abs(z), initial=0.0))) as check_values:
+            writer.rescale(graph, scales)
+            check_values()  # the dtype's range first: its refusal names the tensor and the bound
+            check_written = getattr(writer, "check_written", None)
+            if check_written is not None:  # then the function, before a bias absorption changes it on purpose
+                check_written()
+            if bias_shifts:
+                writer.shift_biases(graph, bias_shifts)  # (names and sources: the same in both)
+            if transport is not None:
+                transport.write()
+    except BaseException:
+        if transport is not None:
+            transport.undo()
+        raise
 
 
 def with_bias_shifts(graph: Graph, bias_shifts) -> Graph:
