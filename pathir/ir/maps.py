@@ -199,6 +199,12 @@ class ChannelMap(Map):
         return a
 
     def describe(self):
+        return self._description
+
+    @cached_property
+    def _description(self) -> str:
+        """``describe()``, made once per map (a re-read graph keeps its maps: ``str(graph)`` compares the
+        structure after each optimizer step, 1905 concatenation maps on densenet201)."""
         idx = self.index_array
         sel = np.flatnonzero(idx >= 0)
         src = idx[sel]
