@@ -51,6 +51,65 @@ def test_a_block_is_handed_out_again_only_once_every_array_over_it_is_gone(ops):
         assert not any(np.shares_memory(a, b) for b in held[i + 1:])
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["take", "view", "drop", "new pool", "drop pool"]), st.integers(0, 2),
+                          st.integers(0, 5)), max_size=50))
+def test_a_dead_pools_block_is_handed_out_again_only_once_every_array_over_it_is_gone(ops):
+    """Through the process-wide reserve of dead pools' blocks, too: no two live arrays share memory,
+    and none is written by another pool's holder."""
+    import gc
+
+    pools, held, marks = [ArrayPool()], [], []
+    for step, (op, size, k) in enumerate(ops):
+        if op == "take" and pools:
+            pool = pools[k % len(pools)]
+            pool.min_bytes = 0
+            a = pool.empty((size + 1, 2))
+            a.fill(step)
+            held.append(a)
+            marks.append(step)
+        elif op == "view" and held:
+            i = k % len(held)
+            held[i] = held[i].T[::-1]
+        elif op == "drop" and held:
+            i = k % len(held)
+            del held[i], marks[i]
+        elif op == "new pool":
+            pools.append(ArrayPool())
+        elif op == "drop pool" and pools:
+            del pools[k % len(pools)]
+            gc.collect()
+        for a, mark in zip(held, marks):
+            assert np.all(a == mark)
+    for i, a in enumerate(held):
+        assert not any(np.shares_memory(a, b) for b in held[i + 1:])
+
+
+def test_a_new_pool_widens_into_a_dead_pools_memory_within_the_reserve(monkeypatch):
+    import gc
+
+    from pathir.support import array_pool
+
+    array_pool.release()
+    first = ArrayPool()
+    a = first.empty((300, 300))  # 720 KB
+    block = a.base.base.obj
+    del a, first
+    gc.collect()
+    again = ArrayPool().empty((300, 300))
+    assert again.base.base.obj is block  # the memory of the dead pool, already written once
+    del again
+    gc.collect()
+    monkeypatch.setattr(array_pool, "RESERVE_BYTES", 100_000)  # smaller than the block: not kept
+    third = ArrayPool()
+    b = third.empty((300, 300))
+    block = b.base.base.obj
+    del b, third
+    gc.collect()
+    assert ArrayPool().empty((300, 300)).base.base.obj is not block
+    array_pool.release()
+
+
 def test_a_torch_tensor_over_an_array_keeps_its_block():
     pool = ArrayPool()
     pool.min_bytes = 0

@@ -18,16 +18,86 @@ True
 >>> c = pool.empty((3, 2))  # b still lives: a new block
 >>> c.base.base.obj is block
 False
+
+When a pool dies (its Compiled is dropped), its free blocks, and those of its arrays that die later,
+go to one process-wide reserve that a new pool draws from before it allocates: a model compiled
+again (a benchmark loop, a script run per checkpoint) widens into memory already faulted in
+(resnet18: compile + path-norm 94 -> 75 ms). The reserve keeps at most ``RESERVE_BYTES`` (the
+blocks returned last; a larger model's blocks are freed as before); :func:`release` frees it.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import weakref
+from collections import OrderedDict
 
 import numpy as np
 
-__all__ = ["ArrayPool"]
+__all__ = ["ArrayPool", "RESERVE_BYTES", "release"]
+
+#: the most memory the process-wide reserve of dead pools' blocks keeps (module docstring)
+RESERVE_BYTES = 256 << 20
+
+
+class _Reserve:
+    """Blocks of dead pools, the last returned kept first, at most ``RESERVE_BYTES`` in all."""
+
+    def __init__(self):
+        self.blocks: OrderedDict[int, np.ndarray] = OrderedDict()  # id -> block, oldest first
+        self.bytes = 0
+        self.lock = threading.Lock()  # blocks come back from finalizers, on whichever thread collects
+
+    def put(self, block: np.ndarray) -> None:
+        with self.lock:
+            if block.nbytes > RESERVE_BYTES:
+                return
+            self.blocks[id(block)] = block
+            self.bytes += block.nbytes
+            while self.bytes > RESERVE_BYTES:
+                _, old = self.blocks.popitem(last=False)
+                self.bytes -= old.nbytes
+
+    def take(self, n: int) -> np.ndarray | None:
+        with self.lock:
+            for key in reversed(self.blocks):
+                block = self.blocks[key]
+                if block.size == n:
+                    del self.blocks[key]
+                    self.bytes -= block.nbytes
+                    return block
+        return None
+
+    def clear(self) -> None:
+        with self.lock:
+            self.blocks.clear()
+            self.bytes = 0
+
+
+_RESERVE = _Reserve()
+
+
+def release() -> None:
+    """Free the reserve of dead pools' blocks (pools still alive keep theirs)."""
+    _RESERVE.clear()
+
+
+def _returned(pool_ref, n: int, block: np.ndarray) -> None:
+    """An array over ``block`` died: the block back to its pool, or to the reserve once the pool is gone."""
+    pool = pool_ref()
+    if pool is None:
+        _RESERVE.put(block)
+    else:
+        pool._free.setdefault(n, []).append(block)
+
+
+def _retire(free: dict) -> None:
+    """A pool died: its free blocks to the reserve."""
+    for blocks in free.values():
+        for block in blocks:
+            _RESERVE.put(block)
+    free.clear()
 
 
 class ArrayPool:
@@ -38,15 +108,18 @@ class ArrayPool:
 
     def __init__(self):
         self._free: dict[int, list[np.ndarray]] = {}  # size -> blocks no live array is over
+        weakref.finalize(self, _retire, self._free)
 
     def empty(self, shape) -> np.ndarray:
         n = math.prod(shape)
         if n == 0 or 8 * n < self.min_bytes:
             return np.empty(shape)
         free = self._free.get(n)
-        block = free.pop() if free else np.empty(n)
+        block = free.pop() if free else _RESERVE.take(n)
+        if block is None:
+            block = np.empty(n)
         # numpy collapses a view's base to the first array whose base is not an ndarray: ``flat``
         # (over a memoryview), so every view of the result keeps ``flat`` alive.
         flat = np.frombuffer(memoryview(block), dtype=np.float64)
-        weakref.finalize(flat, self._free.setdefault(n, []).append, block)
+        weakref.finalize(flat, _returned, weakref.ref(self), n, block)
         return flat.reshape(shape)
