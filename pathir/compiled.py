@@ -7,6 +7,7 @@ all at once, after everything else succeeded.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass, field
@@ -44,13 +45,8 @@ def _looks_once(method):
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        self._calls += 1
-        try:
+        with self.looking_once():
             return method(self, *args, **kwargs)
-        finally:
-            self._calls -= 1
-            if not self._calls:
-                self._looked = False
 
     return wrapper
 
@@ -160,6 +156,18 @@ class Compiled:
     @graph.setter
     def graph(self, graph: Graph) -> None:
         self._facts = GraphFacts(graph)
+
+    @contextlib.contextmanager
+    def looking_once(self):
+        """Within the block (one public call, or compile's self-check), the model is compared with its
+        reference once, at the first query (`_looks_once`)."""
+        self._calls += 1
+        try:
+            yield
+        finally:
+            self._calls -= 1
+            if not self._calls:
+                self._looked = False
 
     @property
     def facts(self) -> GraphFacts:
