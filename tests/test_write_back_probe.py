@@ -189,3 +189,110 @@ def test_a_refusal_against_a_recorded_before_is_confirmed_by_a_fresh_forward(mon
         cm.commit_rescaling(np.random.default_rng(0).normal(scale=2, size=len(cm.units)))
     assert "recorded" not in str(info.value) and len(calls) == 3
     assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())
+
+
+# ------------------------------------------------------------ tensors over one memory
+
+
+class _TiedAE(nn.Module):
+    """``dec.weight`` a new Parameter over ``enc.weight``'s memory (the tied-autoencoder idiom)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.dec, self.out = nn.Linear(4, 3), nn.Linear(3, 4), nn.Linear(4, 2)
+        self.dec.weight = nn.Parameter(self.enc.weight.data.t())
+
+    def forward(self, x):
+        return self.out(F.relu(self.dec(F.relu(self.enc(x)))))
+
+
+class _BufferOverBias(nn.Module):
+    """A buffer over a bias's memory, read as a constant factor: only parameters are written."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.out = nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+        self.register_buffer("gate", self.b.bias.data)
+
+    def forward(self, x):
+        return self.out(F.relu(self.b(F.relu(self.a(x)))) * self.gate)
+
+
+class _ConvOverConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2, self.fc = nn.Conv2d(3, 3, 3, padding=1), nn.Conv2d(3, 3, 3, padding=1), nn.Linear(3, 2)
+        self.c2.weight = nn.Parameter(self.c1.weight.data)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.c2(F.relu(self.c1(x)))).mean((2, 3)))
+
+
+class _Expanded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(3, 2)
+        self.a.weight = nn.Parameter(torch.randn(1, 4).expand(3, 4))
+
+    def forward(self, x):
+        return self.b(F.relu(self.a(x)))
+
+
+class _DisjointViews(nn.Module):
+    """Weight and bias as disjoint slices of one flat buffer (as flattened-parameter trainers keep them):
+    one memory, no entry read twice, so a write is exact."""
+
+    def __init__(self):
+        super().__init__()
+        flat = torch.randn(4 * 3 + 3)
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(3, 2)
+        self.a.weight = nn.Parameter(flat[:12].view(3, 4))
+        self.a.bias = nn.Parameter(flat[12:])
+
+    def forward(self, x):
+        return self.b(F.relu(self.a(x)))
+
+
+SHARED = {"a Parameter over another's .data": (_TiedAE, (4,), "same memory"),
+          "a buffer over a bias": (_BufferOverBias, (4,), "shares memory with"),
+          "a conv weight over another's": (_ConvOverConv, (3, 5, 5), "same memory"),
+          "an expanded weight": (_Expanded, (4,), "stride 0")}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", SHARED)
+def test_tensors_over_one_memory_are_refused_untouched(case, dtype):
+    build, shape, words = SHARED[case]
+    torch.manual_seed(0)
+    torch.set_default_dtype(dtype)  # built in the dtype: .to() would copy and untie the memory
+    try:
+        net = build().eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    x = torch.randn(8, *shape, dtype=dtype)
+    with torch.no_grad():
+        before = net(x)
+    cm = pathir.compile(net, input_shape=shape)
+    for method in (lambda: cm.commit_rescaling(np.random.default_rng(0).normal(size=len(cm.units))), cm.pathcond):
+        with pytest.raises(PathirError, match=words):
+            method()
+        assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())
+        with torch.no_grad():
+            assert torch.equal(net(x), before)
+
+
+def test_disjoint_views_of_one_memory_are_written_exactly():
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float64)
+    try:
+        net = _DisjointViews().eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    with torch.no_grad():
+        before = net(x)
+    cm = pathir.compile(net, input_shape=(4,))
+    cm.commit_rescaling(np.random.default_rng(0).normal(size=len(cm.units)))
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), before, rtol=1e-12, atol=1e-12)

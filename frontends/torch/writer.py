@@ -37,11 +37,12 @@ from typing import Mapping
 
 import numpy as np
 
-from pathir.errors import PathirError
+from pathir.errors import PathirError, StaleReference
 from pathir.frontends.core.param_write import derived, per_slice_factor, refresh, weight_norm_update
 from pathir.frontends.core.write_rules import EntryFactor, clip_threshold_names, mask_plan, source_factors
 from pathir.frontends.torch.clipped import plan_clips
 from pathir.frontends.torch.function_kept import Probe
+from pathir.frontends.torch.shared_memory import overlaps, self_overlapping
 from pathir.ir import Graph, Role
 from pathir.support.threads import one_torch_thread
 
@@ -89,6 +90,7 @@ class TorchWriter:
         self.clips = dict(clips or {})  # threshold param -> ClipSite (frontends/torch/clipped.py)
         self._paths = None  # path -> module while one public call runs (`_with_paths`)
         self._written = None  # the probe of the last rescale, until check_written() reads it
+        self._shared: list = []  # (written, other) tensors over one memory in the last rescale (shared_memory)
         self.reference = None  # the model's outputs on a probe, recorded with its stamp (function_kept.Reference)
 
     # ------------------------------------------------------------ helpers
@@ -148,14 +150,32 @@ class TorchWriter:
                     continue
                 seen[id(t)] = (name, new_t)
                 updates.append((t, new_t, module, attr))
+        names = {ident: name for ident, (name, _) in seen.items()}
+        for t, _, _, _ in updates:
+            if self_overlapping(t):
+                raise PathirError(f"write-back refused: entries of '{names[id(t)]}' share one memory location (an "
+                                  "expanded tensor, stride 0), which a rescaling would give different factors; give it "
+                                  "its own memory (nn.Parameter(w.detach().clone())). The model is untouched")
+        shared = overlaps(self.model, [(names[id(t)], t) for t, _, _, _ in updates])
         # the function before the write, compared after it (check_written) where the write reaches past what
         # the graph sees: a buffer (running statistics, a threshold: a forward may read it anywhere, while a
-        # parameter read outside the graph is refused at compile) or a module replaced
-        probe = Probe(self.model, graph, self.train_paths, self.reference) if clips.replace.entries or any(
+        # parameter read outside the graph is refused at compile), memory another tensor of the model also
+        # reads, or a module replaced
+        probe = Probe(self.model, graph, self.train_paths, self.reference) if shared or clips.replace.entries or any(
             not isinstance(t, torch.nn.Parameter) for t, _, _, _ in updates) else None
         with torch.no_grad():
             for t, new_t, _, _ in updates:
                 t.copy_(new_t)
+            if shared:  # a later write may have overwritten an earlier one: each must hold what it was given
+                for t, new_t, _, _ in updates:
+                    if not torch.equal(t, new_t):
+                        pairs = ", ".join(f"'{a}' and '{b}'" for a, b in shared)
+                        raise PathirError(
+                            f"write-back refused: {pairs} are different tensors over the same memory (e.g. "
+                            "nn.Parameter(other.weight.data), register_buffer(..., p.data)), which the rescaling "
+                            f"gives different values: '{names[id(t)]}' would not hold its own. Give each its own "
+                            "memory (.detach().clone()), or use one tensor under both names. The model is untouched")
+        self._shared = shared
         clips.apply()  # clipped ReLU modules whose thresholds moved: per-channel ClippedReLUs
         if clips.replace.entries:  # (a reference outside the module tree would keep calling the old one)
             clips.replace.check_unused(self.model, tuple(probe.inputs))
@@ -171,7 +191,16 @@ class TorchWriter:
         probe, self._written = self._written, None
         if probe is not None:
             self.reference = None
-            probe.check()
+            try:
+                probe.check()
+            except StaleReference:
+                raise
+            except PathirError as err:
+                if not self._shared:
+                    raise
+                pairs = ", ".join(f"'{a}' shares memory with '{b}'" for a, b in self._shared)
+                raise PathirError(f"{err} ({pairs}: a tensor made from another's .data, which the rescaling writes "
+                                  "through; give it its own memory with .detach().clone())") from err
             self.reference = probe.after  # the written model's outputs: the next write's "before"
 
     @_with_paths

@@ -209,8 +209,8 @@ def _transaction(model, max_abs_z: float):
             for module, kind, name, _, t, copy in saved:
                 if kind == "attr":
                     setattr(module, name, t)
-                else:
-                    t.copy_(copy)
+                elif not any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):  # (an expanded tensor:
+                    t.copy_(copy)  # one memory location per many entries, which no writer writes, refused)
         raise
 
 

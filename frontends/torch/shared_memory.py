@@ -1,0 +1,63 @@
+"""Tensors of a model that share memory without being one tensor object.
+
+A rescaling writes each source tensor once; a tensor reached under two names (``b.weight = a.weight``) is
+one object and written once, with its two factors compared (the writer). Two *different* objects over the
+same memory are not seen that way: ``nn.Parameter(a.weight.data.t())`` (a tied autoencoder),
+``register_buffer("gate", b.bias.data)``, overlapping views of one base. Writing one then writes the other,
+which the graph reads as an independent tensor. :func:`overlaps` finds such pairs before a write, so the
+writer can check the function it keeps (the probe) and every written value (the last write wins).
+
+>>> import torch, torch.nn as nn
+>>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 2))
+>>> net[2].weight = nn.Parameter(net[0].weight.data.t())
+>>> overlaps(net, [("0.weight", net[0].weight)])
+[('0.weight', '2.weight')]
+>>> self_overlapping(torch.zeros(1, 4).expand(3, 4))
+True
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+
+import torch
+
+__all__ = ["overlaps", "self_overlapping"]
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """(storage pointer, first byte, one past the last byte) of the memory ``t`` can read (None: empty or
+    not a real tensor)."""
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.numel() == 0:
+        return None
+    span = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    start = t.storage_offset() * t.element_size()
+    return t.untyped_storage().data_ptr(), start, start + span * t.element_size()
+
+
+def self_overlapping(t: torch.Tensor) -> bool:
+    """Whether two entries of ``t`` are one memory location (a stride of 0 on an axis of 2 or more: an
+    expanded tensor): no rescaling that gives them different factors can be written into it."""
+    return any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride()))
+
+
+def overlaps(model: torch.nn.Module, written: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str]]:
+    """(written name, other name) for each parameter or buffer of ``model`` that is another object than a
+    written tensor but reads memory the written one spans (written tensors among themselves included)."""
+    spans = [(name, id(t), e) for name, t in written if (e := _extent(t)) is not None]
+    if not spans:
+        return []
+    by_storage: dict[int, list] = {}
+    for name, ident, (ptr, lo, hi) in spans:
+        by_storage.setdefault(ptr, []).append((name, ident, lo, hi))
+    out, seen = [], set()
+    tensors = chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
+    for other, t in tensors:
+        e = _extent(t)
+        if e is None or e[0] not in by_storage:
+            continue
+        for name, ident, lo, hi in by_storage[e[0]]:
+            if ident != id(t) and lo < e[2] and e[1] < hi and (other, name) not in seen:
+                seen.add((name, other))
+                out.append((name, other))
+    return out
