@@ -211,3 +211,23 @@ def test_onnx_gather_elements_keeping_a_prefix_of_the_batch_is_refused():
         pathir.compile(proto)
     assert (info.value.node, info.value.op) == ("ge", "GatherElements")
     assert "the batch axis" in str(info.value) and "expand the indices" in str(info.value)
+
+
+class _SubParam(nn.Module):
+    def __init__(self, form):
+        super().__init__()
+        self.a, self.w, self.b, self.form = nn.Linear(4, 3), nn.Parameter(torch.randn(3)), nn.Linear(3, 2), form
+
+    def forward(self, x):
+        h = self.a(x)
+        h = h - self.w if self.form == "sub" else torch.add(h, self.w, alpha=-2.0)
+        return self.b(torch.relu(h))
+
+
+@pytest.mark.parametrize("form, words", [("sub", ("learnable parameter 'w'", "added (h + b)")),
+                                         ("add alpha", ("the learnable parameter 'w'",))])
+def test_a_parameter_met_where_pathir_wants_an_activation_is_named_as_one(form, words):
+    net = _SubParam(form)
+    with pytest.raises(UnsupportedOperation) as info:
+        pathir.compile(net, input_shape=(4,))
+    assert all(w in str(info.value) for w in words) and "ParamTensor" not in str(info.value)

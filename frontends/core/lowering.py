@@ -26,6 +26,7 @@ from pathir.frontends.core.values import (
     SELECTION,
     ParamTensor,
     Value,
+    described,
     f64,
     f64_into,
     run_index_op,
@@ -160,7 +161,7 @@ class Lowering:
     def value(self, v) -> Value:
         """``v`` itself when it is an activation; any other argument is refused."""
         if not isinstance(v, Value):
-            self.unsupported(f"expected an activation tensor, got {type(v).__name__}")
+            self.unsupported(f"expected an activation tensor here, got {described(v)}")
         return v
 
     # ------------------------------------------------------------ affine ops

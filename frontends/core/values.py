@@ -25,7 +25,7 @@ import torch
 
 from pathir.ir import ChannelMap, Gather, Identity, Map, MapKind, Param, Reshape
 
-__all__ = ["Value", "ParamTensor", "f64", "SELECTION", "selection_index", "selection_map", "run_index_op", "BATCH",
+__all__ = ["described", "Value", "ParamTensor", "f64", "SELECTION", "selection_index", "selection_map", "run_index_op", "BATCH",
            "leaves", "values_in", "substitute"]
 
 #: batch size of the element-id tensors (2 catches ops that mix samples)
@@ -64,6 +64,16 @@ class ParamTensor:
     name: str
     tensor: torch.Tensor
     kind: str = "parameter"  # or "buffer"
+
+
+def described(v) -> str:
+    """What a non-activation argument is, in the words of an error message."""
+    if isinstance(v, ParamTensor):
+        learnable = v.kind == "parameter" and getattr(v.tensor, "requires_grad", False)
+        return f"the {'learnable parameter' if learnable else v.kind} '{v.name}'"
+    if isinstance(v, torch.Tensor):
+        return f"a constant tensor of shape {list(v.shape)}"
+    return f"the constant {v!r}" if isinstance(v, (int, float, bool)) or v is None else f"a {type(v).__name__}"
 
 
 def f64(t: torch.Tensor) -> np.ndarray:

@@ -24,7 +24,7 @@ import torch.nn as nn
 from pathir.frontends.core.fixed_factors import fixed_scale
 from pathir.frontends.core.fixed_maps import fixed_linear
 from pathir.frontends.core.reductions import elementwise_max
-from pathir.frontends.core.values import ParamTensor, Value
+from pathir.frontends.core.values import ParamTensor, Value, described
 from pathir.frontends.torch.why import refuse
 from pathir.ir import Scale, SourceRef
 
@@ -97,6 +97,10 @@ def sub(low, input, other, *, alpha=1):
     if literal(input) and input == 0 and isinstance(other, Value):
         return fixed_scale(low, other, -_alpha(low, alpha))
     if not (isinstance(input, Value) and isinstance(other, Value)):
+        term = other if isinstance(input, Value) else input
+        if isinstance(term, ParamTensor):
+            low.unsupported(f"subtracting {described(term)}: pathir lowers a learnable bias that is added (h + b), "
+                            "not subtracted (store its negative and write h + b)")
         low.unsupported("subtracting a constant: a fixed non-zero bias breaks the rescaling symmetry")
     return low.add(input, fixed_scale(low, other, -_alpha(low, alpha)))
 
