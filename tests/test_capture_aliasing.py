@@ -260,3 +260,23 @@ class SizeArithmetic(_Lin):
 def test_augmented_assignment_on_a_size_is_not_a_write():
     torch.manual_seed(0)
     assert_forward(SizeArithmetic().double(), (3,))
+
+
+def test_a_copy_from_an_overlapping_view_of_the_written_memory_is_refused():
+    """``h[:, 1:].copy_(h[:, :-1])``: eager's result depends on its copy order (it smears h[:, 0]), which no
+    traced or functionalized graph reproduces."""
+    import pathir
+    from pathir.frontends.torch.capture_checks import ReadsWhatItWrites
+
+    class Shift(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 6), torch.nn.Linear(6, 3)
+
+        def forward(self, x):
+            h = self.a(x)
+            h[:, 1:].copy_(h[:, :-1])
+            return self.b(torch.relu(h))
+
+    with pytest.raises(ReadsWhatItWrites, match="view of the memory"):
+        pathir.compile(Shift(), input_shape=(4,))

@@ -320,6 +320,10 @@ def alias_plan(graph: torch.fx.Graph, model, effect, is_state=lambda node: False
             mutations.append((n, src))
     plan = {}
     for n, m in mutations:
+        overlap = _reads_what_it_writes(n, m, edges, pos)
+        if overlap is not None:
+            plan[n] = (m, overlap)  # raised only if the written value is an activation (see refuse_inplace)
+            continue
         try:
             plan[n] = (m, _rebind_for(n, m, edges, pos, is_state))
         except UnsupportedOperation as err:
@@ -338,6 +342,31 @@ def _on_activation(plan: dict, node, env: dict):
     return action[1]
 
 
+class ReadsWhatItWrites(UnsupportedOperation):
+    """An in-place op whose value is a view of the storage it writes, at other positions
+    (``h[:, 1:] = h[:, :-1]``): eager PyTorch's result depends on the order its copy runs in (it
+    smears h[:, 0] along the row), which neither the traced graph nor torch.export's functionalized
+    one (both read the old values) reproduces. Refused, with no fallback."""
+
+
+def _reads_what_it_writes(n, m, edges, pos) -> ReadsWhatItWrites | None:
+    group = _component(m, edges, pos[n], pos, {"whole", "view"})
+    same = _component(m, edges, pos[n], pos, {"whole"})
+    for a in _nodes_in((n.args[1:], n.kwargs)):
+        if a in group and a not in same:
+            return ReadsWhatItWrites(
+                n.name, _op(n), _where(n),
+                f"its value '{a.name}' is a view of the memory '{m.name}' it writes, at other positions: eager "
+                "PyTorch's result then depends on the order its copy runs in (write from a copy: .clone() the value)")
+    return None
+
+
+def _nodes_in(args) -> list:
+    out = []
+    torch.fx.node.map_arg(args, lambda a: out.append(a) or a)
+    return out
+
+
 class WriteThroughView(UnsupportedOperation):
     """An in-place op writes an activation that a later reader sees through a view (or as the base
     of the written view): the traced graph would read the value before the write. The torch
@@ -348,6 +377,8 @@ def refuse_inplace(plan: dict, node, env: dict) -> None:
     """Before ``node`` is evaluated: raise the plan's refusal (a :class:`WriteThroughView`) if it
     writes an activation through a view."""
     todo = _on_activation(plan, node, env)
+    if isinstance(todo, ReadsWhatItWrites):
+        raise todo
     if isinstance(todo, UnsupportedOperation):
         raise WriteThroughView(todo.node, todo.op, todo.where, todo.why) from None
 
