@@ -231,3 +231,37 @@ def test_a_parameter_met_where_pathir_wants_an_activation_is_named_as_one(form, 
     with pytest.raises(UnsupportedOperation) as info:
         pathir.compile(net, input_shape=(4,))
     assert all(w in str(info.value) for w in words) and "ParamTensor" not in str(info.value)
+
+
+# ------------------------------------------------------------ numbers computed from the batch size (ONNX)
+
+
+def _batch_divided(reshape_too: bool):
+    """relu(fc(x)) / x.shape[0] as both exporters write it (Shape -> Gather -> Cast -> Div); with
+    ``reshape_too`` only a Reshape to Shape(h) reads the batch size, as a shape."""
+    nodes = [node("Gemm", ["x", "W"], ["h"], "fc", transB=1), node("Relu", ["h"], ["a"], "relu"),
+             node("Shape", ["a"], ["sh"], "shape")]
+    if reshape_too:
+        nodes += [node("Reshape", ["a", "sh"], ["y"], "reshape")]
+    else:
+        nodes += [node("Gather", ["sh", "i0"], ["n"], "batch", axis=0),
+                  node("Cast", ["n"], ["nf"], "cast", to=TensorProto.FLOAT), node("Div", ["a", "nf"], ["y"], "div")]
+    return make_model(nodes, [tensor_info("x", ["N", 4])], [tensor_info("y", ["N", 4])],
+                      {"W": np.random.default_rng(0).normal(size=(4, 4)), "i0": np.array(0, dtype=np.int64)})
+
+
+def test_an_onnx_number_computed_from_the_batch_size_is_refused_where_read_as_a_coefficient():
+    """It was folded at the walk's batch (2): the graph was off by N/2 at every other batch size, silently."""
+    with pytest.raises(UnsupportedOperation) as info:
+        pathir.compile(_batch_divided(False))
+    assert (info.value.node, info.value.op) == ("div", "Div")
+    assert "computed from the batch size" in str(info.value) and "'nf'" in str(info.value)
+
+
+def test_an_onnx_shape_read_as_a_reshape_target_still_lowers_at_every_batch_size():
+    proto = _batch_divided(True)
+    cm = pathir.compile(proto)
+    for batch in (1, 3, 5):
+        x = np.random.default_rng(batch).normal(size=(batch, 4)).astype(np.float32)
+        np.testing.assert_allclose(cm.forward(x.astype(np.float64), backend="numpy"), ort_output(proto, x),
+                                   rtol=1e-5, atol=1e-6)

@@ -10,6 +10,7 @@ import math
 import numpy as np
 
 from pathir.frontends.core.values import Value
+from pathir.frontends.onnx.batch_size import ALT_BATCH, batch_sized
 from pathir.frontends.onnx.layers import attrs
 from pathir.frontends.onnx.load import numpy_dtype
 
@@ -53,15 +54,21 @@ def cast_like(low, node, ins):
 
 
 def shape(low, node, ins):
+    """The activation's shape at the walk's batch size, marked with the one at another (`batch_size`)."""
     v = ins[0]
-    full = [low.batch, *v.shape] if node.input[0] not in low.axis1 else [v.shape[0], low.batch]
     a = attrs(node)
     start, end = a.get("start", 0), a.get("end", None)
-    return [np.asarray(full[start:end], dtype=np.int64)]
+
+    def at(batch):
+        full = [batch, *v.shape] if node.input[0] not in low.axis1 else [v.shape[0], batch]
+        return np.asarray(full[start:end], dtype=np.int64)
+
+    return [batch_sized(at(low.batch), at(low.batch + ALT_BATCH))]
 
 
 def size(low, node, ins):
-    return [np.asarray(low.batch * math.prod(ins[0].shape), dtype=np.int64)]
+    n = math.prod(ins[0].shape)
+    return [batch_sized(np.asarray(low.batch * n, dtype=np.int64), np.asarray((low.batch + ALT_BATCH) * n, dtype=np.int64))]
 
 
 def add(low, node, ins):

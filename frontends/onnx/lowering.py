@@ -27,6 +27,7 @@ import numpy as np
 from pathir.errors import PathirError, UnsupportedOperation
 from pathir.frontends.core.lowering import Lowering
 from pathir.frontends.core.values import Value
+from pathir.frontends.onnx.batch_size import SHAPE_OPERANDS, alternatives, batch_sized, depends_on_batch
 from pathir.frontends.onnx.evaluate import outer_names, run_node
 from pathir.frontends.onnx.index import READS_DISPLACED, Displaced, Sequence
 from pathir.frontends.onnx.layers import f64
@@ -129,15 +130,32 @@ class OnnxLowering(Lowering):
             if any(isinstance(v, (Value, Sequence, Displaced)) for v in outer.values()):
                 self.unsupported("control flow whose body reads an activation: not a fixed map")
             try:
-                return run_node(self.proto, node, ins, outer)
+                outs = run_node(self.proto, node, ins, outer)
             except Exception as err:  # the reference evaluator raises many types
                 self.fail(f"constant folding failed: {type(err).__name__}: {err}")
+            if any(depends_on_batch(v) for v in ins):  # the same at the second batch size (`batch_size`)
+                alts = alternatives(ins)
+                try:
+                    alts = None if alts is None else run_node(self.proto, node, alts, outer)
+                except Exception:  # (shapes that only fit the walk's batch): every entry taken to depend on it
+                    alts = None
+                outs = [o if not isinstance(o, np.ndarray) else batch_sized(o, None if alts is None else alts[k])
+                        for k, o in enumerate(outs)]
+            return outs
         op = node.op_type if node.domain in ("", "ai.onnx") else None
         for k in acts:
             if node.input[k] in self.axis1 and op not in AXIS1_OK:
                 self.unsupported(f"'{node.input[k]}' has its batch on axis 1; "
                                  "only Gemm, MatMul, Relu and Add read that layout")
         rule = RULES.get(op) if op else None
+        if op not in SHAPE_OPERANDS:
+            for k, v in enumerate(ins):
+                if depends_on_batch(v):
+                    self.unsupported(
+                        f"its operand '{node.input[k]}' is computed from the batch size (Shape or Size of an "
+                        f"activation, {np.asarray(v).ravel()[:4].tolist()} at the batch of {self.batch} pathir walks): "
+                        "pathir's graph is per sample and this number changes with the batch (export the model with "
+                        "the number as a constant, or without the division by the batch size)")
         displaced = [v for v in ins if isinstance(v, Displaced)]
         if displaced and op in ("Shape", "Size"):  # the id tensor has the real shape (at the walk's batch)
             return run_node(self.proto, node, [v.ids.ids if isinstance(v, Displaced) else v for v in ins])
