@@ -36,17 +36,36 @@ def dropout(low, node, ins):
     return [ins[0], None]
 
 
-def cast(low, node, ins):
-    from onnx import TensorProto
+#: ONNX float types -> (mantissa bits, exponent bits): a cast from a to b is exact iff b has both at least
+#: as wide (float16 and bfloat16 hold neither's values)
+_FLOAT_BITS = {1: (23, 8), 11: (52, 11), 10: (10, 5), 16: (7, 8)}
+_FLOAT_NAMES = {1: "float32", 11: "float64", 10: "float16", 16: "bfloat16"}
 
-    if attrs(node).get("to") not in (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16):
-        low.unsupported("a cast of an activation to a non-float type")
+
+def cast(low, node, ins):
+    """A cast of an activation is nothing where it is exact (to a float type as wide in mantissa and
+    exponent as the activation's); a narrowing cast rounds every value, which pathir does not model."""
+    _exact_cast(low, node, attrs(node).get("to"))
     low.same_axis(node)
     return [ins[0]]
 
 
+def _exact_cast(low, node, to) -> None:
+    """Refuse a cast below the model's precision (its first float input's type, the precision its outputs
+    are compared in): it rounds every value. A cast back to it after a widening one is exact."""
+    if to not in _FLOAT_BITS:
+        low.unsupported("a cast of an activation to a non-float type")
+    inputs = [low.types.get(i.name) for i in low.proto.graph.input]
+    model = next((t for t in inputs if t in _FLOAT_BITS), None)
+    if model is not None and any(t < m for t, m in zip(_FLOAT_BITS[to], _FLOAT_BITS[model])):
+        low.unsupported(f"a cast of an activation to {_FLOAT_NAMES[to]} in a {_FLOAT_NAMES[model]} model rounds every "
+                        "value (a narrowing cast, e.g. a half-precision round trip): not an exact linear map; export "
+                        "the model in one precision")
+
+
 def cast_like(low, node, ins):
     if isinstance(ins[0], Value):
+        _exact_cast(low, node, low.types.get(node.input[1], 1))
         low.same_axis(node)
         return [ins[0]]
 
