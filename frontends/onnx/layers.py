@@ -179,8 +179,9 @@ def batch_normalization(low, node, ins):
     if a.get("training_mode", 0):
         low.unsupported("batch-norm in training mode uses batch statistics: input-dependent")
     v = low.act(node, 0)
-    # the attribute is float32: take the decimal it was written from (1e-3, not 0.0010000000475)
-    eps = float(str(np.float32(a.get("epsilon", 1e-5))))
+    # the attribute is float32, and onnxruntime widens it as it is (0.0010000000475 for 1e-3): a float64
+    # model's variance + eps is then exact to 1e-16 (the decimal 1e-3 was off by 4e-11)
+    eps = float(np.float32(a.get("epsilon", 1e-5)))
     # a batch-norm applied twice shares all four; one tensor in two slots of one node (a deduplicated
     # initializer: scale = variance = 1, bias = mean = 0) is one ref per slot, each written in its own role
     group = ("bn", tuple(node.input[1:5]), eps)
