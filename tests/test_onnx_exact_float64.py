@@ -2,6 +2,7 @@
 
 import numpy as np
 import onnxruntime as ort
+import pytest
 from onnx import TensorProto, helper
 from onnx import numpy_helper as nh
 
@@ -23,3 +24,23 @@ def test_a_float64_batch_norm_reads_its_float32_epsilon_as_onnxruntime_widens_it
     ref = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     out = pathir.compile(proto).forward(x, backend="numpy")
     assert np.abs(out - ref).max() <= 1e-14 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+@pytest.mark.parametrize("scale", [2.0, 1.5, 0.6])
+def test_resize_at_opset_10_reads_its_scales_from_its_second_input(mode, scale):
+    """Resize-10 is (X, scales): its scales were read as opset 11's roi and the model refused."""
+    rng = np.random.default_rng(0)
+    F = TensorProto.FLOAT
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "W"], ["h"], name="conv"), helper.make_node("Relu", ["h"], ["r"], name="relu"),
+         helper.make_node("Resize", ["r", "scales"], ["y"], name="up", mode=mode)],
+        "g", [helper.make_tensor_value_info("x", F, ["N", 2, 5, 5])], [helper.make_tensor_value_info("y", F, ["N", 3, int(5 * scale), int(5 * scale)])],
+        [nh.from_array(rng.normal(size=(3, 2, 1, 1)).astype(np.float32), "W"),
+         nh.from_array(np.array([1, 1, scale, scale], np.float32), "scales")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 10)])
+    proto.ir_version = 5
+    x = rng.normal(size=(3, 2, 5, 5)).astype(np.float32)
+    ref = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    out = pathir.compile(proto).forward(x.astype(np.float64), backend="numpy")
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)

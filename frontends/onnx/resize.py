@@ -40,6 +40,8 @@ def resize(low, node, ins):
     for name, ok in (("antialias", 0), ("keep_aspect_ratio_policy", "stretch")):
         if a.get(name, ok) != ok:
             low.unsupported(f"Resize with {name}={a[name]}")
+    if _opset(low) < 11:  # Resize-10: (X, scales), asymmetric coordinates, as Upsample
+        return [_resampled_by(low, node, ins, _resize_input(low, node, 1, "scales"), None, f"resize_{mode}")]
     roi = low.const(node, 1, "roi", required=False) if len(node.input) > 1 and node.input[1] else None
     if roi is not None and roi.size:
         low.unsupported("Resize with a region of interest (roi)")
@@ -78,6 +80,11 @@ def upsample(low, node, ins):
     scales = a.get("scales")
     scales = np.asarray(scales, dtype=np.float32) if scales is not None else _resize_input(low, node, 1, "scales")
     return [_resampled_by(low, node, ins, scales, None, f"upsample_{mode}")]
+
+
+def _opset(low) -> int:
+    """The model's default-domain opset (Resize's inputs moved at 11: (X, scales) before, (X, roi, scales, sizes) from)."""
+    return next((o.version for o in low.proto.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
 def _resize_input(low, node, k, what):
@@ -128,7 +135,7 @@ def _run_resize(low, node, ins, x, per, is_scales):
         return run_node(opset13, resize, [x, None, np.asarray(per, dtype=np.float32)])[0]
     new = list(ins)
     new[0] = x
-    new[2 if is_scales else 3] = np.asarray(per, dtype=np.float32 if is_scales else np.int64)
+    new[(2 if _opset(low) >= 11 else 1) if is_scales else 3] = np.asarray(per, dtype=np.float32 if is_scales else np.int64)
     ran = _onnxruntime_node(low.proto, node, new)
     return ran if ran is not None else run_node(low.proto, node, new)[0]
 
