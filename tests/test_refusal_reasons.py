@@ -282,3 +282,13 @@ def test_an_onnx_cast_of_an_activation_lowers_where_exact_and_is_refused_where_i
     with pytest.raises(UnsupportedOperation) as info:
         pathir.compile(proto)
     assert (info.value.node, info.value.op) == ("narrow", "Cast") and "rounds every value" in str(info.value)
+
+
+@pytest.mark.parametrize("op", ["Mul", "Div"])
+def test_an_onnx_constant_of_higher_rank_is_refused_at_the_op_that_broadcasts_it(op):
+    """onnxruntime's output gains a leading axis, (1, N, 4): the lowering dropped it (a self-check 'by inf',
+    or numpy's text at a later Squeeze)."""
+    proto = _onnx([node(op, ["h", "c"], ["y"], "scale")], {"c": np.full((1, 1, 1), 1.5)}, out_shape=(1, "N", 4))
+    with pytest.raises(UnsupportedOperation) as info:
+        pathir.compile(proto)
+    assert (info.value.node, info.value.op) == ("scale", op) and "leading axes" in str(info.value)

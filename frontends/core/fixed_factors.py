@@ -37,7 +37,11 @@ def fixed_scale(low, v: Value, c) -> Value:
 
 def _fixed_tensor_scale(low, v: Value, c: np.ndarray) -> Value:
     shape = tuple(v.shape)
-    while c.ndim > len(shape) and c.shape[0] == 1:
+    if c.ndim > len(shape) + 1:
+        low.unsupported(f"multiplies an activation of rank {len(shape) + 1} (batch included) by a constant of shape "
+                        f"{list(c.shape)}: broadcasting adds {c.ndim - len(shape) - 1} leading axes, so the batch axis "
+                        "is no longer first")
+    if c.ndim == len(shape) + 1 and c.shape[0] == 1:
         c = c.reshape(c.shape[1:])  # the batch axis, length 1
     try:
         full = np.broadcast_to(c, shape) if c.ndim <= len(shape) else None

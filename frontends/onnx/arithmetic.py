@@ -57,6 +57,7 @@ def mul(low, node, ins):
     k = 0 if isinstance(a, Value) else 1
     if isinstance(ins[1 - k], Value):
         low.unsupported("a product of two activations (a gate) is not positively homogeneous of degree 1")
+    _rank_kept(low, ins[k], ins[1 - k])
     c = _scalar(ins[1 - k])
     if c is None:
         c = _constant(ins[1 - k])
@@ -65,10 +66,21 @@ def mul(low, node, ins):
     return [fixed_scale(low, ins[k], c)]
 
 
+def _rank_kept(low, v, c) -> None:
+    """Refuse a constant of higher rank than the activation (batch included): broadcasting adds leading
+    axes, so the batch axis would no longer be first (onnxruntime's output gains them)."""
+    rank = len(v.shape) + 1
+    if np.ndim(c) > rank:
+        low.unsupported(f"a constant of shape {list(np.shape(c))} with an activation of rank {rank} (batch included): "
+                        f"broadcasting adds {np.ndim(c) - rank} leading axes, so the batch axis is no longer first")
+
+
 def div(low, node, ins):
     a, b = ins
     if isinstance(b, Value):
         low.unsupported("division by an activation is not positively homogeneous")
+    if isinstance(a, Value):
+        _rank_kept(low, a, b)
     c = _scalar(b)
     if c is None:
         c = _constant(b)
