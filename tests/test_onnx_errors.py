@@ -52,7 +52,7 @@ UNSUPPORTED = {
     "Tanh": lambda: _one_layer("Tanh"),
     "Gelu": lambda: _one_layer("Gelu", opset=20),
     "Softmax": lambda: _one_layer("Softmax", axis=1),
-    "Clip": lambda: _one_layer("Clip", opset=11),
+    "Clip": lambda: _one_layer("Clip", opset=6, min=-1.0, max=1.0),  # (with no bounds it is the identity)
     "LayerNormalization": _layer_norm,
     "Attention": _attention,
 }

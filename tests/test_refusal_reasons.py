@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 from onnx_cases import make_model, node, tensor_info
 from op_table_cases import ort_output
 
@@ -292,3 +292,30 @@ def test_an_onnx_constant_of_higher_rank_is_refused_at_the_op_that_broadcasts_it
     with pytest.raises(UnsupportedOperation) as info:
         pathir.compile(proto)
     assert (info.value.node, info.value.op) == ("scale", op) and "leading axes" in str(info.value)
+
+
+def test_an_onnx_clip_without_bounds_is_the_identity():
+    proto = _onnx([node("Relu", ["h"], ["r"], "relu"), node("Clip", ["r"], ["y"], "clip")])
+    x = np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32)
+    np.testing.assert_allclose(pathir.compile(proto).forward(x.astype(np.float64), backend="numpy"),
+                               ort_output(proto, x), rtol=1e-6, atol=1e-7)
+
+
+ONNX_WORDS = {
+    "negative Pad": (lambda: _onnx([node("Pad", ["h", "pads"], ["y"], "crop")],
+                                   {"pads": np.array([0, 1, 0, -1], dtype=np.int64)}), ("crop", "Slice")),
+    "QDQ weight": (lambda: helper.make_model(helper.make_graph(
+        [node("DequantizeLinear", ["Wq", "sc", "zp"], ["Wd"], "dq"), node("Gemm", ["x", "Wd"], ["y"], "fc")], "qdq",
+        [tensor_info("x", ["N", 4])], [tensor_info("y", ["N", 3])],
+        [numpy_helper.from_array(v, k) for k, v in (("Wq", np.arange(12, dtype=np.int8).reshape(4, 3)),
+                                                     ("sc", np.array(0.1, np.float32)), ("zp", np.array(0, np.int8)))]),
+        opset_imports=[helper.make_opsetid("", 17)]), ("quantized (QDQ) model",)),
+}
+
+
+@pytest.mark.parametrize("case", list(ONNX_WORDS))
+def test_onnx_refusals_say_what_the_op_is(case):
+    make, words = ONNX_WORDS[case]
+    with pytest.raises(UnsupportedOperation) as info:
+        pathir.compile(make())
+    assert all(w in str(info.value) for w in words), str(info.value)

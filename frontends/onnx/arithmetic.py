@@ -118,6 +118,9 @@ def clip(low, node, ins):
         low.unsupported("Clip at a bound computed from the input: not positively homogeneous")
     lo_s = None if lo is None else _scalar(np.asarray(lo, dtype=np.float64))
     hi_s = None if hi is None else _scalar(np.asarray(hi, dtype=np.float64))
+    if (lo_s is None or lo_s == -np.inf) and (hi_s is None or hi_s == np.inf):  # no bound: the identity
+        low.same_axis(node)
+        return [low.act(node, 0)]
     if lo_s == 0.0 and (hi_s is None or hi_s == np.inf):
         return [low.relu(low.act(node, 0))]
     if lo_s == 0.0 and hi_s is not None:

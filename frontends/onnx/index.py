@@ -50,6 +50,10 @@ def concat(low, node, ins):
 
 def pad(low, node, ins):
     a = attrs(node)
+    pads = a.get("pads") if len(ins) < 2 or ins[1] is None else ins[1]
+    if pads is not None and isinstance(pads, np.ndarray | list | tuple) and np.any(np.asarray(pads) < 0):
+        low.unsupported(f"negative pads {np.asarray(pads).ravel().tolist()} (a crop) are not lowered from ONNX; "
+                        "crop with a Slice (in torch: x[..., a:-b] rather than F.pad with negative sizes)")
     if a.get("mode", "constant") == "constant":
         value = ins[2] if len(ins) > 2 and ins[2] is not None else a.get("value", 0.0)
         if np.any(np.asarray(value) != 0):

@@ -93,7 +93,8 @@ def matmul(low, node, ins):
         return [_dense(low, v, low.weight(node, 1, B.T, True, node.input[1] + "^T"), None)]
     v = ins[1]
     if node.input[1] not in low.axis1:
-        low.unsupported("W @ activation contracts over the batch axis")
+        low.unsupported("W @ activation (a matrix applied on the left of each sample, over its first per-sample axis) "
+                        "is not lowered; only activation @ W, and W @ x where x holds its batch on axis 1, are")
     A = f64(low.const(node, 0, "weight"))
     if A.ndim != 2:
         low.unsupported(f"MatMul with a weight of rank {A.ndim}")

@@ -32,7 +32,7 @@ from pathir.frontends.onnx.evaluate import outer_names, run_node
 from pathir.frontends.onnx.index import READS_DISPLACED, Displaced, Sequence
 from pathir.frontends.onnx.layers import f64
 from pathir.frontends.onnx.table import RULES
-from pathir.frontends.onnx.why import AXIS1_OK, DEFAULT_WHY, SECOND_OUTPUT, WHY
+from pathir.frontends.onnx.why import AXIS1_OK, DEFAULT_WHY, QUANTIZED, SECOND_OUTPUT, WHY
 from pathir.frontends.onnx.writer import Binding
 from pathir.ir import Identity, Param, SourceRef, verify
 
@@ -124,6 +124,8 @@ class OnnxLowering(Lowering):
         ins = [self._input(x) for x in node.input]
         acts = [k for k, v in enumerate(ins) if isinstance(v, (Value, Sequence, Displaced))]
         if not acts:
+            if node.op_type in QUANTIZED:  # folding a quantized weight would hide how onnxruntime runs it
+                self.unsupported(WHY[node.op_type])
             if node.op_type == "Constant" or (node.op_type == "Identity" and node.input[0] in self.stored):
                 self.stored.add(node.output[0])  # stored data, or an alias the exporter made of it
             outer = {x: self._input(x) for x in outer_names(node)}

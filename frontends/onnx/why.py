@@ -3,7 +3,11 @@ gives for op types without a row in the op table (:mod:`.table`)."""
 
 from __future__ import annotations
 
-__all__ = ["WHY", "DEFAULT_WHY", "SECOND_OUTPUT", "AXIS1_OK"]
+__all__ = ["WHY", "DEFAULT_WHY", "SECOND_OUTPUT", "AXIS1_OK", "QUANTIZED"]
+
+#: the ops of a quantized model (refused even where their inputs are constants: `WHY`)
+QUANTIZED = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "QLinearConv", "QLinearMatMul",
+                       "ConvInteger", "MatMulInteger"})
 
 _NOT_HOMOGENEOUS = ("not positively homogeneous: f(λx) ≠ λ·f(x) for λ > 0, "
                     "so rescaling a neuron would change the function")
@@ -25,6 +29,9 @@ WHY = {
               "model) makes it a neuron pathir does not have: pathir's neurons are identity, ReLU and max-pool only "
               "(use Relu)"),
     "Abs": "positively homogeneous, but pathir's neurons are identity, ReLU and max-pool only",
+    **{op: ("a quantized (QDQ) model: onnxruntime runs DequantizeLinear -> Conv/Gemm/MatMul as integer kernels "
+            "that may quantize the activations too (its QDQ fusions), which no float linear map reproduces; analyse the float model "
+            "before quantization") for op in sorted(QUANTIZED)},
     "Softmax": "softmax inside the graph normalizes across features: not positively homogeneous",
     "LogSoftmax": "log-softmax normalizes across features: not positively homogeneous",
     "Hardmax": "not positively homogeneous",
@@ -35,7 +42,9 @@ WHY = {
     "Attention": "attention multiplies activations together (queries by keys, weights by values)",
     "MultiHeadAttention": "attention multiplies activations together (queries by keys, weights by values)",
     "Pow": "a power of an activation: not positively homogeneous",
-    "LpPool": "an Lp pool is not positively homogeneous of degree 1 per window",
+    "LpPool": "an Lp pool (the p-norm of each window) is positively homogeneous, but for p other than 1 not piecewise "
+              "linear, and pathir's neurons are identity, ReLU and max-pool only (p = 1, a window sum of |x| = "
+              "ReLU(x) + ReLU(-x), is not lowered either)",
     "TopK": "selects by value: not a fixed map",
     "If": "control flow on activations is not lowered",
     "Loop": "control flow on activations is not lowered",
