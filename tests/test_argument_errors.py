@@ -40,6 +40,7 @@ CALLS = [
     (lambda cm: cm.active_path_counts(X_BAD), "x", InputShapeError),
     (lambda cm: cm.local_affine(X_BAD), "x", InputShapeError),
     (lambda cm: cm.forward(X_BAD), "x", InputShapeError),
+    (lambda cm: cm.forward(np.ones((0, 3))), "x", InputShapeError),  # an empty batch (was a BackendError)
     (lambda cm: cm.local_affine(np.ones((2, 3))).jvp(np.ones((3, 3))), "v", InputShapeError),
     (lambda cm: cm.local_affine(np.ones((1, 3))).slope(output="nope"), "output", ArgumentError),
     (lambda cm: cm.pathcond(max_log_scale=-1), "max_log_scale", ArgumentError),

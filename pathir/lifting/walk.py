@@ -57,9 +57,9 @@ def forward(graph: Graph, backend, inputs, all_nodes: bool = False):
         with node_errors(node):
             if node.kind is NodeKind.INPUT:
                 x = backend.asarray(inputs[node.name])
-                if tuple(x.shape[1:]) != node.shape:
-                    raise InputShapeError(f"x: input '{node.name}' expects (B, {', '.join(map(str, node.shape))}), "
-                                          f"got {tuple(x.shape)}")
+                if tuple(x.shape[1:]) != node.shape or not x.shape[0]:
+                    raise InputShapeError(f"x: input '{node.name}' expects (B, {', '.join(map(str, node.shape))}) with "
+                                          f"B >= 1, got {tuple(x.shape)}")
                 acts[node.name] = x
                 continue
             if node.kind is NodeKind.MAXPOOL:
