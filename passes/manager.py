@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Callable, Iterable
+
+import numpy as np
 
 from pathir.enorm.normalize import normalize
 from pathir.errors import ArgumentError, ArgumentKeyError, ArgumentTypeError, GraphVerificationError
@@ -13,7 +16,7 @@ from .maxpool_to_sum import maxpool_to_sum
 from .path_view import path_view
 from .remove_dead import remove_dead
 
-__all__ = ["Pass", "PASSES", "run_passes", "DEFAULT_PIPELINE", "register"]
+__all__ = ["Pass", "PASSES", "run_passes", "DEFAULT_PIPELINE", "register", "pass_name", "param_fingerprint"]
 
 Pass = Callable[[Graph], Graph]
 
@@ -58,11 +61,27 @@ def _resolve(p) -> tuple[str, Pass]:
     return _name(p), p
 
 
-def run_passes(graph: Graph, passes: Iterable[Pass], check: bool = True) -> Graph:
+def pass_name(p) -> str:
+    """The name of a pass given as a function or a registered name."""
+    return _resolve(p)[0]
+
+
+def param_fingerprint(graph: Graph) -> tuple:
+    """Each param's name, shape and a digest of its bytes: equal for two graphs (or one graph before and
+    after a pass that wrote it in place) exactly when their params are."""
+    out = []
+    for p in sorted(graph.params(), key=lambda p: p.name):
+        value = np.ascontiguousarray(p.value)
+        out.append((p.name, value.shape, hashlib.blake2b(value.view(np.uint8).reshape(-1), digest_size=16).digest()))
+    return tuple(out)
+
+
+def run_passes(graph: Graph, passes: Iterable[Pass], check: bool = True, after: Iterable[str] = ()) -> Graph:
     """Apply each pass (a function, or a name registered in ``PASSES``) in
     order; with ``check``, verify after each one. Every failure names the pass
-    and those before it: "in pass 'X' after ['fold_batchnorm']"."""
-    done: list[str] = []
+    and those before it: "in pass 'X' after ['fold_batchnorm']" (``after``: the
+    names of passes already run on ``graph``, by an earlier call)."""
+    done: list[str] = list(after)
     for p in passes:
         name, fn = _resolve(p)
         try:

@@ -13,6 +13,7 @@ from pathir.frontends.onnx import lower as lower_onnx
 from pathir.ir import Graph, verify
 from pathir.passes import DEFAULT_PIPELINE, run_passes
 from pathir.passes.fold_batchnorm import pooled_folds
+from pathir.passes.manager import param_fingerprint, pass_name
 from pathir.support.model_state import keeps_model, kept
 from pathir.support.progress import Phases
 
@@ -90,9 +91,18 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
     bar.phase("passes")
     # the torch lowering's raw graph is read by nothing after the default passes: batch-norms fold into
     # its own memory (never in a user pass's graph, which the pass may keep)
-    graph = run_passes(graph, (*pooled_folds(DEFAULT_PIPELINE, in_place=kind == "torch"), *passes), check=check)
+    default = pooled_folds(DEFAULT_PIPELINE, in_place=kind == "torch")
+    graph = run_passes(graph, default, check=check)
+    done, transformed_by = [pass_name(p) for p in default], []
+    for p in passes:  # one at a time: the write-back follows the model only through params a pass kept
+        before = param_fingerprint(graph)
+        graph = run_passes(graph, (p,), check=check, after=done)
+        done.append(pass_name(p))
+        if param_fingerprint(graph) != before:
+            transformed_by.append(done[-1])
     cm = Compiled(graph, model=model, writer=writer, source_num_params=n_src, backend=backend, name=name,
                   watch=watch, relower=relower)
+    cm.transformed_by = tuple(transformed_by)
     if self_check:
         from pathir.self_check import self_check as run_self_check  # lazy: imports torch
 

@@ -143,6 +143,7 @@ class Compiled:
         self.graph = graph
         self.model = model
         self.writer = writer
+        self.transformed_by: tuple[str, ...] = ()  # user passes that changed the params (compile): no write-back
         self.source_num_params = source_num_params if source_num_params is not None else graph.num_params()
         self.backend = backend
         self.name = name or graph.name
@@ -378,6 +379,7 @@ class Compiled:
         added to those biases after the rescaling, in the same transaction (bias absorption,
         docs/equalize.md). On any error nothing changed."""
 
+        self._refuse_transformed("a rescaling")
         facts = self.facts
         follows = self._relower is not None and self.writer is not None  # a live torch model: re-read it
         try:
@@ -554,7 +556,18 @@ class Compiled:
     def _check_writable(self, write_back: bool) -> None:
         """Refuse a write-back the writer would refuse, before any solver runs."""
         if write_back:
+            self._refuse_transformed("a rescaling")
             check_writable(self.graph, self.writer)
+
+    def _refuse_transformed(self, what: str) -> None:
+        """Refuse to write ``what`` into the model where a user pass changed the graph's params: it is
+        computed on values (or shapes) the model's tensors do not hold."""
+        if self.transformed_by and self.writer is not None:
+            raise PathirError(
+                f"{what} is not written back: the pass(es) {', '.join(repr(n) for n in self.transformed_by)} changed the "
+                "graph's parameters (values or shapes), so a result computed on that graph does not apply to the model's "
+                "tensors. Compile without them to write back; on this graph use write_back=False or cm.rescaled(z). "
+                "Nothing was changed")
 
     def _committer(self, write_back: bool, optimizer):
         """The ``commit`` callback of a rescaling method (None when ``write_back=False``); an
@@ -602,6 +615,7 @@ class Compiled:
     def _commit_masks(self, pruned: Graph, masks) -> None:
         """Write the masks ({param name: bool array}) into the model, then make ``pruned`` current."""
         if self.writer is not None and masks:
+            self._refuse_transformed("pruning")
             if not hasattr(self.writer, "mask"):
                 raise PathirError(f"the writer of this model ({type(self.writer).__name__}) cannot write masks")
             try:

@@ -296,3 +296,21 @@ def test_disjoint_views_of_one_memory_are_written_exactly():
     cm.commit_rescaling(np.random.default_rng(0).normal(size=len(cm.units)))
     with torch.no_grad():
         torch.testing.assert_close(net(x), before, rtol=1e-12, atol=1e-12)
+
+
+def test_a_user_pass_that_changes_the_params_makes_write_backs_refused():
+    """normalize (a registered pass) keeps the function but moves the values: PathCond solved on its graph
+    and written onto the model's own tensors left the model worse conditioned, its report saying better."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)).double()
+    state = copy.deepcopy(net.state_dict())
+    cm = pathir.compile(net, input_shape=(4,), passes=["normalize"])
+    assert cm.transformed_by == ("normalize",)
+    for method in (cm.pathcond, lambda: cm.prune(0.5), lambda: cm.commit_rescaling(np.zeros(len(cm.units)))):
+        with pytest.raises(PathirError, match="'normalize' changed the graph's parameters"):
+            method()
+    assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())
+    assert cm.pathcond(write_back=False).objective_after <= cm.pathcond(write_back=False).objective_before
+    kept = pathir.compile(net, input_shape=(4,), passes=[lambda g: g])  # a pass that keeps them: written as before
+    assert kept.transformed_by == ()
+    kept.pathcond()
