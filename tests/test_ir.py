@@ -137,3 +137,23 @@ def test_channel_ties_and_weight_channels():
     assert np.broadcast_to(inc, (4, 1, 1)).ravel().tolist() == [0, 0, 1, 1]
     dense = Dense(Param("d", np.ones((1, 6))))
     assert np.broadcast_to(dense.weight_channels((3, 2))[1], (1, 6)).ravel().tolist() == [0, 0, 1, 1, 2, 2]
+
+
+def _one_edge(m, in_shape, out_shape):
+    from pathir.ir.node import Edge, Node, NodeKind
+
+    return Graph((Node("x", NodeKind.INPUT, in_shape), Node("y", NodeKind.IDENTITY, out_shape, (Edge("x", m),))),
+                 ("y",))
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: _one_edge(Conv(GraphBuilder.param("w", np.ones((1, 1, 2))), (1,), ((0, 0),), (0,)), (1, 3), (1, 3)),
+     r"dilation \[0\]"),  # the numpy backend read each position twice, the torch backend raised
+    (lambda: _one_edge(Pool((1,), (0,), ((0, 0),), (1,)), (1, 3), (1, 3)), r"stride \[0\]"),  # a raw ZeroDivisionError
+    (lambda: _one_edge(Pool((1,), (1,), ((-1, 0),), (1,)), (1, 3), (1, 2)), "padding"),  # failed in the backends
+    (lambda: _one_edge(Dense(GraphBuilder.param("w", [1.0, 2.0, 3.0])), (3,), (1,)), "is a matrix"),  # IndexError
+    (lambda: _one_edge(Gather(np.array([-2, 0, 1]), (3,)), (3,), (3,)), "below -1"),
+])
+def test_verify_refuses_a_map_whose_own_fields_are_invalid(make, words):
+    with pytest.raises(GraphVerificationError, match=words):
+        verify(make())

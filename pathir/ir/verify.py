@@ -25,8 +25,11 @@ def verify(graph: Graph) -> Graph:
          number of in-input entries of its smallest window (padding positions are not neurons);
       7. distinct Param objects have distinct names (a shared weight is one object);
       8. a Resample's per-axis coefficients and a FixedConv's kernel are finite (0 is allowed: no edge);
-      9. outputs name existing, non-input nodes; every non-output node feeds some node
-         and every node reaches an output.
+      9. outputs name existing, non-input nodes (one named twice is two outputs: a model that returns
+         (y, y)); every non-output node feeds some node
+         and every node reaches an output;
+     10. shapes are positive integers; a window map's kernel, stride and dilation are >= 1 and its
+         padding >= 0; a Dense weight is a matrix; selection indices are >= -1 (-1: zero).
     The error message names the broken rule and prints the graph.
     """
     problems = _problems(graph)
@@ -45,6 +48,8 @@ def _problems(graph: Graph) -> list[str]:
             out.append("a node has an empty name")
         if node.name in seen:
             out.append(f"{where}: name defined twice")
+        if not all(isinstance(d, (int, np.integer)) and d >= 1 for d in node.shape):
+            out.append(f"{where}: shape {list(node.shape)} is not positive integers")
         if node.kind is NodeKind.INPUT:
             if node.edges or node.bias is not None:
                 out.append(f"{where}: an input node has no edges and no bias")
@@ -55,9 +60,13 @@ def _problems(graph: Graph) -> list[str]:
                 out.append(f"{where}: edge {i} reads '{e.source}', which is not defined before it")
                 continue
             src = seen[e.source]
+            bad = _map_problem(e.map)
+            if bad:
+                out.append(f"{where}: edge {i} ({e.map.describe()}): {bad}")
+                continue
             try:
                 got = tuple(e.map.out_shape(src.shape))
-            except (ValueError, TypeError) as err:
+            except (ValueError, TypeError, ZeroDivisionError, IndexError) as err:
                 out.append(f"{where}: edge {i} ({e.map.describe()}) does not fit source '{e.source}': {err}")
                 continue
             if got != tuple(node.shape):
@@ -92,6 +101,25 @@ def _problems(graph: Graph) -> list[str]:
         out.append("the graph has no outputs")
     out.extend(_unreached(graph, seen))
     return out
+
+
+def _map_problem(m) -> str:
+    """What makes a map's own fields invalid whatever its input ("" if nothing)."""
+    for field in ("kernel", "stride", "dilation"):
+        values = getattr(m, field, None)
+        if isinstance(values, tuple) and not all(isinstance(v, (int, np.integer)) and v >= 1 for v in values):
+            return f"{field} {list(values)} must be integers >= 1"
+    padding = getattr(m, "padding", None)
+    if isinstance(padding, tuple) and any(v < 0 for pair in padding for v in (pair if isinstance(pair, tuple) else (pair,))):
+        return f"padding {list(padding)} must be >= 0 (a crop is a selection map)"
+    if m.kind is MapKind.DENSE and m.W.value.ndim != 2:
+        return f"a dense weight is a matrix, got shape {list(m.W.shape)}"
+    if m.kind is MapKind.RESHAPE and not all(isinstance(d, (int, np.integer)) and d >= 1 for d in m.shape):
+        return f"reshape to {list(m.shape)}: dimensions must be integers >= 1"
+    index = getattr(m, "index_array", None) if m.kind is MapKind.CHANNEL_MAP else getattr(m, "index", None)
+    if m.kind in (MapKind.CHANNEL_MAP, MapKind.GATHER) and index is not None and np.size(index) and np.min(index) < -1:
+        return f"index {int(np.min(index))} below -1 (-1 is the only index meaning 'zero')"
+    return ""
 
 
 def _smallest_window(pool, in_shape) -> int:
