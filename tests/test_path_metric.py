@@ -205,3 +205,19 @@ def test_classical_bound_grows_along_a_rescaling_orbit_the_path_bound_does_not()
         np.testing.assert_allclose(pb, path_bounds[0], rtol=1e-9)
     ratios = [float(np.min(c / classical[0])) for c in classical]
     assert all(r2 > r1 for r1, r2 in zip(ratios[1:], ratios[2:])) and ratios[-1] > 1e3
+
+
+def test_models_with_a_resample_edge_compare_their_per_axis_matrices():
+    """nn.Upsample's Resample holds a tuple of per-axis matrices: the architecture check raised numpy's
+    'truth value of an array is ambiguous'."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3, padding=1), torch.nn.ReLU(),
+                              torch.nn.Upsample(scale_factor=2, mode="bilinear"), torch.nn.Flatten(),
+                              torch.nn.Linear(2 * 8 * 8, 1)).double()
+    pruned = copy.deepcopy(net)
+    with torch.no_grad():
+        pruned[0].weight[pruned[0].weight.abs() < 0.2] = 0.0
+    a, b = (pathir.compile(m, input_shape=(1, 4, 4)) for m in (net, pruned))
+    d = pathir.path_metric(a, b)
+    assert 0 < d.lower <= d.upper
+    assert pathir.path_metric(a, a).upper == 0

@@ -128,7 +128,9 @@ def _same_value(x, y) -> bool:
         return isinstance(x, Param) and isinstance(y, Param) and x.name == y.name and x.shape == y.shape
     if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
         return x is None and y is None or (x is not None and y is not None and np.array_equal(x, y))
-    return x == y
+    if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):  # a Resample's per-axis matrices
+        return len(x) == len(y) and all(_same_value(a, b) for a, b in zip(x, y))
+    return bool(x == y)
 
 
 def _structure_difference(ga: Graph, gb: Graph) -> str | None:
