@@ -157,3 +157,23 @@ def _one_edge(m, in_shape, out_shape):
 def test_verify_refuses_a_map_whose_own_fields_are_invalid(make, words):
     with pytest.raises(GraphVerificationError, match=words):
         verify(make())
+
+
+def test_pool_output_size_is_torchs_for_every_small_geometry():
+    """Including a dilated window longer than the input in ceil mode (one window in torch; was 0, and the
+    model was refused at the next layer for reading 0 features)."""
+    import itertools
+
+    import torch
+
+    from pathir.ir.maps import pool_output_size
+
+    for L, k, s, p, d, ceil in itertools.product(range(1, 8), range(1, 5), range(1, 4), range(0, 3), range(1, 3),
+                                                 (False, True)):
+        if p > k // 2:
+            continue
+        try:
+            expected = torch.nn.functional.max_pool1d(torch.zeros(1, 1, L), k, s, p, d, ceil_mode=ceil).shape[-1]
+        except RuntimeError:  # torch: output size too small
+            expected = 0
+        assert pool_output_size(L, k, s, (p, p), d, ceil) == expected, (L, k, s, p, d, ceil)

@@ -86,13 +86,11 @@ def _prod(xs) -> int:
 
 def pool_output_size(length: int, kernel: int, stride: int, pad: tuple[int, int], dilation: int, ceil_mode: bool) -> int:
     """Output length of a pooling window along one axis (torch/ONNX semantics)."""
-    span = length + pad[0] + pad[1] - dilation * (kernel - 1) - 1
-    if span < 0:
-        return 0
-    out = (-(-span // stride) if ceil_mode else span // stride) + 1
-    if ceil_mode and (out - 1) * stride >= length + pad[0]:
+    span = length + pad[0] + pad[1] - dilation * (kernel - 1) - 1  # negative: the dilated window is longer
+    out = (-(-span // stride) if ceil_mode else span // stride) + 1  # (torch rounds span / stride toward -inf
+    if ceil_mode and (out - 1) * stride >= length + pad[0]:          # or, in ceil mode, up: one window then)
         out -= 1  # the last window must start inside the input or its left padding
-    return out
+    return max(out, 0)
 
 
 class Map:
