@@ -58,8 +58,12 @@ def test_zoo_model_from_onnx_has_the_torch_frontends_path_quantities(name):
         cm = pathir.compile(export(model, shape, exporter, batch=1))
         assert cm.source_num_params == n_used, exporter
         assert cm.graph.num_params() == n_params, exporter
-        for q in (1, 2):  # 1e-9 relative on the norm: log10 agrees to 1e-9 / ln(10)
-            assert abs(cm.path_norm(q, log10=True) - norms[q]) <= 5e-10, (exporter, q)
+        # 3e-9 relative on the norm (log10 agrees to 3e-9 / ln(10)), 1e-8 on diag G (a product of many such
+        # factors): the file stores each batch-norm's eps as
+        # float32, which onnxruntime adds as it is (0.0010000000475 for inception_v3's 1e-3), torch as the
+        # module's float64 eps: the two models differ by that much (inception_v3: 1.3e-9)
+        for q in (1, 2):
+            assert abs(cm.path_norm(q, log10=True) - norms[q]) <= 1.3e-9, (exporter, q)
         assert abs(cm.num_paths(log10=True) - paths) <= 5e-12, exporter
         g = cm.diag_g()
         # a clipped ReLU's threshold is named by its module in torch and by its Clip node in ONNX: matched in
@@ -70,7 +74,8 @@ def test_zoo_model_from_onnx_has_the_torch_frontends_path_quantities(name):
         assert set(g) == {k for _, k in pairs}, exporter
         for k_torch, k in pairs:
             v = g_torch[k_torch]
-            np.testing.assert_allclose(g[k], v, rtol=1e-9, atol=1e-300 + 1e-12 * np.abs(v).max(), err_msg=f"{exporter}: {k}")
+            np.testing.assert_allclose(g[k], v, rtol=1e-8, atol=1e-300 + 1e-12 * np.abs(v).max(),  # (eps: above)
+                                       err_msg=f"{exporter}: {k}")
 
 
 def _thresholds(cm) -> list[str]:
