@@ -27,6 +27,7 @@ import torch
 
 from pathir.backends.torch import TorchBackend
 from pathir.errors import SelfCheckFailed
+from pathir.frontends.core.values import BATCH as TRACE_BATCH
 from pathir.frontends.onnx.function_kept import probe_feeds
 from pathir.frontends.onnx.load import load
 from pathir.frontends.torch.function_kept import Reference
@@ -37,7 +38,9 @@ __all__ = ["self_check", "TOLERANCE", "BATCH"]
 
 #: relative tolerance (to max|output|) by dtype name
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
-BATCH = 2
+#: the self-check's batch: not the batch the frontends trace at (`values.BATCH`, 2), so that a graph the
+#: trace specialised to its batch size (x.size(0) in arithmetic or a branch) does not pass it
+BATCH = 3
 
 
 def _backend(cm, dtype: str):
@@ -121,15 +124,45 @@ def _check_torch(cm, model) -> None:
     import torch
 
     xs = torch_inputs(cm, model)
-    with eval_forward(model, train_paths(cm)), torch.no_grad():
-        refs = [_numpy(t) for t in _tensors(model(*[x.clone() for _, _, x in xs]))]
+    try:
+        with eval_forward(model, train_paths(cm)), torch.no_grad():
+            refs = [_numpy(t) for t in _tensors(model(*[x.clone() for _, _, x in xs]))]
+    except Exception as err:  # it ran at the trace's batch: the forward fixes its batch size
+        raise SelfCheckFailed(
+            f"self-check: the model's forward fails at batch {BATCH} ({type(err).__name__}: {err}) after pathir "
+            f"traced it at batch {TRACE_BATCH}: it fixes its batch size (x.view({TRACE_BATCH}, -1), a batch-sized "
+            "buffer), and pathir's graph is per sample. Write the forward for any batch size") from None
     if hasattr(cm.writer, "reference"):  # the first write-back's "before" (frontends/torch/function_kept.py)
         cm.writer.reference = Reference.of_batch(model, train_paths(cm), [x for _, _, x in xs], refs)
     dtype = str(model_dtype_device(model)[0]).replace("torch.", "")
     outs = _ir_forward(cm, {n: a for n, a, _ in xs}, dtype)
-    _compare(cm, outs, refs, dtype, lambda: _first_torch(cm, model, xs, dtype))
+    try:
+        _compare(cm, outs, refs, dtype, lambda: _first_torch(cm, model, xs, dtype))
+    except SelfCheckFailed as err:
+        _refuse_if_batch_sized(cm, model, xs, dtype, err)
+        raise
     if train_paths(cm):
         _check_eval_among_heads(cm, model, xs, outs, dtype)
+
+
+def _refuse_if_batch_sized(cm, model, xs, dtype: str, err: SelfCheckFailed) -> None:
+    """Raise SelfCheckFailed naming the batch size where the IR matches the model on the first
+    ``TRACE_BATCH`` samples (the batch the frontends trace at) but not on all ``BATCH``: the traced
+    forward used its batch size as a number (``h / x.size(0)``, ``if x.shape[0] > 2``)."""
+    import torch
+
+    head = [(n, a[:TRACE_BATCH], x[:TRACE_BATCH]) for n, a, x in xs]
+    try:
+        with eval_forward(model, train_paths(cm)), torch.no_grad():
+            refs = [_numpy(t) for t in _tensors(model(*[x.clone() for _, _, x in head]))]
+        _compare(cm, _ir_forward(cm, {n: a for n, a, _ in head}, dtype), refs, dtype, lambda: "")
+    except Exception:
+        return  # it deviates at the trace's batch too: not (only) the batch size
+    raise SelfCheckFailed(
+        f"self-check: the model's forward depends on its batch size: the IR pathir traced at batch {TRACE_BATCH} "
+        f"matches it at batch {TRACE_BATCH} but not at batch {BATCH} ({err}). The forward uses x.size(0) or "
+        "x.shape[0] as a number (a division by the batch size, a branch on it) or fixes it (x.view(2, -1)); "
+        "pathir's graph is per sample. Write the forward without it") from None
 
 
 def _check_eval_among_heads(cm, model, xs, outs: dict, dtype: str) -> None:

@@ -79,3 +79,27 @@ def test_onnx_model_checked_against_onnxruntime():
     proto.graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(w, proto.graph.initializer[0].name))
     with pytest.raises(SelfCheckFailed, match="deviates"):
         self_check(cm, proto, "onnx")
+
+
+class _PerBatch(torch.nn.Module):
+    """A forward that uses its batch size as a number: in arithmetic (fx traces it) or in a branch (fx
+    cannot: torch.export specialises it to the batch it runs)."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.a, self.o, self.form = torch.nn.Linear(4, 3), torch.nn.Linear(3, 2), form
+
+    def forward(self, x):
+        h = self.a(x).relu()
+        if self.form == "divide":
+            return self.o(h / x.size(0))
+        return self.o(h) if x.shape[0] > 2 else self.o(-h)
+
+
+@pytest.mark.parametrize("form", ["divide", "branch"])
+def test_a_forward_that_depends_on_its_batch_size_is_refused_naming_it(form):
+    """The frontends trace at batch 2 and the self-check ran batch 2 too: both were compiled, off by up to
+    100 % at every other batch size."""
+    torch.manual_seed(0)
+    with pytest.raises(pathir.SelfCheckFailed, match="depends on its batch size"):
+        pathir.compile(_PerBatch(form).double(), input_shape=(4,))
