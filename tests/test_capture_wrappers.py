@@ -31,3 +31,32 @@ def test_a_wrapped_module_compiles_to_the_modules_own_numbers_and_write_back_rea
     assert torch.allclose(after, before, rtol=1e-10, atol=1e-12)
     moved = [k for k, v in inner.state_dict().items() if not torch.equal(v, plain.state_dict()[k])]
     assert moved  # the wrapped module itself was rescaled (its batch-norm takes the factors)
+
+
+class _OptionalArgs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.o = torch.nn.Linear(4, 5), torch.nn.Linear(5, 2)
+
+    def forward(self, x, logits_only=None, mask=None, *, temp=None):
+        h = self.a(x).relu()
+        if mask is not None:
+            h = h * mask
+        if temp is None:
+            h = h * 2
+        h = self.o(h)
+        return h if logits_only is None else h.relu()
+
+
+def test_arguments_pathir_does_not_feed_are_traced_as_their_defaults():
+    """fx made each a Proxy, which is never None: the trace took the branches eager never does (a final ReLU
+    the model does not apply, silently; a mask refused as a gate)."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    net = _OptionalArgs().double().eval()
+    with torch.no_grad():
+        net.o.bias.fill_(5.0)  # positive outputs near 0: the final ReLU shows only on large inputs
+    cm = pathir.compile(net, input_shape=(4,))
+    x = 100 * torch.randn(16, 4, dtype=torch.float64)
+    np.testing.assert_allclose(cm.forward(x.numpy()), net(x).detach().numpy(), rtol=1e-12, atol=1e-12)

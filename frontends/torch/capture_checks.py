@@ -143,13 +143,31 @@ def _run_hook(hook, where: str, kind: str, args):
                                    "write it with traceable tensor ops or remove it") from err
 
 
-def trace(model: nn.Module) -> torch.fx.Graph:
+def trace(model: nn.Module, n_inputs: int | None = None) -> torch.fx.Graph:
     """The fx graph of ``model`` (its ``get_attr`` targets resolve on ``model``: no GraphModule is built,
     which would generate and compile its Python code); a model with forward hooks or pre-hooks of its
     own (not of its submodules) is left to torch.export, which runs them (fx traces ``forward`` only)."""
     if model._forward_hooks or any(_harmless_hook(model, h) is None for h in model._forward_pre_hooks.values()):
         raise torch.fx.proxy.TraceError("the model has forward hooks of its own: torch.fx traces forward only")
-    return InplaceTracer().trace(model)
+    return InplaceTracer().trace(model, concrete_args=_defaults(model, n_inputs))
+
+
+def _defaults(model: nn.Module, n_inputs: int | None) -> dict | None:
+    """{name: default} of the forward's arguments after its first ``n_inputs`` (those pathir feeds): traced
+    as their defaults, as the model runs without them (fx would make each a Proxy, and ``if mask is None``
+    would take the branch eager never does); None where unknown."""
+    if n_inputs is None:
+        return None
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params[:n_inputs + 1]):
+        return None  # forward(self, *xs): every input is one of xs
+    named = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    given = {p.name for p in named[:n_inputs] if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD}
+    out = {p.name: p.default for p in named if p.name not in given and p.default is not inspect.Parameter.empty}
+    return out or None
 
 
 # ---------------------------------------------------------------- what a node does to storage

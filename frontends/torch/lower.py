@@ -37,10 +37,11 @@ __all__ = ["lower", "trace"]
 # ---------------------------------------------------------------- tracing
 
 
-def trace(model: nn.Module) -> torch.fx.Graph:
+def trace(model: nn.Module, n_inputs: int | None = None) -> torch.fx.Graph:
     """torch.fx symbolic trace with torch.nn modules as leaves; ``a += b`` is
-    recorded as the in-place ``operator.iadd`` (capture_checks.InplaceTracer)."""
-    return capture_checks.trace(model)
+    recorded as the in-place ``operator.iadd`` (capture_checks.InplaceTracer); the forward's
+    arguments after the first ``n_inputs`` traced as their defaults."""
+    return capture_checks.trace(model, n_inputs)
 
 
 def lower(model: nn.Module, input_shape=None, example_input=None, heads: bool | None = None) -> Lowered:
@@ -83,7 +84,8 @@ def lower(model: nn.Module, input_shape=None, example_input=None, heads: bool | 
 def _lower_graph(model, shapes, name):
     """(raw graph, the fx lowering or None, the clipped ReLUs' threshold sites)."""
     try:
-        interpreter = FxInterpreter(model, trace(model), name)
+        n_inputs = 1 if shapes and not isinstance(shapes[0], (tuple, list)) else len(shapes)
+        interpreter = FxInterpreter(model, trace(model, n_inputs), name)
         return interpreter.run(shapes), interpreter.low, interpreter.low.clips
     except (torch.fx.proxy.TraceError, TypeError, NotImplementedError, capture_checks.WriteThroughView) as fx_error:
         if isinstance(fx_error, UnsupportedOperation) and not isinstance(fx_error, capture_checks.WriteThroughView):
