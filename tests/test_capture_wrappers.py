@@ -60,3 +60,26 @@ def test_arguments_pathir_does_not_feed_are_traced_as_their_defaults():
     cm = pathir.compile(net, input_shape=(4,))
     x = 100 * torch.randn(16, 4, dtype=torch.float64)
     np.testing.assert_allclose(cm.forward(x.numpy()), net(x).detach().numpy(), rtol=1e-12, atol=1e-12)
+
+
+class _WritesItsInput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.o = torch.nn.Linear(4, 5), torch.nn.Linear(5, 2)
+
+    def forward(self, x):
+        x[:, 0] = 0  # writes the caller's tensor: torch.export returns its new value as an output first
+        return self.o(self.a(x).relu())
+
+
+def test_an_input_the_forward_writes_is_not_one_of_the_graphs_outputs():
+    """The functionalized graph's input-mutation output became a graph output: the self-check refused 'the
+    model returns 1 tensors, the IR 2', and without it path-norms counted the input's identity paths."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    net = _WritesItsInput().double()
+    cm = pathir.compile(net, input_shape=(4,))
+    assert len(cm.graph.outputs) == 1
+    x = torch.randn(3, 4, dtype=torch.float64)
+    np.testing.assert_allclose(cm.forward(x.numpy()), net(x.clone()).detach().numpy(), rtol=1e-12, atol=1e-12)

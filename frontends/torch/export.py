@@ -11,6 +11,7 @@ buffers arrive as lifted placeholders named by their FQN.
 from __future__ import annotations
 
 import torch
+from torch.export.graph_signature import OutputKind
 
 from pathir.errors import UnsupportedOperation
 from pathir.frontends.core.values import ParamTensor, leaves, values_in
@@ -57,6 +58,8 @@ def _interpret(model, program, shapes, name, clips):
     lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers,
               **getattr(sig, "inputs_to_lifted_tensor_constants", {})}
     interpreter = _ExportInterpreter(model, program.graph_module.graph, name, lifted, tensors)
+    kinds = [spec.kind for spec in sig.output_specs]
+    interpreter.user_outputs = [k for k, kind in enumerate(kinds) if kind is OutputKind.USER_OUTPUT]
     graph = interpreter.run(shapes)
     if clips is not None:
         clips.update(interpreter.low.clips)
@@ -72,6 +75,16 @@ class _ExportInterpreter(FxInterpreter):
     def __init__(self, model, graph, name, lifted, tensors):
         super().__init__(model, graph, name)
         self.lifted, self.tensors = lifted, tensors
+        self.user_outputs = None  # positions of the forward's own results among the graph's outputs
+
+    def _returned(self, node):
+        """The forward's own results: an exported graph returns the tensors it writes in place first (an
+        input the forward wrote: its new value), which are not the model's outputs."""
+        out = node.args[0]
+        if self.user_outputs is not None and isinstance(out, (tuple, list)) and len(self.user_outputs) < len(out):
+            picked = tuple(out[k] for k in self.user_outputs)
+            return picked[0] if len(picked) == 1 else picked
+        return out
 
     def _eval(self, node, shape):
         if node.op == "placeholder" and node.name in self.lifted:

@@ -124,8 +124,12 @@ class FxInterpreter:
         self._inputs += 1
         return Value.of_node(self.low.b.input(node.name, shape, origin="input"), shape)
 
+    def _returned(self, node):
+        """What the forward returns: the output node's argument."""
+        return node.args[0]
+
     def _output(self, node):
-        out = node.args[0]
+        out = self._returned(node)
         out = self.env[out] if isinstance(out, torch.fx.Node) else out  # a namedtuple built in the forward
         if isinstance(out, dict):  # {"out": ..., "aux": ...}: every value an output, in order
             out = list(out.values())
