@@ -314,3 +314,20 @@ def test_a_user_pass_that_changes_the_params_makes_write_backs_refused():
     kept = pathir.compile(net, input_shape=(4,), passes=[lambda g: g])  # a pass that keeps them: written as before
     assert kept.transformed_by == ()
     kept.pathcond()
+
+
+def test_a_write_inside_parametrize_cached_is_refused_untouched():
+    """A weight-normed layer kept its cached weight while its neighbours were rescaled: off by 2 %."""
+    import torch.nn.utils.parametrize as P
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3), nn.ReLU(), nn.Linear(3, 2)).double().eval()
+    weight_norm(net[2])
+    state = copy.deepcopy(net.state_dict())
+    with P.cached():
+        cm = pathir.compile(net, input_shape=(4,))
+        with pytest.raises(PathirError, match="parametrize.cached"):
+            cm.commit_rescaling(np.random.default_rng(0).normal(size=len(cm.units)))
+    assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())
+    cm.commit_rescaling(np.random.default_rng(0).normal(size=len(cm.units)))  # outside: written

@@ -130,7 +130,12 @@ class TorchWriter:
         two different factors.
         """
         import torch
+        from torch.nn.utils import parametrize
 
+        if getattr(parametrize, "_cache_enabled", 0):
+            raise PathirError("write-back refused inside torch.nn.utils.parametrize.cached(): a parametrized layer "
+                              "would keep the weight it cached before the write while its neighbours are rescaled; "
+                              "write outside the context. The model is untouched")
         self.check_rescalable(graph)
         # each tensor's factors are computed when it is reached and dropped once its new value is
         # (lazy: a large layer's factor is applied a block of rows at a time, never held whole)
