@@ -180,6 +180,9 @@ case("leaky_relu", V, lambda m, a, b: F.leaky_relu(a, 0.0) + m.r(b), lambda: {"r
 case("clamp", V, lambda m, a, b: torch.clamp(a, min=0) + b.clamp(0.0))
 case("clip", V, lambda m, a, b: torch.clip(a, 0) + b.clip(min=0))
 case("clamp_min", V, lambda m, a, b: torch.clamp_min(a, 0) + b.clamp_min(0.0))
+case("clamps in place", V, lambda m, a, b: torch.clamp_(a * 2, min=0) + (b * 3).clamp_(0.0) + (a * 4).clip_(0)
+     + torch.clip_(b * 5, 0) + torch.clamp_min_(a * 6, 0) + (b * 7).clamp_min_(0.0) + F.threshold_(a * 8, 0.0, 0.0)
+     + F.leaky_relu_(b * 9, 0.0))
 case("threshold", V, lambda m, a, b: F.threshold(a, 0.0, 0.0) + torch.threshold(b, 0, 0) + m.t(a - b),
      lambda: {"t": nn.Threshold(0.0, 0.0)})
 case("hardtanh", V, lambda m, a, b: F.hardtanh(a, 0.0, INF) + F.hardtanh_(b * 2, 0.0, INF) + m.h(a - b),
