@@ -83,3 +83,34 @@ def test_an_input_the_forward_writes_is_not_one_of_the_graphs_outputs():
     assert len(cm.graph.outputs) == 1
     x = torch.randn(3, 4, dtype=torch.float64)
     np.testing.assert_allclose(cm.forward(x.numpy()), net(x.clone()).detach().numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_a_torch_compiled_submodule_is_read_through_and_rescaled():
+    """torch.compile at the root was read through; as a submodule fx ran into dynamo's raw RuntimeError."""
+    import numpy as np
+
+    class Sub(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2)))
+
+        def forward(self, x):
+            return self.inner(x)
+
+    torch.manual_seed(0)
+    net = Sub().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with torch.no_grad():
+        before = net.inner._orig_mod(x)
+    cm = pathir.compile(net, input_shape=(4,))
+    np.testing.assert_allclose(cm.forward(x.numpy()), before.numpy(), rtol=1e-12, atol=1e-12)
+    cm.commit_rescaling(np.random.default_rng(0).normal(size=len(cm.units)))
+    with torch.no_grad():
+        torch.testing.assert_close(net.inner._orig_mod(x), before, rtol=1e-12, atol=1e-12)
+
+
+def test_a_module_from_torch_export_is_refused_saying_what_to_pass():
+    """Its train() and eval() raise: pathir's mode switch surfaced torch's raw NotImplementedError."""
+    exported = torch.export.export(torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.ReLU()), (torch.randn(2, 4),))
+    with pytest.raises(pathir.PathirError, match="torch.export"):
+        pathir.compile(exported.module(), input_shape=(4,))

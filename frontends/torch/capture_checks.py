@@ -105,6 +105,9 @@ class InplaceTracer(torch.fx.Tracer):
         traced is refused, naming the module. A module outside the model's module tree (held in a
         plain list or dict, or made inside forward) is traced through where it holds no tensor and no
         hook (its ops are the function), and refused otherwise (its tensors are not the model's)."""
+        inner = getattr(m, "_orig_mod", None)
+        if isinstance(inner, nn.Module) and type(m).__name__ == "OptimizedModule":  # torch.compile(submodule):
+            return self.call_module(inner, inner.forward, args, kwargs)  # its module, which dynamo compiled
         if not self._registered(m):
             if next(m.parameters(), None) is not None or next(m.buffers(), None) is not None or _has_hooks(m):
                 raise UnsupportedOperation(

@@ -22,7 +22,7 @@ from pathir.frontends.torch.interpreter import FxInterpreter
 __all__ = ["lower_exported"]
 
 
-def lower_exported(model, shapes, name, clips: dict | None = None):
+def lower_exported(model, shapes, name, clips: dict | None = None, made: list | None = None):
     """Export with example inputs in the model's own dtype and device (batch 2) and interpret;
     constants torch.export lifts to inputs are constants, never tensor inputs. ``clips`` receives the
     clipped ReLUs' threshold sites (frontends/torch/clipped.py)."""
@@ -30,6 +30,8 @@ def lower_exported(model, shapes, name, clips: dict | None = None):
     dtype, device = model_dtype_device(model)
     examples = tuple(torch.zeros((2, *s), dtype=dtype, device=device) for s in shapes)
     program = torch.export.export(model, examples)
+    if made is not None:
+        made.append(program)  # (what fails after this is pathir's reading of the graph, not the export)
     try:
         return _interpret(model, program, shapes, name, clips)
     except UnsupportedOperation as err:

@@ -78,6 +78,11 @@ def check_model(model: nn.Module) -> None:
                               "pathir captures Python nn.Modules; pass the module before torch.jit.script / "
                               "torch.jit.trace, or export it to ONNX and compile the ONNX file")
 
+    from torch.export._unlift import _StatefulGraphModule
+
+    if isinstance(model, _StatefulGraphModule):  # its train() and eval() raise: pathir switches modes to trace
+        raise PathirError(f"{type(model).__name__} is a module made by torch.export(...).module(), which cannot "
+                          "switch between train and eval mode: pass the original nn.Module")
     for path, m in model.named_modules():
         if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():
             raise PathirError(f"module '{path or type(model).__name__}' ({type(m).__name__}) has uninitialized "

@@ -100,10 +100,15 @@ def _lower_graph(model, shapes, name):
 def _lower_exported(model, shape, name, fx_error, clips):
     """Fallback for models torch.fx cannot trace: interpret the exported ATen graph."""
     try:
-        return lower_exported(model, shape, name, clips)
+        program_made = []
+        return lower_exported(model, shape, name, clips, made=program_made)
     except UnsupportedOperation:
         raise
     except Exception as err:
+        if program_made:  # torch.export succeeded: pathir's reading of its graph failed
+            raise PathirError(
+                f"could not lower {name}: torch.fx failed ({type(fx_error).__name__}: {fx_error}), and pathir could "
+                f"not read torch.export's graph of it ({type(err).__name__}: {err}); please report it") from err
         if isinstance(fx_error, capture_checks.WriteThroughView):
             raise UnsupportedOperation(fx_error.node, fx_error.op, fx_error.where, (
                 f"{fx_error.why}; torch.export, whose functionalized graph would give the eager semantics, "
