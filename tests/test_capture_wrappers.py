@@ -114,3 +114,19 @@ def test_a_module_from_torch_export_is_refused_saying_what_to_pass():
     exported = torch.export.export(torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.ReLU()), (torch.randn(2, 4),))
     with pytest.raises(pathir.PathirError, match="torch.export"):
         pathir.compile(exported.module(), input_shape=(4,))
+
+
+@pytest.mark.parametrize("how", ["prune", "weight_norm"])
+def test_a_parametrized_weight_on_the_export_path_is_refused_saying_why(how):
+    """Forced onto torch.export (a hook on the root module), a weight computed from parameters was refused
+    naming internal ATen ops ('_assert_tensor_metadata ... outside the ReLU DAG model')."""
+    import torch.nn.utils.prune as prune
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    if how == "prune":
+        prune.l1_unstructured(net[2], "weight", 0.5)
+    else:
+        torch.nn.utils.parametrizations.weight_norm(net[2])
+    net.register_forward_hook(lambda mod, i, o: o * 2)
+    with pytest.raises(pathir.UnsupportedOperation, match="computes a weight from the model's parameters"):
+        pathir.compile(net, input_shape=(4,))

@@ -18,6 +18,7 @@ from pathir.frontends.core.values import ParamTensor, leaves, values_in
 from pathir.frontends.torch.capture_checks import WriteThroughView, effect_export
 from pathir.frontends.torch.inputs import model_dtype_device
 from pathir.frontends.torch.interpreter import FxInterpreter
+from pathir.frontends.torch.table import rule_for
 
 __all__ = ["lower_exported"]
 
@@ -95,8 +96,16 @@ class _ExportInterpreter(FxInterpreter):
         return super()._eval(node, shape)
 
     def _function(self, fn, args, kwargs):
+        if fn is torch.ops.aten._assert_tensor_metadata.default:
+            return None  # an export-time check of a tensor's dtype and shape: no value
         if isinstance(fn, torch._ops.OpOverload) and not values_in(args, kwargs):
             if not any(isinstance(a, ParamTensor) for a in leaves(args, kwargs)):
                 return fn(*args, **kwargs)  # index arithmetic of decomposed ops (arange, clamp, ...): a constant
+            if rule_for(fn) is None:
+                self.low.unsupported(
+                    "computes a weight from the model's parameters inside the graph (a parametrization: weight_norm, "
+                    "spectral_norm, or pruning's weight_orig * weight_mask), which pathir reads only on the torch.fx "
+                    "path; torch.fx could not trace this model (a hook on the root module, a write through a view, "
+                    "data-dependent Python), so it was read from torch.export's graph", fn.__name__)
             return self._call(fn, fn.__name__, args, kwargs)  # a lifted constant's copy, or refused by its rule
         return super()._function(fn, args, kwargs)
