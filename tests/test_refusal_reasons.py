@@ -319,3 +319,16 @@ def test_onnx_refusals_say_what_the_op_is(case):
     with pytest.raises(UnsupportedOperation) as info:
         pathir.compile(make())
     assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_an_onnx_op_that_moves_the_batch_axis_is_named_though_an_index_op_follows():
+    """A Slice dropping samples, then a Flatten: the refusal named the Flatten, which only read the result."""
+    proto = make_model(
+        [node("Gemm", ["x", "W"], ["h"], "fc", transB=1), node("Relu", ["h"], ["r"], "relu"),
+         node("Slice", ["r", "s", "e", "a"], ["t"], "drop_first_sample"), node("Flatten", ["t"], ["y"], "flatten")],
+        [tensor_info("x", ["N", 4])], [tensor_info("y", ["M", 4])],
+        {"W": np.random.default_rng(0).normal(size=(4, 4)), "s": np.array([1], dtype=np.int64),
+         "e": np.array([1000], dtype=np.int64), "a": np.array([0], dtype=np.int64)})
+    with pytest.raises(UnsupportedOperation) as info:
+        pathir.compile(proto)
+    assert (info.value.node, info.value.op) == ("drop_first_sample", "Slice")

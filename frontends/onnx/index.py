@@ -147,6 +147,10 @@ def index(low, node, ins):
             outs.append(Sequence(_selected(low, base, x) for x in d))
         else:
             outs.append(_selected(low, base, d))
+    first = next((v.where for v in ins if isinstance(v, Displaced)), None)
+    for out in outs:  # still displaced: the op that first moved the batch axis is the one to name
+        if first is not None and isinstance(out, Displaced):
+            out.where = first
     return outs
 
 
