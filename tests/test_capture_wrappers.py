@@ -130,3 +130,21 @@ def test_a_parametrized_weight_on_the_export_path_is_refused_saying_why(how):
     net.register_forward_hook(lambda mod, i, o: o * 2)
     with pytest.raises(pathir.UnsupportedOperation, match="computes a weight from the model's parameters"):
         pathir.compile(net, input_shape=(4,))
+
+
+def test_a_forward_that_branches_on_activation_values_is_refused_in_pathirs_words():
+    """torch.export's GuardOnDataDependentSymNode text was the whole message."""
+
+    class Branch(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.o = torch.nn.Linear(4, 5), torch.nn.Linear(5, 2)
+
+        def forward(self, x):
+            h = self.a(x).relu()
+            if h.sum() > 0:
+                h = h * 2
+            return self.o(h)
+
+    with pytest.raises(pathir.PathirError, match="decides on the values of an activation"):
+        pathir.compile(Branch(), input_shape=(4,))

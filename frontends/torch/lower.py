@@ -105,6 +105,12 @@ def _lower_exported(model, shape, name, fx_error, clips):
     except UnsupportedOperation:
         raise
     except Exception as err:
+        if type(err).__name__ == "GuardOnDataDependentSymNode":  # (torch.fx.experimental.symbolic_shapes)
+            raise PathirError(
+                f"could not trace {name}: its forward decides on the values of an activation (if h.sum() > 0, "
+                "h.item(), an assert on values), so it is not one graph for every input: pathir analyses forwards "
+                f"whose ops and branches do not depend on the data (torch.fx: {type(fx_error).__name__}: "
+                f"{fx_error})") from None
         if program_made:  # torch.export succeeded: pathir's reading of its graph failed
             raise PathirError(
                 f"could not lower {name}: torch.fx failed ({type(fx_error).__name__}: {fx_error}), and pathir could "
