@@ -33,6 +33,7 @@ for params whose zeros are exactly its zeros.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Mapping
 
 import numpy as np
@@ -92,6 +93,7 @@ class TorchWriter:
         self._written = None  # the probe of the last rescale, until check_written() reads it
         self._shared: list = []  # (written, other) tensors over one memory in the last rescale (shared_memory)
         self.reference = None  # the model's outputs on a probe, recorded with its stamp (function_kept.Reference)
+        self._checked = None  # a weak reference to the last graph check_rescalable passed
 
     # ------------------------------------------------------------ helpers
     def _locate(self, name: str):
@@ -262,7 +264,10 @@ class TorchWriter:
     def check_rescalable(self, graph: Graph) -> None:
         """Raise PathirError if a rescaling of ``graph`` cannot be written exactly: modules that only
         the train-mode forward runs (train_branches), or a source tensor computed by a spectral norm
-        or an unknown parametrization (param_write). Nothing is written either way."""
+        or an unknown parametrization (param_write). Nothing is written either way. A graph checked
+        already (the early check before a solver, then the write) is not checked again."""
+        if self._checked is not None and self._checked() is graph:
+            return
         if self.train_only:
             how = (f"lowering them as extra outputs failed ({self.why_not}); " if self.why_not else
                    "compile the model in train mode (model.train()) to have them as extra outputs of the graph, "
@@ -282,6 +287,7 @@ class TorchWriter:
                     raise PathirError(d.why)
                 if d is None:
                     self._tensor(ref.name)  # a tensor the model holds (not a constant export lifted)
+        self._checked = weakref.ref(graph)
 
     def _updates(self, name, sides):
         """[(stored tensor, its new value, module, attribute)] for source tensor ``name``;

@@ -106,7 +106,8 @@ def _write(model, writer, graph, scales, z, bias_shifts, transport) -> None:
     """One transaction: the rescaling, its checks, the bias shifts and the optimizer's state; on any error
     the model (and the optimizer's state) as before."""
     try:
-        with _transaction(model, float(np.max(np.abs(z), initial=0.0))) as check_values:
+        with _transaction(model, float(np.max(np.abs(z), initial=0.0)), written_after_check=bool(bias_shifts)) \
+                as check_values:
             writer.rescale(graph, scales)
             check_values()  # the dtype's range first: its refusal names the tensor and the bound
             check_written = getattr(writer, "check_written", None)
@@ -180,9 +181,10 @@ def _refuse_train_mode_statistics(model, graph, scales) -> None:
 
 
 @contextlib.contextmanager
-def _transaction(model, max_abs_z: float):
+def _transaction(model, max_abs_z: float, written_after_check: bool = True):
     """Snapshot a torch model's tensors; restore them if the block fails or broke a value. Yields the
-    range check, for the block to run early (it runs again at the end)."""
+    range check, for the block to run early; it runs again at the end unless the block ran it and
+    ``written_after_check`` is False (nothing wrote the model after it)."""
     if not hasattr(model, "named_modules"):
         yield lambda: None
         return
@@ -197,9 +199,16 @@ def _transaction(model, max_abs_z: float):
                     saved.append((module, kind, name, f"{prefix}.{name}".lstrip("."), t, t.detach().clone()))
         for name in _pruned_attributes(module):
             saved.append((module, "attr", name, f"{prefix}.{name}".lstrip("."), getattr(module, name), None))
-    try:
-        yield lambda: _check_values(saved, max_abs_z)
+    checked = []
+
+    def check():
         _check_values(saved, max_abs_z)
+        checked.append(True)
+
+    try:
+        yield check
+        if written_after_check or not checked:
+            _check_values(saved, max_abs_z)
     except BaseException:
         for module, kids in children:
             for name, child in kids.items():
