@@ -3,7 +3,8 @@
 After lowering and the default passes, :func:`self_check` runs the IR's own
 forward (torch backend when torch is installed, else numpy; float64 for a float64
 model, float32 otherwise: the check is about structure) and the
-model's own forward once each, on a seeded random batch of 2 (cast to the
+model's own forward once each, on a seeded random batch of 3 (:data:`BATCH`: not the frontends' trace
+batch, 2, so that a forward that uses its batch size as a number is caught; cast to the
 model's dtype and device, the same values fed to both), and compares them
 relative to max|model output|, with a tolerance fitted to the model's dtype
 (:data:`TOLERANCE`). A torch model runs in eval mode under ``torch.no_grad``
