@@ -294,3 +294,22 @@ def test_a_rescaling_method_compares_the_model_once_and_the_next_query_sees_a_la
     assert cm.path_norm(2.0) == pytest.approx(_fresh(model), rel=1e-12)
     cm.pathcond()
     assert cm.path_norm(2.0) == pytest.approx(_fresh(model), rel=1e-12)  # the write-back is followed too
+
+
+def test_a_global_module_hook_or_a_replaced_forward_after_compile_is_a_structural_change():
+    """Neither was watched: the Compiled kept answering for the old model (l1 4.57 against 31.9), silently."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2)).double()
+    cm = pathir.compile(net, input_shape=(4,))
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: o * 2)
+    try:
+        with pytest.raises(ModelChanged, match="global module hook"):
+            cm.path_norm(1)
+    finally:
+        handle.remove()
+    cm = pathir.compile(net, input_shape=(4,))
+    net[2].forward = lambda x: F.linear(x, 2 * net[2].weight, net[2].bias)
+    with pytest.raises(ModelChanged, match="forward of '2'"):
+        cm.path_norm(1)

@@ -52,9 +52,10 @@ class ModelWatch:
         self.mark()
 
     def modules(self) -> tuple:
-        """Every module: (path, identity, type, hooks other than pruning's, settings)."""
-        return tuple((name, id(m), type(m).__name__, _hooks(m), _settings(m))
-                     for name, m in self.model.named_modules(remove_duplicate=False))
+        """Every module: (path, identity, type, hooks other than pruning's, settings, a forward set on the
+        instance), then the global module hooks as one entry."""
+        return (*((name, id(m), type(m).__name__, _hooks(m), _settings(m), id(m.__dict__.get("forward")))
+                  for name, m in self.model.named_modules(remove_duplicate=False)), _global_hooks())
 
     def versions(self) -> tuple:
         """What an in-place change moves: each tensor's name, identity, version, storage, dtype, device and shape."""
@@ -81,11 +82,16 @@ class ModelWatch:
         old_modules, modules, versions = self._modules, self.modules(), self.versions()
         if modules == old_modules and versions == self._versions:
             return None
+        if modules[-1] != old_modules[-1]:
+            return "a global module hook (torch.nn.modules.module.register_module_forward_hook, ...) was added or removed"
+        old_modules, modules = old_modules[:-1], modules[:-1]
         for a, b in zip(old_modules, modules):
             if a[0] != b[0] or a[1] != b[1]:
                 return f"the module '{a[0] or 'the model'}' ({a[2]}) was replaced by '{b[0] or 'the model'}' ({b[2]})"
             if a[3] != b[3]:
                 return f"hooks were added to or removed from '{a[0] or 'the model'}'"
+            if a[5] != b[5]:
+                return f"the forward of '{a[0] or 'the model'}' ({a[2]}) was replaced on the instance"
             if a[4] != b[4]:
                 old, new = dict(a[4]), dict(b[4])
                 key = next(k for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k))
@@ -117,6 +123,15 @@ def _settings(module: nn.Module) -> tuple:
     if not type(module).__module__.startswith("torch.nn."):
         return ()
     return tuple((k, v) for k, v in module.__dict__.items() if k[0] != "_" and k not in _IGNORED and _simple(v))
+
+
+def _global_hooks() -> tuple:
+    """The ids of the hooks registered for every module (torch.nn.modules.module's global tables)."""
+    from torch.nn.modules import module as M
+
+    tables = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+              "_global_backward_pre_hooks", "_global_forward_hooks_always_called")
+    return tuple(tuple(getattr(M, t, {}).keys()) for t in tables)
 
 
 def _hooks(module: nn.Module) -> int:
