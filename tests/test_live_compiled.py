@@ -313,3 +313,24 @@ def test_a_global_module_hook_or_a_replaced_forward_after_compile_is_a_structura
     net[2].forward = lambda x: F.linear(x, 2 * net[2].weight, net[2].bias)
     with pytest.raises(ModelChanged, match="forward of '2'"):
         cm.path_norm(1)
+
+
+def test_one_parameter_held_by_two_modules_is_one_param_of_the_graph():
+    """b.weight = a.weight: two names, one tensor. It was two params (8 free units), and every rescaling was
+    then refused as 'one tensor rescaled differently'; now its uses tie, as for one module called twice."""
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+    torch.manual_seed(0)
+    net = Tied().double()
+    cm = pathir.compile(net, input_shape=(4,))
+    assert "b.weight" not in {p.name for p in cm.graph.params()} and len(cm.units) == 0
+    x = torch.randn(5, 4, dtype=torch.float64)
+    np.testing.assert_allclose(cm.forward(x.numpy()), net(x).detach().numpy(), rtol=1e-12, atol=1e-12)
+    cm.pathcond()  # nothing to move, nothing refused

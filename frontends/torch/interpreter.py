@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+from dataclasses import replace
 
 import torch
 import torch.fx
@@ -36,7 +37,20 @@ class TorchLowering(Lowering):
         self.model = model
         self._buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
         self._parameters = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        # a tensor registered under several names (one Parameter held by two modules) -> its first name: one
+        # param of the graph, so that its uses tie (a weight shared by layers in series pins their channels)
+        self._first_name = {}
+        for n, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+            self._first_name.setdefault(id(t), n)
         self.clips: dict = {}  # threshold param name -> ClipSite, what holds it in the model (frontends/torch/clipped.py)
+
+    def widened(self, pt: ParamTensor, refs, how: str = "", view=lambda t: t):
+        """The core's widened param, named by the tensor's first registered name where it has several."""
+        first = self._first_name.get(id(pt.tensor), pt.name)
+        if first != pt.name:
+            refs = tuple(replace(r, name=first) if r.name == pt.name else r for r in refs)
+            pt = ParamTensor(first, pt.tensor, pt.kind)
+        return super().widened(pt, refs, how, view)
 
     def is_buffer(self, t) -> bool:
         """Whether ``t`` is a registered buffer of the model (a fixed tensor, never a parameter)."""

@@ -372,6 +372,9 @@ class TorchWriter:
         from torch.nn.utils import prune
 
         plan, targets, tensors = [], set(), {}
+        names_of: dict[int, list[str]] = {}  # tensor -> every name the model registers it under
+        for n, t in self.model.named_parameters(remove_duplicate=False):
+            names_of.setdefault(id(t), []).append(n)
         for p, m, ref in mask_plan(graph, masks):
             m = ref.to_source(m)
             module, attr = self._locate(ref.name)
@@ -385,11 +388,13 @@ class TorchWriter:
                 raise PathirError(f"mask for '{p.name}' has {m.size} entries, tensor '{ref.name}' {t.numel()}")
             if (id(module), attr) in targets:
                 raise PathirError(f"two masks for the tensor '{ref.name}'")
-            if id(t) in tensors:  # one tensor under two names: each use was scored and masked on its own
+            held = names_of.get(id(t), [])
+            if id(t) in tensors or len(held) > 1:  # one tensor under two names
+                other = tensors.get(id(t)) or next(n for n in held if n != ref.name)
                 raise PathirError(
-                    f"'{tensors[id(t)]}' and '{ref.name}' are one tensor (tied weights): pathir scores and masks each "
-                    "use apart, which would prune the two uses differently; pruning tied weights is not offered. "
-                    "The model is untouched")
+                    f"'{other}' and '{ref.name}' are one tensor (tied weights): torch.nn.utils.prune reparametrizes "
+                    "each module on its own, which would untie them and mask one use only; pruning tied weights is "
+                    "not offered. The model is untouched")
             targets.add((id(module), attr))
             tensors[id(t)] = ref.name
             # (a copy: a transposed convolution's mask is a flipped view, which torch cannot take)
