@@ -138,3 +138,17 @@ def test_onnx_file(tmp_path, capsys, factory):
     assert got["log10_path_norms"] == pytest.approx(want, rel=1e-5)  # float32 initializers
     code, _, err = _run(capsys, "summary", tmp_path / "small.onnx", "--weights", "w.pt")
     assert code == 2 and "carries its own weights" in err
+
+
+@pytest.mark.parametrize("text, shape", [("3,224,224", (3, 224, 224)), ("3x224x224", (3, 224, 224)), ("4,", (4,)),
+                                         ("4,x", None), ("x", None), ("4,,5", None), ("0,3", None)])
+def test_input_shape_is_read_whole_or_refused(text, shape):
+    """'4,x' was read as (4,): the x taken for a separator and the empty part dropped."""
+    from pathir.app.commands.common import parse_shape
+    from pathir.errors import ArgumentError
+
+    if shape is None:
+        with pytest.raises(ArgumentError, match="--input-shape"):
+            parse_shape(text)
+    else:
+        assert parse_shape(text) == shape

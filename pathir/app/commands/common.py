@@ -20,10 +20,14 @@ __all__ = ["add_model_arguments", "load_model", "compile_model", "emit_json", "p
 def parse_shape(text: str | None):
     if not text:
         return None
-    try:
-        return tuple(int(s) for s in text.replace("x", ",").split(",") if s.strip())
+    parts = text.strip().rstrip(",").replace("x", ",").split(",")  # (a trailing comma: "4," is (4,))
+    try:  # every part a size: "4,x" and "x" (an empty part after the separator) are not shapes
+        shape = tuple(int(s) for s in parts)
     except ValueError:
-        raise ArgumentError(f"--input-shape must look like 3,224,224, got '{text}'") from None
+        shape = ()
+    if not shape or any(d <= 0 for d in shape):
+        raise ArgumentError(f"--input-shape must look like 3,224,224 or 3x224x224 (positive sizes), got '{text}'")
+    return shape
 
 
 def add_model_arguments(parser):
