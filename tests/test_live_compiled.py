@@ -334,3 +334,24 @@ def test_one_parameter_held_by_two_modules_is_one_param_of_the_graph():
     x = torch.randn(5, 4, dtype=torch.float64)
     np.testing.assert_allclose(cm.forward(x.numpy()), net(x).detach().numpy(), rtol=1e-12, atol=1e-12)
     cm.pathcond()  # nothing to move, nothing refused
+
+
+def test_a_structural_change_is_named_as_what_it_is():
+    """A parametrization added after compile was reported as '3' (ReLU) replaced by '2.parametrizations', a
+    class swap as a changed setting 'in_features' (to None)."""
+    import torch.nn.utils.parametrize as P
+
+    class Same(nn.Module):
+        def forward(self, w):
+            return w
+
+    net = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2), nn.ReLU()).double()
+    cm = pathir.compile(net, input_shape=(4,))
+    P.register_parametrization(net[2], "weight", Same())
+    with pytest.raises(ModelChanged, match="modules were added: '2.parametrizations'"):
+        cm.path_norm(1)
+    net = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)).double()
+    cm = pathir.compile(net, input_shape=(4,))
+    net[2].__class__ = type("MyLinear", (nn.Linear,), {})
+    with pytest.raises(ModelChanged, match="class of '2' changed from Linear to MyLinear"):
+        cm.path_norm(1)

@@ -85,7 +85,17 @@ class ModelWatch:
         if modules[-1] != old_modules[-1]:
             return "a global module hook (torch.nn.modules.module.register_module_forward_hook, ...) was added or removed"
         old_modules, modules = old_modules[:-1], modules[:-1]
+        old_paths, paths = [a[0] for a in old_modules], [b[0] for b in modules]
+        if old_paths != paths:  # named by path: a position-wise compare would call the first shifted one replaced
+            added = [p for p in paths if p not in set(old_paths)]
+            removed = [p for p in old_paths if p not in set(paths)]
+            if added:
+                return f"modules were added: {', '.join(repr(p) for p in added[:3])} (a parametrization, a submodule)"
+            if removed:
+                return f"modules were removed: {', '.join(repr(p) for p in removed[:3])}"
         for a, b in zip(old_modules, modules):
+            if a[0] == b[0] and a[1] == b[1] and a[2] != b[2]:
+                return f"the class of '{a[0] or 'the model'}' changed from {a[2]} to {b[2]}"
             if a[0] != b[0] or a[1] != b[1]:
                 return f"the module '{a[0] or 'the model'}' ({a[2]}) was replaced by '{b[0] or 'the model'}' ({b[2]})"
             if a[3] != b[3]:
