@@ -18,7 +18,6 @@ fresh forward: a reference can save a forward, never decide a refusal.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +25,7 @@ import torch
 
 from pathir.errors import PathirError, StaleReference
 from pathir.frontends.torch.inputs import eval_forward, model_dtype_device, output_tensors
+from pathir.frontends.torch.live import tensor_versions
 
 __all__ = ["Probe", "Reference", "model_stamp"]
 
@@ -37,11 +37,9 @@ BATCH = 1
 
 def model_stamp(model, train_paths=()) -> tuple:
     """What a forward of ``model`` depends on that is cheap to read: every module's identity and mode, and
-    every parameter's and buffer's name, identity, storage, version, dtype and shape (an edit through
-    ``.data`` bumps no version: module docstring)."""
-    tensors = itertools.chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
-    return (tuple((n, id(t), t._version, t.data_ptr(), t.dtype, tuple(t.shape)) for n, t in tensors),
-            tuple((id(m), m.training) for m in model.modules()), tuple(train_paths))
+    every parameter's and buffer's ``live.tensor_versions`` (an edit through ``.data`` bumps no version:
+    module docstring)."""
+    return tensor_versions(model), tuple((id(m), m.training) for m in model.modules()), tuple(train_paths)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from itertools import chain
 import torch.nn as nn
 from torch.nn.utils.prune import BasePruningMethod
 
-__all__ = ["ModelWatch"]
+__all__ = ["ModelWatch", "tensor_versions"]
 
 
 #: id(parameter) -> the steps of fused optimizers that wrote it (those do not bump ``_version``)
@@ -43,6 +43,14 @@ def _count_fused_steps() -> None:
         _COUNTING.append(register_optimizer_step_post_hook(_count_fused_step))
 
 
+def tensor_versions(model: nn.Module) -> tuple:
+    """What an in-place change moves: each parameter's and buffer's name, identity, version (a fused
+    optimizer's steps counted in), storage, dtype, device and shape."""
+    tensors = chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
+    return tuple((name, id(t), (t._version, _FUSED_STEPS.get(id(t), 0)), t.data_ptr(), t.dtype, t.device,
+                  tuple(t.shape)) for name, t in tensors)
+
+
 class ModelWatch:
     """The modules and tensor versions of ``model`` as last marked."""
 
@@ -58,10 +66,7 @@ class ModelWatch:
                   for name, m in self.model.named_modules(remove_duplicate=False)), _global_hooks())
 
     def versions(self) -> tuple:
-        """What an in-place change moves: each tensor's name, identity, version, storage, dtype, device and shape."""
-        tensors = chain(self.model.named_parameters(remove_duplicate=False), self.model.named_buffers(remove_duplicate=False))
-        return tuple((name, id(t), (t._version, _FUSED_STEPS.get(id(t), 0)), t.data_ptr(), t.dtype, t.device,
-                      tuple(t.shape)) for name, t in tensors)
+        return tensor_versions(self.model)
 
     def mark(self) -> None:
         """Take the model as it is now as the reference."""
