@@ -22,6 +22,7 @@ from pathir.frontends.core.lowering import Lowering
 from pathir.frontends.core.values import ParamTensor, Value, values_in
 from pathir.frontends.torch.capture_checks import alias_plan, apply_inplace, check_modes, effect_fx, refuse_inplace
 from pathir.frontends.torch.indexing import transposed_param
+from pathir.frontends.torch.shared_memory import registered_names
 from pathir.frontends.torch.table import rule_for
 from pathir.frontends.torch.why import why
 from pathir.ir import NodeKind
@@ -39,9 +40,7 @@ class TorchLowering(Lowering):
         self._parameters = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         # a tensor registered under several names (one Parameter held by two modules) -> its first name: one
         # param of the graph, so that its uses tie (a weight shared by layers in series pins their channels)
-        self._first_name = {}
-        for n, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
-            self._first_name.setdefault(id(t), n)
+        self._first_name = {ident: names[0] for ident, names in registered_names(model).items()}
         self.clips: dict = {}  # threshold param name -> ClipSite, what holds it in the model (frontends/torch/clipped.py)
 
     def widened(self, pt: ParamTensor, refs, how: str = "", view=lambda t: t):

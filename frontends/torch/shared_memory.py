@@ -22,7 +22,16 @@ from itertools import chain
 
 import torch
 
-__all__ = ["overlaps", "self_overlapping"]
+__all__ = ["overlaps", "self_overlapping", "registered_names"]
+
+
+def registered_names(model: torch.nn.Module) -> dict[int, list[str]]:
+    """{id(tensor): every name the model registers it under, in registration order}: one Parameter held
+    by two modules (``b.weight = a.weight``) is one tensor under two names."""
+    out: dict[int, list[str]] = {}
+    for name, t in chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)):
+        out.setdefault(id(t), []).append(name)
+    return out
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int, int] | None:

@@ -43,7 +43,7 @@ from pathir.frontends.core.param_write import derived, per_slice_factor, refresh
 from pathir.frontends.core.write_rules import EntryFactor, clip_threshold_names, mask_plan, source_factors
 from pathir.frontends.torch.clipped import plan_clips
 from pathir.frontends.torch.function_kept import Probe
-from pathir.frontends.torch.shared_memory import overlaps, self_overlapping
+from pathir.frontends.torch.shared_memory import overlaps, registered_names, self_overlapping
 from pathir.ir import Graph, Role
 from pathir.support.threads import one_torch_thread
 
@@ -372,9 +372,7 @@ class TorchWriter:
         from torch.nn.utils import prune
 
         plan, targets, tensors = [], set(), {}
-        names_of: dict[int, list[str]] = {}  # tensor -> every name the model registers it under
-        for n, t in self.model.named_parameters(remove_duplicate=False):
-            names_of.setdefault(id(t), []).append(n)
+        names_of = registered_names(self.model)  # tensor -> every name the model registers it under
         for p, m, ref in mask_plan(graph, masks):
             m = ref.to_source(m)
             module, attr = self._locate(ref.name)
