@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-import numpy as np
-
 from pathir.compiled import Compiled
-from pathir.errors import ArgumentError, InputShapeError
+from pathir.errors import ArgumentError, InputShapeError, PathirError
 from pathir.frontends.onnx import lower as lower_onnx
+from pathir.graph_inputs import graph_inputs
 from pathir.ir import Graph, verify
 from pathir.passes import DEFAULT_PIPELINE, run_passes
 from pathir.passes.fold_batchnorm import pooled_folds
@@ -147,53 +146,15 @@ def equalize(model, input_shape: Sequence[int] | None = None, example_input=None
                             "replace (an ONNX Clip or a Graph keeps relu6='clip')")
     if relu6 == "clip" or _is_onnx(model) or isinstance(model, Graph):
         cm = compile(model, input_shape=input_shape, example_input=example_input, progress=progress)
-        return cm.equalize(bits=bits, objective=objective, inputs=_graph_inputs(cm.graph, inputs), progress=progress,
+        return cm.equalize(bits=bits, objective=objective, inputs=inputs, progress=progress,
                            **kwargs)
     return _equalize_with_relus(model, input_shape, example_input, bits, objective, inputs, progress, kwargs)
-
-
-def _graph_inputs(graph: Graph, inputs) -> dict | None:
-    """``inputs`` as {graph input name: float64 array}, each checked against its input's shape
-    (InputShapeError, as the graph's forward raises it). Accepted: one array or tensor (a graph of one
-    input), a dict by input name, or a tuple of arrays (a list, for several inputs) in the graph's input
-    order, the model's argument order."""
-    if inputs is None:
-        return None
-    names = list(graph.inputs)
-    positional = (isinstance(inputs, (tuple, list)) and all(hasattr(a, "shape") for a in inputs)
-                  and (isinstance(inputs, tuple) or len(names) > 1))  # a list of rows stays one array
-    if isinstance(inputs, dict):
-        missing = [n for n in names if n not in inputs]
-        if missing:
-            raise InputShapeError(f"x: the graph has inputs {names}: the dict {{input name: array}} lacks {missing}")
-        feed = {n: inputs[n] for n in names}
-    elif positional:
-        if len(inputs) != len(names):
-            raise InputShapeError(f"x: the graph has inputs {names}: pass {len(names)} arrays in that order (or a "
-                                  f"dict {{input name: array}}), got {len(inputs)}")
-        feed = dict(zip(names, inputs))
-    elif len(names) != 1:
-        raise InputShapeError(f"x: the graph has inputs {names}: pass a dict {{input name: array}} or a tuple of "
-                              "arrays in that order")
-    else:
-        feed = {names[0]: inputs}
-    out = {}
-    for name, x in feed.items():
-        try:
-            x = x.detach().cpu().double().numpy() if hasattr(x, "detach") else np.asarray(x, dtype=np.float64)
-        except (TypeError, ValueError) as err:
-            raise InputShapeError(f"x: input '{name}' is not an array of numbers ({err})") from None
-        shape = graph.node(name).shape
-        if x.ndim < 1 or tuple(x.shape[1:]) != tuple(shape):
-            raise InputShapeError(f"x: input '{name}' expects (B, {', '.join(map(str, shape))}), got {tuple(x.shape)}")
-        out[name] = x
-    return out
 
 
 def _equalize_with_relus(model, input_shape, example_input, bits, objective, inputs, progress, kwargs):
     """relu6="relu": every clipped ReLU module becomes a ReLU (the function changes; the report says by
     how much on ``inputs``, or on a seeded random batch), then equalize. ``inputs`` take every form
-    ``relu6="clip"`` takes (:func:`_graph_inputs`). On any error the modules are put back; either way
+    ``relu6="clip"`` takes (:func:`pathir.graph_inputs.graph_inputs`). On any error the modules are put back; either way
     every module keeps its train/eval flag."""
     import torch  # lazy: imports torch
 
@@ -203,8 +164,18 @@ def _equalize_with_relus(model, input_shape, example_input, bits, objective, inp
     paths, swap = relu_swap(model)
     swap.apply()
     try:
-        cm = compile(model, input_shape=input_shape, example_input=example_input, progress=progress)
-        feed = _graph_inputs(cm.graph, inputs)
+        try:
+            cm = compile(model, input_shape=input_shape, example_input=example_input, progress=progress)
+        except InputShapeError as err:  # the model's own forward failed: the shape's fault, or the swap's?
+            swap.undo()
+            compile(model, input_shape=input_shape, example_input=example_input, progress=False)  # raises if the shape's
+            cause = err.__cause__ or err.__context__
+            why = f"{type(cause).__name__}: {cause}" if cause is not None else str(err)
+            raise PathirError(f"relu6='relu': with its clipped ReLUs ({', '.join(paths)}) replaced by ReLU the model no "
+                              f"longer runs ({why}): its forward or a hook "
+                              "reads what only the clipped ReLU has (max_val, min_val, ...). Equalize with "
+                              "relu6='clip', or remove that dependence. The model is untouched") from None
+        feed = graph_inputs(cm.graph, inputs)
         dtype, device = model_dtype_device(model)
         if feed is not None:
             probe = [torch.from_numpy(feed[n]) for n in cm.graph.inputs]

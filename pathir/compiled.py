@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -20,6 +21,7 @@ from pathir.backends import get_backend
 from pathir.enorm.run import enorm, normalize_units
 from pathir.equalization.run import equalize
 from pathir.errors import ArgumentError, ModelChanged, PathirError
+from pathir.graph_inputs import graph_inputs
 from pathir.ir import Graph, MapKind, Role
 from pathir.lifting.active import active_path_counts, active_path_norm, local_affine
 from pathir.lifting.diag_g import diag_g
@@ -431,6 +433,10 @@ class Compiled:
         ``absorption`` measures the output change on ``inputs``, or on a seeded random batch; an ONNX
         model's batch-norms must be kept as BatchNormalization nodes). See docs/equalize.md."""
 
+        for flag, value in (("absorb_bias", absorb_bias), ("certify", certify)):
+            if not (isinstance(value, (bool, np.bool_)) or (flag == "certify" and value is None)):
+                raise ArgumentError(f"{flag} must be True or False, got {value!r}")
+        inputs = graph_inputs(self.graph, inputs)
         self._check_writable(write_back)
         read_source = self._source_reader() if absorb_bias else None
         if absorb_bias and read_source is None:
@@ -439,8 +445,6 @@ class Compiled:
                               "changed)")
         lower = self.variance_lower_bounds() if max_log_scale is None else None
         max_log_scale = self._bound(max_log_scale, variance=lower is None)
-        if inputs is not None and hasattr(inputs, "detach"):
-            inputs = inputs.detach().cpu().double().numpy()
         return equalize(self.facts, self.get_backend(backend), bits=bits, objective=objective,
                         max_log_scale=max_log_scale, commit=self._committer(write_back, optimizer), inputs=inputs,
                         name=self.name, progress=progress, callback=callback, certify=certify, lower=lower,
@@ -537,8 +541,8 @@ class Compiled:
         model's dtype finite and normal (``pathir.rescaling.bounds.default_max_log_scale``; with
         ``variance``, also the running variances of unfolded batch-norms, as one scalar)."""
         if max_log_scale is not None:
-            if not max_log_scale >= 0:
-                raise ArgumentError(f"max_log_scale must be >= 0 (math.inf: unbounded), got {max_log_scale}")
+            if isinstance(max_log_scale, bool) or not isinstance(max_log_scale, numbers.Real) or not max_log_scale >= 0:
+                raise ArgumentError(f"max_log_scale must be a number >= 0 (math.inf: unbounded), got {max_log_scale!r}")
             return float(max_log_scale)
         ratio = self.rescaled_variance_ratio() if variance else None
         return default_max_log_scale(self.graph, self.narrowest_dtype(), variance_ratio=ratio)

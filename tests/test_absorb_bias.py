@@ -296,3 +296,12 @@ def test_cli_absorb_bias(tmp_path, capsys, monkeypatch):
     assert "bias absorption: 6 channels" in printed
     state = torch.load(out)
     np.testing.assert_allclose((state["1.bias"] / state["1.weight"]).numpy(), 3.0, rtol=1e-6)
+
+
+def test_an_absorbed_relu_that_is_the_output_is_refused():
+    model = nn.Sequential(*list(_above_c_model())[:3])  # Linear, BatchNorm, ReLU: the ReLU is the output
+    x = torch.rand(32, 4, dtype=torch.float64) * 2 - 1
+    state = _state(model)
+    with pytest.raises(PathirError, match="is an output of the model"):
+        pathir.equalize(model, input_shape=(4,), inputs=x, absorb_bias=True)
+    assert _same(model, state)

@@ -220,3 +220,55 @@ def test_equalize_refuses_and_leaves_the_model_untouched(name):
     assert named in str(err.value)
     assert _same_state(before, _state(model))
     assert dict(model.named_modules()) == modules  # no submodule swapped in (a clipped ReLU's writer does)
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.o = nn.Linear(4, 6), nn.Linear(3, 6), nn.Linear(6, 2)
+
+    def forward(self, x, y):
+        return self.o(F.relu(self.a(x)) + F.relu(self.b(y)))
+
+
+def test_equalize_takes_a_tuple_of_inputs_of_different_shapes():
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 4), torch.randn(8, 3)
+    report = pathir.compile(_TwoInputs(), input_shape=[(4,), (3,)]).equalize(inputs=(x, y), progress=False)
+    assert report.observed_before is not None
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"inputs": torch.randn(0, 6)}, "empty batch"),
+    ({"inputs": "abc"}, "not an array of numbers"),
+    ({"inputs": torch.randn(4, 6, dtype=torch.complex64)}, "complex"),
+    ({"max_log_scale": "3"}, "max_log_scale must be a number"),
+    ({"absorb_bias": "no"}, "absorb_bias must be True or False"),
+    ({"certify": "yes"}, "certify must be True or False"),
+])
+def test_bad_equalize_arguments_are_refused_before_anything_runs(kwargs, match):
+    model = _mlp()
+    before = _state(model)
+    with pytest.raises(pathir.PathirError, match=match):
+        pathir.compile(model, input_shape=(6,)).equalize(progress=False, **kwargs)
+    assert _same_state(before, _state(model))
+
+
+def test_parameters_made_under_inference_mode_are_refused_with_the_way_out():
+    with torch.inference_mode():
+        model = _mlp()
+    with pytest.raises(pathir.PathirError, match="inference_mode") as err:
+        pathir.compile(model, input_shape=(6,))
+    assert "assign=True" in str(err.value)
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    pathir.equalize(model, input_shape=(6,), progress=False)
+
+
+def test_relu6_relu_blames_a_hook_that_reads_the_clipped_relu_not_the_input_shape():
+    model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.ReLU6(), nn.Conv2d(6, 2, 3))
+    model[1].register_forward_hook(lambda mod, i, o: o / 6.0 * mod.max_val)
+    before = _state(model)
+    with pytest.raises(pathir.PathirError, match="relu6='relu'.*max_val") as err:
+        pathir.equalize(model, input_shape=(3, 8, 8), relu6="relu", progress=False)
+    assert "input_shape" not in str(err.value).split("(")[0]
+    assert isinstance(model[1], nn.ReLU6) and _same_state(before, _state(model))

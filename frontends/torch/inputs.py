@@ -68,8 +68,9 @@ def input_shapes(input_shape, example_input) -> list[tuple[int, ...]]:
 
 
 def check_model(model: nn.Module) -> None:
-    """Refuse models whose tensors hold no values (lazy, meta) and TorchScript modules (their
-    forward is TorchScript, which neither torch.fx nor torch.export reads)."""
+    """Refuse models whose tensors hold no values (lazy, meta) or no version counter (made under
+    torch.inference_mode()) and TorchScript modules (their forward is TorchScript, which neither
+    torch.fx nor torch.export reads)."""
     from torch.nn.modules.lazy import LazyModuleMixin
 
     for path, m in model.named_modules():
@@ -91,6 +92,12 @@ def check_model(model: nn.Module) -> None:
         if t.is_meta:
             raise PathirError(f"tensor '{name}' is on the meta device (no values): materialize the model first, "
                               "e.g. model.to_empty(device='cpu') then load_state_dict(...)")
+        if t.is_inference():
+            raise PathirError(f"tensor '{name}' was made under torch.inference_mode(): such tensors keep no version "
+                              "counter, so pathir can neither follow the model's changes nor write it back safely; "
+                              "build or load the model outside inference_mode (torch.no_grad() is fine), or, outside it, "
+                              "model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, "
+                              "assign=True)")
 
 
 def warn_train_batchnorm(model: nn.Module) -> None:

@@ -15,7 +15,7 @@ not constant per channel, a convolution's zero padding, the interior value Σ_k 
 choice): the border outputs then see c as 0 and the report lists those edges.
 
 Refused (PathirError, nothing written): a shift that would reach a ReLU node without a bias or an
-output without one, a bias whose tensor cannot take an added constant (shared, derived from
+output without one (an absorbed ReLU that is itself an output included), a bias whose tensor cannot take an added constant (shared, derived from
 several tensors by a factor, a clipped ReLU's threshold), another map whose image of a constant
 varies.
 """
@@ -199,6 +199,10 @@ def absorb(graph: Graph, units, z, read_source) -> Absorption:
         own = c_of.get(n.name)
         if incoming is None and own is None:
             continue
+        if own is not None and n.name in graph.outputs:
+            raise PathirError(f"bias absorption: the ReLU node '{n.name}' ({n.origin or n.kind.value}) is an output of the "
+                              "model: its output would stay lowered by the absorbed constant, with no later bias to give it "
+                              "back; nothing was written")
         if incoming is not None and n.bias is None and n.kind in (NodeKind.IDENTITY, NodeKind.MAXPOOL) \
                 and n.name not in graph.outputs:
             deficit[n.name] = incoming  # no bias of its own: its readers compensate

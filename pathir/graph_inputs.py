@@ -1,0 +1,53 @@
+"""Inputs a user passes to a method that runs the graph on them (``equalize(inputs=...)``), read as the
+graph's inputs: one array per graph input, float64, shape-checked."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pathir.errors import InputShapeError
+from pathir.ir import Graph
+
+__all__ = ["graph_inputs"]
+
+
+def graph_inputs(graph: Graph, inputs) -> dict | None:
+    """``inputs`` as {graph input name: float64 array}, each checked against its input's shape
+    (InputShapeError, as the graph's forward raises it). Accepted: one array or tensor (a graph of one
+    input), a dict by input name, or a tuple of arrays (a list, for several inputs) in the graph's input
+    order, the model's argument order."""
+    if inputs is None:
+        return None
+    names = list(graph.inputs)
+    positional = (isinstance(inputs, (tuple, list)) and all(hasattr(a, "shape") for a in inputs)
+                  and (isinstance(inputs, tuple) or len(names) > 1))  # a list of rows stays one array
+    if isinstance(inputs, dict):
+        missing = [n for n in names if n not in inputs]
+        if missing:
+            raise InputShapeError(f"x: the graph has inputs {names}: the dict {{input name: array}} lacks {missing}")
+        feed = {n: inputs[n] for n in names}
+    elif positional:
+        if len(inputs) != len(names):
+            raise InputShapeError(f"x: the graph has inputs {names}: pass {len(names)} arrays in that order (or a "
+                                  f"dict {{input name: array}}), got {len(inputs)}")
+        feed = dict(zip(names, inputs))
+    elif len(names) != 1:
+        raise InputShapeError(f"x: the graph has inputs {names}: pass a dict {{input name: array}} or a tuple of "
+                              "arrays in that order")
+    else:
+        feed = {names[0]: inputs}
+    out = {}
+    for name, x in feed.items():
+        if (x.is_complex() if hasattr(x, "is_complex") else np.iscomplexobj(x)):
+            raise InputShapeError(f"x: input '{name}' is complex; the network's inputs are real (pass its real part if "
+                                  "that is what you mean)")
+        try:
+            x = x.detach().cpu().double().numpy() if hasattr(x, "detach") else np.asarray(x, dtype=np.float64)
+        except (TypeError, ValueError) as err:
+            raise InputShapeError(f"x: input '{name}' is not an array of numbers ({err})") from None
+        shape = graph.node(name).shape
+        if x.ndim < 1 or tuple(x.shape[1:]) != tuple(shape) or x.shape[0] == 0:
+            raise InputShapeError(f"x: input '{name}' expects (B, {', '.join(map(str, shape))}), got {tuple(x.shape)}"
+                                  + (": an empty batch (B must be at least 1)" if x.ndim and not x.shape[0] else ""))
+        out[name] = x
+    return out
