@@ -258,6 +258,11 @@ class Compiled:
         if self._relower is None:
             raise PathirError(f"{self.name}: path_norm(differentiable=True) needs a Compiled of a torch nn.Module, "
                               "following it (not an ONNX model, a bare Graph or a snapshot)")
+        from pathir.frontends.torch.differentiable import eagerly  # lazy: imports torch
+
+        return eagerly(self._path_norm_attached, q, backend)
+
+    def _path_norm_attached(self, q, backend):
         from pathir.frontends.torch.coordinates import Coordinates  # lazy: imports torch
         from pathir.frontends.torch.differentiable import attach  # lazy: imports torch
 
@@ -268,7 +273,8 @@ class Compiled:
         coords = self._coordinates
         values = coords.values(coords.read(live=True))
         coords.check(graph, values, 1e-12, "path_norm(differentiable=True)")
-        return attach(value, values, grads)
+        watched = [self.model.get_parameter(leaf.param_name) for leaf in coords.leaves.values() if leaf.param_name]
+        return attach(value, values, grads, watched)
 
     def path_norms(self, qs: Iterable[float] = (1, 2, 4), log10: bool = False, backend=None) -> dict[float, float]:
         """{q: :meth:`path_norm` (q)} for several q, on one compile: the model is read once, and the

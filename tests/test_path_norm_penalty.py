@@ -333,7 +333,7 @@ def test_a_float32_model_trains_with_the_penalty():
 # ----------------------------------------------------------------------------- refusals
 
 
-@pytest.mark.parametrize("q", [0.5, math.inf, 0, -1])
+@pytest.mark.parametrize("q", [0.5, math.inf, 0, -1, 1e7, 1e16])
 def test_a_q_where_the_norm_is_not_differentiable_is_refused(q):
     cm = pathir.compile(two_layer(), input_shape=(3,))
     with pytest.raises(ArgumentError, match="q"):
@@ -584,3 +584,71 @@ def test_a_refused_q_is_printed_as_given():
     cm = pathir.compile(two_layer(), input_shape=(3,))
     with pytest.raises(ArgumentError, match=r"got q=0\.999999999999:"):
         cm.path_norm(1 - 1e-12, differentiable=True)
+
+
+# ----------------------------------------------------------------------------- parametrizations and autograd contexts
+
+
+@pytest.mark.parametrize("wrap", [nn.utils.parametrizations.weight_norm, nn.utils.parametrizations.orthogonal])
+def test_a_parametrized_weight_gets_its_gradient_through_the_parametrization(wrap):
+    net = mlp_3442()
+    wrap(net[2])
+    penalty = pathir.PathNormPenalty(net, q=2.0, input_shape=(3,))
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    for _ in range(2):  # the second call follows the step taken on the parametrization's originals
+        _assert_grads_close(_grads(net, penalty()), _grads(net, mlp_reference(net, 2.0)))
+        assert any("original" in n for n, t in net.named_parameters() if t.grad is not None and t.grad.abs().max() > 0)
+        opt.step()
+
+
+def test_a_weight_a_forward_pre_hook_sets_is_refused_naming_the_parametrization_to_use():
+    net = mlp_3442()
+    nn.utils.weight_norm(net[0])  # the legacy form: `weight` is an attribute set before each forward
+    with pytest.raises(PathirError, match="parametrizations.weight_norm"):
+        pathir.PathNormPenalty(net, q=2.0, input_shape=(3,))()
+
+
+def test_the_penalty_inside_a_torch_compiled_loss_gives_the_eager_gradient():
+    net, x = mlp_3442(), torch.randn(8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    penalty = pathir.PathNormPenalty(net, q=2.0, input_shape=(3,))
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+
+    def loss(x):
+        return net(x).square().mean() + 0.1 * penalty()
+
+    compiled = torch.compile(loss, backend="aot_eager")
+    for _ in range(3):  # after a step the penalty re-reads the model: run by Python, not traced
+        want = _grads(net, loss(x))
+        _assert_grads_close(_grads(net, compiled(x)), want)
+        opt.step()
+
+
+def test_the_penalty_inside_a_torch_func_transform_is_refused():
+    net = mlp_3442()
+    penalty = pathir.PathNormPenalty(net, q=2.0, input_shape=(3,))
+    params = {k: p.detach() for k, p in net.named_parameters()}
+    with pytest.raises(PathirError, match="torch.func"):
+        torch.func.grad(lambda ps: torch.func.functional_call(net, ps, (torch.ones(1, 3, dtype=torch.float64),)).sum()
+                        + penalty())(params)
+
+
+def test_a_backward_after_a_step_is_refused_as_torch_refuses_it():
+    net = mlp_3442()
+    penalty = pathir.PathNormPenalty(net, q=2.0, input_shape=(3,))
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    value = penalty()
+    net(torch.ones(1, 3, dtype=torch.float64)).sum().backward()
+    opt.step()  # the weights move between the penalty's forward and its backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        value.backward()
+
+
+def test_an_edit_through_data_is_refused_pointing_at_refresh():
+    net = mlp_3442()
+    penalty = pathir.PathNormPenalty(net, q=2.0, input_shape=(3,))
+    penalty()
+    net[0].weight.data.mul_(1.5)  # bumps no version counter: invisible to the live tracking
+    with pytest.raises(PathirError, match=r"\.data.*refresh"):
+        penalty()
+    penalty.compiled.refresh()
+    torch.testing.assert_close(penalty(), mlp_reference(net, 2.0), rtol=1e-12, atol=0)

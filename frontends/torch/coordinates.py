@@ -45,6 +45,16 @@ def layout(model: torch.nn.Module) -> tuple:
     return modules, tuple(sorted(params)), tuple(sorted(buffers))
 
 
+def _parametrized(model: torch.nn.Module, name: str) -> bool:
+    """Whether ``name`` is a tensor attribute that a torch.nn.utils.parametrize parametrization computes."""
+    path, _, attr = name.rpartition(".")
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:
+        return False
+    return torch.nn.utils.parametrize.is_parametrized(module, attr)
+
+
 class Leaf:
     """A model tensor by source name: the parameter to step (or None for a
     buffer), the tensor to read (float64), a constant mask (pruned) or None.
@@ -52,19 +62,29 @@ class Leaf:
 
     def __init__(self, model: torch.nn.Module, name: str, names: tuple[set, set] | None = None):
         params, buffers = tensor_names(model) if names is None else names
-        self.name, self.mask = name, None
+        self.name, self.mask, self.computed = name, None, False
         if name in params:
             self.param_name = name
         elif name + "_orig" in params and name + "_mask" in buffers:
             self.param_name, self.mask = name + "_orig", name + "_mask"
         elif name in buffers:
             self.param_name = None
+        elif _parametrized(model, name):  # weight_norm, orthogonal, ...: read through the parametrization
+            self.param_name, self.computed = None, True
         else:
-            raise PathirError(f"source tensor '{name}' is neither a parameter nor a buffer of the model")
+            raise PathirError(f"source tensor '{name}' is neither a parameter, a buffer nor a parametrization's output "
+                              "of the model: a tensor a forward pre-hook sets as an attribute (the legacy "
+                              "torch.nn.utils.weight_norm does) is not followed between forwards; use "
+                              "torch.nn.utils.parametrizations.weight_norm instead")
 
     def read(self, model: torch.nn.Module, live: bool = False) -> torch.Tensor:
-        """The tensor in float64: detached, or ``live`` (autograd reaches the model's parameter)."""
-        t = model.get_parameter(self.param_name) if self.param_name else model.get_buffer(self.name)
+        """The tensor in float64: detached, or ``live`` (autograd reaches the model's parameter, through
+        its parametrization for a parametrized tensor)."""
+        if self.computed:
+            path, _, attr = self.name.rpartition(".")
+            t = getattr(model.get_submodule(path), attr)
+        else:
+            t = model.get_parameter(self.param_name) if self.param_name else model.get_buffer(self.name)
         t = t.to(torch.float64) if live else t.detach().to(torch.float64)
         return t * model.get_buffer(self.mask).to(torch.float64) if self.mask else t
 
@@ -203,8 +223,9 @@ class Coordinates:
             off = float((v.detach() - ref).abs().max()) if ref.numel() and tuple(v.shape) == p.shape else 0.0
             if tuple(v.shape) != p.shape or not off <= rtol * max(scale, 1e-300):
                 raise PathirError(
-                    f"{who} cannot rebuild param '{p.name}' ({p.how or p.name}) from the model's tensors: "
-                    "was the model changed after compiling?"
+                    f"{who} cannot rebuild param '{p.name}' ({p.how or p.name}) from the model's tensors: they "
+                    "were changed where pathir cannot see it (an edit through .data, or a module swapped for one "
+                    "with other tensors); call cm.refresh() after such an edit (docs/live.md)"
                 )
 
     def current_graph(self, tensors) -> Graph:
@@ -218,6 +239,10 @@ class Coordinates:
             gj = torch.as_tensor(gj, dtype=torch.float64)
             for name in r.leaves:
                 leaf = self.leaves[name]
+                if leaf.computed:
+                    raise PathirError(f"'{name}' is computed by a parametrization: Path-SGD's preconditioner is "
+                                      "pulled back to plain parameters only; remove the parametrization "
+                                      "(torch.nn.utils.parametrize.remove_parametrizations) to use it")
                 if leaf.param_name is None:
                     continue
                 x = tensors[name]

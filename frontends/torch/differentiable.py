@@ -17,15 +17,16 @@ import torch
 
 from pathir.errors import PathirError
 
-__all__ = ["attach"]
+__all__ = ["attach", "eagerly"]
 
 
 class _GivenGradient(torch.autograd.Function):
     """``forward(value, grads, *params) = value``; backward: ``grad_output · grads[j]`` to ``params[j]``."""
 
     @staticmethod
-    def forward(ctx, value, grads, *params):
+    def forward(ctx, value, grads, watched, *params):
         ctx.grads = grads
+        ctx.save_for_backward(*watched)  # the model's tensors: an in-place step before backward is refused by torch
         return value.clone()
 
     @staticmethod
@@ -36,16 +37,33 @@ class _GivenGradient(torch.autograd.Function):
             raise PathirError("the differentiable path-norm gives a first derivative only: a backward with "
                               "create_graph=True (a second derivative, a gradient penalty) would silently drop its "
                               "second-order term; take the path-norm's term out of the loss you differentiate twice")
-        return (None, None, *(grad_output.to(g.device) * g for g in ctx.grads))
+        ctx.saved_tensors  # noqa: B018 -- torch's version check: the gradient is for the values the forward read
+        return (None, None, None, *(grad_output.to(g.device) * g for g in ctx.grads))
 
 
-def attach(value: float, params: list[torch.Tensor], grads: list[np.ndarray]) -> torch.Tensor:
+def attach(value: float, params: list[torch.Tensor], grads: list[np.ndarray], watched=()) -> torch.Tensor:
     """``value`` as a float64 scalar whose gradient with respect to ``params[j]`` is ``grads[j]``
-    (same shape); params that need no gradient are left out of the autograd graph."""
+    (same shape); params that need no gradient are left out of the autograd graph. ``watched``: the
+    model's tensors the value was read from; a backward after one of them was changed in place (an
+    optimizer step between the forward and the backward) raises torch's own "modified by an inplace
+    operation" error, as for any torch function of them, instead of giving the old point's gradient."""
     live = [(p, g) for p, g in zip(params, grads) if p.requires_grad]
     device = params[0].device if params else torch.device("cpu")
     out = torch.tensor(value, dtype=torch.float64, device=device)
     if not live:
         return out
     ts = tuple(torch.from_numpy(np.ascontiguousarray(g)).to(p.device) for p, g in live)
-    return _GivenGradient.apply(out, ts, *(p for p, _ in live))
+    return _GivenGradient.apply(out, ts, tuple(watched), *(p for p, _ in live))
+
+
+@torch.compiler.disable
+def eagerly(fn, *args):
+    """``fn(*args)`` run by Python itself, also when called from a function being compiled by torch.compile
+    (a graph break: pathir reads the live model and numpy arrays, which no compiled graph can hold); and
+    PathirError inside a torch.func transform (grad, vmap, jacrev), whose function arguments are not the
+    model's own parameters that the path-norm reads."""
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        raise PathirError("the differentiable path-norm reads the model's own parameters, so it has no gradient "
+                          "inside a torch.func transform (grad, vmap, jacrev with functional_call): compute it outside "
+                          "and use loss.backward() or torch.autograd.grad")
+    return fn(*args)

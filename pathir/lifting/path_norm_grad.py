@@ -36,13 +36,25 @@ _LN2 = math.log(2.0)
 _TINY = np.finfo(np.float64).tiny
 
 
+#: the largest q whose derivatives are given: an entry's exponent (q − 1)·log|θ_i| + log G_i − (1 − 1/q)·log S is
+#: a float64 sum of terms of size q·|log θ|, so its relative error is about ε·q·|log θ| (2e-10·|log θ| here; at
+#: q = 1e16 it is wrong by orders of magnitude). Past it ‖Φ‖_q is the largest path's |Φ_p| to within
+#: (#paths)^{1/q} (1.00007 for 10^30 paths): not a different norm to train with.
+MAX_Q = 1e6
+
+
 def check_differentiable_q(q) -> float:
-    """``q`` as a float if the path-norm is differentiable in θ for it (1 ≤ q < ∞), else ArgumentError."""
+    """``q`` as a float if the path-norm's derivatives are given for it (1 ≤ q ≤ ``MAX_Q``), else ArgumentError."""
     q = check_q(q, "path_norm(differentiable=True)")
     if not 1.0 <= q < math.inf:
         raise ArgumentError(f"path_norm(differentiable=True) needs 1 <= q < inf, got q={q!r}: for q < 1 the "
                             "derivative is infinite at a zero weight on a path; for q = inf the norm is a max over "
                             "paths, not differentiable where two paths tie")
+    if q > MAX_Q:
+        raise ArgumentError(f"path_norm(differentiable=True) needs q <= {MAX_Q:g}, got q={q!r}: its derivatives are "
+                            "exponents of size q·|log θ| summed in float64, whose relative error ε·q·|log θ| is no "
+                            f"longer small; at q = {MAX_Q:g} the norm already equals the largest path's |Φ_p| to within "
+                            "(number of paths)^(1/q)")
     return q
 
 
