@@ -11,6 +11,7 @@ import contextlib
 import functools
 import math
 import numbers
+import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -350,8 +351,14 @@ class Compiled:
         return self._onnx_writer("to_onnx").to_onnx()
 
     def save(self, path) -> None:
-        """Write :meth:`to_onnx` to ``path`` (through a temporary file: a failure leaves no file)."""
-        self._onnx_writer("save").save(path)
+        """Write :meth:`to_onnx` to ``path`` (through a temporary file: a failure leaves no file); never over
+        the file the model was compiled from."""
+        writer = self._onnx_writer("save")
+        source = self.model if isinstance(self.model, (str, os.PathLike)) else None
+        if source is not None and os.path.isfile(path) and os.path.isfile(source) and os.path.samefile(path, source):
+            raise PathirError(f"cm.save('{os.fspath(path)}') would write over the file the model was compiled from; "
+                              "pathir never changes its source: name another file")
+        writer.save(path)
 
     # ---------------------------------------------------------------- rescaling units
     @property

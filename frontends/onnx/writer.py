@@ -263,6 +263,13 @@ class OnnxWriter:
         readers = _readers(g)
         inits = {t.name: t for t in g.initializer}
         outputs = {o.name for o in g.output}
+        if model.ir_version >= 4:  # (IR 3 lists every initializer as an input: a rule, not an interface)
+            fed = sorted({bindings[ref].tensor for ref in updates} & {i.name for i in g.input} & set(inits))
+            if fed:
+                raise PathirError(f"write-back refused: the initializer {', '.join(repr(t) for t in fed)} is also a graph "
+                                  "input, a default a caller may override by feeding it, and a caller who does would "
+                                  "get another function from the written file; remove it from the graph's inputs "
+                                  "(graph.input) to make it a constant. Nothing was changed")
         rebind = []
         for ref, value in updates.items():
             b = bindings[ref]

@@ -32,6 +32,10 @@ def write_atomic(path, write) -> None:
     """Call ``write(f)`` on a binary file that becomes ``path`` only once ``write`` returned."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"'{path}' is a folder: name the file to write")
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"no such folder: '{folder}' (to write '{path}')")
     fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:

@@ -153,7 +153,10 @@ def _jsonable(value):
     return value.tolist() if hasattr(value, "tolist") else float(value)
 
 
-def check_output_path(path: str, onnx_model: bool) -> None:
+def check_output_path(path: str, onnx_model: bool, inputs=()) -> None:
+    """ArgumentError (or FileNotFoundError) for an output path the command cannot or must not write: the
+    wrong suffix, a folder, a missing or read-only folder, or one of ``inputs`` (the model file, the
+    --weights file: pathir never writes over what it read)."""
     want = ".onnx" if onnx_model else ".pt"
     if not path.endswith(want) and not (not onnx_model and path.endswith(".pth")):
         raise ArgumentError(f"output for {'an ONNX' if onnx_model else 'a torch'} model must be a {want} file, got '{path}'")
@@ -164,6 +167,10 @@ def check_output_path(path: str, onnx_model: bool) -> None:
         raise FileNotFoundError(f"output folder does not exist: {folder}")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ArgumentError(f"output folder is not writable: {folder}")
+    for source in inputs:
+        if source and os.path.isfile(path) and os.path.isfile(source) and os.path.samefile(path, source):
+            raise ArgumentError(f"output '{path}' is the input file '{source}': pathir never writes over what it read; "
+                                "name another file")
 
 
 def save_state_dict(model, path: str) -> None:

@@ -35,7 +35,7 @@ def add_arguments(parser):
 
 def run(args) -> int:
     if args.output is not None:
-        check_output_path(args.output, is_onnx(args))
+        check_output_path(args.output, is_onnx(args), (args.model, getattr(args, "weights", None)))
     cm = compile_model(args)
     tree = module_tree(cm.model)
     report = cm.equalize(bits=args.bits, objective=args.objective, write_back=args.output is not None,

@@ -90,7 +90,7 @@ def written_line(args, written: dict) -> str:
 
 def check_output(args) -> None:
     if args.output is not None:
-        check_output_path(args.output, is_onnx(args))
+        check_output_path(args.output, is_onnx(args), (args.model, getattr(args, "weights", None)))
 
 
 def is_onnx(args) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from pathir.errors import PathirError
+from pathir.errors import ArgumentError, PathirError
 
 __all__ = ["WeightsError", "load_weights", "read_state_dict"]
 
@@ -32,6 +32,8 @@ def read_state_dict(path: str, trust_pickle: bool = False) -> dict:
     """The state_dict held by the file at ``path`` (see the module docstring)."""
     import torch
 
+    if os.path.isdir(path):
+        raise ArgumentError(f"--weights names a folder, not a file: {path} (name the checkpoint file in it)")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no such weights file: {path}")
     try:

@@ -1,0 +1,108 @@
+"""ONNX write-backs and files at their edges: an output holding its batch on axis 1 checked as such,
+a model onnxruntime loads but will not run, an initializer callers may override, and paths pathir must
+not write (its own input, a folder, a missing folder)."""
+
+import hashlib
+import os
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper as H
+from onnx import numpy_helper as NH
+
+import pathir
+from pathir.app.cli import main
+from pathir.errors import PathirError
+
+
+def _save(tmp_path, graph, name="model.onnx", **kw):
+    path = str(tmp_path / name)
+    onnx.save(H.make_model(graph, opset_imports=[H.make_opsetid("", 17)], **kw), path)
+    return path
+
+
+def _mlp(W1, W2, inputs=(), gemm_first=True):
+    nodes = [H.make_node("Gemm", ["x", "W1"], ["h"], name="g1", transB=1), H.make_node("Relu", ["h"], ["r"], name="relu"),
+             H.make_node("Gemm", ["r", "W2"], ["y"], name="g2", transB=1)]
+    return H.make_graph(nodes, "g", [H.make_tensor_value_info("x", TP.FLOAT, ["N", W1.shape[1]]), *inputs],
+                        [H.make_tensor_value_info("y", TP.FLOAT, ["N", W2.shape[0]])],
+                        [NH.from_array(W1, "W1"), NH.from_array(W2, "W2")])
+
+
+def _spread_weights(seed=0, out=3):
+    rng = np.random.default_rng(seed)
+    W1 = (rng.normal(size=(8, 4)) * np.logspace(-2, 1.5, 8)[:, None]).astype(np.float32)
+    return W1, rng.normal(size=(out, 8)).astype(np.float32)
+
+
+def _sha(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def test_a_square_output_with_its_batch_on_axis_1_passes_the_self_check_and_keeps_its_function(tmp_path):
+    rng = np.random.default_rng(0)
+    W1, W2 = rng.normal(size=(8, 4)).astype(np.float32), rng.normal(size=(3, 8)).astype(np.float32)
+    nodes = [H.make_node("Gemm", ["W1", "x"], ["h"], name="g1", transB=1), H.make_node("Relu", ["h"], ["r"], name="relu"),
+             H.make_node("MatMul", ["W2", "r"], ["y"], name="mm")]  # y = W2 relu(W1 xᵀ): [3, N], 3 features
+    graph = H.make_graph(nodes, "g", [H.make_tensor_value_info("x", TP.FLOAT, ["N", 4])],
+                         [H.make_tensor_value_info("y", TP.FLOAT, [3, "N"])], [NH.from_array(W1, "W1"), NH.from_array(W2, "W2")])
+    src = _save(tmp_path, graph)
+    cm = pathir.compile(src)  # the self-check's batch is 3 too: the output reads as square
+    cm.equalize(progress=False)
+    cm.save(str(tmp_path / "eq.onnx"))
+    x = rng.normal(size=(3, 4)).astype(np.float32)
+    runs = [ort.InferenceSession(p, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+            for p in (src, str(tmp_path / "eq.onnx"))]
+    np.testing.assert_allclose(runs[1], runs[0], rtol=1e-5, atol=1e-5 * np.abs(runs[0]).max())
+
+
+def test_a_model_onnxruntime_loads_but_will_not_run_skips_the_self_check_with_the_reason(tmp_path):
+    W = np.random.default_rng(0).normal(size=(2, 1, 3, 3)).astype(np.float32)
+    graph = H.make_graph([H.make_node("Conv", ["x", "W"], ["c"], dilations=[2, 2], auto_pad="SAME_UPPER"),
+                          H.make_node("Relu", ["c"], ["y"])], "g",
+                         [H.make_tensor_value_info("x", TP.FLOAT, ["N", 1, 8, 8])],
+                         [H.make_tensor_value_info("y", TP.FLOAT, ["N", 2, 8, 8])], [NH.from_array(W, "W")])
+    src = _save(tmp_path, graph)
+    with pytest.warns(UserWarning, match="onnxruntime cannot run the model"):
+        pathir.compile(src)
+
+
+def test_an_initializer_callers_may_feed_is_not_rescaled(tmp_path):
+    W1, W2 = _spread_weights()
+    src = _save(tmp_path, _mlp(W1, W2, [H.make_tensor_value_info("W1", TP.FLOAT, [8, 4])]))
+    cm = pathir.compile(src)
+    with pytest.raises(PathirError, match="'W1' is also a graph input"):
+        cm.equalize(progress=False)
+    np.testing.assert_array_equal(NH.to_array(cm.to_onnx().graph.initializer[0]), W1)
+
+
+def test_the_cli_and_save_never_write_over_their_input(tmp_path, capsys):
+    W1, W2 = _spread_weights()
+    src = _save(tmp_path, _mlp(W1, W2))
+    before = _sha(src)
+    for out in (src, os.path.join(str(tmp_path), ".", "model.onnx")):
+        assert main(["equalize", src, "-o", out]) == 2
+        assert "is the input file" in capsys.readouterr().err
+    cm = pathir.compile(src)
+    cm.equalize(progress=False)
+    with pytest.raises(PathirError, match="compiled from"):
+        cm.save(src)
+    assert _sha(src) == before
+
+
+def test_save_names_the_path_it_was_given(tmp_path):
+    W1, W2 = _spread_weights()
+    cm = pathir.compile(_save(tmp_path, _mlp(W1, W2)))
+    with pytest.raises(FileNotFoundError, match="no_such_dir"):
+        cm.save(str(tmp_path / "no_such_dir" / "eq.onnx"))
+    with pytest.raises(IsADirectoryError, match="is a folder"):
+        cm.save(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["model.onnx"]
+
+
+def test_weights_naming_a_folder_says_so(tmp_path, capsys):
+    assert main(["summary", "resnet18", "--weights", str(tmp_path)]) == 2
+    assert "names a folder" in capsys.readouterr().err
