@@ -7,6 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pathir.pairs import gridded_laplacian
 from pathir.pairs.factored_grid import FactoredGrid
 from pathir.pairs.gridded_laplacian import GriddedLaplacian
 from pathir.pairs.pair_laplacian import PairLaplacian
@@ -62,9 +63,15 @@ def problems(draw):
 
 
 @settings(derandomize=True, max_examples=200, deadline=None)
-@given(problems(), st.booleans())
-def test_gridded_point_matches_the_materialised_pairs(problem, both):
-    _matches_the_materialised_pairs(*problem, both)
+@given(problems(), st.booleans(), st.booleans())
+def test_gridded_point_matches_the_materialised_pairs(problem, both, overlap):
+    """Also with the pairs and the grids evaluated on two threads (forced below the size that turns it on)."""
+    saved = gridded_laplacian.OVERLAP_CELLS
+    gridded_laplacian.OVERLAP_CELLS = 0 if overlap else saved
+    try:
+        _matches_the_materialised_pairs(*problem, both)
+    finally:
+        gridded_laplacian.OVERLAP_CELLS = saved
 
 
 def _matches_the_materialised_pairs(rest, grids, z, p, groups, keep, both):

@@ -22,8 +22,13 @@ from pathir.pairs.factored_grid import FactoredGrid
 from pathir.pairs.low_rank_grids import LowRankStack
 from pathir.pairs.pair_laplacian import PairLaplacian
 from pathir.pairs.unit_pairs import Pairs, pad
+from pathir.support.threads import beside
 
 __all__ = ["GriddedLaplacian", "GriddedPoint"]
+
+#: evaluate the pairs and the grids of a point on two threads (see `GriddedLaplacian`), from this many cells
+#: on each side
+OVERLAP, OVERLAP_CELLS = True, 200_000
 
 
 def near_sizes(grids: list) -> list[list]:
@@ -54,6 +59,11 @@ class GriddedLaplacian:
         # rank one: a point each; rank k: one point per stack of near sizes
         self.parts = tuple(g for g in self.grids if g.U is None) + tuple(
             LowRankStack(gs) for gs in near_sizes([g for g in self.grids if g.U is not None]))
+        # the pairs and the rank-k grids evaluated side by side on two threads where both are large enough
+        # that each is worth a core (numpy's products release the GIL): a hand-off costs ~50 µs
+        self.overlap = OVERLAP and pairs.size >= OVERLAP_CELLS and sum(
+            part.U.size + part.V.size if isinstance(part, LowRankStack) else part.enter.size + part.leave.size
+            for part in self.parts) >= OVERLAP_CELLS
 
     def point(self, z: np.ndarray, both: bool = False) -> "GriddedPoint":
         return GriddedPoint(self, z, both)
@@ -66,8 +76,9 @@ class GriddedPoint:
     def __init__(self, lap: GriddedLaplacian, z: np.ndarray, both: bool = False):
         H = lap.H
         self.lap, self.z = lap, z
-        self.rest = None if lap.rest is None else lap.rest.point(z, both)
+        rest = None if lap.rest is None else beside(lap.rest.point, z, both) if lap.overlap else lap.rest.point(z, both)
         self.grid_points = [part.point(z) for part in lap.parts]
+        self.rest = rest.result() if lap.overlap and rest is not None else rest
         rest_scale = -math.inf if self.rest is None else self.rest.log_e - math.log(self.rest.total)
         self.scale = max([rest_scale] + [p.log_scale for p in self.grid_points])
         self.rest_factor = math.exp(rest_scale - self.scale)
@@ -101,10 +112,12 @@ class GriddedPoint:
         """∇²E p over this point's scale."""
         H, pp = self.lap.H, pad(p)
         into = np.zeros(H + 1)
-        if self.rest is not None:
-            into[:H] = self.rest.hessian_times(p) * self.rest_factor
+        rest = None if self.rest is None else beside(self.rest.hessian_times, p) if self.lap.overlap else \
+            self.rest.hessian_times(p)
         for point in self.grid_points:
             point.add_hessian_times(pp, into, self.scale)
+        if rest is not None:
+            into[:H] += (rest.result() if self.lap.overlap else rest) * self.rest_factor
         return into[:H]
 
     def grouped(self, groups: np.ndarray, m1: int, keep: np.ndarray | None = None) -> np.ndarray:

@@ -27,9 +27,12 @@ True
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 
-__all__ = ["one_torch_thread", "one_blas_thread"]
+__all__ = ["one_torch_thread", "one_blas_thread", "beside"]
 
+_POOL = None  # (pid, the one worker thread of `beside`), made on first use in each process
 _BLAS = None  # threadpoolctl's controller of the loaded BLAS libraries, made once (see one_blas_thread)
 
 
@@ -62,3 +65,23 @@ def one_blas_thread():
         _BLAS = ThreadpoolController()
     with _BLAS.limit(limits=1, user_api="blas"):
         yield
+
+
+def beside(fn, *args):
+    """``fn(*args)`` started on a second thread, returning a handle whose ``result()`` waits for it (and
+    re-raises its error): for two memory-bound halves of one evaluation (numpy's products release the
+    GIL), each on its own core. One worker for the process: a nested call waits its turn, it never
+    starts a third thread."""
+    global _POOL
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    if threading.current_thread().name.startswith("pathir-beside"):  # already beside: run here (no deadlock)
+        done = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as err:
+            done.set_exception(err)
+        return done
+    if _POOL is None or _POOL[0] != os.getpid():  # a forked child inherits the pool but not its thread
+        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="pathir-beside"))
+    return _POOL[1].submit(fn, *args)
