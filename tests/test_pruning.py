@@ -453,3 +453,81 @@ def test_scores_ranked_in_log_space_select_and_bound_as_the_linear_domain(graph,
     for scores, masks in ((linear, a), (logs, b)):
         got = pruning._log_bound(graph, masks, scores)
         assert (math.exp(got) if got > -math.inf else 0.0) == pytest.approx(bound, rel=1e-9, abs=1e-300)
+
+
+# ----------------------------------------------------------------------------- names torch prune also uses
+
+
+def _net_with(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2)).double()
+
+
+def _snapshot(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, {
+        n: (dict(m._parameters), dict(m._buffers), dict(m._forward_pre_hooks)) for n, m in model.named_modules()}
+
+
+def _unchanged(model, snap):
+    state, tables = snap
+    now = model.state_dict()
+    return now.keys() == state.keys() and all(torch.equal(now[k], state[k]) for k in state) and all(
+        (dict(m._parameters), dict(m._buffers), dict(m._forward_pre_hooks)) == tables[n] for n, m in model.named_modules())
+
+
+@pytest.mark.parametrize("method", ["pathcond", "normalize", "enorm"])
+def test_a_users_own_weight_orig_parameter_is_not_taken_for_torch_prunes(method):
+    net = _net_with()
+    net[0].weight_orig = nn.Parameter(net[0].weight.detach().clone() * 3, requires_grad=False)  # a rewinding copy
+    keep = net[0].weight_orig.detach().clone()
+    x = torch.randn(16, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    before = net(x).detach()
+    getattr(pathir.compile(net, input_shape=(4,)), method)(progress=False)
+    torch.testing.assert_close(net(x), before, rtol=1e-12, atol=1e-12)
+    assert torch.equal(net[0].weight_orig, keep)
+
+
+def test_prune_refuses_a_name_torch_prune_needs_and_leaves_model_and_compiled_as_they_were():
+    net = _net_with()
+    net[4].weight_orig = torch.zeros(1)  # a plain attribute: torch prune could not register its own
+    cm = pathir.compile(net, input_shape=(4,))
+    norm, snap = cm.path_norm(1), _snapshot(net)
+    with pytest.raises(PathirError, match="weight_orig"):
+        cm.prune(0.5)
+    assert _unchanged(net, snap)
+    assert cm.path_norm(1) == norm == pathir.compile(net, input_shape=(4,)).path_norm(1)
+
+
+def test_a_prune_that_fails_halfway_puts_every_module_back(monkeypatch):
+    from torch.nn.utils import prune as torch_prune
+
+    net = _net_with()
+    cm = pathir.compile(net, input_shape=(4,))
+    snap, calls, real = _snapshot(net), [], torch_prune.custom_from_mask
+
+    def failing(module, name, mask):
+        calls.append(name)
+        if len(calls) == 2:
+            raise RuntimeError("the second mask fails")
+        return real(module, name, mask)
+
+    monkeypatch.setattr(torch_prune, "custom_from_mask", failing)
+    with pytest.raises(RuntimeError, match="second mask"):
+        cm.prune(0.5)
+    assert _unchanged(net, snap)
+    assert cm.path_norm(1) == pathir.compile(net, input_shape=(4,)).path_norm(1)
+
+
+def test_optimizer_state_made_under_inference_mode_is_refused_before_anything_moves():
+    net = _net_with()
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
+    net(torch.ones(2, 4, dtype=torch.float64)).sum().backward()
+    opt.step()
+    with torch.inference_mode():
+        opt.state[net[4].weight]["momentum_buffer"] = torch.ones(2, 6, dtype=torch.float64)
+    snap = _snapshot(net)
+    momenta = {id(p): opt.state[p]["momentum_buffer"].clone() for p in net.parameters()}
+    with pytest.raises(PathirError, match="inference_mode"):
+        pathir.compile(net, input_shape=(4,)).pathcond(optimizer=opt, progress=False)
+    assert _unchanged(net, snap)
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], momenta[id(p)]) for p in net.parameters())

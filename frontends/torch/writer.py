@@ -108,11 +108,12 @@ class TorchWriter:
         return module, attr
 
     def _tensor(self, name: str):
-        """The stored tensor behind ``name`` (``<attr>_orig`` when it is pruned)."""
+        """The stored tensor behind ``name`` (``<attr>_orig`` when torch.nn.utils.prune pruned it: a pruning
+        hook for ``attr`` exists; a tensor the user happened to name ``<attr>_orig`` is not it)."""
         import torch
 
         module, attr = self._locate(name)
-        orig = getattr(module, attr + "_orig", None)
+        orig = getattr(module, attr + "_orig", None) if torch_pruned(module, attr) else None
         t = orig if isinstance(orig, torch.Tensor) else getattr(module, attr, None)
         if not isinstance(t, torch.Tensor):
             hint = (" (torch.export made it a constant: a tensor outside the model's parameters and buffers, such as "
@@ -164,12 +165,11 @@ class TorchWriter:
                                   "expanded tensor, stride 0), which a rescaling would give different factors; give it "
                                   "its own memory (nn.Parameter(w.detach().clone())). The model is untouched")
         shared = overlaps(self.model, [(names[id(t)], t) for t, _, _, _ in updates])
-        # the function before the write, compared after it (check_written) where the write reaches past what
-        # the graph sees: a buffer (running statistics, a threshold: a forward may read it anywhere, while a
-        # parameter read outside the graph is refused at compile), memory another tensor of the model also
-        # reads, or a module replaced
-        probe = Probe(self.model, graph, self.train_paths, self.reference) if shared or clips.replace.entries or any(
-            not isinstance(t, torch.nn.Parameter) for t, _, _, _ in updates) else None
+        # the function before the write, compared after it (check_written): on every write, not only where it
+        # reaches past what the graph sees (a buffer, shared memory, a replaced module): a tensor taken for the
+        # wrong one (a user's own 'weight_orig' read as torch prune's) changed the function of a model of
+        # parameters only, unseen. Its "before" is mostly a forward already run (the self-check's, the last write's)
+        probe = Probe(self.model, graph, self.train_paths, self.reference) if updates or clips.replace.entries else None
         with torch.no_grad():
             for t, new_t, _, _ in updates:
                 t.copy_(new_t)
@@ -380,8 +380,14 @@ class TorchWriter:
                 raise PathirError(f"'{ref.name}' is computed from other tensors (a parametrization or a "
                                   "weight/spectral-norm hook): it cannot be pruned by a mask")
             module, attr, t = self._tensor(ref.name)
-            if not isinstance(module._parameters.get(attr + "_orig", module._parameters.get(attr)), torch.nn.Parameter):
+            pruned = torch_pruned(module, attr)
+            if not isinstance(module._parameters.get(attr + "_orig" if pruned else attr), torch.nn.Parameter):
                 raise PathirError(f"'{ref.name}' is not a parameter of the model: it cannot be pruned")
+            taken = [n for n in (attr + "_orig", attr + "_mask") if not pruned and hasattr(module, n)]
+            if taken:
+                raise PathirError(f"'{ref.name}' cannot be pruned: its module already has an attribute "
+                                  f"'{taken[0]}', the name torch.nn.utils.prune gives the original or the mask; "
+                                  "rename it. The model is untouched")
             if m.size != t.numel():
                 raise PathirError(f"mask for '{p.name}' has {m.size} entries, tensor '{ref.name}' {t.numel()}")
             if (id(module), attr) in targets:
@@ -397,8 +403,36 @@ class TorchWriter:
             tensors[id(t)] = ref.name
             # (a copy: a transposed convolution's mask is a flipped view, which torch cannot take)
             plan.append((module, attr, torch.as_tensor(np.ascontiguousarray(m.reshape(tuple(t.shape))), device=t.device)))
-        for module, attr, mask in plan:
-            prune.custom_from_mask(module, name=attr, mask=mask)
+        saved = [(module, attr, dict(module._parameters), dict(module._buffers), dict(module._forward_pre_hooks),
+                  module.__dict__.get(attr, _MISSING)) for module, attr, _ in plan]
+        try:
+            for module, attr, mask in plan:
+                prune.custom_from_mask(module, name=attr, mask=mask)
+        except BaseException:  # all or nothing: every module as it was (tables restored, not re-derived)
+            for module, attr, params, buffers, hooks, value in saved:
+                for table, old in ((module._parameters, params), (module._buffers, buffers),
+                                   (module._forward_pre_hooks, hooks)):
+                    table.clear()
+                    table.update(old)
+                if value is _MISSING:
+                    module.__dict__.pop(attr, None)
+                else:
+                    module.__dict__[attr] = value
+            raise
+
+
+_MISSING = object()
+
+
+def torch_pruned(module, attr: str) -> bool:
+    """Whether torch.nn.utils.prune reparametrized ``module.attr`` (a pruning hook for it: the tensor then
+    lives in ``attr + "_orig"``)."""
+    from torch.nn.utils.prune import BasePruningMethod  # (a PruningContainer is one too)
+
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, BasePruningMethod) and getattr(hook, "_tensor_name", None) == attr:
+            return True
+    return False
 
 
 #: entries of a tensor rescaled at once in float64 by ``TorchWriter._new_value_by_rows`` (2 MiB: the block,

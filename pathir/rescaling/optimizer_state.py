@@ -96,9 +96,8 @@ class Transport:
 
         with torch.no_grad():
             for st, key, t, new in self.updates:
-                old = t.detach().clone()
-                t.copy_(new)
-                self._written.append((st, key, t, old))
+                self._written.append((st, key, t, t.detach().clone()))  # before the copy: one that writes, then
+                t.copy_(new)  # raises, is put back too
 
     def undo(self) -> None:
         """Put back the old values of what :meth:`write` wrote."""
@@ -144,6 +143,10 @@ def plan_transport(optimizer, factors) -> Transport:
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(p.shape):
                 raise PathirError(f"the {type(optimizer).__name__} state {key!r} of a parameter of shape "
                                   f"{tuple(p.shape)} is not a tensor of that shape; nothing was changed")
+            if value.is_inference():
+                raise PathirError(f"the {type(optimizer).__name__} state {key!r} of a parameter of shape "
+                                  f"{tuple(p.shape)} was made under torch.inference_mode(): it cannot be written in "
+                                  "place outside it; nothing was changed")
             plan.updates.append((st, key, value, _scaled(value, s, k, key)))
     return plan
 
