@@ -150,6 +150,8 @@ def observe(cm, inputs, qs=(1.0,), counts: bool = True, compare=None, batch_size
     >>> bool(np.all(obs.columns["log10_active_l1"] <= obs.global_values["log10_path_norm_l1"] + 1e-12))
     True
     """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ArgumentError(f"observe: batch_size must be a positive integer, got {batch_size!r}")
     grp = group()
     if grp is None:
         return _walk(cm, inputs, qs, counts, compare, batch_size, _enabled(progress), backend, _total(inputs))

@@ -114,3 +114,39 @@ def test_a_walk_it_cannot_certify_is_refused(tiny, refused):
     m = active_path_metric(a, b, x, "numpy")
     (d, norm_a, norm_b, _), = enumerated(a, b, {"x": x})
     assert _le(m.lower[0], d) and _le(d, m.upper[0]) and m.norm_b[0] == pytest.approx(norm_b, rel=1e-12)
+
+
+def test_the_lower_bound_of_two_networks_with_one_lifting_is_zero_not_their_rounding():
+    """θ' is θ with hidden units rescaled by powers of two: Φ(θ') = Φ(θ) bit for bit, d_x = 0, yet the two
+    active norms are walked separately and may differ in their last bits."""
+    from pathir.ir import Dense, GraphBuilder
+
+    rng = np.random.default_rng(3)
+    W1, W2 = rng.normal(size=(16, 8)), rng.normal(size=(3, 16))
+
+    def mlp(w1, w2):
+        b = GraphBuilder()
+        x = b.input("x", (8,))
+        h = b.relu("h", [(x, Dense(b.param("w1", w1)))])
+        return b.build(outputs=[b.identity("y", [(h, Dense(b.param("w2", w2)))])])
+
+    s = 2.0 ** rng.integers(-20, 20, size=16)
+    m = active_path_metric(mlp(W1, W2), mlp(W1 * s[:, None], W2 / s[None, :]), rng.normal(size=(40, 8)), "numpy")
+    assert np.all(m.lower == 0.0) and np.all(m.upper >= 0.0)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_inputs_that_are_not_finite_are_refused(bad):
+    from pathir.errors import InputShapeError
+    from pathir.ir import Dense, GraphBuilder
+    from pathir.lifting.path_metric import output_bound
+
+    b = GraphBuilder()
+    x = b.input("x", (2,))
+    h = b.relu("h", [(x, Dense(b.param("w1", [[1.0, 2.0], [1.0, -1.0]])))])
+    g = b.build(outputs=[b.identity("y", [(h, Dense(b.param("w2", [[3.0, 1.0]])))])])
+    xs = np.array([[bad, 1.0]])
+    with pytest.raises(InputShapeError, match="NaN or infinite"):
+        active_path_metric(g, g, xs, "numpy")
+    with pytest.raises(InputShapeError, match="NaN or infinite"):
+        output_bound(g, g, xs, "numpy")

@@ -67,3 +67,13 @@ def test_cli_observe(tmp_path, monkeypatch, data, capsys):
     assert main(["observe", "tinynet:make", "--inputs", "x.npy", "--csv", "--q", "1", "2"]) == 0
     assert capsys.readouterr().out.splitlines()[0] == "sample,log10_active_l1,log10_active_l2,log10_active_paths,active_fraction"
     assert main(["observe", "tinynet:make", "--inputs", "missing.npy"]) == 2
+
+
+@pytest.mark.parametrize("batch_size", [0, -1, 2.5, True])
+def test_a_batch_size_that_is_not_a_positive_integer_is_refused(batch_size):
+    from pathir.errors import ArgumentError
+
+    cm = pathir.compile(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)),
+                        input_shape=(3,))
+    with pytest.raises(ArgumentError, match="batch_size"):
+        pathir.observe(cm, np.zeros((5, 3)), batch_size=batch_size)

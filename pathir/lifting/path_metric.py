@@ -348,6 +348,8 @@ def _sup_norms(x, graph: Graph) -> np.ndarray:
         shape = graph.node(name).shape
         if tuple(v.shape[1:]) != shape:
             raise InputShapeError(f"x: input '{name}' expects (B, {', '.join(map(str, shape))}), got {tuple(v.shape)}")
+        if not np.isfinite(v).all():
+            raise InputShapeError(f"x: input '{name}' holds NaN or infinite entries: no finite bound holds there")
         m = np.abs(v.reshape(v.shape[0], -1)).max(axis=1, initial=0.0)
         out = m if out is None else np.maximum(out, m)
     return out

@@ -97,6 +97,12 @@ def as_input_dict(graph: Graph, x) -> dict:
     batches = {int(x[name].shape[0]) for name in graph.inputs}
     if len(batches) != 1:
         raise InputShapeError(f"x: the inputs have different batch sizes {sorted(batches)}")
+    for name in graph.inputs:
+        v = x[name]
+        finite = v.isfinite().all() if hasattr(v, "isfinite") else np.isfinite(np.asarray(v, dtype=np.float64)).all()
+        if not bool(finite):
+            raise InputShapeError(f"x: input '{name}' holds NaN or infinite entries: the network's output is not a "
+                                  "number there, and no activation pattern, path-norm or bound describes it")
     return x
 
 
