@@ -8,8 +8,8 @@ from typing import Sequence
 from pathir.compiled import Compiled
 from pathir.errors import ArgumentError, InputShapeError, PathirError
 from pathir.frontends.onnx import lower as lower_onnx
-from pathir.graph_inputs import graph_inputs
 from pathir.ir import Graph, verify
+from pathir.ir.inputs import graph_inputs
 from pathir.passes import DEFAULT_PIPELINE, run_passes
 from pathir.passes.fold_batchnorm import pooled_folds
 from pathir.passes.manager import param_fingerprint, pass_name
@@ -154,7 +154,7 @@ def equalize(model, input_shape: Sequence[int] | None = None, example_input=None
 def _equalize_with_relus(model, input_shape, example_input, bits, objective, inputs, progress, kwargs):
     """relu6="relu": every clipped ReLU module becomes a ReLU (the function changes; the report says by
     how much on ``inputs``, or on a seeded random batch), then equalize. ``inputs`` take every form
-    ``relu6="clip"`` takes (:func:`pathir.graph_inputs.graph_inputs`). On any error the modules are put back; either way
+    ``relu6="clip"`` takes (:func:`pathir.ir.inputs.graph_inputs`). On any error the modules are put back; either way
     every module keeps its train/eval flag."""
     import torch  # lazy: imports torch
 

@@ -22,8 +22,8 @@ from pathir.backends import get_backend
 from pathir.enorm.run import enorm, normalize_units
 from pathir.equalization.run import equalize
 from pathir.errors import ArgumentError, ModelChanged, PathirError
-from pathir.graph_inputs import graph_inputs
 from pathir.ir import Graph, MapKind, Role
+from pathir.ir.inputs import graph_inputs
 from pathir.lifting.active import active_path_counts, active_path_norm, local_affine
 from pathir.lifting.diag_g import diag_g
 from pathir.lifting.path_norm import num_paths, path_norm, path_norms
@@ -234,10 +234,15 @@ class Compiled:
 
     def forward(self, x, backend=None):
         """The IR's own forward R_theta(x) (float64); x of shape (B, *input shape).
-        Returns the output array (dict if several outputs), as the backend's array type."""
+        Returns the output array, a dict {output node: array} if several outputs, or, where the model
+        returns one node more than once (``return h, h``), a tuple in the model's output order (a dict
+        would hold it once); as the backend's array type."""
 
         out = forward(self.graph, self.get_backend(backend), x)
-        return out[self.graph.outputs[0]] if len(out) == 1 else out
+        names = self.graph.outputs
+        if len(names) == 1:
+            return out[names[0]]
+        return tuple(out[n] for n in names) if len(set(names)) < len(names) else out
 
     def path_norm(self, q: float = 1.0, log10: bool = False, backend=None, differentiable: bool = False):
         """The l_q path-norm ||Phi(theta)||_q (docs/math.md §3), q > 0, or max_p |Phi_p| for

@@ -140,3 +140,10 @@ def test_onnx_model_checked_through_onnxruntime(tmp_path):
     assert "onnxruntime (float32)" in report.checks[2].detail
     assert report.not_reached == (("unused", 5, "no output of the graph depends on it"),) and report.covered == 26
     assert path.read_bytes() == before
+
+
+def test_a_clipped_relu_replaced_by_the_write_back_passes_the_write_back_check():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU6(), torch.nn.Linear(4, 2)).eval()
+    report = pathir.app.checks.check(net, input_shape=(3,))  # the ClippedReLU's new threshold buffer was a KeyError
+    assert report.passed, str(report)

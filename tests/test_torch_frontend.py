@@ -249,3 +249,23 @@ def test_a_value_used_twice_is_one_node():
     cm = assert_same_function(UsedTwice(), (2, 4, 4))
     assert sum(e.map.weight is not None and e.map.weight.name == "conv.weight" for n in cm.graph for e in n.edges) == 1
     assert [n.name for n in cm.graph] == ["x", "bn", "relu", "add"]  # conv+bn once, read by relu and add
+
+
+def test_a_node_returned_twice_is_two_outputs_of_forward_in_the_models_order():
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 2)
+
+        def forward(self, x):
+            h = self.a(x)
+            return h, h
+
+    torch.manual_seed(0)
+    net = TwoHeads().double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    out = pathir.compile(net, input_shape=(3,)).forward(x.numpy())
+    want = net(x)
+    assert isinstance(out, tuple) and len(out) == 2
+    for got, ref in zip(out, want):
+        np.testing.assert_allclose(got, ref.detach().numpy(), rtol=1e-12, atol=1e-12)

@@ -278,7 +278,9 @@ def _torch_write_back(name, cm, model, z, xs, input_shape, example_input) -> Che
     except PathirError as err:
         return CheckResult(name, None, f"write-back refused on this model: {err}")
     after = _torch_outputs(twin, xs, train)
-    changed = sum(not bool((v == before_tensors[k]).all()) for k, v in twin.state_dict().items())
+    # a tensor new after the write (a clipped ReLU replaced by a ClippedReLU holds its threshold) counts as changed
+    changed = sum(k not in before_tensors or v.shape != before_tensors[k].shape or not bool((v == before_tensors[k]).all())
+                  for k, v in twin.state_dict().items())
     err = max((_deviation(a, b) for a, b in zip(after, before)), default=0.0)
     tol = TOLERANCE["float64"]
     detail = (f"written into a float64 copy: {changed} tensors changed, its own forward moved by {err:.2e} "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from pathir.errors import InputShapeError
-from pathir.ir import Graph
+from pathir.ir.graph import Graph
 
 __all__ = ["graph_inputs"]
 
