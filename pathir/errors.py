@@ -15,6 +15,7 @@ __all__ = [
     "ArgumentError",
     "ArgumentTypeError",
     "ArgumentKeyError",
+    "MissingFile",
     "RankFailed",
     "StaleReference",
     "PathirWarning",
@@ -87,6 +88,11 @@ class ArgumentKeyError(ArgumentError, KeyError):
 
     def __str__(self) -> str:  # the message as written, not KeyError's repr of it
         return str(self.args[0]) if self.args else ""
+
+
+class MissingFile(PathirError, FileNotFoundError):
+    """A file pathir was asked to read does not exist (a model file, a weights file): a PathirError like
+    every other problem, and a FileNotFoundError for code that catches that."""
 
 
 class StaleReference(PathirError):

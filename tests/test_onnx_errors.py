@@ -95,8 +95,9 @@ def test_gelu_exported_from_torch_names_the_first_node_outside_the_model():
 
 
 def test_missing_file(tmp_path, capsys):
-    with pytest.raises(FileNotFoundError, match="no such file"):
+    with pytest.raises(FileNotFoundError, match="no such file") as err:
         pathir.compile(str(tmp_path / "nope.onnx"))
+    assert isinstance(err.value, pathir.PathirError)  # one error family, and the builtin for code that expects it
     code, stderr = _cli(capsys, "summary", tmp_path / "nope.onnx")
     assert code != 0 and "no such file" in stderr
 

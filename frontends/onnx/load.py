@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pathir.errors import InputShapeError, PathirError
+from pathir.errors import InputShapeError, MissingFile, PathirError
 
 __all__ = ["OnnxModelError", "Source", "load", "skeleton", "input_shapes", "infer_shapes", "numpy_dtype"]
 
@@ -94,7 +94,7 @@ def load(model) -> Source:
         path = os.fspath(model)
         name = os.path.basename(path)
         if not os.path.exists(path):
-            raise FileNotFoundError(f"no such file: {path}")
+            raise MissingFile(f"no such file: {path}")
         if os.path.isdir(path):
             raise OnnxModelError(f"'{path}' is a directory, not an ONNX file")
         with open(path, "rb") as f:

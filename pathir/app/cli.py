@@ -3,8 +3,8 @@
 Each command module defines ``HELP`` (one line), ``add_arguments(parser)`` and
 ``run(args) -> int``. Errors a user can cause print one clear line on stderr and
 exit with status 2; nothing is written on failure. A reader that closes the pipe
-early (``pathir summary resnet18 --json | head -c 10``) ends the command quietly
-with status 141, as a tool killed by SIGPIPE; Ctrl-C with 130. See docs/cli.md.
+before the command writes (``pathir summary resnet18 --json | true``) ends the command
+quietly with status 141, as a tool killed by SIGPIPE; Ctrl-C with 130. See docs/cli.md.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from pathir.errors import ArgumentError, PathirError
+from pathir.errors import ArgumentError, MissingFile, PathirError
 
 __all__ = ["WeightsError", "load_weights", "read_state_dict"]
 
@@ -35,7 +35,7 @@ def read_state_dict(path: str, trust_pickle: bool = False) -> dict:
     if os.path.isdir(path):
         raise ArgumentError(f"--weights names a folder, not a file: {path} (name the checkpoint file in it)")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no such weights file: {path}")
+        raise MissingFile(f"no such weights file: {path}")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except Exception as err:
