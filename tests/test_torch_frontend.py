@@ -269,3 +269,43 @@ def test_a_node_returned_twice_is_two_outputs_of_forward_in_the_models_order():
     assert isinstance(out, tuple) and len(out) == 2
     for got, ref in zip(out, want):
         np.testing.assert_allclose(got, ref.detach().numpy(), rtol=1e-12, atol=1e-12)
+
+
+class _VarArgs(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.a, self.b, self.c = how, nn.Linear(3, 4), nn.Linear(2, 4), nn.Linear(4, 2)
+
+    def forward(self, *xs):
+        if self.how == "first":
+            return self.c(F.relu(self.a(xs[0])))
+        if self.how == "unpack":
+            (x,) = xs
+            return self.c(F.relu(self.a(x)))
+        x, y = xs
+        return self.c(F.relu(self.a(x) + self.b(y)))
+
+
+@pytest.mark.parametrize("how, shapes", [("first", (3,)), ("unpack", (3,)), ("two", [(3,), (2,)])])
+def test_a_forward_of_varargs_takes_its_inputs_as_a_tuple(how, shapes):
+    torch.manual_seed(0)
+    net = _VarArgs(how).double()
+    cm = pathir.compile(net, input_shape=shapes)
+    shapes = [shapes] if how != "two" else shapes
+    xs = [torch.randn(5, *s, dtype=torch.float64) for s in shapes]
+    out = cm.forward(xs[0].numpy() if len(xs) == 1 else dict(zip(cm.graph.inputs, (x.numpy() for x in xs))))
+    np.testing.assert_allclose(out, net(*xs).detach().numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_an_index_expanded_from_a_buffer_over_the_batch_is_refused_by_name():
+    class Gathered(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.c = nn.Linear(3, 4), nn.Linear(3, 2)
+            self.register_buffer("idx", torch.tensor([[3, 0, 3]]))
+
+        def forward(self, x):
+            return self.c(torch.gather(F.relu(self.a(x)), 1, self.idx.expand(x.shape[0], 3)))
+
+    with pytest.raises(pathir.UnsupportedOperation, match=r"expand.*reads no activation.*h\[:, idx\]"):
+        pathir.compile(Gathered(), input_shape=(3,))

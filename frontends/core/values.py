@@ -147,6 +147,9 @@ def run_index_op(fn, shapes: list[tuple[int, ...]]):
     where index[t] is the element of that input at output position t, or -1.
     Raises ValueError if the op mixes samples of the batch or computes values.
     """
+    if not shapes:  # only the model's tensors in: a constant, shaped here by the batch size (idx.expand(B, k))
+        raise ValueError("it reads no activation, only the model's tensors, and shapes them by the batch size "
+                         "(e.g. idx.expand(x.shape[0], k)); index with the tensor itself (h[:, idx]) instead")
     sizes = [_numel(s) for s in shapes]
     offsets = np.cumsum([0] + [BATCH * n for n in sizes])
     ids = [

@@ -128,7 +128,15 @@ class FxInterpreter:
         low.unsupported(f"fx op {node.op}")
 
     def _input(self, node, shapes):
-        """The next tensor input (its shape from ``shapes``), or the default of an optional argument."""
+        """The next tensor input (its shape from ``shapes``), or the default of an optional argument; for
+        ``forward(self, *xs)`` (fx's one placeholder ``*xs``) the tuple of every input left."""
+        if str(node.target).startswith("*") and not str(node.target).startswith("**"):
+            rest = []
+            while self._inputs < len(shapes):
+                shape = shapes[self._inputs]
+                self._inputs += 1
+                rest.append(Value.of_node(self.low.b.input(f"{node.name}_{len(rest)}", shape, origin="input"), shape))
+            return tuple(rest)
         if self._inputs >= len(shapes):
             if node.args:
                 return node.args[0]  # forward(self, x, mask=None): the default

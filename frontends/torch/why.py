@@ -16,7 +16,13 @@ WHY = {
     "GELU": "not positively homogeneous",
     "SiLU": "not positively homogeneous",
     "ELU": "not positively homogeneous",
-    "LeakyReLU": "its negative slope is allowed in theory but not by pathir's neuron types",
+    **{op: "its negative slope is allowed in theory but not by pathir's neuron types"
+       for op in ("LeakyReLU", "leaky_relu", "leaky_relu_", "RReLU", "rrelu")},
+    **{op: "not positively homogeneous" for op in ("elu", "elu_", "selu", "celu", "gelu", "silu", "mish", "SELU",
+                                                   "CELU", "Mish", "tanh", "hardswish", "logsigmoid")},
+    **{op: "normalizes by input-dependent statistics"
+       for op in ("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "instance_norm", "group_norm", "rms_norm",
+                  "RMSNorm", "local_response_norm", "native_layer_norm", "native_group_norm")},
     **{op: ("positively homogeneous, but its negative slope a (x·a for x < 0, a learnable parameter) makes it a "
             "neuron pathir does not have: pathir's neurons are identity, ReLU and max-pool only (use nn.ReLU)")
        for op in ("PReLU", "prelu")},
@@ -43,8 +49,8 @@ WHY = {
     **{op: ("a lower bound other than 0 (or a max without one) is not lowered: clamp(x, 0) is a ReLU and clamp(x, 0, t) "
             "a clipped ReLU, ReLU(x) - ReLU(ReLU(x) - t); any other clamp is not positively homogeneous")
        for op in ("clamp", "clip", "clamp_min")},
-    "minimum": ("an elementwise minimum is lowered only as min(ReLU(x), t) with t a buffer of one value per channel "
-                "(a clipped ReLU)"),
+    **{op: ("an elementwise minimum is lowered only as min(ReLU(x), t) with t a buffer of one value per channel "
+            "(a clipped ReLU)") for op in ("minimum", "min", "fmin")},
     "abs": "positively homogeneous, but |x| is not one of pathir's neurons (identity, ReLU, max-pool)",
     "pow": "a power of an activation: not positively homogeneous",
     "sort": "orders by value: not a fixed map",
