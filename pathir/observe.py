@@ -150,10 +150,9 @@ def observe(cm, inputs, qs=(1.0,), counts: bool = True, compare=None, batch_size
     >>> bool(np.all(obs.columns["log10_active_l1"] <= obs.global_values["log10_path_norm_l1"] + 1e-12))
     True
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ArgumentError(f"observe: batch_size must be a positive integer, got {batch_size!r}")
     grp = group()
     if grp is None:
+        _check_batch_size(batch_size)
         return _walk(cm, inputs, qs, counts, compare, batch_size, _enabled(progress), backend, _total(inputs))
     return _observe_shards(cm, inputs, qs, counts, compare, batch_size, progress, backend, grp)
 
@@ -205,13 +204,15 @@ def _observe_shards(cm, inputs, qs, counts, compare, batch_size, progress, backe
     """Each rank walks its shard; the all-gathered rows are put back in data set order on every rank."""
 
     def run():
+        _check_batch_size(batch_size)  # inside: an argument error reaches every rank, none waits for this one
         local, rows, n = _local_shard(inputs, grp)
         obs = _walk(cm, local, qs, counts, compare, batch_size, _enabled(progress, grp.rank), backend, len(rows))
         if len(obs) != len(rows):
             raise ArgumentError(f"rank {grp.rank} walked {len(obs)} samples of its shard of {len(rows)}")
-        return rows, n, obs.columns, obs.global_values
+        return rows, n, obs.columns, obs.global_values, _fingerprint(inputs, n)
 
     parts = gather_or_raise(run, "pathir.observe")
+    _check_agree(parts)
     rows = np.concatenate([np.asarray(p[0], dtype=np.int64) for p in parts])
     first, keep = np.unique(rows, return_index=True)  # a DistributedSampler pads with repeated samples
     n = parts[0][1]
@@ -222,6 +223,48 @@ def _observe_shards(cm, inputs, qs, counts, compare, batch_size, progress, backe
     names = next((list(p[2]) for p in parts if p[2]), [])
     columns = {c: np.concatenate([np.asarray(p[2].get(c, ()), dtype=np.float64) for p in parts])[keep] for c in names}
     return Observations(columns, dict(parts[0][3]))
+
+
+def _check_batch_size(batch_size) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ArgumentError(f"observe: batch_size must be a positive integer, got {batch_size!r}")
+
+
+def _fingerprint(inputs, n: int):
+    """A few of the data set's samples summed (its first, middle and last), to tell two ranks that were given
+    different data apart (already split per rank, the usual DDP habit, which pathir would split again);
+    None where no sample can be read without walking a loader."""
+    data = inputs if hasattr(inputs, "shape") else getattr(inputs, "dataset", None)
+    if data is None or n == 0:
+        return None
+    picks = []
+    for i in sorted({0, n // 2, n - 1}):
+        try:
+            x = data[i]
+        except Exception:  # noqa: BLE001 - a data set that cannot be indexed: no fingerprint
+            return None
+        x = x[0] if isinstance(x, (tuple, list)) else x
+        x = x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+        picks.append(float(np.sum(np.asarray(x, dtype=np.float64))))
+    return tuple(picks)
+
+
+def _check_agree(parts) -> None:
+    """ArgumentError, on every rank alike, where the ranks were given different data or options: they must
+    pass the same inputs (pathir splits them), q, counts, compare and the same model."""
+    ref = parts[0]
+    for rank, p in enumerate(parts[1:], start=1):
+        for what, a, b in (("numbers of samples", ref[1], p[1]), ("samples (first, middle, last summed)", ref[4], p[4]),
+                           ("columns (q, counts or compare differ)", sorted(ref[2]), sorted(p[2]))):
+            if a != b and not (what.startswith("columns") and not (ref[2] and p[2])):
+                raise ArgumentError(f"pathir.observe: rank 0 and rank {rank} were given different {what}: {a} and {b}. "
+                                    "Every rank passes the same inputs and options (pathir splits the samples "
+                                    "itself; do not split them per rank first)")
+        for k, v in ref[3].items():
+            w = p[3].get(k)
+            if w is None or not (v == w or abs(v - w) <= 1e-9 * max(abs(v), abs(w))):
+                raise ArgumentError(f"pathir.observe: rank 0 and rank {rank} compiled different models ({k}: {v} and "
+                                    f"{w}); every rank observes the same model")
 
 
 def _local_shard(inputs, grp: Group):

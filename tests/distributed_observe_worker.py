@@ -87,6 +87,26 @@ def run(out, port2, model_dir):
     for name, inputs in loaders(rank, dist.get_world_size()).items():
         results[name] = outcome(lambda: pathir.observe(cm, inputs, qs=(1, 2), batch_size=4, backend=BACKEND))
     results["compare"] = outcome(lambda: pathir.observe(cm.graph, data(), compare=masked, batch_size=4, backend=BACKEND))
+    # misuse that differs by rank: every rank must raise alike, none may wait in a collective
+    results["split_first"] = outcome(lambda: pathir.observe(cm, data()[rank::2][:5], batch_size=4, backend=BACKEND))
+    results["qs_differ"] = outcome(lambda: pathir.observe(cm, data(), qs=(1,) if rank == 0 else (2,), backend=BACKEND))
+    results["batch_size_one_rank"] = outcome(lambda: pathir.observe(cm, data(), batch_size=0 if rank else 4,
+                                                                    backend=BACKEND))
+
+    class Interrupted(torch.utils.data.Dataset):
+        def __len__(self):
+            return N
+
+        def __getitem__(self, i):
+            if i == N - 2:  # in rank 1's shard, and not one of the samples every rank reads to compare data
+                raise KeyboardInterrupt
+            return torch.tensor(data()[i])
+
+    try:
+        results["interrupt"] = outcome(lambda: pathir.observe(cm, torch.utils.data.DataLoader(Interrupted(), batch_size=2),
+                                                              backend=BACKEND))
+    except KeyboardInterrupt:  # the interrupted rank's own interrupt goes on as it is
+        results["interrupt"] = {"error": "KeyboardInterrupt", "message": ""}
     results["array_torch"] = outcome(lambda: pathir.observe(cm, data(), qs=(1, 2), batch_size=4, backend="torch"))
     dist.destroy_process_group()
     with open(os.path.join(out, f"rank{rank}.pkl"), "wb") as f:

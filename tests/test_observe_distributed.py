@@ -125,3 +125,18 @@ def test_cli_under_a_launcher_prints_the_single_process_table_once(run):
     assert got["samples"] == worker.N
     for name, v in want.columns.items():
         np.testing.assert_allclose(got["columns"][name], v, rtol=1e-12, atol=1e-12)
+
+
+def test_ranks_given_different_data_or_options_all_refuse_alike(ranks):
+    """Data split per rank first (the DDP habit: pathir would split it again), different q, and an argument only
+    one rank gets wrong: every rank raises, none waits in a collective for another."""
+    for rank in ranks:
+        assert rank["split_first"]["error"] == "ArgumentError" and "different samples" in rank["split_first"]["message"]
+        assert rank["qs_differ"]["error"] == "ArgumentError" and "different columns" in rank["qs_differ"]["message"]
+    assert [r["batch_size_one_rank"]["error"] for r in ranks] == ["RankFailed", "RankFailed"]
+    assert "rank 1 raised ArgumentError: observe: batch_size" in ranks[0]["batch_size_one_rank"]["message"]
+
+
+def test_an_interrupt_on_one_rank_stops_the_others_with_rank_failed(ranks):
+    assert ranks[1]["interrupt"]["error"] == "KeyboardInterrupt"  # the rank that read the last sample
+    assert ranks[0]["interrupt"]["error"] == "RankFailed" and "KeyboardInterrupt" in ranks[0]["interrupt"]["message"]

@@ -4,9 +4,9 @@ A job runs on one process unless ``torch.distributed.is_initialized()``; then
 each rank takes its contiguous share of the samples (:func:`shard`, in rank
 order, so that concatenating the ranks' shares restores the order), runs the
 same code on it, and :func:`gather_or_raise` all-gathers the results. It first
-all-gathers every rank's status, so a rank that raised makes every rank raise a
-:class:`~pathir.errors.RankFailed` naming that rank and its error: none is left waiting in a
-collective the failing rank never reaches.
+all-gathers every rank's status, so a rank that raised (an interrupt or an exit included)
+makes every other rank raise a :class:`~pathir.errors.RankFailed` naming that rank and its
+error: none is left waiting in a collective the failing rank never reaches.
 
 >>> [shard(10, rank, 3) for rank in range(3)]
 [range(0, 3), range(3, 6), range(6, 10)]
@@ -60,12 +60,14 @@ def gather_or_raise(run, what: str = "the job"):
     error, result = None, None
     try:
         result = run()
-    except Exception as err:  # noqa: BLE001 - reported to every rank below
+    except BaseException as err:  # noqa: BLE001 - reported to every rank below (an interrupt too: else they wait)
         error = err
     status = [None] * dist.get_world_size()
     dist.all_gather_object(status, None if error is None else f"{type(error).__name__}: {error}")
     failed = [(rank, text) for rank, text in enumerate(status) if text is not None]
     if failed:
+        if error is not None and not isinstance(error, Exception):
+            raise error  # this rank's own interrupt or exit goes on as it is; the others raise RankFailed
         lines = "; ".join(f"rank {rank} raised {text}" for rank, text in failed)
         raise RankFailed(f"{what} failed on {len(failed)} of {len(status)} ranks: {lines}") from error
     results = [None] * dist.get_world_size()
