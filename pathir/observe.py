@@ -241,11 +241,11 @@ def _fingerprint(inputs, n: int):
     for i in sorted({0, n // 2, n - 1}):
         try:
             x = data[i]
-        except Exception:  # noqa: BLE001 - a data set that cannot be indexed: no fingerprint
+            x = x[0] if isinstance(x, (tuple, list)) else x
+            x = x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+            picks.append(float(np.sum(np.asarray(x, dtype=np.float64))))
+        except Exception:  # noqa: BLE001 - a data set that cannot be indexed or summed: no fingerprint
             return None
-        x = x[0] if isinstance(x, (tuple, list)) else x
-        x = x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
-        picks.append(float(np.sum(np.asarray(x, dtype=np.float64))))
     return tuple(picks)
 
 
