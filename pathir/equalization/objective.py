@@ -27,12 +27,10 @@ import numpy as np
 
 from pathir.equalization.stack import GridStack
 from pathir.equalization.tensors import TensorGrid, TensorPairs
-from pathir.support.threads import beside
 
 __all__ = ["Objective", "OBJECTIVES"]
 
 OBJECTIVES = ("noise", "range", "path-metric")
-OVERLAP = True
 #: per kind with weights: the power k of the term R_T^k · Σ_i w_i e^{−k(z_r(i) − z_c(i))/2}
 POWER = {"noise": 2, "path-metric": 1}
 
@@ -135,13 +133,8 @@ class Objective:
         """(log Σ_T e^{k(r_T + w_T)} at sharpness q, the softmax c_T over the tensors, ((range row and
         column marginals), (weight row and column marginals))); c is None where every term is -inf."""
         k = self.power
-        if OVERLAP:  # the two terms' stacks side by side on two threads (their products release the GIL)
-            pending = beside(self.weights.lse, zp, float(k), marginals)
-            r, rr, rc = self.ranges.lse(zp, q, marginals)
-            w, wr, wc = pending.result()
-        else:
-            r, rr, rc = self.ranges.lse(zp, q, marginals)
-            w, wr, wc = self.weights.lse(zp, float(k), marginals)
+        r, rr, rc = self.ranges.lse(zp, q, marginals)
+        w, wr, wc = self.weights.lse(zp, float(k), marginals)
         parts = ((rr, rc), (wr, wc))
         with np.errstate(invalid="ignore"):
             terms = k * (r + w)
