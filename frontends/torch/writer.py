@@ -45,6 +45,7 @@ from pathir.frontends.torch.clipped import plan_clips
 from pathir.frontends.torch.function_kept import Probe
 from pathir.frontends.torch.shared_memory import overlaps, registered_names, self_overlapping
 from pathir.ir import Graph, Role
+from pathir.rescaling.commit import pruned_attributes
 from pathir.support.threads import one_torch_thread
 
 __all__ = ["TorchWriter"]
@@ -427,12 +428,7 @@ _MISSING = object()
 def torch_pruned(module, attr: str) -> bool:
     """Whether torch.nn.utils.prune reparametrized ``module.attr`` (a pruning hook for it: the tensor then
     lives in ``attr + "_orig"``)."""
-    from torch.nn.utils.prune import BasePruningMethod  # (a PruningContainer is one too)
-
-    for hook in module._forward_pre_hooks.values():
-        if isinstance(hook, BasePruningMethod) and getattr(hook, "_tensor_name", None) == attr:
-            return True
-    return False
+    return attr in pruned_attributes(module)
 
 
 #: entries of a tensor rescaled at once in float64 by ``TorchWriter._new_value_by_rows`` (2 MiB: the block,

@@ -76,9 +76,9 @@ class GriddedPoint:
     def __init__(self, lap: GriddedLaplacian, z: np.ndarray, both: bool = False):
         H = lap.H
         self.lap, self.z = lap, z
-        rest = None if lap.rest is None else beside(lap.rest.point, z, both) if lap.overlap else lap.rest.point(z, both)
+        rest = None if lap.rest is None else beside(lap.rest.point, z, both, here=not lap.overlap)
         self.grid_points = [part.point(z) for part in lap.parts]
-        self.rest = rest.result() if lap.overlap and rest is not None else rest
+        self.rest = None if rest is None else rest.result()
         rest_scale = -math.inf if self.rest is None else self.rest.log_e - math.log(self.rest.total)
         self.scale = max([rest_scale] + [p.log_scale for p in self.grid_points])
         self.rest_factor = math.exp(rest_scale - self.scale)
@@ -112,12 +112,11 @@ class GriddedPoint:
         """∇²E p over this point's scale."""
         H, pp = self.lap.H, pad(p)
         into = np.zeros(H + 1)
-        rest = None if self.rest is None else beside(self.rest.hessian_times, p) if self.lap.overlap else \
-            self.rest.hessian_times(p)
+        rest = None if self.rest is None else beside(self.rest.hessian_times, p, here=not self.lap.overlap)
         for point in self.grid_points:
             point.add_hessian_times(pp, into, self.scale)
         if rest is not None:
-            into[:H] += (rest.result() if self.lap.overlap else rest) * self.rest_factor
+            into[:H] += rest.result() * self.rest_factor
         return into[:H]
 
     def grouped(self, groups: np.ndarray, m1: int, keep: np.ndarray | None = None) -> np.ndarray:

@@ -37,7 +37,7 @@ from pathir.rescaling.bounds import float64_safe
 from pathir.rescaling.optimizer_state import check_transportable, plan_transport
 from pathir.rescaling.shared_sources import check_batch_norm_uses
 
-__all__ = ["commit_rescaling", "rescaled_graph", "with_bias_shifts", "check_writable", "check_optimizer"]
+__all__ = ["commit_rescaling", "rescaled_graph", "with_bias_shifts", "check_writable", "check_optimizer", "pruned_attributes"]
 
 
 def rescaled_graph(graph: Graph, units, z, kept=None) -> Graph:
@@ -197,7 +197,7 @@ def _transaction(model, max_abs_z: float, written_after_check: bool = True):
             for name, t in table.items():
                 if t is not None:
                     saved.append((module, kind, name, f"{prefix}.{name}".lstrip("."), t, t.detach().clone()))
-        for name in _pruned_attributes(module):
+        for name in pruned_attributes(module):
             saved.append((module, "attr", name, f"{prefix}.{name}".lstrip("."), getattr(module, name), None))
     checked = []
 
@@ -223,7 +223,9 @@ def _transaction(model, max_abs_z: float, written_after_check: bool = True):
         raise
 
 
-def _pruned_attributes(module) -> list[str]:
+def pruned_attributes(module) -> list[str]:
+    """The attributes of ``module`` that torch.nn.utils.prune reparametrized (one pruning hook each, a
+    PruningContainer included: the tensor then lives in ``<attr>_orig``)."""
     from torch.nn.utils.prune import BasePruningMethod
 
     return [h._tensor_name for h in module._forward_pre_hooks.values() if isinstance(h, BasePruningMethod)]

@@ -67,15 +67,15 @@ def one_blas_thread():
         yield
 
 
-def beside(fn, *args):
+def beside(fn, *args, here: bool = False):
     """``fn(*args)`` started on a second thread, returning a handle whose ``result()`` waits for it (and
     re-raises its error): for two memory-bound halves of one evaluation (numpy's products release the
-    GIL), each on its own core. One worker for the process: a nested call waits its turn, it never
-    starts a third thread."""
+    GIL), each on its own core. One worker for the process, so a call made on it runs right there, as
+    does every call with ``here`` (the same handle, already done: callers need no second code path)."""
     global _POOL
     from concurrent.futures import Future, ThreadPoolExecutor
 
-    if threading.current_thread().name.startswith("pathir-beside"):  # already beside: run here (no deadlock)
+    if here or threading.current_thread().name.startswith("pathir-beside"):  # (on the worker: no deadlock)
         done = Future()
         try:
             done.set_result(fn(*args))
