@@ -41,7 +41,8 @@ the paper; our biases stay float). The regions it found are counted with ``Equal
 return_regions=True)`` on its output, the conv/linear layers whose weights it changed against the input, and
 the iterations it ran (it stops before ``--eq-iters`` once no scale factor moves by more than 5 %).
 
-pathir side: ``pathir_equalize`` below, ``pathir.equalize(model, input_shape=..., bits=6)`` (compile included).
+pathir side: ``pathir_equalize`` below, ``pathir.equalize(model, input_shape=..., bits=6, objective=--objective)``
+(compile included; the default objective, ``noise``, unless ``--objective`` names another).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class Skipped(Exception):
 
 # --- the equalizers: each takes (folded float model, input shape, args) and returns (model, info) -----------
 
-def pathir_equalize(model, input_shape):
+def pathir_equalize(model, input_shape, objective: str = "noise"):
     """pathir's equalization of ``model`` (a folded float torch model), returned as a torch model with the
     same float function (a write-back), compile included."""
     import pathir
@@ -73,12 +74,12 @@ def pathir_equalize(model, input_shape):
     equalize = getattr(pathir, "equalize", None)
     if equalize is None:
         raise Skipped("pathir.equalize does not exist yet")
-    report = equalize(model, input_shape=input_shape, bits=6, progress=False)
+    report = equalize(model, input_shape=input_shape, bits=6, objective=objective, progress=False)
     return model, {"objective_after": report.objective_after, "iterations": sum(report.iterations)}
 
 
 def _pathir_side(model, input_shape, args):
-    return pathir_equalize(model, input_shape)
+    return pathir_equalize(model, input_shape, args.objective)
 
 
 def _import_brevitas():
@@ -352,6 +353,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--bias-shrinkage", default="vaiq", help="Brevitas equalize_bias_shrinkage: 'vaiq' or a number")
     ap.add_argument("--scale-computation", default="maxabs", choices=["maxabs", "range"],
                     help="Brevitas equalize_scale_computation")
+    ap.add_argument("--objective", default="noise", choices=["noise", "range", "path-metric"],
+                    help="pathir's objective (its default: noise)")
     ap.add_argument("--json", help="also write the rows here")
     return ap
 
