@@ -147,9 +147,9 @@ def run_index_op(fn, shapes: list[tuple[int, ...]]):
     where index[t] is the element of that input at output position t, or -1.
     Raises ValueError if the op mixes samples of the batch or computes values.
     """
-    if not shapes:  # only the model's tensors in: a constant, shaped here by the batch size (idx.expand(B, k))
-        raise ValueError("it reads no activation, only the model's tensors, and shapes them by the batch size "
-                         "(e.g. idx.expand(x.shape[0], k)); index with the tensor itself (h[:, idx]) instead")
+    if not shapes:  # only the model's tensors in (a float buffer moved by an op of its own on the export path)
+        raise ValueError("it reads no activation, only the model's tensors: a constant pathir does not compute "
+                         "inside the graph here; compute it once outside forward (register the result as a buffer)")
     sizes = [_numel(s) for s in shapes]
     offsets = np.cumsum([0] + [BATCH * n for n in sizes])
     ids = [

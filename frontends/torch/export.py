@@ -99,8 +99,12 @@ class _ExportInterpreter(FxInterpreter):
         if fn is torch.ops.aten._assert_tensor_metadata.default:
             return None  # an export-time check of a tensor's dtype and shape: no value
         if isinstance(fn, torch._ops.OpOverload) and not values_in(args, kwargs):
-            if not any(isinstance(a, ParamTensor) for a in leaves(args, kwargs)):
+            params = [a for a in leaves(args, kwargs) if isinstance(a, ParamTensor)]
+            if not params:
                 return fn(*args, **kwargs)  # index arithmetic of decomposed ops (arange, clamp, ...): a constant
+            if not any(p.tensor.is_floating_point() or p.tensor.is_complex() for p in params):
+                # an integer or boolean buffer (indices, a mask) moved by an op of its own: a constant, no weight
+                return fn(*torch.utils._pytree.tree_map(_unwrap, args), **torch.utils._pytree.tree_map(_unwrap, kwargs))
             if rule_for(fn) is None:
                 self.low.unsupported(
                     "computes a weight from the model's parameters inside the graph (a parametrization: weight_norm, "
@@ -109,3 +113,7 @@ class _ExportInterpreter(FxInterpreter):
                     "data-dependent Python), so it was read from torch.export's graph", fn.__name__)
             return self._call(fn, fn.__name__, args, kwargs)  # a lifted constant's copy, or refused by its rule
         return super()._function(fn, args, kwargs)
+
+
+def _unwrap(a):
+    return a.tensor if isinstance(a, ParamTensor) else a
