@@ -363,3 +363,50 @@ def test_momentum_sgd_after_a_transported_rescaling_is_momentum_sgd_with_lr_over
     for p, q, f in zip(model.parameters(), ref.parameters(), s):
         assert torch.allclose(p, f * q, rtol=1e-9, atol=1e-12)
     assert torch.allclose(model(x), ref(x), rtol=1e-9)
+
+
+@pytest.mark.parametrize("method", ["pathcond", "enorm", "normalize"])
+def test_the_grad_of_the_last_backward_moves_with_the_rescaling(method):
+    """∇L' = ∇L / s: after the rescaling each .grad equals autograd's gradient of the same loss at the rescaled
+    model, with no optimizer passed (a step before the next backward is the step the old coordinates take)."""
+    tnn = torch.nn
+    torch.manual_seed(0)
+    net = tnn.Sequential(tnn.Linear(4, 6), tnn.ReLU(), tnn.Linear(6, 6), tnn.ReLU(), tnn.Linear(6, 2)).double()
+    with torch.no_grad():
+        net[0].weight.mul_(torch.logspace(-2, 1, 6, dtype=torch.float64)[:, None])  # something for it to move
+    x = torch.randn(16, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def loss():
+        return net(x).square().mean()
+
+    loss().backward()
+    before = [p.detach().clone() for p in net.parameters()]
+    getattr(pathir.compile(net, input_shape=(4,)), method)(progress=False)
+    assert any(not torch.equal(a, p) for a, p in zip(before, net.parameters()))  # it did move
+    moved = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    loss().backward()
+    for got, want in zip(moved, (p.grad for p in net.parameters())):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_failed_rescaling_puts_the_grads_back():
+    tnn = torch.nn
+    torch.manual_seed(0)
+    net = tnn.Sequential(tnn.Linear(4, 6), tnn.ReLU(), tnn.Linear(6, 2)).double()
+    with torch.no_grad():
+        net[0].weight.mul_(torch.logspace(-2, 1, 6, dtype=torch.float64)[:, None])
+    armed = []
+
+    def hook(module, inputs, output):
+        if armed:
+            raise RuntimeError("the write-back's function check fails")
+
+    net[2].register_forward_hook(hook)
+    cm = pathir.compile(net, input_shape=(4,))
+    net(torch.randn(8, 4, dtype=torch.float64)).sum().backward()
+    grads = [p.grad.clone() for p in net.parameters()]
+    armed.append(True)
+    with pytest.raises(Exception, match="function check fails"):
+        cm.pathcond(progress=False)
+    assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), grads))

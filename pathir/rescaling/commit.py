@@ -34,7 +34,7 @@ from pathir.errors import PathirError, StaleReference
 from pathir.ir import Graph, Role
 from pathir.rescaling.apply import check_rescaling, log_scales, rescale_graph
 from pathir.rescaling.bounds import float64_safe
-from pathir.rescaling.optimizer_state import check_transportable, plan_transport
+from pathir.rescaling.optimizer_state import check_transportable, plan_grads, plan_transport
 from pathir.rescaling.shared_sources import check_batch_norm_uses
 
 __all__ = ["commit_rescaling", "rescaled_graph", "with_bias_shifts", "check_writable", "check_optimizer", "pruned_attributes"]
@@ -86,7 +86,12 @@ def commit_rescaling(graph: Graph, units, z, model=None, writer=None, optimizer=
     if writer is not None:
         scales = log_scales(graph, units, z)
         _refuse_train_mode_statistics(model, graph, scales)
-        transport = None if optimizer is None else plan_transport(optimizer, writer.param_factors(graph, scales))
+        grads = hasattr(model, "parameters") and any(p.grad is not None for p in model.parameters())
+        factors = writer.param_factors(graph, scales) if (optimizer is not None or grads) and hasattr(
+            writer, "param_factors") else None
+        transport = None if optimizer is None else plan_transport(optimizer, factors)
+        if grads and factors is not None:
+            transport = plan_grads(factors, transport)  # the .grad of the last backward moves too
         state = writer.snapshot() if hasattr(writer, "snapshot") else None  # a writer that swaps whole models
         try:
             try:

@@ -32,7 +32,7 @@ import numpy as np
 
 from pathir.errors import PathirError
 
-__all__ = ["STATE_POWERS", "Transport", "check_transportable", "plan_transport"]
+__all__ = ["STATE_POWERS", "Transport", "check_transportable", "plan_transport", "plan_grads"]
 
 _ADAM = {"step": 0, "exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 2}
 
@@ -151,6 +151,22 @@ def plan_transport(optimizer, factors) -> Transport:
     return plan
 
 
+def plan_grads(factors, plan: Transport | None = None) -> Transport:
+    """The parameters' ``.grad`` moved like a first moment (∇L' = ∇L / s) where the change is entrywise, added
+    to ``plan`` (a new Transport without one): a step taken after the rescaling, before the next backward,
+    is then the step the old coordinates would take. A weight-normalized weight moved non-uniformly (no
+    entrywise factor) keeps its grad."""
+    plan = Transport() if plan is None else plan
+    for p, s in factors:
+        g = getattr(p, "grad", None)
+        if g is None or isinstance(s, str) or tuple(g.shape) != tuple(p.shape):
+            continue
+        s = np.asarray(s, dtype=np.float64)
+        if not np.all(s == 1.0):
+            plan.updates.append((None, "grad", g, _scaled(g, s, 1, "grad")))
+    return plan
+
+
 def _scaled(value, s: np.ndarray, k: int, key: str):
     """value ⊙ s^-k in float64, cast back; refused if a finite entry leaves the dtype's range or a nonzero one
     becomes 0."""
@@ -161,6 +177,7 @@ def _scaled(value, s: np.ndarray, k: int, key: str):
     new = exact.to(value.dtype)
     broke = (~new.isfinite() & old.isfinite()) | ((new == 0) & (old != 0))
     if bool(broke.any()):
-        raise PathirError(f"the rescaled optimizer state {key!r} does not fit {value.dtype}: {int(broke.sum())} "
+        raise PathirError(f"the rescaled {'gradient' if key == 'grad' else f'optimizer state {key!r}'} does not fit "
+                          f"{value.dtype}: {int(broke.sum())} "
                           "entries overflow or underflow; nothing was changed")
     return new.to(value.device)
