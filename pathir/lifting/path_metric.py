@@ -32,10 +32,11 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from pathir.backends import get_backend
-from pathir.errors import ArgumentTypeError, InputShapeError, PathirError
+from pathir.errors import ArgumentTypeError, PathirError
 from pathir.ir import Graph, Param
 from pathir.lifting.param_grads import param_grads
 from pathir.lifting.path_norm import log_path_sum
+from pathir.lifting.pattern import as_input_dict
 from pathir.support.progress import Phases
 
 __all__ = ["PathMetric", "path_metric", "pruned_path_metric", "output_bound", "check_same_architecture", "graph_of", "backend_of", "param_pairs",
@@ -333,23 +334,11 @@ def pruned_path_metric(ga: Graph, gb: Graph, backend, min_gap: float = 1e-3, log
 
 
 def _sup_norms(x, graph: Graph) -> np.ndarray:
-    """max over every input coordinate of |x|, per sample: (B,)."""
-    if not isinstance(x, dict):
-        if len(graph.inputs) != 1:
-            raise InputShapeError(f"x: the graph has inputs {list(graph.inputs)}: pass a dict {{input name: array}}")
-        x = {graph.inputs[0]: x}
+    """max over every input coordinate of |x|, per sample: (B,); inputs read and checked as every walk at data
+    reads them (:func:`pathir.lifting.pattern.as_input_dict`: names, shapes, one batch size, finite)."""
     out = None
-    for name in graph.inputs:
-        if name not in x:
-            raise InputShapeError(f"x: no value for input '{name}'")
-        v = x[name]
-        v = v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)
-        v = np.asarray(v, dtype=np.float64)
-        shape = graph.node(name).shape
-        if tuple(v.shape[1:]) != shape:
-            raise InputShapeError(f"x: input '{name}' expects (B, {', '.join(map(str, shape))}), got {tuple(v.shape)}")
-        if not np.isfinite(v).all():
-            raise InputShapeError(f"x: input '{name}' holds NaN or infinite entries: no finite bound holds there")
+    for v in as_input_dict(graph, x).values():
+        v = np.asarray(v.detach().cpu().numpy() if hasattr(v, "detach") else v, dtype=np.float64)
         m = np.abs(v.reshape(v.shape[0], -1)).max(axis=1, initial=0.0)
         out = m if out is None else np.maximum(out, m)
     return out
