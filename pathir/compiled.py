@@ -35,6 +35,7 @@ from pathir.pathcond.run import pathcond
 from pathir.rescaling.apply import rescale_graph
 from pathir.rescaling.bounds import default_max_log_scale
 from pathir.rescaling.commit import check_optimizer, check_writable, commit_rescaling, rescaled_graph, with_bias_shifts
+from pathir.support.files import same_file
 from pathir.support.progress import Phases
 
 __all__ = ["Compiled", "Summary"]
@@ -359,8 +360,7 @@ class Compiled:
         """Write :meth:`to_onnx` to ``path`` (through a temporary file: a failure leaves no file); never over
         the file the model was compiled from."""
         writer = self._onnx_writer("save")
-        source = self.model if isinstance(self.model, (str, os.PathLike)) else None
-        if source is not None and os.path.isfile(path) and os.path.isfile(source) and os.path.samefile(path, source):
+        if isinstance(self.model, (str, os.PathLike)) and same_file(path, self.model):
             raise PathirError(f"cm.save('{os.fspath(path)}') would write over the file the model was compiled from; "
                               "pathir never changes its source: name another file")
         writer.save(path)

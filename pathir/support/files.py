@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-__all__ = ["write_atomic", "default_mode"]
+__all__ = ["write_atomic", "default_mode", "same_file"]
 
 
 def default_mode() -> int:
@@ -46,3 +46,9 @@ def write_atomic(path, write) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def same_file(path, other) -> bool:
+    """Whether ``path`` and ``other`` (None: no file) name one existing file (through links and ``./``): an
+    output that would overwrite what was read."""
+    return other is not None and os.path.isfile(path) and os.path.isfile(other) and os.path.samefile(path, other)

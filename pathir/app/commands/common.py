@@ -9,7 +9,7 @@ import sys
 
 import pathir
 from pathir.errors import ArgumentError, PathirError
-from pathir.support.files import write_atomic
+from pathir.support.files import same_file, write_atomic
 
 from .weights import load_weights
 
@@ -168,7 +168,7 @@ def check_output_path(path: str, onnx_model: bool, inputs=()) -> None:
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ArgumentError(f"output folder is not writable: {folder}")
     for source in inputs:
-        if source and os.path.isfile(path) and os.path.isfile(source) and os.path.samefile(path, source):
+        if source and same_file(path, source):
             raise ArgumentError(f"output '{path}' is the input file '{source}': pathir never writes over what it read; "
                                 "name another file")
 
