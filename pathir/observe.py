@@ -254,9 +254,11 @@ def _check_agree(parts) -> None:
     pass the same inputs (pathir splits them), q, counts, compare and the same model."""
     ref = parts[0]
     for rank, p in enumerate(parts[1:], start=1):
-        for what, a, b in (("numbers of samples", ref[1], p[1]), ("samples (first, middle, last summed)", ref[4], p[4]),
-                           ("columns (q, counts or compare differ)", sorted(ref[2]), sorted(p[2]))):
-            if a != b and not (what.startswith("columns") and not (ref[2] and p[2])):
+        checks = [("numbers of samples", ref[1], p[1]), ("samples (first, middle, last summed)", ref[4], p[4])]
+        if ref[2] and p[2]:  # (a rank with no sample has no columns to compare)
+            checks.append(("columns (q, counts or compare differ)", sorted(ref[2]), sorted(p[2])))
+        for what, a, b in checks:
+            if a != b:
                 raise ArgumentError(f"pathir.observe: rank 0 and rank {rank} were given different {what}: {a} and {b}. "
                                     "Every rank passes the same inputs and options (pathir splits the samples "
                                     "itself; do not split them per rank first)")

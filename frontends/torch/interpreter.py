@@ -131,19 +131,18 @@ class FxInterpreter:
         """The next tensor input (its shape from ``shapes``), or the default of an optional argument; for
         ``forward(self, *xs)`` (fx's one placeholder ``*xs``) the tuple of every input left."""
         if str(node.target).startswith("*") and not str(node.target).startswith("**"):
-            rest = []
-            while self._inputs < len(shapes):
-                shape = shapes[self._inputs]
-                self._inputs += 1
-                rest.append(Value.of_node(self.low.b.input(f"{node.name}_{len(rest)}", shape, origin="input"), shape))
-            return tuple(rest)
+            return tuple(self._next_input(f"{node.name}_{i}", shapes) for i in range(len(shapes) - self._inputs))
         if self._inputs >= len(shapes):
             if node.args:
                 return node.args[0]  # forward(self, x, mask=None): the default
             low_input_count(self.low, self._inputs + 1, len(shapes))
+        return self._next_input(node.name, shapes)
+
+    def _next_input(self, name: str, shapes):
+        """A graph input named ``name`` of the next shape in ``shapes``."""
         shape = shapes[self._inputs]
         self._inputs += 1
-        return Value.of_node(self.low.b.input(node.name, shape, origin="input"), shape)
+        return Value.of_node(self.low.b.input(name, shape, origin="input"), shape)
 
     def _returned(self, node):
         """What the forward returns: the output node's argument."""
