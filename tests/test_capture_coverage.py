@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from capture_reference import assert_forward, eval_forward, path_norm_q
+from capture_reference import Untraceable, assert_forward, eval_forward, path_norm_q
 
 import pathir
 from pathir.errors import UnsupportedOperation
@@ -211,3 +211,12 @@ def test_leaky_relu_with_a_slope_still_refused():
     model = nn.Sequential(nn.Linear(3, 3), nn.LeakyReLU(0.1), nn.Linear(3, 1))
     with pytest.raises(UnsupportedOperation):
         pathir.compile(model, input_shape=(3,))
+
+
+@pytest.mark.parametrize("wrap", [lambda m: m, Untraceable], ids=["fx", "export"])
+def test_batch_norm_without_running_statistics_refused_by_that_reason(wrap):
+    """track_running_stats=False: the batch-norm always uses batch statistics; both paths say so (the
+    export path, where it is an ATen batch_norm with training=True, named a training flag fixed in the code)."""
+    model = wrap(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=False), nn.ReLU())).eval()
+    with pytest.raises(UnsupportedOperation, match="without running statistics"):
+        pathir.compile(model, input_shape=(3, 6, 6))

@@ -338,3 +338,38 @@ def test_an_integer_buffer_moved_by_its_own_op_is_a_constant_on_the_export_path_
         net.ib.copy_(torch.tensor([1, 2, 3, 0]))
         net.mb.copy_(torch.tensor([False, True, False, True]))
     np.testing.assert_allclose(cm.forward(x.numpy()), net(x).detach().numpy(), rtol=1e-12, atol=1e-12)
+
+
+class _FactorBuffer(nn.Module):
+    """A float buffer moved by an op of its own, then a per-channel factor; ``export``: the shape branch
+    sends it through torch.export (where the buffer is a lifted input, not fx's folded constant)."""
+
+    def __init__(self, export):
+        super().__init__()
+        self.export, self.a, self.c = export, nn.Linear(3, 4), nn.Linear(4, 2)
+        self.register_buffer("fb", torch.tensor([0.5, 2.0, 1.5, 3.0]))
+
+    def forward(self, x):
+        if self.export and x.shape[1] != 3:
+            raise ValueError("expects 3 features")
+        return self.c(F.relu(self.a(x)) * self.fb.flip(0))
+
+
+@pytest.mark.parametrize("export", [False, True], ids=["fx", "export"])
+def test_a_float_buffer_moved_by_its_own_op_is_a_fixed_factor_on_both_paths(export):
+    """Both paths compute it as the fixed factor it is (the export path refused it as a parameter moved into
+    the activations); the path-norm is the definition's (the factor |fb| on each hidden unit's paths); an
+    edit of the buffer changes the structure, which the live Compiled reports."""
+    torch.manual_seed(0)
+    net = _FactorBuffer(export).double().eval()
+    cm = pathir.compile(net, input_shape=(3,))
+    x = torch.randn(5, 3, dtype=torch.float64)
+    np.testing.assert_allclose(cm.forward(x.numpy()), net(x).detach().numpy(), rtol=1e-12, atol=1e-12)
+    a, c, f = net.a.weight.detach().abs(), net.c.weight.detach().abs(), net.fb.flip(0)
+    ones = torch.ones(3, dtype=torch.float64)
+    expected = float((c @ (f * (a @ ones + net.a.bias.detach().abs()))).sum() + net.c.bias.detach().abs().sum())
+    assert cm.path_norm(1) == pytest.approx(expected, rel=1e-12)
+    with torch.no_grad():
+        net.fb.mul_(2.0)
+    with pytest.raises(pathir.ModelChanged):
+        cm.forward(x.numpy())

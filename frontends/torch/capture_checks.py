@@ -485,6 +485,8 @@ def state_kept(model: nn.Module):
 _RANDOM = "is random: dropout with training=True fixed in the code (pass training=self.training)"
 _BATCH_STATS = ("normalizes with batch statistics: batch_norm with training=True fixed in the code is "
                 "input-dependent (pass training=self.training, or use running statistics)")
+_NO_STATS = ("normalizes with batch statistics: a batch-norm without running statistics "
+             "(track_running_stats=False) is input-dependent")
 
 
 def _fixed_mode(node) -> str | None:
@@ -504,13 +506,21 @@ def _fixed_mode(node) -> str | None:
     if fn in (aten.native_dropout.default, aten.bernoulli.p, aten.bernoulli.default, aten.rand_like.default):
         return "is random"
     if fn is F.batch_norm:
-        return _BATCH_STATS if _bound(fn, args, kwargs).get("training") is True else None
+        a = _bound(fn, args, kwargs)
+        return _batch_stats(a.get("running_mean"), a.get("training"))
     if fn in (torch.batch_norm, aten.batch_norm.default):
         training = args[5] if len(args) > 5 else kwargs.get("training")
-        return _BATCH_STATS if training is True else None
+        return _batch_stats(args[3] if len(args) > 3 else kwargs.get("running_mean"), training)
     if fn in (F.instance_norm, torch.instance_norm):
         return "normalizes with per-sample statistics: input-dependent"
     return None
+
+
+def _batch_stats(running_mean, training) -> str | None:
+    """Why a batch-norm call normalizes with batch statistics (none kept, or training fixed), or None."""
+    if training is not True:
+        return None
+    return _NO_STATS if running_mean is None else _BATCH_STATS
 
 
 def check_modes(graph: torch.fx.Graph) -> None:

@@ -102,10 +102,12 @@ class _ExportInterpreter(FxInterpreter):
             params = [a for a in leaves(args, kwargs) if isinstance(a, ParamTensor)]
             if not params:
                 return fn(*args, **kwargs)  # index arithmetic of decomposed ops (arange, clamp, ...): a constant
-            if not any(p.tensor.is_floating_point() or p.tensor.is_complex() for p in params):
-                # an integer or boolean buffer (indices, a mask) moved by an op of its own: a constant, no weight
+            if not any(isinstance(p.tensor, torch.nn.Parameter) or p.tensor.is_complex() for p in params):
+                # a buffer (indices, a mask, a fixed factor) moved by an op of its own: a constant, no weight, as
+                # torch.fx records it (fx folds a buffer's own ops into one tensor constant)
                 return fn(*torch.utils._pytree.tree_map(_unwrap, args), **torch.utils._pytree.tree_map(_unwrap, kwargs))
-            if rule_for(fn) is None:
+            tensors = [a for a in leaves(args, kwargs) if isinstance(a, (ParamTensor, torch.Tensor))]
+            if rule_for(fn) is None or len(tensors) > 1:  # (a parameter times a mask buffer: pruning's weight)
                 self.low.unsupported(
                     "computes a weight from the model's parameters inside the graph (a parametrization: weight_norm, "
                     "spectral_norm, or pruning's weight_orig * weight_mask), which pathir reads only on the torch.fx "
