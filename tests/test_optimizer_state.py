@@ -368,7 +368,7 @@ def test_momentum_sgd_after_a_transported_rescaling_is_momentum_sgd_with_lr_over
 @pytest.mark.parametrize("method", ["pathcond", "enorm", "normalize"])
 def test_the_grad_of_the_last_backward_moves_with_the_rescaling(method):
     """∇L' = ∇L / s: after the rescaling each .grad equals autograd's gradient of the same loss at the rescaled
-    model, with no optimizer passed (a step before the next backward is the step the old coordinates take)."""
+    model, with no optimizer passed."""
     tnn = torch.nn
     torch.manual_seed(0)
     net = tnn.Sequential(tnn.Linear(4, 6), tnn.ReLU(), tnn.Linear(6, 6), tnn.ReLU(), tnn.Linear(6, 2)).double()
@@ -410,3 +410,51 @@ def test_a_failed_rescaling_puts_the_grads_back():
     with pytest.raises(Exception, match="function check fails"):
         cm.pathcond(progress=False)
     assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), grads))
+
+
+def _grad_kinds():
+    return {
+        "expanded": lambda p: torch.full((1,), 0.5, dtype=p.dtype).expand(p.shape),
+        "inference": lambda p: _inference_copy(p),
+        "sparse": lambda p: torch.ones_like(p).to_sparse(),
+    }
+
+
+def _inference_copy(p):
+    with torch.inference_mode():
+        return torch.ones_like(p)
+
+
+@pytest.mark.parametrize("kind", ["expanded", "inference", "sparse"])
+def test_a_grad_that_cannot_be_rescaled_in_place_is_refused_with_model_grads_and_state_untouched(kind):
+    """An expanded .grad (one memory location for many entries), one made under inference_mode, a sparse one:
+    each is refused by name before anything is written. The expanded one failed mid-write, and the undo,
+    failing on it again, stopped there: momentum buffers and other grads stayed rescaled."""
+    tnn = torch.nn
+    torch.manual_seed(0)
+    net = tnn.Sequential(tnn.Linear(4, 6), tnn.ReLU(), tnn.Linear(6, 5), tnn.ReLU(), tnn.Linear(5, 3)).double()
+    with torch.no_grad():
+        net[2].weight.mul_(7.0)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    net, opt = _trained(net, lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9), x)
+    opt.zero_grad()
+    net(x).square().mean().backward()
+    net[0].bias.grad = _grad_kinds()[kind](net[0].bias)
+    cm = pathir.compile(net, input_shape=(4,))
+    snapshot = _snapshot(net, opt)
+    grads = {p: p.grad.clone() for p in net.parameters()}
+    with pytest.raises(PathirError, match=f"grad of a parameter of shape \\(6,\\).*{kind if kind != 'sparse' else 'sparse'}"):
+        cm.pathcond(optimizer=opt, progress=False)
+    _assert_untouched(net, opt, snapshot)
+    for p, g in grads.items():
+        assert torch.equal(p.grad.to_dense(), g.to_dense())
+
+
+def test_an_undo_that_fails_on_one_tensor_puts_back_all_the_others():
+    a, b, c = torch.zeros(3), torch.full((1,), 1.0).expand(3), torch.zeros(3)
+    plan = Transport(updates=[(None, "grad", a, torch.ones(3)), (None, "grad", b, torch.ones(3)),
+                              (None, "grad", c, torch.ones(3))])
+    plan._written = [(None, "grad", t, torch.full((3,), 9.0)) for t in (a, b, c)]
+    with pytest.raises(RuntimeError):
+        plan.undo()
+    assert torch.equal(a, torch.full((3,), 9.0)) and torch.equal(c, torch.full((3,), 9.0))

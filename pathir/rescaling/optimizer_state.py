@@ -103,10 +103,16 @@ class Transport:
         """Put back the old values of what :meth:`write` wrote."""
         import torch
 
+        failed = None
         with torch.no_grad():
             for _, _, t, old in reversed(self._written):
-                t.copy_(old)
+                try:  # every entry is tried: one that cannot be put back stops none of the others
+                    t.copy_(old)
+                except Exception as e:  # noqa: BLE001 (reported after the others are back)
+                    failed = failed or e
         self._written.clear()
+        if failed is not None:
+            raise failed
 
 
 def plan_transport(optimizer, factors) -> Transport:
@@ -143,18 +149,16 @@ def plan_transport(optimizer, factors) -> Transport:
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(p.shape):
                 raise PathirError(f"the {type(optimizer).__name__} state {key!r} of a parameter of shape "
                                   f"{tuple(p.shape)} is not a tensor of that shape; nothing was changed")
-            if value.is_inference():
-                raise PathirError(f"the {type(optimizer).__name__} state {key!r} of a parameter of shape "
-                                  f"{tuple(p.shape)} was made under torch.inference_mode(): it cannot be written in "
-                                  "place outside it; nothing was changed")
+            _check_writable(value, f"the {type(optimizer).__name__} state {key!r} of a parameter of shape "
+                                   f"{tuple(p.shape)}")
             plan.updates.append((st, key, value, _scaled(value, s, k, key)))
     return plan
 
 
 def plan_grads(factors, plan: Transport | None = None) -> Transport:
     """The parameters' ``.grad`` moved like a first moment (∇L' = ∇L / s) where the change is entrywise, added
-    to ``plan`` (a new Transport without one): a step taken after the rescaling, before the next backward,
-    is then the step the old coordinates would take. A weight-normalized weight moved non-uniformly (no
+    to ``plan`` (a new Transport without one): each is then the gradient of the same loss at the rescaled
+    model, as a backward there gives it. A weight-normalized weight moved non-uniformly (no
     entrywise factor) keeps its grad."""
     plan = Transport() if plan is None else plan
     for p, s in factors:
@@ -163,8 +167,23 @@ def plan_grads(factors, plan: Transport | None = None) -> Transport:
             continue
         s = np.asarray(s, dtype=np.float64)
         if not np.all(s == 1.0):
+            _check_writable(g, f"the .grad of a parameter of shape {tuple(p.shape)}")
             plan.updates.append((None, "grad", g, _scaled(g, s, 1, "grad")))
     return plan
+
+
+def _check_writable(t, what: str) -> None:
+    """Refuse (nothing written yet) a tensor a rescaling cannot write in place entry by entry: one made under
+    torch.inference_mode(), a sparse one, or an expanded one (many entries on one memory location)."""
+    import torch
+
+    why = ("was made under torch.inference_mode(): it cannot be written in place outside it" if t.is_inference()
+           else f"is a {t.layout} tensor, whose entries pathir does not rescale in place" if t.layout != torch.strided
+           else "is an expanded tensor (several entries share one memory location), which cannot be rescaled in "
+                "place entry by entry" if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride()))
+           else None)
+    if why is not None:
+        raise PathirError(f"{what} {why}; nothing was changed")
 
 
 def _scaled(value, s: np.ndarray, k: int, key: str):

@@ -196,7 +196,9 @@ class ModelState:
             for name, t in named:
                 if id(t) in self.tensors:
                     continue
-                if isinstance(t, UninitializedTensorMixin) or t.device.type == "meta":
+                if isinstance(t, UninitializedTensorMixin) or t.device.type == "meta" or t.layout != torch.strided:
+                    # (no storage to watch: a sparse .grad, which no forward writes in place; its replacement is
+                    # seen through self.grads)
                     self.tensors[id(t)] = _Tensor(name, t, None, (), t.requires_grad, None)
                     continue
                 rec = _Tensor(name, t, t.detach(), _where(t), t.requires_grad, _version(t),
