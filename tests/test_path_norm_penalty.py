@@ -601,6 +601,27 @@ def test_a_parametrized_weight_gets_its_gradient_through_the_parametrization(wra
         opt.step()
 
 
+def test_a_train_mode_spectral_norm_is_read_as_captured_without_its_power_step():
+    """spectral_norm in train mode takes a power-iteration step, writing _u and _v, at every read of the
+    weight: the penalty read it so, which moved the model's buffers and then refused the call as an edit
+    pathir could not see. Read in eval mode (as pathir captures the model), the buffers stay and the value and
+    gradient are the eval-mode weight's."""
+    net = mlp_3442()
+    nn.utils.parametrizations.spectral_norm(net[2])
+    net.train()
+    before = {n: b.clone() for n, b in net.named_buffers()}
+    penalty = pathir.PathNormPenalty(net, q=2.0, input_shape=(3,))
+    got = _grads(net, penalty())
+    assert all(torch.equal(b, before[n]) for n, b in net.named_buffers())
+    net.eval()  # the reference reads the same weight: no power step in eval mode
+    want = _grads(net, mlp_reference(net, 2.0))
+    assert all(torch.equal(b, before[n]) for n, b in net.named_buffers())
+    _assert_grads_close(got, want)
+    assert net[2].parametrizations.weight[0].training is False and net[0].training is False
+    net.train()
+    assert net[2].parametrizations.weight[0].training is True
+
+
 def test_a_weight_a_forward_pre_hook_sets_is_refused_naming_the_parametrization_to_use():
     net = mlp_3442()
     nn.utils.weight_norm(net[0])  # the legacy form: `weight` is an attribute set before each forward

@@ -17,6 +17,7 @@ its ``weight_orig``, its mask a constant factor.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import numpy as np
@@ -82,11 +83,27 @@ class Leaf:
         its parametrization for a parametrized tensor)."""
         if self.computed:
             path, _, attr = self.name.rpartition(".")
-            t = getattr(model.get_submodule(path), attr)
+            module = model.get_submodule(path)
+            with _evaluating(module.parametrizations[attr]):
+                t = getattr(module, attr)
         else:
             t = model.get_parameter(self.param_name) if self.param_name else model.get_buffer(self.name)
         t = t.to(torch.float64) if live else t.detach().to(torch.float64)
         return t * model.get_buffer(self.mask).to(torch.float64) if self.mask else t
+
+
+@contextlib.contextmanager
+def _evaluating(parametrizations: torch.nn.Module):
+    """The parametrization modules in eval mode meanwhile, as pathir captures the model: a train-mode
+    spectral_norm would take a power-iteration step, writing its _u and _v, at each read."""
+    modes = [(m, m.training) for m in parametrizations.modules()]
+    for m, _ in modes:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
 
 
 class ParamRecipe:
