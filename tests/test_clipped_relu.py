@@ -342,7 +342,7 @@ def test_a_functional_clip_that_moves_is_refused_and_nothing_changes():
     cm = pathir.compile(model, input_shape=(2, 5, 5))
     state = copy.deepcopy(model.state_dict())
     norm = cm.path_norm(1)
-    with pytest.raises(PathirError, match=r"relu6 at 'relu6'.*use an nn.ReLU6"):
+    with pytest.raises(PathirError, match=r"relu6 at 'relu6'.*use a plain nn.ReLU6"):
         cm.pathcond()
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert cm.path_norm(1) == norm and "relu6.threshold" in cm.diag_g()  # analyses stay exact
@@ -706,3 +706,58 @@ def test_a_threshold_tensor_made_in_forward_is_refused_as_what_it_is():
 
     with pytest.raises(PathirError, match=r"made in the forward .*neither a parameter nor a buffer"):
         pathir.compile(Made(), input_shape=(3,))
+
+
+class _InplaceReread(nn.Module):
+    """An in-place clipped ReLU whose input is read again: eager z + y is 2·clip(y) (y was written)."""
+
+    def __init__(self, act):
+        super().__init__()
+        self.c1, self.act, self.c2 = nn.Conv2d(2, 4, 3, padding=1), act, nn.Conv2d(4, 3, 1)
+
+    def forward(self, x):
+        y = F.relu(self.c1(x))
+        z = self.act(y)
+        return self.c2(z + y)
+
+
+@pytest.mark.parametrize("act", [lambda: nn.ReLU6(inplace=True), lambda: nn.Hardtanh(0.0, 2.0, inplace=True)],
+                         ids=["relu6", "hardtanh"])
+def test_an_in_place_clipped_relu_stays_in_place_when_rewritten(act):
+    """The rewrite put an out-of-place ClippedReLU where an in-place module stood: y was no longer clipped and
+    the written model computed clip(y) + y (1.69 relative off where activations pass the threshold), while the
+    one-sample probe, below the thresholds, let it through."""
+    torch.manual_seed(0)
+    model = _InplaceReread(act()).double().eval()
+    with torch.no_grad():
+        model.c1.weight.mul_(torch.logspace(-1, 1, 4, dtype=torch.float64)[:, None, None, None])
+    x = _x(8, 2, 5, 5, scale=20.0)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        y = torch.clamp(F.relu(ref.c1(x)), 0, 6.0 if isinstance(ref.act, nn.ReLU6) else 2.0)
+        want = ref.c2(y + y)  # the definition of eager in-place semantics
+        assert torch.allclose(ref(x), want, rtol=1e-12, atol=1e-12) and bool((F.relu(ref.c1(x)) > 6).any())
+    cm = pathir.compile(model, input_shape=(2, 5, 5))
+    cm.pathcond(progress=False)
+    assert isinstance(model.act, ClippedReLU) and model.act.inplace
+    with torch.no_grad():
+        assert torch.allclose(model(x), want, rtol=1e-9, atol=1e-9)
+    again = pathir.compile(model, input_shape=(2, 5, 5))  # the written module lowers as the in-place op it is
+    np.testing.assert_allclose(again.forward(x.numpy()), want.numpy(), rtol=1e-9, atol=1e-9)
+
+
+def test_a_subclass_of_relu6_is_refused_as_the_call_fx_traces_it_to_saying_so():
+    """The message told the user, who wrote a module, to use a module instead of a functional call."""
+
+    class MyReLU6(nn.ReLU6):
+        pass
+
+    torch.manual_seed(8)
+    model = _InplaceReread(MyReLU6()).double().eval()
+    with torch.no_grad():
+        model.c1.weight.mul_(torch.logspace(-1, 1, 4, dtype=torch.float64)[:, None, None, None])
+    cm = pathir.compile(model, input_shape=(2, 5, 5))
+    state = copy.deepcopy(model.state_dict())
+    with pytest.raises(PathirError, match="subclass of nn.ReLU6"):
+        cm.pathcond(progress=False)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())

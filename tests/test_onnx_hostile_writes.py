@@ -79,6 +79,24 @@ def test_an_initializer_callers_may_feed_is_not_rescaled(tmp_path):
     np.testing.assert_array_equal(NH.to_array(cm.to_onnx().graph.initializer[0]), W1)
 
 
+def test_a_clip_bound_callers_may_feed_is_not_replaced_silently(tmp_path):
+    """The rewrite of a Clip(x, 0, t) whose t moves per channel replaces t by a Min's new initializer: where t
+    is also a graph input, a caller feeding it changed the original's clip and no longer the written file's."""
+    W1, W2 = _spread_weights()
+    nodes = [H.make_node("Gemm", ["x", "W1"], ["h"], name="g1", transB=1),
+             H.make_node("Clip", ["h", "zero", "six"], ["r"], name="clip"),
+             H.make_node("Gemm", ["r", "W2"], ["y"], name="g2", transB=1)]
+    graph = H.make_graph(nodes, "g", [H.make_tensor_value_info("x", TP.FLOAT, ["N", 4]),
+                                      H.make_tensor_value_info("six", TP.FLOAT, [])],
+                         [H.make_tensor_value_info("y", TP.FLOAT, ["N", 3])],
+                         [NH.from_array(W1, "W1"), NH.from_array(W2, "W2"), NH.from_array(np.float32(0), "zero"),
+                          NH.from_array(np.float32(6), "six")])
+    cm = pathir.compile(_save(tmp_path, graph))
+    with pytest.raises(PathirError, match="'six' is also a graph input"):
+        cm.equalize(progress=False)
+    assert [n.op_type for n in cm.to_onnx().graph.node] == ["Gemm", "Clip", "Gemm"]
+
+
 def test_the_cli_and_save_never_write_over_their_input(tmp_path, capsys):
     W1, W2 = _spread_weights()
     src = _save(tmp_path, _mlp(W1, W2))

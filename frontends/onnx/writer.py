@@ -256,6 +256,14 @@ class OnnxWriter:
         model = self.to_onnx()
         bindings = {k: _copy(b) for k, b in self.bindings.items()}
         g = model.graph
+        if model.ir_version >= 4:  # (IR 3 lists every initializer as an input: a rule, not an interface)
+            written = {bindings[ref].tensor for ref in [*updates, *(rewrites or {})]}  # (a Clip's bound: replaced)
+            fed = sorted(written & {i.name for i in g.input} & {t.name for t in g.initializer})
+            if fed:
+                raise PathirError(f"write-back refused: the initializer {', '.join(repr(t) for t in fed)} is also a graph "
+                                  "input, a default a caller may override by feeding it, and a caller who does would "
+                                  "get another function from the written file; remove it from the graph's inputs "
+                                  "(graph.input) to make it a constant. Nothing was changed")
         orphans: set[str] = set()
         if rewrites:
             orphans |= _rewrite_clips(model, bindings, rewrites)
@@ -263,13 +271,6 @@ class OnnxWriter:
         readers = _readers(g)
         inits = {t.name: t for t in g.initializer}
         outputs = {o.name for o in g.output}
-        if model.ir_version >= 4:  # (IR 3 lists every initializer as an input: a rule, not an interface)
-            fed = sorted({bindings[ref].tensor for ref in updates} & {i.name for i in g.input} & set(inits))
-            if fed:
-                raise PathirError(f"write-back refused: the initializer {', '.join(repr(t) for t in fed)} is also a graph "
-                                  "input, a default a caller may override by feeding it, and a caller who does would "
-                                  "get another function from the written file; remove it from the graph's inputs "
-                                  "(graph.input) to make it a constant. Nothing was changed")
         rebind = []
         for ref, value in updates.items():
             b = bindings[ref]

@@ -199,8 +199,9 @@ def plan_clips(model, graph, sites: dict, sides: dict) -> ClipPlan:
             if moved:
                 raise PathirError(
                     f"write-back refused: the rescaling moves the threshold of the clipped ReLU {site.target} per "
-                    "channel, and a functional call holds one number in the code; use an nn.ReLU6 / nn.Hardtanh "
-                    "module there (pathir writes it back as a per-channel pathir.nn.ClippedReLU), or "
+                    "channel, and a functional call holds one number in the code (F.relu6, F.hardtanh, clamp, or the "
+                    "forward of a subclass of nn.ReLU6 / nn.Hardtanh, which torch.fx traces through to that call); use "
+                    "a plain nn.ReLU6 / nn.Hardtanh module there (pathir writes it back as a per-channel pathir.nn.ClippedReLU), or "
                     "pathir.frontends.torch.clipped.clipped_to_relu. Analyses stay exact; the model is untouched")
             continue
         if site.kind == "buffer" or isinstance(model.get_submodule(site.target), ClippedReLU):
@@ -242,7 +243,8 @@ def plan_clips(model, graph, sites: dict, sides: dict) -> ClipPlan:
         back = t.double().cpu().numpy()
         if not (np.all(np.isfinite(back)) and np.array_equal(back == 0, new[0] == 0)):
             raise PathirError(f"the rescaled thresholds of '{path}' do not fit {dtype}; the model is untouched")
-        replace.append((module, stand_in(path, module, ClippedReLU(t, spatial_dims=spatial))))
+        replace.append((module, stand_in(path, module, ClippedReLU(t, spatial_dims=spatial,
+                                                                   inplace=getattr(module, "inplace", False)))))
     return ClipPlan(tensors, swap_everywhere(model, replace))
 
 

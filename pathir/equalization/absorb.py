@@ -127,7 +127,8 @@ def writable_bias_ref(graph: Graph, node) -> str:
     if any(r.role is Role.CLIP_THRESHOLD for r in p.sources):
         raise PathirError(f"bias absorption: {where} is the clip of a clipped ReLU (ReLU6, hardtanh, clamp): its "
                           "threshold would have to move with the absorbed constant, which is not written; equalize "
-                          "with relu6='relu' to absorb into ReLUs. Nothing was written")
+                          "a torch model with relu6='relu' to absorb into ReLUs, or equalize without absorb_bias. "
+                          "Nothing was written")
     value = [r for r in p.sources if r.role is Role.VALUE]
     scales = {r.name for r in p.sources if r.role is Role.OUT_SCALE}
     others = [r for r in p.sources if r.role not in (Role.VALUE, Role.OUT_SCALE)]

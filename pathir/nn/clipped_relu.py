@@ -23,6 +23,8 @@ class ClippedReLU(nn.Module):
     ----------
     threshold : tensor of shape (C,), finite and ≥ 0 (kept in its dtype: give the model's)
     spatial_dims : the number of axes after the channel axis (2 for images, 0 for (N, C) vectors)
+    inplace : clip the input tensor itself and return it, as ``nn.ReLU6(inplace=True)`` does (pathir keeps
+        the flag of the module it replaces: a later read of that input sees the clipped values)
 
     >>> import torch
     >>> from pathir.nn import ClippedReLU
@@ -34,7 +36,7 @@ class ClippedReLU(nn.Module):
     ClippedReLU(channels=2, spatial_dims=0)
     """
 
-    def __init__(self, threshold, spatial_dims: int = 2):
+    def __init__(self, threshold, spatial_dims: int = 2, inplace: bool = False):
         super().__init__()
         t = torch.as_tensor(threshold).detach()
         if not t.is_floating_point():
@@ -45,11 +47,14 @@ class ClippedReLU(nn.Module):
             raise ValueError("ClippedReLU: every threshold must be finite and >= 0")
         if int(spatial_dims) < 0:
             raise ValueError(f"ClippedReLU: spatial_dims must be >= 0, got {spatial_dims}")
-        self.spatial_dims = int(spatial_dims)
+        self.spatial_dims, self.inplace = int(spatial_dims), bool(inplace)
         self.register_buffer("threshold", t.clone().reshape(-1, *(1,) * self.spatial_dims))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inplace:
+            return x.clamp_(min=0).clamp_(max=self.threshold)
         return torch.minimum(torch.relu(x), self.threshold)
 
     def extra_repr(self) -> str:
-        return f"channels={self.threshold.shape[0]}, spatial_dims={self.spatial_dims}"
+        return f"channels={self.threshold.shape[0]}, spatial_dims={self.spatial_dims}" + (
+            ", inplace=True" if self.inplace else "")
