@@ -258,6 +258,9 @@ case("fmax", C2, lambda m, a, b: torch.fmax(a, b).fmax(a - b))
 case("max_pool fns", C2, lambda m, a: torch.max_pool2d(F.max_pool2d(a, 2, 1, padding=1), 2).flatten(2) +
      F.max_pool1d(torch.max_pool1d(a.flatten(2), 3, 1, 1), 4, 4, 1)[..., :9])
 case("max_pool3d fn", C3, lambda m, a: F.max_pool3d(a, 2, ceil_mode=True))
+case("max_pool fns with indices", C2, lambda m, a: F.max_pool2d(a, 2, return_indices=True)[0].flatten(2) +
+     F.max_pool1d(a.flatten(2), 4, return_indices=True)[0])
+case("max_pool3d fn with indices", C3, lambda m, a: F.max_pool3d(a, 2, return_indices=True)[0])
 case("max_pool modules", C2, lambda m, a: m.p1(m.p2(a).flatten(2)), lambda: {"p1": nn.MaxPool1d(2),
                                                                              "p2": nn.MaxPool2d(3, 1, 1)})
 case("max_pool3d module", C3, lambda m, a: m.p(a), lambda: {"p": nn.MaxPool3d((1, 2, 1))})
@@ -510,6 +513,8 @@ aten_case("_native_batch_norm_legit_no_training", C2, lambda c, h: c.item(c(
           lambda: {"w": P(3), "b": P(3), "rm": torch.randn(3), "rv": torch.rand(3) + 0.5})
 aten_case("max_pool2d_with_indices", C2, lambda c, h: c.item(c(aten.max_pool2d_with_indices.default, h, [3, 3], [2, 2],
                                                                 [1, 1], [1, 1], True)))
+aten_case("max_pool3d_with_indices", C3, lambda c, h: c.item(c(aten.max_pool3d_with_indices.default, h, [2, 2, 2],
+                                                                [2, 2, 2], [0, 0, 0], [1, 1, 1], False)))
 aten_case("_adaptive_avg_pool2d", C2, lambda c, h: c(aten._adaptive_avg_pool2d.default, h, [4, 3]))
 aten_case("_adaptive_avg_pool3d", C3, lambda c, h: c(aten._adaptive_avg_pool3d.default, h, [2, 3, 3]))
 aten_case("adaptive_avg_pool3d", C3, lambda c, h: c(aten.adaptive_avg_pool3d.default, h, [3, 2, 2]))
@@ -536,6 +541,10 @@ aten_case("upsample nearest 2d", C2, lambda c, h: c(aten.add.Tensor, c(aten.upsa
                                                    c(aten._upsample_nearest_exact2d.default, h, [12, 9], 2.0, 1.5)))
 aten_case("upsample_bilinear2d", C2, lambda c, h: c(aten.upsample_bilinear2d.default, h, [12, 9], False))
 aten_case("upsample_bicubic2d", C2, lambda c, h: c(aten.upsample_bicubic2d.default, h, [12, 9], True, None, 1.5))
+aten_case("antialiased upsampling", C2, lambda c, h: c(aten.add.Tensor, c(aten.add.Tensor, c(
+    aten._upsample_bilinear2d_aa.vec, h, [4, 3], False, None), c(aten._upsample_bicubic2d_aa.vec, h, None, True, [0.7, 0.5])),
+    c(aten.add.Tensor, c(aten._upsample_bilinear2d_aa.default, h, [4, 3], True), c(
+        aten._upsample_bicubic2d_aa.default, h, [4, 3], False, 0.7, 0.5))))
 aten_case("upsample 3d", C3, lambda c, h: c(aten.add.Tensor, c(aten.add.Tensor, c(
     aten.upsample_nearest3d.default, h, [3, 8, 6]), c(aten._upsample_nearest_exact3d.default, h, [3, 8, 6])), c(
     aten.upsample_trilinear3d.default, h, [3, 8, 6], False, None, 2.0, 1.5)))

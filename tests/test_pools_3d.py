@@ -55,3 +55,51 @@ def test_a_3d_adaptive_max_pool_that_divides_is_a_max_pool_and_one_that_does_not
     assert any(n.kind.value == "maxpool" for n in cm.graph.nodes)
     with pytest.raises(pathir.errors.PathirError, match="windows overlap"):
         pathir.compile(_net(nn.AdaptiveMaxPool3d((2, 2, 2))), input_shape=SHAPE)
+
+
+class _Indexed(nn.Module):
+    """A max-pool (or max over channels) that returns its indices too, the indices dropped or ``read``."""
+
+    def __init__(self, how, read=False):
+        super().__init__()
+        self.how, self.read = how, read
+        self.a, self.pool = nn.Conv2d(2, 3, 3, padding=1), nn.MaxPool2d(2, return_indices=True)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        if self.how == "module":
+            v, i = self.pool(h)
+        elif self.how == "functional":
+            v, i = torch.nn.functional.max_pool2d(h, 2, return_indices=True)
+        else:
+            v, i = h.max(1, keepdim=True)
+        return v + i.double() if self.read else v
+
+
+@pytest.mark.parametrize("how", ["module", "functional", "max"])
+def test_a_max_returning_its_indices_is_lowered_for_its_values_and_reading_them_is_refused(how):
+    """fx refused MaxPool2d(return_indices=True) and F.max_pool2d(..., return_indices=True) even with the indices
+    unread (torch.export lowered them); reading torch.max's indices crashed with an AttributeError."""
+    from capture_reference import Untraceable, path_norm_q
+
+    torch.manual_seed(0)
+    for wrap in (lambda m: m, Untraceable):
+        net = wrap(_Indexed(how)).double().eval()
+        cm = pathir.compile(net, input_shape=(2, 4, 4))
+        x = torch.randn(3, 2, 4, 4, dtype=torch.float64)
+        assert torch.allclose(torch.as_tensor(cm.forward(x.numpy())), net(x), rtol=1e-12, atol=1e-12)
+        if how != "max":  # the definition's path-norm, on the same layers with a max-pool returning no indices
+            plain = nn.Sequential(copy.deepcopy(getattr(net, "inner", net).a), nn.ReLU(), nn.MaxPool2d(2))
+            assert cm.path_norm(1) == pytest.approx(path_norm_q(plain, [(2, 4, 4)], 1.0), rel=1e-12)
+        with pytest.raises(pathir.UnsupportedOperation, match="reads the indices"):
+            pathir.compile(wrap(_Indexed(how, read=True)).double().eval(), input_shape=(2, 4, 4))
+
+
+@pytest.mark.parametrize("shape,pool", [((1, 1, 3), nn.MaxPool2d(2, stride=1, padding=1, dilation=2)),
+                                        ((1, 2, 7), nn.MaxPool2d((1, 2), stride=1, padding=(0, 1), dilation=(1, 8)))])
+def test_a_max_pool_window_of_only_padding_is_refused_by_name(shape, pool):
+    """PyTorch returns -inf there; pathir failed its own graph verification (k outside 1..0)."""
+    net = nn.Sequential(nn.Conv2d(1, 1, 1), nn.ReLU(), pool).double().eval()
+    assert torch.isinf(net(torch.randn(1, *shape, dtype=torch.float64))).any()
+    with pytest.raises(pathir.UnsupportedOperation, match="holds only padding"):
+        pathir.compile(net, input_shape=shape)

@@ -106,6 +106,8 @@ CASES = {
         x, scale_factor=0.5, mode="bilinear", antialias=True)), 2, 6),
     "trilinear": (lambda: nn.Upsample(scale_factor=2, mode="trilinear", align_corners=True), 3, 2),
     "bicubic": (lambda: Fixed(lambda x: F.interpolate(x, scale_factor=2, mode="bicubic")), 2, 3),
+    "bicubic_antialias": (lambda: Fixed(lambda x: F.interpolate(
+        x, size=(3, 4), mode="bicubic", antialias=True)), 2, 7),
     "bicubic_align": (lambda: Fixed(lambda x: F.interpolate(x, size=(5, 4), mode="bicubic", align_corners=True)), 2, 3),
     "area": (lambda: Fixed(lambda x: F.interpolate(x, size=(3, 2), mode="area")), 2, 5),
     "pixel_shuffle": (lambda: nn.PixelShuffle(2), 2, 2),
@@ -131,7 +133,8 @@ def test_fixed_op_matches_forward_path_norms_and_path_count(case):
 
 
 @pytest.mark.parametrize("case", ["pad_reflect_2d", "pad_circular_2d", "bilinear", "bicubic", "nearest_size",
-                                  "nearest_exact_1_5", "pixel_shuffle", "literal_add", "area"])
+                                  "nearest_exact_1_5", "pixel_shuffle", "literal_add", "area", "bilinear_antialias",
+                                  "bicubic_antialias"])
 def test_export_fallback_lowers_the_aten_ops_to_the_same_function(case):
     make, n, size = CASES[case]
     model, shape = build(make(), n, size)

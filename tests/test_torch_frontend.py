@@ -373,3 +373,18 @@ def test_a_float_buffer_moved_by_its_own_op_is_a_fixed_factor_on_both_paths(expo
         net.fb.mul_(2.0)
     with pytest.raises(pathir.ModelChanged):
         cm.forward(x.numpy())
+
+
+def test_an_input_the_forward_never_uses_is_refused_by_name():
+    """It failed the graph's own verification ("node 'y' does not reach any output"), an internal-looking error."""
+
+    class Unused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 2)
+
+        def forward(self, x, y):
+            return self.a(x) if y.shape[-1] == 4 else self.a(x)
+
+    with pytest.raises(pathir.UnsupportedOperation, match=r"node 'y'.*input\(s\) 'y' reach no output"):
+        pathir.compile(Unused(), input_shape=[(3,), (4,)])

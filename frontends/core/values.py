@@ -25,7 +25,7 @@ import torch
 
 from pathir.ir import ChannelMap, Gather, Identity, Map, MapKind, Param, Reshape
 
-__all__ = ["described", "Value", "ParamTensor", "f64", "SELECTION", "selection_index", "selection_map", "run_index_op", "BATCH",
+__all__ = ["described", "Value", "ParamTensor", "MaxIndices", "f64", "SELECTION", "selection_index", "selection_map", "run_index_op", "BATCH",
            "leaves", "values_in", "substitute"]
 
 #: batch size of the element-id tensors (2 catches ops that mix samples)
@@ -64,6 +64,14 @@ class ParamTensor:
     name: str
     tensor: torch.Tensor
     kind: str = "parameter"  # or "buffer"
+
+
+@dataclass(frozen=True)
+class MaxIndices:
+    """The indices a max or a max-pool returns beside its values (``op``): which element is largest depends on
+    the input, so they are no fixed map. Unread they are no part of the graph; an op that reads them is refused."""
+
+    op: str
 
 
 def described(v) -> str:

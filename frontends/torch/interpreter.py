@@ -19,13 +19,13 @@ import torch.nn as nn
 
 from pathir.errors import PathirError
 from pathir.frontends.core.lowering import Lowering
-from pathir.frontends.core.values import ParamTensor, Value, values_in
+from pathir.frontends.core.values import MaxIndices, ParamTensor, Value, leaves, values_in
 from pathir.frontends.torch.capture_checks import alias_plan, apply_inplace, check_modes, effect_fx, refuse_inplace
 from pathir.frontends.torch.indexing import transposed_param
 from pathir.frontends.torch.shared_memory import registered_names
 from pathir.frontends.torch.table import rule_for
 from pathir.frontends.torch.why import why
-from pathir.ir import NodeKind
+from pathir.ir import NodeKind, verify
 
 __all__ = ["FxInterpreter", "TorchLowering", "invoke"]
 
@@ -119,6 +119,7 @@ class FxInterpreter:
                 return ParamTensor(node.target, obj)
             return obj
         args, kwargs = self._args(node)
+        _refuse_read_indices(low, node, args, kwargs)
         if node.op == "call_module":
             return self._module(_get(self.model, node.target), node.target, args, kwargs)
         if node.op == "call_function":
@@ -157,13 +158,23 @@ class FxInterpreter:
         names = []
         for v in values:
             v = self.env[v] if isinstance(v, torch.fx.Node) else v
+            if isinstance(v, MaxIndices):
+                self.low.unsupported(f"the model returns the indices of a {v.op}: data-dependent, no fixed map", "output")
             if not isinstance(v, Value):
                 self.low.unsupported(f"the model returns {type(v).__name__}, expected tensors", "output")
             node_name = self.low.materialize(v, v.origin or "output")
             if self.low.b.kind(node_name) is NodeKind.INPUT:
                 self.low.unsupported("the model returns its input unchanged", "output")
             names.append(node_name)
-        return self.low.b.build(outputs=names, prune_dead=True)
+        graph = self.low.b.build(outputs=names, check=False, prune_dead=True)
+        used = {e.source for n in graph.nodes for e in n.edges}
+        unused = [n.name for n in graph.nodes if n.kind is NodeKind.INPUT and n.name not in used]
+        if unused:
+            self.low.fx_name, self.low.where = unused[0], "forward's arguments"
+            self.low.unsupported(f"the forward's input(s) {', '.join(map(repr, unused))} reach no output (unused, or "
+                                 "read only for a shape): pathir analyses the paths from every input; wrap the model "
+                                 "in a module whose forward takes only the inputs it uses", "placeholder")
+        return verify(graph)
 
     # ------------------------------------------------------------ calls
     def _module(self, mod: nn.Module, path: str, args, kwargs):
@@ -205,6 +216,16 @@ class FxInterpreter:
         if rule is None:
             self.low.unsupported(why(name.split(".")[0]), name)
         return invoke(self.low, rule, args, kwargs)
+
+
+def _refuse_read_indices(low, node, args, kwargs) -> None:
+    """Refuse an op that reads the indices of a max or max-pool (taking one result of an op's tuple is no read)."""
+    if node.op == "call_function" and node.target in (operator.getitem, getattr) and isinstance(args[0], tuple):
+        return
+    read = next((a for a in leaves(args, kwargs) if isinstance(a, MaxIndices)), None)
+    if read is not None:
+        low.unsupported(f"reads the indices the {read.op} returns: which element is largest depends on the "
+                        "input, no fixed map (only its values are lowered)")
 
 
 def low_input_count(low, takes: int, given: int):

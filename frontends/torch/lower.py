@@ -83,14 +83,20 @@ def lower(model: nn.Module, input_shape=None, example_input=None, heads: bool | 
 
 def _lower_graph(model, shapes, name):
     """(raw graph, the fx lowering or None, the clipped ReLUs' threshold sites)."""
+    clips: dict = {}
     try:
         n_inputs = 1 if shapes and not isinstance(shapes[0], (tuple, list)) else len(shapes)
-        interpreter = FxInterpreter(model, trace(model, n_inputs), name)
+        traced = trace(model, n_inputs)
+    except PathirError:
+        raise
+    except Exception as fx_error:  # whatever fx's proxies raise (len() of a Proxy is a RuntimeError): torch.export
+        return _lower_exported(model, shapes, name, fx_error, clips), None, clips
+    try:
+        interpreter = FxInterpreter(model, traced, name)
         return interpreter.run(shapes), interpreter.low, interpreter.low.clips
     except (torch.fx.proxy.TraceError, TypeError, NotImplementedError, capture_checks.WriteThroughView) as fx_error:
         if isinstance(fx_error, UnsupportedOperation) and not isinstance(fx_error, capture_checks.WriteThroughView):
             raise
-        clips: dict = {}
         return _lower_exported(model, shapes, name, fx_error, clips), None, clips  # no re-read record: re-lowered
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 
 from pathir.frontends.core.reductions import all_spatial, reduce, where
-from pathir.frontends.core.values import Value
+from pathir.frontends.core.values import MaxIndices, Value
 from pathir.frontends.torch.arithmetic import maximum
 from pathir.frontends.torch.why import refuse
 
@@ -24,9 +24,9 @@ MaxResult = collections.namedtuple("MaxResult", ["values", "indices"])  # torch.
 
 
 def max_pool(low, input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
-    if return_indices:
-        low.unsupported("max-pool returning indices")
-    return low.max_pool(input, kernel_size, stride, padding, dilation, ceil_mode)
+    """A max-pool; with ``return_indices``, (values, indices) whose indices no op may read (:class:`MaxIndices`)."""
+    out = low.max_pool(input, kernel_size, stride, padding, dilation, ceil_mode)
+    return (out, MaxIndices("max-pool")) if return_indices else out
 
 
 def max_pool_module(low, mod, input):
@@ -34,9 +34,10 @@ def max_pool_module(low, mod, input):
                     mod.return_indices)
 
 
-def max_pool_with_indices(low, input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False):
-    """ATen's max-pool with indices: the pooled values (the indices must stay unread)."""
-    return low.max_pool(input, kernel_size, stride, padding, dilation, ceil_mode), None
+def max_pool_with_indices(low, input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False,
+                          return_indices=True):
+    """ATen's (or torch.nn.functional's) max-pool with indices: the pooled values, and indices no op may read."""
+    return low.max_pool(input, kernel_size, stride, padding, dilation, ceil_mode), MaxIndices("max-pool")
 
 
 def avg_pool(low, input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
@@ -63,13 +64,12 @@ def adaptive_max_pool(low, input, output_size, return_indices=False):
     n = len(v.shape) - 1
     sizes = output_size if isinstance(output_size, (tuple, list)) else (output_size,) * n
     out = tuple(v.shape[1 + i] if o is None else int(o) for i, o in enumerate(sizes))
-    if return_indices:
-        low.unsupported("adaptive max-pool with return_indices: the indices are not a fixed map")
     if not all(L % o == 0 for L, o in zip(v.shape[1:], out)):
         low.unsupported(f"adaptive max-pool from {list(v.shape[1:])} to {list(out)}: the windows overlap and "
                         "differ in size (only an output size dividing the input is lowered, a plain max-pool)")
     k = tuple(L // o for L, o in zip(v.shape[1:], out))
-    return low.max_pool(v, k, k, 0, 1, False)
+    pooled = low.max_pool(v, k, k, 0, 1, False)
+    return (pooled, MaxIndices("adaptive max-pool")) if return_indices else pooled
 
 
 def adaptive_max_pool_module(low, mod, input):
@@ -77,7 +77,7 @@ def adaptive_max_pool_module(low, mod, input):
 
 
 def adaptive_max_pool_aten(low, input, output_size):
-    return adaptive_max_pool(low, input, output_size), None
+    return adaptive_max_pool(low, input, output_size, return_indices=True)
 
 
 def _dims(dim, axis):
@@ -115,7 +115,7 @@ def max_(low, input, dim=None, keepdim=False, *, other=None, axis=None, keepdims
     dims = _dims(dim, axis)
     if dims is not None and not isinstance(dims, int):
         refuse(low)
-    return MaxResult(reduce(low, input, dims, bool(keepdim if keepdims is None else keepdims), "max"), None)
+    return MaxResult(reduce(low, input, dims, bool(keepdim if keepdims is None else keepdims), "max"), MaxIndices("max"))
 
 
 def where_(low, condition, input, other):

@@ -5,6 +5,8 @@ explicit-size upsample overloads.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn as nn
 
@@ -92,9 +94,10 @@ def _aten_tables():
     upsample, explicit = {}, {}
     for name, mode in (("upsample_nearest{}d", "nearest"), ("_upsample_nearest_exact{}d", "nearest-exact"),
                        ("upsample_linear1d", "linear"), ("upsample_bilinear2d", "bilinear"),
-                       ("upsample_trilinear3d", "trilinear"), ("upsample_bicubic2d", "bicubic")):
+                       ("upsample_trilinear3d", "trilinear"), ("upsample_bicubic2d", "bicubic"),
+                       ("_upsample_bilinear2d_aa", "bilinear-aa"), ("_upsample_bicubic2d_aa", "bicubic-aa")):
         # a name with {} comes in 1, 2 and 3 spatial axes; the others name their rank
-        for n in ((1, 2, 3) if "{}" in name else (int(name[-2]),)):
+        for n in ((1, 2, 3) if "{}" in name else (int(re.search(r"(\d)d", name).group(1)),)):
             overload = getattr(aten, name.format(n), None)
             if overload is not None and hasattr(overload, "vec"):
                 upsample[overload.vec] = mode
@@ -103,7 +106,7 @@ def _aten_tables():
     return pads, upsample, explicit
 
 
-#: pad overload -> mode; upsample .vec overload -> mode; upsample .default overload (input,
+#: pad overload -> mode; upsample .vec overload -> mode (``-aa``: antialias=True); upsample .default overload (input,
 #: output_size, [align_corners], one scale or None per axis) -> number of spatial axes
 ATEN_PADS, ATEN_UPSAMPLE, ATEN_EXPLICIT = _aten_tables()
 
@@ -114,8 +117,10 @@ def upsample_vec(mode: str):
         def rule(low, input, output_size, scale_factors):
             return interpolate(low, input, output_size, scale_factors, mode)
     else:
+        base, antialias = mode.removesuffix("-aa"), mode.endswith("-aa")
+
         def rule(low, input, output_size, align_corners, scale_factors):
-            return interpolate(low, input, output_size, scale_factors, mode, align_corners)
+            return interpolate(low, input, output_size, scale_factors, base, align_corners, None, antialias)
     return rule
 
 

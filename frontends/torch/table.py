@@ -118,7 +118,9 @@ RULES: dict = {
     # ---------------------------------------------------------------- pools and reductions
     **_rows(pl.max_pool, F.max_pool1d, F.max_pool2d, F.max_pool3d, torch.max_pool1d, torch.max_pool2d,
             aten.max_pool1d.default, aten.max_pool2d.default, aten.max_pool3d.default),
-    **_rows(pl.max_pool_with_indices, aten.max_pool2d_with_indices.default),
+    **_rows(pl.max_pool_with_indices, F.max_pool1d_with_indices, F.max_pool2d_with_indices, F.max_pool3d_with_indices,
+            aten.max_pool1d_with_indices.default, aten.max_pool2d_with_indices.default,
+            aten.max_pool3d_with_indices.default),
     **_rows(pl.max_pool_module, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d),
     **_rows(pl.avg_pool, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, torch.avg_pool1d, aten.avg_pool1d.default,
             aten.avg_pool2d.default, aten.avg_pool3d.default),
