@@ -166,16 +166,39 @@ def _index_parts(be, m, index):
     return be.cached(m, make)
 
 
+_BLOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _channel_block(be, m):
+    """(start, k) where channel map ``m`` places source channels 0..k-1, in order, at targets start..start+k-1
+    and reads nothing else (a concat operand), else None; once per map."""
+    try:
+        return _BLOCKS[m]
+    except KeyError:
+        idx = m.index_array
+        kept = np.flatnonzero(idx >= 0)
+        run = kept.size and kept[-1] - kept[0] + 1 == kept.size and np.array_equal(idx[kept], np.arange(kept.size))
+        block = _BLOCKS[m] = (int(kept[0]), int(kept.size)) if run else None
+        return block
+
+
 def _channel_apply(be, m, x, s):
     safe, mask, pos, src = _index_parts(be, m, m.index)
     if mask is None:
         return x[:, safe]
     # only the kept targets are read (a concat slice keeps few of many): zeros, then those channels copied in
     out = x.new_zeros((x.shape[0], safe.numel(), *x.shape[2:]))
+    block = _channel_block(be, m)
+    if block is not None and block[1] == x.shape[1]:
+        out.narrow(1, *block).copy_(x)
+        return out
     return out.index_copy_(1, pos, x.index_select(1, src))
 
 
 def _channel_adjoint(be, m, g, s):
+    block = _channel_block(be, m)
+    if block is not None and block[1] == s[0]:  # a concat operand's gradient: its slice of the concat's (a view;
+        return g.narrow(1, *block)  # adjoints are read, never written in place)
     _, _, pos, src = _index_parts(be, m, m.index)
     out = g.new_zeros((g.shape[0], *s))
     return out.index_add_(1, src, g[:, pos])
@@ -435,10 +458,13 @@ class TorchBackend(Backend):
 
     def placed(self, m, x, in_shape):
         """``(values, positions, channels)`` where map ``m`` applied to x keeps only some target channels
-        (a concat operand): its output is zero but at ``positions`` (along axis 1, of ``channels``),
-        which hold ``values``; None where it is a plain map (the walk then adds ``apply``'s output)."""
+        (a concat operand): its output is zero but at ``positions`` (along axis 1, of ``channels``: an index
+        tensor, or a slice for one run), which hold ``values`` (x itself where that is all of it, in order); None where it is a plain map (the walk then adds ``apply``'s output)."""
         if m.kind is not MapKind.CHANNEL_MAP:
             return None
+        block = _channel_block(self, m)
+        if block is not None and block[1] == x.shape[1] < len(m.index):  # all of x, in order, into one run
+            return x, slice(block[0], block[0] + block[1]), len(m.index)
         _, mask, pos, src = _index_parts(self, m, m.index)
         if mask is None:
             return None

@@ -115,7 +115,10 @@ def combine_scaled(backend, terms, shape=None, placed=(), check=None):
         # a fresh sum to add into (a lone term may be another node's array)
         acc = backend.zeros(full) if acc is None else acc + backend.zeros(full)
         for (values, positions, _), L in placed:
-            acc.index_add_(1, positions, values if L == top else values * math.exp(L - top))
+            if isinstance(positions, slice):  # one run of channels (a concat operand): added in place, scaled
+                acc[:, positions].add_(values, alpha=1.0 if L == top else math.exp(L - top))
+            else:
+                acc.index_add_(1, positions, values if L == top else values * math.exp(L - top))
     if shape is not None and tuple(acc.shape) != tuple(shape):
         acc = acc + backend.zeros(shape)
     peak = backend.amax(acc) if check is None else check(acc)
