@@ -588,6 +588,8 @@ _CONSTANT = "a difference with a non-zero constant operand: a fixed bias no para
 REFUSALS = {
     "aten.rsub.Scalar": Refusal((aten.rsub.Scalar,), _export(lambda m, a: 1 - a, C2), _CONSTANT),
     "aten.sub.Scalar": Refusal((aten.sub.Scalar,), _aten("sub.Scalar"), _CONSTANT),
+    "aten.clamp.Tensor": Refusal((aten.clamp.Tensor,), _export(lambda m, a: torch.clamp(a, torch.zeros(()), torch.full((3, 1, 1), 6.0)), C2),
+                                 "clamps with a tensor bound"),
 }
 
 

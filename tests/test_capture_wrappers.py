@@ -148,3 +148,26 @@ def test_a_forward_that_branches_on_activation_values_is_refused_in_pathirs_word
 
     with pytest.raises(pathir.PathirError, match="decides on the values of an activation"):
         pathir.compile(Branch(), input_shape=(4,))
+
+
+def test_a_data_parallel_inside_the_model_is_read_through_and_written_back():
+    """As a submodule it was a torch.nn leaf with no row: refused "outside the ReLU DAG model"."""
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = nn.DataParallel(_net()), nn.Linear(2, 3).double()
+
+        def forward(self, x):
+            return self.head(torch.relu(self.body(x)))
+
+    model = Outer().eval()
+    cm = pathir.compile(model, input_shape=(2, 6, 6))
+    ref = pathir.compile(nn.Sequential(_net(), nn.ReLU(), model.head).eval(), input_shape=(2, 6, 6))
+    assert cm.path_norm(1) == pytest.approx(ref.path_norm(1), rel=1e-12)
+    x = torch.randn(4, 2, 6, 6, dtype=torch.float64)
+    with torch.no_grad():
+        before = model(x)
+        cm.pathcond(progress=False)
+        assert torch.allclose(model(x), before, rtol=1e-10, atol=1e-12)
+    assert any(not torch.equal(a, b) for a, b in zip(model.body.module.parameters(), _net().parameters()))

@@ -16,6 +16,7 @@ import math
 import numbers
 
 import numpy as np
+import torch
 
 from pathir.frontends.core.clipped import threshold_vector
 from pathir.frontends.core.values import ParamTensor, Value, f64
@@ -163,6 +164,9 @@ def leaky_relu_module(low, mod, input):
 
 def clamp(low, input, min=None, max=None):
     """``clamp(x, 0)``: a ReLU; ``clamp(x, 0, t)``: a clipped ReLU; another min is refused."""
+    if any(isinstance(b, (torch.Tensor, ParamTensor)) for b in (min, max)):
+        low.unsupported("clamps with a tensor bound: clamp(x, 0) and clamp(x, 0, t) with numbers are lowered; a "
+                        "threshold per channel is torch.minimum(torch.relu(x), t) with t a buffer of shape (C, 1, ..., 1)")
     if not _is_zero(min) or not (max is None or _number(max)):
         refuse(low)
     if max is None or float(max) == math.inf:

@@ -82,8 +82,9 @@ def _has_hooks(m: nn.Module) -> bool:
 
 
 class InplaceTracer(torch.fx.Tracer):
-    """The default fx tracer, except that ``a += b`` becomes ``operator.iadd(a, b)``, and
-    ``pathir.nn.ClippedReLU`` is a leaf like a torch.nn module (its op table row lowers it)."""
+    """The default fx tracer, except that ``a += b`` becomes ``operator.iadd(a, b)``,
+    ``pathir.nn.ClippedReLU`` is a leaf like a torch.nn module (its op table row lowers it), and an
+    ``nn.DataParallel`` inside the model is traced through to its module."""
 
     def proxy(self, node):
         return _InplaceProxy(node, self)
@@ -97,6 +98,8 @@ class InplaceTracer(torch.fx.Tracer):
         return True
 
     def is_leaf_module(self, m, module_qualified_name):
+        if isinstance(m, nn.DataParallel):  # a wrapper: traced through to the module it holds, as at the root
+            return False
         return isinstance(m, ClippedReLU) or super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m, forward, args, kwargs):

@@ -87,7 +87,7 @@ RULES: dict = {
     **_rows(act.relu_module, nn.ReLU),
     **_rows(act.leaky_relu, F.leaky_relu, aten.leaky_relu.default, F.leaky_relu_),
     **_rows(act.leaky_relu_module, nn.LeakyReLU),
-    **_rows(act.clamp, torch.clamp, torch.clip, "clamp", "clip", aten.clamp.default, aten.clip.default,
+    **_rows(act.clamp, torch.clamp, torch.clip, "clamp", "clip", aten.clamp.default, aten.clip.default, aten.clamp.Tensor,
             torch.clamp_, torch.clip_, "clamp_", "clip_"),  # (in place: later readers read the result)
     **_rows(act.clamp_min, torch.clamp_min, "clamp_min", aten.clamp_min.default, torch.clamp_min_, "clamp_min_"),
     **_rows(act.threshold, F.threshold, torch.threshold, aten.threshold.default, F.threshold_),
