@@ -708,6 +708,8 @@ onnx_case("Shape Size", C2, lambda h: ([node("Shape", ["h"], ["s"], end=1), node
                                         node("Reshape", ["h", "t"], ["y"])], {}, "y"))
 onnx_case("Add", C2, lambda h, g: ([node("Add", ["h", "g"], ["s"]), node("Add", ["bias", "s"], ["y"])],
                                    {"bias": _rand(3, 1, 1)}, "y"))
+onnx_case("Sum Mean", C2, lambda h, g: ([node("Sum", ["h", "g", "h"], ["s"]), node("Sum", ["s"], ["s1"]),
+                                        node("Mean", ["s1", "g"], ["y"])], {}, "y"))
 
 # ---------------------------------------------------------------- constant factors, differences, maxima, masks
 onnx_case("Sub", C2, lambda h, g: one("Sub", ["h", "g"]))

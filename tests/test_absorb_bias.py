@@ -305,3 +305,37 @@ def test_an_absorbed_relu_that_is_the_output_is_refused():
     with pytest.raises(PathirError, match="is an output of the model"):
         pathir.equalize(model, input_shape=(4,), inputs=x, absorb_bias=True)
     assert _same(model, state)
+
+
+def test_the_after_bound_and_change_describe_the_written_model_absorbed_biases_included():
+    """The bound and observed change 'after' were those of the rescaled graph before absorption: the model
+    written differs. Now: the written model against its own per-tensor quantization, recomputed here."""
+    from pathir.equalization.tensors import quantize_graph
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2)).double().eval()
+    with torch.no_grad():
+        net[1].bias.fill_(2.0), net[1].weight.fill_(0.2), net[1].running_var.fill_(1e-2)
+    x = torch.rand(64, 4, dtype=torch.float64) * 2 - 1
+    rep = pathir.equalize(net, input_shape=(4,), inputs=x, absorb_bias=True, certify=True, bits=8, progress=False)
+    written = pathir.compile(net, input_shape=(4,))
+    with torch.no_grad():
+        y = net(x).numpy()
+    yq = np.asarray(pathir.compile(quantize_graph(written.graph, 8)).forward(x.numpy(), backend="numpy"))
+    change = float(np.abs(y - yq).sum(1).max())
+    assert rep.observed_after == pytest.approx(change, rel=1e-9)
+    assert rep.observed_after <= rep.bound_after
+    assert rep.input_scale == pytest.approx(max(1.0, float(x.abs().max())))
+    assert "for inputs with ‖x‖∞ ≤" in str(rep)
+
+
+def test_inputs_with_nan_or_inf_are_refused_by_equalize():
+    """A NaN made max(1, ‖x‖∞) read 1: a 'certified' bound 50 times too small, with no error."""
+    for bad in (float("nan"), float("inf")):
+        net = _net()
+        state = _state(net)
+        x = torch.randn(4, 2, 6, 6, dtype=torch.float64) * 50
+        x[1, 0, 0, 0] = bad
+        with pytest.raises(pathir.InputShapeError, match="NaN or infinite"):
+            pathir.equalize(net, input_shape=(2, 6, 6), inputs=x, certify=True, progress=False)
+        assert _same(net, state)

@@ -241,3 +241,33 @@ def test_to_onnx_and_save_need_an_onnx_model():
         cm.to_onnx()
     with pytest.raises(PathirError, match="compiled from ONNX"):
         cm.save("never.onnx")
+
+
+def test_a_resize_whose_constant_sizes_fix_a_dynamic_batch_is_refused_by_that_reason():
+    """sizes[0] = 2 equals the batch pathir walks at: the batch check passed, and the self-check failed as a
+    'pathir bug' (with self_check=False a path-norm came back for a model with no per-sample function)."""
+    model = make_model(
+        [node("Conv", ["x", "W"], ["h"], "conv"), node("Relu", ["h"], ["r"], "relu"),
+         node("Resize", ["r", "", "", "sz"], ["s"], "the_op", mode="nearest"), node("Conv", ["s", "V"], ["y"], "head")],
+        [tensor_info("x", ["N", 3, 4, 4])], [tensor_info("y", [2, 2, 8, 8])],
+        {"W": rng.normal(size=(4, 3, 1, 1)), "V": rng.normal(size=(2, 4, 1, 1)), "sz": np.array([2, 4, 8, 8], np.int64)})
+    for self_check in (True, False):
+        with pytest.raises(pathir.UnsupportedOperation, match="sizes fix the batch axis at 2 while the model's batch is dynamic"):
+            pathir.compile(model, self_check=self_check)
+
+
+def test_an_if_whose_branch_reads_an_activation_is_refused_as_control_flow():
+    """The producer of the outer name the branch reads was taken for dead: 'reads h, which no node provides'."""
+    from onnx import helper, numpy_helper
+
+    then_g = helper.make_graph([helper.make_node("Relu", ["h"], ["t"])], "then", [], [tensor_info("t", ["N", 4])])
+    else_g = helper.make_graph([helper.make_node("Neg", ["h"], ["e"])], "else", [], [tensor_info("e", ["N", 4])])
+    model = make_model(
+        [node("Gemm", ["x", "W"], ["h"], "fc", transB=1),
+         node("If", ["cond"], ["r"], "the_if", then_branch=then_g, else_branch=else_g),
+         node("Gemm", ["r", "V"], ["y"], "head", transB=1)],
+        [tensor_info("x", ["N", 3])], [tensor_info("y", ["N", 2])],
+        {"W": rng.normal(size=(4, 3)), "V": rng.normal(size=(2, 4)), "cond": np.array(1, np.int64)})
+    model.graph.initializer[-1].CopyFrom(numpy_helper.from_array(np.array(True), "cond"))  # (make_model: no bools)
+    with pytest.raises(pathir.UnsupportedOperation, match="control flow whose body reads an activation"):
+        pathir.compile(model)

@@ -137,8 +137,25 @@ def test_opposite_signs_refuse_the_output_bound():
     flipped = next_mlp(((1.0, 2.0), (3.0,)))
     m = path_metric(g, flipped, "numpy")
     assert not m.same_signs and not m.exact
-    with pytest.raises(PathirError, match="opposite signs"):
+    with pytest.raises(PathirError, match=r"signs differ at param '.*', entry \(0, 1\): -2 against 2 \(1 entries"):
         output_bound(g, flipped, np.ones((1, 2)), "numpy")
+
+
+def test_a_sign_flip_made_by_batch_norm_folding_is_named_as_such():
+    """Every torch parameter keeps its sign; the folded bias (b - μ)γ/σ + β flips. The refusal said "the two
+    models have parameters of opposite signs", false of the user's models, naming nothing."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2), torch.nn.ReLU(),
+                              torch.nn.Linear(2, 1)).double().eval()
+    with torch.no_grad():
+        net[0].bias.fill_(0.5), net[1].running_mean.fill_(1.0), net[1].weight.fill_(1.0), net[1].bias.fill_(0.1)
+    grown = copy.deepcopy(net)
+    with torch.no_grad():
+        for p in grown.parameters():
+            p.mul_(2.0)  # same signs everywhere; the folded bias goes from -0.4 to +0.2
+    a, b = pathir.compile(net, input_shape=(3,)), pathir.compile(grown, input_shape=(3,))
+    with pytest.raises(PathirError, match=r"param '1.bias', computed from .*batch-norm folded"):
+        output_bound(a, b, np.ones((1, 3)), "numpy")
 
 
 def next_mlp(weights, bias=None):

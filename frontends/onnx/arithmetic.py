@@ -196,3 +196,21 @@ def reduce_mean(low, node, ins):
 
 def reduce_max(low, node, ins):
     return _reduce(low, node, "max")
+
+
+def sum_(low, node, ins):
+    """Sum (variadic) of activations of one shape and batch axis: their sum; Mean: that times 1/n (a fixed
+    factor). A constant among them would be a fixed bias no parameter carries (Add takes one as a bias)."""
+    if not all(isinstance(v, Value) for v in ins):
+        low.unsupported(f"a {node.op_type} with a constant operand: a fixed bias no parameter carries "
+                        "(write it as an Add with a bias initializer)")
+    if len({v.shape for v in ins}) != 1:
+        low.unsupported(f"{node.op_type} of activations of shapes {[list(v.shape) for v in ins]}: broadcasting "
+                        "is not lowered")
+    if len({x in low.axis1 for x in node.input}) != 1:
+        low.unsupported(f"{node.op_type} of activations whose batch axes differ")
+    low.same_axis(node)
+    total = ins[0]
+    for v in ins[1:]:
+        total = low.add(total, v)
+    return [fixed_scale(low, total, 1.0 / len(ins)) if node.op_type == "Mean" and len(ins) > 1 else total]

@@ -46,6 +46,7 @@ class OnnxLowering(Lowering):
         super().__init__(src.name)
         self.src, self.proto, self.types = src, src.proto, types
         self.batch = batch or 2  # shape arithmetic of a symbolic batch is evaluated at 2
+        self.batch_fixed = batch is not None  # the file's inputs declare a number, not a symbol, for the batch
         self.shapes = shapes
         self.env: dict[str, object] = {}
         self.axis1: set[str] = set()  # tensors holding a 2-d activation with the batch on axis 1
@@ -107,8 +108,10 @@ class OnnxLowering(Lowering):
             node = g.node[i]
             if any(o in needed for o in node.output):
                 live[i] = True
-                needed.update(x for x in node.input if x)
-                data = node.input[:1] if node.op_type == "CastLike" else [] if node.op_type in ("Shape", "Size") else node.input
+                outer = outer_names(node)  # what its subgraphs (If, Loop) read from this scope
+                needed.update(x for x in [*node.input, *outer] if x)
+                data = node.input[:1] if node.op_type == "CastLike" else [] if node.op_type in ("Shape", "Size") else \
+                    [*node.input, *outer]
                 for x in set(data) - {""}:
                     readers[x] = readers.get(x, 0) + 1
         return live, needed, readers

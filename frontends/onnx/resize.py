@@ -18,6 +18,7 @@ import torch
 
 from pathir.frontends.core import fixed_maps
 from pathir.frontends.core.values import Value
+from pathir.frontends.onnx.batch_size import depends_on_batch
 from pathir.frontends.onnx.evaluate import run_node
 from pathir.frontends.onnx.layers import attrs
 
@@ -47,6 +48,11 @@ def resize(low, node, ins):
         low.unsupported("Resize with a region of interest (roi)")
     scales = _resize_input(low, node, 2, "scales")
     sizes = _resize_input(low, node, 3, "sizes")
+    rank = len(low.act(node, 0).shape) + 1
+    axes = list(range(rank)) if a.get("axes") is None else [int(d) % rank for d in a["axes"]]
+    if sizes is not None and 0 in axes and not low.batch_fixed and not depends_on_batch(low.const(node, 3, "sizes")):
+        low.unsupported(f"its sizes fix the batch axis at {int(sizes.reshape(-1)[axes.index(0)])} while the model's batch is dynamic: "
+                        "the output's batch does not follow the input's (pass sizes computed from Shape, or scales)")
     if a.get("axes") is not None:
         node, scales, sizes = _all_axes(low, node, a["axes"], scales, sizes)
     return [_resampled_by(low, node, ins, scales, sizes, f"resize_{mode}")]

@@ -35,7 +35,7 @@ RULES = {
     "Identity": el.identity, "Dropout": el.dropout, "Cast": el.cast, "CastLike": el.cast_like,
     "Shape": el.shape, "Size": el.size, "Add": el.add,
     # constant factors, differences, maxima, reductions, masks
-    "Sub": ar.sub, "Neg": ar.neg, "Mul": ar.mul, "Div": ar.div, "Max": ar.max_, "Min": ar.min_, "Where": ar.where_,
+    "Sum": ar.sum_, "Mean": ar.sum_, "Sub": ar.sub, "Neg": ar.neg, "Mul": ar.mul, "Div": ar.div, "Max": ar.max_, "Min": ar.min_, "Where": ar.where_,
     "ReduceSum": ar.reduce_sum, "ReduceMean": ar.reduce_mean, "ReduceMax": ar.reduce_max,
     # resampling
     "Resize": rz.resize, "Upsample": rz.upsample,

@@ -31,9 +31,10 @@ class EqualizeReport:
 
     ``bound_before`` / ``bound_after``: the certified bound max(‖x‖∞, 1)·‖Φ(θ) − Φ(Q(θ))‖₁ (upper end
     of the path-metric bracket; ‖x‖∞ of the inputs given, else 1) on the change of the outputs that
-    quantizing every weight tensor per tensor at ``bits`` causes; ``observed_before`` / ``_after``: the
-    largest ‖R_θ(x) − R_Q(θ)(x)‖₁ over the inputs given (None without inputs). ``z``: the log-scales
-    written (θ ← θ ⊙ exp(−Bz/2))."""
+    quantizing every weight tensor per tensor at ``bits`` causes, for inputs with max(‖x‖∞, 1) ≤
+    ``input_scale`` (without inputs 1: the bound per unit of max(‖x‖∞, 1)); ``observed_before`` / ``_after``:
+    the largest ‖R_θ(x) − R_Q(θ)(x)‖₁ over the inputs given (None without inputs). "After" is the model as
+    written, its absorbed biases included. ``z``: the log-scales written (θ ← θ ⊙ exp(−Bz/2))."""
 
     name: str
     objective: str
@@ -57,6 +58,8 @@ class EqualizeReport:
     notes: list[str] = field(default_factory=list)
     relu_change: float | None = None  # relu6="relu": the largest output change, relative, replacing clipped ReLUs
     absorption: AbsorbReport | None = None  # absorb_bias=True: what bias absorption changed (absorb.py)
+    input_scale: float = 1.0  # max(‖x‖∞, 1) of the inputs given: the bound holds for inputs up to it
+    inputs_given: bool = False
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -79,7 +82,10 @@ class EqualizeReport:
                      f"{sum(self.iterations)} iterations, {'converged' if self.converged else 'NOT converged'}, "
                      f"{self.seconds:.2f} s")
         if self.bound_before is not None:
-            lines.append(f"certified output bound of W{self.bits}: {self.bound_before:.4g} -> {self.bound_after:.4g}")
+            reach = (f"for inputs with ‖x‖∞ ≤ {self.input_scale:.4g}" if self.inputs_given else
+                     "per unit of max(‖x‖∞, 1): multiply by it for larger inputs")
+            lines.append(f"certified output bound of W{self.bits}: {self.bound_before:.4g} -> {self.bound_after:.4g} "
+                         f"({reach})")
         if self.observed_before is not None:
             lines.append(f"observed output change on the inputs: {self.observed_before:.4g} -> {self.observed_after:.4g}")
         if self.absorption is not None:

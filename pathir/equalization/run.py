@@ -123,24 +123,25 @@ def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_sc
         rows = [TensorRow(p.source_name, _spread(p.value), _spread(after[p.name].value),
                           quantized_sqnr_db(p.value, bits), quantized_sqnr_db(after[p.name].value, bits))
                 for p in params]
-    scale = _input_scale(inputs)
-    bound_before = bound_after = None
-    observed = (None, None)
-    certified = objective == "path-metric" if certify is None else bool(certify)
-    if certified or inputs is not None:
-        q_before, q_after = quantize_graph(graph, bits), quantize_graph(rescaled, bits)  # only where read
-        if certified:
-            bound_before = scale * path_metric(graph, q_before, backend).upper
-            bound_after = scale * path_metric(rescaled, q_after, backend).upper
-        observed = (_observed(graph, q_before, backend, inputs), _observed(rescaled, q_after, backend, inputs))
-        del q_before, q_after
     # ---- bias absorption (optional): on the rescaled graph, written with the rescaling
     absorption = absorbed = None
     if read_source is not None:
         absorbed = absorb(graph, units, z, read_source)
         absorption = measure(rescaled, absorbed, backend, inputs)
+    written = rescaled if absorbed is None else absorbed.graph  # the model as written: "after" describes it
     # ----
-    del rescaled
+    scale = _input_scale(inputs)
+    bound_before = bound_after = None
+    observed = (None, None)
+    certified = objective == "path-metric" if certify is None else bool(certify)
+    if certified or inputs is not None:
+        q_before, q_after = quantize_graph(graph, bits), quantize_graph(written, bits)  # only where read
+        if certified:
+            bound_before = scale * path_metric(graph, q_before, backend).upper
+            bound_after = scale * path_metric(written, q_after, backend).upper
+        observed = (_observed(graph, q_before, backend, inputs), _observed(written, q_after, backend, inputs))
+        del q_before, q_after
+    del rescaled, written
     if commit is not None:
         bar.phase("write")
         if absorbed is None:
@@ -156,4 +157,4 @@ def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_sc
         bound_before=bound_before, bound_after=bound_after, observed_before=observed[0], observed_after=observed[1],
         units_moved=int(np.count_nonzero(z)), units_at_bound=result.at_bound, max_log_scale=float(max_log_scale),
         iterations=result.iterations, converged=result.converged, seconds=time.perf_counter() - start,
-        written=commit is not None, z=z, absorption=absorption)
+        written=commit is not None, z=z, absorption=absorption, input_scale=scale, inputs_given=inputs is not None)

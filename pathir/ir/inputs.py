@@ -49,5 +49,8 @@ def graph_inputs(graph: Graph, inputs) -> dict | None:
         if x.ndim < 1 or tuple(x.shape[1:]) != tuple(shape) or x.shape[0] == 0:
             raise InputShapeError(f"x: input '{name}' expects (B, {', '.join(map(str, shape))}), got {tuple(x.shape)}"
                                   + (": an empty batch (B must be at least 1)" if x.ndim and not x.shape[0] else ""))
+        if not np.isfinite(x).all():
+            raise InputShapeError(f"x: input '{name}' holds NaN or infinite entries: the network's output, and any "
+                                  "bound scaled by max(‖x‖∞, 1), is not a number there; pass finite inputs")
         out[name] = x
     return out

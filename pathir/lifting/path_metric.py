@@ -204,6 +204,22 @@ def sign_relations(pairs) -> tuple[bool, bool]:
     return same, below or above
 
 
+def first_sign_flip(ga: Graph, gb: Graph) -> str:
+    """Where the two graphs' parameters first have opposite signs, in words: the param, its entry, both
+    values, and the tensors it is made of (a folded batch-norm's bias is no tensor of the model's own)."""
+    for pa, pb in param_pairs(ga, gb):
+        x, y = np.asarray(pa.value, dtype=np.float64), np.asarray(pb.value, dtype=np.float64)
+        flipped = np.flatnonzero(((x != 0) & (y != 0) & (np.signbit(x) != np.signbit(y))).reshape(-1))
+        if flipped.size:
+            k = int(flipped[0])
+            made = sorted({r.name for r in pa.sources})
+            folded = f", computed from {', '.join(made)} (batch-norm folded)" if len(made) > 1 else ""
+            entry = tuple(int(i) for i in np.unravel_index(k, x.shape)) if x.ndim else ()
+            return (f"param '{pa.name}'{folded}, entry {entry}: "
+                    f"{x.reshape(-1)[k]:.6g} against {y.reshape(-1)[k]:.6g} ({flipped.size} entries flip)")
+    return "none found"
+
+
 def _log_upper(ga: Graph, gb: Graph, be) -> float:
     # F on |θ'| feeds the weight-gradients of the backward walk on |θ|
     parts = param_grads(ga, be, 1.0, forward_graph=gb)
@@ -377,7 +393,8 @@ def output_bound(a, b, x, backend=None, metric: PathMetric | None = None) -> np.
         metric = path_metric(a, b, backend)
     if not metric.same_signs:
         raise PathirError(
-            "output_bound needs θ_i θ'_i >= 0 for every parameter (Gonon et al. 2025, Thm 4.1); "
-            "the two models have parameters of opposite signs"
+            "output_bound needs θ_i θ'_i >= 0 for every parameter of the IR, where batch-norms are folded into "
+            f"the layers before them (Gonon et al. 2025, Thm 4.1); the two models' signs differ at "
+            f"{first_sign_flip(ga, graph_of(b))}"
         )
     return np.maximum(_sup_norms(x, ga), 1.0) * metric.upper

@@ -33,6 +33,7 @@ import numpy as np
 from pathir.backends import get_backend
 from pathir.errors import ArgumentError, PathirError
 from pathir.ir import Graph, MapKind, Param, Role
+from pathir.lifting.active_metric import ROUNDING
 from pathir.lifting.diag_g import arrays_by_source, source_layout
 from pathir.lifting.param_grads import at_common_scale, param_log_parts
 from pathir.lifting.path_metric import pruned_path_metric
@@ -258,7 +259,7 @@ class PruneReport:
     """What ``cm.prune`` did.
 
     ``pruned`` entries of ``candidates`` were selected (already-zero ones
-    included); ``bound`` = Σ_{i∈P} S_i (docs/math.md §4) and ``path_metric`` = the
+    included); ``bound`` = Σ_{i∈P} S_i (docs/math.md §4; times 1 + 1e-12, the two sums' rounding) and ``path_metric`` = the
     exact ‖Φ(θ)‖₁ − ‖Φ(θ⊙mask)‖₁ ≤ bound: for every input,
     ‖R_θ(x) − R_{θ⊙mask}(x)‖₁ ≤ max(‖x‖∞, 1) · path_metric. ``per_tensor``:
     {source name: (pruned, size)}. Values beyond float64 are ``math.inf``.
@@ -365,7 +366,9 @@ def prune(graph: Graph, backend, amount, criterion: str = "path-magnitude", scop
         amount=float(amount),
         pruned=sum(lost.values()),
         candidates=int(sum(m.size for m in masks.values())),
-        bound=_exp(log_bound),
+        # Σ S_i and d are summed by different walks: where they are equal (each pruned path through one pruned
+        # entry), either can come out last-bits above the other; the bound takes ROUNDING of itself on top
+        bound=_exp(log_bound + math.log1p(ROUNDING)),
         path_metric=metric.upper,
         path_norm_before=metric.norm_a,
         path_norm_after=metric.norm_b,
