@@ -182,6 +182,7 @@ class Compiled:
             if change is not None:
                 self._follow(change)
             self._looked = self._calls > 0
+        self._facts.check_finite()
         return self._facts
 
     def _follow(self, change: str) -> None:

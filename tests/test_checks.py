@@ -147,3 +147,26 @@ def test_a_clipped_relu_replaced_by_the_write_back_passes_the_write_back_check()
     net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU6(), torch.nn.Linear(4, 2)).eval()
     report = pathir.app.checks.check(net, input_shape=(3,))  # the ClippedReLU's new threshold buffer was a KeyError
     assert report.passed, str(report)
+
+
+def test_a_self_check_compile_skipped_is_reported_skipped_not_passed():
+    """A float32 forward that overflows (weights 1e30): compile skips its self-check with a warning, and `check`
+    said 'ok self-check: the IR's forward matches the model's own'."""
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with torch.no_grad():
+        net[0].weight.fill_(1e30), net[2].weight.fill_(1e30)
+    report = pathir.app.checks.check(net, input_shape=(3,))
+    first = report.checks[0]
+    assert (first.name, first.passed) == ("self-check", None) and "not finite" in first.detail
+
+
+def test_the_write_back_check_runs_an_onnx_file_at_its_fixed_batch(tmp_path):
+    """torch.onnx.export's default input is (1, ...): the check fed a batch of 2, onnxruntime refused it, and the
+    write-back check was 'skipped' under 'all checks hold'."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2))
+    path = str(tmp_path / "fixed.onnx")
+    torch.onnx.export(net, torch.randn(1, 3), path, dynamo=False)
+    report = pathir.app.checks.check(path)
+    write_back = next(c for c in report.checks if c.name == "rescaling write-back")
+    assert write_back.passed is True, write_back.detail

@@ -82,7 +82,7 @@ def test_report_only_without_output(factory, tmp_path, capsys):
     (["enorm", "cli_models:nothing", "--input-shape", "2,6,6", "-o", "out.pt"], "cannot load"),
     (["pathcond", "not_a_model_name", "-o", "out.pt"], "neither a torchvision model name"),
     (["pathcond", "cli_models:small", "--input-shape", "2,6,6", "-o", "missing/out.pt"], "does not exist"),
-    (["enorm", "cli_models:small", "--input-shape", "2,6,6", "-p", "0", "-o", "out.pt"], "p must be > 0"),
+    (["enorm", "cli_models:small", "--input-shape", "2,6,6", "-p", "0", "-o", "out.pt"], "p must be a finite number > 0"),
 ])
 def test_errors_are_one_line_exit_2_and_no_file(argv, message, factory, tmp_path, capsys):
     code, stdout, err = _run(capsys, *argv)

@@ -252,5 +252,5 @@ def test_normalize_pass_leaves_its_input_alone():
     assert out is not graph
     for v, p in zip(values, graph.params()):
         np.testing.assert_array_equal(v, p.value)
-    with pytest.raises(ValueError, match="p must be > 0"):
+    with pytest.raises(ValueError, match="p must be a finite number > 0"):
         normalize(graph, p=0)

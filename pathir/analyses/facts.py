@@ -12,8 +12,11 @@ from __future__ import annotations
 import dataclasses
 from functools import cached_property
 
+import numpy as np
+
 from pathir.analyses.find_units import find_units
 from pathir.analyses.incidence import ParamLayout, incidence, row_ends, row_keys
+from pathir.errors import PathirError
 from pathir.ir import Graph
 
 __all__ = ["GraphFacts"]
@@ -33,6 +36,22 @@ class GraphFacts:
 
     def __init__(self, graph: Graph):
         self.graph = graph
+
+    def check_finite(self) -> None:
+        """PathirError naming the first param of the graph with a NaN or infinite entry (a NaN bias was dropped
+        by some walks: a finite, wrong path-norm); checked once per graph."""
+
+        if self.__dict__.get("_finite"):
+            return
+        for p in self.graph.params():
+            value = np.asarray(p.value)
+            bad = ~np.isfinite(value)
+            if bad.any():
+                k = int(np.flatnonzero(bad.reshape(-1))[0])
+                raise PathirError(f"param '{p.name}' (from {p.source_name}) has {int(bad.sum())} NaN or infinite "
+                                  f"entries (the first: {value.reshape(-1)[k]} at flat index {k}): no path-norm, "
+                                  "rescaling or bound is a number there; fix the model's weights")
+        self._finite = True
 
     @cached_property
     def units(self):

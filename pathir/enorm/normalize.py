@@ -152,8 +152,8 @@ def normalize_log_scales(graph: Graph, units, p: float = 2.0) -> Normalization:
     from scipy.sparse.csgraph import connected_components
 
 
-    if not p > 0:
-        raise ArgumentError(f"p must be > 0, got {p}")
+    if not (p > 0 and math.isfinite(p)):  # (p = inf: no cost is a sum of |θ|^p)
+        raise ArgumentError(f"p must be a finite number > 0, got {p}")
     params = graph.params()
     check_units_match(params, units)
     forward = feedforward_log_u(params, units, p)

@@ -14,6 +14,7 @@ preserved; units with an empty side (dead neurons) keep z = 0 and are listed.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -209,8 +210,8 @@ def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, cos
     True
     """
 
-    if not p > 0:
-        raise ArgumentError(f"p must be > 0, got {p}")
+    if not (p > 0 and math.isfinite(p)):  # (p = inf: no cost is a sum of |θ|^p)
+        raise ArgumentError(f"p must be a finite number > 0, got {p}")
     start = time.perf_counter()
     bar = Phases(PHASES if commit is not None else PHASES[:-1], desc=f"ENorm {name}".strip(), progress=progress,
                  value_name=f"Σ|θ|^{p:g}")

@@ -24,7 +24,8 @@ def verify(graph: Graph) -> Graph:
       6. a maxpool node has exactly one edge, a Pool without multiplier, and 1 <= k <= the
          number of in-input entries of its smallest window (padding positions are not neurons);
       7. distinct Param objects have distinct names (a shared weight is one object);
-      8. a Resample's per-axis coefficients and a FixedConv's kernel are finite (0 is allowed: no edge);
+      8. a Resample's per-axis coefficients, a FixedConv's kernel, a Pool's multipliers and a
+         SpatialMatrix are finite (0 is allowed: no edge);
       9. outputs name existing, non-input nodes (one named twice is two outputs: a model that returns
          (y, y)); every non-output node feeds some node
          and every node reaches an output;
@@ -48,7 +49,7 @@ def _problems(graph: Graph) -> list[str]:
             out.append("a node has an empty name")
         if node.name in seen:
             out.append(f"{where}: name defined twice")
-        if not all(isinstance(d, (int, np.integer)) and d >= 1 for d in node.shape):
+        if not all(isinstance(d, (int, np.integer)) and not isinstance(d, (bool, np.bool_)) and d >= 1 for d in node.shape):
             out.append(f"{where}: shape {list(node.shape)} is not positive integers")
         if node.kind is NodeKind.INPUT:
             if node.edges or node.bias is not None:
@@ -88,6 +89,10 @@ def _problems(graph: Graph) -> list[str]:
                 out.append(f"{where}: edge {i} ({e.map.describe()}) has a non-finite coefficient")
             if e.map.kind is MapKind.FIXED_CONV and not np.isfinite(e.map.kernel).all():
                 out.append(f"{where}: edge {i} ({e.map.describe()}) has a non-finite kernel entry")
+            fixed = e.map.mult if e.map.kind is MapKind.POOL else \
+                e.map.matrix if e.map.kind is MapKind.SPATIAL_MATRIX else None
+            if fixed is not None and not np.isfinite(fixed).all():
+                out.append(f"{where}: edge {i} ({e.map.describe()}) has a non-finite fixed coefficient")
         for p in node.params():
             if params.setdefault(p.name, id(p)) != id(p):
                 out.append(f"{where}: two different params are named '{p.name}'")

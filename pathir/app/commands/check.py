@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from pathir.app.checks import check
 
-from .common import add_model_arguments, emit_json, model_info, prepare_model, progress
+from .common import add_model_arguments, emit_json, model_info, positive_int, prepare_model, progress
 
 HELP = "compile with the self-check and verify the rescaling units (and, on small graphs, the exact symbolic checks)"
 
 
 def add_arguments(parser):
     add_model_arguments(parser)
-    parser.add_argument("--max-paths", type=int, default=None,
+    parser.add_argument("--max-paths", type=positive_int, default=None,
                         help="run the exact symbolic checks on graphs with at most this many paths (default 2000)")
 
 

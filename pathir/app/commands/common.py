@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
+import math
 import os
 import sys
 
@@ -18,7 +20,7 @@ __all__ = ["add_model_arguments", "load_model", "compile_model", "emit_json", "p
 
 
 def parse_shape(text: str | None):
-    if not text:
+    if text is None:
         return None
     parts = text.strip().rstrip(",").replace("x", ",").split(",")  # (a trailing comma: "4," is (4,))
     try:  # every part a size: "4,x" and "x" (an empty part after the separator) are not shapes
@@ -30,6 +32,39 @@ def parse_shape(text: str | None):
     return shape
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer ≥ 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got '{text}'")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got '{text}'")
+    return value
+
+
+def seed(text: str) -> int:
+    """argparse type: a torch seed (0 <= seed < 2**63)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 0 to 2**63 - 1, got '{text}'")
+    return value
+
+
 def add_model_arguments(parser):
     parser.add_argument("model", help="a torchvision model name (resnet18), package.module:factory (imported and "
                                       "called with no arguments), or an .onnx file")
@@ -39,7 +74,7 @@ def add_model_arguments(parser):
     parser.add_argument("--trust-pickle", action="store_true",
                         help="read --weights with weights_only=False, which also loads a whole pickled nn.Module; "
                              "unpickling runs code: only for files you trust")
-    parser.add_argument("--seed", type=int, default=0,
+    parser.add_argument("--seed", type=seed, default=0,
                         help="torch seed of the model's random init when no --weights are given (default 0)")
     parser.add_argument("--input-shape", default=None, help="input shape without batch, e.g. 3,224,224")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
@@ -145,12 +180,24 @@ def compile_model(args):
 
 
 def emit_json(obj) -> None:
-    json.dump(obj, sys.stdout, indent=2, default=_jsonable)
+    """``obj`` as strict JSON on stdout: a float beyond float64 or not a number is written as the string
+    "inf", "-inf" or "nan" (JSON has no such numbers; Python's ``Infinity`` breaks other readers)."""
+    json.dump(_strict(obj), sys.stdout, indent=2, allow_nan=False)
     sys.stdout.write("\n")
 
 
-def _jsonable(value):
-    return value.tolist() if hasattr(value, "tolist") else float(value)
+def _strict(value):
+    if hasattr(value, "tolist"):  # numpy arrays and scalars, torch tensors
+        value = value.tolist()
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return float(value)
 
 
 def check_output_path(path: str, onnx_model: bool, inputs=()) -> None:

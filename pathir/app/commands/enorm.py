@@ -5,6 +5,8 @@ Same inputs and outputs as ``pathir pathcond``; ``-p`` chooses the norm.
 
 from __future__ import annotations
 
+import math
+
 from pathir.errors import ArgumentError
 
 from .common import add_model_arguments, compile_model, progress
@@ -25,8 +27,8 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    if not args.p > 0:  # before the model is built
-        raise ArgumentError(f"p must be > 0, got {args.p}")
+    if not (args.p > 0 and math.isfinite(args.p)):  # before the model is built
+        raise ArgumentError(f"p must be a finite number > 0, got {args.p}")
     check_output(args)
     cm = compile_model(args)
     tree = module_tree(cm.model)

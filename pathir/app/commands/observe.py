@@ -20,6 +20,7 @@ from pathir.errors import ArgumentError
 from pathir.support.distributed import group, join_launcher_group, leave_group
 
 from .common import add_model_arguments, emit_json, load_model, parse_shape
+from .weights import load_weights
 
 HELP = "active path-norms, active path counts and local bounds of a model on the samples of X.npy"
 
@@ -38,14 +39,27 @@ def add_arguments(parser):
                         help="a progress bar on stderr (default: on a terminal only)")
 
 
-def _load_weights(model, path: str):
-    import torch
-
+def _load_weights(model, path: str, trust_pickle: bool = False):
+    """``model`` with the state_dict at ``path`` loaded, through the reader --weights uses everywhere (a file
+    that does not fit is refused naming its keys)."""
     if isinstance(model, str):
         raise ArgumentError("--weights/--compare load a state_dict into a torch model; an .onnx file carries its own")
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    model.load_state_dict(state)
+    load_weights(model, path, trust_pickle)
     return model
+
+
+def _read_inputs(path: str, mmap: bool) -> np.ndarray:
+    """The samples array of --inputs (.npy, or an .npz holding one array); ArgumentError for anything else."""
+    try:
+        x = np.load(path, mmap_mode="r" if mmap else None)
+    except (OSError, ValueError, EOFError) as err:
+        raise ArgumentError(f"--inputs {path}: not a .npy array numpy can read ({type(err).__name__}: {err})") from None
+    if isinstance(x, np.lib.npyio.NpzFile):
+        if len(x.files) != 1:
+            raise ArgumentError(f"--inputs {path}: an .npz of {len(x.files)} arrays ({', '.join(x.files)}); pass a .npy "
+                                "or an .npz holding one array")
+        x = x[x.files[0]]
+    return x
 
 
 def _compile(model, name, shape, backend):
@@ -65,16 +79,17 @@ def run(args) -> int:
 
 def _run(args) -> int:
     grp = group()
-    x = np.load(args.inputs, mmap_mode="r" if grp is not None else None)  # a rank reads only its shard
+    x = _read_inputs(args.inputs, grp is not None)  # a rank reads only its shard
     if x.ndim < 2:
         raise ArgumentError(f"--inputs must hold an array (N, *input shape), got shape {x.shape}")
     model, name = load_model(args.model)
     shape = parse_shape(args.input_shape) or tuple(x.shape[1:])
     if getattr(args, "weights", None):
-        model = _load_weights(model, args.weights)
+        model = _load_weights(model, args.weights, getattr(args, "trust_pickle", False))
     other = None
     if args.compare:
-        other = _compile(_load_weights(copy.deepcopy(model), args.compare), name, shape, args.backend)
+        other = _compile(_load_weights(copy.deepcopy(model), args.compare, getattr(args, "trust_pickle", False)),
+                         name, shape, args.backend)
     cm = _compile(model, name, shape, args.backend)
     obs = pathir.observe(cm, x, qs=args.q, compare=other, batch_size=args.batch_size, progress=args.progress)
     if grp is not None and grp.rank != 0:

@@ -18,6 +18,8 @@ from .common import (
     compile_model,
     emit_json,
     model_info,
+    positive_float,
+    positive_int,
     progress,
     save_module,
     save_state_dict,
@@ -30,8 +32,8 @@ def add_output_arguments(parser) -> None:
     parser.add_argument("-o", "--output", default=None,
                         help="output file: .pt state_dict (torch models; the whole model where the write-back "
                              "replaced modules) or .onnx; omit to only print the report")
-    parser.add_argument("--max-sweeps", type=int, default=1000, help="sweeps of the solver at most")
-    parser.add_argument("--tol", type=float, default=1e-10,
+    parser.add_argument("--max-sweeps", type=positive_int, default=1000, help="sweeps of the solver at most")
+    parser.add_argument("--tol", type=positive_float, default=1e-10,
                         help="stop when a sweep changes F by at most tol*max(1,|F|)")
     parser.add_argument("--history", action="store_true", help="with --json: add the objective after every sweep")
 

@@ -45,7 +45,7 @@ def parse_amount(text: str):
         value = float("nan")
     if 0.0 < value < 1.0:
         return value, f"a fraction {value:g} of the candidates"
-    if value >= 1.0 and value == int(value) and value < 2**63:
+    if 1.0 <= value < 2**63 and value == int(value):  # (int(inf) would raise OverflowError)
         return int(value), f"{int(value):,} entries (a count)"
     raise ArgumentError(f"--amount must be {AMOUNT_FORMS}; got '{text}'")
 

@@ -1,0 +1,57 @@
+"""A NaN or infinite weight, bias or fixed coefficient is refused by name: some walks dropped a NaN bias
+(a finite, wrong path-norm: 2.0 where the definition is NaN), and a NaN fixed multiplier lost every path."""
+
+import numpy as np
+import pytest
+import torch
+
+import pathir
+from pathir.errors import GraphVerificationError, PathirError
+from pathir.ir import Dense, GraphBuilder
+from pathir.ir.maps import Conv, Pool, SpatialMatrix
+
+P = GraphBuilder.param
+
+
+def _nan_bias_graph():
+    b = GraphBuilder("g")
+    x = b.input("x", (2,))
+    h = b.relu("h", [(x, Dense(P("w1", np.eye(2))))], bias=P("b1", [np.nan, 0.0]))
+    return b.build([b.identity("y", [(h, Dense(P("w2", np.ones((1, 2)))))])])
+
+
+@pytest.mark.parametrize("backend", ["torch", "numpy"])
+def test_a_nan_bias_is_refused_naming_it(backend):
+    cm = pathir.compile(_nan_bias_graph(), progress=False)
+    with pytest.raises(PathirError, match=r"param 'b1'.*1 NaN or infinite entries"):
+        cm.path_norm(1, backend=backend)
+
+
+@pytest.mark.parametrize("fixed", [Pool((2,), (2,), ((0, 0),), (1,), False, np.array([np.nan, 1.0])),
+                                   SpatialMatrix(np.array([[np.nan, 1.0, 0.0, 0.0]]), (1,))])
+def test_a_nan_fixed_coefficient_fails_verification(fixed):
+    b = GraphBuilder()
+    x = b.input("x", (1, 4))
+    h = b.relu("h", [(x, Conv(P("w", np.ones((1, 1, 1))), (1,), ((0, 0),), (1,)))])
+    with pytest.raises(GraphVerificationError, match="non-finite fixed coefficient"):
+        pathir.compile(b.build([b.identity("y", [(h, fixed)])]), progress=False)
+
+
+def test_a_torch_model_with_a_nan_bias_is_refused_at_compile_and_after_a_live_edit():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)).double()
+    cm = pathir.compile(net, input_shape=(3,))
+    with torch.no_grad():
+        net[0].bias[1] = float("inf")
+    with pytest.raises(PathirError, match=r"param '0.bias' \(from 0.bias\).*inf at flat index 1"):
+        cm.path_norm(1)
+    with pytest.raises(PathirError, match="param '0.bias'"):
+        pathir.compile(net, input_shape=(3,))
+
+
+def test_a_shape_of_booleans_fails_verification():
+    from pathir.ir import Graph, Node, NodeKind, verify
+
+    graph = Graph((Node("x", NodeKind.INPUT, (True,)), ), ("x",), "g")
+    with pytest.raises(GraphVerificationError, match="not positive integers"):
+        verify(graph)
