@@ -117,3 +117,20 @@ def test_onnx_model_is_written_as_onnx(tmp_path, capsys):
     np.testing.assert_allclose(run(tmp_path / "out.onnx"), run(src), rtol=1e-4, atol=1e-5)
     code, _, err = _run(capsys, "enorm", src, "-o", tmp_path / "out.pt")
     assert code == 2 and "must be a .onnx file" in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["pathcond", "cli_models:small", "--max-sweeps", "0"], "--max-sweeps: expected a whole number >= 1"),
+    (["pathcond", "cli_models:small", "--tol", "nan"], "--tol: expected a finite number > 0"),
+    (["check", "cli_models:small", "--max-paths", "-1"], "--max-paths: expected a whole number >= 1"),
+    (["summary", "cli_models:small", "--seed", "99999999999999999999"], "--seed: expected a whole number from 0"),
+    (["enorm", "cli_models:small", "--input-shape", "2,6,6", "-p", "inf"], "p must be a finite number > 0"),
+])
+def test_a_meaningless_number_is_refused_naming_its_flag(argv, message, factory, capsys):
+    """--max-sweeps 0 ran a sweep, --tol nan ran every sweep, --max-paths -1 was printed back, a huge --seed
+    overflowed unnamed, enorm -p inf marked every unit degenerate."""
+    try:
+        code = main(argv)
+    except SystemExit as stop:  # argparse's own refusal of a flag's value
+        code = stop.code
+    assert code == 2 and message in capsys.readouterr().err

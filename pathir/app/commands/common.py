@@ -32,37 +32,28 @@ def parse_shape(text: str | None):
     return shape
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer ≥ 1."""
+def _number(text: str, convert, accept, expected: str):
+    """argparse type: ``convert(text)`` where ``accept`` takes it, else the error naming what was expected."""
     try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got '{text}'")
+        value = convert(text)
+    except (ValueError, OverflowError):
+        value = None
+    if value is None or not accept(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got '{text}'")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _number(text, int, lambda v: v >= 1, "a whole number >= 1")
 
 
 def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got '{text}'")
-    return value
+    return _number(text, float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
 
 
 def seed(text: str) -> int:
-    """argparse type: a torch seed (0 <= seed < 2**63)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"expected a whole number from 0 to 2**63 - 1, got '{text}'")
-    return value
+    """A torch seed: 0 <= seed < 2**63."""
+    return _number(text, int, lambda v: 0 <= v < 2**63, "a whole number from 0 to 2**63 - 1")
 
 
 def add_model_arguments(parser):
