@@ -36,12 +36,13 @@ class GraphFacts:
 
     def __init__(self, graph: Graph):
         self.graph = graph
+        self._finite = False  # every param checked finite (check_finite)
 
     def check_finite(self) -> None:
         """PathirError naming the first param of the graph with a NaN or infinite entry (a NaN bias was dropped
         by some walks: a finite, wrong path-norm); checked once per graph."""
 
-        if self.__dict__.get("_finite"):
+        if self._finite:
             return
         for p in self.graph.params():
             value = np.asarray(p.value)

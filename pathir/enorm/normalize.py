@@ -40,7 +40,7 @@ from pathir.pairs.param_pairs import pair_sums, row_blocks, separable_blocks
 from pathir.rescaling.apply import rescale_graph
 from pathir.support.sorted_unique import sorted_unique
 
-__all__ = ["normalize", "normalize_log_scales", "Normalization"]
+__all__ = ["normalize", "normalize_log_scales", "Normalization", "check_p"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -143,6 +143,12 @@ def unit_masses(graph: Graph, units, p: float):
     return b[:H], M
 
 
+def check_p(p) -> None:
+    """ArgumentError unless p (the exponent of ENorm's cost Σ c |θ|^p) is a finite number > 0: p = inf is no sum."""
+    if not (p > 0 and math.isfinite(p)):
+        raise ArgumentError(f"p must be a finite number > 0, got {p}")
+
+
 def normalize_log_scales(graph: Graph, units, p: float = 2.0) -> Normalization:
     """The log-scales of the canonical representative of ``graph``'s orbit (module docstring).
 
@@ -152,8 +158,7 @@ def normalize_log_scales(graph: Graph, units, p: float = 2.0) -> Normalization:
     from scipy.sparse.csgraph import connected_components
 
 
-    if not (p > 0 and math.isfinite(p)):  # (p = inf: no cost is a sum of |θ|^p)
-        raise ArgumentError(f"p must be a finite number > 0, got {p}")
+    check_p(p)
     params = graph.params()
     check_units_match(params, units)
     forward = feedforward_log_u(params, units, p)

@@ -14,7 +14,6 @@ preserved; units with an empty side (dead neurons) keep z = 0 and are listed.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -23,7 +22,7 @@ import numpy as np
 
 from pathir.analyses.incidence import ParamLayout
 from pathir.enorm.newton import solve_enorm_newton
-from pathir.enorm.normalize import normalize_log_scales
+from pathir.enorm.normalize import check_p, normalize_log_scales
 from pathir.enorm.solver import solve_enorm
 from pathir.errors import ArgumentError, ArgumentKeyError, PathirError
 from pathir.pairs.param_pairs import pairs_from_params
@@ -210,8 +209,7 @@ def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, cos
     True
     """
 
-    if not (p > 0 and math.isfinite(p)):  # (p = inf: no cost is a sum of |θ|^p)
-        raise ArgumentError(f"p must be a finite number > 0, got {p}")
+    check_p(p)
     start = time.perf_counter()
     bar = Phases(PHASES if commit is not None else PHASES[:-1], desc=f"ENorm {name}".strip(), progress=progress,
                  value_name=f"Σ|θ|^{p:g}")

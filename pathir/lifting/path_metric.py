@@ -198,10 +198,15 @@ def sign_relations(pairs) -> tuple[bool, bool]:
     for pa, pb in pairs:
         for x, y in _blocks(pa.value, pb.value):
             ax, ay = np.abs(x), np.abs(y)
-            same = same and bool(np.all((x == 0) | (y == 0) | (np.signbit(x) == np.signbit(y))))  # no x*y: it underflows
+            same = same and not _flipped(x, y).any()
             below = below and bool(np.all(ay <= ax))
             above = above and bool(np.all(ax <= ay))
     return same, below or above
+
+
+def _flipped(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Where θ_i θ'_i < 0, read off the sign bits (no x*y: it underflows)."""
+    return (x != 0) & (y != 0) & (np.signbit(x) != np.signbit(y))
 
 
 def first_sign_flip(ga: Graph, gb: Graph) -> str:
@@ -209,7 +214,7 @@ def first_sign_flip(ga: Graph, gb: Graph) -> str:
     values, and the tensors it is made of (a folded batch-norm's bias is no tensor of the model's own)."""
     for pa, pb in param_pairs(ga, gb):
         x, y = np.asarray(pa.value, dtype=np.float64), np.asarray(pb.value, dtype=np.float64)
-        flipped = np.flatnonzero(((x != 0) & (y != 0) & (np.signbit(x) != np.signbit(y))).reshape(-1))
+        flipped = np.flatnonzero(_flipped(x, y).reshape(-1))
         if flipped.size:
             k = int(flipped[0])
             made = sorted({r.name for r in pa.sources})

@@ -5,9 +5,7 @@ Same inputs and outputs as ``pathir pathcond``; ``-p`` chooses the norm.
 
 from __future__ import annotations
 
-import math
-
-from pathir.errors import ArgumentError
+from pathir.enorm.normalize import check_p
 
 from .common import add_model_arguments, compile_model, progress
 from .pathcond import add_output_arguments, check_output, module_tree, report_and_exit, write_output
@@ -27,8 +25,7 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    if not (args.p > 0 and math.isfinite(args.p)):  # before the model is built
-        raise ArgumentError(f"p must be a finite number > 0, got {args.p}")
+    check_p(args.p)  # before the model is built
     check_output(args)
     cm = compile_model(args)
     tree = module_tree(cm.model)
