@@ -355,3 +355,41 @@ def test_a_structural_change_is_named_as_what_it_is():
     net[2].__class__ = type("MyLinear", (nn.Linear,), {})
     with pytest.raises(ModelChanged, match="class of '2' changed from Linear to MyLinear"):
         cm.path_norm(1)
+
+
+@pytest.mark.parametrize("swap", ["forward hook", "pre-hook for a hook", "root hook"])
+def test_a_hook_removed_and_another_registered_is_a_structural_change(swap):
+    """The watch counted hooks: one removed and one added looked unchanged, and forward and path-norms were
+    the compile-time ones (path_norm(1) 4.06 where the model's own is 6.03)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    where = net if swap == "root hook" else net[0]
+    if swap == "pre-hook for a hook":
+        handle = where.register_forward_pre_hook(lambda m, i: (i[0] * 2,))
+    else:
+        handle = where.register_forward_hook(lambda m, i, o: o * 2)
+    cm = pathir.compile(net, input_shape=(3,))
+    cm.path_norm(1)
+    handle.remove()
+    where.register_forward_hook(lambda m, i, o: o * 3)
+    with pytest.raises(ModelChanged, match="hooks were added to or removed from"):
+        cm.path_norm(1)
+
+
+@pytest.mark.parametrize("edit", ["new attribute None", "setting deleted and set again"])
+def test_a_setting_set_again_or_a_new_plain_attribute_never_crashes_the_watch(edit):
+    """A new attribute set to None (or a setting deleted and set again, which moved its place in the
+    module's __dict__) made the watch's settings differ with no key that differs: a bare StopIteration."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    cm = pathir.compile(net, input_shape=(3,))
+    norm = cm.path_norm(1)
+    if edit == "new attribute None":
+        net[0].tag = None
+        with pytest.raises(ModelChanged, match="the setting 'tag' of '0' \\(Linear\\) changed from unset to None"):
+            cm.path_norm(1)
+    else:
+        features = net[0].in_features
+        del net[0].in_features
+        net[0].in_features = features
+        assert cm.path_norm(1) == norm

@@ -109,9 +109,9 @@ class ModelWatch:
                 return f"the forward of '{a[0] or 'the model'}' ({a[2]}) was replaced on the instance"
             if a[4] != b[4]:
                 old, new = dict(a[4]), dict(b[4])
-                key = next(k for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k))
-                return (f"the setting '{key}' of '{a[0] or 'the model'}' ({a[2]}) changed from {old.get(key)!r} to "
-                        f"{new.get(key)!r}")
+                key = next(k for k in sorted(old.keys() | new.keys()) if k not in old or k not in new or old[k] != new[k])
+                was, now = (repr(d[key]) if key in d else "unset" for d in (old, new))
+                return f"the setting '{key}' of '{a[0] or 'the model'}' ({a[2]}) changed from {was} to {now}"
         if len(old_modules) != len(modules):
             return f"modules were {'added' if len(modules) > len(old_modules) else 'removed'}"
         old_shapes, shapes = ({v[0]: v[-1] for v in vs} for vs in (self._versions, versions))
@@ -132,12 +132,12 @@ def _simple(v) -> bool:
 
 def _settings(module: nn.Module) -> tuple:
     """A torch.nn layer's plain settings (eps, stride, padding, inplace, negative_slope, ...): its
-    public attributes that are numbers, strings, None or tuples of them, in the order they were set.
+    public attributes that are numbers, strings, None or tuples of them, by name.
     A user's own module gives none: its attributes may be counters its forward moves, and one its
     forward reads as a constant is baked into the graph at compile (docs/live.md)."""
     if not type(module).__module__.startswith("torch.nn."):
         return ()
-    return tuple((k, v) for k, v in module.__dict__.items() if k[0] != "_" and k not in _IGNORED and _simple(v))
+    return tuple(sorted((k, v) for k, v in module.__dict__.items() if k[0] != "_" and k not in _IGNORED and _simple(v)))
 
 
 def _global_hooks() -> tuple:
@@ -149,7 +149,8 @@ def _global_hooks() -> tuple:
     return tuple(tuple(getattr(M, t, {}).keys()) for t in tables)
 
 
-def _hooks(module: nn.Module) -> int:
-    """Forward hooks and pre-hooks, not counting torch.nn.utils.prune's (the pruned weight is read again)."""
-    pre = sum(not isinstance(h, BasePruningMethod) for h in module._forward_pre_hooks.values())
-    return len(module._forward_hooks) + pre
+def _hooks(module: nn.Module) -> tuple:
+    """The handles' ids of the forward hooks and pre-hooks, not torch.nn.utils.prune's (the pruned weight is read
+    again): a hook removed and another registered is a change (a count saw none)."""
+    pre = tuple(k for k, h in module._forward_pre_hooks.items() if not isinstance(h, BasePruningMethod))
+    return tuple(module._forward_hooks), pre
