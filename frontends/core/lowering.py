@@ -48,6 +48,7 @@ from pathir.ir import (
     SourceRef,
 )
 from pathir.ir.builder import unique_name
+from pathir.ir.verify import smallest_window
 from pathir.support.array_pool import ArrayPool
 
 __all__ = ["Lowering", "Recipe"]
@@ -253,8 +254,7 @@ class Lowering:
     def max_pool(self, v: Value, kernel, stride=None, padding=0, dilation=1, ceil_mode=False) -> Value:
         src, pool = self._window(self.value(v), kernel, stride, padding, dilation, ceil_mode)
         in_shape = self.b.shape(src)
-        count = NumpyBackend().apply(pool, np.ones((1, 1, *in_shape[1:])), (1, *in_shape[1:]))[0, 0]
-        if count.size and not np.all(count > 0):
+        if smallest_window(pool, in_shape) == 0 and 0 not in pool.out_shape(in_shape):
             self.unsupported(f"a max-pool window over {list(in_shape[1:])} holds only padding ({pool.describe()}): "
                              "its output is -inf, no neuron")
         name = self.b.maxpool(self.label, src, pool, origin=self.where)

@@ -9,7 +9,7 @@ from .graph import Graph
 from .maps import MapKind, pool_output_size
 from .node import NodeKind
 
-__all__ = ["verify"]
+__all__ = ["verify", "smallest_window"]
 
 
 def verify(graph: Graph) -> Graph:
@@ -81,7 +81,7 @@ def _problems(graph: Graph) -> list[str]:
             if len(node.edges) != 1 or node.edges[0].map.kind is not MapKind.POOL or node.edges[0].map.mult is not None:
                 out.append(f"{where}: a maxpool node has exactly one edge, a pool window without multiplier")
             elif node.edges[0].source in seen:
-                window = _smallest_window(node.edges[0].map, seen[node.edges[0].source].shape)
+                window = smallest_window(node.edges[0].map, seen[node.edges[0].source].shape)
                 if not 1 <= node.k <= window:
                     out.append(f"{where}: k = {node.k} outside 1..{window} (entries of its smallest window)")
         for i, e in enumerate(node.edges):
@@ -127,7 +127,7 @@ def _map_problem(m) -> str:
     return ""
 
 
-def _smallest_window(pool, in_shape) -> int:
+def smallest_window(pool, in_shape) -> int:
     """Fewest in-input entries over the windows of ``pool`` (per axis, then multiplied)."""
 
     total = 1
