@@ -14,6 +14,7 @@ from pathir.frontends.core.clipped import threshold_vector
 from pathir.frontends.core.fixed_factors import fixed_scale
 from pathir.frontends.core.reductions import all_spatial, elementwise_max, reduce, where
 from pathir.frontends.core.values import Value
+from pathir.frontends.onnx.elementwise import add_activations
 from pathir.frontends.onnx.layers import attrs
 from pathir.frontends.onnx.load import numpy_dtype
 from pathir.frontends.onnx.writer import Binding
@@ -204,13 +205,5 @@ def sum_(low, node, ins):
     if not all(isinstance(v, Value) for v in ins):
         low.unsupported(f"a {node.op_type} with a constant operand: a fixed bias no parameter carries "
                         "(write it as an Add with a bias initializer)")
-    if len({v.shape for v in ins}) != 1:
-        low.unsupported(f"{node.op_type} of activations of shapes {[list(v.shape) for v in ins]}: broadcasting "
-                        "is not lowered")
-    if len({x in low.axis1 for x in node.input}) != 1:
-        low.unsupported(f"{node.op_type} of activations whose batch axes differ")
-    low.same_axis(node)
-    total = ins[0]
-    for v in ins[1:]:
-        total = low.add(total, v)
+    total = add_activations(low, node, ins)
     return [fixed_scale(low, total, 1.0 / len(ins)) if node.op_type == "Mean" and len(ins) > 1 else total]

@@ -90,16 +90,24 @@ def size(low, node, ins):
     return [batch_sized(np.asarray(low.batch * n, dtype=np.int64), np.asarray((low.batch + ALT_BATCH) * n, dtype=np.int64))]
 
 
+def add_activations(low, node, ins) -> Value:
+    """The sum of the activations ``ins`` (every input of ``node``): one shape and one batch axis, else refused."""
+    if len({x in low.axis1 for x in node.input}) != 1:
+        low.unsupported(f"adds {'two ' if len(ins) == 2 else ''}activations whose batch axes differ")
+    if len({v.shape for v in ins}) != 1:
+        low.unsupported(f"adds activations of shapes {' and '.join(str(list(v.shape)) for v in ins)}: "
+                        "broadcasting is not lowered")
+    low.same_axis(node)
+    total = ins[0]
+    for v in ins[1:]:
+        total = low.add(total, v)
+    return total
+
+
 def add(low, node, ins):
     a, b = ins
     if isinstance(a, Value) and isinstance(b, Value):
-        if (node.input[0] in low.axis1) != (node.input[1] in low.axis1):
-            low.unsupported("adds two activations whose batch axes differ")
-        if a.shape != b.shape:
-            low.unsupported(f"adds activations of shapes {list(a.shape)} and {list(b.shape)}: "
-                             "broadcasting is not lowered")
-        low.same_axis(node)
-        return [low.add(a, b)]
+        return [add_activations(low, node, ins)]
     k = 0 if isinstance(a, Value) else 1
     v, c = ins[k], ins[1 - k]
     axis = 1 if node.input[k] in low.axis1 else 0
