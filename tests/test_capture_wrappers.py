@@ -171,3 +171,48 @@ def test_a_data_parallel_inside_the_model_is_read_through_and_written_back():
         cm.pathcond(progress=False)
         assert torch.allclose(model(x), before, rtol=1e-10, atol=1e-12)
     assert any(not torch.equal(a, b) for a, b in zip(model.body.module.parameters(), _net().parameters()))
+
+
+class _Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.lin2(torch.relu(self.lin1(x)))
+
+
+def _scaled(self, x, scale):
+    return self.lin2(torch.relu(self.lin1(x))) * scale
+
+
+def _l1_path_norm(net):
+    """‖Φ‖₁ by definition: the |θ| network (biases |b|) on an all-ones input, summed."""
+    w1, b1, w2, b2 = (p.detach().abs() for p in (net.lin1.weight, net.lin1.bias, net.lin2.weight, net.lin2.bias))
+    return float((w2 @ (w1 @ torch.ones(3, dtype=w1.dtype) + b1) + b2).sum())
+
+
+@pytest.mark.parametrize("where", ["root partial", "root method", "leaf lambda"])
+def test_a_forward_set_on_the_instance_is_the_one_compiled(where):
+    """fx traces the class's forward at the root and lowers a torch.nn leaf by its class: an instance's own
+    forward (functools.partial, a bound method of another function, a lambda) was read as the class's, a
+    silent wrong answer with self_check=False. It is now captured through torch.export, which calls it."""
+    import functools
+    import types
+
+    torch.manual_seed(0)
+    net = _Mlp().double()
+    if where == "root partial":
+        net.forward = functools.partial(_scaled, net, scale=3.0)
+    elif where == "root method":
+        net.forward = types.MethodType(lambda self, x: _scaled(self, x, 3.0), net)
+    else:
+        lin2 = net.lin2
+        lin2.forward = lambda h: nn.Linear.forward(lin2, h) * 3.0
+    expected = 3.0 * _l1_path_norm(net)  # every path ends in lin2, which the factor 3 follows (its bias too)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    for self_check in (True, False):
+        cm = pathir.compile(net, input_shape=(3,), self_check=self_check)
+        with torch.no_grad():
+            assert torch.allclose(torch.as_tensor(cm.forward(x.numpy())), net(x), rtol=1e-12, atol=1e-12)
+        assert cm.path_norm(1) == pytest.approx(expected, rel=1e-12)

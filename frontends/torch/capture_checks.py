@@ -155,7 +155,24 @@ def trace(model: nn.Module, n_inputs: int | None = None) -> torch.fx.Graph:
     own (not of its submodules) is left to torch.export, which runs them (fx traces ``forward`` only)."""
     if model._forward_hooks or any(_harmless_hook(model, h) is None for h in model._forward_pre_hooks.values()):
         raise torch.fx.proxy.TraceError("the model has forward hooks of its own: torch.fx traces forward only")
-    return InplaceTracer().trace(model, concrete_args=_defaults(model, n_inputs))
+    tracer = InplaceTracer()
+    replaced = instance_forward(model, tracer)
+    if replaced is not None:
+        raise torch.fx.proxy.TraceError(f"the forward of {replaced} is set on the instance: torch.fx traces "
+                                        "the class's forward there")
+    return tracer.trace(model, concrete_args=_defaults(model, n_inputs))
+
+
+def instance_forward(model: nn.Module, tracer: "InplaceTracer") -> str | None:
+    """The model, or its first submodule fx keeps as a leaf, whose ``forward`` is set on the instance
+    (``m.forward = functools.partial(...)``, a lambda): fx traces ``type(model).forward`` at the root and
+    lowers a leaf by its class, so either would be read as the class's forward (torch.export calls the
+    instance's). A torch.compile wrapper's own forward excepted (its module is traced). None if none."""
+    for path, m in model.named_modules():
+        if "forward" in m.__dict__ and type(m).__name__ != "OptimizedModule" and (
+                not path or tracer.is_leaf_module(m, path)):
+            return f"'{path}' ({type(m).__name__})" if path else f"the model ({type(m).__name__})"
+    return None
 
 
 def _defaults(model: nn.Module, n_inputs: int | None) -> dict | None:
