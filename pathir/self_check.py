@@ -32,7 +32,7 @@ from pathir.frontends.core.values import BATCH as TRACE_BATCH
 from pathir.frontends.onnx.function_kept import probe_feeds
 from pathir.frontends.onnx.load import load
 from pathir.frontends.torch.function_kept import Reference
-from pathir.frontends.torch.inputs import eval_forward, model_dtype_device, output_tensors
+from pathir.frontends.torch.inputs import eval_forward, explain, model_dtype_device, output_tensors
 from pathir.lifting.walk import forward
 
 __all__ = ["self_check", "TOLERANCE", "BATCH"]
@@ -128,7 +128,8 @@ def _check_torch(cm, model) -> None:
     try:
         with eval_forward(model, train_paths(cm)), torch.no_grad():
             refs = [_numpy(t) for t in _tensors(model(*[x.clone() for _, _, x in xs]))]
-    except Exception as err:  # it ran at the trace's batch: the forward fixes its batch size
+    except Exception as err:  # where it runs at the trace's batch (else: its own error), it fixes its batch size
+        explain(model, [cm.graph.node(name).shape for name in cm.graph.inputs], err, batch=TRACE_BATCH, train=train_paths(cm))
         raise SelfCheckFailed(
             f"self-check: the model's forward fails at batch {BATCH} ({type(err).__name__}: {err}) after pathir "
             f"traced it at batch {TRACE_BATCH}: it fixes its batch size (x.view({TRACE_BATCH}, -1), a batch-sized "
@@ -183,14 +184,18 @@ def _check_eval_among_heads(cm, model, xs, outs: dict, dtype: str) -> None:
 
 
 def _first_torch(cm, model, xs, dtype: str) -> str:
-    """The first IR node (graph order) whose value differs from its module's recorded output."""
+    """The first IR node (graph order) whose value differs from its module's recorded output, and the first
+    module whose output is not in the model's dtype (torch.autocast, a cast), which the graph does not follow."""
     import torch
 
-    recorded, handles = {}, []
+    recorded, handles, other_dtype = {}, [], {}
+    model_dtype = model_dtype_device(model)[0]
     for path, mod in model.named_modules():
         def hook(m, i, o, path=path):
             if isinstance(o, torch.Tensor):
                 recorded[path] = _numpy(o.clone())
+                if o.is_floating_point() and o.dtype != model_dtype:
+                    other_dtype.setdefault(path or "the model", o.dtype)
         handles.append(mod.register_forward_hook(hook))
     try:
         with eval_forward(model, train_paths(cm)), torch.no_grad():
@@ -200,12 +205,18 @@ def _first_torch(cm, model, xs, dtype: str) -> str:
             h.remove()
     acts = _ir_forward(cm, {n: a for n, a, _ in xs}, dtype, all_nodes=True)
     tol = TOLERANCE.get(dtype, 1e-4)
+    first = ""
     for node in cm.graph.nodes:
         ref = recorded.get(node.origin)
         if ref is not None and ref.shape == acts[node.name].shape and _deviation(acts[node.name], ref) > tol:
-            return f"node '{node.name}' (module '{node.origin}', relative deviation " \
-                   f"{_deviation(acts[node.name], ref):.3g})"
-    return ""
+            first = f"node '{node.name}' (module '{node.origin}', relative deviation " \
+                    f"{_deviation(acts[node.name], ref):.3g})"
+            break
+    for path, other in other_dtype.items():  # (the first in call order)
+        return (f"{first or 'an output'}; module '{path}' returns {str(other).replace('torch.', '')} in a {dtype} "
+                "model: its forward computes in another dtype (torch.autocast, or a cast), which pathir's graph, "
+                f"in {dtype} throughout, does not follow")
+    return first
 
 
 # ---------------------------------------------------------------- onnx

@@ -147,3 +147,25 @@ def test_bad_shape_on_a_pruned_model_leaves_its_tensors_in_place():
     with pytest.raises(InputShapeError):
         pathir.compile(model, input_shape=(4, 8, 8))
     assert model[0].weight is weight
+
+
+def test_a_model_that_fails_at_every_batch_is_refused_with_its_own_error():
+    """fx traces without running the ops, so a model that never runs (here a float32 layer before a float64
+    one) first failed in the self-check, which blamed a batch size fixed in the forward."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    model[0].float()
+    with pytest.raises(InputShapeError, match="Sequential itself fails .* same dtype"):
+        pathir.compile(model, input_shape=(3,))
+
+
+def test_a_forward_that_fixes_its_batch_size_is_still_named():
+    class Fixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.fc(x.view(2, 3)).relu()  # runs at the trace's batch (2), fails at the check's
+
+    with pytest.raises(pathir.SelfCheckFailed, match="fixes its batch size"):
+        pathir.compile(Fixed(), input_shape=(3,))

@@ -103,3 +103,20 @@ def test_a_forward_that_depends_on_its_batch_size_is_refused_naming_it(form):
     torch.manual_seed(0)
     with pytest.raises(pathir.SelfCheckFailed, match="depends on its batch size"):
         pathir.compile(_PerBatch(form).double(), input_shape=(4,))
+
+
+def test_a_forward_under_autocast_is_refused_naming_the_module_in_another_dtype():
+    import torch.nn.functional as F
+
+    class Autocast(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(3, 64), torch.nn.Linear(64, 2)
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.b(F.relu(self.a(x)))
+
+    torch.manual_seed(0)
+    with pytest.raises(pathir.SelfCheckFailed, match="module 'a' returns bfloat16 in a float32 model.*autocast"):
+        pathir.compile(Autocast(), input_shape=(3,))

@@ -107,17 +107,18 @@ def warn_train_batchnorm(model: nn.Module) -> None:
                       UserWarning, stacklevel=5)  # warn <- lower <- compile <- keeps_model <- caller
 
 
-def explain(model: nn.Module, shapes, err: Exception) -> None:
-    """Raise InputShapeError if the model itself fails on zeros of ``shapes`` (batch 2)."""
+def explain(model: nn.Module, shapes, err: Exception, batch: int = 2, train: Sequence[str] = ()) -> None:
+    """Raise InputShapeError if the model itself fails on zeros of ``shapes`` (``batch`` samples, the modules
+    at ``train`` in train mode as in ``eval_forward``)."""
     dtype, device = model_dtype_device(model)
     try:
-        with eval_forward(model), torch.no_grad():
-            model(*[torch.zeros((2, *s), dtype=dtype, device=device) for s in shapes])
+        with eval_forward(model, train), torch.no_grad():
+            model(*[torch.zeros((batch, *s), dtype=dtype, device=device) for s in shapes])
     except Exception as model_err:  # the model's own verdict on this input
         first = str(model_err).strip().splitlines()[0] if str(model_err).strip() else type(model_err).__name__
         shown = shapes[0] if len(shapes) == 1 else shapes
-        raise InputShapeError(f"input_shape={shown} does not fit {type(model).__name__}: the model itself fails on "
-                              f"a batch of that shape ({type(model_err).__name__}: {first}); {_FORM}") from err
+        raise InputShapeError(f"{type(model).__name__} itself fails on a batch of input_shape={shown} "
+                              f"({type(model_err).__name__}: {first}): where the shape is wrong, {_FORM}") from err
 
 
 def model_dtype_device(model):
