@@ -203,7 +203,9 @@ class Lowering:
         if mean is None or var is None:
             self.unsupported("batch-norm without running statistics uses batch statistics: input-dependent")
         if weight is None or bias is None:
-            self.unsupported("batch-norm without affine parameters: a rescaling could not be written back")
+            self.unsupported("batch-norm without affine parameters (affine=False) is not lowered: a rescaling through it "
+                             "is written into its γ and β (its eps does not scale with the running statistics); use "
+                             "affine=True, whose γ = 1, β = 0 keep the function")
         out = (SourceRef(weight.name, Role.OUT_SCALE), SourceRef(bias.name, Role.OUT_SCALE))
         stats = (SourceRef(mean.name, Role.IN_STATS), SourceRef(var.name, Role.IN_STATS))
 

@@ -21,8 +21,10 @@ WHY = {
     **{op: "not positively homogeneous" for op in ("elu", "elu_", "selu", "celu", "gelu", "silu", "mish", "SELU",
                                                    "CELU", "Mish", "tanh", "hardswish", "logsigmoid")},
     **{op: "normalizes by input-dependent statistics"
-       for op in ("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "instance_norm", "group_norm", "rms_norm",
-                  "RMSNorm", "local_response_norm", "native_layer_norm", "native_group_norm")},
+       for op in ("group_norm", "rms_norm", "RMSNorm", "local_response_norm", "native_layer_norm", "native_group_norm")},
+    **{op: ("normalizes each sample by its own statistics (input-dependent); one that tracks running statistics "
+            "normalizes by them in eval mode, an affine map, which pathir does not lower: use a BatchNorm with the "
+            "same statistics") for op in ("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "instance_norm")},
     **{op: ("positively homogeneous, but its negative slope a (x·a for x < 0, a learnable parameter) makes it a "
             "neuron pathir does not have: pathir's neurons are identity, ReLU and max-pool only (use nn.ReLU)")
        for op in ("PReLU", "prelu")},
