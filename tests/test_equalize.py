@@ -207,6 +207,21 @@ def test_path_metric_objective_lowers_its_own_bound():
     assert report.bound_after <= report.bound_before * 1.05
 
 
+def test_path_metric_objective_never_writes_a_rescaling_that_raises_the_certified_bound():
+    """At 2 bits the first-order objective fell (5.81 -> 5.46) while the certified bound it estimates rose
+    (36.0 -> 39.1), and that rescaling was written."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    with torch.no_grad():
+        net[0].weight[:4] *= 20
+        net[2].weight[:, :2] *= 0.05
+    state = _state(net)
+    cm = pathir.compile(net, input_shape=(4,), progress=False)
+    report = cm.equalize(bits=2, objective="path-metric")
+    assert report.bound_after == report.bound_before and not np.any(report.z) and report.units_moved == 0
+    assert "raises the certified bound" in str(report) and all(torch.equal(v, state[k]) for k, v in net.state_dict().items())
+
+
 # ---------------------------------------------------------------- refusals leave the model untouched
 
 

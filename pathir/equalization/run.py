@@ -116,6 +116,38 @@ def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_sc
     result = solve(Objective(pairs, objective), max_log_scale, callback=callback, lower=lower)
     z = result.z
     bar.phase("report")
+    notes = []
+    report = _after(graph, units, z, params, backend, bits, objective, inputs, certify, read_source)
+    if objective == "path-metric" and read_source is None and report[4] is not None and report[4] > report[3]:
+        # the objective is first order: at coarse widths the rescaling can raise the bound it estimates
+        notes.append(f"the rescaling found raises the certified bound ({report[3]:.4g} -> {report[4]:.4g}, the "
+                     "objective is its first-order estimate): none is written (z = 0)")
+        z, result.z, result.value_after = np.zeros_like(z), np.zeros_like(z), result.value_before
+        result.at_bound = 0
+        report = _after(graph, units, z, params, backend, bits, objective, inputs, certify, read_source)
+    rows, absorbed, absorption, bound_before, bound_after, observed, scale = report
+    if commit is not None:
+        bar.phase("write")
+        if absorbed is None:
+            commit(z)
+        else:
+            commit(z, bias_shifts=absorbed.shifts)
+    bar.close()
+    if not result.converged:
+        warn_not_converged("equalize", name, sum(result.iterations), "raise max_iter")
+    return EqualizeReport(
+        name=name, objective=objective, bits=bits, units=len(units), tensors=rows,
+        objective_before=result.value_before, objective_after=result.value_after,
+        bound_before=bound_before, bound_after=bound_after, observed_before=observed[0], observed_after=observed[1],
+        units_moved=int(np.count_nonzero(z)), units_at_bound=result.at_bound, max_log_scale=float(max_log_scale),
+        iterations=result.iterations, converged=result.converged, seconds=time.perf_counter() - start,
+        written=commit is not None, z=z, absorption=absorption, input_scale=scale, inputs_given=inputs is not None,
+        notes=notes)
+
+
+def _after(graph, units, z, params, backend, bits, objective, inputs, certify, read_source):
+    """What the report says of the rescaling z: (its tensor rows, the absorbed graph and its report or None,
+    the certified bounds before and after or None, the observed output changes, the input scale)."""
     rescaled = rescale_graph(graph, units, z)
     after = {p.name: p for p in quantized_params(rescaled)}
 
@@ -140,21 +172,4 @@ def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_sc
             bound_before = scale * path_metric(graph, q_before, backend).upper
             bound_after = scale * path_metric(written, q_after, backend).upper
         observed = (_observed(graph, q_before, backend, inputs), _observed(written, q_after, backend, inputs))
-        del q_before, q_after
-    del rescaled, written
-    if commit is not None:
-        bar.phase("write")
-        if absorbed is None:
-            commit(z)
-        else:
-            commit(z, bias_shifts=absorbed.shifts)
-    bar.close()
-    if not result.converged:
-        warn_not_converged("equalize", name, sum(result.iterations), "raise max_iter")
-    return EqualizeReport(
-        name=name, objective=objective, bits=bits, units=len(units), tensors=rows,
-        objective_before=result.value_before, objective_after=result.value_after,
-        bound_before=bound_before, bound_after=bound_after, observed_before=observed[0], observed_after=observed[1],
-        units_moved=int(np.count_nonzero(z)), units_at_bound=result.at_bound, max_log_scale=float(max_log_scale),
-        iterations=result.iterations, converged=result.converged, seconds=time.perf_counter() - start,
-        written=commit is not None, z=z, absorption=absorption, input_scale=scale, inputs_given=inputs is not None)
+    return rows, absorbed, absorption, bound_before, bound_after, observed, scale

@@ -23,7 +23,9 @@ def add_arguments(parser):
     parser.add_argument("--objective", default="noise", choices=["noise", "range", "path-metric"],
                         help="noise: the rounding noise per-tensor quantization adds to the network (default); "
                              "range: per-tensor quantization steps over the weights' geometric means (Nagel's "
-                             "criterion); path-metric: the certified bound on the output change quantizing causes")
+                             "criterion); path-metric: a first-order estimate of the certified bound on the output change "
+                             "quantizing causes (the bound itself is reported; where the rescaling found would raise "
+                             "it, none is written)")
     parser.add_argument("--certify", action="store_true",
                         help="also compute the certified bound on the output change (always with path-metric)")
     parser.add_argument("--absorb-bias", action="store_true",
