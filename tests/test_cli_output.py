@@ -182,6 +182,16 @@ def test_json_is_concise_unless_history(capsys):
     history = d["history"]  # one F per solver step (Newton: block warm-up sweeps, then iterations)
     assert code == 0 and 1 <= len(history) <= d["sweeps"] + 1
     assert all(b <= a * (1 + 1e-12) for a, b in zip(history, history[1:]))  # F never rises
+    for command in ("pathcond", "enorm"):  # (it was ignored without a word)
+        code, out, err = _run(capsys, command, *SMALL, "-q", "--history")
+        assert code == 2 and not out and "--history" in err and "needs --json" in err
+
+
+def test_every_json_report_names_its_model_weights_and_seed(capsys):
+    for command in ("summary", "pathcond", "enorm", "equalize"):
+        code, out, _ = _run(capsys, command, *SMALL, "--json", "-q")
+        d = json.loads(out)
+        assert code == 0 and {"model", "weights", "seed"} <= d.keys(), (command, sorted(d))
 
 
 def test_reports_use_words_not_argument_names(capsys):

@@ -91,6 +91,9 @@ def written_line(args, written: dict) -> str:
 
 
 def check_output(args) -> None:
+    """Refuse, before any work, an output path that cannot be written and --history without --json."""
+    if getattr(args, "history", False) and not args.json:
+        raise PathirError("--history adds the per-sweep values to the JSON report: it needs --json")
     if args.output is not None:
         check_output_path(args.output, is_onnx(args), (args.model, getattr(args, "weights", None)))
 
