@@ -339,3 +339,25 @@ def test_inputs_with_nan_or_inf_are_refused_by_equalize():
         with pytest.raises(pathir.InputShapeError, match="NaN or infinite"):
             pathir.equalize(net, input_shape=(2, 6, 6), inputs=x, certify=True, progress=False)
         assert _same(net, state)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_a_padded_conv_on_a_map_smaller_than_its_kernel_absorbs_its_interior_value(size):
+    """At 2×2 under a 3×3 zero-padded conv every output position is on the border: the interior value,
+    the unpadded conv's, was taken on an empty output (a raw ValueError; resnet18's last stage at 64×64)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                          nn.Conv2d(4, 2, 3, padding=1)).double()
+    _trained_bn(model, 0, beta=5.0, gamma=0.5)
+    c = np.maximum(0.0, model[1].bias.detach().numpy() - 3 * np.abs(model[1].weight.detach().numpy()))
+    assert np.any(c > 0)
+    x = torch.randn(16, 3, size, size, dtype=torch.float64)
+    before, bias = model(x).detach(), model[3].bias.detach().clone()
+    report = pathir.equalize(model, input_shape=(3, size, size), bits=8, inputs=x, absorb_bias=True, max_log_scale=0.0)
+    # by definition: the next bias takes W summed over the kernel times c (the image of c at an interior position);
+    # on a 1×1 map only the centre tap ever sees c: the image is constant, and exact
+    W = model[3].weight.detach().numpy()
+    interior = np.einsum("oi,i->o", W[:, :, 1, 1], c) if size == 1 else np.einsum("oikl,i->o", W, c)
+    np.testing.assert_allclose(model[3].bias.detach().numpy() - bias.numpy(), interior, rtol=1e-9, atol=1e-12)
+    assert report.absorption.max_abs_deviation == pytest.approx(float((model(x).detach() - before).abs().max()),
+                                                               rel=1e-9, abs=1e-12)

@@ -152,8 +152,12 @@ def _constant_image(m, c: np.ndarray, shape: tuple, where: str) -> tuple[np.ndar
     if np.allclose(flat, flat[:, :1], rtol=1e-12, atol=1e-300):
         return flat[:, 0].copy(), False
     if m.kind is MapKind.CONV and any(p != (0, 0) for p in m.padding):
+        # the interior value: the unpadded convolution's, on an input at least one (dilated) kernel wide
+        # (where the node is smaller, every output position is on the border, and the value the same)
         inner = replace(m, padding=tuple((0, 0) for _ in m.padding))
-        y = np.asarray(backend.apply(inner, x, shape))[0]
+        wide = (shape[0], *(max(n, d * (k - 1) + 1) for n, k, d in zip(shape[1:], m.W.shape[2:], m.dilation)))
+        x = np.broadcast_to(c.reshape(-1, *([1] * (len(shape) - 1))), wide)[None].astype(np.float64)
+        y = np.asarray(backend.apply(inner, x, wide))[0]
         flat = y.reshape(y.shape[0], -1)
         if flat.shape[1] and np.allclose(flat, flat[:, :1], rtol=1e-12, atol=1e-300):
             return flat[:, 0].copy(), True
