@@ -55,3 +55,16 @@ def test_a_shape_of_booleans_fails_verification():
     graph = Graph((Node("x", NodeKind.INPUT, (True,)), ), ("x",), "g")
     with pytest.raises(GraphVerificationError, match="not positive integers"):
         verify(graph)
+
+
+@pytest.mark.parametrize("backend", ["torch", "numpy"])
+@pytest.mark.parametrize("tiny", [1e-310, 5e-324])
+def test_a_subnormal_weight_is_refused_naming_it(backend, tiny):
+    """The torch walks count subnormals as 0: one path of weights 1e-310 and 1e300 (Φ = 1e-10, the model's own
+    forward on 1) had path-norm 0.0, scores 0.0 and a path-metric '0 <= d <= 0 (exact)'."""
+    b = GraphBuilder("g")
+    x = b.input("x", (1,))
+    h = b.relu("h", [(x, Dense(P("w1", np.array([[tiny]]))))])
+    cm = pathir.compile(b.build([b.identity("y", [(h, Dense(P("w2", np.array([[1e300]]))))])]), progress=False)
+    with pytest.raises(PathirError, match=r"param 'w1'.*1 subnormal float64 entries"):
+        cm.path_norm(1, backend=backend)

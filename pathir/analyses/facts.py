@@ -40,18 +40,29 @@ class GraphFacts:
 
     def check_finite(self) -> None:
         """PathirError naming the first param of the graph with a NaN or infinite entry (a NaN bias was dropped
-        by some walks: a finite, wrong path-norm); checked once per graph."""
+        by some walks: a finite, wrong path-norm), or a subnormal one (0 < |θ| < 2.2e-308: the walks count
+        subnormals as 0, and a product with one keeps few of its digits); checked once per graph."""
 
         if self._finite:
             return
+        tiny = np.finfo(np.float64).tiny
         for p in self.graph.params():
             value = np.asarray(p.value)
-            bad = ~np.isfinite(value)
+            magnitude = np.abs(value)
+            bad = ~(magnitude < np.inf)  # NaN or ±inf
             if bad.any():
                 k = int(np.flatnonzero(bad.reshape(-1))[0])
                 raise PathirError(f"param '{p.name}' (from {p.source_name}) has {int(bad.sum())} NaN or infinite "
                                   f"entries (the first: {value.reshape(-1)[k]} at flat index {k}): no path-norm, "
                                   "rescaling or bound is a number there; fix the model's weights")
+            small = (magnitude < tiny) & (magnitude > 0)
+            if small.any():
+                k = int(np.flatnonzero(small.reshape(-1))[0])
+                raise PathirError(f"param '{p.name}' (from {p.source_name}) has {int(small.sum())} subnormal float64 "
+                                  f"entries (the first: {value.reshape(-1)[k]:.3g} at flat index {k}; below 2.2e-308, "
+                                  "where float64 keeps only some of a number's digits): pathir's walks, which count "
+                                  "them as 0, would drop their paths. Set them to 0, or scale the layer (and the next "
+                                  "one inversely) into float64's normal range")
         self._finite = True
 
     @cached_property
