@@ -254,3 +254,37 @@ def test_normalize_pass_leaves_its_input_alone():
         np.testing.assert_array_equal(v, p.value)
     with pytest.raises(ValueError, match="p must be a finite number > 0"):
         normalize(graph, p=0)
+
+
+def _scaled_mlp(*factors):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 5), torch.nn.ReLU(),
+                              torch.nn.Linear(5, 3)).double()
+    with torch.no_grad():
+        for layer, f in zip(net[::2], factors):
+            layer.weight.mul_(f)
+            layer.bias.mul_(f)
+    return net
+
+
+@pytest.mark.parametrize("factors, what", [((1.0, 1e300, 1.0), "overflow"), ((1e-170, 1.0, 1.0), "underflow")])
+@pytest.mark.parametrize("method", ["normalize", "enorm"])
+def test_powers_outside_float64_are_refused_not_read_as_degenerate_or_minus_inf(factors, what, method):
+    """|θ|² of 1e300 overflowed: normalize reported z = -inf for five units (no error); |θ|² of 1e-170
+    underflowed: every unit of that layer was listed as degenerate (no nonzero incoming entry), z = 0."""
+    net = _scaled_mlp(*factors)
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    cm = pathir.compile(net, input_shape=(4,))
+    with pytest.raises(PathirError, match=f"leaves float64's range.*{what}"):
+        getattr(cm, method)(p=2)
+    assert all(torch.equal(v, state[k]) for k, v in net.state_dict().items())
+
+
+def test_enorm_on_layers_scaled_far_apart_keeps_the_function():
+    """Pair masses spanning more than 1e-282 of their largest were kept linear: the smallest was 0, and
+    math.log(0) ended ENorm in a bare ValueError."""
+    net = _scaled_mlp(1e100, 1e-100, 1.0)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    before = net(x).detach()
+    pathir.compile(net, input_shape=(4,)).enorm(p=2)
+    assert torch.allclose(net(x), before, rtol=1e-9, atol=0)

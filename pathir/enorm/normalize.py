@@ -143,6 +143,27 @@ def unit_masses(graph: Graph, units, p: float):
     return b[:H], M
 
 
+def check_powers(params, p: float, what: str) -> None:
+    """PathirError naming the first param with an entry whose |θ|^p leaves float64's normal range: a nonzero
+    |θ|^p that would be 0 or subnormal (its unit would look degenerate) or one that overflows (z = -inf)."""
+    tiny, huge = np.finfo(np.float64).tiny, np.finfo(np.float64).max
+    for prm in params:
+        magnitude = np.abs(np.asarray(prm.value, dtype=np.float64))
+        nonzero = magnitude[magnitude > 0]
+        if not nonzero.size:
+            continue
+        low, high = float(nonzero.min()), float(nonzero.max())
+        with np.errstate(over="ignore", under="ignore"):
+            small, large = np.float64(low) ** p < tiny, not np.float64(high) ** p <= huge
+        if small or large:
+            value = low if small else high
+            raise PathirError(
+                f"|θ|^{p:g} of param '{prm.name}' (from {prm.source_name}) leaves float64's range: |θ| = {value:.3g} "
+                f"gives {'an underflow' if small else 'an overflow'}, so {what} cannot be computed exactly (a unit "
+                "would look degenerate, or get z = -inf). Use a smaller p, or rescale the model into a range first "
+                "(cm.pathcond(), which works in log space); nothing was changed")
+
+
 def check_p(p) -> None:
     """ArgumentError unless p (the exponent of ENorm's cost Σ c |θ|^p) is a finite number > 0: p = inf is no sum."""
     if not (p > 0 and math.isfinite(p)):
@@ -161,6 +182,7 @@ def normalize_log_scales(graph: Graph, units, p: float = 2.0) -> Normalization:
     check_p(p)
     params = graph.params()
     check_units_match(params, units)
+    check_powers(params, p, "normalize")
     forward = feedforward_log_u(params, units, p)
     if forward is not None:  # a feed-forward unit graph of dense and convolution params: one pass
         return _normalization(*forward, 0, p)

@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from pathir.analyses.incidence import compact_rows
-from pathir.pairs.unit_pairs import Pairs, _merge_sorted, _sum_by_key, ends_of_keys
+from pathir.pairs.unit_pairs import _LINEAR_RANGE, Pairs, _merge_sorted, _sum_by_key, ends_of_keys
 from pathir.support.sorted_unique import sorted_unique
 
 __all__ = ["row_blocks", "pair_sums", "separable_layout", "masses", "unit_column_blocks", "separable_blocks", "pairs_from_params"]
@@ -159,6 +159,8 @@ def pairs_from_params(units, p: float, costs: np.ndarray | None = None):
     # the params' sorted keys merged (a layer's weights and its bias woven as one table, no sort of them all)
     key, (mass,), _ = _merge_sorted(keys, [sums], (np.add,), H + 1)
     big = float(mass.max())
+    if not float(mass.min()) > big * _LINEAR_RANGE:  # Pairs.mass holds P_k / max P within 1e-282 of 1 (else: logs)
+        return None
     mass /= big
     enter, leave = ends_of_keys(key, H)  # (key becomes leave in place)
     return Pairs(None, enter, leave, H, mass, math.log(big))
