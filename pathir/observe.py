@@ -153,8 +153,23 @@ def observe(cm, inputs, qs=(1.0,), counts: bool = True, compare=None, batch_size
     grp = group()
     if grp is None:
         _check_batch_size(batch_size)
+        _check_order(inputs)
         return _walk(cm, inputs, qs, counts, compare, batch_size, _enabled(progress), backend, _total(inputs))
     return _observe_shards(cm, inputs, qs, counts, compare, batch_size, progress, backend, grp)
+
+
+def _check_order(inputs) -> None:
+    """ArgumentError for a DataLoader that draws its samples at random: the table's rows are numbered in the
+    order they are read, which would then name no sample of the data set."""
+    tud = sys.modules.get("torch.utils.data")
+    if tud is None or not isinstance(inputs, tud.DataLoader):
+        return
+    sampler = getattr(inputs.batch_sampler, "sampler", None)
+    if isinstance(sampler, (tud.RandomSampler, tud.SubsetRandomSampler, tud.WeightedRandomSampler)):
+        raise ArgumentError(
+            f"pathir.observe numbers the table's samples in the order it reads them; this DataLoader draws them at "
+            f"random ({type(sampler).__name__}), so row k would not be sample k of the data set. Pass a loader with "
+            "shuffle=False (or the data set's samples in order)")
 
 
 def _enabled(progress, rank: int = 0) -> bool:

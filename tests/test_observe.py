@@ -77,3 +77,14 @@ def test_a_batch_size_that_is_not_a_positive_integer_is_refused(batch_size):
                         input_shape=(3,))
     with pytest.raises(ArgumentError, match="batch_size"):
         pathir.observe(cm, np.zeros((5, 3)), batch_size=batch_size)
+
+
+def test_a_shuffled_loader_is_refused_its_rows_would_name_no_sample(data):
+    """Single process: the rows came in the shuffled order, numbered 0..N-1 as if in data set order."""
+    cm, x = pathir.compile(_net(), input_shape=(1, 6, 6)), data
+    dataset = torch.utils.data.TensorDataset(torch.as_tensor(x))
+    shuffled = torch.utils.data.DataLoader(dataset, batch_size=4, shuffle=True)
+    with pytest.raises(pathir.ArgumentError, match="draws them at random .RandomSampler."):
+        pathir.observe(cm, shuffled)
+    ordered = pathir.observe(cm, torch.utils.data.DataLoader(dataset, batch_size=4))
+    np.testing.assert_array_equal(ordered.columns["log10_active_l1"], pathir.observe(cm, x).columns["log10_active_l1"])

@@ -89,7 +89,8 @@ def as_input_dict(graph: Graph, x) -> dict:
     x = {k: v if hasattr(v, "shape") else np.asarray(v, dtype=np.float64) for k, v in x.items()}  # nested lists
     for name in graph.inputs:
         if name not in x:
-            raise InputShapeError(f"x: no value for input '{name}'")
+            raise InputShapeError(f"x: no value for input '{name}': a dict of inputs is keyed by the graph's input "
+                                  f"names {list(graph.inputs)}, got keys {list(x)}")
         shape = tuple(x[name].shape)
         if shape[1:] != graph.node(name).shape:
             raise InputShapeError(f"x: input '{name}' expects (B, {', '.join(map(str, graph.node(name).shape))}), "
