@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import pathir.enorm.normalize_forward as forward
 from pathir.analyses.find_units import find_units
 from pathir.enorm.normalize import normalize_log_scales
+from pathir.errors import PathirError
 from pathir.ir import Dense, GraphBuilder
 from pathir.rescaling.apply import rescale_graph
 from pathir.testing import relu_dags, rescalings
@@ -74,12 +75,13 @@ def test_tiny_and_wide_sums_are_taken_in_log_space(monkeypatch):
     w2 = rng.uniform(0.5, 1.0, (2, 3))
     graph = _chain([w0, w1, w2], [np.zeros(4), rng.uniform(0.5, 1, 3)])
     _, units = find_units(graph)
-    for p in (1.0, 2.0):
-        assert _same(graph, units, p, monkeypatch)
+    assert _same(graph, units, 1.0, monkeypatch)
+    with pytest.raises(PathirError, match="underflows float64 for the weights entering 1 units"):
+        normalize_log_scales(graph, units, 2.0)  # unit 2's mass 1e-600 is 0: it was taken for a dead unit
     for p in (1.0, 2.0):  # u of the first layer spans 1600 nats (y = p z / 2), every mass finite
         z = np.zeros(len(units))
         z[:4] = [0.0, 800.0 / p, -800.0 / p, 0.0]
-        moved = rescale_graph(graph, units, z)
+        moved = rescale_graph(graph, units, z)  # (unit 2's entries underflow to 0 there: a dead unit)
         assert _same(moved, units, p, monkeypatch)
 
 

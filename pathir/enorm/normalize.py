@@ -143,25 +143,22 @@ def unit_masses(graph: Graph, units, p: float):
     return b[:H], M
 
 
-def check_powers(params, p: float, what: str) -> None:
-    """PathirError naming the first param with an entry whose |θ|^p leaves float64's normal range: a nonzero
-    |θ|^p that would be 0 or subnormal (its unit would look degenerate) or one that overflows (z = -inf)."""
-    tiny, huge = np.finfo(np.float64).tiny, np.finfo(np.float64).max
-    for prm in params:
-        magnitude = np.abs(np.asarray(prm.value, dtype=np.float64))
-        nonzero = magnitude[magnitude > 0]
-        if not nonzero.size:
-            continue
-        low, high = float(nonzero.min()), float(nonzero.max())
-        with np.errstate(over="ignore", under="ignore"):
-            small, large = np.float64(low) ** p < tiny, not np.float64(high) ** p <= huge
-        if small or large:
-            value = low if small else high
-            raise PathirError(
-                f"|θ|^{p:g} of param '{prm.name}' (from {prm.source_name}) leaves float64's range: |θ| = {value:.3g} "
-                f"gives {'an underflow' if small else 'an overflow'}, so {what} cannot be computed exactly (a unit "
-                "would look degenerate, or get z = -inf). Use a smaller p, or rescale the model into a range first "
-                "(cm.pathcond(), which works in log space); nothing was changed")
+def check_degenerate(graph: Graph, units, z: np.ndarray, degenerate: np.ndarray, p: float, what: str) -> None:
+    """PathirError where |θ|^p left float64's range: a z that is not finite (an overflow), or a unit taken for
+    degenerate (no nonzero incoming entry) that has one (its masses underflowed to 0)."""
+    if not np.all(np.isfinite(z)):
+        raise PathirError(f"{what}: |θ|^{p:g} overflows float64 for some weights (huge |θ|), which leaves "
+                          f"{int(np.sum(~np.isfinite(z)))} units without a finite log-scale; use a smaller p, or rescale "
+                          "the model into range first (cm.pathcond() works in log space). Nothing was changed")
+    if not len(degenerate):
+        return
+    b, M = unit_masses(graph, units, 1.0)  # |θ| itself: nonzero wherever an entry is (subnormals are refused)
+    live = np.asarray(degenerate)[(b[degenerate] > 0) | (np.diff(M.indptr)[degenerate] > 0)]
+    if live.size:
+        raise PathirError(f"{what}: |θ|^{p:g} underflows float64 for the weights entering {live.size} units (the first: "
+                          f"{units.names_of(live[:1])[0]}), which would be taken for dead units and left alone; use a "
+                          "larger p, or rescale the model into range first (cm.pathcond() works in log space). "
+                          "Nothing was changed")
 
 
 def check_p(p) -> None:
@@ -182,10 +179,9 @@ def normalize_log_scales(graph: Graph, units, p: float = 2.0) -> Normalization:
     check_p(p)
     params = graph.params()
     check_units_match(params, units)
-    check_powers(params, p, "normalize")
     forward = feedforward_log_u(params, units, p)
     if forward is not None:  # a feed-forward unit graph of dense and convolution params: one pass
-        return _normalization(*forward, 0, p)
+        return _checked(graph, units, _normalization(*forward, 0, p))
     H = len(units)
     b, M = unit_masses(graph, units, p)
     with np.errstate(divide="ignore"):
@@ -221,7 +217,12 @@ def normalize_log_scales(graph: Graph, units, p: float = 2.0) -> Normalization:
             cycles += 1
             sel = label[rows] == c
             log_u[rows[sel]] = _solve_cycle(M, rows[sel], ext[sel], units, p)
-    return _normalization(log_u, degenerate, cycles, p)
+    return _checked(graph, units, _normalization(log_u, degenerate, cycles, p))
+
+
+def _checked(graph: Graph, units, result: "Normalization") -> "Normalization":
+    check_degenerate(graph, units, result.z, result.degenerate, result.p, "normalize")
+    return result
 
 
 def _normalization(log_u: np.ndarray, degenerate: np.ndarray, cycles: int, p: float) -> Normalization:

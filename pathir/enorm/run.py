@@ -22,7 +22,7 @@ import numpy as np
 
 from pathir.analyses.incidence import ParamLayout
 from pathir.enorm.newton import solve_enorm_newton
-from pathir.enorm.normalize import check_p, check_powers, normalize_log_scales
+from pathir.enorm.normalize import check_p, normalize_log_scales
 from pathir.enorm.solver import solve_enorm
 from pathir.errors import ArgumentError, ArgumentKeyError, PathirError
 from pathir.pairs.param_pairs import pairs_from_params
@@ -215,7 +215,6 @@ def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, cos
                  value_name=f"Σ|θ|^{p:g}")
     bar.phase("units")
     units = facts.units
-    check_powers(units.params, p, "ENorm")
     if solver == "newton" and "incidence" not in facts.built():
         # Newton reads B through the units' compact row ends only: building B would be wasted work
 
