@@ -355,6 +355,11 @@ RULES: RuleTable = {
 }
 
 
+def flushing_denormals() -> bool:
+    """Whether torch's CPU arithmetic flushes subnormals to 0 now (``torch.set_flush_denormal``)."""
+    return bool((torch.tensor([1e-310], dtype=torch.float64) * 1.0).item() == 0.0)
+
+
 class TorchBackend(Backend):
     """The fast backend: torch tensors on ``device`` (CPU by default, "cuda"), in ``dtype``.
 
@@ -424,12 +429,14 @@ class TorchBackend(Backend):
     def flush_denormals(self):
         """Subnormals (|x| < 2.2e-308) count as 0 inside the path walks: x86 arithmetic
         on them is ~100x slower, and a walk's values are relative to a mantissa
-        of at least 1e-100 anyway (CPU only; a no-op where unsupported)."""
+        of at least 1e-100 anyway (CPU only; a no-op where unsupported). The caller's own setting (torch
+        has no getter: read off a subnormal product) is put back after."""
+        was = flushing_denormals()
         torch.set_flush_denormal(True)
         try:
             yield
         finally:
-            torch.set_flush_denormal(False)
+            torch.set_flush_denormal(was)
 
     def power_view(self, q: float) -> "TorchBackend":
         """This backend seeing every weight, bias and fixed constant w as |w|^q

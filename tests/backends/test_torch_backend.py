@@ -424,3 +424,18 @@ def test_power_view_equals_the_path_view_pass_on_a_blocked_dense(q):
                                be.apply(ref, x, (300,)), rtol=1e-12)
     np.testing.assert_allclose(view.to_numpy(view.adjoint(Dense(W), view.asarray(g), (300,))),
                                be.adjoint(ref, g, (300,)), rtol=1e-11, atol=1e-11 * np.abs(g).sum())
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_the_walks_put_back_the_callers_flush_denormal_setting(before):
+    """The walks flush subnormals, and set torch's flag to False after: a caller's own True was lost."""
+    import pathir
+    from pathir.backends.torch import flushing_denormals
+
+    torch.set_flush_denormal(before)
+    try:
+        net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        pathir.compile(net, input_shape=(3,)).path_norm(2)
+        assert flushing_denormals() is before
+    finally:
+        torch.set_flush_denormal(False)
