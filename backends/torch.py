@@ -356,8 +356,11 @@ RULES: RuleTable = {
 
 
 def flushing_denormals() -> bool:
-    """Whether torch's CPU arithmetic flushes subnormals to 0 now (``torch.set_flush_denormal``)."""
-    return bool((torch.tensor([1e-310], dtype=torch.float64) * 1.0).item() == 0.0)
+    """Whether torch's CPU arithmetic flushes subnormals to 0 now (``torch.set_flush_denormal``). The subnormal
+    is made from its bits: a float literal such as 1e-310 is itself read as 0 under flushing, and Python keeps
+    what it read in the module's compiled constants."""
+    smallest = torch.ones(1, dtype=torch.int64).view(torch.float64)  # 4.9e-324, the smallest subnormal
+    return bool((smallest * 1.0).item() == 0.0)
 
 
 class TorchBackend(Backend):

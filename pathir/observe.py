@@ -177,7 +177,7 @@ def _enabled(progress, rank: int = 0) -> bool:
 
 
 def _walk(cm, inputs, qs, counts, compare, batch_size, show, backend, total) -> Observations:
-    from tqdm import tqdm
+    from pathir.support.progress import quiet_tqdm
 
     graph, be = graph_of(cm), backend_of(cm, backend)
     qs = [check_q(q, "observe") for q in qs]
@@ -191,7 +191,7 @@ def _walk(cm, inputs, qs, counts, compare, batch_size, show, backend, total) -> 
         metric = path_metric(cm if not isinstance(cm, Graph) else graph, compare, be)
         glob["path_metric_upper"] = metric.upper
     cols: dict[str, list] = {}
-    with tqdm(total=total, desc="pathir observe", unit="sample", disable=not show, file=sys.stderr) as bar:
+    with quiet_tqdm()(total=total, desc="pathir observe", unit="sample", disable=not show, file=sys.stderr) as bar:
         for batch in _batches(inputs, batch_size):
             x = as_input_dict(graph, batch)
             pat = activation_pattern(graph, be, x)

@@ -265,3 +265,19 @@ def test_not_converging_warns(method, factory):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert getattr(cm, method)(write_back=False).converged
+
+
+def test_the_cli_run_in_process_leaves_the_callers_random_stream_and_sys_path(capsys):
+    """load_model seeded torch's global generator (the caller's next torch.rand changed) and put the working
+    folder on sys.path once per call."""
+    import sys
+
+    _run(capsys, "summary", *TINY, "-q")  # the folder is on sys.path once, from here on
+    path = list(sys.path)
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    for _ in range(2):
+        code, _, _ = _run(capsys, "summary", *TINY, "-q")
+        assert code == 0
+    assert torch.equal(torch.rand(3), expected) and sys.path == path

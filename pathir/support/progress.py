@@ -41,10 +41,22 @@ def enabled(progress: bool | None) -> bool:
 
 def bar(iterable=None, desc: str = "", total=None, progress: bool | None = None, unit: str = "it"):
     """A tqdm bar on stderr, disabled unless :func:`enabled` (``leave=False``: it clears itself)."""
-    from tqdm import tqdm
+    return quiet_tqdm()(iterable, desc=desc, total=total, unit=unit, file=sys.stderr, leave=False,
+                        disable=not enabled(progress), dynamic_ncols=True)
 
-    return tqdm(iterable, desc=desc, total=total, unit=unit, file=sys.stderr, leave=False,
-                disable=not enabled(progress), dynamic_ncols=True)
+
+def quiet_tqdm():
+    """tqdm without its monitor thread (which tqdm starts for every bar, a disabled one too, and leaves
+    running in the user's process); the monitor only refreshes bars that stall."""
+    global _QUIET
+    if _QUIET is None:
+        from tqdm import tqdm
+
+        _QUIET = type("QuietTqdm", (tqdm,), {"monitor_interval": 0})
+    return _QUIET
+
+
+_QUIET = None
 
 
 class Phases:

@@ -111,8 +111,9 @@ def load_model(spec: str, seed: int = 0):
         return spec, os.path.basename(spec)
     import torch
 
-    torch.manual_seed(seed)
-    model, name = _build(spec)
+    with torch.random.fork_rng(devices=[]):  # the caller's own random stream is left where it was
+        torch.manual_seed(seed)
+        model, name = _build(spec)
     if hasattr(model, "eval"):
         model.eval()  # pathir analyses the eval-mode function; this silences the train-mode batch-norm warning
     return model, name
@@ -121,7 +122,8 @@ def load_model(spec: str, seed: int = 0):
 def _build(spec: str):
     if ":" in spec:
         mod_name, _, attr = spec.partition(":")
-        sys.path.insert(0, os.getcwd())
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
         try:
             factory = getattr(importlib.import_module(mod_name), attr)
         except (ImportError, AttributeError) as err:
