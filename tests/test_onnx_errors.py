@@ -271,3 +271,41 @@ def test_an_if_whose_branch_reads_an_activation_is_refused_as_control_flow():
     model.graph.initializer[-1].CopyFrom(numpy_helper.from_array(np.array(True), "cond"))  # (make_model: no bools)
     with pytest.raises(pathir.UnsupportedOperation, match="control flow whose body reads an activation"):
         pathir.compile(model)
+
+
+def _external(tmp_path, location="model.onnx.data"):
+    import onnx
+
+    proto = onnx.ModelProto()
+    proto.CopyFrom(exported("mlp", "legacy")[2])
+    path = tmp_path / "model.onnx"
+    onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True, size_threshold=0,
+                    location=location)
+    return path, tmp_path / location
+
+
+@pytest.mark.parametrize("location", ["model.onnx.data", "weights.onnx"])
+def test_the_output_never_goes_over_the_models_external_data(tmp_path, capsys, location):
+    """Only the .onnx file itself was guarded: cm.save onto its data file was written, and the original model
+    then computed NaN (the same by the CLI, where the data file's name ends in .onnx)."""
+    path, data = _external(tmp_path, location)
+    before = data.read_bytes()
+    cm = pathir.compile(str(path), progress=False)
+    cm.pathcond(progress=False)
+    with pytest.raises(PathirError, match="its external tensor data"):
+        cm.save(str(data))
+    if location.endswith(".onnx"):
+        code, stderr = _cli(capsys, "pathcond", path, "-o", data)
+        assert code == 2 and "its external tensor data" in stderr
+    assert data.read_bytes() == before
+    cm.save(str(tmp_path / "out.onnx"))  # elsewhere: written, and the original's data kept
+    assert data.read_bytes() == before
+
+
+def test_a_missing_external_data_file_is_one_pathir_error(tmp_path, capsys):
+    path, data = _external(tmp_path)
+    data.unlink()
+    with pytest.raises(PathirError, match="cannot read its external tensor data"):
+        pathir.compile(str(path))
+    code, stderr = _cli(capsys, "summary", path)
+    assert code == 2 and "external tensor data" in stderr and "Traceback" not in stderr

@@ -35,6 +35,7 @@ class Source:
     name: str
     opset: int
     skeleton: object = None
+    files: tuple = ()  # the files read (the model and its external tensor data): never written over
 
 
 #: initializers above this many elements are left out of the skeleton (weights, never shape data)
@@ -99,13 +100,19 @@ def load(model) -> Source:
             raise OnnxModelError(f"'{path}' is a directory, not an ONNX file")
         with open(path, "rb") as f:
             proto = _parse(f.read(), name)
+        files = [path]
         if any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer):
             from onnx.external_data_helper import load_external_data_for_model
 
+            folder = os.path.dirname(os.path.abspath(path))
+            files += sorted({os.path.join(folder, e.value) for t in proto.graph.initializer
+                             if t.data_location == onnx.TensorProto.EXTERNAL for e in t.external_data
+                             if e.key == "location"})
             try:
-                load_external_data_for_model(proto, os.path.dirname(os.path.abspath(path)))
-            except (OSError, ValueError) as err:
-                raise OnnxModelError(f"'{name}': cannot read its external tensor data: {err}") from None
+                load_external_data_for_model(proto, folder)
+            except Exception as err:  # OSError, ValueError, onnx's ValidationError (a missing data file)
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise OnnxModelError(f"'{name}': cannot read its external tensor data: {first}") from None
     else:
         raise OnnxModelError(f"expected an ONNX path, bytes or onnx.ModelProto, got {type(model).__name__}")
     if not proto.HasField("graph") or len(proto.graph.node) == 0 or not proto.opset_import:
@@ -113,7 +120,7 @@ def load(model) -> Source:
     light = skeleton(proto)
     _check(light, name)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
-    return Source(proto, name, opset, light)
+    return Source(proto, name, opset, light, tuple(files) if isinstance(model, (str, os.PathLike)) else ())
 
 
 def _check(proto, name: str) -> None:

@@ -57,6 +57,6 @@ def lower(model, input_shape=None) -> Lowered:
     lowering = OnnxLowering(src, shapes, batch, types)
     graph, out_nodes = lowering.run()
     outputs = {o.name: (n, o.name in lowering.axis1) for o, n in zip(src.proto.graph.output, out_nodes)}
-    writer = OnnxWriter(src.proto, lowering.bindings, outputs)
+    writer = OnnxWriter(src.proto, lowering.bindings, outputs, read_from=src.files)
     n_params = sum(b.value.size for b in lowering.bindings.values() if b.kind in _COUNTED)
     return Lowered(graph, writer, int(n_params), src.name)

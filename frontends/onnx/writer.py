@@ -44,7 +44,7 @@ from pathir.frontends.core.write_rules import mask_plan, source_factors
 from pathir.frontends.onnx.function_kept import check_onnx_function
 from pathir.frontends.onnx.load import skeleton
 from pathir.ir import Graph, Role
-from pathir.support.files import write_atomic
+from pathir.support.files import same_file, write_atomic
 
 __all__ = ["Binding", "OnnxWriter"]
 
@@ -93,8 +93,10 @@ class OnnxWriter:
     True
     """
 
-    def __init__(self, model, bindings: Mapping[str, Binding], outputs=None):
+    def __init__(self, model, bindings: Mapping[str, Binding], outputs=None, read_from=()):
         self.source = model
+        #: the files the model was read from (the .onnx and its external data): never written over
+        self.read_from = tuple(read_from)
         self.bindings = {k: _copy(b) for k, b in bindings.items()}
         #: ONNX output name -> (IR output node, whether the ONNX tensor has its batch on axis 1)
         self.outputs = dict(outputs or {})
@@ -114,6 +116,11 @@ class OnnxWriter:
         """Write the current model to ``path`` (``pathir.support.files.write_atomic``: a temporary file
         beside it, then a rename, so a failure leaves no file behind)."""
         path = os.fspath(path)
+        for source in self.read_from:
+            if same_file(path, source):
+                what = "the model file" if source == self.read_from[0] else "its external tensor data"
+                raise PathirError(f"'{path}' is a file the model was read from ({what}, '{source}'): pathir never "
+                                  "writes over what it read; name another file")
         model = self._model if self._model is not None else self.source
         if model.ByteSize() > 2**31 - 1:
             raise PathirError("the model is larger than 2 GB: protobuf cannot write it in one file")
