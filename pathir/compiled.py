@@ -503,7 +503,16 @@ class Compiled:
 
     def _unfolded_variances(self):
         """(param, running variance as float64 array, eps) of every batch-norm that could not be folded and
-        whose running statistics a rescaling moves (a torch model's IN_STATS sources; none otherwise)."""
+        whose running statistics a rescaling moves (IN_STATS sources: a torch model's modules, an ONNX writer's
+        BatchNormalization bindings; none for a bare graph)."""
+        bindings = getattr(self.writer, "bindings", None)
+        if bindings is not None:  # ONNX
+            for p in self.graph.params():
+                for ref in p.sources:
+                    b = bindings.get(ref.name) if ref.role == Role.IN_STATS else None
+                    if b is not None and b.kind == "bn_var":
+                        yield p, np.asarray(b.value, dtype=np.float64).reshape(-1), float(b.eps)
+            return
         if not hasattr(self.model, "get_submodule"):
             return
         for p in self.graph.params():

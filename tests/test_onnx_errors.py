@@ -309,3 +309,41 @@ def test_a_missing_external_data_file_is_one_pathir_error(tmp_path, capsys):
         pathir.compile(str(path))
     code, stderr = _cli(capsys, "summary", path)
     assert code == 2 and "external tensor data" in stderr and "Traceback" not in stderr
+
+
+def _conv_relu_bn_conv():
+    """x → Conv → Relu → BatchNormalization (unfolded: after the ReLU) → Conv → Relu, float32."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = np.random.default_rng(0)
+    C = 4
+    inits = dict(W1=g.normal(size=(C, 3, 3, 3)), b1=g.normal(size=C), W2=g.normal(size=(C, C, 3, 3)), b2=g.normal(size=C),
+                 s=g.uniform(.5, 2, C), bb=g.normal(size=C), mean=g.normal(size=C), var=g.uniform(.5, 2, C))
+    nodes = [helper.make_node("Conv", ["x", "W1", "b1"], ["c1"], name="conv1", pads=[1] * 4),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("BatchNormalization", ["r1", "s", "bb", "mean", "var"], ["n1"], name="bn", epsilon=1e-5),
+             helper.make_node("Conv", ["n1", "W2", "b2"], ["c2"], name="conv2", pads=[1] * 4),
+             helper.make_node("Relu", ["c2"], ["y"], name="relu2")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 6, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", C, 6, 6])],
+                              [numpy_helper.from_array(np.asarray(v, np.float32), k) for k, v in inits.items()])
+    return onnx.helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)])
+
+
+def test_an_onnx_running_variance_that_would_cancel_in_float32_is_refused():
+    """var' = λ²(var + eps) − eps was written whatever λ: at λ² = e^-22 it cancelled to about −eps in float32
+    (onnxruntime's output 4e-4 off), as the torch writer already refused."""
+    model = _conv_relu_bn_conv()
+    for z0, ok in ((-2.0, True), (-22.0, False)):
+        cm = pathir.compile(model, progress=False)
+        z = np.array([z0 if u.name.startswith("W1:") else 0.0 for u in cm.units])
+        before = cm.to_onnx().SerializeToString()
+        if ok:
+            cm.commit_rescaling(z)
+        else:
+            with pytest.raises(PathirError, match="running variance is 'var'.*eps dominates"):
+                cm.commit_rescaling(z)
+            assert cm.to_onnx().SerializeToString() == before
+    cm = pathir.compile(model, progress=False)
+    assert cm.rescaled_variance_ratio() is not None  # the default bound sees ONNX's unfolded batch-norms too

@@ -24,7 +24,7 @@ from pathir.ir import Graph, Param, Role, SourceRef
 from pathir.rescaling.apply import check_log_scales, param_factors
 from pathir.rescaling.shared_sources import check_batch_norm_uses
 
-__all__ = ["source_factors", "EntryFactor", "mask_ref", "mask_plan", "clip_threshold_names"]
+__all__ = ["source_factors", "EntryFactor", "mask_ref", "mask_plan", "clip_threshold_names", "check_variance"]
 
 _SAME = dict(rtol=1e-9, atol=1e-300)
 
@@ -195,3 +195,20 @@ def mask_plan(graph: Graph, masks: Mapping[str, np.ndarray]) -> list[tuple[Param
 def clip_threshold_names(graph: Graph) -> list[str]:
     """The source names of the graph's clipped-ReLU thresholds (``Role.CLIP_THRESHOLD``), in param order."""
     return list(dict.fromkeys(r.name for p in graph.params() for r in p.sources if r.role is Role.CLIP_THRESHOLD))
+
+
+def check_variance(where: str, eps: float, exact: np.ndarray, stored: np.ndarray, untouched: str) -> None:
+    """A batch-norm divides by sqrt(var + eps): the running variance as stored (``stored``, in its dtype) must
+    keep var + eps (= λ²(var_old + eps) > 0, ``exact`` + eps) to that dtype's precision, which fails when a
+    rescaling shrinks the batch-norm's input so far that eps dominates (var' = λ²(var + eps) − eps cancels);
+    refused (PathirError) before anything is written."""
+    want = np.asarray(exact, dtype=np.float64) + eps
+    got = np.asarray(stored, dtype=np.float64) + eps
+    tol = 1e3 * float(np.finfo(np.asarray(stored).dtype).eps)
+    bad = ~(got > 0) | (np.abs(got - want) > tol * np.abs(want))
+    if bad.any():
+        raise PathirError(
+            f"the rescaling shrinks the input of the batch-norm {where} so far that its running variance cannot "
+            f"keep var + eps in {np.asarray(stored).dtype} ({int(bad.sum())} channels; var + eps should be "
+            f"{float(want[bad].min()):.3g}): eps dominates. Use a smaller rescaling (|z| bounded) or a float64 "
+            f"model; {untouched}")

@@ -40,7 +40,7 @@ from typing import Mapping
 import numpy as np
 
 from pathir.errors import PathirError
-from pathir.frontends.core.write_rules import mask_plan, source_factors
+from pathir.frontends.core.write_rules import check_variance, mask_plan, source_factors
 from pathir.frontends.onnx.function_kept import check_onnx_function
 from pathir.frontends.onnx.load import skeleton
 from pathir.ir import Graph, Role
@@ -185,7 +185,9 @@ class OnnxWriter:
             if b.kind == "bn_mean":
                 return lam * old
             if b.kind == "bn_var":
-                return lam**2 * (old + b.eps) - b.eps
+                new = lam**2 * (old + b.eps) - b.eps
+                check_variance(f"whose running variance is '{name}'", b.eps, new, new.astype(np.asarray(b.value).dtype), "nothing was changed")
+                return new
             raise PathirError(f"source tensor '{name}' has role in_stats but is no batch-norm running statistic")
         new = old
         for f in sides.values():

@@ -40,7 +40,7 @@ import numpy as np
 
 from pathir.errors import PathirError, StaleReference
 from pathir.frontends.core.param_write import derived, per_slice_factor, refresh, weight_norm_update
-from pathir.frontends.core.write_rules import EntryFactor, clip_threshold_names, mask_plan, source_factors
+from pathir.frontends.core.write_rules import EntryFactor, check_variance, clip_threshold_names, mask_plan, source_factors
 from pathir.frontends.torch.clipped import plan_clips
 from pathir.frontends.torch.function_kept import Probe
 from pathir.frontends.torch.shared_memory import overlaps, registered_names, self_overlapping
@@ -308,7 +308,8 @@ class TorchWriter:
             new = self._new_value(name, module, attr, old, sides)
             new_t = torch.as_tensor(new, dtype=torch.float64).to(dtype=t.dtype, device=t.device)
             if attr == "running_var" and Role.IN_STATS in sides:
-                _check_variance(name, float(getattr(module, "eps")), new, new_t)
+                check_variance(f"'{name.rpartition('.')[0]}'", float(getattr(module, "eps")), new,
+                               new_t.detach().to("cpu").numpy(), "the model is untouched")
             return [(t, new_t, module, attr)]
         if d.kind != "weight_norm" or Role.IN_STATS in sides:
             raise PathirError(d.why or f"'{name}' is weight-normalized and cannot hold running statistics")
@@ -477,19 +478,3 @@ def _refresh_derived(module, attr: str) -> None:
         refresh(module, attr, d)
 
 
-def _check_variance(name: str, eps: float, exact: np.ndarray, stored) -> None:
-    """A batch-norm divides by sqrt(var + eps): the stored running variance must keep var + eps
-    (= λ²(var_old + eps) > 0) to the precision of its dtype, which fails when a rescaling shrinks the
-    batch-norm's input so far that eps dominates; refused before anything is written."""
-    import torch
-
-    want = exact + eps
-    got = stored.detach().to("cpu", torch.float64).numpy() + eps
-    tol = 1e3 * float(torch.finfo(stored.dtype).eps)
-    bad = ~(got > 0) | (np.abs(got - want) > tol * np.abs(want))
-    if bad.any():
-        raise PathirError(
-            f"the rescaling shrinks the input of the batch-norm '{name.rpartition('.')[0]}' so far that its running "
-            f"variance cannot keep var + eps in {stored.dtype} ({int(bad.sum())} channels; var + eps should be "
-            f"{float(want[bad].min()):.3g}): eps dominates. Use a smaller rescaling (|z| bounded) or a float64 model; "
-            "the model is untouched")
