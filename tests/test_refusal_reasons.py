@@ -334,3 +334,36 @@ def test_an_onnx_op_that_moves_the_batch_axis_is_named_though_an_index_op_follow
     with pytest.raises(UnsupportedOperation) as info:
         pathir.compile(proto)
     assert (info.value.node, info.value.op) == ("drop_first_sample", "Slice")
+
+
+class _Roll(nn.Module):
+    def __init__(self, roll, hook=False):
+        super().__init__()
+        self.a, self.b, self.roll = nn.Linear(3, 4), nn.Linear(4, 2), roll
+        if hook:  # a forward hook of the model's own: traced by torch.export
+            self.register_forward_hook(lambda m, i, o: o)
+
+    def forward(self, x):
+        return self.b(self.roll(torch.relu(self.a(x)).unsqueeze(-1)).squeeze(-1))
+
+
+@pytest.mark.parametrize("hook", [False, True], ids=["fx", "export"])
+@pytest.mark.parametrize("roll", [lambda h: torch.roll(h, 6, 0), lambda h: h.roll(2, dims=0), lambda h: torch.roll(h, 2),
+                                  lambda h: torch.roll(h, (6, 1), (0, 1))],
+                         ids=["batch by 6", "method by 2", "flattened", "batch and features"])
+def test_a_roll_of_the_batch_axis_is_refused(roll, hook):
+    """A roll of axis 0 by a multiple of the batch size is the identity at that size: at the trace's batch of 2
+    (and the self-check's of 3, a shift of 6) it passed, and the samples of every other batch came back rolled."""
+    torch.manual_seed(0)
+    model = _Roll(roll, hook).double()
+    with pytest.raises(UnsupportedOperation, match="rolls the batch axis"):
+        pathir.compile(model, input_shape=(3,), self_check=False)
+
+
+@pytest.mark.parametrize("hook", [False, True], ids=["fx", "export"])
+def test_a_roll_of_the_features_is_exact(hook):
+    torch.manual_seed(0)
+    model = _Roll(lambda h: torch.roll(h, 1, 1), hook).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    cm = pathir.compile(model, input_shape=(3,))
+    assert np.allclose(cm.forward(x.numpy()), model(x).detach().numpy(), rtol=1e-12, atol=1e-12)

@@ -15,7 +15,7 @@ import torch
 
 from pathir.frontends.core.values import ParamTensor, Value, leaves, substitute
 
-__all__ = ["moves", "method_moves", "cat", "getattr_", "size", "dim", "unflatten", "unflatten_module",
+__all__ = ["moves", "roll", "method_moves", "cat", "getattr_", "size", "dim", "unflatten", "unflatten_module",
            "flatten_module", "channel_shuffle_module", "index_with", "transposed_param", "scatter", "index_put", "fill", "zero", "copy"]
 
 
@@ -111,6 +111,22 @@ def moves(fn):
     def rule(low, *args, **kwargs):
         return _index(low, fn, args, kwargs)
     rule.__name__ = f"moves({getattr(fn, '__name__', fn)})"
+    return rule
+
+
+def roll(fn):
+    """The rule of ``torch.roll`` (``fn``: the function, ATen op or method): refused where it rolls the batch axis
+    (``dims`` None rolls the flattened tensor, batch included). A roll by a multiple of the batch size is the
+    identity at that size, so the element-id run at the trace's batch could not see it."""
+    def rule(low, input, shifts, dims=None):
+        v = low.value(input) if isinstance(input, Value) else None
+        ndim = None if v is None else len(v.shape) + 1
+        rolled = None if dims is None else ([dims] if isinstance(dims, int) else list(dims))
+        if ndim is not None and (rolled is None or any(int(d) % ndim == 0 for d in rolled)):
+            low.unsupported("rolls the batch axis (axis 0, or the flattened tensor where dims is not given): it mixes "
+                            "the samples of a batch")
+        return _index(low, fn, (input, shifts) if dims is None else (input, shifts, dims), {})
+    rule.__name__ = f"roll({getattr(fn, '__name__', fn)})"
     return rule
 
 

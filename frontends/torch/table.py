@@ -157,6 +157,9 @@ RULES: dict = {
     # ---------------------------------------------------------------- element moves and shapes
     **{fn: ix.moves(fn) for fn in _MOVES},
     **{name: ix.method_moves(name) for name in _METHOD_MOVES},
+    **_rows(ix.roll(torch.roll), torch.roll),
+    **_rows(ix.roll(aten.roll.default), aten.roll.default),
+    "roll": ix.roll(lambda t, *a, **k: t.roll(*a, **k)),
     **_rows(ix.cat, torch.cat, torch.concat, aten.cat.default, aten.concat.default),
     **_rows(ix.scatter(aten.slice_scatter.default, aten.slice.Tensor), torch.slice_scatter,
             aten.slice_scatter.default),
