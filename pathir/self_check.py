@@ -143,6 +143,7 @@ def _check_torch(cm, model) -> None:
     except SelfCheckFailed as err:
         _refuse_if_batch_sized(cm, model, xs, dtype, err)
         raise
+    _check_batch_of_one(cm, model, xs, outs, dtype)
     if train_paths(cm):
         _check_eval_among_heads(cm, model, xs, outs, dtype)
 
@@ -165,6 +166,28 @@ def _refuse_if_batch_sized(cm, model, xs, dtype: str, err: SelfCheckFailed) -> N
         f"matches it at batch {TRACE_BATCH} but not at batch {BATCH} ({err}). The forward uses x.size(0) or "
         "x.shape[0] as a number (a division by the batch size, a branch on it) or fixes it (x.view(2, -1)); "
         "pathir's graph is per sample. Write the forward without it") from None
+
+
+def _check_batch_of_one(cm, model, xs, outs: dict, dtype: str) -> None:
+    """SelfCheckFailed where the model, run on the first sample alone, does not compute what the IR does for
+    it: a forward that treats a batch of one apart (``if x.shape[0] == 1``, ``torch.cond(x.shape[0] > 1, ...)``),
+    which neither the trace's batch nor the check's sees."""
+    import torch
+
+    try:
+        with eval_forward(model, train_paths(cm)), torch.no_grad():
+            refs = [_numpy(t) for t in _tensors(model(*[x[:1].clone() for _, _, x in xs]))]
+        ones = {k: v[:1] for k, v in outs.items()}
+        # one sample's values in any layout of the same size (x.squeeze() drops the batch axis of one)
+        refs = [r.reshape(ones[n].shape) if n in ones and r.size == ones[n].size else r
+                for n, r in zip(cm.graph.outputs, refs)]
+        _compare(cm, ones, refs, dtype, lambda: "")
+    except Exception as err:
+        raise SelfCheckFailed(
+            f"self-check: the model's forward depends on its batch size: the IR pathir traced at batch {TRACE_BATCH} "
+            f"matches it at batch {BATCH} but not on one sample alone ({type(err).__name__}: {err}). The forward "
+            "treats a batch of one apart (if x.shape[0] == 1, a squeeze of the batch axis) and pathir's graph is per "
+            "sample; write the forward alike for every batch size") from None
 
 
 def _check_eval_among_heads(cm, model, xs, outs: dict, dtype: str) -> None:

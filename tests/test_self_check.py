@@ -120,3 +120,41 @@ def test_a_forward_under_autocast_is_refused_naming_the_module_in_another_dtype(
     torch.manual_seed(0)
     with pytest.raises(pathir.SelfCheckFailed, match="module 'a' returns bfloat16 in a float32 model.*autocast"):
         pathir.compile(Autocast(), input_shape=(3,))
+
+
+@pytest.mark.parametrize("how", ["if", "cond"])
+def test_a_forward_that_treats_a_batch_of_one_apart_is_refused(how):
+    """Traced at batch 2 (torch.export: fx cannot trace the branch), checked at batch 3: the batch-of-one branch
+    was never seen, and cm.forward was wrong at batch 1 (0.627 relative)."""
+
+    class One(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            if how == "if":
+                h = h * 3 if x.shape[0] == 1 else h
+            else:
+                h = torch.cond(x.shape[0] > 1, lambda t: t, lambda t: t * 3, (h,))
+            return self.b(h)
+
+    torch.manual_seed(0)
+    with pytest.raises(SelfCheckFailed, match="not on one sample alone"):
+        pathir.compile(One().double(), input_shape=(3,))
+
+
+def test_a_forward_that_squeezes_a_batch_of_one_still_compiles():
+    net = torch.nn.Sequential(_mlp(), torch.nn.Unflatten(1, (2, 1)))
+
+    class Squeezed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            return self.net(x).squeeze()  # (2,) at batch 1: the same values
+
+    cm = pathir.compile(Squeezed(), input_shape=(4,))
+    assert cm.path_norm(1) == pytest.approx(pathir.compile(_mlp(), input_shape=(4,)).path_norm(1), rel=1e-12)
