@@ -216,3 +216,54 @@ def test_a_forward_set_on_the_instance_is_the_one_compiled(where):
         with torch.no_grad():
             assert torch.allclose(torch.as_tensor(cm.forward(x.numpy())), net(x), rtol=1e-12, atol=1e-12)
         assert cm.path_norm(1) == pytest.approx(expected, rel=1e-12)
+
+
+class _Tied(nn.Module):
+    def __init__(self, hook):
+        super().__init__()
+        self.a, self.m1, self.m2, self.b = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+        self.m2.weight = self.m1.weight
+        if hook:  # the model's own hook: torch.export reads it
+            self.register_forward_hook(lambda m, i, o: None)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.m2(torch.relu(self.m1(torch.relu(self.a(x)))))))
+
+
+def test_tied_weights_read_through_torch_export_are_the_fx_graphs():
+    """torch.export's lifted parameters name every registration of a tied weight; pathir's table of the model's
+    tensors had the first only (KeyError: 'm2.weight', reported as 'please report it')."""
+    torch.manual_seed(0)
+    fx, exported = _Tied(False).double(), _Tied(True).double()
+    exported.load_state_dict(fx.state_dict())
+    a, b = pathir.compile(fx, input_shape=(3,)), pathir.compile(exported, input_shape=(3,))
+    assert b.path_norm(2) == pytest.approx(a.path_norm(2), rel=1e-12)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    with torch.no_grad():
+        before = exported(x)
+        b.pathcond()
+        assert torch.allclose(exported(x), before, rtol=1e-10, atol=1e-12)
+        assert exported.m1.weight is exported.m2.weight
+
+
+@pytest.mark.parametrize("weight", ["made in forward", "a buffer's view"])
+def test_a_constant_weight_read_through_torch_export_is_exact(weight):
+    """A float tensor computed from no activation came through as a bare tensor where a layer reads a weight:
+    AttributeError ('Tensor' object has no attribute 'tensor'), reported as 'please report it'."""
+
+    class Fixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+            self.register_buffer("k", torch.rand(16, dtype=torch.float64))
+            self.register_forward_hook(lambda m, i, o: None)
+
+        def forward(self, x):
+            w = torch.eye(4, dtype=torch.float64) * 0.5 if weight == "made in forward" else self.k.view(4, 4)
+            return self.b(torch.nn.functional.linear(torch.relu(self.a(x)), w))
+
+    torch.manual_seed(0)
+    model = Fixed().double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    cm = pathir.compile(model, input_shape=(3,))
+    assert torch.allclose(torch.as_tensor(cm.forward(x.numpy())), model(x), rtol=1e-12, atol=1e-12)

@@ -57,7 +57,8 @@ def _in_place(op: str) -> bool:
 
 def _interpret(model, program, shapes, name, clips):
     sig = program.graph_signature
-    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers()), **dict(program.constants)}
+    tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False)),
+               **dict(program.constants)}
     lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers,
               **getattr(sig, "inputs_to_lifted_tensor_constants", {})}
     interpreter = _ExportInterpreter(model, program.graph_module.graph, name, lifted, tensors)
@@ -95,17 +96,27 @@ class _ExportInterpreter(FxInterpreter):
             return ParamTensor(fqn, self.tensors[fqn])
         return super()._eval(node, shape)
 
+    def _constant(self, value):
+        """A float tensor computed from no activation (torch.eye(4) * 0.5, a buffer's view) as fx records it: a
+        tensor constant by a name of its own, which a layer may read as its weight; anything else as it is."""
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            self._constants = getattr(self, "_constants", 0) + 1
+            return ParamTensor(f"_tensor_constant{self._constants - 1}", value)
+        return value
+
     def _function(self, fn, args, kwargs):
         if fn is torch.ops.aten._assert_tensor_metadata.default:
             return None  # an export-time check of a tensor's dtype and shape: no value
         if isinstance(fn, torch._ops.OpOverload) and not values_in(args, kwargs):
             params = [a for a in leaves(args, kwargs) if isinstance(a, ParamTensor)]
             if not params:
-                return fn(*args, **kwargs)  # index arithmetic of decomposed ops (arange, clamp, ...): a constant
+                # index arithmetic of decomposed ops (arange, clamp, ...), or a tensor made in forward: a constant
+                return self._constant(fn(*args, **kwargs))
             if not any(isinstance(p.tensor, torch.nn.Parameter) or p.tensor.is_complex() for p in params):
                 # a buffer (indices, a mask, a fixed factor) moved by an op of its own: a constant, no weight, as
                 # torch.fx records it (fx folds a buffer's own ops into one tensor constant)
-                return fn(*torch.utils._pytree.tree_map(_unwrap, args), **torch.utils._pytree.tree_map(_unwrap, kwargs))
+                return self._constant(fn(*torch.utils._pytree.tree_map(_unwrap, args),
+                                         **torch.utils._pytree.tree_map(_unwrap, kwargs)))
             tensors = [a for a in leaves(args, kwargs) if isinstance(a, (ParamTensor, torch.Tensor))]
             if rule_for(fn) is None or len(tensors) > 1:  # (a parameter times a mask buffer: pruning's weight)
                 self.low.unsupported(
