@@ -267,3 +267,26 @@ def test_a_constant_weight_read_through_torch_export_is_exact(weight):
     x = torch.randn(5, 3, dtype=torch.float64)
     cm = pathir.compile(model, input_shape=(3,))
     assert torch.allclose(torch.as_tensor(cm.forward(x.numpy())), model(x), rtol=1e-12, atol=1e-12)
+
+
+def test_a_no_grad_block_read_through_torch_export_is_refused_by_its_reason():
+    """torch.export makes the block a subgraph, which pathir looked up on the model (AttributeError: 'submod_1',
+    reported as 'please report it'); torch.fx, which records no grad mode, reads it exactly."""
+
+    class NoGrad(nn.Module):
+        def __init__(self, hook):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+            if hook:
+                self.register_forward_hook(lambda m, i, o: None)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            with torch.no_grad():
+                return self.b(h)
+
+    from pathir.errors import UnsupportedOperation
+
+    with pytest.raises(UnsupportedOperation, match="subgraph of its own"):
+        pathir.compile(NoGrad(True), input_shape=(3,))
+    assert pathir.compile(NoGrad(False), input_shape=(3,)).path_norm(1) > 0

@@ -94,6 +94,12 @@ class _ExportInterpreter(FxInterpreter):
         if node.op == "placeholder" and node.name in self.lifted:
             fqn = self.lifted[node.name]
             return ParamTensor(fqn, self.tensors[fqn])
+        if node.op == "get_attr" and isinstance(node.target, str) and node.target.startswith(("submod_", "true_graph_",
+                                                                                              "false_graph_")):
+            self.low.unsupported(
+                "torch.export wrapped part of the forward in a subgraph of its own (a torch.no_grad() or "
+                "torch.autocast block, torch.cond), which pathir does not read: remove the block (grad mode "
+                "changes no value), or let torch.fx trace the model", "subgraph")
         return super()._eval(node, shape)
 
     def _constant(self, value):
