@@ -30,6 +30,7 @@ from pathir.lifting.path_norm import check_q, log_max_path, log_path_sum
 from pathir.lifting.pattern import activation_pattern, as_input_dict
 from pathir.lifting.walk import forward
 from pathir.support.distributed import Group, gather_or_raise, group, shard
+from pathir.support.progress import quiet_tqdm
 
 __all__ = ["Observations", "observe", "QUANTILES"]
 
@@ -177,7 +178,6 @@ def _enabled(progress, rank: int = 0) -> bool:
 
 
 def _walk(cm, inputs, qs, counts, compare, batch_size, show, backend, total) -> Observations:
-    from pathir.support.progress import quiet_tqdm
 
     graph, be = graph_of(cm), backend_of(cm, backend)
     qs = [check_q(q, "observe") for q in qs]
