@@ -49,3 +49,15 @@ def test_state_update_under_training_flag_is_not_run_by_the_capture():
     assert_forward(model, (4,), tol=1e-12)
     assert float(model.count) == 0.0 and model.training
 
+
+
+@pytest.mark.parametrize("self_check", [True, False])
+def test_a_state_write_read_through_torch_export_is_refused_without_the_self_check_too(self_check):
+    """torch.export runs the forward on fake tensors, so the model's own buffer did not move and the write went
+    unseen: with self_check=False the graph kept the count of the trace (and a later query raised ModelChanged)."""
+    torch.manual_seed(0)
+    model = Counter("inplace").double().eval()
+    model.register_forward_hook(lambda m, i, o: None)  # the model's own hook: read through torch.export
+    with pytest.raises(UnsupportedOperation, match="the forward writes the model's own 'count'"):
+        pathir.compile(model, input_shape=(4,), self_check=self_check)
+    assert float(model.count) == 0.0

@@ -493,11 +493,16 @@ def state_kept(model: nn.Module):
                     owner._buffers[attr] = t
                 with torch.no_grad():
                     t.copy_(saved[n])
-            raise UnsupportedOperation(
-                "forward", type(model).__name__, "",
-                f"the forward writes the model's own {', '.join(repr(n) for n in moved[:5])} while it runs (e.g. "
-                "`self.count += 1`): the traced graph does not show it and every call would change the model "
-                "(buffers put back as they were; keep state updates out of forward, or under `if self.training`)")
+            refuse_state_writes(model, moved)
+
+
+def refuse_state_writes(model: nn.Module, written: list[str]) -> None:
+    """UnsupportedOperation naming the model's tensors the forward writes while it runs (``written``)."""
+    raise UnsupportedOperation(
+        "forward", type(model).__name__, "",
+        f"the forward writes the model's own {', '.join(repr(n) for n in written[:5])} while it runs (e.g. "
+        "`self.count += 1`): the traced graph does not show it and every call would change the model "
+        "(buffers put back as they were; keep state updates out of forward, or under `if self.training`)")
 
 
 # ---------------------------------------------------------------- modes fixed in the code

@@ -15,7 +15,7 @@ from torch.export.graph_signature import OutputKind
 
 from pathir.errors import UnsupportedOperation
 from pathir.frontends.core.values import ParamTensor, leaves, values_in
-from pathir.frontends.torch.capture_checks import WriteThroughView, effect_export
+from pathir.frontends.torch.capture_checks import WriteThroughView, effect_export, refuse_state_writes
 from pathir.frontends.torch.inputs import model_dtype_device
 from pathir.frontends.torch.interpreter import FxInterpreter
 from pathir.frontends.torch.table import rule_for
@@ -57,6 +57,9 @@ def _in_place(op: str) -> bool:
 
 def _interpret(model, program, shapes, name, clips):
     sig = program.graph_signature
+    written = [*getattr(sig, "buffers_to_mutate", {}).values(), *getattr(sig, "parameters_to_mutate", {}).values()]
+    if written:  # (export runs the forward on fake tensors: the model's own stay as they were, unseen by state_kept)
+        refuse_state_writes(model, sorted(set(written)))
     tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False)),
                **dict(program.constants)}
     lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers,
