@@ -83,6 +83,7 @@ class _ExportInterpreter(FxInterpreter):
         super().__init__(model, graph, name)
         self.lifted, self.tensors = lifted, tensors
         self.user_outputs = None  # positions of the forward's own results among the graph's outputs
+        self.constants = 0  # tensor constants made so far (their names: _tensor_constant0, 1, ...)
 
     def _returned(self, node):
         """The forward's own results: an exported graph returns the tensors it writes in place first (an
@@ -109,8 +110,8 @@ class _ExportInterpreter(FxInterpreter):
         """A float tensor computed from no activation (torch.eye(4) * 0.5, a buffer's view) as fx records it: a
         tensor constant by a name of its own, which a layer may read as its weight; anything else as it is."""
         if isinstance(value, torch.Tensor) and value.is_floating_point():
-            self._constants = getattr(self, "_constants", 0) + 1
-            return ParamTensor(f"_tensor_constant{self._constants - 1}", value)
+            self.constants += 1
+            return ParamTensor(f"_tensor_constant{self.constants - 1}", value)
         return value
 
     def _function(self, fn, args, kwargs):

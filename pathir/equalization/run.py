@@ -117,15 +117,15 @@ def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_sc
     z = result.z
     bar.phase("report")
     notes = []
-    report = _after(graph, units, z, params, backend, bits, objective, inputs, certify, read_source)
-    if objective == "path-metric" and read_source is None and report[4] is not None and report[4] > report[3]:
+    rows, absorbed, absorption, bound_before, bound_after, observed, scale = \
+        _after(graph, units, z, params, backend, bits, objective, inputs, certify, read_source)
+    if objective == "path-metric" and read_source is None and bound_after is not None and bound_after > bound_before:
         # the objective is first order: at coarse widths the rescaling can raise the bound it estimates
-        notes.append(f"the rescaling found raises the certified bound ({report[3]:.4g} -> {report[4]:.4g}, the "
+        notes.append(f"the rescaling found raises the certified bound ({bound_before:.4g} -> {bound_after:.4g}, the "
                      "objective is its first-order estimate): none is written (z = 0)")
-        z, result.z, result.value_after = np.zeros_like(z), np.zeros_like(z), result.value_before
-        result.at_bound = 0
-        report = _after(graph, units, z, params, backend, bits, objective, inputs, certify, read_source)
-    rows, absorbed, absorption, bound_before, bound_after, observed, scale = report
+        z, result.z, result.value_after, result.at_bound = np.zeros_like(z), np.zeros_like(z), result.value_before, 0
+        rows, absorbed, absorption, bound_before, bound_after, observed, scale = \
+            _after(graph, units, z, params, backend, bits, objective, inputs, certify, read_source)
     if commit is not None:
         bar.phase("write")
         if absorbed is None:
