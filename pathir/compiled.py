@@ -11,7 +11,6 @@ import contextlib
 import functools
 import math
 import numbers
-import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -35,7 +34,6 @@ from pathir.pathcond.run import pathcond
 from pathir.rescaling.apply import rescale_graph
 from pathir.rescaling.bounds import default_max_log_scale
 from pathir.rescaling.commit import check_optimizer, check_writable, commit_rescaling, rescaled_graph, with_bias_shifts
-from pathir.support.files import same_file
 from pathir.support.progress import Phases
 
 __all__ = ["Compiled", "Summary"]
@@ -360,11 +358,7 @@ class Compiled:
     def save(self, path) -> None:
         """Write :meth:`to_onnx` to ``path`` (through a temporary file: a failure leaves no file); never over
         the file the model was compiled from."""
-        writer = self._onnx_writer("save")
-        if isinstance(self.model, (str, os.PathLike)) and same_file(path, self.model):
-            raise PathirError(f"cm.save('{os.fspath(path)}') would write over the file the model was compiled from; "
-                              "pathir never changes its source: name another file")
-        writer.save(path)
+        self._onnx_writer("save").save(path)  # (which refuses the files the model was read from)
 
     # ---------------------------------------------------------------- rescaling units
     @property

@@ -119,8 +119,8 @@ class OnnxWriter:
         for source in self.read_from:
             if same_file(path, source):
                 what = "the model file" if source == self.read_from[0] else "its external tensor data"
-                raise PathirError(f"'{path}' is a file the model was read from ({what}, '{source}'): pathir never "
-                                  "writes over what it read; name another file")
+                raise PathirError(f"'{path}' is a file the model was compiled from ({what}, '{source}'): pathir "
+                                  "never writes over what it read; name another file")
         model = self._model if self._model is not None else self.source
         if model.ByteSize() > 2**31 - 1:
             raise PathirError("the model is larger than 2 GB: protobuf cannot write it in one file")
