@@ -290,3 +290,23 @@ def test_a_no_grad_block_read_through_torch_export_is_refused_by_its_reason():
     with pytest.raises(UnsupportedOperation, match="subgraph of its own"):
         pathir.compile(NoGrad(True), input_shape=(3,))
     assert pathir.compile(NoGrad(False), input_shape=(3,)).path_norm(1) > 0
+
+
+def test_torch_cond_on_activation_values_is_refused_by_what_it_reads():
+    """pathir's write watch (a dispatch mode around compile) had no rule for torch.cond: the model's own forward
+    failed under it, and the refusal blamed the model ('Cond itself fails on a batch of input_shape')."""
+
+    class Cond(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            return self.b(torch.cond(h.sum() > 0, lambda t: t * 2, lambda t: t * 3, (h,)))
+
+    from pathir.errors import InputShapeError, UnsupportedOperation
+
+    with pytest.raises(UnsupportedOperation) as info:
+        pathir.compile(Cond().double(), input_shape=(3,))
+    assert not isinstance(info.value, InputShapeError) and "itself fails" not in str(info.value)

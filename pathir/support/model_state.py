@@ -276,13 +276,19 @@ def _write_watch():
                             if a.alias_info is not None and a.alias_info.is_write]
         return writes[func]
 
+    from torch._ops import HigherOrderOperator
+
     class WriteWatch(TorchDispatchMode):
+        supports_higher_order_operators = True  # torch.cond & co. run as they are: their branches write nothing
+
         def __init__(self, state: ModelState):
             super().__init__()
             self.state = state
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if isinstance(func, HigherOrderOperator):
+                return func(*args, **kwargs)
             for i, name in written(func):
                 arg = args[i] if i is not None and i < len(args) else kwargs.get(name)
                 for t in arg if isinstance(arg, (list, tuple)) else (arg,):
