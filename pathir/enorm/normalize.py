@@ -143,22 +143,24 @@ def unit_masses(graph: Graph, units, p: float):
     return b[:H], M
 
 
-def check_degenerate(graph: Graph, units, z: np.ndarray, degenerate: np.ndarray, p: float, what: str) -> None:
+def _check_range(graph: Graph, units, result: "Normalization") -> "Normalization":
     """PathirError where |θ|^p left float64's range: a z that is not finite (an overflow), or a unit taken for
-    degenerate (no nonzero incoming entry) that has one (its masses underflowed to 0)."""
+    degenerate (no nonzero incoming entry) that has one (its masses underflowed to 0); else ``result``."""
+    z, degenerate, p = result.z, result.degenerate, result.p
     if not np.all(np.isfinite(z)):
-        raise PathirError(f"{what}: |θ|^{p:g} overflows float64 for some weights (huge |θ|), which leaves "
+        raise PathirError(f"normalize: |θ|^{p:g} overflows float64 for some weights (huge |θ|), which leaves "
                           f"{int(np.sum(~np.isfinite(z)))} units without a finite log-scale; use a smaller p, or rescale "
                           "the model into range first (cm.pathcond() works in log space). Nothing was changed")
     if not len(degenerate):
-        return
+        return result
     b, M = unit_masses(graph, units, 1.0)  # |θ| itself: nonzero wherever an entry is (subnormals are refused)
     live = np.asarray(degenerate)[(b[degenerate] > 0) | (np.diff(M.indptr)[degenerate] > 0)]
     if live.size:
-        raise PathirError(f"{what}: |θ|^{p:g} underflows float64 for the weights entering {live.size} units (the first: "
+        raise PathirError(f"normalize: |θ|^{p:g} underflows float64 for the weights entering {live.size} units (the first: "
                           f"{units.names_of(live[:1])[0]}), which would be taken for dead units and left alone; use a "
                           "larger p, or rescale the model into range first (cm.pathcond() works in log space). "
                           "Nothing was changed")
+    return result
 
 
 def check_p(p) -> None:
@@ -181,7 +183,7 @@ def normalize_log_scales(graph: Graph, units, p: float = 2.0) -> Normalization:
     check_units_match(params, units)
     forward = feedforward_log_u(params, units, p)
     if forward is not None:  # a feed-forward unit graph of dense and convolution params: one pass
-        return _checked(graph, units, _normalization(*forward, 0, p))
+        return _check_range(graph, units, _normalization(*forward, 0, p))
     H = len(units)
     b, M = unit_masses(graph, units, p)
     with np.errstate(divide="ignore"):
@@ -217,12 +219,7 @@ def normalize_log_scales(graph: Graph, units, p: float = 2.0) -> Normalization:
             cycles += 1
             sel = label[rows] == c
             log_u[rows[sel]] = _solve_cycle(M, rows[sel], ext[sel], units, p)
-    return _checked(graph, units, _normalization(log_u, degenerate, cycles, p))
-
-
-def _checked(graph: Graph, units, result: "Normalization") -> "Normalization":
-    check_degenerate(graph, units, result.z, result.degenerate, result.p, "normalize")
-    return result
+    return _check_range(graph, units, _normalization(log_u, degenerate, cycles, p))
 
 
 def _normalization(log_u: np.ndarray, degenerate: np.ndarray, cycles: int, p: float) -> Normalization:

@@ -16,7 +16,8 @@ def run(args) -> int:
     info = model_info(args)
     summary.extra["weights"] = info["weights"] if info["seed"] is None else f"random init (seed {info['seed']})"
     if args.json:
-        emit_json({"model": summary.to_dict().get("name"), **summary.to_dict(), **info})
+        report = summary.to_dict()
+        emit_json({"model": report.get("name"), **report, **info})
     else:
         print(summary)
     return 0
