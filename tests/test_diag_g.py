@@ -151,3 +151,31 @@ def test_concat_operands_added_as_slices_match_the_definition():
         for q in (1.0, 2.0):
             assert math.exp(log_path_sum(cm.graph, q, be)) == pytest.approx(enumerate_path_norm(cm.graph, q) ** q, rel=1e-10)
         assert _close(_flat(cm.graph, backend), enumerated_diag_g(cm.graph))
+
+
+def _two_units(out_weights):
+    torch = pytest.importorskip("torch")
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 1)).double()
+    with torch.no_grad():
+        net[0].weight.fill_(1.0), net[0].bias.fill_(1.0), net[2].bias.fill_(1.0)
+        net[2].weight.copy_(torch.tensor([out_weights], dtype=torch.float64))
+    return pathir.compile(net, input_shape=(2,))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_diag_g_entries_spread_over_hundreds_of_decades_are_exact_each(backend):
+    cm = _two_units([1e100, 1e-50])  # g of layer 0's rows: 1e200 and 1e-100, both representable
+    g = cm.diag_g(backend=backend)["0.weight"]
+    assert np.allclose(g, [[1e200, 1e200], [1e-100, 1e-100]], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_diag_g_wider_than_one_float64_scale_is_refused_not_read_as_zero(backend):
+    cm = _two_units([1e150, 1e-50])  # 1e300 and 1e-100 in one tensor: one log-scale would read 1e-100 as 0
+    with pytest.raises(PathNormOverflow, match="diag G of param '0.weight' spans e\\^-230 to e\\^691"):
+        cm.diag_g(backend=backend)
+    with pytest.raises(PathNormOverflow, match="cm.enorm\\(\\) balances"):
+        cm.pathcond(write_back=False)  # its optimum would take the 1e-100 unit for degenerate
+    cm.enorm()
+    g = cm.diag_g(backend=backend)["0.weight"]
+    assert (g > 0).all()

@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from pathir.errors import PathirError
+from pathir.errors import PathirError, PathNormOverflow
 from pathir.ir import Graph
 from pathir.lifting.low_rank import LowRank
 from pathir.lifting.ones_walk import Expanded, ones_forward, ones_log_total
@@ -25,6 +25,10 @@ from pathir.lifting.walk import log_total, path_backward, path_forward
 from pathir.passes import maxpool_to_sum, path_view
 
 __all__ = ["param_grads", "param_log_parts", "at_common_scale"]
+
+#: m ⊙ e^L keeps every entry of a param to full precision only where it is within e^SPAN of the param's
+#: largest (e^{-708} is float64's smallest normal): one log-scale per param holds no wider spread
+SPAN = 708.0
 
 
 def param_grads(graph: Graph, backend, q: float = 1.0, forward_graph: Graph | None = None,
@@ -130,6 +134,7 @@ def param_log_parts(graph: Graph, backend, q: float, scale=None, what: str = "va
                     raise PathirError(f"{what} of param '{p.name}' is not finite (NaN or inf weights?)")
                 top = float(logs.max(initial=-np.inf))
                 if top > -math.inf:
+                    _check_span(float(np.min(logs, where=logs > -np.inf, initial=np.inf)), top, what, p.name)
                     terms.append((np.exp(logs - top, out=logs), top))
                 continue
             if not m.flags.writeable:  # everything else is the walk's own fresh array
@@ -150,6 +155,9 @@ def param_log_parts(graph: Graph, backend, q: float, scale=None, what: str = "va
             out.append(terms[0])
             continue
         top = max(L for _, L in terms)
+        for mt, L in terms:  # a use whose entries all sit below e^{-SPAN} of the largest use's scale
+            if L < top - SPAN:
+                _check_span(L + math.log(float(np.min(mt, where=mt > 0, initial=1.0))), top, what, p.name)
         m, L = terms.pop()
         m *= math.exp(L - top)
         while terms:  # a shared param: sum its uses at a common scale, freeing each
@@ -160,6 +168,17 @@ def param_log_parts(graph: Graph, backend, q: float, scale=None, what: str = "va
         m /= peak
         out.append((m, top + math.log(peak)))
     return out
+
+
+def _check_span(low: float, top: float, what: str, name: str) -> None:
+    """Refuse a param whose nonzero entries span more than e^SPAN (lowest e^low, largest e^top): one
+    log-scale per param would read its smallest entries as 0 or as subnormals."""
+    if top - low > SPAN:
+        raise PathNormOverflow(
+            f"{what} of param '{name}' spans e^{low:.0f} to e^{top:.0f} within the tensor, wider than "
+            f"float64 holds at one scale (e^{SPAN:.0f}): its smallest entries would read as 0. Its layer's "
+            "weights differ from their neighbours' by hundreds of decades; cm.enorm() balances them "
+            "(function kept) and brings the spread back into range")
 
 
 def at_common_scale(parts: list[tuple]) -> tuple[list, float]:
