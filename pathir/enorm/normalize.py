@@ -150,7 +150,7 @@ def _check_range(graph: Graph, units, result: "Normalization") -> "Normalization
     if not np.all(np.isfinite(z)):
         raise PathirError(f"normalize: |θ|^{p:g} overflows float64 for some weights (huge |θ|), which leaves "
                           f"{int(np.sum(~np.isfinite(z)))} units without a finite log-scale; use a smaller p, or rescale "
-                          "the model into range first (cm.pathcond() works in log space). Nothing was changed")
+                          "the model into range first. Nothing was changed")
     if not len(degenerate):
         return result
     b, M = unit_masses(graph, units, 1.0)  # |θ| itself: nonzero wherever an entry is (subnormals are refused)
@@ -158,8 +158,7 @@ def _check_range(graph: Graph, units, result: "Normalization") -> "Normalization
     if live.size:
         raise PathirError(f"normalize: |θ|^{p:g} underflows float64 for the weights entering {live.size} units (the first: "
                           f"{units.names_of(live[:1])[0]}), which would be taken for dead units and left alone; use a "
-                          "larger p, or rescale the model into range first (cm.pathcond() works in log space). "
-                          "Nothing was changed")
+                          "smaller p (p=1 keeps |θ| itself), or rescale the model into range first. Nothing was changed")
     return result
 
 

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pathir.analyses.incidence import ParamLayout
+from pathir.analyses.incidence import ParamLayout, compact_rows
 from pathir.enorm.newton import solve_enorm_newton
 from pathir.enorm.normalize import check_p, normalize_log_scales
 from pathir.enorm.solver import solve_enorm
@@ -172,6 +172,24 @@ def _powers(layout, p: float) -> np.ndarray:
     return w
 
 
+def _check_underflow(units, degenerate, p: float) -> None:
+    """PathirError where a unit the solver took for degenerate (no mass on one side) has a nonzero weight on
+    both: its |θ|^p underflowed float64 (a layer at 1e-170, p = 2), and it would be left alone unbalanced."""
+    H = len(units)
+    has_in, has_out = np.zeros(H + 1, dtype=bool), np.zeros(H + 1, dtype=bool)
+    for prm, (enter, leave) in zip(units.params, compact_rows(units)):
+        nonzero = np.asarray(prm.value) != 0
+        for ends, seen in ((enter, has_in), (leave, has_out)):
+            ends = ends.reshape((1,) * (nonzero.ndim - ends.ndim) + ends.shape)
+            seen[np.broadcast_to(ends, nonzero.shape)[nonzero]] = True
+    live = [h for h in np.asarray(degenerate).tolist() if has_in[h] and has_out[h]]
+    if live:
+        raise PathirError(f"ENorm: |θ|^{p:g} underflows float64 for all the weights on one side of {len(live)} units "
+                          f"(the first: {units.names_of(live[:1])[0]}), which would be taken for dead units and left "
+                          "alone; use a smaller p (p=1 keeps |θ| itself), or rescale the model into range first. "
+                          "Nothing was changed")
+
+
 def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, costs=None, solver: str = "newton",
           commit=None, name: str = "", max_log_scale: float | None = None, callback=None,
           progress: bool | None = None) -> ENormReport:
@@ -238,6 +256,8 @@ def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, cos
                              max_log_scale=bound, callback=chain_callbacks(callback, bar.callback))
         del w  # one copy of θ: freed before the write-back
     del c
+    if len(result.degenerate):
+        _check_underflow(units, result.degenerate, p)
     z = 2.0 * result.z / p
     if max_log_scale is not None:
         z = np.clip(z, -max_log_scale, max_log_scale)  # rounding of 2 (p L / 2) / p

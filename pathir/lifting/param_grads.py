@@ -24,7 +24,7 @@ from pathir.lifting.scaled import Certifier, Uncertified, robust_param_grads
 from pathir.lifting.walk import log_total, path_backward, path_forward
 from pathir.passes import maxpool_to_sum, path_view
 
-__all__ = ["param_grads", "param_log_parts", "at_common_scale"]
+__all__ = ["param_grads", "param_log_parts", "at_common_scale", "check_common_scale"]
 
 #: m ⊙ e^L keeps every entry of a param to full precision only where it is within e^SPAN of the param's
 #: largest (e^{-708} is float64's smallest normal): one log-scale per param holds no wider spread
@@ -177,8 +177,34 @@ def _check_span(low: float, top: float, what: str, name: str) -> None:
         raise PathNormOverflow(
             f"{what} of param '{name}' spans e^{low:.0f} to e^{top:.0f} within the tensor, wider than "
             f"float64 holds at one scale (e^{SPAN:.0f}): its smallest entries would read as 0. Its layer's "
-            "weights differ from their neighbours' by hundreds of decades; cm.enorm() balances them "
-            "(function kept) and brings the spread back into range")
+            "weights differ from their neighbours' by hundreds of decades; where that comes from the scales "
+            "of whole layers, cm.enorm() balances them first (function kept)")
+
+
+#: the fast walks' grads hold no entry below FLOOR of a mantissa of at most ~1e50 (pathir.lifting.scaled):
+#: within e^575 of their param's largest, so only a param e^{SPAN − 575} below the top can lose entries
+_FAST_FLOOR = 575.0
+
+
+def check_common_scale(graph: Graph, parts: list[tuple], what: str) -> None:
+    """Refuse (PathNormOverflow, naming the param) where `at_common_scale` would read a nonzero entry of
+    ``parts`` (`param_log_parts` of ``graph``) as 0 or as a subnormal: one more than e^SPAN below the
+    largest of all. Only params whose scale sits e^{SPAN − 575} below the top are read entry by entry
+    (a `LowRank`'s smallest entry is bounded below by its factors')."""
+    top = max((L for _, L in parts), default=-math.inf)
+    for prm, (m, L) in zip(graph.params(), parts):
+        if not (L > -math.inf and L < top - (SPAN - _FAST_FLOOR)):
+            continue
+        if isinstance(m, LowRank):
+            low = sum(math.log(float(np.min(x, where=x > 0, initial=1.0))) for x in (m.b, m.a))
+        else:
+            low = math.log(float(np.min(m, where=m > 0, initial=1.0)))
+        if L + low < top - SPAN:
+            raise PathNormOverflow(
+                f"{what}: param '{prm.name}' has entries e^{L + low - top:.0f} of the largest of the model, "
+                f"below what float64 holds at one scale (e^-{SPAN:.0f}): they would read as 0 and take their "
+                "units for degenerate. Where the spread comes from the scales of whole layers (one at 1e-170 "
+                "beside layers at 1), cm.enorm(p=1) balances them first (function kept)")
 
 
 def at_common_scale(parts: list[tuple]) -> tuple[list, float]:

@@ -29,8 +29,9 @@ import numpy as np
 
 from pathir.analyses.incidence import compact_rows
 from pathir.errors import ArgumentError, PathirError
-from pathir.lifting.diag_g import diag_g_parts
+from pathir.lifting.diag_g import diag_g_log_parts
 from pathir.lifting.low_rank import factorable
+from pathir.lifting.param_grads import at_common_scale, check_common_scale
 from pathir.pairs.coarse import unit_groups
 from pathir.pathcond.g_summary import summarize_factored
 from pathir.pathcond.objective import log_spreads, spread_ends
@@ -229,7 +230,9 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
     bar.phase("diag G")
     # one array per param (no flat copy of g); Newton reads a large dense param's g = b aᵀ as its factors
     outer = factorable(facts.graph, rows.ends) if solver == "newton" else frozenset()
-    g, log_top = diag_g_parts(facts.graph, backend, outer)
+    g = diag_g_log_parts(facts.graph, backend, outer)
+    check_common_scale(facts.graph, g, "PathCond's diag G")  # F reads g at one scale
+    g, log_top = at_common_scale(g)
     lap("diag G")
     n = sum(part.size for part in g)
     if not math.isfinite(log_top):
