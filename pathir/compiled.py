@@ -30,6 +30,7 @@ from pathir.lifting.path_norm_grad import check_differentiable_q, path_norm_and_
 from pathir.lifting.pruning import path_magnitude_scores, prune
 from pathir.lifting.walk import forward
 from pathir.passes import run_passes
+from pathir.passes.manager import param_fingerprint, pass_name
 from pathir.pathcond.run import pathcond
 from pathir.rescaling.apply import rescale_graph
 from pathir.rescaling.bounds import default_max_log_scale
@@ -208,10 +209,13 @@ class Compiled:
     def __repr__(self) -> str:
         return f"<pathir.Compiled {self.name}: {len(self.graph)} nodes, {self.graph.num_params():,} params>"
 
-    def _with_graph(self, graph: Graph) -> "Compiled":
-        """A snapshot Compiled of ``graph`` with this one's model: it refuses queries once the model moves."""
+    def _with_graph(self, graph: Graph, changed: tuple[str, ...] = ()) -> "Compiled":
+        """A snapshot Compiled of ``graph`` with this one's model: it refuses queries once the model moves,
+        and write-backs where ``changed`` (or this one's ``transformed_by``) names what moved its params."""
         watch = None if self._watch is None else type(self._watch)(self.model)
-        return Compiled(graph, self.model, self.writer, self.source_num_params, self.backend, self.name, watch=watch)
+        out = Compiled(graph, self.model, self.writer, self.source_num_params, self.backend, self.name, watch=watch)
+        out.transformed_by = self.transformed_by + tuple(changed)
+        return out
 
     # ---------------------------------------------------------------- basics
     def get_backend(self, backend=None):
@@ -339,9 +343,16 @@ class Compiled:
         )
 
     def apply(self, *passes, check: bool = True) -> "Compiled":
-        """A new Compiled whose graph is this one's after ``passes`` (verified between them)."""
+        """A new Compiled whose graph is this one's after ``passes`` (verified between them). A pass that
+        changes the params is recorded in ``transformed_by``, and the new Compiled writes nothing back."""
 
-        return self._with_graph(run_passes(self.graph, passes, check=check))
+        graph, changed = self.graph, []
+        for p in passes:  # one at a time, as compile runs them: which of them moved the params
+            before = param_fingerprint(graph)
+            graph = run_passes(graph, (p,), check=check)
+            if param_fingerprint(graph) != before:
+                changed.append(pass_name(p))
+        return self._with_graph(graph, tuple(changed))
 
     # ---------------------------------------------------------------- ONNX models
     def _onnx_writer(self, what: str):
@@ -590,10 +601,10 @@ class Compiled:
         computed on values (or shapes) the model's tensors do not hold."""
         if self.transformed_by and self.writer is not None:
             raise PathirError(
-                f"{what} is not written back: the pass(es) {', '.join(repr(n) for n in self.transformed_by)} changed the "
+                f"{what} is not written back: {', '.join(repr(n) for n in self.transformed_by)} changed the "
                 "graph's parameters (values or shapes), so a result computed on that graph does not apply to the model's "
-                "tensors. Compile without them to write back; on this graph use write_back=False or cm.rescaled(z). "
-                "Nothing was changed")
+                "tensors. Write back from a Compiled without them (pathir.compile without those passes=, not the result "
+                "of cm.apply(...) or cm.rescaled(z)); on this one use write_back=False. Nothing was changed")
 
     def _committer(self, write_back: bool, optimizer):
         """The ``commit`` callback of a rescaling method (None when ``write_back=False``); an
@@ -608,9 +619,10 @@ class Compiled:
 
     def rescaled(self, z) -> "Compiled":
         """A new Compiled whose graph is rescaled by z (one log-scale per unit:
-        θ ← θ ⊙ exp(-Bz/2)). Φ and the function are unchanged; the model is not touched."""
+        θ ← θ ⊙ exp(-Bz/2)). Φ and the function are unchanged; the model is not touched, and the new
+        Compiled writes nothing back (its params are not the model's tensors: ``transformed_by``)."""
 
-        return self._with_graph(rescale_graph(self.graph, self.units, z))
+        return self._with_graph(rescale_graph(self.graph, self.units, z), ("rescaled(z)",))
 
     # ---------------------------------------------------------------- pruning
     @_looks_once

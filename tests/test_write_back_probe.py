@@ -316,6 +316,26 @@ def test_a_user_pass_that_changes_the_params_makes_write_backs_refused():
     kept.pathcond()
 
 
+@pytest.mark.parametrize("derive", ["apply", "rescaled"])
+def test_a_compiled_derived_by_apply_or_rescaled_writes_nothing_back(derive):
+    """cm.apply(pass) and cm.rescaled(z) hold params the model does not: pruning masks chosen on them pruned the
+    model's 5 largest weights, and a PathCond computed on a normalised graph was written onto the raw one."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)).double()
+    state = copy.deepcopy(net.state_dict())
+    cm = pathir.compile(net, input_shape=(4,))
+    if derive == "apply":
+        derived, name = cm.apply("normalize"), "'normalize'"
+        assert cm.apply(lambda g: g).transformed_by == ()  # a pass that keeps every param: nothing recorded
+    else:
+        derived, name = cm.rescaled(np.linspace(-1.0, 1.0, len(cm.units))), "'rescaled\\(z\\)'"
+    for method in (derived.pathcond, lambda: derived.prune(0.5, criterion="magnitude"), derived.equalize):
+        with pytest.raises(PathirError, match=f"{name} changed the graph's parameters"):
+            method()
+    assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())
+    assert derived.pathcond(write_back=False).objective_after <= derived.pathcond(write_back=False).objective_before
+
+
 def test_a_write_inside_parametrize_cached_is_refused_untouched():
     """A weight-normed layer kept its cached weight while its neighbours were rescaled: off by 2 %."""
     import torch.nn.utils.parametrize as P

@@ -128,8 +128,8 @@ class Map:
 
 
 def _element_channels(shape: Shape) -> np.ndarray:
-    """Channel index of each element of a tensor of ``shape`` in C order."""
-    return np.repeat(np.arange(shape[0]), _prod(shape[1:]))
+    """Channel index of each element of a tensor of ``shape`` in C order (a scalar: one element, channel 0)."""
+    return np.repeat(np.arange(shape[0]), _prod(shape[1:])) if len(shape) else np.zeros(1, dtype=np.int64)
 
 
 def _unique_pairs(src: np.ndarray, tgt: np.ndarray) -> np.ndarray:

@@ -52,7 +52,8 @@ class Node:
 
     @property
     def channels(self) -> int:
-        return self.shape[0]
+        """The length of the channel axis; a scalar node (shape (), a model's ``.squeeze(-1)``) is one channel."""
+        return self.shape[0] if self.shape else 1
 
     @property
     def numel(self) -> int:

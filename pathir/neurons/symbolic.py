@@ -226,7 +226,7 @@ def _lifting(ctx: _Context, backend_cls, samples: int) -> Check:
                 if a[k]:
                     lifted[p.end] = lifted.get(p.end, sp.S.Zero) + phi[k] * x1[col[k]]
             for o in ctx.graph.outputs:
-                got = out[o][b].reshape(-1)
+                got = np.reshape(np.asarray(out[o], dtype=object)[b], -1)  # a scalar output (shape ()) too
                 for j in range(got.size):
                     want = lifted.get((o, j), sp.S.Zero)
                     compared += 1

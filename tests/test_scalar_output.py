@@ -1,0 +1,47 @@
+"""A network whose output is one number per sample (a regression head's ``.squeeze(-1)``: a node of shape ()):
+every analysis and rescaling reads it as one channel (they raised IndexError: the units' channel of a scalar)."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import pathir
+from pathir.ir import Dense, GraphBuilder, Reshape
+
+
+class SqueezedHead(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.head = torch.nn.Linear(3, 4), torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.hidden(x))).squeeze(-1)
+
+
+@pytest.mark.parametrize("method", ["pathcond", "enorm", "normalize", "equalize"])
+def test_rescalings_of_a_squeezed_head_keep_its_function(method):
+    torch.manual_seed(0)
+    net = SqueezedHead().double()
+    x = torch.randn(8, 3, dtype=torch.float64)
+    y = net(x).detach()
+    cm = pathir.compile(net, input_shape=(3,))
+    assert cm.graph.node(cm.graph.outputs[0]).shape == ()
+    assert len(cm.units) == 4
+    getattr(cm, method)()
+    assert torch.allclose(net(x), y, rtol=1e-6, atol=1e-9)
+
+
+def test_a_scalar_node_built_by_hand_has_its_path_norm_and_passes_the_symbolic_checks():
+    b = GraphBuilder("scalar")
+    x = b.input("x", (2,))
+    h = b.relu("h", [(x, Dense(b.param("w1", [[2.0, 1.0], [-3.0, 1.0]])))])
+    y = b.identity("y", [(h, Dense(b.param("w2", [[1.0, 1.0]])))])
+    z = b.identity("z", [(y, Reshape(()))], shape=())
+    cm = pathir.compile(b.build([z]))
+    assert cm.path_norm(1, backend="numpy") == pytest.approx(7.0, rel=1e-15)  # |2|+|1|+|-3|+|1| times 1
+    assert len(cm.units) == 2
+    assert cm.verify_symbolic().passed
+    report = copy.deepcopy(cm).pathcond(write_back=False)
+    assert np.all(np.isfinite(report.z))
