@@ -59,3 +59,32 @@ def test_normalize_underflow_advises_a_smaller_p():
     cm = pathir.compile(copy.deepcopy(_tiny_first_layer()), input_shape=(4,))
     with pytest.raises(PathirError, match="use a smaller p"):
         cm.normalize(p=2)
+
+
+def _overflowing_representative():
+    """An MLP rescaled unit by unit (function kept, every weight below 1e109) whose hidden values reach e^750."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(3, 4, bias=False)]
+    for i in range(5):
+        layers += [torch.nn.ReLU(), torch.nn.Linear(4, 4 if i < 4 else 2, bias=False)]
+    net = torch.nn.Sequential(*layers).double()
+    shifts = [0.0, 250.0, 500.0, 750.0, 500.0, 250.0, 0.0]
+    with torch.no_grad():
+        for k, lin in enumerate(m for m in net if isinstance(m, torch.nn.Linear)):
+            lin.weight.mul_(torch.exp(torch.tensor(shifts[k + 1] - shifts[k], dtype=torch.float64)))
+    return net
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_active_quantities_refuse_a_forward_that_overflows(backend):
+    """Before: active path counts [0, 162, 0, ...] (numpy) and all 0 (torch) against the exact [48, 648, 288, ...],
+    read off inf and NaN pre-activations."""
+    cm = pathir.compile(_overflowing_representative(), input_shape=(3,))
+    x = torch.randn(8, 3, dtype=torch.float64).numpy() * 3
+    for query in (lambda: cm.active_path_counts(x, log10=False, backend=backend),
+                  lambda: cm.active_path_norm(x, 1, backend=backend), lambda: cm.local_affine(x)):
+        with pytest.raises(PathirError, match="pre-activation at x is not finite: the float64 forward does not fit"):
+            query()
+    cm.enorm()  # the suggested cure: balanced, the same function in range
+    assert (cm.active_path_counts(x, log10=False, backend=backend) > 0).any()

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pathir.errors import BackendError, InputShapeError, PathirError
+from pathir.errors import BackendError, InputShapeError, PathirError, PathNormOverflow
 from pathir.ir import Graph, Node, NodeKind
 from pathir.lifting.scaled import Uncertified
 from pathir.lifting.walk import flushing
@@ -135,6 +135,7 @@ def activation_pattern(graph: Graph, backend, x) -> ActivationPattern:
                 continue
             if node.kind is NodeKind.MAXPOOL:
                 src = graph.node(node.edges[0].source)
+                _check_finite(backend, node, acts[src.name], "its window's values")
                 pre = backend.kth_max_pool(node, acts[src.name], src.shape)
                 choice[node.name] = backend.pool_choice(node, acts[src.name], src.shape, kth=pre)
             else:
@@ -145,6 +146,7 @@ def activation_pattern(graph: Graph, backend, x) -> ActivationPattern:
             if node.bias is not None:
                 pre = pre + backend.bias(node, len(node.shape) + 1)
             if node.kind is NodeKind.RELU:
+                _check_finite(backend, node, pre, "its pre-activation")
                 relu[node.name] = pre > 0  # bool: 1 byte per neuron and sample
                 pre = backend.relu(pre)
             acts[node.name] = pre
@@ -156,6 +158,20 @@ def activation_pattern(graph: Graph, backend, x) -> ActivationPattern:
             if last.get(e.source) == i and e.source not in outputs:
                 acts.pop(e.source, None)
     return ActivationPattern(batch, relu, choice, {o: acts[o] for o in graph.outputs})
+
+
+def _check_finite(backend, node: Node, values, what: str) -> None:
+    """PathirError where ``values`` (a batch), which decide ``node``'s pattern, are not all finite: the float64
+    forward at x overflowed (a representative whose hidden values pass 1.8e308, inputs far out of scale), and a
+    sign or a max read off inf or NaN is not the network's. The sympy backend is exact: nothing to check."""
+    if backend.name == "sympy":
+        return
+    lo, hi = backend.extrema(values)
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise PathNormOverflow(f"{_context(node)}: {what} at x is not finite: the float64 forward does not fit in "
+                               "float64 there (an overflow, or inf − inf), so its activation pattern cannot be read. "
+                               "Rescale the model into range first (cm.enorm(), function kept), or scale the inputs "
+                               "down")
 
 
 # ------------------------------------------------------------ scaled values
