@@ -279,3 +279,25 @@ def test_two_outputs_and_a_shared_output_node():
     refs = ort_run(model, x)
     for name, ref in zip(cm.graph.outputs, refs):
         assert rel(out[name], ref) <= 1e-5
+
+
+@pytest.mark.parametrize("opset", [7, 13])
+def test_clip_at_float32s_largest_value_is_a_relu(opset):
+    """Clip(min=0, max=FLT_MAX), opset 6-10's default written out (or FLT_MAX as the max input): no finite x
+    reaches it, so it is a ReLU. It was a clipped ReLU of threshold 3.4e38: path_norm(1) 1.46e39 for 15.34."""
+    from onnx_cases import make_model, node, tensor_info
+
+    rng = np.random.default_rng(5)
+    inits = {"W1": rng.normal(size=(3, 4)), "b1": rng.normal(size=4), "W2": rng.normal(size=(4, 2)),
+             "b2": rng.normal(size=2)}
+    top = float(np.finfo(np.float32).max)
+    if opset < 11:
+        clips = [node("Clip", ["h"], ["a"], min=0.0, max=top)]
+    else:
+        inits |= {"lo": np.float32(0.0), "hi": np.float32(top)}
+        clips = [node("Clip", ["h", "lo", "hi"], ["a"])]
+    model = make_model([node("Gemm", ["x", "W1", "b1"], ["h"]), *clips, node("Gemm", ["a", "W2", "b2"], ["y"])],
+                       [tensor_info("x", ["N", 3])], [tensor_info("y", ["N", 2])], inits, opset=opset)
+    w = {k: np.asarray(v, dtype=np.float32).astype(np.float64) for k, v in inits.items()}
+    relu_l1 = ((np.abs(w["W1"]).sum(0) + np.abs(w["b1"])) @ np.abs(w["W2"])).sum() + np.abs(w["b2"]).sum()
+    assert pathir.compile(model).path_norm(1) == pytest.approx(relu_l1, rel=1e-12)

@@ -305,3 +305,44 @@ def test_a_write_that_changes_onnxruntimes_function_is_refused_and_undone(monkey
     cm.commit_rescaling(z)  # the same rescaling, written right, passes
     x = np.random.default_rng(1).normal(size=(4, *shape)).astype(np.float32)
     assert rel(ort_run(cm.to_onnx(), x)[0], ort_run(proto, x)[0]) < 1e-5
+
+
+def _conv_sub_model(constant_first: bool):
+    """Conv → Sub with a per-channel constant (x − b, or b − x) → Relu → Flatten → MatMul."""
+    rng = np.random.default_rng(0)
+    inits = {"Wc": rng.normal(size=(3, 2, 3, 3)), "b": rng.normal(size=(3, 1, 1)), "G": rng.normal(size=(48, 2))}
+    sub = node("Sub", ["b", "c"] if constant_first else ["c", "b"], ["a"])
+    return make_model([node("Conv", ["x", "Wc"], ["c"], pads=[1, 1, 1, 1]), sub, node("Relu", ["a"], ["r"]),
+                       node("Flatten", ["r"], ["f"]), node("MatMul", ["f", "G"], ["y"])],
+                      [tensor_info("x", ["N", 2, 4, 4])], [tensor_info("y", ["N", 2])], inits)
+
+
+@pytest.mark.parametrize("constant_first", [False, True])
+def test_a_sub_of_a_per_channel_constant_is_a_bias_and_is_written_back(constant_first):
+    """Sub(conv, b) was refused ("a fixed non-zero bias breaks the rescaling symmetry") where Add(conv, −b) is the
+    conv's bias. x − b is now the bias −b (bound to b with its sign), b − x a −1 edge and the bias b."""
+    proto = _conv_sub_model(constant_first)
+    x = np.random.default_rng(1).normal(size=(5, 2, 4, 4)).astype(np.float32)
+    before = ort_run(proto, x)[0]
+    cm = pathir.compile(proto)  # the self-check compares with onnxruntime
+    assert rel(cm.forward(x.astype(np.float64), backend="numpy"), before) <= 1e-5
+    b = _inits(proto)["b"].reshape(-1)
+    sign = 1.0 if constant_first else -1.0
+    (bias,) = [p for p in cm.graph.params() if p.name == "b"]
+    np.testing.assert_array_equal(bias.value, sign * b.astype(np.float64))
+    report = cm.pathcond()
+    assert report.max_abs_log_scale > 0.1
+    new = cm.to_onnx()
+    assert rel(ort_run(new, x)[0], before) <= 1e-5
+    again = pathir.compile(new)
+    assert again.path_norm(1) == pytest.approx(cm.path_norm(1), rel=1e-5)
+
+
+def test_bias_absorption_into_a_sub_constant_writes_it_with_its_sign():
+    """equalize(absorb_bias=True) shifts biases: a Sub's constant holds −bias, so it moves the other way."""
+    proto = _conv_sub_model(False)
+    cm = pathir.compile(proto)
+    writer = cm.writer
+    writer.shift_biases(cm.graph, {"b": np.array([0.5, -1.0, 2.0])})
+    written = _inits(writer.to_onnx())["b"].reshape(-1)
+    np.testing.assert_allclose(written, _inits(proto)["b"].reshape(-1) - np.array([0.5, -1.0, 2.0]), rtol=1e-6)

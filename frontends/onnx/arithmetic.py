@@ -1,8 +1,8 @@
 """ONNX rules for arithmetic inside the ReLU DAG model: Sub and Neg (a fixed −1 edge), Mul / Div by a
 constant (a scalar, or one factor per channel, position or element: a fixed edge), Max of activations
-(a max-pool neuron over its operands), LeakyRelu(alpha=0) and Clip(min=0, no max) as ReLU, Clip(min=0,
-max=t) and Min(Relu(x), t) with t a constant per channel as clipped ReLUs (:mod:`..core.clipped`),
-ReduceSum / ReduceMean / ReduceMax over any non-batch axes (fixed edges, or a max-pool neuron), Where
+(a max-pool neuron over its operands), LeakyRelu(alpha=0) and Clip(min=0, no max or its type's largest
+finite value) as ReLU, Clip(min=0, max=t) and Min(Relu(x), t) with t a constant per channel as clipped ReLUs
+(:mod:`..core.clipped`), ReduceSum / ReduceMean / ReduceMax over any non-batch axes (fixed edges, or a max-pool neuron), Where
 with a constant mask. The semantics are the lowering core's (:mod:`..core.fixed_factors`,
 :mod:`..core.reductions`), shared with the torch rules, so both frontends build the same graph."""
 
@@ -14,7 +14,7 @@ from pathir.frontends.core.clipped import threshold_vector
 from pathir.frontends.core.fixed_factors import fixed_scale
 from pathir.frontends.core.reductions import all_spatial, elementwise_max, reduce, where
 from pathir.frontends.core.values import Value
-from pathir.frontends.onnx.elementwise import add_activations
+from pathir.frontends.onnx.elementwise import add_activations, add_constant
 from pathir.frontends.onnx.layers import attrs
 from pathir.frontends.onnx.load import numpy_dtype
 from pathir.frontends.onnx.writer import Binding
@@ -37,9 +37,15 @@ def _constant(c) -> np.ndarray | None:
 
 
 def sub(low, node, ins):
+    """a − b of two activations (a fixed −1 edge), or with one a constant per channel: x − c a bias −c, c − x a
+    fixed −1 edge then the bias c."""
     a, b = ins
+    if isinstance(a, Value) and not isinstance(b, Value):
+        return [add_constant(low, node, a, 0, sign=-1.0)]
+    if isinstance(b, Value) and not isinstance(a, Value):
+        return [add_constant(low, node, fixed_scale(low, b, -1.0), 1)]
     if not (isinstance(a, Value) and isinstance(b, Value)):
-        low.unsupported("subtracting a constant: a fixed non-zero bias breaks the rescaling symmetry")
+        low.unsupported("subtracts two constants")
     if a.shape != b.shape:
         low.unsupported(f"subtracts activations of shapes {list(a.shape)} and {list(b.shape)}: "
                          "broadcasting is not lowered")
@@ -119,6 +125,9 @@ def clip(low, node, ins):
         low.unsupported("Clip at a bound computed from the input: not positively homogeneous")
     lo_s = None if lo is None else _scalar(np.asarray(lo, dtype=np.float64))
     hi_s = None if hi is None else _scalar(np.asarray(hi, dtype=np.float64))
+    dtype = numpy_dtype(low.types.get(node.input[0], 1))
+    if hi_s is not None and np.issubdtype(dtype, np.floating) and hi_s >= float(np.finfo(dtype).max):
+        hi_s = None  # max = the largest finite value of its type (opset 6-10's default, FLT_MAX): no finite x passes it
     if (lo_s is None or lo_s == -np.inf) and (hi_s is None or hi_s == np.inf):  # no bound: the identity
         low.same_axis(node)
         return [low.act(node, 0)]

@@ -109,16 +109,23 @@ def add(low, node, ins):
     if isinstance(a, Value) and isinstance(b, Value):
         return [add_activations(low, node, ins)]
     k = 0 if isinstance(a, Value) else 1
-    v, c = ins[k], ins[1 - k]
+    return [add_constant(low, node, ins[k], k)]
+
+
+def add_constant(low, node, v: Value, k: int, sign: float = 1.0) -> Value:
+    """v + sign · c, v the activation at the node's input k and c its other input, a constant that broadcasts to
+    one value per channel: a bias param bound to c (kind ``neg_bias`` for sign −1: the param is −c, and a write-back
+    writes c = −param). An all-zero computed constant adds nothing."""
+    c = low.bias_const(node, 1 - k)
     axis = 1 if node.input[k] in low.axis1 else 0
-    if low.bias_const(node, 1 - k) is None:
-        if axis:
-            low.axis1.add(node.output[0])
-        return [v]
-    vec, layout = low.channel_vector(c, v, axis)
-    if v.bias is not None:
-        v = Value.of_node(low.materialize(v), v.shape)
-    p = low.bias(node, 1 - k, vec, layout, f"{node.input[1 - k]} (added by {low.label})")
     if axis:
         low.axis1.add(node.output[0])
-    return [Value(v.terms, v.shape, p, low.label)]
+    if c is None:
+        return v
+    vec, layout = low.channel_vector(c, v, axis, scale=sign)
+    if v.bias is not None:
+        v = Value.of_node(low.materialize(v), v.shape)
+    verb = "added" if sign > 0 else "subtracted"
+    p = low.bias(node, 1 - k, vec, layout, f"{node.input[1 - k]} ({verb} by {low.label})",
+                 kind="bias" if sign > 0 else "neg_bias")
+    return Value(v.terms, v.shape, p, low.label)

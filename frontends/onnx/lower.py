@@ -25,7 +25,7 @@ from pathir.frontends.onnx.writer import OnnxWriter
 __all__ = ["lower", "OnnxModelError"]
 
 #: binding kinds the torch count of parameters includes (running statistics are buffers)
-_COUNTED = frozenset({"weight", "bias", "bn_scale", "bn_bias"})
+_COUNTED = frozenset({"weight", "bias", "neg_bias", "bn_scale", "bn_bias"})
 
 
 def lower(model, input_shape=None) -> Lowered:

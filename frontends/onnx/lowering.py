@@ -273,10 +273,11 @@ class OnnxLowering(Lowering):
         self.bind(ref, node, k, "weight")
         return p
 
-    def bias(self, node, k: int, vector: np.ndarray, layout: tuple[int, ...], how: str = "") -> Param:
-        ref, _ = self.param_ref(node, k, ("bias", layout, vector))
+    def bias(self, node, k: int, vector: np.ndarray, layout: tuple[int, ...], how: str = "", kind: str = "bias") -> Param:
+        """The bias param of input k; ``kind`` ``neg_bias`` where the param is the tensor's negative (Sub)."""
+        ref, _ = self.param_ref(node, k, (kind, layout, vector))
         p = self.param(ref, vector, (SourceRef(ref),), how)
-        self.bind(ref, node, k, "bias", layout)
+        self.bind(ref, node, k, kind, layout)
         return p
 
     def channel_vector(self, c: np.ndarray, v: Value, axis: int, scale: float = 1.0):

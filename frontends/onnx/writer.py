@@ -213,12 +213,12 @@ class OnnxWriter:
                 continue
             (ref,) = [r for r in p.sources if r.role is Role.VALUE]
             b = self._binding(ref.name)
-            if b.kind not in ("bias", "bn_bias"):
+            if b.kind not in ("bias", "bn_bias", "neg_bias"):
                 raise PathirError(f"source tensor '{ref.name}' ({b.kind}) is no bias initializer: a constant cannot "
                                   "be added to it; nothing was changed")
             old = np.asarray(b.value, dtype=np.float64)
             delta = self._per_channel(ref.name, b, np.asarray(shifts[p.name], dtype=np.float64).reshape(-1))
-            new = old + delta
+            new = old - delta if b.kind == "neg_bias" else old + delta  # a Sub's constant holds −(the bias)
             if new.shape != old.shape:
                 raise PathirError(f"source tensor '{ref.name}' holds one value for {delta.size} channels: a "
                                   "per-channel constant cannot be added to it; nothing was changed")
