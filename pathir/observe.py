@@ -17,11 +17,12 @@ import csv
 import io
 import math
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from pathir.errors import ArgumentError
+from pathir.errors import ArgumentError, InputShapeError
 from pathir.ir import Graph
 from pathir.lifting.active import log_active_path_sum
 from pathir.lifting.active_metric import active_path_metric
@@ -89,7 +90,13 @@ class Observations:
 
 
 def _batches(inputs, batch_size: int):
-    """Arrays/tensors (B, *shape) from a DataLoader (batches or (x, y, ...) tuples), an array or a tensor."""
+    """Arrays/tensors (B, *shape) from a DataLoader (batches or (x, y, ...) tuples), an array or a tensor; dicts
+    {input: batch} from a dict of arrays (several inputs), cut alike."""
+    if isinstance(inputs, Mapping):
+        n = _dict_length(inputs)
+        for start in range(0, n, batch_size):
+            yield {k: v[start:start + batch_size] for k, v in inputs.items()}
+        return
     if hasattr(inputs, "shape"):
         for start in range(0, int(inputs.shape[0]), batch_size):
             yield inputs[start:start + batch_size]
@@ -105,7 +112,18 @@ def _numpy(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
+def _dict_length(inputs: Mapping) -> int:
+    """The number of samples of a dict {input: array (N, *shape)}; InputShapeError unless they all have N."""
+    sizes = {k: int(v.shape[0]) if hasattr(v, "shape") else -1 for k, v in inputs.items()}
+    if not sizes or -1 in sizes.values() or len(set(sizes.values())) != 1:
+        raise InputShapeError(f"inputs: a dict of inputs needs one array or tensor (N, *shape) per input, all of the "
+                              f"same N; got {sizes} samples (-1: not an array)")
+    return next(iter(sizes.values()))
+
+
 def _total(inputs) -> int | None:
+    if isinstance(inputs, Mapping):
+        return _dict_length(inputs)
     if hasattr(inputs, "shape"):
         return int(inputs.shape[0])
     dataset = getattr(inputs, "dataset", None)
@@ -122,8 +140,8 @@ def observe(cm, inputs, qs=(1.0,), counts: bool = True, compare=None, batch_size
     Parameters
     ----------
     cm : Compiled (or Graph)
-    inputs : numpy array or tensor (N, *input shape), or an iterable of batches (a DataLoader;
-        a batch may be an (x, y) pair)
+    inputs : numpy array or tensor (N, *input shape), a dict {input name: such an array} (several
+        inputs), or an iterable of batches (a DataLoader; a batch may be an (x, y) pair or a dict)
     qs : the q of each active path-norm column ``log10_active_l{q}``
     counts : add ``log10_active_paths``
     compare : a Compiled (or Graph) θ' of the same architecture: adds the active path-metric
@@ -160,17 +178,24 @@ def observe(cm, inputs, qs=(1.0,), counts: bool = True, compare=None, batch_size
 
 
 def _check_order(inputs) -> None:
-    """ArgumentError for a DataLoader that draws its samples at random: the table's rows are numbered in the
+    """ArgumentError for a DataLoader over a map-style data set that does not read it in order, all of it (a
+    shuffled, weighted, distributed or custom sampler or batch sampler): the table's rows are numbered in the
     order they are read, which would then name no sample of the data set."""
     tud = sys.modules.get("torch.utils.data")
-    if tud is None or not isinstance(inputs, tud.DataLoader):
+    if tud is None or not isinstance(inputs, tud.DataLoader) or isinstance(inputs.dataset, tud.IterableDataset):
         return
-    sampler = getattr(inputs.batch_sampler, "sampler", None)
-    if isinstance(sampler, (tud.RandomSampler, tud.SubsetRandomSampler, tud.WeightedRandomSampler)):
-        raise ArgumentError(
-            f"pathir.observe numbers the table's samples in the order it reads them; this DataLoader draws them at "
-            f"random ({type(sampler).__name__}), so row k would not be sample k of the data set. Pass a loader with "
-            "shuffle=False (or the data set's samples in order)")
+    bs = inputs.batch_sampler
+    sampler = inputs.sampler if bs is None else getattr(bs, "sampler", None)
+    if (bs is None or type(bs) is tud.BatchSampler) and type(sampler) is tud.SequentialSampler:
+        return
+    what = type(sampler if sampler is not None and (bs is None or type(bs) is tud.BatchSampler) else bs).__name__
+    why = ("a DistributedSampler outside a torch.distributed process group reads its own shard of the data set "
+           "(shuffled by default)" if isinstance(sampler, tud.DistributedSampler) else
+           f"this DataLoader's {what} may reorder the samples or leave some out")
+    raise ArgumentError(
+        f"pathir.observe numbers the table's samples in the order it reads them, as sample 0, 1, ...; {why}, so row "
+        "k would not be sample k of the data set. Pass a loader with shuffle=False and no sampler (or the data "
+        "set's samples in order); a DistributedSampler is read as such under an initialised process group")
 
 
 def _enabled(progress, rank: int = 0) -> bool:
@@ -286,6 +311,10 @@ def _check_agree(parts) -> None:
 
 def _local_shard(inputs, grp: Group):
     """(this rank's samples, their indices in the data set, the number of samples a single process walks)."""
+    if isinstance(inputs, Mapping):
+        n = _dict_length(inputs)
+        part = shard(n, grp.rank, grp.size)
+        return {k: v[part.start:part.stop] for k, v in inputs.items()}, np.arange(part.start, part.stop), n
     if hasattr(inputs, "shape"):
         part = shard(int(inputs.shape[0]), grp.rank, grp.size)
         return inputs[part.start:part.stop], np.arange(part.start, part.stop), int(inputs.shape[0])

@@ -158,3 +158,39 @@ def test_local_affine_beyond_float64_raises_instead_of_inf(backend):
     assert _close(float(small.vjp(np.ones((1, 1)))["x"][0, 0]), 40.0**150)
     with pytest.raises(PathNormOverflow, match="does not fit in float64"):
         local_affine(chain(200), be, x)  # the intercept Σ_k 40^k ≈ 10^320
+
+
+def _mlp_piece():
+    torch = pytest.importorskip("torch")
+    import pathir
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)).double()
+    cm = pathir.compile(net, input_shape=(3,))
+    x = np.random.default_rng(1).normal(size=(5, 3))
+    return net, cm, x
+
+
+def test_vjp_refuses_an_unknown_output_a_wrong_shape_and_nan_as_jvp_does():
+    """A misspelled output gave uᵀJ = 0 for every sample; NaN blamed the weights; a wrong shape a raw torch error."""
+    from pathir.errors import InputShapeError
+
+    _, cm, x = _mlp_piece()
+    piece = cm.local_affine(x)
+    out = cm.graph.outputs[0]
+    for u, match in (({"logits": np.ones((5, 2))}, "name no output"), ({out: np.ones((5, 3))}, "expects"),
+                     ({out: np.ones((4, 2))}, "expects"), ({out: np.full((5, 2), np.nan)}, "NaN")):
+        with pytest.raises(InputShapeError, match=match):
+            piece.vjp(u)
+    assert np.abs(piece.vjp({out: np.ones((1, 2))})[cm.graph.inputs[0]]).max() > 0
+
+
+def test_a_reversed_array_and_unknown_input_names():
+    """x[::-1] (a negative stride) gave a BackendError where output_bound read it; a key naming no input was ignored."""
+    from pathir.errors import InputShapeError
+
+    net, cm, x = _mlp_piece()
+    reversed_view = x[::-1]
+    np.testing.assert_array_equal(cm.active_path_norm(reversed_view), cm.active_path_norm(reversed_view.copy()))
+    with pytest.raises(InputShapeError, match="name no input"):
+        cm.active_path_norm({cm.graph.inputs[0]: x, "typo": x})

@@ -84,7 +84,71 @@ def test_a_shuffled_loader_is_refused_its_rows_would_name_no_sample(data):
     cm, x = pathir.compile(_net(), input_shape=(1, 6, 6)), data
     dataset = torch.utils.data.TensorDataset(torch.as_tensor(x))
     shuffled = torch.utils.data.DataLoader(dataset, batch_size=4, shuffle=True)
-    with pytest.raises(pathir.ArgumentError, match="draws them at random .RandomSampler."):
+    with pytest.raises(pathir.ArgumentError, match="this DataLoader's RandomSampler may reorder the samples"):
         pathir.observe(cm, shuffled)
     ordered = pathir.observe(cm, torch.utils.data.DataLoader(dataset, batch_size=4))
     np.testing.assert_array_equal(ordered.columns["log10_active_l1"], pathir.observe(cm, x).columns["log10_active_l1"])
+
+
+class _Reversed(torch.utils.data.Sampler):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n - 1, -1, -1))
+
+    def __len__(self):
+        return self.n
+
+
+@pytest.mark.parametrize("sampler", ["distributed", "custom", "batch_sampler"])
+def test_a_loader_that_reorders_or_shards_outside_a_process_group_is_refused(data, sampler):
+    """A DistributedSampler with no process group (shuffled: 7 of 11 rows held another sample's numbers; with
+    num_replicas=2 six samples numbered 0-5) and custom samplers were read as if in data set order."""
+    cm, x = pathir.compile(_net(), input_shape=(1, 6, 6)), data
+    dataset = torch.utils.data.TensorDataset(torch.as_tensor(x))
+    n = len(dataset)
+    if sampler == "distributed":
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_size=4, sampler=torch.utils.data.DistributedSampler(dataset, num_replicas=1, rank=0))
+        match = "a DistributedSampler outside a torch.distributed process group"
+    elif sampler == "custom":
+        loader, match = torch.utils.data.DataLoader(dataset, batch_size=4, sampler=_Reversed(n)), "_Reversed may reorder"
+    else:
+        batches = torch.utils.data.BatchSampler(_Reversed(n), batch_size=4, drop_last=False)
+        loader, match = torch.utils.data.DataLoader(dataset, batch_sampler=batches), "_Reversed may reorder"
+    with pytest.raises(pathir.ArgumentError, match=match):
+        pathir.observe(cm, loader)
+
+
+class _TwoInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(3, 4), torch.nn.Linear(2, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, x, y):
+        return self.c(torch.relu(self.a(x) + self.b(y)))
+
+
+def test_a_dict_of_inputs_is_observed_in_batches_as_the_direct_queries_read_it():
+    """observe iterated the dict's keys and refused it with 'pass a dict {input name: array}'."""
+    torch.manual_seed(0)
+    cm = pathir.compile(_TwoInputs().double(), input_shape=[(3,), (2,)])
+    rng = np.random.default_rng(0)
+    d = {"x": rng.normal(size=(7, 3)), "y": rng.normal(size=(7, 2))}
+    obs = pathir.observe(cm, d, batch_size=3)
+    assert len(obs) == 7
+    np.testing.assert_allclose(obs.columns["log10_active_l1"], np.log10(cm.active_path_norm(d)), rtol=1e-12)
+    with pytest.raises(pathir.errors.InputShapeError, match="all of the same N"):
+        pathir.observe(cm, {"x": d["x"], "y": d["y"][:5]})
+
+
+def test_forward_names_a_missing_or_unknown_input_and_a_batch_mismatch():
+    """{"x": x} alone gave BackendError(KeyError 'y'); an extra key was ignored; batches 5 and 4 a raw torch error."""
+    cm = pathir.compile(_TwoInputs().double(), input_shape=[(3,), (2,)])
+    x, y = np.zeros((5, 3)), np.zeros((5, 2))
+    for d, match in (({"x": x}, "no value for \\['y'\\]"), ({"x": x, "y": y, "typo": y}, "\\['typo'\\] name no input"),
+                     ({"x": x, "y": y[:4]}, "different batch sizes")):
+        with pytest.raises(pathir.errors.InputShapeError, match=match):
+            cm.forward(d)
+    assert cm.forward({"x": x, "y": y}).shape == (5, 2)

@@ -147,14 +147,34 @@ class LocalAffine:
     def vjp(self, u) -> dict:
         """uᵀ J per sample: {input: (B, *in shape)}; ``u``: {output: array (B or 1, *out shape)}
         (an array when there is one output); a missing output contributes nothing."""
-        if not isinstance(u, dict):
-            if len(self.graph.outputs) != 1:
-                raise InputShapeError(f"u: the graph has outputs {list(self.graph.outputs)}: pass a dict")
-            u = {self.graph.outputs[0]: u}
-        seeds = {o: u[o] if o in u else np.zeros((1, *self.graph.node(o).shape)) for o in self.graph.outputs}
+        seeds = self._seeds(u)
         grads = masked_backward(self.graph, self.backend, self.pattern, seeds=seeds)
         return {i: _full(_finite(to_value(self.backend, grads[i]), seeds, f"uᵀ J at input '{i}'"), self.graph, i,
                          self.pattern.batch) for i in self.graph.inputs}
+
+    def _seeds(self, u) -> dict:
+        """{output: array (B or 1, *out shape)} for every output (zeros where ``u`` names none); InputShapeError for a
+        name that is no output, a shape or batch that does not fit, or a value that is not finite."""
+        outputs = list(self.graph.outputs)
+        if not isinstance(u, dict):
+            if len(outputs) != 1:
+                raise InputShapeError(f"u: the graph has outputs {outputs}: pass a dict")
+            u = {outputs[0]: u}
+        unknown = [k for k in u if k not in outputs]
+        if unknown:
+            raise InputShapeError(f"u: {unknown} name no output of the graph (its outputs: {outputs})")
+        seeds = {}
+        for o in outputs:
+            shape = self.graph.node(o).shape
+            a = u[o] if o in u else np.zeros((1, *shape))
+            a = a if hasattr(a, "shape") else np.asarray(a, dtype=np.float64)
+            if tuple(a.shape[1:]) != shape or int(a.shape[0]) not in (1, self.pattern.batch):
+                raise InputShapeError(f"u: output '{o}' expects ({self.pattern.batch} or 1, "
+                                      f"{', '.join(map(str, shape))}), got {tuple(a.shape)}")
+            if not np.all(np.isfinite(np.asarray(a.detach().cpu() if hasattr(a, "detach") else a, dtype=np.float64))):
+                raise InputShapeError(f"u: output '{o}' holds NaN or infinite entries")
+            seeds[o] = a
+        return seeds
 
     def slope(self, output: str | None = None, input: str | None = None) -> np.ndarray:
         """J of one output w.r.t. one input, (B, *out shape, *in shape): one :meth:`vjp` per output entry."""

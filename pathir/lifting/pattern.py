@@ -87,6 +87,11 @@ def as_input_dict(graph: Graph, x) -> dict:
             raise InputShapeError(f"x: the graph has inputs {list(graph.inputs)}: pass a dict {{input name: array}}")
         x = {graph.inputs[0]: x}
     x = {k: v if hasattr(v, "shape") else np.asarray(v, dtype=np.float64) for k, v in x.items()}  # nested lists
+    x = {k: np.ascontiguousarray(v) if isinstance(v, np.ndarray) and any(st < 0 for st in v.strides) else v
+         for k, v in x.items()}  # a reversed view (x[::-1]): torch reads no negative strides
+    unknown = [k for k in x if k not in graph.inputs]
+    if unknown:
+        raise InputShapeError(f"x: {unknown} name no input of the graph (its inputs: {list(graph.inputs)})")
     for name in graph.inputs:
         if name not in x:
             raise InputShapeError(f"x: no value for input '{name}': a dict of inputs is keyed by the graph's input "

@@ -52,6 +52,13 @@ def forward(graph: Graph, backend, inputs, all_nodes: bool = False):
         if len(names) != 1:
             raise InputShapeError(f"x: the graph has inputs {list(names)}: pass a dict {{input name: array}}")
         inputs = {names[0]: inputs}
+    missing, unknown = [n for n in names if n not in inputs], [k for k in inputs if k not in names]
+    if missing or unknown:
+        raise InputShapeError(f"x: a dict of inputs is keyed by the graph's input names {list(names)}; "
+                              + (f"no value for {missing}" if missing else f"{unknown} name no input"))
+    batches = {int(inputs[n].shape[0]) if hasattr(inputs[n], "shape") else len(inputs[n]) for n in names}
+    if len(batches) > 1:
+        raise InputShapeError(f"x: the inputs have different batch sizes {sorted(batches)}")
     acts = {}
     for node in graph.nodes:
         with node_errors(node):
