@@ -164,6 +164,51 @@ def test_state_dict_round_trip_and_param_groups():
     torch.testing.assert_close(again.diag_g()["0.weight"], opt.diag_g()["0.weight"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_run_resumed_from_its_state_dict_is_the_uninterrupted_run(dtype):
+    """With k = 5 the resumed optimizer recomputed diag G at other steps (0.32 off after 8 steps): the step count was
+    not saved. On a float32 model torch's load cast the float64 diag G and momentum to float32."""
+    data = [(x.to(dtype), y.to(dtype)) for x, y in batches((4,), n=8)]
+
+    def train(net, opt, part):
+        for x, y in part:
+            opt.zero_grad()
+            ((net(x) - y) ** 2).mean().backward()
+            opt.step()
+
+    def fresh():
+        net = make(mlp).to(dtype)
+        cm = pathir.compile(net, input_shape=(4,))
+        return net, PathSGD(net.parameters(), compiled=cm, lr=0.05, k=5, momentum=0.9)
+
+    whole, opt = fresh()
+    train(whole, opt, data)
+    first, opt = fresh()
+    train(first, opt, data[:3])
+    saved = copy.deepcopy({"model": first.state_dict(), "optimizer": opt.state_dict()})
+    resumed, opt = fresh()
+    resumed.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+    assert all(v.dtype == torch.float64 for s in opt.state.values() for k, v in s.items() if k in ("g", "momentum_buffer"))
+    train(resumed, opt, data[3:])
+    for a, b in zip(whole.parameters(), resumed.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_param_groups_lr_and_momentum_are_checked_as_the_defaults_are():
+    net = make(mlp)
+    cm = pathir.compile(net, input_shape=(4,))
+    for group, match in (({"lr": -0.5}, "lr must be a finite number >= 0"), ({"momentum": 1.5}, "momentum must be in")):
+        with pytest.raises(ValueError, match=match):
+            PathSGD([{"params": net.parameters(), **group}], compiled=cm, lr=0.1)
+    opt = PathSGD(net.parameters(), compiled=cm, lr=0.1)
+    opt.param_groups[0]["lr"] = float("nan")  # set by hand (or a scheduler) after construction
+    x, y = batches((4,), n=1)[0]
+    ((net(x) - y) ** 2).mean().backward()
+    with pytest.raises(ValueError, match="lr must be"):
+        opt.step()
+
+
 def test_clear_errors():
     net = make(mlp)
     cm = pathir.compile(net, input_shape=(4,))

@@ -51,10 +51,21 @@ import torch
 from pathir.errors import ArgumentError, PathirError, PathNormOverflow
 from pathir.frontends.torch.coordinates import Coordinates
 from pathir.lifting.diag_g import diag_g_log_parts
+from pathir.lifting.param_grads import check_common_scale
 
 __all__ = ["PathSGD"]
 
 _LOG_MAX = math.log(np.finfo(np.float64).max)
+
+
+def _check_group(group: dict) -> None:
+    """ArgumentError unless the group's lr is a finite number >= 0 and its momentum in [0, 1)."""
+    lr, momentum = group.get("lr"), group.get("momentum")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float, np.integer, np.floating)) or not 0 <= lr < math.inf:
+        raise ArgumentError(f"PathSGD: a param group's lr must be a finite number >= 0, got {lr!r}")
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float, np.integer, np.floating)) \
+            or not 0.0 <= momentum < 1.0:
+        raise ArgumentError(f"PathSGD: a param group's momentum must be in [0, 1), got {momentum!r}")
 
 
 def _names_of(model: torch.nn.Module) -> dict[int, tuple[str, ...]]:
@@ -181,6 +192,32 @@ class PathSGD(torch.optim.Optimizer):
         self._resolve(compiled.graph, "the compiled model")
         self._steps = 0
 
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, then the group's own lr and momentum checked as the defaults are (a group's lr may be 0)."""
+        super().add_param_group(param_group)
+        _check_group(self.param_groups[-1])
+
+    def state_dict(self) -> dict:
+        """torch's, with the step count that decides when diag G is recomputed (every k steps): a resumed
+        run recomputes it at the steps the uninterrupted run does."""
+        out = super().state_dict()
+        out["pathsgd_steps"] = self._steps
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, then the step count, and diag G and the momentum buffers as saved: torch casts a state
+        tensor to its parameter's dtype (float32), which would round the float64 state."""
+        state_dict = dict(state_dict)
+        steps = int(state_dict.pop("pathsgd_steps", 0))
+        kept = {i: {k: v for k, v in s.items() if k in ("g", "momentum_buffer") and torch.is_tensor(v)}
+                for i, s in state_dict["state"].items()}
+        super().load_state_dict(state_dict)
+        saved = [i for group in state_dict["param_groups"] for i in group["params"]]
+        for i, p in zip(saved, (p for group in self.param_groups for p in group["params"])):
+            for key, value in kept.get(i, {}).items():
+                self.state[p][key] = value.to(device=p.device, dtype=torch.float64, copy=True)
+        self._steps = steps
+
     def _resolve(self, graph, what: str) -> None:
         """Resolve diag G's coordinates against the model as it is now: ``_coords`` rebuilds ``graph``
         from the model's tensors, ``_names[id(p)]`` is every name of each stepped parameter (a tied one
@@ -219,6 +256,7 @@ class PathSGD(torch.optim.Optimizer):
         tensors = self._coords.read()
         graph = self._coords.current_graph(tensors)
         parts = diag_g_log_parts(graph, self.compiled.get_backend(self.backend))
+        check_common_scale(graph, parts, "PathSGD's diag G")  # read at one scale: nothing may flush to 0
         top = max((L for _, L in parts), default=-math.inf)
         if top > _LOG_MAX:
             raise PathNormOverflow(f"diag G reaches about 10^{top / math.log(10):.1f}, beyond float64")
@@ -244,6 +282,7 @@ class PathSGD(torch.optim.Optimizer):
         if self._steps % self.k == 0 or self._stale() or any("g" not in self.state[p] for g in self.param_groups for p in g["params"]):
             self.refresh()
         for group in self.param_groups:
+            _check_group(group)  # (a scheduler or the user may have set them)
             lr, momentum = group["lr"], group["momentum"]
             for p in group["params"]:
                 if p.grad is None:
