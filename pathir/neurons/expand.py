@@ -10,6 +10,9 @@ Neurons are ``(node name, flat index in C order)``, with attributes
     k          the k of a k-max-pool (1 for the other kinds)
     bias       (param name, channel, value), or None when the node has no bias
     is_input, is_output
+    multiplicity  how many times the graph's outputs list the neuron's node (0 for a hidden one; 2 where a
+               model returns (y, y): a path ending there is two paths of the output vector, and counts twice
+               in path counts and path-norms, as in pathir's walks)
     order      (position of the node in graph.nodes, flat index): the
                lexicographic order of "first antecedent" (docs/math.md §2)
 
@@ -157,6 +160,7 @@ def expand(graph: Graph, max_neurons: int = DEFAULT_MAX_NEURONS, max_edges: int 
     net = nx.MultiDiGraph(name=graph.name)
     position = {n.name: i for i, n in enumerate(graph.nodes)}
     outputs = set(graph.outputs)
+    listed = {name: graph.outputs.count(name) for name in outputs}  # a model that returns (y, y) lists y twice
     for i, node in enumerate(graph.nodes):
         per_channel = math.prod(node.shape[1:])
         for j in range(node.numel):
@@ -165,6 +169,7 @@ def expand(graph: Graph, max_neurons: int = DEFAULT_MAX_NEURONS, max_edges: int 
             net.add_node(
                 (node.name, j), kind=node.kind, k=node.k, bias=bias,
                 is_input=node.kind is NodeKind.INPUT, is_output=node.name in outputs, order=(i, j),
+                multiplicity=listed.get(node.name, 0),
             )
     for node in graph.nodes:
         rows = []  # (target, source position, source index, key, weight, entry)

@@ -37,7 +37,7 @@ from pathir.neurons.expand import Neuron, antecedents, expand
 __all__ = [
     "Path", "NeuronValues", "DEFAULT_MAX_PATHS",
     "starts", "count_paths", "enumerate_paths", "phi", "neuron_forward", "activations", "input_incidence",
-    "enumerate_path_norm", "enumerate_num_paths", "lifted_output",
+    "enumerate_path_norm", "enumerate_num_paths", "lifted_output", "multiplicities",
 ]
 
 DEFAULT_MAX_PATHS = 200_000
@@ -192,15 +192,24 @@ def enumerate_path_norm(graph: GraphLike, q: float, max_paths: int = DEFAULT_MAX
     if not q > 0:
         raise ArgumentError(f"q must be > 0 (math.inf for max_p |Phi_p|), got {q!r}")
     net = _net(graph)
-    values = phi(net, enumerate_paths(net, max_paths))
+    paths = enumerate_paths(net, max_paths)
+    values = phi(net, paths)
     if q == math.inf:
         return float(np.abs(values).max(initial=0.0))
-    return math.fsum(np.abs(values) ** q) ** (1.0 / q)
+    return math.fsum(np.abs(values) ** q * multiplicities(net, paths)) ** (1.0 / q)
+
+
+def multiplicities(net: nx.MultiDiGraph, paths: list[Path]) -> np.ndarray:
+    """How many times each path's end is listed among the graph's outputs (2 for y in ``return y, y``): the
+    paths of the output vector a neuron path stands for, each counted in path counts and path-norms."""
+    return np.array([net.nodes[p.end].get("multiplicity", 1) for p in paths], dtype=np.int64)
 
 
 def enumerate_num_paths(graph: GraphLike, max_paths: int = DEFAULT_MAX_PATHS) -> int:
-    """Number of enumerated paths (input paths and paths of existing biases)."""
-    return len(enumerate_paths(_net(graph), max_paths))
+    """Number of enumerated paths (input paths and paths of existing biases), each counted once per listing of
+    its end among the outputs."""
+    net = _net(graph)
+    return int(multiplicities(net, enumerate_paths(net, max_paths)).sum())
 
 
 def lifted_output(graph: Graph, x, max_paths: int = DEFAULT_MAX_PATHS) -> dict[str, np.ndarray]:

@@ -37,7 +37,7 @@ from pathir.errors import ArgumentError, ArgumentKeyError, GraphTooLarge
 from pathir.ir import Graph
 from pathir.lifting.walk import forward
 from pathir.neurons.expand import expand
-from pathir.neurons.paths import activations, enumerate_paths, input_incidence
+from pathir.neurons.paths import activations, enumerate_paths, input_incidence, multiplicities
 from pathir.passes import maxpool_to_sum, path_view
 
 __all__ = [
@@ -308,8 +308,9 @@ def _path_norm(ctx: _Context, backend_cls) -> Check:
     view = path_view(maxpool_to_sum(ctx.graph), 1)
     ones = {name: np.ones((1, *view.node(name).shape)) for name in view.inputs}
     found = {}
+    listed = multiplicities(ctx.net, ctx.paths)
     for q in (1, 2):
-        want = sp.Add(*(abs(v) ** q for v in phi))
+        want = sp.Add(*(int(m) * abs(v) ** q for v, m in zip(phi, listed)))
         out = forward(view, backend_cls(ctx.point).power_view(q), ones)
         got = sp.Add(*(sp.Add(*out[o].ravel()) for o in view.outputs))
         found[q] = got
