@@ -102,6 +102,7 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
     cm = Compiled(graph, model=model, writer=writer, source_num_params=n_src, backend=backend, name=name,
                   watch=watch, relower=relower)
     cm.transformed_by = tuple(transformed_by)
+    cm.passes_run = tuple(done[len(default):])
     if self_check:
         from pathir.self_check import self_check as run_self_check  # lazy: imports torch
 

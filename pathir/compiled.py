@@ -147,6 +147,7 @@ class Compiled:
         self.model = model
         self.writer = writer
         self.transformed_by: tuple[str, ...] = ()  # user passes that changed the params (compile): no write-back
+        self.passes_run: tuple[str, ...] = ()  # every user pass run on the graph (compile's passes=, apply)
         self.source_num_params = source_num_params if source_num_params is not None else graph.num_params()
         self.backend = backend
         self.name = name or graph.name
@@ -209,12 +210,13 @@ class Compiled:
     def __repr__(self) -> str:
         return f"<pathir.Compiled {self.name}: {len(self.graph)} nodes, {self.graph.num_params():,} params>"
 
-    def _with_graph(self, graph: Graph, changed: tuple[str, ...] = ()) -> "Compiled":
+    def _with_graph(self, graph: Graph, changed: tuple[str, ...] = (), ran: tuple[str, ...] = ()) -> "Compiled":
         """A snapshot Compiled of ``graph`` with this one's model: it refuses queries once the model moves,
         and write-backs where ``changed`` (or this one's ``transformed_by``) names what moved its params."""
         watch = None if self._watch is None else type(self._watch)(self.model)
         out = Compiled(graph, self.model, self.writer, self.source_num_params, self.backend, self.name, watch=watch)
         out.transformed_by = self.transformed_by + tuple(changed)
+        out.passes_run = self.passes_run + tuple(ran)
         return out
 
     # ---------------------------------------------------------------- basics
@@ -352,7 +354,7 @@ class Compiled:
             graph = run_passes(graph, (p,), check=check)
             if param_fingerprint(graph) != before:
                 changed.append(pass_name(p))
-        return self._with_graph(graph, tuple(changed))
+        return self._with_graph(graph, tuple(changed), tuple(pass_name(p) for p in passes))
 
     # ---------------------------------------------------------------- ONNX models
     def _onnx_writer(self, what: str):
@@ -411,8 +413,12 @@ class Compiled:
         try:
             new_graph = commit_rescaling(facts.graph, facts.units, z, self.model, self.writer, optimizer,
                                          bias_shifts=bias_shifts, rescaled=not follows)
-        except BaseException:  # restored exactly: the model matches the graph again
+        except BaseException as err:  # restored exactly: the model matches the graph again
             self._mark()
+            if isinstance(err, PathirError) and self.passes_run and "output" in str(err) and "moved by" in str(err):
+                err.add_note(f"This Compiled's graph went through your passes {list(self.passes_run)}: one that changes "
+                             "what the graph computes (drops a branch, replaces an op) makes a rescaling of the graph "
+                             "no rescaling of the model. Write back from a Compiled without it.")
             raise
         self._looked = False  # the model was written: the next query compares it again
         if new_graph is None and self._watch.changed() == "values" and self._relower.covers(self._watch.moved()):

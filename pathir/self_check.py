@@ -90,10 +90,14 @@ def _compare(cm, outs: dict, refs: list, dtype: str, where) -> None:
         err = _deviation(out, ref)
         if err > tol:
             first = where() or f"output '{name}'"
+            passes = getattr(cm, "passes_run", ())
+            why = (f"compile ran your passes {list(passes)} before this check: a pass that changes what the graph "
+                   "computes (rounding weights, dropping a branch) makes it differ from the model by design; compile "
+                   "with self_check=False for such a pass" if passes else
+                   "This is a pathir bug or an uncaptured construct: please report it (self_check=False skips the check)")
             raise SelfCheckFailed(
                 f"self-check: the IR's forward deviates from the model's by {err:.3g} (relative to max|output|, "
-                f"tolerance {tol:g} for {dtype}); first disagreement at {first}. This is a pathir bug or an "
-                "uncaptured construct: please report it (self_check=False skips the check)")
+                f"tolerance {tol:g} for {dtype}); first disagreement at {first}. {why}")
 
 
 # ---------------------------------------------------------------- torch

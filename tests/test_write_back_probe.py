@@ -7,6 +7,7 @@ multiplied in. The write rules alone changed the output by 1-44 %; every write i
 model untouched. Also: a transposed convolution's flipped mask prunes (was a torch ValueError)."""
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -351,3 +352,42 @@ def test_a_write_inside_parametrize_cached_is_refused_untouched():
             cm.commit_rescaling(np.random.default_rng(0).normal(size=len(cm.units)))
     assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())
     cm.commit_rescaling(np.random.default_rng(0).normal(size=len(cm.units)))  # outside: written
+
+
+def test_a_user_pass_that_changes_the_function_is_named_by_the_self_check_and_the_write_back():
+    """The self-check blamed 'a pathir bug' for a user's rounding pass; the probe, after a pass that drops a
+    branch, blamed running statistics. Both now name the user's passes."""
+    from pathir.errors import SelfCheckFailed
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)).double()
+
+    def rounding(g):
+        return g.map_params(lambda p: p.with_value(np.round(p.value * 2) / 2))
+
+    with pytest.raises(SelfCheckFailed, match="compile ran your passes \\['rounding'\\] before this check"):
+        pathir.compile(net, input_shape=(4,), passes=[rounding])
+
+    class Res(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(3, 3), nn.Linear(3, 3)
+
+        def forward(self, x):
+            h = torch.relu(self.fc1(x))
+            return self.fc2(h) + h  # the skip ties h to the output: no unit
+
+    def drop_skip(g):  # structure only: every param kept as it is
+        return g.replace_nodes([dataclasses.replace(n, edges=tuple(e for e in n.edges if e.map.kind.value != "identity"))
+                                for n in g.nodes])
+
+    res = Res().double()
+    with torch.no_grad():
+        res.fc1.weight.mul_(10)
+    state = copy.deepcopy(res.state_dict())
+    cm = pathir.compile(res, input_shape=(3,)).apply(drop_skip)
+    assert cm.passes_run == ("drop_skip",) and cm.transformed_by == () and len(cm.units) == 3
+    with pytest.raises(PathirError, match="moved by") as info:
+        cm.pathcond()
+    assert "your passes ['drop_skip']" in "".join(getattr(info.value, "__notes__", []))
+    assert all(torch.equal(state[k], v) for k, v in res.state_dict().items())
