@@ -282,6 +282,9 @@ case("avg_pool3d module", C3, lambda m, a: m.p(a),
 case("adaptive_avg_pool3d fn", C3, lambda m, a: F.adaptive_avg_pool3d(a, (2, 3, 3)))
 case("adaptive_avg_pool3d module", C3, lambda m, a: m.p(a), lambda: {"p": nn.AdaptiveAvgPool3d((3, 2, None))})
 case("adaptive_max_pool3d fn", C3, lambda m, a: F.adaptive_max_pool3d(a, (3, 2, 2)))
+case("adaptive_max_pool fns with indices", C2, lambda m, a: F.adaptive_max_pool2d(a, (3, 2), return_indices=True)[0]
+     .flatten(2) + F.adaptive_max_pool1d(a.flatten(2), 6, return_indices=True)[0])
+case("adaptive_max_pool3d fn with indices", C3, lambda m, a: F.adaptive_max_pool3d(a, (3, 2, 2), True)[0])
 case("adaptive_max_pool3d module", C3, lambda m, a: m.p(a), lambda: {"p": nn.AdaptiveMaxPool3d((1, 4, 2))})
 case("mean", C2, lambda m, a: torch.mean(a, (2, 3), keepdim=True) + a.mean(dim=2, keepdim=True).mean(-1, True))
 case("mean over channels", C2, lambda m, a: torch.mean(a, 1)[:, 0] + a.mean((1, 3)))

@@ -72,6 +72,12 @@ def adaptive_max_pool(low, input, output_size, return_indices=False):
     return (pooled, MaxIndices("adaptive max-pool")) if return_indices else pooled
 
 
+def adaptive_max_pool_with_indices(low, input, output_size, return_indices=True):
+    """``F.adaptive_max_pool2d(..., return_indices=True)`` (traced as its ``_with_indices`` form): the values and
+    indices no graph holds."""
+    return adaptive_max_pool(low, input, output_size, return_indices=True)
+
+
 def adaptive_max_pool_module(low, mod, input):
     return adaptive_max_pool(low, input, mod.output_size, mod.return_indices)
 

@@ -130,6 +130,8 @@ RULES: dict = {
             aten._adaptive_avg_pool2d.default, aten.adaptive_avg_pool3d.default, aten._adaptive_avg_pool3d.default),
     **_rows(pl.adaptive_avg_pool_module, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d),
     **_rows(pl.adaptive_max_pool, F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d),
+    **_rows(pl.adaptive_max_pool_with_indices, F.adaptive_max_pool1d_with_indices, F.adaptive_max_pool2d_with_indices,
+            F.adaptive_max_pool3d_with_indices),
     **_rows(pl.adaptive_max_pool_aten, aten.adaptive_max_pool1d.default, aten.adaptive_max_pool2d.default,
             aten.adaptive_max_pool3d.default),
     **_rows(pl.adaptive_max_pool_module, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d),

@@ -61,6 +61,9 @@ WHY = {
     "normalize": "divides by the activation's own norm: not positively homogeneous",
     **{op: "reverses axis 0, the batch axis: it mixes the samples of a batch" for op in ("flipud", "flipud.default")},
     "einsum": "einsum is not lowered: write a contraction with a weight as a Linear layer or x @ W",
+    **{op: ("F.unfold / F.fold (nn.Unfold / nn.Fold, im2col) is a fixed copy map pathir does not lower "
+            "(Tensor.unfold, a sliding window along one axis, is lowered; a convolution written as unfold then matmul "
+            "is a Conv2d)") for op in ("unfold", "fold", "Unfold", "Fold")},
     **{op: ("makes a new tensor of an activation's shape: a constant (or random) input inside the network, not a "
             "ReLU DAG edge (to pad with zeros, use F.pad; a constant zero channel is a zero-padded layer)")
        for op in ("zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like", "randint_like",
