@@ -761,3 +761,17 @@ def test_a_subclass_of_relu6_is_refused_as_the_call_fx_traces_it_to_saying_so():
     with pytest.raises(PathirError, match="subclass of nn.ReLU6"):
         cm.pathcond(progress=False)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_written_clipped_relu_keeps_its_inputs_dtype_under_autocast(inplace, dtype):
+    """The out-of-place form returned float32 where the ReLU6 it replaced (and the in-place form) kept bf16/fp16."""
+    from pathir.nn import ClippedReLU
+
+    act = ClippedReLU(torch.tensor([6.0, 3.0, 1.5]), spatial_dims=2, inplace=inplace)
+    x = (torch.randn(2, 3, 4, 4) * 4).to(dtype)
+    y = act(x.clone())
+    assert y.dtype == dtype == nn.ReLU6()(x).dtype
+    want = torch.minimum(torch.relu(x.double()), torch.tensor([6.0, 3.0, 1.5], dtype=torch.float64).view(3, 1, 1))
+    assert torch.equal(y.double(), want)
