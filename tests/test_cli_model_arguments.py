@@ -125,6 +125,45 @@ def test_random_init_is_announced_once_and_seeded(factory, capsys):
     assert code == 0 and err == "" and "random init (seed 0)" in out
 
 
+def test_observe_takes_the_seed_and_says_where_the_weights_came_from(factory, tmp_path, capsys):
+    """observe dropped --seed (seed 0's numbers for --seed 5), said nothing of the random init, and its JSON had
+    no weights/seed fields."""
+    import numpy as np
+
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).normal(size=(3, 2, 6, 6)))
+    norms = {}
+    for seed in (0, 5):
+        code, out, err = _run(capsys, "observe", "cli_weights_models:small", "--inputs", tmp_path / "x.npy", "--json",
+                              "--seed", seed)
+        report = json.loads(out)
+        assert code == 0 and f"torch.manual_seed({seed})" in err and report["seed"] == seed
+        norms[seed] = report["global"]["log10_path_norm_l1"]
+        torch.manual_seed(seed)
+        want = pathir.compile(factory.small().eval(), input_shape=(2, 6, 6)).path_norm(1, log10=True)
+        assert norms[seed] == pytest.approx(want, rel=1e-12)
+    assert norms[0] != norms[5]
+    code, out, err = _run(capsys, "observe", "cli_weights_models:small", "--inputs", tmp_path / "x.npy", "-q")
+    assert code == 0 and err == ""
+
+
+@pytest.mark.parametrize("source, match", [
+    ("def small(:\n", "cannot import 'broken' for 'broken:small': SyntaxError"),
+    ("def small():\n    raise RuntimeError('no data here')\n", "calling small\\(\\) with no arguments raised RuntimeError"),
+    ("class small:\n    def __init__(self, h):\n        pass\n", "raised TypeError"),
+])
+def test_a_broken_factory_is_one_line_and_exit_2(factory, tmp_path, capsys, source, match):
+    """A syntax error, a raising factory or a class that needs arguments gave a raw traceback and exit 1 (which
+    `pathir check` documents as 'a check failed')."""
+    import re
+
+    name = f"broken_{abs(hash(source)) % 10**8}"  # a module name of its own: imports are cached per process
+    (tmp_path / f"{name}.py").write_text(source.replace("\\n", "\n"))
+    code, out, err = _run(capsys, "check", f"{name}:small", *SHAPE)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and re.search(match.replace("broken", name), err)
+    code, out, err = _run(capsys, "summary", f"{name}.py", *SHAPE)
+    assert code == 2 and f"MODEL takes its module and factory, {name}:FACTORY" in err
+
+
 def test_onnx_file(tmp_path, capsys, factory):
     pytest.importorskip("onnx")
     model = _trained(factory)

@@ -92,7 +92,12 @@ def model_info(args) -> dict:
 
 
 def _is_onnx_spec(spec: str) -> bool:
-    return spec.endswith(".onnx") or os.path.isfile(spec)
+    """An .onnx path, or an existing file with another suffix (not a .py file: a module is MODULE:FACTORY; and
+    not a bare name, which a stray file of that name would take from torchvision's model of that name)."""
+    if spec.endswith(".py"):
+        raise ArgumentError(f"'{spec}' is a Python file: MODEL takes its module and factory, "
+                            f"{os.path.splitext(os.path.basename(spec))[0]}:FACTORY (run from its folder)")
+    return spec.endswith(".onnx") or (os.path.isfile(spec) and os.path.splitext(spec)[1] != "")
 
 
 def default_input_shape(name: str):
@@ -125,12 +130,20 @@ def _build(spec: str):
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())
         try:
-            factory = getattr(importlib.import_module(mod_name), attr)
-        except (ImportError, AttributeError) as err:
+            module = importlib.import_module(mod_name)
+        except Exception as err:  # a SyntaxError in it, an import it makes, what its top level raises
+            raise ArgumentError(f"cannot import '{mod_name}' for '{spec}': {type(err).__name__}: {err}") from None
+        try:
+            factory = getattr(module, attr)
+        except AttributeError as err:
             raise ArgumentError(f"cannot load '{spec}': {err}") from None
         import torch
 
-        model = factory if isinstance(factory, torch.nn.Module) else factory() if callable(factory) else factory
+        try:
+            model = factory if isinstance(factory, torch.nn.Module) else factory() if callable(factory) else factory
+        except Exception as err:  # a class that needs arguments, a factory that raises
+            raise ArgumentError(f"'{spec}': calling {attr}() with no arguments raised {type(err).__name__}: {err} "
+                                "(MODEL names a factory or a class pathir calls with none)") from None
         if not isinstance(model, torch.nn.Module):
             raise ArgumentError(f"'{spec}' gave a {type(model).__name__}, not a torch.nn.Module")
         return model, spec
@@ -143,16 +156,17 @@ def _build(spec: str):
     return builder(weights=None), spec
 
 
-def prepare_model(args):
+def prepare_model(args, default_shape=None):
     """(model, name, input shape): the MODEL argument built, --weights loaded (or the random init
-    announced once on stderr), the input shape from --input-shape or the model's usual one."""
+    announced once on stderr), the input shape from --input-shape, else ``default_shape``, else the
+    model's usual one (None for an .onnx file without --input-shape: it carries its own)."""
 
     model, name = load_model(args.model, args.seed)
     if isinstance(model, str):
         if args.weights:
             raise ArgumentError("--weights applies to torch models; an .onnx file carries its own weights")
     elif args.weights:
-        load_weights(model, args.weights, args.trust_pickle)
+        load_weights(model, args.weights, getattr(args, "trust_pickle", False))
     elif ":" in args.model:
         note(args, f"no --weights given: the weights are those {name} made under torch.manual_seed({args.seed}) "
                    "(--seed N picks another seed, --weights PATH loads a checkpoint)")
@@ -160,6 +174,8 @@ def prepare_model(args):
         note(args, f"no --weights given: {name} has random initial weights (seed {args.seed}; --seed N picks "
                    "another, --weights PATH loads a checkpoint)")
     shape = parse_shape(args.input_shape)
+    if shape is None and default_shape is not None:
+        shape = tuple(default_shape)
     if shape is None and not isinstance(model, str):
         shape = default_input_shape(name)
     return model, name, shape

@@ -19,7 +19,7 @@ import pathir
 from pathir.errors import ArgumentError
 from pathir.support.distributed import group, join_launcher_group, leave_group
 
-from .common import add_model_arguments, emit_json, load_model, parse_shape
+from .common import add_model_arguments, emit_json, model_info, prepare_model, progress
 from .weights import load_weights
 
 HELP = "active path-norms, active path counts and local bounds of a model on the samples of X.npy"
@@ -62,8 +62,8 @@ def _read_inputs(path: str, mmap: bool) -> np.ndarray:
     return x
 
 
-def _compile(model, name, shape, backend):
-    cm = pathir.compile(model, input_shape=shape, backend=backend)
+def _compile(model, name, shape, backend, args):
+    cm = pathir.compile(model, input_shape=shape, backend=backend, progress=progress(args))
     cm.name = name
     return cm
 
@@ -82,20 +82,20 @@ def _run(args) -> int:
     x = _read_inputs(args.inputs, grp is not None)  # a rank reads only its shard
     if x.ndim < 2:
         raise ArgumentError(f"--inputs must hold an array (N, *input shape), got shape {x.shape}")
-    model, name = load_model(args.model)
-    shape = parse_shape(args.input_shape) or tuple(x.shape[1:])
-    if getattr(args, "weights", None):
-        model = _load_weights(model, args.weights, getattr(args, "trust_pickle", False))
+    if grp is not None and grp.rank != 0:
+        args.quiet = True  # rank 0 alone says where the weights came from
+    model, name, shape = prepare_model(args, default_shape=x.shape[1:])  # --seed, --weights, the random-init note
     other = None
     if args.compare:
         other = _compile(_load_weights(copy.deepcopy(model), args.compare, getattr(args, "trust_pickle", False)),
-                         name, shape, args.backend)
-    cm = _compile(model, name, shape, args.backend)
-    obs = pathir.observe(cm, x, qs=args.q, compare=other, batch_size=args.batch_size, progress=args.progress)
+                         name, shape, args.backend, args)
+    cm = _compile(model, name, shape, args.backend, args)
+    bar = progress(args) if args.progress is None else args.progress  # -q: no bar (unless --progress asks)
+    obs = pathir.observe(cm, x, qs=args.q, compare=other, batch_size=args.batch_size, progress=bar)
     if grp is not None and grp.rank != 0:
         return 0  # every rank holds the whole table; rank 0 prints it
     if args.json:
-        emit_json({"model": name, "inputs": args.inputs, **obs.to_dict()})
+        emit_json({"model": name, **model_info(args), "inputs": args.inputs, **obs.to_dict()})
     elif args.csv:
         print(obs.to_csv(), end="")
     else:
