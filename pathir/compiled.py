@@ -348,12 +348,13 @@ class Compiled:
         """A new Compiled whose graph is this one's after ``passes`` (verified between them). A pass that
         changes the params is recorded in ``transformed_by``, and the new Compiled writes nothing back."""
 
-        graph, changed = self.graph, []
+        graph, changed, done = self.graph, [], []
         for p in passes:  # one at a time, as compile runs them: which of them moved the params
             before = param_fingerprint(graph)
-            graph = run_passes(graph, (p,), check=check)
+            graph = run_passes(graph, (p,), check=check, after=done)
+            done.append(pass_name(p))
             if param_fingerprint(graph) != before:
-                changed.append(pass_name(p))
+                changed.append(done[-1])
         return self._with_graph(graph, tuple(changed), tuple(pass_name(p) for p in passes))
 
     # ---------------------------------------------------------------- ONNX models

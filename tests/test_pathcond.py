@@ -339,7 +339,7 @@ def test_injected_failures_leave_model_and_graph_untouched(monkeypatch):
         raise RuntimeError("injected")
 
     with monkeypatch.context() as m:
-        m.setattr(pathir.pathcond.run, "diag_g_parts", boom)
+        m.setattr(pathir.pathcond.run, "diag_g_log_parts", boom)
         with pytest.raises(RuntimeError, match="injected"):
             cm.pathcond()
     assert _same_state(model, state) and cm.graph is graph

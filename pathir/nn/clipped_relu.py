@@ -53,7 +53,8 @@ class ClippedReLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.inplace:
             return x.clamp_(min=0).clamp_(max=self.threshold)
-        return torch.minimum(torch.relu(x), self.threshold.to(x.dtype))  # x's dtype kept, as nn.ReLU6 keeps it
+        t = self.threshold if self.threshold.dtype == x.dtype else self.threshold.to(x.dtype)  # as nn.ReLU6: x's dtype
+        return torch.minimum(torch.relu(x), t)
 
     def extra_repr(self) -> str:
         return f"channels={self.threshold.shape[0]}, spatial_dims={self.spatial_dims}" + (
