@@ -262,7 +262,9 @@ def _check_onnx(cm, model) -> None:
     try:
         sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     except Exception as err:  # a model onnxruntime cannot run is not pathir's to judge
-        warnings.warn(f"self-check skipped: onnxruntime cannot load the model ({type(err).__name__})", stacklevel=3)
+        warnings.warn(f"self-check skipped: onnxruntime cannot load the model ({type(err).__name__}): pathir's numbers "
+                      "follow the ONNX operator specification as pathir reads it, unchecked against any runtime",
+                      stacklevel=3)
         return
     feeds = probe_feeds(sess, cm.graph, batch=BATCH)
     if feeds is None:  # an input the graph does not have, or not a float type
@@ -272,8 +274,9 @@ def _check_onnx(cm, model) -> None:
         ran = sess.run(None, feeds)
     except Exception as err:  # loaded but refused at run time (an attribute combination it does not implement)
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
-        warnings.warn(f"self-check skipped: onnxruntime cannot run the model ({type(err).__name__}: {first})",
-                      stacklevel=3)
+        warnings.warn(f"self-check skipped: onnxruntime cannot run the model ({type(err).__name__}: {first}): "
+                      "pathir's numbers follow the ONNX operator specification as pathir reads it, unchecked against "
+                      "any runtime", stacklevel=3)
         return
     refs = [np.asarray(r, dtype=np.float64) for r in ran]
     # an output holding its batch on axis 1 (W @ x) is the IR's batch-first output transposed: by the lowering's
