@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Sequence
 
@@ -103,6 +104,9 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
                   watch=watch, relower=relower)
     cm.transformed_by = tuple(transformed_by)
     cm.passes_run = tuple(done[len(default):])
+    # copy.copy / copy.deepcopy of cm compile the (copied) model again, as here (its function is this one's)
+    cm._recompile = functools.partial(compile, input_shape=input_shape, example_input=example_input, passes=passes,
+                                      backend=backend, check=check, self_check=False, progress=False)
     if self_check:
         from pathir.self_check import self_check as run_self_check  # lazy: imports torch
 

@@ -8,9 +8,11 @@ all at once, after everything else succeeded.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 import numbers
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -38,6 +40,12 @@ from pathir.rescaling.commit import check_optimizer, check_writable, commit_resc
 from pathir.support.progress import Phases
 
 __all__ = ["Compiled", "Summary"]
+
+
+#: why a Compiled is neither copied nor pickled
+_NOT_COPIED = ("a Compiled follows one live model (it watches that model's tensors and re-reads them) and is not "
+               "pickled, nor copied where it is a snapshot (rescaled(), apply()): compile the model again "
+               "(pathir.compile(model, ...)) where it is loaded; cm.graph is a plain value you can copy or pickle")
 
 
 def _looks_once(method):
@@ -142,7 +150,8 @@ class Compiled:
     def __init__(self, graph: Graph, model=None, writer=None, source_num_params: int | None = None,
                  backend=None, name: str | None = None, watch=None, relower=None):
         self._watch, self._relower = watch, relower
-        self._calls, self._looked = 0, False  # see _looks_once
+        self._local = threading.local()  # _calls and _looked, per thread (see _looks_once)
+        self._lock = threading.RLock()  # one thread at a time follows the model
         self.graph = graph
         self.model = model
         self.writer = writer
@@ -153,6 +162,48 @@ class Compiled:
         self.name = name or graph.name
         self._backends: dict = {}
         self._coordinates = None  # the graph's params as torch functions of the model's tensors
+
+    @property
+    def _calls(self) -> int:
+        return getattr(self._local, "calls", 0)
+
+    @_calls.setter
+    def _calls(self, value: int) -> None:
+        self._local.calls = value
+
+    @property
+    def _looked(self) -> bool:
+        return getattr(self._local, "looked", False)
+
+    @_looked.setter
+    def _looked(self, value: bool) -> None:
+        self._local.looked = value
+
+    def __copy__(self):
+        """A second Compiled of the same model (its own watch: each follows the model by itself)."""
+        return self._copy_of(self.model, {})
+
+    def __deepcopy__(self, memo):
+        """A Compiled of a deep copy of the model (the copy the memo holds, where a container such as a module
+        holding a PathNormPenalty is copied), compiled again as this one was: it follows that copy."""
+        return self._copy_of(None, memo)
+
+    def _copy_of(self, model, memo: dict) -> "Compiled":
+        if self.model is None:  # a bare Graph: a value
+            return Compiled(copy.deepcopy(self.graph, memo), backend=self.backend, name=self.name)
+        recompile = getattr(self, "_recompile", None)  # set by compile: a snapshot (rescaled(), apply()) has none
+        if recompile is None:
+            raise PathirError(_NOT_COPIED)
+        if hasattr(self.writer, "to_onnx"):  # ONNX: the model as written so far
+            model = self.to_onnx()
+        elif model is None:
+            model = copy.deepcopy(self.model, memo)
+        out = recompile(model)
+        out.name = self.name
+        return out
+
+    def __reduce_ex__(self, protocol):
+        raise PathirError(_NOT_COPIED)
 
     @property
     def graph(self) -> Graph:
@@ -178,9 +229,10 @@ class Compiled:
     def facts(self) -> GraphFacts:
         """The current graph's record (units, B, row keys), after following the model."""
         if self._watch is not None and not self._looked:
-            change = self._watch.changed()
-            if change is not None:
-                self._follow(change)
+            with self._lock:  # a query in another thread, mid-call, does not stand for this thread's look
+                change = self._watch.changed()
+                if change is not None:
+                    self._follow(change)
             self._looked = self._calls > 0
         self._facts.check_finite()
         return self._facts

@@ -118,6 +118,13 @@ class ModelWatch:
         for name in old_shapes.keys() & shapes.keys():
             if old_shapes[name] != shapes[name]:
                 return f"'{name}' changed shape from {list(old_shapes[name])} to {list(shapes[name])}"
+        before = set(self._versions)
+        swapped = {v[0] for v in versions if v not in before}  # the tensors that moved
+        for name, t in chain(self.model.named_parameters(remove_duplicate=False),
+                             self.model.named_buffers(remove_duplicate=False)):
+            if name in swapped and t.is_inference():  # no version counter: its later edits would go unseen
+                return (f"'{name}' is now a tensor made under torch.inference_mode(), which keeps no version "
+                        "counter: pathir could not see its later edits (make it outside inference_mode)")
         return "values"
 
 
