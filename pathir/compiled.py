@@ -474,10 +474,12 @@ class Compiled:
                              "no rescaling of the model. Write back from a Compiled without it.")
             raise
         self._looked = False  # the model was written: the next query compares it again
-        if new_graph is None and self._watch.changed() == "values" and self._relower.covers(self._watch.moved()):
-            return  # the next query re-reads the values the model holds now (docs/live.md): no graph built here
-        if new_graph is None:  # a module replaced (a clipped ReLU made per-channel), or a re-read would trace:
-            # the graph is rescaled here
+        if new_graph is None and self._watch.changed() == "values":
+            # the next query re-reads the values the model holds now (docs/live.md), tracing it again where a re-read
+            # cannot (a pruned weight made by its hook): the graph holds the model's own rounded values, not the
+            # float64 products (which drifted from a float32 model by its rounding, more with each write)
+            return
+        if new_graph is None:  # a module replaced (a clipped ReLU made per-channel): the graph is rescaled here
             new_graph = with_bias_shifts(rescaled_graph(facts.graph, facts.units, z), bias_shifts)
         self._mark()
         self._facts = facts.with_values(new_graph)
