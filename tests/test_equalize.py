@@ -2,6 +2,7 @@
 kept, Nagel's closed form on chains, the pairwise balance iteration on DAGs, the certified bound against
 the real output change, refusals that leave the model untouched, the report, ONNX and the CLI."""
 
+import copy
 import json
 import math
 import warnings
@@ -207,9 +208,10 @@ def test_path_metric_objective_lowers_its_own_bound():
     assert report.bound_after <= report.bound_before * 1.05
 
 
-def test_path_metric_objective_never_writes_a_rescaling_that_raises_the_certified_bound():
+@pytest.mark.parametrize("absorb_bias", [False, True])
+def test_path_metric_objective_never_writes_a_rescaling_that_raises_the_certified_bound(absorb_bias):
     """At 2 bits the first-order objective fell (5.81 -> 5.46) while the certified bound it estimates rose
-    (36.0 -> 39.1), and that rescaling was written."""
+    (36.0 -> 39.1), and that rescaling was written; with absorb_bias=True the guard did not run at all."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).double()
     with torch.no_grad():
@@ -217,9 +219,43 @@ def test_path_metric_objective_never_writes_a_rescaling_that_raises_the_certifie
         net[2].weight[:, :2] *= 0.05
     state = _state(net)
     cm = pathir.compile(net, input_shape=(4,), progress=False)
-    report = cm.equalize(bits=2, objective="path-metric")
+    report = cm.equalize(bits=2, objective="path-metric", absorb_bias=absorb_bias)
     assert report.bound_after == report.bound_before and not np.any(report.z) and report.units_moved == 0
     assert "raises the certified bound" in str(report) and all(torch.equal(v, state[k]) for k, v in net.state_dict().items())
+
+
+class _TwiceReturned(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 6), nn.Linear(6, 3), nn.Linear(6, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        y = self.b(h)
+        return y, self.c(h), y
+
+
+def test_the_observed_change_counts_an_output_returned_twice_twice():
+    """observed_before summed the node-keyed outputs once (1.22 where ‖R(x) − R_Q(x)‖₁ over the returned vector
+    is 2.00), under the certified bound, which counts y twice."""
+    torch.manual_seed(0)
+    net = _TwiceReturned().double()
+    x = torch.randn(16, 4, dtype=torch.float64)
+    report = pathir.compile(net, input_shape=(4,)).equalize(bits=3, inputs=x.numpy(), certify=True, write_back=False)
+    quantized = copy.deepcopy(net)
+    with torch.no_grad():
+        for lin in (quantized.a, quantized.b, quantized.c):
+            step = lin.weight.abs().max() / 3  # symmetric per tensor at 3 bits: 2^(3-1) - 1 = 3 levels a side
+            lin.weight.copy_(torch.round(lin.weight / step) * step)
+    change = sum((u - v).abs().sum(dim=1) for u, v in zip(net(x), quantized(x))).max()
+    assert report.observed_before == pytest.approx(float(change), rel=1e-9)
+    assert report.observed_before <= report.bound_before
+
+
+def test_bits_may_be_a_numpy_integer():
+    torch.manual_seed(0)
+    cm = pathir.compile(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)), input_shape=(4,))
+    assert cm.equalize(bits=np.int64(6), write_back=False).bits == 6
 
 
 # ---------------------------------------------------------------- refusals leave the model untouched

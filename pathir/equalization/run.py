@@ -8,6 +8,7 @@ transaction, so the model computes the same function; only its quantization chan
 from __future__ import annotations
 
 import math
+import numbers
 import time
 
 import numpy as np
@@ -65,7 +66,7 @@ def _observed(graph, quantized, backend, inputs) -> float | None:
         return None
     a, b = forward(graph, backend, inputs), forward(quantized, backend, inputs)
     total = 0.0
-    for name in a:
+    for name in graph.outputs:  # an output the model returns twice is counted twice, as the bound counts it
         diff = np.abs(backend.to_numpy(a[name]) - backend.to_numpy(b[name]))
         total = total + diff.reshape(diff.shape[0], -1).sum(axis=1)
     return float(np.max(total))
@@ -98,8 +99,9 @@ def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_sc
     """
     if objective not in OBJECTIVES:
         raise PathirError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
-    if not (isinstance(bits, int) and 2 <= bits <= 16):
+    if isinstance(bits, bool) or not (isinstance(bits, numbers.Integral) and 2 <= bits <= 16):
         raise PathirError(f"bits must be an integer from 2 to 16, got {bits!r}")
+    bits = int(bits)
     start = time.perf_counter()
     graph, units = facts.graph, facts.units
     bar = Phases(PHASES if commit is not None else PHASES[:-1], desc=f"equalize {name}".strip(), progress=progress)
@@ -119,7 +121,7 @@ def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_sc
     notes = []
     rows, absorbed, absorption, bound_before, bound_after, observed, scale = \
         _after(graph, units, z, params, backend, bits, objective, inputs, certify, read_source)
-    if objective == "path-metric" and read_source is None and bound_after is not None and bound_after > bound_before:
+    if objective == "path-metric" and bound_after is not None and bound_after > bound_before:
         # the objective is first order: at coarse widths the rescaling can raise the bound it estimates
         notes.append(f"the rescaling found raises the certified bound ({bound_before:.4g} -> {bound_after:.4g}, the "
                      "objective is its first-order estimate): none is written (z = 0)")
