@@ -475,11 +475,18 @@ class Compiled:
             raise
         self._looked = False  # the model was written: the next query compares it again
         if new_graph is None and self._watch.changed() == "values":
-            # the next query re-reads the values the model holds now (docs/live.md), tracing it again where a re-read
-            # cannot (a pruned weight made by its hook): the graph holds the model's own rounded values, not the
-            # float64 products (which drifted from a float32 model by its rounding, more with each write)
-            return
-        if new_graph is None:  # a module replaced (a clipped ReLU made per-channel): the graph is rescaled here
+            moved = self._watch.moved()
+            if self._relower.covers(moved):
+                return  # the next query re-reads the values the model holds now (docs/live.md)
+            # a value no re-read reaches (a pruned weight made by its hook): the model as written, traced again, so
+            # the graph holds its own rounded values, not float64 products that drift from a float32 model
+            traced = self._relower(moved)
+            if str(traced) == str(facts.graph):
+                self._mark()
+                self._facts = facts.with_values(traced)
+                return
+        if new_graph is None:  # a module replaced (a clipped ReLU made per-channel), or a trace of another form (that
+            # module read on the torch.export path): the graph is rescaled here
             new_graph = with_bias_shifts(rescaled_graph(facts.graph, facts.units, z), bias_shifts)
         self._mark()
         self._facts = facts.with_values(new_graph)
