@@ -311,6 +311,19 @@ def test_a_missing_external_data_file_is_one_pathir_error(tmp_path, capsys):
     assert code == 2 and "external tensor data" in stderr and "Traceback" not in stderr
 
 
+def test_bytes_or_a_proto_whose_tensors_sit_in_external_files_are_refused(tmp_path, monkeypatch):
+    """onnx resolved their data files against the working folder: another model's file of that name was read."""
+    import onnx
+
+    path, data = _external(tmp_path)
+    want = pathir.compile(str(path)).path_norm(1)
+    monkeypatch.chdir(tmp_path)  # where onnx would find the data file by its name
+    for given in (path.read_bytes(), onnx.load(str(path), load_external_data=False)):
+        with pytest.raises(PathirError, match="keeps its tensors in external files \\(model.onnx.data\\)"):
+            pathir.compile(given)
+    assert pathir.compile(onnx.load(str(path))).path_norm(1) == pytest.approx(want, rel=1e-12)
+
+
 def _conv_relu_bn_conv():
     """x → Conv → Relu → BatchNormalization (unfolded: after the ReLU) → Conv → Relu, float32."""
     import onnx

@@ -115,6 +115,14 @@ def load(model) -> Source:
                 raise OnnxModelError(f"'{name}': cannot read its external tensor data: {first}") from None
     else:
         raise OnnxModelError(f"expected an ONNX path, bytes or onnx.ModelProto, got {type(model).__name__}")
+    if not isinstance(model, (str, os.PathLike)):
+        external = sorted({e.value for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL
+                           for e in t.external_data if e.key == "location"})
+        if external:  # onnx would resolve them against the working folder: another model's files of that name
+            raise OnnxModelError(
+                f"'{name}' keeps its tensors in external files ({', '.join(external[:3])}), which a model given as "
+                "bytes or as an onnx.ModelProto without its data cannot locate: pass the .onnx path (pathir reads "
+                "the data files beside it), or onnx.load(path) it first (which reads them in)")
     if not proto.HasField("graph") or len(proto.graph.node) == 0 or not proto.opset_import:
         raise OnnxModelError(f"'{name}' is not an ONNX model (no graph, nodes or opset)")
     light = skeleton(proto)
