@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from pathir.frontends.core.values import ParamTensor, Value
 from pathir.ir import FixedConv, Resample, SourceRef
 
-__all__ = ["pad", "interpolate", "adaptive_avg_pool", "fixed_conv", "fixed_linear", "axis_matrices", "resampled"]
+__all__ = ["pad", "interpolate", "adaptive_avg_pool", "fixed_conv", "fixed_linear", "fixed_left_matmul", "axis_matrices", "resampled"]
 
 _PAD_MODES = {"constant", "reflect", "replicate", "circular"}
 _INTERP_MODES = {"nearest", "nearest-exact", "linear", "bilinear", "trilinear", "bicubic", "area"}
@@ -208,6 +208,19 @@ def fixed_linear(low, v: Value, weight: ParamTensor, bias, transposed: bool = Fa
     if len(v.shape) == 1:
         return low.index_op(lambda x: x.squeeze(-1), [out])[0][0]
     return low.index_op(lambda x: x.movedim(1, -1), [out])[0][0]
+
+
+def fixed_left_matmul(low, weight: ParamTensor, v: Value) -> Value:
+    """``A @ v`` with A an (M, N) fixed (buffer) matrix and v of at least two axes per sample, N its second-to-last:
+    ``fixed_linear`` on v with its last two axes swapped, swapped back (constant edges, never rescaled)."""
+    v = low.value(v)
+    t = weight.tensor
+    if t.dim() != 2 or len(v.shape) < 2 or t.shape[1] != v.shape[-2]:
+        low.unsupported(f"the fixed (buffer) matrix '{weight.name}' of shape {list(t.shape)} times an activation of "
+                        f"shape {list(v.shape)}: A @ x needs A of shape (M, N) and x of shape (..., N, F) per sample")
+    swapped = low.index_op(lambda x: x.transpose(-1, -2), [v])[0][0]
+    out = fixed_linear(low, swapped, weight, None)
+    return low.index_op(lambda x: x.transpose(-1, -2), [out])[0][0]
 
 
 def _fixed_kernel(low, v: Value, weight: ParamTensor, W: np.ndarray, stride, padding, dilation, groups) -> Value:

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from pathir.frontends.core.fixed_factors import fixed_scale
-from pathir.frontends.core.fixed_maps import fixed_linear
+from pathir.frontends.core.fixed_maps import fixed_left_matmul, fixed_linear
 from pathir.frontends.core.reductions import elementwise_max
 from pathir.frontends.core.values import ParamTensor, Value, described
 from pathir.frontends.torch.why import refuse
@@ -186,7 +186,10 @@ def maximum(low, input, other):
 
 
 def matmul(low, input, other):
-    """``x @ W`` with W an (in, out) parameter: a dense layer; with W a buffer, a fixed map."""
+    """``x @ W`` with W an (in, out) parameter: a dense layer; with W a buffer, a fixed map; ``A @ x`` with A a
+    buffer (a fixed adjacency over x's second-to-last axis), a fixed map: (xᵀ @ Aᵀ)ᵀ."""
+    if isinstance(input, ParamTensor) and isinstance(other, Value) and low.is_buffer(input):
+        return fixed_left_matmul(low, input, other)
     if not (isinstance(input, Value) and isinstance(other, ParamTensor)):
         refuse(low)
     if low.is_buffer(other):

@@ -111,7 +111,7 @@ class _ExportInterpreter(FxInterpreter):
         tensor constant by a name of its own, which a layer may read as its weight; anything else as it is."""
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             self.constants += 1
-            return ParamTensor(f"_tensor_constant{self.constants - 1}", value)
+            return ParamTensor(f"_tensor_constant{self.constants - 1}", value, "buffer")  # fixed: no parameter's
         return value
 
     def _function(self, fn, args, kwargs):

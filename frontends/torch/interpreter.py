@@ -116,7 +116,10 @@ class FxInterpreter:
             obj = _get(self.model, node.target)
             if isinstance(obj, torch.Tensor):
                 low.direct_reads.add(node.target)  # it may become a fixed constant (frontends/torch/reread.py)
-                return ParamTensor(node.target, obj)
+                # no parameter of the model: a buffer, a plain tensor attribute, or fx's tensor constant (a tensor
+                # made in forward from no parameter: torch.eye(4) * 0.5, a buffer's transpose): a fixed tensor
+                return ParamTensor(node.target, obj, "parameter" if low.is_parameter(ParamTensor(node.target, obj))
+                                   else "buffer")
             return obj
         args, kwargs = self._args(node)
         _refuse_read_indices(low, node, args, kwargs)

@@ -1,0 +1,66 @@
+"""Fixed matrices an activation meets in a matmul: a buffer on the left (A @ h, a graph's adjacency), a tensor made
+in forward from no parameter (a buffer's transpose, torch.eye(4) * 0.5) on the right. Each is a fixed map (constant
+edges, never rescaled), checked against the model's own forward and the path-norm network built here."""
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import pathir
+
+A = torch.tensor([[0.5, 0.5, 0.0], [0.0, -0.5, 0.5], [1 / 3, 1 / 3, 1 / 3]], dtype=torch.float64)
+
+
+class Adjacency(nn.Module):
+    """Message passing over 3 nodes: h' = A @ (h W) with A a fixed buffer (or its transpose made in forward)."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.register_buffer("A", A.clone())
+        self.l1, self.out, self.form = nn.Linear(3, 4), nn.Linear(4, 2), form
+
+    def forward(self, x):
+        h = self.l1(x)
+        if self.form == "left":
+            h = self.A @ h
+        elif self.form == "transposed in forward":
+            h = (h.transpose(1, 2) @ self.A.T.contiguous()).transpose(1, 2)
+        else:  # a constant made in forward, read as a linear layer's weight
+            h = F.linear(h, torch.eye(4, dtype=torch.float64) * 0.5)
+        return self.out(torch.relu(h))
+
+
+def _l1_path_norm(net):
+    """Σ_p |Φ_p| of the model: its |θ| network (fixed A as |A|) on the all-ones input, every output summed."""
+    with torch.no_grad():
+        x = torch.ones(1, 3, 3, dtype=torch.float64)
+        h = x @ net.l1.weight.abs().T + net.l1.bias.abs()
+        if net.form in ("left", "transposed in forward"):
+            h = net.A.abs() @ h
+        else:
+            h = h * 0.5
+        return float((h @ net.out.weight.abs().T + net.out.bias.abs()).sum())
+
+
+@pytest.mark.parametrize("path", ["fx", "export"])
+@pytest.mark.parametrize("form", ["left", "transposed in forward", "eye in forward"])
+def test_a_fixed_matrix_met_in_forward_is_a_fixed_map(form, path):
+    """A @ h was refused as 'outside the ReLU DAG model'; a buffer's transpose made in forward was read as a
+    learnable 'parameter _tensor_constant0', rescaled by PathCond, whose write then failed ('not found in the model')."""
+    torch.manual_seed(0)
+    net = Adjacency(form).double()
+    if path == "export":  # an instance forward is read through torch.export
+        net.forward = functools.partial(Adjacency.forward, net)
+    x = torch.randn(5, 3, 3, dtype=torch.float64)
+    y = net(x).detach()
+    cm = pathir.compile(net, input_shape=(3, 3))
+    np.testing.assert_allclose(cm.forward(x.numpy(), backend="numpy"), y.numpy(), rtol=1e-12, atol=1e-12)
+    assert cm.path_norm(1) == pytest.approx(_l1_path_norm(net), rel=1e-12)
+    assert {p.name for p in cm.graph.params()} == {"l1.weight", "l1.bias", "out.weight", "out.bias"}
+    cm.pathcond()
+    torch.testing.assert_close(net(x), y, rtol=1e-10, atol=1e-12)
+    assert torch.equal(net.A, A)
