@@ -20,6 +20,7 @@ from onnx_cases import (
 
 import pathir
 from pathir.backends import available_backends
+from pathir.errors import PathirError
 from pathir.ir import MapKind, NodeKind, Role
 
 BACKENDS = [b for b in ("numpy", "torch") if b in available_backends()]
@@ -301,3 +302,62 @@ def test_clip_at_float32s_largest_value_is_a_relu(opset):
     w = {k: np.asarray(v, dtype=np.float32).astype(np.float64) for k, v in inits.items()}
     relu_l1 = ((np.abs(w["W1"]).sum(0) + np.abs(w["b1"])) @ np.abs(w["W2"])).sum() + np.abs(w["b2"]).sum()
     assert pathir.compile(model).path_norm(1) == pytest.approx(relu_l1, rel=1e-12)
+
+
+def _clip_mlp(hi, dtype=None):
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    W1, W2 = rng.normal(size=(3, 4)), rng.normal(size=(4, 2))
+    kind = TensorProto.BFLOAT16 if dtype == "bfloat16" else TensorProto.FLOAT
+
+    def tensor(name, a):
+        a = np.asarray(a, np.float32)
+        return helper.make_tensor(name, kind, a.shape, a.ravel().tolist())
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W1"], ["h"], name="fc1"), helper.make_node("Clip", ["h", "lo", "hi"], ["r"],
+                                                                                       name="r"),
+         helper.make_node("MatMul", ["r", "W2"], ["y"], name="fc2")], "g",
+        [helper.make_tensor_value_info("x", kind, ["N", 3])], [helper.make_tensor_value_info("y", kind, ["N", 2])],
+        [tensor("W1", W1), tensor("W2", W2), tensor("lo", 0.0), tensor("hi", hi)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def test_clip_at_bfloat16s_largest_value_is_a_relu():
+    """numpy's finfo does not know ml_dtypes' bfloat16: Clip(0, 3.39e38) stayed a clipped ReLU (path_norm 2.3e39)."""
+    import warnings
+
+    import ml_dtypes
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # onnxruntime runs no bfloat16 MatMul on the CPU: the self-check is skipped
+        clipped = pathir.compile(_clip_mlp(float(ml_dtypes.finfo(ml_dtypes.bfloat16).max), "bfloat16"))
+        relu = pathir.compile(_clip_mlp(float("inf"), "bfloat16"))
+    assert clipped.path_norm(1) == pytest.approx(relu.path_norm(1), rel=1e-12) and relu.path_norm(1) < 100
+
+
+def test_a_rescaled_threshold_leaving_float32_is_refused_not_written_as_inf():
+    """Clip(0, 1e38) rescaled x100 was written as inf (min(relu, inf) = relu passed onnxruntime's probe), and the
+    written file was then refused by pathir.compile ('a non-finite threshold')."""
+    cm = pathir.compile(_clip_mlp(1e38))
+    before = cm.to_onnx().SerializeToString()
+    with pytest.raises(PathirError, match="'r.threshold' would leave float32's range"):
+        cm.commit_rescaling(np.full(len(cm.units), 2 * np.log(100.0)))
+    assert cm.to_onnx().SerializeToString() == before
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_constant_is_named_as_such(bad):
+    """A NaN was refused as 'varies over positions' (NaN != NaN), an inf in x − c reported as −inf (the negated param)."""
+    from onnx_cases import make_model, node, tensor_info
+
+    rng = np.random.default_rng(0)
+    inits = {"W": rng.normal(size=(3, 4)), "c": np.array([bad, 1.0, 1.0, 1.0]), "W2": rng.normal(size=(4, 2))}
+    model = make_model([node("MatMul", ["x", "W"], ["h"]), node("Sub", ["h", "c"], ["s"]), node("Relu", ["s"], ["r"]),
+                        node("MatMul", ["r", "W2"], ["y"])], [tensor_info("x", ["N", 3])], [tensor_info("y", ["N", 2])],
+                       inits)
+    with pytest.raises(PathirError, match=f"non-finite entry \\({bad}\\)"):
+        pathir.compile(model)

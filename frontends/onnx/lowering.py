@@ -283,7 +283,12 @@ class OnnxLowering(Lowering):
     def channel_vector(self, c: np.ndarray, v: Value, axis: int, scale: float = 1.0):
         """(per-channel vector, layout) of a constant added to activation ``v``:
         it must broadcast to one value per channel."""
-        c = f64(c) * scale
+        c = f64(c)
+        if not np.all(np.isfinite(c)):
+            bad = c.reshape(-1)[~np.isfinite(c.reshape(-1))][0]
+            self.unsupported(f"a constant of shape {list(c.shape)} with a non-finite entry ({bad}): no bias or "
+                             "threshold is a number there")
+        c = c * scale
         full = (1, *v.shape) if axis == 0 else (v.shape[0], 1)
         ch = 1 if axis == 0 else 0
         try:

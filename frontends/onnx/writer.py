@@ -140,9 +140,9 @@ class OnnxWriter:
             if b.kind == "clip":  # a Clip holds one number: rewritten when its channels move
                 if np.any(np.asarray(sides[Role.CLIP_THRESHOLD]) != 1.0):
                     new = self._rescaled(name, b, sides)
-                    rewrites[name] = np.broadcast_to(new, b.layout).astype(b.value.dtype)
+                    rewrites[name] = _in_dtype(name, np.broadcast_to(new, b.layout), b.value.dtype)
                 continue
-            updates[name] = self._rescaled(name, b, sides)
+            updates[name] = _in_dtype(name, self._rescaled(name, b, sides), np.asarray(b.value).dtype)
         before = self.to_onnx()
         self._commit(updates, rewrites)
         self._written = (before, graph)
@@ -308,6 +308,18 @@ class OnnxWriter:
         except (onnx.checker.ValidationError, ValueError) as err:
             raise PathirError(f"write-back produced an invalid ONNX model (nothing was changed): {err}") from None
         self._model, self.bindings = model, bindings
+
+
+def _in_dtype(name: str, value: np.ndarray, dtype) -> np.ndarray:
+    """``value`` in the tensor's dtype, or PathirError (nothing written) where an entry leaves its range: a threshold
+    cast to inf (min(relu, inf) = relu passes onnxruntime's probe) would be written, and the file then refused."""
+    with np.errstate(over="ignore"):
+        cast = np.asarray(value).astype(dtype)
+    if np.all(np.isfinite(np.asarray(value))) and not np.all(np.isfinite(cast.astype(np.float64))):
+        raise PathirError(f"source tensor '{name}' would leave {np.dtype(dtype).name}'s range under this rescaling (its "
+                          "largest rescaled entry is about {:.3g}); bound it (max_log_scale=...); nothing was "
+                          "changed".format(float(np.max(np.abs(value)))))
+    return cast
 
 
 def _rewrite_clips(model, bindings: dict, rewrites: Mapping[str, np.ndarray]) -> set[str]:

@@ -104,7 +104,7 @@ def _per_channel(t: np.ndarray, shape, name: str) -> np.ndarray:
 
 def _buffer_clip(low, v, pt: ParamTensor):
     """min(ReLU(v), buffer): the threshold param −buffer, per channel, written back into the buffer."""
-    if not low.is_buffer(pt):
+    if not (low.is_buffer(pt) and low.is_registered(pt)):  # a threshold written back needs a tensor of the model
         what = "is a learnable parameter" if low.is_parameter(pt) else \
             "is a tensor made in the forward (torch.tensor(...)), neither a parameter nor a buffer"
         low.unsupported(f"the threshold '{pt.name}' {what}: pathir lowers clipped ReLUs whose threshold is a number "

@@ -57,6 +57,11 @@ class TorchLowering(Lowering):
             return False
         return t.kind == "buffer" or (t.name in self._buffers and t.name not in self._parameters)
 
+    def is_registered(self, t) -> bool:
+        """Whether ``t`` is one of the model's own parameters or buffers (a tensor a write-back can reach), not a
+        tensor made in the forward."""
+        return isinstance(t, ParamTensor) and (t.name in self._buffers or self.is_parameter(t))
+
     def is_parameter(self, t) -> bool:
         """Whether ``t`` is a parameter of the model (or the original of a parametrized one)."""
         return isinstance(t, ParamTensor) and (t.name in self._parameters or t.name + "_orig" in self._parameters)
