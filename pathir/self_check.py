@@ -21,6 +21,7 @@ on failure), else the first disagreeing output. Opt out with
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import numpy as np
@@ -129,8 +130,9 @@ def _check_torch(cm, model) -> None:
     import torch
 
     xs = torch_inputs(cm, model)
+    other_dtype: dict = {}
     try:
-        with eval_forward(model, train_paths(cm)), torch.no_grad():
+        with eval_forward(model, train_paths(cm)), torch.no_grad(), _dtypes_seen(model, other_dtype):
             refs = [_numpy(t) for t in _tensors(model(*[x.clone() for _, _, x in xs]))]
     except Exception as err:  # where it runs at the trace's batch (else: its own error), it fixes its batch size
         explain(model, [cm.graph.node(name).shape for name in cm.graph.inputs], err, batch=TRACE_BATCH, train=train_paths(cm))
@@ -138,6 +140,13 @@ def _check_torch(cm, model) -> None:
             f"self-check: the model's forward fails at batch {BATCH} ({type(err).__name__}: {err}) after pathir "
             f"traced it at batch {TRACE_BATCH}: it fixes its batch size (x.view({TRACE_BATCH}, -1), a batch-sized "
             "buffer), and pathir's graph is per sample. Write the forward for any batch size") from None
+    for path, other in other_dtype.items():  # the first in call order: refused however small its rounding
+        model_dtype = str(model_dtype_device(model)[0]).replace("torch.", "")
+        raise SelfCheckFailed(
+            f"self-check: module '{path}' returns {str(other).replace('torch.', '')} in a {model_dtype} model: its "
+            "forward computes in another dtype (torch.autocast, or a cast), which pathir's graph, in the model's dtype "
+            "throughout, does not follow; its numbers would be those of the weights as stored, not as the model "
+            "computes with them. Remove the autocast block or the cast (or run the whole model in one dtype)")
     if hasattr(cm.writer, "reference"):  # the first write-back's "before" (frontends/torch/function_kept.py)
         cm.writer.reference = Reference.of_batch(model, train_paths(cm), [x for _, _, x in xs], refs)
     dtype = str(model_dtype_device(model)[0]).replace("torch.", "")
@@ -150,6 +159,28 @@ def _check_torch(cm, model) -> None:
     _check_batch_of_one(cm, model, xs, outs, dtype)
     if train_paths(cm):
         _check_eval_among_heads(cm, model, xs, outs, dtype)
+
+
+@contextlib.contextmanager
+def _dtypes_seen(model, other: dict):
+    """Within the block, ``other`` records {module path: dtype} for each module whose floating output is not in the
+    model's dtype (first in call order)."""
+    import torch
+
+    model_dtype = model_dtype_device(model)[0]
+
+    def hook(path):
+        def record(m, i, o):
+            if isinstance(o, torch.Tensor) and o.is_floating_point() and o.dtype != model_dtype:
+                other.setdefault(path or "the model", o.dtype)
+        return record
+
+    handles = [mod.register_forward_hook(hook(path)) for path, mod in model.named_modules()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _refuse_if_batch_sized(cm, model, xs, dtype: str, err: SelfCheckFailed) -> None:

@@ -122,6 +122,27 @@ def test_a_forward_under_autocast_is_refused_naming_the_module_in_another_dtype(
         pathir.compile(Autocast(), input_shape=(3,))
 
 
+def test_an_autocast_block_whose_rounding_stays_under_the_tolerance_is_refused_too():
+    """A bfloat16 branch of small weights moved the output by 2e-5 of its max, under float32's 1e-4: compiled, with
+    path-norms of the weights as stored, not as the model computes with them."""
+
+    class Branch(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = torch.nn.Linear(5, 8), torch.nn.Linear(5, 8), torch.nn.Linear(8, 3)
+            with torch.no_grad():
+                self.b.weight.mul_(1e-2), self.b.bias.mul_(1e-2)
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                h = self.b(x)
+            return self.c(torch.relu(self.a(x) + h))
+
+    torch.manual_seed(0)
+    with pytest.raises(pathir.SelfCheckFailed, match="module 'b' returns bfloat16 in a float32 model"):
+        pathir.compile(Branch(), input_shape=(5,))
+
+
 @pytest.mark.parametrize("how", ["if", "cond"])
 def test_a_forward_that_treats_a_batch_of_one_apart_is_refused(how):
     """Traced at batch 2 (torch.export: fx cannot trace the branch), checked at batch 3: the batch-of-one branch

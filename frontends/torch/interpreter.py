@@ -186,6 +186,11 @@ class FxInterpreter:
 
     # ------------------------------------------------------------ calls
     def _module(self, mod: nn.Module, path: str, args, kwargs):
+        if _quantizing(mod):
+            self.low.unsupported(f"{type(mod).__module__}.{type(mod).__name__} quantizes in its forward (fake-quantized "
+                                 "or quantized weights or outputs, quantization-aware training): the weights it "
+                                 "computes with are not its parameters, and rounding is not positively homogeneous. "
+                                 "Analyse the float model (before torch.ao's prepare or convert)", type(mod).__name__)
         rule = rule_for(type(mod))
         if rule is None:
             name = type(mod).__name__
@@ -252,6 +257,15 @@ def _get(model, target: str):
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def _quantizing(mod: nn.Module) -> bool:
+    """Whether ``mod`` quantizes in its forward: a torch.ao (or torch.nn) qat / quantized module, which takes the
+    rule of the float layer it subclasses (nn.Linear's for qat.Linear) but computes with fake-quantized weights, or
+    any module holding a weight fake-quant or an activation observer."""
+    where = type(mod).__module__
+    return (any(f".{part}" in where for part in ("qat", "quantized")) and where.startswith(("torch.ao.nn", "torch.nn"))
+            or hasattr(mod, "weight_fake_quant") or hasattr(mod, "activation_post_process"))
 
 
 def _module_path(node) -> str:
