@@ -65,6 +65,19 @@ def test_a_float16_overflow_is_still_refused_untouched():
     assert cm.graph is graph and all(torch.equal(v, state[k]) for k, v in net.state_dict().items())
 
 
+def test_a_float32_entry_a_small_rescaling_takes_below_the_normal_range_is_refused_untouched():
+    """float32 tensors went unchecked under max|z| < log(1e6): a weight of 1e-44 (a float32 subnormal) became 0 and
+    one of 1e-36 a subnormal at z = -13."""
+    net, cm = _mlp(torch.float32)
+    with torch.no_grad():
+        net[0].weight[0, 0], net[0].weight[1, 0] = 1e-44, 1e-36
+    cm = pathir.compile(net, input_shape=(3,))
+    state, graph = _state(net), cm.graph
+    with pytest.raises(PathirError, match="does not fit torch.float32: 2 entries"):
+        cm.commit_rescaling(np.full(len(cm.units), -13.0))
+    assert cm.graph is graph and all(torch.equal(v, state[k]) for k, v in net.state_dict().items())
+
+
 def _graph_with(values):
     from pathir.ir import Dense, GraphBuilder
 
