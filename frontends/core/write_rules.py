@@ -197,18 +197,20 @@ def clip_threshold_names(graph: Graph) -> list[str]:
     return list(dict.fromkeys(r.name for p in graph.params() for r in p.sources if r.role is Role.CLIP_THRESHOLD))
 
 
-def check_variance(where: str, eps: float, exact: np.ndarray, stored: np.ndarray, untouched: str) -> None:
-    """A batch-norm divides by sqrt(var + eps): the running variance as stored (``stored``, in its dtype) must
+def check_variance(where: str, eps: float, exact: np.ndarray, stored: np.ndarray, untouched: str,
+                   precision: float | None = None, dtype_name: str | None = None) -> None:
+    """A batch-norm divides by sqrt(var + eps): the running variance as stored (``stored``, in its dtype, or its
+    values in float64 with that dtype's machine epsilon ``precision`` and name: bfloat16, which numpy lacks) must
     keep var + eps (= λ²(var_old + eps) > 0, ``exact`` + eps) to that dtype's precision, which fails when a
     rescaling shrinks the batch-norm's input so far that eps dominates (var' = λ²(var + eps) − eps cancels);
     refused (PathirError) before anything is written."""
     want = np.asarray(exact, dtype=np.float64) + eps
     got = np.asarray(stored, dtype=np.float64) + eps
-    tol = 1e3 * float(np.finfo(np.asarray(stored).dtype).eps)
+    tol = 1e3 * (float(np.finfo(np.asarray(stored).dtype).eps) if precision is None else precision)
     bad = ~(got > 0) | (np.abs(got - want) > tol * np.abs(want))
     if bad.any():
         raise PathirError(
             f"the rescaling shrinks the input of the batch-norm {where} so far that its running variance cannot "
-            f"keep var + eps in {np.asarray(stored).dtype} ({int(bad.sum())} channels; var + eps should be "
+            f"keep var + eps in {dtype_name or np.asarray(stored).dtype} ({int(bad.sum())} channels; var + eps should be "
             f"{float(want[bad].min()):.3g}): eps dominates. Use a smaller rescaling (|z| bounded) or a float64 "
             f"model; {untouched}")

@@ -82,8 +82,14 @@ class Probe:
         self.before = self._outputs()
 
     def _outputs(self) -> list[np.ndarray]:
-        with eval_forward(self.model, self.train_paths), torch.no_grad():
-            out = self.model(*[x.clone() for x in self.inputs])
+        try:
+            with eval_forward(self.model, self.train_paths), torch.no_grad():
+                out = self.model(*[x.clone() for x in self.inputs])
+        except Exception as err:  # the model cannot run as it is now (a layer cast to another dtype since compile)
+            first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+            raise PathirError(f"write-back refused: the model's own forward fails ({type(err).__name__}: {first}), so "
+                              "the written function cannot be checked; make the model run (one dtype and device "
+                              "throughout) and compile it again. The model is untouched") from None
         return [t.detach().to("cpu", torch.float64).numpy() for t in output_tensors(out)]
 
     def check(self) -> None:

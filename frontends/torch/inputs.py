@@ -117,8 +117,19 @@ def explain(model: nn.Module, shapes, err: Exception, batch: int = 2, train: Seq
     except Exception as model_err:  # the model's own verdict on this input
         first = str(model_err).strip().splitlines()[0] if str(model_err).strip() else type(model_err).__name__
         shown = shapes[0] if len(shapes) == 1 else shapes
+        dtypes = sorted({str(t.dtype).replace("torch.", "") for t in list(model.parameters()) + list(model.buffers())
+                         if t.is_floating_point()})
+        hint = (f"its tensors are in {' and '.join(dtypes)}, and pathir feeds it {str(dtype).replace('torch.', '')}: "
+                "run the whole model in one dtype" if len(dtypes) > 1 and _about_dtypes(first) else
+                f"where the shape is wrong, {_FORM}")
         raise InputShapeError(f"{type(model).__name__} itself fails on a batch of input_shape={shown} "
-                              f"({type(model_err).__name__}: {first}): where the shape is wrong, {_FORM}") from err
+                              f"({type(model_err).__name__}: {first}): {hint}") from err
+
+
+def _about_dtypes(message: str) -> bool:
+    """Whether torch's error ``message`` is about mixed dtypes ("Input type (float) and bias type (c10::Half)",
+    "mat1 and mat2 must have the same dtype"), not about shapes."""
+    return any(w in message for w in ("dtype", " type ", "type (", "scalar type", "Half", "BFloat16", "Double"))
 
 
 def model_dtype_device(model):

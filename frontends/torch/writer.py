@@ -309,7 +309,8 @@ class TorchWriter:
             new_t = torch.as_tensor(new, dtype=torch.float64).to(dtype=t.dtype, device=t.device)
             if attr == "running_var" and Role.IN_STATS in sides:
                 check_variance(f"'{name.rpartition('.')[0]}'", float(getattr(module, "eps")), new,
-                               new_t.detach().to("cpu").numpy(), "the model is untouched")
+                               new_t.detach().to("cpu", torch.float64).numpy(), "the model is untouched",
+                               torch.finfo(t.dtype).eps, str(t.dtype).replace("torch.", ""))
             return [(t, new_t, module, attr)]
         if d.kind != "weight_norm" or Role.IN_STATS in sides:
             raise PathirError(d.why or f"'{name}' is weight-normalized and cannot hold running statistics")

@@ -87,6 +87,7 @@ def as_input_dict(graph: Graph, x) -> dict:
             raise InputShapeError(f"x: the graph has inputs {list(graph.inputs)}: pass a dict {{input name: array}}")
         x = {graph.inputs[0]: x}
     x = {k: v if hasattr(v, "shape") else np.asarray(v, dtype=np.float64) for k, v in x.items()}  # nested lists
+    x = {k: readable(v) for k, v in x.items()}
     x = {k: np.ascontiguousarray(v) if isinstance(v, np.ndarray) and any(st < 0 for st in v.strides) else v
          for k, v in x.items()}  # a reversed view (x[::-1]): torch reads no negative strides
     unknown = [k for k in x if k not in graph.inputs]
@@ -110,6 +111,11 @@ def as_input_dict(graph: Graph, x) -> dict:
             raise InputShapeError(f"x: input '{name}' holds NaN or infinite entries: the network's output is not a "
                                   "number there, and no activation pattern, path-norm or bound describes it")
     return x
+
+
+def readable(v):
+    """``v`` as every backend reads it: a torch bfloat16 tensor (numpy has no bfloat16) as float32, exactly."""
+    return v.float() if str(getattr(v, "dtype", "")) == "torch.bfloat16" else v
 
 
 def _context(node: Node) -> str:

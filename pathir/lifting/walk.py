@@ -63,7 +63,8 @@ def forward(graph: Graph, backend, inputs, all_nodes: bool = False):
     for node in graph.nodes:
         with node_errors(node):
             if node.kind is NodeKind.INPUT:
-                x = backend.asarray(inputs[node.name])
+                x = inputs[node.name]
+                x = backend.asarray(x.float() if str(getattr(x, "dtype", "")) == "torch.bfloat16" else x)  # (numpy)
                 if tuple(x.shape[1:]) != node.shape or not x.shape[0]:
                     raise InputShapeError(f"x: input '{node.name}' expects (B, {', '.join(map(str, node.shape))}) with "
                                           f"B >= 1, got {tuple(x.shape)}")
