@@ -282,6 +282,8 @@ case("avg_pool3d module", C3, lambda m, a: m.p(a),
 case("adaptive_avg_pool3d fn", C3, lambda m, a: F.adaptive_avg_pool3d(a, (2, 3, 3)))
 case("adaptive_avg_pool3d module", C3, lambda m, a: m.p(a), lambda: {"p": nn.AdaptiveAvgPool3d((3, 2, None))})
 case("adaptive_max_pool3d fn", C3, lambda m, a: F.adaptive_max_pool3d(a, (3, 2, 2)))
+case("casts to the model's own dtype", C2, lambda m, a: a.double() + a.to(torch.float64) + a.to("cpu") +
+     a.to("cpu", torch.float64) + a.type(torch.float64) + a.type("torch.DoubleTensor"))
 case("adaptive_max_pool fns with indices", C2, lambda m, a: F.adaptive_max_pool2d(a, (3, 2), return_indices=True)[0]
      .flatten(2) + F.adaptive_max_pool1d(a.flatten(2), 6, return_indices=True)[0])
 case("adaptive_max_pool3d fn with indices", C3, lambda m, a: F.adaptive_max_pool3d(a, (3, 2, 2), True)[0])
@@ -526,6 +528,7 @@ aten_case("adaptive_max_pool3d", C3, lambda c, h: c.item(c(aten.adaptive_max_poo
 aten_case("scalar arithmetic", C2, lambda c, h: c(aten.div.Scalar, c(aten.mul.Scalar, c(aten.add.Scalar, h, 0, alpha=2),
                                                                      -1.5), 4))
 aten_case("_unsafe_view", C2, lambda c, h: c(aten._unsafe_view.default, h, [-1, 3, 36]))
+aten_case("_to_copy", C2, lambda c, h: c(aten._to_copy.default, h, dtype=torch.float64))
 aten_case("index", C2, lambda c, h: c(aten.index.Tensor, h, [None, None, _arange(c, 5, -1, -2), None]))
 aten_case("_unsafe_index", C2, lambda c, h: c(aten._unsafe_index.Tensor, h, [None, None, None, _arange(c, 0, 6, 2)]))
 aten_case("identity ops", C2, lambda c, h: c(aten.lift_fresh_copy.default, c(aten.alias.default, c(
@@ -588,7 +591,11 @@ aten_case("sub.Scalar", C2, lambda c, h: c(aten.sub.Scalar, h, 1.0), table=ATEN_
 
 _BATCH_FLIP = "flipud reverses axis 0, the batch axis: it mixes the samples of a batch"
 _CONSTANT = "a difference with a non-zero constant operand: a fixed bias no parameter carries"
+_CAST = "casts an activation to {} in a float64 model"
 REFUSALS = {
+    "float": Refusal(("float",), _fx(lambda m, a: a.float().double(), C2), _CAST.format("float32")),
+    "half": Refusal(("half",), _fx(lambda m, a: a.half().double(), C2), _CAST.format("float16")),
+    "bfloat16": Refusal(("bfloat16",), _fx(lambda m, a: a.bfloat16().double(), C2), _CAST.format("bfloat16")),
     "aten.rsub.Scalar": Refusal((aten.rsub.Scalar,), _export(lambda m, a: 1 - a, C2), _CONSTANT),
     "aten.sub.Scalar": Refusal((aten.sub.Scalar,), _aten("sub.Scalar"), _CONSTANT),
     "aten.clamp.Tensor": Refusal((aten.clamp.Tensor,), _export(lambda m, a: torch.clamp(a, torch.zeros(()), torch.full((3, 1, 1), 6.0)), C2),

@@ -409,3 +409,28 @@ def test_a_float_fused_module_of_torch_ao_is_still_lowered():
     x = torch.randn(5, 8)
     np.testing.assert_allclose(pathir.compile(model, input_shape=(8,)).forward(x.double().numpy(), backend="numpy"),
                                model(x).detach().double().numpy(), rtol=1e-5, atol=1e-6)
+
+
+class _Cast(nn.Module):
+    def __init__(self, cast):
+        super().__init__()
+        self.a, self.b, self.cast = nn.Linear(4, 6), nn.Linear(6, 2), cast
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(self.cast(x))))
+
+
+@pytest.mark.parametrize("cast", [lambda x: x.float(), lambda x: x.to(torch.float32), lambda x: x.type(torch.float32),
+                                  lambda x: x.to("cpu")])
+def test_a_cast_to_the_models_own_dtype_is_the_identity(cast):
+    """``x = x.float()`` at the top of a float32 model's forward was refused as 'casts to another dtype'."""
+    torch.manual_seed(0)
+    model = _Cast(cast).eval()
+    x = torch.randn(5, 4)
+    np.testing.assert_allclose(pathir.compile(model, input_shape=(4,)).forward(x.double().numpy(), backend="numpy"),
+                               model(x).detach().double().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_cast_to_another_dtype_is_refused_by_name():
+    with pytest.raises(pathir.UnsupportedOperation, match=r"\.half\(\) casts an activation to float16 in a float32"):
+        pathir.compile(_Cast(lambda x: x.half().float()).eval(), input_shape=(4,))

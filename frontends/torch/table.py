@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from pathir.frontends.torch import activations as act
 from pathir.frontends.torch import arithmetic as ar
+from pathir.frontends.torch import casts as cs
 from pathir.frontends.torch import indexing as ix
 from pathir.frontends.torch import layers as ly
 from pathir.frontends.torch import pooling as pl
@@ -102,6 +103,9 @@ RULES: dict = {
             aten.contiguous.default, aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default,
             aten.feature_alpha_dropout.default, aten.lift_fresh_copy.default),
     **_rows(act.same_module, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.AlphaDropout, nn.Identity),
+    **_rows(cs.float_, "float"), **_rows(cs.double, "double"), **_rows(cs.half, "half"),
+    **_rows(cs.bfloat16, "bfloat16"), **_rows(cs.type_, "type"),
+    **_rows(cs.to, "to", aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default),
     # ---------------------------------------------------------------- sums and constant factors
     **_rows(ar.add, operator.add, operator.iadd, torch.add, "add", "add_", aten.add.Tensor, aten.add_.Tensor,
             aten.add.Scalar),

@@ -68,8 +68,6 @@ WHY = {
             "ReLU DAG edge (to pad with zeros, use F.pad; a constant zero channel is a zero-padded layer)")
        for op in ("zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like", "randint_like",
                   "new_zeros", "new_ones", "new_full", "new_empty", "new_tensor")},
-    **{op: "casts an activation to another dtype inside the forward: the IR computes in the model's dtype"
-       for op in ("to", "type", "float", "double", "half", "bfloat16")},
     **{op: "compares an activation: a data-dependent mask, not a fixed linear map" for op in (
         "gt", "lt", "ge", "le", "eq", "ne", "greater", "less", "greater_equal", "less_equal", "__gt__", "__lt__",
         "__ge__", "__le__", "__eq__", "__ne__")},
