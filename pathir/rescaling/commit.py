@@ -258,7 +258,9 @@ def _check_values(saved, max_abs_z: float) -> None:
             raise PathirError(
                 f"the rescaled tensor '{full}' does not fit {t.dtype}: {int(broke.sum())} entries would overflow, "
                 f"or fall below its smallest normal number, under a rescaling with max |z| = {max_abs_z:.4g} "
-                f"(entries move by up to e^{max_abs_z:.3g}). Bound the rescaling: cm.pathcond(max_log_scale=...) "
-                "with a smaller bound, or leave max_log_scale=None for the largest one this dtype holds "
-                "(pathir.rescaling.bounds.default_max_log_scale); the model is unchanged"
+                f"(entries move by up to e^{max_abs_z:.3g}). Bound the rescaling with a smaller max_log_scale= "
+                "(cm.pathcond, enorm, equalize). The default, None, is the largest bound this dtype holds for the "
+                "graph's own parameters (pathir.rescaling.bounds.default_max_log_scale); a tensor the graph reads "
+                "only through a fold (a weight under a batch-norm's γ/σ) can sit closer to the dtype's limits and "
+                "need a smaller one; the model is unchanged"
             )
