@@ -78,12 +78,15 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
 
         def relower(moved: set[str] | None = None) -> Graph:
             """The model's current values in the same pipeline: re-read without tracing when only
-            recipe inputs ``moved`` (docs/live.md), else lowered again."""
+            recipe inputs ``moved`` (docs/live.md), else lowered again (and later re-reads start from that
+            lowering: its fixed maps hold the buffers as they are now, not as at compile)."""
+            nonlocal reread
             raw = reread.graph(model) if reread is not None and reread.covers(moved) else None
             if raw is None:
                 with kept(model):  # tracing runs the forward: a refusal leaves the model as it was
-                    raw = lower(model, input_shape=input_shape, example_input=example_input,
-                                heads=bool(writer.train_paths)).graph  # the outputs it was compiled with
+                    again = lower(model, input_shape=input_shape, example_input=example_input,
+                                  heads=bool(writer.train_paths))  # the outputs it was compiled with
+                raw, reread = again.graph, again.reread
             return run_passes(raw, pipeline, check=False)
 
         relower.covers = lambda moved: reread is not None and reread.covers(moved)  # a re-read without tracing

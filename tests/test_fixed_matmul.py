@@ -64,3 +64,28 @@ def test_a_fixed_matrix_met_in_forward_is_a_fixed_map(form, path):
     cm.pathcond()
     torch.testing.assert_close(net(x), y, rtol=1e-10, atol=1e-12)
     assert torch.equal(net.A, A)
+
+
+class _LearnableRead(nn.Module):
+    """A learnable weight read around fx's proxies: as fx's tensor constant of its transpose, or as a view attribute."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.a, self.form = nn.Linear(3, 4), form
+        self.W = nn.Parameter(torch.randn(2, 4))
+        if form == "view attribute":
+            self.Wt = self.W.t()
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return h @ (self._parameters["W"].t() if self.form == "constant" else self.Wt)
+
+
+@pytest.mark.parametrize("form", ["constant", "view attribute"])
+def test_a_learnable_weight_read_as_a_constant_stays_a_parameter(form):
+    """Fixed constants are tensors autograd traces back to no parameter: W.t() read around fx's proxies requires
+    grad, so it is a parameter of the graph (4 units, W's 8 diag G entries), not a fixed map (0 units)."""
+    torch.manual_seed(0)
+    cm = pathir.compile(_LearnableRead(form), input_shape=(3,))  # float32: a view attribute would not follow .double()
+    assert len(cm.units) == 4
+    assert sum(np.size(v) for v in cm.diag_g().values()) == 12 + 4 + 8

@@ -410,3 +410,30 @@ def test_after_pruning_every_write_back_leaves_the_model_as_written_for_the_next
         assert cm.path_norm(1) == fresh.path_norm(1)
         np.testing.assert_array_equal(cm.forward(x.double().numpy(), backend="numpy"),
                                       fresh.forward(x.double().numpy(), backend="numpy"))
+
+
+def test_a_buffer_edited_then_a_write_back_leaves_the_compiled_on_the_model_as_it_is():
+    """A buffer read as a fixed matrix, edited after compile, was followed by a full trace; a later write-back's
+    re-read started from the compile-time recipe again, and the Compiled answered for the old buffer (7.41 for 22.24)."""
+
+    class Projected(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.a = torch.nn.Linear(3, 5), torch.nn.Linear(5, 4)
+            self.register_buffer("B", torch.randn(4, 2))
+
+        def forward(self, x):
+            return torch.relu(self.a(torch.relu(self.c(x)))) @ self.B
+
+    torch.manual_seed(0)
+    net = Projected()
+    cm = pathir.compile(net, input_shape=(3,))
+    with torch.no_grad():
+        net.B.mul_(3)
+    x = torch.randn(6, 3)
+    for method in ("pathcond", "enorm"):
+        getattr(cm, method)()
+        fresh = pathir.compile(net, input_shape=(3,), self_check=False)
+        assert cm.path_norm(1) == pytest.approx(fresh.path_norm(1), rel=1e-12)
+        np.testing.assert_allclose(cm.forward(x.double().numpy(), backend="numpy"), net(x).detach().double().numpy(),
+                                   rtol=1e-5, atol=1e-6)

@@ -434,3 +434,20 @@ def test_a_cast_to_the_models_own_dtype_is_the_identity(cast):
 def test_a_cast_to_another_dtype_is_refused_by_name():
     with pytest.raises(pathir.UnsupportedOperation, match=r"\.half\(\) casts an activation to float16 in a float32"):
         pathir.compile(_Cast(lambda x: x.half().float()).eval(), input_shape=(4,))
+
+
+def test_a_cast_to_another_tensors_dtype_is_refused():
+    """``h.to(buffer)`` with a bfloat16 buffer was read as the identity (its ParamTensor wrapper missed the check):
+    0.097 off with self_check=False."""
+
+    class ToOther(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.c = nn.Linear(4, 6), nn.Linear(6, 2)
+            self.register_buffer("ref", torch.zeros(1, dtype=torch.bfloat16))
+
+        def forward(self, x):
+            return self.c(torch.relu(self.a(x).to(self.ref).float()))
+
+    with pytest.raises(pathir.UnsupportedOperation, match=r"\.to\(tensor\)"):
+        pathir.compile(ToOther().eval(), input_shape=(4,), self_check=False)

@@ -44,7 +44,7 @@ def bfloat16(low, input, *args, **kwargs):
 def to(low, input, *args, **kwargs):
     """``x.to(dtype)``, ``x.to(device)``, ``x.to(device, dtype)``, ``x.to(dtype=...)``; ``x.to(other)`` (another
     tensor's dtype) is refused."""
-    if any(isinstance(a, torch.Tensor) or hasattr(a, "shape") for a in args):
+    if any(isinstance(a, torch.Tensor) or hasattr(a, "shape") or hasattr(a, "tensor") for a in args):  # (ParamTensor)
         low.unsupported(".to(tensor) casts an activation to another tensor's dtype, which pathir does not read")
     dtype = kwargs.get("dtype", next((a for a in args if isinstance(a, torch.dtype)), None))
     return _cast(low, input, dtype, f".to({str(dtype).replace('torch.', '')})" if dtype is not None else ".to()")

@@ -121,10 +121,12 @@ class FxInterpreter:
             obj = _get(self.model, node.target)
             if isinstance(obj, torch.Tensor):
                 low.direct_reads.add(node.target)  # it may become a fixed constant (frontends/torch/reread.py)
-                # no parameter of the model: a buffer, a plain tensor attribute, or fx's tensor constant (a tensor
-                # made in forward from no parameter: torch.eye(4) * 0.5, a buffer's transpose): a fixed tensor
-                return ParamTensor(node.target, obj, "parameter" if low.is_parameter(ParamTensor(node.target, obj))
-                                   else "buffer")
+                # no parameter of the model and nothing autograd traces back to one: a buffer, a plain tensor
+                # attribute, or fx's tensor constant made in forward from none (torch.eye(4) * 0.5, a buffer's
+                # transpose), is a fixed tensor; one that requires grad (a learnable parameter's view or product:
+                # `s._parameters['W'].t()`, an attribute `s.Wt = s.W.t()`) stays a parameter
+                learnable = low.is_parameter(ParamTensor(node.target, obj)) or obj.requires_grad
+                return ParamTensor(node.target, obj, "parameter" if learnable else "buffer")
             return obj
         args, kwargs = self._args(node)
         _refuse_read_indices(low, node, args, kwargs)
