@@ -16,7 +16,8 @@ from .maxpool_to_sum import maxpool_to_sum
 from .path_view import path_view
 from .remove_dead import remove_dead
 
-__all__ = ["Pass", "PASSES", "run_passes", "DEFAULT_PIPELINE", "register", "pass_name", "param_fingerprint"]
+__all__ = ["Pass", "PASSES", "run_passes", "run_recording", "DEFAULT_PIPELINE", "register", "pass_name",
+           "param_fingerprint"]
 
 Pass = Callable[[Graph], Graph]
 
@@ -74,6 +75,20 @@ def param_fingerprint(graph: Graph) -> tuple:
         value = np.ascontiguousarray(p.value)
         out.append((p.name, value.shape, hashlib.blake2b(value.view(np.uint8).reshape(-1), digest_size=16).digest()))
     return tuple(out)
+
+
+def run_recording(graph: Graph, passes: Iterable[Pass], check: bool = True,
+                  after: Iterable[str] = ()) -> tuple[Graph, tuple[str, ...]]:
+    """``run_passes`` one pass at a time, and the names of those that changed the params (values or shapes, by
+    ``param_fingerprint``): a result computed on their graph does not apply to the model's tensors."""
+    done, changed = list(after), []
+    for p in passes:
+        before = param_fingerprint(graph)
+        graph = run_passes(graph, (p,), check=check, after=done)
+        done.append(pass_name(p))
+        if param_fingerprint(graph) != before:
+            changed.append(done[-1])
+    return graph, tuple(changed)
 
 
 def run_passes(graph: Graph, passes: Iterable[Pass], check: bool = True, after: Iterable[str] = ()) -> Graph:

@@ -13,7 +13,7 @@ from pathir.ir import Graph, verify
 from pathir.ir.inputs import graph_inputs
 from pathir.passes import DEFAULT_PIPELINE, run_passes
 from pathir.passes.fold_batchnorm import pooled_folds
-from pathir.passes.manager import param_fingerprint, pass_name
+from pathir.passes.manager import pass_name, run_recording
 from pathir.support.model_state import keeps_model, kept
 from pathir.support.progress import Phases
 
@@ -96,17 +96,12 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
     # its own memory (never in a user pass's graph, which the pass may keep)
     default = pooled_folds(DEFAULT_PIPELINE, in_place=kind == "torch")
     graph = run_passes(graph, default, check=check)
-    done, transformed_by = [pass_name(p) for p in default], []
-    for p in passes:  # one at a time: the write-back follows the model only through params a pass kept
-        before = param_fingerprint(graph)
-        graph = run_passes(graph, (p,), check=check, after=done)
-        done.append(pass_name(p))
-        if param_fingerprint(graph) != before:
-            transformed_by.append(done[-1])
+    # one at a time: the write-back follows the model only through params a pass kept
+    graph, transformed_by = run_recording(graph, passes, check=check, after=[pass_name(p) for p in default])
     cm = Compiled(graph, model=model, writer=writer, source_num_params=n_src, backend=backend, name=name,
                   watch=watch, relower=relower)
-    cm.transformed_by = tuple(transformed_by)
-    cm.passes_run = tuple(done[len(default):])
+    cm.transformed_by = transformed_by
+    cm.passes_run = tuple(pass_name(p) for p in passes)
     # copy.copy / copy.deepcopy of cm compile the (copied) model again, as here (its function is this one's)
     cm._recompile = functools.partial(compile, input_shape=input_shape, example_input=example_input, passes=passes,
                                       backend=backend, check=check, self_check=False, progress=False)

@@ -31,8 +31,7 @@ from pathir.lifting.path_norm import num_paths, path_norm, path_norms
 from pathir.lifting.path_norm_grad import check_differentiable_q, path_norm_and_grads
 from pathir.lifting.pruning import path_magnitude_scores, prune
 from pathir.lifting.walk import forward
-from pathir.passes import run_passes
-from pathir.passes.manager import param_fingerprint, pass_name
+from pathir.passes.manager import pass_name, run_recording
 from pathir.pathcond.run import pathcond
 from pathir.rescaling.apply import rescale_graph
 from pathir.rescaling.bounds import default_max_log_scale
@@ -400,14 +399,8 @@ class Compiled:
         """A new Compiled whose graph is this one's after ``passes`` (verified between them). A pass that
         changes the params is recorded in ``transformed_by``, and the new Compiled writes nothing back."""
 
-        graph, changed, done = self.graph, [], []
-        for p in passes:  # one at a time, as compile runs them: which of them moved the params
-            before = param_fingerprint(graph)
-            graph = run_passes(graph, (p,), check=check, after=done)
-            done.append(pass_name(p))
-            if param_fingerprint(graph) != before:
-                changed.append(done[-1])
-        return self._with_graph(graph, tuple(changed), tuple(pass_name(p) for p in passes))
+        graph, changed = run_recording(self.graph, passes, check=check)
+        return self._with_graph(graph, changed, tuple(pass_name(p) for p in passes))
 
     # ---------------------------------------------------------------- ONNX models
     def _onnx_writer(self, what: str):
