@@ -35,7 +35,7 @@ import numpy as np
 from pathir.errors import BackendError, InputShapeError, PathirError, PathNormOverflow
 from pathir.ir import Graph, Node, NodeKind
 from pathir.lifting.scaled import Uncertified
-from pathir.lifting.walk import flushing
+from pathir.lifting.walk import flushing, readable
 from pathir.passes.path_view import abs_pow
 
 __all__ = ["ActivationPattern", "activation_pattern", "masked_forward", "masked_backward", "power_walk",
@@ -111,11 +111,6 @@ def as_input_dict(graph: Graph, x) -> dict:
             raise InputShapeError(f"x: input '{name}' holds NaN or infinite entries: the network's output is not a "
                                   "number there, and no activation pattern, path-norm or bound describes it")
     return x
-
-
-def readable(v):
-    """``v`` as every backend reads it: a torch bfloat16 tensor (numpy has no bfloat16) as float32, exactly."""
-    return v.float() if str(getattr(v, "dtype", "")) == "torch.bfloat16" else v
 
 
 def _context(node: Node) -> str:

@@ -43,6 +43,11 @@ def node_errors(node: Node, where: str = ""):
         raise BackendError(f"{node_context(node)}{where}: {type(err).__name__}: {err}") from err
 
 
+def readable(v):
+    """``v`` as every backend reads it: a torch bfloat16 tensor (numpy has no bfloat16) as float32, exactly."""
+    return v.float() if str(getattr(v, "dtype", "")) == "torch.bfloat16" else v
+
+
 def forward(graph: Graph, backend, inputs, all_nodes: bool = False):
     """Evaluate the graph on a batch. ``inputs``: one array (single input) or
     {input name: array}, each of shape (B, *shape). Returns {output name: array}
@@ -63,8 +68,7 @@ def forward(graph: Graph, backend, inputs, all_nodes: bool = False):
     for node in graph.nodes:
         with node_errors(node):
             if node.kind is NodeKind.INPUT:
-                x = inputs[node.name]
-                x = backend.asarray(x.float() if str(getattr(x, "dtype", "")) == "torch.bfloat16" else x)  # (numpy)
+                x = backend.asarray(readable(inputs[node.name]))
                 if tuple(x.shape[1:]) != node.shape or not x.shape[0]:
                     raise InputShapeError(f"x: input '{node.name}' expects (B, {', '.join(map(str, node.shape))}) with "
                                           f"B >= 1, got {tuple(x.shape)}")
