@@ -246,18 +246,15 @@ def _check_eval_among_heads(cm, model, xs, outs: dict, dtype: str) -> None:
 
 
 def _first_torch(cm, model, xs, dtype: str) -> str:
-    """The first IR node (graph order) whose value differs from its module's recorded output, and the first
-    module whose output is not in the model's dtype (torch.autocast, a cast), which the graph does not follow."""
+    """The first IR node (graph order) whose value differs from its module's recorded output (a module whose
+    output is in another dtype was refused before any comparison: `_dtypes_seen`)."""
     import torch
 
-    recorded, handles, other_dtype = {}, [], {}
-    model_dtype = model_dtype_device(model)[0]
+    recorded, handles = {}, []
     for path, mod in model.named_modules():
         def hook(m, i, o, path=path):
             if isinstance(o, torch.Tensor):
                 recorded[path] = _numpy(o.clone())
-                if o.is_floating_point() and o.dtype != model_dtype:
-                    other_dtype.setdefault(path or "the model", o.dtype)
         handles.append(mod.register_forward_hook(hook))
     try:
         with eval_forward(model, train_paths(cm)), torch.no_grad():
@@ -274,10 +271,6 @@ def _first_torch(cm, model, xs, dtype: str) -> str:
             first = f"node '{node.name}' (module '{node.origin}', relative deviation " \
                     f"{_deviation(acts[node.name], ref):.3g})"
             break
-    for path, other in other_dtype.items():  # (the first in call order)
-        return (f"{first or 'an output'}; module '{path}' returns {str(other).replace('torch.', '')} in a {dtype} "
-                "model: its forward computes in another dtype (torch.autocast, or a cast), which pathir's graph, "
-                f"in {dtype} throughout, does not follow")
     return first
 
 
