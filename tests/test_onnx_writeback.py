@@ -346,3 +346,18 @@ def test_bias_absorption_into_a_sub_constant_writes_it_with_its_sign():
     writer.shift_biases(cm.graph, {"b": np.array([0.5, -1.0, 2.0])})
     written = _inits(writer.to_onnx())["b"].reshape(-1)
     np.testing.assert_allclose(written, _inits(proto)["b"].reshape(-1) - np.array([0.5, -1.0, 2.0]), rtol=1e-6)
+
+
+def test_a_rescaled_weight_falling_below_float32s_normal_range_is_refused_untouched():
+    """Only overflows were caught before the probe: a weight of 1e-37 taken to a subnormal (or 1e-44 to 0) was
+    written, and a function change that small passes onnxruntime's probe."""
+    rng = np.random.default_rng(0)
+    W1 = rng.normal(size=(3, 4))
+    W1[0, 0], W1[1, 1] = 1e-37, 1e-44
+    proto = make_model([node("MatMul", ["x", "W1"], ["h"]), node("Relu", ["h"], ["r"]), node("MatMul", ["r", "W2"], ["y"])],
+                       [tensor_info("x", ["N", 3])], [tensor_info("y", ["N", 2])], {"W1": W1, "W2": rng.normal(size=(4, 2))})
+    cm = pathir.compile(proto)
+    before = cm.to_onnx().SerializeToString()
+    with pytest.raises(PathirError, match="'W1' would leave float32's range .* fall to 0 or below its smallest normal"):
+        cm.commit_rescaling(np.full(len(cm.units), -30.0))  # the first layer's weights shrink by e^15
+    assert cm.to_onnx().SerializeToString() == before

@@ -140,9 +140,9 @@ class OnnxWriter:
             if b.kind == "clip":  # a Clip holds one number: rewritten when its channels move
                 if np.any(np.asarray(sides[Role.CLIP_THRESHOLD]) != 1.0):
                     new = self._rescaled(name, b, sides)
-                    rewrites[name] = _in_dtype(name, np.broadcast_to(new, b.layout), b.value.dtype)
+                    rewrites[name] = _in_dtype(name, np.broadcast_to(new, b.layout), b.value.dtype, b.value)
                 continue
-            updates[name] = _in_dtype(name, self._rescaled(name, b, sides), np.asarray(b.value).dtype)
+            updates[name] = _in_dtype(name, self._rescaled(name, b, sides), np.asarray(b.value).dtype, b.value)
         before = self.to_onnx()
         self._commit(updates, rewrites)
         self._written = (before, graph)
@@ -310,16 +310,34 @@ class OnnxWriter:
         self._model, self.bindings = model, bindings
 
 
-def _in_dtype(name: str, value: np.ndarray, dtype) -> np.ndarray:
-    """``value`` in the tensor's dtype, or PathirError (nothing written) where an entry leaves its range: a threshold
-    cast to inf (min(relu, inf) = relu passes onnxruntime's probe) would be written, and the file then refused."""
-    with np.errstate(over="ignore"):
-        cast = np.asarray(value).astype(dtype)
-    if np.all(np.isfinite(np.asarray(value))) and not np.all(np.isfinite(cast.astype(np.float64))):
-        raise PathirError(f"source tensor '{name}' would leave {np.dtype(dtype).name}'s range under this rescaling (its "
-                          "largest rescaled entry is about {:.3g}); bound it (max_log_scale=...); nothing was "
-                          "changed".format(float(np.max(np.abs(value)))))
+def _in_dtype(name: str, value: np.ndarray, dtype, old=None) -> np.ndarray:
+    """``value`` in the tensor's dtype, or PathirError (nothing written) where an entry leaves its range: overflows
+    (a threshold cast to inf: min(relu, inf) = relu passes onnxruntime's probe, and the file is then refused), or,
+    against the tensor's ``old`` entries, a nonzero entry cast to 0 or a normal one to a subnormal."""
+    value = np.asarray(value)
+    with np.errstate(over="ignore", under="ignore"):
+        cast = value.astype(dtype)
+    wide = cast.astype(np.float64)
+    broke = np.isfinite(value) & ~np.isfinite(wide)
+    if old is not None:
+        before = np.broadcast_to(np.asarray(old, dtype=np.float64), wide.shape)
+        tiny = _tiny(dtype)
+        broke |= ((before != 0) & (wide == 0)) | ((np.abs(before) >= tiny) & (np.abs(wide) < tiny))
+    if broke.any():
+        raise PathirError(f"source tensor '{name}' would leave {np.dtype(dtype).name}'s range under this rescaling "
+                          f"({int(broke.sum())} entries overflow, or fall to 0 or below its smallest normal number); "
+                          "bound it (max_log_scale=...); nothing was changed")
     return cast
+
+
+def _tiny(dtype) -> float:
+    """The smallest normal number of a floating dtype (bfloat16's from ml_dtypes)."""
+    try:
+        return float(np.finfo(dtype).tiny)
+    except (TypeError, ValueError):
+        import ml_dtypes
+
+        return float(ml_dtypes.finfo(dtype).tiny)
 
 
 def _rewrite_clips(model, bindings: dict, rewrites: Mapping[str, np.ndarray]) -> set[str]:
