@@ -16,7 +16,7 @@ from pathir.frontends.core.reductions import all_spatial, elementwise_max, reduc
 from pathir.frontends.core.values import Value
 from pathir.frontends.onnx.elementwise import add_activations, add_constant
 from pathir.frontends.onnx.layers import attrs
-from pathir.frontends.onnx.load import numpy_dtype
+from pathir.frontends.onnx.load import float_info, numpy_dtype
 from pathir.frontends.onnx.writer import Binding
 from pathir.ir import NodeKind, Role, SourceRef
 
@@ -125,8 +125,8 @@ def clip(low, node, ins):
         low.unsupported("Clip at a bound computed from the input: not positively homogeneous")
     lo_s = None if lo is None else _scalar(np.asarray(lo, dtype=np.float64))
     hi_s = None if hi is None else _scalar(np.asarray(hi, dtype=np.float64))
-    top = _largest(numpy_dtype(low.types.get(node.input[0], 1)))
-    if hi_s is not None and top is not None and hi_s >= top:
+    info = float_info(numpy_dtype(low.types.get(node.input[0], 1)))
+    if hi_s is not None and info is not None and hi_s >= float(info.max):
         hi_s = None  # max = the largest finite value of its type (opset 6-10's default, FLT_MAX): no finite x passes it
     if (lo_s is None or lo_s == -np.inf) and (hi_s is None or hi_s == np.inf):  # no bound: the identity
         low.same_axis(node)
@@ -137,21 +137,6 @@ def clip(low, node, ins):
         return [_clip_node(low, node, hi_s)]
     low.unsupported("clips below at a bound other than 0 (or only above): not positively homogeneous; Clip(min=0) "
                     "is a ReLU and Clip(min=0, max=t) a clipped ReLU, ReLU(x) - ReLU(ReLU(x) - t)")
-
-
-def _largest(dtype) -> float | None:
-    """The largest finite value of a floating ``dtype`` (bfloat16's from ml_dtypes, which numpy's finfo does not
-    know), None for any other."""
-    try:
-        return float(np.finfo(dtype).max)
-    except (TypeError, ValueError):
-        pass
-    try:
-        import ml_dtypes
-
-        return float(ml_dtypes.finfo(dtype).max)
-    except (ImportError, TypeError, ValueError):
-        return None
 
 
 def _clip_node(low, node, t: float) -> Value:

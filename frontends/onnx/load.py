@@ -257,3 +257,18 @@ def numpy_dtype(elem_type: int):
         return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
     except (KeyError, TypeError, ValueError):
         return np.dtype(np.float32)
+
+
+def float_info(dtype):
+    """``finfo`` of a floating ``dtype``: numpy's, or ml_dtypes' for bfloat16 (which numpy's does not know); None
+    for any other dtype."""
+    try:
+        return np.finfo(dtype)
+    except (TypeError, ValueError):
+        pass
+    try:
+        import ml_dtypes
+
+        return ml_dtypes.finfo(dtype)
+    except (ImportError, TypeError, ValueError):
+        return None

@@ -42,7 +42,7 @@ import numpy as np
 from pathir.errors import PathirError
 from pathir.frontends.core.write_rules import check_variance, mask_plan, source_factors
 from pathir.frontends.onnx.function_kept import check_onnx_function
-from pathir.frontends.onnx.load import skeleton
+from pathir.frontends.onnx.load import float_info, skeleton
 from pathir.ir import Graph, Role
 from pathir.support.files import same_file, write_atomic
 
@@ -321,23 +321,13 @@ def _in_dtype(name: str, value: np.ndarray, dtype, old=None) -> np.ndarray:
     broke = np.isfinite(value) & ~np.isfinite(wide)
     if old is not None:
         before = np.broadcast_to(np.asarray(old, dtype=np.float64), wide.shape)
-        tiny = _tiny(dtype)
+        tiny = float(float_info(dtype).tiny)
         broke |= ((before != 0) & (wide == 0)) | ((np.abs(before) >= tiny) & (np.abs(wide) < tiny))
     if broke.any():
         raise PathirError(f"source tensor '{name}' would leave {np.dtype(dtype).name}'s range under this rescaling "
                           f"({int(broke.sum())} entries overflow, or fall to 0 or below its smallest normal number); "
                           "bound it (max_log_scale=...); nothing was changed")
     return cast
-
-
-def _tiny(dtype) -> float:
-    """The smallest normal number of a floating dtype (bfloat16's from ml_dtypes)."""
-    try:
-        return float(np.finfo(dtype).tiny)
-    except (TypeError, ValueError):
-        import ml_dtypes
-
-        return float(ml_dtypes.finfo(dtype).tiny)
 
 
 def _rewrite_clips(model, bindings: dict, rewrites: Mapping[str, np.ndarray]) -> set[str]:
