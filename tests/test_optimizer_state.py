@@ -458,3 +458,82 @@ def test_an_undo_that_fails_on_one_tensor_puts_back_all_the_others():
     with pytest.raises(RuntimeError):
         plan.undo()
     assert torch.equal(a, torch.full((3,), 9.0)) and torch.equal(c, torch.full((3,), 9.0))
+
+
+def _mlp_trained():
+    """A 3-layer MLP whose hidden layer is far from balanced (ENorm moves it), after two SGD-momentum steps;
+    the output layer's entries are never rescaled."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 6), nn.ReLU(), nn.Linear(6, 3)).double()
+    with torch.no_grad():
+        net[2].weight.mul_(torch.exp(2 * torch.randn(6, 1, dtype=torch.float64)))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    for _ in range(2):
+        opt.zero_grad()
+        net(torch.randn(16, 5, dtype=torch.float64)).square().mean().backward()
+        opt.step()
+    return net, opt
+
+
+@pytest.mark.parametrize("alias", ["state", "other param's state"])
+def test_a_state_tensor_over_another_ones_memory_is_refused(alias):
+    """A momentum buffer that is a view of one the rescaling moves: scaling that one in place would change it
+    silently (the output bias is never rescaled; the first layer's weight by other factors than the second's)."""
+    net, opt = _mlp_trained()
+    opt.zero_grad(set_to_none=True)
+    if alias == "state":
+        opt.state[net[4].bias]["momentum_buffer"] = opt.state[net[2].bias]["momentum_buffer"][:3]
+    else:
+        flat = torch.zeros(70, dtype=torch.float64)  # two weights' buffers over overlapping halves of one
+        opt.state[net[2].weight]["momentum_buffer"] = flat[:42].view(6, 7)
+        opt.state[net[0].weight]["momentum_buffer"] = flat[35:].view(7, 5)
+        flat.normal_()
+    cm = pathir.compile(net, input_shape=(5,))
+    before = _snapshot(net, opt)
+    with pytest.raises(PathirError, match="shares memory"):
+        cm.enorm(optimizer=opt)
+    _assert_untouched(net, opt, before)
+
+
+def test_one_state_tensor_held_for_two_parameters_is_refused():
+    net, opt = _mlp_trained()
+    opt.zero_grad(set_to_none=True)
+    opt.state[net[4].bias]["momentum_buffer"] = opt.state[net[2].bias]["momentum_buffer"]  # one object, two params
+    cm = pathir.compile(net, input_shape=(5,))
+    before = _snapshot(net, opt)
+    with pytest.raises(PathirError, match="one tensor is"):
+        cm.enorm(optimizer=opt)
+    _assert_untouched(net, opt, before)
+
+
+def test_grads_as_views_of_one_flat_buffer():
+    """Gradients laid in one flat buffer (as DDP's gradient buckets lay them): disjoint views move exactly, each
+    by its own parameter's factor; overlapping ones are refused."""
+    net, _ = _mlp_trained()
+    x = torch.randn(8, 5, dtype=torch.float64)
+    params = list(net.parameters())
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float64)
+    net.zero_grad()
+    net(x).square().mean().backward()
+    start = 0
+    for p in params:
+        view = flat[start:start + p.numel()].view_as(p)
+        view.copy_(p.grad)
+        p.grad = view
+        start += p.numel()
+    old = {p: (p.detach().clone(), p.grad.clone()) for p in params}
+    cm = pathir.compile(net, input_shape=(5,))
+    cm.enorm()
+    for p in params:  # grad ⊙ θ is what it was (∇L' = ∇L / s)
+        theta, grad = old[p]
+        torch.testing.assert_close(p.grad * p.detach(), grad * theta, rtol=1e-10, atol=1e-14)
+    net[4].bias.grad = flat[1:4]  # overlaps the first layer's weight gradient
+    net[0].weight.data.mul_(3.0)  # unbalanced again: ENorm moves the first hidden layer
+    net[2].weight.data.div_(3.0)
+    cm = pathir.compile(net, input_shape=(5,))
+    before = [t.detach().clone() for t in net.state_dict().values()]
+    grads = [p.grad.clone() for p in params]
+    with pytest.raises(PathirError, match="shares memory"):
+        cm.enorm()
+    assert all(torch.equal(a, b) for a, b in zip(before, net.state_dict().values()))
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, params))

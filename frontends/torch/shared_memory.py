@@ -22,6 +22,8 @@ from itertools import chain
 
 import torch
 
+from pathir.support.tensor_memory import extent
+
 __all__ = ["overlaps", "self_overlapping", "registered_names"]
 
 
@@ -34,16 +36,6 @@ def registered_names(model: torch.nn.Module) -> dict[int, list[str]]:
     return out
 
 
-def _extent(t: torch.Tensor) -> tuple[int, int, int] | None:
-    """(storage pointer, first byte, one past the last byte) of the memory ``t`` can read (None: empty or
-    not a real tensor)."""
-    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.numel() == 0:
-        return None
-    span = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
-    start = t.storage_offset() * t.element_size()
-    return t.untyped_storage().data_ptr(), start, start + span * t.element_size()
-
-
 def self_overlapping(t: torch.Tensor) -> bool:
     """Whether two entries of ``t`` are one memory location (a stride of 0 on an axis of 2 or more: an
     expanded tensor): no rescaling that gives them different factors can be written into it."""
@@ -53,7 +45,7 @@ def self_overlapping(t: torch.Tensor) -> bool:
 def overlaps(model: torch.nn.Module, written: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str]]:
     """(written name, other name) for each parameter or buffer of ``model`` that is another object than a
     written tensor but reads memory the written one spans (written tensors among themselves included)."""
-    spans = [(name, id(t), e) for name, t in written if (e := _extent(t)) is not None]
+    spans = [(name, id(t), e) for name, t in written if (e := extent(t)) is not None]
     if not spans:
         return []
     by_storage: dict[int, list] = {}
@@ -62,7 +54,7 @@ def overlaps(model: torch.nn.Module, written: list[tuple[str, torch.Tensor]]) ->
     out, seen = [], set()
     tensors = chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
     for other, t in tensors:
-        e = _extent(t)
+        e = extent(t)
         if e is None or e[0] not in by_storage:
             continue
         for name, ident, lo, hi in by_storage[e[0]]:

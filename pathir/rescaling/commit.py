@@ -34,7 +34,7 @@ from pathir.errors import PathirError, StaleReference
 from pathir.ir import Graph, Role
 from pathir.rescaling.apply import check_rescaling, log_scales, rescale_graph
 from pathir.rescaling.bounds import float64_safe
-from pathir.rescaling.optimizer_state import check_transportable, plan_grads, plan_transport
+from pathir.rescaling.optimizer_state import check_private, check_transportable, plan_grads, plan_transport
 from pathir.rescaling.shared_sources import check_batch_norm_uses
 
 __all__ = ["commit_rescaling", "rescaled_graph", "with_bias_shifts", "check_writable", "check_optimizer", "pruned_attributes"]
@@ -92,6 +92,8 @@ def commit_rescaling(graph: Graph, units, z, model=None, writer=None, optimizer=
         transport = None if optimizer is None else plan_transport(optimizer, factors)
         if grads and factors is not None:
             transport = plan_grads(factors, transport)  # the .grad of the last backward moves too
+        if transport is not None:
+            check_private(transport, optimizer, model)
         state = writer.snapshot() if hasattr(writer, "snapshot") else None  # a writer that swaps whole models
         try:
             try:

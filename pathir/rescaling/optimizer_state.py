@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pathir.errors import PathirError
+from pathir.support.tensor_memory import extent, overlapping
 
-__all__ = ["STATE_POWERS", "Transport", "check_transportable", "plan_transport", "plan_grads"]
+__all__ = ["STATE_POWERS", "Transport", "check_transportable", "plan_transport", "plan_grads", "check_private"]
 
 _ADAM = {"step": 0, "exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 2}
 
@@ -170,6 +171,35 @@ def plan_grads(factors, plan: Transport | None = None) -> Transport:
             _check_writable(g, f"the .grad of a parameter of shape {tuple(p.shape)}")
             plan.updates.append((None, "grad", g, _scaled(g, s, 1, "grad")))
     return plan
+
+
+def check_private(plan: Transport, optimizer, model) -> None:
+    """Refuse (nothing written yet) a plan that writes a tensor whose memory another tensor also reads: the
+    optimizer's state of another parameter (or under another key), a ``.grad``, a parameter or buffer of the
+    model (``optimizer.state[q]['momentum_buffer'] = other_buffer[:3]``, grads as views of one flat buffer
+    that overlap). Writing it in place would change the other one, which no rescaling moved so."""
+    tensors = [(f"the {type(optimizer).__name__} state {key!r} of a parameter of shape {tuple(p.shape)}", v)
+               for p, st in ([] if optimizer is None else optimizer.state.items()) for key, v in st.items()]
+    params = [] if not hasattr(model, "parameters") else list(model.parameters())
+    tensors += [(f"the .grad of a parameter of shape {tuple(p.shape)}", p.grad) for p in params]
+    if hasattr(model, "named_buffers"):
+        tensors += [(f"the model's tensor '{n}'", t) for n, t in (*model.named_parameters(), *model.named_buffers())]
+    by_storage: dict[int, list] = {}
+    for what, t in tensors:
+        if (e := extent(t)) is not None:
+            by_storage.setdefault(e[0], []).append((what, id(t), e))
+    for _, key, t, _ in plan.updates:
+        mine, moved = extent(t), "gradient" if key == "grad" else f"state {key!r}"
+        near = by_storage.get(mine[0], []) if mine is not None else []
+        held = [what for what, ident, _ in near if ident == id(t)]
+        if len(held) > 1:
+            raise PathirError(f"one tensor is {held[0]} and {held[1]}, which the rescaling moves by different "
+                              "factors; give each its own tensor (.clone()). Nothing was changed")
+        for what, ident, e in near:
+            if ident != id(t) and overlapping(mine, e):
+                raise PathirError(f"{what} shares memory with a {moved} the rescaling moves, which would change it "
+                                  "too (a view of another state tensor or of one flat buffer); give it its own memory "
+                                  "(.clone()). Nothing was changed")
 
 
 def _check_writable(t, what: str) -> None:
