@@ -49,12 +49,14 @@ class Observations:
         return len(next(iter(self.columns.values()))) if self.columns else 0
 
     def quantiles(self, qs=QUANTILES) -> dict[str, dict[float, float]]:
-        """{column: {q: quantile}} over the samples (nan entries left out)."""
+        """{column: {q: quantile}} over the samples (nan entries left out; numpy's linear interpolation, with
+        ±inf entries kept: the quantiles among -inf values are -inf, not nan)."""
         out = {}
         for name, v in self.columns.items():
             v = np.asarray(v, dtype=np.float64)
             v = v[~np.isnan(v)]
-            out[name] = {q: (float(np.quantile(v, q)) if v.size else math.nan) for q in qs}
+            v = np.sort(v)
+            out[name] = {q: _quantile(v, q) for q in qs}
         return out
 
     def to_dict(self) -> dict:
@@ -339,3 +341,17 @@ def _local_shard(inputs, grp: Group):
         f"over a map-style data set read in order (shuffle=False) or with a DistributedSampler; got "
         f"{type(inputs).__name__} (a shuffled loader, an iterable data set or a custom sampler has no order "
         "every rank agrees on)")
+
+
+def _quantile(ordered: np.ndarray, q: float) -> float:
+    """``np.quantile(ordered, q)`` (linear) of a sorted array without nan, where an infinite neighbour gives
+    that infinity rather than nan (numpy forms -inf + 0·(-inf − -inf)); nan for an empty array."""
+    if not ordered.size:
+        return math.nan
+    pos = q * (ordered.size - 1)
+    lo, hi = float(ordered[int(math.floor(pos))]), float(ordered[int(math.ceil(pos))])
+    if lo == hi or lo == -math.inf:  # ((1 − t)·lo + t·hi with t < 1 is -inf where lo is)
+        return lo
+    if hi == math.inf:
+        return hi
+    return float(np.quantile(ordered, q))

@@ -152,3 +152,25 @@ def test_forward_names_a_missing_or_unknown_input_and_a_batch_mismatch():
         with pytest.raises(pathir.errors.InputShapeError, match=match):
             cm.forward(d)
     assert cm.forward({"x": x, "y": y}).shape == (5, 2)
+
+
+def test_quantiles_of_a_column_holding_minus_inf():
+    """Samples with no active path (all-zero inputs, no biases) have log10 = -inf: numpy's interpolation gave nan
+    for the quantiles among them (the docstring says nan only for nan entries); they are -inf, the rest as numpy."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4, bias=False), torch.nn.ReLU(), torch.nn.Linear(4, 2, bias=False))
+    cm = pathir.compile(net, input_shape=(3,))
+    x = np.concatenate([np.zeros((2, 3)), np.random.default_rng(0).normal(size=(6, 3))])
+    obs = pathir.observe(cm, x)
+    col = np.asarray(obs.columns["log10_active_l1"])
+    assert np.isneginf(col[:2]).all() and np.isfinite(col[2:]).any()
+    qs = obs.quantiles()["log10_active_l1"]
+    ordered = np.sort(col)
+    for q, value in qs.items():
+        pos = q * (col.size - 1)
+        lo = ordered[int(np.floor(pos))]
+        if lo == -np.inf:
+            assert value == -np.inf, q
+        else:
+            finite = ordered[np.isfinite(ordered)]
+            assert value == pytest.approx(np.quantile(ordered, q)) and finite.min() <= value <= finite.max(), q

@@ -87,6 +87,7 @@ def as_input_dict(graph: Graph, x) -> dict:
             raise InputShapeError(f"x: the graph has inputs {list(graph.inputs)}: pass a dict {{input name: array}}")
         x = {graph.inputs[0]: x}
     x = {k: v if hasattr(v, "shape") else np.asarray(v, dtype=np.float64) for k, v in x.items()}  # nested lists
+    x = {k: v.detach() if hasattr(v, "detach") else v for k, v in x.items()}  # (a tensor that requires grad)
     x = {k: readable(v) for k, v in x.items()}
     x = {k: np.ascontiguousarray(v) if isinstance(v, np.ndarray) and any(st < 0 for st in v.strides) else v
          for k, v in x.items()}  # a reversed view (x[::-1]): torch reads no negative strides
@@ -104,6 +105,9 @@ def as_input_dict(graph: Graph, x) -> dict:
     batches = {int(x[name].shape[0]) for name in graph.inputs}
     if len(batches) != 1:
         raise InputShapeError(f"x: the inputs have different batch sizes {sorted(batches)}")
+    if batches == {0}:
+        raise InputShapeError("x: an empty batch (0 samples): there is no activation pattern to read; pass at least "
+                              "one sample (pathir.observe takes an empty data set and returns an empty table)")
     for name in graph.inputs:
         v = x[name]
         finite = v.isfinite().all() if hasattr(v, "isfinite") else np.isfinite(np.asarray(v, dtype=np.float64)).all()
@@ -287,14 +291,16 @@ def masked_forward(graph: Graph, backend, pattern: ActivationPattern, inputs=Non
 def masked_backward(graph: Graph, backend, pattern: ActivationPattern, seeds=None, on_node=None) -> dict:
     """Reverse walk with the pattern frozen: per node, the sum over active paths from
     it to an output (seeded by ``seeds`` {output: array}, default ones), i.e. the
-    gradient w.r.t. its pre-activation (its value for input nodes).
+    gradient w.r.t. its pre-activation (its value for input nodes). Without seeds an output the graph
+    returns twice is seeded twice (its paths counted twice, docs/math.md); ``seeds`` are per output
+    *name* (a vjp's uᵀ at that tensor), each seeded once.
 
     ``on_node(node, (g, M))``, when given, sees each node's value as it is made
     (the metric contracts it with the forward on the fly) and nothing is kept
     but the inputs' values. Returns {name: (g, M)}."""
     B = pattern.batch
     pending: dict[str, list] = {n.name: [] for n in graph.nodes}
-    for o in graph.outputs:
+    for o in graph.outputs if seeds is None else dict.fromkeys(graph.outputs):
         seed = backend.ones((1, *graph.node(o).shape)) if seeds is None else backend.asarray(seeds[o])
         pending[o].append((seed, np.zeros(B)))
     grads = {}
