@@ -112,13 +112,19 @@ def _resampled_by(low, node, ins, scales, sizes, label) -> Value:
     if [float(g) for g in given[:2]] != [float(x) for x in keep]:
         low.unsupported("resizing the batch or channel axis")
     n = rank - 2
+    spatial = v.shape[1:]
+    # onnxruntime copies its input where no axis changes length, whatever the scales; where one does, an axis
+    # that keeps its length under a scale other than 1 is interpolated (the specification's coordinates). Such
+    # an axis is read with the other axes doubled (constant one-hot signals along them: still constant)
+    resized = scales is not None and any(int(np.floor(L * float(s))) != L for L, s in zip(spatial, given[2:]))
 
     def call(basis, d):
         x = basis.numpy()  # float64: the coefficients exactly, whatever the model's dtype
         per = given.copy()
+        kept = resized and int(np.floor(spatial[d] * float(given[2 + d]))) == spatial[d] and float(given[2 + d]) != 1
         for e in range(n):
             if e != d:
-                per[2 + e] = 1 if scales is not None else x.shape[2 + e]
+                per[2 + e] = (2 if kept else 1) if scales is not None else x.shape[2 + e]
         per[0], per[1] = (1, 1) if scales is not None else (x.shape[0], x.shape[1])
         return torch.as_tensor(np.asarray(_run_resize(low, node, ins, x, per, scales is not None),
                                           dtype=np.float64))
