@@ -191,6 +191,11 @@ case("relu6", V, lambda m, a, b: F.relu6(a) + F.relu6(b * 2, inplace=True) + m.r
 case("clipped hardtanh and clamp", C2, lambda m, a, b: F.hardtanh(a, 0.0, 0.5) + F.hardtanh_(b * 2, 0.0, 0.7)
      + m.h(a - b) + torch.clamp(a, 0, 0.4) + b.clamp(min=0.0, max=0.3), lambda: {"h": nn.Hardtanh(0.0, 0.6)})
 case("ClippedReLU module", C2, lambda m, a: m.c(a), lambda: {"c": ClippedReLU(torch.tensor([0.2, 0.5, 0.9]))})
+case("clamp by a buffer", C2, lambda m, a, b: torch.clamp(torch.relu(a), max=m.t) + torch.relu(b).clamp(max=m.u)
+     + torch.relu(a - b).clamp_(max=m.t), lambda: {"t": torch.tensor([0.2, 0.5, 0.3]).reshape(3, 1, 1),
+                                                    "u": torch.full((1, 3, 1, 1), 0.4)})
+case("ClippedReLU module in place", C2, lambda m, a: m.c(a * 1.0),
+     lambda: {"c": ClippedReLU(torch.tensor([0.2, 0.5, 0.9]), inplace=True)})
 case("minimum", C2, lambda m, a, b: torch.minimum(torch.relu(a), m.t) + torch.relu(b).minimum(m.u),
      lambda: {"t": torch.tensor([0.2, 0.5, 0.3]).reshape(3, 1, 1), "u": torch.full((1, 3, 1, 1), 0.4)})
 case("dropout fns", C2, lambda m, a: F.dropout2d(F.dropout1d(F.dropout(a, 0.5, m.training).flatten(2), 0.5,
@@ -590,6 +595,7 @@ ATEN_REFUSED: dict[str, AtenCase] = {}
 aten_case("sub.Scalar", C2, lambda c, h: c(aten.sub.Scalar, h, 1.0), table=ATEN_REFUSED)
 
 _BATCH_FLIP = "flipud reverses axis 0, the batch axis: it mixes the samples of a batch"
+_BATCH_PAD = "pads or crops the batch axis"
 _CONSTANT = "a difference with a non-zero constant operand: a fixed bias no parameter carries"
 _CAST = "casts an activation to {} in a float64 model"
 REFUSALS = {
@@ -598,6 +604,9 @@ REFUSALS = {
     "bfloat16": Refusal(("bfloat16",), _fx(lambda m, a: a.bfloat16().double(), C2), _CAST.format("bfloat16")),
     "aten.rsub.Scalar": Refusal((aten.rsub.Scalar,), _export(lambda m, a: 1 - a, C2), _CONSTANT),
     "aten.sub.Scalar": Refusal((aten.sub.Scalar,), _aten("sub.Scalar"), _CONSTANT),
+    "pad batch axis": Refusal((F.pad,), _fx(lambda m, a: F.pad(a, (0, 0, 0, 0, 0, 0, 1, 0)), C2), _BATCH_PAD),
+    "aten.pad batch axis": Refusal((aten.pad.default,),
+                                   _export(lambda m, a: F.pad(a, (0, 0, 0, 0, 0, 0, 0, -1)), C2), _BATCH_PAD),
     "aten.clamp.Tensor": Refusal((aten.clamp.Tensor,), _export(lambda m, a: torch.clamp(a, torch.zeros(()), torch.full((3, 1, 1), 6.0)), C2),
                                  "clamps with a tensor bound"),
 }

@@ -55,9 +55,14 @@ def clipped_relu(low, v: Value, threshold: Param) -> Value:
     if v.node is not None and low.b.kind(v.node) is NodeKind.RELU:
         a = v.node  # min(relu(relu(x)), t): the ReLU is there already
     else:
-        a = low.b.relu(f"{label}.relu", v.terms, v.bias, origin=f"{where} (ReLU(x) of a clipped ReLU)", shape=v.shape)
-    b = low.b.relu(f"{label}.excess", [(a, Identity())], threshold, origin=f"{where} (ReLU(ReLU(x) - t))",
+        a = low.b.relu(f"{label}.relu", v.terms, v.bias, origin=_origin(where, "ReLU(x) of a clipped ReLU"), shape=v.shape)
+    b = low.b.relu(f"{label}.excess", [(a, Identity())], threshold, origin=_origin(where, "ReLU(ReLU(x) - t) of a clipped ReLU"),
                    shape=v.shape)
     minus = fixed_scale(low, Value.of_node(b, v.shape), -1.0)
     out = low.b.identity(label, [(a, Identity()), *minus.terms], origin=where, shape=v.shape)
     return Value.of_node(out, v.shape)
+
+
+def _origin(where: str, part: str) -> str:
+    """A clipped ReLU's inner node's origin: the op's own (a module path, a line), then which part it is."""
+    return f"{where} ({part})" if where.strip() else part

@@ -52,6 +52,11 @@ def pad(low, v: Value, pads, mode: str = "constant", value=None) -> Value:
     if mode == "constant" and value not in (None, 0, 0.0):
         low.unsupported(f"padding with the constant {value}: a fixed non-zero bias no parameter carries")
     pads = [int(p) for p in pads]
+    batch_pads = pads[2 * len(v.shape):]  # (pairs from the last axis backwards: these reach the batch axis)
+    if any(batch_pads):
+        low.unsupported(f"F.pad(pad={pads}) pads or crops the batch axis ({batch_pads}): it changes the number of "
+                        "samples or moves features between them, which no per-sample network computes")
+    pads = pads[:2 * len(v.shape)]
     ids = torch.arange(1, math.prod(v.shape) + 1, dtype=torch.float64).reshape(1, *v.shape)
     try:
         out = F.pad(ids, pads, mode=mode) if mode != "constant" else F.pad(ids, pads, value=0.0)

@@ -163,10 +163,15 @@ def leaky_relu_module(low, mod, input):
 
 
 def clamp(low, input, min=None, max=None):
-    """``clamp(x, 0)``: a ReLU; ``clamp(x, 0, t)``: a clipped ReLU; another min is refused."""
+    """``clamp(x, 0)``: a ReLU; ``clamp(x, 0, t)``: a clipped ReLU; another min is refused. A max that is a
+    buffer of one value per channel after a ReLU (``relu(x).clamp(max=t)``, ``pathir.nn.ClippedReLU``'s in-place
+    form) is :func:`minimum`'s clipped ReLU."""
+    if isinstance(max, ParamTensor) and min is None:
+        return minimum(low, input, max)
     if any(isinstance(b, (torch.Tensor, ParamTensor)) for b in (min, max)):
         low.unsupported("clamps with a tensor bound: clamp(x, 0) and clamp(x, 0, t) with numbers are lowered; a "
-                        "threshold per channel is torch.minimum(torch.relu(x), t) with t a buffer of shape (C, 1, ..., 1)")
+                        "threshold per channel is torch.minimum(torch.relu(x), t) or torch.relu(x).clamp(max=t) with t a "
+                        "buffer of shape (C, 1, ..., 1)")
     if not _is_zero(min) or not (max is None or _number(max)):
         refuse(low)
     if max is None or float(max) == math.inf:
