@@ -533,7 +533,7 @@ class Compiled:
         return equalize(self.facts, self.get_backend(backend), bits=bits, objective=objective,
                         max_log_scale=max_log_scale, commit=self._committer(write_back, optimizer), inputs=inputs,
                         name=self.name, progress=progress, callback=callback, certify=certify, lower=lower,
-                        read_source=read_source)
+                        read_source=read_source, read_back=lambda: self.graph)
 
     def variance_lower_bounds(self) -> np.ndarray | None:
         """Per unit, the lowest z_h whose write-back keeps the running variance of every batch-norm it

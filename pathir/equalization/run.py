@@ -83,7 +83,7 @@ def _input_scale(inputs) -> float:
 def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_scale: float = math.inf,
              commit=None, inputs=None, name: str = "", progress: bool | None = None,
              callback=None, certify: bool | None = None, lower: np.ndarray | None = None,
-             read_source=None) -> EqualizeReport:
+             read_source=None, read_back=None) -> EqualizeReport:
     """Find the rescaling z minimising ``objective`` over |z_h| ≤ ``max_log_scale`` and, with a
     ``commit`` callback, write it (the function is kept); returns an EqualizeReport.
 
@@ -95,7 +95,9 @@ def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_sc
     certified bound. ``certify``: compute the certified bound before and after (two path-metric walks;
     default: only for the path-metric objective). ``lower``: per unit, a further lower bound on z_h.
     ``read_source`` (name -> array of the model's tensor): then bias absorption after
-    the rescaling (:mod:`pathir.equalization.absorb`), written in the same transaction.
+    the rescaling (:mod:`pathir.equalization.absorb`), written in the same transaction. ``read_back`` (after the
+    commit: the graph of the model as written): the report's "after" then describes the model's own rounded
+    tensors rather than the float64 products.
     """
     if objective not in OBJECTIVES:
         raise PathirError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
@@ -119,21 +121,30 @@ def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_sc
     z = result.z
     bar.phase("report")
     notes = []
-    rows, absorbed, absorption, bound_before, bound_after, observed, scale = \
-        _after(graph, units, z, params, backend, bits, objective, inputs, certify, read_source)
-    if objective == "path-metric" and bound_after is not None and bound_after > bound_before:
-        # the objective is first order: at coarse widths the rescaling can raise the bound it estimates
-        notes.append(f"the rescaling found raises the certified bound ({bound_before:.4g} -> {bound_after:.4g}, the "
-                     "objective is its first-order estimate): none is written (z = 0)")
-        z, result.z, result.value_after, result.at_bound = np.zeros_like(z), np.zeros_like(z), result.value_before, 0
-        rows, absorbed, absorption, bound_before, bound_after, observed, scale = \
-            _after(graph, units, z, params, backend, bits, objective, inputs, certify, read_source)
+    absorbed, absorption, planned = _planned(graph, units, z, backend, inputs, read_source)
+    described = None
+    if objective == "path-metric" and (certify is None or bool(certify)):  # the guard reads the bound it leads to
+        described = _describe(graph, planned, params, backend, bits, objective, inputs, certify)
+        bound_before, bound_after = described[1], described[2]
+        if bound_after > bound_before:
+            # the objective is first order: at coarse widths the rescaling can raise the bound it estimates
+            notes.append(f"the rescaling found raises the certified bound ({bound_before:.4g} -> {bound_after:.4g}, "
+                         "the objective is its first-order estimate): none is written (z = 0)")
+            z, result.z, result.value_after, result.at_bound = np.zeros_like(z), np.zeros_like(z), result.value_before, 0
+            absorbed, absorption, planned = _planned(graph, units, z, backend, inputs, read_source)
+            described = _describe(graph, planned, params, backend, bits, objective, inputs, certify)
     if commit is not None:
         bar.phase("write")
         if absorbed is None:
             commit(z)
         else:
             commit(z, bias_shifts=absorbed.shifts)
+        written = _as_written(graph, read_back, params)
+        if written is not None:  # "after" describes the model as written, its tensors rounded to its dtype
+            described = _describe(graph, written, params, backend, bits, objective, inputs, certify)
+    if described is None:
+        described = _describe(graph, planned, params, backend, bits, objective, inputs, certify)
+    rows, bound_before, bound_after, observed, scale = described
     bar.close()
     if not result.converged:
         warn_not_converged("equalize", name, sum(result.iterations), "raise max_iter")
@@ -147,23 +158,24 @@ def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_sc
         notes=notes)
 
 
-def _after(graph, units, z, params, backend, bits, objective, inputs, certify, read_source):
-    """What the report says of the rescaling z: (its tensor rows, the absorbed graph and its report or None,
-    the certified bounds before and after or None, the observed output changes, the input scale)."""
+def _planned(graph, units, z, backend, inputs, read_source):
+    """(the bias absorption and its report, or None and None; the graph the write is to leave, in float64): the
+    rescaling z of ``graph``, its absorbed biases included (``read_source`` given), with their measured change."""
     rescaled = rescale_graph(graph, units, z)
-    after = {p.name: p for p in quantized_params(rescaled)}
+    if read_source is None:
+        return None, None, rescaled
+    absorbed = absorb(graph, units, z, read_source)
+    return absorbed, measure(rescaled, absorbed, backend, inputs), absorbed.graph
 
+
+def _describe(graph, written, params, backend, bits, objective, inputs, certify):
+    """(tensor rows, certified bounds before and after or None, observed output changes, input scale) of the
+    model ``graph`` and the model ``written`` (its params named as ``graph``'s)."""
+    after = {p.name: p for p in quantized_params(written)}
     with one_blas_thread():  # threaded dot products spin 2-15x slower on a busy machine
         rows = [TensorRow(p.source_name, _spread(p.value), _spread(after[p.name].value),
                           quantized_sqnr_db(p.value, bits), quantized_sqnr_db(after[p.name].value, bits))
                 for p in params]
-    # ---- bias absorption (optional): on the rescaled graph, written with the rescaling
-    absorption = absorbed = None
-    if read_source is not None:
-        absorbed = absorb(graph, units, z, read_source)
-        absorption = measure(rescaled, absorbed, backend, inputs)
-    written = rescaled if absorbed is None else absorbed.graph  # the model as written: "after" describes it
-    # ----
     scale = _input_scale(inputs)
     bound_before = bound_after = None
     observed = (None, None)
@@ -174,4 +186,15 @@ def _after(graph, units, z, params, backend, bits, objective, inputs, certify, r
             bound_before = scale * path_metric(graph, q_before, backend).upper
             bound_after = scale * path_metric(written, q_after, backend).upper
         observed = (_observed(graph, q_before, backend, inputs), _observed(written, q_after, backend, inputs))
-    return rows, absorbed, absorption, bound_before, bound_after, observed, scale
+    return rows, bound_before, bound_after, observed, scale
+
+
+def _as_written(graph, read_back, params):
+    """The graph of the model as the write left it (its tensors rounded to the model's dtype), where
+    ``read_back`` gives one whose quantized params carry the same names and shapes; else None."""
+    if read_back is None:
+        return None
+    written = read_back()
+    ours = {p.name: np.shape(p.value) for p in params}
+    theirs = {p.name: np.shape(p.value) for p in quantized_params(written)}
+    return written if written is not graph and ours == theirs else None
