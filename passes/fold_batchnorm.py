@@ -3,7 +3,9 @@
 Pattern: node v reads node u only through a per-channel ``Scale`` edge
 (s = gamma / sqrt(var + eps), v's bias holding c = beta - mean * s), u is an
 identity node read by nothing else, not an output, whose incoming edges are all
-parameterized (dense, conv, scale). Then, for every edge W of u and u's bias b,
+parameterized (dense, conv, scale) and made from one layer's weight. A sum of
+layers (``bn(a(x) + b(x))``) keeps its batch-norm, whether one or both of them
+have a bias (with two biases the sum is two nodes; with one, one node). Then, for every edge W of u and u's bias b,
 
     W' = W * s[out channel],    b' = s * b + c     (c: v's own bias)
 
@@ -122,7 +124,14 @@ def _foldable(graph: Graph, u, shared: set[str]) -> bool:
         and all(e.map.kind in PARAMETERIZED for e in u.edges)
         and all(e.map.W.name not in shared for e in u.edges)
         and (u.bias is None or u.bias.name not in shared)
+        and len({_layer(e.map.W) for e in u.edges}) == 1
     )
+
+
+def _layer(w: Param) -> frozenset[str]:
+    """The tensors a weight is made from: edges of one layer (a convolution over a concatenation's parts) share
+    them; a sum of two layers (``bn(a(x) + b(x))``, one node where at most one of them has a bias) does not."""
+    return frozenset(r.name for r in w.sources if r.role is Role.VALUE)
 
 
 def pooled_folds(passes, in_place: bool = False) -> tuple:

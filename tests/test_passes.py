@@ -133,6 +133,39 @@ def test_fold_batchnorm_on_torch_models_removes_every_scale():
     assert len(cm.graph) == 3
 
 
+@pytest.mark.parametrize("second_bias", [True, False])
+def test_a_batch_norm_after_a_sum_of_layers_is_kept_with_or_without_their_biases(second_bias):
+    """bn(a(x) + b(x)) with b without bias was one node (at most one bias: the sum merges) into which the
+    batch-norm folded, merging the bias paths; with two biases it was kept. Now kept either way: the path-norms
+    of the documented graph (a's and b's biases through γ/σ, the batch-norm's own bias β − μγ/σ), by hand."""
+    import torch
+
+    torch.manual_seed(0)
+    a, b, bn = nn.Linear(2, 2).double(), nn.Linear(2, 2, bias=second_bias).double(), nn.BatchNorm1d(2).double()
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.tensor([1.0, -2.0]))
+        bn.running_var.copy_(torch.tensor([0.5, 2.0]))
+        bn.weight.copy_(torch.tensor([1.5, -0.7]))
+        bn.bias.copy_(torch.tensor([-0.3, 0.8]))
+
+    class Sum(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.bn = a, b, bn
+
+        def forward(self, x):
+            return self.bn(self.a(x) + self.b(x))
+
+    cm = pathir.compile(Sum().eval(), input_shape=(2,))
+    s = (bn.weight / torch.sqrt(bn.running_var + bn.eps)).detach()
+    shift = (bn.bias - bn.running_mean * s).detach()
+    b_bias = b.bias.detach() if second_bias else torch.zeros(2, dtype=torch.float64)
+    for q in (1, 2):
+        weights = ((s.abs() ** q)[:, None] * (a.weight.detach().abs() ** q + b.weight.detach().abs() ** q)).sum()
+        biases = (s.abs() ** q * (a.bias.detach().abs() ** q + b_bias.abs() ** q)).sum() + (shift.abs() ** q).sum()
+        assert cm.path_norm(q) == pytest.approx(float(weights + biases) ** (1 / q), rel=1e-12)
+
+
 @settings(max_examples=40)
 @given(relu_dags())
 def test_maxpool_to_sum_keeps_paths(graph):
