@@ -537,3 +537,39 @@ def test_grads_as_views_of_one_flat_buffer():
         cm.enorm()
     assert all(torch.equal(a, b) for a, b in zip(before, net.state_dict().values()))
     assert all(torch.equal(a, p.grad) for a, p in zip(grads, params))
+
+
+def test_disjoint_strided_gradients_and_an_unmoved_sparse_one_are_written():
+    """Column blocks of one buffer interleave in memory without sharing a byte, as do x[:, 0::2] and x[:, 1]: their
+    byte ranges meet, and the check refused them; an unused sparse Embedding's sparse .grad made every write raise
+    torch's NotImplementedError (no strided memory to read). Against the definition: grad ⊙ θ unchanged."""
+    body, _ = _mlp_trained()
+
+    class WithSide(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.side = body, nn.Embedding(10, 4, sparse=True).double()
+
+        def forward(self, x):
+            return self.body(x)
+
+    net = WithSide()
+    net.side(torch.tensor([1, 2])).sum().backward()  # a sparse .grad the rescaling never moves
+    body.zero_grad()
+    net(torch.randn(8, 5, dtype=torch.float64)).square().mean().backward()
+    w0, w2 = body[0].weight, body[2].weight  # (7, 5) and (6, 7)
+    buf = torch.zeros(7, 11, dtype=torch.float64)
+    buf[:, :5].copy_(w0.grad)
+    w0.grad = buf[:, :5]
+    cols = torch.zeros(6, 14, dtype=torch.float64)
+    cols[:, 0::2].copy_(w2.grad)
+    cols[:, 1].copy_(body[2].bias.grad)
+    w2.grad, body[2].bias.grad = cols[:, 0::2], cols[:, 1]  # interleaved columns of one buffer
+    moved = list(body.parameters())
+    old = {p: (p.detach().clone(), p.grad.clone()) for p in moved}
+    cm = pathir.compile(net, input_shape=(5,))
+    cm.enorm()
+    for p in moved:
+        theta, grad = old[p]
+        torch.testing.assert_close(p.grad * p.detach(), grad * theta, rtol=1e-10, atol=1e-14)
+    assert any(not torch.equal(p.detach(), old[p][0]) for p in moved)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pathir.errors import PathirError
-from pathir.support.tensor_memory import extent, overlapping
+from pathir.support.tensor_memory import extent, share_bytes
 
 __all__ = ["STATE_POWERS", "Transport", "check_transportable", "plan_transport", "plan_grads", "check_private"]
 
@@ -186,17 +186,17 @@ def check_private(plan: Transport, optimizer, model) -> None:
         tensors += [(f"the model's tensor '{n}'", t) for n, t in (*model.named_parameters(), *model.named_buffers())]
     by_storage: dict[int, list] = {}
     for what, t in tensors:
-        if (e := extent(t)) is not None:
-            by_storage.setdefault(e[0], []).append((what, id(t), e))
+        if (e := extent(t)) is not None:  # (sparse tensors hold no strided memory: they are refused if moved)
+            by_storage.setdefault(e[0], []).append((what, t))
     for _, key, t, _ in plan.updates:
         mine, moved = extent(t), "gradient" if key == "grad" else f"state {key!r}"
         near = by_storage.get(mine[0], []) if mine is not None else []
-        held = [what for what, ident, _ in near if ident == id(t)]
+        held = [what for what, other in near if other is t]
         if len(held) > 1:
             raise PathirError(f"one tensor is {held[0]} and {held[1]}, which the rescaling moves by different "
                               "factors; give each its own tensor (.clone()). Nothing was changed")
-        for what, ident, e in near:
-            if ident != id(t) and overlapping(mine, e):
+        for what, other in near:
+            if other is not t and share_bytes(t, other):
                 raise PathirError(f"{what} shares memory with a {moved} the rescaling moves, which would change it "
                                   "too (a view of another state tensor or of one flat buffer); give it its own memory "
                                   "(.clone()). Nothing was changed")
