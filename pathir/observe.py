@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import numbers
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -51,6 +52,9 @@ class Observations:
     def quantiles(self, qs=QUANTILES) -> dict[str, dict[float, float]]:
         """{column: {q: quantile}} over the samples (nan entries left out; numpy's linear interpolation, with
         ±inf entries kept: the quantiles among -inf values are -inf, not nan)."""
+        bad = [q for q in qs if not (isinstance(q, numbers.Real) and 0 <= q <= 1)]
+        if bad:
+            raise ArgumentError(f"quantiles must be numbers in [0, 1], got {bad}")
         out = {}
         for name, v in self.columns.items():
             v = np.asarray(v, dtype=np.float64)
@@ -344,14 +348,17 @@ def _local_shard(inputs, grp: Group):
 
 
 def _quantile(ordered: np.ndarray, q: float) -> float:
-    """``np.quantile(ordered, q)`` (linear) of a sorted array without nan, where an infinite neighbour gives
-    that infinity rather than nan (numpy forms -inf + 0·(-inf − -inf)); nan for an empty array."""
+    """``np.quantile(ordered, q)`` (linear) of a sorted array without nan, where one infinite neighbour gives
+    that infinity rather than nan (numpy forms -inf + t·(x − -inf)); nan between -inf and +inf and for an empty
+    array."""
     if not ordered.size:
         return math.nan
     pos = q * (ordered.size - 1)
     lo, hi = float(ordered[int(math.floor(pos))]), float(ordered[int(math.ceil(pos))])
-    if lo == hi or lo == -math.inf:  # ((1 − t)·lo + t·hi with t < 1 is -inf where lo is)
+    if lo == hi:
         return lo
-    if hi == math.inf:
-        return hi
+    if math.isinf(lo) and math.isinf(hi):  # (-inf, +inf): (1 − t)·lo + t·hi has no value
+        return math.nan
+    if math.isinf(lo) or math.isinf(hi):  # (1 − t)·lo + t·hi with 0 < t < 1 is that infinity
+        return lo if math.isinf(lo) else hi
     return float(np.quantile(ordered, q))

@@ -174,3 +174,16 @@ def test_quantiles_of_a_column_holding_minus_inf():
         else:
             finite = ordered[np.isfinite(ordered)]
             assert value == pytest.approx(np.quantile(ordered, q)) and finite.min() <= value <= finite.max(), q
+    for bad in ((-0.5,), (1.5,), (0.5, float("nan"))):  # negative positions wrapped around; > 1 an IndexError
+        with pytest.raises(pathir.errors.ArgumentError, match=r"in \[0, 1\]"):
+            obs.quantiles(bad)
+
+
+def test_a_quantile_between_minus_and_plus_inf_has_no_value():
+    from pathir.observe import _quantile
+
+    both = np.array([-np.inf, np.inf])
+    assert _quantile(both, 0.0) == -np.inf and _quantile(both, 1.0) == np.inf and np.isnan(_quantile(both, 0.9))
+    ordered = np.array([-np.inf, 1.0, 2.0, np.inf])
+    assert [_quantile(ordered, q) for q in (0.0, 0.2, 1 / 3, 0.5, 0.8, 1.0)] == [-np.inf, -np.inf, 1.0, 1.5, np.inf,
+                                                                                 np.inf]
