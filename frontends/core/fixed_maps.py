@@ -79,11 +79,12 @@ def _per_axis(value, n: int, what: str, low) -> list | None:
     return [value] * n
 
 
-def axis_matrices(low, in_spatial, call, other: int = 2) -> tuple[np.ndarray, ...]:
+def axis_matrices(low, in_spatial, call, other: int = 2, tolerance: float = 0.0) -> tuple[np.ndarray, ...]:
     """Matrix of each axis d: ``call(basis, d)`` (d = None: every axis) on L_d one-hot signals along
     axis d, constant along the other axes (length ``other``: torch's antialiased
     kernels misread a length-1 axis), read back as (out_len, L_d). The op must
-    leave them constant (it acts axis by axis), else it is refused."""
+    leave them constant (it acts axis by axis), else it is refused; ``tolerance``: to within that much
+    of the largest coefficient (a call that resamples the other axes too, in float32)."""
     n = len(in_spatial)
     mats = []
     for d, L in enumerate(in_spatial):
@@ -97,7 +98,12 @@ def axis_matrices(low, in_spatial, call, other: int = 2) -> tuple[np.ndarray, ..
         except (RuntimeError, NotImplementedError, ValueError) as err:
             low.unsupported(f"could not read the coefficients of axis {d}: {err}")
         first = out[(slice(None), slice(None)) + tuple(slice(None) if e == d else slice(0, 1) for e in range(n))]
-        if not torch.equal(out, first.expand_as(out)):
+        if tolerance == 0.0 or not out.numel():
+            separable = torch.equal(out, first.expand_as(out))
+        else:
+            separable = bool(torch.isfinite(out).all()) and float((out - first.expand_as(out)).abs().max()) <= \
+                tolerance * max(1.0, float(out.abs().max()))
+        if not separable:
             low.unsupported(f"axis {d}: the op does not act axis by axis (not separable)")
         mats.append(first.reshape(L, -1).T.numpy().copy())
     return tuple(mats)

@@ -117,6 +117,8 @@ def _resampled_by(low, node, ins, scales, sizes, label) -> Value:
     # that keeps its length under a scale other than 1 is interpolated (the specification's coordinates). Such
     # an axis is read with the other axes doubled (constant one-hot signals along them: still constant)
     resized = scales is not None and any(int(np.floor(L * float(s))) != L for L, s in zip(spatial, given[2:]))
+    if scales is not None and not resized:  # (onnxruntime's copy, for Resize and the legacy Upsample alike)
+        return v
 
     def call(basis, d):
         x = basis.numpy()  # float64: the coefficients exactly, whatever the model's dtype
@@ -129,7 +131,9 @@ def _resampled_by(low, node, ins, scales, sizes, label) -> Value:
         return torch.as_tensor(np.asarray(_run_resize(low, node, ins, x, per, scales is not None),
                                           dtype=np.float64))
 
-    mats = fixed_maps.axis_matrices(low, v.shape[1:], call)
+    kept_axes = resized and any(int(np.floor(L * float(s))) == L and float(s) != 1 for L, s in zip(spatial, given[2:]))
+    # (those axes are read with the others resampled too: constant along them to float32 rounding, not exactly)
+    mats = fixed_maps.axis_matrices(low, v.shape[1:], call, tolerance=1e-5 if kept_axes else 0.0)
     if all(m.shape[0] == m.shape[1] and np.array_equal(m, np.eye(m.shape[0])) for m in mats):
         return v
     return fixed_maps.resampled(low, v, mats, label)

@@ -110,6 +110,9 @@ def _buffer_clip(low, v, pt: ParamTensor):
         low.unsupported(f"the threshold '{pt.name}' {what}: pathir lowers clipped ReLUs whose threshold is a number "
                         "(torch.clamp(x, 0, 0.3)) or a registered buffer")
     shape = v.shape
+    if not bool(torch.isfinite(pt.tensor).all()):  # (NaN would read as "varies over positions")
+        low.unsupported(f"the threshold '{pt.name}' holds NaN or infinite entries: a clipped ReLU's threshold is a "
+                        "finite number per channel")
     try:
         vec = _per_channel(f64(pt.tensor), shape, pt.name)
     except ValueError as err:
