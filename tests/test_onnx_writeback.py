@@ -361,3 +361,58 @@ def test_a_rescaled_weight_falling_below_float32s_normal_range_is_refused_untouc
     with pytest.raises(PathirError, match="'W1' would leave float32's range .* fall to 0 or below its smallest normal"):
         cm.commit_rescaling(np.full(len(cm.units), -30.0))  # the first layer's weights shrink by e^15
     assert cm.to_onnx().SerializeToString() == before
+
+
+def test_a_scalar_bias_made_per_channel_drops_its_recorded_shape(tmp_path):
+    """torch.onnx.export(dynamo=True) records value_info for its constants: `conv(x) + 0.5` written back made the
+    scalar per channel ([2, 1, 1]) under a recorded shape [] that shape inference then refused (pathir could not
+    compile its own output). The written file passes onnx's full check, runs as the original and compiles."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    nodes = [node("Conv", ["x", "wa", "ba"], ["a"], pads=[1, 1, 1, 1]), node("Add", ["a", "half"], ["h"]),
+             node("Relu", ["h"], ["r"]), node("Conv", ["r", "wb"], ["y"])]
+    inits = {"wa": rng.normal(size=(2, 2, 3, 3)) * np.array([3.0, 0.05]).reshape(2, 1, 1, 1), "ba": rng.normal(size=2),
+             "half": np.float32(0.5), "wb": rng.normal(size=(1, 2, 1, 1))}
+    proto = make_model(nodes, [tensor_info("x", ["n", 2, 5, 5])], [tensor_info("y", ["n", 1, 5, 5])], inits)
+    proto.graph.value_info.append(helper.make_tensor_value_info("half", TensorProto.FLOAT, []))
+    source = tmp_path / "scalar.onnx"
+    onnx.save(proto, source)
+    cm = pathir.compile(str(source))
+    report = cm.pathcond()
+    assert np.abs(report.z).max() > 0.1
+    out = tmp_path / "written.onnx"
+    cm.save(str(out))
+    written = onnx.load(out)
+    onnx.checker.check_model(written, full_check=True)
+    x = rng.normal(size=(3, 2, 5, 5)).astype(np.float32)
+    assert rel(ort_run(written, x)[0], ort_run(proto, x)[0]) <= 1e-5
+    assert pathir.compile(str(out)).path_norm(1) > 0
+
+
+@pytest.mark.parametrize("clipped", [False, True])
+def test_after_a_write_the_compiled_answers_for_the_file_as_written(clipped, tmp_path):
+    """The written initializers are float32: the Compiled kept the float64 products (its path-norms and the equalize
+    report's "after" 1e-3 dB off the file's own tensors at 16 bits). It now reads the written model again, also
+    where the write rewrote a Clip as Relu and a per-channel Min: equal to a fresh compile of the saved file."""
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    act = nn.ReLU6 if clipped else nn.ReLU
+    net = nn.Sequential(nn.Linear(6, 8), act(), nn.Linear(8, 8), act(), nn.Linear(8, 3)).eval()
+    with torch.no_grad():
+        net[0].weight.mul_(torch.logspace(-2, 1.5, 8)[:, None])
+    proto = export(net, (6,), "legacy")
+    cm = pathir.compile(proto)
+    report = cm.equalize(bits=16)
+    path = tmp_path / "written.onnx"
+    cm.save(str(path))
+    fresh = pathir.compile(str(path))
+    for q in (1, 2):
+        assert cm.path_norm(q) == fresh.path_norm(q)
+    inits = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in onnx.load(path).graph.initializer}
+    for row in report.tensors:
+        w = inits[row.name]
+        step = np.abs(w).max() / (2 ** 15 - 1)
+        noise = np.sum((w - np.round(w / step) * step) ** 2)
+        assert row.sqnr_after == pytest.approx(10 * np.log10(np.sum(w ** 2) / noise), abs=1e-9)

@@ -285,6 +285,8 @@ class OnnxWriter:
             b = bindings[ref]
             arr = np.asarray(value).astype(b.value.dtype)
             if b.tensor in inits and b.tensor not in outputs and set(readers.get(b.tensor, [])) <= set(b.slots):
+                if tuple(inits[b.tensor].dims) != arr.shape:  # (a scalar made per channel): a recorded shape is stale
+                    _drop_value_info(g, b.tensor)
                 inits[b.tensor].CopyFrom(numpy_helper.from_array(arr, b.tensor))
             else:
                 orphans.add(b.tensor)
@@ -364,6 +366,15 @@ def _rewrite_clips(model, bindings: dict, rewrites: Mapping[str, np.ndarray]) ->
     del g.node[:]
     g.node.extend(nodes)
     return orphans
+
+
+def _drop_value_info(g, name: str) -> None:
+    """Remove the recorded type and shape of tensor ``name`` (optional in ONNX; an exporter's entry for a
+    tensor whose shape the write changed would contradict it, which shape inference refuses)."""
+    kept = [vi for vi in g.value_info if vi.name != name]
+    if len(kept) != len(g.value_info):
+        del g.value_info[:]
+        g.value_info.extend(kept)
 
 
 def add_initializer(model, value: np.ndarray, name: str) -> None:
