@@ -65,6 +65,11 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
     elif kind == "onnx":
         low = lower_onnx(model, input_shape=input_shape)
         graph, writer, n_src, name = low.graph, low.writer, low.source_num_params, low.name
+
+        def read_written() -> Graph:
+            """The model the writer holds now (its tensors as written, in their dtype), lowered again."""
+            return run_passes(lower_onnx(writer.to_onnx(), input_shape=input_shape).graph,
+                              (*DEFAULT_PIPELINE, *passes), check=False)
     else:
         from pathir.frontends.torch.live import ModelWatch  # lazy: imports torch
         from pathir.frontends.torch.lower import lower  # lazy: imports torch
@@ -99,7 +104,7 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
     # one at a time: the write-back follows the model only through params a pass kept
     graph, transformed_by = run_recording(graph, passes, check=check, after=[pass_name(p) for p in default])
     cm = Compiled(graph, model=model, writer=writer, source_num_params=n_src, backend=backend, name=name,
-                  watch=watch, relower=relower)
+                  watch=watch, relower=relower, read_written=read_written if kind == "onnx" else None)
     cm.transformed_by = transformed_by
     cm.passes_run = tuple(pass_name(p) for p in passes)
     # copy.copy / copy.deepcopy of cm compile the (copied) model again, as here (its function is this one's)

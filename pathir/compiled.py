@@ -147,8 +147,9 @@ class Compiled:
     """
 
     def __init__(self, graph: Graph, model=None, writer=None, source_num_params: int | None = None,
-                 backend=None, name: str | None = None, watch=None, relower=None):
+                 backend=None, name: str | None = None, watch=None, relower=None, read_written=None):
         self._watch, self._relower = watch, relower
+        self._read_written = read_written  # () -> the graph of the model a writer holds now (ONNX), lowered again
         self._local = threading.local()  # _calls and _looked, per thread (see _looks_once)
         self._lock = threading.RLock()  # one thread at a time follows the model
         self.graph = graph
@@ -467,19 +468,23 @@ class Compiled:
                              "no rescaling of the model. Write back from a Compiled without it.")
             raise
         self._looked = False  # the model was written: the next query compares it again
+        # the graph then holds the model's own values as written (rounded to its dtype), not float64 products
+        # that drift from a float32 model: re-read where that reaches them, else read again where the model
+        # reads as before
         if new_graph is None and self._watch.changed() == "values":
             moved = self._watch.moved()
             if self._relower.covers(moved):
                 return  # the next query re-reads the values the model holds now (docs/live.md)
-            # a value no re-read reaches (a pruned weight made by its hook): the model as written, traced again, so
-            # the graph holds its own rounded values, not float64 products that drift from a float32 model
-            traced = self._relower(moved)
-            if str(traced) == str(facts.graph):
-                self._mark()
-                self._facts = facts.with_values(traced)
-                return
-        if new_graph is None:  # a module replaced (a clipped ReLU made per-channel), or a trace of another form (that
-            # module read on the torch.export path): the graph is rescaled here
+            read_again = functools.partial(self._relower, moved)  # a value no re-read reaches (a pruned weight)
+        else:  # a torch module replaced (a clipped ReLU made per-channel): traced again; an ONNX model: lowered again
+            read_again = functools.partial(self._relower, None) if new_graph is None else self._read_written
+        traced = _read_as(facts.graph, read_again)
+        if traced is not None:
+            self._mark()
+            self._facts = facts.with_values(traced)
+            return
+        if new_graph is None:  # a trace of another form (a module the torch.export path reads otherwise): the
+            # graph is rescaled here
             new_graph = with_bias_shifts(rescaled_graph(facts.graph, facts.units, z), bias_shifts)
         self._mark()
         self._facts = facts.with_values(new_graph)
@@ -748,3 +753,30 @@ class Compiled:
 
         limit = DEFAULT_MAX_PATHS if max_paths is None else max_paths
         return verify_symbolic(self.graph, self.units, seed=seed, max_paths=limit, samples=samples)
+
+
+def _read_as(graph: Graph, read) -> Graph | None:
+    """``graph`` with the values of ``read()`` (the model as written, read again) where that has ``graph``'s
+    form: the same nodes, edges and params up to the nodes' names (an ONNX Clip rewritten as Relu and Min names
+    its ReLU otherwise); None where there is no ``read``, it refuses, or it reads otherwise."""
+    if read is None:
+        return None
+    try:
+        again = read()
+    except PathirError:
+        return None
+    values = {p.name: p.value for p in again.params()}
+    if _form(again) != _form(graph) or any(np.shape(values.get(p.name)) != p.shape for p in graph.params()):
+        return None
+    return graph.map_params(lambda p: p.with_value(values[p.name], owned=True))  # (sources as the writer knows them)
+
+
+def _form(graph: Graph) -> list[str]:
+    """``graph``'s lines of text with each node named by its position (params keep their names)."""
+    position = {n.name: str(i) for i, n in enumerate(graph.nodes)}
+    lines = [f"{[position[i] for i in graph.inputs]} -> {[position[o] for o in graph.outputs]}"]
+    for n in graph.nodes:
+        terms = [f"{e.map.describe()}({position[e.source]})" for e in n.edges]
+        lines.append(f"{n.kind.value}{n.k if n.kind.value == 'maxpool' else ''}{list(n.shape)} = {' + '.join(terms)} "
+                     f"+ bias({None if n.bias is None else n.bias.name})")
+    return lines
