@@ -175,3 +175,22 @@ def test_resize_by_a_scale_is_onnxruntimes_map(mode, transform):
             assert np.array_equal(ours != 0, ort_map != 0), (length, scale)
             np.testing.assert_allclose(ours, ort_map, rtol=1e-6, atol=0)
             assert cm.num_paths() == np.count_nonzero(ort_map)
+
+
+@pytest.mark.parametrize("op, opset, scale", [("Resize", 13, 7 / 6), ("Resize", 10, 7 / 6), ("Upsample", 9, 4 / 3)])
+def test_lengths_and_rounding_as_onnxruntime_computes_them_in_float32(op, opset, scale):
+    """6 × float32(7/6) is 7 in float32 (onnxruntime's output length) and 6.9999998 in float64 (read as 'no length
+    changes', a copy of 6 rows); Upsample-9 nearest at float32(4/3) rounds row 4 to input row 3 in onnxruntime and
+    to 2 in the Resize-13 pathir imitated it with."""
+    scales = np.asarray([1, 1, scale, 1], dtype=np.float32)
+    inputs = ["x", "scales"] if op == "Upsample" or opset < 11 else ["x", "", "scales"]
+    nodes = [node(op, inputs, ["r"], mode="nearest" if op == "Upsample" else "linear"), node("Relu", ["r"], ["h"]),
+             node("Conv", ["h", "w"], ["y"])]
+    w = np.random.default_rng(1).normal(size=(2, 1, 1, 1))
+    proto = make_model(nodes, [tensor_info("x", ["n", 1, 6, 3])], [tensor_info("y", ["n", 2, "h", 3])],
+                       {"scales": scales, "w": w}, opset=opset)
+    x = np.random.default_rng(3).normal(size=(2, 1, 6, 3))
+    expected = ort_run(proto, x)[0]
+    cm = pathir.compile(proto)
+    got = np.asarray(cm.forward(x, backend="numpy"))
+    assert got.shape == expected.shape and rel(got, expected) <= 1e-6

@@ -116,14 +116,14 @@ def _resampled_by(low, node, ins, scales, sizes, label) -> Value:
     # onnxruntime copies its input where no axis changes length, whatever the scales; where one does, an axis
     # that keeps its length under a scale other than 1 is interpolated (the specification's coordinates). Such
     # an axis is read with the other axes doubled (constant one-hot signals along them: still constant)
-    resized = scales is not None and any(int(np.floor(L * float(s))) != L for L, s in zip(spatial, given[2:]))
+    resized = scales is not None and any(_out_len(L, s) != L for L, s in zip(spatial, given[2:]))
     if scales is not None and not resized:  # (onnxruntime's copy, for Resize and the legacy Upsample alike)
         return v
 
     def call(basis, d):
         x = basis.numpy()  # float64: the coefficients exactly, whatever the model's dtype
         per = given.copy()
-        kept = resized and int(np.floor(spatial[d] * float(given[2 + d]))) == spatial[d] and float(given[2 + d]) != 1
+        kept = resized and _out_len(spatial[d], given[2 + d]) == spatial[d] and float(given[2 + d]) != 1
         for e in range(n):
             if e != d:
                 per[2 + e] = (2 if kept else 1) if scales is not None else x.shape[2 + e]
@@ -131,7 +131,7 @@ def _resampled_by(low, node, ins, scales, sizes, label) -> Value:
         return torch.as_tensor(np.asarray(_run_resize(low, node, ins, x, per, scales is not None),
                                           dtype=np.float64))
 
-    kept_axes = resized and any(int(np.floor(L * float(s))) == L and float(s) != 1 for L, s in zip(spatial, given[2:]))
+    kept_axes = resized and any(_out_len(L, s) == L and float(s) != 1 for L, s in zip(spatial, given[2:]))
     # (those axes are read with the others resampled too: constant along them to float32 rounding, not exactly)
     mats = fixed_maps.axis_matrices(low, v.shape[1:], call, tolerance=1e-5 if kept_axes else 0.0)
     if all(m.shape[0] == m.shape[1] and np.array_equal(m, np.eye(m.shape[0])) for m in mats):
@@ -139,10 +139,20 @@ def _resampled_by(low, node, ins, scales, sizes, label) -> Value:
     return fixed_maps.resampled(low, v, mats, label)
 
 
+def _out_len(length: int, scale) -> int:
+    """An axis's output length under ``scale`` as onnxruntime computes it: the product in float32, truncated
+    (6 × float32(7/6) is 7 there, 6.9999998 in float64)."""
+    return int(np.float32(length) * np.float32(scale))
+
+
 def _run_resize(low, node, ins, x, per, is_scales):
     from onnx import helper
 
     if node.op_type == "Upsample":  # = Resize with asymmetric coordinates, nearest rounding down
+        if len(node.input) > 1:  # (Upsample-9: scales an input) onnxruntime's own rounding, where it runs the node
+            ran = _onnxruntime_node(low.proto, node, [x, np.asarray(per, dtype=np.float32)])
+            if ran is not None:
+                return ran
         linear = attrs(node).get("mode", "nearest") != "nearest"
         resize = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="linear" if linear else "nearest",
                                   coordinate_transformation_mode="asymmetric", nearest_mode="floor")
