@@ -119,21 +119,20 @@ def _resampled_by(low, node, ins, scales, sizes, label) -> Value:
     resized = scales is not None and any(_out_len(L, s) != L for L, s in zip(spatial, given[2:]))
     if scales is not None and not resized:  # (onnxruntime's copy, for Resize and the legacy Upsample alike)
         return v
+    kept = [resized and _out_len(L, s) == L and float(s) != 1 for L, s in zip(spatial, given[2:])]
 
     def call(basis, d):
         x = basis.numpy()  # float64: the coefficients exactly, whatever the model's dtype
         per = given.copy()
-        kept = resized and _out_len(spatial[d], given[2 + d]) == spatial[d] and float(given[2 + d]) != 1
         for e in range(n):
             if e != d:
-                per[2 + e] = (2 if kept else 1) if scales is not None else x.shape[2 + e]
+                per[2 + e] = (2 if kept[d] else 1) if scales is not None else x.shape[2 + e]
         per[0], per[1] = (1, 1) if scales is not None else (x.shape[0], x.shape[1])
         return torch.as_tensor(np.asarray(_run_resize(low, node, ins, x, per, scales is not None),
                                           dtype=np.float64))
 
-    kept_axes = resized and any(_out_len(L, s) == L and float(s) != 1 for L, s in zip(spatial, given[2:]))
-    # (those axes are read with the others resampled too: constant along them to float32 rounding, not exactly)
-    mats = fixed_maps.axis_matrices(low, v.shape[1:], call, tolerance=1e-5 if kept_axes else 0.0)
+    # (kept axes are read with the others resampled too: constant along them to float32 rounding, not exactly)
+    mats = fixed_maps.axis_matrices(low, v.shape[1:], call, tolerance=1e-5 if any(kept) else 0.0)
     if all(m.shape[0] == m.shape[1] and np.array_equal(m, np.eye(m.shape[0])) for m in mats):
         return v
     return fixed_maps.resampled(low, v, mats, label)

@@ -22,7 +22,7 @@ from itertools import chain
 
 import torch
 
-from pathir.support.tensor_memory import extent
+from pathir.support.tensor_memory import extent, share_bytes
 
 __all__ = ["overlaps", "self_overlapping", "registered_names"]
 
@@ -44,21 +44,21 @@ def self_overlapping(t: torch.Tensor) -> bool:
 
 def overlaps(model: torch.nn.Module, written: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str]]:
     """(written name, other name) for each parameter or buffer of ``model`` that is another object than a
-    written tensor but reads memory the written one spans (written tensors among themselves included)."""
-    spans = [(name, id(t), e) for name, t in written if (e := extent(t)) is not None]
+    written tensor but reads a byte of the written one's memory (written tensors among themselves included)."""
+    spans = [(name, t, e) for name, t in written if (e := extent(t)) is not None]
     if not spans:
         return []
     by_storage: dict[int, list] = {}
-    for name, ident, (ptr, lo, hi) in spans:
-        by_storage.setdefault(ptr, []).append((name, ident, lo, hi))
+    for name, mine, (ptr, _, _) in spans:
+        by_storage.setdefault(ptr, []).append((name, mine))
     out, seen = [], set()
     tensors = chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
     for other, t in tensors:
         e = extent(t)
         if e is None or e[0] not in by_storage:
             continue
-        for name, ident, lo, hi in by_storage[e[0]]:
-            if ident != id(t) and lo < e[2] and e[1] < hi and (other, name) not in seen:
+        for name, mine in by_storage[e[0]]:
+            if mine is not t and (other, name) not in seen and share_bytes(mine, t):
                 seen.add((name, other))
                 out.append((name, other))
     return out
