@@ -360,3 +360,20 @@ def test_an_onnx_running_variance_that_would_cancel_in_float32_is_refused():
             assert cm.to_onnx().SerializeToString() == before
     cm = pathir.compile(model, progress=False)
     assert cm.rescaled_variance_ratio() is not None  # the default bound sees ONNX's unfolded batch-norms too
+
+
+def test_check_counts_a_clips_bounds_as_read():
+    """A Clip's bounds as initializers (as torch.onnx.export(dynamo=True) writes ReLU6): the threshold is the graph's
+    `<node>.threshold` bias and the lower bound its ReLU, yet `pathir check` listed both "not reached: no output of
+    the graph depends on it". An initializer nothing reads is still listed."""
+    import pathir.app.checks
+
+    rng = np.random.default_rng(0)
+    nodes = [node("Conv", ["x", "w1", "b1"], ["c"], pads=[1, 1, 1, 1]), node("Clip", ["c", "lo", "hi"], ["r"]),
+             node("Conv", ["r", "w2"], ["y"])]
+    inits = {"w1": rng.normal(size=(3, 2, 3, 3)), "b1": rng.normal(size=3), "lo": np.float32(0.0),
+             "hi": np.float32(6.0), "w2": rng.normal(size=(2, 3, 1, 1)), "unused": rng.normal(size=4)}
+    proto = make_model(nodes, [tensor_info("x", ["n", 2, 5, 5])], [tensor_info("y", ["n", 2, 5, 5])], inits)
+    report = pathir.app.checks.check(proto)
+    assert [name for name, _, _ in report.not_reached] == ["unused"]
+    assert report.covered == report.model_params - 4

@@ -182,7 +182,9 @@ def _coverage(cm, model, xs) -> tuple[int, int, tuple]:
                 return "its module runs only in train mode (pathir analyses the eval-mode function)"
             return "the eval-mode forward does not use it on the way to an output"
     else:
-        params = _onnx_float_initializers(model)
+        proto = load(model).proto
+        params = _onnx_float_initializers(proto)
+        reached |= _onnx_read(cm, proto, reached)
 
         def why(name):
             return "no output of the graph depends on it"
@@ -191,12 +193,25 @@ def _coverage(cm, model, xs) -> tuple[int, int, tuple]:
     return covered, sum(params.values()), missing
 
 
-def _onnx_float_initializers(model) -> dict[str, int]:
+def _onnx_read(cm, proto, refs: set[str]) -> set[str]:
+    """The ONNX initializers behind the graph's source refs that are not initializer names themselves (a Clip's
+    threshold, bound as ``<node>.threshold``), and the bounds of every Clip on an activation (0 of a ReLU, the
+    threshold of a clipped ReLU: the graph reads them as its op)."""
+    bindings = getattr(cm.writer, "bindings", {})
+    out = {bindings[r].tensor for r in refs if r in bindings and bindings[r].tensor}
+    constants = {t.name for t in proto.graph.initializer} | {o for n in proto.graph.node if n.op_type == "Constant"
+                                                             for o in n.output}
+    out |= {i for n in proto.graph.node if n.op_type == "Clip" and n.input and n.input[0] not in constants
+            for i in n.input[1:] if i}
+    return out
+
+
+def _onnx_float_initializers(proto) -> dict[str, int]:
     from onnx import TensorProto
 
 
     floats = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
-    return {t.name: math.prod(t.dims) for t in load(model).proto.graph.initializer if t.data_type in floats}
+    return {t.name: math.prod(t.dims) for t in proto.graph.initializer if t.data_type in floats}
 
 
 # ---------------------------------------------------------------- rescaling
