@@ -196,35 +196,6 @@ def test_a_reversed_array_and_unknown_input_names():
         cm.active_path_norm({cm.graph.inputs[0]: x, "typo": x})
 
 
-def test_an_output_returned_twice_has_one_jacobian():
-    """``return y, y``: slope and vjp of output 'o' gave 2·J (its seed applied once per occurrence) while jvp
-    gave J v; against torch's own Jacobian of y."""
-    torch = pytest.importorskip("torch")
-    import pathir
-
-    class Twice(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.o = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
-
-        def forward(self, x):
-            y = self.o(torch.relu(self.a(x)))
-            return y, y
-
-    torch.manual_seed(0)
-    net = Twice().double()
-    cm = pathir.compile(net, input_shape=(3,))
-    (out,) = set(cm.graph.outputs)
-    x = np.array([[0.3, -1.2, 2.0], [1.0, 0.5, -0.7]])
-    piece = cm.local_affine(x)
-    for i in range(2):
-        J = torch.autograd.functional.jacobian(lambda z: net(z[None])[0][0], torch.tensor(x[i])).numpy()
-        np.testing.assert_allclose(piece.slope(output=out)[i], J, rtol=1e-12, atol=1e-14)
-        u = np.array([[1.5, -2.0]])
-        np.testing.assert_allclose(piece.vjp({out: u})[cm.graph.inputs[0]][i], u[0] @ J, rtol=1e-12, atol=1e-14)
-        np.testing.assert_allclose(piece.jvp(x[i:i + 1] * 0 + 1.0)[out][i], J.sum(axis=1), rtol=1e-12, atol=1e-14)
-
-
 def test_an_empty_batch_and_a_direction_that_requires_grad():
     """0 samples: a raw ValueError (path-norms) or a BackendError (local_affine); a direction with requires_grad:
     BackendError in jvp only."""

@@ -3,6 +3,7 @@ at y counts twice, in pathir's walks, in the enumeration (the definition) and in
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -45,3 +46,20 @@ def test_the_bound_holds_for_the_returned_vector(cm):
     y2, _ = cm.model(x2)
     change = 2 * (y - y2).abs().sum(dim=1).max()  # ‖(y, y) − (y', y')‖₁
     assert float(change) <= cm.path_norm(1) * float((x - x2).abs().max()) * (1 + 1e-12)
+
+
+def test_its_local_jacobian_is_counted_once():
+    """slope and vjp of the twice-returned output gave 2·J (the seed applied once per occurrence) while jvp gave
+    J v: per output name there is one Jacobian, torch's own of y."""
+    torch.manual_seed(0)
+    net = Twice().double()
+    cm = pathir.compile(net, input_shape=(2,))
+    (out,) = set(cm.graph.outputs)
+    x = np.array([[0.3, -1.2], [1.0, 0.5]])
+    piece = cm.local_affine(x)
+    for i in range(2):
+        J = torch.autograd.functional.jacobian(lambda z: net(z[None])[0][0], torch.tensor(x[i])).numpy()
+        np.testing.assert_allclose(piece.slope(output=out)[i], J, rtol=1e-12, atol=1e-14)
+        u = np.array([[1.5, -2.0]])
+        np.testing.assert_allclose(piece.vjp({out: u})[cm.graph.inputs[0]][i], u[0] @ J, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(piece.jvp(np.ones((1, 2)))[out][i], J.sum(axis=1), rtol=1e-12, atol=1e-14)
