@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import hashlib
 from typing import Callable, Iterable
 
@@ -9,7 +11,7 @@ import numpy as np
 
 from pathir.enorm.normalize import normalize
 from pathir.errors import ArgumentError, ArgumentKeyError, ArgumentTypeError, GraphVerificationError
-from pathir.ir import Graph, verify
+from pathir.ir import Graph, Param, verify
 
 from .fold_batchnorm import fold_batchnorm
 from .maxpool_to_sum import maxpool_to_sum
@@ -17,7 +19,7 @@ from .path_view import path_view
 from .remove_dead import remove_dead
 
 __all__ = ["Pass", "PASSES", "run_passes", "run_recording", "DEFAULT_PIPELINE", "register", "pass_name",
-           "param_fingerprint"]
+           "param_fingerprint", "structure_fingerprint"]
 
 Pass = Callable[[Graph], Graph]
 
@@ -77,16 +79,54 @@ def param_fingerprint(graph: Graph) -> tuple:
     return tuple(out)
 
 
+def structure_fingerprint(graph: Graph) -> bytes:
+    """A digest of what the graph computes apart from its param values: every node's kind, shape and k, its
+    edges (sources, map types and every map attribute, fixed arrays included), its bias, each param's name
+    and the model tensors it stands for (``Param.sources``), and the outputs. Node names are replaced by
+    positions (a renaming keeps it); ``origin`` and a param's ``how`` (descriptions) are left out."""
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
+    h = hashlib.blake2b(digest_size=16)
+
+    def feed(obj) -> None:
+        if isinstance(obj, Param):
+            h.update(repr(("param", obj.name, obj.sources)).encode())
+        elif isinstance(obj, np.ndarray):
+            h.update(repr(("array", obj.shape, obj.dtype.str)).encode())
+            h.update(np.ascontiguousarray(obj).view(np.uint8).reshape(-1).tobytes())
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            h.update(type(obj).__qualname__.encode())
+            for f in dataclasses.fields(obj):
+                feed(f.name)
+                feed(getattr(obj, f.name))
+        elif isinstance(obj, (tuple, list)):
+            h.update(b"(")
+            for item in obj:
+                feed(item)
+            h.update(b")")
+        elif isinstance(obj, (str, int, float, bool, enum.Enum)) or obj is None:
+            h.update(repr(obj).encode())
+        else:  # an attribute of a map of the user's own: its repr stands for it
+            h.update(f"{type(obj).__qualname__}:{obj!r}".encode())
+
+    for n in graph.nodes:
+        feed((n.kind, n.shape, n.k, n.bias))
+        for e in n.edges:
+            feed(("edge", index.get(e.source, e.source), e.map))
+    feed(("outputs", tuple(index.get(o, o) for o in graph.outputs)))
+    return h.digest()
+
+
 def run_recording(graph: Graph, passes: Iterable[Pass], check: bool = True,
                   after: Iterable[str] = ()) -> tuple[Graph, tuple[str, ...]]:
     """``run_passes`` one pass at a time, and the names of those that changed the params (values or shapes, by
-    ``param_fingerprint``): a result computed on their graph does not apply to the model's tensors."""
+    ``param_fingerprint``) or the graph around them (``structure_fingerprint``: a dropped edge, a new node): a
+    result computed on their graph does not apply to the model's tensors."""
     done, changed = list(after), []
     for p in passes:
-        before = param_fingerprint(graph)
+        before = (structure_fingerprint(graph), param_fingerprint(graph))
         graph = run_passes(graph, (p,), check=check, after=done)
         done.append(pass_name(p))
-        if param_fingerprint(graph) != before:
+        if (structure_fingerprint(graph), param_fingerprint(graph)) != before:
             changed.append(done[-1])
     return graph, tuple(changed)
 

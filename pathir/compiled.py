@@ -155,7 +155,7 @@ class Compiled:
         self.graph = graph
         self.model = model
         self.writer = writer
-        self.transformed_by: tuple[str, ...] = ()  # user passes that changed the params (compile): no write-back
+        self.transformed_by: tuple[str, ...] = ()  # user passes that changed the graph (compile): no write-back
         self.passes_run: tuple[str, ...] = ()  # every user pass run on the graph (compile's passes=, apply)
         self.source_num_params = source_num_params if source_num_params is not None else graph.num_params()
         self.backend = backend
@@ -663,13 +663,13 @@ class Compiled:
             check_writable(self.graph, self.writer)
 
     def _refuse_transformed(self, what: str) -> None:
-        """Refuse to write ``what`` into the model where a user pass changed the graph's params: it is
-        computed on values (or shapes) the model's tensors do not hold."""
+        """Refuse to write ``what`` into the model where a user pass changed the graph's params or its structure:
+        it is computed on values (or shapes, or a function) the model does not hold."""
         if self.transformed_by and self.writer is not None:
             raise PathirError(
                 f"{what} is not written back: {', '.join(repr(n) for n in self.transformed_by)} changed the "
-                "graph's parameters (values or shapes), so a result computed on that graph does not apply to the model's "
-                "tensors. Write back from a Compiled without them (pathir.compile without those passes=, not the result "
+                "graph (its parameters' values or shapes, or the nodes and edges around them), so a result computed on that "
+                "graph does not apply to the model's tensors. Write back from a Compiled without them (pathir.compile without those passes=, not the result "
                 "of cm.apply(...) or cm.rescaled(z)); on this one use write_back=False. Nothing was changed")
 
     def _committer(self, write_back: bool, optimizer):

@@ -53,6 +53,8 @@ CALLS = [
     (lambda cm: cm.normalize(p=0), "p", ArgumentError),
     (lambda cm: cm.rescaled(np.zeros(3)), "z", ArgumentError),
     (lambda cm: cm.rescaled(np.full(4, np.nan)), "z", ArgumentError),
+    (lambda cm: cm.rescaled("ab"), "z must be an array", ArgumentError),
+    (lambda cm: cm.rescaled([[0.0, 1.0], [2.0]]), "z must be an array", ArgumentError),
     (lambda cm: cm.commit_rescaling(np.zeros(5)), "z", ArgumentError),
     (lambda cm: cm.prune(2.5), "amount", ArgumentError),
     (lambda cm: cm.prune("half"), "amount", ArgumentError),

@@ -310,3 +310,68 @@ def test_torch_cond_on_activation_values_is_refused_by_what_it_reads():
     with pytest.raises(UnsupportedOperation) as info:
         pathir.compile(Cond().double(), input_shape=(3,))
     assert not isinstance(info.value, InputShapeError) and "itself fails" not in str(info.value)
+
+
+@pytest.mark.parametrize("wrap", [nn.DataParallel, lambda m: torch.compile(m, backend="eager")],
+                         ids=["DataParallel", "torch.compile"])
+@pytest.mark.parametrize("how", ["weight_norm", "legacy_weight_norm", "prune"])
+def test_a_wrapped_model_with_a_derived_weight_reads_as_the_bare_one(wrap, how):
+    """Wrapped at the root, fx failed on the wrapper and torch.export cannot read weight_norm or pruning: the
+    model was refused with reasons that were not the cause (a root hook, a write through a view)."""
+    from torch.nn.utils import parametrizations, prune
+
+    def build():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3), nn.ReLU(), nn.Linear(3, 2)).double()
+        if how == "weight_norm":
+            parametrizations.weight_norm(net[2])
+        elif how == "legacy_weight_norm":
+            with pytest.warns(FutureWarning):
+                torch.nn.utils.weight_norm(net[2])
+        else:
+            prune.l1_unstructured(net[2], "weight", amount=0.5)
+        return net
+
+    inner, plain = build(), build()
+    model = wrap(inner)
+    cm, ref = pathir.compile(model, input_shape=(4,)), pathir.compile(plain, input_shape=(4,))
+    for q in (1, 2):
+        assert cm.path_norm(q) == pytest.approx(ref.path_norm(q), rel=1e-12)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    with torch.no_grad():
+        before = plain(x)
+        cm.pathcond()
+        assert torch.allclose(model(x), before, rtol=1e-10, atol=1e-12)
+
+
+def test_functional_call_over_another_modules_tensors_reads_the_tensors_it_runs_with():
+    """fx read the called module's own parameters, not those functional_call put in their place: equal at
+    compile, the self-check passed, and once the fast weights moved path_norm stayed at the old 2.14 (34.7)."""
+    from torch.func import functional_call
+
+    class Fast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(2)
+            self.net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+            self.fast = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+            self.fast.load_state_dict(self.net.state_dict())
+
+        def forward(self, x):
+            return functional_call(self.net, dict(self.fast.named_parameters()), (x,))
+
+    def l1(seq):  # the definition: the |θ| network on an all-ones input
+        h = torch.ones(1, 4, dtype=torch.float64)
+        h = torch.relu(h @ seq[0].weight.abs().T + seq[0].bias.abs())
+        return float((h @ seq[2].weight.abs().T + seq[2].bias.abs()).sum())
+
+    model = Fast().eval()
+    cm = pathir.compile(model, input_shape=(4,))
+    assert cm.path_norm(1) == pytest.approx(l1(model.fast), rel=1e-12)
+    with torch.no_grad():
+        for p in model.fast.parameters():
+            p.mul_(3.0)
+    assert cm.path_norm(1) == pytest.approx(l1(model.fast), rel=1e-12)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.allclose(torch.as_tensor(cm.forward(x.numpy())), model(x), rtol=1e-12, atol=1e-12)

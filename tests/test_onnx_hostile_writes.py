@@ -79,6 +79,25 @@ def test_an_initializer_callers_may_feed_is_not_rescaled(tmp_path):
     np.testing.assert_array_equal(NH.to_array(cm.to_onnx().graph.initializer[0]), W1)
 
 
+@pytest.mark.parametrize("op", ["Identity", "Transpose", "Cast"])
+def test_an_initializer_callers_may_feed_is_not_rescaled_through_the_node_that_reads_it(tmp_path, op):
+    """W1 -> Identity/Transpose/Cast -> Gemm: the write gave the Gemm a new initializer and left W1 an input no
+    node reads, so a caller feeding W1 got another function from the written file (0.47 to 2.6 off)."""
+    W1, W2 = _spread_weights()
+    src_w = W1.T.copy() if op == "Transpose" else W1
+    attrs = {"to": TP.FLOAT} if op == "Cast" else {}
+    graph = _mlp(W1, W2, [H.make_tensor_value_info("W1", TP.FLOAT, list(src_w.shape))])
+    graph.initializer[0].CopyFrom(NH.from_array(src_w, "W1"))
+    graph.node.insert(0, H.make_node(op, ["W1"], ["Wc"], name="via", **attrs))
+    graph.node[1].input[1] = "Wc"
+    src = _save(tmp_path, graph)
+    before = _sha(src)
+    cm = pathir.compile(src)
+    with pytest.raises(PathirError, match="'W1' is also a graph input"):
+        cm.equalize(progress=False)
+    assert [n.op_type for n in cm.to_onnx().graph.node] == [op, "Gemm", "Relu", "Gemm"] and _sha(src) == before
+
+
 def test_a_clip_bound_callers_may_feed_is_not_replaced_silently(tmp_path):
     """The rewrite of a Clip(x, 0, t) whose t moves per channel replaces t by a Min's new initializer: where t
     is also a graph input, a caller feeding it changed the original's clip and no longer the written file's."""
@@ -124,3 +143,26 @@ def test_save_names_the_path_it_was_given(tmp_path):
 def test_weights_naming_a_folder_says_so(tmp_path, capsys):
     assert main(["summary", "resnet18", "--weights", str(tmp_path)]) == 2
     assert "names a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["constant", "initializer"])
+def test_a_sparse_weight_is_refused_by_name(tmp_path, how):
+    """A MatMul weight from Constant(sparse_value=...) crashed with a raw TypeError (onnxruntime runs it); one in
+    graph.sparse_initializer failed in shape inference ("Input tensors of wrong rank (0)")."""
+    rng = np.random.default_rng(0)
+    W = rng.normal(size=(4, 3)).astype(np.float32)
+    W[np.abs(W) < 0.7] = 0
+    at = np.flatnonzero(W)
+
+    def sparse(name):
+        return H.make_sparse_tensor(NH.from_array(W.ravel()[at], name), NH.from_array(at.astype(np.int64), name + "_i"),
+                                    [4, 3])
+
+    nodes = [H.make_node("MatMul", ["x", "Wk"], ["h"], name="mm"), H.make_node("Relu", ["h"], ["y"], name="relu")]
+    if how == "constant":
+        nodes.insert(0, H.make_node("Constant", [], ["Wk"], name="kw", sparse_value=sparse("v")))
+    graph = H.make_graph(nodes, "g", [H.make_tensor_value_info("x", TP.FLOAT, ["N", 4])],
+                         [H.make_tensor_value_info("y", TP.FLOAT, ["N", 3])],
+                         sparse_initializer=[sparse("Wk")] if how == "initializer" else None)
+    with pytest.raises(PathirError, match="sparse_value" if how == "constant" else "sparse initializers"):
+        pathir.compile(_save(tmp_path, graph, ir_version=8))

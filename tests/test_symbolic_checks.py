@@ -241,3 +241,16 @@ def test_conservation_laws_of_an_mlp_by_hand():
 def test_conservation_laws_reject_a_theta_of_the_wrong_length():
     with pytest.raises(ValueError, match="flat of length"):
         conservation_laws(skip_pair()[0], theta=np.zeros(3))
+
+
+def test_conservation_laws_name_a_missing_or_misshapen_param_of_a_theta_dict():
+    """A dict θ missing a param raised a bare KeyError; one of the wrong size numpy's matmul error."""
+    graph = skip_pair()[0]
+    full = {p.name: np.ones(np.shape(p.value)) for p in graph.params()}
+    first = graph.params()[0].name
+    with pytest.raises(ValueError, match=f"no entry for param.*{first}"):
+        conservation_laws(graph, theta={k: v for k, v in full.items() if k != first})
+    wrong = np.size(full[first]) + 1
+    with pytest.raises(ValueError, match=f"theta\\['{first}'\\] has {wrong} entries"):
+        conservation_laws(graph, theta={**full, first: np.ones(wrong)})
+    assert conservation_laws(graph, theta=full) == conservation_laws(graph, theta=np.ones(graph.num_params()))

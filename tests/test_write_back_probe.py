@@ -308,7 +308,7 @@ def test_a_user_pass_that_changes_the_params_makes_write_backs_refused():
     cm = pathir.compile(net, input_shape=(4,), passes=["normalize"])
     assert cm.transformed_by == ("normalize",)
     for method in (cm.pathcond, lambda: cm.prune(0.5), lambda: cm.commit_rescaling(np.zeros(len(cm.units)))):
-        with pytest.raises(PathirError, match="'normalize' changed the graph's parameters"):
+        with pytest.raises(PathirError, match="'normalize' changed the graph"):
             method()
     assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())
     assert cm.pathcond(write_back=False).objective_after <= cm.pathcond(write_back=False).objective_before
@@ -331,7 +331,7 @@ def test_a_compiled_derived_by_apply_or_rescaled_writes_nothing_back(derive):
     else:
         derived, name = cm.rescaled(np.linspace(-1.0, 1.0, len(cm.units))), "'rescaled\\(z\\)'"
     for method in (derived.pathcond, lambda: derived.prune(0.5, criterion="magnitude"), derived.equalize):
-        with pytest.raises(PathirError, match=f"{name} changed the graph's parameters"):
+        with pytest.raises(PathirError, match=f"{name} changed the graph"):
             method()
     assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())
     assert derived.pathcond(write_back=False).objective_after <= derived.pathcond(write_back=False).objective_before
@@ -386,8 +386,13 @@ def test_a_user_pass_that_changes_the_function_is_named_by_the_self_check_and_th
         res.fc1.weight.mul_(10)
     state = copy.deepcopy(res.state_dict())
     cm = pathir.compile(res, input_shape=(3,)).apply(drop_skip)
-    assert cm.passes_run == ("drop_skip",) and cm.transformed_by == () and len(cm.units) == 3
-    with pytest.raises(PathirError, match="moved by") as info:
-        cm.pathcond()
-    assert "your passes ['drop_skip']" in "".join(getattr(info.value, "__notes__", []))
+    # a pass that keeps every param byte for byte but drops an edge is recorded: pruning masks (whose function
+    # change is meant, so no probe can tell) were written with a bound the model then broke by 155x
+    assert cm.passes_run == ("drop_skip",) and cm.transformed_by == ("drop_skip",) and len(cm.units) == 3
+    for method in (cm.pathcond, lambda: cm.prune(3), cm.equalize):
+        with pytest.raises(PathirError, match="'drop_skip' changed the graph"):
+            method()
     assert all(torch.equal(state[k], v) for k, v in res.state_dict().items())
+    renamed = pathir.compile(res, input_shape=(3,)).apply(
+        lambda g: g.replace_nodes([dataclasses.replace(n, origin="elsewhere") for n in g.nodes]))
+    assert renamed.transformed_by == ()  # descriptions only: written as before

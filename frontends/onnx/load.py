@@ -125,6 +125,10 @@ def load(model) -> Source:
                 "the data files beside it), or onnx.load(path) it first (which reads them in)")
     if not proto.HasField("graph") or len(proto.graph.node) == 0 or not proto.opset_import:
         raise OnnxModelError(f"'{name}' is not an ONNX model (no graph, nodes or opset)")
+    if proto.graph.sparse_initializer:
+        names = [t.values.name for t in proto.graph.sparse_initializer]
+        raise OnnxModelError(f"'{name}' stores {', '.join(repr(n) for n in names[:3])} as sparse initializers "
+                             "(graph.sparse_initializer), which pathir does not read: store them dense (graph.initializer)")
     light = skeleton(proto)
     _check(light, name)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)

@@ -129,6 +129,9 @@ class OnnxLowering(Lowering):
         if not acts:
             if node.op_type in QUANTIZED:  # folding a quantized weight would hide how onnxruntime runs it
                 self.unsupported(WHY[node.op_type])
+            if node.op_type == "Constant" and any(a.name == "sparse_value" for a in node.attribute):
+                self.unsupported("a sparse constant (its sparse_value attribute), which pathir does not read: "
+                                 "store it dense (the Constant's value attribute, or an initializer)")
             if node.op_type == "Constant" or (node.op_type == "Identity" and node.input[0] in self.stored):
                 self.stored.add(node.output[0])  # stored data, or an alias the exporter made of it
             outer = {x: self._input(x) for x in outer_names(node)}

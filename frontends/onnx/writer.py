@@ -267,7 +267,7 @@ class OnnxWriter:
         g = model.graph
         if model.ir_version >= 4:  # (IR 3 lists every initializer as an input: a rule, not an interface)
             written = {bindings[ref].tensor for ref in [*updates, *(rewrites or {})]}  # (a Clip's bound: replaced)
-            fed = sorted(written & {i.name for i in g.input} & {t.name for t in g.initializer})
+            fed = _overridable_sources(g, written)
             if fed:
                 raise PathirError(f"write-back refused: the initializer {', '.join(repr(t) for t in fed)} is also a graph "
                                   "input, a default a caller may override by feeding it, and a caller who does would "
@@ -310,6 +310,24 @@ class OnnxWriter:
         except (onnx.checker.ValidationError, ValueError) as err:
             raise PathirError(f"write-back produced an invalid ONNX model (nothing was changed): {err}") from None
         self._model, self.bindings = model, bindings
+
+
+def _overridable_sources(g, tensors) -> list[str]:
+    """The initializers that are also graph inputs (defaults a caller may override) among ``tensors`` and the
+    tensors they are computed from (a weight read through Identity, Transpose or Cast of such an initializer)."""
+    producers = {o: n for n in g.node for o in n.output}
+    defaults = {i.name for i in g.input} & {t.name for t in g.initializer}
+    fed, seen, stack = set(), set(), list(tensors)
+    while stack:
+        t = stack.pop()
+        if not t or t in seen:
+            continue
+        seen.add(t)
+        if t in defaults:
+            fed.add(t)
+        if t in producers:
+            stack.extend(producers[t].input)
+    return sorted(fed)
 
 
 def _in_dtype(name: str, value: np.ndarray, dtype, old=None) -> np.ndarray:

@@ -97,6 +97,21 @@ class InplaceTracer(torch.fx.Tracer):
             return False
         return True
 
+    #: {id(module): {name: tensor}} of every parameter and buffer as the model holds them before the trace
+    held: dict = {}
+
+    def _swapped(self, m) -> str | None:
+        """The first parameter or buffer of ``m`` that is not the tensor ``m`` held before the trace (a
+        ``functional_call`` runs the module with other tensors put in their place), or None."""
+        before = self.held.get(id(m))
+        if before is None:
+            return None
+        now = {**m._parameters, **m._buffers}
+        for name, t in before.items():
+            if now.get(name) is not t:
+                return name
+        return None
+
     def is_leaf_module(self, m, module_qualified_name):
         if isinstance(m, nn.DataParallel):  # a wrapper: traced through to the module it holds, as at the root
             return False
@@ -118,6 +133,11 @@ class InplaceTracer(torch.fx.Tracer):
                     "a plain list, dict or closure, or made inside forward), and it holds tensors or hooks, which are "
                     "not the model's: register it (nn.ModuleList, nn.ModuleDict or an attribute)")
             return forward(*args, **kwargs)
+        swapped = self._swapped(m)
+        if swapped is not None:
+            raise torch.fx.proxy.TraceError(
+                f"the forward calls '{self.path_of_module(m)}' with its '{swapped}' swapped for another tensor "
+                "(torch.func.functional_call, torch.nn.utils.stateless): torch.fx would read the module's own")
         pre = [(k, h) for k, h in m._forward_pre_hooks.items() if _harmless_hook(m, h) is None]
         if not pre and not m._forward_hooks:
             return super().call_module(m, forward, args, kwargs)
@@ -155,12 +175,32 @@ def trace(model: nn.Module, n_inputs: int | None = None) -> torch.fx.Graph:
     own (not of its submodules) is left to torch.export, which runs them (fx traces ``forward`` only)."""
     if model._forward_hooks or any(_harmless_hook(model, h) is None for h in model._forward_pre_hooks.values()):
         raise torch.fx.proxy.TraceError("the model has forward hooks of its own: torch.fx traces forward only")
+    inner, prefix = root_wrapped(model)
+    if inner is not model:  # torch.compile(model), nn.DataParallel(model): the module it runs, named as in model
+        graph = trace(inner, n_inputs)
+        for node in graph.nodes:
+            if node.op in ("call_module", "get_attr"):
+                node.target = prefix + node.target
+        return graph
     tracer = InplaceTracer()
+    tracer.held = {id(m): {**m._parameters, **m._buffers} for m in model.modules()}
     replaced = instance_forward(model, tracer)
     if replaced is not None:
         raise torch.fx.proxy.TraceError(f"the forward of {replaced} is set on the instance: torch.fx traces "
                                         "the class's forward there")
     return tracer.trace(model, concrete_args=_defaults(model, n_inputs))
+
+
+def root_wrapped(model: nn.Module) -> tuple[nn.Module, str]:
+    """(the module a wrapper at the root runs, its path in ``model`` with a trailing dot): through
+    ``torch.compile`` (``_orig_mod``, the module dynamo compiles, computing its function) and
+    ``nn.DataParallel`` (``module``, run on each device's slice of the batch); (model, "") otherwise."""
+    inner = getattr(model, "_orig_mod", None)
+    if type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
+        return inner, "_orig_mod."
+    if isinstance(model, nn.DataParallel):
+        return model.module, "module."
+    return model, ""
 
 
 def instance_forward(model: nn.Module, tracer: "InplaceTracer") -> str | None:

@@ -394,7 +394,15 @@ def _theta(layout, theta) -> np.ndarray:
     if theta is None:
         return layout.theta()
     if isinstance(theta, dict):
+        missing = [p.name for p in layout.params if p.name not in theta]
+        if missing:
+            raise ArgumentError(f"theta has no entry for param(s) {missing}: give every param of the graph "
+                                f"({[p.name for p in layout.params]}), or a flat vector")
         parts = [np.asarray(theta[p.name], dtype=np.float64).reshape(-1) for p in layout.params]
+        for p, part in zip(layout.params, parts):
+            if part.size != np.size(p.value):
+                raise ArgumentError(f"theta['{p.name}'] has {part.size} entries, the param {np.size(p.value)} "
+                                    f"(shape {tuple(np.shape(p.value))})")
         return np.concatenate(parts) if parts else np.zeros(0)
     theta = np.asarray(theta, dtype=np.float64)
     if theta.shape != (len(layout),):

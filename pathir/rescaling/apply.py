@@ -26,7 +26,11 @@ __all__ = ["rescale_graph", "check_rescaling", "log_scales", "apply_log_scales",
 
 
 def _z(units, z) -> np.ndarray:
-    z = np.asarray(z, dtype=np.float64)
+    try:
+        z = np.asarray(z, dtype=np.float64)
+    except (TypeError, ValueError) as err:
+        raise ArgumentError(f"z must be an array of log-scales, one per unit ({len(units)}); got "
+                            f"{type(z).__name__} ({err})") from None
     if z.shape != (len(units),):
         raise ArgumentError(f"z must have one entry per unit, shape ({len(units)},); got {z.shape}")
     if not np.all(np.isfinite(z)):
