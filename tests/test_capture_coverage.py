@@ -98,9 +98,23 @@ class Unflatten(nn.Module):
         return self.o(h.flatten(1))
 
 
+class ZeroPaddedShortcut(nn.Module):
+    """PyramidNet's residual block: the shortcut widened by a block of zeros concatenated on the channels
+    (``torch.cat((x, torch.zeros(n, c, h, w)), 1)``); was refused as "moves a model parameter or buffer"."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.o = nn.Conv2d(2, 5, 3, padding=1), nn.Conv2d(5, 5, 3, padding=1), nn.Linear(5 * 36, 3)
+
+    def forward(self, x):
+        body = self.b(torch.relu(self.a(x)))
+        pad = torch.zeros(x.shape[0], 3, x.shape[2], x.shape[3], dtype=x.dtype, device=x.device)
+        return self.o(torch.relu(body + torch.cat((x, pad), 1)).flatten(1))
+
+
 CASES = {"sub": (Sub, (3,)), "scalar": (ScalarMulDiv, (2, 6, 6)), "max": (Maximum, (2, 6, 6)),
          "layer_scale": (LayerScale, (2, 6, 6)), "relu_spellings": (ReluSpellings, (4,)),
-         "unflatten": (Unflatten, (4,))}
+         "unflatten": (Unflatten, (4,)), "zero_padded_shortcut": (ZeroPaddedShortcut, (2, 6, 6))}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -220,3 +234,25 @@ def test_batch_norm_without_running_statistics_refused_by_that_reason(wrap):
     model = wrap(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=False), nn.ReLU())).eval()
     with pytest.raises(UnsupportedOperation, match="without running statistics"):
         pathir.compile(model, input_shape=(3, 6, 6))
+
+
+def test_a_zero_padded_shortcut_is_rescaled_keeping_the_function():
+    torch.manual_seed(0)
+    model = ZeroPaddedShortcut().double()
+    x = torch.randn(4, 2, 6, 6, dtype=torch.float64)
+    before = eval_forward(model, x)
+    pathir.compile(model, input_shape=(2, 6, 6)).pathcond()
+    assert torch.allclose(eval_forward(model, x), before, rtol=1e-10, atol=1e-12)
+
+
+def test_a_block_of_zeros_of_a_fixed_batch_size_is_refused_by_that_reason():
+    """torch.zeros(2, ...) beside activations: right at the trace's batch of 2 only."""
+    from pathir.errors import SelfCheckFailed
+
+    class FixedBatch(ZeroPaddedShortcut):
+        def forward(self, x):
+            pad = torch.zeros(2, 3, 6, 6, dtype=torch.float64)
+            return self.o(torch.relu(torch.cat((x, pad), 1)).flatten(1))
+
+    with pytest.raises(SelfCheckFailed, match="batch"):
+        pathir.compile(FixedBatch().double(), input_shape=(2, 6, 6))

@@ -166,3 +166,64 @@ def test_a_sparse_weight_is_refused_by_name(tmp_path, how):
                          sparse_initializer=[sparse("Wk")] if how == "initializer" else None)
     with pytest.raises(PathirError, match="sparse_value" if how == "constant" else "sparse initializers"):
         pathir.compile(_save(tmp_path, graph, ir_version=8))
+
+
+def _appended_channels(block, tmp_path):
+    """conv(x) with ``block`` (Expand of a (1, 1, 1, 1) constant to [N, 2, 5, 5]) appended on the channels, ReLU,
+    Flatten, Gemm; its l1 path-norm by the definition (the |θ| network on ones, the block as it is)."""
+    rng = np.random.default_rng(0)
+    W1, b1 = rng.normal(size=(4, 2, 3, 3)).astype(np.float32), rng.normal(size=4).astype(np.float32)
+    W2, b2 = rng.normal(size=(3, 150)).astype(np.float32), rng.normal(size=3).astype(np.float32)
+    ints = lambda name, v: NH.from_array(np.array(v, np.int64), name)
+    nodes = [H.make_node("Conv", ["x", "W1", "b1"], ["c"], pads=[1, 1, 1, 1]), H.make_node("Shape", ["c"], ["sh"]),
+             H.make_node("Slice", ["sh", "s0", "s1"], ["n"]), H.make_node("Concat", ["n", "rest"], ["to"], axis=0),
+             H.make_node("Expand", ["z", "to"], ["zz"]), H.make_node("Concat", ["c", "zz"], ["k"], axis=1, name="cat"),
+             H.make_node("Relu", ["k"], ["r"]), H.make_node("Flatten", ["r"], ["f"]),
+             H.make_node("Gemm", ["f", "W2", "b2"], ["y"], transB=1)]
+    graph = H.make_graph(nodes, "g", [H.make_tensor_value_info("x", TP.FLOAT, ["N", 2, 5, 5])],
+                         [H.make_tensor_value_info("y", TP.FLOAT, ["N", 3])],
+                         [NH.from_array(W1, "W1"), NH.from_array(b1, "b1"), ints("s0", [0]), ints("s1", [1]),
+                          ints("rest", [2, 5, 5]), NH.from_array(np.full((1, 1, 1, 1), block, np.float32), "z"),
+                          NH.from_array(W2, "W2"), NH.from_array(b2, "b2")])
+    ones = np.ones((2, 5, 5))
+    padded = np.pad(ones, ((0, 0), (1, 1), (1, 1)))
+    conv = np.array([[[np.sum(np.abs(W1[o]) * padded[:, i:i + 3, j:j + 3]) for j in range(5)] for i in range(5)]
+                     for o in range(4)]) + np.abs(b1)[:, None, None]
+    hidden = np.concatenate([conv, np.zeros((2, 5, 5))]).ravel()
+    return _save(tmp_path, graph), float(np.sum(np.abs(W2) @ hidden + np.abs(b2)))
+
+
+def test_constant_zeros_concatenated_to_an_activation_are_no_elements_and_written_back(tmp_path):
+    """Concat(conv, zeros) was refused: "the op computes new values instead of moving elements"."""
+    src, l1 = _appended_channels(0.0, tmp_path)
+    cm = pathir.compile(src)
+    assert cm.path_norm(1) == pytest.approx(l1, rel=1e-6)
+    x = np.random.default_rng(1).normal(size=(4, 2, 5, 5)).astype(np.float32)
+    ref = ort.InferenceSession(src, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(np.asarray(cm.forward(x)), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    cm.pathcond()
+    cm.save(str(tmp_path / "pc.onnx"))
+    out = ort.InferenceSession(str(tmp_path / "pc.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_a_non_zero_constant_concatenated_to_an_activation_is_refused_as_a_fixed_value(tmp_path):
+    src, _ = _appended_channels(0.5, tmp_path)
+    with pytest.raises(PathirError, match="constant that is not 0"):
+        pathir.compile(src)
+
+
+def test_where_over_a_bool_initializer_compiles_without_a_torch_warning(tmp_path):
+    """torch.from_numpy on the read-only array of an ONNX initializer warned on every compile."""
+    import warnings
+
+    rng = np.random.default_rng(0)
+    nodes = [H.make_node("Conv", ["x", "W1"], ["c"], pads=[1, 1, 1, 1]), H.make_node("Where", ["cd", "c", "z"], ["k"]),
+             H.make_node("Relu", ["k"], ["y"])]
+    graph = H.make_graph(nodes, "g", [H.make_tensor_value_info("x", TP.FLOAT, ["N", 2, 4, 4])],
+                         [H.make_tensor_value_info("y", TP.FLOAT, ["N", 4, 4, 4])],
+                         [NH.from_array(rng.normal(size=(4, 2, 3, 3)).astype(np.float32), "W1"),
+                          NH.from_array(rng.random((4, 4, 4)) < 0.5, "cd"), NH.from_array(np.float32(0), "z")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pathir.compile(_save(tmp_path, graph))

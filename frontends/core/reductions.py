@@ -84,7 +84,7 @@ def elementwise_max(low, values) -> Value:
 def _const_mask(mask):
     m = mask.tensor if isinstance(mask, ParamTensor) else mask
     if isinstance(m, np.ndarray):
-        m = torch.from_numpy(m)
+        m = torch.from_numpy(np.array(m))  # (a copy: an ONNX initializer's array is read-only)
     return m if isinstance(m, torch.Tensor) and m.dtype == torch.bool else None
 
 
@@ -93,7 +93,7 @@ def _is_zero_const(c) -> bool:
     if isinstance(t, (int, float)) and not isinstance(t, bool):
         return t == 0
     if isinstance(t, np.ndarray):
-        t = torch.from_numpy(t)
+        return bool((t == 0).all())
     return isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and bool((t == 0).all())
 
 

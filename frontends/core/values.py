@@ -173,11 +173,13 @@ def run_index_op(fn, shapes: list[tuple[int, ...]]):
         if not isinstance(r, torch.Tensor) or r.dtype != torch.int64 or r.dim() == 0 or r.shape[0] != BATCH:
             raise ValueError("the op does not keep the batch axis first")
         flat = r.reshape(BATCH, -1).numpy()
-        which = np.searchsorted(offsets, flat, side="right") - 1
-        local = flat - offsets[which]
-        batch, elem = local // sizes_arr[which], local % sizes_arr[which]
-        same = np.all(which[0] == which[1]) and np.all(elem[0] == elem[1])
-        if not (np.all(batch == np.arange(BATCH)[:, None]) and same):
+        absent = flat < 0  # an id of -1: no element (a block of zeros the op placed beside the activations)
+        which = np.where(absent, -1, np.searchsorted(offsets, flat, side="right") - 1)
+        at = np.maximum(which, 0)
+        local = np.where(absent, 0, flat - offsets[at])
+        batch, elem = local // sizes_arr[at], local % sizes_arr[at]
+        same = np.all(which[0] == which[1]) and np.all(np.where(absent[0], True, elem[0] == elem[1]))
+        if not (np.all(absent | (batch == np.arange(BATCH)[:, None])) and same):
             raise ValueError("the op mixes the samples of a batch")
         per_input = [np.where(which[0] == i, elem[0], -1) for i in range(len(shapes))]
         decoded.append((tuple(r.shape[1:]), per_input))

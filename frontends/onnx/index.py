@@ -38,7 +38,14 @@ class Displaced:
 
 
 def concat(low, node, ins):
-    """Along the channels at channel granularity when it can, else on element ids."""
+    """Along the channels at channel granularity when it can, else on element ids; a block of constant zeros
+    beside an activation is no element there (as Pad's zeros), any other constant a fixed value: refused."""
+    if any(isinstance(v, (Value, Displaced)) for v in ins):
+        for v in ins:
+            if isinstance(v, np.ndarray) and np.any(v != 0):
+                low.unsupported("concatenates a constant that is not 0 with an activation: a fixed value per position "
+                                "(a bias no rescaling can follow)")
+        ins = [np.zeros(v.shape, dtype=np.int64) if isinstance(v, np.ndarray) else v for v in ins]
     if all(isinstance(v, Value) for v in ins):
         rank = len(ins[0].shape) + 1
         if attrs(node)["axis"] % rank == 1:

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from pathir.frontends.core.values import ParamTensor, Value, leaves, substitute
+from pathir.frontends.core.values import BATCH, ParamTensor, Value, leaves, substitute
 
 __all__ = ["moves", "roll", "method_moves", "cat", "getattr_", "size", "dim", "unflatten", "unflatten_module",
            "flatten_module", "channel_shuffle_module", "index_with", "transposed_param", "scatter", "index_put", "fill", "zero", "copy"]
@@ -148,7 +148,26 @@ def cat(low, tensors, dim=0, *, axis=None, out=None):
         v = low.cat_channels(list(tensors))
         if v is not None:
             return v
+    if any(isinstance(t, Value) for t in tensors):  # a block of zeros beside activations: no element there
+        tensors = [_absent(low, t) if _zeros(t) else t for t in tensors]
     return _index(low, torch.cat, (tensors, dim), {})
+
+
+def _zeros(t) -> bool:
+    """A constant all-zero float tensor made in the forward or held as a buffer (not a parameter, whose
+    value training moves)."""
+    t = t.tensor if isinstance(t, ParamTensor) else t
+    return isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and t.is_floating_point() \
+        and t.dim() > 0 and not bool(t.any())
+
+
+def _absent(low, t) -> torch.Tensor:
+    """The id tensor of a block of zeros: -1 (no element) everywhere, batch first as the activations' ids."""
+    shape = tuple((t.tensor if isinstance(t, ParamTensor) else t).shape)
+    if shape[0] != BATCH:
+        low.unsupported(f"concatenates a constant block of batch size {shape[0]} to activations of batch {BATCH}: "
+                        "it fixes the batch size, and pathir's graph is per sample (make it with x.shape[0])")
+    return torch.full(shape, -1, dtype=torch.int64)
 
 
 def getattr_(low, obj, attr):
