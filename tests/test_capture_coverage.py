@@ -256,3 +256,82 @@ def test_a_block_of_zeros_of_a_fixed_batch_size_is_refused_by_that_reason():
 
     with pytest.raises(SelfCheckFailed, match="batch"):
         pathir.compile(FixedBatch().double(), input_shape=(2, 6, 6))
+
+
+@pytest.mark.parametrize("make", [lambda n: torch.full((n, 3, 6, 6), -1, dtype=torch.long),
+                                  lambda n: torch.ones(n, 3, 6, 6, dtype=torch.float64)], ids=["int_minus_one", "ones"])
+def test_a_constant_other_than_float_zeros_concatenated_to_activations_is_refused(make):
+    """An int -1 block read as "no element" (the id of a zero block) was a silent wrong answer once the layer after
+    it weighed those positions (the review caught it in the first version of zero blocks)."""
+    class Const(ZeroPaddedShortcut):
+        def forward(self, x):
+            body = self.b(torch.relu(self.a(x)))
+            return self.o(torch.relu(body + torch.cat((x, make(x.shape[0])), 1)).flatten(1))
+
+    with pytest.raises(UnsupportedOperation, match="constant"):
+        pathir.compile(Const().double(), input_shape=(2, 6, 6))
+
+
+def test_stacking_along_the_batch_axis_is_refused_naming_it():
+    """FractalNet joins its columns with torch.stack(cols, dim=0).mean(0): refused as "the op mixes the samples of a
+    batch", which it does not (the batch moves to axis 1)."""
+    class Joined(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 5), nn.Linear(4, 5), nn.Linear(5, 2)
+
+        def forward(self, x):
+            return self.c(torch.relu(torch.stack([self.a(x), self.b(x)], dim=0).mean(dim=0)))
+
+    with pytest.raises(UnsupportedOperation, match="moves the batch axis to axis 1"):
+        pathir.compile(Joined().double(), input_shape=(4,))
+
+
+class SamePool(nn.Module):
+    """TF-"same" max-pooling as timm's MaxPool2dSame writes it: -inf padding, then the pool (``relu`` off: the
+    padding must stay unselected below values that may be negative)."""
+
+    def __init__(self, k=3, s=2, pads=(0, 1, 0, 1), relu=True, ceil=False, size=8):
+        super().__init__()
+        self.k, self.s, self.pads, self.relu, self.ceil = k, s, pads, relu, ceil
+        self.c = nn.Conv2d(2, 3, 3)
+        with torch.no_grad():
+            n = self._features(torch.zeros(1, 2, size, size)).numel()
+        self.o = nn.Linear(n, 2)
+
+    def _features(self, x):
+        h = self.c(x)
+        h = torch.relu(h) if self.relu else h
+        return F.max_pool2d(F.pad(h, self.pads, value=float("-inf")), self.k, self.s, ceil_mode=self.ceil)
+
+    def forward(self, x):
+        return self.o(torch.relu(self._features(x)).flatten(1))
+
+
+@pytest.mark.parametrize("kw", [{}, {"relu": False, "pads": (1, 1, 0, 1), "ceil": True}, {"k": 5, "s": 1, "pads": (2, 2, 2, 2)},
+                                {"k": 2, "s": 2, "pads": (0, 1, 0, 1), "size": 7}], ids=["same", "no_relu_ceil", "k5", "k2"])
+def test_minus_inf_padding_before_a_max_pool_is_the_pools_padding(kw):
+    """timm's NASNet / PNASNet pool so; was refused as "padding with the constant -inf: a fixed non-zero bias"."""
+    torch.manual_seed(0)
+    model = SamePool(**kw).double()
+    shape = (2, kw.get("size", 8), kw.get("size", 8))
+    cm = assert_forward(model, shape, batch=5)
+    if not model.ceil:  # the definition: the |θ|^q network on ones, the max-pool a sum over its in-bounds window
+        for q in (1, 2):
+            h = F.conv2d(torch.ones(1, *shape, dtype=torch.float64), model.c.weight.abs() ** q, model.c.bias.abs() ** q)
+            h = F.avg_pool2d(F.pad(h, model.pads), model.k, model.s, divisor_override=1)
+            want = float((h.flatten(1) @ (model.o.weight.abs() ** q).T + model.o.bias.abs() ** q).sum())
+            assert cm.path_norm(q) ** q == pytest.approx(want, rel=1e-12)
+    x = torch.randn(4, *shape, dtype=torch.float64)
+    before = eval_forward(model, x)
+    cm.pathcond()
+    assert torch.allclose(eval_forward(model, x), before, rtol=1e-10, atol=1e-12)
+
+
+def test_minus_inf_padding_read_by_anything_but_a_max_pool_is_refused():
+    class AvgAfter(SamePool):
+        def _features(self, x):
+            return F.avg_pool2d(F.pad(torch.relu(self.c(x)), self.pads, value=float("-inf")), 2)
+
+    with pytest.raises(UnsupportedOperation, match="padded with -inf"):
+        pathir.compile(AvgAfter().double(), input_shape=(2, 8, 8))

@@ -375,3 +375,15 @@ def test_functional_call_over_another_modules_tensors_reads_the_tensors_it_runs_
     x = torch.randn(5, 4, dtype=torch.float64)
     with torch.no_grad():
         assert torch.allclose(torch.as_tensor(cm.forward(x.numpy())), model(x), rtol=1e-12, atol=1e-12)
+
+
+def test_a_data_parallel_subclass_with_a_forward_of_its_own_is_read_by_that_forward():
+    """Unwrapped to its module, DataParallel(...)'s subclass lost its forward (x3 and a head of its own)."""
+    class Scaled(nn.DataParallel):
+        def forward(self, x):
+            return super().forward(x) * 3
+
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2)).double()
+    cm, bare = pathir.compile(Scaled(inner), input_shape=(4,)), pathir.compile(inner, input_shape=(4,))
+    assert cm.path_norm(1) == pytest.approx(3 * bare.path_norm(1), rel=1e-12)

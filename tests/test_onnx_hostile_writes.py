@@ -227,3 +227,25 @@ def test_where_over_a_bool_initializer_compiles_without_a_torch_warning(tmp_path
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pathir.compile(_save(tmp_path, graph))
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["legacy", "dynamo"])
+def test_an_exported_minus_inf_padding_before_a_max_pool_is_the_pools_padding(tmp_path, dynamo):
+    """Pad(value=-inf) then MaxPool (timm's MaxPool2dSame exported) was refused as a fixed non-zero pad value."""
+    import io
+
+    import torch
+    from test_capture_coverage import SamePool
+
+    torch.manual_seed(0)
+    model = SamePool().eval()
+    buf = io.BytesIO()
+    torch.onnx.export(model, (torch.randn(1, 2, 8, 8),), buf, input_names=["x"], dynamo=dynamo,
+                      **({} if dynamo else {"dynamic_axes": {"x": {0: "N"}}}))
+    proto = onnx.load_from_string(buf.getvalue())
+    assert "Pad" in [n.op_type for n in proto.graph.node]
+    cm = pathir.compile(proto)
+    assert cm.path_norm(1) == pytest.approx(pathir.compile(model.double(), input_shape=(2, 8, 8)).path_norm(1), rel=1e-6)
+    x = np.random.default_rng(0).normal(size=(1, 2, 8, 8)).astype(np.float32)
+    ref = ort.InferenceSession(buf.getvalue(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(np.asarray(cm.forward(x)), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())

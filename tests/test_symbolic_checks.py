@@ -250,7 +250,8 @@ def test_conservation_laws_name_a_missing_or_misshapen_param_of_a_theta_dict():
     first = graph.params()[0].name
     with pytest.raises(ValueError, match=f"no entry for param.*{first}"):
         conservation_laws(graph, theta={k: v for k, v in full.items() if k != first})
-    wrong = np.size(full[first]) + 1
-    with pytest.raises(ValueError, match=f"theta\\['{first}'\\] has {wrong} entries"):
-        conservation_laws(graph, theta={**full, first: np.ones(wrong)})
+    for wrong in (np.ones(np.size(full[first]) + 1), full[first].T.copy() if full[first].ndim == 2 else full[first][None]):
+        if wrong.shape != full[first].shape:  # the right size in the wrong shape too (a transposed weight)
+            with pytest.raises(ValueError, match=f"theta\\['{first}'\\] has shape"):
+                conservation_laws(graph, theta={**full, first: wrong})
     assert conservation_laws(graph, theta=full) == conservation_laws(graph, theta=np.ones(graph.num_params()))

@@ -14,7 +14,9 @@ Invariants kept:
 - resampling (interpolate in every mode) and separable fixed filters become one
   ``Resample`` edge whose per-axis matrices are read off *torch's own op* on
   one-hot inputs along that axis, so the coefficients are torch's, bit for bit;
-- a non-zero pad value is refused: it is a fixed bias no parameter carries.
+- a non-zero pad value is refused: it is a fixed bias no parameter carries; but -inf padding
+  (TF-"same" max-pooling) is held apart (``NegInfPadded``) for the max-pool that reads it, whose own
+  padding it then is.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pathir.frontends.core.values import ParamTensor, Value
+from pathir.frontends.core.values import NegInfPadded, ParamTensor, Value
 from pathir.ir import FixedConv, Resample, SourceRef
 
-__all__ = ["pad", "interpolate", "adaptive_avg_pool", "fixed_conv", "fixed_linear", "fixed_left_matmul", "axis_matrices", "resampled"]
+__all__ = ["pad", "neg_inf_pad", "max_pool_padded", "interpolate", "adaptive_avg_pool", "fixed_conv", "fixed_linear", "fixed_left_matmul", "axis_matrices", "resampled"]
 
 _PAD_MODES = {"constant", "reflect", "replicate", "circular"}
 _INTERP_MODES = {"nearest", "nearest-exact", "linear", "bilinear", "trilinear", "bicubic", "area"}
@@ -49,6 +51,8 @@ def pad(low, v: Value, pads, mode: str = "constant", value=None) -> Value:
     v = low.value(v)
     if mode not in _PAD_MODES:
         low.unsupported(f"padding mode '{mode}'")
+    if mode == "constant" and isinstance(value, (int, float)) and value == -math.inf:
+        return neg_inf_pad(low, v, [int(p) for p in pads])
     if mode == "constant" and value not in (None, 0, 0.0):
         low.unsupported(f"padding with the constant {value}: a fixed non-zero bias no parameter carries")
     pads = [int(p) for p in pads]
@@ -64,6 +68,45 @@ def pad(low, v: Value, pads, mode: str = "constant", value=None) -> Value:
         low.unsupported(f"F.pad(mode='{mode}', pad={pads}) on shape {list(v.shape)}: {err}")
     index = out.reshape(-1).numpy().astype(np.int64) - 1
     return low.compose_selection([(low.selectable(v), index)], tuple(out.shape[1:]))
+
+
+def neg_inf_pad(low, v: Value, pads: list[int]) -> NegInfPadded:
+    """F.pad(v, pads, value=-inf) (``pads``: (before, after) pairs from the last axis back, torch's order), held
+    for the max-pool that reads it. Only the spatial axes, by non-negative amounts."""
+    n = _spatial_rank(low, v)
+    pairs = [(pads[2 * i], pads[2 * i + 1]) for i in range(len(pads) // 2)]  # last axis first
+    if any(a < 0 or b < 0 for a, b in pairs):
+        low.unsupported(f"padding with -inf by negative amounts {pads} (a crop)")
+    if any(a or b for a, b in pairs[n:]):
+        low.unsupported(f"padding the channel or batch axis with -inf ({pads}): only a max-pool's spatial padding "
+                        "is -inf")
+    spatial = [(0, 0)] * n
+    for i, pair in enumerate(pairs[:n]):
+        spatial[n - 1 - i] = pair
+    return NegInfPadded(v, tuple(spatial))
+
+
+def max_pool_padded(low, v: NegInfPadded, kernel, stride, padding, dilation, ceil_mode):
+    """A max-pool of an activation padded with -inf: one max-pool whose padding is the -inf padding plus its
+    own (neither is ever selected); its output length checked against torch's on the padded shape."""
+    from pathir.ir import Pool
+
+    base = low.value(v.value)
+    n = len(base.shape) - 1
+    src, pool = low._window(base, kernel, stride, padding, dilation, ceil_mode)
+    total = tuple((a + lo, b + hi) for (a, b), (lo, hi) in zip(pool.padding, v.pads))
+    merged = Pool(pool.kernel, pool.stride, total, pool.dilation, pool.ceil_mode)
+    dummy = torch.zeros(1, 1, *base.shape[1:], dtype=torch.float64)
+    flat = [x for lo, hi in reversed(v.pads) for x in (lo, hi)]
+    try:
+        ref = getattr(F, f"max_pool{n}d")(F.pad(dummy, flat, value=-math.inf), pool.kernel, pool.stride,
+                                          tuple(p[0] for p in pool.padding), pool.dilation, pool.ceil_mode)
+    except (RuntimeError, ValueError) as err:
+        low.unsupported(f"a max-pool of an activation padded with -inf that torch cannot run here ({err})")
+    if tuple(ref.shape[2:]) != tuple(merged.out_shape(low.b.shape(src))[1:]):
+        low.unsupported(f"a max-pool ({pool.describe()}) of an activation padded with -inf {list(v.pads)}: its "
+                        f"output length {list(ref.shape[2:])} is not that of one max-pool with both paddings")
+    return low.max_pool_of(src, merged)
 
 
 # ------------------------------------------------------------- resampling

@@ -20,10 +20,11 @@ import torch.nn.functional as F
 from pathir.backends.numpy import NumpyBackend  # counts the in-input entries of each window
 from pathir.errors import UnsupportedOperation
 from pathir.frontends.core.clipped import clipped_relu
-from pathir.frontends.core.fixed_maps import adaptive_avg_pool
+from pathir.frontends.core.fixed_maps import adaptive_avg_pool, max_pool_padded
 from pathir.frontends.core.pointwise_linear import linear_last_axis
 from pathir.frontends.core.values import (
     SELECTION,
+    NegInfPadded,
     ParamTensor,
     Value,
     described,
@@ -254,7 +255,13 @@ class Lowering:
         return self.materialize(v), pool
 
     def max_pool(self, v: Value, kernel, stride=None, padding=0, dilation=1, ceil_mode=False) -> Value:
+        if isinstance(v, NegInfPadded):  # TF-"same" pooling: the -inf padding is the pool's own
+            return max_pool_padded(self, v, kernel, stride, padding, dilation, ceil_mode)
         src, pool = self._window(self.value(v), kernel, stride, padding, dilation, ceil_mode)
+        return self.max_pool_of(src, pool)
+
+    def max_pool_of(self, src: str, pool: Pool) -> Value:
+        """The max-pool ``pool`` of node ``src``; a window holding only padding (-inf out) is refused."""
         in_shape = self.b.shape(src)
         if smallest_window(pool, in_shape) == 0 and 0 not in pool.out_shape(in_shape):
             self.unsupported(f"a max-pool window over {list(in_shape[1:])} holds only padding ({pool.describe()}): "

@@ -30,6 +30,9 @@ __all__ = ["described", "Value", "ParamTensor", "MaxIndices", "f64", "SELECTION"
 
 #: batch size of the element-id tensors (2 catches ops that mix samples)
 BATCH = 2
+#: the element id of "no element" in an index op's run (a block of zeros concatenated beside activations): a value no
+#: id takes and no constant the op could carry into its output holds by chance (any other constant is refused)
+ABSENT = np.iinfo(np.int64).min
 
 SELECTION = frozenset({MapKind.IDENTITY, MapKind.RESHAPE, MapKind.CHANNEL_MAP, MapKind.GATHER})
 
@@ -74,8 +77,22 @@ class MaxIndices:
     op: str
 
 
+@dataclass(frozen=True)
+class NegInfPadded:
+    """An activation padded with -inf along its spatial axes (``pads``: (before, after) per spatial axis), as
+    TF-"same" max-pooling writes it (timm's ``MaxPool2dSame``: ``F.pad(x, ..., value=-inf)`` then a max-pool). Only
+    a max-pool reading it directly may: there the padding is the pool's own, never selected; anything else that
+    reads it is refused (-inf would enter the computation)."""
+
+    value: Value
+    pads: tuple[tuple[int, int], ...]
+
+
 def described(v) -> str:
     """What a non-activation argument is, in the words of an error message."""
+    if isinstance(v, NegInfPadded):
+        return ("an activation padded with -inf, which only a max-pool reading it directly ignores (its padding); "
+                "pad with zeros, or pool right after the padding")
     if isinstance(v, ParamTensor):
         learnable = v.kind == "parameter" and getattr(v.tensor, "requires_grad", False)
         return f"the {'learnable parameter' if learnable else v.kind} '{v.name}'"
@@ -170,10 +187,17 @@ def run_index_op(fn, shapes: list[tuple[int, ...]]):
     sizes_arr = np.asarray(sizes)
     decoded = []
     for r in outs:
-        if not isinstance(r, torch.Tensor) or r.dtype != torch.int64 or r.dim() == 0 or r.shape[0] != BATCH:
+        if not isinstance(r, torch.Tensor) or r.dtype != torch.int64 or r.dim() == 0:
+            raise ValueError("the op does not keep the batch axis first")
+        moved = _batch_axis(r.numpy(), offsets, sizes_arr)
+        if moved:  # (stack or cat along dim 0, a transpose of axis 0): even where a later op would move it back
+            raise ValueError(f"the op moves the batch axis to axis {moved} (torch.stack(..., dim=0), a transpose of "
+                             "axis 0), and pathir's graph keeps it first, per sample, even where a later op would "
+                             "move it back; stack (or concatenate) along dim=1 instead, then reduce over dim 1")
+        if r.shape[0] != BATCH:
             raise ValueError("the op does not keep the batch axis first")
         flat = r.reshape(BATCH, -1).numpy()
-        absent = flat < 0  # an id of -1: no element (a block of zeros the op placed beside the activations)
+        absent = flat == ABSENT  # no element (a block of zeros the op placed beside the activations)
         which = np.where(absent, -1, np.searchsorted(offsets, flat, side="right") - 1)
         at = np.maximum(which, 0)
         local = np.where(absent, 0, flat - offsets[at])
@@ -184,6 +208,19 @@ def run_index_op(fn, shapes: list[tuple[int, ...]]):
         per_input = [np.where(which[0] == i, elem[0], -1) for i in range(len(shapes))]
         decoded.append((tuple(r.shape[1:]), per_input))
     return decoded, many
+
+
+def _batch_axis(r: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> int | None:
+    """The axis of the id tensor ``r`` along which the sample varies, every element an id of one activation and
+    the sample constant along every other axis; None where there is no such axis."""
+    if r.ndim < 2 or np.any((r < 0) | (r >= offsets[-1])):
+        return None
+    which = np.searchsorted(offsets, r, side="right") - 1
+    sample = (r - offsets[which]) // sizes[which]
+    for k in range(r.ndim):
+        if r.shape[k] == BATCH and np.all(sample == np.arange(BATCH).reshape([-1 if a == k else 1 for a in range(r.ndim)])):
+            return k
+    return None
 
 
 def leaves(args, kwargs) -> list:
@@ -206,9 +243,10 @@ def leaves(args, kwargs) -> list:
     return found
 
 
-def values_in(args, kwargs) -> list[Value]:
-    """The activations among the leaves of args and kwargs, in :func:`leaves` order."""
-    return [a for a in leaves(args, kwargs) if isinstance(a, Value)]
+def values_in(args, kwargs) -> list:
+    """The activations among the leaves of args and kwargs, in :func:`leaves` order (an activation padded
+    with -inf, :class:`NegInfPadded`, included: a call reading it is lowered, not run)."""
+    return [a for a in leaves(args, kwargs) if isinstance(a, (Value, NegInfPadded))]
 
 
 def substitute(obj, ids):

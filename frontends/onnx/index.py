@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from pathir.errors import UnsupportedOperation
-from pathir.frontends.core.values import Value
+from pathir.frontends.core.values import NegInfPadded, Value
+from pathir.frontends.onnx.batch_size import depends_on_batch
 from pathir.frontends.onnx.evaluate import IdTensor, run_on_ids
 from pathir.frontends.onnx.layers import attrs
 
@@ -45,6 +46,10 @@ def concat(low, node, ins):
             if isinstance(v, np.ndarray) and np.any(v != 0):
                 low.unsupported("concatenates a constant that is not 0 with an activation: a fixed value per position "
                                 "(a bias no rescaling can follow)")
+            if isinstance(v, np.ndarray) and not low.batch_fixed and not depends_on_batch(v):
+                low.unsupported(f"concatenates a block of zeros of fixed shape {list(v.shape)} with activations of a "
+                                "symbolic batch size: the model runs at that one batch size; make the block from the "
+                                "input's shape (Shape, then ConstantOfShape or Expand)")
         ins = [np.zeros(v.shape, dtype=np.int64) if isinstance(v, np.ndarray) else v for v in ins]
     if all(isinstance(v, Value) for v in ins):
         rank = len(ins[0].shape) + 1
@@ -63,10 +68,28 @@ def pad(low, node, ins):
                         "crop with a Slice (in torch: x[..., a:-b] rather than F.pad with negative sizes)")
     if a.get("mode", "constant") == "constant":
         value = ins[2] if len(ins) > 2 and ins[2] is not None else a.get("value", 0.0)
+        if np.size(value) == 1 and float(np.asarray(value).ravel()[0]) == -np.inf and isinstance(ins[0], Value):
+            return [_neg_inf_padded(low, ins[0], pads, ins[3] if len(ins) > 3 else None)]
         if np.any(np.asarray(value) != 0):
             low.unsupported("padding with a non-zero constant adds a fixed value (a bias per position)")
         ins = list(ins[:2]) + [np.zeros((), dtype=np.int64)] + list(ins[3:]) if len(ins) > 2 else ins
     return index(low, node, ins)
+
+
+def _neg_inf_padded(low, v: Value, pads, axes) -> NegInfPadded:
+    """Pad(v, pads, -inf) over the spatial axes only (TF-"same" max-pooling), held for the MaxPool that reads it."""
+    rank = len(v.shape) + 1
+    p = np.asarray(pads, dtype=np.int64).ravel()
+    axes = list(range(rank)) if axes is None else [int(x) % rank for x in np.asarray(axes).ravel()]
+    if p.size != 2 * len(axes):
+        low.fail(f"pads {p.tolist()} for {len(axes)} axes")
+    full = np.zeros(2 * rank, dtype=np.int64)
+    for i, ax in enumerate(axes):
+        full[ax], full[ax + rank] = p[i], p[i + len(axes)]
+    if np.any(full[[0, 1, rank, rank + 1]]) or np.any(full < 0):
+        low.unsupported(f"pads {p.tolist()} with -inf: only the spatial axes, by non-negative amounts, pad a "
+                        "max-pool's input with -inf")
+    return NegInfPadded(v, tuple((int(full[a]), int(full[a + rank])) for a in range(2, rank)))
 
 
 def scatter(low, node, ins):

@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from pathir.frontends.core.conv_transpose import conv_transpose as lower_conv_transpose
-from pathir.frontends.core.values import ParamTensor, Value
+from pathir.frontends.core.values import NegInfPadded, ParamTensor, Value
 from pathir.ir import Conv, Dense, Param, Pool, pool_output_size
 
 __all__ = ["gemm", "matmul", "conv", "conv_transpose", "batch_normalization", "max_pool", "global_max_pool",
@@ -228,11 +228,27 @@ def _window(low, node, v: Value):
 
 
 def max_pool(low, node, ins):
+    if isinstance(ins[0], NegInfPadded):
+        return [_max_pool_padded(low, node, ins[0]), None]
     v = low.act(node, 0)
     pool, _ = _window(low, node, v)
     src = low.materialize(v)
     name = low.b.maxpool(low.label, src, pool, origin=low.where)
     return [Value.of_node(name, low.b.shape(name)), None]
+
+
+def _max_pool_padded(low, node, padded: NegInfPadded) -> Value:
+    """MaxPool of Pad(v, -inf): one max-pool whose padding is both (neither is ever selected), where its output
+    lengths are those of the MaxPool on the padded shape (the padding's own geometry: auto_pad, ceil_mode)."""
+    v = padded.value
+    shape = (v.shape[0], *(L + lo + hi for L, (lo, hi) in zip(v.shape[1:], padded.pads)))
+    pool, _ = _window(low, node, Value(v.terms, shape, v.bias, v.origin))  # the pool as the padded tensor sees it
+    merged = Pool(pool.kernel, pool.stride, tuple((a + lo, b + hi) for (a, b), (lo, hi) in zip(pool.padding, padded.pads)),
+                  pool.dilation, pool.ceil_mode)
+    if merged.out_shape(v.shape) != pool.out_shape(shape):
+        low.unsupported(f"a MaxPool ({pool.describe()}) of an activation padded with -inf {list(padded.pads)}: its "
+                        f"output {list(pool.out_shape(shape)[1:])} is not that of one max-pool with both paddings")
+    return low.max_pool_of(low.materialize(v), merged)
 
 
 def global_max_pool(low, node, ins):

@@ -26,7 +26,7 @@ import numpy as np
 
 from pathir.errors import PathirError, UnsupportedOperation
 from pathir.frontends.core.lowering import Lowering
-from pathir.frontends.core.values import Value
+from pathir.frontends.core.values import NegInfPadded, Value, described
 from pathir.frontends.onnx.batch_size import SHAPE_OPERANDS, alternatives, batch_sized, depends_on_batch
 from pathir.frontends.onnx.evaluate import outer_names, run_node
 from pathir.frontends.onnx.index import READS_DISPLACED, Displaced, Sequence
@@ -125,7 +125,10 @@ class OnnxLowering(Lowering):
 
     def _lower(self, node) -> list:
         ins = [self._input(x) for x in node.input]
-        acts = [k for k, v in enumerate(ins) if isinstance(v, (Value, Sequence, Displaced))]
+        padded = next((v for v in ins if isinstance(v, NegInfPadded)), None)
+        if padded is not None and node.op_type != "MaxPool":  # -inf padding is only a max-pool's own
+            self.unsupported(f"reads {described(padded)}")
+        acts = [k for k, v in enumerate(ins) if isinstance(v, (Value, Sequence, Displaced, NegInfPadded))]
         if not acts:
             if node.op_type in QUANTIZED:  # folding a quantized weight would hide how onnxruntime runs it
                 self.unsupported(WHY[node.op_type])

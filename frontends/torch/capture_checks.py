@@ -198,8 +198,8 @@ def root_wrapped(model: nn.Module) -> tuple[nn.Module, str]:
     inner = getattr(model, "_orig_mod", None)
     if type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
         return inner, "_orig_mod."
-    if isinstance(model, nn.DataParallel):
-        return model.module, "module."
+    if isinstance(model, nn.DataParallel) and type(model).forward is nn.DataParallel.forward:  # (a subclass's own
+        return model.module, "module."  # forward is traced as any model's)
     return model, ""
 
 

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from pathir.frontends.core.values import BATCH, ParamTensor, Value, leaves, substitute
+from pathir.frontends.core.values import ABSENT, BATCH, ParamTensor, Value, described, leaves, substitute
 
 __all__ = ["moves", "roll", "method_moves", "cat", "getattr_", "size", "dim", "unflatten", "unflatten_module",
            "flatten_module", "channel_shuffle_module", "index_with", "transposed_param", "scatter", "index_put", "fill", "zero", "copy"]
@@ -149,6 +149,10 @@ def cat(low, tensors, dim=0, *, axis=None, out=None):
         if v is not None:
             return v
     if any(isinstance(t, Value) for t in tensors):  # a block of zeros beside activations: no element there
+        for t in tensors:
+            if not isinstance(t, Value) and not _zeros(t):
+                low.unsupported(f"concatenates {described(t)} with activations: a constant that is not a block of "
+                                "float zeros is a fixed value per position (a bias no rescaling can follow)")
         tensors = [_absent(low, t) if _zeros(t) else t for t in tensors]
     return _index(low, torch.cat, (tensors, dim), {})
 
@@ -162,12 +166,12 @@ def _zeros(t) -> bool:
 
 
 def _absent(low, t) -> torch.Tensor:
-    """The id tensor of a block of zeros: -1 (no element) everywhere, batch first as the activations' ids."""
+    """The id tensor of a block of zeros: ``ABSENT`` (no element) everywhere, batch first as the activations' ids."""
     shape = tuple((t.tensor if isinstance(t, ParamTensor) else t).shape)
     if shape[0] != BATCH:
         low.unsupported(f"concatenates a constant block of batch size {shape[0]} to activations of batch {BATCH}: "
                         "it fixes the batch size, and pathir's graph is per sample (make it with x.shape[0])")
-    return torch.full(shape, -1, dtype=torch.int64)
+    return torch.full(shape, ABSENT, dtype=torch.int64)
 
 
 def getattr_(low, obj, attr):

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from pathir.errors import PathirError
 from pathir.frontends.core.lowering import Lowering
-from pathir.frontends.core.values import MaxIndices, ParamTensor, Value, leaves, values_in
+from pathir.frontends.core.values import MaxIndices, NegInfPadded, ParamTensor, Value, described, leaves, values_in
 from pathir.frontends.torch.capture_checks import alias_plan, apply_inplace, check_modes, effect_fx, refuse_inplace
 from pathir.frontends.torch.indexing import transposed_param
 from pathir.frontends.torch.shared_memory import registered_names
@@ -68,11 +68,15 @@ class TorchLowering(Lowering):
 
 
 def invoke(low, rule, args, kwargs):
-    """``rule(low, *args, **kwargs)``; arguments its parameter list does not bind are refused."""
+    """``rule(low, *args, **kwargs)``; arguments its parameter list does not bind are refused, and so is an
+    activation padded with -inf anywhere but in a max-pool (a rule marked ``reads_neg_inf_padding``)."""
     try:
         inspect.signature(rule).bind(low, *args, **kwargs)
     except TypeError as err:
         low.unsupported(f"arguments pathir does not lower: {err}")
+    padded = next((a for a in leaves(args, kwargs) if isinstance(a, NegInfPadded)), None)
+    if padded is not None and not getattr(rule, "reads_neg_inf_padding", False):
+        low.unsupported(f"reads {described(padded)}")
     return rule(low, *args, **kwargs)
 
 

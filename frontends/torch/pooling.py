@@ -40,6 +40,10 @@ def max_pool_with_indices(low, input, kernel_size, stride=None, padding=0, dilat
     return low.max_pool(input, kernel_size, stride, padding, dilation, ceil_mode), MaxIndices("max-pool")
 
 
+for _rule in (max_pool, max_pool_module, max_pool_with_indices):
+    _rule.reads_neg_inf_padding = True  # TF-"same" pooling: F.pad(x, ..., value=-inf) then the pool
+
+
 def avg_pool(low, input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
              divisor_override=None):
     return low.avg_pool(input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)

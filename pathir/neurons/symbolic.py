@@ -398,12 +398,11 @@ def _theta(layout, theta) -> np.ndarray:
         if missing:
             raise ArgumentError(f"theta has no entry for param(s) {missing}: give every param of the graph "
                                 f"({[p.name for p in layout.params]}), or a flat vector")
-        parts = [np.asarray(theta[p.name], dtype=np.float64).reshape(-1) for p in layout.params]
+        parts = [np.asarray(theta[p.name], dtype=np.float64) for p in layout.params]
         for p, part in zip(layout.params, parts):
-            if part.size != np.size(p.value):
-                raise ArgumentError(f"theta['{p.name}'] has {part.size} entries, the param {np.size(p.value)} "
-                                    f"(shape {tuple(np.shape(p.value))})")
-        return np.concatenate(parts) if parts else np.zeros(0)
+            if part.shape != np.shape(p.value):
+                raise ArgumentError(f"theta['{p.name}'] has shape {part.shape}, the param {tuple(np.shape(p.value))}")
+        return np.concatenate([part.reshape(-1) for part in parts]) if parts else np.zeros(0)
     theta = np.asarray(theta, dtype=np.float64)
     if theta.shape != (len(layout),):
         raise ArgumentError(f"theta must be flat of length {len(layout)} (the graph's params in order), got {theta.shape}")

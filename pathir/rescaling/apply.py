@@ -27,10 +27,13 @@ __all__ = ["rescale_graph", "check_rescaling", "log_scales", "apply_log_scales",
 
 def _z(units, z) -> np.ndarray:
     try:
-        z = np.asarray(z, dtype=np.float64)
-    except (TypeError, ValueError) as err:
+        z = np.asarray(z)
+    except (TypeError, ValueError, RuntimeError) as err:  # (a torch tensor that requires grad: detach it)
         raise ArgumentError(f"z must be an array of log-scales, one per unit ({len(units)}); got "
                             f"{type(z).__name__} ({err})") from None
+    if z.dtype.kind not in "iuf":
+        raise ArgumentError(f"z must be real numbers (log-scales, one per unit); got an array of dtype {z.dtype}")
+    z = z.astype(np.float64)
     if z.shape != (len(units),):
         raise ArgumentError(f"z must have one entry per unit, shape ({len(units)},); got {z.shape}")
     if not np.all(np.isfinite(z)):
