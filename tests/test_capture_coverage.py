@@ -335,3 +335,48 @@ def test_minus_inf_padding_read_by_anything_but_a_max_pool_is_refused():
 
     with pytest.raises(UnsupportedOperation, match="padded with -inf"):
         pathir.compile(AvgAfter().double(), input_shape=(2, 8, 8))
+
+
+class UnrolledRNN(nn.Module):
+    """A ReLU RNN written as a loop from a zero state, h = relu(W x_t + U h) (``bias``: U's)."""
+
+    def __init__(self, bias=False, steps=4):
+        super().__init__()
+        self.steps, self.W, self.U, self.out = steps, nn.Linear(3, 4), nn.Linear(4, 4, bias=bias), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.zeros(x.shape[0], 4, dtype=x.dtype, device=x.device)
+        for t in range(self.steps):
+            h = torch.relu(self.W(x[:, t]) + self.U(h))
+        return self.out(h)
+
+
+def test_an_unrolled_relu_rnn_from_a_zero_state_is_exact_and_rescaled():
+    """U(zeros) was refused as "a parametrization" (it is 0, whatever U: a constant), and zeros + x as a fixed bias."""
+    torch.manual_seed(0)
+    model = UnrolledRNN().double()
+    cm = assert_forward(model, (4, 3), batch=5)
+    for q in (1.0, 2.0):
+        assert cm.path_norm(q) ** q == pytest.approx(path_norm_q(model, [(4, 3)], q), rel=1e-12)
+    x = torch.randn(3, 4, 3, dtype=torch.float64)
+    before = eval_forward(model, x)
+    cm.pathcond()
+    assert torch.allclose(eval_forward(model, x), before, rtol=1e-10, atol=1e-12)
+
+
+def test_a_layer_with_a_bias_applied_to_a_zero_state_is_refused_saying_what_to_write():
+    with pytest.raises(UnsupportedOperation, match="zero initial state"):
+        pathir.compile(UnrolledRNN(bias=True).double(), input_shape=(4, 3))
+
+
+def test_an_nn_rnn_is_refused_saying_how_to_unroll_it():
+    class Rnn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.r, self.o = nn.RNN(3, 4, nonlinearity="relu", batch_first=True), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.o(self.r(x)[0][:, -1])
+
+    with pytest.raises(UnsupportedOperation, match="unrolled"):
+        pathir.compile(Rnn().double(), input_shape=(4, 3))

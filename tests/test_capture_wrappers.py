@@ -128,8 +128,26 @@ def test_a_parametrized_weight_on_the_export_path_is_refused_saying_why(how):
     else:
         torch.nn.utils.parametrizations.weight_norm(net[2])
     net.register_forward_hook(lambda mod, i, o: o * 2)
-    with pytest.raises(pathir.UnsupportedOperation, match="computes a weight from the model's parameters"):
+    with pytest.raises(pathir.UnsupportedOperation, match="computes a tensor from the parameter.*parametrization"):
         pathir.compile(net, input_shape=(4,))
+
+
+def test_a_table_of_weights_indexed_in_the_forward_is_refused_naming_the_table():
+    """efficientvit's attention biases (self.biases[:, self.idx]) were refused as 'a parametrization'."""
+    class Table(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+            self.table = torch.nn.Parameter(torch.randn(5))
+            self.register_buffer("idx", torch.tensor([0, 2, 4]))
+
+        def forward(self, x):
+            return torch.relu(self.fc(x)) + self.table[self.idx]
+
+    model = Table()
+    model.register_forward_hook(lambda mod, i, o: o * 2)  # onto torch.export
+    with pytest.raises(pathir.UnsupportedOperation, match="'table'.*indexed in the forward"):
+        pathir.compile(model, input_shape=(4,))
 
 
 def test_a_forward_that_branches_on_activation_values_is_refused_in_pathirs_words():
@@ -387,3 +405,24 @@ def test_a_data_parallel_subclass_with_a_forward_of_its_own_is_read_by_that_forw
     inner = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2)).double()
     cm, bare = pathir.compile(Scaled(inner), input_shape=(4,)), pathir.compile(inner, input_shape=(4,))
     assert cm.path_norm(1) == pytest.approx(3 * bare.path_norm(1), rel=1e-12)
+
+
+def test_a_wrapper_in_train_mode_around_a_module_in_eval_mode_reads_the_eval_forward():
+    """DataParallel(m).train() with m.eval(): the forward runs m in eval, yet the heads forward (its aux head an
+    output) was lowered from the wrapper's flag: path-norm 5.73 for the 2.75 of the function run."""
+    class Aux(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.o, self.aux = nn.Linear(4, 5), nn.Linear(5, 2), nn.Linear(5, 2)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            return (self.o(h), self.aux(h)) if self.training else self.o(h)
+
+    torch.manual_seed(0)
+    inner = Aux().double().eval()
+    wrapped = nn.DataParallel(inner)
+    wrapped.training = True  # the wrapper's flag alone (train() would set the module's too)
+    cm = pathir.compile(wrapped, input_shape=(4,))
+    assert cm.graph.outputs == ("module.o",)
+    assert cm.path_norm(1) == pytest.approx(pathir.compile(inner, input_shape=(4,)).path_norm(1), rel=1e-12)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pathir.frontends.core.values import NegInfPadded, ParamTensor, Value
-from pathir.ir import FixedConv, Resample, SourceRef
+from pathir.ir import FixedConv, Pool, Resample, SourceRef
 
 __all__ = ["pad", "neg_inf_pad", "max_pool_padded", "interpolate", "adaptive_avg_pool", "fixed_conv", "fixed_linear", "fixed_left_matmul", "axis_matrices", "resampled"]
 
@@ -89,8 +89,6 @@ def neg_inf_pad(low, v: Value, pads: list[int]) -> NegInfPadded:
 def max_pool_padded(low, v: NegInfPadded, kernel, stride, padding, dilation, ceil_mode):
     """A max-pool of an activation padded with -inf: one max-pool whose padding is the -inf padding plus its
     own (neither is ever selected); its output length checked against torch's on the padded shape."""
-    from pathir.ir import Pool
-
     base = low.value(v.value)
     n = len(base.shape) - 1
     src, pool = low._window(base, kernel, stride, padding, dilation, ceil_mode)

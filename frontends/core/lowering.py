@@ -23,6 +23,7 @@ from pathir.frontends.core.clipped import clipped_relu
 from pathir.frontends.core.fixed_maps import adaptive_avg_pool, max_pool_padded
 from pathir.frontends.core.pointwise_linear import linear_last_axis
 from pathir.frontends.core.values import (
+    BATCH,
     SELECTION,
     NegInfPadded,
     ParamTensor,
@@ -340,6 +341,9 @@ class Lowering:
         nd = len(v.shape) + 1  # with the batch axis
         dims = [1] * (nd - t.dim()) + list(t.shape)
         learnable = isinstance(t, torch.nn.Parameter)
+        if not learnable and t.is_floating_point() and t.dim() <= nd and not bool(t.any()) and all(
+                d in (1, n) for d, n in zip(dims[1:], v.shape)) and dims[0] in (1, BATCH):
+            return v  # + a constant block of zeros (a layer without bias applied to an RNN's zero state): nothing
         if not learnable or not (len(dims) == nd and dims[0] == 1 and dims[1] == v.shape[0]
                                             and all(d == 1 for d in dims[2:])):
             what = (f"the parameter '{bias.name}' of shape {list(t.shape)}" if learnable

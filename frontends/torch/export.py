@@ -129,14 +129,45 @@ class _ExportInterpreter(FxInterpreter):
                                          **torch.utils._pytree.tree_map(_unwrap, kwargs)))
             tensors = [a for a in leaves(args, kwargs) if isinstance(a, (ParamTensor, torch.Tensor))]
             if rule_for(fn) is None or len(tensors) > 1:  # (a parameter times a mask buffer: pruning's weight)
+                unreached = _unreached(fn, args, kwargs)
+                if unreached is not None:  # no parameter reaches the result (a layer applied to zeros): a constant
+                    return self._constant(unreached)
+                named = ", ".join(f"'{p.name}'" for p in params if isinstance(p.tensor, torch.nn.Parameter))
                 self.low.unsupported(
-                    "computes a weight from the model's parameters inside the graph (a parametrization: weight_norm, "
-                    "spectral_norm, or pruning's weight_orig * weight_mask), which pathir reads only on the torch.fx "
-                    "path; torch.fx could not trace this model (a hook on the root module, a write through a view, "
-                    "data-dependent Python), so it was read from torch.export's graph", fn.__name__)
+                    f"computes a tensor from the parameter(s) {named} without any input ({fn.__name__}: a layer "
+                    "applied to a constant made in the forward, such as an RNN's zero initial state through a layer "
+                    "with a bias (start from the first step instead), a table of weights indexed in the forward, or a "
+                    "parametrization: weight_norm, spectral_norm, pruning's weight_orig * weight_mask); a weight "
+                    "pathir reads is a tensor a layer holds, and parametrizations "
+                    "are read only on the torch.fx path, which could not trace this model (a hook on the root module, "
+                    "a write through a view, data-dependent Python), so it was read from torch.export's graph",
+                    fn.__name__)
             return self._call(fn, fn.__name__, args, kwargs)  # a lifted constant's copy, or refused by its rule
         return super()._function(fn, args, kwargs)
 
 
 def _unwrap(a):
     return a.tensor if isinstance(a, ParamTensor) else a
+
+
+def _unreached(fn, args, kwargs):
+    """``fn``'s value on args that hold parameters, where no parameter reaches it: the same, bit for bit, with
+    every parameter replaced by random values (a polynomial in them that is not constant differs there with
+    probability 1), as ``linear(zeros, W)``; else None."""
+    def value(swap):
+        def leaf(a):
+            if isinstance(a, ParamTensor):
+                t = a.tensor.detach()
+                return swap(t) if isinstance(a.tensor, torch.nn.Parameter) else t
+            return a
+        return fn(*torch.utils._pytree.tree_map(leaf, args), **torch.utils._pytree.tree_map(leaf, kwargs))
+
+    gen = torch.Generator().manual_seed(0)
+    try:
+        with torch.no_grad():
+            here = value(lambda t: t)
+            there = value(lambda t: torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype))
+    except Exception:  # noqa: BLE001 - whatever the op raises on such arguments: not a constant we can read
+        return None
+    same = isinstance(here, torch.Tensor) and isinstance(there, torch.Tensor) and torch.equal(here, there)
+    return here if same else None

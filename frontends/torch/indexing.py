@@ -14,6 +14,7 @@ import math
 import torch
 
 from pathir.frontends.core.values import ABSENT, BATCH, ParamTensor, Value, described, leaves, substitute
+from pathir.frontends.torch.inputs import model_dtype_device
 
 __all__ = ["moves", "roll", "method_moves", "cat", "getattr_", "size", "dim", "unflatten", "unflatten_module",
            "flatten_module", "channel_shuffle_module", "index_with", "transposed_param", "scatter", "index_put", "fill", "zero", "copy"]
@@ -182,6 +183,8 @@ def getattr_(low, obj, attr):
             return obj.size()
         if attr == "ndim":
             return len(obj.shape) + 1
+        if attr in ("dtype", "device") and hasattr(low, "model"):  # the model's (one dtype and device throughout:
+            return model_dtype_device(low.model)[0 if attr == "dtype" else 1]  # the self-check refuses another)
         low.unsupported(f"reads attribute '{attr}' of an activation", "getattr")
     return getattr(obj, attr)
 

@@ -63,7 +63,7 @@ def lower(model: nn.Module, input_shape=None, example_input=None, heads: bool | 
             torch_inputs.explain(model, shapes, err)
             raise
     train_only, train, why_not = train_only_modules(model, graph, shapes), [], ""
-    if train_only and (model.training if heads is None else heads):
+    if train_only and (_innermost(model).training if heads is None else heads):
         try:
             train = head_modes(train_only)
             with torch_inputs.eval_forward(model, train), capture_checks.fresh_hook_tensors(stale), \
@@ -79,6 +79,13 @@ def lower(model: nn.Module, input_shape=None, example_input=None, heads: bool | 
     reread = None if low is None else Reread.of(model, graph, low.recipes, low.read, low.direct_reads)
     writer = TorchWriter(model, train_only=train_only, clips=clips, train_paths=train, why_not=why_not)
     return Lowered(graph, writer, n_params, name, reread)
+
+
+def _innermost(model: nn.Module) -> nn.Module:
+    """The module whose forward runs under the root wrappers (``torch.compile``, ``nn.DataParallel``): its
+    training flag, not a wrapper's, is the mode the model runs in."""
+    inner, _ = capture_checks.root_wrapped(model)
+    return model if inner is model else _innermost(inner)
 
 
 def _lower_graph(model, shapes, name):

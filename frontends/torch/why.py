@@ -36,6 +36,12 @@ WHY = {
             "positively homogeneous (f(λx) ≠ λ·f(x) for λ > 0: the cut at t and the value v do not scale with x); "
             "threshold(x, 0, 0) is a ReLU and is lowered")
        for op in ("Threshold", "threshold", "_threshold")},
+    **{op: ("a recurrent module is not lowered; with nonlinearity='relu' it is a ReLU network once unrolled over "
+            "its time steps: write the loop by hand (h = torch.relu(W(x[:, t]) + U(h)) for a fixed number of steps) "
+            "to analyse it") for op in ("RNN", "RNNCell", "rnn_relu", "rnn_relu_cell")},
+    **{op: "gates by sigmoid and tanh: not positively homogeneous"
+       for op in ("LSTM", "GRU", "LSTMCell", "GRUCell", "lstm", "gru", "rnn_tanh", "rnn_tanh_cell", "lstm_cell",
+                  "gru_cell")},
     "Softmax": "softmax inside the graph is not positively homogeneous",
     "LogSoftmax": "log-softmax is not positively homogeneous",
     "LayerNorm": "normalizes by input-dependent statistics",
