@@ -416,3 +416,17 @@ def test_after_a_write_the_compiled_answers_for_the_file_as_written(clipped, tmp
         step = np.abs(w).max() / (2 ** 15 - 1)
         noise = np.sum((w - np.round(w / step) * step) ** 2)
         assert row.sqnr_after == pytest.approx(10 * np.log10(np.sum(w ** 2) / noise), abs=1e-9)
+
+
+def test_a_zero_rescaling_leaves_every_initializer_bit_for_bit():
+    """var <- (var + eps)·1 - eps moved a running variance by 1 ulp where z = 0 (the torch writer alike)."""
+    from test_write_back_probe import _KeptNorm
+
+    torch.manual_seed(0)
+    proto = export(_KeptNorm().eval(), (2, 8, 8), "legacy-nofold")
+    cm = pathir.compile(proto)
+    cm.commit_rescaling(np.zeros(len(cm.units)))
+    before = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    after = {t.name: numpy_helper.to_array(t) for t in cm.to_onnx().graph.initializer}
+    assert before.keys() <= after.keys() and all(np.array_equal(before[k], after[k]) for k in before)  # (a shared
+    # initializer the exporter deduplicated is split by the write, its copy the same values)

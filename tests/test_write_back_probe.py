@@ -396,3 +396,26 @@ def test_a_user_pass_that_changes_the_function_is_named_by_the_self_check_and_th
     renamed = pathir.compile(res, input_shape=(3,)).apply(
         lambda g: g.replace_nodes([dataclasses.replace(n, origin="elsewhere") for n in g.nodes]))
     assert renamed.transformed_by == ()  # descriptions only: written as before
+
+
+class _KeptNorm(nn.Module):
+    """A batch-norm after a ReLU (kept, its running statistics moved by a rescaling), its variance 1 ulp from
+    where (v + eps) - eps rounds: the old write moved it though z = 0 (dpn68: six tensors, "rescaled" by nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c, self.b, self.o = nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3, eps=1e-3), nn.Linear(3 * 36, 2)
+        with torch.no_grad():
+            self.b.running_var.copy_(torch.tensor([0.9997221827507019, 0.999999999, 0.7]))
+
+    def forward(self, x):
+        return self.o(torch.relu(self.b(torch.relu(self.c(x)))).flatten(1))
+
+
+def test_a_zero_rescaling_leaves_every_tensor_bit_for_bit():
+    torch.manual_seed(0)
+    net = _KeptNorm().double().eval()
+    state = copy.deepcopy(net.state_dict())
+    cm = pathir.compile(net, input_shape=(2, 8, 8))
+    cm.commit_rescaling(np.zeros(len(cm.units)))
+    assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())

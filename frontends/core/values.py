@@ -189,13 +189,8 @@ def run_index_op(fn, shapes: list[tuple[int, ...]]):
     for r in outs:
         if not isinstance(r, torch.Tensor) or r.dtype != torch.int64 or r.dim() == 0:
             raise ValueError("the op does not keep the batch axis first")
-        moved = _batch_axis(r.numpy(), offsets, sizes_arr)
-        if moved:  # (stack or cat along dim 0, a transpose of axis 0): even where a later op would move it back
-            raise ValueError(f"the op moves the batch axis to axis {moved} (torch.stack(..., dim=0), a transpose of "
-                             "axis 0), and pathir's graph keeps it first, per sample, even where a later op would "
-                             "move it back; stack (or concatenate) along dim=1 instead, then reduce over dim 1")
         if r.shape[0] != BATCH:
-            raise ValueError("the op does not keep the batch axis first")
+            raise ValueError(_off_the_front(r, offsets, sizes_arr, "the op does not keep the batch axis first"))
         flat = r.reshape(BATCH, -1).numpy()
         absent = flat == ABSENT  # no element (a block of zeros the op placed beside the activations)
         which = np.where(absent, -1, np.searchsorted(offsets, flat, side="right") - 1)
@@ -204,10 +199,21 @@ def run_index_op(fn, shapes: list[tuple[int, ...]]):
         batch, elem = local // sizes_arr[at], local % sizes_arr[at]
         same = np.all(which[0] == which[1]) and np.all(np.where(absent[0], True, elem[0] == elem[1]))
         if not (np.all(absent | (batch == np.arange(BATCH)[:, None])) and same):
-            raise ValueError("the op mixes the samples of a batch")
+            raise ValueError(_off_the_front(r, offsets, sizes_arr, "the op mixes the samples of a batch"))
         per_input = [np.where(which[0] == i, elem[0], -1) for i in range(len(shapes))]
         decoded.append((tuple(r.shape[1:]), per_input))
     return decoded, many
+
+
+def _off_the_front(r: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray, otherwise: str) -> str:
+    """Why an index op's output is refused: the batch moved to another axis (stack or cat along dim 0, a transpose
+    of axis 0), even where a later op would move it back; else ``otherwise``."""
+    moved = _batch_axis(r.numpy(), offsets, sizes)
+    if not moved:
+        return otherwise
+    return (f"the op moves the batch axis to axis {moved} (torch.stack(..., dim=0), a transpose of axis 0), and "
+            "pathir's graph keeps it first, per sample, even where a later op would move it back; stack (or "
+            "concatenate) along dim=1 instead, then reduce over dim 1")
 
 
 def _batch_axis(r: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> int | None:
