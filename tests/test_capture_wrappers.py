@@ -426,3 +426,34 @@ def test_a_wrapper_in_train_mode_around_a_module_in_eval_mode_reads_the_eval_for
     cm = pathir.compile(wrapped, input_shape=(4,))
     assert cm.graph.outputs == ("module.o",)
     assert cm.path_norm(1) == pytest.approx(pathir.compile(inner, input_shape=(4,)).path_norm(1), rel=1e-12)
+
+
+@pytest.mark.parametrize("outer_train", [True, False], ids=["train_around_eval", "eval_around_train"])
+def test_mixed_train_flags_lower_the_forward_as_the_flags_stand(outer_train):
+    """An Outer(nn.Module) in train mode around an eval-mode model with an aux head: the heads forward was lowered
+    from the root's flag (path-norm 5.49 for the 2.10 of the function run); the other way round the head was
+    missing from the graph."""
+    class Aux(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.aux = nn.Linear(4, 5), nn.Linear(5, 2), nn.Linear(5, 2)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            return (self.b(h), self.aux(h)) if self.training else self.b(h)
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Aux()
+
+        def forward(self, x):
+            return self.inner(x)
+
+    torch.manual_seed(0)
+    model = Outer().double()
+    model.training, model.inner.training = outer_train, not outer_train
+    cm = pathir.compile(model, input_shape=(4,))
+    runs = model(torch.zeros(1, 4, dtype=torch.float64))
+    assert len(cm.graph.outputs) == (1 if isinstance(runs, torch.Tensor) else len(runs))
+    assert (model.training, model.inner.training) == (outer_train, not outer_train)

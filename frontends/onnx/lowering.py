@@ -189,6 +189,9 @@ class OnnxLowering(Lowering):
             v = self.env.get(o.name)
             if isinstance(v, Displaced):
                 v.refuse(f"the graph output '{o.name}'")
+            if isinstance(v, NegInfPadded):
+                self.fx_name, self.op, self.at = o.name, "output", f"graph output of '{self.src.name}'"
+                self.unsupported(f"the graph returns {described(v)}")
             if not isinstance(v, Value):
                 raise PathirError(
                     f"output '{o.name}' of '{self.src.name}' does not depend on the input (a constant or a shape "

@@ -20,7 +20,11 @@ from pathir.frontends.torch.inputs import model_dtype_device
 from pathir.frontends.torch.interpreter import FxInterpreter
 from pathir.frontends.torch.table import rule_for
 
-__all__ = ["lower_exported"]
+__all__ = ["FX_FAILED", "lower_exported"]
+
+
+#: why torch.fx may fail, in a refusal of the torch.export path; the caller puts fx's own error in its place
+FX_FAILED = "(a hook on the root module, a write through a view, data-dependent Python)"
 
 
 def lower_exported(model, shapes, name, clips: dict | None = None, made: list | None = None):
@@ -139,9 +143,8 @@ class _ExportInterpreter(FxInterpreter):
                     "with a bias (start from the first step instead), a table of weights indexed in the forward, or a "
                     "parametrization: weight_norm, spectral_norm, pruning's weight_orig * weight_mask); a weight "
                     "pathir reads is a tensor a layer holds, and parametrizations "
-                    "are read only on the torch.fx path, which could not trace this model (a hook on the root module, "
-                    "a write through a view, data-dependent Python), so it was read from torch.export's graph",
-                    fn.__name__)
+                    f"are read only on the torch.fx path, which could not trace this model {FX_FAILED}, so it was "
+                    "read from torch.export's graph", fn.__name__)
             return self._call(fn, fn.__name__, args, kwargs)  # a lifted constant's copy, or refused by its rule
         return super()._function(fn, args, kwargs)
 
@@ -156,16 +159,16 @@ def _unreached(fn, args, kwargs):
     probability 1), as ``linear(zeros, W)``; else None."""
     def value(swap):
         def leaf(a):
-            if isinstance(a, ParamTensor):
+            if isinstance(a, ParamTensor):  # (copies: an in-place op would write the model's own tensor)
                 t = a.tensor.detach()
-                return swap(t) if isinstance(a.tensor, torch.nn.Parameter) else t
-            return a
+                return swap(t) if isinstance(a.tensor, torch.nn.Parameter) else t.clone()
+            return a.clone() if isinstance(a, torch.Tensor) else a
         return fn(*torch.utils._pytree.tree_map(leaf, args), **torch.utils._pytree.tree_map(leaf, kwargs))
 
     gen = torch.Generator().manual_seed(0)
     try:
         with torch.no_grad():
-            here = value(lambda t: t)
+            here = value(lambda t: t.clone())
             there = value(lambda t: torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype))
     except Exception:  # noqa: BLE001 - whatever the op raises on such arguments: not a constant we can read
         return None

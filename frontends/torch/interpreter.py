@@ -175,7 +175,8 @@ class FxInterpreter:
             if isinstance(v, MaxIndices):
                 self.low.unsupported(f"the model returns the indices of a {v.op}: data-dependent, no fixed map", "output")
             if not isinstance(v, Value):
-                self.low.unsupported(f"the model returns {type(v).__name__}, expected tensors", "output")
+                what = described(v) if isinstance(v, NegInfPadded) else f"{type(v).__name__}, expected tensors"
+                self.low.unsupported(f"the model returns {what}", "output")
             node_name = self.low.materialize(v, v.origin or "output")
             if self.low.b.kind(node_name) is NodeKind.INPUT:
                 self.low.unsupported("the model returns its input unchanged", "output")

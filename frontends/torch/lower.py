@@ -26,10 +26,10 @@ from pathir.errors import PathirError, UnsupportedOperation
 from pathir.frontends.core.lowered import Lowered
 from pathir.frontends.torch import capture_checks
 from pathir.frontends.torch import inputs as torch_inputs
-from pathir.frontends.torch.export import lower_exported
+from pathir.frontends.torch.export import FX_FAILED, lower_exported
 from pathir.frontends.torch.interpreter import FxInterpreter
 from pathir.frontends.torch.reread import Reread
-from pathir.frontends.torch.train_branches import head_modes, train_only_modules
+from pathir.frontends.torch.train_branches import head_modes, runs_heads, train_only_modules
 from pathir.frontends.torch.writer import TorchWriter
 
 __all__ = ["lower", "trace"]
@@ -47,8 +47,9 @@ def trace(model: nn.Module, n_inputs: int | None = None) -> torch.fx.Graph:
 def lower(model: nn.Module, input_shape=None, example_input=None, heads: bool | None = None) -> Lowered:
     """Lower ``model`` to a raw Graph (batch-norms not yet folded). A model whose train-mode forward
     runs heads its eval forward does not (aux classifiers) is lowered in its heads forward, every
-    head an output, when ``heads`` (None: when the model is in train mode); otherwise, or when the
-    heads forward cannot be lowered (warned), the eval graph's write-back is refused naming them."""
+    head an output, when ``heads`` (None: when its forward, each module's flag as it stands, uses a
+    head); otherwise, or when the heads forward cannot be lowered (warned), the eval graph's
+    write-back is refused naming them."""
     if not isinstance(model, nn.Module):
         raise PathirError(f"expected a torch.nn.Module, got {type(model).__name__}")
     shapes = torch_inputs.input_shapes(input_shape, example_input)
@@ -63,7 +64,7 @@ def lower(model: nn.Module, input_shape=None, example_input=None, heads: bool | 
             torch_inputs.explain(model, shapes, err)
             raise
     train_only, train, why_not = train_only_modules(model, graph, shapes), [], ""
-    if train_only and (_innermost(model).training if heads is None else heads):
+    if train_only and (_runs_heads(model, train_only, shapes) if heads is None else heads):
         try:
             train = head_modes(train_only)
             with torch_inputs.eval_forward(model, train), capture_checks.fresh_hook_tensors(stale), \
@@ -79,6 +80,13 @@ def lower(model: nn.Module, input_shape=None, example_input=None, heads: bool | 
     reread = None if low is None else Reread.of(model, graph, low.recipes, low.read, low.direct_reads)
     writer = TorchWriter(model, train_only=train_only, clips=clips, train_paths=train, why_not=why_not)
     return Lowered(graph, writer, n_params, name, reread)
+
+
+def _runs_heads(model: nn.Module, train_only: list[str], shapes) -> bool:
+    """Whether the forward as the flags stand runs the train-only heads (a root in train mode around a module in
+    eval mode does not); where no trace can tell, the train flag of the module under the root wrappers."""
+    runs = runs_heads(model, train_only, shapes)
+    return _innermost(model).training if runs is None else runs
 
 
 def _innermost(model: nn.Module) -> nn.Module:
@@ -115,7 +123,10 @@ def _lower_exported(model, shape, name, fx_error, clips):
     try:
         program_made = []
         return lower_exported(model, shape, name, clips, made=program_made)
-    except UnsupportedOperation:
+    except UnsupportedOperation as err:
+        if FX_FAILED in err.why:  # say why fx failed, not what it may fail on
+            raise UnsupportedOperation(err.node, err.op, err.where, err.why.replace(
+                FX_FAILED, f"({type(fx_error).__name__}: {str(fx_error).strip().splitlines()[0][:200]})")) from None
         raise
     except Exception as err:
         if type(err).__name__ == "GuardOnDataDependentSymNode":  # (torch.fx.experimental.symbolic_shapes)

@@ -29,7 +29,7 @@ from pathir.frontends.torch.capture_checks import trace
 from pathir.frontends.torch.inputs import model_dtype_device
 from pathir.ir import Graph
 
-__all__ = ["train_only_modules", "head_modes"]
+__all__ = ["runs_heads", "train_only_modules", "head_modes"]
 
 
 def _reached_paths(graph: Graph) -> set[str]:
@@ -110,13 +110,23 @@ def _called_in_train_mode(model: nn.Module, unreached: set[str], shapes=None) ->
             or any(p.startswith(t + ".") for t in train_only)}
 
 
-def _live_modules(model: nn.Module, training: bool, shapes=None) -> set[str] | None:
-    """The module paths whose output the forward in that mode uses: by an fx trace, or where fx cannot
-    trace it (a write through a view, ``c[:, 1] = 0``) and ``shapes`` is given, by torch.export's
-    functionalized graph; None if neither can."""
+def runs_heads(model: nn.Module, train_only: list[str], shapes=None) -> bool | None:
+    """Whether the forward as the model's flags stand (each module's own, mixed or not) uses any of the
+    ``train_only`` modules' outputs; None where no trace can tell."""
+    live = _live_modules(model, None, shapes)
+    if live is None:
+        return None
+    return any(p in live or any(t.startswith(p + ".") for t in live) for p in train_only)
+
+
+def _live_modules(model: nn.Module, training: bool | None, shapes=None) -> set[str] | None:
+    """The module paths whose output the forward in that mode uses (None: every module's flag as it is): by an
+    fx trace, or where fx cannot trace it (a write through a view, ``c[:, 1] = 0``) and ``shapes`` is given, by
+    torch.export's functionalized graph; None if neither can."""
     flags = [(m, m.training) for m in model.modules()]
     try:
-        model.train(training)
+        if training is not None:
+            model.train(training)
         try:
             graph = trace(model)
         except Exception:
