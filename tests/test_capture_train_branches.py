@@ -138,3 +138,56 @@ class _nothing:
 
     def __exit__(self, *a):
         return False
+
+
+class GatedAux(nn.Module):
+    """An aux head gated by an argument pathir does not feed (``forward(x, skip_aux=None)``), as a model written to
+    switch its aux head off at call sites does."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.aux = nn.Linear(4, 5), nn.Linear(5, 2), nn.Linear(5, 2)
+
+    def forward(self, x, skip_aux=None):
+        h = torch.relu(self.a(x))
+        if self.training and skip_aux is None:
+            return self.b(h), self.aux(h)
+        return self.b(h)
+
+
+def test_an_aux_head_gated_by_a_default_argument_is_found_and_kept():
+    """The train-branch traces made the argument a Proxy (the aux branch unseen): in train mode the write moved the
+    aux output by 0.067; compiled in eval mode it was not refused."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = GatedAux().double().train()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    before = [t.detach().clone() for t in model(x)]
+    cm = pathir.compile(model, input_shape=(4,))
+    assert cm.graph.outputs == ("b", "aux")
+    cm.commit_rescaling(np.random.default_rng(0).normal(size=len(cm.units)))
+    assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(model(x), before))
+    with pytest.raises(PathirError, match="aux"):
+        pathir.compile(GatedAux().double().eval(), input_shape=(4,)).pathcond()
+
+
+@pytest.mark.parametrize("outer_train", [True, False])
+def test_the_train_mode_batch_norm_warning_follows_the_batch_norms_own_flags(outer_train):
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 2))
+
+        def forward(self, x):
+            return self.m(x)
+
+    model = Outer().double()
+    model.training, model.m[1].training = outer_train, not outer_train
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        pathir.compile(model, input_shape=(4,))
+    warned = any("batch-norms with their running" in str(w.message) for w in seen)
+    assert warned == (not outer_train)  # the batch-norm in train mode, whatever the root's flag

@@ -419,3 +419,19 @@ def test_a_zero_rescaling_leaves_every_tensor_bit_for_bit():
     cm = pathir.compile(net, input_shape=(2, 8, 8))
     cm.commit_rescaling(np.zeros(len(cm.units)))
     assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())
+
+
+def test_a_deep_rescaling_keeps_a_kept_batch_norm_to_float64_precision():
+    """var + (λ² − 1)(var + eps), an intermediate version, lost float64 digits as λ fell (z = −18: the output 2e-9
+    off, z = −22 a false refusal); λ²(var + eps) − eps keeps them (and λ = 1 leaves var as it was)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2)).double().eval()
+    with torch.no_grad():
+        net[1].running_var.uniform_(0.5, 1.5)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    with torch.no_grad():
+        before = net(x)
+    cm = pathir.compile(net, input_shape=(4,))
+    cm.commit_rescaling(np.full(len(cm.units), -18.0))
+    with torch.no_grad():
+        assert float((net(x) - before).abs().max() / before.abs().max()) < 1e-12

@@ -185,7 +185,7 @@ class OnnxWriter:
             if b.kind == "bn_mean":
                 return lam * old
             if b.kind == "bn_var":
-                new = old + (lam**2 - 1.0) * (old + b.eps)  # (exactly old where lam = 1: no ulp moved)
+                new = np.where(lam == 1.0, old, lam**2 * (old + b.eps) - b.eps)  # (λ = 1: old, no ulp moved)
                 check_variance(f"whose running variance is '{name}'", b.eps, new, new.astype(np.asarray(b.value).dtype), "nothing was changed")
                 return new
             raise PathirError(f"source tensor '{name}' has role in_stats but is no batch-norm running statistic")

@@ -101,8 +101,14 @@ def check_model(model: nn.Module) -> None:
 
 
 def warn_train_batchnorm(model: nn.Module) -> None:
-    if model.training and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-        warnings.warn(f"{type(model).__name__} is in train mode: pathir analyses its batch-norms with their "
+    """Warn where a batch-norm of the model is in train mode (its own flag, whatever the root's): pathir reads it
+    on its running statistics, as in eval mode."""
+    training = [path for path, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                and m.training]
+    if training:
+        where = "" if len(training) == len([m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]) \
+            else f" ({len(training)} of its batch-norms, e.g. '{training[0]}')"
+        warnings.warn(f"{type(model).__name__} is in train mode{where}: pathir analyses its batch-norms with their "
                       "running (inference statistics), as in eval mode; call model.eval() to silence this",
                       UserWarning, stacklevel=5)  # warn <- lower <- compile <- keeps_model <- caller
 

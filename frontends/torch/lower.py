@@ -124,9 +124,10 @@ def _lower_exported(model, shape, name, fx_error, clips):
         program_made = []
         return lower_exported(model, shape, name, clips, made=program_made)
     except UnsupportedOperation as err:
-        if FX_FAILED in err.why:  # say why fx failed, not what it may fail on
+        said = str(fx_error).strip().splitlines()
+        if FX_FAILED in err.why and said and "Proxy" not in said[0]:  # say why fx failed (unless in its internals)
             raise UnsupportedOperation(err.node, err.op, err.where, err.why.replace(
-                FX_FAILED, f"({type(fx_error).__name__}: {str(fx_error).strip().splitlines()[0][:200]})")) from None
+                FX_FAILED, f"({type(fx_error).__name__}: {said[0][:200]})")) from None
         raise
     except Exception as err:
         if type(err).__name__ == "GuardOnDataDependentSymNode":  # (torch.fx.experimental.symbolic_shapes)

@@ -127,8 +127,8 @@ def _live_modules(model: nn.Module, training: bool | None, shapes=None) -> set[s
     try:
         if training is not None:
             model.train(training)
-        try:
-            graph = trace(model)
+        try:  # (the forward's arguments after its inputs traced as their defaults, as the model runs)
+            graph = trace(model, None if shapes is None else _n_inputs(shapes))
         except Exception:
             return None if shapes is None else _live_exported(model, shapes)
         return {str(n.target) for n in _live(graph) if n.op in ("call_module", "get_attr")}
@@ -137,6 +137,11 @@ def _live_modules(model: nn.Module, training: bool | None, shapes=None) -> set[s
     finally:
         for m, flag in flags:
             m.training = flag
+
+
+def _n_inputs(shapes) -> int:
+    """How many inputs ``shapes`` gives (one shape, or a list of them)."""
+    return 1 if shapes and not isinstance(shapes[0], (tuple, list)) else len(shapes)
 
 
 def _live_exported(model: nn.Module, shapes) -> set[str]:

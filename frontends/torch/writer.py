@@ -355,7 +355,7 @@ class TorchWriter:
                 return lam * old
             if attr == "running_var":
                 eps = float(getattr(module, "eps"))
-                return old + (lam**2 - 1.0) * (old + eps)  # (exactly old where lam = 1: no ulp moved)
+                return np.where(lam == 1.0, old, lam**2 * (old + eps) - eps)  # (λ = 1: old, no ulp moved)
             raise PathirError(f"source tensor '{name}' has role in_stats but is neither running_mean nor running_var")
         for f in sides.values():  # ``old`` is this call's own float64 copy: scaled in place
             old *= fit(f)
