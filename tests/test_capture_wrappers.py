@@ -407,20 +407,23 @@ def test_a_data_parallel_subclass_with_a_forward_of_its_own_is_read_by_that_forw
     assert cm.path_norm(1) == pytest.approx(3 * bare.path_norm(1), rel=1e-12)
 
 
+class _TrainHead(nn.Module):
+    """An aux head its forward returns in train mode only."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.o, self.aux = nn.Linear(4, 5), nn.Linear(5, 2), nn.Linear(5, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return (self.o(h), self.aux(h)) if self.training else self.o(h)
+
+
 def test_a_wrapper_in_train_mode_around_a_module_in_eval_mode_reads_the_eval_forward():
     """DataParallel(m).train() with m.eval(): the forward runs m in eval, yet the heads forward (its aux head an
     output) was lowered from the wrapper's flag: path-norm 5.73 for the 2.75 of the function run."""
-    class Aux(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.o, self.aux = nn.Linear(4, 5), nn.Linear(5, 2), nn.Linear(5, 2)
-
-        def forward(self, x):
-            h = torch.relu(self.a(x))
-            return (self.o(h), self.aux(h)) if self.training else self.o(h)
-
     torch.manual_seed(0)
-    inner = Aux().double().eval()
+    inner = _TrainHead().double().eval()
     wrapped = nn.DataParallel(inner)
     wrapped.training = True  # the wrapper's flag alone (train() would set the module's too)
     cm = pathir.compile(wrapped, input_shape=(4,))
@@ -433,19 +436,10 @@ def test_mixed_train_flags_lower_the_forward_as_the_flags_stand(outer_train):
     """An Outer(nn.Module) in train mode around an eval-mode model with an aux head: the heads forward was lowered
     from the root's flag (path-norm 5.49 for the 2.10 of the function run); the other way round the head was
     missing from the graph."""
-    class Aux(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b, self.aux = nn.Linear(4, 5), nn.Linear(5, 2), nn.Linear(5, 2)
-
-        def forward(self, x):
-            h = torch.relu(self.a(x))
-            return (self.b(h), self.aux(h)) if self.training else self.b(h)
-
     class Outer(nn.Module):
         def __init__(self):
             super().__init__()
-            self.inner = Aux()
+            self.inner = _TrainHead()
 
         def forward(self, x):
             return self.inner(x)
