@@ -425,13 +425,16 @@ def test_a_deep_rescaling_keeps_a_kept_batch_norm_to_float64_precision():
     """var + (λ² − 1)(var + eps), an intermediate version, lost float64 digits as λ fell (z = −18: the output 2e-9
     off, z = −22 a false refusal); λ²(var + eps) − eps keeps them (and λ = 1 leaves var as it was)."""
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2)).double().eval()
+    net = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.BatchNorm1d(6), nn.Linear(6, 3), nn.ReLU(),
+                        nn.Linear(3, 2)).double().eval()  # (the batch-norm after the ReLU: kept, its statistics moved)
     with torch.no_grad():
-        net[1].running_var.uniform_(0.5, 1.5)
+        net[2].running_var.uniform_(0.5, 1.5)
+    var = net[2].running_var.clone()
     x = torch.randn(5, 4, dtype=torch.float64)
     with torch.no_grad():
         before = net(x)
     cm = pathir.compile(net, input_shape=(4,))
     cm.commit_rescaling(np.full(len(cm.units), -18.0))
+    assert not torch.equal(net[2].running_var, var)  # the formula is exercised
     with torch.no_grad():
         assert float((net(x) - before).abs().max() / before.abs().max()) < 1e-12

@@ -103,13 +103,14 @@ def check_model(model: nn.Module) -> None:
 def warn_train_batchnorm(model: nn.Module) -> None:
     """Warn where a batch-norm of the model is in train mode (its own flag, whatever the root's): pathir reads it
     on its running statistics, as in eval mode."""
-    training = [path for path, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-                and m.training]
+    norms = [(path, m) for path, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    training = [path for path, m in norms if m.training]
     if training:
-        where = "" if len(training) == len([m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]) \
-            else f" ({len(training)} of its batch-norms, e.g. '{training[0]}')"
-        warnings.warn(f"{type(model).__name__} is in train mode{where}: pathir analyses its batch-norms with their "
-                      "running (inference statistics), as in eval mode; call model.eval() to silence this",
+        name = type(model).__name__
+        head = f"{name} is in train mode" if model.training and len(training) == len(norms) else \
+            f"{len(training)} of {name}'s {len(norms)} batch-norms are in train mode (e.g. '{training[0]}')"
+        warnings.warn(f"{head}: pathir analyses its batch-norms with their running (inference statistics), as in "
+                      "eval mode; call model.eval() to silence this",
                       UserWarning, stacklevel=5)  # warn <- lower <- compile <- keeps_model <- caller
 
 
