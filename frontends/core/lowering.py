@@ -34,6 +34,7 @@ from pathir.frontends.core.values import (
     run_index_op,
     selection_index,
     selection_map,
+    zero_constant,
 )
 from pathir.ir import (
     ChannelMap,
@@ -341,7 +342,7 @@ class Lowering:
         nd = len(v.shape) + 1  # with the batch axis
         dims = [1] * (nd - t.dim()) + list(t.shape)
         learnable = isinstance(t, torch.nn.Parameter)
-        if not learnable and t.is_floating_point() and t.dim() <= nd and not bool(t.any()) and all(
+        if t.is_floating_point() and t.dim() <= nd and zero_constant(bias) and all(
                 d in (1, n) for d, n in zip(dims[1:], v.shape)) and dims[0] in (1, BATCH):
             return v  # + a constant block of zeros (a layer without bias applied to an RNN's zero state): nothing
         if not learnable or not (len(dims) == nd and dims[0] == 1 and dims[1] == v.shape[0]

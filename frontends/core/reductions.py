@@ -18,10 +18,9 @@ import math
 
 import numpy as np
 import torch
-import torch.nn as nn
 
 from pathir.frontends.core.fixed_factors import fixed_scale
-from pathir.frontends.core.values import ParamTensor, Value
+from pathir.frontends.core.values import ParamTensor, Value, zero_constant
 from pathir.ir import Pool
 
 __all__ = ["reduce", "all_spatial", "elementwise_max", "where"]
@@ -88,15 +87,6 @@ def _const_mask(mask):
     return m if isinstance(m, torch.Tensor) and m.dtype == torch.bool else None
 
 
-def _is_zero_const(c) -> bool:
-    t = c.tensor if isinstance(c, ParamTensor) else c
-    if isinstance(t, (int, float)) and not isinstance(t, bool):
-        return t == 0
-    if isinstance(t, np.ndarray):
-        return bool((t == 0).all())
-    return isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and bool((t == 0).all())
-
-
 def where(low, cond, a, b):
     """``where(cond, a, b)`` with a constant bool ``cond``: a·[cond] + b·[¬cond], each branch an
     activation (a fixed 0 / 1 factor per element) or the constant 0 (no edge)."""
@@ -111,7 +101,7 @@ def where(low, cond, a, b):
         if isinstance(branch, Value):
             if np.any(factor):
                 terms.append(fixed_scale(low, branch, factor))
-        elif not _is_zero_const(branch):
+        elif not zero_constant(branch):
             low.unsupported("selects a non-zero constant where the mask says so: a fixed non-zero bias breaks the "
                             "rescaling symmetry")
     if not terms:

@@ -26,7 +26,7 @@ import torch
 from pathir.ir import ChannelMap, Gather, Identity, Map, MapKind, Param, Reshape
 
 __all__ = ["described", "Value", "ParamTensor", "MaxIndices", "f64", "SELECTION", "selection_index", "selection_map", "run_index_op", "BATCH",
-           "leaves", "values_in", "substitute"]
+           "leaves", "values_in", "substitute", "zero_constant"]
 
 #: batch size of the element-id tensors (2 catches ops that mix samples)
 BATCH = 2
@@ -86,6 +86,17 @@ class NegInfPadded:
 
     value: Value
     pads: tuple[tuple[int, int], ...]
+
+
+def zero_constant(c) -> bool:
+    """Whether ``c`` is a constant (a number, an array, a tensor made in the forward or a buffer; never an
+    ``nn.Parameter``, whose value training moves) whose every entry is 0."""
+    t = c.tensor if isinstance(c, ParamTensor) else c
+    if isinstance(t, (int, float)) and not isinstance(t, bool):
+        return t == 0
+    if isinstance(t, np.ndarray):
+        return bool((t == 0).all())
+    return isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and not bool(t.any())
 
 
 def described(v) -> str:

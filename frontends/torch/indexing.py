@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from pathir.frontends.core.values import ABSENT, BATCH, ParamTensor, Value, described, leaves, substitute
+from pathir.frontends.core.values import ABSENT, BATCH, ParamTensor, Value, described, leaves, substitute, zero_constant
 from pathir.frontends.torch.inputs import model_dtype_device
 
 __all__ = ["moves", "roll", "method_moves", "cat", "getattr_", "size", "dim", "unflatten", "unflatten_module",
@@ -161,9 +161,8 @@ def cat(low, tensors, dim=0, *, axis=None, out=None):
 def _zeros(t) -> bool:
     """A constant all-zero float tensor made in the forward or held as a buffer (not a parameter, whose
     value training moves)."""
-    t = t.tensor if isinstance(t, ParamTensor) else t
-    return isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and t.is_floating_point() \
-        and t.dim() > 0 and not bool(t.any())
+    tensor = t.tensor if isinstance(t, ParamTensor) else t
+    return isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.dim() > 0 and zero_constant(t)
 
 
 def _absent(low, t) -> torch.Tensor:
