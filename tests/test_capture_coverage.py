@@ -380,3 +380,18 @@ def test_an_nn_rnn_is_refused_saying_how_to_unroll_it():
 
     with pytest.raises(UnsupportedOperation, match="unrolled"):
         pathir.compile(Rnn().double(), input_shape=(4, 3))
+
+
+def test_zeros_first_in_a_widened_shortcut_read_as_zeros_last():
+    """torch.cat((zeros, x), 1): export's constant came first and cat read its rank off it (a raw AttributeError)."""
+    class ZerosFirst(ZeroPaddedShortcut):
+        def forward(self, x):
+            body = self.b(torch.relu(self.a(x)))
+            pad = torch.zeros(x.shape[0], 3, x.shape[2], x.shape[3], dtype=x.dtype)
+            return self.o(torch.relu(body + torch.cat((pad, x), 1)).flatten(1))
+
+    torch.manual_seed(0)
+    model = ZerosFirst().double()
+    cm = assert_forward(model, (2, 6, 6), batch=5)
+    for q in (1.0, 2.0):
+        assert cm.path_norm(q) ** q == pytest.approx(path_norm_q(model, [(2, 6, 6)], q), rel=1e-10)

@@ -249,3 +249,21 @@ def test_an_exported_minus_inf_padding_before_a_max_pool_is_the_pools_padding(tm
     x = np.random.default_rng(0).normal(size=(1, 2, 8, 8)).astype(np.float32)
     ref = ort.InferenceSession(buf.getvalue(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_allclose(np.asarray(cm.forward(x)), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["legacy", "dynamo"])
+def test_an_exported_relu_rnn_from_a_zero_state_reads_as_the_torch_model(tmp_path, dynamo):
+    """U @ zeros(N, H) folds to zeros whose shape follows the batch: refused as "computed from the batch size"."""
+    import io
+
+    import torch
+    from test_capture_coverage import UnrolledRNN
+
+    torch.manual_seed(0)
+    model = UnrolledRNN().eval()
+    buf = io.BytesIO()
+    torch.onnx.export(model, (torch.randn(2, 4, 3),), buf, input_names=["x"], dynamo=dynamo,
+                      **({} if dynamo else {"dynamic_axes": {"x": {0: "N"}}}))
+    cm, ref = pathir.compile(onnx.load_from_string(buf.getvalue())), pathir.compile(model.double(), input_shape=(4, 3))
+    for q in (1, 2):
+        assert cm.path_norm(q) == pytest.approx(ref.path_norm(q), rel=1e-6)

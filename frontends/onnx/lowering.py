@@ -159,6 +159,9 @@ class OnnxLowering(Lowering):
                 self.unsupported(f"'{node.input[k]}' has its batch on axis 1; "
                                  "only Gemm, MatMul, Relu and Add read that layout")
         rule = RULES.get(op) if op else None
+        kept = _plus_zeros(op, ins, self.batch_fixed)
+        if kept is not None:  # x + a block of zeros made from the batch size (U(zeros) in an unrolled RNN): x
+            return [kept]
         if op not in SHAPE_OPERANDS:
             for k, v in enumerate(ins):
                 if depends_on_batch(v):
@@ -332,3 +335,19 @@ def _same_key(a, b) -> bool:
         elif x != y:
             return False
     return True
+
+
+def _plus_zeros(op, ins, batch_fixed: bool):
+    """The activation of ``x + z`` (Add, either order) or ``x - z`` (Sub) where z is a block of zeros at every
+    batch size (made from the batch size, its value and its alternative both 0; or of the file's fixed batch) that
+    does not widen x; else None."""
+    if op not in ("Add", "Sub") or len(ins) != 2:
+        return None
+    for k in ((0, 1) if op == "Add" else (1,)):
+        z, x = ins[k], ins[1 - k]
+        if not (isinstance(x, Value) and isinstance(z, np.ndarray) and z.ndim == len(x.shape) + 1 and not np.any(z)):
+            continue
+        zero_everywhere = z.alt is not None and not np.any(z.alt) if depends_on_batch(z) else batch_fixed
+        if zero_everywhere and all(d in (1, n) for d, n in zip(z.shape[1:], x.shape)):
+            return x
+    return None

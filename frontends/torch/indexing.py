@@ -145,7 +145,8 @@ def cat(low, tensors, dim=0, *, axis=None, out=None):
     if out is not None:
         low.unsupported("cat with out=")
     dim = dim if axis is None else axis
-    if dim in (1, -len(tensors[0].shape) - 1) and all(isinstance(t, Value) for t in tensors):
+    rank = next((len(t.shape) + 1 for t in tensors if isinstance(t, Value)), None)
+    if rank is not None and dim in (1, -rank) and all(isinstance(t, Value) for t in tensors):
         v = low.cat_channels(list(tensors))
         if v is not None:
             return v
