@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pathir.frontends.core.values import NegInfPadded, ParamTensor, Value
-from pathir.ir import FixedConv, Pool, Resample, SourceRef
+from pathir.ir import FixedConv, Resample, SourceRef
 
 __all__ = ["pad", "neg_inf_pad", "max_pool_padded", "interpolate", "adaptive_avg_pool", "fixed_conv", "fixed_linear", "fixed_left_matmul", "axis_matrices", "resampled"]
 
@@ -92,8 +92,7 @@ def max_pool_padded(low, v: NegInfPadded, kernel, stride, padding, dilation, cei
     base = low.value(v.value)
     n = len(base.shape) - 1
     src, pool = low._window(base, kernel, stride, padding, dilation, ceil_mode)
-    total = tuple((a + lo, b + hi) for (a, b), (lo, hi) in zip(pool.padding, v.pads))
-    merged = Pool(pool.kernel, pool.stride, total, pool.dilation, pool.ceil_mode)
+    merged = v.pool(pool)
     dummy = torch.zeros(1, 1, *base.shape[1:], dtype=torch.float64)
     flat = [x for lo, hi in reversed(v.pads) for x in (lo, hi)]
     try:

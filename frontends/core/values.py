@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pathir.ir import ChannelMap, Gather, Identity, Map, MapKind, Param, Reshape
+from pathir.ir import ChannelMap, Gather, Identity, Map, MapKind, Param, Pool, Reshape
 
 __all__ = ["described", "Value", "ParamTensor", "MaxIndices", "f64", "SELECTION", "selection_index", "selection_map", "run_index_op", "BATCH",
            "leaves", "values_in", "substitute", "zero_constant"]
@@ -86,6 +86,12 @@ class NegInfPadded:
 
     value: Value
     pads: tuple[tuple[int, int], ...]
+
+    def pool(self, pool):
+        """The max-pool ``pool`` (over the padded tensor) as one max-pool of ``value``: its padding and this one's
+        added (neither is ever selected)."""
+        padding = tuple((a + lo, b + hi) for (a, b), (lo, hi) in zip(pool.padding, self.pads))
+        return Pool(pool.kernel, pool.stride, padding, pool.dilation, pool.ceil_mode)
 
 
 def zero_constant(c) -> bool:

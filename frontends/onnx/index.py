@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from pathir.errors import UnsupportedOperation
-from pathir.frontends.core.values import NegInfPadded, Value
+from pathir.frontends.core.values import NegInfPadded, Value, zero_constant
 from pathir.frontends.onnx.batch_size import depends_on_batch
 from pathir.frontends.onnx.evaluate import IdTensor, run_on_ids
 from pathir.frontends.onnx.layers import attrs
@@ -43,7 +43,7 @@ def concat(low, node, ins):
     beside an activation is no element there (as Pad's zeros), any other constant a fixed value: refused."""
     if any(isinstance(v, (Value, Displaced)) for v in ins):
         for v in ins:
-            if isinstance(v, np.ndarray) and np.any(v != 0):
+            if isinstance(v, np.ndarray) and not zero_constant(v):
                 low.unsupported("concatenates a constant that is not 0 with an activation: a fixed value per position "
                                 "(a bias no rescaling can follow)")
             if isinstance(v, np.ndarray) and not low.batch_fixed and not depends_on_batch(v):

@@ -243,8 +243,7 @@ def _max_pool_padded(low, node, padded: NegInfPadded) -> Value:
     v = padded.value
     shape = (v.shape[0], *(L + lo + hi for L, (lo, hi) in zip(v.shape[1:], padded.pads)))
     pool, _ = _window(low, node, Value(v.terms, shape, v.bias, v.origin))  # the pool as the padded tensor sees it
-    merged = Pool(pool.kernel, pool.stride, tuple((a + lo, b + hi) for (a, b), (lo, hi) in zip(pool.padding, padded.pads)),
-                  pool.dilation, pool.ceil_mode)
+    merged = padded.pool(pool)
     if merged.out_shape(v.shape) != pool.out_shape(shape):
         low.unsupported(f"a MaxPool ({pool.describe()}) of an activation padded with -inf {list(padded.pads)}: its "
                         f"output {list(pool.out_shape(shape)[1:])} is not that of one max-pool with both paddings")

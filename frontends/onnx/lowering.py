@@ -26,7 +26,7 @@ import numpy as np
 
 from pathir.errors import PathirError, UnsupportedOperation
 from pathir.frontends.core.lowering import Lowering
-from pathir.frontends.core.values import NegInfPadded, Value, described
+from pathir.frontends.core.values import NegInfPadded, Value, described, zero_constant
 from pathir.frontends.onnx.batch_size import SHAPE_OPERANDS, alternatives, batch_sized, depends_on_batch
 from pathir.frontends.onnx.evaluate import outer_names, run_node
 from pathir.frontends.onnx.index import READS_DISPLACED, Displaced, Sequence
@@ -345,7 +345,7 @@ def _plus_zeros(op, ins, batch_fixed: bool):
         return None
     for k in ((0, 1) if op == "Add" else (1,)):
         z, x = ins[k], ins[1 - k]
-        if not (isinstance(x, Value) and isinstance(z, np.ndarray) and z.ndim == len(x.shape) + 1 and not np.any(z)):
+        if not (isinstance(x, Value) and isinstance(z, np.ndarray) and z.ndim == len(x.shape) + 1 and zero_constant(z)):
             continue
         zero_everywhere = z.alt is not None and not np.any(z.alt) if depends_on_batch(z) else batch_fixed
         if zero_everywhere and all(d in (1, n) for d, n in zip(z.shape[1:], x.shape)):
