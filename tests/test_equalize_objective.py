@@ -182,3 +182,45 @@ def test_cutting_planes_reach_the_whole_linear_programs_optimum(graph, seed, mar
     assert objective.value(cut) == pytest.approx(objective.value(whole), abs=1e-7)
     assert np.all(cut >= lo - 1e-9) and np.all(cut <= hi + 1e-9)
     assert cutting_plane_range_optimum(objective, z0, lo, hi, margin=margin, max_cells=0) is None
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 14), st.sampled_from([1.0, 2.0]), st.sampled_from([1.0, -1.0]))
+def test_low_rank_grids_equal_the_definition(seed, rank, p, sign):
+    """Grids whose exponential is a sum of ``rank`` positive outer products, one of them spread over many
+    decades (as the noise objective's diag-G masses are: mass after a unit times mass before one), are factored (certified cell by cell) and their smoothed
+    values and marginals equal the definition's to rounding at every z, far from 0 included; a grid of
+    independent entries beside them is not factored and is summed as before; any other sharpness is
+    summed cell by cell."""
+    from pathir.equalization.low_rank import EPS, factor_grid
+
+    rng = np.random.default_rng(seed)
+    H = 150
+    logs, rows, cols = [], [], []
+    for shape in ((40, 60), (64, 32), (50, 50)):
+        scale_r, scale_c = rng.normal(scale=8, size=shape[0]), rng.normal(scale=8, size=shape[1])
+        a, b = rng.random((shape[0], rank - 1)), rng.random((shape[1], rank - 1))
+        logs.append((np.log(1.0 + a @ b.T) + scale_r[:, None] + scale_c[None, :]) / p)
+        rows.append(np.sort(rng.choice(H, shape[0], replace=False)))
+        cols.append(np.sort(rng.choice(H, shape[1], replace=False)))
+    logs.append(rng.normal(scale=3, size=(48, 48)))  # independent entries: full rank
+    rows.append(np.sort(rng.choice(H, 48, replace=False)))
+    cols.append(np.sort(rng.choice(H, 48, replace=False)))
+    f = factor_grid(logs[0], p, np.random.default_rng(0))
+    if rank <= 4:  # (a rank over a quarter of the smaller side is left dense)
+        d, e, P, Q = f
+        exact = np.exp(p * logs[0] - d[:, None] - e[None, :])
+        assert np.all(np.abs(P @ Q.T - exact) <= EPS * exact)
+    assert factor_grid(logs[3], p, np.random.default_rng(0)) is None
+    stack = GridStack(logs, rows, cols, sign, np.float64, low_rank_at=p)
+    factored = [] if stack.low is None else sorted(stack.low.tensors.tolist())
+    assert 3 not in factored and (rank > 4 or factored == [0, 1, 2])
+    zp = np.append(rng.normal(scale=3, size=H), 0.0)
+    for q in (p, 2 * p, math.inf):
+        values, rm, cm = stack.lse(zp, q, True)
+        for t, (log, r, c) in enumerate(zip(logs, rows, cols)):
+            value, mr, mc = _definition(log, zp[r], zp[c], sign, q)
+            assert values[t] == pytest.approx(value, rel=1e-12, abs=1e-12)
+            if mr is not None:
+                np.testing.assert_allclose(rm[stack.row_slice(t)], mr, rtol=1e-8, atol=1e-14)
+                np.testing.assert_allclose(cm[stack.col_slice(t)], mc, rtol=1e-8, atol=1e-14)

@@ -51,8 +51,9 @@ class Objective:
         self.ranges = GridStack([g.log_max for g in pairs.grids], rows, cols, 1.0)
         # Σ_i w_i e^{−kΔ/2} = (k-th power of) the smoothed max at sharpness k of log(w)/k − Δ/2
         self.power = POWER.get(kind, 1)
-        self.weights = GridStack([g.log_weight / self.power for g in pairs.grids], rows, cols, -1.0) \
-            if kind in POWER else None
+        # read at sharpness k only, where its grids (paths' mass after a unit times mass before one) have low rank
+        self.weights = GridStack([g.log_weight / self.power for g in pairs.grids], rows, cols, -1.0,
+                                 low_rank_at=float(self.power)) if kind in POWER else None
         # Σ_T mean_{i∈T, θ_i≠0} (z_r(i) − z_c(i))/2 = linear · z: the geometric means' part of "range"
         self.linear = np.zeros(self.H)
         self.constant = -sum(g.mean_log for g in pairs.grids) if kind == "range" else 0.0

@@ -32,6 +32,8 @@ import math
 import numpy as np
 import scipy.sparse as sp
 
+from pathir.equalization.low_rank import LowRank, factor_grid
+
 __all__ = ["GridStack"]
 
 #: dense grids larger than this are stacked by shape (batched BLAS); smaller ones join the sparse block
@@ -144,7 +146,7 @@ class GridStack:
     of the stacked dense grids' A (float64 for products exact to rounding)."""
 
     def __init__(self, logs: list[np.ndarray], rows: list[np.ndarray], cols: list[np.ndarray], sign: float,
-                 dtype=np.float32):
+                 dtype=np.float32, low_rank_at: float | None = None):
         self.T, self.sign = len(logs), sign
         self.logs = logs
         self.top = np.array([float(np.max(log)) if log.size else -math.inf for log in logs])
@@ -155,6 +157,9 @@ class GridStack:
         self.row_owner = np.repeat(np.arange(self.T), np.diff(self.row_off))
         self.col_owner = np.repeat(np.arange(self.T), np.diff(self.col_off))
         finite = np.isfinite(self.top)
+        self.low = self._factored(low_rank_at, finite) if low_rank_at is not None else None
+        if self.low is not None:
+            finite[self.low.tensors] = False  # (for the two layouts below: the factored grids are neither)
         by_shape: dict[tuple, list[int]] = {}
         for t in np.flatnonzero(finite).tolist():
             if logs[t].size > ONE_BY_ONE and np.count_nonzero(np.isfinite(logs[t])) >= SPARSE_FILL * logs[t].size:
@@ -172,6 +177,21 @@ class GridStack:
             vals.append(logs[t][r, c]), owner.append(np.full(r.size, t))
         self._cells = tuple(map(np.concatenate, (r_idx, c_idx, vals, owner))) if vals else None
         self.cache: dict[float, tuple] = {}  # p -> (A, Aᵀ, z⁰ rows, z⁰ cols, tops at z⁰) of the small grids
+
+    def _factored(self, p: float, finite: np.ndarray) -> LowRank | None:
+        """The grids whose e^{p·log} has a certified low-rank factorisation (:mod:`pathir.equalization.low_rank`),
+        evaluated through it at sharpness p; None where none has."""
+        rng = np.random.default_rng(0)  # the range finder's test vectors: the same factors on every run
+        picked, factors = [], []
+        for t in np.flatnonzero(finite).tolist():
+            f = factor_grid(self.logs[t], p, rng)
+            if f is not None:
+                picked.append(t), factors.append(f)
+        if not picked:
+            return None
+        rows = [self.row_off[t] + np.arange(self.logs[t].shape[0]) for t in picked]
+        cols = [self.col_off[t] + np.arange(self.logs[t].shape[1]) for t in picked]
+        return LowRank(picked, factors, rows, cols, self.sign, p)
 
     def row_slice(self, t: int) -> slice:
         return slice(self.row_off[t], self.row_off[t + 1])
@@ -236,6 +256,15 @@ class GridStack:
                 scale[ok] = 1.0 / totals[ok]
                 rm[:] = u * Av * scale[self.row_owner]
                 cm[:] = v * (At @ u) * scale[self.col_owner]
+        if self.low is not None:  # factored at one sharpness: cell by cell at any other
+            if p == self.low.p:
+                vals, rows, cols, failed = self.low.lse(zr_all, zc_all, rm is not None)
+                values[self.low.tensors] = vals
+                if rows is not None:
+                    rm[self.low.rows], cm[self.low.cols] = rows, cols
+                one_by_one += list(self.low.tensors[failed])
+            else:
+                one_by_one += list(self.low.tensors)
         if not math.isinf(p):
             for batch in self.batches:
                 vals, rows, cols, failed = batch.lse(zr_all, zc_all, p, rm is not None)
