@@ -78,6 +78,25 @@ def test_a_float32_entry_a_small_rescaling_takes_below_the_normal_range_is_refus
     assert cm.graph is graph and all(torch.equal(v, state[k]) for k, v in net.state_dict().items())
 
 
+@pytest.mark.parametrize("block", [1, 3, 7, 1 << 18])
+def test_the_float32_range_check_counts_every_broken_entry_block_by_block(monkeypatch, block):
+    """The written tensors are checked a block at a time, each block by one min/max unless it holds a zero, a
+    subnormal or a non-finite entry: entries that break in different blocks, beside exact zeros that stay so,
+    are all counted (and the write refused, model untouched), whatever the block size."""
+    from pathir.rescaling import commit
+
+    monkeypatch.setattr(commit, "_CHECK_BLOCK", block)
+    net, cm = _mlp(torch.float32)
+    with torch.no_grad():
+        w = net[0].weight  # 40 x 3, scaled by e^-6.5: two entries that leave the normal range, two zeros that stay
+        w[0, 0], w[10, 1], w[20, 2], w[39, 2] = 1e-44, 0.0, 1e-36, 0.0
+    cm = pathir.compile(net, input_shape=(3,))
+    state, graph = _state(net), cm.graph
+    with pytest.raises(PathirError, match="does not fit torch.float32: 2 entries"):
+        cm.commit_rescaling(np.full(len(cm.units), -13.0))
+    assert cm.graph is graph and all(torch.equal(v, state[k]) for k, v in net.state_dict().items())
+
+
 def _graph_with(values):
     from pathir.ir import Dense, GraphBuilder
 

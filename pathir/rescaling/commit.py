@@ -36,6 +36,7 @@ from pathir.rescaling.apply import check_rescaling, log_scales, rescale_graph
 from pathir.rescaling.bounds import float64_safe
 from pathir.rescaling.optimizer_state import check_private, check_transportable, plan_grads, plan_transport
 from pathir.rescaling.shared_sources import check_batch_norm_uses
+from pathir.support.threads import one_torch_thread
 
 __all__ = ["commit_rescaling", "rescaled_graph", "with_bias_shifts", "check_writable", "check_optimizer", "pruned_attributes"]
 
@@ -249,16 +250,18 @@ def _check_values(saved, max_abs_z: float) -> None:
     for _, _, _, full, t, old in saved:
         if old is None or not t.is_floating_point() or t.dtype == torch.float64:
             continue
-        new = t.detach()
-        tiny = torch.finfo(t.dtype).tiny
-        if new.numel():  # every entry normal and finite (NaN fails both): nothing can have broken
-            low, high = torch.aminmax(new.abs())
-            if bool(low >= tiny) and bool(high < math.inf):
-                continue
-        broke = (~new.isfinite() & old.isfinite()) | ((new.abs() < tiny) & (old.abs() >= tiny)) | ((new == 0) & (old != 0))
-        if bool(broke.any()):
+        new, tiny = t.detach(), torch.finfo(t.dtype).tiny
+        # a large tensor block by block, each in cache: only a block that holds a zero, a subnormal or a non-finite
+        # entry is read again entry by entry (vgg11_bn's first fc weight, 12 exact zeros in 10^8: 3.1 s -> 0.3 s)
+        if new.numel() > _CHECK_BLOCK and new.is_contiguous() and old.is_contiguous():
+            with one_torch_thread():
+                broke = sum(_broken(a, b, tiny)
+                            for a, b in zip(new.view(-1).split(_CHECK_BLOCK), old.view(-1).split(_CHECK_BLOCK)))
+        else:
+            broke = _broken(new, old, tiny)
+        if broke:
             raise PathirError(
-                f"the rescaled tensor '{full}' does not fit {t.dtype}: {int(broke.sum())} entries would overflow, "
+                f"the rescaled tensor '{full}' does not fit {t.dtype}: {broke} entries would overflow, "
                 f"or fall below its smallest normal number, under a rescaling with max |z| = {max_abs_z:.4g} "
                 f"(entries move by up to e^{max_abs_z:.3g}). Bound the rescaling with a smaller max_log_scale= "
                 "(cm.pathcond, enorm, equalize). The default, None, is the largest bound this dtype holds for the "
@@ -266,3 +269,20 @@ def _check_values(saved, max_abs_z: float) -> None:
                 "only through a fold (a weight under a batch-norm's γ/σ) can sit closer to the dtype's limits and "
                 "need a smaller one; the model is unchanged"
             )
+
+
+#: entries per block of :func:`_check_values` (a few MB: the block's temporaries stay in cache)
+_CHECK_BLOCK = 1 << 18
+
+
+def _broken(new, old, tiny: float) -> int:
+    """How many entries of ``new`` broke against ``old`` (same shape): finite become non-finite, normal become
+    subnormal or zero, nonzero become zero. A block whose every entry is normal and finite (NaN fails both)
+    is decided by one min/max."""
+    if not new.numel():
+        return 0
+    low, high = new.abs().aminmax()
+    if bool(low >= tiny) and bool(high < math.inf):
+        return 0
+    broke = (~new.isfinite() & old.isfinite()) | ((new.abs() < tiny) & (old.abs() >= tiny)) | ((new == 0) & (old != 0))
+    return int(broke.sum())
