@@ -38,20 +38,30 @@ def factor_grid(log: np.ndarray, p: float, rng: np.random.Generator):
     R, C = log.shape
     if log.size < MIN_CELLS or not np.isfinite(log).all():
         return None
-    L = p * log
-    d = L.max(axis=1)
-    L = L - d[:, None]
-    e = L.max(axis=0)
-    W = np.exp(L - e[None, :])
+    W = p * log  # one array of the grid's size, worked in place
+    d = W.max(axis=1)
+    W -= d[:, None]
+    e = W.max(axis=0)
+    W -= e[None, :]
+    np.exp(W, out=W)
     for k in RANKS:
         width = k + OVERSAMPLE
         if width > min(R, C) // 4:
             return None
         Q, _ = np.linalg.qr(W @ rng.standard_normal((C, width)))
         B = Q.T @ W
-        if np.all(np.abs(W - Q @ B) <= EPS * W):
+        if _certified(W, Q, B):
             return d, e, Q, B.T
     return None
+
+
+def _certified(W: np.ndarray, Q: np.ndarray, B: np.ndarray, rows: int = 256) -> bool:
+    """|W − Q B| ≤ EPS · W at every cell, checked a block of rows at a time (no second array of W's size)."""
+    for i in range(0, W.shape[0], rows):
+        block = W[i:i + rows]
+        if not np.all(np.abs(block - Q[i:i + rows] @ B) <= EPS * block):
+            return False
+    return True
 
 
 class LowRank:
