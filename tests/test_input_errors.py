@@ -169,3 +169,21 @@ def test_a_forward_that_fixes_its_batch_size_is_still_named():
 
     with pytest.raises(pathir.SelfCheckFailed, match="fixes its batch size"):
         pathir.compile(Fixed(), input_shape=(3,))
+
+
+@pytest.mark.parametrize("form", ["numpy", "torch", "list", "dict"])
+def test_complex_inputs_are_refused_by_every_method_that_runs_the_graph(form):
+    """A complex batch was read as its real part by the walks at data (active path-norms, counts, the local
+    affine piece, observe): numbers for an input the model itself refuses (torch: 'mat1 and mat2 must have the
+    same dtype'). Every such method now refuses it, naming the input."""
+    import numpy as np
+
+    model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2)).double()
+    cm = pathir.compile(model, input_shape=(3,))
+    x = np.random.default_rng(0).normal(size=(4, 3)) + 0.5j
+    name = cm.graph.inputs[0]
+    x = {"numpy": x, "torch": torch.tensor(x), "list": x.tolist(), "dict": {name: x}}[form]
+    for call in (lambda: cm.active_path_norm(x), lambda: cm.active_path_counts(x), lambda: cm.local_affine(x),
+                 lambda: cm.forward(x), lambda: pathir.observe(cm, x)):
+        with pytest.raises(InputShapeError, match=f"input '{name}' is complex"):
+            call()

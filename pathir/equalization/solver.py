@@ -39,7 +39,12 @@ __all__ = ["SolveResult", "solve", "SHARPNESS", "exact_range_optimum", "cutting_
 #: cutting planes settle it: the sharper stages are its fallback). ``noise`` and
 #: ``path-metric`` are smooth but for the per-tensor max; a max smoothed at p = 32 (within
 #: log(#pairs)/32 nats, a few percent of a step) is as good a model of the rounding as the max itself.
-SHARPNESS = {"range": (1.0, 4.0, 16.0, 64.0, 256.0), "noise": (2.0, 8.0, 32.0), "path-metric": (2.0, 8.0, 32.0)}
+#: ``noise`` doubles p from 4 on: each short stage restarts L-BFGS with a preconditioner taken where
+#: the last one stopped, where one long stage at p = 32 converged linearly on a stale one (shufflenet_v2
+#: 271-328 evaluations -> 188-217, densenet121 seed 3: 304 -> 143, the objective as low or lower;
+#: docs/equalize.md). ``path-metric`` measured no better so.
+SHARPNESS = {"range": (1.0, 4.0, 16.0, 64.0, 256.0), "noise": (2.0, 4.0, 8.0, 16.0, 32.0),
+             "path-metric": (2.0, 8.0, 32.0)}
 #: the range objective's smoothing stops once this sharpness is done: its exact optimum (an LP) finishes
 #: it, by cutting planes (:func:`cutting_plane_range_optimum`); the sharper stages run only where that fails
 LP_FROM = 4.0

@@ -8,7 +8,7 @@ import numpy as np
 from pathir.errors import InputShapeError
 from pathir.ir.graph import Graph
 
-__all__ = ["graph_inputs"]
+__all__ = ["graph_inputs", "refuse_complex"]
 
 
 def graph_inputs(graph: Graph, inputs) -> dict | None:
@@ -38,9 +38,7 @@ def graph_inputs(graph: Graph, inputs) -> dict | None:
         feed = {names[0]: inputs}
     out = {}
     for name, x in feed.items():
-        if (x.is_complex() if hasattr(x, "is_complex") else np.iscomplexobj(x)):
-            raise InputShapeError(f"x: input '{name}' is complex; the network's inputs are real (pass its real part if "
-                                  "that is what you mean)")
+        refuse_complex(name, x)
         try:
             x = x.detach().cpu().double().numpy() if hasattr(x, "detach") else np.asarray(x, dtype=np.float64)
         except (TypeError, ValueError) as err:
@@ -54,3 +52,11 @@ def graph_inputs(graph: Graph, inputs) -> dict | None:
                                   "bound scaled by max(‖x‖∞, 1), is not a number there; pass finite inputs")
         out[name] = x
     return out
+
+
+def refuse_complex(name: str, x) -> None:
+    """InputShapeError where the array or tensor ``x`` fed to input ``name`` is complex: a conversion to float64
+    would drop its imaginary part, and the model itself refuses such an input."""
+    if x.is_complex() if hasattr(x, "is_complex") else np.iscomplexobj(x):
+        raise InputShapeError(f"x: input '{name}' is complex; the network's inputs are real (pass its real part if "
+                              "that is what you mean)")
