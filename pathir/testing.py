@@ -346,6 +346,22 @@ class _Dag:
         return self.b.build(outputs=sinks)
 
 
+def _within(shape: tuple, cap: int) -> tuple:
+    """``shape`` with its largest spatial size (then its channels, then a flat width) cut by one until it holds at
+    most ``cap`` entries, spatial sizes not below 2; as drawn where it already fits."""
+    shape = list(shape)
+    while math.prod(shape) > cap:
+        spatial = [i for i in range(1, len(shape)) if shape[i] > 2]
+        if spatial:
+            i = max(spatial, key=lambda i: shape[i])
+        elif shape[0] > 1:
+            i = 0
+        else:
+            break
+        shape[i] -= 1
+    return tuple(shape)
+
+
 @st.composite
 def relu_dags(
     draw,
@@ -385,9 +401,10 @@ def relu_dags(
         switch each feature on or off (``kmax``: k-max-pools with k > 1)
     max_inputs : a second, flat input joining the dense head may be drawn when 2
     integer_weights : free weights and biases are nonzero integers in [-3, 3]
-    max_neurons, max_paths : budgets; layers that break them are not added. The
-        number of paths is at most ``max_paths`` (if >= 30); the head may add a
-        few neurons beyond ``max_neurons``.
+    max_neurons, max_paths : budgets; layers that break them are not added, and the
+        input is drawn smaller where they are small. The number of paths is at most
+        ``max_paths`` (if >= 30); the head may add a few neurons beyond ``max_neurons``
+        (with a spatial input at least 4, the smallest it takes, and a flatten of as many).
 
     Every node reaches an output: the outputs are the nodes nothing reads.
     """
@@ -397,10 +414,13 @@ def relu_dags(
     dag = _Dag(draw, opts, draw(st.integers(0, 2**32 - 1)))
     dims = draw(st.sampled_from([d for d in (1, 2, 0) if d in spatial_dims]))
     if dims == 0:
-        x = dag.add_input((draw(st.integers(1, max_width)),))
+        shape = (draw(st.integers(1, max_width)),)
     else:
         sizes = [draw(st.integers(2, 6 if dims == 1 else 4)) for _ in range(dims)]
-        x = dag.add_input((draw(st.integers(1, max_channels)), *sizes))
+        shape = (draw(st.integers(1, max_channels)), *sizes)
+    # the input, and its forced head (a flatten of as many neurons, then 1-2 outputs reading it and a second
+    # input of at most 3): within the budgets, the input shrunk where they are small
+    x = dag.add_input(_within(shape, min(max(max_neurons // 2, 1), max((max_paths - 8) // 2, 1))))
     second = max_inputs > 1 and draw(st.integers(0, 3)) == 0
     extra = [dag.add_input((draw(st.integers(1, 3)),))] if second else []
     current, added = x, 0

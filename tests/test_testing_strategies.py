@@ -97,6 +97,18 @@ def test_budgets_bound_the_graphs(graph):
     assert count_paths(expand(graph)) <= 100
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from([30, 40, 60, 90]), st.sampled_from([10, 20, 200]), st.data())
+def test_small_budgets_bound_the_input_and_its_head_too(max_paths, max_neurons, data):
+    """A spatial input of up to 3 x 4 x 4 neurons and its forced head (a flatten, 1-2 outputs) were never
+    counted: max_paths=30 drew 38 paths, max_paths=90 drew 96, max_neurons=10 drew 49 neurons. The input is
+    drawn smaller where the budgets are small."""
+    graph = data.draw(relu_dags(max_paths=max_paths, max_neurons=max_neurons))
+    assert count_paths(expand(graph)) <= max_paths
+    inputs = sum(graph.node(n).numel for n in graph.inputs)
+    assert inputs <= max(max_neurons // 2, 4) + 3  # (a second, flat input of at most 3)
+
+
 @settings(max_examples=60)
 @given(graph=relu_dags(bias=False, skip=False, concat=False, maxpool=False, avgpool=False, gather=False))
 def test_switched_off_features_are_absent(graph):
