@@ -150,10 +150,11 @@ class _Dag:
         count = sum(_count_in(m, self.counts[s], self.shape(s)) for s, m in edges) + (bias is not None)
         count = np.broadcast_to(count, shape)
         # paths of the graph if built now: those ending at the sinks. A third of
-        # the budget leaves room for the forced head (at most 2 * paths + 8).
+        # the budget (less 8) leaves room for the forced head: at most 2 * paths + 8, of a
+        # node that need not be a sink (the loop branched back to it), so 2/3 more.
         sinks = {n for n in self.counts if n not in self.consumed and not self._is_input(n)}
         paths = sum(self.counts[n].sum() for n in sinks - {s for s, _ in edges}) + count.sum()
-        too_big = self.neurons() + count.size > self.opts.max_neurons or paths > self.opts.max_paths // 3
+        too_big = self.neurons() + count.size > self.opts.max_neurons or paths > (self.opts.max_paths - 8) // 3
         if too_big and not force:
             return None
         name = self.b.node(self.b.unique(prefix), kind, edges, bias, k=k)

@@ -272,3 +272,17 @@ def test_relu6_relu_blames_a_hook_that_reads_the_clipped_relu_not_the_input_shap
         pathir.equalize(model, input_shape=(3, 8, 8), relu6="relu", progress=False)
     assert "input_shape" not in str(err.value).split("(")[0]
     assert isinstance(model[1], nn.ReLU6) and _same_state(before, _state(model))
+
+
+@pytest.mark.parametrize("objective", ["range", "noise", "path-metric"])
+def test_a_model_whose_every_weight_is_zero_is_left_as_it_is(objective):
+    """No nonzero weight to quantize: the range objective's LP was built over no cell (a raw ValueError from
+    numpy); every objective now returns z = 0, the model untouched."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    cm = pathir.compile(model, input_shape=(3,))
+    report = cm.equalize(objective=objective)
+    assert report.units_moved == 0
+    assert all(bool((p == 0).all()) for p in model.parameters())
