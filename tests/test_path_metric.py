@@ -238,3 +238,33 @@ def test_models_with_a_resample_edge_compare_their_per_axis_matrices():
     d = pathir.path_metric(a, b)
     assert 0 < d.lower <= d.upper
     assert pathir.path_metric(a, a).upper == 0
+
+
+@pytest.mark.parametrize("scale", [1e-110, 1e-105, 1e-103])
+def test_an_upper_bracket_below_float64s_range_is_not_read_as_zero(scale):
+    """Three layers of weights 1e-110 and one weight pruned: d = 1e-330, below float64's smallest subnormal, so the
+    upper bracket read 0 and output_bound 0 at ‖x‖∞ = 1e300 while the model's own outputs differ by 1e-30. The
+    upper bracket now rounds up out of the normal range, and the bound is the product of the logs."""
+    net = torch.nn.Sequential(torch.nn.Linear(1, 2, bias=False), torch.nn.ReLU(), torch.nn.Linear(2, 1, bias=False),
+                              torch.nn.ReLU(), torch.nn.Linear(1, 1, bias=False)).double()
+    with torch.no_grad():
+        for layer in (net[0], net[2], net[4]):
+            layer.weight.fill_(scale)
+    pruned = copy.deepcopy(net)
+    with torch.no_grad():
+        pruned[0].weight[1] = 0.0
+    a, b = pathir.compile(net, input_shape=(1,)), pathir.compile(pruned, input_shape=(1,))
+    metric = pathir.path_metric(a, b)
+    assert metric.upper > 0 and metric.log10_upper == pytest.approx(3 * math.log10(scale), rel=1e-12)
+    x = torch.tensor([[1e300], [1.0]], dtype=torch.float64)
+    with torch.no_grad():
+        gap = (net(x) - pruned(x)).abs().sum(dim=1).numpy()
+    bound = pathir.output_bound(a, b, x, metric=metric)
+    assert np.all(bound >= gap) and bound[0] == pytest.approx(scale ** 3 * 1e300, rel=1e-10)
+
+
+def test_output_bound_refuses_a_metric_that_is_not_one():
+    net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1)).double()
+    cm = pathir.compile(net, input_shape=(2,))
+    with pytest.raises(PathirError, match="metric= takes the PathMetric"):
+        pathir.output_bound(cm, cm, np.ones((1, 2)), metric="x")

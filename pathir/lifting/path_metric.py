@@ -44,6 +44,7 @@ __all__ = ["PathMetric", "path_metric", "pruned_path_metric", "output_bound", "c
 
 _LOG_MAX = math.log(np.finfo(np.float64).max)
 _LN10 = math.log(10)
+_TINY = float(np.finfo(np.float64).tiny)
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,8 @@ class PathMetric:
     Attributes
     ----------
     lower, upper : float
-        lower ≤ d ≤ upper (``math.inf`` where a value exceeds float64: read the log10 fields).
+        lower ≤ d ≤ upper (``math.inf`` where a value exceeds float64, and an upper bracket below
+        float64's normal range read as the next float up, never 0 unless d = 0: read the log10 fields).
     exact : bool
         True when lower = d provably (same signs and |θ'| ≤ |θ| or |θ| ≤ |θ'|
         coordinatewise, e.g. pruning); then upper = lower = d.
@@ -93,6 +95,14 @@ def _fmt(log10_value: float) -> str:
 
 def _exp(log_value: float) -> float:
     return math.exp(log_value) if log_value <= _LOG_MAX else math.inf
+
+
+def _exp_up(log_value: float) -> float:
+    """:func:`_exp` rounded up where it leaves float64's normal range below (0 or a subnormal, which rounds
+    either way): the next float up, so an upper bracket never reads below what it bounds (e^-760 is 0 in
+    float64: it would claim d = 0). A log of -inf is an exact 0."""
+    value = _exp(log_value)
+    return math.nextafter(value, math.inf) if math.isfinite(log_value) and value < _TINY else value
 
 
 def logsumexp(logs) -> float:
@@ -312,7 +322,7 @@ def path_metric(a, b, backend=None, progress: bool | None = None) -> PathMetric:
         log_low = min(log_low, log_up)  # rounding must not invert the bracket
     return PathMetric(
         lower=_exp(log_low),
-        upper=_exp(log_up),
+        upper=_exp_up(log_up),
         exact=exact,
         same_signs=same,
         log10_lower=log_low / _LN10,
@@ -350,7 +360,7 @@ def pruned_path_metric(ga: Graph, gb: Graph, backend, min_gap: float = 1e-3, log
             log_d = -math.inf if lb == la else la + math.log(-math.expm1(lb - la))
         else:
             log_d = _log_upper(ga, gb, backend)
-    return PathMetric(lower=_exp(log_d), upper=_exp(log_d), exact=True, same_signs=True,
+    return PathMetric(lower=_exp(log_d), upper=_exp_up(log_d), exact=True, same_signs=True,
                       log10_lower=log_d / _LN10, log10_upper=log_d / _LN10, norm_a=_exp(la), norm_b=_exp(lb))
 
 
@@ -396,10 +406,18 @@ def output_bound(a, b, x, backend=None, metric: PathMetric | None = None) -> np.
     ga = graph_of(a)
     if metric is None:
         metric = path_metric(a, b, backend)
+    elif not isinstance(metric, PathMetric):
+        raise ArgumentTypeError(f"metric= takes the PathMetric of (a, b) that pathir.path_metric returned, got "
+                                f"{type(metric).__name__}")
     if not metric.same_signs:
         raise PathirError(
             "output_bound needs θ_i θ'_i >= 0 for every parameter of the IR, where batch-norms are folded into "
             f"the layers before them (Gonon et al. 2025, Thm 4.1); the two models' signs differ at "
             f"{first_sign_flip(ga, graph_of(b))}"
         )
-    return np.maximum(_sup_norms(x, ga), 1.0) * metric.upper
+    scale = np.maximum(_sup_norms(x, ga), 1.0)
+    if metric.upper >= _TINY or metric.log10_upper == -math.inf:  # (inf stays inf)
+        return scale * metric.upper
+    # an upper bracket below float64's normal range (read as its next float up): the product from the logs,
+    # widened by 1e-12 for their rounding (a few ulps of |log| <= 1500: under 1e-12 relative)
+    return np.array([_exp_up(math.log(s) + metric.log10_upper * _LN10) * (1.0 + 1e-12) for s in scale])
