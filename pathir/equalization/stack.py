@@ -6,8 +6,10 @@ softmax's row and column sums as marginals. With A = e^{p(l − max l)} precompu
 mat-vecs and no exponential per cell. Large dense grids of one shape (the 1×1 convolutions of a stage)
 are stacked and evaluated by one batched BLAS product per shape; every other grid (small ones, and
 mostly empty ones such as grouped convolutions) shares one block-diagonal sparse matrix. An evaluation
-makes a handful of calls however many tensors there are. Rows (and columns) of all tensors are laid
-end to end: tensor t's rows are ``row_slice(t)``.
+makes a handful of calls however many tensors there are. With ``low_rank_at=p``, grids whose e^{p·l} has a
+certified low-rank factorisation (the noise objective's weights: :mod:`pathir.equalization.low_rank`) are
+summed through their factors at that sharpness, and cell by cell at any other. Rows (and columns) of all
+tensors are laid end to end: tensor t's rows are ``row_slice(t)``.
 
 A is taken at a centre z⁰: A = e^{p(l_rc + σ(z⁰_r − z⁰_c)/2 − top)}, its largest entry 1, and a call at z
 scales rows and columns by the move z − z⁰. Far from the centre at a high sharpness the scaled product
