@@ -103,8 +103,8 @@ def _solve(objective, max_log_scale, sharpness, ridge, balance, max_iter, tol, c
     H = objective.H
     z = np.zeros(H)
     before = objective.value(z)
-    if H == 0 or before == -math.inf or not objective.pairs.grids:  # no unit to move, or no nonzero quantized
-        # weight (on any path)
+    # no unit to move, or no nonzero quantized weight (on any path: no grid, or every term -inf)
+    if H == 0 or before == -math.inf or not objective.pairs.grids:
         return SolveResult(z, before, before, seconds=time.perf_counter() - start)
     lo = np.full(H, -float(max_log_scale))
     if lower is not None:
