@@ -1,7 +1,8 @@
 """How much of an equalized model's quantized score is its rescaling, and how much the luck of its rounding.
 
     python benchmarks/bench_equalize_sensitivity.py [--models shufflenet_v2_x1_0,mnasnet0_5] [--seeds 0,1]
-                                                    [--bits 8,6] [--moves 8] [--sigma 0.01] [--json out.json]
+                                                    [--bits 8,6] [--moves 8] [--sigma 0.01] [--dither 8]
+                                                    [--json out.json]
 
 The model, its folding and its scoring batch are bench_equalize.py's (``equalize_models``). Each side's
 equalized model (Brevitas's ``preprocess_for_quantize`` and ``pathir.equalize``, as there) is then moved
@@ -10,12 +11,19 @@ z_h ~ N(0, ``--sigma``²) (written by ``commit_rescaling``), re-quantized per te
 (pooled output SQNR, dB). At σ = 0.01 every channel's scale moves by about 1 %: no per-tensor range, and no
 equalization objective, moves by more than a few hundredths of a dB, but every weight's rounding is drawn
 again. The spread of the moved scores is how far one equalized model's score can be read.
+
+``--dither N`` adds a score no draw decides: each weight tensor perturbed by independent uniform noise of one
+quantization step, U(−Δ/2, Δ/2) per entry (Δ = max|w| / (2^(b−1) − 1), per tensor), ``N`` times, and the output
+SQNR of the mean squared error over the draws: the expected noise of rounding as the noise objective models
+it. It overstates rounding where a channel sits far below its tensor's range (rounding moves a weight
+w with |w| < Δ/2 by |w|, the noise by up to Δ/2), so it reads equalized models, not unequalized ones.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import math
 import statistics
 
 import bench_equalize as be  # run as a script: benchmarks/ is on sys.path
@@ -44,6 +52,23 @@ def moved_scores(eq, shape, x_chunks, y, bits_list, moves: int, sigma: float, se
     return out
 
 
+def dithered_sqnr(eq, x_chunks, y, bits: int, draws: int, seed: int) -> float:
+    """Output SQNR (dB) of ``eq`` with every conv/linear weight perturbed by uniform noise of one per-tensor
+    quantization step, the squared error averaged over ``draws`` draws."""
+    gen = torch.Generator().manual_seed(seed)
+    errors = []
+    for _ in range(draws):
+        noisy = copy.deepcopy(eq)
+        with torch.no_grad():
+            for layer in em.weight_layers(noisy).values():
+                w = layer.weight
+                step = float(w.abs().max()) / (2 ** (bits - 1) - 1)
+                w.add_((torch.rand(w.shape, generator=gen, dtype=w.dtype) - 0.5) * step)
+            y_n = torch.cat([noisy(c) for c in x_chunks])
+        errors.append(float(((y_n - y) ** 2).sum()))
+    return 10 * math.log10(float((y ** 2).sum()) / statistics.fmean(errors))
+
+
 def bench(name: str, seed: int, args) -> list[dict]:
     shape = (3, args.size, args.size)
     model = em.build(name, size=args.size, seed=seed)
@@ -61,15 +86,19 @@ def bench(name: str, seed: int, args) -> list[dict]:
             rows.append({"model": name, "seed": seed, "side": side, "bits": bits, "sigma": args.sigma,
                          "sqnr": scores[0], "moved_min": min(moved), "moved_median": statistics.median(moved),
                          "moved_max": max(moved), "moved": moved})
+            if args.dither:
+                rows[-1]["dithered"] = dithered_sqnr(eq, chunks, y, bits, args.dither, seed)
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model (seed) | W bits | side | as equalized (dB) | moved: min / median / max (dB) |",
-             "|---|---|---|---|---|"]
+    dither = any("dithered" in r for r in rows)
+    lines = ["| model (seed) | W bits | side | as equalized (dB) | moved: min / median / max (dB) |"
+             + (" dithered (dB) |" if dither else ""), "|---|---|---|---|---|" + ("---|" if dither else "")]
     for r in rows:
         lines.append(f"| {r['model']} ({r['seed']}) | {r['bits']} | {be.TITLES[r['side']]} | {r['sqnr']:.1f} | "
-                     f"{r['moved_min']:.1f} / {r['moved_median']:.1f} / {r['moved_max']:.1f} |")
+                     f"{r['moved_min']:.1f} / {r['moved_median']:.1f} / {r['moved_max']:.1f} |"
+                     + (f" {r['dithered']:.1f} |" if dither else ""))
     return "\n".join(lines)
 
 
@@ -81,6 +110,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--sides", default="brevitas,pathir")
     ap.add_argument("--moves", type=int, default=8, help="random rescalings per equalized model")
     ap.add_argument("--sigma", type=float, default=0.01, help="their log-scale standard deviation")
+    ap.add_argument("--dither", type=int, default=0, help="draws of uniform one-step weight noise (0: none)")
     ap.add_argument("--size", type=int, default=64)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--json")

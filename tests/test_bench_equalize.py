@@ -125,3 +125,18 @@ def test_sensitivity_bench_moves_keep_the_function_and_redraw_the_rounding():
     rows = sens.main(["--models", "resnet18", "--seeds", "0", "--bits", "8", "--sides", "pathir", "--moves", "1",
                       "--size", "32", "--batch", "2"])
     assert [(r["side"], r["bits"], len(r["moved"])) for r in rows] == [("pathir", 8, 1)]
+
+
+def test_sensitivity_bench_dithered_score_is_the_mean_squared_error_of_one_step_noise():
+    """--dither: the SQNR of the squared output error averaged over draws of uniform noise of one per-tensor
+    step: the noise is linear in the step to first order, so two bits finer is 12 dB more (to within the draws'
+    spread and the second-order terms)."""
+    import bench_equalize_sensitivity as sens
+
+    model = em.build("resnet18", size=32, calib_batches=1)
+    folded, _, _ = em.fold_bn(model)
+    x = em.eval_inputs(32, 4)
+    with torch.no_grad():
+        y = folded(x)
+    scores = {bits: sens.dithered_sqnr(folded, [x], y, bits, draws=4, seed=0) for bits in (6, 8, 10)}
+    assert 10 < scores[8] - scores[6] < 14 and 10 < scores[10] - scores[8] < 14
