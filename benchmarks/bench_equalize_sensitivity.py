@@ -62,8 +62,7 @@ def dithered_sqnr(eq, x_chunks, y, bits: int, draws: int, seed: int) -> float:
         with torch.no_grad():
             for layer in em.weight_layers(noisy).values():
                 w = layer.weight
-                step = float(w.abs().max()) / (2 ** (bits - 1) - 1)
-                w.add_((torch.rand(w.shape, generator=gen, dtype=w.dtype) - 0.5) * step)
+                w.add_((torch.rand(w.shape, generator=gen, dtype=w.dtype) - 0.5) * em.quantization_step(w, bits))
             y_n = torch.cat([noisy(c) for c in x_chunks])
         errors.append(float(((y_n - y) ** 2).sum()))
     return 10 * math.log10(float((y ** 2).sum()) / statistics.fmean(errors))

@@ -111,14 +111,20 @@ def weight_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, WEIGHT_LAYERS)}
 
 
-def _quantize(t: torch.Tensor, bits: int, per_channel: bool) -> torch.Tensor:
-    """Δ·round(t/Δ), Δ = max|t| / (2^(b−1) − 1): one Δ for the tensor, or one per output channel (dim 0)."""
-    levels = 2 ** (bits - 1) - 1
+def quantization_step(t: torch.Tensor, bits: int, per_channel: bool = False) -> torch.Tensor:
+    """Δ = max|t| / (2^(b−1) − 1), symmetric: one for the tensor, or one per output channel (dim 0, broadcastable
+    to t); 0 where the maximum is 0."""
     if per_channel and t.dim() > 1:
         top = t.abs().reshape(t.shape[0], -1).amax(dim=1).reshape(-1, *([1] * (t.dim() - 1)))
     else:
         top = t.abs().amax()
-    delta = torch.where(top > 0, top / levels, torch.ones_like(top))
+    return top / (2 ** (bits - 1) - 1)
+
+
+def _quantize(t: torch.Tensor, bits: int, per_channel: bool) -> torch.Tensor:
+    """Δ·round(t/Δ) with Δ the :func:`quantization_step` (t itself where Δ = 0)."""
+    delta = quantization_step(t, bits, per_channel)
+    delta = torch.where(delta > 0, delta, torch.ones_like(delta))
     return delta * torch.round(t / delta)
 
 
