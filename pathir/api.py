@@ -16,6 +16,7 @@ from pathir.passes.fold_batchnorm import pooled_folds
 from pathir.passes.manager import pass_name, run_recording
 from pathir.support.model_state import keeps_model, kept
 from pathir.support.progress import Phases
+from pathir.support.threads import on_one_blas_thread
 
 __all__ = ["compile", "equalize"]
 
@@ -27,6 +28,7 @@ def _is_onnx(model) -> bool:
 
 
 @keeps_model
+@on_one_blas_thread
 def compile(model, input_shape: Sequence[int] | None = None, example_input=None, passes: Sequence = (),
             backend=None, check: bool = True, self_check: bool = True, progress: bool | None = None) -> Compiled:
     """Lower ``model`` to the pathir IR and run the compile pipeline.

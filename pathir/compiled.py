@@ -37,6 +37,7 @@ from pathir.rescaling.apply import rescale_graph
 from pathir.rescaling.bounds import default_max_log_scale
 from pathir.rescaling.commit import check_optimizer, check_writable, commit_rescaling, rescaled_graph, with_bias_shifts
 from pathir.support.progress import Phases
+from pathir.support.threads import one_blas_thread
 
 __all__ = ["Compiled", "Summary"]
 
@@ -216,10 +217,12 @@ class Compiled:
     @contextlib.contextmanager
     def looking_once(self):
         """Within the block (one public call, or compile's self-check), the model is compared with its
-        reference once, at the first query (`_looks_once`)."""
+        reference once, at the first query (`_looks_once`). numpy's BLAS runs on one thread within
+        (`pathir.support.threads.one_blas_thread` says why)."""
         self._calls += 1
         try:
-            yield
+            with one_blas_thread():
+                yield
         finally:
             self._calls -= 1
             if not self._calls:
