@@ -15,13 +15,14 @@ rewrite) or refuses it.
 
 from __future__ import annotations
 
+import functools
 from typing import Mapping
 
 import numpy as np
 
 from pathir.errors import PathirError
 from pathir.ir import Graph, Param, Role, SourceRef
-from pathir.rescaling.apply import check_log_scales, param_factors
+from pathir.rescaling.apply import checked_param_factors
 from pathir.rescaling.shared_sources import check_batch_norm_uses
 
 __all__ = ["source_factors", "EntryFactor", "mask_ref", "mask_plan", "clip_threshold_names", "check_variance"]
@@ -38,8 +39,9 @@ class EntryFactor:
     def __init__(self, log_in, log_out, ref: SourceRef, param_shape: tuple[int, ...]):
         self.log_in, self.log_out, self.ref, self.param_shape = log_in, log_out, ref, param_shape
         self._compact = None  # (e^a, e^b) on the logs' own (unbroadcast) shapes, once computed
+        self._by_axis = None  # the same reshaped to the param's number of axes (None: not yet; (): impossible)
 
-    @property
+    @functools.cached_property
     def shape(self) -> tuple[int, ...]:
         """The source tensor's shape."""
         return self.ref.to_source(np.broadcast_to(np.zeros(()), self.param_shape)).shape
@@ -62,13 +64,14 @@ class EntryFactor:
         """``block`` (rows start:stop of the tensor, float64) ← block · e^a · e^b, the compact exponentials
         broadcast onto it (no block of the factor formed); False, block untouched, where the factor has no
         such rows (a re-laid-out kernel, a transposed one, exponentials past e^600)."""
-        if not self.by_rows or self.ref.transposed or not self._exponentials():
+        if self._by_axis is None:
+            ndim = len(self.param_shape)
+            ok = self.by_rows and not self.ref.transposed and self._exponentials()
+            sides = [x.reshape((1,) * (ndim - x.ndim) + x.shape) for x in self._compact] if ok else []
+            self._by_axis = tuple(sides) if ok and all(x.ndim == ndim for x in sides) else ()
+        if not self._by_axis:
             return False
-        ndim = len(self.param_shape)
-        sides = [x.reshape((1,) * (ndim - x.ndim) + x.shape) for x in self._compact]
-        if any(x.ndim != ndim for x in sides):
-            return False
-        for x in sides:
+        for x in self._by_axis:
             block *= x if x.shape[0] == 1 else x[start:stop]
         return True
 
@@ -111,9 +114,9 @@ def source_factors(graph: Graph, log_scales: Mapping[str, np.ndarray], lazy: boo
     never sit in memory at once); a tensor given different factors through two params raises then."""
 
     check_batch_norm_uses(graph)
-    s = check_log_scales(graph, log_scales)
+    s, factors_of = checked_param_factors(graph, log_scales)
     uses: dict[tuple[str, Role], list] = {}  # (tensor, role) -> the params that reach it, in order
-    for p, fo, fi, v, u in param_factors(graph, s).values():
+    for p, fo, fi, v, u in factors_of.values():
         if not p.sources:
             raise PathirError(f"param '{p.name}' has no source tensor to write the rescaling to")
         roles = {r.role for r in p.sources}

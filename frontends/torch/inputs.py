@@ -18,6 +18,7 @@ is touched.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import operator
 import warnings
 from typing import Sequence
@@ -141,7 +142,7 @@ def _about_dtypes(message: str) -> bool:
 
 def model_dtype_device(model):
     """The dtype and device of the model's first floating tensor (float32 on the CPU if none)."""
-    for t in list(model.parameters()) + list(model.buffers()):
+    for t in itertools.chain(model.parameters(), model.buffers()):  # (stops at the first)
         if t.is_floating_point():
             return t.dtype, t.device
     return torch.float32, torch.device("cpu")

@@ -14,12 +14,10 @@ counted per parameter by a global optimizer step hook, registered with the first
 
 from __future__ import annotations
 
-from itertools import chain
-
 import torch.nn as nn
 from torch.nn.utils.prune import BasePruningMethod
 
-__all__ = ["ModelWatch", "tensor_versions"]
+__all__ = ["ModelWatch", "tensor_versions", "named_tensors"]
 
 
 #: id(parameter) -> the steps of fused optimizers that wrote it (those do not bump ``_version``)
@@ -43,10 +41,21 @@ def _count_fused_steps() -> None:
         _COUNTING.append(register_optimizer_step_post_hook(_count_fused_step))
 
 
+def named_tensors(model: nn.Module) -> list:
+    """[(name, tensor)]: every parameter, then every buffer, as ``named_parameters(remove_duplicate=False)``
+    then ``named_buffers(remove_duplicate=False)`` list them, read in one walk of the module tree."""
+    params, buffers = [], []
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = prefix + "." if prefix else ""
+        params += [(dot + k, v) for k, v in module._parameters.items() if v is not None]
+        buffers += [(dot + k, v) for k, v in module._buffers.items() if v is not None]
+    return params + buffers
+
+
 def tensor_versions(model: nn.Module) -> tuple:
     """What an in-place change moves: each parameter's and buffer's name, identity, version (a fused
     optimizer's steps counted in), storage, dtype, device and shape."""
-    tensors = chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
+    tensors = named_tensors(model)
     return tuple((name, id(t), (t._version, _FUSED_STEPS.get(id(t), 0)), t.data_ptr(), t.dtype, t.device,
                   tuple(t.shape)) for name, t in tensors)
 
@@ -120,8 +129,7 @@ class ModelWatch:
                 return f"'{name}' changed shape from {list(old_shapes[name])} to {list(shapes[name])}"
         before = set(self._versions)
         swapped = {v[0] for v in versions if v not in before}  # the tensors that moved
-        for name, t in chain(self.model.named_parameters(remove_duplicate=False),
-                             self.model.named_buffers(remove_duplicate=False)):
+        for name, t in named_tensors(self.model):
             if name in swapped and t.is_inference():  # no version counter: its later edits would go unseen
                 return (f"'{name}' is now a tensor made under torch.inference_mode(), which keeps no version "
                         "counter: pathir could not see its later edits (make it outside inference_mode)")

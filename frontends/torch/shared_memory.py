@@ -18,10 +18,9 @@ True
 
 from __future__ import annotations
 
-from itertools import chain
-
 import torch
 
+from pathir.frontends.torch.live import named_tensors
 from pathir.support.tensor_memory import extent, share_bytes
 
 __all__ = ["overlaps", "self_overlapping", "registered_names"]
@@ -31,7 +30,7 @@ def registered_names(model: torch.nn.Module) -> dict[int, list[str]]:
     """{id(tensor): every name the model registers it under, in registration order}: one Parameter held
     by two modules (``b.weight = a.weight``) is one tensor under two names."""
     out: dict[int, list[str]] = {}
-    for name, t in chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)):
+    for name, t in named_tensors(model):
         out.setdefault(id(t), []).append(name)
     return out
 
@@ -52,8 +51,7 @@ def overlaps(model: torch.nn.Module, written: list[tuple[str, torch.Tensor]]) ->
     for name, mine, (ptr, _, _) in spans:
         by_storage.setdefault(ptr, []).append((name, mine))
     out, seen = [], set()
-    tensors = chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
-    for other, t in tensors:
+    for other, t in named_tensors(model):
         e = extent(t)
         if e is None or e[0] not in by_storage:
             continue

@@ -33,6 +33,7 @@ for params whose zeros are exactly its zeros.
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 from typing import Mapping
 
@@ -278,16 +279,15 @@ class TorchWriter:
                 "pathir analyses does not contain them) and read channels a rescaling changes, so their train-mode "
                 f"output would change; {how}build the model without them (e.g. aux_logits=False) or drop them "
                 "(model.<name> = None) before rescaling. The model is untouched")
-        for p in graph.params():
-            for ref in p.sources:
-                if ref.role is Role.CLIP_THRESHOLD:  # a module, buffer or call: frontends/torch/clipped.py
-                    continue
-                module, attr = self._locate(ref.name)
-                d = derived(module, attr, ref.name)
-                if d is not None and d.kind == "refused":
-                    raise PathirError(d.why)
-                if d is None:
-                    self._tensor(ref.name)  # a tensor the model holds (not a constant export lifted)
+        names = dict.fromkeys(ref.name for p in graph.params() for ref in p.sources
+                              if ref.role is not Role.CLIP_THRESHOLD)  # (a module, buffer or call: clipped.py)
+        for name in names:  # each tensor once (a batch-norm's γ is a source of its conv's weight and bias)
+            module, attr = self._locate(name)
+            d = derived(module, attr, name)
+            if d is not None and d.kind == "refused":
+                raise PathirError(d.why)
+            if d is None:
+                self._tensor(name)  # a tensor the model holds (not a constant export lifted)
         self._checked = weakref.ref(graph)
 
     def _updates(self, name, sides):
@@ -326,9 +326,14 @@ class TorchWriter:
 
         shape = tuple(t.shape)
         factors = {role: f if isinstance(f, EntryFactor) else np.asarray(f).reshape(shape) for role, f in sides.items()}
-        new = torch.empty(shape, dtype=t.dtype)
         source = t.detach()
-        step = max(1, _BLOCK // max(1, int(np.prod(shape[1:]))))
+        step = max(1, _BLOCK // max(1, math.prod(shape[1:])))
+        if step >= shape[0]:  # one block: the product converted back whole (most tensors of a model)
+            block = source.to("cpu", torch.float64, copy=True).numpy()
+            rows = {role: f.rows(0, shape[0]) if isinstance(f, EntryFactor) else f for role, f in factors.items()
+                    if not (isinstance(f, EntryFactor) and f.scale_rows(block, 0, shape[0]))}
+            return torch.from_numpy(self._new_value(name, module, attr, block, rows)).to(dtype=t.dtype, device=t.device)
+        new = torch.empty(shape, dtype=t.dtype)
         with one_torch_thread():  # a loop of cache-sized conversions (`pathir.support.threads`)
             for i in range(0, shape[0], step):
                 j = min(i + step, shape[0])

@@ -22,7 +22,7 @@ from pathir.analyses.incidence import check_units_match, compact_rows
 from pathir.errors import ArgumentError, ArgumentKeyError, PathirError
 from pathir.ir import Graph, NodeKind
 
-__all__ = ["rescale_graph", "check_rescaling", "log_scales", "apply_log_scales", "check_log_scales", "param_factors"]
+__all__ = ["rescale_graph", "check_rescaling", "log_scales", "apply_log_scales", "check_log_scales", "checked_param_factors", "param_factors"]
 
 
 def _z(units, z) -> np.ndarray:
@@ -152,6 +152,11 @@ def check_log_scales(graph: Graph, log_scales: Mapping[str, np.ndarray], atol: f
     """Check that ``log_scales`` is a rescaling of ``graph``: every node given,
     zero on inputs and outputs, equal across every fixed edge's tied channels,
     and one factor per entry of a shared param. Returns them as float64 arrays."""
+    return checked_param_factors(graph, log_scales, atol)[0]
+
+
+def checked_param_factors(graph: Graph, log_scales: Mapping[str, np.ndarray], atol: float = 1e-9):
+    """(:func:`check_log_scales`'s float64 log-scales, their :func:`param_factors`), the factors formed once."""
     s = _scales(graph, log_scales)
     for n in graph.nodes:
         if (n.kind is NodeKind.INPUT or n.name in graph.outputs) and np.any(np.abs(s[n.name]) > atol):
@@ -166,8 +171,7 @@ def check_log_scales(graph: Graph, log_scales: Mapping[str, np.ndarray], atol: f
                     f"log-scales differ by {gap.max():.3g} across the fixed edge "
                     f"{e.source} -> {n.name} ({e.map.describe()}), which ties them"
                 )
-    param_factors(graph, s, atol)
-    return s
+    return s, param_factors(graph, s, atol)
 
 
 def param_factors(graph: Graph, s: Mapping[str, np.ndarray], atol: float = 1e-9):
