@@ -172,6 +172,9 @@ case("batch_norm modules", C2, lambda m, a: m.bn3(m.bn1(m.bn2(a).flatten(2)).uns
 case("matmul spellings", V, lambda m, a: torch.mm(torch.matmul(torch.relu(a) @ m.w1, m.w2).relu(), m.w3),
      lambda: {"w1": P(6, 5), "w2": P(5, 5), "w3": P(5, 4)})
 case("matmul methods", V, lambda m, a: a.matmul(m.w1).relu().mm(m.w2), lambda: {"w1": P(6, 5), "w2": P(5, 4)})
+case("addmm", V, lambda m, a: torch.addmm(m.b2, torch.addmm(m.b1, a, m.w1, alpha=2.0).relu(), m.w2, beta=0),
+     lambda: {"w1": P(6, 5), "b1": P(5), "w2": P(5, 4), "b2": P(4)})
+case("addmm method", V, lambda m, a: m.b.addmm(a, m.w, alpha=0.5), lambda: {"w": P(6, 4), "b": P(4)})
 
 # ---------------------------------------------------------------- ReLU spellings and the identity
 case("relu fns", V, lambda m, a, b: F.relu(a) + torch.relu(b) + torch.relu_(a * 2) + F.relu_(b * 3))

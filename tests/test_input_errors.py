@@ -187,3 +187,23 @@ def test_complex_inputs_are_refused_by_every_method_that_runs_the_graph(form):
                  lambda: cm.forward(x), lambda: pathir.observe(cm, x)):
         with pytest.raises(InputShapeError, match=f"input '{name}' is complex"):
             call()
+
+
+@pytest.mark.parametrize("dtype", ["object", "longdouble", "str", "datetime64[s]"])
+def test_inputs_that_are_not_float64_readable_are_refused_by_every_method_that_runs_the_graph(dtype):
+    """An object array of floats or a longdouble one failed inside the backend (a BackendError naming the
+    input node, not why); a longdouble batch is rounded to float64, which no model runs. Each is now refused
+    as an input, naming it and what to pass."""
+    import numpy as np
+
+    model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2)).double()
+    cm = pathir.compile(model, input_shape=(3,))
+    x = np.random.default_rng(0).normal(size=(4, 3))
+    x = x.astype("U8") if dtype == "str" else (x * 1e6).astype(dtype) if dtype.startswith("datetime") else \
+        x.astype(dtype)
+    name = cm.graph.inputs[0]
+    why = "extended precision" if dtype == "longdouble" else "not of numbers"
+    for call in (lambda: cm.active_path_norm(x), lambda: cm.active_path_counts(x), lambda: cm.local_affine(x),
+                 lambda: cm.forward(x), lambda: pathir.observe(cm, x), lambda: cm.equalize(inputs=x, write_back=False)):
+        with pytest.raises(InputShapeError, match=f"input '{name}' is .*{why}"):
+            call()

@@ -10,7 +10,9 @@ factors of activations, elementwise max, and matmul by a parameter.
 - ``x * self.gamma`` with gamma a learnable per-channel ``nn.Parameter``: a parameterized ``Scale``
   edge (layer-scale);
 - ``torch.max(a, b)`` / ``maximum`` / ``fmax`` of two activations: a max-pool neuron over them;
-- ``x @ W`` with W an (in, out) parameter: a dense layer.
+- ``x @ W`` with W an (in, out) parameter: a dense layer; ``torch.addmm(b, x, W, beta=, alpha=)`` that
+  layer, a constant alpha a fixed factor on it, plus b (beta 1, or 0: b ignored, as torch does; a constant
+  beta on an activation b is a fixed factor).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pathir.frontends.core.values import ParamTensor, Value, described
 from pathir.frontends.torch.why import refuse
 from pathir.ir import Scale, SourceRef
 
-__all__ = ["add", "sub", "rsub", "mul", "div", "neg", "maximum", "matmul", "literal"]
+__all__ = ["add", "sub", "rsub", "mul", "div", "neg", "maximum", "matmul", "addmm", "literal"]
 
 
 def literal(x) -> bool:
@@ -195,3 +197,25 @@ def matmul(low, input, other):
     if low.is_buffer(other):
         return fixed_linear(low, input, other, None, transposed=True)
     return low.matmul_param(input, other)
+
+
+def addmm(low, input, mat1, mat2, *, beta=1, alpha=1):
+    """``beta * input + alpha * (mat1 @ mat2)``: the product as :func:`matmul` lowers it, a constant alpha ≠ 1 a
+    fixed factor on it, plus ``input`` as :func:`add` adds it (a bias parameter, an activation); beta = 0 drops
+    ``input`` (torch ignores it then), another constant beta is a fixed factor on an activation ``input`` and
+    refused on a parameter (a bias is added as it is stored)."""
+    product = matmul(low, mat1, mat2)
+    a = _alpha(low, alpha)
+    if a != 1:
+        product = fixed_scale(low, product, a)
+    b = _scalar(beta)
+    if b is None:
+        low.unsupported("a non-constant beta")
+    if b == 0:
+        return product
+    if b != 1:
+        if not isinstance(input, Value):
+            low.unsupported(f"beta = {b:g} on {described(input)}: a bias is lowered as it is stored, added with "
+                            "beta = 1 (store beta · b, or scale the activation instead)")
+        input = fixed_scale(low, input, b)
+    return add(low, product, input)

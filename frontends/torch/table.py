@@ -82,6 +82,7 @@ RULES: dict = {
     **_rows(ly.batch_norm_no_training, aten._native_batch_norm_legit_no_training.default),
     **_rows(ar.matmul, torch.matmul, torch.mm, operator.matmul, "matmul", "mm", aten.matmul.default,
             aten.mm.default),
+    **_rows(ar.addmm, torch.addmm, "addmm", aten.addmm.default),
     # ---------------------------------------------------------------- ReLU, clipped ReLUs and the identity
     **_rows(act.relu, F.relu, torch.relu, torch.relu_, F.relu_, "relu", "relu_", aten.relu.default,
             aten.relu_.default),

@@ -73,9 +73,9 @@ WHY = {
     **{op: ("a fixed linear map (a selection or mask of entries) pathir does not lower: pick entries with "
             "indexing (x[..., idx]) or multiply by a fixed 0/1 buffer") for op in (
         "diagonal", "diag", "diag_embed", "tril", "triu", "tril_", "triu_")},
-    **{op: ("a matrix product with a bias is lowered as a Linear layer or as x @ W + b with W and b parameters; "
-            "addmm / addmv / baddbmm (and their beta and alpha factors) are not")
-       for op in ("addmm", "addmv", "baddbmm", "addbmm", "addr")},
+    **{op: ("a matrix product with a bias is lowered as a Linear layer, as x @ W + b with W and b parameters, or as "
+            "torch.addmm(b, x, W); addmv / baddbmm / addbmm / addr are not")
+       for op in ("addmv", "baddbmm", "addbmm", "addr")},
     **{op: ("makes a new tensor of an activation's shape: a constant (or random) input inside the network, not a "
             "ReLU DAG edge (to pad with zeros, use F.pad; a constant zero channel is a zero-padded layer)")
        for op in ("zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like", "randint_like",

@@ -8,7 +8,7 @@ import numpy as np
 from pathir.errors import InputShapeError
 from pathir.ir.graph import Graph
 
-__all__ = ["graph_inputs", "refuse_complex"]
+__all__ = ["graph_inputs", "refuse_unreadable"]
 
 
 def graph_inputs(graph: Graph, inputs) -> dict | None:
@@ -38,7 +38,7 @@ def graph_inputs(graph: Graph, inputs) -> dict | None:
         feed = {names[0]: inputs}
     out = {}
     for name, x in feed.items():
-        refuse_complex(name, x)
+        refuse_unreadable(name, x)
         try:
             x = x.detach().cpu().double().numpy() if hasattr(x, "detach") else np.asarray(x, dtype=np.float64)
         except (TypeError, ValueError) as err:
@@ -54,9 +54,20 @@ def graph_inputs(graph: Graph, inputs) -> dict | None:
     return out
 
 
-def refuse_complex(name: str, x) -> None:
-    """InputShapeError where the array or tensor ``x`` fed to input ``name`` is complex: a conversion to float64
-    would drop its imaginary part, and the model itself refuses such an input."""
+def refuse_unreadable(name: str, x) -> None:
+    """InputShapeError where the array or tensor ``x`` fed to input ``name`` cannot be read as float64 exactly:
+    complex (a conversion would drop its imaginary part, and the model itself refuses such an input), entries
+    that are not numbers (an object or string array), or numpy's extended precision (longdouble, rounded
+    to float64 unseen; no torch model takes it)."""
     if x.is_complex() if hasattr(x, "is_complex") else np.iscomplexobj(x):
         raise InputShapeError(f"x: input '{name}' is complex; the network's inputs are real (pass its real part if "
                               "that is what you mean)")
+    dtype = getattr(x, "dtype", None)
+    if not isinstance(dtype, np.dtype):
+        return  # a torch tensor (its dtypes are numbers), or a list: read by np.asarray
+    if dtype.kind not in "biuf":
+        raise InputShapeError(f"x: input '{name}' is an array of {dtype} entries, not of numbers; pass a float array "
+                              "(np.asarray(x, dtype=np.float64) where its entries are numbers)")
+    if dtype.kind == "f" and dtype.itemsize > 8:
+        raise InputShapeError(f"x: input '{name}' is {dtype} (extended precision): pathir computes in float64 and no "
+                              "torch model takes it, so its entries would be rounded unseen; pass x.astype(np.float64)")

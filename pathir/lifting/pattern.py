@@ -34,7 +34,7 @@ import numpy as np
 
 from pathir.errors import BackendError, InputShapeError, PathirError, PathNormOverflow
 from pathir.ir import Graph, Node, NodeKind
-from pathir.ir.inputs import refuse_complex
+from pathir.ir.inputs import refuse_unreadable
 from pathir.lifting.scaled import Uncertified
 from pathir.lifting.walk import flushing, readable
 from pathir.passes.path_view import abs_pow
@@ -88,7 +88,7 @@ def as_input_dict(graph: Graph, x) -> dict:
             raise InputShapeError(f"x: the graph has inputs {list(graph.inputs)}: pass a dict {{input name: array}}")
         x = {graph.inputs[0]: x}
     for k, v in x.items():
-        refuse_complex(k, v if hasattr(v, "shape") else np.asarray(v))
+        refuse_unreadable(k, v if hasattr(v, "shape") else np.asarray(v))
     x = {k: v if hasattr(v, "shape") else np.asarray(v, dtype=np.float64) for k, v in x.items()}  # nested lists
     x = {k: v.detach() if hasattr(v, "detach") else v for k, v in x.items()}  # (a tensor that requires grad)
     x = {k: readable(v) for k, v in x.items()}

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 from pathir.errors import BackendError, InputShapeError, PathirError
 from pathir.ir import Graph, MapKind, Node, NodeKind
-from pathir.ir.inputs import refuse_complex
+from pathir.ir.inputs import refuse_unreadable
 from pathir.lifting.low_rank import LowRank
 from pathir.lifting.scaled import Certifier, Uncertified
 
@@ -69,7 +69,7 @@ def forward(graph: Graph, backend, inputs, all_nodes: bool = False):
     for node in graph.nodes:
         with node_errors(node):
             if node.kind is NodeKind.INPUT:
-                refuse_complex(node.name, inputs[node.name])
+                refuse_unreadable(node.name, inputs[node.name])
                 x = backend.asarray(readable(inputs[node.name]))
                 if tuple(x.shape[1:]) != node.shape or not x.shape[0]:
                     raise InputShapeError(f"x: input '{node.name}' expects (B, {', '.join(map(str, node.shape))}) with "
