@@ -95,7 +95,7 @@ def where(low, cond, a, b):
     m = _const_mask(cond)
     if m is None:
         low.unsupported("selects by a mask that is not a constant bool tensor (a buffer or a constant)")
-    keep = m.detach().to("cpu", torch.float64).numpy()
+    keep = m.detach().to("cpu", torch.float64).resolve_neg().numpy()
     terms = []
     for branch, factor in ((a, keep), (b, 1.0 - keep)):
         if isinstance(branch, Value):

@@ -120,7 +120,7 @@ def described(v) -> str:
 
 def f64(t: torch.Tensor) -> np.ndarray:
     """A fresh float64 copy (never a view of the model's storage)."""
-    t = t.detach()
+    t = t.detach().resolve_neg()  # (a lazily negated view: numpy reads its storage, not its values)
     if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64):
         return np.array(t.numpy(), dtype=np.float64)  # the same exact widening, one thread (no pool wake-ups)
     return t.to("cpu", torch.float64, copy=True).numpy()
@@ -132,7 +132,7 @@ _PARALLEL_COPY = 1 << 16
 
 def f64_into(out: np.ndarray, t: torch.Tensor) -> None:
     """``out[...] = f64(t)``: the same exact widening, written into an array of t's shape."""
-    t = t.detach()
+    t = t.detach().resolve_neg()
     if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64):
         if t.numel() >= _PARALLEL_COPY and out.flags.c_contiguous:  # torch's copy runs on its threads (fresh pages fault in parallel)
             torch.from_numpy(out).copy_(t)

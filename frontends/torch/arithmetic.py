@@ -63,7 +63,7 @@ def _constant_tensor(c) -> np.ndarray | None:
                                       or c.dtype == np.bool_):
         return c.astype(np.float64)
     if isinstance(c, torch.Tensor) and not isinstance(c, nn.Parameter) and c.dtype not in _COMPLEX:
-        return c.detach().to("cpu", torch.float64).numpy()  # a bool mask multiplies by 0 / 1
+        return c.detach().to("cpu", torch.float64).resolve_neg().numpy()  # a bool mask multiplies by 0 / 1
     return None
 
 
@@ -174,7 +174,7 @@ def _layer_scale(low, v: Value, gamma: ParamTensor) -> Value:
         low.unsupported(f"multiplies an activation of shape {list(v.shape)} by the parameter '{gamma.name}' of "
                         f"shape {list(t.shape)}: only one learnable factor per channel (a layer-scale) is a "
                         "rescalable edge")
-    value = t.detach().to("cpu", torch.float64).reshape(channels).numpy().copy()
+    value = t.detach().to("cpu", torch.float64).reshape(channels).resolve_neg().numpy().copy()
     W = low.param(gamma.name, value, (SourceRef(gamma.name),))
     src = low.materialize(v)
     return Value([(src, Scale(W))], tuple(v.shape), None, low.label)

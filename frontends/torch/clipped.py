@@ -62,7 +62,7 @@ class ClipSite:
 def module_threshold(module, channels: int) -> np.ndarray:
     """The threshold of a clipped ReLU module as one float64 entry per channel (a copy)."""
     if isinstance(module, ClippedReLU):
-        t = module.threshold.detach().to("cpu", torch.float64).reshape(-1).numpy().copy()
+        t = module.threshold.detach().to("cpu", torch.float64).reshape(-1).resolve_neg().numpy().copy()
     elif isinstance(module, nn.Hardtanh):
         t = np.full(channels, float(module.max_val))
     else:

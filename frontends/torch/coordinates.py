@@ -246,7 +246,7 @@ class Coordinates:
                 )
 
     def current_graph(self, tensors) -> Graph:
-        values = {id(r.param): r.fn(tensors).numpy() for r in self.recipes}
+        values = {id(r.param): r.fn(tensors).resolve_neg().numpy() for r in self.recipes}
         return self.graph.map_params(lambda p: Param.adopt(p.name, values[id(p)].copy(), p.sources, p.how))
 
     def pull_back(self, tensors, g: list[np.ndarray]) -> dict[str, torch.Tensor]:

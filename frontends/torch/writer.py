@@ -302,7 +302,7 @@ class TorchWriter:
             module, attr, t = self._tensor(name)
             if Role.IN_STATS not in sides and t.dim() and all(_by_rows(f, t) for f in sides.values()):
                 return [(t, self._new_value_by_rows(name, module, attr, t, sides), module, attr)]
-            old = t.detach().to("cpu", torch.float64).numpy()
+            old = t.detach().to("cpu", torch.float64).resolve_neg().numpy()
             if t.dtype == torch.float64 and t.device.type == "cpu":
                 old = old.copy()  # shares the model's memory: the product below is computed in place
             new = self._new_value(name, module, attr, old, sides)
@@ -314,7 +314,7 @@ class TorchWriter:
             return [(t, new_t, module, attr)]
         if d.kind != "weight_norm" or Role.IN_STATS in sides:
             raise PathirError(d.why or f"'{name}' is weight-normalized and cannot hold running statistics")
-        old = getattr(module, attr).detach().to("cpu", torch.float64).numpy()
+        old = getattr(module, attr).detach().to("cpu", torch.float64).resolve_neg().numpy()
         factor = self._new_value(name, module, attr, np.ones_like(old), sides)
         return [(t, new_t, module, attr) for t, new_t in weight_norm_update(d, factor)]
 

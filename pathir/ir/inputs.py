@@ -59,12 +59,17 @@ def refuse_unreadable(name: str, x) -> None:
     complex (a conversion would drop its imaginary part, and the model itself refuses such an input), entries
     that are not numbers (an object or string array), or numpy's extended precision (longdouble, rounded
     to float64 unseen; no torch model takes it)."""
+    if not hasattr(x, "dtype"):  # a list (of lists): as numpy reads it
+        try:
+            x = np.asarray(x)
+        except (TypeError, ValueError) as err:
+            raise InputShapeError(f"x: input '{name}' is not an array of numbers ({err})") from None
     if x.is_complex() if hasattr(x, "is_complex") else np.iscomplexobj(x):
         raise InputShapeError(f"x: input '{name}' is complex; the network's inputs are real (pass its real part if "
                               "that is what you mean)")
-    dtype = getattr(x, "dtype", None)
+    dtype = x.dtype
     if not isinstance(dtype, np.dtype):
-        return  # a torch tensor (its dtypes are numbers), or a list: read by np.asarray
+        return  # a torch tensor: its dtypes are numbers
     if dtype.kind not in "biuf":
         raise InputShapeError(f"x: input '{name}' is an array of {dtype} entries, not of numbers; pass a float array "
                               "(np.asarray(x, dtype=np.float64) where its entries are numbers)")

@@ -88,7 +88,7 @@ def as_input_dict(graph: Graph, x) -> dict:
             raise InputShapeError(f"x: the graph has inputs {list(graph.inputs)}: pass a dict {{input name: array}}")
         x = {graph.inputs[0]: x}
     for k, v in x.items():
-        refuse_unreadable(k, v if hasattr(v, "shape") else np.asarray(v))
+        refuse_unreadable(k, v)  # (a list read as numpy reads it)
     x = {k: v if hasattr(v, "shape") else np.asarray(v, dtype=np.float64) for k, v in x.items()}  # nested lists
     x = {k: v.detach() if hasattr(v, "detach") else v for k, v in x.items()}  # (a tensor that requires grad)
     x = {k: readable(v) for k, v in x.items()}

@@ -45,8 +45,9 @@ def node_errors(node: Node, where: str = ""):
 
 
 def readable(v):
-    """``v`` as every backend reads it: a torch bfloat16 tensor (numpy has no bfloat16) as float32, exactly."""
-    return v.float() if str(getattr(v, "dtype", "")) == "torch.bfloat16" else v
+    """``v`` as every backend reads it: a torch bfloat16 or float8 tensor (numpy has neither) as float32, exactly."""
+    dtype = str(getattr(v, "dtype", ""))
+    return v.float() if dtype == "torch.bfloat16" or dtype.startswith("torch.float8") else v
 
 
 def forward(graph: Graph, backend, inputs, all_nodes: bool = False):
