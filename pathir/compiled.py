@@ -573,7 +573,7 @@ class Compiled:
         if not hasattr(self.model, "named_buffers"):
             return None
         named = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
-        return lambda name: named[name].detach().cpu().double().numpy()
+        return lambda name: named[name].detach().cpu().double().resolve_neg().numpy()
 
     def _unfolded_variances(self):
         """(param, running variance as float64 array, eps) of every batch-norm that could not be folded and
@@ -593,7 +593,7 @@ class Compiled:
             for ref in p.sources:
                 if ref.role == Role.IN_STATS and ref.name.endswith("running_var"):
                     module = self.model.get_submodule(ref.name.rpartition(".")[0])
-                    yield p, module.running_var.detach().double().cpu().numpy().reshape(-1), module.eps
+                    yield p, module.running_var.detach().double().cpu().resolve_neg().numpy().reshape(-1), module.eps
 
     def rescaled_variance_ratio(self) -> float | None:
         """min (var + eps) / eps over the batch-norm channels whose running statistics a rescaling

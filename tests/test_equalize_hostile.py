@@ -240,7 +240,7 @@ def test_equalize_takes_a_tuple_of_inputs_of_different_shapes():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"inputs": torch.randn(0, 6)}, "empty batch"),
-    ({"inputs": "abc"}, "not an array of numbers"),
+    ({"inputs": "abc"}, "not of float64 numbers"),
     ({"inputs": torch.randn(4, 6, dtype=torch.complex64)}, "complex"),
     ({"max_log_scale": "3"}, "max_log_scale must be a number"),
     ({"absorb_bias": "no"}, "absorb_bias must be True or False"),

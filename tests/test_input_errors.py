@@ -202,7 +202,7 @@ def test_inputs_that_are_not_float64_readable_are_refused_by_every_method_that_r
     x = x.astype("U8") if dtype == "str" else (x * 1e6).astype(dtype) if dtype.startswith("datetime") else \
         x.astype(dtype)
     name = cm.graph.inputs[0]
-    why = "extended precision" if dtype == "longdouble" else "not of numbers"
+    why = "extended precision" if dtype == "longdouble" else "not of float64 numbers"
     for call in (lambda: cm.active_path_norm(x), lambda: cm.active_path_counts(x), lambda: cm.local_affine(x),
                  lambda: cm.forward(x), lambda: pathir.observe(cm, x), lambda: cm.equalize(inputs=x, write_back=False)):
         with pytest.raises(InputShapeError, match=f"input '{name}' is .*{why}"):
@@ -217,7 +217,8 @@ def test_lists_that_are_not_numbers_are_refused_by_forward_and_equalize(rows):
     cm = pathir.compile(model, input_shape=(3,))
     name = cm.graph.inputs[0]
     for call in (lambda: cm.forward(rows), lambda: cm.active_path_norm(rows), lambda: cm.equalize(inputs=rows)):
-        with pytest.raises(InputShapeError, match=f"input '{name}' is (an array of .* not of numbers|not an array of numbers)"):
+        with pytest.raises(InputShapeError, match=f"input '{name}' is (an array of .* not of float64 numbers|a list numpy "
+                                                  "cannot read)"):
             call()
 
 
@@ -232,3 +233,29 @@ def test_a_float8_batch_is_read_exactly():
     assert cm.active_path_norm(x8).tolist() == cm.active_path_norm(x32).tolist()
     assert cm.active_path_counts(x8).tolist() == cm.active_path_counts(x32).tolist()
     assert torch.equal(torch.as_tensor(cm.forward(x8)), torch.as_tensor(cm.forward(x32)))
+
+
+def test_negated_views_and_lists_of_grad_tensors_as_inputs():
+    """A float64 batch that is a lazily negated view is read by its values everywhere (equalize(inputs=) and the
+    active path-metric raised torch's RuntimeError); a list of tensors that require grad is refused clearly."""
+    torch.manual_seed(0)
+    cm = pathir.compile(nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2)).double(), input_shape=(3,))
+    x = torch.randn(4, 3, dtype=torch.float64)
+    xn = torch._neg_view(-x)
+    assert cm.active_path_norm(xn).tolist() == cm.active_path_norm(x).tolist()
+    assert pathir.active_path_metric(cm, cm, xn).x_scale.tolist() == pathir.active_path_metric(cm, cm, x).x_scale.tolist()
+    report = cm.equalize(inputs=xn, write_back=False)
+    assert report.observed_before == cm.equalize(inputs=x, write_back=False).observed_before
+    with pytest.raises(InputShapeError, match="a list numpy cannot read"):
+        cm.active_path_norm([torch.ones(3, requires_grad=True)])
+
+
+def test_a_scalar_batch_is_refused_by_forward():
+    """forward read the batch size before any check: a float raised a raw TypeError, a 0-d array an IndexError."""
+    import numpy as np
+
+    cm = pathir.compile(nn.Sequential(nn.Linear(1, 3), nn.ReLU(), nn.Linear(3, 1)).double(), input_shape=(1,))
+    for x in (0.5, np.float64(0.5), torch.tensor(0.5)):
+        with pytest.raises(InputShapeError, match="got a scalar"):
+            cm.forward(x)
+    assert np.asarray(cm.forward([[0.5], [1.0]])).shape == (2, 1)

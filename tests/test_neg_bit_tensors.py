@@ -41,3 +41,19 @@ def test_negated_views_are_read_by_their_values_and_written_back(dtype):
     m[0].weight.data = torch._neg_view(torch.randn(3, 2, 3, 3, dtype=dtype))  # re-read after a .data edit
     assert cm.path_norm(2) == pytest.approx(pathir.compile(_materialised(m), input_shape=(2, 6, 6)).path_norm(2),
                                             rel=1e-12)
+
+
+def test_a_negated_running_variance_of_a_kept_batch_norm_sets_the_bound_by_its_values():
+    """A batch-norm after a ReLU is not folded: its running variance bounds the rescaling (the default
+    max_log_scale), read by `Compiled` itself, where torch's RuntimeError stopped pathcond and equalize."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.BatchNorm1d(6), nn.Linear(6, 2)).double().eval()
+    net[2].running_var = torch._neg_view(-torch.rand(6, dtype=torch.float64) - 0.5)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    before = net(x).detach().clone()
+    cm = pathir.compile(net, input_shape=(4,))
+    bound = pathir.compile(_materialised(net), input_shape=(4,)).pathcond(write_back=False).max_log_scale
+    assert cm.pathcond().max_log_scale == bound
+    torch.testing.assert_close(net(x).detach(), before, rtol=1e-12, atol=1e-12)
+    cm.equalize()
+    torch.testing.assert_close(net(x).detach(), before, rtol=1e-12, atol=1e-12)

@@ -40,7 +40,7 @@ def graph_inputs(graph: Graph, inputs) -> dict | None:
     for name, x in feed.items():
         refuse_unreadable(name, x)
         try:
-            x = x.detach().cpu().double().numpy() if hasattr(x, "detach") else np.asarray(x, dtype=np.float64)
+            x = x.detach().cpu().double().resolve_neg().numpy() if hasattr(x, "detach") else np.asarray(x, dtype=np.float64)
         except (TypeError, ValueError) as err:
             raise InputShapeError(f"x: input '{name}' is not an array of numbers ({err})") from None
         shape = graph.node(name).shape
@@ -54,25 +54,28 @@ def graph_inputs(graph: Graph, inputs) -> dict | None:
     return out
 
 
-def refuse_unreadable(name: str, x) -> None:
+def refuse_unreadable(name: str, x, objects: bool = False) -> None:
     """InputShapeError where the array or tensor ``x`` fed to input ``name`` cannot be read as float64 exactly:
     complex (a conversion would drop its imaginary part, and the model itself refuses such an input), entries
-    that are not numbers (an object or string array), or numpy's extended precision (longdouble, rounded
-    to float64 unseen; no torch model takes it)."""
+    that are not numbers (an object or string array; ``objects=True`` lets object arrays through: the sympy
+    backend's exact numbers), or numpy's extended precision (longdouble, rounded to float64 unseen; no torch
+    model takes it)."""
     if not hasattr(x, "dtype"):  # a list (of lists): as numpy reads it
         try:
             x = np.asarray(x)
-        except (TypeError, ValueError) as err:
-            raise InputShapeError(f"x: input '{name}' is not an array of numbers ({err})") from None
+        except (TypeError, ValueError, RuntimeError) as err:  # (ragged; tensors that require grad)
+            raise InputShapeError(f"x: input '{name}' is a list numpy cannot read as one array of numbers ({err}); "
+                                  "pass one array or tensor") from None
     if x.is_complex() if hasattr(x, "is_complex") else np.iscomplexobj(x):
         raise InputShapeError(f"x: input '{name}' is complex; the network's inputs are real (pass its real part if "
                               "that is what you mean)")
     dtype = x.dtype
     if not isinstance(dtype, np.dtype):
         return  # a torch tensor: its dtypes are numbers
-    if dtype.kind not in "biuf":
-        raise InputShapeError(f"x: input '{name}' is an array of {dtype} entries, not of numbers; pass a float array "
-                              "(np.asarray(x, dtype=np.float64) where its entries are numbers)")
+    if dtype.kind not in ("biufO" if objects else "biuf"):
+        raise InputShapeError(f"x: input '{name}' is an array of {dtype} entries (Python objects, strings, dates), not "
+                              "of float64 numbers; pass a float array (np.asarray(x, dtype=np.float64) where its entries "
+                              "are numbers)")
     if dtype.kind == "f" and dtype.itemsize > 8:
         raise InputShapeError(f"x: input '{name}' is {dtype} (extended precision): pathir computes in float64 and no "
                               "torch model takes it, so its entries would be rounded unseen; pass x.astype(np.float64)")

@@ -102,7 +102,7 @@ def _diff_maps(ga, gb):
 def _x_scale(x: dict) -> np.ndarray:
     out = None
     for v in x.values():
-        v = v.detach().cpu().double().numpy() if hasattr(v, "detach") else np.asarray(v)
+        v = v.detach().cpu().double().resolve_neg().numpy() if hasattr(v, "detach") else np.asarray(v)
         m = np.abs(np.asarray(v, dtype=np.float64).reshape(v.shape[0], -1)).max(axis=1, initial=0.0)
         out = m if out is None else np.maximum(out, m)
     return np.maximum(out, 1.0)

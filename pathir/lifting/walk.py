@@ -19,6 +19,8 @@ import functools
 import math
 from contextlib import contextmanager
 
+import numpy as np
+
 from pathir.errors import BackendError, InputShapeError, PathirError
 from pathir.ir import Graph, MapKind, Node, NodeKind
 from pathir.ir.inputs import refuse_unreadable
@@ -63,14 +65,20 @@ def forward(graph: Graph, backend, inputs, all_nodes: bool = False):
     if missing or unknown:
         raise InputShapeError(f"x: a dict of inputs is keyed by the graph's input names {list(names)}; "
                               + (f"no value for {missing}" if missing else f"{unknown} name no input"))
-    batches = {int(inputs[n].shape[0]) if hasattr(inputs[n], "shape") else len(inputs[n]) for n in names}
+    for n in names:
+        refuse_unreadable(n, inputs[n], objects=getattr(backend, "name", "") == "sympy")  # (exact numbers)
+    shapes = {n: tuple(inputs[n].shape) if hasattr(inputs[n], "shape") else np.shape(inputs[n]) for n in names}
+    for n, shape in shapes.items():
+        if not shape:
+            raise InputShapeError(f"x: input '{n}' expects (B, {', '.join(map(str, graph.node(n).shape))}), got a "
+                                  "scalar")
+    batches = {int(shape[0]) for shape in shapes.values()}
     if len(batches) > 1:
         raise InputShapeError(f"x: the inputs have different batch sizes {sorted(batches)}")
     acts = {}
     for node in graph.nodes:
         with node_errors(node):
             if node.kind is NodeKind.INPUT:
-                refuse_unreadable(node.name, inputs[node.name])
                 x = backend.asarray(readable(inputs[node.name]))
                 if tuple(x.shape[1:]) != node.shape or not x.shape[0]:
                     raise InputShapeError(f"x: input '{node.name}' expects (B, {', '.join(map(str, node.shape))}) with "
