@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pathir.frontends.core.values import NegInfPadded, ParamTensor, Value
+from pathir.frontends.core.values import NegInfPadded, ParamTensor, Value, f64
 from pathir.ir import FixedConv, Resample, SourceRef
 
 __all__ = ["pad", "neg_inf_pad", "max_pool_padded", "interpolate", "adaptive_avg_pool", "fixed_conv", "fixed_linear", "fixed_left_matmul", "axis_matrices", "resampled"]
@@ -225,7 +225,7 @@ def fixed_conv(low, v: Value, weight: ParamTensor, bias, stride, padding, dilati
     ``FixedConv`` edge holding the kernel: constant edges, never rescaled. A learnable bias (one entry
     per output channel) is the bias of its neurons; any other bias is refused."""
     v = low.value(v)
-    W = weight.tensor.detach().to("cpu", torch.float64).resolve_neg().numpy()
+    W = f64(weight.tensor)
     if bias is not None and not (isinstance(bias, ParamTensor) and isinstance(bias.tensor, torch.nn.Parameter)
                                  and tuple(bias.tensor.shape) == (W.shape[0],)):
         low.unsupported("a convolution with a fixed kernel and a bias that is not a learnable parameter of one entry "

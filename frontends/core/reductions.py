@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from pathir.frontends.core.fixed_factors import fixed_scale
-from pathir.frontends.core.values import ParamTensor, Value, zero_constant
+from pathir.frontends.core.values import ParamTensor, Value, f64, zero_constant
 from pathir.ir import Pool
 
 __all__ = ["reduce", "all_spatial", "elementwise_max", "where"]
@@ -95,7 +95,7 @@ def where(low, cond, a, b):
     m = _const_mask(cond)
     if m is None:
         low.unsupported("selects by a mask that is not a constant bool tensor (a buffer or a constant)")
-    keep = m.detach().to("cpu", torch.float64).resolve_neg().numpy()
+    keep = f64(m)
     terms = []
     for branch, factor in ((a, keep), (b, 1.0 - keep)):
         if isinstance(branch, Value):

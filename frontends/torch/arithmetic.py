@@ -26,7 +26,7 @@ import torch.nn as nn
 from pathir.frontends.core.fixed_factors import fixed_scale
 from pathir.frontends.core.fixed_maps import fixed_left_matmul, fixed_linear
 from pathir.frontends.core.reductions import elementwise_max
-from pathir.frontends.core.values import ParamTensor, Value, described
+from pathir.frontends.core.values import ParamTensor, Value, described, f64
 from pathir.frontends.torch.why import refuse
 from pathir.ir import Scale, SourceRef
 
@@ -63,7 +63,7 @@ def _constant_tensor(c) -> np.ndarray | None:
                                       or c.dtype == np.bool_):
         return c.astype(np.float64)
     if isinstance(c, torch.Tensor) and not isinstance(c, nn.Parameter) and c.dtype not in _COMPLEX:
-        return c.detach().to("cpu", torch.float64).resolve_neg().numpy()  # a bool mask multiplies by 0 / 1
+        return f64(c)  # a bool mask multiplies by 0 / 1
     return None
 
 
@@ -174,7 +174,7 @@ def _layer_scale(low, v: Value, gamma: ParamTensor) -> Value:
         low.unsupported(f"multiplies an activation of shape {list(v.shape)} by the parameter '{gamma.name}' of "
                         f"shape {list(t.shape)}: only one learnable factor per channel (a layer-scale) is a "
                         "rescalable edge")
-    value = t.detach().to("cpu", torch.float64).reshape(channels).resolve_neg().numpy().copy()
+    value = f64(t).reshape(channels)
     W = low.param(gamma.name, value, (SourceRef(gamma.name),))
     src = low.materialize(v)
     return Value([(src, Scale(W))], tuple(v.shape), None, low.label)

@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from pathir.errors import PathirError
+from pathir.frontends.core.values import f64
 from pathir.frontends.torch.inputs import eval_forward, model_dtype_device
 from pathir.nn import ClippedReLU
 
@@ -62,7 +63,7 @@ class ClipSite:
 def module_threshold(module, channels: int) -> np.ndarray:
     """The threshold of a clipped ReLU module as one float64 entry per channel (a copy)."""
     if isinstance(module, ClippedReLU):
-        t = module.threshold.detach().to("cpu", torch.float64).reshape(-1).resolve_neg().numpy().copy()
+        t = f64(module.threshold).reshape(-1)
     elif isinstance(module, nn.Hardtanh):
         t = np.full(channels, float(module.max_val))
     else:

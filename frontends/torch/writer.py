@@ -41,6 +41,7 @@ import numpy as np
 
 from pathir.errors import PathirError, StaleReference
 from pathir.frontends.core.param_write import derived, per_slice_factor, refresh, weight_norm_update
+from pathir.frontends.core.values import f64
 from pathir.frontends.core.write_rules import EntryFactor, check_variance, clip_threshold_names, mask_plan, source_factors
 from pathir.frontends.torch.clipped import plan_clips
 from pathir.frontends.torch.function_kept import Probe
@@ -302,9 +303,7 @@ class TorchWriter:
             module, attr, t = self._tensor(name)
             if Role.IN_STATS not in sides and t.dim() and all(_by_rows(f, t) for f in sides.values()):
                 return [(t, self._new_value_by_rows(name, module, attr, t, sides), module, attr)]
-            old = t.detach().to("cpu", torch.float64).resolve_neg().numpy()
-            if t.dtype == torch.float64 and t.device.type == "cpu":
-                old = old.copy()  # shares the model's memory: the product below is computed in place
+            old = f64(t)  # this call's own copy: the product below is computed in place
             new = self._new_value(name, module, attr, old, sides)
             new_t = torch.as_tensor(new, dtype=torch.float64).to(dtype=t.dtype, device=t.device)
             if attr == "running_var" and Role.IN_STATS in sides:
@@ -314,7 +313,7 @@ class TorchWriter:
             return [(t, new_t, module, attr)]
         if d.kind != "weight_norm" or Role.IN_STATS in sides:
             raise PathirError(d.why or f"'{name}' is weight-normalized and cannot hold running statistics")
-        old = getattr(module, attr).detach().to("cpu", torch.float64).resolve_neg().numpy()
+        old = f64(getattr(module, attr))
         factor = self._new_value(name, module, attr, np.ones_like(old), sides)
         return [(t, new_t, module, attr) for t, new_t in weight_norm_update(d, factor)]
 
