@@ -24,7 +24,7 @@ from pathir.enorm.run import enorm, normalize_units
 from pathir.equalization.run import equalize
 from pathir.errors import ArgumentError, ModelChanged, PathirError
 from pathir.ir import Graph, MapKind, Role
-from pathir.ir.inputs import graph_inputs
+from pathir.ir.inputs import graph_inputs, tensor_float64
 from pathir.lifting.active import active_path_counts, active_path_norm, local_affine
 from pathir.lifting.diag_g import diag_g
 from pathir.lifting.path_norm import num_paths, path_norm, path_norms
@@ -573,7 +573,7 @@ class Compiled:
         if not hasattr(self.model, "named_buffers"):
             return None
         named = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
-        return lambda name: named[name].detach().cpu().double().resolve_neg().numpy()
+        return lambda name: tensor_float64(named[name])
 
     def _unfolded_variances(self):
         """(param, running variance as float64 array, eps) of every batch-norm that could not be folded and
@@ -593,7 +593,7 @@ class Compiled:
             for ref in p.sources:
                 if ref.role == Role.IN_STATS and ref.name.endswith("running_var"):
                     module = self.model.get_submodule(ref.name.rpartition(".")[0])
-                    yield p, module.running_var.detach().double().cpu().resolve_neg().numpy().reshape(-1), module.eps
+                    yield p, tensor_float64(module.running_var).reshape(-1), module.eps
 
     def rescaled_variance_ratio(self) -> float | None:
         """min (var + eps) / eps over the batch-norm channels whose running statistics a rescaling

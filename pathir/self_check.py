@@ -34,6 +34,7 @@ from pathir.frontends.onnx.function_kept import probe_feeds
 from pathir.frontends.onnx.load import load
 from pathir.frontends.torch.function_kept import Reference
 from pathir.frontends.torch.inputs import eval_forward, explain, model_dtype_device, output_tensors
+from pathir.ir.inputs import tensor_float64
 from pathir.lifting.walk import forward
 
 __all__ = ["self_check", "TOLERANCE", "BATCH"]
@@ -52,7 +53,7 @@ def _backend(cm, dtype: str):
 
 
 def _numpy(a) -> np.ndarray:
-    return a.detach().cpu().double().numpy() if hasattr(a, "detach") else np.asarray(a, dtype=np.float64)
+    return tensor_float64(a) if hasattr(a, "detach") else np.asarray(a, dtype=np.float64)
 
 
 def _ir_forward(cm, inputs: dict, dtype: str, all_nodes=False) -> dict:

@@ -39,6 +39,7 @@ import pathir
 from pathir.errors import GraphTooLarge, PathirError, SelfCheckFailed
 from pathir.frontends.onnx.load import load
 from pathir.ir import Graph
+from pathir.ir.inputs import tensor_float64
 from pathir.lifting.walk import forward
 from pathir.rescaling.apply import rescale_graph
 from pathir.support.progress import Phases
@@ -225,7 +226,7 @@ def _deviation(out, ref) -> float:
 
 
 def _as_numpy(out) -> dict:
-    return {k: (v.detach().cpu().double().numpy() if hasattr(v, "detach") else np.asarray(v)) for k, v in out.items()}
+    return {k: (tensor_float64(v) if hasattr(v, "detach") else np.asarray(v)) for k, v in out.items()}
 
 
 def _check_ir_units(cm, z, xs) -> CheckResult:

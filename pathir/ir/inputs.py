@@ -8,7 +8,13 @@ import numpy as np
 from pathir.errors import InputShapeError
 from pathir.ir.graph import Graph
 
-__all__ = ["graph_inputs", "refuse_unreadable"]
+__all__ = ["graph_inputs", "refuse_unreadable", "tensor_float64"]
+
+
+def tensor_float64(t) -> np.ndarray:
+    """A torch tensor's values as a float64 numpy array on the CPU (detached; a lazily negated view resolved:
+    numpy would read its storage, not its values)."""
+    return t.detach().cpu().double().resolve_neg().numpy()
 
 
 def graph_inputs(graph: Graph, inputs) -> dict | None:
@@ -40,7 +46,7 @@ def graph_inputs(graph: Graph, inputs) -> dict | None:
     for name, x in feed.items():
         refuse_unreadable(name, x)
         try:
-            x = x.detach().cpu().double().resolve_neg().numpy() if hasattr(x, "detach") else np.asarray(x, dtype=np.float64)
+            x = tensor_float64(x) if hasattr(x, "detach") else np.asarray(x, dtype=np.float64)
         except (TypeError, ValueError) as err:
             raise InputShapeError(f"x: input '{name}' is not an array of numbers ({err})") from None
         shape = graph.node(name).shape

@@ -27,6 +27,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from pathir.errors import PathirError
+from pathir.ir.inputs import tensor_float64
 from pathir.lifting.active import DEFAULT_CHUNK, chunks
 from pathir.lifting.path_metric import backend_of, check_same_architecture, graph_of, param_pairs, sign_relations
 from pathir.lifting.pattern import (
@@ -102,7 +103,7 @@ def _diff_maps(ga, gb):
 def _x_scale(x: dict) -> np.ndarray:
     out = None
     for v in x.values():
-        v = v.detach().cpu().double().resolve_neg().numpy() if hasattr(v, "detach") else np.asarray(v)
+        v = tensor_float64(v) if hasattr(v, "detach") else np.asarray(v)
         m = np.abs(np.asarray(v, dtype=np.float64).reshape(v.shape[0], -1)).max(axis=1, initial=0.0)
         out = m if out is None else np.maximum(out, m)
     return np.maximum(out, 1.0)
