@@ -93,14 +93,15 @@ def conv_input(shape, W, g, stride, pads, dilation):
 
 def conv_weight(x, W_shape, g, stride, pads, dilation):
     """The weight-gradient of :func:`conv`: Σ over the batch and the output positions of input times
-    output gradient, per kernel entry, of shape ``W_shape`` (C·m, 1, *k)."""
+    output gradient, per kernel entry, of shape ``W_shape`` (C·m, 1, *k). Each offset's products are
+    formed on the strided view of the padded input and summed (no contiguous copy of the view)."""
     N, C = x.shape[:2]
     out = list(g.shape[2:])
     m = W_shape[0] // C
     xp = _pad(x, pads)
-    gr = g.reshape(N, C, m, -1)
+    gr = g.reshape(N, C, m, *out)
     wg = g.new_empty((C, m, *W_shape[2:]))
+    summed = (0, *range(3, 3 + len(out)))  # the batch and the output positions
     for off, x_at in _offsets(W_shape[2:], dilation, stride, out):
-        view = xp[x_at].reshape(N, C, 1, -1)
-        wg[(slice(None), slice(None)) + off] = torch.einsum("ncjp,ncjp->cj", view.expand(N, C, m, -1), gr)
+        wg[(slice(None), slice(None)) + off] = (xp[x_at].unsqueeze(2) * gr).sum(dim=summed)
     return wg.reshape(W_shape)

@@ -487,6 +487,19 @@ class TorchBackend(Backend):
         """``x``'s entries at ``index`` (a numpy int array) along ``axis``."""
         return x.index_select(axis, torch.as_tensor(index, dtype=torch.long, device=x.device))
 
+    def pieces(self, x, axis: int, pieces):
+        """``x`` along ``axis`` as ``pieces`` ``(start, length, repeated)`` end to end: ``length`` slices from
+        ``start``, or (repeated) the slice ``start`` ``length`` times; one concatenation of views."""
+        parts = []
+        for start, length, repeated in pieces:
+            if repeated:
+                sizes = [-1] * x.ndim
+                sizes[axis] = length
+                parts.append(x.narrow(axis, start, 1).expand(*sizes))
+            else:
+                parts.append(x.narrow(axis, start, length))
+        return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=axis)
+
     def bias(self, node: Node, ndim: int):
         return bcast(self.param(node.bias), ndim)
 

@@ -256,3 +256,24 @@ def test_the_forward_walk_drops_each_converted_weight_after_its_node(forget):
     for name, (m, L, runs) in acts.items():
         if m is not None:
             assert torch.equal(m, again[name][0]) and L == again[name][1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 12), old=st.tuples(st.integers(0, 11), st.integers(1, 12)),
+       new=st.tuples(st.integers(0, 11), st.integers(1, 12)), data=st.data())
+def test_restoring_runs_as_pieces_is_the_gather_by_index(n, old, new, data):
+    """Re-storing a map from one run to another inside it (the torch backend's concatenation of views) reads
+    each full position's stored slice: the gather by the stored index of every kept position."""
+    from pathir.backends.torch import TorchBackend
+    from pathir.lifting.ones_walk import Runs, restore
+
+    s0, c0 = min(old[0], n - 1), min(old[1], n - min(old[0], n - 1))
+    s1 = data.draw(st.integers(s0, s0 + c0 - 1))
+    c1 = data.draw(st.integers(1, s0 + c0 - s1))
+    before, after = Runs((n,), [(s0, c0) if c0 > 1 else (0, 1)]), Runs((n,), [(s1, c1) if c1 > 1 else (0, 1)])
+    x = torch.randn(2, 3, before.stored[0], dtype=torch.float64)
+    got = restore(TorchBackend(), x, before, after)
+    s, c = after.runs[0]
+    kept = np.concatenate([np.arange(s + 1), np.arange(s + c, n)])
+    want = x[:, :, torch.as_tensor(before.index(0, kept))]
+    assert got.shape == want.shape and torch.equal(got, want)

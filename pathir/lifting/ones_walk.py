@@ -83,14 +83,42 @@ class Runs:
         return Runs(self.full, out)
 
 
+def _pieces(a: int, b: int, run: tuple) -> list:
+    """Full positions ``a .. b - 1`` of an axis stored with ``run`` as stored pieces ``(start, length, repeated)``:
+    positions before the run read their own slice, the run's positions its one slice, the rest theirs."""
+    s, c = run
+    out = []
+    if a < min(b, s):
+        out.append((a, min(b, s) - a, False))
+    inside = min(b, s + c) - max(a, s)
+    if inside > 0:
+        out.append((s, inside, True))
+    if max(a, s + c) < b:
+        out.append((max(a, s + c) - c + 1, b - max(a, s + c), False))
+    return out
+
+
+def _gather(backend, x, axis: int, pieces: list):
+    """``x`` along ``axis`` laid out as ``pieces`` ``(start, length, repeated)``: a run of ``length`` stored
+    slices from ``start``, or (repeated) the slice ``start`` ``length`` times. One concatenation of views
+    where the backend has ``pieces``; else a gather by index."""
+    pieces = [p for p in pieces if p[1] > 0]
+    if len(pieces) == 1 and not pieces[0][2] and pieces[0][0] == 0 and pieces[0][1] == x.shape[axis]:
+        return x
+    if hasattr(backend, "pieces"):
+        return backend.pieces(x, axis, pieces)
+    index = np.concatenate([np.full(n, s) if rep else np.arange(s, s + n) for s, n, rep in pieces])
+    return backend.take(x, axis, index)
+
+
 def restore(backend, x, old: Runs, new: Runs):
     """``x`` stored with runs ``old`` re-stored with runs ``new`` (each new run inside the old one,
     or of count 1): a gather along every axis whose run changes."""
     for d, (a, b) in enumerate(zip(old.runs, new.runs)):
         if a != b:
             (s, c), n = b, old.full[d]
-            reps = np.concatenate([np.arange(s + 1), np.arange(s + c, n)])  # a full position per stored index
-            x = backend.take(x, 2 + d, old.index(d, reps))
+            # a full position per stored index: 0 .. s, then s + c .. n - 1
+            x = _gather(backend, x, 2 + d, _pieces(0, s + 1, a) + _pieces(s + c, n, a))
     return x
 
 
@@ -152,7 +180,7 @@ def _windowed(backend, m, x, runs: Runs, channels: int, mult: float):
         cut = (c0 - least) // st if c0 > least else 0
         t = c0 - st * cut  # copies of the run's slice materialised
         if t != 1:
-            x = backend.take(x, 2 + d, np.concatenate([np.arange(s0), np.full(t, s0), np.arange(s0 + 1, n - c0 + 1)]))
+            x = _gather(backend, x, 2 + d, [(0, s0, False), (s0, t, True), (s0 + 1, n - c0 - s0, False)])
         lengths.append(n - st * cut)
         n_out = pool_output_size(n, k, st, pad, dil, ceil)
         first = -(-(s0 + pad[0]) // st)  # the outputs whose windows lie inside the run
@@ -163,14 +191,14 @@ def _windowed(backend, m, x, runs: Runs, channels: int, mult: float):
             keeps.append(None)
         else:
             out_runs.append((first, inner + cut))
-            keeps.append(np.concatenate([np.arange(first + 1), np.arange(first + inner, n_out - cut)]))
+            keeps.append([(0, first + 1, False), (first + inner, n_out - cut - first - inner, False)])
     shape = (channels, *lengths)
     if m.kind is MapKind.POOL and m.mult is not None:  # its one multiplier over the materialised outputs
         m = replace(m, mult=np.full(replace(m, mult=None).out_shape(shape)[1:], mult))
     y = backend.apply(m, x, shape)
     for d, keep in enumerate(keeps):
         if keep is not None:
-            y = backend.take(y, 2 + d, keep)
+            y = _gather(backend, y, 2 + d, keep)
     return y, Runs(out_full, out_runs)
 
 
