@@ -170,10 +170,15 @@ class Lowering:
 
     # ------------------------------------------------------------ affine ops
     def linear(self, v: Value, weight: ParamTensor, bias: ParamTensor | None) -> Value:
+        """``F.linear(v, weight, bias)``; ``weight`` read transposed (``F.linear(x, W.t())``: W stored (in, out))
+        is a dense layer on a flat v only."""
         v = self.value(v)
         if len(v.shape) != 1:
+            if weight.transposed:
+                self.unsupported(f"a linear layer on an activation of shape {list(v.shape)} whose weight "
+                                 f"'{weight.name}' is read transposed: only a flat (in,) activation reads it so")
             return linear_last_axis(self, v, weight, bias)
-        W = self.direct(weight)
+        W = self._dense(weight, stored_as_in_out=weight.transposed)
         b = self.direct(bias) if bias is not None else None
         if W.shape[1] != v.shape[0]:
             self.unsupported(f"weight {list(W.shape)} does not fit {v.shape[0]} input features")
@@ -358,15 +363,24 @@ class Lowering:
         return Value(list(v.terms), v.shape, b, self.label)
 
     def matmul_param(self, v: Value, weight: ParamTensor) -> Value:
-        """x @ W with W a (in, out) parameter: a dense layer whose matrix is W transposed."""
+        """x @ W with W a (in, out) parameter (or ``x @ W.t()``, W stored (out, in)): a dense layer whose matrix is
+        the product's right factor transposed."""
         v = self.value(v)
-        t = weight.tensor
+        t = weight.read()
         if t.dim() != 2 or len(v.shape) != 1 or t.shape[0] != v.shape[0]:
             self.unsupported(f"matmul of an activation of shape {list(v.shape)} by the parameter '{weight.name}' "
-                             f"of shape {list(t.shape)}: only a flat (in,) activation times an (in, out) matrix is a "
-                             "dense layer")
-        W = self.widened(weight, (SourceRef(weight.name, transposed=True),), view=lambda x: x.T)
+                             f"{'read transposed, ' if weight.transposed else ''}of shape {list(t.shape)}: only a "
+                             "flat (in,) activation times an (in, out) matrix is a dense layer")
+        W = self._dense(weight, stored_as_in_out=not weight.transposed)
         return self.apply(v, Dense(W), None, flat_ok=True)
+
+    def _dense(self, weight: ParamTensor, stored_as_in_out: bool) -> Param:
+        """A dense layer's (out, in) matrix from ``weight``: the stored tensor itself, or (``stored_as_in_out``) its
+        transpose, the write-back told so (SourceRef ``transposed``)."""
+        if not stored_as_in_out:
+            return self.direct(weight)
+        return self.widened(weight, (SourceRef(weight.name, transposed=True),), "transposed (stored (in, out))",
+                            view=lambda x: x.T)
 
     # ------------------------------------------------------------ index ops
     def cat_channels(self, values: list[Value]) -> Value | None:

@@ -25,7 +25,7 @@ import torch
 
 from pathir.ir import ChannelMap, Gather, Identity, Map, MapKind, Param, Pool, Reshape
 
-__all__ = ["described", "Value", "ParamTensor", "MaxIndices", "f64", "SELECTION", "selection_index", "selection_map", "run_index_op", "BATCH",
+__all__ = ["described", "Value", "ParamTensor", "reads_transposed", "MaxIndices", "f64", "SELECTION", "selection_index", "selection_map", "run_index_op", "BATCH",
            "leaves", "values_in", "substitute", "zero_constant"]
 
 #: batch size of the element-id tensors (2 catches ops that mix samples)
@@ -62,11 +62,24 @@ class Value:
 
 @dataclass
 class ParamTensor:
-    """A model parameter or buffer met as a value (module attribute, get_attr, export input)."""
+    """A model parameter or buffer met as a value (module attribute, get_attr, export input). ``transposed``:
+    the forward reads the 2-d tensor transposed (``W.t()``, ``W.T``); ``tensor`` is still the stored one, and
+    only the rules marked :func:`reads_transposed` accept it (``invoke`` refuses it anywhere else)."""
 
     name: str
     tensor: torch.Tensor
     kind: str = "parameter"  # or "buffer"
+    transposed: bool = False
+
+    def read(self) -> torch.Tensor:
+        """The tensor as the forward reads it (the stored one, transposed where ``transposed``)."""
+        return self.tensor.t() if self.transposed else self.tensor
+
+
+def reads_transposed(rule):
+    """Mark ``rule`` as one that lowers a :class:`ParamTensor` read transposed (x @ W.t(), F.linear(x, W.t()))."""
+    rule.reads_transposed = True
+    return rule
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ factors of activations, elementwise max, and matmul by a parameter.
 from __future__ import annotations
 
 import numbers
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -26,7 +27,8 @@ import torch.nn as nn
 from pathir.frontends.core.fixed_factors import fixed_scale
 from pathir.frontends.core.fixed_maps import fixed_left_matmul, fixed_linear
 from pathir.frontends.core.reductions import elementwise_max
-from pathir.frontends.core.values import ParamTensor, Value, described, f64
+from pathir.frontends.core.values import ParamTensor, Value, described, f64, reads_transposed
+from pathir.frontends.torch.indexing import transposed_param
 from pathir.frontends.torch.why import refuse
 from pathir.ir import Scale, SourceRef
 
@@ -187,23 +189,30 @@ def maximum(low, input, other):
     return elementwise_max(low, [input, other])
 
 
+@reads_transposed
 def matmul(low, input, other):
-    """``x @ W`` with W an (in, out) parameter: a dense layer; with W a buffer, a fixed map; ``A @ x`` with A a
-    buffer (a fixed adjacency over x's second-to-last axis), a fixed map: (xᵀ @ Aᵀ)ᵀ."""
+    """``x @ W`` with W an (in, out) parameter, or ``x @ W.t()`` with W an (out, in) one: a dense layer; with W a
+    buffer, a fixed map; ``A @ x`` with A a buffer (a fixed adjacency over x's second-to-last axis), a fixed map:
+    (xᵀ @ Aᵀ)ᵀ."""
+    if isinstance(input, ParamTensor) and input.transposed:
+        low.unsupported(transposed_param(input, "a product on the left of an activation"))
     if isinstance(input, ParamTensor) and isinstance(other, Value) and low.is_buffer(input):
         return fixed_left_matmul(low, input, other)
     if not (isinstance(input, Value) and isinstance(other, ParamTensor)):
         refuse(low)
-    if low.is_buffer(other):
-        return fixed_linear(low, input, other, None, transposed=True)
+    if low.is_buffer(other):  # x @ B is F.linear(x, Bᵀ); x @ B.t() is F.linear(x, B)
+        return fixed_linear(low, input, replace(other, transposed=False), None, transposed=not other.transposed)
     return low.matmul_param(input, other)
 
 
+@reads_transposed
 def addmm(low, input, mat1, mat2, *, beta=1, alpha=1):
     """``beta * input + alpha * (mat1 @ mat2)``: the product as :func:`matmul` lowers it, a constant alpha ≠ 1 a
     fixed factor on it, plus ``input`` as :func:`add` adds it (a bias parameter, an activation); beta = 0 drops
     ``input`` (torch ignores it then), another constant beta is a fixed factor on an activation ``input`` and
     refused on a parameter (a bias is added as it is stored)."""
+    if isinstance(input, ParamTensor) and input.transposed:
+        low.unsupported(transposed_param(input, "addmm's added term"))
     product = matmul(low, mat1, mat2)
     a = _alpha(low, alpha)
     if a != 1:

@@ -16,6 +16,7 @@ from torch.export.graph_signature import OutputKind
 from pathir.errors import UnsupportedOperation
 from pathir.frontends.core.values import ParamTensor, leaves, values_in
 from pathir.frontends.torch.capture_checks import WriteThroughView, effect_export, refuse_state_writes
+from pathir.frontends.torch.indexing import is_transpose, transposed
 from pathir.frontends.torch.inputs import model_dtype_device
 from pathir.frontends.torch.interpreter import FxInterpreter
 from pathir.frontends.torch.table import rule_for
@@ -131,6 +132,8 @@ class _ExportInterpreter(FxInterpreter):
                 # torch.fx records it (fx folds a buffer's own ops into one tensor constant)
                 return self._constant(fn(*torch.utils._pytree.tree_map(_unwrap, args),
                                          **torch.utils._pytree.tree_map(_unwrap, kwargs)))
+            if isinstance(args[0], ParamTensor) and not kwargs and is_transpose(fn):
+                return transposed(self.low, args[0], fn.__name__, *args[1:])  # x @ W.t(): read by the product's rule
             tensors = [a for a in leaves(args, kwargs) if isinstance(a, (ParamTensor, torch.Tensor))]
             if rule_for(fn) is None or len(tensors) > 1:  # (a parameter times a mask buffer: pruning's weight)
                 unreached = _unreached(fn, args, kwargs)
@@ -150,17 +153,17 @@ class _ExportInterpreter(FxInterpreter):
 
 
 def _unwrap(a):
-    return a.tensor if isinstance(a, ParamTensor) else a
+    return a.read() if isinstance(a, ParamTensor) else a
 
 
 def _unreached(fn, args, kwargs):
     """``fn``'s value on args that hold parameters, where no parameter reaches it: the same, bit for bit, with
-    every parameter replaced by random values (a polynomial in them that is not constant differs there with
+    every parameter moved by a random amount (a polynomial in them that is not constant differs there with
     probability 1), as ``linear(zeros, W)``; else None."""
     def value(swap):
         def leaf(a):
             if isinstance(a, ParamTensor):  # (copies: an in-place op would write the model's own tensor)
-                t = a.tensor.detach()
+                t = a.read().detach()
                 return swap(t) if isinstance(a.tensor, torch.nn.Parameter) else t.clone()
             return a.clone() if isinstance(a, torch.Tensor) else a
         return fn(*torch.utils._pytree.tree_map(leaf, args), **torch.utils._pytree.tree_map(leaf, kwargs))
@@ -169,7 +172,10 @@ def _unreached(fn, args, kwargs):
     try:
         with torch.no_grad():
             here = value(lambda t: t.clone())
-            there = value(lambda t: torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype))
+            # every entry moved by 1 + |its value| or more (never by 0, nor lost to rounding): random values drawn
+            # alone could be the parameter's own (a model initialised from the same seed, as tests do)
+            there = value(lambda t: t + ((1 + t.abs().double()) * (1 + torch.rand(t.shape, generator=gen,
+                                                                                  dtype=torch.float64))).to(t.dtype))
     except Exception:  # noqa: BLE001 - whatever the op raises on such arguments: not a constant we can read
         return None
     same = isinstance(here, torch.Tensor) and isinstance(there, torch.Tensor) and torch.equal(here, there)

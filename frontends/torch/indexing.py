@@ -17,7 +17,7 @@ from pathir.frontends.core.values import ABSENT, BATCH, ParamTensor, Value, desc
 from pathir.frontends.torch.inputs import model_dtype_device
 
 __all__ = ["moves", "roll", "method_moves", "cat", "getattr_", "size", "dim", "unflatten", "unflatten_module",
-           "flatten_module", "channel_shuffle_module", "index_with", "transposed_param", "scatter", "index_put", "fill", "zero", "copy"]
+           "flatten_module", "channel_shuffle_module", "index_with", "transposed_param", "transposed", "is_transpose", "TRANSPOSE_FUNCTIONS", "TRANSPOSE_METHODS", "TRANSPOSE_ATTRIBUTES", "scatter", "index_put", "fill", "zero", "copy"]
 
 
 def _index(low, fn, args, kwargs):
@@ -176,8 +176,8 @@ def _absent(low, t) -> torch.Tensor:
 
 
 def getattr_(low, obj, attr):
-    if isinstance(obj, ParamTensor) and attr in ("T", "mT", "H", "mH"):
-        low.unsupported(transposed_param(obj))
+    if isinstance(obj, ParamTensor) and attr in TRANSPOSE_ATTRIBUTES:
+        return transposed(low, obj, attr)
     if isinstance(obj, Value):
         if attr == "shape":
             return obj.size()
@@ -226,6 +226,47 @@ def index_with(fn):
     return rule
 
 
-def transposed_param(p: ParamTensor) -> str:
-    return (f"transposes the parameter '{p.name}' in the forward (a weight read in another layout): write "
-            f"x @ W.T as F.linear(x, W) (W of shape (out, in)), or keep W of shape (in, out) and write x @ W")
+def transposed_param(p: ParamTensor, op: str = "") -> str:
+    then = f" and then {op} reads it" if op else ""
+    return (f"transposes the parameter '{p.name}' in the forward{then}: a transposed weight is read only as the "
+            "matrix of a dense layer (x @ W.T, torch.matmul / torch.mm / torch.addmm, F.linear); elsewhere write "
+            "x @ W.T as F.linear(x, W) (W of shape (out, in)), or keep W of shape (in, out) and write x @ W")
+
+
+#: the torch functions and ATen ops that transpose a 2-d tensor (given the two axes, where they take any)
+_aten = torch.ops.aten
+TRANSPOSE_FUNCTIONS = frozenset({torch.t, torch.transpose, torch.permute, torch.swapaxes, torch.swapdims, torch.adjoint,
+                                 _aten.t.default, _aten.transpose.int, _aten.permute.default, _aten.swapaxes.default,
+                                 _aten.swapdims.default, _aten.numpy_T.default, _aten.mT.default, _aten.mH.default,
+                                 _aten.adjoint.default, _aten.matrix_H.default})
+
+
+def is_transpose(fn) -> bool:
+    """Whether the function or ATen op ``fn`` is one of :data:`TRANSPOSE_FUNCTIONS`."""
+    try:
+        return fn in TRANSPOSE_FUNCTIONS
+    except TypeError:  # (an unhashable callable)
+        return False
+
+
+#: the tensor methods and attributes that do
+TRANSPOSE_METHODS = frozenset({"t", "transpose", "permute", "swapaxes", "swapdims", "adjoint"})
+TRANSPOSE_ATTRIBUTES = frozenset({"T", "mT", "H", "mH"})
+
+
+def transposed(low, p: ParamTensor, op: str, *axes) -> ParamTensor:
+    """``p`` read transposed by ``op`` (a method, function or attribute; ``axes``: the axes it was given): a 2-d
+    real tensor with its two axes swapped, ``p`` itself for one of at most one axis (``t()`` of a vector). Any
+    other permutation is refused, naming the parameter."""
+    t = p.tensor
+    if t.is_complex():
+        low.unsupported(f"{op} of the complex parameter '{p.name}'")
+    dims = [int(a) for a in (axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else axes)]
+    if t.dim() <= 1 and op in ("t", "T"):
+        return p
+    if t.dim() != 2 or sorted(d % 2 for d in dims) not in ([], [0, 1]) or (dims and len(dims) != 2):
+        low.unsupported(f"{op}{tuple(dims) if dims else ''} of the parameter '{p.name}' of shape {list(t.shape)}: "
+                        "only a 2-d weight read transposed is lowered (as the matrix of a dense layer)")
+    if op == "permute" and [d % 2 for d in dims] == [0, 1]:
+        return p  # permute(0, 1): the identity
+    return ParamTensor(p.name, p.tensor, p.kind, not p.transposed)

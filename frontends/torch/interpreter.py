@@ -21,7 +21,7 @@ from pathir.errors import PathirError
 from pathir.frontends.core.lowering import Lowering
 from pathir.frontends.core.values import MaxIndices, NegInfPadded, ParamTensor, Value, described, leaves, values_in
 from pathir.frontends.torch.capture_checks import alias_plan, apply_inplace, check_modes, effect_fx, refuse_inplace
-from pathir.frontends.torch.indexing import transposed_param
+from pathir.frontends.torch.indexing import TRANSPOSE_ATTRIBUTES, TRANSPOSE_METHODS, is_transpose, transposed, transposed_param
 from pathir.frontends.torch.shared_memory import registered_names
 from pathir.frontends.torch.table import rule_for
 from pathir.frontends.torch.why import why
@@ -77,6 +77,9 @@ def invoke(low, rule, args, kwargs):
     padded = next((a for a in leaves(args, kwargs) if isinstance(a, NegInfPadded)), None)
     if padded is not None and not getattr(rule, "reads_neg_inf_padding", False):
         low.unsupported(f"reads {described(padded)}")
+    turned = next((a for a in leaves(args, kwargs) if isinstance(a, ParamTensor) and a.transposed), None)
+    if turned is not None and not getattr(rule, "reads_transposed", False):
+        low.unsupported(transposed_param(turned, getattr(rule, "__name__", "")))
     return rule(low, *args, **kwargs)
 
 
@@ -207,8 +210,10 @@ class FxInterpreter:
     def _function(self, fn, args, kwargs):
         low = self.low
         if not values_in(args, kwargs):
-            if fn is getattr and isinstance(args[0], ParamTensor) and args[1] in ("T", "mT", "H", "mH"):
-                low.unsupported(transposed_param(args[0]))
+            if fn is getattr and isinstance(args[0], ParamTensor) and args[1] in TRANSPOSE_ATTRIBUTES:
+                return transposed(low, args[0], args[1])
+            if args and isinstance(args[0], ParamTensor) and not kwargs and is_transpose(fn):
+                return transposed(low, args[0], getattr(fn, "__name__", str(fn)), *args[1:])
             if any(isinstance(a, ParamTensor) for a in list(args) + list(kwargs.values())):
                 low.unsupported("computes with a model parameter outside linear/conv/batch-norm layers")
             return fn(*args, **kwargs)  # shape arithmetic on concrete sizes
@@ -224,8 +229,8 @@ class FxInterpreter:
             if isinstance(self_, ParamTensor):
                 if values_in(args, kwargs) and rule_for(name) is not None:  # self.buf * x: fx calls the buffer's method
                     return self._call(name, name, args, kwargs)
-                if name in ("t", "transpose", "permute", "swapaxes", "swapdims"):
-                    self.low.unsupported(transposed_param(self_))
+                if name in TRANSPOSE_METHODS and not kwargs:
+                    return transposed(self.low, self_, name, *args[1:])
                 self.low.unsupported("computes with a model parameter outside linear/conv/batch-norm layers")
             return getattr(self_, name)(*args[1:], **kwargs)
         return self._call(name, name, args, kwargs)

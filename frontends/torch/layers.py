@@ -9,11 +9,14 @@ convolution without padding. A convolution whose kernel is a registered buffer i
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from pathir.frontends.core.conv_transpose import conv_transpose
 from pathir.frontends.core.fixed_maps import fixed_conv, fixed_linear, pad
-from pathir.frontends.core.values import ParamTensor, Value
+from pathir.frontends.core.values import ParamTensor, Value, reads_transposed
+from pathir.frontends.torch.indexing import transposed_param
 
 __all__ = ["linear", "linear_module", "conv", "conv_module", "convolution", "conv_transpose_fn",
            "conv_transpose_module", "batch_norm", "batch_norm_module", "batch_norm_aten", "batch_norm_no_training"]
@@ -24,10 +27,14 @@ def _param(mod, path: str, attr: str):
     return None if t is None else ParamTensor(f"{path}.{attr}", t)
 
 
+@reads_transposed
 def linear(low, input, weight, bias=None):
-    """A linear layer; with a buffer matrix, a fixed map (the buffer is never rescaled)."""
-    if low.is_buffer(weight):
-        return fixed_linear(low, input, weight, bias)
+    """A linear layer (its weight read as stored, or transposed: ``F.linear(x, W.t())``); with a buffer matrix,
+    a fixed map (the buffer is never rescaled)."""
+    if isinstance(bias, ParamTensor) and bias.transposed:
+        low.unsupported(transposed_param(bias, "a linear layer's bias"))
+    if isinstance(weight, ParamTensor) and low.is_buffer(weight):
+        return fixed_linear(low, input, replace(weight, transposed=False), bias, transposed=weight.transposed)
     return low.linear(input, weight, bias)
 
 

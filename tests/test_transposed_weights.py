@@ -1,0 +1,138 @@
+"""A 2-d weight read transposed in the forward (``x @ W.t()``, ``W.T``, ``mT``, ``transpose``, ``permute``,
+``torch.t``, ``addmm(b, x, W.t())``, ``F.linear(x, W.t())``) is the matrix of a dense layer, on both torch
+paths: checked against the one-hidden-layer path-norm written out, the model's own forward and a
+function-keeping write-back; read anywhere else it is refused naming the parameter, the model untouched."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import pathir
+from pathir.errors import UnsupportedOperation
+
+SPELLINGS = {
+    "x @ W.t() + b": lambda m, x: x @ m.W1.t() + m.b1,
+    "x @ W.T + b": lambda m, x: x @ m.W1.T + m.b1,
+    "matmul(x, W.mT)": lambda m, x: torch.matmul(x, m.W1.mT) + m.b1,
+    "mm(x, W.transpose(0, 1))": lambda m, x: torch.mm(x, m.W1.transpose(0, 1)) + m.b1,
+    "x @ W.permute(1, 0)": lambda m, x: x @ m.W1.permute(1, 0) + m.b1,
+    "x @ torch.t(W)": lambda m, x: x @ torch.t(m.W1) + m.b1,
+    "x @ W.swapaxes(-1, -2)": lambda m, x: x @ m.W1.swapaxes(-1, -2) + m.b1,
+    "addmm(b, x, W.t())": lambda m, x: torch.addmm(m.b1, x, m.W1.t()),
+    "linear(x, W.t().t(), b)": lambda m, x: F.linear(x, m.W1.t().t(), m.b1),
+}
+
+
+class Net(nn.Module):
+    """x -> spell(W1 (5, 3) stored (out, in), b1) -> ReLU -> h @ W2.t() (W2 (2, 5)): both layers read transposed."""
+
+    def __init__(self, spell, export=False, buffer=False):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.W1 = nn.Parameter(torch.randn(5, 3, generator=gen, dtype=torch.float64))
+        self.b1 = nn.Parameter(torch.randn(5, generator=gen, dtype=torch.float64))
+        W2 = torch.randn(2, 5, generator=gen, dtype=torch.float64)
+        if buffer:
+            self.register_buffer("W2", W2)
+        else:
+            self.W2 = nn.Parameter(W2)
+        self.spell, self.export = spell, export
+
+    def forward(self, x):
+        if self.export and x.shape[1] != 3:  # Python control flow on a shape: fx cannot trace it, export reads it
+            raise ValueError("three features")
+        return torch.relu(self.spell(self, x)) @ self.W2.t()
+
+
+def _l1_path_norm(net) -> float:
+    W1, W2, b1 = (t.detach().abs().numpy() for t in (net.W1, net.W2, net.b1))
+    return float((W2 @ W1).sum() + (W2 @ b1).sum())
+
+
+@pytest.mark.parametrize("export", [False, True], ids=["fx", "export"])
+@pytest.mark.parametrize("name", list(SPELLINGS))
+def test_a_weight_read_transposed_is_a_dense_layer(name, export):
+    net = Net(SPELLINGS[name], export)
+    x = torch.randn(7, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y = net(x).detach().clone()
+    cm = pathir.compile(net, input_shape=(3,))
+    assert {p.name for p in cm.graph.params()} == {"W1", "b1", "W2"}
+    np.testing.assert_allclose(cm.forward(x.numpy()), y.numpy(), rtol=1e-12, atol=1e-12)
+    assert cm.path_norm(1) == pytest.approx(_l1_path_norm(net), rel=1e-12)
+    opt = torch.optim.Adam(net.parameters())
+    net(x).sum().backward()
+    opt.step()
+    y = net(x).detach().clone()
+    report = cm.pathcond(optimizer=opt)
+    assert report.written and report.max_abs_log_scale > 0  # W1 and W2 written in their stored layouts
+    torch.testing.assert_close(net(x), y, rtol=1e-10, atol=1e-12)
+    assert pathir.compile(net, input_shape=(3,)).path_norm(2) == pytest.approx(cm.path_norm(2), rel=1e-10)
+
+
+def test_a_buffer_read_transposed_is_a_fixed_map():
+    net = Net(SPELLINGS["x @ W.t() + b"], buffer=True)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    cm = pathir.compile(net, input_shape=(3,))
+    assert {p.name for p in cm.graph.params()} == {"W1", "b1"}
+    np.testing.assert_allclose(cm.forward(x.numpy()), net(x).detach().numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("export", [False, True], ids=["fx", "export"])
+@pytest.mark.parametrize("spell, why", [
+    (lambda m, x: x @ m.W1.t() + m.W2.t()[:, 0], "transposes the parameter 'W2'|computes with a model parameter"),
+    (lambda m, x: torch.addmm(m.W2.t()[:, :1].t(), x, m.W1.t()), "'W2'|computes with a model parameter"),
+    (lambda m, x: torch.relu(x @ m.W1.t()) @ m.W1 @ m.W1.t(), "'W1' is read in two ways"),
+    (lambda m, x: F.linear(x.unsqueeze(1), m.W3.t()).squeeze(1), "'W3' is read transposed"),
+    (lambda m, x: (m.W3.t() @ x.t()).t(), "transposes the parameter 'W3'|op t"),
+], ids=["indexed", "bias", "two layouts", "3-d input", "on the left"])
+def test_a_weight_read_transposed_elsewhere_is_refused_naming_it(spell, why, export):
+    class Wider(Net):
+        def __init__(self):
+            super().__init__(spell, export)
+            self.W3 = nn.Parameter(torch.randn(3, 5, dtype=torch.float64))
+
+    net = Wider()
+    state = copy.deepcopy(net.state_dict())
+    with pytest.raises(UnsupportedOperation, match=why):
+        pathir.compile(net, input_shape=(3,))
+    assert all(torch.equal(v, state[k]) for k, v in net.state_dict().items())
+
+
+@pytest.mark.parametrize("spell, why", [
+    (lambda m, x: x @ m.W.permute(0, 2, 1).sum(0), "permute"),
+    (lambda m, x: x @ m.W.transpose(1, 2)[0], "transpose"),
+])
+def test_a_permutation_of_more_than_two_axes_is_refused(spell, why):
+    class ThreeD(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.W = nn.Parameter(torch.randn(2, 4, 3, dtype=torch.float64))
+
+        def forward(self, x):
+            return torch.relu(spell(self, x))
+
+    with pytest.raises(UnsupportedOperation, match=why):
+        pathir.compile(ThreeD(), input_shape=(3,))
+
+
+def test_a_weight_computed_without_input_is_refused_even_when_it_was_drawn_from_seed_zero():
+    """torch.export's path checks whether any parameter reaches an op's value by moving every parameter: a weight
+    drawn as randn(seed 0) in float64 (as tests draw them) was once replaced by the very same values, so W.cos()
+    read as a constant, a fixed map, and W left the graph's params unseen."""
+
+    class Cosine(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.W = nn.Parameter(torch.randn(5, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
+
+        def forward(self, x):
+            if x.shape[1] != 3:  # export's path
+                raise ValueError("three features")
+            return torch.relu(F.linear(x, self.W.cos()))
+
+    with pytest.raises(UnsupportedOperation, match="'W'"):
+        pathir.compile(Cosine(), input_shape=(3,))
