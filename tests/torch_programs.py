@@ -292,7 +292,12 @@ def torch_programs(draw, max_statements: int = 7, non_homogeneous: float = 0.1) 
         prog.refused_op = op
         add(f"{last} = {template.format(a=last)}")
     prog.init.append(f"self.head = nn.Linear({c}, 3)")
-    add(f"h = self.head(torch.flatten(F.adaptive_avg_pool2d({last}, 1), 1))",
+    # the head's weight read as the module reads it, or transposed in the forward as users write it
+    head = draw(st.sampled_from(["self.head({f})", "{f} @ self.head.weight.t() + self.head.bias",
+                                 "torch.addmm(self.head.bias, {f}, self.head.weight.T)",
+                                 "torch.matmul({f}, self.head.weight.transpose(0, 1)) + self.head.bias",
+                                 "F.linear({f}, self.head.weight.mT.t(), self.head.bias)"]))
+    add(f"h = {head.format(f=f'torch.flatten(F.adaptive_avg_pool2d({last}, 1), 1)')}",
         f"h = self.head(torch.flatten(F.avg_pool2d({last}, {s}) * {s * s}.0 * {_k(1.0 / (s * s))}, 1))")
     prog.output = draw(st.sampled_from(["tensor", "tuple", "dict"]))
     if prog.output == "tensor":
