@@ -104,7 +104,8 @@ class Lowering:
             self._params[name] = Param.adopt(name, value, refs, how)
         elif self._params[name].sources != tuple(refs):
             self.unsupported(f"the tensor '{name}' is read in two ways ({self._params[name].how or 'as it is'}; "
-                             f"{how or 'as it is'}): one tensor shared by two kinds of layers is not lowered")
+                             f"{how or 'as it is'}): one tensor shared by two kinds of layers is not lowered; read "
+                             "it the same way at every use (the same layer, the same layout)")
         return self._params[name]
 
     def made(self, name: str, make, tensors: tuple[ParamTensor, ...], refs: tuple[SourceRef, ...],
@@ -170,13 +171,10 @@ class Lowering:
 
     # ------------------------------------------------------------ affine ops
     def linear(self, v: Value, weight: ParamTensor, bias: ParamTensor | None) -> Value:
-        """``F.linear(v, weight, bias)``; ``weight`` read transposed (``F.linear(x, W.t())``: W stored (in, out))
-        is a dense layer on a flat v only."""
+        """``F.linear(v, weight, bias)``, ``weight`` read as stored or transposed (``F.linear(x, W.t())``: W stored
+        (in, out)); on v of more axes, at every position of its last axis (a pointwise convolution)."""
         v = self.value(v)
         if len(v.shape) != 1:
-            if weight.transposed:
-                self.unsupported(f"a linear layer on an activation of shape {list(v.shape)} whose weight "
-                                 f"'{weight.name}' is read transposed: only a flat (in,) activation reads it so")
             return linear_last_axis(self, v, weight, bias)
         W = self._dense(weight, stored_as_in_out=weight.transposed)
         b = self.direct(bias) if bias is not None else None
@@ -370,7 +368,8 @@ class Lowering:
         if t.dim() != 2 or len(v.shape) != 1 or t.shape[0] != v.shape[0]:
             self.unsupported(f"matmul of an activation of shape {list(v.shape)} by the parameter '{weight.name}' "
                              f"{'read transposed, ' if weight.transposed else ''}of shape {list(t.shape)}: only a "
-                             "flat (in,) activation times an (in, out) matrix is a dense layer")
+                             "flat (in,) activation times an (in, out) matrix is a dense layer (on an activation of "
+                             "more axes, F.linear(x, W) with W of shape (out, in) is the layer at every position)")
         W = self._dense(weight, stored_as_in_out=not weight.transposed)
         return self.apply(v, Dense(W), None, flat_ok=True)
 

@@ -132,8 +132,8 @@ class _ExportInterpreter(FxInterpreter):
                 # torch.fx records it (fx folds a buffer's own ops into one tensor constant)
                 return self._constant(fn(*torch.utils._pytree.tree_map(_unwrap, args),
                                          **torch.utils._pytree.tree_map(_unwrap, kwargs)))
-            if isinstance(args[0], ParamTensor) and not kwargs and is_transpose(fn):
-                return transposed(self.low, args[0], fn.__name__, *args[1:])  # x @ W.t(): read by the product's rule
+            if isinstance(args[0], ParamTensor) and is_transpose(fn):  # x @ W.t(): read by the product's rule
+                return transposed(self.low, args[0], fn.__name__, *args[1:], **kwargs)
             tensors = [a for a in leaves(args, kwargs) if isinstance(a, (ParamTensor, torch.Tensor))]
             if rule_for(fn) is None or len(tensors) > 1:  # (a parameter times a mask buffer: pruning's weight)
                 unreached = _unreached(fn, args, kwargs)
@@ -158,8 +158,9 @@ def _unwrap(a):
 
 def _unreached(fn, args, kwargs):
     """``fn``'s value on args that hold parameters, where no parameter reaches it: the same, bit for bit, with
-    every parameter moved by a random amount (a polynomial in them that is not constant differs there with
-    probability 1), as ``linear(zeros, W)``; else None."""
+    every parameter moved up, moved down, and replaced by random values (a polynomial in them that is not constant
+    differs there with probability 1; a step function of them, on one side at least), as ``linear(zeros, W)``;
+    else None."""
     def value(swap):
         def leaf(a):
             if isinstance(a, ParamTensor):  # (copies: an in-place op would write the model's own tensor)
@@ -168,15 +169,20 @@ def _unreached(fn, args, kwargs):
             return a.clone() if isinstance(a, torch.Tensor) else a
         return fn(*torch.utils._pytree.tree_map(leaf, args), **torch.utils._pytree.tree_map(leaf, kwargs))
 
+    def moved(t, sign):  # every entry moved one way by 1024 (1 + |its value|) or more: never by 0, nor lost to
+        # rounding, and past any threshold within a thousand times the weights' own scale
+        step = 1024 * (1 + t.abs().double()) * (1 + torch.rand(t.shape, generator=gen, dtype=torch.float64))
+        return t + (sign * step).to(t.dtype)
+
     gen = torch.Generator().manual_seed(0)
     try:
         with torch.no_grad():
             here = value(lambda t: t.clone())
-            # every entry moved by 1 + |its value| or more (never by 0, nor lost to rounding): random values drawn
+            # up, down (a threshold every entry lies on one side of), and random values (a polynomial); random values
             # alone could be the parameter's own (a model initialised from the same seed, as tests do)
-            there = value(lambda t: t + ((1 + t.abs().double()) * (1 + torch.rand(t.shape, generator=gen,
-                                                                                  dtype=torch.float64))).to(t.dtype))
+            theres = [value(lambda t: moved(t, 1.0)), value(lambda t: moved(t, -1.0)),
+                      value(lambda t: torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype))]
     except Exception:  # noqa: BLE001 - whatever the op raises on such arguments: not a constant we can read
         return None
-    same = isinstance(here, torch.Tensor) and isinstance(there, torch.Tensor) and torch.equal(here, there)
+    same = isinstance(here, torch.Tensor) and all(isinstance(x, torch.Tensor) and torch.equal(here, x) for x in theres)
     return here if same else None

@@ -254,19 +254,34 @@ TRANSPOSE_METHODS = frozenset({"t", "transpose", "permute", "swapaxes", "swapdim
 TRANSPOSE_ATTRIBUTES = frozenset({"T", "mT", "H", "mH"})
 
 
-def transposed(low, p: ParamTensor, op: str, *axes) -> ParamTensor:
-    """``p`` read transposed by ``op`` (a method, function or attribute; ``axes``: the axes it was given): a 2-d
-    real tensor with its two axes swapped, ``p`` itself for one of at most one axis (``t()`` of a vector). Any
-    other permutation is refused, naming the parameter."""
-    t = p.tensor
+#: the keyword names of the axes a transpose takes (torch.transpose, Tensor.permute, swapaxes, swapdims)
+_AXIS_KEYWORDS = ("dim0", "dim1", "axis0", "axis1", "dims")
+#: the transposes that take no axes: of a 2-d tensor, its two axes swapped (t, T and numpy_T of a vector: itself)
+_WHOLE = frozenset({"t", "T", "numpy_T", "mT", "H", "mH", "adjoint", "matrix_H"})
+
+
+def transposed(low, p: ParamTensor, op: str, *axes, **keywords) -> ParamTensor:
+    """``p`` read through the transpose ``op`` (a method, function, ATen op or attribute name; ``axes`` and
+    ``keywords``: the axes it was given): a 2-d real tensor with its two axes swapped, ``p`` itself where the op
+    moves nothing (``t()`` of a vector, ``permute(0, 1)``, ``transpose(1, 1)``). Anything else is refused, naming
+    the parameter."""
+    t, name = p.tensor, op.split(".")[0]  # (an ATen op's overload name: "t.default")
     if t.is_complex():
-        low.unsupported(f"{op} of the complex parameter '{p.name}'")
-    dims = [int(a) for a in (axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else axes)]
-    if t.dim() <= 1 and op in ("t", "T"):
+        low.unsupported(f"{name} of the complex parameter '{p.name}'")
+    unknown = [k for k in keywords if k not in _AXIS_KEYWORDS]
+    if unknown:
+        low.unsupported(f"{name} of the parameter '{p.name}' with the arguments {unknown}")
+    given = list(axes) + [keywords[k] for k in _AXIS_KEYWORDS if k in keywords]
+    dims = [int(a) for a in (given[0] if len(given) == 1 and isinstance(given[0], (tuple, list)) else given)]
+    if name in _WHOLE and not dims and t.dim() <= 1 and name in ("t", "T", "numpy_T"):
         return p
-    if t.dim() != 2 or sorted(d % 2 for d in dims) not in ([], [0, 1]) or (dims and len(dims) != 2):
-        low.unsupported(f"{op}{tuple(dims) if dims else ''} of the parameter '{p.name}' of shape {list(t.shape)}: "
+    if t.dim() != 2 or (name in _WHOLE) != (not dims) or len(dims) not in (0, 2):
+        low.unsupported(f"{name}{tuple(dims) if dims else ''} of the parameter '{p.name}' of shape {list(t.shape)}: "
                         "only a 2-d weight read transposed is lowered (as the matrix of a dense layer)")
-    if op == "permute" and [d % 2 for d in dims] == [0, 1]:
-        return p  # permute(0, 1): the identity
+    axes_after = [1, 0] if not dims else [d % 2 for d in dims] if name == "permute" else \
+        ([1, 0] if dims[0] % 2 != dims[1] % 2 else [0, 1])
+    if name == "permute" and sorted(axes_after) != [0, 1]:
+        low.unsupported(f"permute{tuple(dims)} of the parameter '{p.name}': not a permutation of its two axes")
+    if axes_after == [0, 1]:
+        return p  # the identity
     return ParamTensor(p.name, p.tensor, p.kind, not p.transposed)

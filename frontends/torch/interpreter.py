@@ -67,6 +67,17 @@ class TorchLowering(Lowering):
         return isinstance(t, ParamTensor) and (t.name in self._parameters or t.name + "_orig" in self._parameters)
 
 
+def refuse_params(low, op: str, args, kwargs) -> None:
+    """Refuse ``op`` computing with a model parameter outside the layers that read one (naming a weight read
+    transposed, and what to write instead)."""
+    params = [a for a in leaves(args, kwargs) if isinstance(a, ParamTensor)]
+    turned = next((p for p in params if p.transposed), None)
+    if turned is not None:
+        low.unsupported(transposed_param(turned, op))
+    if params:
+        low.unsupported("computes with a model parameter outside linear/conv/batch-norm layers")
+
+
 def invoke(low, rule, args, kwargs):
     """``rule(low, *args, **kwargs)``; arguments its parameter list does not bind are refused, and so is an
     activation padded with -inf anywhere but in a max-pool (a rule marked ``reads_neg_inf_padding``)."""
@@ -212,10 +223,9 @@ class FxInterpreter:
         if not values_in(args, kwargs):
             if fn is getattr and isinstance(args[0], ParamTensor) and args[1] in TRANSPOSE_ATTRIBUTES:
                 return transposed(low, args[0], args[1])
-            if args and isinstance(args[0], ParamTensor) and not kwargs and is_transpose(fn):
-                return transposed(low, args[0], getattr(fn, "__name__", str(fn)), *args[1:])
-            if any(isinstance(a, ParamTensor) for a in list(args) + list(kwargs.values())):
-                low.unsupported("computes with a model parameter outside linear/conv/batch-norm layers")
+            if args and isinstance(args[0], ParamTensor) and is_transpose(fn):
+                return transposed(low, args[0], getattr(fn, "__name__", str(fn)), *args[1:], **kwargs)
+            refuse_params(low, getattr(fn, "__name__", str(fn)), args, kwargs)
             return fn(*args, **kwargs)  # shape arithmetic on concrete sizes
         if isinstance(fn, type) and issubclass(fn, tuple) and hasattr(fn, "_fields"):
             return fn(*args, **kwargs)  # a namedtuple of results (GoogLeNetOutputs): read by the output
@@ -229,9 +239,9 @@ class FxInterpreter:
             if isinstance(self_, ParamTensor):
                 if values_in(args, kwargs) and rule_for(name) is not None:  # self.buf * x: fx calls the buffer's method
                     return self._call(name, name, args, kwargs)
-                if name in TRANSPOSE_METHODS and not kwargs:
-                    return transposed(self.low, self_, name, *args[1:])
-                self.low.unsupported("computes with a model parameter outside linear/conv/batch-norm layers")
+                if name in TRANSPOSE_METHODS:
+                    return transposed(self.low, self_, name, *args[1:], **kwargs)
+                refuse_params(self.low, name, args, kwargs)
             return getattr(self_, name)(*args[1:], **kwargs)
         return self._call(name, name, args, kwargs)
 

@@ -72,17 +72,21 @@ class PointwiseKernelLayout:
 
     ``nn.Linear`` on the last axis of a (..., F) activation acts at every other position: pathir
     lowers it as a convolution with kernel size 1 over the channels-first activation. Its kernel
-    W (O, F, 1, …, 1) (``spatial`` ones) holds the weight L (O, F) entry by entry."""
+    W (O, F, 1, …, 1) (``spatial`` ones) holds the weight L (O, F) entry by entry; ``transposed``:
+    the source tensor is stored (F, O), as ``x @ B`` (ONNX MatMul) and ``F.linear(x, W.t())`` read it."""
 
     spatial: int
+    transposed: bool = False
 
     def from_source(self, t):
-        """L (O, F) -> W (O, F, 1, …)."""
+        """L (O, F) (or its transpose, stored (F, O)) -> W (O, F, 1, …)."""
+        t = t.T if self.transposed else t
         return t.reshape(*t.shape[:2], *(1,) * self.spatial)
 
     def to_source(self, w):
-        """W (O, F, 1, …) -> L (O, F)."""
-        return w.reshape(*w.shape[:2])
+        """W (O, F, 1, …) -> L (O, F) (or its transpose (F, O), as stored)."""
+        flat = w.reshape(*w.shape[:2])
+        return flat.T if self.transposed else flat
 
 
 def _swap12(a):
