@@ -122,6 +122,8 @@ def add_constant(low, node, v: Value, k: int, sign: float = 1.0) -> Value:
         low.axis1.add(node.output[0])
     if c is None:
         return v
+    if not axis and _along_last_axis(c, v):
+        return _add_along_last_axis(low, node, v, k, c, sign)
     vec, layout = low.channel_vector(c, v, axis, scale=sign)
     if v.bias is not None:
         v = Value.of_node(low.materialize(v), v.shape)
@@ -129,3 +131,24 @@ def add_constant(low, node, v: Value, k: int, sign: float = 1.0) -> Value:
     p = low.bias(node, 1 - k, vec, layout, f"{node.input[1 - k]} ({verb} by {low.label})",
                  kind="bias" if sign > 0 else "neg_bias")
     return Value(v.terms, v.shape, p, low.label)
+
+
+def _along_last_axis(c, v: Value) -> bool:
+    """Whether the constant ``c`` holds one value per entry of the last axis of ``v`` (per-sample shape (*S, F), S
+    non-empty), the same at every other position: the bias of a MatMul on that axis (a per-token layer)."""
+    shape = np.shape(c)
+    return (len(v.shape) >= 2 and 1 <= len(shape) <= len(v.shape) + 1 and shape[-1] == v.shape[-1] > 1
+            and all(d == 1 for d in shape[:-1]))
+
+
+def _add_along_last_axis(low, node, v: Value, k: int, c, sign: float) -> Value:
+    """v + sign · c, c one value per entry of v's last axis: the bias of the neurons of v with that axis moved
+    first (an index op, no neuron), moved back after."""
+    first = low.index_op(lambda x: x.movedim(-1, 1), [v])[0][0]
+    flat = np.reshape(np.asarray(c), (first.shape[0],) + (1,) * (len(first.shape) - 1))
+    vec, _ = low.channel_vector(flat, first, 0, scale=sign)
+    verb = "added" if sign > 0 else "subtracted"
+    p = low.bias(node, 1 - k, vec, tuple(np.shape(c)), f"{node.input[1 - k]} ({verb} by {low.label})",
+                 kind="bias" if sign > 0 else "neg_bias")
+    out = Value(first.terms, first.shape, p, low.label)
+    return low.index_op(lambda x: x.movedim(1, -1), [out])[0][0]

@@ -17,8 +17,9 @@ import math
 import numpy as np
 
 from pathir.frontends.core.conv_transpose import conv_transpose as lower_conv_transpose
+from pathir.frontends.core.pointwise_linear import pointwise_last_axis
 from pathir.frontends.core.values import NegInfPadded, ParamTensor, Value
-from pathir.ir import Conv, Dense, Param, Pool, pool_output_size
+from pathir.ir import Conv, Dense, Param, PointwiseKernelLayout, Pool, SourceRef, pool_output_size
 
 __all__ = ["gemm", "matmul", "conv", "conv_transpose", "batch_normalization", "max_pool", "global_max_pool",
            "average_pool", "global_average_pool", "attrs", "f64"]
@@ -84,12 +85,14 @@ def matmul(low, node, ins):
         low.unsupported("multiplies two activations: not positively homogeneous of degree 1")
     if isinstance(ins[0], Value):
         v = ins[0]
-        if node.input[0] in low.axis1 or len(v.shape) != 1:
-            low.unsupported(f"MatMul of an activation of per-sample shape {list(v.shape)}: "
-                             "only (batch, features) @ W is lowered")
+        if node.input[0] in low.axis1:
+            low.unsupported(f"MatMul of an activation of per-sample shape {list(v.shape)} whose batch is on axis 1: "
+                            "only (batch, ..., features) @ W is lowered")
         B = f64(low.const(node, 1, "weight"))
         if B.ndim != 2:
             low.unsupported(f"MatMul with a weight of rank {B.ndim}")
+        if len(v.shape) != 1:  # (batch, *S, F) @ B: B at every position of S (a per-token layer)
+            return [_last_axis(low, node, v, B)]
         return [_dense(low, v, low.weight(node, 1, B.T, True, node.input[1] + "^T"), None)]
     v = ins[1]
     if node.input[1] not in low.axis1:
@@ -100,6 +103,21 @@ def matmul(low, node, ins):
         low.unsupported(f"MatMul with a weight of rank {A.ndim}")
     low.axis1.add(node.output[0])
     return [_dense(low, v, low.weight(node, 0, A, False, node.input[0]), None)]
+
+
+def _last_axis(low, node, v: Value, B: np.ndarray) -> Value:
+    """``v @ B`` with v of per-sample shape (*S, F) and B (F, O): a convolution of kernel size 1 over v's feature axis
+    moved first, its kernel B entry by entry (``PointwiseKernelLayout``, transposed: the tensor is stored (F, O))."""
+    layout = PointwiseKernelLayout(len(v.shape) - 1, transposed=True)
+
+    def kernel() -> Param:
+        ref, _ = low.param_ref(node, 1, ("weight", layout, B))
+        p = low.param(ref, layout.from_source(B), (SourceRef(ref, layout=layout),),
+                      f"{node.input[1]} as a pointwise convolution kernel")
+        low.bind(ref, node, 1, "weight")
+        return p
+
+    return pointwise_last_axis(low, v, (B.shape[1], B.shape[0]), kernel)
 
 
 def _conv_inputs(low, node, what: str):

@@ -1,0 +1,59 @@
+"""ONNX MatMul on the last axis of an activation with more axes, ``(batch, *S, F) @ B`` (an ``nn.Linear`` on
+tokens or a channels-last map, as both exporters write it: MatMul then Add of the bias along the last axis):
+a convolution of kernel size 1 whose kernel is B entry by entry, checked against onnxruntime's forward, the
+torch frontend's path-norms of the same model, and write-backs (PathCond, equalization) that onnxruntime runs
+to the same outputs."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+pytest.importorskip("onnxruntime")
+
+from onnx_cases import assert_export_matches, export, ort_run, rel  # noqa: E402
+
+import pathir  # noqa: E402
+
+
+class TokenMLP(nn.Module):
+    """(B, T, 6) -> Linear(6, 8) -> ReLU -> Linear(8, 5, bias=...) -> ReLU -> mean over T -> Linear(5, 3)."""
+
+    def __init__(self, bias=True, spatial=1):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.head = nn.Linear(6, 8), nn.Linear(8, 5, bias=bias), nn.Linear(5, 3)
+        self.spatial = spatial
+
+    def forward(self, x):
+        h = torch.relu(self.b(torch.relu(self.a(x))))
+        return self.head(h.mean(dim=tuple(range(1, 1 + self.spatial))))
+
+
+@pytest.mark.parametrize("exporter", ["legacy-nofold", "legacy", "dynamo-noopt", "dynamo"])
+@pytest.mark.parametrize("bias, shape", [(True, (4, 6)), (False, (4, 6)), (True, (3, 2, 6))],
+                         ids=["tokens", "no-bias", "channels-last map"])
+def test_matmul_on_the_last_axis_is_a_pointwise_layer(exporter, bias, shape):
+    model = TokenMLP(bias, len(shape) - 1).eval()
+    proto = export(model, shape, exporter)
+    assert any(n.op_type == "MatMul" for n in proto.graph.node)  # not Gemm: the activation has more than 2 axes
+    cm, _ = assert_export_matches(proto, model, shape)
+    x = np.random.default_rng(1).normal(size=(4, *shape)).astype(np.float32)
+    before = ort_run(proto, x)[0]
+    cm.pathcond()
+    cm.equalize(bits=6)
+    assert rel(ort_run(cm.to_onnx(), x)[0], before) <= 1e-5  # the written file computes what the original did
+
+
+def test_a_constant_varying_along_another_axis_is_still_refused():
+    """A bias along the last axis is per output feature; one that also varies over the tokens is not a bias."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    W = numpy_helper.from_array(np.ones((6, 4), dtype=np.float32), "W")
+    C = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(3, 4), "C")
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Add", ["h", "C"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 4])], [W, C])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(pathir.errors.UnsupportedOperation, match="varies over positions"):
+        pathir.compile(proto)
