@@ -4,6 +4,8 @@ a convolution of kernel size 1 whose kernel is B entry by entry, checked against
 torch frontend's path-norms of the same model, and write-backs (PathCond, equalization) that onnxruntime runs
 to the same outputs."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -56,4 +58,20 @@ def test_a_constant_varying_along_another_axis_is_still_refused():
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 4])], [W, C])
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     with pytest.raises(pathir.errors.UnsupportedOperation, match="varies over positions"):
+        pathir.compile(proto)
+
+
+@pytest.mark.parametrize("shape", [(4,), (1, 1, 4)])
+def test_a_non_finite_bias_along_the_last_axis_is_refused_by_its_stored_shape(shape):
+    from onnx import TensorProto, helper, numpy_helper
+
+    c = np.ones(shape, dtype=np.float32)
+    c.reshape(-1)[2] = np.nan
+    W = numpy_helper.from_array(np.ones((6, 4), dtype=np.float32), "W")
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Add", ["h", "C"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 4])],
+                              [W, numpy_helper.from_array(c, "C")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(pathir.errors.UnsupportedOperation, match=re.escape(f"shape {list(shape)} with a non-finite entry")):
         pathir.compile(proto)

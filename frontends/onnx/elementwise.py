@@ -144,8 +144,13 @@ def _along_last_axis(c, v: Value) -> bool:
 def _add_along_last_axis(low, node, v: Value, k: int, c, sign: float) -> Value:
     """v + sign · c, c one value per entry of v's last axis: the bias of the neurons of v with that axis moved
     first (an index op, no neuron), moved back after."""
+    c = np.asarray(c, dtype=np.float64)
+    if not np.all(np.isfinite(c)):  # (named by the stored shape, before the reshape below)
+        bad = c.reshape(-1)[~np.isfinite(c.reshape(-1))][0]
+        low.unsupported(f"a constant of shape {list(c.shape)} with a non-finite entry ({bad}): no bias or threshold "
+                        "is a number there")
     first = low.index_op(lambda x: x.movedim(-1, 1), [v])[0][0]
-    flat = np.reshape(np.asarray(c), (first.shape[0],) + (1,) * (len(first.shape) - 1))
+    flat = np.reshape(c, (first.shape[0],) + (1,) * (len(first.shape) - 1))
     vec, _ = low.channel_vector(flat, first, 0, scale=sign)
     verb = "added" if sign > 0 else "subtracted"
     p = low.bias(node, 1 - k, vec, tuple(np.shape(c)), f"{node.input[1 - k]} ({verb} by {low.label})",
