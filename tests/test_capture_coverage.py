@@ -272,19 +272,26 @@ def test_a_constant_other_than_float_zeros_concatenated_to_activations_is_refuse
         pathir.compile(Const().double(), input_shape=(2, 6, 6))
 
 
-def test_stacking_along_the_batch_axis_is_refused_naming_it():
-    """FractalNet joins its columns with torch.stack(cols, dim=0).mean(0): refused as "the op mixes the samples of a
-    batch", which it does not (the batch moves to axis 1)."""
+def test_a_fractalnet_join_by_a_stack_on_dim_0_is_the_mean_of_its_columns():
+    """FractalNet joins its columns with torch.stack(cols, dim=0).mean(0): once refused (the batch moves to axis 1),
+    now the columns' mean, equal to the model's forward and to the same model written a / 2 + b / 2."""
     class Joined(nn.Module):
-        def __init__(self):
+        def __init__(self, stacked=True):
             super().__init__()
+            torch.manual_seed(0)
             self.a, self.b, self.c = nn.Linear(4, 5), nn.Linear(4, 5), nn.Linear(5, 2)
+            self.stacked = stacked
 
         def forward(self, x):
-            return self.c(torch.relu(torch.stack([self.a(x), self.b(x)], dim=0).mean(dim=0)))
+            if self.stacked:
+                return self.c(torch.relu(torch.stack([self.a(x), self.b(x)], dim=0).mean(dim=0)))
+            return self.c(torch.relu(self.a(x) * 0.5 + self.b(x) * 0.5))
 
-    with pytest.raises(UnsupportedOperation, match="moves the batch axis to axis 1"):
-        pathir.compile(Joined().double(), input_shape=(4,))
+    net, written = Joined().double(), Joined(stacked=False).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    cm = pathir.compile(net, input_shape=(4,))
+    np.testing.assert_allclose(cm.forward(x.numpy()), net(x).detach().numpy(), rtol=1e-12, atol=1e-12)
+    assert cm.path_norm(1) == pytest.approx(pathir.compile(written, input_shape=(4,)).path_norm(1), rel=1e-12)
 
 
 class SamePool(nn.Module):

@@ -25,7 +25,7 @@ import torch
 
 from pathir.ir import ChannelMap, Gather, Identity, Map, MapKind, Param, Pool, Reshape
 
-__all__ = ["described", "Value", "ParamTensor", "reads_transposed", "MaxIndices", "f64", "SELECTION", "selection_index", "selection_map", "run_index_op", "BATCH",
+__all__ = ["described", "Value", "ParamTensor", "reads_transposed", "BatchStacked", "MaxIndices", "f64", "SELECTION", "selection_index", "selection_map", "run_index_op", "BATCH",
            "leaves", "values_in", "substitute", "zero_constant"]
 
 #: batch size of the element-id tensors (2 catches ops that mix samples)
@@ -107,6 +107,20 @@ class NegInfPadded:
         return Pool(pool.kernel, pool.stride, padding, pool.dilation, pool.ceil_mode)
 
 
+@dataclass(frozen=True)
+class BatchStacked:
+    """``torch.stack(values, dim=0)`` of activations of one shape: the batch axis moved to axis 1, which pathir's
+    graph keeps first. Only the rules marked ``reads_batch_stacked`` read it (a sum, mean or max over dim 0, an
+    index or unbind along it: each gives activations with the batch first again); every other op is refused."""
+
+    values: tuple
+
+    @property
+    def shape(self) -> tuple:
+        """The per-sample shape of each stacked activation."""
+        return tuple(self.values[0].shape)
+
+
 def zero_constant(c) -> bool:
     """Whether ``c`` is a constant (a number, an array, a tensor made in the forward or a buffer; never an
     ``nn.Parameter``, whose value training moves) whose every entry is 0."""
@@ -120,6 +134,10 @@ def zero_constant(c) -> bool:
 
 def described(v) -> str:
     """What a non-activation argument is, in the words of an error message."""
+    if isinstance(v, BatchStacked):
+        return (f"torch.stack(..., dim=0) of {len(v.values)} activations, which moves the batch axis to axis 1: only a "
+                "sum, mean or max over dim 0, or an index or unbind along it, reads it (pathir's graph keeps the "
+                "batch first); else stack (or concatenate) along dim=1 and reduce over dim 1")
     if isinstance(v, NegInfPadded):
         return ("an activation padded with -inf, which only a max-pool reading it directly ignores (its padding); "
                 "pad with zeros, or pool right after the padding")
@@ -241,9 +259,10 @@ def _off_the_front(r: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray, othe
     moved = _batch_axis(r.numpy(), offsets, sizes)
     if not moved:
         return otherwise
-    return (f"the op moves the batch axis to axis {moved} (torch.stack(..., dim=0), a transpose of axis 0), and "
+    return (f"the op moves the batch axis to axis {moved} (a transpose of axis 0, a cat along dim 0), and "
             "pathir's graph keeps it first, per sample, even where a later op would move it back; stack (or "
-            "concatenate) along dim=1 instead, then reduce over dim 1")
+            "concatenate) along dim=1 instead, then reduce over dim 1 (torch.stack(xs, dim=0) of activations of one "
+            "shape is read back by a sum, mean or max over dim 0)")
 
 
 def _batch_axis(r: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> int | None:
@@ -282,7 +301,7 @@ def leaves(args, kwargs) -> list:
 def values_in(args, kwargs) -> list:
     """The activations among the leaves of args and kwargs, in :func:`leaves` order (an activation padded
     with -inf, :class:`NegInfPadded`, included: a call reading it is lowered, not run)."""
-    return [a for a in leaves(args, kwargs) if isinstance(a, (Value, NegInfPadded))]
+    return [a for a in leaves(args, kwargs) if isinstance(a, (Value, NegInfPadded, BatchStacked))]
 
 
 def substitute(obj, ids):

@@ -13,14 +13,27 @@ import math
 
 import torch
 
-from pathir.frontends.core.values import ABSENT, BATCH, ParamTensor, Value, described, leaves, substitute, zero_constant
+from pathir.frontends.core.values import (
+    ABSENT,
+    BATCH,
+    BatchStacked,
+    ParamTensor,
+    Value,
+    described,
+    leaves,
+    substitute,
+    zero_constant,
+)
+from pathir.frontends.torch.batch_stack import batch_stack, read_stacked
 from pathir.frontends.torch.inputs import model_dtype_device
 
 __all__ = ["moves", "roll", "method_moves", "cat", "getattr_", "size", "dim", "unflatten", "unflatten_module",
-           "flatten_module", "channel_shuffle_module", "index_with", "transposed_param", "transposed", "is_transpose", "TRANSPOSE_FUNCTIONS", "TRANSPOSE_METHODS", "TRANSPOSE_ATTRIBUTES", "scatter", "index_put", "fill", "zero", "copy"]
+           "flatten_module", "stack", "channel_shuffle_module", "index_with", "transposed_param", "transposed", "is_transpose", "TRANSPOSE_FUNCTIONS", "TRANSPOSE_METHODS", "TRANSPOSE_ATTRIBUTES", "scatter", "index_put", "fill", "zero", "copy"]
 
 
 def _index(low, fn, args, kwargs):
+    if any(isinstance(a, BatchStacked) for a in leaves(args, kwargs)):  # (only where the rule reads a stack)
+        return read_stacked(low, fn, args, kwargs)
     if any(isinstance(a, ParamTensor) and a.tensor.is_floating_point() for a in leaves(args, kwargs)):
         low.unsupported("moves a model parameter or buffer into the activations (a constant input to a "
                         "neuron, not a weight on an edge)")
@@ -105,6 +118,16 @@ def copy(low, input, src, non_blocking=False):
     if tuple(src.shape) == shape:
         return src
     return _index(low, lambda t: t.expand(t.shape[0], *shape), (src,), {})
+
+
+def stack(fn):
+    """The rule of ``torch.stack`` (``fn``: the function or ATen op): activations of one shape stacked along dim 0
+    (the batch axis) are kept as a :class:`BatchStacked` (:mod:`.batch_stack`); any other stack moves elements."""
+    def rule(low, tensors, dim=0, **kwargs):
+        stacked = None if kwargs else batch_stack(low, tensors, dim)
+        return stacked if stacked is not None else _index(low, fn, (tensors, dim), kwargs)
+    rule.__name__ = f"stack({getattr(fn, '__name__', fn)})"
+    return rule
 
 
 def moves(fn):

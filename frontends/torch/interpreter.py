@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from pathir.errors import PathirError
 from pathir.frontends.core.lowering import Lowering
-from pathir.frontends.core.values import MaxIndices, NegInfPadded, ParamTensor, Value, described, leaves, values_in
+from pathir.frontends.core.values import BatchStacked, MaxIndices, NegInfPadded, ParamTensor, Value, described, leaves, values_in
 from pathir.frontends.torch.capture_checks import alias_plan, apply_inplace, check_modes, effect_fx, refuse_inplace
 from pathir.frontends.torch.indexing import TRANSPOSE_ATTRIBUTES, TRANSPOSE_METHODS, is_transpose, transposed, transposed_param
 from pathir.frontends.torch.shared_memory import registered_names
@@ -88,6 +88,9 @@ def invoke(low, rule, args, kwargs):
     padded = next((a for a in leaves(args, kwargs) if isinstance(a, NegInfPadded)), None)
     if padded is not None and not getattr(rule, "reads_neg_inf_padding", False):
         low.unsupported(f"reads {described(padded)}")
+    stacked = next((a for a in leaves(args, kwargs) if isinstance(a, BatchStacked)), None)
+    if stacked is not None and not getattr(rule, "reads_batch_stacked", False):
+        low.unsupported(f"reads {described(stacked)}")
     turned = next((a for a in leaves(args, kwargs) if isinstance(a, ParamTensor) and a.transposed), None)
     if turned is not None and not getattr(rule, "reads_transposed", False):
         low.unsupported(transposed_param(turned, getattr(rule, "__name__", "")))
@@ -235,6 +238,8 @@ class FxInterpreter:
 
     def _method(self, name, args, kwargs):
         self_ = args[0]
+        if isinstance(self_, (BatchStacked, NegInfPadded)):  # read by the method's rule, or refused there
+            return self._call(name, name, args, kwargs)
         if not isinstance(self_, Value):
             if isinstance(self_, ParamTensor):
                 if values_in(args, kwargs) and rule_for(name) is not None:  # self.buf * x: fx calls the buffer's method

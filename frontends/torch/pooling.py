@@ -12,8 +12,9 @@ from __future__ import annotations
 import collections
 
 from pathir.frontends.core.reductions import all_spatial, reduce, where
-from pathir.frontends.core.values import MaxIndices, Value
+from pathir.frontends.core.values import BatchStacked, MaxIndices, Value
 from pathir.frontends.torch.arithmetic import maximum
+from pathir.frontends.torch.batch_stack import reads_batch_stacked, reduce_stacked
 from pathir.frontends.torch.why import refuse
 
 __all__ = ["max_pool", "max_pool_module", "max_pool_with_indices", "avg_pool", "avg_pool_module",
@@ -100,6 +101,8 @@ def mean(low, input, dim=None, keepdim=False, *, dtype=None, axis=None, keepdims
     dims, keep = _dims(dim, axis), bool(keepdim if keepdims is None else keepdims)
     if dtype is not None:
         low.unsupported("mean with a dtype argument (a cast)")
+    if isinstance(input, BatchStacked):
+        return reduce_stacked(low, input, dims, keep, "mean")
     v = low.value(input)
     if dims is None or all_spatial(v, dims):  # the global average pool (over every axis: refused there)
         return low.mean(v, dims if dims is not None else list(range(len(v.shape) + 1)), keep)
@@ -109,11 +112,18 @@ def mean(low, input, dim=None, keepdim=False, *, dtype=None, axis=None, keepdims
 def sum_(low, input, dim=None, keepdim=False, *, dtype=None, axis=None, keepdims=None):
     if dtype is not None:
         low.unsupported("sum with a dtype argument (a cast)")
-    return reduce(low, input, _dims(dim, axis), bool(keepdim if keepdims is None else keepdims), "sum")
+    return _reduce(low, input, _dims(dim, axis), bool(keepdim if keepdims is None else keepdims), "sum")
 
 
 def amax(low, input, dim=(), keepdim=False, *, axis=None, keepdims=None):
-    return reduce(low, input, _dims(dim, axis), bool(keepdim if keepdims is None else keepdims), "max")
+    return _reduce(low, input, _dims(dim, axis), bool(keepdim if keepdims is None else keepdims), "max")
+
+
+def _reduce(low, input, dims, keep: bool, kind: str):
+    """:func:`..core.reductions.reduce`, or over dim 0 of a stack of activations (:mod:`.batch_stack`)."""
+    if isinstance(input, BatchStacked):
+        return reduce_stacked(low, input, dims, keep, kind)
+    return reduce(low, input, dims, keep, kind)
 
 
 def max_(low, input, dim=None, keepdim=False, *, other=None, axis=None, keepdims=None):
@@ -125,7 +135,11 @@ def max_(low, input, dim=None, keepdim=False, *, other=None, axis=None, keepdims
     dims = _dims(dim, axis)
     if dims is not None and not isinstance(dims, int):
         refuse(low)
-    return MaxResult(reduce(low, input, dims, bool(keepdim if keepdims is None else keepdims), "max"), MaxIndices("max"))
+    return MaxResult(_reduce(low, input, dims, bool(keepdim if keepdims is None else keepdims), "max"), MaxIndices("max"))
+
+
+for _rule in (mean, sum_, amax, max_):
+    reads_batch_stacked(_rule)  # torch.stack(outs).sum(0), .mean(0), .amax(0), .max(0)
 
 
 def where_(low, condition, input, other):

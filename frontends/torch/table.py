@@ -39,14 +39,14 @@ aten = torch.ops.aten
 #: ops that only move, copy or drop elements: run on element ids (torch functions and ATen ops)
 _MOVES = [
     torch.flatten, torch.reshape, torch.transpose, torch.permute, torch.chunk, torch.split, torch.squeeze,
-    torch.unsqueeze, operator.getitem, torch.stack, torch.hstack, torch.flip, torch.fliplr,
+    torch.unsqueeze, operator.getitem, torch.hstack, torch.flip, torch.fliplr,
     torch.roll, torch.rot90, torch.tile, torch.movedim, torch.moveaxis, torch.swapaxes, torch.swapdims, torch.unbind,
     torch.select, torch.narrow, torch.index_select, torch.repeat_interleave, torch.tensor_split, torch.channel_shuffle,
     aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
     aten.permute.default, aten.transpose.int, aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default,
     aten.chunk.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.narrow.default,
     aten.select.int, aten.expand.default, aten.flip.default, aten.roll.default, aten.repeat.default,
-    aten.stack.default, aten.unbind.int, aten.index_select.default, aten.repeat_interleave.self_int,
+    aten.unbind.int, aten.index_select.default, aten.repeat_interleave.self_int,
     aten.movedim.int, aten.unfold.default, aten.rot90.default, aten.tile.default, aten.swapaxes.default,
     aten.tensor_split.sections, aten.tensor_split.indices, aten.fliplr.default,
     aten.swapdims.default, aten.moveaxis.int, aten.hstack.default, aten.movedim.intlist, aten.channel_shuffle.default,
@@ -164,6 +164,8 @@ RULES: dict = {
     # ---------------------------------------------------------------- element moves and shapes
     **{fn: ix.moves(fn) for fn in _MOVES},
     **{name: ix.method_moves(name) for name in _METHOD_MOVES},
+    **_rows(ix.stack(torch.stack), torch.stack),
+    **_rows(ix.stack(aten.stack.default), aten.stack.default),
     **_rows(ix.roll(torch.roll), torch.roll),
     **_rows(ix.roll(aten.roll.default), aten.roll.default),
     "roll": ix.roll(lambda t, *a, **k: t.roll(*a, **k)),
@@ -186,6 +188,12 @@ RULES: dict = {
     **_rows(ix.size, "size"),
     **_rows(ix.dim, "dim"),
 }
+
+
+#: the index ops that read torch.stack(..., dim=0) of activations (picking whole ones along dim 0: .batch_stack)
+for _target in (operator.getitem, torch.unbind, torch.select, torch.narrow, aten.unbind.int, aten.select.int,
+                aten.slice.Tensor, aten.narrow.default, "unbind", "select", "narrow"):
+    RULES[_target].reads_batch_stacked = True
 
 
 def rule_for(target):
