@@ -103,3 +103,21 @@ def test_any_other_read_of_a_stack_on_dim_0_is_refused_naming_it(read, export):
     with pytest.raises(UnsupportedOperation, match=r"torch.stack\(\.\.\., dim=0\) of 3 activations|pick whole"):
         pathir.compile(net, input_shape=(4,))
     assert all(torch.equal(v, state[k]) for k, v in net.state_dict().items())
+
+
+@pytest.mark.parametrize("exporter", ["legacy-nofold", "dynamo-noopt"])
+@pytest.mark.parametrize("name", ["sum(0)", "mean(dim=0)", "amax(0)", "s[0] + s[-1] + s[1]", "sum(unbind(0))"])
+def test_an_onnx_export_of_a_stack_read_along_dim_0_gives_the_torch_frontends_numbers(name, exporter):
+    pytest.importorskip("onnxruntime")
+    from onnx_cases import export, ort_run, rel
+
+    net = _net(READS[name]).float()
+    proto = export(net, (4,), exporter)
+    cm, ct = pathir.compile(proto), pathir.compile(_net(READS[name]).float(), input_shape=(4,))
+    x = np.random.default_rng(0).normal(size=(2, 4)).astype(np.float32)
+    assert rel(cm.forward(x, backend="numpy"), ort_run(proto, x)[0]) <= 1e-5
+    for q in (1, 2):
+        assert cm.path_norm(q) == pytest.approx(ct.path_norm(q), rel=1e-9)
+    before = ort_run(proto, x)[0]
+    cm.pathcond()
+    assert rel(ort_run(cm.to_onnx(), x)[0], before) <= 1e-5

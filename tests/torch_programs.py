@@ -217,10 +217,17 @@ def torch_programs(draw, max_statements: int = 7, non_homogeneous: float = 0.1) 
         elif kind == "residual":
             same = [v for v in values if v[1] == c and v[2] == s]
             other = draw(st.sampled_from(same))[0]
-            op = draw(st.sampled_from(["+", "-", "+="]))
+            op = draw(st.sampled_from(["+", "-", "+=", "stack", "stack"]))
             if op == "+=":
                 add(f"{out} = {name} * 1.0", f"{out} = {name} * {_k(1.0)}")  # a fresh tensor, then in place
                 add(f"{out} += {other}", f"{out} = {out} + {other}")
+            elif op == "stack":  # the branches stacked on dim 0 (the batch axis), read back along it
+                user, ref = draw(st.sampled_from([
+                    ("torch.stack([{a}, {b}]).sum(0)", "{a} + {b}"),
+                    ("torch.stack([{a}, {b}], dim=0).mean(dim=0)", "({a} + {b}) * " + _k(0.5)),
+                    ("torch.stack([{a}, {b}]).amax(0)", "{a} + {b}"),  # a max: the sum of its operands
+                    ("sum(torch.stack([{a}, {b}]).unbind(0))", "{a} + {b}")]))
+                add(f"{out} = {user.format(a=name, b=other)}", f"{out} = {ref.format(a=name, b=other)}")
             else:
                 add(f"{out} = {name} {op} {other}", f"{out} = {name} + {other}")
             values.append((out, c, s))

@@ -15,6 +15,7 @@ from pathir.frontends.core.fixed_factors import fixed_scale
 from pathir.frontends.core.reductions import all_spatial, elementwise_max, reduce, where
 from pathir.frontends.core.values import Value
 from pathir.frontends.onnx.elementwise import add_activations, add_constant
+from pathir.frontends.onnx.index import Displaced, reduce_displaced
 from pathir.frontends.onnx.layers import attrs
 from pathir.frontends.onnx.load import float_info, numpy_dtype
 from pathir.frontends.onnx.writer import Binding
@@ -176,16 +177,24 @@ def min_(low, node, ins):
 
 
 def _reduce(low, node, kind):
-    v = low.act(node, 0)
     a = attrs(node)
     axes = a.get("axes")
     if axes is None and len(node.input) > 1 and node.input[1]:
         axes = low.const(node, 1, "axes").reshape(-1).tolist()
+    keep = bool(a.get("keepdims", 1))
+    x = low._input(node.input[0])
+    if isinstance(x, Displaced):  # torch.stack(xs, dim=0) reduced over dim 0
+        out = reduce_displaced(low, x, [int(a) for a in axes or ()], keep, kind)
+        if out is None:
+            x.refuse(f"'{low.label}' ({node.op_type} over axes {list(axes or [])}, keepdims={int(keep)}: only a "
+                     "reduction over the stacking axis 0 without keepdims reads it)")
+        return [out]
+    v = low.act(node, 0)
     if not axes:
         if a.get("noop_with_empty_axes", 0):
             return [v]
         low.unsupported(f"a {kind} over every axis, the batch included")
-    axes, keep = [int(x) for x in axes], bool(a.get("keepdims", 1))
+    axes = [int(x) for x in axes]
     if kind == "mean" and all_spatial(v, axes):
         return [low.mean(v, axes, keep)]  # the global average pool
     return [reduce(low, v, axes, keep, kind)]
@@ -206,6 +215,10 @@ def reduce_mean(low, node, ins):
 
 def reduce_max(low, node, ins):
     return _reduce(low, node, "max")
+
+
+for _rule in (reduce_sum, reduce_mean, reduce_max):
+    _rule.reads_displaced = True  # torch.stack(xs, dim=0) reduced over dim 0 (reduce_displaced)
 
 
 def sum_(low, node, ins):

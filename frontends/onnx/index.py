@@ -11,11 +11,13 @@ import numpy as np
 from pathir.errors import UnsupportedOperation
 from pathir.frontends.core.values import NegInfPadded, Value, zero_constant
 from pathir.frontends.onnx.batch_size import depends_on_batch
-from pathir.frontends.onnx.evaluate import IdTensor, run_on_ids
+from pathir.frontends.core.fixed_factors import fixed_scale
+from pathir.frontends.core.reductions import elementwise_max, reduce
+from pathir.frontends.onnx.evaluate import IdTensor, _decode, run_on_ids
 from pathir.frontends.onnx.layers import attrs
 
 __all__ = ["Sequence", "Displaced", "concat", "pad", "index", "moved", "gather_elements", "scatter", "split_to_sequence",
-           "sequence_at", "READS_DISPLACED"]
+           "sequence_at", "reduce_displaced", "READS_DISPLACED"]
 
 
 class Sequence(list):
@@ -191,6 +193,34 @@ def _selected(low, base: list, decoded):
     if not out_shape:
         low.unsupported("the result has no per-sample axis")
     return low.compose_selection(((v, per_input[j]) for j, v in enumerate(base)), out_shape)
+
+
+def reduce_displaced(low, d: Displaced, axes: list[int], keep: bool, kind: str):
+    """``kind`` ∈ {sum, mean, max} over ``axes`` of a displaced tensor whose axis 0 stacks activations with the
+    batch on axis 1 (``torch.stack(xs, dim=0)``: Unsqueeze on axis 0, then Concat): each slice along axis 0 is an
+    activation (its element ids with the batch first, every sample to itself); their sum, mean (1/k, a fixed
+    factor) or elementwise max, reduced over the sample axes given too. None where the tensor is not so stacked,
+    or the axes do not take axis 0 and leave the batch (the caller refuses)."""
+    ids = d.ids.ids
+    rank = ids.ndim
+    axes = sorted({a % rank for a in axes})
+    if keep or rank < 3 or 0 not in axes or 1 in axes or ids.shape[1] != low.batch:
+        return None
+    offsets = np.cumsum([0] + [low.batch * n for n in d.ids.sizes])
+    slices = [_decode(ids[i], low.batch, offsets, d.ids.sizes) for i in range(ids.shape[0])]
+    if any(isinstance(s, IdTensor) for s in slices):
+        return None
+    values = [_selected(low, d.base, s) for s in slices]
+    if kind == "max":
+        out = values[0] if len(values) == 1 else elementwise_max(low, values)
+    else:
+        out = values[0]
+        for v in values[1:]:
+            out = low.add(out, v)
+        if kind == "mean" and len(values) > 1:
+            out = fixed_scale(low, out, 1.0 / len(values))
+    rest = [a - 1 for a in axes if a != 0]  # the sample's axes, counted with the batch first again
+    return reduce(low, out, rest, False, kind) if rest else out
 
 
 def split_to_sequence(low, node, ins):

@@ -173,7 +173,7 @@ class OnnxLowering(Lowering):
         displaced = [v for v in ins if isinstance(v, Displaced)]
         if displaced and op in ("Shape", "Size"):  # the id tensor has the real shape (at the walk's batch)
             return run_node(self.proto, node, [v.ids.ids if isinstance(v, Displaced) else v for v in ins])
-        if displaced and rule not in READS_DISPLACED:
+        if displaced and rule not in READS_DISPLACED and not getattr(rule, "reads_displaced", False):
             displaced[0].refuse(f"'{self.label}' ({self.op})")
         if rule is not None:
             outs = rule(self, node, ins)
