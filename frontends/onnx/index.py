@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 
 from pathir.errors import UnsupportedOperation
-from pathir.frontends.core.values import NegInfPadded, Value, zero_constant
-from pathir.frontends.onnx.batch_size import depends_on_batch
 from pathir.frontends.core.fixed_factors import fixed_scale
 from pathir.frontends.core.reductions import elementwise_max, reduce
+from pathir.frontends.core.values import NegInfPadded, Value, zero_constant
+from pathir.frontends.onnx.batch_size import depends_on_batch
 from pathir.frontends.onnx.evaluate import IdTensor, _decode, run_on_ids
 from pathir.frontends.onnx.layers import attrs
 
