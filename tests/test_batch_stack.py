@@ -94,13 +94,15 @@ def test_a_reduction_over_dim_0_and_a_sample_axis(export):
 @pytest.mark.parametrize("export", [False, True], ids=["fx", "export"])
 @pytest.mark.parametrize("read", [lambda s: s.sum(0, keepdim=True)[0], lambda s: s.transpose(0, 1).sum(1),
                                   lambda s: s.sum(1), lambda s: s[:, 0].sum(0) + s[0],
-                                  lambda s: s.flip(0)[0] * 1.0 + s[:, :, :1].sum(0)],
-                         ids=["keepdim", "transpose", "over the batch", "one sample", "flip then slice"])
+                                  lambda s: s.flip(0)[0] * 1.0 + s[:, :, :1].sum(0),
+                                  lambda s: s[0:0].sum(0) + s[0], lambda s: s.narrow(0, 0, 0).mean(0) + s[1]],
+                         ids=["keepdim", "transpose", "over the batch", "one sample", "flip then slice", "empty slice",
+                              "empty narrow"])
 def test_any_other_read_of_a_stack_on_dim_0_is_refused_naming_it(read, export):
     net = _net(read, export)
     state = copy.deepcopy(net.state_dict())
     net(torch.randn(5, 4, dtype=torch.float64))  # (a model torch runs)
-    with pytest.raises(UnsupportedOperation, match=r"torch.stack\(\.\.\., dim=0\) of 3 activations|pick whole"):
+    with pytest.raises(UnsupportedOperation, match=r"torch.stack\(\.\.\., dim=0\) of 3 activations|pick whole|empty"):
         pathir.compile(net, input_shape=(4,))
     assert all(torch.equal(v, state[k]) for k, v in net.state_dict().items())
 

@@ -90,6 +90,9 @@ def _picked(low, r, stacked: BatchStacked, n: int):
         if 0 <= i < len(stacked.values) and torch.equal(r, base + i * n):
             return stacked.values[i]
     if isinstance(r, torch.Tensor) and r.dim() == len(shape) + 2 and tuple(r.shape[1:]) == (BATCH, *shape):
+        if not r.shape[0]:
+            low.unsupported(f"an empty slice along dim 0 of {described(stacked)}: no activation (its sum is the "
+                            "constant 0, no neuron of the graph)")
         picked = [_picked(low, part, stacked, n) for part in r]
         return BatchStacked(tuple(picked))
     low.unsupported(f"an index op that does not pick whole activations along dim 0 of {described(stacked)}")
