@@ -23,7 +23,7 @@ from pathir.frontends.core.fixed_factors import fixed_scale
 from pathir.frontends.core.values import ParamTensor, Value, f64, zero_constant
 from pathir.ir import Pool
 
-__all__ = ["reduce", "all_spatial", "elementwise_max", "where"]
+__all__ = ["reduce", "all_spatial", "elementwise_max", "reduce_stacking_axis", "where"]
 
 
 def reduce(low, x, dims, keepdim: bool, kind: str) -> Value:
@@ -78,6 +78,22 @@ def elementwise_max(low, values) -> Value:
     name = low.b.maxpool(low.label, src, pool, origin=getattr(low, "where", ""))
     pooled = Value.of_node(name, low.b.shape(name))
     return low.index_op(lambda t: t.squeeze(-1), [pooled])[0][0]
+
+
+def reduce_stacking_axis(low, values: list, axes: list[int], kind: str) -> Value:
+    """``kind`` ∈ {sum, mean, max} over ``axes`` (sorted, with 0 and without 1) of activations of one shape stacked
+    on axis 0, the batch on axis 1 (``torch.stack(values, dim=0)``): their sum, their sum times 1/k (a fixed factor)
+    or their elementwise max (a max-pool neuron), then reduced over the sample axes among ``axes``."""
+    if kind == "max":
+        out = values[0] if len(values) == 1 else elementwise_max(low, values)
+    else:
+        out = values[0]
+        for v in values[1:]:
+            out = low.add(out, v)
+        if kind == "mean" and len(values) > 1:
+            out = fixed_scale(low, out, 1.0 / len(values))
+    rest = [a - 1 for a in axes if a != 0]  # the sample's axes, counted with the batch first again
+    return reduce(low, out, rest, False, kind) if rest else out
 
 
 def _const_mask(mask):

@@ -9,8 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from pathir.errors import UnsupportedOperation
-from pathir.frontends.core.fixed_factors import fixed_scale
-from pathir.frontends.core.reductions import elementwise_max, reduce
+from pathir.frontends.core.reductions import reduce_stacking_axis
 from pathir.frontends.core.values import NegInfPadded, Value, zero_constant
 from pathir.frontends.onnx.batch_size import depends_on_batch
 from pathir.frontends.onnx.evaluate import IdTensor, _decode, run_on_ids
@@ -210,17 +209,7 @@ def reduce_displaced(low, d: Displaced, axes: list[int], keep: bool, kind: str):
     slices = [_decode(ids[i], low.batch, offsets, d.ids.sizes) for i in range(ids.shape[0])]
     if any(isinstance(s, IdTensor) for s in slices):
         return None
-    values = [_selected(low, d.base, s) for s in slices]
-    if kind == "max":
-        out = values[0] if len(values) == 1 else elementwise_max(low, values)
-    else:
-        out = values[0]
-        for v in values[1:]:
-            out = low.add(out, v)
-        if kind == "mean" and len(values) > 1:
-            out = fixed_scale(low, out, 1.0 / len(values))
-    rest = [a - 1 for a in axes if a != 0]  # the sample's axes, counted with the batch first again
-    return reduce(low, out, rest, False, kind) if rest else out
+    return reduce_stacking_axis(low, [_selected(low, d.base, s) for s in slices], axes, kind)
 
 
 def split_to_sequence(low, node, ins):

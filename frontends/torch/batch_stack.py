@@ -15,8 +15,7 @@ import math
 
 import torch
 
-from pathir.frontends.core.fixed_factors import fixed_scale
-from pathir.frontends.core.reductions import elementwise_max, reduce
+from pathir.frontends.core.reductions import reduce_stacking_axis
 from pathir.frontends.core.values import BATCH, BatchStacked, Value, described, leaves
 
 __all__ = ["batch_stack", "read_stacked", "reduce_stacked", "reads_batch_stacked"]
@@ -48,17 +47,7 @@ def reduce_stacked(low, stacked: BatchStacked, dims, keepdim: bool, kind: str) -
     if 0 not in axes or 1 in axes or keepdim:
         low.unsupported(f"{kind} over {given or 'every axis'}{' with keepdim' if keepdim else ''} of "
                         f"{described(stacked)}")
-    values = list(stacked.values)
-    if kind == "max":
-        out = values[0] if len(values) == 1 else elementwise_max(low, values)
-    else:
-        out = values[0]
-        for v in values[1:]:
-            out = low.add(out, v)
-        if kind == "mean" and len(values) > 1:
-            out = fixed_scale(low, out, 1.0 / len(values))
-    rest = [a - 1 for a in axes if a != 0]  # the sample's axes, counted with the batch first again
-    return reduce(low, out, rest, False, kind) if rest else out
+    return reduce_stacking_axis(low, list(stacked.values), axes, kind)
 
 
 def read_stacked(low, fn, args, kwargs):
