@@ -90,3 +90,39 @@ def test_a_live_compiled_follows_an_sgd_step():
     model(torch.randn(8, *shape, dtype=torch.float64)).square().sum().backward()
     opt.step()
     assert cm.path_norm(1) == pytest.approx(path_norm_q(model, [shape], 1.0), rel=1e-10)
+
+
+class TokenMatmul(torch.nn.Module):
+    """relu(x @ W + b) @ V.t() + c on (B, 2, 4) tokens: W stored (in, out), V (out, in), c of shape (1, 1, 3)."""
+
+    def __init__(self, export=False, bias_shape=(6,)):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.W = torch.nn.Parameter(torch.randn(4, 6, generator=gen, dtype=torch.float64))
+        self.b = torch.nn.Parameter(torch.randn(*bias_shape, generator=gen, dtype=torch.float64))
+        self.V = torch.nn.Parameter(torch.randn(3, 6, generator=gen, dtype=torch.float64))
+        self.c = torch.nn.Parameter(torch.randn(1, 1, 3, generator=gen, dtype=torch.float64))
+        self.export = export
+
+    def forward(self, x):
+        if self.export and x.shape[-1] != 4:  # Python control flow on a shape: fx cannot trace it
+            raise ValueError("four features")
+        return torch.relu(x @ self.W + self.b) @ self.V.t() + self.c
+
+
+@pytest.mark.parametrize("export", [False, True], ids=["fx", "export"])
+def test_a_product_by_a_weight_on_tokens_is_the_layer_at_every_position(export):
+    net = TokenMatmul(export)
+    x = torch.randn(5, 2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y = net(x).detach().clone()
+    cm = pathir.compile(net, input_shape=(2, 4))
+    np.testing.assert_allclose(cm.forward(x.numpy()), y.numpy(), rtol=1e-12, atol=1e-12)
+    W, b, V, c = (t.detach().abs().numpy() for t in (net.W, net.b, net.V, net.c))
+    assert cm.path_norm(1) == pytest.approx(2 * float((V @ W.T).sum() + (V @ b).sum() + c.sum()), rel=1e-12)
+    cm.pathcond()
+    torch.testing.assert_close(net(x), y, rtol=1e-10, atol=1e-12)
+
+
+def test_a_bias_that_varies_over_the_tokens_is_refused():
+    with pytest.raises(pathir.errors.UnsupportedOperation, match="'b' of shape \\[2, 6\\]"):
+        pathir.compile(TokenMatmul(bias_shape=(2, 6)), input_shape=(2, 4))

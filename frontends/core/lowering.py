@@ -338,8 +338,10 @@ class Lowering:
 
     def add_bias(self, v: Value, bias: ParamTensor) -> Value:
         """v + bias, a learnable tensor with one entry per channel (shape (C,) on a flat value,
-        (C, 1, ..) or (1, C, 1, ..) on a feature map): the bias of v's neurons. A value that
-        already carries a bias becomes a node first (a node has one bias)."""
+        (C, 1, ..) or (1, C, 1, ..) on a feature map): the bias of v's neurons; or with one entry per feature of
+        the last axis of v of two or more axes (shape (O,), (1, O), ..: ``x @ W + b`` on tokens), the bias of v's
+        neurons with that axis moved first. A value that already carries a bias becomes a node first (a node has
+        one bias)."""
         v = self.value(v)
         t = bias.tensor
         nd = len(v.shape) + 1  # with the batch axis
@@ -348,6 +350,12 @@ class Lowering:
         if t.is_floating_point() and t.dim() <= nd and zero_constant(bias) and all(
                 d in (1, n) for d, n in zip(dims[1:], v.shape)) and dims[0] in (1, BATCH):
             return v  # + a constant block of zeros (a layer without bias applied to an RNN's zero state): nothing
+        along_last = (learnable and nd >= 3 and t.dim() <= nd and dims[-1] == v.shape[-1] > 1
+                      and all(d == 1 for d in dims[:-1]))
+        if along_last:  # x @ W + b on tokens: the bias of the neurons with the last axis moved first
+            first = self.index_op(lambda x: x.movedim(-1, 1), [v])[0][0]  # (a selection: no bias of its own)
+            b = self.widened(bias, (SourceRef(bias.name),), view=lambda x: x.reshape(-1))
+            return self.index_op(lambda x: x.movedim(1, -1), [Value(list(first.terms), first.shape, b, self.label)])[0][0]
         if not learnable or not (len(dims) == nd and dims[0] == 1 and dims[1] == v.shape[0]
                                             and all(d == 1 for d in dims[2:])):
             what = (f"the parameter '{bias.name}' of shape {list(t.shape)}" if learnable
@@ -362,14 +370,17 @@ class Lowering:
 
     def matmul_param(self, v: Value, weight: ParamTensor) -> Value:
         """x @ W with W a (in, out) parameter (or ``x @ W.t()``, W stored (out, in)): a dense layer whose matrix is
-        the product's right factor transposed."""
+        the product's right factor transposed; on x of more axes (tokens), that layer at every position."""
         v = self.value(v)
         t = weight.read()
+        if t.dim() == 2 and len(v.shape) > 1 and t.shape[0] == v.shape[-1]:  # on tokens: the layer at every position
+            return linear_last_axis(self, v, ParamTensor(weight.name, weight.tensor, weight.kind, not weight.transposed),
+                                    None)
         if t.dim() != 2 or len(v.shape) != 1 or t.shape[0] != v.shape[0]:
             self.unsupported(f"matmul of an activation of shape {list(v.shape)} by the parameter '{weight.name}' "
-                             f"{'read transposed, ' if weight.transposed else ''}of shape {list(t.shape)}: only a "
-                             "flat (in,) activation times an (in, out) matrix is a dense layer (on an activation of "
-                             "more axes, F.linear(x, W) with W of shape (out, in) is the layer at every position)")
+                             f"{'read transposed, ' if weight.transposed else ''}of shape {list(t.shape)}: only an "
+                             "activation times an (in, out) matrix over its last axis is a dense layer (at every "
+                             "position of the other axes)")
         W = self._dense(weight, stored_as_in_out=not weight.transposed)
         return self.apply(v, Dense(W), None, flat_ok=True)
 
