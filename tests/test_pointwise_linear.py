@@ -126,3 +126,24 @@ def test_a_product_by_a_weight_on_tokens_is_the_layer_at_every_position(export):
 def test_a_bias_that_varies_over_the_tokens_is_refused():
     with pytest.raises(pathir.errors.UnsupportedOperation, match="'b' of shape \\[2, 6\\]"):
         pathir.compile(TokenMatmul(bias_shape=(2, 6)), input_shape=(2, 4))
+
+
+def test_one_output_feature_on_tokens_takes_its_bias():
+    """x @ W + b with W (4, 1) and b (1,): one feature, its bias once per token."""
+
+    class One(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            gen = torch.Generator().manual_seed(2)
+            self.W = torch.nn.Parameter(torch.randn(4, 1, generator=gen, dtype=torch.float64))
+            self.b = torch.nn.Parameter(torch.randn(1, generator=gen, dtype=torch.float64))
+
+        def forward(self, x):
+            return torch.relu(x @ self.W + self.b)
+
+    net = One()
+    x = torch.randn(3, 2, 4, dtype=torch.float64)
+    cm = pathir.compile(net, input_shape=(2, 4))
+    np.testing.assert_allclose(cm.forward(x.numpy()), net(x).detach().numpy(), rtol=1e-12, atol=1e-12)
+    W, b = net.W.detach().abs().numpy(), net.b.detach().abs().numpy()
+    assert cm.path_norm(1) == pytest.approx(2 * float(W.sum() + b.sum()), rel=1e-12)

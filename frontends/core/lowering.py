@@ -350,8 +350,8 @@ class Lowering:
         if t.is_floating_point() and t.dim() <= nd and zero_constant(bias) and all(
                 d in (1, n) for d, n in zip(dims[1:], v.shape)) and dims[0] in (1, BATCH):
             return v  # + a constant block of zeros (a layer without bias applied to an RNN's zero state): nothing
-        along_last = (learnable and nd >= 3 and t.dim() <= nd and dims[-1] == v.shape[-1] > 1
-                      and all(d == 1 for d in dims[:-1]))
+        along_last = (learnable and nd >= 3 and t.dim() <= nd and dims[-1] == v.shape[-1]
+                      and all(d == 1 for d in dims[:-1]) and not (dims[-1] == 1 and v.shape[0] == 1))
         if along_last:  # x @ W + b on tokens: the bias of the neurons with the last axis moved first
             first = self.index_op(lambda x: x.movedim(-1, 1), [v])[0][0]  # (a selection: no bias of its own)
             b = self.widened(bias, (SourceRef(bias.name),), view=lambda x: x.reshape(-1))
