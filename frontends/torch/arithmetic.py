@@ -28,7 +28,7 @@ from pathir.frontends.core.fixed_factors import fixed_scale
 from pathir.frontends.core.fixed_maps import fixed_left_matmul, fixed_linear
 from pathir.frontends.core.reductions import elementwise_max
 from pathir.frontends.core.values import ParamTensor, Value, described, f64, reads_transposed
-from pathir.frontends.torch.indexing import transposed_param
+from pathir.frontends.torch.transposes import transposed_param
 from pathir.frontends.torch.why import refuse
 from pathir.ir import Scale, SourceRef
 

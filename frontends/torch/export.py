@@ -16,10 +16,10 @@ from torch.export.graph_signature import OutputKind
 from pathir.errors import UnsupportedOperation
 from pathir.frontends.core.values import ParamTensor, leaves, values_in
 from pathir.frontends.torch.capture_checks import WriteThroughView, effect_export, refuse_state_writes
-from pathir.frontends.torch.indexing import is_transpose, transposed
 from pathir.frontends.torch.inputs import model_dtype_device
 from pathir.frontends.torch.interpreter import FxInterpreter
 from pathir.frontends.torch.table import rule_for
+from pathir.frontends.torch.transposes import is_transpose, transposed
 
 __all__ = ["FX_FAILED", "lower_exported"]
 

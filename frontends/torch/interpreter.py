@@ -21,9 +21,9 @@ from pathir.errors import PathirError
 from pathir.frontends.core.lowering import Lowering
 from pathir.frontends.core.values import BatchStacked, MaxIndices, NegInfPadded, ParamTensor, Value, described, leaves, values_in
 from pathir.frontends.torch.capture_checks import alias_plan, apply_inplace, check_modes, effect_fx, refuse_inplace
-from pathir.frontends.torch.indexing import TRANSPOSE_ATTRIBUTES, TRANSPOSE_METHODS, is_transpose, transposed, transposed_param
 from pathir.frontends.torch.shared_memory import registered_names
 from pathir.frontends.torch.table import rule_for
+from pathir.frontends.torch.transposes import TRANSPOSE_ATTRIBUTES, TRANSPOSE_METHODS, is_transpose, transposed, transposed_param
 from pathir.frontends.torch.why import why
 from pathir.ir import NodeKind, verify
 
@@ -78,22 +78,29 @@ def refuse_params(low, op: str, args, kwargs) -> None:
         low.unsupported("computes with a model parameter outside linear/conv/batch-norm layers")
 
 
+#: the arguments that are not activations yet, which only a rule marked for them reads: (is it one, the marker,
+#: why any other rule refuses it)
+_GATES = (
+    (lambda a: isinstance(a, NegInfPadded), "reads_neg_inf_padding", lambda a, rule: f"reads {described(a)}"),
+    (lambda a: isinstance(a, BatchStacked), "reads_batch_stacked", lambda a, rule: f"reads {described(a)}"),
+    (lambda a: isinstance(a, ParamTensor) and a.transposed, "reads_transposed",
+     lambda a, rule: transposed_param(a, getattr(rule, "__name__", ""))),
+)
+
+
 def invoke(low, rule, args, kwargs):
     """``rule(low, *args, **kwargs)``; arguments its parameter list does not bind are refused, and so is an
-    activation padded with -inf anywhere but in a max-pool (a rule marked ``reads_neg_inf_padding``)."""
+    argument that is not an activation yet (an activation padded with -inf, a stack on dim 0, a weight read
+    transposed: :data:`_GATES`) where the rule is not marked as one that reads it."""
     try:
         inspect.signature(rule).bind(low, *args, **kwargs)
     except TypeError as err:
         low.unsupported(f"arguments pathir does not lower: {err}")
-    padded = next((a for a in leaves(args, kwargs) if isinstance(a, NegInfPadded)), None)
-    if padded is not None and not getattr(rule, "reads_neg_inf_padding", False):
-        low.unsupported(f"reads {described(padded)}")
-    stacked = next((a for a in leaves(args, kwargs) if isinstance(a, BatchStacked)), None)
-    if stacked is not None and not getattr(rule, "reads_batch_stacked", False):
-        low.unsupported(f"reads {described(stacked)}")
-    turned = next((a for a in leaves(args, kwargs) if isinstance(a, ParamTensor) and a.transposed), None)
-    if turned is not None and not getattr(rule, "reads_transposed", False):
-        low.unsupported(transposed_param(turned, getattr(rule, "__name__", "")))
+    found = leaves(args, kwargs)
+    for kind, marker, refusal in _GATES:
+        hit = next((a for a in found if kind(a)), None)
+        if hit is not None and not getattr(rule, marker, False):
+            low.unsupported(refusal(hit, rule))
     return rule(low, *args, **kwargs)
 
 

@@ -16,7 +16,7 @@ import torch
 from pathir.frontends.core.conv_transpose import conv_transpose
 from pathir.frontends.core.fixed_maps import fixed_conv, fixed_linear, pad
 from pathir.frontends.core.values import ParamTensor, Value, reads_transposed
-from pathir.frontends.torch.indexing import transposed_param
+from pathir.frontends.torch.transposes import transposed_param
 
 __all__ = ["linear", "linear_module", "conv", "conv_module", "convolution", "conv_transpose_fn",
            "conv_transpose_module", "batch_norm", "batch_norm_module", "batch_norm_aten", "batch_norm_no_training"]
