@@ -176,13 +176,12 @@ def min_(low, node, ins):
     return [low.clipped_relu(v, p)]
 
 
-def _reduce(low, node, kind):
+def _reduce(low, node, kind, x):
     a = attrs(node)
     axes = a.get("axes")
     if axes is None and len(node.input) > 1 and node.input[1]:
         axes = low.const(node, 1, "axes").reshape(-1).tolist()
     keep = bool(a.get("keepdims", 1))
-    x = low._input(node.input[0])
     if isinstance(x, Displaced):  # torch.stack(xs, dim=0) reduced over dim 0
         out = reduce_displaced(low, x, [int(a) for a in axes or ()], keep, kind)
         if out is None:
@@ -206,15 +205,15 @@ def where_(low, node, ins):
 
 
 def reduce_sum(low, node, ins):
-    return _reduce(low, node, "sum")
+    return _reduce(low, node, "sum", ins[0])
 
 
 def reduce_mean(low, node, ins):
-    return _reduce(low, node, "mean")
+    return _reduce(low, node, "mean", ins[0])
 
 
 def reduce_max(low, node, ins):
-    return _reduce(low, node, "max")
+    return _reduce(low, node, "max", ins[0])
 
 
 for _rule in (reduce_sum, reduce_mean, reduce_max):
