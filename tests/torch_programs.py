@@ -177,11 +177,17 @@ def torch_programs(draw, max_statements: int = 7, non_homogeneous: float = 0.1) 
         prog.forward.append(user)
         prog.reference.append(user if ref is None else ref)
 
+    # values with a channel written 0 in place, and every value computed from one: a split or chunk of one could
+    # take that channel alone, a value 0 everywhere, which pathir refuses where an op reads it on its
+    # own (docs/capture.md: the graph holds no constant activation)
+    zeroed: set[str] = set()
     for _ in range(draw(st.integers(1, max_statements))):
         name, c, s = draw(st.sampled_from(values))
         kind = draw(st.sampled_from(["conv", "conv", "reuse", "relu", "relu", "bn", "residual", "const", "cat",
                                      "chunk", "pool", "interp", "inplace", "split", "reshape", "adaptive"]))
-        out = new()
+        if kind in ("chunk", "split") and name in zeroed:
+            kind = "same"
+        out, made = new(), len(values)
         if kind == "conv" or (kind == "reuse" and not any(ci == c for _, ci, _ in convs)):
             c2, k = draw(st.integers(1, 6)), draw(st.sampled_from([1, 3]))
             mode = draw(st.sampled_from(["zeros", "zeros", "reflect", "replicate", "circular"])) if k == 3 else "zeros"
@@ -293,6 +299,9 @@ def torch_programs(draw, max_statements: int = 7, non_homogeneous: float = 0.1) 
         else:
             add(f"{out} = {name}")
             values.append((out, c, s))
+        if prog.forward[-1].endswith("] = 0") or name in zeroed or any(
+                v in zeroed for v, _, _ in values[:made] if v in prog.forward[-1]):  # (over-approximated: fewer splits)
+            zeroed.update(v for v, _, _ in values[made:])
     last, c, s = values[-1]
     if draw(st.sampled_from([False] * round(100 * (1 - non_homogeneous)) + [True] * round(100 * non_homogeneous))):
         template, op = draw(st.sampled_from(NON_HOMOGENEOUS))
