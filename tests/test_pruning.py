@@ -298,6 +298,15 @@ def test_count_amount_and_biases():
     assert report.pruned == 7 and report.candidates == sum(p.numel() for p in net.parameters())
 
 
+@pytest.mark.parametrize("amount", ["0.5", "5", b"0.5"])
+def test_an_amount_given_as_a_string_is_refused_with_the_model_untouched(amount):
+    net = trained(mlp(), (6,))
+    state = copy.deepcopy(net.state_dict())
+    with pytest.raises(PathirError, match="amount must be a number"):
+        pathir.compile(net, input_shape=(6,)).prune(amount)
+    assert all(torch.equal(v, state[k]) for k, v in net.state_dict().items())
+
+
 # ------------------------------------------------------------ ONNX models
 
 

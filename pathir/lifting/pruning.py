@@ -131,6 +131,9 @@ def _count(amount, n: int) -> int:
     """Entries to prune out of n: a fraction in [0, 1] (rounded, as torch's prune) or a count."""
     if isinstance(amount, (bool, np.bool_)):
         raise ArgumentError(f"amount must be a fraction in [0, 1] or a number of entries, got {amount!r}")
+    if isinstance(amount, (str, bytes)):  # "5" would read as the fraction 5.0, not five entries
+        raise ArgumentError(f"amount must be a number (0.5: a fraction of the entries, 5: five entries), got the "
+                            f"string {amount!r}")
     if isinstance(amount, (int, np.integer)):
         if not 0 <= amount <= n:
             raise ArgumentError(f"amount={amount} entries, but there are {n} candidates")
