@@ -221,7 +221,8 @@ def _walk(cm, inputs, qs, counts, compare, batch_size, show, backend, total) -> 
     if compare is not None:
         metric = path_metric(cm if not isinstance(cm, Graph) else graph, compare, be)
         glob["path_metric_upper"] = metric.upper
-    cols: dict[str, list] = {}
+    names = [f"log10_active_l{q:g}" for q in qs] + (["log10_active_paths"] if counts else []) + ["active_fraction"]
+    cols: dict[str, list] = {name: [] for name in names + (list(_COMPARED) if compare is not None else [])}
     with quiet_tqdm()(total=total, desc="pathir observe", unit="sample", disable=not show, file=sys.stderr) as bar:
         for batch in _batches(inputs, batch_size):
             x = as_input_dict(graph, batch)
@@ -237,13 +238,16 @@ def _walk(cm, inputs, qs, counts, compare, batch_size, show, backend, total) -> 
                 other = forward(graph_of(compare), be, x)
                 change = sum(np.abs(_numpy(pat.outputs[o]) - _numpy(other[o])).reshape(m.upper.shape[0], -1).sum(axis=1)
                              for o in graph.outputs)
-                for name, v in (("lower", m.lower), ("upper", m.upper), ("shared", m.shared * 1.0), ("flipped", m.flipped),
-                                ("local_estimate", m.upper * m.x_scale),
-                                ("local_bound", m.bound), ("global_bound", m.x_scale * (metric.upper if metric.same_signs else math.nan)),
-                                ("output_change", change)):
-                    cols.setdefault(name, []).append(np.asarray(v, dtype=np.float64))
+                for name, v in zip(_COMPARED, (m.lower, m.upper, m.shared * 1.0, m.flipped, m.upper * m.x_scale, m.bound,
+                                               m.x_scale * (metric.upper if metric.same_signs else math.nan), change)):
+                    cols[name].append(np.asarray(v, dtype=np.float64))
             bar.update(pat.batch)
-    return Observations({k: np.concatenate(v) for k, v in cols.items()}, glob)
+    # (no sample: every column, empty)
+    return Observations({k: np.concatenate(v) if v else np.zeros(0) for k, v in cols.items()}, glob)
+
+
+#: the columns of ``observe(compare=...)``, in their order
+_COMPARED = ("lower", "upper", "shared", "flipped", "local_estimate", "local_bound", "global_bound", "output_change")
 
 
 def _observe_shards(cm, inputs, qs, counts, compare, batch_size, progress, backend, grp: Group) -> Observations:

@@ -187,3 +187,14 @@ def test_a_quantile_between_minus_and_plus_inf_has_no_value():
     ordered = np.array([-np.inf, 1.0, 2.0, np.inf])
     assert [_quantile(ordered, q) for q in (0.0, 0.2, 1 / 3, 0.5, 0.8, 1.0)] == [-np.inf, -np.inf, 1.0, 1.5, np.inf,
                                                                                  np.inf]
+
+
+def test_an_empty_input_gives_every_column_empty():
+    """No sample: the table has its columns (the same names as with samples), each of length 0, and nan quantiles."""
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)).double()
+    cm = pathir.compile(net, input_shape=(3,))
+    for kw in ({}, {"compare": cm}):
+        empty, full = pathir.observe(cm, np.zeros((0, 3)), **kw), pathir.observe(cm, np.ones((2, 3)), **kw)
+        assert len(empty) == 0 and list(empty.columns) == list(full.columns)
+        assert all(v.shape == (0,) for v in empty.columns.values())
+        assert all(np.isnan(q) for d in empty.quantiles().values() for q in d.values())
