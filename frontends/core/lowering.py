@@ -352,10 +352,9 @@ class Lowering:
             return v  # + a constant block of zeros (a layer without bias applied to an RNN's zero state): nothing
         along_last = (learnable and nd >= 3 and t.dim() <= nd and dims[-1] == v.shape[-1]
                       and all(d == 1 for d in dims[:-1]) and not (dims[-1] == 1 and v.shape[0] == 1))
-        if along_last:  # x @ W + b on tokens: the bias of the neurons with the last axis moved first
-            first = self.index_op(lambda x: x.movedim(-1, 1), [v])[0][0]  # (a selection: no bias of its own)
-            b = self.widened(bias, (SourceRef(bias.name),), view=lambda x: x.reshape(-1))
-            return self.index_op(lambda x: x.movedim(1, -1), [Value(list(first.terms), first.shape, b, self.label)])[0][0]
+        if along_last:  # x @ W + b on tokens
+            return self.bias_on_last_axis(
+                v, lambda first: self.widened(bias, (SourceRef(bias.name),), view=lambda x: x.reshape(-1)))
         if not learnable or not (len(dims) == nd and dims[0] == 1 and dims[1] == v.shape[0]
                                             and all(d == 1 for d in dims[2:])):
             what = (f"the parameter '{bias.name}' of shape {list(t.shape)}" if learnable
@@ -367,6 +366,14 @@ class Lowering:
             v = Value.of_node(self.materialize(v), v.shape)
         b = self.widened(bias, (SourceRef(bias.name),), view=lambda x: x.reshape(-1))
         return Value(list(v.terms), v.shape, b, self.label)
+
+    def bias_on_last_axis(self, v: Value, make_bias) -> Value:
+        """v plus a bias with one entry per feature of its last axis: the bias of v's neurons with that axis moved
+        first (index moves, no neuron), moved back after; ``make_bias(first)`` gives the Param for ``first``, v
+        with the axis moved first (a selection, no bias of its own)."""
+        first = self.index_op(lambda x: x.movedim(-1, 1), [v])[0][0]
+        moved = Value(list(first.terms), first.shape, make_bias(first), self.label)
+        return self.index_op(lambda x: x.movedim(1, -1), [moved])[0][0]
 
     def matmul_param(self, v: Value, weight: ParamTensor) -> Value:
         """x @ W with W a (in, out) parameter (or ``x @ W.t()``, W stored (out, in)): a dense layer whose matrix is

@@ -149,11 +149,12 @@ def _add_along_last_axis(low, node, v: Value, k: int, c, sign: float) -> Value:
         bad = c.reshape(-1)[~np.isfinite(c.reshape(-1))][0]
         low.unsupported(f"a constant of shape {list(c.shape)} with a non-finite entry ({bad}): no bias or threshold "
                         "is a number there")
-    first = low.index_op(lambda x: x.movedim(-1, 1), [v])[0][0]
-    flat = np.reshape(c, (first.shape[0],) + (1,) * (len(first.shape) - 1))
-    vec, _ = low.channel_vector(flat, first, 0, scale=sign)
     verb = "added" if sign > 0 else "subtracted"
-    p = low.bias(node, 1 - k, vec, tuple(np.shape(c)), f"{node.input[1 - k]} ({verb} by {low.label})",
-                 kind="bias" if sign > 0 else "neg_bias")
-    out = Value(first.terms, first.shape, p, low.label)
-    return low.index_op(lambda x: x.movedim(1, -1), [out])[0][0]
+
+    def bias(first):
+        vec, _ = low.channel_vector(np.reshape(c, (first.shape[0],) + (1,) * (len(first.shape) - 1)), first, 0,
+                                    scale=sign)
+        return low.bias(node, 1 - k, vec, tuple(c.shape), f"{node.input[1 - k]} ({verb} by {low.label})",
+                        kind="bias" if sign > 0 else "neg_bias")
+
+    return low.bias_on_last_axis(v, bias)
