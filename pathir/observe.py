@@ -225,7 +225,7 @@ def _walk(cm, inputs, qs, counts, compare, batch_size, show, backend, total) -> 
     cols: dict[str, list] = {name: [] for name in names + (list(_COMPARED) if compare is not None else [])}
     with quiet_tqdm()(total=total, desc="pathir observe", unit="sample", disable=not show, file=sys.stderr) as bar:
         for batch in _batches(inputs, batch_size):
-            x = as_input_dict(graph, batch)
+            x = _input_dict(graph, batch, inputs)
             pat = activation_pattern(graph, be, x)
             for q in qs:
                 root = 1.0 if q == math.inf else q
@@ -244,6 +244,19 @@ def _walk(cm, inputs, qs, counts, compare, batch_size, show, backend, total) -> 
             bar.update(pat.batch)
     # (no sample: every column, empty)
     return Observations({k: np.concatenate(v) if v else np.zeros(0) for k, v in cols.items()}, glob)
+
+
+def _input_dict(graph, batch, inputs) -> dict:
+    """``as_input_dict`` of one batch; a list or tuple of single samples (each of an input's shape, no batch
+    axis) is refused with the hint to stack them, as observe reads a list as batches."""
+    try:
+        return as_input_dict(graph, batch)
+    except InputShapeError as err:
+        if isinstance(inputs, (list, tuple)) and len(graph.inputs) == 1:
+            if tuple(np.shape(batch)) == tuple(graph.node(graph.inputs[0]).shape):
+                raise InputShapeError(f"{err}; observe reads a list as a sequence of batches, and this one holds "
+                                      f"single samples: stack them into one array (np.stack(rows))") from None
+        raise
 
 
 #: the columns of ``observe(compare=...)``, in their order

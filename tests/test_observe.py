@@ -198,3 +198,16 @@ def test_an_empty_input_gives_every_column_empty():
         assert len(empty) == 0 and list(empty.columns) == list(full.columns)
         assert all(v.shape == (0,) for v in empty.columns.values())
         assert all(np.isnan(q) for d in empty.quantiles().values() for q in d.values())
+
+
+def test_a_list_of_single_samples_is_refused_with_the_hint_to_stack_them():
+    """A list is a sequence of batches: one of single samples (no batch axis) is refused, saying to stack them;
+    stacked, the same rows give the table."""
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)).double()
+    cm = pathir.compile(net, input_shape=(3,))
+    rows = list(np.random.default_rng(0).normal(size=(4, 3)))
+    with pytest.raises(pathir.InputShapeError, match=r"got \(3,\); observe reads a list .*np\.stack"):
+        pathir.observe(cm, rows)
+    batches = [np.stack(rows[:2]), np.stack(rows[2:])]
+    assert np.allclose(pathir.observe(cm, batches).columns["log10_active_l1"],
+                       pathir.observe(cm, np.stack(rows)).columns["log10_active_l1"], rtol=1e-12)
