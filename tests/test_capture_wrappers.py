@@ -62,6 +62,33 @@ def test_arguments_pathir_does_not_feed_are_traced_as_their_defaults():
     np.testing.assert_allclose(cm.forward(x.numpy()), net(x).detach().numpy(), rtol=1e-12, atol=1e-12)
 
 
+class _TakesKeywords(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.o = torch.nn.Linear(4, 5), torch.nn.Linear(5, 2)
+
+    def forward(self, x, **kw):  # (kw unread: fx traced it as an input; read, fx's trace failed and fell back)
+        return self.o(self.a(x).relu())
+
+
+def test_a_forward_taking_keyword_arguments_is_captured_as_called_without_them():
+    """forward(self, x, **kw): fx made kw one more input and refused the model as taking two inputs; torch.export
+    (the fallback) calls it without them, as pathir's input_shape does. Checked against the model's forward and
+    the path-norm written out by hand."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    net = _TakesKeywords().double().eval()
+    cm = pathir.compile(net, input_shape=(4,))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    np.testing.assert_allclose(cm.forward(x.numpy()), net(x).detach().numpy(), rtol=1e-12, atol=1e-12)
+    a, o = net.a, net.o
+    with torch.no_grad():  # (|W|q layer by layer on ones, biases as inputs of constant 1: docs/math.md)
+        ones = (o.weight.abs() @ (a.weight.abs() @ torch.ones(4, dtype=torch.float64) + a.bias.abs())
+                + o.bias.abs()).sum()
+    assert cm.path_norm(1) == pytest.approx(float(ones), rel=1e-12)
+
+
 class _WritesItsInput(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -182,6 +182,8 @@ def trace(model: nn.Module, n_inputs: int | None = None) -> torch.fx.Graph:
             if node.op in ("call_module", "get_attr"):
                 node.target = prefix + node.target
         return graph
+    if _takes_var_keywords(model):
+        raise torch.fx.proxy.TraceError("the forward takes **kwargs: torch.fx would trace them as one more input")
     tracer = InplaceTracer()
     tracer.held = {id(m): {**m._parameters, **m._buffers} for m in model.modules()}
     replaced = instance_forward(model, tracer)
@@ -213,6 +215,15 @@ def instance_forward(model: nn.Module, tracer: "InplaceTracer") -> str | None:
                 not path or tracer.is_leaf_module(m, path)):
             return f"'{path}' ({type(m).__name__})" if path else f"the model ({type(m).__name__})"
     return None
+
+
+def _takes_var_keywords(model: nn.Module) -> bool:
+    """Whether the model's forward takes ``**kwargs`` (then left to torch.export, which calls it without them)."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _defaults(model: nn.Module, n_inputs: int | None) -> dict | None:
