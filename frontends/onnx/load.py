@@ -129,10 +129,26 @@ def load(model) -> Source:
         names = [t.values.name for t in proto.graph.sparse_initializer]
         raise OnnxModelError(f"'{name}' stores {', '.join(repr(n) for n in names[:3])} as sparse initializers "
                              "(graph.sparse_initializer), which pathir does not read: store them dense (graph.initializer)")
+    proto = _inlined(proto, name)
     light = skeleton(proto)
     _check(light, name)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
     return Source(proto, name, opset, light, tuple(files) if isinstance(model, (str, os.PathLike)) else ())
+
+
+def _inlined(proto, name: str):
+    """``proto`` with its model-local functions (``torch.onnx.export(..., export_modules_as_functions=...)``)
+    inlined at every call (a new proto: the caller's is not modified), as onnxruntime runs them; ``proto``
+    itself where it has none. Its write-backs are of the inlined graph, which computes the same function."""
+    if not proto.functions:
+        return proto
+    from onnx.inliner import inline_local_functions
+
+    try:
+        return inline_local_functions(proto)
+    except Exception as err:  # noqa: BLE001 - onnx's C++ errors come as several types
+        raise OnnxModelError(f"'{name}': its local functions ({', '.join(f.name for f in proto.functions[:3])}) "
+                             f"cannot be inlined: {err}") from None
 
 
 def _check(proto, name: str) -> None:
