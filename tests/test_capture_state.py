@@ -61,3 +61,31 @@ def test_a_state_write_read_through_torch_export_is_refused_without_the_self_che
     with pytest.raises(UnsupportedOperation, match="the forward writes the model's own 'count'"):
         pathir.compile(model, input_shape=(4,), self_check=self_check)
     assert float(model.count) == 0.0
+
+
+class _Outer(nn.Module):
+    """A Counter as a submodule, behind Python control flow on shapes (fx fails: torch.export reads it)."""
+
+    def __init__(self, how, read):
+        super().__init__()
+        self.m, self.read = Counter(how), read
+
+    def forward(self, x):
+        if x.dim() < 2:
+            return x
+        y = self.m(x)
+        return y * self.m.count if self.read else y
+
+
+@pytest.mark.parametrize("read", [False, True], ids=["unread", "read"])
+@pytest.mark.parametrize("self_check", [True, False])
+def test_a_submodule_replacing_its_buffer_is_refused_on_the_torch_export_path(read, self_check):
+    """``self.count = self.count + 1`` in a submodule: torch.export drops the new value (an add nobody reads) and
+    puts the module back, so the write went unseen: accepted where unread, and where read refused as a forward
+    that 'depends on its batch size' (the self-check's calls saw the count move)."""
+    torch.manual_seed(0)
+    model = _Outer("replace", read).double().eval()
+    count = model.m.count
+    with pytest.raises(UnsupportedOperation, match="the forward writes the model's own 'm.count'"):
+        pathir.compile(model, input_shape=(4,), self_check=self_check)
+    assert model.m.count is count and float(model.m.count) == 0.0

@@ -16,6 +16,7 @@ from torch.export.graph_signature import OutputKind
 from pathir.errors import UnsupportedOperation
 from pathir.frontends.core.values import ParamTensor, leaves, values_in
 from pathir.frontends.torch.capture_checks import WriteThroughView, effect_export, refuse_state_writes
+from pathir.frontends.torch.eager_writes import check_eager_writes
 from pathir.frontends.torch.inputs import model_dtype_device
 from pathir.frontends.torch.interpreter import FxInterpreter
 from pathir.frontends.torch.table import rule_for
@@ -36,6 +37,7 @@ def lower_exported(model, shapes, name, clips: dict | None = None, made: list | 
     dtype, device = model_dtype_device(model)
     examples = tuple(torch.zeros((2, *s), dtype=dtype, device=device) for s in shapes)
     program = torch.export.export(model, examples)
+    check_eager_writes(model, examples)  # (writes the exported graph hides)
     if made is not None:
         made.append(program)  # (what fails after this is pathir's reading of the graph, not the export)
     try:

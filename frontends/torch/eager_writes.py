@@ -1,0 +1,121 @@
+"""What torch.export does not show of a forward's writes, seen by running it once, eagerly.
+
+torch.export runs the forward on fake tensors and hands back a functional graph. Two kinds of write
+leave no trace there:
+
+- a submodule that replaces its own buffer (``self.calls = self.calls + 1``): the export drops the
+  new value (an op nobody reads) and puts the module back as it was;
+- an in-place op whose other operand is another view of the memory it writes, overlapping it
+  (``h[:, :-1] += h[:, 1:]``, ``h[:, 1:] = h[:, :-1]``): the functional graph reads the old
+  values, eager PyTorch reads whatever its copy order has written by then (and refuses it outright
+  at some shapes).
+
+:func:`check_eager_writes` runs the model once on a small random batch under :func:`state_kept`
+(which refuses the first and puts buffers back) and a dispatch mode that refuses the second,
+naming the ATen op and the module it ran in, as the fx path names them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pathir.errors import PathirError
+from pathir.frontends.torch.capture_checks import ReadsWhatItWrites, state_kept
+
+__all__ = ["check_eager_writes", "overlaps_elsewhere"]
+
+
+def _offsets(t: torch.Tensor) -> np.ndarray:
+    """The storage offsets (in elements) of every element of ``t``, in no particular order."""
+    out = np.full(1, t.storage_offset(), dtype=np.int64)
+    for size, stride in zip(t.shape, t.stride()):
+        out = (out[:, None] + np.arange(size, dtype=np.int64) * stride).ravel()
+    return out
+
+
+def overlaps_elsewhere(written: torch.Tensor, read: torch.Tensor) -> bool:
+    """Whether ``read`` shares memory with ``written`` other than as the very same view (same offset, shape
+    and strides: ``h.add_(h)`` reads each element where it writes it)."""
+    if written.device != read.device or written.numel() == 0 or read.numel() == 0:
+        return False
+    if written.untyped_storage().data_ptr() != read.untyped_storage().data_ptr():
+        return False
+    if (written.storage_offset(), written.shape, written.stride(), written.dtype) == \
+            (read.storage_offset(), read.shape, read.stride(), read.dtype):
+        return False
+    if written.element_size() != read.element_size():
+        return True  # a view as another dtype: counted as overlapping
+    return bool(np.intersect1d(_offsets(written), _offsets(read)).size)
+
+
+class _WritesFromOverlap(TorchDispatchMode):
+    """Refuses an ATen op that writes a tensor (its schema's mutable arguments) while reading another view
+    overlapping it; ``where()`` names the module running."""
+
+    def __init__(self, where):
+        super().__init__()
+        self.where = where
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        schema = func._schema
+        written, read = [], []
+        for i, arg in enumerate(schema.arguments):
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            tensors = [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.Tensor)]
+            (written if arg.alias_info is not None and arg.alias_info.is_write else read).extend(tensors)
+        for w in written:
+            for r in read:
+                if overlaps_elsewhere(w, r):
+                    name = str(func).replace("aten::", "")
+                    raise ReadsWhatItWrites(
+                        name, name, self.where(),
+                        "it reads a view of the memory it writes, at other positions (h[:, :-1] += h[:, 1:], "
+                        "h[:, 1:] = h[:, :-1]): eager PyTorch's result then depends on the order its copy runs in, "
+                        "and torch refuses it at some shapes (write from a copy: .clone() the value)")
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _module_stack(model: torch.nn.Module):
+    """A list holding the path of the module whose forward runs (its innermost), kept by global hooks
+    removed on exit."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
+    stack: list[str] = []
+
+    def enter(module, args):
+        stack.append(paths.get(id(module), ""))
+
+    def leave(module, args, out):
+        if stack:
+            stack.pop()
+
+    handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+    try:
+        yield stack
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def check_eager_writes(model: torch.nn.Module, examples: tuple) -> None:
+    """Run ``model(*examples)`` once (no grad) and refuse what torch.export's graph would hide: a parameter or
+    buffer the forward writes or replaces (:func:`state_kept`, buffers put back), an in-place op reading an
+    overlapping view of what it writes (:class:`ReadsWhatItWrites`). Any other failure of the run is left
+    to the self-check, which runs the forward too and explains it."""
+    inputs = tuple(torch.randn(e.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+                   .to(dtype=e.dtype, device=e.device) for e in examples)
+    with state_kept(model), _module_stack(model) as stack, torch.no_grad():
+        try:
+            with _WritesFromOverlap(lambda: next((p for p in reversed(stack) if p), "")):
+                model(*inputs)
+        except PathirError:
+            raise
+        except Exception:  # noqa: BLE001 - the self-check runs the forward and names what fails
+            pass
