@@ -62,7 +62,9 @@ class _WritesFromOverlap(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        schema = func._schema
+        schema = getattr(func, "_schema", None)
+        if schema is None:  # (a higher-order op: its body's ops come through one by one)
+            return func(*args, **kwargs)
         written, read = [], []
         for i, arg in enumerate(schema.arguments):
             value = args[i] if i < len(args) else kwargs.get(arg.name)
