@@ -373,6 +373,11 @@ ONNX_ATTRS = [
     ({"strides": [2, 2], "auto_pad": "SAME_LOWER"}, 1, (1, 2, 3, 3), True),
     ({"strides": [3], "pads": [2, 1], "output_padding": [2]}, 2, (1, 4, 5), True),
     ({"auto_pad": "VALID", "strides": [2]}, 1, (1, 2, 5), False),
+    # an output_shape past the full output (9 x 9; 15), by less than a stride: onnxruntime adds the positions at
+    # the end (its bias there)
+    ({"strides": [2, 2], "output_shape": [10, 10]}, 1, (1, 2, 4, 4), True),
+    ({"strides": [2, 2], "output_shape": [10, 8], "auto_pad": "SAME_UPPER"}, 2, (1, 2, 4, 4), True),
+    ({"strides": [3], "output_shape": [17], "auto_pad": "SAME_LOWER"}, 1, (1, 2, 5), True),
 ]
 
 
@@ -422,3 +427,13 @@ def test_benchmark_unet_is_exact_and_its_script_runs():
     assert_forward(bench.UNet(2).double().eval(), (3, 8, 8), tol=1e-12)
     out = bench.bench(size=8, width=2, repeat=1)
     assert out["path_norm_q1_ratio"] > 0 and out["diag_g_ratio"] > 0
+
+
+def test_an_onnx_output_shape_no_input_of_its_size_gives_is_refused():
+    """Past the full output by a stride or more: onnxruntime refuses it ("inconsistent with input spatial
+    dimensions"); pathir names the node rather than reading the ONNX specification's negative pads."""
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(2, 3, 3, 3)).astype(np.float32)
+    proto = _convt_proto({"strides": [2, 2], "output_shape": [11, 9]}, w, None, (1, 2, 4, 4))
+    with pytest.raises(pathir.PathirError, match=r"output_shape \[11, 9\] is 2 positions past the full output"):
+        pathir.compile(proto)

@@ -169,7 +169,8 @@ def conv_transpose(low, node, ins):
 def _transpose_pads(low, a, spatial, k, strides, dil, op):
     """(before, after) per axis of an ONNX ConvTranspose: ``pads``, or from ``output_shape`` /
     auto_pad SAME_* (total = s·(L − 1) + output_padding + d·(k − 1) + 1 − out; the odd unit goes
-    after for SAME_UPPER, before otherwise), as onnxruntime computes them."""
+    after for SAME_UPPER, before otherwise; a negative total is that many positions more at the end),
+    as onnxruntime computes them."""
     n = len(k)
     mode = a.get("auto_pad", "NOTSET") or "NOTSET"
     out = a.get("output_shape")
@@ -186,6 +187,12 @@ def _transpose_pads(low, a, spatial, k, strides, dil, op):
     pads = []
     for L, kk, s, d, o, target in zip(spatial, k, strides, dil, op, out):
         total = s * (L - 1) + o + d * (kk - 1) + 1 - int(target)
+        if total < 0:  # an output_shape past the full output: onnxruntime adds the positions at the end,
+            if -total >= s:  # as many as an output_padding could (fewer than the stride)
+                low.fail(f"output_shape {list(out)} is {-total} positions past the full output along an axis of "
+                         f"stride {s}: no input of this size gives it (onnxruntime refuses it too)")
+            pads.append((0, total))
+            continue
         small = total // 2
         pads.append((small, total - small) if mode == "SAME_UPPER" else (total - small, small))
     return tuple(pads)
