@@ -209,6 +209,20 @@ def test_conv_and_pools_with_auto_pad(auto_pad):
     _check(model, rng.normal(size=(2, 3, 17, 15)).astype(np.float32))
 
 
+@pytest.mark.parametrize("op", ["MaxPool", "AveragePool"])
+@pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER"])
+def test_a_dilated_pool_with_same_padding_is_refused_by_name(op, auto_pad):
+    """onnxruntime pads it as if undilated and sizes its output dilated (a length-6 MaxPool of kernel 2, dilation 2:
+    5 outputs, the specification's 6): pathir, which followed the specification, was refused by its own
+    self-check as a bug, and without it gave the specification's numbers for a model onnxruntime runs otherwise."""
+    model = make_model([node("Relu", ["x"], ["r"], "relu"),
+                        node(op, ["r"], ["y"], "pool", kernel_shape=[2], dilations=[2], auto_pad=auto_pad)],
+                       [tensor_info("x", ["N", 1, 6])], [tensor_info("y", ["N", 1, "L"])], opset=19)
+    for self_check in (True, False):
+        with pytest.raises(pathir.UnsupportedOperation, match=rf"'pool' \(op {op}\).*auto_pad {auto_pad} with dilations"):
+            pathir.compile(model, self_check=self_check)
+
+
 @pytest.mark.parametrize("include_pad", [0, 1])
 @pytest.mark.parametrize("ceil", [0, 1])
 def test_pools_with_dilations_padding_and_ceil_mode(include_pad, ceil):

@@ -247,6 +247,10 @@ def _window(low, node, v: Value):
     a = attrs(node)
     k = tuple(int(x) for x in a["kernel_shape"])
     strides, dil = tuple(a.get("strides", (1,) * n)), tuple(a.get("dilations", (1,) * n))
+    if (a.get("auto_pad") or "NOTSET") in ("SAME_UPPER", "SAME_LOWER") and any(d != 1 for d in dil):
+        low.unsupported(f"auto_pad {a['auto_pad']} with dilations {list(dil)}: onnxruntime pads this pool as if "
+                        "undilated and sizes its output dilated, against the ONNX specification, so pathir would "
+                        "disagree with one of them (write the padding out: pads=[...])")
     pads = _pads(low, a, v.shape[1:], k, strides, dil)
     ceil = bool(a.get("ceil_mode", 0)) and a.get("auto_pad", "NOTSET") in ("NOTSET", "")
     return Pool(k, strides, pads, dil, ceil), a
