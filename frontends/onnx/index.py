@@ -149,7 +149,15 @@ def constant_operands(low, node, ins) -> None:
 def moved(low, node, ins):
     """An element move (``INDEX_OPS``: Reshape, Gather, Slice, ...) whose operands after the data are constants."""
     constant_operands(low, node, ins)
+    if node.op_type == "Squeeze" and not low.batch_fixed and not _squeeze_axes(node):
+        low.unsupported("a Squeeze without axes removes every axis of size 1, at a batch of 1 the batch axis too, so "
+                        "its output depends on the batch size (the batch is dynamic in this file): give the axes")
     return index(low, node, ins)
+
+
+def _squeeze_axes(node) -> bool:
+    """Whether a Squeeze names its axes (an ``axes`` attribute up to opset 11, a second input from 13)."""
+    return any(a.name == "axes" for a in node.attribute) or (len(node.input) > 1 and bool(node.input[1]))
 
 
 def index(low, node, ins):
