@@ -200,3 +200,40 @@ def test_a_step_function_of_a_weight_is_no_constant_on_the_export_path(spell):
     net = Net(lambda m, x: spell(m, x) + m.b1, export=True)
     with pytest.raises(UnsupportedOperation, match="'W1'"):
         pathir.compile(net, input_shape=(3,))
+
+
+class _ActivationTransposed(nn.Module):
+    """(B, 5, 4) tokens -> Linear(4, 3) -> ReLU -> .mT / .mH (B, 3, 5) -> Linear(5, 2)."""
+
+    def __init__(self, attr):
+        super().__init__()
+        torch.manual_seed(0)
+        self.attr, self.a, self.b = attr, nn.Linear(4, 3), nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.b(getattr(torch.relu(self.a(x)), self.attr))
+
+
+@pytest.mark.parametrize("attr", ["mT", "mH"])
+def test_an_activation_read_through_mT_is_an_element_move(attr):
+    """``h.mT`` (``h.mH`` of a real tensor) swaps an activation's last two axes: fx refused the attribute read
+    ("reads attribute 'mT' of an activation") where ``h.transpose(-2, -1)`` compiled."""
+    from capture_reference import assert_definition, assert_forward
+
+    model = _ActivationTransposed(attr).double().eval()
+    cm = assert_forward(model, (5, 4))
+    assert_definition(cm, model, (5, 4))
+
+
+@pytest.mark.parametrize("attr", ["T", "H", "mT"])
+def test_an_activation_transposed_across_its_batch_axis_is_refused(attr):
+    class Out(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return getattr(torch.relu(self.a(x)), attr)
+
+    with pytest.raises(UnsupportedOperation, match="moves the batch axis"):
+        pathir.compile(Out().double(), input_shape=(4,))

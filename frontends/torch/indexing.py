@@ -209,6 +209,8 @@ def getattr_(low, obj, attr):
             return len(obj.shape) + 1
         if attr in ("dtype", "device") and hasattr(low, "model"):  # the model's (one dtype and device throughout:
             return model_dtype_device(low.model)[0 if attr == "dtype" else 1]  # the self-check refuses another)
+        if attr in TRANSPOSE_ATTRIBUTES:  # an element move (on ids: one that moves the batch axis is refused)
+            return _index(low, lambda t: getattr(t, attr), (obj,), {})
         low.unsupported(f"reads attribute '{attr}' of an activation", "getattr")
     return getattr(obj, attr)
 
