@@ -124,3 +124,18 @@ def test_toolkit_benchmark_runs_without_a_checkout(capsys):
     (row,) = bench_toolkit.main(["squeezenet1_1", "--repeat", "1", "--steps", "1", "--threads", "1"])
     assert {"a_ratio", "a_ratio_min", "b_ratio", "c_ratio", "s_forwards"} <= set(row) and row["a_log10_gap"] < 1e-9
     assert "| squeezenet1_1 |" in capsys.readouterr().out
+
+
+def test_pruning_benchmark_runs_and_pathirs_choice_ignores_a_rescaling(capsys):
+    """Torch-Pruning's importances beside pathir's: the rescaled twin computes the same function, and the channels
+    the path-magnitude prunes (so the pruned accuracy) do not change with the rescaling."""
+    pytest.importorskip("torch_pruning")
+    import bench_pruning
+
+    rows = bench_pruning.main(["--seeds", "0", "--epochs", "1", "--ratios", "0.25",
+                               "--importances", "random,l2,path-magnitude"])
+    assert {r["importance"] for r in rows} == {"random", "l2", "path-magnitude"}
+    assert all(r["dense"] == r["dense_rescaled"] for r in rows)
+    (ours,) = [r for r in rows if r["importance"] == "path-magnitude"]
+    assert ours["acc"] == ours["acc_rescaled"] and ours["params"] == ours["params_rescaled"]
+    assert "| 0.25 | path-magnitude |" in capsys.readouterr().out
