@@ -336,3 +336,40 @@ def test_in_place_writes_from_disjoint_or_identical_views_compile_on_the_torch_e
     is written): eager's result is the functional graph's."""
     torch.manual_seed(0)
     assert_forward(_Shape(write).double(), (4,))
+
+
+class _Plain(torch.nn.Module):
+    """No control flow: fx traces it, then ``write``."""
+
+    def __init__(self, write):
+        super().__init__()
+        self.write = write
+        self.a, self.b = torch.nn.Linear(4, 6), torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        self.write(h)
+        return self.b(torch.relu(h))
+
+
+def _add_view_of_a_view(h):
+    g = h[:, :1]
+    g += h[:, 1:2]
+
+
+@pytest.mark.parametrize("write", [_add_disjoint, _add_view_of_a_view])
+def test_a_write_from_a_disjoint_view_fx_cannot_tell_apart_compiles_through_torch_export(write):
+    """fx refused ``g = h[:, :1]; g += h[:, 1:2]`` as reading what it writes (another view of the same base, which
+    elements it cannot tell); the model now goes to torch.export, whose eager run finds no element shared."""
+    torch.manual_seed(0)
+    assert_forward(_Plain(write).double(), (4,))
+
+
+@pytest.mark.parametrize("write", [_add_shifted, _copy_shifted])
+def test_an_overlapping_write_fx_traces_is_still_refused(write):
+    from pathir.frontends.torch.capture_checks import ReadsWhatItWrites
+
+    with pytest.raises(ReadsWhatItWrites, match="view of the memory it writes"):
+        import pathir
+
+        pathir.compile(_Plain(write).double(), input_shape=(4,))

@@ -438,7 +438,9 @@ class ReadsWhatItWrites(UnsupportedOperation):
     """An in-place op whose value is a view of the storage it writes, at other positions
     (``h[:, 1:] = h[:, :-1]``): eager PyTorch's result depends on the order its copy runs in (it
     smears h[:, 0] along the row), which neither the traced graph nor torch.export's functionalized
-    one (both read the old values) reproduces. Refused, with no fallback."""
+    one (both read the old values) reproduces. The fx path raises it for any other view of the base
+    written (it cannot tell which elements a view holds); the model then goes to torch.export, whose
+    eager run (:mod:`.eager_writes`) raises it only where the memory really overlaps."""
 
 
 def _reads_what_it_writes(n, m, edges, pos) -> ReadsWhatItWrites | None:

@@ -109,8 +109,11 @@ def _lower_graph(model, shapes, name):
     try:
         interpreter = FxInterpreter(model, traced, name)
         return interpreter.run(shapes), interpreter.low, interpreter.low.clips
-    except (torch.fx.proxy.TraceError, TypeError, NotImplementedError, capture_checks.WriteThroughView) as fx_error:
-        if isinstance(fx_error, UnsupportedOperation) and not isinstance(fx_error, capture_checks.WriteThroughView):
+    except (torch.fx.proxy.TraceError, TypeError, NotImplementedError, capture_checks.WriteThroughView,
+            capture_checks.ReadsWhatItWrites) as fx_error:
+        # (a write reading another view of its base: fx cannot tell which elements; the export path's eager run can)
+        if isinstance(fx_error, UnsupportedOperation) and \
+                not isinstance(fx_error, (capture_checks.WriteThroughView, capture_checks.ReadsWhatItWrites)):
             raise
         return _lower_exported(model, shapes, name, fx_error, clips), None, clips  # no re-read record: re-lowered
 
