@@ -432,6 +432,7 @@ case("view_as", C2, lambda m, a, b: a.flatten(1).view_as(b))
 case("reshape_as", C2, lambda m, a, b: a.flatten(1).reshape_as(b))
 case("transpose methods", C2, lambda m, a: a.transpose(1, 2).permute(0, 3, 2, 1).movedim(1, 2).moveaxis(2, 3)
      .swapaxes(1, 2).swapdims(1, 3))
+case("matrix transposes", C2, lambda m, a: a.mT + a.mH + torch.adjoint(a) + a.adjoint())
 case("chunk split methods", C2, lambda m, a: torch.cat(a.chunk(2, 3)[::-1], 3) + torch.cat(a.split(2, 2)[::-1], 2) +
      torch.cat(a.split_with_sizes([1, 5], 2)[::-1], 2) + torch.cat(a.tensor_split(3, dim=3)[::-1], 3))
 case("squeeze methods", C2, lambda m, a: a.unsqueeze(1).squeeze(1).narrow(2, 1, 4).select(1, 0).unsqueeze(1) +
@@ -599,6 +600,7 @@ aten_case("sub.Scalar", C2, lambda c, h: c(aten.sub.Scalar, h, 1.0), table=ATEN_
 
 _BATCH_FLIP = "flipud reverses axis 0, the batch axis: it mixes the samples of a batch"
 _BATCH_PAD = "pads or crops the batch axis"
+_BATCH_MOVE = "moves the batch axis"
 _CONSTANT = "a difference with a non-zero constant operand: a fixed bias no parameter carries"
 _CAST = "casts an activation to {} in a float64 model"
 REFUSALS = {
@@ -610,6 +612,12 @@ REFUSALS = {
     "pad batch axis": Refusal((F.pad,), _fx(lambda m, a: F.pad(a, (0, 0, 0, 0, 0, 0, 1, 0)), C2), _BATCH_PAD),
     "aten.pad batch axis": Refusal((aten.pad.default,),
                                    _export(lambda m, a: F.pad(a, (0, 0, 0, 0, 0, 0, 0, -1)), C2), _BATCH_PAD),
+    # (a 2-d transpose of a (batch, features) activation: always across the batch axis)
+    "torch.t": Refusal((torch.t,), _fx(lambda m, a: torch.t(torch.t(a)), V), _BATCH_MOVE),
+    "t": Refusal(("t",), _fx(lambda m, a: a.t().t(), V), _BATCH_MOVE),
+    "aten.t": Refusal((aten.t.default,), _export(lambda m, a: a.t().t(), V), _BATCH_MOVE),
+    "aten.numpy_T": Refusal((aten.numpy_T.default,), _export(lambda m, a: a.T.T, V), _BATCH_MOVE),
+    "aten.matrix_H": Refusal((aten.matrix_H.default,), _export(lambda m, a: a.H.H, V), _BATCH_MOVE),
     "aten.clamp.Tensor": Refusal((aten.clamp.Tensor,), _export(lambda m, a: torch.clamp(a, torch.zeros(()), torch.full((3, 1, 1), 6.0)), C2),
                                  "clamps with a tensor bound"),
 }

@@ -278,7 +278,7 @@ def torch_programs(draw, max_statements: int = 7, non_homogeneous: float = 0.1) 
             spelling = draw(st.sampled_from([
                 "{a}.permute(0, 2, 3, 1).permute(0, 3, 1, 2)", "torch.flatten({a}, 2).view(-1, {c}, {s}, {s})",
                 "{a}.reshape({a}.shape[0], -1).view(-1, {c}, {s}, {s})", "{a}.transpose(2, 3).contiguous().transpose(2, 3)",
-                "{a}.unsqueeze(1).squeeze(1)"]))
+                "{a}.unsqueeze(1).squeeze(1)", "{a}.mT.contiguous().mT"]))
             add(f"{out} = {spelling.format(a=name, c=c, s=s)}")
             if name in prog.node_bias:  # a view of the same layer's output
                 prog.node_bias[out] = prog.node_bias[name]

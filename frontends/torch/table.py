@@ -42,6 +42,8 @@ _MOVES = [
     torch.unsqueeze, operator.getitem, torch.hstack, torch.flip, torch.fliplr,
     torch.roll, torch.rot90, torch.tile, torch.movedim, torch.moveaxis, torch.swapaxes, torch.swapdims, torch.unbind,
     torch.select, torch.narrow, torch.index_select, torch.repeat_interleave, torch.tensor_split, torch.channel_shuffle,
+    torch.adjoint, aten.mT.default, aten.mH.default, aten.adjoint.default,
+    torch.t, aten.t.default, aten.numpy_T.default, aten.matrix_H.default,  # (2-d: across the batch axis, refused)
     aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
     aten.permute.default, aten.transpose.int, aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default,
     aten.chunk.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.narrow.default,
@@ -56,7 +58,8 @@ _METHOD_MOVES = [
     "view", "reshape", "flatten", "transpose", "permute", "chunk", "split", "squeeze", "unsqueeze", "view_as",
     "reshape_as", "narrow", "flip", "fliplr", "roll", "rot90", "repeat", "expand", "expand_as",
     "repeat_interleave", "tile", "movedim", "moveaxis", "swapaxes", "swapdims", "unbind", "select", "index_select",
-    "unfold", "tensor_split", "split_with_sizes",
+    "unfold", "tensor_split", "split_with_sizes", "adjoint",
+    "t",  # (of a (batch, features) activation: always across the batch axis, refused on ids)
 ]
 
 
