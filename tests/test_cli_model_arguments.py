@@ -191,3 +191,28 @@ def test_input_shape_is_read_whole_or_refused(text, shape):
             parse_shape(text)
     else:
         assert parse_shape(text) == shape
+
+
+@pytest.mark.parametrize("command", [["pathcond"], ["prune", "--amount", "0.1"], ["equalize"], ["enorm"]])
+def test_a_bare_torchvision_name_beside_a_file_of_that_name_writes_a_state_dict(command, tmp_path, capsys, monkeypatch):
+    """docs/cli.md: a bare name is torchvision's even where a file of that name exists. The writing commands took
+    such a MODEL for an ONNX file ("output for an ONNX model must be a .onnx file", or cm.save() refused only after
+    the whole run); they now write the model's state_dict, and a .onnx output is refused before any work."""
+    pytest.importorskip("torchvision")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "squeezenet1_1").write_text("not a model")
+    args = [*command, "squeezenet1_1", "--input-shape", "3,32,32", "-q"]
+    code, out, err = _run(capsys, *args, "-o", "sq.pt")
+    assert code == 0, err
+    assert "features.0.weight" in torch.load(tmp_path / "sq.pt")
+    code, out, err = _run(capsys, *args, "-o", "sq.onnx")
+    assert code == 2 and "must be a .pt file" in err and not (tmp_path / "sq.onnx").exists()
+
+
+def test_a_python_file_with_a_factory_is_refused_before_running_it(factory, tmp_path, capsys):
+    """``mynets.py:small`` was imported as the module 'mynets.py': the file's top level ran (here: it writes a
+    marker), then 'No module named mynets.py'. It is refused first, saying what to type."""
+    (tmp_path / "marked.py").write_text("open('ran', 'w').close()\n" + FACTORY)
+    code, out, err = _run(capsys, "summary", "marked.py:small", *SHAPE)
+    assert code == 2 and "MODEL takes a module, not a file: marked:small" in err
+    assert not (tmp_path / "ran").exists()

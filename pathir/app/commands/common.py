@@ -86,12 +86,12 @@ def note(args, text: str) -> None:
 
 def model_info(args) -> dict:
     """Where the weights came from, for the JSON output: the --weights file, or the seed of a random init."""
-    if _is_onnx_spec(args.model):
+    if is_onnx_spec(args.model):
         return {"weights": args.model, "seed": None}
     return {"weights": args.weights, "seed": None if args.weights else args.seed}
 
 
-def _is_onnx_spec(spec: str) -> bool:
+def is_onnx_spec(spec: str) -> bool:
     """An .onnx path, or an existing file with another suffix (not a .py file: a module is MODULE:FACTORY; and
     not a bare name, which a stray file of that name would take from torchvision's model of that name)."""
     if spec.endswith(".py"):
@@ -110,7 +110,7 @@ def default_input_shape(name: str):
 def load_model(spec: str, seed: int = 0):
     """(model, name) for a torchvision name, ``package.module:factory`` or an .onnx path; a torch
     model is built under ``torch.manual_seed(seed)`` (its random init is reproducible) and put in eval mode."""
-    if _is_onnx_spec(spec):
+    if is_onnx_spec(spec):
         if not os.path.exists(spec):
             raise FileNotFoundError(f"no such file: {spec}")
         return spec, os.path.basename(spec)
@@ -127,6 +127,10 @@ def load_model(spec: str, seed: int = 0):
 def _build(spec: str):
     if ":" in spec:
         mod_name, _, attr = spec.partition(":")
+        if mod_name.endswith(".py"):  # (imported as the module 'X.py', it would run X's top level first, then fail)
+            module_of = os.path.splitext(os.path.basename(mod_name))[0]
+            raise ArgumentError(f"'{spec}': MODEL takes a module, not a file: {module_of}:{attr} (run from the folder "
+                                f"of {os.path.basename(mod_name)}, or give its dotted package path)")
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())
         try:

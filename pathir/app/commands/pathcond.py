@@ -17,6 +17,7 @@ from .common import (
     check_output_path,
     compile_model,
     emit_json,
+    is_onnx_spec,
     model_info,
     positive_float,
     positive_int,
@@ -99,9 +100,9 @@ def check_output(args) -> None:
 
 
 def is_onnx(args) -> bool:
-    import os
-
-    return args.model.endswith(".onnx") or os.path.isfile(args.model)
+    """Whether MODEL names an ONNX file, as the loader reads it (a bare name is torchvision's, even beside a file
+    of that name)."""
+    return is_onnx_spec(args.model)
 
 
 def report_and_exit(cm, report, args, written: dict) -> int:
