@@ -282,16 +282,17 @@ def test_a_copy_from_an_overlapping_view_of_the_written_memory_is_refused():
         pathir.compile(Shift(), input_shape=(4,))
 
 
-class _Shape(torch.nn.Module):
-    """Python control flow on shapes first (fx fails: torch.export reads the model), then ``write``."""
+class _Writes(torch.nn.Module):
+    """``write`` on the first layer's output; ``untraceable``: Python control flow on shapes first (fx fails:
+    torch.export reads the model)."""
 
-    def __init__(self, write):
+    def __init__(self, write, untraceable=True):
         super().__init__()
-        self.write = write
+        self.write, self.untraceable = write, untraceable
         self.a, self.b = torch.nn.Linear(4, 6), torch.nn.Linear(6, 3)
 
     def forward(self, x):
-        if x.dim() < 2:
+        if self.untraceable and x.dim() < 2:
             return x
         h = self.a(x)
         self.write(h)
@@ -323,7 +324,7 @@ def test_an_overlapping_in_place_write_is_refused_on_the_torch_export_path_too(w
     from pathir.frontends.torch.capture_checks import ReadsWhatItWrites
 
     torch.manual_seed(0)
-    model = _Shape(write).double()
+    model = _Writes(write).double()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ReadsWhatItWrites, match=r"\(op aten\.(add_|copy_).*view of the memory it writes"):
         pathir.compile(model, input_shape=(4,))
@@ -335,21 +336,7 @@ def test_in_place_writes_from_disjoint_or_identical_views_compile_on_the_torch_e
     """Another view of the same memory that shares no element, or the very same view (each element read where it
     is written): eager's result is the functional graph's."""
     torch.manual_seed(0)
-    assert_forward(_Shape(write).double(), (4,))
-
-
-class _Plain(torch.nn.Module):
-    """No control flow: fx traces it, then ``write``."""
-
-    def __init__(self, write):
-        super().__init__()
-        self.write = write
-        self.a, self.b = torch.nn.Linear(4, 6), torch.nn.Linear(6, 3)
-
-    def forward(self, x):
-        h = self.a(x)
-        self.write(h)
-        return self.b(torch.relu(h))
+    assert_forward(_Writes(write).double(), (4,))
 
 
 def _add_view_of_a_view(h):
@@ -362,7 +349,7 @@ def test_a_write_from_a_disjoint_view_fx_cannot_tell_apart_compiles_through_torc
     """fx refused ``g = h[:, :1]; g += h[:, 1:2]`` as reading what it writes (another view of the same base, which
     elements it cannot tell); the model now goes to torch.export, whose eager run finds no element shared."""
     torch.manual_seed(0)
-    assert_forward(_Plain(write).double(), (4,))
+    assert_forward(_Writes(write, untraceable=False).double(), (4,))
 
 
 @pytest.mark.parametrize("write", [_add_shifted, _copy_shifted])
@@ -372,4 +359,4 @@ def test_an_overlapping_write_fx_traces_is_still_refused(write):
     with pytest.raises(ReadsWhatItWrites, match="view of the memory it writes"):
         import pathir
 
-        pathir.compile(_Plain(write).double(), input_shape=(4,))
+        pathir.compile(_Writes(write, untraceable=False).double(), input_shape=(4,))

@@ -7,8 +7,8 @@ whole (``torch.save(model)``) where the write-back replaced modules (a ReLU6 mad
 
 from __future__ import annotations
 
-from .common import add_model_arguments, check_output_path, compile_model, emit_json, model_info, progress
-from .pathcond import is_onnx, module_tree, write_output, written_line
+from .common import add_model_arguments, check_output_path, compile_model, emit_json, is_onnx_spec, model_info, progress
+from .pathcond import module_tree, write_output, written_line
 
 HELP = ("rescale a model so that per-tensor quantization of its weights is as fine as possible "
         "(cross-layer equalization over every unit; the function is unchanged)")
@@ -37,7 +37,7 @@ def add_arguments(parser):
 
 def run(args) -> int:
     if args.output is not None:
-        check_output_path(args.output, is_onnx(args), (args.model, getattr(args, "weights", None)))
+        check_output_path(args.output, is_onnx_spec(args.model), (args.model, getattr(args, "weights", None)))
     cm = compile_model(args)
     tree = module_tree(cm.model)
     report = cm.equalize(bits=args.bits, objective=args.objective, write_back=args.output is not None,

@@ -66,7 +66,7 @@ def write_output(cm, args, tree) -> dict:
 
     if args.output is None:
         return {"output_format": None, "replaced_modules": []}
-    if is_onnx(args):
+    if is_onnx_spec(args.model):
         cm.save(args.output)
         return {"output_format": "onnx", "replaced_modules": []}
     if cm.model is None or not hasattr(cm.model, "state_dict"):
@@ -96,13 +96,7 @@ def check_output(args) -> None:
     if getattr(args, "history", False) and not args.json:
         raise PathirError("--history adds the per-sweep values to the JSON report: it needs --json")
     if args.output is not None:
-        check_output_path(args.output, is_onnx(args), (args.model, getattr(args, "weights", None)))
-
-
-def is_onnx(args) -> bool:
-    """Whether MODEL names an ONNX file, as the loader reads it (a bare name is torchvision's, even beside a file
-    of that name)."""
-    return is_onnx_spec(args.model)
+        check_output_path(args.output, is_onnx_spec(args.model), (args.model, getattr(args, "weights", None)))
 
 
 def report_and_exit(cm, report, args, written: dict) -> int:
