@@ -150,3 +150,48 @@ def test_inputs_that_are_not_finite_are_refused(bad):
         active_path_metric(g, g, xs, "numpy")
     with pytest.raises(InputShapeError, match="NaN or infinite"):
         output_bound(g, g, xs, "numpy")
+
+
+def _mlp(w1, w2, w3=None):
+    from pathir.ir import Dense, GraphBuilder
+
+    b = GraphBuilder()
+    x = b.input("x", (np.shape(w1)[1],))
+    h = b.relu("h", [(x, Dense(b.param("w1", w1)))])
+    if w3 is not None:
+        h = b.relu("k", [(h, Dense(b.param("w3", w3)))])
+    return b.build(outputs=[b.identity("y", [(h, Dense(b.param("w2", w2)))])])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_network_of_tiny_weights_gets_its_brackets(backend):
+    """Every path value near 1e-205 (weights of 1e-45 then 1e-160): float64 holds them, but the walk multiplied a
+    node near 1e-45 by weights of 1e-160 and refused entries below its floor. The pair divided by each param's
+    scale (the scales added back as logs) walks numbers near 1."""
+    a = _mlp(np.array([[1.0, 2.0], [3.0, 1.0]]) * 1e-45, np.array([[1.0, 1.0]]) * 1e-160)
+    b = _mlp(np.array([[1.0, 0.0], [3.0, 1.0]]) * 1e-45, np.array([[1.0, 1.0]]) * 1e-160)
+    x = np.array([[1.0, 1.0], [2.0, -1.0]])
+    m = active_path_metric(a, b, x, get_backend(backend))
+    for k, (d, norm_a, norm_b, _) in enumerate(enumerated(a, b, {"x": x})):
+        assert m.lower[k] == pytest.approx(d, rel=1e-10) and m.upper[k] == pytest.approx(d, rel=1e-10)
+        assert m.norm_a[k] == pytest.approx(norm_a, rel=1e-10) and m.norm_b[k] == pytest.approx(norm_b, rel=1e-10)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_brackets_are_the_same_on_an_extreme_joint_rescaling(backend):
+    """docs/activations.md: both brackets are invariant under a rescaling of θ and θ' jointly. One that puts the
+    weights between 1e-206 and 1e205 was refused (the walk of θ' cannot be certified); it gives the brackets of the
+    pair as it was."""
+    rng = np.random.default_rng(0)
+    w1, w3, w2 = rng.normal(size=(4, 3)), rng.normal(size=(4, 4)), rng.normal(size=(2, 4))
+    a = _mlp(w1, w2, w3)
+    b = _mlp(w1 + 0.05 * np.abs(rng.normal(size=w1.shape)) * np.sign(w1), w2, w3 * 0.9)
+    units = find_units(a)[1]
+    z = np.array([2 * math.log(1e-45) if name.startswith("h") else 2 * math.log(1e-205) for name in units.names])
+    ra, rb = rescale_graph(a, units, z), rescale_graph(b, units, z)
+    assert max(float(np.abs(p.value).max()) for p in ra.params()) > 1e200
+    x = rng.normal(size=(5, 3))
+    m, r = active_path_metric(a, b, x, get_backend(backend)), active_path_metric(ra, rb, x, get_backend(backend))
+    for field in ("lower", "upper", "norm_a", "norm_b"):
+        assert np.allclose(getattr(r, field), getattr(m, field), rtol=1e-10, atol=0), field
+    assert np.array_equal(r.shared, m.shared)

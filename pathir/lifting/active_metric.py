@@ -109,21 +109,55 @@ def _x_scale(x: dict) -> np.ndarray:
     return np.maximum(out, 1.0)
 
 
+def _scaled_pair(ga, gb):
+    """(θ / s, θ' / s, {param name: log s}): both graphs with every param divided by one positive scale s, the
+    larger of its largest |entry| in θ and in θ' (1 where both are 0), so that every weight and bias of either is at
+    most 1; the walks add log s back term by term (``log_scales``). |θ − θ'| / s is the difference of the two."""
+    scale = {}
+    for pa, pb in zip(ga.params(), gb.params()):
+        top = max(float(np.max(np.abs(pa.value), initial=0.0)), float(np.max(np.abs(pb.value), initial=0.0)))
+        scale[pa.name] = top if top > 0 and math.isfinite(top) else 1.0
+
+    def divided(p):
+        return p.with_value(p.value / scale[p.name])
+
+    return ga.map_params(divided), gb.map_params(divided), {k: math.log(v) for k, v in scale.items()}
+
+
 def _chunk_logs(ga, gb, be, x, diff_edges, diff_biases):
-    """(log upper, log ‖Φ(θ)⊙a‖₁, log ‖Φ(θ')⊙a‖₁, flipped neurons) for one chunk."""
+    """(log upper, log ‖Φ(θ)⊙a‖₁, log ‖Φ(θ')⊙a‖₁, flipped neurons) for one chunk. The walks are certified like the
+    path walks (docs/paths.md); where θ' cannot be, they run again on the pair with every param divided by its
+    scale (:func:`_scaled_pair`: weights of 1e-160 or 1e200 then multiply as numbers near 1), and are refused only
+    where that cannot be certified either."""
     pat = activation_pattern(ga, be, x)
     flipped = pat.mismatches(activation_pattern(gb, be, x), be)
+    try:
+        return (*_walk_logs(ga, gb, be, pat, diff_edges, diff_biases, None), flipped)
+    except Uncertified:
+        pass
+    sa, sb, log_scales = _scaled_pair(ga, gb)
+    diff_edges, diff_biases = _diff_maps(sa, sb)
+    try:
+        return (*_walk_logs(sa, sb, be, pat, diff_edges, diff_biases, log_scales), flipped)
+    except Uncertified as err:
+        raise PathirError(f"active path-metric: the walk of θ' cannot be certified in float64 ({err}): a bracket "
+                          "from it could lose terms; refused (docs/paths.md)") from err
+
+
+def _walk_logs(ga, gb, be, pat, diff_edges, diff_biases, log_scales):
+    """(log upper, log ‖Φ(θ)⊙a‖₁, log ‖Φ(θ')⊙a‖₁) of the pattern ``pat``; ``log_scales``: the params' log-scales
+    the walks add (:func:`_scaled_pair`), or None. Raises Uncertified where the walk of θ' cannot be certified."""
     B = pat.batch
     va, be_a = power_walk(ga, be, 1.0)
     vb, be_b = power_walk(gb, be, 1.0)
     sources = {va.node(name).edges[i].source for name, i in diff_edges}
-    try:  # certified like the path walks (docs/paths.md); refused where it cannot be
-        fb = masked_forward(vb, be_b, pat, keep=sources | set(vb.outputs), certify=Certifier(gb, False, be, pattern=pat))
-    except Uncertified as err:
-        raise PathirError(f"active path-metric: the walk of θ' cannot be certified in float64 ({err}): a bracket "
-                          "from it could lose terms; refused (docs/paths.md)") from err
+    fb = masked_forward(vb, be_b, pat, keep=sources | set(vb.outputs), certify=Certifier(gb, False, be, pattern=pat),
+                        log_scales=log_scales)
     log_b = log_row_total(be_b, fb, vb.outputs, B)
     upper_logs, norm_logs = [], []
+
+    def log_scale(param) -> float:
+        return 0.0 if log_scales is None else log_scales[param.name]
 
     def contract(node, gM):
         g, M = gM
@@ -133,16 +167,16 @@ def _chunk_logs(ga, gb, be, x, diff_edges, diff_biases):
                 continue
             f, L = fb[e.source]
             s = be.row_total(g * be.apply(m, f, va.node(e.source).shape))
-            upper_logs.append(_log(s, B) + L + M)
+            upper_logs.append(_log(s, B) + L + M + log_scale(e.map.weight))
         if node.bias is not None:
-            norm_logs.append(_log(be_a.row_total(g * be_a.bias(node, g.ndim)), B) + M)
+            norm_logs.append(_log(be_a.row_total(g * be_a.bias(node, g.ndim)), B) + M + log_scale(node.bias))
             if node.name in diff_biases:
                 db = be.asarray(diff_biases[node.name].reshape(1, -1, *([1] * (g.ndim - 2))))
-                upper_logs.append(_log(be.row_total(g * db), B) + M)
+                upper_logs.append(_log(be.row_total(g * db), B) + M + log_scale(node.bias))
 
-    grads = masked_backward(va, be_a, pat, on_node=contract)
+    grads = masked_backward(va, be_a, pat, on_node=contract, log_scales=log_scales)
     norm_logs.append(log_row_total(be_a, grads, va.inputs, B))
-    return logsumexp_rows(upper_logs, B), logsumexp_rows(norm_logs, B), log_b, flipped
+    return logsumexp_rows(upper_logs, B), logsumexp_rows(norm_logs, B), log_b
 
 
 def _log(s, batch: int) -> np.ndarray:

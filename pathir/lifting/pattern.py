@@ -241,7 +241,7 @@ def to_value(backend, mL) -> np.ndarray:
 
 @flushing
 def masked_forward(graph: Graph, backend, pattern: ActivationPattern, inputs=None, bias: bool = True,
-                   keep=None, certify=None) -> dict:
+                   keep=None, certify=None, log_scales=None) -> dict:
     """Walk of ``graph`` (on ``backend``'s weights) with the pattern frozen.
 
     ``inputs``: {input name: array (B or 1, *shape)} (default: all ones); an input
@@ -249,6 +249,8 @@ def masked_forward(graph: Graph, backend, pattern: ActivationPattern, inputs=Non
     names whose values to return (default: the outputs; "all" for every node).
     ``certify``: a :class:`pathir.lifting.scaled.Certifier` of a walk of non-negative
     weights: a node it cannot certify raises :class:`~pathir.lifting.scaled.Uncertified`.
+    ``log_scales``: {param name: log s}, the walk of the graph whose params are these times e^{log s} (each
+    edge's and bias's term carries its log s, so the products stay in range however small or large s).
     Returns {name: (m, L)}, value m · exp(L), per sample."""
     B = pattern.batch
     inputs = {n: backend.ones((1, *graph.node(n).shape)) for n in graph.inputs} if inputs is None else inputs
@@ -269,9 +271,9 @@ def masked_forward(graph: Graph, backend, pattern: ActivationPattern, inputs=Non
                 if node.kind is NodeKind.MAXPOOL:
                     terms.append((backend.select_apply(node, pattern.choice[node.name], m, src), L))
                 else:
-                    terms.append((backend.apply(e.map, m, src), L))
+                    terms.append((backend.apply(e.map, m, src), L + _log_scale(log_scales, e.map.weight)))
             if bias and node.bias is not None:
-                terms.append((backend.bias(node, len(node.shape) + 1), np.zeros(B)))
+                terms.append((backend.bias(node, len(node.shape) + 1), np.full(B, _log_scale(log_scales, node.bias))))
                 if len(terms) == 1:  # a bias alone broadcasts: give it the node's shape
                     terms[0] = (terms[0][0] + backend.zeros((1, *node.shape)), terms[0][1])
             check = None if certify is None else (lambda acc, name=node.name: certify.node(name, acc))
@@ -290,8 +292,14 @@ def masked_forward(graph: Graph, backend, pattern: ActivationPattern, inputs=Non
     return acts if wanted is None else {n: acts[n] for n in wanted}
 
 
+def _log_scale(log_scales, param) -> float:
+    """The log-scale a walk adds to the term of ``param`` (0 without ``log_scales`` or param)."""
+    return 0.0 if log_scales is None or param is None else log_scales[param.name]
+
+
 @flushing
-def masked_backward(graph: Graph, backend, pattern: ActivationPattern, seeds=None, on_node=None) -> dict:
+def masked_backward(graph: Graph, backend, pattern: ActivationPattern, seeds=None, on_node=None,
+                    log_scales=None) -> dict:
     """Reverse walk with the pattern frozen: per node, the sum over active paths from
     it to an output (seeded by ``seeds`` {output: array}, default ones), i.e. the
     gradient w.r.t. its pre-activation (its value for input nodes). Without seeds an output the graph
@@ -300,7 +308,7 @@ def masked_backward(graph: Graph, backend, pattern: ActivationPattern, seeds=Non
 
     ``on_node(node, (g, M))``, when given, sees each node's value as it is made
     (the metric contracts it with the forward on the fly) and nothing is kept
-    but the inputs' values. Returns {name: (g, M)}."""
+    but the inputs' values. ``log_scales``: as for :func:`masked_forward`. Returns {name: (g, M)}."""
     B = pattern.batch
     pending: dict[str, list] = {n.name: [] for n in graph.nodes}
     for o in graph.outputs if seeds is None else dict.fromkeys(graph.outputs):
@@ -323,7 +331,7 @@ def masked_backward(graph: Graph, backend, pattern: ActivationPattern, seeds=Non
                 if node.kind is NodeKind.MAXPOOL:
                     pending[e.source].append((backend.select_adjoint(node, pattern.choice[node.name], g, src), M))
                 else:
-                    pending[e.source].append((backend.adjoint(e.map, g, src), M))
+                    pending[e.source].append((backend.adjoint(e.map, g, src), M + _log_scale(log_scales, e.map.weight)))
         except PathirError:
             raise
         except Exception as err:
