@@ -170,11 +170,11 @@ def test_a_network_of_tiny_weights_gets_its_brackets(backend):
     scale (the scales added back as logs) walks numbers near 1."""
     a = _mlp(np.array([[1.0, 2.0], [3.0, 1.0]]) * 1e-45, np.array([[1.0, 1.0]]) * 1e-160)
     b = _mlp(np.array([[1.0, 0.0], [3.0, 1.0]]) * 1e-45, np.array([[1.0, 1.0]]) * 1e-160)
-    x = np.array([[1.0, 1.0], [2.0, -1.0]])
+    x = np.array([[1.0, 1.0], [2.0, 0.5]])
     m = active_path_metric(a, b, x, get_backend(backend))
     for k, (d, norm_a, norm_b, _) in enumerate(enumerated(a, b, {"x": x})):
-        assert m.lower[k] == pytest.approx(d, rel=1e-10) and m.upper[k] == pytest.approx(d, rel=1e-10)
-        assert m.norm_a[k] == pytest.approx(norm_a, rel=1e-10) and m.norm_b[k] == pytest.approx(norm_b, rel=1e-10)
+        assert d > 0 and m.lower[k] == pytest.approx(d, rel=1e-10, abs=0) and m.upper[k] == pytest.approx(d, rel=1e-10, abs=0)
+        assert m.norm_a[k] == pytest.approx(norm_a, rel=1e-10, abs=0) and m.norm_b[k] == pytest.approx(norm_b, rel=1e-10, abs=0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -195,3 +195,24 @@ def test_brackets_are_the_same_on_an_extreme_joint_rescaling(backend):
     for field in ("lower", "upper", "norm_a", "norm_b"):
         assert np.allclose(getattr(r, field), getattr(m, field), rtol=1e-10, atol=0), field
     assert np.array_equal(r.shared, m.shared)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_difference_of_one_ulp_survives_the_rescaled_walk(backend):
+    """The fallback walks the pair divided by each param's scale. Divided by a scale that is no power of two, two
+    entries one ulp apart can round to one quotient: the difference came out 0, and ``exact`` called d_x 0. The
+    scales are powers of two and the differences are taken before dividing: d_x to the last digit."""
+    a_ = np.array([[1.7, 0.0], [1.7, 1.7]]) * 1e-45
+    rng = np.random.default_rng(0)
+    for t in rng.uniform(0.1, 1.0, 100000):  # an entry whose one-ulp neighbour divides by max|w1| to the same float
+        if (t * 1e-45) / (1.7 * 1e-45) == np.nextafter(t * 1e-45, 0) / (1.7 * 1e-45):
+            break
+    a_[0, 1] = t * 1e-45
+    b_ = a_.copy()
+    b_[0, 1] = np.nextafter(a_[0, 1], 0)
+    w2 = np.array([[1.0, 1.0]]) * 1e-160
+    a, b = _mlp(a_, w2), _mlp(b_, w2)
+    m = active_path_metric(a, b, np.ones((1, 2)), get_backend(backend))
+    d = (a_[0, 1] - b_[0, 1]) * w2[0, 0]  # the one path whose weight moved, active at x = (1, 1)
+    assert m.exact and m.lower[0] == pytest.approx(d, rel=1e-12, abs=0) and \
+        m.upper[0] == pytest.approx(d, rel=1e-12, abs=0)

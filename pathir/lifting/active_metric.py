@@ -86,17 +86,22 @@ def _exp(logs: np.ndarray) -> np.ndarray:
         return np.exp(logs)
 
 
-def _diff_maps(ga, gb):
+def _diff_maps(ga, gb, scales=None):
     """{(node name, edge index): map with weights |W − W'|} for the edges whose weights differ,
-    and {node name: |b − b'|} for the differing biases."""
+    and {node name: |b − b'|} for the differing biases; each divided by its param's scale where ``scales``
+    {param name: s} is given (the difference of the pair as it is, then scaled: not the difference of two
+    rounded quotients)."""
+    def over(param):
+        return 1.0 if scales is None else scales[param.name]
+
     edges, biases = {}, {}
     for na, nb in zip(ga.nodes, gb.nodes):
         for i, (ea, eb) in enumerate(zip(na.edges, nb.edges)):
             wa, wb = ea.map.weight, eb.map.weight
             if wa is not None and not np.array_equal(wa.value, wb.value):
-                edges[(na.name, i)] = ea.map.with_weights(lambda w, other=wb.value: np.abs(w - other))
+                edges[(na.name, i)] = ea.map.with_weights(lambda w, other=wb.value, s=over(wa): np.abs(w - other) / s)
         if na.bias is not None and not np.array_equal(na.bias.value, nb.bias.value):
-            biases[na.name] = np.abs(na.bias.value - nb.bias.value)
+            biases[na.name] = np.abs(na.bias.value - nb.bias.value) / over(na.bias)
     return edges, biases
 
 
@@ -110,18 +115,19 @@ def _x_scale(x: dict) -> np.ndarray:
 
 
 def _scaled_pair(ga, gb):
-    """(θ / s, θ' / s, {param name: log s}): both graphs with every param divided by one positive scale s, the
-    larger of its largest |entry| in θ and in θ' (1 where both are 0), so that every weight and bias of either is at
-    most 1; the walks add log s back term by term (``log_scales``). |θ − θ'| / s is the difference of the two."""
+    """(θ / s, θ' / s, {param name: s}): both graphs with every param divided by one power of two s, the one at or
+    above the larger of its largest |entry| in θ and in θ' (1 where both are 0), so that every weight and bias of
+    either is below 1 and each quotient is exact (a normal number divided by a power of two); the walks add log s
+    back term by term (``log_scales``)."""
     scale = {}
     for pa, pb in zip(ga.params(), gb.params()):
         top = max(float(np.max(np.abs(pa.value), initial=0.0)), float(np.max(np.abs(pb.value), initial=0.0)))
-        scale[pa.name] = top if top > 0 and math.isfinite(top) else 1.0
+        scale[pa.name] = math.ldexp(1.0, math.frexp(top)[1]) if top > 0 and math.isfinite(top) else 1.0
 
     def divided(p):
         return p.with_value(p.value / scale[p.name])
 
-    return ga.map_params(divided), gb.map_params(divided), {k: math.log(v) for k, v in scale.items()}
+    return ga.map_params(divided), gb.map_params(divided), scale
 
 
 def _chunk_logs(ga, gb, be, x, diff_edges, diff_biases):
@@ -135,10 +141,11 @@ def _chunk_logs(ga, gb, be, x, diff_edges, diff_biases):
         return (*_walk_logs(ga, gb, be, pat, diff_edges, diff_biases, None), flipped)
     except Uncertified:
         pass
-    sa, sb, log_scales = _scaled_pair(ga, gb)
-    diff_edges, diff_biases = _diff_maps(sa, sb)
+    sa, sb, scales = _scaled_pair(ga, gb)
+    diff_edges, diff_biases = _diff_maps(ga, gb, scales)
     try:
-        return (*_walk_logs(sa, sb, be, pat, diff_edges, diff_biases, log_scales), flipped)
+        return (*_walk_logs(sa, sb, be, pat, diff_edges, diff_biases, {k: math.log(v) for k, v in scales.items()}),
+                flipped)
     except Uncertified as err:
         raise PathirError(f"active path-metric: the walk of θ' cannot be certified in float64 ({err}): a bracket "
                           "from it could lose terms; refused (docs/paths.md)") from err
