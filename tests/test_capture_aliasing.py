@@ -360,3 +360,16 @@ def test_an_overlapping_write_fx_traces_is_still_refused(write):
         import pathir
 
         pathir.compile(_Writes(write, untraceable=False).double(), input_shape=(4,))
+
+
+def test_an_overlapping_write_torch_itself_refuses_is_explained_as_such():
+    """``v[1:] += v[:-1]`` on a flat view: torch raises at any batch ('refer to a single memory location'); pathir
+    passed its error on with the hint that the input shape was wrong."""
+    import pathir
+
+    def shifted_flat(h):
+        v = h.view(-1)
+        v[1:] += v[:-1]
+
+    with pytest.raises(pathir.PathirError, match="reads a view of the memory it writes .*torch refuses"):
+        pathir.compile(_Writes(shifted_flat, untraceable=False).double(), input_shape=(4,))

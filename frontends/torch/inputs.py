@@ -129,7 +129,9 @@ def explain(model: nn.Module, shapes, err: Exception, batch: int = 2, train: Seq
                          if t.is_floating_point()})
         hint = (f"its tensors are in {' and '.join(dtypes)}, and pathir feeds it {str(dtype).replace('torch.', '')}: "
                 "run the whole model in one dtype" if len(dtypes) > 1 and _about_dtypes(first) else
-                f"where the shape is wrong, {_FORM}")
+                "an in-place op of its forward reads a view of the memory it writes (h[:, :-1] += h[:, 1:]), which "
+                "torch refuses at this shape: write from a copy (.clone() the value)" if "single memory location" in first
+                else f"where the shape is wrong, {_FORM}")
         raise InputShapeError(f"{type(model).__name__} itself fails on a batch of input_shape={shown} "
                               f"({type(model_err).__name__}: {first}): {hint}") from err
 
