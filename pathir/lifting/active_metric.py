@@ -37,6 +37,7 @@ from pathir.lifting.pattern import (
     logsumexp_rows,
     masked_backward,
     masked_forward,
+    param_log_scale,
     power_walk,
 )
 from pathir.lifting.scaled import Certifier, Uncertified
@@ -163,9 +164,6 @@ def _walk_logs(ga, gb, be, pat, diff_edges, diff_biases, log_scales):
     log_b = log_row_total(be_b, fb, vb.outputs, B)
     upper_logs, norm_logs = [], []
 
-    def log_scale(param) -> float:
-        return 0.0 if log_scales is None else log_scales[param.name]
-
     def contract(node, gM):
         g, M = gM
         for i, e in enumerate(node.edges):
@@ -174,12 +172,12 @@ def _walk_logs(ga, gb, be, pat, diff_edges, diff_biases, log_scales):
                 continue
             f, L = fb[e.source]
             s = be.row_total(g * be.apply(m, f, va.node(e.source).shape))
-            upper_logs.append(_log(s, B) + L + M + log_scale(e.map.weight))
+            upper_logs.append(_log(s, B) + L + M + param_log_scale(log_scales, e.map.weight))
         if node.bias is not None:
-            norm_logs.append(_log(be_a.row_total(g * be_a.bias(node, g.ndim)), B) + M + log_scale(node.bias))
+            norm_logs.append(_log(be_a.row_total(g * be_a.bias(node, g.ndim)), B) + M + param_log_scale(log_scales, node.bias))
             if node.name in diff_biases:
                 db = be.asarray(diff_biases[node.name].reshape(1, -1, *([1] * (g.ndim - 2))))
-                upper_logs.append(_log(be.row_total(g * db), B) + M + log_scale(node.bias))
+                upper_logs.append(_log(be.row_total(g * db), B) + M + param_log_scale(log_scales, node.bias))
 
     grads = masked_backward(va, be_a, pat, on_node=contract, log_scales=log_scales)
     norm_logs.append(log_row_total(be_a, grads, va.inputs, B))

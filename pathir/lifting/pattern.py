@@ -39,7 +39,7 @@ from pathir.lifting.scaled import Uncertified
 from pathir.lifting.walk import flushing, readable
 from pathir.passes.path_view import abs_pow
 
-__all__ = ["ActivationPattern", "activation_pattern", "masked_forward", "masked_backward", "power_walk",
+__all__ = ["ActivationPattern", "activation_pattern", "masked_forward", "masked_backward", "param_log_scale", "power_walk",
            "as_input_dict", "to_value"]
 
 #: the band of the samples' mantissas (as in pathir.lifting.walk, whose certificate bounds hold here)
@@ -271,9 +271,9 @@ def masked_forward(graph: Graph, backend, pattern: ActivationPattern, inputs=Non
                 if node.kind is NodeKind.MAXPOOL:
                     terms.append((backend.select_apply(node, pattern.choice[node.name], m, src), L))
                 else:
-                    terms.append((backend.apply(e.map, m, src), L + _log_scale(log_scales, e.map.weight)))
+                    terms.append((backend.apply(e.map, m, src), L + param_log_scale(log_scales, e.map.weight)))
             if bias and node.bias is not None:
-                terms.append((backend.bias(node, len(node.shape) + 1), np.full(B, _log_scale(log_scales, node.bias))))
+                terms.append((backend.bias(node, len(node.shape) + 1), np.full(B, param_log_scale(log_scales, node.bias))))
                 if len(terms) == 1:  # a bias alone broadcasts: give it the node's shape
                     terms[0] = (terms[0][0] + backend.zeros((1, *node.shape)), terms[0][1])
             check = None if certify is None else (lambda acc, name=node.name: certify.node(name, acc))
@@ -292,7 +292,7 @@ def masked_forward(graph: Graph, backend, pattern: ActivationPattern, inputs=Non
     return acts if wanted is None else {n: acts[n] for n in wanted}
 
 
-def _log_scale(log_scales, param) -> float:
+def param_log_scale(log_scales, param) -> float:
     """The log-scale a walk adds to the term of ``param`` (0 without ``log_scales`` or param)."""
     return 0.0 if log_scales is None or param is None else log_scales[param.name]
 
@@ -331,7 +331,7 @@ def masked_backward(graph: Graph, backend, pattern: ActivationPattern, seeds=Non
                 if node.kind is NodeKind.MAXPOOL:
                     pending[e.source].append((backend.select_adjoint(node, pattern.choice[node.name], g, src), M))
                 else:
-                    pending[e.source].append((backend.adjoint(e.map, g, src), M + _log_scale(log_scales, e.map.weight)))
+                    pending[e.source].append((backend.adjoint(e.map, g, src), M + param_log_scale(log_scales, e.map.weight)))
         except PathirError:
             raise
         except Exception as err:
