@@ -288,3 +288,14 @@ def test_enorm_on_layers_scaled_far_apart_keeps_the_function():
     before = net(x).detach()
     pathir.compile(net, input_shape=(4,)).enorm(p=2)
     assert torch.allclose(net(x), before, rtol=1e-9, atol=0)
+
+
+@pytest.mark.parametrize("costs", [{"0.weight": -1.0}, {"2.bias": float("nan")}])
+def test_enorm_refuses_negative_or_nan_costs_naming_them(costs):
+    """A negative cost was refused as 'g must be finite and non-negative', naming an internal array."""
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)).double()
+    cm = pathir.compile(net, input_shape=(3,))
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(pathir.errors.ArgumentError, match="costs must be finite and non-negative"):
+        cm.enorm(costs=costs)
+    assert all(torch.equal(v, net.state_dict()[k]) for k, v in state.items())

@@ -139,14 +139,15 @@ class NormalizeReport:
 
 
 def _costs(costs, layout) -> np.ndarray | None:
-    """None, an (n,) array in θ order, or {param or source name: scalar or array of its shape}."""
+    """None, an (n,) array in θ order, or {param or source name: scalar or array of its shape}; every entry
+    finite and ≥ 0 (ArgumentError naming the costs otherwise)."""
     if costs is None:
         return None
     if not isinstance(costs, dict):
         c = np.asarray(costs, dtype=np.float64)
         if c.shape != (len(layout),):
             raise ArgumentError(f"costs must have one entry per parameter, shape ({len(layout)},); got {c.shape}")
-        return c
+        return _checked_costs(c)
     c = np.ones(len(layout))
     names = {p.name: p for p in layout.params}
     names.update({p.source_name: p for p in layout.params if p.source_name not in names})
@@ -155,6 +156,12 @@ def _costs(costs, layout) -> np.ndarray | None:
             raise ArgumentKeyError(f"costs name '{key}', which is no parameter of the graph")
         p = names[key]
         c[layout.slice(p)] = np.broadcast_to(np.asarray(value, dtype=np.float64), p.shape).ravel()
+    return _checked_costs(c)
+
+
+def _checked_costs(c: np.ndarray) -> np.ndarray:
+    if not np.all(np.isfinite(c) & (c >= 0)):
+        raise ArgumentError(f"costs must be finite and non-negative, got {c[~(np.isfinite(c) & (c >= 0))][:3].tolist()}")
     return c
 
 
