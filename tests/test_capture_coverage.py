@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from capture_reference import Untraceable, assert_forward, eval_forward, path_norm_q
+from capture_reference import Untraceable, assert_definition, assert_forward, eval_forward, path_norm_q
 
 import pathir
 from pathir.errors import UnsupportedOperation
@@ -223,8 +223,33 @@ def test_still_refused(cls, match):
 
 def test_leaky_relu_with_a_slope_still_refused():
     model = nn.Sequential(nn.Linear(3, 3), nn.LeakyReLU(0.1), nn.Linear(3, 1))
-    with pytest.raises(UnsupportedOperation):
+    with pytest.raises(UnsupportedOperation, match="other than 0, a ReLU, or 1, the identity"):
         pathir.compile(model, input_shape=(3,))
+
+
+class _LeakyOne(nn.Module):
+    """leaky_relu with slope 1 (x·1 = x for every float) spelt three ways, between ReLU layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.ModuleList([nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)])
+        self.leaky = nn.LeakyReLU(1.0)
+
+    def forward(self, x):
+        h = self.leaky(self.l[0](x))
+        h = F.leaky_relu(self.l[1](h), 1)
+        h = torch.relu(F.leaky_relu_(self.l[2](h), 1.0))
+        return self.l[3](h)
+
+
+@pytest.mark.parametrize("wrap", [lambda m: m, Untraceable], ids=["fx", "export"])
+def test_leaky_relu_with_slope_one_is_the_identity(wrap):
+    """Refused before as a slope pathir has no neuron for; it is the identity, exact on both paths."""
+    torch.manual_seed(0)
+    model = wrap(_LeakyOne()).double().eval()
+    cm = assert_forward(model, (3,))
+    assert_definition(cm, model, (3,))
+    assert sum(n.kind is NodeKind.RELU for n in cm.graph.nodes) == 1  # the relu's layer: none for a slope of 1
 
 
 @pytest.mark.parametrize("wrap", [lambda m: m, Untraceable], ids=["fx", "export"])

@@ -394,3 +394,22 @@ def test_a_non_finite_constant_is_named_as_such(bad):
                        inits)
     with pytest.raises(PathirError, match=f"non-finite entry \\({bad}\\)"):
         pathir.compile(model)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.5])
+def test_leaky_relu_of_slope_one_is_the_identity_and_others_refused(alpha):
+    """LeakyRelu(alpha=1) is x for every float: read as the identity (onnxruntime's output, and the path-norm
+    of Gemm → Gemm → Relu → Gemm written out); any slope but 0 and 1 stays refused, naming it."""
+    W1, W2, W3 = rng.normal(size=(4, 3)), rng.normal(size=(4, 4)), rng.normal(size=(2, 4))
+    model = make_model(
+        [node("Gemm", ["x", "W1"], ["h"], "fc1", transB=1), node("LeakyRelu", ["h"], ["a"], "leaky", alpha=alpha),
+         node("Gemm", ["a", "W2"], ["b"], "fc2", transB=1), node("Relu", ["b"], ["r"], "relu"),
+         node("Gemm", ["r", "W3"], ["y"], "fc3", transB=1)],
+        [tensor_info("x", ["N", 3])], [tensor_info("y", ["N", 2])], {"W1": W1, "W2": W2, "W3": W3})
+    if alpha != 1.0:
+        with pytest.raises(PathirError, match="LeakyRelu with a slope other than 0 or 1"):
+            pathir.compile(model)
+        return
+    cm = _check(model, rng.normal(size=(5, 3)).astype(np.float32))
+    w1, w2, w3 = (np.abs(np.asarray(w, np.float32).astype(np.float64)) for w in (W1, W2, W3))
+    assert cm.path_norm(1) == pytest.approx((w3 @ w2 @ w1).sum(), rel=1e-12)

@@ -1,6 +1,6 @@
 """ONNX rules for arithmetic inside the ReLU DAG model: Sub and Neg (a fixed −1 edge), Mul / Div by a
 constant (a scalar, or one factor per channel, position or element: a fixed edge), Max of activations
-(a max-pool neuron over its operands), LeakyRelu(alpha=0) and Clip(min=0, no max or its type's largest
+(a max-pool neuron over its operands), LeakyRelu(alpha=0; alpha=1 is the identity) and Clip(min=0, no max or its type's largest
 finite value) as ReLU, Clip(min=0, max=t) and Min(Relu(x), t) with t a constant per channel as clipped ReLUs
 (:mod:`..core.clipped`), ReduceSum / ReduceMean / ReduceMax over any non-batch axes (fixed edges, or a max-pool neuron), Where
 with a constant mask. The semantics are the lowering core's (:mod:`..core.fixed_factors`,
@@ -113,8 +113,12 @@ def max_(low, node, ins):
 
 
 def leaky_relu(low, node, ins):
-    if attrs(node).get("alpha", 0.01) != 0:
-        low.unsupported("LeakyRelu with a non-zero slope: pathir's neurons are identity, ReLU and max-pool only")
+    """alpha 0: a ReLU; alpha 1: the identity (x·1 is x in every float); any other slope is refused."""
+    alpha = attrs(node).get("alpha", 0.01)
+    if alpha == 1:
+        return [low.act(node, 0)]
+    if alpha != 0:
+        low.unsupported("LeakyRelu with a slope other than 0 or 1: pathir's neurons are identity, ReLU and max-pool only")
     return [low.relu(low.act(node, 0))]
 
 

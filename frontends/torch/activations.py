@@ -1,7 +1,7 @@
 """Rules for ReLU and its other spellings, clipped ReLUs, and ops that are the identity in inference.
 
-A ReLU is ``relu`` / ``relu_`` / ``nn.ReLU``, and ``leaky_relu`` with slope 0, ``clamp(min=0)`` /
-``clamp_min(0)`` without a max, ``threshold(0, 0)``, ``hardtanh(0, inf)``. A clipped ReLU
+A ReLU is ``relu`` / ``relu_`` / ``nn.ReLU``, and ``leaky_relu`` with slope 0 (with slope 1 it is the
+identity), ``clamp(min=0)`` / ``clamp_min(0)`` without a max, ``threshold(0, 0)``, ``hardtanh(0, inf)``. A clipped ReLU
 min(max(x, 0), t) is ``nn.ReLU6`` / ``relu6``, ``nn.Hardtanh(0, t)`` / ``hardtanh(x, 0, t)``,
 ``clamp(x, 0, t)``, ``pathir.nn.ClippedReLU`` and ``torch.minimum(relu(x), buffer)``: ReLU(x) −
 ReLU(ReLU(x) − t) with −t a param of the unit (:mod:`pathir.frontends.core.clipped`), bound to the
@@ -156,6 +156,9 @@ def relu_module(low, mod, input):
 
 
 def leaky_relu(low, input, negative_slope=0.01, inplace=False):
+    """Slope 0: a ReLU; slope 1: the identity (x·1 is x in every float); any other slope is refused."""
+    if _number(negative_slope) and float(negative_slope) == 1.0:
+        return input
     if not _is_zero(negative_slope):
         refuse(low)
     return low.relu(input)

@@ -16,7 +16,8 @@ WHY = {
     "GELU": "not positively homogeneous",
     "SiLU": "not positively homogeneous",
     "ELU": "not positively homogeneous",
-    **{op: "its negative slope is allowed in theory but not by pathir's neuron types"
+    **{op: ("its negative slope (other than 0, a ReLU, or 1, the identity) keeps it positively homogeneous, "
+           "but it is not one of pathir's neuron types (identity, ReLU, max-pool)")
        for op in ("LeakyReLU", "leaky_relu", "leaky_relu_", "RReLU", "rrelu")},
     **{op: "not positively homogeneous" for op in ("elu", "elu_", "selu", "celu", "gelu", "silu", "mish", "SELU",
                                                    "CELU", "Mish", "tanh", "hardswish", "logsigmoid")},
