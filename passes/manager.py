@@ -131,6 +131,29 @@ def run_recording(graph: Graph, passes: Iterable[Pass], check: bool = True,
     return graph, tuple(changed)
 
 
+def _finite(graph: Graph) -> bool:
+    return all(not p.value.size or np.isfinite(p.value.min()) and np.isfinite(p.value.max()) for p in graph.params())
+
+
+def _check_written_finite(before: Graph, after: Graph) -> None:
+    """GraphVerificationError naming the first param a pass wrote (one ``before`` does not hold) with a NaN or
+    infinite entry: no path-norm or rescaling is a number there, and the pass is the place to fix it."""
+    kept = {id(p) for p in before.params()}
+    for p in after.params():
+        if id(p) in kept:
+            continue
+        value = np.asarray(p.value)
+        if not value.size or np.isfinite(value.min()) and np.isfinite(value.max()):  # (no temporary array)
+            continue
+        if not _finite(before):
+            return  # the pass was given non-finite values: the graph's own check names them (the model's weights)
+        bad = ~np.isfinite(value)
+        if bad.any():
+            k = int(np.flatnonzero(bad.reshape(-1))[0])
+            raise GraphVerificationError(f"it wrote {int(bad.sum())} NaN or infinite entries into param '{p.name}' "
+                                         f"(from {p.source_name}; the first: {value.reshape(-1)[k]} at flat index {k})")
+
+
 def run_passes(graph: Graph, passes: Iterable[Pass], check: bool = True, after: Iterable[str] = ()) -> Graph:
     """Apply each pass (a function, or a name registered in ``PASSES``) in
     order; with ``check``, verify after each one. Every failure names the pass
@@ -150,6 +173,7 @@ def run_passes(graph: Graph, passes: Iterable[Pass], check: bool = True, after: 
         if check:
             try:
                 verify(out)
+                _check_written_finite(graph, out)
             except GraphVerificationError as err:
                 raise GraphVerificationError(f"in pass '{name}' after {done}: {err}") from None
         done.append(name)

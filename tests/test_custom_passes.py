@@ -236,3 +236,28 @@ def test_errors_name_the_pass_and_those_before_it():
     # check=False runs without verifying
     g = run_passes(GraphBuilderMLP(), [break_shapes], check=False)
     assert g.node("h").shape == (7,)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_pass_writing_a_non_finite_weight_is_named_and_nothing_changes(bad):
+    """A user pass that writes NaN or ±inf into a weight is refused where it ran (compile, cm.apply,
+    run_passes), naming the pass, the param and the entry; cm is unchanged. Before, cm.apply accepted it and
+    only the next path computation refused the graph, naming no pass. check=False still runs it unverified."""
+    def spoil(graph):
+        first = next(iter(graph.params()))
+        value = first.value.copy()
+        value.reshape(-1)[1] = bad
+        return graph.map_params(lambda p: p.with_value(value) if p is first else p)
+
+    cm = pathir.compile(GraphBuilderMLP())
+    before = cm.path_norm(1)
+    match = rf"in pass 'spoil' after \['remove_dead'\]: it wrote 1 NaN or infinite entries into param 'w1' .*flat index 1"
+    with pytest.raises(GraphVerificationError, match=match):
+        cm.apply(remove_dead, spoil)
+    with pytest.raises(GraphVerificationError, match=match):
+        run_passes(GraphBuilderMLP(), [remove_dead, spoil])
+    with pytest.raises(GraphVerificationError, match=r"in pass 'spoil' after \['fold_batchnorm'\]"):
+        pathir.compile(GraphBuilderMLP(), passes=[spoil])
+    assert cm.path_norm(1) == before
+    g = run_passes(GraphBuilderMLP(), [spoil], check=False)
+    assert not np.isfinite(g.params()[0].value).all()
