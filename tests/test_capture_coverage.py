@@ -427,3 +427,37 @@ def test_zeros_first_in_a_widened_shortcut_read_as_zeros_last():
     cm = assert_forward(model, (2, 6, 6), batch=5)
     for q in (1.0, 2.0):
         assert cm.path_norm(q) ** q == pytest.approx(path_norm_q(model, [(2, 6, 6)], q), rel=1e-10)
+
+
+def _adaptive_windows(L, o):
+    """torch's adaptive windows over L positions into o (written out here, not pathir's)."""
+    return [(i * L // o, -(-(i + 1) * L // o)) for i in range(o)]
+
+
+@pytest.mark.parametrize("size,out", [(4, (8, 8)), (3, (6, 1)), (4, (8, 2)), (2, (6, 1)), (6, (3, 3))])
+@pytest.mark.parametrize("wrap", [lambda m: m, Untraceable], ids=["fx", "export"])
+def test_adaptive_max_pool_upsampling_is_nearest_element_moves(size, out, wrap):
+    """An output size that is a multiple of the input (every window one position: nearest upsampling), alone or
+    beside an axis whose output size divides it: the model's forward, and ‖Φ‖₁ written out (ones in, each
+    pooled position counting its window's positions)."""
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Conv2d(3, 4, 1), nn.ReLU(), nn.AdaptiveMaxPool2d(out), nn.Flatten(),
+                          nn.Linear(4 * out[0] * out[1], 2)).double()
+    model = wrap(inner)
+    cm = assert_forward(model, (3, size, size))
+    with torch.no_grad():
+        conv, lin = inner[0], inner[4]
+        per_position = conv.weight.abs().sum((1, 2, 3)) + conv.bias.abs()
+        counts = torch.tensor([[(e0 - s0) * (e1 - s1) for s1, e1 in _adaptive_windows(size, out[1])]
+                               for s0, e0 in _adaptive_windows(size, out[0])], dtype=torch.float64)
+        feature = (per_position[:, None, None] * counts).reshape(-1)
+        expected = float((lin.weight.abs() @ feature).sum() + lin.bias.abs().sum())
+    assert cm.path_norm(1) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("size,out,match", [(3, 8, "windows hold 1 or 2 positions"), (4, 6, "hold 1 or 2"),
+                                            (6, 4, "windows of 2 positions overlap, not one stride apart")])
+def test_adaptive_max_pool_with_uneven_windows_refused_by_that_reason(size, out, match):
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.ReLU(), nn.AdaptiveMaxPool2d(out))
+    with pytest.raises(UnsupportedOperation, match=match):
+        pathir.compile(model, input_shape=(3, size, size))

@@ -251,7 +251,7 @@ def test_a_pass_writing_a_non_finite_weight_is_named_and_nothing_changes(bad):
 
     cm = pathir.compile(GraphBuilderMLP())
     before = cm.path_norm(1)
-    match = rf"in pass 'spoil' after \['remove_dead'\]: it wrote 1 NaN or infinite entries into param 'w1' .*flat index 1"
+    match = r"in pass 'spoil' after \['remove_dead'\]: it wrote 1 NaN or infinite entries into param 'w1' .*flat index 1"
     with pytest.raises(GraphVerificationError, match=match):
         cm.apply(remove_dead, spoil)
     with pytest.raises(GraphVerificationError, match=match):

@@ -3,13 +3,15 @@
 Max-pools are max-pool neurons; average pools, adaptive average pools and the mean over every
 spatial axis are fixed window maps; ``sum`` / ``mean`` / ``amax`` / ``max(dim)`` over other axes
 go through :func:`..core.reductions.reduce`; an adaptive max-pool whose output size divides the
-input is a plain max-pool; ``where`` / ``masked_fill`` with a constant bool mask are fixed 0 / 1
+input is a plain max-pool, and one whose output size is a multiple of the input nearest upsampling; ``where`` / ``masked_fill`` with a constant bool mask are fixed 0 / 1
 factors (:func:`..core.reductions.where`).
 """
 
 from __future__ import annotations
 
 import collections
+
+import torch
 
 from pathir.frontends.core.reductions import all_spatial, reduce, where
 from pathir.frontends.core.values import BatchStacked, MaxIndices, Value
@@ -63,17 +65,38 @@ def adaptive_avg_pool_module(low, mod, input):
     return low.adaptive_avg_pool(input, mod.output_size)
 
 
+def _adaptive_windows(L: int, o: int) -> list[tuple[int, int]]:
+    """torch's adaptive pooling windows over an axis of L positions into o: [⌊iL/o⌋, ⌈(i+1)L/o⌉)."""
+    return [(i * L // o, -(-(i + 1) * L // o)) for i in range(o)]
+
+
 def adaptive_max_pool(low, input, output_size, return_indices=False):
-    """An adaptive max-pool whose output size divides the input: a plain max-pool."""
+    """An adaptive max-pool whose windows along each axis all hold one number of positions: k where the output
+    size divides the input (a plain max-pool), 1 where it is a multiple of it (nearest upsampling: element moves,
+    no max). Windows of two sizes along one axis are refused."""
     v = low.value(input)
     n = len(v.shape) - 1
     sizes = output_size if isinstance(output_size, (tuple, list)) else (output_size,) * n
     out = tuple(v.shape[1 + i] if o is None else int(o) for i, o in enumerate(sizes))
-    if not all(L % o == 0 for L, o in zip(v.shape[1:], out)):
-        low.unsupported(f"adaptive max-pool from {list(v.shape[1:])} to {list(out)}: the windows overlap and "
-                        "differ in size (only an output size dividing the input is lowered, a plain max-pool)")
-    k = tuple(L // o for L, o in zip(v.shape[1:], out))
-    pooled = low.max_pool(v, k, k, 0, 1, False)
+    kernel, picks = [], {}
+    for axis, (L, o) in enumerate(zip(v.shape[1:], out)):
+        windows = _adaptive_windows(L, o)
+        held = sorted({e - s for s, e in windows})
+        if len(held) == 1 and held != [1] and any(s != i * held[0] for i, (s, _) in enumerate(windows)):
+            low.unsupported(f"adaptive max-pool from {list(v.shape[1:])} to {list(out)}: along spatial axis {axis} its "
+                            f"windows of {held[0]} positions overlap, not one stride apart (only output sizes that "
+                            "divide the input or are a multiple of it are lowered)")
+        if len(held) > 1:
+            low.unsupported(f"adaptive max-pool from {list(v.shape[1:])} to {list(out)}: along spatial axis {axis} its "
+                            f"windows hold {' or '.join(map(str, held))} positions, a max-pool neuron's windows one "
+                            "number (only output sizes that divide the input or are a multiple of it are lowered)")
+        if held == [1] and o != L:
+            picks[axis + 2] = torch.tensor([s for s, _ in windows])  # nearest upsampling: element moves
+        kernel.append(held[0] if held else 1)
+    for dim, index in picks.items():  # (the ids carry the batch axis first)
+        v = low.index_op(lambda t, dim=dim, index=index: t.index_select(dim, index), [v])[0][0]
+    k = tuple(1 if axis + 2 in picks else size for axis, size in enumerate(kernel))
+    pooled = v if all(size == 1 for size in k) else low.max_pool(v, k, k, 0, 1, False)
     return (pooled, MaxIndices("adaptive max-pool")) if return_indices else pooled
 
 
