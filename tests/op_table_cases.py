@@ -537,6 +537,8 @@ aten_case("adaptive_max_pool3d", C3, lambda c, h: c.item(c(aten.adaptive_max_poo
 aten_case("scalar arithmetic", C2, lambda c, h: c(aten.div.Scalar, c(aten.mul.Scalar, c(aten.add.Scalar, h, 0, alpha=2),
                                                                      -1.5), 4))
 aten_case("_unsafe_view", C2, lambda c, h: c(aten._unsafe_view.default, h, [-1, 3, 36]))
+aten_case("sym_size", C2, lambda c, h: c(aten.view.default, h, [c(aten.sym_size.int, h, 0), c(aten.sym_size.int, h, 1),
+                                                               -1]))
 aten_case("_to_copy", C2, lambda c, h: c(aten._to_copy.default, h, dtype=torch.float64))
 aten_case("index", C2, lambda c, h: c(aten.index.Tensor, h, [None, None, _arange(c, 5, -1, -2), None]))
 aten_case("_unsafe_index", C2, lambda c, h: c(aten._unsafe_index.Tensor, h, [None, None, None, _arange(c, 0, 6, 2)]))

@@ -461,3 +461,30 @@ def test_adaptive_max_pool_with_uneven_windows_refused_by_that_reason(size, out,
     model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.ReLU(), nn.AdaptiveMaxPool2d(out))
     with pytest.raises(UnsupportedOperation, match=match):
         pathir.compile(model, input_shape=(3, size, size))
+
+
+class _BoolMasked(nn.Module):
+    """Features picked by a constant bool mask: torch.export records its output size as data-dependent (an
+    unbacked symbol, read back by ``aten.sym_size.int`` and checked by runtime assertions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.f, self.g = nn.Linear(4, 6), nn.Linear(4, 2)
+        self.register_buffer("keep", torch.tensor([True, False, True, True, False, True]))
+
+    def forward(self, x):
+        h = torch.relu(self.f(x))
+        return self.g(h[:, self.keep])
+
+
+@pytest.mark.parametrize("wrap", [lambda m: m, Untraceable], ids=["fx", "export"])
+def test_bool_mask_indexing_lowers_on_both_paths(wrap):
+    """On export it was refused at the sym_size node ('outside the ReLU DAG'); the size is the static one."""
+    torch.manual_seed(0)
+    inner = _BoolMasked().double()
+    model = wrap(inner)
+    cm = assert_forward(model, (4,))
+    with torch.no_grad():
+        kept = (inner.f.weight.abs().sum(1) + inner.f.bias.abs())[inner.keep]
+        expected = float((inner.g.weight.abs() @ kept).sum() + inner.g.bias.abs().sum())
+    assert cm.path_norm(1) == pytest.approx(expected, rel=1e-12)

@@ -188,7 +188,7 @@ RULES: dict = {
     **_rows(ix.flatten_module, nn.Flatten),
     **_rows(ix.channel_shuffle_module, nn.ChannelShuffle),
     **_rows(ix.getattr_, getattr),
-    **_rows(ix.size, "size"),
+    **_rows(ix.size, "size", aten.sym_size.int),
     **_rows(ix.dim, "dim"),
 }
 
