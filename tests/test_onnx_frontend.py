@@ -413,3 +413,24 @@ def test_leaky_relu_of_slope_one_is_the_identity_and_others_refused(alpha):
     cm = _check(model, rng.normal(size=(5, 3)).astype(np.float32))
     w1, w2, w3 = (np.abs(np.asarray(w, np.float32).astype(np.float64)) for w in (W1, W2, W3))
     assert cm.path_norm(1) == pytest.approx((w3 @ w2 @ w1).sum(), rel=1e-12)
+
+
+def _split_with_empty_part(read_empty: bool):
+    W1, W2 = rng.normal(size=(6, 3)), rng.normal(size=(2, 6))
+    nodes = [node("Gemm", ["x", "W1"], ["h"], "fc1", transB=1), node("Relu", ["h"], ["r"], "relu"),
+             node("Split", ["r", "sp"], ["a", "b"], "split", axis=1)]
+    nodes += [node("Concat", ["a", "b"], ["c"], "cat", axis=1), node("Gemm", ["c", "W2"], ["y"], "fc2", transB=1)] \
+        if read_empty else [node("Gemm", ["a", "W2"], ["y"], "fc2", transB=1)]
+    return make_model(nodes, [tensor_info("x", ["N", 3])], [tensor_info("y", ["N", 2])],
+                      {"W1": W1, "W2": W2, "sp": np.array([6, 0], dtype=np.int64)}), (W1, W2)
+
+
+def test_a_split_with_an_empty_part_nobody_reads_lowers():
+    """Split into sizes [6, 0], the empty part unread: onnxruntime runs it, and so does pathir (it was refused
+    for the empty part's shape). An empty part the graph reads is refused naming it."""
+    model, (W1, W2) = _split_with_empty_part(False)
+    cm = _check(model, rng.normal(size=(5, 3)).astype(np.float32))
+    w1, w2 = (np.abs(np.asarray(w, np.float32).astype(np.float64)) for w in (W1, W2))
+    assert cm.path_norm(1) == pytest.approx((w2 @ w1).sum(), rel=1e-12)
+    with pytest.raises(PathirError, match="its output 'b' has the empty per-sample shape \\[0\\], and the graph reads it"):
+        pathir.compile(_split_with_empty_part(True)[0])

@@ -49,6 +49,7 @@ class OnnxLowering(Lowering):
         self.batch_fixed = batch is not None  # the file's inputs declare a number, not a symbol, for the batch
         self.shapes = shapes
         self.env: dict[str, object] = {}
+        self.needed: set[str] = set()  # the tensors a live node or a graph output reads (set by run)
         self.axis1: set[str] = set()  # tensors holding a 2-d activation with the batch on axis 1
         self.bindings: dict[str, Binding] = {}
         self._claimed: set[str] = set()
@@ -79,6 +80,7 @@ class OnnxLowering(Lowering):
             node = self.b.input(name, self.shapes[name], origin="ONNX graph input")
             self.env[name] = Value.of_node(node, self.shapes[name])
         live, needed, readers = self._live()
+        self.needed = needed
         for i, node in enumerate(g.node):
             if not live[i]:
                 continue
@@ -176,10 +178,14 @@ class OnnxLowering(Lowering):
         if displaced and rule not in READS_DISPLACED and not getattr(rule, "reads_displaced", False):
             displaced[0].refuse(f"'{self.label}' ({self.op})")
         if rule is not None:
-            outs = rule(self, node, ins)
-            for v in outs:
+            outs = list(rule(self, node, ins))
+            for k, v in enumerate(outs):
                 if isinstance(v, Value) and math.prod(v.shape) == 0:
-                    self.fail(f"its output has the empty per-sample shape {list(v.shape)}")
+                    name = node.output[k] if k < len(node.output) else ""
+                    if name in self.needed:
+                        self.fail(f"its output '{name}' has the empty per-sample shape {list(v.shape)}, and the "
+                                  "graph reads it (pathir's neurons and edges need at least one element)")
+                    outs[k] = None  # no element and no reader (a Split's empty part): nothing to lower
             return outs
         why = WHY.get(op, DEFAULT_WHY)
         if op in ("Softmax", "LogSoftmax") and any(o.name in node.output for o in self.proto.graph.output):
