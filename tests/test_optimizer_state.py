@@ -140,6 +140,53 @@ def test_adam_moments_are_the_rescaled_models_gradient_moments():
                              lambda g: {"exp_avg": 0.2 * g, "exp_avg_sq": 0.1 * g * g, "max_exp_avg_sq": 0.1 * g * g})
 
 
+#: optimizers whose state is built from gradients alone (no weight decay: with it the loss itself is not
+#: rescaling-invariant, and no state moves exactly; no initial accumulator: Adagrad's is scaled with its sum);
+#: RMSprop's eps tiny, so its momentum buffer follows g/√v
+REPLAYED = {
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, dampening=0.1),
+    "sgd-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
+    "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, eps=1e-300),
+    "rmsprop-momentum": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9, eps=1e-300),
+    "rmsprop-centered": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5, centered=True, eps=1e-300),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+}
+
+
+@pytest.mark.parametrize("name", list(REPLAYED))
+def test_state_is_what_the_optimizer_builds_from_the_rescaled_gradients(name):
+    """The definition, for every state entry: after three steps and a transported rescaling θ' = s ⊙ θ, the
+    state equals that of a fresh optimizer fed the same three gradients in the new coordinates (g / s). (An
+    RMSprop's momentum buffer was scaled by 1/s; it sums g / √v and does not move.)"""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(3, 6), nn.ReLU(), nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 2)).double()
+    x = torch.randn(7, 3, dtype=torch.float64)
+    opt = REPLAYED[name](model.parameters())
+    grads = []
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    cm = pathir.compile(model, input_shape=(3,))
+    cm.commit_rescaling(np.random.default_rng(0).uniform(-2, 2, size=len(cm.units)), optimizer=opt)
+    scales = [p.detach() / old for p, old in zip(model.parameters(), before)]
+    assert any(not torch.allclose(s, torch.ones_like(s)) for s in scales)
+    twins = [nn.Parameter(torch.zeros_like(p)) for p in model.parameters()]
+    fresh = REPLAYED[name](twins)
+    for step in grads:
+        for t, g, s in zip(twins, step, scales):
+            t.grad = g / s
+        fresh.step()
+    for p, t in zip(model.parameters(), twins):
+        for key, value in opt.state[p].items():
+            if key != "step":
+                assert torch.allclose(value, fresh.state[t][key], rtol=1e-10, atol=0), (key, p.shape)
+
+
 def _mlp_and_adam(x, steps=2):
     torch.manual_seed(2)
     model = nn.Sequential(nn.Linear(3, 6), nn.ReLU(), nn.Linear(6, 2)).double()

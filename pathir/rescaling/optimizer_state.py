@@ -5,8 +5,11 @@ function unchanged, so the loss in the new coordinates is L'(θ') = L(θ' / s) a
 its gradient is ∇L' = ∇L / s. An optimizer's state built from gradients moves
 the same way: a running sum of gradients (SGD's momentum buffer, Adam's first
 moment) is scaled by 1/s, a running sum of squared gradients (Adam's second
-moment, RMSprop's square average, Adagrad's sum) by 1/s². Then, right after the
-rescaling, state ⊙ θ and (second moment) ⊙ θ² are what they were. Step counters
+moment, RMSprop's square average, Adagrad's sum) by 1/s², and a running sum of
+gradients over their root mean square (RMSprop's momentum buffer) not at all
+(up to its eps). Then, right after the rescaling, state ⊙ θ and (second moment)
+⊙ θ² are what they were: each entry is the state the optimizer would hold had it
+run on the rescaled model's gradients. Step counters
 and hyper-parameters are untouched; foreach/fused/capturable flags do not change
 the state's layout.
 
@@ -42,7 +45,8 @@ STATE_POWERS: dict[str, dict[str, int]] = {
     "SGD": {"momentum_buffer": 1},
     "Adam": _ADAM,
     "AdamW": _ADAM,
-    "RMSprop": {"step": 0, "square_avg": 2, "momentum_buffer": 1, "grad_avg": 1},
+    # RMSprop's momentum buffer sums g / (√square_avg + eps): g/s over √square_avg/s, unchanged (but for eps)
+    "RMSprop": {"step": 0, "square_avg": 2, "momentum_buffer": 0, "grad_avg": 1},
     "Adagrad": {"step": 0, "sum": 2},
 }
 
