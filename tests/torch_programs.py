@@ -1,7 +1,8 @@
 """A hypothesis strategy that writes random torch *programs*: an nn.Module subclass whose forward is
 generated Python source, drawn from what users write (modules built once and called twice, functional
 calls next to module calls, in-place ops on whole tensors and through views and slices, residual adds,
-cat / chunk / split, permutes and views, pools and adaptive pools, padding modes, interpolation,
+cat / chunk / split, permutes and views, pools and adaptive pools (upsampling ones too), padding modes,
+interpolation, constant bool masks, leaky_relu of slope 1,
 batch-norms, literal constants, tuple and dict outputs, and now and then one non-homogeneous op). Each program comes with a second source, its *path-norm network*, written from
 the definition (docs/math.md §3) and not from pathir: every weight and bias w replaced by |w|^q, every
 ReLU by the identity, max-pools by window sums, constants c by |c|^q, a subtraction by an addition;
@@ -184,8 +185,8 @@ def torch_programs(draw, max_statements: int = 7, non_homogeneous: float = 0.1) 
     for _ in range(draw(st.integers(1, max_statements))):
         name, c, s = draw(st.sampled_from(values))
         kind = draw(st.sampled_from(["conv", "conv", "reuse", "relu", "relu", "bn", "residual", "const", "cat",
-                                     "chunk", "pool", "interp", "inplace", "split", "reshape", "adaptive"]))
-        if kind in ("chunk", "split") and name in zeroed:
+                                     "chunk", "pool", "interp", "inplace", "split", "reshape", "adaptive", "mask"]))
+        if kind in ("chunk", "split", "mask") and name in zeroed:
             kind = "same"
         out, made = new(), len(values)
         if kind == "conv" or (kind == "reuse" and not any(ci == c for _, ci, _ in convs)):
@@ -239,7 +240,8 @@ def torch_programs(draw, max_statements: int = 7, non_homogeneous: float = 0.1) 
             values.append((out, c, s))
         elif kind == "const":
             user, ref = draw(st.sampled_from([("{a} * 2.0", "{a} * " + _k(2.0)), ("{a} / 3.0", "{a} * " + _k(1 / 3)),
-                                              ("0 + {a}", "{a}"), ("2 * {a}", _k(2.0) + " * {a}")]))
+                                              ("0 + {a}", "{a}"), ("2 * {a}", _k(2.0) + " * {a}"),
+                                              ("F.leaky_relu({a}, 1.0)", "{a}")]))  # slope 1: the identity
             add(f"{out} = {user.format(a=name)}", f"{out} = {ref.format(a=name)}")
             values.append((out, c, s))
         elif kind == "cat":
@@ -283,6 +285,10 @@ def torch_programs(draw, max_statements: int = 7, non_homogeneous: float = 0.1) 
             if name in prog.node_bias:  # a view of the same layer's output
                 prog.node_bias[out] = prog.node_bias[name]
             values.append((out, c, s))
+        elif kind == "mask" and c >= 2:  # channels picked by a constant bool mask made in the forward
+            mask = draw(st.lists(st.booleans(), min_size=c, max_size=c).filter(any))
+            add(f"{out} = {name}[:, torch.tensor({mask})]")
+            values.append((out, sum(mask), s))
         elif kind == "adaptive" and s % 2 == 0:
             w = s // 2
             user, ref = draw(st.sampled_from([
@@ -294,7 +300,9 @@ def torch_programs(draw, max_statements: int = 7, non_homogeneous: float = 0.1) 
             add(f"{out} = {user.format(a=name)}", f"{out} = {ref.format(a=name, w=w, n=w * w)}")
             values.append((out, c, 2))
         elif kind == "interp" and s <= 8:
-            add(f"{out} = F.interpolate({name}, scale_factor=2, mode='nearest')")
+            nearest = f"{out} = F.interpolate({name}, scale_factor=2, mode='nearest')"
+            # an adaptive max-pool to twice the size: windows of one position, nearest upsampling
+            add(draw(st.sampled_from([nearest, f"{out} = F.adaptive_max_pool2d({name}, {2 * s})"])), nearest)
             values.append((out, c, s * 2))
         else:
             add(f"{out} = {name}")
