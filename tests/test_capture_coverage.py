@@ -488,3 +488,42 @@ def test_bool_mask_indexing_lowers_on_both_paths(wrap):
         kept = (inner.f.weight.abs().sum(1) + inner.f.bias.abs())[inner.keep]
         expected = float((inner.g.weight.abs() @ kept).sum() + inner.g.bias.abs().sum())
     assert cm.path_norm(1) == pytest.approx(expected, rel=1e-12)
+
+
+#: name -> (the pool, which path-norm the reference network computes: "all" q for max-pools (window sums), q = 1
+#: for average pools (their fixed 1/k stays 1/k, right for q = 1 only), none for the adaptive max-pools it keeps)
+_UNBATCHED_POOLS = {
+    "max_pool2d": (lambda h: F.max_pool2d(h, 2), "all"), "MaxPool2d": (nn.MaxPool2d(2, 1), "all"),
+    "avg_pool2d": (lambda h: F.avg_pool2d(h, 2), 1.0), "AvgPool2d": (nn.AvgPool2d((2, 3)), 1.0),
+    "adaptive_avg_pool2d": (lambda h: F.adaptive_avg_pool2d(h, (2, 3)), 1.0),
+    "adaptive_max_pool2d": (lambda h: F.adaptive_max_pool2d(h, 2), None),
+    "AdaptiveMaxPool2d upsampling": (nn.AdaptiveMaxPool2d((8, 12)), None),
+    "max_pool2d with indices": (lambda h: F.max_pool2d(h, 2, return_indices=True)[0], None),
+}
+
+
+class _PoolOfConv1d(nn.Module):
+    def __init__(self, pool):
+        super().__init__()
+        self.c, self.pool, self.head = nn.Conv1d(2, 4, 1), pool, nn.LazyLinear(3)
+
+    def forward(self, x):
+        return self.head(self.pool(torch.relu(self.c(x))).flatten(1))
+
+
+@pytest.mark.parametrize("name", list(_UNBATCHED_POOLS))
+@pytest.mark.parametrize("wrap", [lambda m: m, Untraceable], ids=["fx", "export"])
+def test_a_2d_pool_of_a_batched_1d_activation_pools_each_samples_channels_too(name, wrap):
+    """torch reads a (batch, C, L) tensor given to a 2-d pool as one unbatched image whose channels are the
+    batch: each sample's C and L are pooled together. pathir pooled L alone (a wrong function, only the
+    self-check's shape test stood in its way; with self_check=False it was silent)."""
+    torch.manual_seed(0)
+    pool, reference = _UNBATCHED_POOLS[name]
+    inner = _PoolOfConv1d(pool)
+    inner(torch.randn(1, 2, 6))  # the lazy head's width
+    model = wrap(inner.double())
+    cm = assert_forward(model, (2, 6), self_check=False)
+    if reference == "all":
+        assert_definition(cm, model, (2, 6))
+    elif reference is not None:
+        assert cm.path_norm(reference) == pytest.approx(path_norm_q(model, [(2, 6)], reference), rel=1e-12)

@@ -10,6 +10,7 @@ factors (:func:`..core.reductions.where`).
 from __future__ import annotations
 
 import collections
+import re
 
 import torch
 
@@ -26,21 +27,50 @@ __all__ = ["max_pool", "max_pool_module", "max_pool_with_indices", "avg_pool", "
 MaxResult = collections.namedtuple("MaxResult", ["values", "indices"])  # torch.return_types.max, indices unusable
 
 
-def max_pool(low, input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
+def _pool_dims(low, mod=None) -> int | None:
+    """The number of spatial axes the pool op reads (the d of max_pool2d, nn.AdaptiveAvgPool3d, ...): from the
+    module's torch class (a subclass's own name says nothing), else the op's name; None where neither says."""
+    names = [c.__name__ for c in type(mod).__mro__] if mod is not None else [str(low.op)]
+    for name in names:
+        found = re.search(r"pool(\d)d", name, re.IGNORECASE)
+        if found:
+            return int(found.group(1))
+    return None
+
+
+def _per_sample(low, input, d: int | None, pool):
+    """``pool(value)`` on the activation ``input`` read as torch reads it: with d spatial axes after its
+    channels; with d axes in all (one fewer: a (batch, C, L) tensor given to a 2-d pool), torch takes it as one
+    unbatched image whose channels are the batch, so each sample's C and L are pooled together: lowered as a
+    single channel added in front (element moves), pooled, and taken off again. ``pool`` may return (values,
+    indices)."""
+    v = low.value(input) if isinstance(input, Value) else input
+    if d is None or not isinstance(v, Value) or len(v.shape) != d:
+        return pool(v)
+    one = low.index_op(lambda t: t.unsqueeze(1), [v])[0][0]
+    out = pool(one)
+    values, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
+    values = low.index_op(lambda t: t.squeeze(1), [values])[0][0]
+    return (values, *rest) if rest is not None else values
+
+
+def max_pool(low, input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False,
+             _d=None):
     """A max-pool; with ``return_indices``, (values, indices) whose indices no op may read (:class:`MaxIndices`)."""
-    out = low.max_pool(input, kernel_size, stride, padding, dilation, ceil_mode)
+    out = _per_sample(low, input, _pool_dims(low) if _d is None else _d,
+                      lambda v: low.max_pool(v, kernel_size, stride, padding, dilation, ceil_mode))
     return (out, MaxIndices("max-pool")) if return_indices else out
 
 
 def max_pool_module(low, mod, input):
     return max_pool(low, input, mod.kernel_size, mod.stride, mod.padding, mod.dilation, mod.ceil_mode,
-                    mod.return_indices)
+                    mod.return_indices, _d=_pool_dims(low, mod))
 
 
 def max_pool_with_indices(low, input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False,
                           return_indices=True):
     """ATen's (or torch.nn.functional's) max-pool with indices: the pooled values, and indices no op may read."""
-    return low.max_pool(input, kernel_size, stride, padding, dilation, ceil_mode), MaxIndices("max-pool")
+    return max_pool(low, input, kernel_size, stride, padding, dilation, ceil_mode), MaxIndices("max-pool")
 
 
 for _rule in (max_pool, max_pool_module, max_pool_with_indices):
@@ -48,21 +78,22 @@ for _rule in (max_pool, max_pool_module, max_pool_with_indices):
 
 
 def avg_pool(low, input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
-             divisor_override=None):
-    return low.avg_pool(input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+             divisor_override=None, _d=None):
+    return _per_sample(low, input, _pool_dims(low) if _d is None else _d, lambda v: low.avg_pool(
+        v, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override))
 
 
 def avg_pool_module(low, mod, input):
-    return low.avg_pool(input, mod.kernel_size, mod.stride, mod.padding, mod.ceil_mode, mod.count_include_pad,
-                        getattr(mod, "divisor_override", None))
+    return avg_pool(low, input, mod.kernel_size, mod.stride, mod.padding, mod.ceil_mode, mod.count_include_pad,
+                    getattr(mod, "divisor_override", None), _d=_pool_dims(low, mod))
 
 
-def adaptive_avg_pool(low, input, output_size):
-    return low.adaptive_avg_pool(input, output_size)
+def adaptive_avg_pool(low, input, output_size, _d=None):
+    return _per_sample(low, input, _pool_dims(low) if _d is None else _d, lambda v: low.adaptive_avg_pool(v, output_size))
 
 
 def adaptive_avg_pool_module(low, mod, input):
-    return low.adaptive_avg_pool(input, mod.output_size)
+    return adaptive_avg_pool(low, input, mod.output_size, _d=_pool_dims(low, mod))
 
 
 def _adaptive_windows(L: int, o: int) -> list[tuple[int, int]]:
@@ -70,13 +101,21 @@ def _adaptive_windows(L: int, o: int) -> list[tuple[int, int]]:
     return [(i * L // o, -(-(i + 1) * L // o)) for i in range(o)]
 
 
-def adaptive_max_pool(low, input, output_size, return_indices=False):
-    """An adaptive max-pool whose windows along each axis all hold one number of positions: k where the output
-    size divides the input (a plain max-pool), 1 where it is a multiple of it (nearest upsampling: element moves,
-    no max). Windows of two sizes along one axis are refused."""
-    v = low.value(input)
+def adaptive_max_pool(low, input, output_size, return_indices=False, _d=None):
+    """An adaptive max-pool (of the activation as torch reads it: :func:`_per_sample`) whose windows along each
+    axis all hold one number of positions: k where the output size divides the input (a plain max-pool), 1 where
+    it is a multiple of it (nearest upsampling: element moves, no max). Windows of two sizes along one axis are
+    refused."""
+    out = _per_sample(low, input, _pool_dims(low) if _d is None else _d, lambda v: _adaptive_max(low, v, output_size))
+    return (out, MaxIndices("adaptive max-pool")) if return_indices else out
+
+
+def _adaptive_max(low, v, output_size):
+    v = low.value(v)
     n = len(v.shape) - 1
     sizes = output_size if isinstance(output_size, (tuple, list)) else (output_size,) * n
+    if len(sizes) != n:
+        low.unsupported(f"adaptive max-pool to {list(sizes)} of an activation with {n} spatial axes {list(v.shape[1:])}")
     out = tuple(v.shape[1 + i] if o is None else int(o) for i, o in enumerate(sizes))
     kernel, picks = [], {}
     for axis, (L, o) in enumerate(zip(v.shape[1:], out)):
@@ -96,8 +135,7 @@ def adaptive_max_pool(low, input, output_size, return_indices=False):
     for dim, index in picks.items():  # (the ids carry the batch axis first)
         v = low.index_op(lambda t, dim=dim, index=index: t.index_select(dim, index), [v])[0][0]
     k = tuple(1 if axis + 2 in picks else size for axis, size in enumerate(kernel))
-    pooled = v if all(size == 1 for size in k) else low.max_pool(v, k, k, 0, 1, False)
-    return (pooled, MaxIndices("adaptive max-pool")) if return_indices else pooled
+    return v if all(size == 1 for size in k) else low.max_pool(v, k, k, 0, 1, False)
 
 
 def adaptive_max_pool_with_indices(low, input, output_size, return_indices=True):
@@ -107,7 +145,7 @@ def adaptive_max_pool_with_indices(low, input, output_size, return_indices=True)
 
 
 def adaptive_max_pool_module(low, mod, input):
-    return adaptive_max_pool(low, input, mod.output_size, mod.return_indices)
+    return adaptive_max_pool(low, input, mod.output_size, mod.return_indices, _d=_pool_dims(low, mod))
 
 
 def adaptive_max_pool_aten(low, input, output_size):
