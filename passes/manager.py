@@ -131,27 +131,29 @@ def run_recording(graph: Graph, passes: Iterable[Pass], check: bool = True,
     return graph, tuple(changed)
 
 
-def _finite(graph: Graph) -> bool:
-    return all(not p.value.size or np.isfinite(p.value.min()) and np.isfinite(p.value.max()) for p in graph.params())
+def _finite(value: np.ndarray) -> bool:
+    """No NaN or infinite entry (read with no temporary array of ``value``'s size)."""
+    return not value.size or bool(np.isfinite(value.min()) and np.isfinite(value.max()))
 
 
 def _check_written_finite(before: Graph, after: Graph) -> None:
     """GraphVerificationError naming the first param a pass wrote (one ``before`` does not hold) with a NaN or
-    infinite entry: no path-norm or rescaling is a number there, and the pass is the place to fix it."""
+    infinite entry, unless the param of that name was already so before it (the model's own values, which the
+    graph's own check names): no path-norm or rescaling is a number there, and the pass is the place to fix it."""
     kept = {id(p) for p in before.params()}
     for p in after.params():
-        if id(p) in kept:
-            continue
         value = np.asarray(p.value)
-        if not value.size or np.isfinite(value.min()) and np.isfinite(value.max()):  # (no temporary array)
+        if id(p) in kept or _finite(value):
             continue
-        if not _finite(before):
-            return  # the pass was given non-finite values: the graph's own check names them (the model's weights)
+        given = [q for q in before.params() if not _finite(np.asarray(q.value))]
+        if any(q.name == p.name for q in given):
+            continue
         bad = ~np.isfinite(value)
-        if bad.any():
-            k = int(np.flatnonzero(bad.reshape(-1))[0])
-            raise GraphVerificationError(f"it wrote {int(bad.sum())} NaN or infinite entries into param '{p.name}' "
-                                         f"(from {p.source_name}; the first: {value.reshape(-1)[k]} at flat index {k})")
+        k = int(np.flatnonzero(bad.reshape(-1))[0])
+        also = f"; the graph it was given held non-finite entries in {', '.join(repr(q.name) for q in given[:3])}" \
+            if given else ""
+        raise GraphVerificationError(f"it wrote {int(bad.sum())} NaN or infinite entries into param '{p.name}' "
+                                     f"(from {p.source_name}; the first: {value.reshape(-1)[k]} at flat index {k}){also}")
 
 
 def run_passes(graph: Graph, passes: Iterable[Pass], check: bool = True, after: Iterable[str] = ()) -> Graph:

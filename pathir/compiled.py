@@ -237,7 +237,7 @@ class Compiled:
                 if change is not None:
                     self._follow(change)
             self._looked = self._calls > 0
-        self._facts.check_finite()
+        self._facts.check_finite(self.transformed_by)
         return self._facts
 
     def _follow(self, change: str) -> None:

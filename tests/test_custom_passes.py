@@ -261,3 +261,24 @@ def test_a_pass_writing_a_non_finite_weight_is_named_and_nothing_changes(bad):
     assert cm.path_norm(1) == before
     g = run_passes(GraphBuilderMLP(), [spoil], check=False)
     assert not np.isfinite(g.params()[0].value).all()
+
+
+def test_a_pass_that_cleans_one_nan_and_writes_another_is_named_and_unverified_ones_are_blamed_too():
+    """A graph given with a NaN in 'w1' and a pass that clears it but writes inf into 'w2': refused at the pass,
+    naming 'w2' and the NaN it was given (the check skipped every pass given a non-finite graph). A NaN a pass
+    wrote with check=False is named later as the model's or that pass's."""
+    def clean_but_break(graph):
+        return graph.map_params(lambda p: p.with_value(np.nan_to_num(p.value) / (0.0 if p.name == "w2" else 1.0)))
+
+    def spoil(graph):
+        return graph.map_params(lambda p: p.with_value(p.value * np.nan) if p.name == "w1" else p)
+
+    given = GraphBuilderMLP().map_params(lambda p: p.with_value(p.value * np.nan) if p.name == "w1" else p)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        with pytest.raises(GraphVerificationError, match=r"into param 'w2' .*; the graph it was given held non-finite "
+                                                         r"entries in 'w1'"):
+            run_passes(given, [clean_but_break])
+        assert np.isnan(run_passes(given, [spoil]).params()[0].value).all()  # the NaN it was given: not the pass's
+        cm = pathir.compile(GraphBuilderMLP()).apply(spoil, check=False)
+    with pytest.raises(pathir.PathirError, match=r"fix the model's weights, or the pass that wrote them \('spoil'"):
+        cm.path_norm(1)

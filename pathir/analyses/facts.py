@@ -38,10 +38,11 @@ class GraphFacts:
         self.graph = graph
         self._finite = False  # every param checked finite (check_finite)
 
-    def check_finite(self) -> None:
+    def check_finite(self, passes: tuple[str, ...] = ()) -> None:
         """PathirError naming the first param of the graph with a NaN or infinite entry (a NaN bias was dropped
         by some walks: a finite, wrong path-norm), or a subnormal one (0 < |θ| < 2.2e-308: the walks count
-        subnormals as 0, and a product with one keeps few of its digits); checked once per graph."""
+        subnormals as 0, and a product with one keeps few of its digits); checked once per graph. ``passes``:
+        the user passes that changed the params (run unverified, they may have written the entry)."""
 
         if self._finite:
             return
@@ -54,7 +55,9 @@ class GraphFacts:
                 k = int(np.flatnonzero(bad.reshape(-1))[0])
                 raise PathirError(f"param '{p.name}' (from {p.source_name}) has {int(bad.sum())} NaN or infinite "
                                   f"entries (the first: {value.reshape(-1)[k]} at flat index {k}): no path-norm, "
-                                  "rescaling or bound is a number there; fix the model's weights")
+                                  "rescaling or bound is a number there; fix the model's weights" + (
+                                      f", or the pass that wrote them ({', '.join(map(repr, passes))} changed the "
+                                      "params, unverified)" if passes else ""))
             small = (magnitude < tiny) & (magnitude > 0)
             if small.any():
                 k = int(np.flatnonzero(small.reshape(-1))[0])
