@@ -527,3 +527,24 @@ def test_a_2d_pool_of_a_batched_1d_activation_pools_each_samples_channels_too(na
         assert_definition(cm, model, (2, 6))
     elif reference is not None:
         assert cm.path_norm(reference) == pytest.approx(path_norm_q(model, [(2, 6)], reference), rel=1e-12)
+
+
+class _EmptyMasked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.f, self.g = nn.Linear(4, 6), nn.Linear(6, 2)
+        self.register_buffer("none", torch.zeros(6, dtype=torch.bool))
+
+    def forward(self, x):
+        h = torch.relu(self.f(x))
+        return self.g(torch.cat([h[:, self.none], h], 1))
+
+
+@pytest.mark.parametrize("wrap", [lambda m: m, Untraceable], ids=["fx", "export"])
+def test_an_all_false_mask_selects_nothing_on_both_paths(wrap):
+    """The empty selection concatenated beside h is h: on export its sym_size read counted as a second reader
+    and the empty value was refused as 'every element is 0'."""
+    torch.manual_seed(0)
+    model = wrap(_EmptyMasked().double())
+    cm = assert_forward(model, (4,))
+    assert_definition(cm, model, (4,))

@@ -282,7 +282,8 @@ def low_input_count(low, takes: int, given: int):
 
 def _data_readers(node) -> int:
     """How many fx nodes read the values of ``node`` (shape queries do not)."""
-    shape_only = {("call_method", "size"), ("call_method", "dim"), ("call_function", getattr)}
+    shape_only = {("call_method", "size"), ("call_method", "dim"), ("call_function", getattr),
+                  ("call_function", torch.ops.aten.sym_size.int)}  # (torch.export's size read)
     return sum((u.op, u.target) not in shape_only for u in node.users)
 
 
