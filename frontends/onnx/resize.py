@@ -6,8 +6,9 @@ checked to act axis by axis: as onnxruntime runs it (where the two differ, onnxr
 model runs on: a scale whose output length is not whole, align_corners by scale), or onnx's reference
 evaluator where onnxruntime is missing or cannot run the node alone. Refused, naming what: a region of interest
 (tf_crop_and_resize), coordinate transforms other than half_pixel, align_corners,
-asymmetric and pytorch_half_pixel, cubic with exclude_outside, antialias,
-keep_aspect_ratio_policy, and any scaling of the batch or channel axes. ``axes`` (opset 18): the
+asymmetric and pytorch_half_pixel, cubic with exclude_outside, nearest with antialias (antialiased
+linear and cubic are read like the rest), keep_aspect_ratio_policy, and any scaling of the batch or
+channel axes. ``axes`` (opset 18): the
 scales or sizes of the axes it names, the others kept.
 """
 
@@ -38,9 +39,10 @@ def resize(low, node, ins):
         low.unsupported(f"Resize coordinate_transformation_mode '{transform}'")
     if mode == "cubic" and a.get("exclude_outside", 0):
         low.unsupported("Resize cubic with exclude_outside=1")
-    for name, ok in (("antialias", 0), ("keep_aspect_ratio_policy", "stretch")):
-        if a.get(name, ok) != ok:
-            low.unsupported(f"Resize with {name}={a[name]}")
+    if a.get("keep_aspect_ratio_policy", "stretch") != "stretch":
+        low.unsupported(f"Resize with keep_aspect_ratio_policy={a['keep_aspect_ratio_policy']}")
+    if a.get("antialias", 0) and mode == "nearest":  # (antialiased linear and cubic are read as any mode is)
+        low.unsupported("Resize nearest with antialias=1 (onnxruntime runs antialiasing for linear and cubic only)")
     if _opset(low) < 11:  # Resize-10: (X, scales), asymmetric coordinates, as Upsample
         return [_resampled_by(low, node, ins, _resize_input(low, node, 1, "scales"), None, f"resize_{mode}")]
     roi = low.const(node, 1, "roi", required=False) if len(node.input) > 1 and node.input[1] else None
