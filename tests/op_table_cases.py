@@ -210,6 +210,8 @@ case("detach_", C2, lambda m, a: (a * 1.0).detach_())
 case("dropout modules", C2, lambda m, a: m.i(m.d2(m.d1(m.d(a).flatten(2)).unflatten(2, (6, 6)))),
      lambda: {"d": nn.Dropout(0.3), "d1": nn.Dropout1d(0.3), "d2": nn.Dropout2d(0.3), "i": nn.Identity()})
 case("alpha_dropout module", C2, lambda m, a: m.d(a), lambda: {"d": nn.AlphaDropout(0.3)})
+case("dropout3d fn and module", C3, lambda m, a: m.d(F.dropout3d(a, 0.5, m.training)), lambda: {"d": nn.Dropout3d(0.3)})
+case("feature_alpha_dropout module", C2, lambda m, a: m.d(a), lambda: {"d": nn.FeatureAlphaDropout(0.3)})
 
 # ---------------------------------------------------------------- sums, differences, constant factors
 

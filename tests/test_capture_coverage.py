@@ -548,3 +548,49 @@ def test_an_all_false_mask_selects_nothing_on_both_paths(wrap):
     model = wrap(_EmptyMasked().double())
     cm = assert_forward(model, (4,))
     assert_definition(cm, model, (4,))
+
+
+class _Call(nn.Module):
+    """Linear(4, 6), ReLU, then ``op`` (a module or a function of the activation)."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.f, self.op = nn.Linear(4, 6), op
+
+    def forward(self, x):
+        return self.op(torch.relu(self.f(x)))
+
+
+@pytest.mark.parametrize("wrap", [lambda m: m, Untraceable], ids=["fx", "export"])
+def test_feature_alpha_dropout_fixed_in_training_is_refused_on_both_paths(wrap):
+    """On export it was lowered as the identity (aten.feature_alpha_dropout was missing from the random ops):
+    a random model compiled silently, 0.97 away from it."""
+    with pytest.raises(UnsupportedOperation, match="is random"):
+        pathir.compile(wrap(_Call(lambda h: F.feature_alpha_dropout(h, 0.5, training=True))), input_shape=(4,))
+
+
+@pytest.mark.parametrize("wrap", [lambda m: m, Untraceable], ids=["fx", "export"])
+def test_dropout3d_and_feature_alpha_dropout_in_eval_are_the_identity(wrap):
+    for op, shape in ((nn.Dropout3d(0.3), (2, 3, 1, 1)), (nn.FeatureAlphaDropout(0.3), (4,))):
+        model = wrap(nn.Sequential(nn.Conv3d(2, 3, 1) if len(shape) == 4 else nn.Linear(4, 6), nn.ReLU(), op)).double()
+        assert_forward(model, shape)
+
+
+@pytest.mark.parametrize("wrap", [lambda m: m, Untraceable], ids=["fx", "export"])
+def test_a_linear_layer_with_a_1d_weight_is_refused_by_name(wrap):
+    """F.linear(h, w) with w of shape (6,): an IndexError inside the lowering before."""
+    model = wrap(_Call(lambda h, w=nn.Parameter(torch.randn(6)): F.linear(h, w)))
+    with pytest.raises(UnsupportedOperation, match=r"a linear layer whose weight has shape \[6\]"):
+        pathir.compile(model, input_shape=(4,))
+
+
+@pytest.mark.parametrize("op", [lambda h: F.max_pool2d(h.view(-1, 1, 1, 2, 3), 1),
+                                lambda h: F.adaptive_avg_pool2d(h, 2),
+                                lambda h: F.avg_pool1d(h.view(-1, 1, 2, 3), 1),
+                                lambda h: F.pad(h, (1, 1, 0, 0, 0, 0)), lambda h: F.pad(h, (1, 2, 0, 0), mode="reflect")],
+                         ids=["max_pool2d of 5-d", "adaptive_avg_pool2d of 2-d", "avg_pool1d of 4-d", "pad of 3 pairs",
+                              "reflect pad of 2 axes of 2-d"])
+def test_pools_and_pads_of_a_rank_torch_refuses_are_refused(op):
+    """torch raises on these; with self_check=False pathir lowered them to a function the model never computes."""
+    with pytest.raises(pathir.PathirError):
+        pathir.compile(_Call(op), input_shape=(4,), self_check=False)

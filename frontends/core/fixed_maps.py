@@ -60,7 +60,8 @@ def pad(low, v: Value, pads, mode: str = "constant", value=None) -> Value:
     if any(batch_pads):
         low.unsupported(f"F.pad(pad={pads}) pads or crops the batch axis ({batch_pads}): it changes the number of "
                         "samples or moves features between them, which no per-sample network computes")
-    pads = pads[:2 * len(v.shape)]
+    # (the ids carry a batch axis of 1: F.pad sees the rank the model's tensor has, and raises where torch would,
+    # e.g. on more pairs than axes, or a reflect pad of 2 axes on a 2-d tensor)
     ids = torch.arange(1, math.prod(v.shape) + 1, dtype=torch.float64).reshape(1, *v.shape)
     try:
         out = F.pad(ids, pads, mode=mode) if mode != "constant" else F.pad(ids, pads, value=0.0)

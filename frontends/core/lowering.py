@@ -174,6 +174,9 @@ class Lowering:
         """``F.linear(v, weight, bias)``, ``weight`` read as stored or transposed (``F.linear(x, W.t())``: W stored
         (in, out)); on v of more axes, at every position of its last axis (a pointwise convolution)."""
         v = self.value(v)
+        if isinstance(weight, ParamTensor) and weight.tensor.dim() != 2:
+            self.unsupported(f"a linear layer whose weight has shape {list(weight.tensor.shape)}: only an (out, in) "
+                             "matrix is lowered (F.linear(x, w) with a 1-d w drops the feature axis; write x @ w[:, None])")
         if len(v.shape) != 1:
             return linear_last_axis(self, v, weight, bias)
         W = self._dense(weight, stored_as_in_out=weight.transposed)

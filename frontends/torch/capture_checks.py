@@ -577,7 +577,8 @@ def _fixed_mode(node) -> str | None:
         a = _bound(fn, args, kwargs)
         return _RANDOM if a.get("training") is True and a.get("p", 0.5) != 0 else None
     if fn in (torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,
-              aten.dropout.default, aten.alpha_dropout.default, aten.feature_dropout.default):
+              aten.dropout.default, aten.alpha_dropout.default, aten.feature_dropout.default,
+              aten.feature_alpha_dropout.default):
         p = args[1] if len(args) > 1 else kwargs.get("p")
         train = args[2] if len(args) > 2 else kwargs.get("train")
         return _RANDOM if train is True and p != 0 else None

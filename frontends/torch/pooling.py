@@ -45,6 +45,9 @@ def _per_sample(low, input, d: int | None, pool):
     single channel added in front (element moves), pooled, and taken off again. ``pool`` may return (values,
     indices)."""
     v = low.value(input) if isinstance(input, Value) else input
+    if d is not None and isinstance(v, Value) and len(v.shape) not in (d, d + 1):
+        low.unsupported(f"a {d}-d pool of a {len(v.shape) + 1}-d activation (batch included): torch takes "
+                        f"{d + 1}-d or {d + 2}-d input only, and raises on this one")
     if d is None or not isinstance(v, Value) or len(v.shape) != d:
         return pool(v)
     one = low.index_op(lambda t: t.unsqueeze(1), [v])[0][0]
