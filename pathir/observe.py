@@ -51,7 +51,8 @@ class Observations:
 
     def quantiles(self, qs=QUANTILES) -> dict[str, dict[float, float]]:
         """{column: {q: quantile}} over the samples (nan entries left out; numpy's linear interpolation, with
-        ±inf entries kept: the quantiles among -inf values are -inf, not nan)."""
+        ±inf entries kept: the quantiles among -inf values are -inf, not nan). ``qs``: numbers, or one number."""
+        qs = _several(qs)
         bad = [q for q in qs if not (isinstance(q, numbers.Real) and 0 <= q <= 1)]
         if bad:
             raise ArgumentError(f"quantiles must be numbers in [0, 1], got {bad}")
@@ -95,9 +96,14 @@ class Observations:
         return "\n".join(lines)
 
 
+def _several(qs) -> tuple:
+    """``qs`` as a tuple: one number (``qs=2``, as ``active_path_norm(q=2)`` reads it) is a tuple of one."""
+    return (qs,) if isinstance(qs, numbers.Real) or not hasattr(qs, "__iter__") else tuple(qs)
+
+
 def _batches(inputs, batch_size: int):
-    """Arrays/tensors (B, *shape) from a DataLoader (batches or (x, y, ...) tuples), an array or a tensor; dicts
-    {input: batch} from a dict of arrays (several inputs), cut alike."""
+    """Arrays/tensors (B, *shape) from a DataLoader (batches or (x, y, ...) tuples), an array or a tensor, or a list
+    of batches (arrays, or nested lists); dicts {input: batch} from a dict of arrays (several inputs), cut alike."""
     if isinstance(inputs, Mapping):
         n = _dict_length(inputs)
         for start in range(0, n, batch_size):
@@ -108,7 +114,9 @@ def _batches(inputs, batch_size: int):
             yield inputs[start:start + batch_size]
         return
     for batch in inputs:
-        if isinstance(batch, (tuple, list)):
+        # (x, y, ...) as a DataLoader yields it: its first entry an array, a tensor or a dict; a list of numbers or of
+        # lists is itself the batch (or a sample, which the shape check names)
+        if isinstance(batch, (tuple, list)) and batch and (hasattr(batch[0], "shape") or isinstance(batch[0], Mapping)):
             batch = batch[0]
         yield batch
 
@@ -148,7 +156,7 @@ def observe(cm, inputs, qs=(1.0,), counts: bool = True, compare=None, batch_size
     cm : Compiled (or Graph)
     inputs : numpy array or tensor (N, *input shape), a dict {input name: such an array} (several
         inputs), or an iterable of batches (a DataLoader; a batch may be an (x, y) pair or a dict)
-    qs : the q of each active path-norm column ``log10_active_l{q}``
+    qs : the q of each active path-norm column ``log10_active_l{q}`` (one number, or several)
     counts : add ``log10_active_paths``
     compare : a Compiled (or Graph) θ' of the same architecture: adds the active path-metric
         columns ``lower``, ``upper``, ``shared``, ``flipped`` (neurons whose state differs),
@@ -175,6 +183,7 @@ def observe(cm, inputs, qs=(1.0,), counts: bool = True, compare=None, batch_size
     >>> bool(np.all(obs.columns["log10_active_l1"] <= obs.global_values["log10_path_norm_l1"] + 1e-12))
     True
     """
+    qs = _several(qs)
     grp = group()
     if grp is None:
         _check_batch_size(batch_size)

@@ -211,3 +211,19 @@ def test_a_list_of_single_samples_is_refused_with_the_hint_to_stack_them():
     batches = [np.stack(rows[:2]), np.stack(rows[2:])]
     assert np.allclose(pathir.observe(cm, batches).columns["log10_active_l1"],
                        pathir.observe(cm, np.stack(rows)).columns["log10_active_l1"], rtol=1e-12)
+
+
+def test_lists_written_as_python_lists_and_a_single_q_are_read_as_meant():
+    """X.tolist() (rows as lists of numbers) gets the stack-them hint (it was cut to each row's first number:
+    'got ()'); batches written as nested lists are batches (each was read as an (x, y) pair: its first row
+    alone); qs=2 and quantiles(qs=0.5) take one number (a TypeError before)."""
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)).double()
+    cm = pathir.compile(net, input_shape=(3,))
+    X = np.random.default_rng(1).normal(size=(7, 3))
+    with pytest.raises(pathir.InputShapeError, match=r"got \(3,\); observe reads a list .*np\.stack"):
+        pathir.observe(cm, X.tolist())
+    whole = pathir.observe(cm, X, qs=2)
+    nested = pathir.observe(cm, [X[:3].tolist(), X[3:].tolist()], qs=(2,))
+    assert np.array_equal(nested.columns["log10_active_l2"], whole.columns["log10_active_l2"])
+    assert np.allclose(10 ** whole.columns["log10_active_l2"], cm.active_path_norm(X, q=2), rtol=1e-12)
+    assert list(whole.quantiles(qs=0.5)["log10_active_l2"]) == [0.5]
