@@ -147,7 +147,7 @@ class Head(nn.Module):
 @pytest.mark.parametrize("op,match", [
     (lambda h: h.sum(), "batch"), (lambda h: h.sum(0), "batch"), (lambda h: h.amax(0), "batch"),
     (lambda h: h.flatten(1).sum(1), "one number per sample"),
-    (lambda h: F.adaptive_max_pool2d(h, 3), "windows overlap"),
+    (lambda h: F.adaptive_max_pool2d(h, 3), "windows of 2 positions overlap"),
     (lambda h: h.masked_fill(h > 0, 0.0), "compares an activation"),
     (lambda h: h.masked_fill(torch.ones(3, 4, 4, dtype=torch.bool), 1.0), "non-zero constant"),
     (lambda h: F.hardtanh(h, -1.0, 6.0), "clips below|homogeneous"),
