@@ -269,7 +269,7 @@ class _Dag:
         out = tuple(self.draw(st.integers(1, L)) for L in spatial)
         matrix = self.rng.uniform(0.1, 1.0, size=(math.prod(out), math.prod(spatial)))
         matrix *= self.rng.random(matrix.shape) < 0.6  # structural zeros are no edges
-        return self.add("adaptive", NodeKind.IDENTITY, [(src, SpatialMatrix(matrix, out))])
+        return self.add("adaptive", NodeKind.IDENTITY, [(src, SpatialMatrix(matrix, out))], self.bias(self.shape(src)[0]))
 
     def resample(self, src) -> str | None:
         """A separable fixed map: per axis a small signed matrix with structural zeros.
@@ -309,15 +309,16 @@ class _Dag:
         for j in range(cb):
             ib[slots[ca + j]] = j
         edges = [(src, ChannelMap(tuple(ia))), (other, ChannelMap(tuple(ib)))]
-        return self.add("concat", NodeKind.IDENTITY, edges)
+        return self.add("concat", NodeKind.IDENTITY, edges, self.bias(ca + cb))
 
     def flatten(self, src) -> str | None:
-        return self.add("flatten", NodeKind.IDENTITY, [(src, Reshape((math.prod(self.shape(src)),)))])
+        n = math.prod(self.shape(src))
+        return self.add("flatten", NodeKind.IDENTITY, [(src, Reshape((n,)))], self.bias(n))
 
     def gather(self, src) -> str | None:
         n = math.prod(self.shape(src))
         index = self.rng.integers(-1, n, size=self.draw(st.integers(1, min(n + 1, self.opts.max_width + 2))))
-        return self.add("gather", NodeKind.IDENTITY, [(src, Gather(index, (index.size,)))])
+        return self.add("gather", NodeKind.IDENTITY, [(src, Gather(index, (index.size,)))], self.bias(index.size))
 
     def layers_for(self, src) -> list:
         spatial = len(self.shape(src)) > 1
@@ -337,7 +338,8 @@ class _Dag:
     def head(self, src, extra_inputs) -> str:
         """Flatten (sometimes) and a dense identity output layer reading every extra input too."""
         if len(self.shape(src)) > 1 and self.opts.flatten and self.draw(st.booleans()):
-            src = self.add("flatten", NodeKind.IDENTITY, [(src, Reshape((math.prod(self.shape(src)),)))], force=True)
+            n = math.prod(self.shape(src))
+            src = self.add("flatten", NodeKind.IDENTITY, [(src, Reshape((n,)))], self.bias(n), force=True)
         width = self.draw(st.integers(1, 2))
         edges = [(s, Dense(self.param("w", (width, math.prod(self.shape(s)))))) for s in [src, *extra_inputs]]
         return self.add("out", NodeKind.IDENTITY, edges, self.bias(width), force=True)

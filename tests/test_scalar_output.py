@@ -45,3 +45,38 @@ def test_a_scalar_node_built_by_hand_has_its_path_norm_and_passes_the_symbolic_c
     assert cm.verify_symbolic().passed
     report = copy.deepcopy(cm).pathcond(write_back=False)
     assert np.all(np.isfinite(report.z))
+
+
+class _SqueezedAndBack(torch.nn.Module):
+    """A scalar node read again: squeeze(-1) then unsqueeze(-1), into a layer and beside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.fc2 = torch.nn.Linear(3, 1), torch.nn.Linear(1, 1)
+
+    def forward(self, x):
+        y = torch.relu(self.fc(x)).squeeze(-1)
+        return self.fc2(y.unsqueeze(-1)) + 0.5 * y.unsqueeze(-1)
+
+
+def test_a_scalar_node_read_back_by_a_reshape_has_its_path_norms_and_counts():
+    """The all-ones walk indexed the scalar source's channel axis (an IndexError inside num_paths and path_norm
+    for q < inf); the figures are the enumeration's (a review's reproduction)."""
+    from pathir.neurons.paths import enumerate_num_paths, enumerate_path_norm
+
+    torch.manual_seed(0)
+    cm = pathir.compile(_SqueezedAndBack().double(), input_shape=(3,))
+    for backend in ("numpy", "torch"):
+        assert cm.num_paths(backend=backend) == enumerate_num_paths(cm.graph) == 9
+        for q in (0.5, 1, 2):
+            assert cm.path_norm(q, backend=backend) == pytest.approx(enumerate_path_norm(cm.graph, q), rel=1e-12)
+
+
+def test_a_bias_on_a_scalar_node_is_refused_by_verify():
+    """It crashed with an IndexError in verify; the forward walk has no channel axis to add it on."""
+    b = GraphBuilder("scalar-bias")
+    x = b.input("x", (3,))
+    h = b.relu("h", [(x, Dense(b.param("w", [[1.0, -2.0, 0.5]])))])
+    s = b.identity("s", [(h, Reshape(()))], bias=b.param("sb", [0.5]))
+    with pytest.raises(pathir.GraphVerificationError, match="a scalar node .* has no channel axis to hold bias 'sb'"):
+        b.build(outputs=[s])

@@ -75,7 +75,10 @@ def _problems(graph: Graph) -> list[str]:
                     f"{where}: edge {i} ({e.map.describe()}) maps '{e.source}' {list(src.shape)} to {list(got)}, "
                     f"node has shape {list(node.shape)}"
                 )
-        if node.bias is not None and node.bias.shape != (node.shape[0],):
+        if node.bias is not None and not node.shape:
+            out.append(f"{where}: a scalar node (shape []) has no channel axis to hold bias '{node.bias.name}' (give the "
+                       "node shape [1], or put the bias on the node it reads)")
+        elif node.bias is not None and node.bias.shape != (node.shape[0],):
             out.append(f"{where}: bias '{node.bias.name}' has shape {list(node.bias.shape)}, expected [{node.shape[0]}]")
         if node.kind is NodeKind.MAXPOOL:
             if len(node.edges) != 1 or node.edges[0].map.kind is not MapKind.POOL or node.edges[0].map.mult is not None:

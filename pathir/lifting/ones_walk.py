@@ -205,7 +205,7 @@ def _windowed(backend, m, x, runs: Runs, channels: int, mult: float):
 def _apply(backend, m, x, runs: Runs, src_shape, out_spatial):
     """Map ``m`` on ``x`` stored with ``runs`` (source of full shape ``src_shape``): (output, its runs)."""
     if m.kind in _POINTWISE and runs.compressed:
-        return backend.apply(m, x, (src_shape[0], *runs.stored)), Runs(out_spatial, runs.runs)
+        return backend.apply(m, x, (*src_shape[:1], *runs.stored)), Runs(out_spatial, runs.runs)
     if m.kind in _WINDOWED and runs.compressed:
         mult = _one_multiplier(m) if m.kind is MapKind.POOL else 1.0
         if mult is not None:
@@ -235,7 +235,7 @@ def _node_sum(graph: Graph, node, backend, cert: Certifier, acts: dict, given: d
             parts.append((False, *given[k][:1], L, given[k][1]))
             continue
         src = graph.node(e.source).shape
-        part = None if place is None else place(e.map, m, (src[0], *runs.stored))
+        part = None if place is None else place(e.map, m, (*src[:1], *runs.stored))  # (a scalar node: no channel axis)
         if part is not None:  # a concat operand: its channels of the node's sum
             parts.append((True, part, L, Runs(spatial, runs.runs)))
             continue
