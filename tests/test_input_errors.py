@@ -1,5 +1,6 @@
 """Bad input to pathir.compile: one-line PathirErrors naming what to fix; the model untouched."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -259,3 +260,58 @@ def test_a_scalar_batch_is_refused_by_forward():
         with pytest.raises(InputShapeError, match="got a scalar"):
             cm.forward(x)
     assert np.asarray(cm.forward([[0.5], [1.0]])).shape == (2, 1)
+
+
+class _Nested(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.o, self.p = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2), torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return {"o": self.o(h)}, [self.p(h), (self.o(h),)]
+
+
+def test_nested_outputs_are_flattened_in_order_on_both_paths():
+    """A tuple of a dict and a list holding a tuple: fx refused it naming an internal type ('immutable_dict'), where
+    torch.export flattened it; both read the tensors in order now (found by a review)."""
+    from capture_reference import Untraceable
+
+    torch.manual_seed(0)
+    net = _Nested().double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with torch.no_grad():
+        (o,), (p, (o2,)) = net(x)[0].values(), net(x)[1]
+    for model in (net, Untraceable(net)):
+        cm = pathir.compile(model, input_shape=(3,))
+        out = cm.forward(x.numpy())
+        assert len(cm.graph.outputs) == 3
+        for name, ref in zip(cm.graph.outputs, (o, p, o2)):
+            np.testing.assert_allclose(out[name], ref.numpy(), rtol=1e-12)
+
+
+class _ConstantOut(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.a(x), torch.zeros(x.shape[0], 2, dtype=x.dtype)
+
+
+class _DictIn(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(3, 2), torch.nn.Linear(2, 2)
+
+    def forward(self, batch):
+        return self.a(batch["a"]) + self.b(batch["b"])
+
+
+def test_a_constant_output_and_a_forward_taking_a_dict_are_refused_for_what_they_are():
+    """The constant was named as an internal 'ParamTensor'; the dict forward got the hint that the shape was wrong."""
+    with pytest.raises(pathir.UnsupportedOperation, match="returns a tensor no input reaches .*torch.zeros"):
+        pathir.compile(_ConstantOut(), input_shape=(3,))
+    for shapes in ([(3,), (2,)], (3,)):
+        with pytest.raises(pathir.InputShapeError, match=r"one tensor per entry of input_shape .*a wrapper"):
+            pathir.compile(_DictIn(), input_shape=shapes)

@@ -131,9 +131,21 @@ def explain(model: nn.Module, shapes, err: Exception, batch: int = 2, train: Seq
                 "run the whole model in one dtype" if len(dtypes) > 1 and _about_dtypes(first) else
                 "an in-place op of its forward reads a view of the memory it writes (h[:, :-1] += h[:, 1:]), which "
                 "torch refuses at this shape: write from a copy (.clone() the value)" if "single memory location" in first
-                else f"where the shape is wrong, {_FORM}")
+                else _ARGUMENTS if _about_arguments(first) else f"where the shape is wrong, {_FORM}")
         raise InputShapeError(f"{type(model).__name__} itself fails on a batch of input_shape={shown} "
                               f"({type(model_err).__name__}: {first}): {hint}") from err
+
+
+_ARGUMENTS = ("pathir calls forward with one tensor per entry of input_shape (forward(x), forward(x, y)); a forward "
+              "that takes a dict or a tuple of tensors (batch['a'], x, y = batch) is compiled through a wrapper whose "
+              "forward takes the tensors themselves: def forward(self, a, b): return model({'a': a, 'b': b})")
+
+
+def _about_arguments(message: str) -> bool:
+    """Whether torch's or Python's error ``message`` says the forward was called with other arguments than it
+    reads (a count of positional arguments; a string key into a tensor; a tensor unpacked into names)."""
+    return any(words in message for words in ("positional argument", "invalid data type 'str'", "values to unpack",
+                                               "only integers, slices"))
 
 
 def _about_dtypes(message: str) -> bool:

@@ -187,17 +187,25 @@ class FxInterpreter:
         """What the forward returns: the output node's argument."""
         return node.args[0]
 
+    def _flat(self, out) -> list:
+        """The tensors a forward returns, in order, through tuples, lists, dicts and namedtuples nested in one
+        another (as torch.export flattens them): ``({"o": a}, [b, c])`` is a, b, c."""
+        out = self.env[out] if isinstance(out, torch.fx.Node) else out  # (a namedtuple built in the forward)
+        if isinstance(out, dict):
+            return [v for x in out.values() for v in self._flat(x)]
+        if isinstance(out, (tuple, list)):
+            return [v for x in out for v in self._flat(x)]
+        return [out]
+
     def _output(self, node):
-        out = self._returned(node)
-        out = self.env[out] if isinstance(out, torch.fx.Node) else out  # a namedtuple built in the forward
-        if isinstance(out, dict):  # {"out": ..., "aux": ...}: every value an output, in order
-            out = list(out.values())
-        values = out if isinstance(out, (tuple, list)) else [out]
         names = []
-        for v in values:
-            v = self.env[v] if isinstance(v, torch.fx.Node) else v
+        for v in self._flat(self._returned(node)):
             if isinstance(v, MaxIndices):
                 self.low.unsupported(f"the model returns the indices of a {v.op}: data-dependent, no fixed map", "output")
+            if isinstance(v, ParamTensor):
+                self.low.unsupported(f"the model returns a tensor no input reaches ('{v.name}': a parameter, a buffer or "
+                                     "a constant made in the forward, such as torch.zeros): pathir's graph holds the "
+                                     "functions of the input; return it beside the model instead", "output")
             if not isinstance(v, Value):
                 what = described(v) if isinstance(v, NegInfPadded) else f"{type(v).__name__}, expected tensors"
                 self.low.unsupported(f"the model returns {what}", "output")
