@@ -594,3 +594,11 @@ def test_pools_and_pads_of_a_rank_torch_refuses_are_refused(op):
     """torch raises on these; with self_check=False pathir lowered them to a function the model never computes."""
     with pytest.raises(pathir.PathirError):
         pathir.compile(_Call(op), input_shape=(4,), self_check=False)
+
+
+def test_dropout1d_of_a_2d_activation_on_export_names_the_unsqueeze_torch_adds():
+    """torch's own code reads a (batch, features) tensor given to nn.Dropout1d as one unbatched sample and adds an
+    unsqueeze(0), which torch.export records; the refusal said only 'a transpose of axis 0, a cat along dim 0'."""
+    model = Untraceable(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Dropout1d(0.2))).eval()
+    with pytest.raises(UnsupportedOperation, match=r"an unsqueeze\(0\): torch's own code adds one .*nn.Dropout1d"):
+        pathir.compile(model, input_shape=(4,))

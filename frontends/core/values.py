@@ -259,10 +259,12 @@ def _off_the_front(r: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray, othe
     moved = _batch_axis(r.numpy(), offsets, sizes)
     if not moved:
         return otherwise
-    return (f"the op moves the batch axis to axis {moved} (a transpose of axis 0, a cat along dim 0), and "
-            "pathir's graph keeps it first, per sample, even where a later op would move it back; stack (or "
-            "concatenate) along dim=1 instead, then reduce over dim 1 (torch.stack(xs, dim=0) of activations of one "
-            "shape is read back by a sum, mean or max over dim 0)")
+    return (f"the op moves the batch axis to axis {moved} (a transpose of axis 0, a cat along dim 0, an "
+            "unsqueeze(0): torch's own code adds one where a layer reads a tensor of fewer axes than it expects as one "
+            "unbatched sample, e.g. nn.Dropout1d of a (batch, features) tensor), and pathir's graph keeps it first, per "
+            "sample, even where a later op would move it back; stack (or concatenate) along dim=1 instead, then reduce "
+            "over dim 1 (torch.stack(xs, dim=0) of activations of one shape is read back by a sum, mean or max over "
+            "dim 0)")
 
 
 def _batch_axis(r: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> int | None:
