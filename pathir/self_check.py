@@ -91,12 +91,15 @@ def _compare(cm, outs: dict, refs: list, dtype: str, where) -> None:
             out = out.reshape(ref.shape[::-1]).T if out.shape[::-1] == ref.shape else out
         err = _deviation(out, ref)
         if err > tol:
-            first = where() or f"output '{name}'"
             passes = getattr(cm, "passes_run", ())
             why = (f"compile ran your passes {list(passes)} before this check: a pass that changes what the graph "
                    "computes (rounding weights, dropping a branch) makes it differ from the model by design; compile "
                    "with self_check=False for such a pass" if passes else
                    "This is a pathir bug or an uncaptured construct: please report it (self_check=False skips the check)")
+            if out.shape != ref.shape:  # (no node to look for: the IR computes another shape)
+                raise SelfCheckFailed(f"self-check: the IR's output '{name}' has shape {list(out.shape)} on the check's "
+                                      f"batch, the model's {list(ref.shape)}. {why}")
+            first = where() or f"output '{name}'"
             raise SelfCheckFailed(
                 f"self-check: the IR's forward deviates from the model's by {err:.3g} (relative to max|output|, "
                 f"tolerance {tol:g} for {dtype}); first disagreement at {first}. {why}")

@@ -31,6 +31,20 @@ def test_a_model_that_is_not_what_was_traced_is_caught():
         pathir.compile(Sneaky(), input_shape=(3,))
 
 
+class SneakyShape(Sneaky):
+    """Its second call returns another width: the IR's output shape is not the model's."""
+
+    def __init__(self):
+        super().__init__()
+        self.b = nn.Linear(3, 4)
+
+
+def test_an_output_of_another_shape_is_named_with_both_shapes():
+    """It read 'deviates by inf', naming the first node that disagrees, where no node's values were compared."""
+    with pytest.raises(SelfCheckFailed, match=r"the IR's output '.*' has shape \[\d+, 2\] .* the model's \[\d+, 4\]"):
+        pathir.compile(SneakyShape(), input_shape=(3,))
+
+
 def test_opt_out():
     pathir.compile(Sneaky(), input_shape=(3,), self_check=False)
 
