@@ -421,6 +421,8 @@ case("channel_shuffle", (4, 3, 3), lambda m, a: torch.channel_shuffle(a, 2))
 case("cat", C2, lambda m, a, b: torch.cat([a, b], 1) + torch.cat((b, a), dim=1))
 case("concat", C2, lambda m, a, b: torch.concat([a, b], 1))
 case("cat elementwise", C2, lambda m, a, b: torch.cat([a, b[:, :, :2]], 2))
+case("zeros blocks and type_as", C2, lambda m, a: torch.cat(
+    [a, torch.zeros_like(a[:, :1]), a.new_zeros(a[:, :2].shape)], 1).type_as(a))
 case("unflatten", (12,), lambda m, a: torch.unflatten(a, 1, (3, 4)) + a.unflatten(1, (3, 4)) + m.u(a),
      lambda: {"u": nn.Unflatten(1, (3, 4))})
 case("flatten module", C2, lambda m, a: m.f(a), lambda: {"f": nn.Flatten(2)})

@@ -602,3 +602,29 @@ def test_dropout1d_of_a_2d_activation_on_export_names_the_unsqueeze_torch_adds()
     model = Untraceable(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Dropout1d(0.2))).eval()
     with pytest.raises(UnsupportedOperation, match=r"an unsqueeze\(0\): torch's own code adds one .*nn.Dropout1d"):
         pathir.compile(model, input_shape=(4,))
+
+
+class _ZeroPaddedShortcut(nn.Module):
+    """PyramidNet's widened shortcut, its zeros spelt as users spell them."""
+
+    def __init__(self, spelling):
+        super().__init__()
+        self.conv, self.spelling = nn.Conv2d(4, 6, 3, padding=1), spelling
+
+    def forward(self, x):
+        out = self.conv(x)
+        b, _, h, w = out.shape
+        zeros = {"zeros": lambda: torch.zeros(b, 2, h, w, dtype=x.dtype), "new_zeros": lambda: x.new_zeros(b, 2, h, w),
+                 "zeros_like": lambda: torch.zeros_like(out[:, :2]),
+                 "type_as": lambda: torch.zeros(b, 2, h, w).type_as(x)}[self.spelling]()
+        return F.relu(out + torch.cat([x, zeros], 1)).type_as(x)
+
+
+@pytest.mark.parametrize("spelling", ["zeros", "new_zeros", "zeros_like", "type_as"])
+@pytest.mark.parametrize("wrap", [lambda m: m, Untraceable], ids=["fx", "export"])
+def test_a_zero_padded_shortcut_compiles_however_its_zeros_are_made(spelling, wrap):
+    """x.new_zeros, torch.zeros_like and type_as were refused (found by a review), where torch.zeros compiled."""
+    torch.manual_seed(0)
+    model = wrap(_ZeroPaddedShortcut(spelling)).double()
+    cm = assert_forward(model, (4, 5, 5))
+    assert_definition(cm, model, (4, 5, 5))

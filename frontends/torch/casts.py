@@ -8,7 +8,7 @@ import torch
 
 from pathir.frontends.torch.inputs import model_dtype_device
 
-__all__ = ["float_", "double", "half", "bfloat16", "to", "type_"]
+__all__ = ["float_", "double", "half", "bfloat16", "to", "type_", "type_as", "zeros_like", "new_zeros"]
 
 #: the legacy type strings of ``Tensor.type``
 _TYPE_NAMES = {"torch.FloatTensor": torch.float32, "torch.DoubleTensor": torch.float64, "torch.HalfTensor": torch.float16,
@@ -41,11 +41,22 @@ def bfloat16(low, input, *args, **kwargs):
     return _cast(low, input, torch.bfloat16, ".bfloat16()")
 
 
+def _dtype_of(low, other) -> torch.dtype:
+    """The dtype of ``other``: an activation's is the model's (the self-check refuses a model of mixed dtypes), a
+    parameter's, buffer's or constant's its own."""
+    if isinstance(other, torch.Tensor):
+        return other.dtype
+    if hasattr(other, "tensor"):  # (a ParamTensor)
+        return other.tensor.dtype
+    return model_dtype_device(low.model)[0]
+
+
 def to(low, input, *args, **kwargs):
-    """``x.to(dtype)``, ``x.to(device)``, ``x.to(device, dtype)``, ``x.to(dtype=...)``; ``x.to(other)`` (another
-    tensor's dtype) is refused."""
-    if any(isinstance(a, torch.Tensor) or hasattr(a, "shape") or hasattr(a, "tensor") for a in args):  # (ParamTensor)
-        low.unsupported(".to(tensor) casts an activation to another tensor's dtype, which pathir does not read")
+    """``x.to(dtype)``, ``x.to(device)``, ``x.to(device, dtype)``, ``x.to(dtype=...)``, ``x.to(other)`` (another
+    tensor's dtype)."""
+    other = next((a for a in args if isinstance(a, torch.Tensor) or hasattr(a, "shape") or hasattr(a, "tensor")), None)
+    if other is not None:
+        return _cast(low, input, _dtype_of(low, other), ".to(tensor)")
     dtype = kwargs.get("dtype", next((a for a in args if isinstance(a, torch.dtype)), None))
     return _cast(low, input, dtype, f".to({str(dtype).replace('torch.', '')})" if dtype is not None else ".to()")
 
@@ -56,3 +67,21 @@ def type_(low, input, dtype=None, *args, **kwargs):
     if not isinstance(target, torch.dtype):
         low.unsupported(f".type({dtype!r}) is not a cast to a floating dtype pathir reads")
     return _cast(low, input, target, f".type({dtype!r})")
+
+
+def type_as(low, input, other):
+    """``x.type_as(other)``: the cast to ``other``'s dtype (:func:`_dtype_of`)."""
+    return _cast(low, input, _dtype_of(low, other), ".type_as()")
+
+
+def zeros_like(low, input, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None,
+               requires_grad=False):
+    """``torch.zeros_like(h)``: a constant block of zeros of h's shape, batch included (as ``torch.zeros(x.shape[0],
+    ...)`` makes it), which a ``cat`` beside activations reads as no element."""
+    return torch.zeros(tuple(input.size()), dtype=dtype or model_dtype_device(low.model)[0])
+
+
+def new_zeros(low, input, *size, dtype=None, layout=None, device=None, pin_memory=None, requires_grad=False):
+    """``h.new_zeros(size)``: as :func:`zeros_like`, of the size given."""
+    shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else tuple(size)
+    return torch.zeros(shape, dtype=dtype or model_dtype_device(low.model)[0])

@@ -78,9 +78,10 @@ WHY = {
             "torch.addmm(b, x, W); addmv / baddbmm / addbmm / addr are not")
        for op in ("addmv", "baddbmm", "addbmm", "addr")},
     **{op: ("makes a new tensor of an activation's shape: a constant (or random) input inside the network, not a "
-            "ReLU DAG edge (to pad with zeros, use F.pad; a constant zero channel is a zero-padded layer)")
-       for op in ("zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like", "randint_like",
-                  "new_zeros", "new_ones", "new_full", "new_empty", "new_tensor")},
+            "ReLU DAG edge (zeros, from zeros_like or new_zeros, are read: concatenated beside activations they are "
+            "no element, as F.pad's)")
+       for op in ("ones_like", "full_like", "empty_like", "rand_like", "randn_like", "randint_like",
+                  "new_ones", "new_full", "new_empty", "new_tensor")},
     **{op: "compares an activation: a data-dependent mask, not a fixed linear map" for op in (
         "gt", "lt", "ge", "le", "eq", "ne", "greater", "less", "greater_equal", "less_equal", "__gt__", "__lt__",
         "__ge__", "__le__", "__eq__", "__ne__")},
