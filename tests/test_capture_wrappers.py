@@ -191,7 +191,7 @@ def test_a_forward_that_branches_on_activation_values_is_refused_in_pathirs_word
                 h = h * 2
             return self.o(h)
 
-    with pytest.raises(pathir.PathirError, match="decides on the values of an activation"):
+    with pytest.raises(pathir.PathirError, match="depends on the values of a tensor"):
         pathir.compile(Branch(), input_shape=(4,))
 
 

@@ -434,3 +434,32 @@ def test_a_split_with_an_empty_part_nobody_reads_lowers():
     assert cm.path_norm(1) == pytest.approx((w2 @ w1).sum(), rel=1e-12)
     with pytest.raises(PathirError, match="its output 'b' has the empty per-sample shape \\[0\\], and the graph reads it"):
         pathir.compile(_split_with_empty_part(True)[0])
+
+
+@pytest.mark.parametrize("op", ["MaxPool", "AveragePool"])
+@pytest.mark.parametrize("length", [6, 8])
+def test_a_valid_pool_in_ceil_mode_sizes_its_output_as_onnxruntime(op, length):
+    """auto_pad=VALID with ceil_mode=1: ceil_mode was dropped for VALID (length 8, kernel 3, stride 2 gave 3
+    outputs where onnxruntime gives 4; found by a review)."""
+    W = rng.normal(size=(2, 2, 1))
+    model = make_model([node("Conv", ["x", "W"], ["h"]), node("Relu", ["h"], ["r"]),
+                        node(op, ["r"], ["y"], kernel_shape=[3], strides=[2], auto_pad="VALID", ceil_mode=1)],
+                       [tensor_info("x", ["N", 2, length])], [tensor_info("y", ["N", 2, "L"])], {"W": W}, opset=19)
+    x = rng.normal(size=(3, 2, length)).astype(np.float32)
+    ref = ort_run(model, x)[0]
+    out = np.asarray(pathir.compile(model, self_check=False).forward(x.astype(np.float64), backend="numpy"))
+    assert out.shape == ref.shape and rel(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("axes", [[3, 1], [4, 1], [-3, 4]])
+def test_an_opset_11_unsqueeze_with_unsorted_axes_places_them_by_the_output_rank(axes):
+    """The specification places every axis by the output's rank, whatever their order; onnx's reference evaluator
+    (which pathir runs on element ids) inserted them one after another ([3, 1] put the new axis at 4)."""
+    W = rng.normal(size=(4, 4, 1, 1))
+    model = make_model([node("Conv", ["x", "W"], ["h"]), node("Relu", ["h"], ["r"]),
+                        node("Unsqueeze", ["r"], ["u"], axes=axes), node("Relu", ["u"], ["y"])],
+                       [tensor_info("x", ["N", 4, 5, 6])], [tensor_info("y", ["N", "a", "b", "c", "d", "e"])], {"W": W}, opset=11)
+    x = rng.normal(size=(2, 4, 5, 6)).astype(np.float32)
+    ref = ort_run(model, x)[0]
+    out = np.asarray(pathir.compile(model, self_check=False).forward(x.astype(np.float64), backend="numpy"))
+    assert out.shape == ref.shape and rel(out, ref) <= 1e-5

@@ -131,8 +131,8 @@ class ComputedWeight(nn.Module):
 
 @pytest.mark.parametrize("spell, why", [
     (lambda m, x: (m.W.T @ x[:, :3].unsqueeze(-1)).squeeze(-1), "transposes the parameter 'W'"),  # (x @ W.T: lowered)
-    (lambda m, x: F.linear(x, 2 * m.W), "computes with a model parameter"),
-    (lambda m, x: x @ m.W.detach().T, "computes with a model parameter"),
+    (lambda m, x: F.linear(x, 2 * m.W), "computes with the model's tensor 'W'"),
+    (lambda m, x: x @ m.W.detach().T, "computes with the model's tensor 'W'"),
 ])
 def test_a_weight_computed_in_the_forward_is_refused_naming_the_parameter(spell, why):
     model = ComputedWeight(spell).double().eval()

@@ -83,8 +83,8 @@ def test_a_buffer_read_transposed_is_a_fixed_map():
 
 @pytest.mark.parametrize("export", [False, True], ids=["fx", "export"])
 @pytest.mark.parametrize("spell, why", [
-    (lambda m, x: x @ m.W1.t() + m.W2.t()[:, 0], "transposes the parameter 'W2'|computes with a model parameter"),
-    (lambda m, x: torch.addmm(m.W2.t()[:, :1].t(), x, m.W1.t()), "'W2'|computes with a model parameter"),
+    (lambda m, x: x @ m.W1.t() + m.W2.t()[:, 0], "transposes the parameter 'W2'|computes with the model's tensor"),
+    (lambda m, x: torch.addmm(m.W2.t()[:, :1].t(), x, m.W1.t()), "'W2'|computes with the model's tensor"),
     (lambda m, x: torch.relu(x @ m.W1.t()) @ m.W1 @ m.W1.t(), "'W1' is read in two ways"),
     (lambda m, x: (m.W3.t() @ x.t()).t(), "transposes the parameter 'W3'|op t"),
 ], ids=["indexed", "bias", "two layouts", "on the left"])

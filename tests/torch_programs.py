@@ -2,7 +2,7 @@
 generated Python source, drawn from what users write (modules built once and called twice, functional
 calls next to module calls, in-place ops on whole tensors and through views and slices, residual adds,
 cat / chunk / split, permutes and views, pools and adaptive pools (upsampling ones too), padding modes,
-interpolation, constant bool masks, leaky_relu of slope 1,
+interpolation, channels picked by a constant index, leaky_relu of slope 1, zero channels concatenated beside a value,
 batch-norms, literal constants, tuple and dict outputs, and now and then one non-homogeneous op). Each program comes with a second source, its *path-norm network*, written from
 the definition (docs/math.md §3) and not from pathir: every weight and bias w replaced by |w|^q, every
 ReLU by the identity, max-pools by window sums, constants c by |c|^q, a subtraction by an addition;
@@ -185,7 +185,8 @@ def torch_programs(draw, max_statements: int = 7, non_homogeneous: float = 0.1) 
     for _ in range(draw(st.integers(1, max_statements))):
         name, c, s = draw(st.sampled_from(values))
         kind = draw(st.sampled_from(["conv", "conv", "reuse", "relu", "relu", "bn", "residual", "const", "cat",
-                                     "chunk", "pool", "interp", "inplace", "split", "reshape", "adaptive", "mask"]))
+                                     "chunk", "pool", "interp", "inplace", "split", "reshape", "adaptive", "mask",
+                                     "zeropad"]))
         if kind in ("chunk", "split", "mask") and name in zeroed:
             kind = "same"
         out, made = new(), len(values)
@@ -285,10 +286,18 @@ def torch_programs(draw, max_statements: int = 7, non_homogeneous: float = 0.1) 
             if name in prog.node_bias:  # a view of the same layer's output
                 prog.node_bias[out] = prog.node_bias[name]
             values.append((out, c, s))
-        elif kind == "mask" and c >= 2:  # channels picked by a constant bool mask made in the forward
-            mask = draw(st.lists(st.booleans(), min_size=c, max_size=c).filter(any))
-            add(f"{out} = {name}[:, torch.tensor({mask})]")
-            values.append((out, sum(mask), s))
+        elif kind == "zeropad":  # channels of zeros beside it (PyramidNet's shortcut), spelt as users spell them
+            k = draw(st.integers(1, 3))
+            zeros = draw(st.sampled_from([f"torch.zeros({name}.shape[0], {k}, {s}, {s}, dtype={name}.dtype)",
+                                          f"{name}.new_zeros({name}.shape[0], {k}, {s}, {s})",
+                                          f"torch.zeros_like({name}[:, :1]).repeat(1, {k}, 1, 1)"]))
+            add(f"{out} = torch.cat([{name}, {zeros}], dim=1)")
+            values.append((out, c + k, s))
+        elif kind == "mask" and c >= 2:  # channels picked by a constant index made in the forward (a bool mask's
+            # count is a size torch.export cannot know before it runs: refused there where an op needs it)
+            index = sorted(draw(st.sets(st.integers(0, c - 1), min_size=1)))
+            add(f"{out} = {name}[:, torch.tensor({index})]")
+            values.append((out, len(index), s))
         elif kind == "adaptive" and s % 2 == 0:
             w = s // 2
             user, ref = draw(st.sampled_from([

@@ -152,7 +152,25 @@ def moved(low, node, ins):
     if node.op_type == "Squeeze" and not low.batch_fixed and not _squeeze_axes(node):
         low.unsupported("a Squeeze without axes removes every axis of size 1, at a batch of 1 the batch axis too, so "
                         "its output depends on the batch size (the batch is dynamic in this file): give the axes")
+    if node.op_type == "Unsqueeze" and any(a.name == "axes" for a in node.attribute):
+        node = _sorted_unsqueeze(node, ins[0])
     return index(low, node, ins)
+
+
+def _sorted_unsqueeze(node, v):
+    """An Unsqueeze (opsets 1-11: ``axes`` an attribute) with its axes in increasing order of the output's rank: the
+    specification places each by the output's rank whatever their order, where onnx's reference evaluator inserts
+    them one after another in the order given ([3, 1] of a 4-d tensor put the new axis at 4, not 3)."""
+    from onnx import helper
+
+    axes = list(attrs(node)["axes"])
+    rank = (len(v.shape) + 1 if isinstance(v, Value) else v.ids.ids.ndim if isinstance(v, Displaced) else np.ndim(v)) \
+        + len(axes)
+    ordered = sorted(int(a) % rank for a in axes)
+    if ordered == axes:
+        return node
+    kept = {k: x for k, x in attrs(node).items() if k != "axes"}
+    return helper.make_node("Unsqueeze", list(node.input), list(node.output), name=node.name, axes=ordered, **kept)
 
 
 def _squeeze_axes(node) -> bool:

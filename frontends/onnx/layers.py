@@ -252,7 +252,7 @@ def _window(low, node, v: Value):
                         "undilated and sizes its output dilated, against the ONNX specification, so pathir would "
                         "disagree with one of them (write the padding out: pads=[...])")
     pads = _pads(low, a, v.shape[1:], k, strides, dil)
-    ceil = bool(a.get("ceil_mode", 0)) and a.get("auto_pad", "NOTSET") in ("NOTSET", "")
+    ceil = bool(a.get("ceil_mode", 0)) and a.get("auto_pad", "NOTSET") in ("NOTSET", "", "VALID")  # (SAME pads to it)
     return Pool(k, strides, pads, dil, ceil), a
 
 

@@ -75,7 +75,10 @@ def refuse_params(low, op: str, args, kwargs) -> None:
     if turned is not None:
         low.unsupported(transposed_param(turned, op))
     if params:
-        low.unsupported("computes with a model parameter outside linear/conv/batch-norm layers")
+        named = ", ".join(dict.fromkeys(f"'{p.name}'" for p in params))
+        low.unsupported(f"computes with the model's tensor {named} outside linear/conv/batch-norm layers: a tensor "
+                        "computed from it in the forward (2 * self.W, a slice of it, an expanded class token) is no "
+                        "layer's weight, and no write-back reaches the tensor the model computes with")
 
 
 #: the arguments that are not activations yet, which only a rule marked for them reads: (is it one, the marker,

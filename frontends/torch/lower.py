@@ -135,10 +135,11 @@ def _lower_exported(model, shape, name, fx_error, clips):
     except Exception as err:
         if type(err).__name__ == "GuardOnDataDependentSymNode":  # (torch.fx.experimental.symbolic_shapes)
             raise PathirError(
-                f"could not trace {name}: its forward decides on the values of an activation (if h.sum() > 0, "
-                "h.item(), an assert on values), so it is not one graph for every input: pathir analyses forwards "
-                f"whose ops and branches do not depend on the data (torch.fx: {type(fx_error).__name__}: "
-                f"{fx_error})") from None
+                f"could not trace {name}: torch.export found a size or a branch that depends on the values of a tensor "
+                "(if h.sum() > 0, h.item(), an assert on values; or a boolean mask's count, x[:, mask], read by an op "
+                "that needs its size before it runs), so it is not one graph for every input: pathir analyses forwards "
+                "whose ops and branches do not depend on the data (index by a constant index tensor instead of a "
+                f"mask; torch.fx: {type(fx_error).__name__}: {fx_error})") from None
         if program_made:  # torch.export succeeded: pathir's reading of its graph failed
             raise PathirError(
                 f"could not lower {name}: torch.fx failed ({type(fx_error).__name__}: {fx_error}), and pathir could "
