@@ -1,6 +1,8 @@
 """Constructs inside the ReLU DAG model, each against the definition: the model's own float64
 forward and the path-norm computed without pathir (capture_reference.path_norm_q)."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -628,3 +630,40 @@ def test_a_zero_padded_shortcut_compiles_however_its_zeros_are_made(spelling, wr
     model = wrap(_ZeroPaddedShortcut(spelling)).double()
     cm = assert_forward(model, (4, 5, 5))
     assert_definition(cm, model, (4, 5, 5))
+
+
+class _PaddedPoolOfConv1d(nn.Module):
+    """TF-"same" padding (-inf) then a 2-d max-pool of a (batch, C, L) activation: torch pools each sample's C and
+    L together."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv1d(2, 3, 3), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = F.max_pool2d(F.pad(F.relu(self.conv(x)), (1, 1), value=-math.inf), 3, 1)
+        return self.head(h.flatten(1))
+
+
+@pytest.mark.parametrize("wrap", [lambda m: m, Untraceable], ids=["fx", "export"])
+def test_a_minus_inf_padded_2d_max_pool_of_a_1d_activation_pools_the_channels_too(wrap):
+    """The unbatched reading skipped the -inf padded form: L alone was pooled on fx (wrong with self_check=False),
+    and export failed inside pathir (found by a review of the session's new code)."""
+    torch.manual_seed(0)
+    inner = _PaddedPoolOfConv1d().double()
+    cm = assert_forward(wrap(inner), (2, 10), self_check=False)
+    for q in (0.5, 1.0, 2.0):  # written out: each output position sums its 3 × 3 window of |conv|^q maps (no -inf)
+        with torch.no_grad():
+            h = F.conv1d(torch.ones(1, 2, 10, dtype=torch.float64), inner.conv.weight.abs() ** q,
+                         inner.conv.bias.abs() ** q)[0]
+            pooled = torch.stack([h[:, max(i - 1, 0):i + 2].sum() for i in range(8)])
+            expected = float((inner.head.weight.abs() ** q @ pooled).sum() + (inner.head.bias.abs() ** q).sum())
+        assert cm.path_norm(q) ** q == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("wrap", [lambda m: m, Untraceable], ids=["fx", "export"])
+def test_adding_or_subtracting_zeros_of_the_same_shape_is_nothing(wrap):
+    """h + torch.zeros_like(h) and h - h.new_zeros(h.shape) were refused as 'a fixed non-zero bias'."""
+    model = wrap(_Call(lambda h: h + torch.zeros_like(h) - h.new_zeros(h.shape))).double()
+    cm = assert_forward(model, (4,))
+    assert_definition(cm, model, (4,))

@@ -463,3 +463,15 @@ def test_an_opset_11_unsqueeze_with_unsorted_axes_places_them_by_the_output_rank
     ref = ort_run(model, x)[0]
     out = np.asarray(pathir.compile(model, self_check=False).forward(x.astype(np.float64), backend="numpy"))
     assert out.shape == ref.shape and rel(out, ref) <= 1e-5
+
+
+def test_an_unsqueeze_naming_one_axis_twice_is_refused():
+    """axes [2, -3] of a rank-3 input: -3 is 2 again in the rank-5 output; onnxruntime refuses it, and onnx's
+    reference evaluator (which pathir ran) gave a shape of its own."""
+    W = rng.normal(size=(2, 2, 1))
+    model = make_model([node("Conv", ["x", "W"], ["h"]), node("Relu", ["h"], ["r"]),
+                        node("Unsqueeze", ["r"], ["u"], axes=[2, -3]), node("Mul", ["u", "s"], ["y"])],
+                       [tensor_info("x", ["N", 2, 3])], [tensor_info("y", ["N", "a", "b", "c", "d"])],
+                       {"W": W, "s": np.full((1, 1, 1, 1, 1), 2.0)}, opset=11)  # (the Mul's rank satisfies inference)
+    with pytest.raises(PathirError, match=r"its axes \[2, -3\] name one axis of its rank-5 output twice"):
+        pathir.compile(model, self_check=False)

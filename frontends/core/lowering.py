@@ -330,6 +330,9 @@ class Lowering:
         if isinstance(a, Value) and isinstance(b, ParamTensor) and alpha == 1:
             return self.add_bias(a, b)
         if not isinstance(a, Value) or not isinstance(b, Value):
+            v, c = (a, b) if isinstance(a, Value) else (b, a)
+            if isinstance(v, Value) and adds_nothing(c, v):  # h + torch.zeros_like(h): h
+                return v
             self.unsupported("adding a constant: a fixed non-zero bias breaks the rescaling symmetry")
         if alpha != 1:
             self.unsupported("add with alpha != 1 (a fixed weight other than 1)")
@@ -350,8 +353,7 @@ class Lowering:
         nd = len(v.shape) + 1  # with the batch axis
         dims = [1] * (nd - t.dim()) + list(t.shape)
         learnable = isinstance(t, torch.nn.Parameter)
-        if t.is_floating_point() and t.dim() <= nd and zero_constant(bias) and all(
-                d in (1, n) for d, n in zip(dims[1:], v.shape)) and dims[0] in (1, BATCH):
+        if t.is_floating_point() and adds_nothing(bias, v):
             return v  # + a constant block of zeros (a layer without bias applied to an RNN's zero state): nothing
         along_last = (learnable and nd >= 3 and t.dim() <= nd and dims[-1] == v.shape[-1]
                       and all(d == 1 for d in dims[:-1]) and not (dims[-1] == 1 and v.shape[0] == 1))
@@ -458,6 +460,21 @@ class Lowering:
         if v.bias is None and all(m.kind in SELECTION for _, m in v.terms):
             return v
         return Value.of_node(self.materialize(v), v.shape)
+
+
+def adds_nothing(c, v: Value) -> bool:
+    """Whether the constant ``c`` (not a parameter) is 0 everywhere and broadcasts to ``v``'s shape, batch
+    included, without growing it: ``v + c`` is ``v``."""
+    if not zero_constant(c):
+        return False
+    t = c.tensor if isinstance(c, ParamTensor) else c
+    if not hasattr(t, "shape"):
+        return True  # a number
+    full = (BATCH, *v.shape)
+    try:
+        return tuple(torch.broadcast_shapes(tuple(t.shape), full)) == full
+    except RuntimeError:
+        return False
 
 
 def _tuple_none(x, n):

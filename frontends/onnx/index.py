@@ -153,11 +153,11 @@ def moved(low, node, ins):
         low.unsupported("a Squeeze without axes removes every axis of size 1, at a batch of 1 the batch axis too, so "
                         "its output depends on the batch size (the batch is dynamic in this file): give the axes")
     if node.op_type == "Unsqueeze" and any(a.name == "axes" for a in node.attribute):
-        node = _sorted_unsqueeze(node, ins[0])
+        node = _sorted_unsqueeze(low, node, ins[0])
     return index(low, node, ins)
 
 
-def _sorted_unsqueeze(node, v):
+def _sorted_unsqueeze(low, node, v):
     """An Unsqueeze (opsets 1-11: ``axes`` an attribute) with its axes in increasing order of the output's rank: the
     specification places each by the output's rank whatever their order, where onnx's reference evaluator inserts
     them one after another in the order given ([3, 1] of a 4-d tensor put the new axis at 4, not 3)."""
@@ -167,6 +167,8 @@ def _sorted_unsqueeze(node, v):
     rank = (len(v.shape) + 1 if isinstance(v, Value) else v.ids.ids.ndim if isinstance(v, Displaced) else np.ndim(v)) \
         + len(axes)
     ordered = sorted(int(a) % rank for a in axes)
+    if len(set(ordered)) < len(ordered):  # ([2, -3] of a rank-3 input: one axis twice, which onnxruntime refuses)
+        low.unsupported(f"its axes {axes} name one axis of its rank-{rank} output twice")
     if ordered == axes:
         return node
     kept = {k: x for k, x in attrs(node).items() if k != "axes"}

@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from pathir.frontends.core.fixed_factors import fixed_scale
 from pathir.frontends.core.fixed_maps import fixed_left_matmul, fixed_linear
+from pathir.frontends.core.lowering import adds_nothing
 from pathir.frontends.core.reductions import elementwise_max
 from pathir.frontends.core.values import ParamTensor, Value, described, f64, reads_transposed
 from pathir.frontends.torch.transposes import transposed_param
@@ -96,8 +97,8 @@ def add(low, input, other, *, alpha=1):
 def sub(low, input, other, *, alpha=1):
     """``input - alpha * other``: a fixed edge of weight −alpha on ``other``; subtracting the literal 0
     is nothing, and ``0 - x`` is ``-x``."""
-    if literal(other) and other == 0 and isinstance(input, Value):
-        return input
+    if isinstance(input, Value) and (literal(other) and other == 0 or adds_nothing(other, input)):
+        return input  # (h - 0, h - torch.zeros_like(h))
     if literal(input) and input == 0 and isinstance(other, Value):
         return fixed_scale(low, other, -_alpha(low, alpha))
     if not (isinstance(input, Value) and isinstance(other, Value)):

@@ -15,7 +15,7 @@ import re
 import torch
 
 from pathir.frontends.core.reductions import all_spatial, reduce, where
-from pathir.frontends.core.values import BatchStacked, MaxIndices, Value
+from pathir.frontends.core.values import BatchStacked, MaxIndices, NegInfPadded, Value
 from pathir.frontends.torch.arithmetic import maximum
 from pathir.frontends.torch.batch_stack import reads_batch_stacked, reduce_stacked
 from pathir.frontends.torch.why import refuse
@@ -44,14 +44,16 @@ def _per_sample(low, input, d: int | None, pool):
     unbatched image whose channels are the batch, so each sample's C and L are pooled together: lowered as a
     single channel added in front (element moves), pooled, and taken off again. ``pool`` may return (values,
     indices)."""
-    v = low.value(input) if isinstance(input, Value) else input
+    padded = input if isinstance(input, NegInfPadded) else None  # (F.pad(h, ..., value=-inf) for a max-pool)
+    v = low.value(padded.value if padded is not None else input) if isinstance(input, (Value, NegInfPadded)) else input
     if d is not None and isinstance(v, Value) and len(v.shape) not in (d, d + 1):
         low.unsupported(f"a {d}-d pool of a {len(v.shape) + 1}-d activation (batch included): torch takes "
                         f"{d + 1}-d or {d + 2}-d input only, and raises on this one")
     if d is None or not isinstance(v, Value) or len(v.shape) != d:
-        return pool(v)
+        return pool(input)
     one = low.index_op(lambda t: t.unsqueeze(1), [v])[0][0]
-    out = pool(one)
+    # (padded: the new first spatial axis, the old channel axis, has no -inf padding: F.pad padded the last axes)
+    out = pool(one if padded is None else NegInfPadded(one, ((0, 0), *padded.pads)))
     values, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
     values = low.index_op(lambda t: t.squeeze(1), [values])[0][0]
     return (values, *rest) if rest is not None else values
