@@ -8,7 +8,7 @@ import torch
 
 from pathir.frontends.torch.inputs import model_dtype_device
 
-__all__ = ["float_", "double", "half", "bfloat16", "to", "type_", "type_as", "zeros_like", "new_zeros"]
+__all__ = ["float_", "double", "half", "bfloat16", "to", "type_", "type_as"]
 
 #: the legacy type strings of ``Tensor.type``
 _TYPE_NAMES = {"torch.FloatTensor": torch.float32, "torch.DoubleTensor": torch.float64, "torch.HalfTensor": torch.float16,
@@ -72,16 +72,3 @@ def type_(low, input, dtype=None, *args, **kwargs):
 def type_as(low, input, other):
     """``x.type_as(other)``: the cast to ``other``'s dtype (:func:`_dtype_of`)."""
     return _cast(low, input, _dtype_of(low, other), ".type_as()")
-
-
-def zeros_like(low, input, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None,
-               requires_grad=False):
-    """``torch.zeros_like(h)``: a constant block of zeros of h's shape, batch included (as ``torch.zeros(x.shape[0],
-    ...)`` makes it), which a ``cat`` beside activations reads as no element."""
-    return torch.zeros(tuple(input.size()), dtype=dtype or model_dtype_device(low.model)[0])
-
-
-def new_zeros(low, input, *size, dtype=None, layout=None, device=None, pin_memory=None, requires_grad=False):
-    """``h.new_zeros(size)``: as :func:`zeros_like`, of the size given."""
-    shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else tuple(size)
-    return torch.zeros(shape, dtype=dtype or model_dtype_device(low.model)[0])

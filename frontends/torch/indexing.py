@@ -4,7 +4,8 @@ slicing, flips, rolls, ...), and for shape queries.
 An index op is lowered by running it on element ids (:func:`..core.values.run_index_op`, which
 refuses any op that mixes the samples of a batch); its index arguments must be constants. ``cat``
 along the channels stays at channel granularity when it can. ``x.size()``, ``x.dim()``, ``x.shape``
-and ``x.ndim`` are read off the activation's shape.
+and ``x.ndim`` are read off the activation's shape. ``torch.zeros_like(h)`` and ``h.new_zeros(...)`` are
+constant blocks of zeros, which a ``cat`` beside activations reads as no element.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathir.frontends.torch.batch_stack import batch_stack, read_stacked
 from pathir.frontends.torch.inputs import model_dtype_device
 from pathir.frontends.torch.transposes import TRANSPOSE_ATTRIBUTES, transposed
 
-__all__ = ["moves", "roll", "method_moves", "cat", "getattr_", "size", "dim", "unflatten", "unflatten_module",
+__all__ = ["zeros_like", "new_zeros", "moves", "roll", "method_moves", "cat", "getattr_", "size", "dim", "unflatten", "unflatten_module",
            "flatten_module", "stack", "channel_shuffle_module", "index_with", "scatter", "index_put", "fill", "zero", "copy"]
 
 
@@ -182,6 +183,18 @@ def cat(low, tensors, dim=0, *, axis=None, out=None):
         tensors = [_absent(low, t) if _zeros(t) else t for t in tensors]
     return _index(low, torch.cat, (tensors, dim), {})
 
+
+def zeros_like(low, input, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None,
+               requires_grad=False):
+    """``torch.zeros_like(h)``: a constant block of zeros of h's shape, batch included (as ``torch.zeros(x.shape[0],
+    ...)`` makes it), which a ``cat`` beside activations reads as no element."""
+    return torch.zeros(tuple(input.size()), dtype=dtype or model_dtype_device(low.model)[0])
+
+
+def new_zeros(low, input, *size, dtype=None, layout=None, device=None, pin_memory=None, requires_grad=False):
+    """``h.new_zeros(size)``: as :func:`zeros_like`, of the size given."""
+    shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else tuple(size)
+    return torch.zeros(shape, dtype=dtype or model_dtype_device(low.model)[0])
 
 def _zeros(t) -> bool:
     """A constant all-zero float tensor made in the forward or held as a buffer (not a parameter, whose

@@ -3,8 +3,10 @@
 Max-pools are max-pool neurons; average pools, adaptive average pools and the mean over every
 spatial axis are fixed window maps; ``sum`` / ``mean`` / ``amax`` / ``max(dim)`` over other axes
 go through :func:`..core.reductions.reduce`; an adaptive max-pool whose output size divides the
-input is a plain max-pool, and one whose output size is a multiple of the input nearest upsampling; ``where`` / ``masked_fill`` with a constant bool mask are fixed 0 / 1
-factors (:func:`..core.reductions.where`).
+input is a plain max-pool, and one whose output size is a multiple of it nearest upsampling;
+``where`` / ``masked_fill`` with a constant bool mask are fixed 0 / 1 factors
+(:func:`..core.reductions.where`). A pool reads its activation as torch does, a batched tensor of one
+spatial axis fewer as one unbatched sample (:func:`_per_sample`).
 """
 
 from __future__ import annotations

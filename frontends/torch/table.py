@@ -113,8 +113,8 @@ RULES: dict = {
     **_rows(cs.bfloat16, "bfloat16"), **_rows(cs.type_, "type"),
     **_rows(cs.to, "to", aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default),
     **_rows(cs.type_as, "type_as", aten.type_as.default),
-    **_rows(cs.zeros_like, torch.zeros_like, aten.zeros_like.default),
-    **_rows(cs.new_zeros, "new_zeros", aten.new_zeros.default),
+    **_rows(ix.zeros_like, torch.zeros_like, aten.zeros_like.default),
+    **_rows(ix.new_zeros, "new_zeros", aten.new_zeros.default),
     # ---------------------------------------------------------------- sums and constant factors
     **_rows(ar.add, operator.add, operator.iadd, torch.add, "add", "add_", aten.add.Tensor, aten.add_.Tensor,
             aten.add.Scalar),
