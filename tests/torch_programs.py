@@ -293,6 +293,7 @@ def torch_programs(draw, max_statements: int = 7, non_homogeneous: float = 0.1) 
                                           f"torch.zeros_like({name}[:, :1]).repeat(1, {k}, 1, 1)"]))
             add(f"{out} = torch.cat([{name}, {zeros}], dim=1)")
             values.append((out, c + k, s))
+            zeroed.add(out)  # (a split or chunk of it could take the zero channels alone)
         elif kind == "mask" and c >= 2:  # channels picked by a constant index made in the forward (a bool mask's
             # count is a size torch.export cannot know before it runs: refused there where an op needs it)
             index = sorted(draw(st.sets(st.integers(0, c - 1), min_size=1)))
