@@ -667,3 +667,48 @@ def test_adding_or_subtracting_zeros_of_the_same_shape_is_nothing(wrap):
     model = wrap(_Call(lambda h: h + torch.zeros_like(h) - h.new_zeros(h.shape))).double()
     cm = assert_forward(model, (4,))
     assert_definition(cm, model, (4,))
+
+
+def _write_then_mT(v):
+    v[:, :1].relu_()
+    return v.mT.contiguous().mT
+
+
+def _mT_then_write(v):
+    t = v.mT
+    v[:, :1].relu_()
+    return t.mT.contiguous()
+
+
+def _write_through_mT(v):
+    v.mT[:, :, :1].relu_()
+    return v
+
+
+def _scale_through_saved_mT(v):
+    t = v.mT
+    t.mul_(2.0)
+    return v
+
+
+class _InPlaceAndTranspose(nn.Module):
+    def __init__(self, moves):
+        super().__init__()
+        self.conv, self.head, self.moves = nn.Conv2d(3, 2, 1), nn.Linear(8, 3), moves
+
+    def forward(self, x):
+        v = self.conv(x) * 1.0  # a fresh activation, partly negative: the in-place ReLUs change it
+        return self.head(F.adaptive_avg_pool2d(self.moves(v), 2).flatten(1))
+
+
+@pytest.mark.parametrize("moves", [_write_then_mT, _mT_then_write, _write_through_mT, _scale_through_saved_mT])
+@pytest.mark.parametrize("wrap", [lambda m: m, Untraceable], ids=["fx", "export"])
+def test_in_place_writes_and_mT_views_are_read_in_their_order(moves, wrap):
+    """On fx, h.mT was taken for a shape query (no read of h's values, no view of it): a later h.mT read h before an
+    in-place write through a slice, and a write through h.mT never reached h; with self_check=False the function was
+    wrong (found by the long fuzz)."""
+    torch.manual_seed(0)
+    model = wrap(_InPlaceAndTranspose(moves)).double()
+    cm = assert_forward(model, (3, 4, 4), self_check=False)
+    # (q = 1: the reference keeps the pool's 1/4 and the factor 2 as they are, right for q = 1 only)
+    assert cm.path_norm(1) == pytest.approx(path_norm_q(model, [(3, 4, 4)], 1.0), rel=1e-12)

@@ -40,7 +40,7 @@ CASES = {
     "cumsum": (lambda m, h: h.cumsum(1), "cumsum.*cumulative sum"),
     "einsum": (lambda m, h: torch.einsum("bi,ij->bj", h, m.W), "einsum.*Linear"),
     "cast": (lambda m, h: h.to(torch.float32).double(), "casts an activation"),
-    "zeros_like": (lambda m, h: h + torch.zeros_like(h), "zeros_like.*new tensor of an activation's shape"),
+    "ones_like": (lambda m, h: h + torch.ones_like(h), "ones_like.*new tensor of an activation's shape"),
     "compare": (lambda m, h: h * (h > 0.5), "compares an activation"),
     "gate": (lambda m, h: h * h, "multiplicative gate"),
     "learnable divisor": (lambda m, h: h / m.t, "divides an activation by the learnable parameter 't'"),

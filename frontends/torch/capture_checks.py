@@ -306,6 +306,8 @@ def effect_fx(node, model):
         return None
     if node.op == "call_function":
         fn = node.target
+        if fn is getattr:  # h.mT, h.T, h.mH, h.H: views of h (a write through one writes h)
+            return ("view", arg) if len(node.args) > 1 and node.args[1] in ("T", "mT", "H", "mH") else None
         if fn in _IOPS.values() or fn is operator.setitem:
             return "mutate", arg
         if fn in _VIEW_FUNCS:
@@ -350,10 +352,14 @@ def effect_export(node, model):
 
 # ---------------------------------------------------------------- the alias plan
 
-_SHAPE_ONLY = {("call_method", "size"), ("call_method", "dim"), ("call_function", getattr)}
+_SHAPE_ONLY = {("call_method", "size"), ("call_method", "dim")}
+#: the attributes of an activation that describe it without reading its values (``h.mT``, ``h.T`` read them)
+_SHAPE_ATTRIBUTES = frozenset({"shape", "ndim", "dtype", "device", "is_cuda", "layout", "requires_grad"})
 
 
 def _reads_data(user) -> bool:
+    if user.op == "call_function" and user.target is getattr:
+        return len(user.args) < 2 or user.args[1] not in _SHAPE_ATTRIBUTES
     return (user.op, user.target) not in _SHAPE_ONLY
 
 
