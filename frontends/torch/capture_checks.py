@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from pathir.errors import UnsupportedOperation
 from pathir.frontends.core.values import Value
+from pathir.frontends.torch.transposes import TRANSPOSE_ATTRIBUTES
 from pathir.nn import ClippedReLU
 
 __all__ = ["InplaceTracer", "WriteThroughView", "state_kept", "alias_plan", "refuse_inplace", "apply_inplace", "check_modes", "check_hooks", "fresh_hook_tensors",
@@ -307,7 +308,7 @@ def effect_fx(node, model):
     if node.op == "call_function":
         fn = node.target
         if fn is getattr:  # h.mT, h.T, h.mH, h.H: views of h (a write through one writes h)
-            return ("view", arg) if len(node.args) > 1 and node.args[1] in ("T", "mT", "H", "mH") else None
+            return ("view", arg) if len(node.args) > 1 and node.args[1] in TRANSPOSE_ATTRIBUTES else None
         if fn in _IOPS.values() or fn is operator.setitem:
             return "mutate", arg
         if fn in _VIEW_FUNCS:
