@@ -194,6 +194,21 @@ def test_training_mode_batchnorm_and_product_of_activations():
     assert (info.value.node, info.value.op) == ("square", "Mul")
 
 
+@pytest.mark.parametrize("stats", [(2,), (2, 3)])
+def test_per_element_batchnorm_of_opset_7_is_refused_by_name(stats):
+    """spatial=0 normalizes each element with its own statistics (onnxruntime refuses (C,) statistics for a
+    3-d input): refused naming the attribute, where (C,) statistics were read as the per-channel form."""
+    s = {k: np.full(stats, 1.5) for k in "sbmv"}
+    bn = make_model([node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y"], "bn", spatial=0)],
+                    [tensor_info("x", ["N", 2, 3])], [tensor_info("y", ["N", 2, 3])], s, opset=7)
+    with pytest.raises(pathir.UnsupportedOperation, match="spatial=0"):
+        pathir.compile(bn, self_check=False)
+    flat = make_model([node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y"], "bn", spatial=0)],
+                      [tensor_info("x", ["N", 2])], [tensor_info("y", ["N", 2])],
+                      {k: np.full(2, 1.5) for k in "sbmv"}, opset=7)
+    pathir.compile(flat)  # on (N, C) per element is per channel: checked against onnxruntime
+
+
 def onnx_int_info(name, shape):
     from onnx import TensorProto, helper
 

@@ -205,6 +205,10 @@ def batch_normalization(low, node, ins):
     if a.get("training_mode", 0):
         low.unsupported("batch-norm in training mode uses batch statistics: input-dependent")
     v = low.act(node, 0)
+    if not a.get("spatial", 1) and len(v.shape) > 1:  # opset 7-8's per-element statistics; on (N, C) the same
+        low.unsupported(f"spatial=0 (opset 7-8) normalizes each element of the {len(v.shape) + 1}-d input with its own "
+                        f"statistics (shape [C, ...] = {list(v.shape)}); pathir lowers the per-channel form only: "
+                        "export with spatial=1 or at opset 9 or later")
     # the attribute is float32, and onnxruntime widens it as it is (0.0010000000475 for 1e-3): a float64
     # model's variance + eps is then exact to 1e-16 (the decimal 1e-3 was off by 4e-11)
     eps = float(np.float32(a.get("epsilon", 1e-5)))
