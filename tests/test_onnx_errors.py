@@ -392,3 +392,13 @@ def test_check_counts_a_clips_bounds_as_read():
     report = pathir.app.checks.check(proto)
     assert [name for name, _, _ in report.not_reached] == ["unused"]
     assert report.covered == report.model_params - 4
+
+
+def test_tile_along_the_batch_axis_is_named():
+    """Tile repeating the batch axis is named as that (the message said the batch axis had moved)."""
+    tile = make_model([node("Relu", ["x"], ["r"], "relu"), node("Tile", ["r", "reps"], ["y"], "tile")],
+                      [tensor_info("x", ["N", 3])], [tensor_info("y", ["M", 3])],
+                      {"reps": np.array([2, 1], dtype=np.int64)})
+    with pytest.raises(pathir.UnsupportedOperation, match="repeats the batch axis 2 times") as info:
+        pathir.compile(tile)
+    assert (info.value.node, info.value.op) == ("tile", "Tile")

@@ -138,6 +138,17 @@ def run_on_ids(proto, node, inputs: list, blocks: dict[int, tuple], batch: int):
     return [None if r is None else [decode(x) for x in r] if isinstance(r, list) else decode(r) for r in result]
 
 
+def _tiled(r, batch, offsets, sizes) -> bool:
+    """Whether axis 0 of the ids ``r`` is the batch axis repeated: row i holds elements of sample i mod batch only."""
+    if r.ndim == 0 or r.shape[0] <= batch or r.shape[0] % batch:
+        return False
+    flat = r.reshape(r.shape[0], -1)
+    g = np.where(flat > 0, flat - 1, 0)
+    which = np.searchsorted(offsets, g, side="right") - 1
+    sample = (g - offsets[which]) // np.asarray(sizes)[which]
+    return bool(np.all((flat <= 0) | (sample == (np.arange(r.shape[0]) % batch)[:, None])))
+
+
 class IdTensor:
     """Element ids (over activations of per-sample ``sizes``, laid end to end) of an output whose batch
     axis is not first with every sample to itself; ``why`` says what the op did."""
@@ -157,7 +168,9 @@ def _decode(r, batch, offsets, sizes):
     if np.any((flat < 0) | (flat > total)):
         raise ValueError("the op computes new values instead of moving elements")
     if r.ndim == 0 or r.shape[0] != batch:
-        return IdTensor(r, sizes, "the op does not keep the batch axis first")
+        why = (f"the op repeats the batch axis {r.shape[0] // batch} times" if _tiled(r, batch, offsets, sizes)
+               else "the op does not keep the batch axis first")
+        return IdTensor(r, sizes, why)
     flat = r.reshape(batch, -1)
     present = flat > 0
     g = np.where(present, flat - 1, 0)
