@@ -439,6 +439,34 @@ def test_gradient_on_a_rescaled_network_is_the_covariant_transform_of_the_unscal
     _assert_entries_close(got, {n: g / s[n] for n, g in expected_at_theta.items()})
 
 
+@pytest.mark.parametrize("q, log10_scales", [(3.0, [-150.0] + [0.0] * 7), (3.0, [150.0] + [0.0] * 7),
+                                             (100.0, [3.0] + [0.0] * 7), (20.0, [0.0] * 8)])
+def test_a_zero_weight_gets_a_zero_derivative_on_any_representative(q, log10_scales):
+    """A zero entry (pruned) has derivative 0 (q > 1); its neighbours' fit float64: the zero entry's
+    exponent (that of a weight 1, scaled by the walk) reached inf and refused the whole param."""
+    net = mlp_3442(0)
+    with torch.no_grad():
+        net[0].weight[0, 0] = 0.0
+        net[2].bias[1] = 0.0
+    ref = mlp_reference(net, q)
+    expected_at_theta = _grads(net, ref)
+    s = unit_factors(net, log10_scales)
+    with torch.no_grad():
+        for name, t in net.named_parameters():
+            t.mul_(s[name])
+    got = _grads(net, pathir.compile(net, input_shape=(3,)).path_norm(q, differentiable=True))
+    assert float(got["0.weight"][0, 0]) == 0.0 and float(got["2.bias"][1]) == 0.0
+    _assert_entries_close(got, {n: g / s[n] for n, g in expected_at_theta.items()})
+
+
+def test_a_zero_bias_at_a_large_q_is_not_an_overflow():
+    net = mlp_3442(0)
+    with torch.no_grad():
+        net[2].bias[1] = 0.0
+    got = _grads(net, pathir.compile(net, input_shape=(3,)).path_norm(1e4, differentiable=True))
+    assert float(got["2.bias"][1]) == 0.0 and all(bool(torch.isfinite(g).all()) for g in got.values())
+
+
 def chain(weights):
     """1 → 2 → 1 → 1 without biases: x ↦ u·relu(v·relu(w x)), ``weights`` = (w (2,), v (2,), u)."""
     net = nn.Sequential(nn.Linear(1, 2, bias=False), nn.ReLU(), nn.Linear(2, 1, bias=False), nn.ReLU(),

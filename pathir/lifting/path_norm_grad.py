@@ -169,8 +169,8 @@ def _entries(p, mant: np.ndarray, log2: np.ndarray, q: float) -> np.ndarray:
         bits = k * np.log2(f)
         extra = np.floor(bits)
         power = np.exp2(bits - extra)
-    mant = mant * power  # ≥ 2^-514, < 1
-    exponent = log2 + e * k + extra
+    mant = np.where(on, mant * power, 0.0)  # ≥ 2^-514, < 1 where on
+    exponent = np.where(on, log2 + e * k + extra, 0.0)  # an entry off is 0 whatever its walk's exponent
     peak = float(np.max(np.where(on, exponent + np.log2(np.where(on, mant, 1.0)), -np.inf)))
     if peak >= 1024.0:
         raise PathNormOverflow(f"the derivative of the l{q:g} path-norm by param '{p.name}' reaches about "
