@@ -207,6 +207,7 @@ case("alpha_dropout fn", C2, lambda m, a: F.alpha_dropout(a, 0.5, m.training))
 case("feature_alpha_dropout fn", C2, lambda m, a: F.feature_alpha_dropout(a, 0.5, m.training))
 case("identity methods", C2, lambda m, a: a.transpose(2, 3).contiguous().clone().detach())
 case("detach_", C2, lambda m, a: (a * 1.0).detach_())
+case("copy_", C2, lambda m, a, b: (a * 1.0).copy_(b) + (b * 2.0).copy_(a[:, :1].clone()))
 case("dropout modules", C2, lambda m, a: m.i(m.d2(m.d1(m.d(a).flatten(2)).unflatten(2, (6, 6)))),
      lambda: {"d": nn.Dropout(0.3), "d1": nn.Dropout1d(0.3), "d2": nn.Dropout2d(0.3), "i": nn.Identity()})
 case("alpha_dropout module", C2, lambda m, a: m.d(a), lambda: {"d": nn.AlphaDropout(0.3)})

@@ -373,3 +373,43 @@ def test_an_overlapping_write_torch_itself_refuses_is_explained_as_such():
 
     with pytest.raises(pathir.PathirError, match="reads a view of the memory it writes .*torch refuses"):
         pathir.compile(_Writes(shifted_flat, untraceable=False).double(), input_shape=(4,))
+
+
+def _copy_flipped(h):
+    h.copy_(h.flip(-1).clone())
+
+
+def _copy_first_broadcast(h):
+    h.copy_(h[:, :1].clone())
+
+
+def _copy_rolled_into_a_slice(h):
+    h[:, :3].copy_(h[:, 3:].roll(1, -1))
+
+
+@pytest.mark.parametrize("untraceable", [False, True])
+@pytest.mark.parametrize("write", [_copy_flipped, _copy_first_broadcast, _copy_rolled_into_a_slice])
+def test_a_copy_into_an_activation_is_its_source_on_both_paths(write, untraceable):
+    """``h.copy_(src)``: later readers of h read src (broadcast sample by sample); fx refused copy_ as 'outside the
+    ReLU DAG model' where torch.export's functional graph lowered it."""
+    torch.manual_seed(0)
+    model = _Writes(write, untraceable).double()
+    cm = assert_forward(model, (4,), tol=1e-12)
+    for q in (1.0, 2.0):
+        assert cm.path_norm(q) ** q == pytest.approx(path_norm_q(model, [(4,)], q), rel=1e-10)
+
+
+def test_a_copy_that_broadcasts_across_the_batch_is_refused():
+    """A source of fewer axes per sample would broadcast its batch axis along one of h's own (batch-dependent)."""
+    class Lower(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 12), nn.Linear(12, 2)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x)).view(-1, 2, 6)
+            h.copy_(h[:, 0].clone())
+            return self.b(h.flatten(1))
+
+    with pytest.raises(UnsupportedOperation, match="only a value of the same rank broadcasts"):
+        pathir.compile(Lower().double(), input_shape=(3,), self_check=False)

@@ -29,6 +29,10 @@ class Adjacency(nn.Module):
             h = self.A @ h
         elif self.form == "transposed in forward":
             h = (h.transpose(1, 2) @ self.A.T.contiguous()).transpose(1, 2)
+        elif self.form == "eye of x's dtype":  # fx records the call (it reads a proxy's dtype): made at run time
+            h = F.linear(h, torch.eye(4, dtype=x.dtype) * 0.5)
+        elif self.form == "matmul by eye of x's dtype":
+            h = torch.matmul(h, 0.5 * torch.eye(4, dtype=x.dtype, device=x.device))
         else:  # a constant made in forward, read as a linear layer's weight
             h = F.linear(h, torch.eye(4, dtype=torch.float64) * 0.5)
         return self.out(torch.relu(h))
@@ -47,10 +51,12 @@ def _l1_path_norm(net):
 
 
 @pytest.mark.parametrize("path", ["fx", "export"])
-@pytest.mark.parametrize("form", ["left", "transposed in forward", "eye in forward"])
+@pytest.mark.parametrize("form", ["left", "transposed in forward", "eye in forward", "eye of x's dtype",
+                                  "matmul by eye of x's dtype"])
 def test_a_fixed_matrix_met_in_forward_is_a_fixed_map(form, path):
     """A @ h was refused as 'outside the ReLU DAG model'; a buffer's transpose made in forward was read as a
-    learnable 'parameter _tensor_constant0', rescaled by PathCond, whose write then failed ('not found in the model')."""
+    learnable 'parameter _tensor_constant0', rescaled by PathCond, whose write then failed ('not found in the model');
+    torch.eye(4, dtype=x.dtype) (made as fx runs, not while it traces) crashed F.linear and was refused by @."""
     torch.manual_seed(0)
     net = Adjacency(form).double()
     if path == "export":  # an instance forward is read through torch.export

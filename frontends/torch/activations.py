@@ -24,7 +24,7 @@ from pathir.frontends.torch.clipped import WRITABLE, ClipSite, module_threshold
 from pathir.frontends.torch.why import refuse
 from pathir.ir import NodeKind, Role, SourceRef
 
-__all__ = ["relu", "relu_module", "leaky_relu", "leaky_relu_module", "clamp", "clamp_min", "threshold",
+__all__ = ["copy_", "relu", "relu_module", "leaky_relu", "leaky_relu_module", "clamp", "clamp_min", "threshold",
            "threshold_module", "hardtanh", "hardtanh_module", "relu6", "clipped_relu_module", "minimum", "same",
            "same_module"]
 
@@ -225,3 +225,19 @@ def same(low, input, *args, **kwargs):
 
 def same_module(low, mod, input, *args, **kwargs):
     return input
+
+
+def copy_(low, input, src, non_blocking=False):
+    """``h.copy_(src)``: h holds src from then on (its later readers read src: the capture's alias plan),
+    broadcast to h's shape as torch broadcasts it (an element move); a constant written over an activation is
+    refused."""
+    if not isinstance(src, Value):
+        low.unsupported("copy_ writes a constant over an activation: no input reaches the values it leaves")
+    src, shape = low.value(src), tuple(low.value(input).shape)
+    if tuple(src.shape) == shape:
+        return src
+    if len(src.shape) != len(shape) or any(a not in (1, b) for a, b in zip(src.shape, shape)):
+        # (of another rank, the value's batch axis would broadcast along one of h's own)
+        low.unsupported(f"copy_ of a value of shape {list(src.shape)} into one of shape {list(shape)} (per sample): "
+                        "only a value of the same rank broadcasts sample by sample")
+    return low.index_op(lambda x: x.expand(x.shape[0], *shape), [src])[0][0]

@@ -164,9 +164,9 @@ class FxInterpreter:
         if node.op == "call_module":
             return self._module(_get(self.model, node.target), node.target, args, kwargs)
         if node.op == "call_function":
-            return self._function(node.target, args, kwargs)
+            return _made_here(node, self._function(node.target, args, kwargs), args, kwargs)
         if node.op == "call_method":
-            return self._method(node.target, args, kwargs)
+            return _made_here(node, self._method(node.target, args, kwargs), args, kwargs)
         low.unsupported(f"fx op {node.op}")
 
     def _input(self, node, shapes):
@@ -246,8 +246,9 @@ class FxInterpreter:
                 return transposed(low, args[0], args[1])
             if args and isinstance(args[0], ParamTensor) and is_transpose(fn):
                 return transposed(low, args[0], getattr(fn, "__name__", str(fn)), *args[1:], **kwargs)
+            args, kwargs = _read_made_here(args, kwargs)
             refuse_params(low, getattr(fn, "__name__", str(fn)), args, kwargs)
-            return fn(*args, **kwargs)  # shape arithmetic on concrete sizes
+            return fn(*args, **kwargs)  # shape arithmetic on concrete sizes, constants made in the forward
         if isinstance(fn, type) and issubclass(fn, tuple) and hasattr(fn, "_fields"):
             return fn(*args, **kwargs)  # a namedtuple of results (GoogLeNetOutputs): read by the output
         if fn is operator.getitem and isinstance(args[0], tuple) and isinstance(args[1], int):
@@ -259,6 +260,9 @@ class FxInterpreter:
         if isinstance(self_, (BatchStacked, NegInfPadded)):  # read by the method's rule, or refused there
             return self._call(name, name, args, kwargs)
         if not isinstance(self_, Value):
+            if isinstance(self_, MadeHere) and not values_in(args, kwargs):
+                args, kwargs = _read_made_here(args, kwargs)
+                self_ = args[0]
             if isinstance(self_, ParamTensor):
                 if values_in(args, kwargs) and rule_for(name) is not None:  # self.buf * x: fx calls the buffer's method
                     return self._call(name, name, args, kwargs)
@@ -284,6 +288,34 @@ def _refuse_read_indices(low, node, args, kwargs) -> None:
     if read is not None:
         low.unsupported(f"reads the indices the {read.op} returns: which element is largest depends on the "
                         "input, no fixed map (only its values are lowered)")
+
+
+class MadeHere(ParamTensor):
+    """A float tensor the forward made from constants alone (``torch.eye(4, dtype=x.dtype)``: fx records the call,
+    as it reads x's dtype), read as fx's own tensor constant (``torch.eye(4)``, made while tracing) is: a fixed
+    matrix, kernel or factor. Unlike a buffer it may be computed with (``0.5 * torch.eye(4, dtype=x.dtype)``):
+    nothing a write-back or a live re-read could change reaches it."""
+
+
+def _made_here(node, value, args, kwargs):
+    """``value``, as a :class:`MadeHere` named after the node where it is such a tensor."""
+    if (isinstance(value, torch.Tensor) and value.is_floating_point() and not value.requires_grad
+            and not isinstance(value, nn.Parameter) and not values_in(args, kwargs)):
+        return MadeHere(f"{node.name} (made in the forward)", value, "buffer")
+    return value
+
+
+def _read_made_here(args, kwargs):
+    """args and kwargs with every :class:`MadeHere` replaced by its tensor."""
+    def read(a):
+        if isinstance(a, MadeHere):
+            return a.read()
+        if isinstance(a, (list, tuple)) and not hasattr(a, "_fields"):
+            return type(a)(read(x) for x in a)
+        if isinstance(a, dict):
+            return {k: read(x) for k, x in a.items()}
+        return a
+    return read(args), read(kwargs)
 
 
 def low_input_count(low, takes: int, given: int):

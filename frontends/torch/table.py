@@ -107,6 +107,7 @@ RULES: dict = {
             "clone", "detach", "detach_", aten.clone.default, aten.alias.default, aten.detach.default, aten.detach_.default,
             aten.contiguous.default, aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default,
             aten.feature_alpha_dropout.default, aten.lift_fresh_copy.default),
+    **_rows(act.copy_, "copy_"),
     **_rows(act.same_module, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
             nn.FeatureAlphaDropout, nn.Identity),
     **_rows(cs.float_, "float"), **_rows(cs.double, "double"), **_rows(cs.half, "half"),
