@@ -108,3 +108,15 @@ def test_a_parameter_made_under_inference_mode_after_compile_is_refused():
     net[0].weight = nn.Parameter(w, requires_grad=False)
     with pytest.raises(ModelChanged, match="inference_mode"):
         cm.path_norm(1)
+
+
+def test_a_parameter_swapped_for_a_meta_tensor_after_compile_is_refused():
+    """Its re-read raised torch's own NotImplementedError ('Cannot copy out of meta tensor')."""
+    net = _net()
+    cm = pathir.compile(net, input_shape=(3,))
+    before = {k: v.clone() for k, v in net.state_dict().items() if k != "0.weight"}
+    net[0].weight = nn.Parameter(torch.empty_like(net[0].weight, device="meta"))
+    for call in (lambda: cm.path_norm(1), cm.pathcond):
+        with pytest.raises(ModelChanged, match="meta device"):
+            call()
+    assert all(torch.equal(v, net.state_dict()[k]) for k, v in before.items())

@@ -133,6 +133,8 @@ class ModelWatch:
             if name in swapped and t.is_inference():  # no version counter: its later edits would go unseen
                 return (f"'{name}' is now a tensor made under torch.inference_mode(), which keeps no version "
                         "counter: pathir could not see its later edits (make it outside inference_mode)")
+            if name in swapped and t.is_meta:
+                return f"'{name}' is now a tensor on the meta device, which holds no values (materialize it first)"
         return "values"
 
 
