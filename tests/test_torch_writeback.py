@@ -292,3 +292,27 @@ def test_pruning_a_tied_weight_is_refused_untouched():
         pathir.compile(model, input_shape=(3,)).prune(0.5)
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     assert model.a.weight is model.c.weight and not list(model.named_buffers())
+
+
+def test_a_tied_weight_one_of_whose_layers_is_pruned_is_refused_naming_every_holder():
+    """c.weight is b.weight_orig once b is pruned: the message named 'b.weight' and 'b.weight_orig' only."""
+    import torch.nn.utils.prune as prune
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c, self.d = (torch.nn.Linear(5, 6), torch.nn.Linear(6, 6), torch.nn.Linear(6, 6),
+                                              torch.nn.Linear(6, 3))
+            self.c.weight = self.b.weight
+
+        def forward(self, x):
+            return self.d(torch.relu(self.c(torch.relu(self.b(torch.relu(self.a(x)))))))
+
+    torch.manual_seed(0)
+    model = Tied().double()
+    prune.l1_unstructured(model.b, "weight", 0.3)
+    cm = pathir.compile(model, input_shape=(5,))
+    state = _state(model)
+    with pytest.raises(PathirError, match="'b.weight_orig', 'c.weight': tied weights"):
+        cm.pathcond()
+    assert _same_state(model, state)

@@ -156,8 +156,11 @@ class TorchWriter:
                 if id(t) in seen:  # one tensor under two names (tied weights)
                     other, other_new = seen[id(t)]
                     if not torch.allclose(other_new.double(), new_t.double(), rtol=1e-9, atol=0):
-                        raise PathirError(f"tensors '{other}' and '{name}' are one tensor but would be rescaled "
-                                          "differently")
+                        held = [n for n, x in self.model.named_parameters(remove_duplicate=False) if x is t]
+                        raise PathirError(f"tensors '{other}' and '{name}' are one tensor (the model holds it as "
+                                          f"{', '.join(repr(n) for n in held) or 'a buffer'}: tied weights) but "
+                                          "would be rescaled differently: the layers reading it do not share their "
+                                          "units. Untie them (a copy per layer) to rescale; the model is untouched")
                     continue
                 seen[id(t)] = (name, new_t)
                 updates.append((t, new_t, module, attr))
