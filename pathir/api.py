@@ -164,8 +164,8 @@ def equalize(model, input_shape: Sequence[int] | None = None, example_input=None
 def _equalize_with_relus(model, input_shape, example_input, bits, objective, inputs, progress, kwargs):
     """relu6="relu": every clipped ReLU module becomes a ReLU (the function changes; the report says by
     how much on ``inputs``, or on a seeded random batch), then equalize. ``inputs`` take every form
-    ``relu6="clip"`` takes (:func:`pathir.ir.inputs.graph_inputs`). On any error the modules are put back; either way
-    every module keeps its train/eval flag."""
+    ``relu6="clip"`` takes (:func:`pathir.ir.inputs.graph_inputs`). On any error, and with ``write_back=False``, the
+    modules are put back; either way every module keeps its train/eval flag."""
     import torch  # lazy: imports torch
 
     from pathir.frontends.torch.clipped import measure_swap, relu_swap  # lazy: imports torch
@@ -197,7 +197,10 @@ def _equalize_with_relus(model, input_shape, example_input, bits, objective, inp
     except BaseException:
         swap.undo()
         raise
-    report.notes.append(f"relu6='relu': {len(paths)} clipped ReLUs replaced by ReLU; the function changed by "
+    if not kwargs.get("write_back", True):  # nothing written: the clipped ReLUs stay too
+        swap.undo()
+    done = "" if report.written else " for the solve (write_back=False: put back, the model is untouched)"
+    report.notes.append(f"relu6='relu': {len(paths)} clipped ReLUs replaced by ReLU{done}; the function changed by "
                         f"at most {change:.4g} ({rel:.3g} of the largest output) on "
                         f"{'the inputs' if inputs is not None else 'a random batch'}")
     report.relu_change = rel

@@ -409,6 +409,44 @@ def test_relu6_replaced_by_relu_reports_the_change_and_restores_on_error():
         pathir.equalize(nn.Sequential(nn.Linear(4, 2)), input_shape=(4,), relu6="drop")
 
 
+def test_relu6_relu_without_write_back_leaves_the_clipped_relus():
+    """write_back=False wrote no rescaling but left every ReLU6 replaced by a ReLU."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU6(), nn.Linear(8, 2))
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    report = pathir.equalize(net, input_shape=(4,), relu6="relu", write_back=False)
+    assert type(net[1]) is nn.ReLU6 and all(torch.equal(v, net.state_dict()[k]) for k, v in state.items())
+    assert "put back, the model is untouched" in str(report)
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+def test_cli_relu6_relu_writes_the_model_with_relus(json_out, tmp_path, capsys, monkeypatch):
+    (tmp_path / "eq_relu6b.py").write_text(RELU6_FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "eq.pt"
+    code = main(["equalize", "eq_relu6b:net", "--input-shape", "4", "--relu6", "relu", "-o", str(out), "-q",
+                 *(["--json"] if json_out else [])])
+    printed = capsys.readouterr().out
+    assert code == 0
+    if json_out:
+        info = json.loads(printed)
+        assert info["output_format"] == "module" and info["replaced_modules"] == ["1"]
+        assert info["model"] == "eq_relu6b:net"
+    else:
+        assert "replaced by ReLU" in printed
+    import eq_relu6b
+
+    torch.manual_seed(0)  # the CLI builds the factory's model under --seed 0
+    relu = eq_relu6b.net()
+    relu[1] = nn.ReLU()
+    loaded = torch.load(out, weights_only=False)
+    assert type(loaded[1]) is nn.ReLU
+    x = torch.randn(64, 4) * 3
+    with torch.no_grad():
+        want = relu(x)  # the equalized model computes the ReLU model's function
+        torch.testing.assert_close(loaded(x), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
 class _TwoInputs(nn.Module):
     def __init__(self, act):
         super().__init__()

@@ -126,10 +126,11 @@ def writable_bias_ref(graph: Graph, node) -> str:
         raise PathirError(f"bias absorption: {where} has no bias to take the absorbed constant; nothing was written")
     if any(r.role is Role.CLIP_THRESHOLD for r in p.sources):
         raise PathirError(f"bias absorption: {where} is the clip of a clipped ReLU (ReLU6, hardtanh, clamp): its "
-                          "threshold would have to move with the absorbed constant, which is not written. "
-                          "pathir.equalize(..., relu6='relu') replaces clipped ReLU modules (nn.ReLU6, nn.Hardtanh(0, "
-                          "t)) by ReLUs first; a functional one in forward (F.relu6, F.hardtanh, clamp) stays: write "
-                          "it as nn.ReLU6 or nn.ReLU, or equalize without absorb_bias. Nothing was written")
+                          "threshold would have to move with the absorbed constant, which is not written. In a torch "
+                          "model, pathir.equalize(..., relu6='relu') (pathir equalize --relu6 relu) replaces clipped "
+                          "ReLU modules (nn.ReLU6, nn.Hardtanh(0, t)) by ReLUs first; a functional one in forward "
+                          "(F.relu6, F.hardtanh, clamp) stays: write it as nn.ReLU6 or nn.ReLU. An ONNX Clip stays: "
+                          "export the model with Relu. Or equalize without absorb_bias. Nothing was written")
     value = [r for r in p.sources if r.role is Role.VALUE]
     scales = {r.name for r in p.sources if r.role is Role.OUT_SCALE}
     others = [r for r in p.sources if r.role not in (Role.VALUE, Role.OUT_SCALE)]

@@ -3,11 +3,26 @@
 Same inputs and outputs as ``pathir pathcond``: a torch model is written as its state_dict (.pt), or
 whole (``torch.save(model)``) where the write-back replaced modules (a ReLU6 made a per-channel
 ``pathir.nn.ClippedReLU``), an ONNX model as an .onnx file; without ``-o`` only the report is printed.
+``--relu6 relu`` replaces a torch model's clipped ReLU modules by ReLUs first (``pathir.equalize(..., relu6="relu")``).
 """
 
 from __future__ import annotations
 
-from .common import add_model_arguments, check_output_path, compile_model, emit_json, is_onnx_spec, model_info, progress
+from types import SimpleNamespace
+
+import pathir
+from pathir.errors import ArgumentError
+
+from .common import (
+    add_model_arguments,
+    check_output_path,
+    compile_model,
+    emit_json,
+    is_onnx_spec,
+    model_info,
+    prepare_model,
+    progress,
+)
 from .pathcond import module_tree, write_output, written_line
 
 HELP = ("rescale a model so that per-tensor quantization of its weights is as fine as possible "
@@ -31,6 +46,10 @@ def add_arguments(parser):
     parser.add_argument("--absorb-bias", action="store_true",
                         help="then absorb batch-norm biases into the next layers (DFQ bias absorption; not exact: "
                              "the report gives the output change on a seeded random batch)")
+    parser.add_argument("--relu6", default="clip", choices=["clip", "relu"],
+                        help="clip: clipped ReLUs kept exact, a moved one written as a per-channel clip (default); "
+                             "relu: each clipped ReLU module of a torch model replaced by a ReLU first, as AIMET and "
+                             "Quark do (the function changes: the report says by how much)")
     parser.add_argument("--max-log-scale", type=float, default=None,
                         help="bound on every |z_h| (inf: none); default: the largest the model's dtype holds")
 
@@ -38,15 +57,24 @@ def add_arguments(parser):
 def run(args) -> int:
     if args.output is not None:
         check_output_path(args.output, is_onnx_spec(args.model), (args.model, getattr(args, "weights", None)))
-    cm = compile_model(args)
-    tree = module_tree(cm.model)
-    report = cm.equalize(bits=args.bits, objective=args.objective, write_back=args.output is not None,
-                         max_log_scale=args.max_log_scale, progress=progress(args),
-                         certify=True if args.certify else None,
-                         absorb_bias=args.absorb_bias)
-    written = write_output(cm, args, tree)
+    if args.relu6 == "relu" and is_onnx_spec(args.model):
+        raise ArgumentError("--relu6 relu replaces clipped ReLU modules of a torch model; an ONNX Clip stays a clip "
+                            "(re-export the model with Relu to quantize it so)")
+    options = dict(bits=args.bits, objective=args.objective, write_back=args.output is not None,
+                   max_log_scale=args.max_log_scale, progress=progress(args), certify=True if args.certify else None,
+                   absorb_bias=args.absorb_bias)
+    if args.relu6 == "relu":  # the swap comes before compile: pathir.equalize's one-call form
+        model, name, shape = prepare_model(args)
+        tree = module_tree(model)
+        report = pathir.equalize(model, input_shape=shape, relu6="relu", backend=args.backend, **options)
+        report.name, source = name, SimpleNamespace(model=model)
+    else:
+        source = compile_model(args)
+        tree = module_tree(source.model)
+        report = source.equalize(**options)
+    written = write_output(source, args, tree)
     if args.json:
-        emit_json({"model": cm.name, **model_info(args), "output": args.output, **written, **report.to_dict()})
+        emit_json({"model": report.name, **model_info(args), "output": args.output, **written, **report.to_dict()})
     else:
         print(report)
         if args.output is not None:
