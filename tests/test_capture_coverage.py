@@ -571,6 +571,29 @@ def test_feature_alpha_dropout_fixed_in_training_is_refused_on_both_paths(wrap):
         pathir.compile(wrap(_Call(lambda h: F.feature_alpha_dropout(h, 0.5, training=True))), input_shape=(4,))
 
 
+_DRAWS = {
+    "randn of x's dtype": lambda h: h @ torch.randn(6, 6, dtype=h.dtype),
+    "rand factor": lambda h: h * torch.rand(6, dtype=h.dtype),
+    "normal_ in place": lambda h: h @ torch.zeros(6, 6, dtype=h.dtype).normal_(),
+    "bernoulli mask": lambda h: h * torch.bernoulli(torch.full((6,), 0.5, dtype=h.dtype)),
+    "randperm channels": lambda h: h[:, torch.randperm(6)],
+    "randn made while fx traces": lambda h: h @ torch.randn(6, 6).to(torch.float64),
+    "dropout of a constant in training": lambda h: h @ F.dropout(torch.ones(6, 6), 0.5, True).to(torch.float64),
+}
+
+
+@pytest.mark.parametrize("wrap", [lambda m: m, Untraceable], ids=["fx", "export"])
+@pytest.mark.parametrize("draw", list(_DRAWS))
+def test_a_tensor_drawn_from_the_random_generator_is_refused_on_both_paths(draw, wrap):
+    """Each compiled with self_check=False as one fixed draw (the self-check alone caught the model moving):
+    fx kept a draw made on constants as a traced constant, or lowered the one it made as a fixed tensor."""
+    model = wrap(_Call(_DRAWS[draw])).double()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedOperation, match="is random"):
+        pathir.compile(model, input_shape=(4,), self_check=False)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+
+
 @pytest.mark.parametrize("wrap", [lambda m: m, Untraceable], ids=["fx", "export"])
 def test_dropout3d_and_feature_alpha_dropout_in_eval_are_the_identity(wrap):
     for op, shape in ((nn.Dropout3d(0.3), (2, 3, 1, 1)), (nn.FeatureAlphaDropout(0.3), (4,))):

@@ -43,6 +43,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pathir.errors import UnsupportedOperation
 from pathir.frontends.core.values import Value
@@ -191,7 +192,21 @@ def trace(model: nn.Module, n_inputs: int | None = None) -> torch.fx.Graph:
     if replaced is not None:
         raise torch.fx.proxy.TraceError(f"the forward of {replaced} is set on the instance: torch.fx traces "
                                         "the class's forward there")
-    return tracer.trace(model, concrete_args=_defaults(model, n_inputs))
+    with _NoDraws():
+        return tracer.trace(model, concrete_args=_defaults(model, n_inputs))
+
+
+class _NoDraws(TorchDispatchMode):
+    """Refuses an op drawing from torch's random generator while fx traces: one on concrete tensors only
+    (``torch.randn(4, 4)`` in forward, no proxy in its arguments), which fx runs once and keeps as a constant,
+    where the model draws again at every call."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            name = str(func).replace("aten::", "")
+            raise UnsupportedOperation(name, name, "", _DRAWS + ". fx ran it once while tracing and would keep "
+                                       "that one draw as a constant")
+        return func(*args, **(kwargs or {}))
 
 
 def root_wrapped(model: nn.Module) -> tuple[nn.Module, str]:
@@ -574,8 +589,20 @@ _NO_STATS = ("normalizes with batch statistics: a batch-norm without running sta
              "(track_running_stats=False) is input-dependent")
 
 
+#: torch's functions and tensor methods that draw from its random generator (ATen's carry a tag)
+_RANDOM_FUNCTIONS = frozenset({torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like,
+                               torch.randint_like, torch.randperm, torch.bernoulli, torch.normal, torch.multinomial,
+                               torch.poisson})
+_RANDOM_METHODS = frozenset({"normal_", "uniform_", "bernoulli_", "bernoulli", "random_", "exponential_",
+                             "geometric_", "log_normal_", "cauchy_", "multinomial"})
+_DRAWS = ("is random: it draws from torch's random generator, so the model computes another function at every "
+          "call (make the tensor once, outside forward, and register it as a buffer)")
+
+
 def _fixed_mode(node) -> str | None:
     """The reason a call with a mode fixed in the code is refused, or None."""
+    if node.op == "call_method":
+        return _DRAWS if node.target in _RANDOM_METHODS else None
     if node.op != "call_function":
         return None
     fn, args, kwargs = node.target, node.args, node.kwargs
@@ -599,6 +626,8 @@ def _fixed_mode(node) -> str | None:
         return _batch_stats(args[3] if len(args) > 3 else kwargs.get("running_mean"), training)
     if fn in (F.instance_norm, torch.instance_norm):
         return "normalizes with per-sample statistics: input-dependent"
+    if fn in _RANDOM_FUNCTIONS or torch.Tag.nondeterministic_seeded in getattr(fn, "tags", ()):
+        return _DRAWS
     return None
 
 
