@@ -87,6 +87,25 @@ def test_torchvision_state_dict_round_trip(tmp_path, capsys, monkeypatch):
     assert json.loads(out)["log10_path_norms"] == want["log10_path_norms"]
 
 
+def test_a_checkpoint_without_batchnorm_step_counters_loads_as_torch_loads_it(tmp_path, capsys, monkeypatch):
+    """Older checkpoints hold no num_batches_tracked; torch's strict load takes them (counted from 0), pathir
+    refused them as missing keys."""
+    torchvision = pytest.importorskip("torchvision")
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(1)
+    full = torchvision.models.resnet18().eval()
+    with torch.no_grad():
+        for m in full.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_var.uniform_(0.5, 2.0)
+    state = {k: v for k, v in full.state_dict().items() if not k.endswith("num_batches_tracked")}
+    torch.save(state, tmp_path / "old.pt")
+    code, out, err = _run(capsys, "summary", "resnet18", "--input-shape", "3,32,32", "--weights", "old.pt", "--json")
+    assert code == 0, err
+    want = pathir.compile(full, input_shape=(3, 32, 32)).summary().to_dict()
+    assert json.loads(out)["log10_path_norms"] == want["log10_path_norms"]
+
+
 def test_mismatched_weights_are_refused_naming_the_keys(factory, tmp_path, capsys):
     state = _trained(factory).state_dict()
     state["extra.weight"] = torch.zeros(1)

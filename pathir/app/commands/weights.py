@@ -66,6 +66,8 @@ def load_weights(model, path: str, trust_pickle: bool = False) -> None:
     if all(k.startswith("module.") for k in state) and not any(k.startswith("module.") for k in expected):
         state = {k[len("module."):]: v for k, v in state.items()}
     missing, unexpected = set(expected) - set(state), set(state) - set(expected)
+    # a batch-norm loads a state_dict without its step counter (older checkpoints) as torch does: counted from 0
+    missing = {k for k in missing if not (k.endswith(".num_batches_tracked") or k == "num_batches_tracked")}
     if missing or unexpected:
         parts = [f"missing keys: {_names(missing)}" if missing else "",
                  f"unexpected keys: {_names(unexpected)}" if unexpected else ""]
@@ -74,4 +76,7 @@ def load_weights(model, path: str, trust_pickle: bool = False) -> None:
              if tuple(v.shape) != tuple(expected[k].shape)]
     if wrong:
         raise WeightsError(f"{path} does not fit {type(model).__name__}: shapes differ for {_names(wrong, 4)}")
-    model.load_state_dict(state, strict=True)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as err:  # (a step counter the checkpoint's own version says it should hold)
+        raise WeightsError(f"{path} does not fit {type(model).__name__}: {err}") from None
