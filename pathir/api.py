@@ -199,9 +199,9 @@ def _equalize_with_relus(model, input_shape, example_input, bits, objective, inp
         raise
     if not kwargs.get("write_back", True):  # nothing written: the clipped ReLUs stay too
         swap.undo()
+    on = "the inputs" if inputs is not None else "a seeded batch of 8 N(0, 1) inputs only (inputs= measures on yours)"
     done = "" if report.written else " for the solve (write_back=False: put back, the model is untouched)"
     report.notes.append(f"relu6='relu': {len(paths)} clipped ReLUs replaced by ReLU{done}; the function changed by "
-                        f"at most {change:.4g} ({rel:.3g} of the largest output) on "
-                        f"{'the inputs' if inputs is not None else 'a random batch'}")
+                        f"at most {change:.4g} ({rel:.3g} of the largest output) on {on}")
     report.relu_change = rel
     return report

@@ -85,8 +85,10 @@ def written_line(args, written: dict) -> str:
     if written["output_format"] != "module":
         return f"written to {args.output}"
     where = ", ".join(f"'{p}'" for p in written["replaced_modules"])
+    made = ("each clipped ReLU made a ReLU: --relu6 relu" if getattr(args, "relu6", "clip") == "relu"
+            else "a clipped ReLU made a per-channel pathir.nn.ClippedReLU")
     return (f"written to {args.output} as the whole model (torch.save(model)), not as a state_dict: the write-back "
-            f"replaced the module(s) at {where} (a clipped ReLU made a per-channel pathir.nn.ClippedReLU), which a "
+            f"replaced the module(s) at {where} ({made}), which a "
             f"fresh instance lacks; load it with torch.load({args.output!r}, weights_only=False) (this unpickles "
             "code: the model's own module and pathir must be importable)")
 
