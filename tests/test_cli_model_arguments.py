@@ -126,6 +126,11 @@ def test_a_pickled_module_needs_trust_pickle(factory, tmp_path, capsys):
     torch.save(model, tmp_path / "whole.pt")
     code, _, err = _run(capsys, "summary", "cli_weights_models:small", *SHAPE, "--weights", "whole.pt")
     assert code == 2 and "--trust-pickle" in err and err.count("\n") == 1
+    assert "Sequential" in err and "\x1b" not in err  # the class it pickles named; torch's terminal escapes not
+    (tmp_path / "junk.pt").write_text("not a torch file")
+    for extra in ((), ("--trust-pickle",)):  # not a pickle at all: --trust-pickle is no way out, nor offered
+        code, _, err = _run(capsys, "summary", "cli_weights_models:small", *SHAPE, "--weights", "junk.pt", *extra)
+        assert code == 2 and "as a file torch.save wrote" in err and "--trust-pickle" not in err
     code, out, err = _run(capsys, "summary", "cli_weights_models:small", *SHAPE, "--weights", "whole.pt",
                           "--trust-pickle", "--json")
     assert code == 0, err

@@ -12,6 +12,7 @@ without that prefix. Missing or unexpected keys and shape mismatches raise
 from __future__ import annotations
 
 import os
+import re
 
 from pathir.errors import ArgumentError, MissingFile, PathirError
 
@@ -28,6 +29,19 @@ def _names(keys, limit: int = 6) -> str:
     return ", ".join(keys[:limit]) + more
 
 
+def _unreadable(path: str, message: str, trust_pickle: bool) -> str:
+    """Why torch.load could not read ``path``, from its error ``message``: a pickled object beyond tensors
+    (its class named, --trust-pickle offered), or not a file torch.save wrote."""
+    pickled = re.search(r"Unsupported global: GLOBAL (\S+)", message)
+    if pickled and not trust_pickle:
+        return (f"{path} pickles objects beyond tensors (the first: {pickled.group(1)}); if it is a model from a "
+                "source you trust, --trust-pickle loads it (unpickling runs code)")
+    reason = re.sub(r"\x1b\[[0-9;]*m", "", message).strip()
+    unpickler = re.search(r"WeightsUnpickler error:\s*(.+)", reason)
+    reason = unpickler.group(1).strip().splitlines()[0] if unpickler else (reason.splitlines() or [""])[0]
+    return f"cannot read {path} as a file torch.save wrote ({reason})" if reason else ""
+
+
 def read_state_dict(path: str, trust_pickle: bool = False) -> dict:
     """The state_dict held by the file at ``path`` (see the module docstring)."""
     import torch
@@ -39,10 +53,8 @@ def read_state_dict(path: str, trust_pickle: bool = False) -> dict:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except Exception as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        hint = "" if trust_pickle else ("; if it is a pickled model from a source you trust, --trust-pickle loads it "
-                                         "(unpickling runs code)")
-        raise WeightsError(f"cannot read {path} as torch weights ({first}){hint}") from None
+        raise WeightsError(_unreadable(path, str(err), trust_pickle) or f"cannot read {path} as torch weights "
+                           f"({type(err).__name__})") from None
     if isinstance(obj, torch.nn.Module):
         return obj.state_dict()
     if isinstance(obj, dict):
