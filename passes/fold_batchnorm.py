@@ -38,9 +38,9 @@ def _out_scale_refs(scale: Param) -> tuple[SourceRef, ...]:
     return tuple(r for r in scale.sources if r.role is Role.OUT_SCALE)
 
 
-def _scaled_weight(w: Param, s: np.ndarray, refs, arrays, in_place: bool) -> Param:
-    """W * s[out channel] as a new Param: into W's own memory where ``in_place`` (the caller owns it
-    alone), else into a fresh or pooled array."""
+def _scaled_weight(w: Param, s: np.ndarray, refs, arrays, in_place: bool, scale_how: str = "") -> Param:
+    """W * s[out channel] as a new Param (``scale_how``: how s is made, for its ``how``): into W's own memory
+    where ``in_place`` (the caller owns it alone), else into a fresh or pooled array."""
     if in_place:
         try:
             w.value.setflags(write=True)  # the value dies with this graph; its memory becomes the new one's
@@ -50,7 +50,7 @@ def _scaled_weight(w: Param, s: np.ndarray, refs, arrays, in_place: bool) -> Par
     out = rows if in_place else None if arrays is None else arrays.empty(rows.shape)
     value = np.multiply(rows, s.reshape(-1, 1), out=out).reshape(w.shape)
     sources = tuple(r for r in w.sources if r.role is not Role.OUT_SCALE) + refs
-    how = (w.how or w.name) + f" * {refs[0].name if refs else 'scale'}/sigma"
+    how = (w.how or w.name) + f" * ({scale_how or (refs[0].name if refs else 'scale') + '/sigma'})"
     return Param.adopt(w.name, value, sources, how)  # value is a fresh array: no copy
 
 
@@ -77,7 +77,8 @@ def fold_batchnorm(graph: Graph, arrays=None, in_place: bool = False) -> Graph:
                 continue
             s, refs = e.map.W.value, _out_scale_refs(e.map.W)
             for ue in u.edges:
-                new_edges.append(Edge(ue.source, replace(ue.map, W=_scaled_weight(ue.map.W, s, refs, arrays, ue.map.W.name in sole))))
+                W = _scaled_weight(ue.map.W, s, refs, arrays, ue.map.W.name in sole, e.map.W.how)
+                new_edges.append(Edge(ue.source, replace(ue.map, W=W)))
             if u.bias is not None:
                 folded = s * u.bias.value
                 if bias is None:

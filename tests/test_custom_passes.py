@@ -280,5 +280,5 @@ def test_a_pass_that_cleans_one_nan_and_writes_another_is_named_and_unverified_o
             run_passes(given, [clean_but_break])
         assert np.isnan(run_passes(given, [spoil]).params()[0].value).all()  # the NaN it was given: not the pass's
         cm = pathir.compile(GraphBuilderMLP()).apply(spoil, check=False)
-    with pytest.raises(pathir.PathirError, match=r"fix the model's weights, or the pass that wrote them \('spoil'"):
+    with pytest.raises(pathir.PathirError, match=r"fix the model's tensors, or the pass that wrote them \('spoil'"):
         cm.path_norm(1)

@@ -49,6 +49,16 @@ def test_a_torch_model_with_a_nan_bias_is_refused_at_compile_and_after_a_live_ed
         pathir.compile(net, input_shape=(3,))
 
 
+def test_a_nan_batchnorm_statistic_folded_into_a_weight_is_named():
+    """The message named the folded weight '0.weight' only ("fix the model's weights"); its recipe names the
+    batch-norm's running variance."""
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU()).eval()
+    with torch.no_grad():
+        net[1].running_var[2] = float("nan")
+    with pytest.raises(PathirError, match=r"param '0.weight' \(made as 0.weight \* \(1.weight / sqrt\(1.running_var"):
+        pathir.compile(net, input_shape=(3, 6, 6))
+
+
 def test_a_shape_of_booleans_fails_verification():
     from pathir.ir import Graph, Node, NodeKind, verify
 

@@ -213,8 +213,8 @@ def input_shapes(src: Source, input_shape=None) -> tuple[dict[str, tuple[int, ..
         else:
             if not all(isinstance(d, int) and d > 0 for d in dims[1:]):
                 raise OnnxModelError(
-                    f"input '{vi.name}' of '{src.name}' has a dynamic size {_show(dims)}: pass "
-                    f"input_shape=(...) with its {len(dims) - 1} sizes after the batch axis"
+                    f"input '{vi.name}' of '{src.name}' has a dynamic size {_show(dims)}: pass input_shape=(...) "
+                    f"(on the command line --input-shape) with its {len(dims) - 1} sizes after the batch axis"
                 )
             shapes[vi.name] = tuple(int(d) for d in dims[1:])
         b = dims[0]

@@ -53,9 +53,10 @@ class GraphFacts:
             bad = ~(magnitude < np.inf)  # NaN or ±inf
             if bad.any():
                 k = int(np.flatnonzero(bad.reshape(-1))[0])
-                raise PathirError(f"param '{p.name}' (from {p.source_name}) has {int(bad.sum())} NaN or infinite "
+                made = f"made as {p.how}" if p.how else f"from {p.source_name}"
+                raise PathirError(f"param '{p.name}' ({made}) has {int(bad.sum())} NaN or infinite "
                                   f"entries (the first: {value.reshape(-1)[k]} at flat index {k}): no path-norm, "
-                                  "rescaling or bound is a number there; fix the model's weights" + (
+                                  "rescaling or bound is a number there; fix the model's tensors" + (
                                       f", or the pass that wrote them ({', '.join(map(repr, passes))} changed the "
                                       "params, unverified)" if passes else ""))
             small = (magnitude < tiny) & (magnitude > 0)
