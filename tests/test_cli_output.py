@@ -156,6 +156,26 @@ def test_an_output_path_that_is_a_folder_is_one_error_line_before_any_work(comma
     assert _files(tmp_path) == ["out.pt"] and not any((tmp_path / "out.pt").iterdir())
 
 
+def test_a_folder_the_file_system_refuses_is_refused_before_any_work(capsys, tmp_path, monkeypatch):
+    """Permission bits pass for root where the file system refuses (a read-only mount, /sys): the write failed
+    after the work, naming pathir's temporary file; a folder without a .pt suffix was named a wrong suffix."""
+    import tempfile
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", kwargs.get("dir"))
+
+    mkstemp = tempfile.mkstemp
+    monkeypatch.setattr(tempfile, "mkstemp", refused)
+    monkeypatch.setattr(pathir, "compile", lambda *a, **k: pytest.fail("compiled before the output path was checked"))
+    code, _, err = _run(capsys, "pathcond", *TINY, "-q", "-o", "out.pt")
+    assert code == 2 and err.strip().splitlines() == [
+        f"pathir pathcond: error: output folder is not writable: {tmp_path} (Permission denied)"]
+    (tmp_path / "outdir").mkdir()
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    code, _, err = _run(capsys, "pathcond", *TINY, "-q", "-o", "outdir")
+    assert code == 2 and "output path is a folder: 'outdir'" in err
+
+
 def test_a_write_that_fails_is_one_error_line(capsys, tmp_path, monkeypatch):
     from pathir.app.commands import common
 

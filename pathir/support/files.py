@@ -36,7 +36,10 @@ def write_atomic(path, write) -> None:
         raise IsADirectoryError(f"'{path}' is a folder: name the file to write")
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"no such folder: '{folder}' (to write '{path}')")
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    except OSError as err:  # named by the file asked for, not the temporary one beside it
+        raise type(err)(err.errno, err.strerror, path) from None
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)

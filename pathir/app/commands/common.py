@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 
 import pathir
 from pathir.errors import ArgumentError, PathirError
@@ -218,15 +219,19 @@ def check_output_path(path: str, onnx_model: bool, inputs=()) -> None:
     wrong suffix, a folder, a missing or read-only folder, or one of ``inputs`` (the model file, the
     --weights file: pathir never writes over what it read)."""
     want = ".onnx" if onnx_model else ".pt"
-    if not path.endswith(want) and not (not onnx_model and path.endswith(".pth")):
-        raise ArgumentError(f"output for {'an ONNX' if onnx_model else 'a torch'} model must be a {want} file, got '{path}'")
     if os.path.isdir(path):
         raise ArgumentError(f"output path is a folder: '{path}' (name the file to write)")
+    if not path.endswith(want) and not (not onnx_model and path.endswith(".pth")):
+        raise ArgumentError(f"output for {'an ONNX' if onnx_model else 'a torch'} model must be a {want} file, got '{path}'")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"output folder does not exist: {folder}")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ArgumentError(f"output folder is not writable: {folder}")
+    try:  # a file made and removed: the permission bits alone pass for root where the file system refuses
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".pathir-probe.")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as err:
+        raise ArgumentError(f"output folder is not writable: {folder} ({err.strerror})") from None
     for source in inputs:
         if source and same_file(path, source):
             raise ArgumentError(f"output '{path}' is the input file '{source}': pathir never writes over what it read; "
