@@ -281,7 +281,7 @@ def _observe_shards(cm, inputs, qs, counts, compare, batch_size, progress, backe
         obs = _walk(cm, local, qs, counts, compare, batch_size, _enabled(progress, grp.rank), backend, len(rows))
         if len(obs) != len(rows):
             raise ArgumentError(f"rank {grp.rank} walked {len(obs)} samples of its shard of {len(rows)}")
-        return rows, n, obs.columns, obs.global_values, _fingerprint(inputs, n)
+        return rows, n, obs.columns, obs.global_values, _fingerprint(inputs, n), _model_fingerprint(cm)
 
     parts = gather_or_raise(run, "pathir.observe")
     _check_agree(parts)
@@ -321,6 +321,17 @@ def _fingerprint(inputs, n: int):
     return tuple(picks)
 
 
+def _model_fingerprint(cm) -> tuple:
+    """Per param, Σθ and Σθ_i·((i mod 13) − 6) in float64: equal on ranks that hold the same model (the same
+    weights give the same sums, bit for bit), apart where one differs in signs or entries its path-norms and
+    path count do not see (a layer negated)."""
+    out = []
+    for p in graph_of(cm).params():
+        v = np.asarray(p.value, dtype=np.float64).reshape(-1)
+        out += [float(v.sum()), float(v @ (np.arange(v.size) % 13 - 6.0))]
+    return tuple(out)
+
+
 def _check_agree(parts) -> None:
     """ArgumentError, on every rank alike, where the ranks were given different data or options: they must
     pass the same inputs (pathir splits them), q, counts, compare and the same model."""
@@ -339,6 +350,9 @@ def _check_agree(parts) -> None:
             if w is None or not (v == w or abs(v - w) <= 1e-9 * max(abs(v), abs(w))):
                 raise ArgumentError(f"pathir.observe: rank 0 and rank {rank} compiled different models ({k}: {v} and "
                                     f"{w}); every rank observes the same model")
+        if ref[5] != p[5]:
+            raise ArgumentError(f"pathir.observe: rank 0 and rank {rank} hold different weights (their params' sums "
+                                "differ); every rank observes the same model")
 
 
 def _local_shard(inputs, grp: Group):
@@ -366,6 +380,11 @@ def _local_shard(inputs, grp: Group):
                                     pin_memory=inputs.pin_memory, timeout=inputs.timeout,
                                     worker_init_fn=inputs.worker_init_fn)
             return loader, np.arange(part.start, part.stop), n
+    if isinstance(inputs, tud.DataLoader) and inputs.batch_size is None:
+        raise ArgumentError(
+            f"pathir.observe under a process group of {grp.size} ranks splits a DataLoader by its samples; one with "
+            "batch_size=None (its data set's items taken as they are) has none to split: give the samples with a "
+            "batch_size, or the array")
     raise ArgumentError(
         f"pathir.observe under a process group of {grp.size} ranks splits an array, a tensor, or a DataLoader "
         f"over a map-style data set read in order (shuffle=False) or with a DistributedSampler; got "

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import pathir
 from pathir.app.cli import main
+from pathir.support.distributed import gather_or_raise
 
 N = 11  # not a multiple of the world size
 BACKEND = "numpy"  # 10x faster than torch on a net this small; "array_torch" runs the torch backend
@@ -92,6 +93,29 @@ def run(out, port2, model_dir):
     results["qs_differ"] = outcome(lambda: pathir.observe(cm, data(), qs=(1,) if rank == 0 else (2,), backend=BACKEND))
     results["batch_size_one_rank"] = outcome(lambda: pathir.observe(cm, data(), batch_size=0 if rank else 4,
                                                                     backend=BACKEND))
+    negated = net()  # rank 1's first layer negated: the same |θ|, path-norms and path count as rank 0's
+    with torch.no_grad():
+        negated[0].weight.mul_(-1.0 if rank else 1.0)
+    results["weights_differ"] = outcome(lambda: pathir.observe(pathir.compile(negated, input_shape=(1, 6, 6)), data(),
+                                                               backend=BACKEND))
+    batches = [torch.tensor(data()[i:i + 3]) for i in range(0, N, 3)]  # a data set whose items are batches
+    results["batch_size_none"] = outcome(lambda: pathir.observe(cm, torch.utils.data.DataLoader(batches, batch_size=None),
+                                                                backend=BACKEND))
+
+    class Unprintable(Exception):
+        def __str__(self):
+            raise RuntimeError("its message cannot be formatted")
+
+    def unprintable():
+        if rank == 1:
+            raise Unprintable()
+        return 0
+
+    try:
+        gather_or_raise(unprintable, "a job")
+        results["unprintable"] = {"error": None}
+    except Exception as err:  # noqa: BLE001 - the test reads it
+        results["unprintable"] = {"error": type(err).__name__, "message": str(err)}
 
     class Interrupted(torch.utils.data.Dataset):
         def __len__(self):

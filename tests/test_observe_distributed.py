@@ -137,6 +137,24 @@ def test_ranks_given_different_data_or_options_all_refuse_alike(ranks):
     assert "rank 1 raised ArgumentError: observe: batch_size" in ranks[0]["batch_size_one_rank"]["message"]
 
 
+def test_a_rank_holding_other_weights_of_the_same_norms_is_refused_on_every_rank(ranks):
+    """Rank 1's first layer negated: the global path-norms and count agree, and each rank's table mixed two models."""
+    for rank in ranks:
+        assert rank["weights_differ"]["error"] == "ArgumentError" and "different weights" in rank["weights_differ"]["message"]
+
+
+def test_a_loader_of_batches_is_refused_naming_batch_size_none(ranks):
+    """It was refused as 'a shuffled loader, an iterable data set or a custom sampler', none of which it is."""
+    for rank in ranks:
+        assert rank["batch_size_none"]["error"] == "RankFailed" and "batch_size=None" in rank["batch_size_none"]["message"]
+
+
+def test_an_error_whose_message_raises_still_reaches_every_rank(ranks):
+    """Its message was formatted inside the gather: that rank left it, the others waited for it there."""
+    assert [r["unprintable"]["error"] for r in ranks] == ["RankFailed", "RankFailed"]
+    assert "rank 1 raised Unprintable (its message could not be formatted)" in ranks[0]["unprintable"]["message"]
+
+
 def test_an_interrupt_on_one_rank_stops_the_others_with_rank_failed(ranks):
     assert ranks[1]["interrupt"]["error"] == "KeyboardInterrupt"  # the rank that read the last sample
     assert ranks[0]["interrupt"]["error"] == "RankFailed" and "KeyboardInterrupt" in ranks[0]["interrupt"]["message"]
