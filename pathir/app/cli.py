@@ -77,5 +77,21 @@ def _silence_stdout() -> None:
         pass
 
 
+def entry() -> None:
+    """The ``pathir`` command: :func:`main`, then exit with its status. A process a launcher started (torchrun sets
+    WORLD_SIZE) leaves once its output is flushed, without the interpreter's teardown, where gloo's threads and
+    torch's were torn down in an order that aborted in C++ ("terminate called without an active exception") about
+    one run in sixteen: torchrun's exit status 1 after the whole table was written."""
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe: its reader is gone
+                pass
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
