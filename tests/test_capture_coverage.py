@@ -594,6 +594,66 @@ def test_a_tensor_drawn_from_the_random_generator_is_refused_on_both_paths(draw,
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
 
 
+class _Recurrent(nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.f, self.layer = nn.Linear(4, 6), layer
+
+    def forward(self, x):
+        h = torch.relu(self.f(x)).unsqueeze(1)
+        return (self.layer(h, h, h) if isinstance(self.layer, nn.MultiheadAttention) else self.layer(h))[0]
+
+
+@pytest.mark.parametrize("layer", [lambda: nn.RNN(6, 6, nonlinearity="relu", batch_first=True),
+                                   lambda: nn.LSTM(6, 6, batch_first=True),
+                                   lambda: nn.MultiheadAttention(6, 2, batch_first=True)], ids=["rnn", "lstm", "attention"])
+def test_an_eval_layer_whose_only_randomness_is_its_dropout_is_not_called_random(layer):
+    """ATen tags rnn_relu, lstm, scaled_dot_product_attention as seeded (their dropout argument): in eval they were
+    refused on the export path as drawing from the random generator, not for what they compute."""
+    model = Untraceable(_Recurrent(layer().eval())).double()
+    with pytest.raises(UnsupportedOperation) as info:
+        pathir.compile(model, input_shape=(4,), self_check=False)
+    assert "random" not in str(info.value)
+
+
+@pytest.mark.parametrize("wrap", [lambda m: m, Untraceable], ids=["fx", "export"])
+@pytest.mark.parametrize("made", [lambda x: torch.full((6,), 2.0, dtype=x.dtype), lambda x: torch.full((6,), 2.0).double()],
+                         ids=["as fx runs", "while fx traces"])
+def test_a_non_zero_bias_made_in_the_forward_is_refused_at_compile(made, wrap):
+    """Compiled, its every rescaling then failed at write-back: 'source tensor ... not found in the model'."""
+    class MadeBias(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f, self.g = nn.Linear(4, 6), nn.Linear(6, 2)
+
+        def forward(self, x):
+            return self.g(torch.relu(F.linear(x, self.f.weight, made(x))))
+
+    with pytest.raises(UnsupportedOperation, match="fixed non-zero bias no parameter carries"):
+        pathir.compile(wrap(MadeBias()).double(), input_shape=(4,), self_check=False)
+
+
+@pytest.mark.parametrize("wrap", [lambda m: m, Untraceable], ids=["fx", "export"])
+def test_a_zero_bias_made_in_the_forward_is_no_bias(wrap):
+    class ZeroBias(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f, self.g = nn.Linear(4, 6), nn.Linear(6, 2)
+
+        def forward(self, x):
+            return self.g(torch.relu(F.linear(x, self.f.weight, torch.zeros(6, dtype=x.dtype))))
+
+    model = wrap(ZeroBias()).double()
+    cm = assert_forward(model, (4,))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    cm.pathcond()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    model.load_state_dict(state)
+    y = model(x)
+    pathir.compile(model, input_shape=(4,)).pathcond()
+    torch.testing.assert_close(model(x), y, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("wrap", [lambda m: m, Untraceable], ids=["fx", "export"])
 def test_dropout3d_and_feature_alpha_dropout_in_eval_are_the_identity(wrap):
     for op, shape in ((nn.Dropout3d(0.3), (2, 3, 1, 1)), (nn.FeatureAlphaDropout(0.3), (4,))):

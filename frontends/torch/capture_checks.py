@@ -202,7 +202,7 @@ class _NoDraws(TorchDispatchMode):
     where the model draws again at every call."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+        if draws(func):
             name = str(func).replace("aten::", "")
             raise UnsupportedOperation(name, name, "", _DRAWS + ". fx ran it once while tracing and would keep "
                                        "that one draw as a constant")
@@ -595,8 +595,19 @@ _RANDOM_FUNCTIONS = frozenset({torch.rand, torch.randn, torch.randint, torch.ran
                                torch.poisson})
 _RANDOM_METHODS = frozenset({"normal_", "uniform_", "bernoulli_", "bernoulli", "random_", "exponential_",
                              "geometric_", "log_normal_", "cauchy_", "multinomial"})
-_DRAWS = ("is random: it draws from torch's random generator, so the model computes another function at every "
-          "call (make the tensor once, outside forward, and register it as a buffer)")
+_DRAWS = ("is random: it draws from a random generator, which pathir does not lower (with torch's global one the "
+          "model computes another function at every call); make the tensor once, outside forward, and register it "
+          "as a buffer")
+#: the arguments of an ATen op whose seeded randomness is a dropout it may switch off (an RNN's, attention's): such
+#: an op is read by its own rule, which refuses it for what it computes
+_DROPOUT_ARGUMENTS = frozenset({"dropout", "dropout_p", "train", "training"})
+
+
+def draws(op) -> bool:
+    """Whether the ATen ``op`` draws from a random generator whatever its arguments (tagged seeded, no dropout)."""
+    schema = getattr(op, "_schema", None)
+    return (torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()) and schema is not None
+            and not any(a.name in _DROPOUT_ARGUMENTS for a in schema.arguments))
 
 
 def _fixed_mode(node) -> str | None:
@@ -626,7 +637,7 @@ def _fixed_mode(node) -> str | None:
         return _batch_stats(args[3] if len(args) > 3 else kwargs.get("running_mean"), training)
     if fn in (F.instance_norm, torch.instance_norm):
         return "normalizes with per-sample statistics: input-dependent"
-    if fn in _RANDOM_FUNCTIONS or torch.Tag.nondeterministic_seeded in getattr(fn, "tags", ()):
+    if fn in _RANDOM_FUNCTIONS or draws(fn):
         return _DRAWS
     return None
 

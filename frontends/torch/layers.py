@@ -27,12 +27,25 @@ def _param(mod, path: str, attr: str):
     return None if t is None else ParamTensor(f"{path}.{attr}", t)
 
 
+def _bias(low, bias):
+    """``bias``, or None for zeros made in the forward (``torch.zeros(n)``: nothing added); any other tensor made
+    in the forward (no parameter or buffer of the model: a rescaling of the layer's units could not be written
+    into it) is refused as the fixed bias it is."""
+    if not isinstance(bias, ParamTensor) or low.is_registered(bias):
+        return bias
+    if not bool(torch.any(bias.tensor != 0)):
+        return None
+    low.unsupported(f"the bias '{bias.name}' is a tensor made in the forward, not a parameter or buffer of the model: "
+                    "a fixed non-zero bias no parameter carries (register it: nn.Parameter, or a buffer)")
+
+
 @reads_transposed
 def linear(low, input, weight, bias=None):
     """A linear layer (its weight read as stored, or transposed: ``F.linear(x, W.t())``); with a buffer matrix,
     a fixed map (the buffer is never rescaled)."""
     if isinstance(bias, ParamTensor) and bias.transposed:
         low.unsupported(transposed_param(bias, "a linear layer's bias"))
+    bias = _bias(low, bias)
     if isinstance(weight, ParamTensor) and low.is_buffer(weight):
         return fixed_linear(low, input, replace(weight, transposed=False), bias, transposed=weight.transposed)
     return low.linear(input, weight, bias)
@@ -45,6 +58,7 @@ def linear_module(low, mod, input):
 
 def conv(low, input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     """A convolution; with a buffer kernel, a fixed filter."""
+    bias = _bias(low, bias)
     if low.is_buffer(weight):
         return fixed_conv(low, input, weight, bias, stride, padding, dilation, groups)
     return low.conv(input, weight, bias, stride, padding, dilation, groups)
@@ -80,7 +94,7 @@ def _conv_transpose_bound(low, x, w, b, stride, padding, output_padding, groups,
     if low.is_buffer(w) or not low.is_parameter(w):
         low.unsupported(f"a transposed convolution with the fixed (buffer) kernel '{w.name}': a constant upsampling "
                         "filter, not a parameter; it is not lowered")
-    return conv_transpose(low, x, w, b, stride, padding, dilation, output_padding, groups)
+    return conv_transpose(low, x, w, _bias(low, b), stride, padding, dilation, output_padding, groups)
 
 
 def conv_transpose_module(low, mod, input, output_size=None):
