@@ -427,16 +427,21 @@ def test_gradient_on_a_rescaled_network_is_the_covariant_transform_of_the_unscal
     with autograd of the path-norm network of the unscaled net, entry by entry, on representatives whose
     |θ|^q leaves float64 by far (1e150^100)."""
     net = mlp_3442(seed)
+    ref, expected = _rescaled(net, q, log10_scales)
+    penalty = pathir.compile(net, input_shape=(3,)).path_norm(q, differentiable=True)
+    assert float(penalty) == pytest.approx(float(ref), rel=1e-10)
+    _assert_entries_close(_grads(net, penalty), expected)
+
+
+def _rescaled(net, q, log10_scales):
+    """(the path-norm network's value at θ, ∇ at θ / s per param), ``net`` rescaled in place to s ⊙ θ."""
     ref = mlp_reference(net, q)
     expected_at_theta = _grads(net, ref)
     s = unit_factors(net, log10_scales)
     with torch.no_grad():
         for name, t in net.named_parameters():
             t.mul_(s[name])
-    penalty = pathir.compile(net, input_shape=(3,)).path_norm(q, differentiable=True)
-    assert float(penalty) == pytest.approx(float(ref), rel=1e-10)
-    got = _grads(net, penalty)
-    _assert_entries_close(got, {n: g / s[n] for n, g in expected_at_theta.items()})
+    return ref, {n: g / s[n] for n, g in expected_at_theta.items()}
 
 
 @pytest.mark.parametrize("q, log10_scales", [(3.0, [-150.0] + [0.0] * 7), (3.0, [150.0] + [0.0] * 7),
@@ -448,15 +453,10 @@ def test_a_zero_weight_gets_a_zero_derivative_on_any_representative(q, log10_sca
     with torch.no_grad():
         net[0].weight[0, 0] = 0.0
         net[2].bias[1] = 0.0
-    ref = mlp_reference(net, q)
-    expected_at_theta = _grads(net, ref)
-    s = unit_factors(net, log10_scales)
-    with torch.no_grad():
-        for name, t in net.named_parameters():
-            t.mul_(s[name])
+    _, expected = _rescaled(net, q, log10_scales)
     got = _grads(net, pathir.compile(net, input_shape=(3,)).path_norm(q, differentiable=True))
     assert float(got["0.weight"][0, 0]) == 0.0 and float(got["2.bias"][1]) == 0.0
-    _assert_entries_close(got, {n: g / s[n] for n, g in expected_at_theta.items()})
+    _assert_entries_close(got, expected)
 
 
 def test_a_zero_bias_at_a_large_q_is_not_an_overflow():
