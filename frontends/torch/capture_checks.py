@@ -130,7 +130,7 @@ class InplaceTracer(torch.fx.Tracer):
             return self.call_module(inner, inner.forward, args, kwargs)  # its module, which dynamo compiled
         if not self._registered(m):
             if next(m.parameters(), None) is not None or next(m.buffers(), None) is not None or _has_hooks(m):
-                raise UnsupportedOperation(
+                raise torch.fx.proxy.TraceError(  # (torch.export reads its tensors as constants: analysed, not written)
                     f"the forward calls a {type(m).__name__} that is not a registered submodule of the model (held in "
                     "a plain list, dict or closure, or made inside forward), and it holds tensors or hooks, which are "
                     "not the model's: register it (nn.ModuleList, nn.ModuleDict or an attribute)")

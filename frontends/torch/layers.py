@@ -28,10 +28,11 @@ def _param(mod, path: str, attr: str):
 
 
 def _bias(low, bias):
-    """``bias``, or None for zeros made in the forward (``torch.zeros(n)``: nothing added); any other tensor made
-    in the forward (no parameter or buffer of the model: a rescaling of the layer's units could not be written
-    into it) is refused as the fixed bias it is."""
-    if not isinstance(bias, ParamTensor) or low.is_registered(bias):
+    """``bias``, or None for zeros made in the forward (``torch.zeros(n)``: nothing added); any other constant made
+    in the forward (a fixed tensor no parameter or buffer of the model holds: a rescaling of the layer's units could
+    not be written into it) is refused as the fixed bias it is. A layer's own tensor the model does not register (a
+    layer held in a plain list, read by torch.export) is read, its write refused by the writer, naming it."""
+    if not isinstance(bias, ParamTensor) or low.is_registered(bias) or bias.kind != "buffer":
         return bias
     if not bool(torch.any(bias.tensor != 0)):
         return None
