@@ -306,16 +306,9 @@ def _made_here(node, value, args, kwargs):
 
 
 def _read_made_here(args, kwargs):
-    """args and kwargs with every :class:`MadeHere` replaced by its tensor."""
-    def read(a):
-        if isinstance(a, MadeHere):
-            return a.read()
-        if isinstance(a, (list, tuple)) and not hasattr(a, "_fields"):
-            return type(a)(read(x) for x in a)
-        if isinstance(a, dict):
-            return {k: read(x) for k, x in a.items()}
-        return a
-    return read(args), read(kwargs)
+    """args and kwargs with every :class:`MadeHere` replaced by its tensor (torch's pytree walk, as the export
+    interpreter unwraps its constants)."""
+    return torch.utils._pytree.tree_map(lambda a: a.read() if isinstance(a, MadeHere) else a, (args, kwargs))
 
 
 def low_input_count(low, takes: int, given: int):
