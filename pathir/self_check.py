@@ -33,14 +33,12 @@ from pathir.frontends.core.values import BATCH as TRACE_BATCH
 from pathir.frontends.onnx.function_kept import probe_feeds
 from pathir.frontends.onnx.load import load
 from pathir.frontends.torch.function_kept import Reference
-from pathir.frontends.torch.inputs import eval_forward, explain, model_dtype_device, output_tensors
+from pathir.frontends.torch.inputs import TOLERANCE, eval_forward, explain, model_dtype_device, output_tensors
 from pathir.ir.inputs import tensor_float64
 from pathir.lifting.walk import forward
 
 __all__ = ["self_check", "TOLERANCE", "BATCH"]
 
-#: relative tolerance (to max|output|) by dtype name
-TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 #: the self-check's batch: not the batch the frontends trace at (`values.BATCH`, 2), so that a graph the
 #: trace specialised to its batch size (x.size(0) in arithmetic or a branch) does not pass it
 BATCH = 3

@@ -430,6 +430,7 @@ case("flatten module", C2, lambda m, a: m.f(a), lambda: {"f": nn.Flatten(2)})
 case("channel_shuffle module", (4, 3, 3), lambda m, a: m.s(a), lambda: {"s": nn.ChannelShuffle(2)})
 case("shape queries", C2, lambda m, a: a.view(a.size(0), a.shape[1], -1).reshape(a.size()[0], a.dim() * 3,
                                                                                        a.ndim + 5))
+case("numel", C2, lambda m, a: a.view(a.size(0), a.numel() // a.size(0)) + a.reshape(-1, torch.numel(a) // a.shape[0]))
 
 # ---------------------------------------------------------------- element moves (methods)
 case("view methods", C2, lambda m, a: a.view(-1, 3, 36).reshape(-1, 108).flatten(1).unflatten(1, (3, 6, 6)))

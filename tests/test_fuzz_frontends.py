@@ -134,12 +134,16 @@ def judge_onnx(program, exporter: str = "legacy-nofold"):
             assert op in {n.op_type for n in proto.graph.node} and op not in ONNX_RULES, \
                 f"refused a homogeneous program ({err})\n{source}"
         return
-    assert program.refused_op is None, f"accepted a program with {program.refused_op}\n{source}"
+    # the TorchScript exporter writes len(x) as the number it traced: that file computes one function at every batch
+    baked = program.refused_op == "batch size"
+    assert program.refused_op is None or baked, f"accepted a program with {program.refused_op}\n{source}"
     got = cm.forward(x.astype(np.float64), backend="numpy")
     got = [got[k] for k in cm.graph.outputs] if isinstance(got, dict) else [got]
     for g, r in zip(got, ref):
         scale = max(float(np.abs(r).max()), 1e-30)
         assert float(np.abs(g - r).max()) <= 1e-5 * scale, f"ONNX forward\n{source}"
+    if baked:  # (the program's path-norm network reads the batch size: no reference for the file)
+        return
     for q in (1.0, 2.0):  # the exported weights are the model's, rounded to float32
         wants = [v ** (1 / q) for v in program.path_sums(model.double(), q)]
         _one_of(cm.path_norm(q), wants, 1e-6, f"ONNX path_norm({q})\n{source}")

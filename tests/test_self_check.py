@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 import pathir
-from pathir.errors import SelfCheckFailed
+from pathir.errors import SelfCheckFailed, UnsupportedOperation
 from pathir.self_check import TOLERANCE, self_check
 
 
@@ -110,12 +110,20 @@ class _PerBatch(torch.nn.Module):
         return self.o(h) if x.shape[0] > 2 else self.o(-h)
 
 
+@pytest.mark.parametrize("probe", [True, False])
 @pytest.mark.parametrize("form", ["divide", "branch"])
-def test_a_forward_that_depends_on_its_batch_size_is_refused_naming_it(form):
+def test_a_forward_that_depends_on_its_batch_size_is_refused_naming_it(form, probe, monkeypatch):
     """The frontends trace at batch 2 and the self-check ran batch 2 too: both were compiled, off by up to
-    100 % at every other batch size."""
+    100 % at every other batch size. The division is refused while lowering, naming the node
+    (tests/test_batch_size_numbers.py); the branch (torch.export) by the eager run at batches 1 and 5 beside 2, and
+    without that probe by the self-check at batch 3."""
     torch.manual_seed(0)
-    with pytest.raises(pathir.SelfCheckFailed, match="depends on its batch size"):
+    if not probe:
+        monkeypatch.setattr("pathir.frontends.torch.eager_writes._per_sample", lambda *args: None)
+    refused = (UnsupportedOperation, "truediv.*computes with the batch size") if form == "divide" else \
+        (UnsupportedOperation, "depends on the batch size: at batch 5") if probe else \
+        (pathir.SelfCheckFailed, "depends on its batch size")
+    with pytest.raises(refused[0], match=refused[1]):
         pathir.compile(_PerBatch(form).double(), input_shape=(4,))
 
 
@@ -157,10 +165,12 @@ def test_an_autocast_block_whose_rounding_stays_under_the_tolerance_is_refused_t
         pathir.compile(Branch(), input_shape=(5,))
 
 
+@pytest.mark.parametrize("probe", [True, False])
 @pytest.mark.parametrize("how", ["if", "cond"])
-def test_a_forward_that_treats_a_batch_of_one_apart_is_refused(how):
+def test_a_forward_that_treats_a_batch_of_one_apart_is_refused(how, probe, monkeypatch):
     """Traced at batch 2 (torch.export: fx cannot trace the branch), checked at batch 3: the batch-of-one branch
-    was never seen, and cm.forward was wrong at batch 1 (0.627 relative)."""
+    was never seen, and cm.forward was wrong at batch 1 (0.627 relative). The export path's eager run compares
+    batches 1 and 5 with batch 2 and refuses it while lowering; without that probe the self-check refuses it."""
 
     class One(torch.nn.Module):
         def __init__(self):
@@ -176,7 +186,10 @@ def test_a_forward_that_treats_a_batch_of_one_apart_is_refused(how):
             return self.b(h)
 
     torch.manual_seed(0)
-    with pytest.raises(SelfCheckFailed, match="not on one sample alone"):
+    if not probe:
+        monkeypatch.setattr("pathir.frontends.torch.eager_writes._per_sample", lambda *args: None)
+    refused = (UnsupportedOperation, "at batch 1, the first") if probe else (SelfCheckFailed, "not on one sample alone")
+    with pytest.raises(refused[0], match=refused[1]):
         pathir.compile(One().double(), input_shape=(3,))
 
 

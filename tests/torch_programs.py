@@ -44,7 +44,9 @@ def export_path():
 
 #: non-homogeneous ops: (user line template, a word the refusal must name)
 NON_HOMOGENEOUS = (("torch.sigmoid({a})", "sigmoid"), ("{a} * {a}", "mul"), ("{a}.clamp(min=0.1)", "clamp"),
-                   ("F.batch_norm({a}, None, None, training=True)", "batch_norm"))
+                   ("F.batch_norm({a}, None, None, training=True)", "batch_norm"),
+                   # not per sample: the batch size as a number (fx follows it; the export path's eager run sees it)
+                   ("{a} / {a}.size(0)", "batch size"), ("{a} * len({a})", "batch size"))
 
 
 @dataclass
@@ -281,7 +283,8 @@ def torch_programs(draw, max_statements: int = 7, non_homogeneous: float = 0.1) 
             spelling = draw(st.sampled_from([
                 "{a}.permute(0, 2, 3, 1).permute(0, 3, 1, 2)", "torch.flatten({a}, 2).view(-1, {c}, {s}, {s})",
                 "{a}.reshape({a}.shape[0], -1).view(-1, {c}, {s}, {s})", "{a}.transpose(2, 3).contiguous().transpose(2, 3)",
-                "{a}.unsqueeze(1).squeeze(1)", "{a}.mT.contiguous().mT"]))
+                "{a}.unsqueeze(1).squeeze(1)", "{a}.mT.contiguous().mT",
+                "{a}.view({a}.size(0), {c}, -1).view({a}.shape[0] + 0, {c}, {s}, {s})"]))
             add(f"{out} = {spelling.format(a=name, c=c, s=s)}")
             if name in prog.node_bias:  # a view of the same layer's output
                 prog.node_bias[out] = prog.node_bias[name]

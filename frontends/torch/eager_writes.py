@@ -23,8 +23,9 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pathir.errors import PathirError
+from pathir.errors import PathirError, UnsupportedOperation
 from pathir.frontends.torch.capture_checks import ReadsWhatItWrites, state_kept
+from pathir.frontends.torch.inputs import TOLERANCE
 
 __all__ = ["check_eager_writes", "overlaps_elsewhere"]
 
@@ -106,18 +107,76 @@ def _module_stack(model: torch.nn.Module):
             h.remove()
 
 
-def check_eager_writes(model: torch.nn.Module, examples: tuple) -> None:
+def check_eager_writes(model: torch.nn.Module, examples: tuple) -> UnsupportedOperation | None:
     """Run ``model(*examples)`` once (no grad) and refuse what torch.export's graph would hide: a parameter or
     buffer the forward writes or replaces (:func:`state_kept`, buffers put back), an in-place op reading an
     overlapping view of what it writes (:class:`ReadsWhatItWrites`). Any other failure of the run is left
-    to the self-check, which runs the forward too and explains it."""
+    to the self-check, which runs the forward too and explains it. Returns the refusal of a forward whose
+    output depends on its batch size (:func:`_per_sample`), for the caller to raise once the graph's own ops
+    are lowered (a refusal of an op names more), or None."""
     inputs = tuple(torch.randn(e.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
                    .to(dtype=e.dtype, device=e.device) for e in examples)
     with state_kept(model), _module_stack(model) as stack, torch.no_grad():
         try:
             with _WritesFromOverlap(lambda: next((p for p in reversed(stack) if p), "")):
-                model(*inputs)
+                outputs = model(*inputs)
         except PathirError:
             raise
         except Exception:  # noqa: BLE001 - the self-check runs the forward and names what fails
-            pass
+            return None
+        return _per_sample(model, inputs, outputs)
+
+
+#: the batch sizes the eager run is compared at, beside the export's (2): a forward that computes with its batch size
+#: mostly differs at one of them (1 + n // 4, n > 3, 1 / n)
+PROBE_BATCHES = (1, 5)
+
+
+def _per_sample(model, inputs: tuple, outputs) -> UnsupportedOperation | None:
+    """The refusal of a forward whose first sample's outputs at batch 1 or 5 are not those at the batch the export
+    traced (beyond the dtype's rounding): it computes with its batch size (``h / len(x)``,
+    ``torch.ones(n, 4).sum()``), which torch.export fixes to a literal in its graph. A forward that fails at a batch
+    size is not compared there (the graph is the function it computes on the batches it runs on), as the
+    self-check leaves it. None where none."""
+    gen = torch.Generator().manual_seed(1)
+    traced = inputs[0].shape[0]
+    for n in PROBE_BATCHES:
+        more = tuple(torch.cat([t, torch.randn((max(n - traced, 0), *t.shape[1:]), generator=gen, dtype=torch.float64)
+                                .to(dtype=t.dtype, device=t.device)])[:n] for t in inputs)
+        try:
+            other = model(*more)
+        except Exception:  # noqa: BLE001 - (torch.squeeze(h) then flatten(1): no batch of one)
+            continue
+        found = _first_sample_deviation(outputs, other, traced, n)
+        if found is not None:
+            k, deviation = found
+            return UnsupportedOperation(
+                f"output {k}", "batch size", f"{type(model).__name__}.forward",
+                f"the model's output for one sample depends on the batch size: at batch {n}, the first sample's "
+                f"output differs from the one at batch {traced} by {deviation:.3g} of max|output|. The forward "
+                "computes with its batch size (h / len(x), h / x.size(0), torch.ones(x.shape[0], 4).sum()) or mixes "
+                "samples, and torch.export fixes that number in its graph; pathir's graph is per sample. Use the "
+                "batch size only as a shape's batch axis (x.view(x.size(0), -1)), or take it out of the forward")
+    return None
+
+
+def _first_sample_deviation(outputs, other, traced: int, n: int):
+    """(output index, deviation relative to max|output|) of the first output whose first sample differs between
+    ``outputs`` (at batch ``traced``) and ``other`` (at batch ``n``) beyond its dtype's rounding, or None."""
+    batched, single = torch.utils._pytree.tree_leaves(outputs), torch.utils._pytree.tree_leaves(other)
+    if len(batched) != len(single):
+        return None
+    for k, (b, a) in enumerate(zip(batched, single)):
+        if not (isinstance(b, torch.Tensor) and isinstance(a, torch.Tensor) and b.is_floating_point()
+                and a.is_floating_point() and b.dim() and b.shape[0] == traced):
+            continue
+        ref = b[:1].double().reshape(-1)
+        got = (a[:1] if a.dim() and a.shape[0] == n and n > 1 else a).double().reshape(-1)  # (a squeezed batch of 1)
+        if got.numel() != ref.numel() or not ref.numel():
+            continue
+        if not (torch.isfinite(ref).all() and torch.isfinite(got).all()):
+            continue
+        deviation = float((got - ref).abs().max()) / max(float(ref.abs().max()), 1e-30)
+        if deviation > TOLERANCE.get(str(b.dtype).removeprefix("torch."), 1e-4):
+            return k, deviation
+    return None

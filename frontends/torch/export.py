@@ -37,9 +37,17 @@ def lower_exported(model, shapes, name, clips: dict | None = None, made: list | 
     dtype, device = model_dtype_device(model)
     examples = tuple(torch.zeros((2, *s), dtype=dtype, device=device) for s in shapes)
     program = torch.export.export(model, examples)
-    check_eager_writes(model, examples)  # (writes the exported graph hides)
+    batch_sized = check_eager_writes(model, examples)  # (writes the exported graph hides; its batch-size literals)
     if made is not None:
         made.append(program)  # (what fails after this is pathir's reading of the graph, not the export)
+    lowered = _lowered(model, program, shapes, name, clips)
+    if batch_sized is not None:
+        raise batch_sized
+    return lowered
+
+
+def _lowered(model, program, shapes, name, clips):
+    """The exported program interpreted, or its functionalized form where the program's in-place ops need it."""
     try:
         return _interpret(model, program, shapes, name, clips)
     except UnsupportedOperation as err:

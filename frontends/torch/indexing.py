@@ -25,11 +25,12 @@ from pathir.frontends.core.values import (
     substitute,
     zero_constant,
 )
+from pathir.frontends.torch.batch_size import ALT_BATCHES, batch_size, marked_result
 from pathir.frontends.torch.batch_stack import batch_stack, read_stacked
 from pathir.frontends.torch.inputs import model_dtype_device
 from pathir.frontends.torch.transposes import TRANSPOSE_ATTRIBUTES, transposed
 
-__all__ = ["zeros_like", "new_zeros", "moves", "roll", "method_moves", "cat", "getattr_", "size", "dim", "unflatten", "unflatten_module",
+__all__ = ["zeros_like", "new_zeros", "moves", "roll", "method_moves", "cat", "getattr_", "size", "numel", "dim", "unflatten", "unflatten_module",
            "flatten_module", "stack", "channel_shuffle_module", "index_with", "scatter", "index_put", "fill", "zero", "copy"]
 
 
@@ -217,7 +218,7 @@ def getattr_(low, obj, attr):
         return transposed(low, obj, attr)
     if isinstance(obj, Value):
         if attr == "shape":
-            return obj.size()
+            return _size(obj)
         if attr == "ndim":
             return len(obj.shape) + 1
         if attr in ("dtype", "device") and hasattr(low, "model"):  # the model's (one dtype and device throughout:
@@ -228,9 +229,22 @@ def getattr_(low, obj, attr):
     return getattr(obj, attr)
 
 
+def _size(v) -> torch.Size:
+    """An activation's size, its batch axis marked as the batch size (`batch_size`); any other's as it is."""
+    return torch.Size((batch_size(BATCH), *v.shape)) if isinstance(v, Value) else v.size()
+
+
 def size(low, input, dim=None):
-    s = input.size()
+    s = _size(input)
     return s if dim is None else s[dim]
+
+
+def numel(low, input):
+    """``h.numel()``: the batch's elements, a number computed from the batch size (`batch_size`)."""
+    per_sample = math.prod(input.shape) if isinstance(input, Value) else None
+    if per_sample is None:
+        return input.numel()
+    return marked_result(low, BATCH * per_sample, tuple(b * per_sample for b in ALT_BATCHES))
 
 
 def dim(low, input):

@@ -28,8 +28,12 @@ import torch.nn as nn
 
 from pathir.errors import InputShapeError, PathirError
 
-__all__ = ["input_shapes", "check_model", "warn_train_batchnorm", "explain", "model_dtype_device", "eval_forward", "hook_attrs",
+__all__ = ["TOLERANCE", "input_shapes", "check_model", "warn_train_batchnorm", "explain", "model_dtype_device", "eval_forward", "hook_attrs",
            "output_tensors"]
+
+#: how far (relative to max|output|) two forwards of one model on the same samples may differ by rounding alone,
+#: by dtype name: the self-check's tolerance against the IR, and the eager batch probe's (frontends/torch/eager_writes.py)
+TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 
 _FORM = "input_shape is one sample's shape without the batch axis, e.g. (3, 224, 224) or (784,)"
 

@@ -10,6 +10,7 @@ the node, its op, the module path it came from and why (:mod:`.why`).
 from __future__ import annotations
 
 import inspect
+import math
 import operator
 from dataclasses import replace
 
@@ -20,6 +21,7 @@ import torch.nn as nn
 from pathir.errors import PathirError
 from pathir.frontends.core.lowering import Lowering
 from pathir.frontends.core.values import BatchStacked, MaxIndices, NegInfPadded, ParamTensor, Value, described, leaves, values_in
+from pathir.frontends.torch.batch_size import ALT_BATCHES, alternative, check_batch_numbers, marked_result
 from pathir.frontends.torch.capture_checks import alias_plan, apply_inplace, check_modes, effect_fx, refuse_inplace
 from pathir.frontends.torch.shared_memory import registered_names
 from pathir.frontends.torch.table import rule_for
@@ -161,13 +163,23 @@ class FxInterpreter:
             return obj
         args, kwargs = self._args(node)
         _refuse_read_indices(low, node, args, kwargs)
+        numbers = check_batch_numbers(low, node.target, args, kwargs)  # n / 2 of n = x.size(0): marked too
         if node.op == "call_module":
             return self._module(_get(self.model, node.target), node.target, args, kwargs)
-        if node.op == "call_function":
-            return _made_here(node, self._function(node.target, args, kwargs), args, kwargs)
-        if node.op == "call_method":
-            return _made_here(node, self._method(node.target, args, kwargs), args, kwargs)
-        low.unsupported(f"fx op {node.op}")
+        if node.op not in ("call_function", "call_method"):
+            low.unsupported(f"fx op {node.op}")
+        call = self._function if node.op == "call_function" else self._method
+        value = _made_here(node, call(node.target, args, kwargs), args, kwargs)
+        if not numbers:
+            return value
+
+        def at(k):  # the number at batch ALT_BATCHES[k] (nan where it has none there: 1 / (n - 1) at 1)
+            try:
+                return call(node.target, *alternative(args, kwargs, k))
+            except Exception:  # noqa: BLE001 - any failure of plain arithmetic
+                return math.nan
+
+        return marked_result(low, value, tuple(at(k) for k in range(len(ALT_BATCHES))))
 
     def _input(self, node, shapes):
         """The next tensor input (its shape from ``shapes``), or the default of an optional argument; for

@@ -196,6 +196,7 @@ RULES: dict = {
     **_rows(ix.getattr_, getattr),
     **_rows(ix.size, "size", aten.sym_size.int),
     **_rows(ix.dim, "dim"),
+    **_rows(ix.numel, "numel", torch.numel),
 }
 
 
