@@ -116,7 +116,8 @@ def _batches(inputs, batch_size: int):
     for batch in inputs:
         # (x, y, ...) as a DataLoader yields it: its first entry an array, a tensor or a dict; a list of numbers or of
         # lists is itself the batch (or a sample, which the shape check names)
-        if isinstance(batch, (tuple, list)) and batch and (hasattr(batch[0], "shape") or isinstance(batch[0], Mapping)):
+        first = batch[0] if isinstance(batch, (tuple, list)) and batch else None
+        if len(getattr(first, "shape", ())) or isinstance(first, Mapping):  # (a numpy number is a row's entry)
             batch = batch[0]
         yield batch
 
@@ -217,10 +218,22 @@ def _enabled(progress, rank: int = 0) -> bool:
     return (rank == 0 and sys.stderr.isatty()) if progress is None else bool(progress)
 
 
+def _distinct(qs: list) -> list:
+    """The qs once each, in order; ArgumentError where two differ but name one column (``log10_active_l{q:g}``)."""
+    qs = list(dict.fromkeys(qs))
+    labels = {}
+    for q in qs:
+        other = labels.setdefault(f"{q:g}", q)
+        if other != q:
+            raise ArgumentError(f"observe: qs {other!r} and {q!r} would both be the column 'log10_active_l{q:g}': "
+                                "give q values that differ in their first 6 significant digits")
+    return qs
+
+
 def _walk(cm, inputs, qs, counts, compare, batch_size, show, backend, total) -> Observations:
 
     graph, be = graph_of(cm), backend_of(cm, backend)
-    qs = [check_q(q, "observe") for q in qs]
+    qs = _distinct([check_q(q, "observe") for q in qs])
     ln10 = math.log(10)
     glob = {f"log10_path_norm_l{q:g}": (log_max_path(graph) if q == math.inf else log_path_sum(graph, q, be) / q) / ln10
             for q in qs}

@@ -227,3 +227,27 @@ def test_lists_written_as_python_lists_and_a_single_q_are_read_as_meant():
     assert np.array_equal(nested.columns["log10_active_l2"], whole.columns["log10_active_l2"])
     assert np.allclose(10 ** whole.columns["log10_active_l2"], cm.active_path_norm(X, q=2), rtol=1e-12)
     assert list(whole.quantiles(qs=0.5)["log10_active_l2"]) == [0.5]
+
+
+def test_rows_of_numpy_numbers_get_the_hint_to_stack_them():
+    """[list(r) for r in X] holds numpy floats, which have a shape (()): each row was read as an (x, y) pair and
+    cut to its first number ('got ()', no hint)."""
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)).double()
+    cm = pathir.compile(net, input_shape=(3,))
+    X = np.random.default_rng(2).normal(size=(5, 3))
+    with pytest.raises(pathir.InputShapeError, match=r"got \(3,\); observe reads a list .*np\.stack"):
+        pathir.observe(cm, [list(r) for r in X])
+
+
+def test_a_q_given_twice_is_one_column_and_two_q_of_one_name_are_refused():
+    """qs=(1, 1.0) appended every batch to the column twice (10 rows for 5 samples: row k was not sample k, and
+    to_csv raised an IndexError); qs=(2, 2.0000001) wrote both into the column 'log10_active_l2'."""
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)).double()
+    cm = pathir.compile(net, input_shape=(3,))
+    X = np.random.default_rng(3).normal(size=(5, 3))
+    twice = pathir.observe(cm, X, qs=(1, 1.0), batch_size=2)
+    assert len(twice) == 5 and list(twice.columns["log10_active_l1"].shape) == [5]
+    assert np.allclose(10 ** twice.columns["log10_active_l1"], cm.active_path_norm(X, q=1), rtol=1e-12)
+    assert twice.to_csv().count("\n") == 6
+    with pytest.raises(pathir.ArgumentError, match="2.0000001.*log10_active_l2"):
+        pathir.observe(cm, X, qs=(2, 2.0000001))
