@@ -550,3 +550,17 @@ def test_the_bound_stays_above_the_path_metric_where_the_two_are_equal(seed):
     net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU6(), torch.nn.Linear(4, 2)).double().eval()
     report = pathir.compile(net, input_shape=(3,)).prune(0.6)
     assert report.path_metric <= report.bound <= report.path_metric * (1 + 1e-11)
+
+
+@pytest.mark.parametrize("scale", [1e-110, 1e-150])
+def test_the_bound_stays_above_the_path_metric_below_float64s_smallest_numbers(scale):
+    """Every param times 1e-110: the pruned paths' mass (about 1e-330) made Σ S_i round to 0.0 and d to 5e-324, so
+    the report said path_metric > bound. Both are exact to the nearest float64: the bound is at least d."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3), torch.nn.ReLU(),
+                              torch.nn.Linear(3, 2)).double()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.mul_(scale)
+    report = pathir.compile(net, input_shape=(3,)).prune(0.5)
+    assert 0.0 <= report.path_metric <= report.bound <= 1e-300

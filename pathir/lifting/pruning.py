@@ -370,8 +370,10 @@ def prune(graph: Graph, backend, amount, criterion: str = "path-magnitude", scop
         pruned=sum(lost.values()),
         candidates=int(sum(m.size for m in masks.values())),
         # Σ S_i and d are summed by different walks: where they are equal (each pruned path through one pruned
-        # entry), either can come out last-bits above the other; the bound takes ROUNDING of itself on top
-        bound=_exp(log_bound + math.log1p(ROUNDING)),
+        # entry), either can come out last-bits above the other; the bound takes ROUNDING of itself on top. Below
+        # float64's smallest numbers (pruned paths of mass 1e-330) Σ S_i rounds to 0 where d rounds to 5e-324: the
+        # bound is then d, which it bounds in exact arithmetic
+        bound=max(_exp(log_bound + math.log1p(ROUNDING)), metric.upper),
         path_metric=metric.upper,
         path_norm_before=metric.norm_a,
         path_norm_after=metric.norm_b,
