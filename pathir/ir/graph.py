@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Iterable, Iterator
+from types import MappingProxyType
+from typing import Iterable, Iterator, Mapping
 
 from pathir.errors import ArgumentKeyError
 
@@ -63,13 +64,14 @@ class Graph:
         return tuple(n.name for n in self.nodes if n.kind is NodeKind.INPUT)
 
     @cached_property
-    def consumers(self) -> dict[str, list[tuple[Node, int]]]:
-        """node name -> [(consumer node, index of the edge in consumer.edges)]."""
+    def consumers(self) -> Mapping[str, tuple[tuple[Node, int], ...]]:
+        """node name -> ((consumer node, index of the edge in consumer.edges), ...): read-only, as the graph is
+        (a pass that popped these lists as a worklist emptied them for every later pass on the graph)."""
         out: dict[str, list[tuple[Node, int]]] = {n.name: [] for n in self.nodes}
         for n in self.nodes:
             for i, e in enumerate(n.edges):
                 out.setdefault(e.source, []).append((n, i))
-        return out
+        return MappingProxyType({k: tuple(v) for k, v in out.items()})
 
     def is_hidden(self, name: str) -> bool:
         return name not in self.outputs and self.node(name).kind is not NodeKind.INPUT
