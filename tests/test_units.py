@@ -261,3 +261,46 @@ def test_classes_marked_crossing_are_those_of_the_full_broadcast(data):
     expected[a[a != b]] = True
     expected[b[a != b]] = True
     assert np.array_equal(got, expected)
+
+
+def _token_mlp(relu_after):
+    import torch
+
+    class TokenMLP(torch.nn.Module):
+        """Linear over the last axis of (tokens, features), as MLP-Mixer and transformer MLPs write it."""
+
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.a(x)
+            h = torch.relu(h) if relu_after == "linear" else torch.relu(h.transpose(1, 2)).transpose(1, 2)
+            return self.b(h)
+
+    torch.manual_seed(0)
+    return TokenMLP().double()
+
+
+@pytest.mark.parametrize("relu_after", ["linear", "transpose"])
+def test_a_token_wise_mlp_has_one_unit_per_hidden_feature(relu_after):
+    """The ReLU of a token-wise Linear's output was a node of the token layout, whose channels are the tokens: an
+    element move tied every hidden feature to every other, one unit where the model has 4 (each hidden feature's
+    rescaling keeps it exactly). The ReLU of a permutation is now the permutation of the ReLU."""
+    import torch
+
+    import pathir
+
+    model = _token_mlp(relu_after)
+    cm = pathir.compile(model, input_shape=(2, 3))
+    assert len(cm.units) == 4
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+    for f in range(4):  # the symmetry each unit stands for, on the model itself
+        scaled = _token_mlp(relu_after)
+        with torch.no_grad():
+            scaled.a.weight[f] *= 3.0
+            scaled.a.bias[f] *= 3.0
+            scaled.b.weight[:, f] /= 3.0
+        assert torch.allclose(scaled(x), model(x), rtol=1e-12, atol=1e-12)
+    cm.pathcond(progress=False)  # the rescaling written per feature keeps the function
+    assert torch.allclose(model(x), _token_mlp(relu_after)(x), rtol=1e-9, atol=1e-12)

@@ -237,6 +237,11 @@ class Lowering:
         v = self.value(v)
         if v.node is not None and self.b.kind(v.node) is NodeKind.RELU:
             return v  # relu(relu(x)) = relu(x)
+        moved = _permuted(v, self.b)
+        if moved is not None:  # relu(P x) = P relu(x): the neurons in the layout of x, whose channels are x's
+            src, m = moved
+            name = self.b.relu(self.label, [(src, Identity())], None, origin=self.where, shape=self.b.shape(src))
+            return Value([(name, m)], v.shape, None, name)
         name = self.b.relu(self.label, v.terms, v.bias, origin=self.where, shape=v.shape)
         return Value.of_node(name, v.shape)
 
@@ -481,3 +486,19 @@ def _tuple_none(x, n):
     if isinstance(x, (list, tuple)):
         return tuple(x) if len(x) == n else tuple(x[0] for _ in range(n))
     return tuple(x for _ in range(n))
+
+
+def _permuted(v: Value, b) -> tuple | None:
+    """(node, map) where ``v`` is a permutation of one node's elements (a transpose, a permute: a gather reading
+    each element once) and nothing else, else None. A ReLU of it is the permutation of the node's ReLU, whose
+    channels are the node's (a token-wise layer's features, not its tokens: one rescaling unit per feature)."""
+    if len(v.terms) != 1 or v.bias is not None:
+        return None
+    src, m = v.terms[0]
+    if m.kind is not MapKind.GATHER or m.index.size != math.prod(b.shape(src)):
+        return None
+    seen = np.zeros(m.index.size, dtype=bool)
+    if np.any(m.index < 0):
+        return None
+    seen[m.index] = True
+    return (src, m) if seen.all() else None
