@@ -9,6 +9,7 @@ from typing import Sequence
 from pathir.compiled import Compiled
 from pathir.errors import ArgumentError, InputShapeError, PathirError
 from pathir.frontends.onnx import lower as lower_onnx
+from pathir.frontends.core.write_rules import clip_threshold_names
 from pathir.ir import Graph, verify
 from pathir.ir.inputs import graph_inputs
 from pathir.passes import DEFAULT_PIPELINE, run_passes
@@ -185,6 +186,13 @@ def _equalize_with_relus(model, input_shape, example_input, bits, objective, inp
                               f"longer runs ({why}): its forward or a hook "
                               "reads what only the clipped ReLU has (max_val, min_val, ...). Equalize with "
                               "relu6='clip', or remove that dependence. The model is untouched") from None
+        left = clip_threshold_names(cm.graph)
+        if left:  # (a functional call, a module the forward reaches outside the module tree: nothing to replace)
+            raise PathirError(f"relu6='relu': the clipped ReLU(s) {', '.join(left)} are no registered nn.ReLU6 or "
+                              "nn.Hardtanh module it can replace by a ReLU (a functional call such as F.relu6 or "
+                              "clamp, or a module the forward reaches outside the module tree). Use a registered "
+                              "module there, or equalize with relu6='clip', which holds them where they are. The "
+                              "model is untouched")
         feed = graph_inputs(cm.graph, inputs)
         dtype, device = model_dtype_device(model)
         if feed is not None:

@@ -605,8 +605,11 @@ def test_absorption_into_a_functional_clip_names_what_to_change():
         net.b1.bias.fill_(3.0)
     before = copy.deepcopy(net.state_dict())
     with pytest.raises(PathirError, match=r"functional one in forward \(F.relu6") as err:
-        pathir.equalize(net, input_shape=(3, 6, 6), absorb_bias=True, relu6="relu")
+        pathir.equalize(net, input_shape=(3, 6, 6), absorb_bias=True)
     assert "( (" not in str(err.value)
+    # relu6='relu' replaces modules only: a call is refused up front, by name
+    with pytest.raises(PathirError, match=r"relu6='relu': the clipped ReLU\(s\) relu6.threshold .*F.relu6"):
+        pathir.equalize(net, input_shape=(3, 6, 6), absorb_bias=True, relu6="relu")
     assert all(torch.equal(v, net.state_dict()[k]) for k, v in before.items())
 
 

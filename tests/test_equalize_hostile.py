@@ -103,8 +103,8 @@ class _ScaledInCode(nn.Module):
 
 
 class _ClipInCode(nn.Module):
-    """A clipped ReLU whose threshold is a number in the code: its rescaled per-channel threshold
-    cannot be written back."""
+    """A clipped ReLU whose threshold is a number in the code: a rescaled per-channel threshold cannot be
+    written back, so its channels are held."""
 
     def __init__(self):
         super().__init__()
@@ -148,7 +148,6 @@ REFUSED = {
     "leaky_relu": (_Leaky, (6,), "leaky_relu"),
     "GELU": (_gelu, (6,), "GELU"),
     "parameter through arithmetic": (_ScaledInCode, (6,), "mul"),
-    "clip threshold in the code": (_ClipInCode, (6,), "hardtanh"),
     "spectral_norm": (_spectral, (6,), "spectral"),
 }
 
@@ -286,3 +285,24 @@ def test_a_model_whose_every_weight_is_zero_is_left_as_it_is(objective):
     report = cm.equalize(objective=objective)
     assert report.units_moved == 0
     assert all(bool((p == 0).all()) for p in model.parameters())
+
+
+def test_a_clip_threshold_written_in_the_code_is_held_and_the_rest_equalized():
+    """F.hardtanh(h, 0, 3) holds its threshold as one number in the code: solved, then refused at write-back. Its
+    channels are now no unit (held where they are), the other layers are equalized, the function is kept, and
+    relu6='relu', which cannot replace a call, says so."""
+    torch.manual_seed(1)
+    model = _ClipInCode()
+    _spread_rows(model)
+    x = torch.randn(16, 6, dtype=next(model.parameters()).dtype)
+    before = model(x)
+    modules = dict(model.named_modules())
+    report = pathir.equalize(model, input_shape=(6,), bits=6, progress=False)
+    assert report.written and dict(model.named_modules()) == modules
+    assert report.units == 8 and report.units_moved > 0  # b's channels; a's (the clip's) are held
+    assert torch.allclose(model(x), before, rtol=1e-5, atol=1e-6 * float(before.abs().max()))
+    state = _state(model)
+    with pytest.raises(pathir.PathirError, match="relu6='relu'.*hardtanh.*no registered"):
+        pathir.equalize(model, input_shape=(6,), bits=6, relu6="relu", progress=False)
+    assert _same_state(state, _state(model))
+

@@ -27,6 +27,7 @@ refused before anything changes.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -37,6 +38,7 @@ import torch.nn as nn
 from pathir.errors import PathirError
 from pathir.frontends.core.values import f64
 from pathir.frontends.torch.inputs import eval_forward, model_dtype_device
+from pathir.ir import Role
 from pathir.nn import ClippedReLU
 
 __all__ = ["ClipSite", "WRITABLE", "CARRIED_HOOKS", "module_threshold", "stand_in", "ModuleSwap", "swap_everywhere",
@@ -175,6 +177,47 @@ class ClipPlan:
 
     def apply(self) -> None:
         self.replace.apply()
+
+
+def pin_unwritable(model, graph, sites: dict):
+    """``graph`` with the clipped ReLU thresholds no write-back can move marked ``fixed`` (find_units then pins
+    their channels, and every rescaling pathir finds leaves them where they are): a functional call's number, a
+    module pathir does not write into, one module called on tensors of several widths or ranks, and a buffer
+    holding one value for several channels. :func:`plan_clips` refuses a move of each of them."""
+    users: dict[str, list] = {}
+    for n in graph.nodes:
+        if n.bias is not None:
+            users.setdefault(n.bias.name, []).append(n)
+    widths = {p.name: p.shape[0] for p in graph.params() if p.name in sites}
+    by_module: dict[int, list[str]] = {}
+    fixed = set()
+    for name, site in sites.items():
+        if name not in widths:
+            continue
+        if site.kind == "call":
+            fixed.add(name)
+        elif site.kind == "buffer":
+            if model.get_buffer(site.target).numel() not in (widths[name], 0) and widths[name] > 1:
+                fixed.add(name)
+        else:
+            module = model.get_submodule(site.target)
+            if not isinstance(module, ClippedReLU) and type(module) not in WRITABLE:
+                fixed.add(name)
+            by_module.setdefault(id(module), []).append(name)
+    for names in by_module.values():
+        ranks = {len(n.shape) for name in names for n in users.get(name, ())}
+        if len(set(names)) > 1 or len(ranks) > 1:
+            fixed.update(names)
+    if not fixed:
+        return graph
+
+    def pinned(p):
+        if p.name not in fixed:
+            return p
+        return dataclasses.replace(p, sources=tuple(dataclasses.replace(r, fixed=True) if r.role is Role.CLIP_THRESHOLD
+                                                    else r for r in p.sources))
+
+    return graph.map_params(pinned)
 
 
 def plan_clips(model, graph, sites: dict, sides: dict) -> ClipPlan:

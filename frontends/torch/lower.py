@@ -26,6 +26,7 @@ from pathir.errors import PathirError, UnsupportedOperation
 from pathir.frontends.core.lowered import Lowered
 from pathir.frontends.torch import capture_checks
 from pathir.frontends.torch import inputs as torch_inputs
+from pathir.frontends.torch.clipped import pin_unwritable
 from pathir.frontends.torch.export import FX_FAILED, lower_exported
 from pathir.frontends.torch.interpreter import FxInterpreter
 from pathir.frontends.torch.reread import Reread
@@ -76,6 +77,7 @@ def lower(model: nn.Module, input_shape=None, example_input=None, heads: bool | 
             warnings.warn(f"{name}: the heads {', '.join(train_only)} that run only in train mode could not be "
                           f"lowered as extra outputs ({why_not}); pathir analyses the eval forward and refuses "
                           "a rescaling write-back", UserWarning, stacklevel=4)
+    graph = pin_unwritable(model, graph, clips)  # thresholds no write-back moves: no unit
     n_params = sum(p.numel() for p in model.parameters())
     reread = None if low is None else Reread.of(model, graph, low.recipes, low.read, low.direct_reads)
     writer = TorchWriter(model, train_only=train_only, clips=clips, train_paths=train, why_not=why_not)

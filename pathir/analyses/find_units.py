@@ -12,7 +12,9 @@ e^{s_v - s_u}, the bias of v by e^{s_v}. Three relations tie pairs together
   channels (a bias shared by several nodes ties their channels). This is the
   largest group of *independent* per-channel scales that keeps every entry's
   factor well defined;
-- input and output channels are pinned (s = 0): their classes are no units.
+- input and output channels are pinned (s = 0): their classes are no units; so
+  are the channels of a node whose bias no rescaling may move (a source marked
+  ``fixed``: a clipped ReLU's threshold held as one number in the code).
 
 A unit is a class with no pinned member that some free parameter enters or
 leaves (a class that only a neuron with no free parameter around it forms is
@@ -306,14 +308,15 @@ def _members(channel_units: Mapping[str, np.ndarray], H: int) -> tuple[tuple[tup
 
 def _channel_offsets(graph: Graph) -> tuple[dict[str, int], np.ndarray]:
     """The global id of each node's first channel, and which global channels are pinned
-    (channels of an input or an output: s = 0)."""
+    (channels of an input or an output, or whose bias has a ``fixed`` source: s = 0)."""
     offsets, total = {}, 0
     for n in graph.nodes:
         offsets[n.name] = total
         total += n.channels
     pinned = np.zeros(total, dtype=bool)
     for n in graph.nodes:
-        if n.kind is NodeKind.INPUT or n.name in graph.outputs:
+        fixed_bias = n.bias is not None and any(r.fixed for r in n.bias.sources)
+        if n.kind is NodeKind.INPUT or n.name in graph.outputs or fixed_bias:
             pinned[offsets[n.name] : offsets[n.name] + n.channels] = True
     return offsets, pinned
 

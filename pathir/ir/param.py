@@ -106,13 +106,17 @@ class SourceRef:
     ``transposed`` is true when the param's value is the transpose of the
     source tensor (ONNX Gemm with transB=0, MatMul initializers); ``layout``
     names any other entry-by-entry rearrangement (a transposed convolution's
-    kernel). :meth:`to_source` / :meth:`from_source` apply them.
+    kernel). :meth:`to_source` / :meth:`from_source` apply them. ``fixed``: no
+    rescaling may move the source (its node's channels are no unit).
     """
 
     name: str
     role: Role = Role.VALUE
     transposed: bool = False
     layout: TransposedConvLayout | PointwiseKernelLayout | None = None
+    #: the source cannot take a rescaling's factor (a clipped ReLU's threshold written as one number in the code,
+    #: one module called on tensors of several widths): find_units pins the channels of the node it is the bias of
+    fixed: bool = False
 
     def to_source(self, a):
         """``a`` (the param's layout; numpy array or torch tensor) in the source tensor's layout."""
