@@ -8,8 +8,8 @@ from typing import Sequence
 
 from pathir.compiled import Compiled
 from pathir.errors import ArgumentError, InputShapeError, PathirError
-from pathir.frontends.onnx import lower as lower_onnx
 from pathir.frontends.core.write_rules import clip_threshold_names
+from pathir.frontends.onnx import lower as lower_onnx
 from pathir.ir import Graph, verify
 from pathir.ir.inputs import graph_inputs
 from pathir.passes import DEFAULT_PIPELINE, run_passes
