@@ -190,9 +190,10 @@ def _equalize_with_relus(model, input_shape, example_input, bits, objective, inp
         if left:  # (a functional call, a module the forward reaches outside the module tree: nothing to replace)
             raise PathirError(f"relu6='relu': the clipped ReLU(s) {', '.join(left)} are no registered nn.ReLU6 or "
                               "nn.Hardtanh module it can replace by a ReLU (a functional call such as F.relu6 or "
-                              "clamp, or a module the forward reaches outside the module tree). Use a registered "
-                              "module there, or equalize with relu6='clip', which holds them where they are. The "
-                              "model is untouched")
+                              "clamp, a subclass of nn.ReLU6 or nn.Hardtanh, which torch.fx traces through to its "
+                              "call, or a module the forward reaches outside the module tree). Use a registered "
+                              "nn.ReLU6 or nn.Hardtanh there, or equalize with relu6='clip', which holds them where "
+                              "they are. The model is untouched")
         feed = graph_inputs(cm.graph, inputs)
         dtype, device = model_dtype_device(model)
         if feed is not None:

@@ -5,6 +5,7 @@ clipped network written out by hand below (the threshold as a bias path)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import math
@@ -791,3 +792,35 @@ def test_the_written_clipped_relu_keeps_its_inputs_dtype_under_autocast(inplace,
     assert y.dtype == dtype == nn.ReLU6()(x).dtype
     want = torch.minimum(torch.relu(x.double()), torch.tensor([6.0, 3.0, 1.5], dtype=torch.float64).view(3, 1, 1))
     assert torch.equal(y.double(), want)
+
+
+class _SharedBlocks(nn.Module):
+    """One nn.ReLU6 object registered in two blocks (b1.act, b2.act), called on one width in each."""
+
+    def __init__(self):
+        super().__init__()
+        act = nn.ReLU6()
+        self.b1, self.b2, self.c = nn.Sequential(nn.Linear(4, 6), act), nn.Sequential(nn.Linear(6, 6), act), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.c(self.b2(self.b1(x)))
+
+
+@pytest.mark.parametrize("path", ["fx", "export"])
+def test_one_module_called_twice_on_one_width_is_one_threshold_on_both_paths(path):
+    """torch.export names each call's threshold, so the module's two params were held (0 units) where fx ties its
+    calls' channels (6 units); they are one param now, on both paths, and the write keeps the function."""
+    from torch_programs import export_path
+
+    torch.manual_seed(0)
+    model = _SharedBlocks().double().eval()
+    with torch.no_grad():
+        model.b1[0].weight.mul_(4.0)
+    x = _x(8, 4)
+    before = _eager(model, x)
+    with export_path() if path == "export" else contextlib.nullcontext():
+        cm = pathir.compile(model, input_shape=(4,))
+    assert len(cm.units) == 6 and [p.name for p in cm.graph.params()].count("b1.1.threshold") == 1
+    cm.pathcond(progress=False)
+    assert isinstance(model.b1[1], ClippedReLU) and model.b1[1] is model.b2[1]
+    assert _rel(_eager(model, x), before) <= 1e-12

@@ -183,7 +183,8 @@ def pin_unwritable(model, graph, sites: dict):
     """``graph`` with the clipped ReLU thresholds no write-back can move marked ``fixed`` (find_units then pins
     their channels, and every rescaling pathir finds leaves them where they are): a functional call's number, a
     module pathir does not write into, one module called on tensors of several widths or ranks, and a buffer
-    holding one value for several channels. :func:`plan_clips` refuses a move of each of them."""
+    holding one value for several channels. :func:`plan_clips` refuses a move of each of them. The params of one
+    module called on one width (torch.export names each call's) become one, as the fx path makes it."""
     users: dict[str, list] = {}
     for n in graph.nodes:
         if n.bias is not None:
@@ -204,14 +205,21 @@ def pin_unwritable(model, graph, sites: dict):
             if not isinstance(module, ClippedReLU) and type(module) not in WRITABLE:
                 fixed.add(name)
             by_module.setdefault(id(module), []).append(name)
+    shared = {}  # param name -> the name of the one param every call of its module reads (torch.export names each)
     for names in by_module.values():
+        names = list(dict.fromkeys(names))
         ranks = {len(n.shape) for name in names for n in users.get(name, ())}
-        if len(set(names)) > 1 or len(ranks) > 1:
+        if len({widths[name] for name in names}) > 1 or len(ranks) > 1:
             fixed.update(names)
-    if not fixed:
+        elif len(names) > 1 and not fixed.intersection(names):
+            shared.update((name, names[0]) for name in names[1:])
+    if not fixed and not shared:
         return graph
+    params = {p.name: p for p in graph.params()}
 
     def pinned(p):
+        if p.name in shared:  # one module called twice on one width: one param, its channels tied as on the fx path
+            return pinned(params[shared[p.name]])
         if p.name not in fixed:
             return p
         return dataclasses.replace(p, sources=tuple(dataclasses.replace(r, fixed=True) if r.role is Role.CLIP_THRESHOLD
