@@ -80,6 +80,9 @@ KEPT = {
     "slice": lambda h, x: h[: x.size(0)],
     "shape whole": lambda h, x: h.reshape(x.shape[:1] + (2, 2)).reshape(x.size()),
     "max of sizes": lambda h, x: h.view(max(x.size(0), x.size(0)), -1),
+    "shapes by keyword": lambda h, x: torch.reshape(h, shape=(x.size(0), -1)) + torch.zeros(size=(x.size(0), 4),
+                                                                                          dtype=h.dtype),
+    "new_zeros by keyword": lambda h, x: h + h.new_zeros(size=(x.size(0), 4)),
 }
 
 

@@ -151,16 +151,17 @@ def _creates(target) -> bool:
 
 def _slots(target, args, kwargs) -> list:
     """What ``target(*args, **kwargs)`` holds where the batch size may be: the first size of its shape (the
-    functions of ``_SHAPES``; ``output_size=h.shape`` of a transposed convolution), the stop of a slice of the
-    batch axis (getitem)."""
+    functions of ``_SHAPES``, positional or ``size=`` / ``shape=``; ``output_size=h.shape`` of a transposed
+    convolution), the stop of a slice of the batch axis (getitem)."""
     slots = []
     if target is operator.getitem and len(args) == 2:
         slots.append(_batch_slice(args[1]))
     elif target in _SHAPES:
         slots.append(_first_size(args, _SHAPES[target]))
-    size = kwargs.get("output_size")
-    if isinstance(size, (tuple, list)) and size:
-        slots.append(size[0])
+    for key in ("size", "shape", "output_size"):  # torch.zeros(size=(n, 4)), torch.reshape(h, shape=(n, -1))
+        size = kwargs.get(key)
+        if isinstance(size, (tuple, list)) and size and (key == "output_size" or target in _SHAPES):
+            slots.append(size[0])
     return slots
 
 

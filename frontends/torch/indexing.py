@@ -192,9 +192,12 @@ def zeros_like(low, input, *, dtype=None, layout=None, device=None, pin_memory=N
     return torch.zeros(tuple(input.size()), dtype=dtype or model_dtype_device(low.model)[0])
 
 
-def new_zeros(low, input, *size, dtype=None, layout=None, device=None, pin_memory=None, requires_grad=False):
-    """``h.new_zeros(size)``: as :func:`zeros_like`, of the size given."""
-    shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else tuple(size)
+def new_zeros(low, input, *sizes, size=None, dtype=None, layout=None, device=None, pin_memory=None,
+              requires_grad=False):
+    """``h.new_zeros(size)`` (or ``size=``): as :func:`zeros_like`, of the size given."""
+    if size is not None:
+        sizes = (size,)
+    shape = tuple(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)) else tuple(sizes)
     return torch.zeros(shape, dtype=dtype or model_dtype_device(low.model)[0])
 
 def _zeros(t) -> bool:
