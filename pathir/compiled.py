@@ -257,8 +257,13 @@ class Compiled:
             return
         old, new = self._facts.graph, self._relower(_moved)
         if str(new) != str(old):
-            raise ModelChanged(f"{self.name}: the model no longer lowers to the same graph; compile it again "
-                               "with pathir.compile")
+            # the same graph up to its nodes' names (a clipped ReLU a write made per-channel, which torch.export
+            # names otherwise): the graph kept, with the values read
+            values = {p.name: p.value for p in new.params()}
+            if _form(new) != _form(old) or any(np.shape(values.get(p.name)) != p.shape for p in old.params()):
+                raise ModelChanged(f"{self.name}: the model no longer lowers to the same graph; compile it again "
+                                   "with pathir.compile")
+            new = old.map_params(lambda p: p.with_value(values[p.name], owned=True))
         self._facts = self._facts.with_values(new)
         self._watch.mark()
 

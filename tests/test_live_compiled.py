@@ -437,3 +437,27 @@ def test_a_buffer_edited_then_a_write_back_leaves_the_compiled_on_the_model_as_i
         assert cm.path_norm(1) == pytest.approx(fresh.path_norm(1), rel=1e-12)
         np.testing.assert_allclose(cm.forward(x.double().numpy(), backend="numpy"), net(x).detach().double().numpy(),
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_the_export_path_follows_its_model_after_a_write_that_made_a_clipped_relu_per_channel():
+    """Found by review: after pathcond replaced an nn.ReLU6 by pathir.nn.ClippedReLU, the next weight change made
+    every query raise ModelChanged on the torch.export path: the graph kept after the write names the clip's nodes
+    as the first trace did (hardtanh), the model lowered again as it is now (minimum)."""
+    from torch_programs import export_path
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.c, self.act = torch.nn.Linear(4, 6), torch.nn.Linear(6, 3), torch.nn.ReLU6()
+
+        def forward(self, x):
+            return self.c(self.act(self.a(x)))
+
+    torch.manual_seed(0)
+    model = Net().double()
+    with export_path():
+        cm = pathir.compile(model, input_shape=(4,))
+        cm.pathcond(progress=False)
+        with torch.no_grad():
+            model.a.weight.mul_(1.1)
+        assert cm.path_norm(1) == pytest.approx(pathir.compile(model, input_shape=(4,)).path_norm(1), rel=1e-12)
