@@ -824,3 +824,26 @@ def test_one_module_called_twice_on_one_width_is_one_threshold_on_both_paths(pat
     cm.pathcond(progress=False)
     assert isinstance(model.b1[1], ClippedReLU) and model.b1[1] is model.b2[1]
     assert _rel(_eager(model, x), before) <= 1e-12
+
+
+def test_one_threshold_buffer_read_on_two_widths_is_held():
+    """torch.minimum(relu(.), self.t) after layers of widths 4 and 1, t of shape (1,): refused, naming the shape of
+    the first call's param ([4]) as the buffer's. Each call has its own param now, both held (one buffer holds them)."""
+
+    class BufferShared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(3, 4), nn.Linear(4, 1), nn.Linear(1, 2)
+            self.register_buffer("t", torch.tensor([2.0]))
+
+        def forward(self, x):
+            return self.c(torch.minimum(torch.relu(self.b(torch.minimum(torch.relu(self.a(x)), self.t))), self.t))
+
+    torch.manual_seed(0)
+    model = BufferShared().double().eval()
+    x = _x(8, 3)
+    before = _eager(model, x)
+    cm = pathir.compile(model, input_shape=(3,))
+    assert _rel(cm.forward(x.numpy(), backend="numpy"), before) <= 1e-12 and len(cm.units) == 0
+    cm.pathcond(progress=False)
+    assert torch.equal(model.t, torch.tensor([2.0], dtype=torch.float64)) and _rel(_eager(model, x), before) <= 1e-12

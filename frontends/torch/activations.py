@@ -122,8 +122,12 @@ def _buffer_clip(low, v, pt: ParamTensor):
     def make(t, shape=shape, name=pt.name):
         return -_per_channel(f64(t), shape, name)
 
-    low.clips[pt.name] = ClipSite("buffer", pt.name)
-    p = low.made(pt.name, make, (pt,), (SourceRef(pt.name, Role.CLIP_THRESHOLD),), f"-{pt.name}, per channel")
+    name = pt.name
+    known = low.param_of(name)
+    if known is not None and known.shape != (shape[0],):  # one buffer read on tensors of other channel counts
+        name = low.unique_param_name(name)
+    low.clips[name] = ClipSite("buffer", pt.name)
+    p = low.made(name, make, (pt,), (SourceRef(name, Role.CLIP_THRESHOLD),), f"-{pt.name}, per channel")
     return low.clipped_relu(v, p)
 
 

@@ -190,7 +190,7 @@ def pin_unwritable(model, graph, sites: dict):
         if n.bias is not None:
             users.setdefault(n.bias.name, []).append(n)
     widths = {p.name: p.shape[0] for p in graph.params() if p.name in sites}
-    by_module: dict[int, list[str]] = {}
+    by_module: dict = {}  # id(module), or a buffer's name -> the params read from it
     fixed = set()
     for name, site in sites.items():
         if name not in widths:
@@ -200,6 +200,7 @@ def pin_unwritable(model, graph, sites: dict):
         elif site.kind == "buffer":
             if model.get_buffer(site.target).numel() not in (widths[name], 0) and widths[name] > 1:
                 fixed.add(name)
+            by_module.setdefault(site.target, []).append(name)  # (one buffer read on several widths: held)
         else:
             module = model.get_submodule(site.target)
             if not isinstance(module, ClippedReLU) and type(module) not in WRITABLE:
