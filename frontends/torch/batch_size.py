@@ -4,12 +4,13 @@ pathir's graph is per sample, and the fx interpreter runs at one batch size (``v
 the forward reads from an activation's batch axis (``x.size(0)``, ``x.shape[0]``) and then computes with
 (``h / x.size(0)``, ``h * torch.tensor(n)``, ``torch.ones(n, 4).sum()``) would be frozen at that batch
 size, and the graph wrong at every other. So the interpreter hands such a number out marked
-(:class:`BatchNumber`): the batch size itself is *plain*, anything computed from it is not. A marked
-number may shape a tensor's batch axis, and only that: the first size of a view, reshape, expand or
-zeros/empty block, or the stop of a slice of the batch axis. Arithmetic on numbers keeps the mark;
-any other use is refused, naming the node. (The export path traces at a fixed batch, where the
-number is a literal; :func:`pathir.frontends.torch.eager_writes.check_eager_writes` compares its
-eager forward at two batch sizes instead.)
+(:class:`BatchNumber`), with its values at the batch sizes ``ALT_BATCHES``: a number equal to the batch size
+at every one is *plain*. A plain number may shape a tensor's batch axis, and only that: the first size of a
+view, reshape, expand or zeros/empty block (``output_size=`` of a transposed convolution), or the stop of a
+slice of the batch axis. Arithmetic on numbers keeps the mark; any other use is refused, naming the node.
+(The export path traces at a fixed batch, where the number is a literal;
+:func:`pathir.frontends.torch.eager_writes.check_eager_writes` compares its eager forward at batches 1 and 5
+with the one at 2 instead.)
 
 Invariant: every number the interpreter computes from the batch size is marked unless it is the same at every
 batch size in ``ALT_BATCHES`` (up to a million), and no marked number reaches a value of the graph.
