@@ -259,11 +259,10 @@ class Compiled:
         if str(new) != str(old):
             # the same graph up to its nodes' names (a clipped ReLU a write made per-channel, which torch.export
             # names otherwise): the graph kept, with the values read
-            values = {p.name: p.value for p in new.params()}
-            if _form(new) != _form(old) or any(np.shape(values.get(p.name)) != p.shape for p in old.params()):
+            new = _with_values_of(old, new)
+            if new is None:
                 raise ModelChanged(f"{self.name}: the model no longer lowers to the same graph; compile it again "
                                    "with pathir.compile")
-            new = old.map_params(lambda p: p.with_value(values[p.name], owned=True))
         self._facts = self._facts.with_values(new)
         self._watch.mark()
 
@@ -773,6 +772,12 @@ def _read_as(graph: Graph, read) -> Graph | None:
         again = read()
     except PathirError:
         return None
+    return _with_values_of(graph, again)
+
+
+def _with_values_of(graph: Graph, again: Graph) -> Graph | None:
+    """``graph`` with the values of ``again`` where that has ``graph``'s form (the same nodes, edges and params up to
+    the nodes' names), else None."""
     values = {p.name: p.value for p in again.params()}
     if _form(again) != _form(graph) or any(np.shape(values.get(p.name)) != p.shape for p in graph.params()):
         return None

@@ -495,10 +495,8 @@ def _permuted(v: Value, b) -> tuple | None:
     if len(v.terms) != 1 or v.bias is not None:
         return None
     src, m = v.terms[0]
-    if m.kind is not MapKind.GATHER or m.index.size != math.prod(b.shape(src)):
+    if m.kind is not MapKind.GATHER or m.index.size != math.prod(b.shape(src)) or np.any(m.index < 0):
         return None
     seen = np.zeros(m.index.size, dtype=bool)
-    if np.any(m.index < 0):
-        return None
     seen[m.index] = True
     return (src, m) if seen.all() else None
