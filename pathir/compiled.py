@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import math
 import numbers
@@ -256,13 +257,13 @@ class Compiled:
         if self._relower is None:
             return
         old, new = self._facts.graph, self._relower(_moved)
+        if str(new) != str(old) and _form(new) == _form(old):
+            # the same graph up to its nodes' names (a clipped ReLU a write made per-channel, which torch.export names
+            # otherwise): the graph read, under the names of the graph kept (its fixed maps' values as read too)
+            new = _named_as(new, old)
         if str(new) != str(old):
-            # the same graph up to its nodes' names (a clipped ReLU a write made per-channel, which torch.export
-            # names otherwise): the graph kept, with the values read
-            new = _with_values_of(old, new)
-            if new is None:
-                raise ModelChanged(f"{self.name}: the model no longer lowers to the same graph; compile it again "
-                                   "with pathir.compile")
+            raise ModelChanged(f"{self.name}: the model no longer lowers to the same graph; compile it again "
+                               "with pathir.compile")
         self._facts = self._facts.with_values(new)
         self._watch.mark()
 
@@ -773,6 +774,14 @@ def _read_as(graph: Graph, read) -> Graph | None:
     except PathirError:
         return None
     return _with_values_of(graph, again)
+
+
+def _named_as(graph: Graph, like: Graph) -> Graph:
+    """``graph`` with each node named as the node at its position in ``like`` (a graph of the same form)."""
+    names = {n.name: m.name for n, m in zip(graph.nodes, like.nodes)}
+    nodes = [dataclasses.replace(n, name=names[n.name], edges=tuple(dataclasses.replace(e, source=names[e.source])
+                                                                     for e in n.edges)) for n in graph.nodes]
+    return Graph(tuple(nodes), tuple(names[o] for o in graph.outputs), graph.name)
 
 
 def _with_values_of(graph: Graph, again: Graph) -> Graph | None:
