@@ -773,7 +773,10 @@ def _read_as(graph: Graph, read) -> Graph | None:
         again = read()
     except PathirError:
         return None
-    return _with_values_of(graph, again)
+    values = {p.name: p.value for p in again.params()}
+    if _form(again) != _form(graph) or any(np.shape(values.get(p.name)) != p.shape for p in graph.params()):
+        return None
+    return graph.map_params(lambda p: p.with_value(values[p.name], owned=True))  # (sources as the writer knows them)
 
 
 def _named_as(graph: Graph, like: Graph) -> Graph:
@@ -782,15 +785,6 @@ def _named_as(graph: Graph, like: Graph) -> Graph:
     nodes = [dataclasses.replace(n, name=names[n.name], edges=tuple(dataclasses.replace(e, source=names[e.source])
                                                                      for e in n.edges)) for n in graph.nodes]
     return Graph(tuple(nodes), tuple(names[o] for o in graph.outputs), graph.name)
-
-
-def _with_values_of(graph: Graph, again: Graph) -> Graph | None:
-    """``graph`` with the values of ``again`` where that has ``graph``'s form (the same nodes, edges and params up to
-    the nodes' names), else None."""
-    values = {p.name: p.value for p in again.params()}
-    if _form(again) != _form(graph) or any(np.shape(values.get(p.name)) != p.shape for p in graph.params()):
-        return None
-    return graph.map_params(lambda p: p.with_value(values[p.name], owned=True))  # (sources as the writer knows them)
 
 
 def _form(graph: Graph) -> list[str]:
