@@ -72,6 +72,27 @@ def test_newton_reaches_the_coordinate_minimum_with_zero_gradient(problem, data)
     np.testing.assert_allclose(gradient(g, B, newton.z), 0, atol=1e-6 * g.size)
 
 
+@given(st.one_of(problems(), dense_problems()), st.data())
+@settings(max_examples=40)
+def test_the_settled_stop_leaves_f_where_the_balanced_stop_does(problem, data):
+    """At the default tol Newton may stop at a relative imbalance of SETTLED (not BALANCED) once a full step
+    moved F by at most tol: F is then where the stricter stop leaves it, to rounding."""
+    import pathir.pathcond.newton as newton_module
+
+    g, B = problem
+    groups = random_groups(data.draw, B.shape[1])
+    settled = solve_newton(g, B, groups=groups)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(newton_module, "SETTLED", 0.0)
+        balanced = solve_newton(g, B, groups=groups)
+    assert settled.converged and balanced.converged
+    assert rel(settled.f_final, f_reference(g, B, settled.z)) < 1e-12
+    assert settled.f_final <= balanced.f_final + 1e-12 * max(1.0, abs(balanced.f_final))
+    assert settled.sweeps <= balanced.sweeps
+    assert settled.grad_rel <= max(10 * newton_module.SETTLED, balanced.grad_rel)  # (1 where a unit is flat to rounding)
+    np.testing.assert_allclose(gradient(g, B, settled.z), 0, atol=1e-6 * g.size)
+
+
 @given(st.one_of(problems(spreads=(0.1, 3.0, 30.0)), dense_problems()), st.sampled_from([0.0, 0.05, 0.5, 2.0]),
        st.data())
 @settings(max_examples=60)
