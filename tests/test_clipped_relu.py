@@ -719,8 +719,22 @@ def test_a_threshold_tensor_made_in_forward_is_refused_as_what_it_is():
         def forward(self, x):
             return self.b(torch.minimum(torch.relu(self.a(x)), torch.tensor(0.3)))
 
-    with pytest.raises(PathirError, match=r"made in the forward .*neither a parameter nor a buffer"):
+    with pytest.raises(PathirError, match=r"computed in the forward, neither a parameter nor a buffer"):
         pathir.compile(Made(), input_shape=(3,))
+
+
+def test_a_threshold_computed_from_a_buffer_is_refused_naming_that_case():
+    class Doubled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+            self.register_buffer("t", torch.full((4,), 1.5))
+
+        def forward(self, x):
+            return self.b(torch.minimum(torch.relu(self.a(x)), self.t * 2))
+
+    with pytest.raises(PathirError, match=r"computed from a buffer \(self.t \* 2.*register the threshold itself"):
+        pathir.compile(Doubled(), input_shape=(3,))
 
 
 class _InplaceReread(nn.Module):

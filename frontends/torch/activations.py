@@ -106,7 +106,9 @@ def _buffer_clip(low, v, pt: ParamTensor):
     """min(ReLU(v), buffer): the threshold param −buffer, per channel, written back into the buffer."""
     if not (low.is_buffer(pt) and low.is_registered(pt)):  # a threshold written back needs a tensor of the model
         what = "is a learnable parameter" if low.is_parameter(pt) else \
-            "is a tensor made in the forward (torch.tensor(...)), neither a parameter nor a buffer"
+            "is a tensor computed in the forward, neither a parameter nor a buffer of the model: made there " \
+            "(torch.tensor(...)), or computed from a buffer (self.t * 2, self.t.clamp(...), which the trace folds " \
+            "into one constant); register the threshold itself as a buffer"
         low.unsupported(f"the threshold '{pt.name}' {what}: pathir lowers clipped ReLUs whose threshold is a number "
                         "(torch.clamp(x, 0, 0.3)) or a registered buffer")
     shape = v.shape
