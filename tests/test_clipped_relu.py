@@ -861,3 +861,67 @@ def test_one_threshold_buffer_read_on_two_widths_is_held():
     assert _rel(cm.forward(x.numpy(), backend="numpy"), before) <= 1e-12 and len(cm.units) == 0
     cm.pathcond(progress=False)
     assert torch.equal(model.t, torch.tensor([2.0], dtype=torch.float64)) and _rel(_eager(model, x), before) <= 1e-12
+
+
+class _TokenClip(nn.Module):
+    """A conv's (N, 4, 5) output through a token-wise Linear (over the last axis), then a clipped ReLU per
+    channel of axis 1 spelled three ways: an nn.ReLU6 module, a pathir ClippedReLU, min(relu(h), buffer)."""
+
+    def __init__(self, spelling):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.tok, self.conv2, self.out = nn.Conv1d(3, 4, 1), nn.Linear(5, 5), nn.Conv1d(4, 4, 1), nn.Linear(20, 3)
+        self.spelling = spelling
+        self.act = nn.ReLU6() if spelling == "relu6" else ClippedReLU(torch.full((4,), 6.0), spatial_dims=1)
+        self.register_buffer("t", torch.full((4, 1), 6.0))
+
+    def forward(self, x):
+        h = self.tok(self.conv(x))
+        h = torch.minimum(torch.relu(h), self.t) if self.spelling == "minimum" else self.act(h)
+        return self.out(self.conv2(h).flatten(1))
+
+
+@pytest.mark.parametrize("path", ["fx", "export"])
+def test_a_clip_of_a_token_wise_layer_lowers_alike_in_every_spelling(path):
+    """min(relu(h), t) of a token-wise layer's output (a ReLU lowered in the layer's layout, then permuted) was
+    refused, and on the torch.export path a ClippedReLU there is that: every spelling now compiles to the
+    model's forward and to the same path-norms."""
+    from torch_programs import export_path
+
+    x, norms = _x(6, 3, 5), []
+    for spelling in ("relu6", "clipped", "minimum"):
+        model = _TokenClip(spelling).double().eval()
+        with export_path() if path == "export" else contextlib.nullcontext():
+            cm = pathir.compile(model, input_shape=(3, 5))
+        assert _rel(cm.forward(x.numpy()), _eager(model, x)) <= 1e-13
+        norms.append([cm.path_norm(q) for q in (1, 2)])
+    assert np.allclose(norms, norms[0], rtol=1e-13)
+
+
+def test_a_relu6_module_written_per_channel_on_a_token_wise_layer_is_followed_on_the_export_path():
+    """One nn.ReLU6 after a conv and after a token-wise Linear: PathCond writes a ClippedReLU, which the
+    torch.export path lowers as relu then minimum; the Compiled kept follows the next weight change (it
+    refused, "no longer lowers to the same graph", and so did a fresh compile of the written model)."""
+    from torch_programs import export_path
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.conv, self.tok, self.act = nn.Conv1d(3, 4, 1), nn.Linear(5, 5), nn.ReLU6()
+            self.conv2, self.out = nn.Conv1d(4, 4, 1), nn.Linear(20, 3)
+
+        def forward(self, x):
+            return self.out(self.conv2(self.act(self.tok(self.act(self.conv(x))))).flatten(1))
+
+    model, x = Mixed().double().eval(), _x(6, 3, 5)
+    before = _eager(model, x)
+    with export_path():
+        cm = pathir.compile(model, input_shape=(3, 5))
+        cm.pathcond(progress=False)
+        assert isinstance(model.act, ClippedReLU) and _rel(_eager(model, x), before) <= 1e-13
+        with torch.no_grad():
+            model.conv.weight.mul_(1.1)
+        fresh = pathir.compile(model, input_shape=(3, 5))
+        assert cm.path_norm(1) == pytest.approx(fresh.path_norm(1), rel=1e-13)
+        assert _rel(cm.forward(x.numpy()), _eager(model, x)) <= 1e-13

@@ -75,3 +75,27 @@ def test_a_non_finite_bias_along_the_last_axis_is_refused_by_its_stored_shape(sh
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     with pytest.raises(pathir.errors.UnsupportedOperation, match=re.escape(f"shape {list(shape)} with a non-finite entry")):
         pathir.compile(proto)
+
+
+def test_min_of_a_token_wise_relu_is_a_clipped_relu():
+    """Min(Relu(x @ W), t) with t per channel of axis 1: the Relu of a token-wise MatMul is lowered in the
+    MatMul's layout and permuted back, and the Min of it (what a rescaled Clip writes) was refused."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(a.astype(np.float32), n) for n, a in (
+        ("W", rng.normal(size=(5, 5))), ("c", rng.normal(size=5)), ("t", np.array([[1.0], [2.0], [0.5], [3.0]])),
+        ("V", rng.normal(size=(3, 20))), ("d", rng.normal(size=3)))]
+    inits.append(numpy_helper.from_array(np.array([0, -1], dtype=np.int64), "shape"))
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["m"]), helper.make_node("Add", ["m", "c"], ["h"]),
+             helper.make_node("Relu", ["h"], ["r"]), helper.make_node("Min", ["r", "t"], ["k"]),
+             helper.make_node("Reshape", ["k", "shape"], ["f"]), helper.make_node("Gemm", ["f", "V", "d"], ["y"], transB=1)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 5])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = rng.normal(size=(6, 4, 5)).astype(np.float32) * 3
+    cm = pathir.compile(proto)
+    before = ort_run(proto, x)[0]
+    assert rel(cm.forward(x, backend="numpy"), before) <= 1e-5
+    cm.pathcond(progress=False)
+    assert rel(ort_run(cm.to_onnx(), x)[0], before) <= 1e-5

@@ -52,6 +52,9 @@ def clipped_relu(low, v: Value, threshold: Param) -> Value:
     if not any(r.role is Role.CLIP_THRESHOLD for r in threshold.sources):
         raise ValueError(f"threshold param '{threshold.name}' has no clip_threshold source")
     label, where = low.label, low.where
+    # a permutation of a node (a token-wise layer's output): its ReLU in the node's layout first, as a ReLU then a
+    # minimum lowers (pathir.nn.ClippedReLU on the torch.export path, ONNX Relu then Min): one graph for both forms
+    v = low.relu(v, f"{label}.relu_unpermuted") if v.node is None and low.is_permutation(v) else v
     if v.node is not None and low.b.kind(v.node) is NodeKind.RELU:
         a = v.node  # min(relu(relu(x)), t): the ReLU is there already
     else:

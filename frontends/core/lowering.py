@@ -233,17 +233,32 @@ class Lowering:
         return self.apply(v, Scale(s), c)
 
     # ------------------------------------------------------------ nonlinear ops
-    def relu(self, v: Value) -> Value:
+    def relu(self, v: Value, name: str | None = None) -> Value:
+        """ReLU(v), its node named ``name`` (default: the op's label)."""
         v = self.value(v)
-        if v.node is not None and self.b.kind(v.node) is NodeKind.RELU:
-            return v  # relu(relu(x)) = relu(x)
+        if self.is_relu_output(v):
+            return v  # relu(relu(x)) = relu(x), relu(P relu(x)) = P relu(x)
+        name = self.label if name is None else name
         moved = _permuted(v, self.b)
         if moved is not None:  # relu(P x) = P relu(x): the neurons in the layout of x, whose channels are x's
             src, m = moved
-            name = self.b.relu(self.label, [(src, Identity())], None, origin=self.where, shape=self.b.shape(src))
-            return Value([(name, m)], v.shape, None, name)
-        name = self.b.relu(self.label, v.terms, v.bias, origin=self.where, shape=v.shape)
-        return Value.of_node(name, v.shape)
+            made = self.b.relu(name, [(src, Identity())], None, origin=self.where, shape=self.b.shape(src))
+            return Value([(made, m)], v.shape, None, made)
+        made = self.b.relu(name, v.terms, v.bias, origin=self.where, shape=v.shape)
+        return Value.of_node(made, v.shape)
+
+    def is_permutation(self, v: Value) -> bool:
+        """Whether ``v`` is a permutation of one node's elements and nothing else (a transpose, a permute)."""
+        return _permuted(self.value(v), self.b) is not None
+
+    def is_relu_output(self, v: Value) -> bool:
+        """Whether ``v`` is a ReLU's output (≥ 0 everywhere): a ReLU node, or a permutation of one (what
+        :meth:`relu` makes of a ReLU of a transposed activation)."""
+        v = self.value(v)
+        if v.node is not None:
+            return self.b.kind(v.node) is NodeKind.RELU
+        moved = _permuted(v, self.b)
+        return moved is not None and self.b.kind(moved[0]) is NodeKind.RELU
 
     def clipped_relu(self, v: Value, threshold: Param) -> Value:
         """min(max(v, 0), t), the param ``threshold`` holding −t per channel: ReLU(v) − ReLU(ReLU(v) − t)

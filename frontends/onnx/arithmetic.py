@@ -19,7 +19,7 @@ from pathir.frontends.onnx.index import Displaced, reduce_displaced
 from pathir.frontends.onnx.layers import attrs
 from pathir.frontends.onnx.load import float_info, numpy_dtype
 from pathir.frontends.onnx.writer import Binding
-from pathir.ir import NodeKind, Role, SourceRef
+from pathir.ir import Role, SourceRef
 
 __all__ = ["sub", "neg", "mul", "div", "max_", "min_", "leaky_relu", "clip", "where_", "reduce_sum", "reduce_mean",
            "reduce_max"]
@@ -169,7 +169,7 @@ def min_(low, node, ins):
                         "(a clipped ReLU)")
     k = acts[0]
     v, c = ins[k], ins[1 - k]
-    if v.node is None or low.b.kind(v.node) is not NodeKind.RELU or _constant(c) is None:
+    if not low.is_relu_output(v) or _constant(c) is None:
         low.unsupported("an elementwise min is lowered only as Min(Relu(x), t) with t a constant per channel "
                         "(a clipped ReLU)")
     vec, layout = low.channel_vector(c, v, 0)

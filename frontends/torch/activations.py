@@ -22,7 +22,7 @@ from pathir.frontends.core.clipped import threshold_vector
 from pathir.frontends.core.values import ParamTensor, Value, f64
 from pathir.frontends.torch.clipped import WRITABLE, ClipSite, module_threshold
 from pathir.frontends.torch.why import refuse
-from pathir.ir import NodeKind, Role, SourceRef
+from pathir.ir import Role, SourceRef
 
 __all__ = ["copy_", "relu", "relu_module", "leaky_relu", "leaky_relu_module", "clamp", "clamp_min", "threshold",
            "threshold_module", "hardtanh", "hardtanh_module", "relu6", "clipped_relu_module", "minimum", "same",
@@ -147,8 +147,7 @@ def clipped_relu_module(low, mod, input):
 def minimum(low, input, other):
     """``torch.minimum(relu(x), t)`` with t a buffer of one value per channel: a clipped ReLU."""
     v, t = (input, other) if isinstance(input, Value) else (other, input)
-    if not (isinstance(v, Value) and isinstance(t, ParamTensor)) or v.node is None \
-            or low.b.kind(v.node) is not NodeKind.RELU:
+    if not (isinstance(v, Value) and isinstance(t, ParamTensor)) or not low.is_relu_output(v):
         refuse(low)
     return _buffer_clip(low, v, t)
 
