@@ -416,6 +416,8 @@ case("unbind select narrow", C2, lambda m, a: torch.unbind(a, 1)[2] + torch.sele
      torch.narrow(a, 1, 1, 1).squeeze(1))
 case("index_select", C2, lambda m, a: torch.index_select(a, 3, m.idx), lambda: {"idx": torch.tensor([5, 0, 0, 2])})
 case("repeat_interleave", V, lambda m, a: torch.repeat_interleave(a, 2, dim=1))
+case("repeat_interleave by a tensor", V, lambda m, a: torch.repeat_interleave(a, m.reps, dim=1),
+     lambda: {"reps": torch.tensor([1, 0, 3, 2, 1, 1])})
 case("tensor_split", C2, lambda m, a: torch.cat(torch.tensor_split(a, 2, 2)[::-1], 2) +
      torch.cat(torch.tensor_split(a, [1, 3], 3)[::-1], 3))
 case("channel_shuffle", (4, 3, 3), lambda m, a: torch.channel_shuffle(a, 2))

@@ -48,7 +48,7 @@ _MOVES = [
     aten.permute.default, aten.transpose.int, aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default,
     aten.chunk.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.narrow.default,
     aten.select.int, aten.expand.default, aten.flip.default, aten.roll.default, aten.repeat.default,
-    aten.unbind.int, aten.index_select.default, aten.repeat_interleave.self_int,
+    aten.unbind.int, aten.index_select.default, aten.repeat_interleave.self_int, aten.repeat_interleave.self_Tensor,
     aten.movedim.int, aten.unfold.default, aten.rot90.default, aten.tile.default, aten.swapaxes.default,
     aten.tensor_split.sections, aten.tensor_split.indices, aten.fliplr.default,
     aten.swapdims.default, aten.moveaxis.int, aten.hstack.default, aten.movedim.intlist, aten.channel_shuffle.default,
