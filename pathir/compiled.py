@@ -345,7 +345,7 @@ class Compiled:
         coords = self._coordinates
         values = coords.values(coords.read(live=True))
         coords.check(graph, values, 1e-12, "path_norm(differentiable=True)")
-        watched = [self.model.get_parameter(leaf.param_name) for leaf in coords.leaves.values() if leaf.param_name]
+        watched = [p for leaf in coords.leaves.values() for p in leaf.watched(self.model)]
         return attach(value, values, grads, watched)
 
     def path_norms(self, qs: Iterable[float] = (1, 2, 4), log10: bool = False, backend=None) -> dict[float, float]:

@@ -4,6 +4,7 @@ torch models an independent forward of the path-norm network (docs/math.md §3: 
 bias, batch-norms folded, replaced by |w|^q, ReLUs removed, a max-pool the sum of its window, input
 ones, outputs summed) differentiated by autograd; a training step against its closed form."""
 
+import copy
 import math
 
 import numpy as np
@@ -690,6 +691,37 @@ def test_a_backward_after_a_step_is_refused_as_torch_refuses_it():
     opt.step()  # the weights move between the penalty's forward and its backward
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         value.backward()
+
+
+def test_a_train_mode_forward_after_the_penalty_leaves_its_gradient_at_the_statistics_it_read():
+    """penalty(), then a train-mode forward (the running statistics move in place, bumping no version), then the
+    backward: the gradient is the one at the statistics the value was computed from. A float64 model's
+    statistics were read by reference, and its γ's gradient came out 16 % off (review)."""
+    torch.manual_seed(4)
+    model = _randomise_bn(mlp_bn().double()).train()
+    penalty = pathir.PathNormPenalty(model, q=2.0, input_shape=(4,))
+    old = copy.deepcopy(model)
+    value = penalty()
+    model(torch.randn(16, 4, dtype=torch.float64) * 5 + 3)  # moves running_mean and running_var in place
+    assert not torch.equal(model[1].running_mean, old[1].running_mean)
+    got = _grads(model, value)
+    _assert_grads_close(got, _grads(old, mlp_bn_reference(old, 2.0)))
+
+
+def test_a_fused_step_between_the_penalty_and_its_backward_is_refused():
+    """A fused optimizer bumps no version counter, so torch's inplace check does not see its step: pathir counts
+    it and refuses the backward, as torch refuses a plain step's."""
+    torch.manual_seed(4)
+    model = _randomise_bn(mlp_bn().double()).eval()
+    penalty = pathir.PathNormPenalty(model, q=2.0, input_shape=(4,))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+    model(torch.ones(2, 4, dtype=torch.float64)).sum().backward()
+    value = penalty()
+    opt.step()
+    with pytest.raises(PathirError, match="fused optimizer step"):
+        value.backward()
+    value = penalty()  # computed again after the step: its gradient is the new point's
+    _assert_grads_close(_grads(model, value), _grads(model, mlp_bn_reference(model, 2.0)))
 
 
 def test_an_edit_through_data_is_refused_pointing_at_refresh():

@@ -88,8 +88,20 @@ class Leaf:
                 t = getattr(module, attr)
         else:
             t = model.get_parameter(self.param_name) if self.param_name else model.get_buffer(self.name)
-        t = t.to(torch.float64) if live else t.detach().to(torch.float64)
-        return t * model.get_buffer(self.mask).to(torch.float64) if self.mask else t
+        if not live or not (self.param_name or self.computed):
+            # a buffer's own copy (no gradient reaches it): a train-mode batch norm updates its running statistics
+            # in place without bumping their version, which a backward reading them by reference would then see
+            t = t.detach().to(torch.float64, copy=True)
+        else:
+            t = t.to(torch.float64)
+        return t * model.get_buffer(self.mask).to(torch.float64, copy=True) if self.mask else t
+
+    def watched(self, model: torch.nn.Module) -> list[torch.Tensor]:
+        """The model's parameters this tensor is read from: its own, or its parametrization's."""
+        if self.computed:
+            path, _, attr = self.name.rpartition(".")
+            return list(model.get_submodule(path).parametrizations[attr].parameters())
+        return [model.get_parameter(self.param_name)] if self.param_name else []
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pathir.errors import PathirError
+from pathir.frontends.torch.live import fused_steps
 
 __all__ = ["attach", "eagerly"]
 
@@ -27,6 +28,7 @@ class _GivenGradient(torch.autograd.Function):
     def forward(ctx, value, grads, watched, *params):
         ctx.grads = grads
         ctx.save_for_backward(*watched)  # the model's tensors: an in-place step before backward is refused by torch
+        ctx.fused = fused_steps(watched)  # ... and a fused optimizer's step, which bumps no version, by pathir
         return value.clone()
 
     @staticmethod
@@ -37,7 +39,12 @@ class _GivenGradient(torch.autograd.Function):
             raise PathirError("the differentiable path-norm gives a first derivative only: a backward with "
                               "create_graph=True (a second derivative, a gradient penalty) would silently drop its "
                               "second-order term; take the path-norm's term out of the loss you differentiate twice")
-        ctx.saved_tensors  # noqa: B018 -- torch's version check: the gradient is for the values the forward read
+        watched = ctx.saved_tensors  # torch's version check: the gradient is for the values the forward read
+        if fused_steps(watched) != ctx.fused:
+            raise PathirError("a parameter the differentiable path-norm read was modified in place by a fused "
+                              "optimizer step (fused=True, which torch's inplace check does not see) between the "
+                              "path-norm's forward and its backward: its gradient is for the values it read. Call "
+                              "backward before optimizer.step(), or compute the path-norm again after it")
         return (None, None, None, *(grad_output.to(g.device) * g for g in ctx.grads))
 
 
@@ -46,7 +53,8 @@ def attach(value: float, params: list[torch.Tensor], grads: list[np.ndarray], wa
     (same shape); params that need no gradient are left out of the autograd graph. ``watched``: the
     model's tensors the value was read from; a backward after one of them was changed in place (an
     optimizer step between the forward and the backward) raises torch's own "modified by an inplace
-    operation" error, as for any torch function of them, instead of giving the old point's gradient."""
+    operation" error, as for any torch function of them, instead of giving the old point's gradient; a
+    fused optimizer's step, which bumps no version, raises a PathirError."""
     live = [(p, g) for p, g in zip(params, grads) if p.requires_grad]
     device = params[0].device if params else torch.device("cpu")
     out = torch.tensor(value, dtype=torch.float64, device=device)

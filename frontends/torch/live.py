@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.nn.utils.prune import BasePruningMethod
 
-__all__ = ["ModelWatch", "tensor_versions", "named_tensors"]
+__all__ = ["ModelWatch", "tensor_versions", "named_tensors", "fused_steps"]
 
 
 #: id(parameter) -> the steps of fused optimizers that wrote it (those do not bump ``_version``)
@@ -31,6 +31,12 @@ def _count_fused_step(optimizer, args, kwargs) -> None:
         if group.get("fused"):
             for p in group["params"]:
                 _FUSED_STEPS[id(p)] = _FUSED_STEPS.get(id(p), 0) + 1
+
+
+def fused_steps(tensors) -> tuple[int, ...]:
+    """How many fused optimizer steps wrote each of ``tensors`` so far (counted once a watch registered the hook)."""
+    _count_fused_steps()
+    return tuple(_FUSED_STEPS.get(id(t), 0) for t in tensors)
 
 
 def _count_fused_steps() -> None:
