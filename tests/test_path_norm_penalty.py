@@ -496,6 +496,25 @@ def test_a_derivative_beyond_float64_is_refused_not_returned_as_zero_or_inf(q):
     _assert_entries_close(got, {n: g / ratio[n] for n, g in expected.items()})
 
 
+@pytest.mark.parametrize("dtype, w2", [(torch.float32, 1e38), (torch.float16, 6e4), (torch.bfloat16, 1e38)])
+def test_a_derivative_beyond_the_models_dtype_is_refused_not_stored_as_inf(dtype, w2):
+    """‖Φ‖₁ = Σ_k |w₁ w2_k| with ten w2_k: ∂/∂w₁ = 10·w2 fits float64 but not the model's dtype, whose .grad
+    autograd would set to inf (review); a derivative that fits is stored rounded once."""
+    net = nn.Sequential(nn.Linear(1, 1, bias=False), nn.ReLU(), nn.Linear(1, 10, bias=False)).to(dtype)
+    with torch.no_grad():
+        net[0].weight.fill_(1e-3 if dtype == torch.float16 else 1e-30)
+        net[2].weight.fill_(w2)
+    value = pathir.PathNormPenalty(net, q=1, input_shape=(1,))()
+    with pytest.raises(PathirError, match=r"'0.weight'.*beyond " + str(dtype).replace("torch.", "")):
+        value.backward()
+    with torch.no_grad():
+        net[2].weight.fill_(w2 / 100)
+    net.zero_grad()
+    pathir.PathNormPenalty(net, q=1, input_shape=(1,))().backward()
+    exact = 10 * float(net[2].weight[0, 0].double())
+    assert float(net[0].weight.grad) == pytest.approx(exact, rel=torch.finfo(dtype).eps)  # (10·w2 may be a tie)
+
+
 # ----------------------------------------------------------------------------- second derivatives
 
 

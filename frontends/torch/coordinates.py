@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pathir.errors import PathirError
+from pathir.errors import PathirError, PathNormOverflow
 from pathir.ir import Graph, Param, Role
 
 __all__ = ["tensor_names", "layout", "Leaf", "ParamRecipe", "graph_recipes", "Coordinates", "value_ref", "batchnorm_of",
@@ -92,8 +92,8 @@ class Leaf:
             # a buffer's own copy (no gradient reaches it): a train-mode batch norm updates its running statistics
             # in place without bumping their version, which a backward reading them by reference would then see
             t = t.detach().to(torch.float64, copy=True)
-        else:
-            t = t.to(torch.float64)
+        elif t.dtype != torch.float64:
+            t = _Widened.apply(t, self.name)
         return t * model.get_buffer(self.mask).to(torch.float64, copy=True) if self.mask else t
 
     def watched(self, model: torch.nn.Module) -> list[torch.Tensor]:
@@ -102,6 +102,27 @@ class Leaf:
             path, _, attr = self.name.rpartition(".")
             return list(model.get_submodule(path).parametrizations[attr].parameters())
         return [model.get_parameter(self.param_name)] if self.param_name else []
+
+
+class _Widened(torch.autograd.Function):
+    """``t`` in float64; the backward casts the float64 gradient to t's dtype, and refuses one that dtype cannot
+    hold (a finite derivative that would become inf: a float16 weight's beyond 65504) rather than give inf."""
+
+    @staticmethod
+    def forward(ctx, t, name):
+        ctx.dtype, ctx.name = t.dtype, name
+        return t.to(torch.float64)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.to(ctx.dtype)
+        if bool((torch.isinf(out) & torch.isfinite(grad)).any()):
+            raise PathNormOverflow(
+                f"the path-norm's derivative by '{ctx.name}' reaches about {float(grad.abs().max()):.3g}, beyond "
+                f"{str(ctx.dtype).replace('torch.', '')}'s largest number {torch.finfo(ctx.dtype).max:.3g}: its "
+                "gradient cannot be stored in the parameter's dtype (a smaller penalty weight does not help: "
+                "autograd casts before it multiplies); train in float32 or float64, or scale the layers")
+        return out, None
 
 
 @contextlib.contextmanager
