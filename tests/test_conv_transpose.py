@@ -400,6 +400,24 @@ def test_onnx_conv_transpose_attributes_equal_onnxruntime_and_the_definition(att
     assert cm.graph.params()[0].sources[0].layout == TransposedConvLayout(group)
 
 
+@pytest.mark.parametrize("mode", ["SAME_UPPER", "SAME_LOWER"])
+@pytest.mark.parametrize("kernel", [1, 2, 3, 5])
+@pytest.mark.parametrize("stride", [1, 2, 3, 4])
+def test_onnx_conv_transpose_same_padding_equals_onnxruntime_for_every_kernel_and_stride(mode, kernel, stride):
+    """auto_pad SAME_* asks for L·s outputs; where the full output is shorter (a kernel shorter than the stride)
+    onnxruntime pads nothing and gives the full output, s·(L − 1) + k (pathir gave L·s: one row more)."""
+    rng = np.random.default_rng(kernel * 10 + stride)
+    x_shape = (1, 2, 5, 4)
+    w = rng.normal(size=(2, 3, kernel, 2)).astype(np.float32)
+    b = rng.normal(size=3).astype(np.float32)
+    attrs = {"auto_pad": mode, "strides": [stride, 3]}
+    cm = pathir.compile(_convt_proto(attrs, w, b, x_shape), self_check=False)
+    x = rng.normal(size=(3, *x_shape[1:])).astype(np.float32)
+    ref = onnx_cases.ort_run(_convt_proto(attrs, w, b, (3, *x_shape[1:])), x)[0]
+    assert cm.forward(x, backend="numpy").shape == ref.shape
+    assert onnx_cases.rel(cm.forward(x, backend="numpy"), ref) <= 1e-6
+
+
 def test_pathcond_on_the_onnx_model_keeps_onnxruntime_outputs():
     torch.manual_seed(0)
     model, shape = UNet().eval(), (3, 8, 8)

@@ -169,12 +169,14 @@ def conv_transpose(low, node, ins):
 def _transpose_pads(low, a, spatial, k, strides, dil, op):
     """(before, after) per axis of an ONNX ConvTranspose: ``pads``, or from ``output_shape`` /
     auto_pad SAME_* (total = s·(L − 1) + output_padding + d·(k − 1) + 1 − out; the odd unit goes
-    after for SAME_UPPER, before otherwise; a negative total is that many positions more at the end),
-    as onnxruntime computes them."""
+    after for SAME_UPPER, before otherwise; a negative total is that many positions more at the end
+    for an ``output_shape``, and none for SAME_*'s own out = L·s: the full output), as onnxruntime
+    computes them."""
     n = len(k)
     mode = a.get("auto_pad", "NOTSET") or "NOTSET"
     out = a.get("output_shape")
-    if out is None and mode in ("SAME_UPPER", "SAME_LOWER"):
+    same = out is None and mode in ("SAME_UPPER", "SAME_LOWER")
+    if same:
         out = [L * s for L, s in zip(spatial, strides)]
     if out is None:
         if mode == "VALID":
@@ -187,6 +189,8 @@ def _transpose_pads(low, a, spatial, k, strides, dil, op):
     pads = []
     for L, kk, s, d, o, target in zip(spatial, k, strides, dil, op, out):
         total = s * (L - 1) + o + d * (kk - 1) + 1 - int(target)
+        if same:  # L·s past the full output (a kernel shorter than the stride): no padding, the full output
+            total = max(total, 0)
         if total < 0:  # an output_shape past the full output: onnxruntime adds the positions at the end,
             if -total >= s:  # as many as an output_padding could (fewer than the stride)
                 low.fail(f"output_shape {list(out)} is {-total} positions past the full output along an axis of "
