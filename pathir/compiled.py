@@ -665,7 +665,10 @@ class Compiled:
                                name=self.name, progress=progress)
 
     def _check_writable(self, write_back: bool) -> None:
-        """Refuse a write-back the writer would refuse, before any solver runs."""
+        """Refuse a write-back the writer would refuse, before any solver runs (and a ``write_back`` that is no
+        bool: "no" is truthy, and would write)."""
+        if not isinstance(write_back, (bool, np.bool_)):
+            raise ArgumentError(f"write_back must be True or False, got {write_back!r}; nothing was changed")
         if write_back:
             self._refuse_transformed("a rescaling")
             check_writable(self.graph, self.writer)

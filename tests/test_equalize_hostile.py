@@ -244,12 +244,23 @@ def test_equalize_takes_a_tuple_of_inputs_of_different_shapes():
     ({"max_log_scale": "3"}, "max_log_scale must be a number"),
     ({"absorb_bias": "no"}, "absorb_bias must be True or False"),
     ({"certify": "yes"}, "certify must be True or False"),
+    ({"write_back": "no"}, "write_back must be True or False"),
 ])
 def test_bad_equalize_arguments_are_refused_before_anything_runs(kwargs, match):
     model = _mlp()
     before = _state(model)
     with pytest.raises(pathir.PathirError, match=match):
         pathir.compile(model, input_shape=(6,)).equalize(progress=False, **kwargs)
+    assert _same_state(before, _state(model))
+
+
+@pytest.mark.parametrize("method", ["pathcond", "enorm", "normalize", "equalize"])
+def test_a_write_back_flag_that_is_no_bool_is_refused_not_read_as_true(method):
+    """write_back="no" is truthy: every rescaling method wrote the model with it (review)."""
+    model = _mlp()
+    before = _state(model)
+    with pytest.raises(pathir.errors.ArgumentError, match="write_back must be True or False, got 'no'"):
+        getattr(pathir.compile(model, input_shape=(6,)), method)(write_back="no", progress=False)
     assert _same_state(before, _state(model))
 
 
