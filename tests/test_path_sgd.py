@@ -225,6 +225,24 @@ def test_clear_errors():
         PathSGD(net.parameters(), compiled=cm)
 
 
+def test_a_diag_g_below_float64s_range_is_refused_not_read_as_no_path():
+    """Four bias-free layers of weights about 1e-60: g ≈ 1e-360 everywhere, which float64 flushes to 0, and
+    g = 0 reads as "no path through θ": the step left every parameter where it was, though ∂L/∂θ ≈ 1e-180
+    (review). It is refused, and nothing moves."""
+    net = torch.nn.Sequential(*[m for _ in range(3) for m in (torch.nn.Linear(2, 2, bias=False), torch.nn.ReLU())],
+                              torch.nn.Linear(2, 1, bias=False)).double()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.tensor([[1.0, 0.5], [0.5, 1.0]], dtype=torch.float64)[: p.shape[0]] * 1e-60)
+    opt = PathSGD(net.parameters(), compiled=pathir.compile(net, input_shape=(2,)), lr=1e-3)
+    (net(torch.ones(1, 2, dtype=torch.float64)) - 1.0).pow(2).sum().backward()
+    assert float(net[0].weight.grad.abs().max()) > 0
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(PathirError, match=r"diag G of '0.weight' is about 10\^-36\d.*below float64"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, net.parameters())) and opt.diag_g() == {}
+
+
 # ------------------------------------------------------------ following the model after construction
 
 

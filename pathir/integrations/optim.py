@@ -56,6 +56,7 @@ from pathir.lifting.param_grads import check_common_scale
 __all__ = ["PathSGD"]
 
 _LOG_MAX = math.log(np.finfo(np.float64).max)
+_TINY = float(np.finfo(np.float64).tiny)
 
 
 def _check_group(group: dict) -> None:
@@ -263,11 +264,20 @@ class PathSGD(torch.optim.Optimizer):
         scaled = [m * math.exp(L - top) if L > -math.inf else np.zeros(m.shape) for m, L in parts]
         with torch.enable_grad():
             g = self._coords.pull_back(tensors, scaled)
+        new = {}  # every parameter's g, checked before any is stored
         for group in self.param_groups:
             for p in group["params"]:
-                gp = sum(g[n] for n in self._names[id(p)] if n in g)  # a tied parameter: the sum over its uses
-                gp = gp * math.exp(top) if top > -math.inf else gp * 0
-                self.state[p]["g"] = gp.reshape(p.shape).to(p.device)
+                scaled_gp = sum(g[n] for n in self._names[id(p)] if n in g)  # a tied parameter: the sum over its uses
+                gp = scaled_gp * math.exp(top) if top > -math.inf else scaled_gp * 0
+                if bool(((scaled_gp > 0) & (gp < _TINY)).any()):  # below float64's normal range: a step ÷ 0
+                    low = top + math.log(float(scaled_gp[scaled_gp > 0].min()))
+                    raise PathNormOverflow(
+                        f"diag G of '{self._names[id(p)][0]}' is about 10^{low / math.log(10):.1f}, below float64's "
+                        "smallest normal number: Path-SGD's step ∂L/∂θ ÷ g is not computed there. Rescale the network "
+                        "first (cm.pathcond() or cm.normalize() balance its layers)")
+                new[p] = gp.reshape(p.shape).to(p.device)
+        for p, gp in new.items():
+            self.state[p]["g"] = gp
 
     def diag_g(self) -> dict[str, torch.Tensor]:
         """{model parameter name: the diag G in use} (float64, the parameter's shape)."""
