@@ -47,6 +47,12 @@ CASES = {
     "scalar parameter": (lambda m, h: h * m.t, "parameter 't' of shape \\[\\]"),
     "softmax": (lambda m, h: F.softmax(h, 1), "softmax"),
     "constant": (lambda m, h: h + 1, "constant 1"),
+    "gather": (lambda m, h: torch.gather(h, 1, torch.tensor([[3, 0, 0, 2]]).expand(h.shape[0], -1)),
+               "gather.*index tensor.*index_select or indexing"),
+    "take_along_dim": (lambda m, h: torch.take_along_dim(h, torch.tensor([[3, 0, 1, 2]]), 1),
+                       "take_along_dim.*index tensor"),
+    "scatter": (lambda m, h: torch.zeros_like(h).scatter(1, torch.tensor([[3, 0, 1, 2]]).expand(h.shape[0], -1), h),
+                "scatter.*index tensor"),
 }
 
 
