@@ -304,3 +304,58 @@ def test_a_token_wise_mlp_has_one_unit_per_hidden_feature(relu_after):
         assert torch.allclose(scaled(x), model(x), rtol=1e-12, atol=1e-12)
     cm.pathcond(progress=False)  # the rescaling written per feature keeps the function
     assert torch.allclose(model(x), _token_mlp(relu_after)(x), rtol=1e-9, atol=1e-12)
+
+
+def _token_residual_mlp():
+    import torch
+
+    class TokenResidual(torch.nn.Module):
+        """A token-wise MLP with a skip: relu(b(h)) + h, h = relu(a(x)), on (tokens, features)."""
+
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = torch.nn.Linear(3, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            return self.c(torch.relu(self.b(h)) + h)
+
+    torch.manual_seed(0)
+    return TokenResidual().double()
+
+
+@pytest.mark.parametrize("path", ["fx", "export", "onnx"])
+def test_a_token_wise_residual_mlp_has_one_unit_per_stream_feature(path):
+    """h read twice (by b and by the skip) was made one node of the token layout, whose channels are the tokens:
+    its element move tied every feature to every other, one unit where the model has 4 (a feature of the stream,
+    rescaled in a, b and c together, keeps the function), and equalize moved nothing (review). A permutation
+    read twice is now no node of its own."""
+    import contextlib
+
+    import torch
+    from torch_programs import export_path
+
+    import pathir
+
+    model, x = _token_residual_mlp(), torch.randn(5, 2, 3, dtype=torch.float64)
+    if path == "onnx":
+        from onnx_cases import export
+
+        cm = pathir.compile(export(model.float(), (2, 3), "legacy-nofold"))
+        model = model.double()
+    else:
+        with export_path() if path == "export" else contextlib.nullcontext():
+            cm = pathir.compile(model, input_shape=(2, 3))
+    assert len(cm.units) == 4
+    for f in range(4):  # the symmetry each unit stands for, on the model itself
+        scaled = _token_residual_mlp()
+        with torch.no_grad():
+            for layer in (scaled.a, scaled.b):
+                layer.weight[f] *= 3.0
+                layer.bias[f] *= 3.0
+            scaled.b.weight[:, f] /= 3.0
+            scaled.c.weight[:, f] /= 3.0
+        assert torch.allclose(scaled(x), model(x), rtol=1e-12, atol=1e-12)
+    if path != "onnx":
+        cm.equalize(bits=6, progress=False)
+        assert torch.allclose(model(x), _token_residual_mlp()(x), rtol=1e-9, atol=1e-12)

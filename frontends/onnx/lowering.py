@@ -95,8 +95,9 @@ class OnnxLowering(Lowering):
             for name, value in zip(node.output, outs):
                 if name:
                     self.env[name] = value
-                    if isinstance(value, Value) and value.node is None and readers.get(name, 0) > 1:
-                        self.materialize(value)  # one node for every reader, not a copy per reader
+                    if isinstance(value, Value) and value.node is None and readers.get(name, 0) > 1 \
+                            and not self.is_permutation(value):  # (a permutation holds no neurons: each reader
+                        self.materialize(value)  # reads its node's) one node for every reader, not a copy per reader
         return self._outputs(inputs)
 
     def _live(self):

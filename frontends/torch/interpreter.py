@@ -139,8 +139,9 @@ class FxInterpreter:
             value = self._eval(node, shapes)
             apply_inplace(rebind, node, self.env, value)  # an in-place op: later readers read its result
             self.env[node] = value
-            if isinstance(value, Value) and value.node is None and _data_readers(node) > 1:
-                self.low.materialize(value)  # one node for every reader, not a copy per reader
+            if isinstance(value, Value) and value.node is None and _data_readers(node) > 1 \
+                    and not self.low.is_permutation(value):  # (a permutation holds no neurons: each reader reads
+                self.low.materialize(value)  # its node's) one node for every reader, not a copy per reader
         raise PathirError("the traced program has no output")
 
     def _args(self, node):
