@@ -51,9 +51,16 @@ CASES = {
                "gather.*index tensor.*index_select or indexing"),
     "take_along_dim": (lambda m, h: torch.take_along_dim(h, torch.tensor([[3, 0, 1, 2]]), 1),
                        "take_along_dim.*index tensor"),
+    "write into zeros": (lambda m, h: _written_into_zeros(h), "writes an activation into a tensor made in the forward"),
     "scatter": (lambda m, h: torch.zeros_like(h).scatter(1, torch.tensor([[3, 0, 1, 2]]).expand(h.shape[0], -1), h),
                 "scatter.*index tensor"),
 }
+
+
+def _written_into_zeros(h):
+    z = torch.zeros_like(h)
+    z[:, [3, 0]] = h[:, :2]
+    return z
 
 
 @pytest.mark.parametrize("name", list(CASES))
