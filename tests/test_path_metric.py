@@ -268,3 +268,41 @@ def test_output_bound_refuses_a_metric_that_is_not_one():
     cm = pathir.compile(net, input_shape=(2,))
     with pytest.raises(PathirError, match="metric= takes the PathMetric"):
         pathir.output_bound(cm, cm, np.ones((1, 2)), metric="x")
+
+
+def test_output_bound_refuses_the_metric_of_another_pair_or_of_weights_changed_since():
+    """metric= of (a, a), d = 0, passed to bound (a, pruned a) gave a bound of 0 under a real change of 0.3
+    (review): a PathMetric carries a digest of its pair, checked."""
+    from pathir.errors import ArgumentError
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)).double()
+    pruned = copy.deepcopy(net)
+    with torch.no_grad():
+        pruned[0].weight[0] = 0.0
+    a, b = pathir.compile(net, input_shape=(3,)), pathir.compile(pruned, input_shape=(3,))
+    x = torch.randn(5, 3, dtype=torch.float64)
+    with pytest.raises(ArgumentError, match="not the path-metric of these two models"):
+        pathir.output_bound(a, b, x, metric=pathir.path_metric(a, a))
+    m = pathir.path_metric(a, b)
+    assert np.array_equal(pathir.output_bound(a, b, x, metric=m), pathir.output_bound(a, b, x))
+    assert "pair" not in m.to_dict()
+    with torch.no_grad():
+        pruned[0].weight[1] = 0.0  # pruned again: b follows its model, m is stale
+    with pytest.raises(ArgumentError, match="weights changed since"):
+        pathir.output_bound(a, b, x, metric=m)
+
+
+def test_the_lower_bracket_of_a_rescaled_twin_is_not_above_its_rounding():
+    """θ' = θ with hidden units rescaled by 7.3 and 0.01: Φ' = Φ up to the rescaled weights' rounding (d about
+    1e-17), and |‖Φ‖₁ − ‖Φ'‖₁| of two separately rounded norms read 2e-16 as a lower bracket (review). The
+    lower bracket is that difference less the walks' rounding: 0 here."""
+    b = GraphBuilder()
+    x = b.input("x", (3,))
+    rng = np.random.default_rng(0)
+    h = b.relu("h", [(x, Dense(b.param("w1", rng.normal(size=(4, 3)))))], b.param("b1", rng.normal(size=4)))
+    graph = b.build(outputs=[b.identity("y", [(h, Dense(b.param("w2", rng.normal(size=(2, 4)))))])])
+    units = find_units(graph)[1]
+    twin = rescale_graph(graph, units, np.log([7.3, 0.01, 1.0, 3.0]))
+    m = path_metric(graph, twin, "numpy")
+    assert m.lower == 0.0 and m.norm_b == pytest.approx(m.norm_a, rel=1e-14)

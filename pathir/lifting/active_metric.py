@@ -29,7 +29,8 @@ import numpy as np
 from pathir.errors import PathirError
 from pathir.ir.inputs import tensor_float64
 from pathir.lifting.active import DEFAULT_CHUNK, chunks
-from pathir.lifting.path_metric import backend_of, check_same_architecture, graph_of, param_pairs, sign_relations
+from pathir.lifting.path_metric import (ROUNDING, backend_of, check_same_architecture, graph_of, param_pairs,
+                                        sign_relations)
 from pathir.lifting.pattern import (
     activation_pattern,
     as_input_dict,
@@ -193,9 +194,6 @@ def _log(s, batch: int) -> np.ndarray:
         return np.log(np.maximum(s, 0.0))
 
 
-#: the relative rounding allowed each active norm's walk (a sum of positive terms over the paths, a few
-#: dozen float64 operations deep): the lower bound is the norms' difference less this much of their sum
-ROUNDING = 1e-12
 
 
 def active_path_metric(a, b, x, backend=None, chunk: int = DEFAULT_CHUNK) -> ActivePathMetric:

@@ -27,12 +27,13 @@ Both brackets are invariant under a rescaling applied to θ and θ' jointly.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+import hashlib
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
 from pathir.backends import get_backend
-from pathir.errors import ArgumentTypeError, PathirError
+from pathir.errors import ArgumentError, ArgumentTypeError, PathirError
 from pathir.ir import Graph, Param
 from pathir.lifting.param_grads import param_grads
 from pathir.lifting.path_norm import log_path_sum
@@ -75,13 +76,34 @@ class PathMetric:
     log10_upper: float
     norm_a: float
     norm_b: float
+    #: the digest of the two graphs it was computed on (:func:`pair_digest`): ``output_bound(metric=)`` checks it
+    pair: bytes = field(default=b"", repr=False, compare=False)
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "pair"}
 
     def __str__(self) -> str:
         tag = "exact" if self.exact else "bracket"
         return f"path-metric {_fmt(self.log10_lower)} <= d <= {_fmt(self.log10_upper)} ({tag})"
+
+
+#: the relative rounding allowed each path-norm walk (a sum of positive terms over the paths, a few dozen
+#: float64 operations deep): a lower bracket is the norms' difference less this much of their sum
+ROUNDING = 1e-12
+
+
+def pair_digest(ga: Graph, gb: Graph) -> bytes:
+    """A digest of two graphs' structures and every param's float64 values: equal only for the same pair of
+    models with the same weights (a metric computed on one pair is no bound for another)."""
+    h = hashlib.blake2b(digest_size=16)
+    for g in (ga, gb):
+        h.update(repr([(v.name, v.kind.name, tuple(v.shape), v.k, [(e.source, e.map.kind.name) for e in v.edges])
+                       for v in g.nodes]).encode())
+        for p in g.params():
+            value = np.ascontiguousarray(p.value, dtype=np.float64)
+            h.update(f"{p.name}{value.shape}".encode())
+            h.update(value.tobytes())
+    return h.digest()
 
 
 def _fmt(log10_value: float) -> str:
@@ -318,7 +340,10 @@ def path_metric(a, b, backend=None, progress: bool | None = None) -> PathMetric:
         log_low = log_up
     else:
         top, low = max(la, lb), min(la, lb)
-        log_low = -math.inf if top == low else top + math.log(-math.expm1(low - top))
+        # |A − B| of two norms each summed with relative rounding below ROUNDING: the true difference is at least
+        # |A − B| − ROUNDING·(A + B) (a model rescaled, Φ equal up to rounding, read d ≥ 2e-16 where d = 2e-17)
+        gap = -math.expm1(low - top) - ROUNDING * (1.0 + math.exp(low - top)) if top > -math.inf else 0.0
+        log_low = top + math.log(gap) if gap > 0 else -math.inf
         log_low = min(log_low, log_up)  # rounding must not invert the bracket
     return PathMetric(
         lower=_exp(log_low),
@@ -329,6 +354,7 @@ def path_metric(a, b, backend=None, progress: bool | None = None) -> PathMetric:
         log10_upper=log_up / _LN10,
         norm_a=_exp(la),
         norm_b=_exp(lb),
+        pair=pair_digest(ga, gb),
     )
 
 
@@ -361,7 +387,8 @@ def pruned_path_metric(ga: Graph, gb: Graph, backend, min_gap: float = 1e-3, log
         else:
             log_d = _log_upper(ga, gb, backend)
     return PathMetric(lower=_exp(log_d), upper=_exp_up(log_d), exact=True, same_signs=True,
-                      log10_lower=log_d / _LN10, log10_upper=log_d / _LN10, norm_a=_exp(la), norm_b=_exp(lb))
+                      log10_lower=log_d / _LN10, log10_upper=log_d / _LN10, norm_a=_exp(la), norm_b=_exp(lb),
+                      pair=pair_digest(ga, gb))
 
 
 def _sup_norms(x, graph: Graph) -> np.ndarray:
@@ -409,6 +436,10 @@ def output_bound(a, b, x, backend=None, metric: PathMetric | None = None) -> np.
     elif not isinstance(metric, PathMetric):
         raise ArgumentTypeError(f"metric= takes the PathMetric of (a, b) that pathir.path_metric returned, got "
                                 f"{type(metric).__name__}")
+    elif metric.pair != pair_digest(ga, graph_of(b)):
+        raise ArgumentError("metric= is not the path-metric of these two models as they are now: it was computed "
+                            "for another pair, or their weights changed since (a model pruned or trained again). "
+                            "Compute it again with pathir.path_metric(a, b), or leave metric= out")
     if not metric.same_signs:
         raise PathirError(
             "output_bound needs θ_i θ'_i >= 0 for every parameter of the IR, where batch-norms are folded into "
