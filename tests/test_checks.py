@@ -59,6 +59,28 @@ def test_coverage_names_the_unused_module_and_counts_the_folded_bias():
     assert "not reached: spare.weight (25 entries)" in str(report)
 
 
+def test_onnx_coverage_counts_the_tensors_folded_into_a_batch_norm_as_read(tmp_path):
+    """Conv -> BatchNormalization exported unfolded: the conv's bias and the statistics enter the folded bias only,
+    and were listed as "not reached: no output of the graph depends on it" (review); every input of a node the
+    graph reads counts as read, and an initializer no node reads still does not."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = Unused().eval()
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-1, 1)
+        model.bn.running_var.uniform_(0.5, 2)
+    path = tmp_path / "bn.onnx"
+    torch.onnx.export(model, (torch.randn(1, 2, 4, 4),), str(path), dynamo=False, do_constant_folding=False)
+    proto = onnx.load(str(path))
+    proto.graph.initializer.append(numpy_helper.from_array(np.ones(7, dtype=np.float32), "stray"))
+    proto.graph.input.append(helper.make_tensor_value_info("stray", onnx.TensorProto.FLOAT, [7]))
+    onnx.save(proto, str(path))
+    report = pathir.app.checks.check(str(path))
+    assert [(n, k) for n, k, _ in report.not_reached] == [("stray", 7)]
+    assert report.covered == report.model_params - 7
+
+
 def test_a_wrong_unit_fails_the_rescaling_checks(monkeypatch):
     """A rescaling that moves one param more than its units say (what a wrong unit would do) is caught."""
     import pathir.app.checks as checks
