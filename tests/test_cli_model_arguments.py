@@ -240,3 +240,30 @@ def test_a_python_file_with_a_factory_is_refused_before_running_it(factory, tmp_
     code, out, err = _run(capsys, "summary", "marked.py:small", *SHAPE)
     assert code == 2 and "MODEL takes a module, not a file: marked:small" in err
     assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize("argv", [("summary", "cli_weights_models:small", *SHAPE, "--weights", ""),
+                                  ("summary", "cli_weights_models:small", *SHAPE, "--weights", "  ")])
+def test_an_empty_weights_path_is_refused_not_read_as_no_weights(argv, factory, capsys):
+    """--weights "$CKPT" with CKPT unset printed the random init's numbers, exit 0 (review)."""
+    with pytest.raises(SystemExit) as exit_:
+        _run(capsys, *argv)
+    assert exit_.value.code == 2 and "expected a file path, got an empty one" in capsys.readouterr().err
+
+
+def test_observe_refuses_an_empty_compare_and_csv_with_json(factory, tmp_path, capsys):
+    import numpy as np
+
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).normal(size=(3, 2, 6, 6)).astype(np.float32))
+    base = ("observe", "cli_weights_models:small", *SHAPE, "--inputs", tmp_path / "x.npy", "-q")
+    with pytest.raises(SystemExit) as exit_:
+        _run(capsys, *base, "--compare", "")
+    assert exit_.value.code == 2 and "--compare: expected a file path" in capsys.readouterr().err
+    code, _, err = _run(capsys, *base, "--csv", "--json")
+    assert code == 2 and "--csv and --json each choose what is printed" in err
+
+
+def test_demo_refuses_an_out_that_is_a_file_before_it_trains(tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    code, _, err = _run(capsys, "demo", "--out", tmp_path / "afile", "--quick", "-q")
+    assert code == 2 and "--out names a file, not a folder" in err

@@ -57,10 +57,17 @@ def seed(text: str) -> int:
     return _number(text, int, lambda v: 0 <= v < 2**63, "a whole number from 0 to 2**63 - 1")
 
 
+def file_path(text: str) -> str:
+    """argparse type: a path, not empty (an unset shell variable, ``--weights "$CKPT"``, would load nothing)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a file path, got an empty one (an unset variable?)")
+    return text
+
+
 def add_model_arguments(parser):
     parser.add_argument("model", help="a torchvision model name (resnet18), package.module:factory (imported and "
                                       "called with no arguments), or an .onnx file")
-    parser.add_argument("--weights", metavar="PATH", default=None,
+    parser.add_argument("--weights", metavar="PATH", default=None, type=file_path,
                         help="a state_dict or checkpoint (.pt/.pth; a dict holding 'state_dict' or 'model' is "
                              "understood) loaded into the torch model before anything runs")
     parser.add_argument("--trust-pickle", action="store_true",

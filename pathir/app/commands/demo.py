@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from pathir.errors import ArgumentError
+
 from .common import emit_json
 
 HELP = ("run the demo: PathCond vs ENorm vs baseline on a digits autoencoder, pruning under rescaling, path "
@@ -20,6 +22,13 @@ def add_arguments(parser):
 def run(args) -> int:
     from pathir.app.demo import DemoConfig, run_demo  # lazy: imports torch
 
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ArgumentError(f"--out names a file, not a folder: {args.out} (the demo writes results.json and its "
+                            "plots into a folder)")
+    try:
+        os.makedirs(args.out, exist_ok=True)  # (before the minutes of training: a folder it cannot make fails now)
+    except OSError as err:
+        raise ArgumentError(f"--out: cannot make the folder {args.out} ({err.strerror})") from None
     cfg = DemoConfig(out=args.out)
     if args.quick:
         cfg.seeds, cfg.epochs, cfg.compressions, cfg.cnn_epochs, cfg.amounts = (0,), 4, (8,), 2, (0.6,)

@@ -19,7 +19,7 @@ import pathir
 from pathir.errors import ArgumentError
 from pathir.support.distributed import group, join_launcher_group, leave_group
 
-from .common import add_model_arguments, emit_json, model_info, prepare_model, progress
+from .common import add_model_arguments, emit_json, file_path, model_info, prepare_model, progress
 from .weights import load_weights
 
 HELP = "active path-norms, active path counts and local bounds of a model on the samples of X.npy"
@@ -29,8 +29,9 @@ def add_arguments(parser):
     add_model_arguments(parser)
     parser.add_argument("--inputs", required=True, help="a .npy array (N, *input shape) of samples")
     if not any("--weights" in a.option_strings for a in parser._actions):
-        parser.add_argument("--weights", default=None, help="a state_dict (.pt) loaded into the torch model first")
-    parser.add_argument("--compare", default=None, metavar="W2",
+        parser.add_argument("--weights", default=None, type=file_path,
+                            help="a state_dict (.pt) loaded into the torch model first")
+    parser.add_argument("--compare", default=None, metavar="W2", type=file_path,
                         help="a state_dict of the same model (pruned, quantized): adds the active path-metric columns")
     parser.add_argument("--q", type=float, nargs="+", default=[1.0], help="the q of the active l_q path-norms")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -78,6 +79,8 @@ def run(args) -> int:
 
 
 def _run(args) -> int:
+    if args.csv and args.json:
+        raise ArgumentError("--csv and --json each choose what is printed: give one")
     grp = group()
     x = _read_inputs(args.inputs, grp is not None)  # a rank reads only its shard
     if x.ndim < 2:
