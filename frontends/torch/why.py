@@ -83,8 +83,8 @@ WHY = {
        for op in ("ones_like", "full_like", "empty_like", "rand_like", "randn_like", "randint_like",
                   "new_ones", "new_full", "new_empty", "new_tensor")},
     **{op: ("gathers or scatters along an axis by an index tensor: with a constant index a fixed copy map, which "
-            "pathir does not lower; pick entries with index_select or indexing (x[..., idx], x[:, idx]), or write "
-            "into zeros by indexing (z[..., idx] = x)") for op in (
+            "pathir does not lower; pick entries with index_select or indexing (x[..., idx], x[:, idx]) instead")
+       for op in (
         "gather", "take_along_dim", "take", "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce",
         "scatter_reduce_", "index_add", "index_add_", "index_copy", "index_copy_", "put", "put_")},
     **{op: "compares an activation: a data-dependent mask, not a fixed linear map" for op in (

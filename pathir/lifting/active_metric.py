@@ -29,8 +29,7 @@ import numpy as np
 from pathir.errors import PathirError
 from pathir.ir.inputs import tensor_float64
 from pathir.lifting.active import DEFAULT_CHUNK, chunks
-from pathir.lifting.path_metric import (ROUNDING, backend_of, check_same_architecture, graph_of, param_pairs,
-                                        sign_relations)
+from pathir.lifting.path_metric import ROUNDING, backend_of, check_same_architecture, graph_of, param_pairs, sign_relations
 from pathir.lifting.pattern import (
     activation_pattern,
     as_input_dict,

@@ -26,8 +26,8 @@ Both brackets are invariant under a rescaling applied to θ and θ' jointly.
 
 from __future__ import annotations
 
-import math
 import hashlib
+import math
 from dataclasses import dataclass, field, fields
 
 import numpy as np
