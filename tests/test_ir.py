@@ -153,10 +153,46 @@ def _one_edge(m, in_shape, out_shape):
     (lambda: _one_edge(Pool((1,), (1,), ((-1, 0),), (1,)), (1, 3), (1, 2)), "padding"),  # failed in the backends
     (lambda: _one_edge(Dense(GraphBuilder.param("w", [1.0, 2.0, 3.0])), (3,), (1,)), "is a matrix"),  # IndexError
     (lambda: _one_edge(Gather(np.array([-2, 0, 1]), (3,)), (3,), (3,)), "below -1"),
+    # a conv's geometry of another rank than its kernel, or an empty kernel axis: the numpy backend zipped the
+    # tuples and gave [3, 6, 9, 12] where conv1d gives [5, 8, 11] (review)
+    (lambda: _one_edge(Conv(GraphBuilder.param("w", [[[1.0, 2.0]]]), (), (), ()), (1, 4), (1,)), "conv geometry"),
+    (lambda: _one_edge(Conv(GraphBuilder.param("w", [[[1.0, 2.0]]]), (1, 1), ((0, 0), (0, 0)), (1, 1)), (1, 4),
+                       (1, 3)), "conv geometry"),
+    (lambda: _one_edge(Conv(GraphBuilder.param("w", np.ones((1, 1, 0))), (1,), ((0, 0),), (1,)), (1, 4), (1, 5)),
+     r"kernel \[0\]"),
 ])
 def test_verify_refuses_a_map_whose_own_fields_are_invalid(make, words):
     with pytest.raises(GraphVerificationError, match=words):
         verify(make())
+
+
+def test_the_builder_refuses_what_it_cannot_infer_a_shape_from_with_a_pathir_error():
+    """Raw ZeroDivisionError and KeyError where the shape was inferred; a fractional shape or index truncated
+    (review)."""
+    from pathir.errors import ArgumentError
+
+    b = GraphBuilder()
+    x = b.input("x", (1, 4))
+    with pytest.raises(ArgumentError, match=r"node 'y': its first edge .*stride \[0\]"):
+        b.identity("y", [(x, Pool((2,), (0,), ((0, 0),), (1,)))])
+    with pytest.raises(ArgumentError, match="reads 'nope', which is not defined before it"):
+        b.identity("y", [("nope", Identity())])
+    with pytest.raises(ArgumentError, match="conv geometry"):
+        b.identity("y", [(x, Conv(b.param("w", [[[1.0, 2.0]]]), (), (), ()))])
+    with pytest.raises(ArgumentError, match="whole numbers"):
+        b.input("z", (2.7,))
+    with pytest.raises(ArgumentError, match="whole numbers"):
+        Gather([0.5, 1.7], (2,))
+    assert b.input("w", (2.0, np.int64(3))) == "w" and b.shape("w") == (2, 3)
+
+
+def test_a_params_value_cannot_be_made_writable_again():
+    """A user pass's p.value.setflags(write=True) then an in-place write changed the Compiled it was applied to,
+    which records nothing (path_norm(1) 2.10 -> 48.75, review): a Param's value is a read-only view of a read-only
+    array, whose flag numpy refuses to set again."""
+    for p in (Param("p", np.ones(3)), Param.adopt("q", np.ones(3)), Param("r", Param.adopt("q", np.ones(3)).value)):
+        with pytest.raises(ValueError, match="WRITEABLE"):
+            p.value.setflags(write=True)
 
 
 def test_pool_output_size_is_torchs_for_every_small_geometry():

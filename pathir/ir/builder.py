@@ -12,9 +12,18 @@ from .graph import Graph
 from .maps import Map
 from .node import Edge, Node, NodeKind
 from .param import Param, SourceRef
-from .verify import verify
+from .verify import _map_problem, verify
 
 __all__ = ["GraphBuilder"]
+
+
+def _dims(shape: Sequence, what: str) -> tuple[int, ...]:
+    """``shape`` as whole numbers; a fraction (2.7) is refused, never truncated."""
+    dims = tuple(shape)
+    if not all(isinstance(d, (int, np.integer)) or (isinstance(d, (float, np.floating)) and float(d).is_integer())
+               for d in dims):
+        raise ArgumentError(f"{what}: shape {list(dims)} must hold whole numbers")
+    return tuple(int(d) for d in dims)
 
 
 class GraphBuilder:
@@ -57,7 +66,7 @@ class GraphBuilder:
         return Param(name, np.asarray(value, dtype=np.float64), refs, how)
 
     def input(self, name: str, shape: Sequence[int], origin: str = "") -> str:
-        return self.add(Node(self.unique(name), NodeKind.INPUT, tuple(int(s) for s in shape), origin=origin))
+        return self.add(Node(self.unique(name), NodeKind.INPUT, _dims(shape, f"input '{name}'"), origin=origin))
 
     def node(
         self,
@@ -74,8 +83,18 @@ class GraphBuilder:
         if shape is None:
             if not edges:
                 raise ArgumentError(f"node '{name}': give a shape or at least one edge")
-            shape = edges[0].map.out_shape(self._nodes[edges[0].source].shape)
-        node = Node(self.unique(name), kind, tuple(int(s) for s in shape), edges, bias, k, origin)
+            source = edges[0].source
+            if source not in self._nodes:
+                raise ArgumentError(f"node '{name}': its first edge reads '{source}', which is not defined before it")
+            bad = _map_problem(edges[0].map)
+            if bad:
+                raise ArgumentError(f"node '{name}': its first edge ({edges[0].map.describe()}): {bad}")
+            try:
+                shape = edges[0].map.out_shape(self._nodes[source].shape)
+            except (ValueError, TypeError, ZeroDivisionError, IndexError) as err:
+                raise ArgumentError(f"node '{name}': its first edge ({edges[0].map.describe()}) does not fit "
+                                    f"'{source}' {list(self._nodes[source].shape)}: {err}") from None
+        node = Node(self.unique(name), kind, _dims(shape, f"node '{name}'"), edges, bias, k, origin)
         return self.add(node)
 
     def identity(self, name, edges, bias=None, **kw) -> str:

@@ -385,6 +385,9 @@ class Gather(Map):
     kind = MapKind.GATHER
 
     def __post_init__(self):
+        raw = np.asarray(self.index)
+        if raw.size and not (np.issubdtype(raw.dtype, np.integer) or np.array_equal(raw, np.round(raw))):
+            raise ArgumentError(f"gather index must hold whole numbers, got {raw.reshape(-1)[:4].tolist()}...")
         idx = np.array(self.index, dtype=np.int64).reshape(-1)
         idx.setflags(write=False)
         object.__setattr__(self, "index", idx)
@@ -511,6 +514,11 @@ class Conv(Map):
 
     def out_shape(self, in_shape):
         O, I_g, *k = self.W.shape
+        if not len(self.stride) == len(self.padding) == len(self.dilation) == len(k):
+            raise ArgumentError(f"conv geometry: stride {list(self.stride)}, padding {list(self.padding)} and dilation "
+                                f"{list(self.dilation)} must have one entry per spatial axis of the kernel {list(k)}")
+        if not all(kk >= 1 for kk in k) or not isinstance(self.groups, (int, np.integer)) or self.groups < 1:
+            raise ArgumentError(f"conv kernel {list(k)} (groups={self.groups}): every axis at least 1, groups >= 1")
         if in_shape[0] != I_g * self.groups or O % self.groups:
             raise ArgumentError(f"conv weight {self.W.shape} (groups={self.groups}) on input of shape {in_shape}")
         if len(in_shape) - 1 != len(k):

@@ -131,6 +131,21 @@ class SourceRef:
         return t.T if self.transposed else t
 
 
+def _locked(value: np.ndarray) -> bool:
+    """Whether ``value`` is read-only for good: a read-only view of a read-only array (numpy refuses to set a view's
+    WRITEABLE flag again while its base is read-only; an array owning its memory may always set it)."""
+    return not value.flags.writeable and isinstance(value.base, np.ndarray) and not value.base.flags.writeable
+
+
+def _frozen(value: np.ndarray) -> np.ndarray:
+    """``value`` (float64, no other writer) as an array nobody can write: a view of it made read-only, so that a
+    user pass's ``p.value.setflags(write=True)`` is refused and a Param two graphs share cannot change under one."""
+    if _locked(value):
+        return value
+    value.setflags(write=False)
+    return value.view()
+
+
 @dataclass(frozen=True, eq=False)
 class Param:
     """A named float64 tensor; read-only. Passes make new Params, never edit one.
@@ -148,15 +163,13 @@ class Param:
         value = self.value
         if not (isinstance(value, np.ndarray) and value.dtype == np.float64 and not value.flags.writeable):
             value = np.array(value, dtype=np.float64, copy=True)  # never alias an array someone may write
-            value.setflags(write=False)
-        object.__setattr__(self, "value", value)
+        object.__setattr__(self, "value", _frozen(value))
 
     @classmethod
     def adopt(cls, name: str, value: np.ndarray, sources=(), how: str = "") -> "Param":
         """A Param owning ``value`` (a fresh float64 array nobody else holds): no copy."""
         value = np.ascontiguousarray(value, dtype=np.float64)
-        value.setflags(write=False)
-        return cls(name, value, tuple(sources), how)
+        return cls(name, _frozen(value), tuple(sources), how)
 
     @property
     def shape(self) -> tuple[int, ...]:
