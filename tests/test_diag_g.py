@@ -103,6 +103,20 @@ def test_diag_g_beyond_float64_raises_and_the_flat_form_keeps_its_log(backend):
     assert np.allclose(g, 1.0, rtol=1e-12) and math.isclose(log_max, 400 * math.log(100.0), rel_tol=1e-12)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_diag_g_below_float64_raises_rather_than_reading_as_no_path(backend):
+    """w2 = 1e-170: g(w1) = w2² = 1e-340, which float64 holds as 0, "no path through w1" (review); a value that
+    lands on a subnormal (w2 = 1e-161: 1e-322) is returned."""
+    def net(w2):
+        b = GraphBuilder("tiny")
+        h = b.relu("h", [(b.input("x", (2,)), Dense(b.param("w1", [[1.0, 2.0], [0.5, 1.0]])))])
+        return b.build(outputs=[b.identity("y", [(h, Dense(b.param("w2", [[w2, w2]])))])])
+
+    with pytest.raises(PathNormOverflow, match="diag G of param 'w1' falls to about 10\\^-340"):
+        diag_g(net(1e-170), backend)
+    assert np.all(diag_g(net(1e-161), backend)["w1"] > 0)
+
+
 def test_diag_g_flat_is_normalised_by_its_maximum():
     graph = _deep_chain(depth=3, weight=2.0)
     g, log_max = diag_g_flat(graph, "numpy")

@@ -56,11 +56,18 @@ def arrays_by_source(params, log_parts, what: str, hint: str, layout=None) -> di
             raise PathirError(f"two params are reported under the source name '{name}'")
         if L == -math.inf:
             value = np.zeros(p.shape)
-        elif m.flags.writeable:
-            value = m
-            value *= math.exp(L)
         else:
-            value = m * math.exp(L)
+            positive = int(np.count_nonzero(m))
+            if m.flags.writeable:
+                value = m
+                value *= math.exp(L)
+            else:
+                value = m * math.exp(L)
+            if int(np.count_nonzero(value)) != positive:  # an entry below float64's range read as 0: "no path"
+                low = L + math.log(float(np.min(m[m > 0]))) if np.any(m > 0) else L
+                raise PathNormOverflow(
+                    f"{what} of param '{p.name}' falls to about 10^{low / math.log(10):.1f} at an entry, below "
+                    f"float64's range (it would read as 0, no path through it): use {hint}")
         out[name] = value if layout is None else layout(p, value)
     return out
 
@@ -103,7 +110,7 @@ def diag_g_flat(graph: Graph, backend=None) -> tuple[np.ndarray, float]:
 def diag_g(graph: Graph, backend=None) -> dict[str, np.ndarray]:
     """diag G per source parameter: {``Param.source_name``: array in the source tensor's layout}.
 
-    Raises PathNormOverflow naming the param if an entry exceeds float64 (then
+    Raises PathNormOverflow naming the param if an entry exceeds float64, or a nonzero one falls below its range (then
     use :func:`diag_g_flat`, normalised, with its log-scale).
 
     >>> import numpy as np

@@ -59,7 +59,7 @@ def path_magnitude_scores(graph: Graph, backend=None) -> dict[str, np.ndarray]:
     """S_i per source parameter: {``Param.source_name``: float64 array in the
     source tensor's layout (ONNX transposed initializers transposed back)}.
 
-    Raises PathNormOverflow naming the param when a score exceeds float64.
+    Raises PathNormOverflow naming the param when a score exceeds float64, or a nonzero one falls below its range.
 
     >>> from pathir.ir import GraphBuilder, Dense
     >>> b = GraphBuilder()
