@@ -29,6 +29,7 @@ from dataclasses import replace
 import numpy as np
 
 from pathir.ir import PARAMETERIZED, Edge, Graph, MapKind, NodeKind, Param, Role, SourceRef
+from pathir.ir.param import unlocked
 from pathir.support.array_pool import ArrayPool
 
 __all__ = ["fold_batchnorm", "pooled_folds"]
@@ -43,7 +44,7 @@ def _scaled_weight(w: Param, s: np.ndarray, refs, arrays, in_place: bool, scale_
     where ``in_place`` (the caller owns it alone), else into a fresh or pooled array."""
     if in_place:
         try:
-            w.value.setflags(write=True)  # the value dies with this graph; its memory becomes the new one's
+            unlocked(w.value)  # the value dies with this graph; its memory becomes the new one's
         except ValueError:  # over memory that is read-only at its root: scaled into a new array
             in_place = False
     rows = w.value.reshape(w.shape[0], -1)  # one long inner loop per output channel, not one per kernel row

@@ -146,6 +146,17 @@ def _frozen(value: np.ndarray) -> np.ndarray:
     return value.view()
 
 
+def unlocked(value: np.ndarray) -> np.ndarray:
+    """``value`` made writable again, with every array it is a view of: pathir's own in-place fold of a graph no
+    one else reads (``fold_batchnorm(in_place=True)``). ValueError over memory that is read-only at its root."""
+    chain = [value]
+    while isinstance(chain[-1].base, np.ndarray):
+        chain.append(chain[-1].base)
+    for a in reversed(chain):
+        a.setflags(write=True)
+    return value
+
+
 @dataclass(frozen=True, eq=False)
 class Param:
     """A named float64 tensor; read-only. Passes make new Params, never edit one.
