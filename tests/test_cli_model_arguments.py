@@ -201,6 +201,8 @@ def test_onnx_file(tmp_path, capsys, factory):
     assert got["log10_path_norms"] == pytest.approx(want, rel=1e-5)  # float32 initializers
     code, _, err = _run(capsys, "summary", tmp_path / "small.onnx", "--weights", "w.pt")
     assert code == 2 and "carries its own weights" in err
+    code, _, err = _run(capsys, "summary", tmp_path / "small.onnx", "--trust-pickle")  # (accepted silently)
+    assert code == 2 and "an .onnx file is no pickle" in err
 
 
 @pytest.mark.parametrize("text, shape", [("3,224,224", (3, 224, 224)), ("3x224x224", (3, 224, 224)), ("4,", (4,)),

@@ -177,6 +177,8 @@ def prepare_model(args, default_shape=None):
     if isinstance(model, str):
         if args.weights:
             raise ArgumentError("--weights applies to torch models; an .onnx file carries its own weights")
+        if getattr(args, "trust_pickle", False):
+            raise ArgumentError("--trust-pickle applies to --weights of a torch model; an .onnx file is no pickle")
     elif args.weights:
         load_weights(model, args.weights, getattr(args, "trust_pickle", False))
     elif ":" in args.model:
