@@ -213,3 +213,25 @@ def test_pool_output_size_is_torchs_for_every_small_geometry():
         except RuntimeError:  # torch: output size too small
             expected = 0
         assert pool_output_size(L, k, s, (p, p), d, ceil) == expected, (L, k, s, p, d, ceil)
+
+
+def test_a_folded_weight_and_a_pickled_or_copied_param_stay_locked():
+    """fold_batchnorm(in_place=True) unlocked the weight's owner to scale it in place and left it writable under a
+    read-only view, whose flag numpy then let a user pass set again (review); a pickled or deep-copied Graph came
+    back with writable params."""
+    import copy
+    import pickle
+
+    import torch
+
+    import pathir
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.BatchNorm2d(3), torch.nn.ReLU(), torch.nn.Flatten(),
+                              torch.nn.Linear(12, 2)).eval()
+    graph = pathir.compile(net, input_shape=(2, 4, 4)).graph
+    for g in (graph, pickle.loads(pickle.dumps(graph)), copy.deepcopy(graph)):
+        for p in g.params():
+            assert not p.value.flags.writeable
+            with pytest.raises(ValueError, match="WRITEABLE"):
+                p.value.setflags(write=True)

@@ -131,28 +131,36 @@ class SourceRef:
         return t.T if self.transposed else t
 
 
+def _chain(value: np.ndarray) -> list[np.ndarray]:
+    """``value``, then every array it is a view of, down to the one that owns the memory (or views a buffer)."""
+    chain = [value]
+    while isinstance(chain[-1].base, np.ndarray):
+        chain.append(chain[-1].base)
+    return chain
+
+
 def _locked(value: np.ndarray) -> bool:
-    """Whether ``value`` is read-only for good: a read-only view of a read-only array (numpy refuses to set a view's
-    WRITEABLE flag again while its base is read-only; an array owning its memory may always set it)."""
-    return not value.flags.writeable and isinstance(value.base, np.ndarray) and not value.base.flags.writeable
+    """Whether ``value`` is read-only for good: a view whose every base down to its owner is read-only (numpy
+    refuses to set a view's WRITEABLE flag again while its owner is read-only; an owner may always set it)."""
+    chain = _chain(value)
+    return len(chain) > 1 and not any(a.flags.writeable for a in chain)
 
 
 def _frozen(value: np.ndarray) -> np.ndarray:
-    """``value`` (float64, no other writer) as an array nobody can write: a view of it made read-only, so that a
-    user pass's ``p.value.setflags(write=True)`` is refused and a Param two graphs share cannot change under one."""
+    """``value`` (float64, no other writer) as an array nobody can write: its whole chain of arrays made read-only,
+    and a view of it returned, so that a user pass's ``p.value.setflags(write=True)`` is refused and a Param two
+    graphs share cannot change under one."""
     if _locked(value):
         return value
-    value.setflags(write=False)
+    for a in reversed(_chain(value)):
+        a.setflags(write=False)
     return value.view()
 
 
 def unlocked(value: np.ndarray) -> np.ndarray:
     """``value`` made writable again, with every array it is a view of: pathir's own in-place fold of a graph no
     one else reads (``fold_batchnorm(in_place=True)``). ValueError over memory that is read-only at its root."""
-    chain = [value]
-    while isinstance(chain[-1].base, np.ndarray):
-        chain.append(chain[-1].base)
-    for a in reversed(chain):
+    for a in reversed(_chain(value)):
         a.setflags(write=True)
     return value
 
@@ -175,6 +183,11 @@ class Param:
         if not (isinstance(value, np.ndarray) and value.dtype == np.float64 and not value.flags.writeable):
             value = np.array(value, dtype=np.float64, copy=True)  # never alias an array someone may write
         object.__setattr__(self, "value", _frozen(value))
+
+    def __reduce__(self):
+        """Pickled and deep-copied as its fields, rebuilt by :meth:`adopt` (the array unpickled is fresh): locked
+        again, where a plain dataclass copy came back writable."""
+        return (Param.adopt, (self.name, self.value, self.sources, self.how))
 
     @classmethod
     def adopt(cls, name: str, value: np.ndarray, sources=(), how: str = "") -> "Param":
