@@ -306,3 +306,37 @@ def test_the_lower_bracket_of_a_rescaled_twin_is_not_above_its_rounding():
     twin = rescale_graph(graph, units, np.log([7.3, 0.01, 1.0, 3.0]))
     m = path_metric(graph, twin, "numpy")
     assert m.lower == 0.0 and m.norm_b == pytest.approx(m.norm_a, rel=1e-14)
+
+
+def test_the_metrics_digest_holds_the_fixed_maps_so_a_buffer_changed_since_is_refused():
+    """fc2(relu(fc1(x)) * self.s) with s = 2 and s = 200: the digest held only the maps' kinds, so the metric of
+    one pair (d = 0.41) certified a bound for the other under a real change of 28.6 (review)."""
+    from pathir.errors import ArgumentError
+
+    class Scaled(torch.nn.Module):
+        def __init__(self, s):
+            super().__init__()
+            torch.manual_seed(0)
+            self.fc1, self.fc2 = torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)
+            self.register_buffer("s", torch.tensor(float(s), dtype=torch.float64))
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(x)) * self.s)
+
+    def pair(s):
+        a, b = Scaled(s).double(), Scaled(s).double()
+        with torch.no_grad():
+            b.fc1.weight[0] = 0.0
+        return pathir.compile(a, input_shape=(2,)), pathir.compile(b, input_shape=(2,)), b
+
+    a1, b1, model_b1 = pair(2)
+    a2, b2, _ = pair(200)
+    x = torch.randn(4, 2, dtype=torch.float64)
+    m1 = pathir.path_metric(a1, b1)
+    with pytest.raises(ArgumentError, match="not the path-metric of these two models"):
+        pathir.output_bound(a2, b2, x, metric=m1)
+    assert np.array_equal(pathir.output_bound(a1, b1, x, metric=m1), pathir.output_bound(a1, b1, x))
+    with torch.no_grad():
+        model_b1.s.mul_(100.0)  # a buffer changed in place since the metric
+    with pytest.raises(ArgumentError, match="weights changed since"):
+        pathir.output_bound(a1, b1, x, metric=m1)

@@ -97,13 +97,31 @@ def pair_digest(ga: Graph, gb: Graph) -> bytes:
     models with the same weights (a metric computed on one pair is no bound for another)."""
     h = hashlib.blake2b(digest_size=16)
     for g in (ga, gb):
-        h.update(repr([(v.name, v.kind.name, tuple(v.shape), v.k, [(e.source, e.map.kind.name) for e in v.edges])
-                       for v in g.nodes]).encode())
+        for v in g.nodes:
+            h.update(repr((v.name, v.kind.name, tuple(v.shape), v.k, v.bias.name if v.bias else None)).encode())
+            for e in v.edges:  # every field of the map: a fixed factor's or kernel's values, a conv's geometry
+                h.update(e.source.encode())
+                _digest_fields(h, e.map)
         for p in g.params():
-            value = np.ascontiguousarray(p.value, dtype=np.float64)
-            h.update(f"{p.name}{value.shape}".encode())
-            h.update(value.tobytes())
+            h.update(f"{p.name}{p.value.shape}".encode())
+            h.update(np.ascontiguousarray(p.value, dtype=np.float64).tobytes())
     return h.digest()
+
+
+def _digest_fields(h, m) -> None:
+    """Feed ``h`` a map's kind and fields: arrays by their bytes, params by name (their values go in apart)."""
+    h.update(m.kind.name.encode())
+    for f in fields(m):
+        value = getattr(m, f.name)
+        items = value if isinstance(value, tuple) and any(isinstance(x, np.ndarray) for x in value) else (value,)
+        for x in items:
+            if isinstance(x, Param):
+                h.update(f"{f.name}:param:{x.name}".encode())
+            elif isinstance(x, np.ndarray):
+                h.update(f"{f.name}:{x.dtype}{x.shape}".encode())
+                h.update(np.ascontiguousarray(x).tobytes())
+            else:
+                h.update(f"{f.name}:{x!r}".encode())
 
 
 def _fmt(log10_value: float) -> str:
