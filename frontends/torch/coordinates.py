@@ -120,8 +120,8 @@ class _Widened(torch.autograd.Function):
             raise PathNormOverflow(
                 f"the path-norm's derivative by '{ctx.name}' reaches about {float(grad.abs().max()):.3g}, beyond "
                 f"{str(ctx.dtype).replace('torch.', '')}'s largest number {torch.finfo(ctx.dtype).max:.3g}: its "
-                "gradient cannot be stored in the parameter's dtype (a smaller penalty weight does not help: "
-                "autograd casts before it multiplies); train in float32 or float64, or scale the layers")
+                "gradient cannot be stored in the parameter's dtype: weigh the penalty down (λ · penalty, applied "
+                "in float64 before the cast), train in float32 or float64, or rescale the layers")
         return out, None
 
 

@@ -58,13 +58,14 @@ def arrays_by_source(params, log_parts, what: str, hint: str, layout=None) -> di
             value = np.zeros(p.shape)
         else:
             positive = int(np.count_nonzero(m))
+            smallest = float(np.min(m, where=m > 0, initial=np.inf))  # (before m is scaled in place)
             if m.flags.writeable:
                 value = m
                 value *= math.exp(L)
             else:
                 value = m * math.exp(L)
             if int(np.count_nonzero(value)) != positive:  # an entry below float64's range read as 0: "no path"
-                low = L + math.log(float(np.min(m[m > 0]))) if np.any(m > 0) else L
+                low = L + math.log(smallest)
                 raise PathNormOverflow(
                     f"{what} of param '{p.name}' falls to about 10^{low / math.log(10):.1f} at an entry, below "
                     f"float64's range (it would read as 0, no path through it): use {hint}")
