@@ -236,12 +236,14 @@ class Lowering:
     def relu(self, v: Value, name: str | None = None) -> Value:
         """ReLU(v), its node named ``name`` (default: the op's label)."""
         v = self.value(v)
-        if self.is_relu_output(v):
-            return v  # relu(relu(x)) = relu(x), relu(P relu(x)) = P relu(x)
+        if v.node is not None and self.b.kind(v.node) is NodeKind.RELU:
+            return v  # relu(relu(x)) = relu(x)
         name = self.label if name is None else name
-        moved = _permuted(v, self.b)
+        moved = None if v.node is not None else _permuted(v, self.b)
         if moved is not None:  # relu(P x) = P relu(x): the neurons in the layout of x, whose channels are x's
             src, m = moved
+            if self.b.kind(src) is NodeKind.RELU:
+                return v  # relu(P relu(x)) = P relu(x)
             made = self.b.relu(name, [(src, Identity())], None, origin=self.where, shape=self.b.shape(src))
             return Value([(made, m)], v.shape, None, made)
         made = self.b.relu(name, v.terms, v.bias, origin=self.where, shape=v.shape)

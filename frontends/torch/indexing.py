@@ -81,8 +81,8 @@ def index_put(low, input, indices, values, accumulate=False):
     indices = substitute(indices, [])  # an index lifted to a constant by torch.export: its tensor
     if isinstance(values, Value) and not isinstance(input, Value):
         low.unsupported("writes an activation into a tensor made in the forward (z = torch.zeros_like(x) or "
-                        "x.new_zeros(...), then z[..., idx] = x), which is not an activation: build the result from the activation instead "
-                        "(torch.cat with zeros, F.pad, or indexing x[..., idx] to reorder it)")
+                        "x.new_zeros(...), then z[..., idx] = x), which is not an activation: build the result from "
+                        "the activation instead (torch.cat with zeros, F.pad, or indexing x[..., idx] to reorder it)")
     if isinstance(values, Value):
         return low.index_op(lambda t, src: _INDEX_PUT(t, indices, src), [input, values])[0][0]
     v = low.value(input)

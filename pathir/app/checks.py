@@ -196,8 +196,8 @@ def _coverage(cm, model, xs) -> tuple[int, int, tuple]:
 
 def _onnx_read(cm, proto, refs: set[str]) -> set[str]:
     """The ONNX initializers behind the graph's source refs that are not initializer names themselves (a Clip's
-    threshold, bound as ``<node>.threshold``), every other input of a node one of them is read at, and the bounds of every Clip on an activation (0 of a ReLU, the
-    threshold of a clipped ReLU: the graph reads them as its op)."""
+    threshold, bound as ``<node>.threshold``), every other input of a node one of them is read at, and the bounds
+    of every Clip on an activation (0 of a ReLU, the threshold of a clipped ReLU: the graph reads them as its op)."""
     bindings = getattr(cm.writer, "bindings", {})
     out = {bindings[r].tensor for r in refs if r in bindings and bindings[r].tensor}
     # a tensor folded into a param another tensor of its node names (a conv's bias and a batch-norm's statistics,
