@@ -377,7 +377,7 @@ def path_metric(a, b, backend=None, progress: bool | None = None) -> PathMetric:
 
 
 def pruned_path_metric(ga: Graph, gb: Graph, backend, min_gap: float = 1e-3, log_norm_a: float | None = None,
-                       log_bound: float | None = None) -> PathMetric:
+                       log_bound: float | None = None, digest: bool = True) -> PathMetric:
     """:func:`path_metric` of θ (``ga``) and θ' = θ ⊙ mask (``gb``: entries of θ set to 0, pruning), cheaper.
 
     A path through a pruned entry has Φ_p(θ') = 0 and every other path keeps its value, so
@@ -391,6 +391,8 @@ def pruned_path_metric(ga: Graph, gb: Graph, backend, min_gap: float = 1e-3, log
     ``log_bound``: log of an upper bound on d (Σ S_i over the pruned entries); where it is at most
     ``min_gap`` ‖Φ(θ)‖₁ the norms are known to be that close without walking θ': d then comes from
     the telescoped walk and ‖Φ(θ')‖₁ = ‖Φ(θ)‖₁ − d (d ≤ min_gap of it: no digit lost).
+    ``digest``: compute the pair's digest (:func:`pair_digest`, a pass over both graphs' params), which
+    ``output_bound(metric=)`` needs; a caller that only reads the brackets skips it.
     """
 
     la = log_path_sum(ga, 1, backend) if log_norm_a is None else float(log_norm_a)
@@ -406,7 +408,7 @@ def pruned_path_metric(ga: Graph, gb: Graph, backend, min_gap: float = 1e-3, log
             log_d = _log_upper(ga, gb, backend)
     return PathMetric(lower=_exp(log_d), upper=_exp_up(log_d), exact=True, same_signs=True,
                       log10_lower=log_d / _LN10, log10_upper=log_d / _LN10, norm_a=_exp(la), norm_b=_exp(lb),
-                      pair=pair_digest(ga, gb))
+                      pair=pair_digest(ga, gb) if digest else b"")
 
 
 def _sup_norms(x, graph: Graph) -> np.ndarray:

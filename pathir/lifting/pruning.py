@@ -360,7 +360,8 @@ def prune(graph: Graph, backend, amount, criterion: str = "path-magnitude", scop
     del scores
     # θ' = θ ⊙ mask by construction; ‖Φ(θ)‖₁ from the scores' walk; the bound tells beforehand when
     # the two norms are too close to subtract
-    metric = pruned_path_metric(graph, after, backend, log_norm_a=log_norm, log_bound=log_bound)
+    # (its brackets only: the metric object stays here, so no digest of the pair)
+    metric = pruned_path_metric(graph, after, backend, log_norm_a=log_norm, log_bound=log_bound, digest=False)
     sources = {p.name: p.source_name for p in graph.params()}
     lost = {k: int(m.size - np.count_nonzero(m)) for k, m in masks.items()}  # entries pruned per param
     report = PruneReport(
