@@ -195,6 +195,21 @@ def test_a_params_value_cannot_be_made_writable_again():
             p.value.setflags(write=True)
 
 
+def test_a_param_over_a_read_only_view_of_a_writable_array_copies_it():
+    """Param(name, a[:3]) with a[:3] read-only and a writable locked a's whole chain, making the caller's own
+    array read-only (last notes' Left): such a view is copied; an array read-only down to its owner is taken."""
+    a = np.arange(6.0)
+    view = a[:3]
+    view.setflags(write=False)
+    p = Param("w", view)
+    assert a.flags.writeable and not np.shares_memory(p.value, a)
+    a[0] = 5.0  # the caller writes its array: the param keeps its value
+    np.testing.assert_array_equal(p.value, [0.0, 1.0, 2.0])
+    owner = np.arange(3.0)
+    owner.setflags(write=False)
+    assert np.shares_memory(Param("o", owner).value, owner)
+
+
 def test_pool_output_size_is_torchs_for_every_small_geometry():
     """Including a dilated window longer than the input in ceil mode (one window in torch; was 0, and the
     model was refused at the next layer for reading 0 features)."""

@@ -49,7 +49,7 @@ def test_fold_batchnorm_folds_and_preserves_the_function(with_conv_bias):
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:
-    a.setflags(write=False)  # a Param takes a read-only float64 array as it is, without a copy
+    a.setflags(write=False)  # a Param takes a float64 array read-only down to its owner as it is, without a copy
     return a
 
 
@@ -78,9 +78,10 @@ def test_fold_batchnorm_in_place_scales_a_weight_in_its_own_memory():
 
 
 def test_fold_batchnorm_in_place_copies_a_weight_whose_memory_another_param_reaches():
-    block = rng.normal(size=3 * 2 * 3 + 3)
+    block = _read_only(rng.normal(size=3 * 2 * 3 + 3))
     before = block.copy()
-    w, bias = _read_only(block[:18].reshape(3, 2, 3)), _read_only(block[18:])  # two params over one array
+    w, bias = block[:18].reshape(3, 2, 3), block[18:]  # two params over one read-only array, taken as they are
+    assert not w.flags.writeable and not bias.flags.writeable
     g = conv_bn_graph_over(w, bias)
     x = rng.normal(size=(4, 2, 5))
     expected = forward(g, BE, x)["relu"]

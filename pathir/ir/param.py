@@ -180,8 +180,11 @@ class Param:
 
     def __post_init__(self):
         value = self.value
-        if not (isinstance(value, np.ndarray) and value.dtype == np.float64 and not value.flags.writeable):
-            value = np.array(value, dtype=np.float64, copy=True)  # never alias an array someone may write
+        if not (isinstance(value, np.ndarray) and value.dtype == np.float64
+                and not any(a.flags.writeable for a in _chain(value))):
+            # never alias an array someone may write, nor lock one: a read-only view of a writable array is copied
+            # (locking its chain would make the caller's own array read-only)
+            value = np.array(value, dtype=np.float64, copy=True)
         object.__setattr__(self, "value", _frozen(value))
 
     def __reduce__(self):
