@@ -289,6 +289,31 @@ def test_extreme_rescalings_change_no_invariant(graph, seed, reach, data):
     assert _same_log10(r.log10_lower, m.log10_lower)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_units_of_one_layer_at_opposite_extremes(backend):
+    """Two neurons of one layer rescaled by about 1e-160 and 1e160 (the function is the same): the fast walk's
+    node sum peaks near 1e160 and is divided by it, which would store the other neuron's 1e-160 as a flushed
+    1e-320. Its paths must not be lost: the walk is not certified there and walks again per channel."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3), torch.nn.ReLU(),
+                              torch.nn.Linear(3, 2)).double()
+    cm = pathir.compile(net, input_shape=(3,), backend=backend)
+    x = torch.tensor([[0.7376408280756231, 0.34551718764575784, -1.5591559347261015]], dtype=torch.float64)
+    for spread in (300.0, 356.0, 368.0, 400.0):  # log of the factor: e^368 ≈ 1e160
+        z = np.zeros(len(cm.units.names))
+        z[0], z[1] = 2 * spread, -2 * spread
+        twin = cm.rescaled(z)
+        assert _finite_normal(twin.graph)
+        want = math.exp(enumerated_logs(twin.graph, 1.0))
+        assert want == pytest.approx(cm.path_norm(1), rel=1e-12)
+        for q in (1, 1.2, 2, 4.5):
+            assert twin.path_norm(q) == pytest.approx(cm.path_norm(q), rel=1e-12), (spread, q)
+        assert twin.active_path_norm(x, q=1) == pytest.approx(cm.active_path_norm(x, q=1), rel=1e-12)
+        scores, ref = twin.path_magnitude_scores(), cm.path_magnitude_scores()
+        for name in ref:
+            assert np.allclose(scores[name], ref[name], rtol=1e-12, atol=0), (spread, name)
+
+
 def test_one_unit_rescaled_by_e100_and_e200():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4), torch.nn.ReLU(),

@@ -52,6 +52,9 @@ __all__ = ["Uncertified", "FLOOR", "Certifier", "scaled_forward", "scaled_backwa
 
 #: an entry below this (in the units of the sum it belongs to) is not certified
 FLOOR = 1e-200
+#: the largest mantissa a fast walk keeps: a node's sum whose largest entry is above it is divided by that entry
+#: (:func:`pathir.lifting.walk.combine_scaled`), so its entries are certified in those units
+HIGH = 1e50
 
 _NONFINITE = "non-finite value in a path computation (NaN or inf weights?)"
 
@@ -101,7 +104,7 @@ class Certifier:
         """Check the sum ``acc`` (before renormalisation) of node ``name``, forward or backward;
         returns its largest entry. ``full(acc)``: the node's full tensor, where ``acc`` is stored
         compressed (pathir.lifting.ones_walk), read only to judge entries that are 0."""
-        hi = self._fine(acc)
+        hi = self._fine(acc, renormalised=True)
         if hi is None:
             acc = acc if full is None else full(acc)
             sup = self.backward_support()[name] if backward else self.forward_support()[0][name]
@@ -123,15 +126,19 @@ class Certifier:
             return
         self._zeros(grad, self.backend.channel_sum(self.backward_support()[node]) > 0, f"the gradient of '{name}'")
 
-    def _fine(self, acc) -> float | None:
+    def _fine(self, acc, renormalised: bool = False) -> float | None:
         """The largest entry if every entry is at least FLOOR; None if some are exactly 0
-        (to be judged by the support); raises if one is finite, positive and below FLOOR."""
+        (to be judged by the support); raises if one is finite, positive and below FLOOR.
+        ``renormalised``: ``acc`` is a node's sum, which the walk divides by its largest entry where that
+        is above :data:`HIGH`: then an entry must be at least FLOOR in those units (one of 1e-160 beside
+        a largest of 1e160 would be stored as 1e-320, flushed to 0, and its paths lost)."""
         lo, hi = self.backend.extrema(acc)
         if not (math.isfinite(lo) and math.isfinite(hi)) or lo < 0:
             raise Uncertified(_NONFINITE)
-        if lo >= FLOOR:
+        floor = FLOOR * hi if renormalised and hi > HIGH else FLOOR
+        if lo >= floor:
             return hi
-        if bool(((acc > 0) & (acc < FLOOR)).any()):
+        if bool(((acc > 0) & (acc < floor)).any()):
             raise Uncertified(f"an entry below {FLOOR:g} of its sum's scale")
         return None
 
