@@ -116,6 +116,32 @@ def test_a_walk_it_cannot_certify_is_refused(tiny, refused):
     assert _le(m.lower[0], d) and _le(d, m.upper[0]) and m.norm_b[0] == pytest.approx(norm_b, rel=1e-12)
 
 
+@pytest.mark.parametrize("spread, refused", [(1e100, False), (1e200, True)])
+def test_a_backward_walk_it_cannot_certify_is_refused(spread, refused):
+    """θ's hidden neurons reach the output through weights 1/spread and spread: the backward walk's node holds
+    both, and is divided by the larger when renormalised. At 1e200 the small one was flushed and the upper
+    bracket (and the "guaranteed" bound) came out 0 where d_x = 1.2e-202 (numerics review): refused now; at
+    1e100 the brackets equal enumeration."""
+    from pathir.ir import Dense, GraphBuilder
+
+    def net(w1):
+        b = GraphBuilder()
+        x = b.input("x", (2,))
+        h = b.relu("h", [(x, Dense(b.param("w1", w1)))])
+        return b.build(outputs=[b.identity("y", [(h, Dense(b.param("w2", [[1.0 / spread, spread]])))])])
+
+    a, b = net([[1.0, 2.0], [1.0, 1.0]]), net([[1.5, 1.0], [1.0, 1.0]])  # only edges into h0 differ
+    x = np.ones((1, 2))
+    if refused:
+        with pytest.raises(PathirError, match="cannot be certified"):
+            active_path_metric(a, b, x, "numpy")
+        return
+    m = active_path_metric(a, b, x, "numpy")
+    (d, norm_a, norm_b, _), = enumerated(a, b, {"x": x})
+    assert d > 0 and _le(m.lower[0], d) and _le(d, m.upper[0])
+    assert m.upper[0] == pytest.approx(d, rel=1e-12)
+
+
 def test_the_lower_bound_of_two_networks_with_one_lifting_is_zero_not_their_rounding():
     """θ' is θ with hidden units rescaled by powers of two: Φ(θ') = Φ(θ) bit for bit, d_x = 0, yet the two
     active norms are walked separately and may differ in their last bits."""

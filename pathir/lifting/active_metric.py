@@ -119,14 +119,17 @@ def _scaled_pair(ga, gb):
     """(θ / s, θ' / s, {param name: s}): both graphs with every param divided by one power of two s, the one at or
     above the larger of its largest |entry| in θ and in θ' (1 where both are 0), so that every weight and bias of
     either is below 1 and each quotient is exact (a normal number divided by a power of two); the walks add log s
-    back term by term (``log_scales``)."""
+    back term by term (``log_scales``). Raises Uncertified where a quotient would leave float64's normal range."""
     scale = {}
     for pa, pb in zip(ga.params(), gb.params()):
         top = max(float(np.max(np.abs(pa.value), initial=0.0)), float(np.max(np.abs(pb.value), initial=0.0)))
         scale[pa.name] = math.ldexp(1.0, math.frexp(top)[1]) if top > 0 and math.isfinite(top) else 1.0
 
     def divided(p):
-        return p.with_value(p.value / scale[p.name])
+        value = p.value / scale[p.name]
+        if np.any((p.value != 0) & (np.abs(value) < np.finfo(np.float64).tiny)):  # one 1e-250 of its largest
+            raise Uncertified(f"'{p.name}' spreads beyond float64 once divided by its largest entry")
+        return p.with_value(value)
 
     return ga.map_params(divided), gb.map_params(divided), scale
 
@@ -142,14 +145,14 @@ def _chunk_logs(ga, gb, be, x, diff_edges, diff_biases):
         return (*_walk_logs(ga, gb, be, pat, diff_edges, diff_biases, None), flipped)
     except Uncertified:
         pass
-    sa, sb, scales = _scaled_pair(ga, gb)
-    diff_edges, diff_biases = _diff_maps(ga, gb, scales)
     try:
+        sa, sb, scales = _scaled_pair(ga, gb)
+        diff_edges, diff_biases = _diff_maps(ga, gb, scales)
         return (*_walk_logs(sa, sb, be, pat, diff_edges, diff_biases, {k: math.log(v) for k, v in scales.items()}),
                 flipped)
     except Uncertified as err:
-        raise PathirError(f"active path-metric: the walk of θ' cannot be certified in float64 ({err}): a bracket "
-                          "from it could lose terms; refused (docs/paths.md)") from err
+        raise PathirError(f"active path-metric: the walks of θ' and θ cannot be certified in float64 ({err}): a "
+                          "bracket from them could lose terms; refused (docs/paths.md)") from err
 
 
 def _walk_logs(ga, gb, be, pat, diff_edges, diff_biases, log_scales):
@@ -179,7 +182,10 @@ def _walk_logs(ga, gb, be, pat, diff_edges, diff_biases, log_scales):
                 db = be.asarray(diff_biases[node.name].reshape(1, -1, *([1] * (g.ndim - 2))))
                 upper_logs.append(_log(be.row_total(g * db), B) + M + param_log_scale(log_scales, node.bias))
 
-    grads = masked_backward(va, be_a, pat, on_node=contract, log_scales=log_scales)
+    # its positive entries certified like the forward's (one of 1e-200 beside 1e200 would be flushed when its
+    # node is renormalised, its terms lost, the bracket low); an entry exactly 0 is not judged (docs/paths.md)
+    grads = masked_backward(va, be_a, pat, on_node=contract, log_scales=log_scales,
+                            certify=Certifier(ga, False, be, pattern=pat, judge_zeros=False))
     norm_logs.append(log_row_total(be_a, grads, va.inputs, B))
     return logsumexp_rows(upper_logs, B), logsumexp_rows(norm_logs, B), log_b
 

@@ -299,7 +299,7 @@ def param_log_scale(log_scales, param) -> float:
 
 @flushing
 def masked_backward(graph: Graph, backend, pattern: ActivationPattern, seeds=None, on_node=None,
-                    log_scales=None) -> dict:
+                    log_scales=None, certify=None) -> dict:
     """Reverse walk with the pattern frozen: per node, the sum over active paths from
     it to an output (seeded by ``seeds`` {output: array}, default ones), i.e. the
     gradient w.r.t. its pre-activation (its value for input nodes). Without seeds an output the graph
@@ -308,7 +308,8 @@ def masked_backward(graph: Graph, backend, pattern: ActivationPattern, seeds=Non
 
     ``on_node(node, (g, M))``, when given, sees each node's value as it is made
     (the metric contracts it with the forward on the fly) and nothing is kept
-    but the inputs' values. ``log_scales``: as for :func:`masked_forward`. Returns {name: (g, M)}."""
+    but the inputs' values. ``log_scales``: as for :func:`masked_forward`; ``certify``: a backward
+    :class:`~pathir.lifting.scaled.Certifier` checking each node's sum (raises Uncertified). Returns {name: (g, M)}."""
     B = pattern.batch
     pending: dict[str, list] = {n.name: [] for n in graph.nodes}
     for o in graph.outputs if seeds is None else dict.fromkeys(graph.outputs):
@@ -317,7 +318,8 @@ def masked_backward(graph: Graph, backend, pattern: ActivationPattern, seeds=Non
     grads = {}
     for node in reversed(graph.nodes):
         try:
-            g, M = _combine(backend, pending.pop(node.name), B)
+            check = None if certify is None else (lambda acc, name=node.name: certify.node(name, acc, backward=True))
+            g, M = _combine(backend, pending.pop(node.name), B, check)
             if g is not None and node.kind is NodeKind.RELU:
                 g = g * pattern.relu[node.name]
             if on_node is None or node.kind is NodeKind.INPUT:

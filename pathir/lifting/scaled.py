@@ -89,11 +89,13 @@ class Certifier:
     raises :class:`Uncertified` unless every entry is finite and at least :data:`FLOOR`
     (in the units of the sum it belongs to) or exactly 0 where no nonzero path reaches it.
     The support (which neurons nonzero paths reach, from the inputs or to the outputs) is
-    walked only when a zero entry has to be judged."""
+    walked only when a zero entry has to be judged; ``judge_zeros=False`` leaves entries exactly 0
+    unjudged (a masked backward walk, whose support under the pattern is not walked) and certifies
+    the others."""
 
     def __init__(self, graph: Graph, zeros_count: bool, backend, pattern=None, sample=None,
-                 forward: "Certifier | None" = None):
-        self.graph, self.zeros_count = graph, zeros_count
+                 forward: "Certifier | None" = None, judge_zeros: bool = True):
+        self.graph, self.zeros_count, self.judge_zeros = graph, zeros_count, judge_zeros
         self.backend = getattr(backend, "base", backend)  # a power view's own backend: 0/1 weights as they are
         self.pattern, self.sample = pattern, sample
         self._source = forward  # the certifier of the walk whose values feed the weight-gradients
@@ -105,6 +107,8 @@ class Certifier:
         returns its largest entry. ``full(acc)``: the node's full tensor, where ``acc`` is stored
         compressed (pathir.lifting.ones_walk), read only to judge entries that are 0."""
         hi = self._fine(acc, renormalised=True)
+        if hi is None and not self.judge_zeros:
+            return float(self.backend.extrema(acc)[1])
         if hi is None:
             acc = acc if full is None else full(acc)
             sup = self.backward_support()[name] if backward else self.forward_support()[0][name]
