@@ -1,6 +1,7 @@
 """A network whose output is one number per sample (a regression head's ``.squeeze(-1)``: a node of shape ()):
 every analysis and rescaling reads it as one channel (they raised IndexError: the units' channel of a scalar)."""
 
+import contextlib
 import copy
 
 import numpy as np
@@ -80,3 +81,48 @@ def test_a_bias_on_a_scalar_node_is_refused_by_verify():
     s = b.identity("s", [(h, Reshape(()))], bias=b.param("sb", [0.5]))
     with pytest.raises(pathir.GraphVerificationError, match="a scalar node .* has no channel axis to hold bias 'sb'"):
         b.build(outputs=[s])
+
+
+class PerSampleScalar(torch.nn.Module):
+    """``s = h[:, 0]``, one number per sample, under a fixed factor, a difference or a max, stacked back."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.a, self.o, self.op = torch.nn.Linear(4, 6), torch.nn.Linear(2, 2), op
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.o(torch.stack([self.op(h[:, 0], h), h[:, 1]], 1))
+
+
+class ScaledInPlace(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.o = torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        h[:, 0] *= 2
+        return self.o(torch.relu(h))
+
+
+SCALAR_OPS = {"s*2": lambda s, h: s * 2, "2*s": lambda s, h: 2 * s, "s/2": lambda s, h: s / 2, "-s": lambda s, h: -s,
+              "s-h2": lambda s, h: s - h[:, 2], "add alpha": lambda s, h: torch.add(s, h[:, 2], alpha=3),
+              "s*tensor": lambda s, h: s * torch.tensor(3.0, dtype=s.dtype),
+              "maximum": lambda s, h: torch.maximum(s, h[:, 2]),
+              "squeezed*2": lambda s, h: h[:, 0:1].squeeze(1) * 2}
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+@pytest.mark.parametrize("op", [*SCALAR_OPS, "h[:, 0] *= 2"])
+def test_a_per_sample_scalar_under_a_fixed_factor_or_a_max_is_lowered_exactly(op, capture):
+    """These raised a raw IndexError (``out_shape`` read the channel axis of shape ()), torch.maximum an internal
+    pool-geometry message (torch review): as (1,), scaled or maxed, back to ()."""
+    from torch_programs import export_path
+
+    torch.manual_seed(0)
+    net = (ScaledInPlace() if op == "h[:, 0] *= 2" else PerSampleScalar(SCALAR_OPS[op])).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    with export_path() if capture == "export" else contextlib.nullcontext():
+        cm = pathir.compile(net, input_shape=(4,))
+    np.testing.assert_allclose(cm.forward(x.numpy()), net(x).detach().numpy(), rtol=1e-12, atol=1e-12)

@@ -17,6 +17,10 @@ def fixed_scale(low, v: Value, c) -> Value:
     or per element; a leading batch axis of length 1 allowed): a 1-window Pool whose multiplier
     holds the factors (a factor 0 is no edge)."""
     v = low.value(v)
+    if not tuple(v.shape):  # one number per sample (``h[:, 0]``): as (1,), scaled there, back to ()
+        column = low.index_op(lambda t: t.unsqueeze(-1), [v])[0][0]
+        scaled = fixed_scale(low, column, np.reshape(c, (1,)) if np.ndim(c) else c)
+        return low.index_op(lambda t: t.squeeze(-1), [scaled])[0][0]
     if np.ndim(c):
         return _fixed_tensor_scale(low, v, np.asarray(c, dtype=np.float64))
     c = float(c)

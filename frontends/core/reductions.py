@@ -69,6 +69,9 @@ def elementwise_max(low, values) -> Value:
     values = [low.value(v) for v in values]
     if len({v.shape for v in values}) != 1:
         low.unsupported("elementwise max of activations of different shapes (broadcasting)")
+    if not tuple(values[0].shape):  # one number per sample each: as (1,), their max there, back to ()
+        columns = [low.index_op(lambda t: t.unsqueeze(-1), [v])[0][0] for v in values]
+        return low.index_op(lambda t: t.squeeze(-1), [elementwise_max(low, columns)])[0][0]
     k = len(values)
     stacked = low.index_op(lambda *ts: torch.stack(ts, dim=-1), values)[0][0]
     n = len(stacked.shape) - 1
