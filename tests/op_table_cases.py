@@ -737,6 +737,7 @@ onnx_case("GlobalAveragePool", C2, lambda h: one("GlobalAveragePool"))
 # ---------------------------------------------------------------- ReLU spellings, the identity, sums
 onnx_case("Relu", V, lambda h: one("Relu"))
 onnx_case("LeakyRelu", V, lambda h: one("LeakyRelu", alpha=0.0))
+onnx_case("ThresholdedRelu", V, lambda h: one("ThresholdedRelu", alpha=0.0))
 onnx_case("Clip", V, lambda h: one("Clip", ["h", "lo"], {"lo": np.zeros((), np.float32)}))
 onnx_case("Min of a Relu", C2, lambda h: ([node("Relu", ["h"], ["r"]), node("Min", ["r", "t"], ["y"])],
                                           {"t": np.array([0.2, 0.5, 0.9], np.float32).reshape(1, 3, 1, 1)}, "y"))

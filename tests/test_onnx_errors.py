@@ -402,3 +402,17 @@ def test_tile_along_the_batch_axis_is_named():
     with pytest.raises(pathir.UnsupportedOperation, match="repeats the batch axis 2 times") as info:
         pathir.compile(tile)
     assert (info.value.node, info.value.op) == ("tile", "Tile")
+
+
+def test_a_reshape_that_fixes_the_batch_of_a_dynamic_file_says_so():
+    """Reshape to [1, 3] on an input of batch "N": refused with a raw numpy error about pathir's own trial batch
+    ("cannot reshape array of size 6 into shape (1,3)", ONNX review); it says the shape fixes the batch now."""
+    rng = np.random.default_rng(0)
+    model = make_model(
+        [node("Gemm", ["x", "W"], ["h"], "fc", transB=1), node("Relu", ["h"], ["r"], "relu"),
+         node("Reshape", ["r", "s"], ["y"], "rr")],
+        [tensor_info("x", ["N", 4])], [tensor_info("y", [1, 3])],
+        {"W": rng.normal(size=(3, 4)), "s": np.array([1, 3], dtype=np.int64)})
+    with pytest.raises(PathirError, match=r"its shape \[1, 3\] fixes the batch axis at 1 while the model's "
+                                                   "batch is dynamic"):
+        pathir.compile(model)

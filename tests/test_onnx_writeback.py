@@ -430,3 +430,28 @@ def test_a_zero_rescaling_leaves_every_initializer_bit_for_bit():
     after = {t.name: numpy_helper.to_array(t) for t in cm.to_onnx().graph.initializer}
     assert before.keys() <= after.keys() and all(np.array_equal(before[k], after[k]) for k in before)  # (a shared
     # initializer the exporter deduplicated is split by the write, its copy the same values)
+
+
+@pytest.mark.parametrize("rows_equal", [True, False])
+def test_a_bias_expanded_over_a_fixed_batch_is_one_bias_or_refused(rows_equal):
+    """A file of fixed batch 2 adding a (2, 3) constant: with equal rows it is a bias (written back as one row,
+    which broadcasts over the batch as before); with different rows it is refused as such. Both were refused as
+    'changes its shape' (ONNX review)."""
+    rng = np.random.default_rng(0)
+    c = np.stack([rng.normal(size=3)] * 2) if rows_equal else rng.normal(size=(2, 3))
+    model = make_model(
+        [node("Gemm", ["x", "W1"], ["h"], "fc1", transB=1), node("Add", ["h", "c"], ["h2"], "add"),
+         node("Relu", ["h2"], ["r"], "relu"), node("Gemm", ["r", "W2"], ["y"], "fc2", transB=1)],
+        [tensor_info("x", [2, 4])], [tensor_info("y", [2, 2])],
+        {"W1": rng.normal(size=(3, 4)), "c": c, "W2": rng.normal(size=(2, 3))})
+    if not rows_equal:
+        with pytest.raises(PathirError, match="spans the file's fixed batch of 2 with a different value per sample"):
+            pathir.compile(model)
+        return
+    cm = pathir.compile(model)
+    x = rng.normal(size=(2, 4)).astype(np.float32)
+    np.testing.assert_allclose(cm.forward(x.astype(np.float64), backend="numpy"), ort_run(model, x)[0], rtol=1e-5)
+    cm.writer.rescale(cm.graph, {"relu": np.log([2.0, 0.5, 4.0])})
+    new = cm.to_onnx()
+    onnx.checker.check_model(new)
+    assert rel(ort_run(new, x)[0], ort_run(model, x)[0]) <= 1e-5

@@ -21,7 +21,7 @@ from pathir.frontends.onnx.load import float_info, numpy_dtype
 from pathir.frontends.onnx.writer import Binding
 from pathir.ir import Role, SourceRef
 
-__all__ = ["sub", "neg", "mul", "div", "max_", "min_", "leaky_relu", "clip", "where_", "reduce_sum", "reduce_mean",
+__all__ = ["sub", "neg", "mul", "div", "max_", "min_", "leaky_relu", "thresholded_relu", "clip", "where_", "reduce_sum", "reduce_mean",
            "reduce_max"]
 
 
@@ -119,6 +119,16 @@ def leaky_relu(low, node, ins):
         return [low.act(node, 0)]
     if alpha != 0:
         low.unsupported("LeakyRelu with a slope other than 0 or 1: pathir's neurons are identity, ReLU and max-pool only")
+    return [low.relu(low.act(node, 0))]
+
+
+def thresholded_relu(low, node, ins):
+    """alpha 0: a ReLU (x where x > 0, else 0); any other threshold is refused."""
+    alpha = attrs(node).get("alpha", 1.0)
+    if alpha != 0:
+        low.unsupported(f"not positively homogeneous: ThresholdedRelu(x) is x where x > alpha and 0 elsewhere, a cut "
+                        f"at alpha = {alpha:g} that does not scale with x (f(λx) ≠ λ·f(x) for λ > 0), so rescaling a "
+                        "neuron would change the function (at alpha = 0 it is a ReLU)")
     return [low.relu(low.act(node, 0))]
 
 

@@ -309,6 +309,12 @@ class OnnxLowering(Lowering):
                              "threshold is a number there")
         c = c * scale
         full = (1, *v.shape) if axis == 0 else (v.shape[0], 1)
+        if axis == 0 and self.batch_fixed and self.batch > 1 and c.ndim == len(full) and c.shape[0] == self.batch:
+            if not np.all(c == c[:1]):  # a file of fixed batch N may carry a bias expanded over it
+                self.unsupported(f"the constant of shape {list(c.shape)} spans the file's fixed batch of {self.batch} "
+                                 "with a different value per sample: pathir's graph is one sample's, and a bias is "
+                                 "the same for every sample")
+            c = c[:1]
         ch = 1 if axis == 0 else 0
         try:
             shape = np.broadcast_shapes(c.shape, full)

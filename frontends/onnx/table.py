@@ -31,7 +31,7 @@ RULES = {
     "MaxPool": ly.max_pool, "GlobalMaxPool": ly.global_max_pool,
     "AveragePool": ly.average_pool, "GlobalAveragePool": ly.global_average_pool,
     # ReLU, the identity, sums
-    "Relu": el.relu, "LeakyRelu": ar.leaky_relu, "Clip": ar.clip,
+    "Relu": el.relu, "LeakyRelu": ar.leaky_relu, "ThresholdedRelu": ar.thresholded_relu, "Clip": ar.clip,
     "Identity": el.identity, "Dropout": el.dropout, "Cast": el.cast, "CastLike": el.cast_like,
     "Shape": el.shape, "Size": el.size, "Add": el.add,
     # constant factors, differences, maxima, reductions, masks

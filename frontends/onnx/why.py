@@ -22,9 +22,6 @@ WHY = {
     )},
     "Softplus": ("not positively homogeneous: Softplus(x) = log(1 + e^x) is a smooth ReLU, Softplus(0) = log(2) ≠ 0 and "
                  "Softplus(λx) ≠ λ·Softplus(x) for λ > 0, so rescaling a neuron would change the function (use Relu)"),
-    "ThresholdedRelu": ("not positively homogeneous: ThresholdedRelu(x) is x where x > alpha and 0 elsewhere, a cut at "
-                        "alpha that does not scale with x (f(λx) ≠ λ·f(x) for λ > 0), so rescaling a neuron would "
-                        "change the function (at alpha = 0 it is a ReLU: write Relu)"),
     "PRelu": ("positively homogeneous, but its slope input (x·slope for x < 0, a learnable parameter of the source "
               "model) makes it a neuron pathir does not have: pathir's neurons are identity, ReLU and max-pool only "
               "(use Relu)"),
