@@ -116,7 +116,28 @@ def test_a_walk_it_cannot_certify_is_refused(tiny, refused):
     assert _le(m.lower[0], d) and _le(d, m.upper[0]) and m.norm_b[0] == pytest.approx(norm_b, rel=1e-12)
 
 
-@pytest.mark.parametrize("spread, refused", [(1e100, False), (1e200, True)])
+@pytest.mark.parametrize("backend", ["torch", "numpy"])
+@pytest.mark.parametrize("w11, x", [(1e-170, [1.0, -2.0]), (1e-70, [1.0, -2.0]), (1e-70, [1.0, 1.0])])
+def test_a_backward_walk_masked_before_it_is_renormalised(backend, w11, x):
+    """w2 = [1e60, 1e-80]; at x = (1, -2) the mask switches h0 (backward 1e60) off. The backward node was
+    renormalised by h0's 1e60 before the mask: h1's 1e-80 stored as 1e-140, times w1[1,1] = 1e-170 flushed to 0,
+    d_x reported 0 (exact, bound 0) on torch where it is 5e-251, or refused where it was fine (diff review). The
+    mask is applied first now, and each contraction is certified against the supports; d_x equals enumeration."""
+    from pathir.ir import Dense, GraphBuilder
+
+    def net(w):
+        b = GraphBuilder()
+        xin = b.input("x", (2,))
+        h = b.relu("h", [(xin, Dense(b.param("w1", [[1.0, 1.0], [1.0, w]])))])
+        return b.build(outputs=[b.identity("y", [(h, Dense(b.param("w2", [[1e60, 1e-80]])))])])
+
+    a, b = net(w11), net(0.5 * w11)
+    m = active_path_metric(a, b, np.array([x]), backend)
+    (d, _, _, _), = enumerated(a, b, {"x": np.array([x])})
+    assert d > 0 and m.upper[0] == pytest.approx(d, rel=1e-12) and m.lower[0] <= m.upper[0]
+
+
+@pytest.mark.parametrize("spread, refused", [(1e100, False), (1e130, False), (1e200, True)])
 def test_a_backward_walk_it_cannot_certify_is_refused(spread, refused):
     """θ's hidden neurons reach the output through weights 1/spread and spread: the backward walk's node holds
     both, and is divided by the larger when renormalised. At 1e200 the small one was flushed and the upper

@@ -144,12 +144,14 @@ def test_newton_with_per_unit_lower_bounds_meets_the_kkt_conditions_and_lbfgsb(p
     assert newton.f_final <= ref.fun + 1e-8 * max(1.0, abs(ref.fun))
 
 
-def test_per_unit_lower_bounds_are_refused_where_they_cannot_hold():
+def test_per_unit_lower_bounds_of_another_shape_are_refused_and_above_zero_read_as_zero():
     rows, H = dense_rows(2, 2, 2, 2)
     g = np.exp(np.random.default_rng(0).uniform(-3, 3, len(rows)))
     B = incidence(rows, H)
     with pytest.raises(ValueError, match="lower must be"):
-        solve_newton(g, B, lower=np.full(H, 0.5))  # z = 0 infeasible
+        solve_newton(g, B, lower=np.full(H + 1, -1.0))
+    above = solve_newton(g, B, lower=np.full(H, 0.5))  # a variance already below its floor: held at z = 0 or above
+    assert np.all(above.z >= 0.0)
     with pytest.raises(ValueError, match="newton solver only"):
         solve(g, B, method="block", lower=np.full(H, -1.0))
 

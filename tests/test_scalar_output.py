@@ -126,3 +126,31 @@ def test_a_per_sample_scalar_under_a_fixed_factor_or_a_max_is_lowered_exactly(op
     with export_path() if capture == "export" else contextlib.nullcontext():
         cm = pathir.compile(net, input_shape=(4,))
     np.testing.assert_allclose(cm.forward(x.numpy()), net(x).detach().numpy(), rtol=1e-12, atol=1e-12)
+
+
+class ScalarHead(torch.nn.Module):
+    def __init__(self, factor: float = 2.0, keep_axis: bool = False):
+        super().__init__()
+        self.a, self.factor, self.keep_axis = torch.nn.Linear(4, 6), factor, keep_axis
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return h[:, 0:1] * self.factor if self.keep_axis else h[:, 0] * self.factor
+
+
+def test_a_scalar_output_past_the_fast_walk_walks_per_neuron():
+    """q = 1000 (and weights near 1e300) leave the fast walk for the per-channel one, which read a node of shape
+    () as having channels (raw IndexError, diff review): such a graph goes to the per-neuron log-space walk, and
+    gives the (1,)-shaped spelling's numbers."""
+    torch.manual_seed(0)
+    scalar, column = ScalarHead().double(), ScalarHead(keep_axis=True).double()
+    column.load_state_dict(scalar.state_dict())
+    a, b = pathir.compile(scalar, input_shape=(4,)), pathir.compile(column, input_shape=(4,))
+    for q in (1, 1000):
+        assert a.path_norm(q) == pytest.approx(b.path_norm(q), rel=1e-12)
+    huge = ScalarHead(1e300).double()
+    cm = pathir.compile(huge, input_shape=(4,))
+    x = torch.randn(5, 4, dtype=torch.float64)
+    y = huge(x).detach()
+    cm.pathcond()
+    assert torch.allclose(huge(x), y, rtol=1e-12, atol=0)

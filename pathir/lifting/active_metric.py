@@ -40,7 +40,7 @@ from pathir.lifting.pattern import (
     param_log_scale,
     power_walk,
 )
-from pathir.lifting.scaled import Certifier, Uncertified
+from pathir.lifting.scaled import NORMAL, Certifier, Uncertified
 
 __all__ = ["ActivePathMetric", "active_path_metric"]
 
@@ -157,35 +157,53 @@ def _chunk_logs(ga, gb, be, x, diff_edges, diff_biases):
 
 def _walk_logs(ga, gb, be, pat, diff_edges, diff_biases, log_scales):
     """(log upper, log ‖Φ(θ)⊙a‖₁, log ‖Φ(θ')⊙a‖₁) of the pattern ``pat``; ``log_scales``: the params' log-scales
-    the walks add (:func:`_scaled_pair`), or None. Raises Uncertified where the walk of θ' cannot be certified."""
+    the walks add (:func:`_scaled_pair`), or None. Raises Uncertified where a walk, or a sum of products of two
+    (a contraction), cannot be certified: every node of both walks is checked (the backward's zeros against the
+    pattern's support), and each contraction is at least FLOOR or 0 where the supports' is."""
     B = pat.batch
     va, be_a = power_walk(ga, be, 1.0)
     vb, be_b = power_walk(gb, be, 1.0)
     sources = {va.node(name).edges[i].source for name, i in diff_edges}
-    fb = masked_forward(vb, be_b, pat, keep=sources | set(vb.outputs), certify=Certifier(gb, False, be, pattern=pat),
-                        log_scales=log_scales)
+    cert_f, cert_b = Certifier(gb, False, be, pattern=pat), Certifier(ga, False, be, pattern=pat)
+    fb = masked_forward(vb, be_b, pat, keep=sources | set(vb.outputs), certify=cert_f, log_scales=log_scales)
     log_b = log_row_total(be_b, fb, vb.outputs, B)
     upper_logs, norm_logs = [], []
 
+    def certified(total, support, terms: int, where):
+        """``total`` (per sample, a sum of ``terms`` products) checked against ``support()`` (the same contraction
+        of the supports), walked only where a total is small."""
+        values = np.broadcast_to(np.asarray(be.to_numpy(total), dtype=np.float64).reshape(-1), (B,))
+        if np.any(values < 10 * NORMAL * max(terms, 1)):
+            cert_b.total(values, np.asarray(be.to_numpy(support()), dtype=np.float64).reshape(-1), terms, where)
+        return total
+
     def contract(node, gM):
         g, M = gM
+        sup = lambda: cert_b.backward_support()[node.name]  # noqa: E731 (walked only where a total is small)
         for i, e in enumerate(node.edges):
             m = diff_edges.get((node.name, i))
             if m is None or fb[e.source][0] is None:
                 continue
             f, L = fb[e.source]
-            s = be.row_total(g * be.apply(m, f, va.node(e.source).shape))
+            shape = va.node(e.source).shape
+            s = certified(be.row_total(g * be.apply(m, f, shape)),
+                          lambda: be.row_total(sup() * be.apply(cert_b.support_map(m), cert_f.forward_support()[1][e.source],
+                                                                shape)), m.weight.size + math.prod(node.shape),
+                          f"edge {i} of '{node.name}'")
             upper_logs.append(_log(s, B) + L + M + param_log_scale(log_scales, e.map.weight))
         if node.bias is not None:
-            norm_logs.append(_log(be_a.row_total(g * be_a.bias(node, g.ndim)), B) + M + param_log_scale(log_scales, node.bias))
+            bias = be_a.bias(node, g.ndim)
+            size = math.prod(node.shape)
+            total = certified(be_a.row_total(g * bias), lambda: be.row_total(sup() * (bias != 0)), size,
+                              f"the bias of '{node.name}'")
+            norm_logs.append(_log(total, B) + M + param_log_scale(log_scales, node.bias))
             if node.name in diff_biases:
                 db = be.asarray(diff_biases[node.name].reshape(1, -1, *([1] * (g.ndim - 2))))
-                upper_logs.append(_log(be.row_total(g * db), B) + M + param_log_scale(log_scales, node.bias))
+                total = certified(be.row_total(g * db), lambda: be.row_total(sup() * (db != 0)), size,
+                                  f"the bias of '{node.name}'")
+                upper_logs.append(_log(total, B) + M + param_log_scale(log_scales, node.bias))
 
-    # its positive entries certified like the forward's (one of 1e-200 beside 1e200 would be flushed when its
-    # node is renormalised, its terms lost, the bracket low); an entry exactly 0 is not judged (docs/paths.md)
-    grads = masked_backward(va, be_a, pat, on_node=contract, log_scales=log_scales,
-                            certify=Certifier(ga, False, be, pattern=pat, judge_zeros=False))
+    grads = masked_backward(va, be_a, pat, on_node=contract, log_scales=log_scales, certify=cert_b)
     norm_logs.append(log_row_total(be_a, grads, va.inputs, B))
     return logsumexp_rows(upper_logs, B), logsumexp_rows(norm_logs, B), log_b
 

@@ -35,7 +35,7 @@ import numpy as np
 from pathir.errors import BackendError, InputShapeError, PathirError, PathNormOverflow
 from pathir.ir import Graph, Node, NodeKind
 from pathir.ir.inputs import refuse_unreadable
-from pathir.lifting.scaled import Uncertified
+from pathir.lifting.scaled import Uncertified, check_stored
 from pathir.lifting.walk import flushing, readable
 from pathir.passes.path_view import abs_pow
 
@@ -197,11 +197,13 @@ def _scale(backend, m, factors: np.ndarray):
     return m * backend.asarray(factors.reshape(-1, *([1] * (m.ndim - 1))))
 
 
-def _combine(backend, terms, batch: int, check=None):
-    """Sum of m_t · exp(L_t) (L_t arrays (B,)) as (m, L) with max|m[b]| in [_LOW, _HIGH] or m[b] = 0.
+def _combine(backend, terms, batch: int, check=None, mask=None):
+    """Sum of m_t · exp(L_t) (L_t arrays (B,)) as (m, L) with max|m[b]| in [_LOW, _HIGH] or m[b] = 0, times
+    ``mask`` (a ReLU's pattern) where given, before it is renormalised (a masked entry sets no sample's scale).
 
     ``check(acc)``, when given, certifies the sum (pathir.lifting.scaled.Certifier.node); a term
-    whose factor e^{L − top} underflows for a sample is then certified only if negligible there."""
+    whose factor e^{L − top} underflows for a sample is then certified only if negligible there, and an
+    entry far below its sample's peak only if it stays a normal float64 once divided by it."""
     terms = [(m, L) for m, L in terms if m is not None]
     if not terms:
         return None, np.zeros(batch)
@@ -216,6 +218,8 @@ def _combine(backend, terms, batch: int, check=None):
                 raise Uncertified("a term of a node more than e^700 below its sum")
         t = _scale(backend, m, np.exp(L - top))
         acc = t if acc is None else acc + t
+    if mask is not None:
+        acc = acc * mask
     if check is not None:
         check(acc)
     peak = backend.row_amax(acc) if acc.shape[0] == batch else np.repeat(backend.row_amax(acc), batch)
@@ -224,7 +228,10 @@ def _combine(backend, terms, batch: int, check=None):
     move = (peak > 0) & ((peak < _LOW) | (peak > _HIGH))
     if move.any():
         factor = np.where(move, peak, 1.0)
-        acc = _scale(backend, acc if acc.shape[0] == batch else acc + backend.zeros((batch, *acc.shape[1:])), 1 / factor)
+        full = acc if acc.shape[0] == batch else acc + backend.zeros((batch, *acc.shape[1:]))
+        acc = _scale(backend, full, 1 / factor)
+        if check is not None and np.any(peak > _HIGH):
+            check_stored(full, acc)
         top = top + np.log(factor)
     return acc, top
 
@@ -276,10 +283,8 @@ def masked_forward(graph: Graph, backend, pattern: ActivationPattern, inputs=Non
                 terms.append((backend.bias(node, len(node.shape) + 1), np.full(B, param_log_scale(log_scales, node.bias))))
                 if len(terms) == 1:  # a bias alone broadcasts: give it the node's shape
                     terms[0] = (terms[0][0] + backend.zeros((1, *node.shape)), terms[0][1])
-            check = None if certify is None else (lambda acc, name=node.name: certify.node(name, acc))
-            m, L = _combine(backend, terms, B, check)
-            if m is not None and node.kind is NodeKind.RELU:
-                m = m * pattern.relu[node.name]
+            check = None if certify is None else (lambda acc, name=node.name: certify.node(name, acc, masked=True))
+            m, L = _combine(backend, terms, B, check, pattern.relu[node.name] if node.kind is NodeKind.RELU else None)
             acts[node.name] = (m, L)
         except PathirError:
             raise
@@ -319,9 +324,8 @@ def masked_backward(graph: Graph, backend, pattern: ActivationPattern, seeds=Non
     for node in reversed(graph.nodes):
         try:
             check = None if certify is None else (lambda acc, name=node.name: certify.node(name, acc, backward=True))
-            g, M = _combine(backend, pending.pop(node.name), B, check)
-            if g is not None and node.kind is NodeKind.RELU:
-                g = g * pattern.relu[node.name]
+            g, M = _combine(backend, pending.pop(node.name), B, check,
+                            pattern.relu[node.name] if node.kind is NodeKind.RELU else None)
             if on_node is None or node.kind is NodeKind.INPUT:
                 grads[node.name] = (g, M)
             if g is None or node.kind is NodeKind.INPUT:

@@ -47,14 +47,18 @@ from pathir.errors import PathirError
 from pathir.ir import Graph, MapKind, NodeKind
 from pathir.lifting.log_walk import log_backward, log_forward, log_grand_total
 
-__all__ = ["Uncertified", "FLOOR", "Certifier", "scaled_forward", "scaled_backward", "scaled_log_total",
+__all__ = ["Uncertified", "FLOOR", "NORMAL", "check_stored", "Certifier", "scaled_forward", "scaled_backward", "scaled_log_total",
            "robust_log_path_sum", "robust_param_grads"]
 
 #: an entry below this (in the units of the sum it belongs to) is not certified
 FLOOR = 1e-200
 #: the largest mantissa a fast walk keeps: a node's sum whose largest entry is above it is divided by that entry
-#: (:func:`pathir.lifting.walk.combine_scaled`), so its entries are certified in those units
+#: (:func:`pathir.lifting.walk.combine_scaled`)
 HIGH = 1e50
+#: an entry of a node's sum, once divided by the sum's largest, must stay at least this: a normal float64 (one of
+#: 1e-160 beside 1e160 is stored as 1e-320, flushed to 0, and every path through it lost). Products of it that
+#: underflow later are bounded by the next node's own check, as any product's
+NORMAL = 1e-290
 
 _NONFINITE = "non-finite value in a path computation (NaN or inf weights?)"
 
@@ -88,30 +92,29 @@ class Certifier:
     weight-gradients of this (backward) one, if not this one's graph. A check
     raises :class:`Uncertified` unless every entry is finite and at least :data:`FLOOR`
     (in the units of the sum it belongs to) or exactly 0 where no nonzero path reaches it.
-    The support (which neurons nonzero paths reach, from the inputs or to the outputs) is
-    walked only when a zero entry has to be judged; ``judge_zeros=False`` leaves entries exactly 0
-    unjudged (a masked backward walk, whose support under the pattern is not walked) and certifies
-    the others."""
+    The support (which neurons nonzero paths reach, from the inputs or to the outputs; with a
+    pattern, through its active neurons and max-pool choices on the backward side) is walked only
+    when a zero entry has to be judged."""
 
     def __init__(self, graph: Graph, zeros_count: bool, backend, pattern=None, sample=None,
-                 forward: "Certifier | None" = None, judge_zeros: bool = True):
-        self.graph, self.zeros_count, self.judge_zeros = graph, zeros_count, judge_zeros
+                 forward: "Certifier | None" = None):
+        self.graph, self.zeros_count = graph, zeros_count
         self.backend = getattr(backend, "base", backend)  # a power view's own backend: 0/1 weights as they are
         self.pattern, self.sample = pattern, sample
         self._source = forward  # the certifier of the walk whose values feed the weight-gradients
         self._forward = self._backward = None
         self._maps: dict = {}
 
-    def node(self, name: str, acc, backward: bool = False, full=None) -> float:
+    def node(self, name: str, acc, backward: bool = False, full=None, masked: bool = False) -> float:
         """Check the sum ``acc`` (before renormalisation) of node ``name``, forward or backward;
         returns its largest entry. ``full(acc)``: the node's full tensor, where ``acc`` is stored
-        compressed (pathir.lifting.ones_walk), read only to judge entries that are 0."""
-        hi = self._fine(acc, renormalised=True)
-        if hi is None and not self.judge_zeros:
-            return float(self.backend.extrema(acc)[1])
+        compressed (pathir.lifting.ones_walk), read only to judge entries that are 0. ``masked``: a forward
+        ``acc`` already multiplied by the pattern's mask (its zeros judged against the support after it; a
+        backward one with a pattern always is)."""
+        hi = self._fine(acc)
         if hi is None:
             acc = acc if full is None else full(acc)
-            sup = self.backward_support()[name] if backward else self.forward_support()[0][name]
+            sup = self.backward_support()[name] if backward else self.forward_support()[1 if masked else 0][name]
             self._zeros(acc, sup, f"node '{name}'")
             hi = float(self.backend.extrema(acc)[1])
         return hi
@@ -130,21 +133,26 @@ class Certifier:
             return
         self._zeros(grad, self.backend.channel_sum(self.backward_support()[node]) > 0, f"the gradient of '{name}'")
 
-    def _fine(self, acc, renormalised: bool = False) -> float | None:
+    def _fine(self, acc) -> float | None:
         """The largest entry if every entry is at least FLOOR; None if some are exactly 0
-        (to be judged by the support); raises if one is finite, positive and below FLOOR.
-        ``renormalised``: ``acc`` is a node's sum, which the walk divides by its largest entry where that
-        is above :data:`HIGH`: then an entry must be at least FLOOR in those units (one of 1e-160 beside
-        a largest of 1e160 would be stored as 1e-320, flushed to 0, and its paths lost)."""
+        (to be judged by the support); raises if one is finite, positive and below FLOOR."""
         lo, hi = self.backend.extrema(acc)
         if not (math.isfinite(lo) and math.isfinite(hi)) or lo < 0:
             raise Uncertified(_NONFINITE)
-        floor = FLOOR * hi if renormalised and hi > HIGH else FLOOR
-        if lo >= floor:
+        if lo >= FLOOR:
             return hi
-        if bool(((acc > 0) & (acc < floor)).any()):
+        if bool(((acc > 0) & (acc < FLOOR)).any()):
             raise Uncertified(f"an entry below {FLOOR:g} of its sum's scale")
         return None
+
+    def total(self, value: np.ndarray, support: np.ndarray, terms: int, where: str) -> None:
+        """Check per-sample sums of ``terms`` products, ``value`` (B,), of two certified walks' stored tensors:
+        each at least ``terms`` × :data:`NORMAL` × 10 (a product lost to underflow is below 2.2e-308, so all of
+        them below 1e-16 of the sum), or 0 where ``support`` (the same sums over the walks' supports) is 0."""
+        value, support = np.asarray(value, dtype=np.float64), np.asarray(support, dtype=np.float64)
+        floor = 10 * NORMAL * max(int(terms), 1)
+        if bool(np.any((value < floor) & (np.broadcast_to(support, value.shape) > 0))):
+            raise Uncertified(f"{where}: a sum of products below {floor:g} that nonzero paths reach")
 
     @staticmethod
     def _zeros(acc, sup, where: str) -> None:
@@ -187,22 +195,41 @@ class Certifier:
         return pre, post
 
     def backward_support(self) -> dict:
-        """{node: 0/1 array}: 1 where a path of nonzero weights leads from the neuron to an output."""
+        """{node: 0/1 array}: 1 where a path of nonzero weights leads from the neuron to an output (with a
+        pattern: through active neurons and chosen max-pool inputs only, the neuron itself active)."""
         if self._backward is None:
-            g, be = self.graph, self.backend
+            g, be, pat = self.graph, self.backend, self.pattern
             pending = {n.name: be.zeros((1, *n.shape)) for n in g.nodes}
             for o in g.outputs:
                 pending[o] = be.ones((1, *g.node(o).shape))
             out = {}
             for node in reversed(g.nodes):
-                sup = be.asarray((pending.pop(node.name) > 0) * 1.0)
+                reach = pending.pop(node.name) > 0
+                if pat is not None and node.kind is NodeKind.RELU:
+                    reach = reach & self._slice(pat.relu[node.name])
+                sup = be.asarray(reach * 1.0)
                 out[node.name] = sup
                 for e in node.edges:
                     src = g.node(e.source).shape
-                    pending[e.source] = pending[e.source] + be.adjoint(_support_map(e.map, self.zeros_count, self._maps),
-                                                                       sup, src)
+                    if pat is not None and node.kind is NodeKind.MAXPOOL:
+                        back = be.select_adjoint(node, self._slice(pat.choice[node.name]), sup, src)
+                    else:
+                        back = be.adjoint(_support_map(e.map, self.zeros_count, self._maps), sup, src)
+                    pending[e.source] = pending[e.source] + back
             self._backward = out
         return self._backward
+
+    def support_map(self, m):
+        """``m`` with every edge of nonzero weight read as 1 (the support walks' map)."""
+        return _support_map(m, self.zeros_count, self._maps)
+
+
+def check_stored(acc, stored) -> None:
+    """Raise Uncertified where an entry of a node's sum ``acc`` (> 0) is below :data:`NORMAL` once divided by the
+    sum's largest (``stored``, the walk's renormalised tensor of the same shape)."""
+    if bool(((acc > 0) & (stored < NORMAL)).any()):
+        raise Uncertified(f"an entry below {NORMAL:g} of its sum's largest: renormalised, it would leave float64's "
+                          "normal range")
 
 
 # ------------------------------------------------------------ per-channel scales
@@ -426,6 +453,14 @@ def _bias_term(be, node, q):
     return be.asarray(m.reshape(_bshape(b.size, len(node.shape) + 1))), lc
 
 
+def _per_channel(graph: Graph) -> None:
+    """Raise Uncertified where a node has no channel axis (one number per sample, shape ()): the per-channel walk
+    does not read it, and its caller walks per neuron (log space) instead."""
+    for node in graph.nodes:
+        if not node.shape:
+            raise Uncertified(f"node '{node.name}' holds one number per sample (shape ()): no channel to scale")
+
+
 def scaled_forward(graph: Graph, backend, q: float, pattern=None, sample: int = 0) -> dict:
     """The path-norm network's forward walk with per-channel log-scales (module docstring).
 
@@ -434,6 +469,7 @@ def scaled_forward(graph: Graph, backend, q: float, pattern=None, sample: int = 
     (a max-pool sums its window); with it, sample ``sample`` of the pattern is frozen: ReLU
     masks, max-pool selections. Returns {node: (m, lc)}, value m ⊙ e^{lc} per channel
     ((None, None) where nothing reaches the node); m has batch 1."""
+    _per_channel(graph)
     be, cache, acts = backend, {}, {}
     cert = Certifier(graph, q == 0, be, pattern=pattern, sample=None if pattern is None else sample)
     with be.flush_denormals():
@@ -470,6 +506,7 @@ def scaled_backward(graph: Graph, backend, q: float, acts: dict, forward_graph: 
     values feed the weight-gradients. Raises :class:`Uncertified` as the forward. Returns (node grads {name: (m, lc)}, param parts
     {id(param): [(array, L) per use]}) with the weight-gradient of a use = array ⊙ e^L, L a
     numpy array broadcastable to the param's shape (per target and source channel)."""
+    _per_channel(graph)
     be, cache = backend, {}
     fwd = Certifier(graph if forward_graph is None else forward_graph, q == 0, be)
     cert = Certifier(graph, q == 0, be, forward=fwd)

@@ -25,7 +25,7 @@ from pathir.errors import BackendError, InputShapeError, PathirError
 from pathir.ir import Graph, MapKind, Node, NodeKind
 from pathir.ir.inputs import refuse_unreadable
 from pathir.lifting.low_rank import LowRank
-from pathir.lifting.scaled import HIGH, Certifier, Uncertified
+from pathir.lifting.scaled import HIGH, Certifier, Uncertified, check_stored
 
 __all__ = ["forward", "path_forward", "path_backward", "log_total", "combine_scaled"]
 
@@ -151,7 +151,10 @@ def combine_scaled(backend, terms, shape=None, placed=(), check=None):
         return acc, 0.0
     if _LOW <= peak <= _HIGH:
         return acc, top
-    return acc / peak, top + math.log(peak)
+    stored = acc / peak
+    if check is not None and peak > _HIGH:
+        check_stored(acc, stored)  # an entry far below the peak must not leave float64 once divided by it
+    return stored, top + math.log(peak)
 
 
 def require_path_graph(graph: Graph, linearize: bool = False):

@@ -162,8 +162,9 @@ def solve_newton(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, row_key=No
         most ``tol * max(1, |F|, |A·z|)`` (A = -Bᵀ1).
     row_key : B's row keys (`unit_rows.keys_for`), as ``Compiled.row_keys()`` gives them.
     max_log_scale : bound M on every |z_h| (``math.inf``: unconstrained); the problem stays convex.
-    lower : (H,) a further lower bound on each z_h (at most 0, -inf for none: the running variances of the
-        batch-norms a unit feeds, ``Compiled.variance_lower_bounds``); not with ``warm_sweeps``.
+    lower : (H,) a further lower bound on each z_h (-inf for none; one above 0 reads as 0, z = 0 staying
+        feasible: the running variances of the batch-norms a unit feeds, ``Compiled.variance_lower_bounds``);
+        not with ``warm_sweeps``.
     warm_sweeps : exact block sweeps (`block.block_sweeps`) after the coarse start, before Newton.
     max_cg : CG iterations per Newton step at most.
     callback : called as ``callback(step, F)`` after the coarse start, each sweep and each Newton iteration.
@@ -231,12 +232,12 @@ def _solve(g, B, *, max_sweeps, tol, row_key, max_log_scale, warm_sweeps, max_cg
     lo, hi = np.full(H, -bound), np.full(H, bound)
     if lower is not None:
         lower = np.asarray(lower, dtype=np.float64)
-        if lower.shape != (H,) or np.isnan(lower).any() or (lower > 0).any():
-            raise ArgumentError(f"lower must be ({H},) values at most 0 (z = 0 feasible), got shape {lower.shape}")
+        if lower.shape != (H,) or np.isnan(lower).any():
+            raise ArgumentError(f"lower must be ({H},) numbers, got shape {lower.shape}")
         if warm_sweeps:
             raise ArgumentError("lower (per-unit bounds) is not offered with warm_sweeps (the block sweeps' box is "
                                 "one bound)")
-        lo = np.maximum(lo, lower)
+        lo = np.minimum(np.maximum(lo, lower), 0.0)  # z = 0 stays feasible (a variance already below: held there)
     if pairs is None:
         g = as_g(g, n)
         pairs = group_pairs(g, key, H)

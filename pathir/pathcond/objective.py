@@ -222,7 +222,7 @@ def finish(g: np.ndarray, B: sp.csr_array | None, z: np.ndarray, state, *, metho
     further lower bound on z_h), the gradient reported is the projected one: a unit held at a bound by a
     gradient pushing outward counts as balanced."""
     f0, f1, grad, scale = state
-    lo = -bound if lower is None else np.maximum(-bound, lower)
+    lo = -bound if lower is None else np.minimum(np.maximum(-bound, lower), 0.0)
     if bound < math.inf or lower is not None:
         grad = np.where(((z <= lo) & (grad > 0)) | ((z >= bound) & (grad < 0)), 0.0, grad)
     live = np.ones(z.size, dtype=bool)

@@ -290,7 +290,7 @@ def _at_bound(units, result, bound: float, lower=None) -> Sequence[str]:
     live[result.degenerate] = False
     held = np.abs(result.z) >= bound * (1 - 1e-12)
     if lower is not None:
-        low = np.asarray(lower, dtype=np.float64)
+        low = np.minimum(np.asarray(lower, dtype=np.float64), 0.0)
         finite = np.isfinite(low)
         edge = np.where(finite, low, 0.0)
         held |= finite & (result.z <= edge + 1e-12 * np.abs(edge))
