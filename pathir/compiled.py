@@ -504,19 +504,16 @@ class Compiled:
         """PathCond: minimise F(z) and rescale the model in place (function preserved);
         returns a PathCondReport. ``write_back=False`` leaves model and graph as they are
         (apply ``report.z`` with :meth:`rescaled` or :meth:`commit_rescaling`). ``max_log_scale``
-        bounds every |z_h|: None (default) the largest the model's dtype holds, math.inf none; with None
-        and the newton solver, a unit that feeds a batch-norm that could not be folded is also bounded
-        below on its own, so that its running variance keeps its precision (the other solvers bound every
-        unit by the tightest of these). ``callback(step, F)`` runs after each solver step. ``optimizer``:
-        its state moves with the rescaling (docs/training.md). ``progress``: a bar on stderr (None: when
-        stderr is a terminal; see docs/cli.md). See docs/pathcond.md."""
+        bounds every |z_h|: None (default) the largest the model's dtype holds, math.inf none.
+        ``callback(step, F)`` runs after each solver step. ``optimizer``: its state moves with the
+        rescaling (docs/training.md). ``progress``: a bar on stderr (None: when stderr is a
+        terminal; see docs/cli.md). See docs/pathcond.md."""
 
         self._check_writable(write_back)
-        lower = self.variance_lower_bounds() if max_log_scale is None and solver == "newton" else None
-        max_log_scale = self._bound(max_log_scale, variance=lower is None)
+        max_log_scale = self._bound(max_log_scale)
         return pathcond(self.facts, self.get_backend(backend), solver=solver, max_sweeps=max_sweeps, tol=tol,
                         commit=self._committer(write_back, optimizer), name=self.name,
-                        max_log_scale=max_log_scale, callback=callback, progress=progress, lower=lower)
+                        max_log_scale=max_log_scale, callback=callback, progress=progress)
 
     @_looks_once
     def equalize(self, bits: int = 8, objective: str = "noise", inputs=None, write_back: bool = True,

@@ -65,10 +65,10 @@ BALANCED = 1e-12
 SETTLED = 1e-9
 
 
-def _kkt(grad: np.ndarray, z: np.ndarray, lo, hi, live: np.ndarray, scale=None) -> float:
-    """max |projected gradient| over the live units (one held at its bound, lo or hi, by a gradient pushing
-    outward: 0), each divided by ``scale`` where given (the terms ∂F/∂z_h balances: the relative imbalance)."""
-    held = ((z <= lo) & (grad > 0)) | ((z >= hi) & (grad < 0)) | ~live
+def _kkt(grad: np.ndarray, z: np.ndarray, bound: float, live: np.ndarray, scale=None) -> float:
+    """max |projected gradient| over the live units (one held at the bound by a gradient pushing outward: 0),
+    each divided by ``scale`` where given (the terms ∂F/∂z_h balances: the relative imbalance)."""
+    held = ((z <= -bound) & (grad > 0)) | ((z >= bound) & (grad < 0)) | ~live
     top = np.abs(np.where(held, 0.0, grad))
     if scale is not None:
         top /= np.maximum(scale, 1e-300)
@@ -149,7 +149,7 @@ def _newton_direction(state: _State, free: np.ndarray, n: int, damping: float, r
 
 def solve_newton(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, row_key=None,
                  max_log_scale: float = math.inf, warm_sweeps: int = 0, max_cg: int = 200,
-                 callback=None, pairs=None, groups=None, lower=None) -> PathCondResult:
+                 callback=None, pairs=None, groups=None) -> PathCondResult:
     """Minimise F by projected Newton-CG from a coarse start (the fastest exact solver on deep graphs).
 
     Parameters
@@ -162,9 +162,6 @@ def solve_newton(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, row_key=No
         most ``tol * max(1, |F|, |A·z|)`` (A = -Bᵀ1).
     row_key : B's row keys (`unit_rows.keys_for`), as ``Compiled.row_keys()`` gives them.
     max_log_scale : bound M on every |z_h| (``math.inf``: unconstrained); the problem stays convex.
-    lower : (H,) a further lower bound on each z_h (-inf for none; one above 0 reads as 0, z = 0 staying
-        feasible: the running variances of the batch-norms a unit feeds, ``Compiled.variance_lower_bounds``);
-        not with ``warm_sweeps``.
     warm_sweeps : exact block sweeps (`block.block_sweeps`) after the coarse start, before Newton.
     max_cg : CG iterations per Newton step at most.
     callback : called as ``callback(step, F)`` after the coarse start, each sweep and each Newton iteration.
@@ -177,7 +174,7 @@ def solve_newton(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, row_key=No
     Returns
     -------
     PathCondResult (``method == "newton"``; ``extra``: ``coarse_groups``, ``block_sweeps``,
-    ``newton_iterations``, ``cg_iterations``, ``at_bound`` (units at |z_h| = M or at their ``lower``)).
+    ``newton_iterations``, ``cg_iterations``, ``at_bound`` (units with |z_h| = M)).
 
     Examples
     --------
@@ -194,24 +191,26 @@ def solve_newton(g, B, *, max_sweeps: int = 1000, tol: float = 1e-10, row_key=No
     # the mat-vecs are memory-bound: more BLAS threads gain nothing (`pathir.enorm.newton`)
     with one_blas_thread():
         return _solve(g, B, max_sweeps=max_sweeps, tol=tol, row_key=row_key, max_log_scale=max_log_scale,
-                      warm_sweeps=warm_sweeps, max_cg=max_cg, callback=callback, pairs=pairs, groups=groups,
-                      lower=lower)
+                      warm_sweeps=warm_sweeps, max_cg=max_cg, callback=callback, pairs=pairs, groups=groups)
 
 
 def _coarse_start(lap, coarse: CoarseSpace, A: np.ndarray, n: int, here: _State, live: np.ndarray,
-                  lo: np.ndarray, hi: np.ndarray) -> _State:
-    """``here`` moved by the best shift per group (`coarse_start`) within every member's [lo, hi], if that
-    lowers F."""
+                  bound: float) -> _State:
+    """``here`` moved by the best shift per group (`coarse_start`), if that lowers F."""
     z = here.z
     table = coarse.aggregate(here.point) / here.point.total  # degenerate units are in no pair: no mask needed
-    g = np.where(live, coarse.groups, coarse.m)
-    low, high = np.full(coarse.m + 1, -math.inf), np.full(coarse.m + 1, math.inf)
-    np.maximum.at(low, g, lo - z)  # a group's shift w keeps each member's z + w within its own bounds
-    np.minimum.at(high, g, hi - z)
-    w, drop = coarse_shift(table, coarse.restrict(A, live), n, low[:coarse.m], high[:coarse.m])
+    lo = np.full(coarse.m, -math.inf)
+    hi = np.full(coarse.m, math.inf)
+    if bound < math.inf:
+        g = np.where(live, coarse.groups, coarse.m)
+        low, high = np.full(coarse.m + 1, math.inf), np.full(coarse.m + 1, -math.inf)
+        np.minimum.at(low, g, z)
+        np.maximum.at(high, g, z)
+        lo, hi = -bound - low[:coarse.m], bound - high[:coarse.m]
+    w, drop = coarse_shift(table, coarse.restrict(A, live), n, lo, hi)
     if not drop < 0:
         return here
-    shifted = np.clip(z + np.where(live, w[coarse.groups], 0.0), lo, hi)
+    shifted = np.clip(z + np.where(live, w[coarse.groups], 0.0), -bound, bound)
     there = _State(lap, A, n, shifted)
     return there if there.f < here.f else here
 
@@ -221,7 +220,7 @@ def _materialised(pairs):
 
 
 def _solve(g, B, *, max_sweeps, tol, row_key, max_log_scale, warm_sweeps, max_cg, callback, pairs,
-           groups, lower=None) -> PathCondResult:
+           groups) -> PathCondResult:
     start = time.perf_counter()
     B, key, H, A = keys_for(B, row_key)
     n = key.size
@@ -229,15 +228,6 @@ def _solve(g, B, *, max_sweeps, tol, row_key, max_log_scale, warm_sweeps, max_cg
     bound = float(max_log_scale)
     if not bound >= 0:
         raise ArgumentError(f"max_log_scale must be >= 0 (math.inf: unbounded), got {max_log_scale}")
-    lo, hi = np.full(H, -bound), np.full(H, bound)
-    if lower is not None:
-        lower = np.asarray(lower, dtype=np.float64)
-        if lower.shape != (H,) or np.isnan(lower).any():
-            raise ArgumentError(f"lower must be ({H},) numbers, got shape {lower.shape}")
-        if warm_sweeps:
-            raise ArgumentError("lower (per-unit bounds) is not offered with warm_sweeps (the block sweeps' box is "
-                                "one bound)")
-        lo = np.minimum(np.maximum(lo, lower), 0.0)  # z = 0 stays feasible (a variance already below: held there)
     if pairs is None:
         g = as_g(g, n)
         pairs = group_pairs(g, key, H)
@@ -259,7 +249,7 @@ def _solve(g, B, *, max_sweeps, tol, row_key, max_log_scale, warm_sweeps, max_cg
     times = [time.perf_counter() - start]
     coarse_steps = 0
     if coarse is not None and here is not None:  # one step: the coarse start
-        here = _coarse_start(lap, coarse, A, n, here, live, lo, hi)
+        here = _coarse_start(lap, coarse, A, n, here, live, bound)
         z, coarse_steps = here.z, 1
         history.append(here.f)
         times.append(time.perf_counter() - start)
@@ -273,12 +263,12 @@ def _solve(g, B, *, max_sweeps, tol, row_key, max_log_scale, warm_sweeps, max_cg
         here = _State(lap, A, n, z)
     if not converged:
         damping = 1e-3  # Levenberg-Marquardt: far from z*, F is nearly piecewise linear and raw Newton steps overshoot
-        kkt = _kkt(here.grad, z, lo, hi, live)
+        kkt = _kkt(here.grad, z, bound, live)
         first_residual = None
         radius = 8.0  # trust radius on max_h |Δz_h| (nats per iteration), grown while whole capped steps succeed
         while coarse_steps + sweeps + iterations < max_sweeps:
             grad = here.grad
-            free = live & ~((z <= lo) & (grad > 0)) & ~((z >= hi) & (grad < 0))
+            free = live & ~((z <= -bound) & (grad > 0)) & ~((z >= bound) & (grad < 0))
             diag = here.laplacian_diag()
             residual = float(np.linalg.norm(grad * free / np.sqrt(np.maximum(np.where(free, diag, 1.0), 1e-300)))) / n
             first_residual = first_residual or residual
@@ -299,8 +289,8 @@ def _solve(g, B, *, max_sweeps, tol, row_key, max_log_scale, warm_sweeps, max_cg
                 d = d * (radius / longest)
             step, moved = 1.0, False
             for _ in range(40):  # Armijo along the projected path
-                there = _State(lap, A, n, np.clip(z + step * d, lo, hi))
-                kkt_new = _kkt(there.grad, there.z, lo, hi, live)
+                there = _State(lap, A, n, np.clip(z + step * d, -bound, bound))
+                kkt_new = _kkt(there.grad, there.z, bound, live)
                 if there.f <= f + 1e-4 * float(grad @ (there.z - z)):
                     moved = True
                     break
@@ -324,19 +314,19 @@ def _solve(g, B, *, max_sweeps, tol, row_key, max_log_scale, warm_sweeps, max_cg
             times.append(time.perf_counter() - start)
             if callback is not None:
                 callback(len(history) - 1, here.f)
-            imbalance = _kkt(here.grad, z, lo, hi, live, n * (here.out + here.inn) + np.abs(A)) if step == 1.0 else 1.0
+            imbalance = _kkt(here.grad, z, bound, live, n * (here.out + here.inn) + np.abs(A)) if step == 1.0 else 1.0
             settled = imbalance <= BALANCED or (imbalance <= SETTLED and f - here.f <= tol * size)
             if small and (moved_by <= tol or not progress or settled):
                 # at z* to float64's resolution: every free unit's in- and outflow equal to BALANCED, or to SETTLED
                 # once a full step moved F by no more than tol
                 converged = True
                 break
-    at_bound = np.flatnonzero(live & ((z <= lo) | (z >= hi))).tolist()
+    at_bound = np.flatnonzero(live & (np.abs(z) >= bound)).tolist() if bound < math.inf else []
     if here is None or here.z is not z:
         state = pair_state(_materialised(pairs), A, z, n)
     else:  # F(0), F(z), ∇F(z) and its scale n|B|ᵀp + |A| from the points already evaluated
         state = (history[0], here.f, here.grad, n * (here.out + here.inn) + np.abs(A))
     return finish(g, B, z, state, method="newton", sweeps=coarse_steps + sweeps + iterations,
                   converged=converged, key=key, degenerate=degenerate, start=start, history=history, times=times,
-                  bound=bound, lower=lower, extra={**extra, "block_sweeps": sweeps, "newton_iterations": iterations,
+                  bound=bound, extra={**extra, "block_sweeps": sweeps, "newton_iterations": iterations,
                                       "cg_iterations": cg_total, "pairs": pairs.size, "at_bound": at_bound})

@@ -215,16 +215,14 @@ def _key_spreads(g: np.ndarray, key: np.ndarray, z: np.ndarray) -> tuple[float, 
 
 def finish(g: np.ndarray, B: sp.csr_array | None, z: np.ndarray, state, *, method: str, sweeps: int,
            converged: bool, degenerate: np.ndarray, start: float, history: list, times: list,
-           extra=None, key: np.ndarray | None = None, bound: float = math.inf, lower=None) -> PathCondResult:
+           extra=None, key: np.ndarray | None = None, bound: float = math.inf) -> PathCondResult:
     """Assemble a result from ``state`` = (F(0), F(z), ∇F(z), gradient scale) (`row_state`, or a
     solver's own); the log-spreads of g are left to the result's first access (from B, or from
-    the row ``key`` where the solver had no B). With a finite ``bound`` on |z_h| (and per unit ``lower``, a
-    further lower bound on z_h), the gradient reported is the projected one: a unit held at a bound by a
-    gradient pushing outward counts as balanced."""
+    the row ``key`` where the solver had no B). With a finite ``bound`` on |z_h|, the gradient reported is
+    the projected one: a unit held at the bound by a gradient pushing outward counts as balanced."""
     f0, f1, grad, scale = state
-    lo = -bound if lower is None else np.minimum(np.maximum(-bound, lower), 0.0)
-    if bound < math.inf or lower is not None:
-        grad = np.where(((z <= lo) & (grad > 0)) | ((z >= bound) & (grad < 0)), 0.0, grad)
+    if bound < math.inf:
+        grad = np.where(((z <= -bound) & (grad > 0)) | ((z >= bound) & (grad < 0)), 0.0, grad)
     live = np.ones(z.size, dtype=bool)
     live[degenerate] = False
     with np.errstate(invalid="ignore", divide="ignore"):

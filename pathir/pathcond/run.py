@@ -163,7 +163,7 @@ def unit_log_spreads(units, g, z) -> tuple[float, float]:
 
 def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol: float = 1e-10,
              commit=None, name: str = "", max_log_scale: float | None = None, dtype="float64",
-             callback=None, progress: bool | None = None, lower=None) -> PathCondReport:
+             callback=None, progress: bool | None = None) -> PathCondReport:
     """Minimise F (docs/math.md §7) over the rescalings of ``facts.graph``; ``commit(z)`` applies the minimiser.
 
     Parameters
@@ -182,8 +182,6 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
         largest that keeps write-back in ``dtype`` finite and normal
         (`pathir.rescaling.bounds.default_max_log_scale`); ``math.inf``: unconstrained.
     dtype : the narrowest float dtype of the model's tensors (for the default bound).
-    lower : per unit, a further lower bound on z_h (at most 0; ``Compiled.variance_lower_bounds``: the running
-        variances of the batch-norms a unit feeds), the newton solver only.
     callback : ``callback(step, F)`` after each solver sweep or iteration (F of the normalised g).
     progress : a bar on stderr over the phases units, diag G, solve, write (``pathir.support.progress``;
         None: only when stderr is a terminal). Not converging within ``max_sweeps`` warns.
@@ -253,7 +251,7 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
         del g
         result = solve(None, None, method=solver, max_sweeps=max_sweeps, tol=tol, row_key=rows, pairs=pairs,
                        max_log_scale=max_log_scale, callback=chain_callbacks(callback, bar.callback),
-                       groups=unit_groups(units), lower=lower)
+                       groups=unit_groups(units))
     del pairs
     lap("solve")
     spreads = summary.spreads(result.z)  # first: a factored convolution's one pass serves both
@@ -278,20 +276,13 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
         gradient_max=result.grad_max, gradient_relative=result.grad_rel,
         seconds=time.perf_counter() - start, written=commit is not None,
         history=tuple(float(f) + shift for f in result.history), timings=timings, z=result.z,
-        max_log_scale=float(max_log_scale), units_at_bound=_at_bound(units, result, max_log_scale, lower),
+        max_log_scale=float(max_log_scale), units_at_bound=_at_bound(units, result, max_log_scale),
     )
 
 
-def _at_bound(units, result, bound: float, lower=None) -> Sequence[str]:
-    """The live units at |z_h| = bound, or at their own ``lower`` bound."""
-    if not math.isfinite(bound) and lower is None:
+def _at_bound(units, result, bound: float) -> Sequence[str]:
+    if not math.isfinite(bound):
         return ()
     live = np.ones(result.z.size, dtype=bool)
     live[result.degenerate] = False
-    held = np.abs(result.z) >= bound * (1 - 1e-12)
-    if lower is not None:
-        low = np.minimum(np.asarray(lower, dtype=np.float64), 0.0)
-        finite = np.isfinite(low)
-        edge = np.where(finite, low, 0.0)
-        held |= finite & (result.z <= edge + 1e-12 * np.abs(edge))
-    return units.names_of(np.flatnonzero(live & held))
+    return units.names_of(np.flatnonzero(live & (np.abs(result.z) >= bound * (1 - 1e-12))))

@@ -43,8 +43,7 @@ METHODS = {"newton": solve_newton, "block": solve_block, "coordinate": solve_coo
 
 
 def solve(g, B, *, method: str = "newton", max_sweeps: int = 1000, tol: float = 1e-10,
-          row_key=None, max_log_scale: float = math.inf, callback=None, pairs=None, groups=None,
-          lower=None) -> PathCondResult:
+          row_key=None, max_log_scale: float = math.inf, callback=None, pairs=None, groups=None) -> PathCondResult:
     """Minimise F(z) = n log Σ_i g_i e^{(Bz)_i} - Σ_i (Bz)_i with ``method`` in METHODS.
 
     Stops when F has stopped moving (relative change at most ``tol``) or no
@@ -59,8 +58,7 @@ def solve(g, B, *, method: str = "newton", max_sweeps: int = 1000, tol: float = 
     solvers; g may then be None (the caller keeps what it needs of g, and g need not stay in memory).
     A `GriddedPairs` (dense layers' grids factored) is read as it is by newton, materialised for block.
     ``groups``: the units grouped by layer (`pathir.pairs.coarse.unit_groups`), for the newton
-    solver's coarse start and preconditioner; the other methods do not use them. ``lower``: per unit, a
-    further lower bound on z_h (at most 0), newton only.
+    solver's coarse start and preconditioner; the other methods do not use them.
     """
     if method not in METHODS:
         raise ArgumentError(f"method={method!r}: unknown PathCond method; choose one of {sorted(METHODS)}")
@@ -68,9 +66,7 @@ def solve(g, B, *, method: str = "newton", max_sweeps: int = 1000, tol: float = 
         raise ArgumentError("the coordinate solver needs B itself (the newton and block solvers run on row keys alone)")
     if not max_log_scale >= 0:
         raise ArgumentError(f"max_log_scale must be >= 0 (math.inf: unbounded), got {max_log_scale}")
-    if lower is not None and method != "newton":
-        raise ArgumentError(f"lower (per-unit bounds) is offered by the newton solver only, not {method!r}")
-    options = {"groups": groups, "lower": lower} if method == "newton" else {}
+    options = {"groups": groups} if method == "newton" else {}
     if pairs is not None:
         if method == "coordinate":
             raise ArgumentError("the coordinate solver reads g itself, not its unit pairs")
