@@ -486,7 +486,13 @@ class Compiled:
             read_again = functools.partial(self._relower, moved)  # a value no re-read reaches (a pruned weight)
         else:  # a torch module replaced (a clipped ReLU made per-channel): traced again; an ONNX model: lowered again
             read_again = functools.partial(self._relower, None) if new_graph is None else self._read_written
-        traced = _read_as(facts.graph, read_again)
+        interrupted = None
+        try:
+            traced = _read_as(facts.graph, read_again)
+        except KeyboardInterrupt as err:  # Ctrl-C in the re-read: the model is written, so this Compiled is
+            traced, interrupted = None, err  # brought to it (from the float64 products) before the interrupt goes on
+            err.add_note("pathir: the rescaling had been written to the model, in full, before the interrupt; the "
+                         "Compiled holds it too")
         if traced is not None:
             self._mark()
             self._facts = facts.with_values(traced)
@@ -496,6 +502,8 @@ class Compiled:
             new_graph = with_bias_shifts(rescaled_graph(facts.graph, facts.units, z), bias_shifts)
         self._mark()
         self._facts = facts.with_values(new_graph)
+        if interrupted is not None:
+            raise interrupted
 
     @_looks_once
     def pathcond(self, solver: str = "newton", max_sweeps: int = 1000, tol: float = 1e-10,

@@ -265,3 +265,41 @@ def test_a_refused_query_leaves_the_model_as_it_was():
     with pytest.raises(UnsupportedOperation, match="batch statistics"):
         cm.refresh()
     assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("act", [torch.nn.ReLU6, torch.nn.ReLU])
+def test_an_interrupt_in_the_re_read_after_a_write_leaves_the_compiled_on_the_written_model(act):
+    """Ctrl-C while the Compiled re-reads the model it has just written (a re-trace: a ReLU6 became a per-channel
+    clip) escaped with the Compiled left on the old model (ModelChanged on the next query, review). The interrupt
+    still goes on, with a note that the write is complete, and the Compiled holds the written model."""
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.b1, self.act = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), act()
+            self.fc = torch.nn.Linear(8, 5)
+
+        def forward(self, x):
+            return self.fc(self.act(self.b1(self.c1(x))).mean((2, 3)))
+
+    torch.manual_seed(0)
+    net = Net()
+    with torch.no_grad():
+        net.b1.weight.copy_(torch.exp(torch.randn(8) * 1.5))
+    net.eval()
+    state = {"armed": False, "calls": 0}
+
+    def hook(mod, inputs, out):
+        if state["armed"]:
+            state["calls"] += 1
+            if state["calls"] >= 3:  # the forward of the re-read, after the write and its check
+                raise KeyboardInterrupt("Ctrl-C")
+
+    net.register_forward_hook(hook)
+    cm = pathir.compile(net, input_shape=(3, 8, 8))
+    with pytest.raises(KeyboardInterrupt) as info:
+        cm.equalize(callback=lambda *a: state.__setitem__("armed", True))
+    assert any("written to the model, in full" in note for note in info.value.__notes__)
+    state["armed"] = False
+    fresh = pathir.compile(net, input_shape=(3, 8, 8))
+    assert cm.path_norm(1) == pytest.approx(fresh.path_norm(1), rel=1e-6)
