@@ -149,6 +149,7 @@ def _check_torch(cm, model) -> None:
             "forward computes in another dtype (torch.autocast, or a cast), which pathir's graph, in the model's dtype "
             "throughout, does not follow; its numbers would be those of the weights as stored, not as the model "
             "computes with them. Remove the autocast block or the cast (or run the whole model in one dtype)")
+    _check_compiled_code(cm, model, xs, refs)
     if hasattr(cm.writer, "reference"):  # the first write-back's "before" (frontends/torch/function_kept.py)
         cm.writer.reference = Reference.of_batch(model, train_paths(cm), [x for _, _, x in xs], refs)
     dtype = str(model_dtype_device(model)[0]).replace("torch.", "")
@@ -161,6 +162,41 @@ def _check_torch(cm, model) -> None:
     _check_batch_of_one(cm, model, xs, outs, dtype)
     if train_paths(cm):
         _check_eval_among_heads(cm, model, xs, outs, dtype)
+
+
+def _compiled_modules(model) -> list[str]:
+    """The paths of the ``torch.compile`` wrappers (``OptimizedModule``) in ``model``, the root included ("")."""
+    return [path for path, m in model.named_modules() if type(m).__name__ == "OptimizedModule"]
+
+
+def _check_compiled_code(cm, model, xs, refs: list) -> None:
+    """Where the model holds ``torch.compile`` wrappers, run it once more as dynamo runs it (the check's forward
+    runs under pathir's dispatch mode, where dynamo falls back to the Python forward) and refuse a difference:
+    the graph is the Python forward's, and dynamo's cached code can differ from it (a hook added to a module
+    after an identical one was compiled is skipped). A compiled forward that cannot run here is warned about."""
+    paths = _compiled_modules(model)
+    if not paths:
+        return
+    from torch.utils._python_dispatch import _disable_current_modes  # lazy: torch internals, only for this case
+
+    dtype = str(model_dtype_device(model)[0]).replace("torch.", "")
+    where = ", ".join(repr(p or "the model") for p in paths[:3])
+    try:
+        with _disable_current_modes(), eval_forward(model, train_paths(cm)), torch.no_grad():
+            ran = [_numpy(t) for t in _tensors(model(*[x.clone() for _, _, x in xs]))]
+    except Exception as err:  # (no C compiler for inductor, a backend that fails): the Python forward only
+        warnings.warn(f"self-check: the torch.compile'd {where} did not run as compiled here ({type(err).__name__}: "
+                      f"{err}); pathir's graph is checked against its Python forward only", stacklevel=4)
+        return
+    tol = TOLERANCE.get(dtype, 1e-4)
+    worst = max((_deviation(a, b) for a, b in zip(ran, refs)), default=0.0) if len(ran) == len(refs) else float("inf")
+    if worst > tol:
+        raise SelfCheckFailed(
+            f"self-check: the torch.compile'd {where} computes other numbers than its Python forward (deviation "
+            f"{worst:.3g} relative to max|output|, tolerance {tol:g} for {dtype}): pathir's graph is the Python "
+            "forward's, and the code dynamo runs differs from it (its cache can skip a hook added after an "
+            "identical module was compiled). Call torch._dynamo.reset() and compile the model again, or pass the "
+            "module itself (model._orig_mod)")
 
 
 @contextlib.contextmanager

@@ -478,3 +478,63 @@ def test_mixed_train_flags_lower_the_forward_as_the_flags_stand(outer_train):
     runs = model(torch.zeros(1, 4, dtype=torch.float64))
     assert len(cm.graph.outputs) == (1 if isinstance(runs, torch.Tensor) else len(runs))
     assert (model.training, model.inner.training) == (outer_train, not outer_train)
+
+
+def _doubling_backend(gm, example_inputs):
+    """A dynamo backend whose code computes twice what the module's Python forward does."""
+    def run(*args):
+        out = gm(*args)
+        return type(out)(2 * t for t in out) if isinstance(out, (tuple, list)) else 2 * out
+    return run
+
+
+def _failing_backend(gm, example_inputs):
+    raise RuntimeError("no compiler here")
+
+
+def test_a_torch_compiled_model_whose_code_differs_from_its_forward_is_refused():
+    """The self-check ran the model under pathir's dispatch mode, where dynamo falls back to the Python forward: a
+    compiled model whose code computes otherwise (dynamo's cache skipping a hook added after an identical module
+    was compiled, torch review) compiled, and every number was the forward's, not the model's. It runs the compiled
+    code too now."""
+    from pathir.errors import SelfCheckFailed
+
+    torch._dynamo.reset()
+    model = torch.compile(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double().eval(),
+                          backend=_doubling_backend)
+    with pytest.raises(SelfCheckFailed, match="torch.compile'd 'the model' computes other numbers"):
+        pathir.compile(model, input_shape=(3,))
+    torch._dynamo.reset()
+    failing = torch.compile(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double().eval(),
+                            backend=_failing_backend)
+    with pytest.warns(UserWarning, match="did not run as compiled here"):
+        pathir.compile(failing, input_shape=(3,))
+    torch._dynamo.reset()
+
+
+def test_a_hook_added_after_an_identical_module_was_compiled_is_in_the_numbers():
+    """The torch review's case: dynamo's cached code of one compiled Sequential, reused for a second one whose
+    first layer has a hook added since, skipped the hook; pathir reported the hooked forward's numbers while the
+    model returned others. After compile, the Compiled and the model agree (or compile refuses)."""
+    from pathir.errors import SelfCheckFailed
+
+    torch._dynamo.reset()
+
+    def mlp():
+        return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double().eval()
+
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with torch.no_grad():
+        torch.compile(mlp(), backend="eager")(x)
+    inner = mlp()
+    inner[0].register_forward_hook(lambda mod, i, o: o * 2)
+    model = torch.compile(inner, backend="eager")
+    with torch.no_grad():
+        model(x)
+    try:
+        cm = pathir.compile(model, input_shape=(3,))
+    except SelfCheckFailed:
+        return
+    with torch.no_grad():
+        assert torch.allclose(torch.as_tensor(cm.forward(x.numpy())), model(x), rtol=1e-12, atol=1e-12)
+    torch._dynamo.reset()
