@@ -314,6 +314,34 @@ def test_two_units_of_one_layer_at_opposite_extremes(backend):
             assert np.allclose(scores[name], ref[name], rtol=1e-12, atol=0), (spread, name)
 
 
+def _far_paths(a: float):
+    """x -> h (2 ReLU) -> k (1 ReLU) -> y, no biases: paths a·1e51·1e150 and 1e-100·1e250·1e150 = (a·1e201, 1e300)."""
+    net = torch.nn.Sequential(torch.nn.Linear(1, 2, bias=False), torch.nn.ReLU(), torch.nn.Linear(2, 1, bias=False),
+                              torch.nn.ReLU(), torch.nn.Linear(1, 1, bias=False)).double()
+    with torch.no_grad():
+        net[0].weight[:] = torch.tensor([[a], [1e-100]], dtype=torch.float64)
+        net[2].weight[:] = torch.tensor([[1e51, 1e250]], dtype=torch.float64)
+        net[4].weight[:] = torch.tensor([[1e150]], dtype=torch.float64)
+    return pathir.compile(net, input_shape=(1,))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_products_of_raw_weights_and_scaled_gradients_do_not_underflow(backend):
+    """A weight-gradient stored in its walk's units (1e-199 here, times e^L) was multiplied by the raw weight or
+    difference (1e-130) before e^L went back: the path-metric read d = 0 'exact' where d = 1e71 (and a pruning
+    report its bound 0), the path-magnitude scores 0 where they are 1e71 (certificates review). Such a param is
+    summed in log space now."""
+    a = _far_paths(1e-130)
+    for other, d in ((0.0, 1e71), (3e-130, 2e71), (-1e-130, 2e71)):
+        m = path_metric(a, _far_paths(other), backend)
+        assert m.upper == pytest.approx(d, rel=1e-12) and m.lower <= m.upper
+        if other >= 0:
+            assert m.exact and m.lower == pytest.approx(d, rel=1e-12)
+    scores = a.path_magnitude_scores(backend=backend)
+    np.testing.assert_allclose(scores["0.weight"].ravel(), [1e71, 1e300], rtol=1e-12)
+    np.testing.assert_allclose(scores["2.weight"].ravel(), [1e71, 1e300], rtol=1e-12)
+
+
 def test_one_unit_rescaled_by_e100_and_e200():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4), torch.nn.ReLU(),

@@ -20,7 +20,7 @@ from pathir.errors import PathirError, PathNormOverflow
 from pathir.ir import Graph
 from pathir.lifting.low_rank import LowRank
 from pathir.lifting.ones_walk import Expanded, ones_forward, ones_log_total
-from pathir.lifting.scaled import Certifier, Uncertified, robust_param_grads
+from pathir.lifting.scaled import FLOOR, NORMAL, Certifier, Uncertified, robust_param_grads
 from pathir.lifting.walk import log_total, path_backward, path_forward
 from pathir.passes import maxpool_to_sum, path_view
 
@@ -125,11 +125,15 @@ def param_log_parts(graph: Graph, backend, q: float, scale=None, what: str = "va
                 continue
             m = np.asarray(backend.to_numpy(grad), dtype=np.float64).reshape(p.shape)
             del grad, part
-            if np.ndim(log_scale):  # the scaled walk's per-channel scales: |scale| ⊙ grad in log space
+            factor = None if scale is None else np.asarray(scale(p), dtype=np.float64)
+            top = None if np.ndim(log_scale) else float(m.max()) if m.size else 0.0
+            if top is None or leaves_normal_range(m, factor, top):
+                # the scaled walk's per-channel scales, or a product (or its quotient by the largest) that one
+                # scale would take out of float64's normal range: |scale| ⊙ grad in log space
                 with np.errstate(divide="ignore"):
                     logs = np.log(np.abs(m)) + np.broadcast_to(log_scale, p.shape)
-                    if scale is not None:
-                        logs += np.log(np.abs(scale(p)))
+                    if factor is not None:
+                        logs += np.log(np.abs(factor))
                 if np.any(np.isnan(logs)) or np.any(np.isposinf(logs)):
                     raise PathirError(f"{what} of param '{p.name}' is not finite (NaN or inf weights?)")
                 top = float(logs.max(initial=-np.inf))
@@ -139,10 +143,10 @@ def param_log_parts(graph: Graph, backend, q: float, scale=None, what: str = "va
                 continue
             if not m.flags.writeable:  # everything else is the walk's own fresh array
                 m = m.copy()
-            if scale is not None:
-                np.multiply(m, scale(p), out=m)
+            if factor is not None:
+                np.multiply(m, factor, out=m)
                 np.abs(m, out=m)  # the grads are >= 0: |scale| ⊙ grad
-            peak = float(m.max()) if m.size else 0.0
+            peak = top if factor is None else float(m.max()) if m.size else 0.0
             if not math.isfinite(peak):
                 raise PathirError(f"{what} of param '{p.name}' is not finite (NaN or inf weights?)")
             if peak > 0:
@@ -155,9 +159,9 @@ def param_log_parts(graph: Graph, backend, q: float, scale=None, what: str = "va
             out.append(terms[0])
             continue
         top = max(L for _, L in terms)
-        for mt, L in terms:  # a use whose entries all sit below e^{-SPAN} of the largest use's scale
-            if L < top - SPAN:
-                _check_span(L + math.log(float(np.min(mt, where=mt > 0, initial=1.0))), top, what, p.name)
+        for mt, L in terms:  # a use whose smallest entries sit below e^{-SPAN} of the largest use's scale (they
+            # would be flushed at the common scale): refused
+            _check_span(L + math.log(float(np.min(mt, where=mt > 0, initial=1.0))), top, what, p.name)
         m, L = terms.pop()
         m *= math.exp(L - top)
         while terms:  # a shared param: sum its uses at a common scale, freeing each
@@ -168,6 +172,20 @@ def param_log_parts(graph: Graph, backend, q: float, scale=None, what: str = "va
         m /= peak
         out.append((m, top + math.log(peak)))
     return out
+
+
+def leaves_normal_range(grad: np.ndarray, factor: np.ndarray | None, top: float) -> bool:
+    """Whether ``factor`` ⊙ ``grad`` (a certified weight-gradient in its walk's units: each entry 0 or at least
+    FLOOR; ``top`` its largest), or its quotient by its largest entry, could hold a nonzero entry below NORMAL: a
+    product that underflows, or one that a single scale per param flushes (a score of 1e-249 beside 1e100 read as
+    0). Then the caller works in log space. One pass over ``factor`` where one is given, none over ``grad``."""
+    if not math.isfinite(top):
+        return False  # (refused as non-finite by the caller)
+    if factor is None:
+        return FLOOR < NORMAL * max(top, 1.0)
+    magnitude = np.abs(factor)
+    low = float(magnitude.min(where=magnitude > 0, initial=np.inf))
+    return low < np.inf and FLOOR * low < NORMAL * max(top * float(magnitude.max(initial=0.0)), 1.0)
 
 
 def _check_span(low: float, top: float, what: str, name: str) -> None:

@@ -38,6 +38,7 @@ from pathir.ir import Graph, Param
 from pathir.lifting.param_grads import param_grads
 from pathir.lifting.path_norm import log_path_sum
 from pathir.lifting.pattern import as_input_dict
+from pathir.lifting.scaled import FLOOR, NORMAL
 from pathir.support.progress import Phases
 
 __all__ = ["PathMetric", "path_metric", "pruned_path_metric", "output_bound", "check_same_architecture", "graph_of", "backend_of", "param_pairs",
@@ -275,6 +276,14 @@ def first_sign_flip(ga: Graph, gb: Graph) -> str:
     return "none found"
 
 
+def _small_products(a: np.ndarray, b: np.ndarray, grad: np.ndarray) -> bool:
+    """Whether |a − b| ⊙ ``grad`` (a certified weight-gradient: entries 0 or at least FLOOR) could hold a nonzero
+    product below NORMAL (underflowed, or a subnormal's few digits), read a block at a time."""
+    low = min((float(np.min(d, where=d > 0, initial=np.inf)) for x, y in _blocks(a, b) for d in [np.abs(x - y)]),
+              default=np.inf)
+    return low < np.inf and FLOOR * low < NORMAL
+
+
 def _log_upper(ga: Graph, gb: Graph, be) -> float:
     # F on |θ'| feeds the weight-gradients of the backward walk on |θ|
     parts = param_grads(ga, be, 1.0, forward_graph=gb)
@@ -288,7 +297,9 @@ def _log_upper(ga: Graph, gb: Graph, be) -> float:
             if part is None:
                 continue
             grad = np.asarray(be.to_numpy(part[0]), dtype=np.float64).reshape(pa.shape)
-            if np.ndim(part[1]):  # the scaled walk's per-channel log-scales: the sum in log space
+            if np.ndim(part[1]) or _small_products(pa.value, pb.value, grad):
+                # the scaled walk's per-channel log-scales, or products of |θ − θ'| and the grad that could
+                # underflow in the grad's units (a difference of 1e-130 times 1e-199): the sum in log space
                 with np.errstate(divide="ignore"):
                     terms = np.log(np.abs(pa.value - pb.value)) + np.log(grad) + np.broadcast_to(part[1], pa.shape)
                 if np.any(np.isnan(terms)) or np.any(np.isposinf(terms)):
