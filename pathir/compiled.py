@@ -238,7 +238,13 @@ class Compiled:
                 if change is not None:
                     self._follow(change)
             self._looked = self._calls > 0
-        self._facts.check_finite(self.transformed_by)
+        try:
+            self._facts.check_finite(self.transformed_by)
+        except PathirError as err:
+            bad = _nonfinite_tensors(self.model)
+            if bad:  # the tensors the model holds them in (a parametrization's original0, a buffer)
+                err.add_note(f"the model's tensors with NaN or infinite entries: {', '.join(bad)}")
+            raise
         return self._facts
 
     def _follow(self, change: str) -> None:
@@ -788,6 +794,22 @@ def _read_as(graph: Graph, read) -> Graph | None:
     if _form(again) != _form(graph) or any(np.shape(values.get(p.name)) != p.shape for p in graph.params()):
         return None
     return graph.map_params(lambda p: p.with_value(values[p.name], owned=True))  # (sources as the writer knows them)
+
+
+def _nonfinite_tensors(model, most: int = 5) -> list[str]:
+    """'name (k entries)' for the first ``most`` parameters and buffers of a torch ``model`` holding NaN or infinite
+    entries ([] for any other model)."""
+    if not hasattr(model, "named_parameters"):
+        return []
+    found = []
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_floating_point() and t.numel():
+            k = int((~t.detach().isfinite()).sum())
+            if k:
+                found.append(f"'{name}' ({k} of {t.numel()} entries)")
+                if len(found) == most:
+                    break
+    return found
 
 
 def _named_as(graph: Graph, like: Graph) -> Graph:

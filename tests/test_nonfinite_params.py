@@ -78,3 +78,17 @@ def test_a_subnormal_weight_is_refused_naming_it(backend, tiny):
     cm = pathir.compile(b.build([b.identity("y", [(h, Dense(P("w2", np.array([[1e300]]))))])]), progress=False)
     with pytest.raises(PathirError, match=r"param 'w1'.*1 subnormal float64 entries"):
         cm.path_norm(1, backend=backend)
+
+
+def test_a_nan_behind_a_parametrization_is_named_by_the_tensor_that_holds_it():
+    """A NaN in a weight-norm's original0 was named by the weight's name only (last notes' Left): the refusal now
+    lists the model's tensors that hold NaN or infinite entries."""
+    import torch
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    torch.nn.utils.parametrizations.weight_norm(net[0])
+    with torch.no_grad():
+        net[0].parametrizations.weight.original0[1] = float("nan")
+    with pytest.raises(PathirError) as info:
+        pathir.compile(net, input_shape=(3,))
+    assert "'0.parametrizations.weight.original0' (1 of 4 entries)" in "".join(info.value.__notes__)
