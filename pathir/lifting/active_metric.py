@@ -40,7 +40,7 @@ from pathir.lifting.pattern import (
     param_log_scale,
     power_walk,
 )
-from pathir.lifting.scaled import NORMAL, Certifier, Uncertified
+from pathir.lifting.scaled import Certifier, Uncertified
 
 __all__ = ["ActivePathMetric", "active_path_metric"]
 
@@ -159,7 +159,7 @@ def _walk_logs(ga, gb, be, pat, diff_edges, diff_biases, log_scales):
     """(log upper, log ‖Φ(θ)⊙a‖₁, log ‖Φ(θ')⊙a‖₁) of the pattern ``pat``; ``log_scales``: the params' log-scales
     the walks add (:func:`_scaled_pair`), or None. Raises Uncertified where a walk, or a sum of products of two
     (a contraction), cannot be certified: every node of both walks is checked (the backward's zeros against the
-    pattern's support), and each contraction is at least FLOOR or 0 where the supports' is."""
+    pattern's support), and each contraction is at least 10·NORMAL per term, or 0 where the supports' is."""
     B = pat.batch
     va, be_a = power_walk(ga, be, 1.0)
     vb, be_b = power_walk(gb, be, 1.0)
@@ -171,10 +171,9 @@ def _walk_logs(ga, gb, be, pat, diff_edges, diff_biases, log_scales):
 
     def certified(total, support, terms: int, where):
         """``total`` (per sample, a sum of ``terms`` products) checked against ``support()`` (the same contraction
-        of the supports), walked only where a total is small."""
-        values = np.broadcast_to(np.asarray(be.to_numpy(total), dtype=np.float64).reshape(-1), (B,))
-        if np.any(values < 10 * NORMAL * max(terms, 1)):
-            cert_b.total(values, np.asarray(be.to_numpy(support()), dtype=np.float64).reshape(-1), terms, where)
+        of the supports, walked only where a total is small): ``Certifier.total``."""
+        cert_b.total(np.broadcast_to(np.asarray(be.to_numpy(total), dtype=np.float64).reshape(-1), (B,)), support,
+                     terms, where)
         return total
 
     def contract(node, gM):

@@ -145,13 +145,18 @@ class Certifier:
             raise Uncertified(f"an entry below {FLOOR:g} of its sum's scale")
         return None
 
-    def total(self, value: np.ndarray, support: np.ndarray, terms: int, where: str) -> None:
+    def total(self, value: np.ndarray, support, terms: int, where: str) -> None:
         """Check per-sample sums of ``terms`` products, ``value`` (B,), of two certified walks' stored tensors:
         each at least ``terms`` × :data:`NORMAL` × 10 (a product lost to underflow is below 2.2e-308, so all of
-        them below 1e-16 of the sum), or 0 where ``support`` (the same sums over the walks' supports) is 0."""
-        value, support = np.asarray(value, dtype=np.float64), np.asarray(support, dtype=np.float64)
+        them below 1e-16 of the sum), or 0 where ``support()`` (the same sums over the walks' supports, computed
+        only where a sum is below that) is 0."""
+        value = np.asarray(value, dtype=np.float64)
         floor = 10 * NORMAL * max(int(terms), 1)
-        if bool(np.any((value < floor) & (np.broadcast_to(support, value.shape) > 0))):
+        if not np.any(value < floor):
+            return
+        reached = np.broadcast_to(np.asarray(self.backend.to_numpy(support()), dtype=np.float64).reshape(-1),
+                                  value.shape) > 0
+        if bool(np.any((value < floor) & reached)):
             raise Uncertified(f"{where}: a sum of products below {floor:g} that nonzero paths reach")
 
     @staticmethod
