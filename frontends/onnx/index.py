@@ -152,11 +152,13 @@ def moved(low, node, ins):
     if node.op_type == "Squeeze" and not low.batch_fixed and not _squeeze_axes(node):
         low.unsupported("a Squeeze without axes removes every axis of size 1, at a batch of 1 the batch axis too, so "
                         "its output depends on the batch size (the batch is dynamic in this file): give the axes")
-    if node.op_type == "Reshape" and not low.batch_fixed and isinstance(ins[0], Value) and len(ins) > 1 \
-            and not depends_on_batch(ins[1]) and np.size(ins[1]) and int(np.asarray(ins[1]).reshape(-1)[0]) > 0:
-        low.unsupported(f"its shape {np.asarray(ins[1]).reshape(-1).tolist()} fixes the batch axis at "
-                        f"{int(np.asarray(ins[1]).reshape(-1)[0])} while the model's batch is dynamic: the output's "
-                        "batch does not follow the input's (make its first entry 0 or -1, or the file's batch fixed)")
+    if node.op_type == "Reshape" and not low.batch_fixed and isinstance(ins[0], (Value, Displaced)) and len(ins) > 1 \
+            and not depends_on_batch(ins[1]):
+        shape = np.asarray(ins[1]).reshape(-1).tolist()
+        if shape and int(shape[0]) > 0:
+            low.unsupported(f"its shape {shape} fixes the batch axis at {int(shape[0])} while the model's batch is "
+                            "dynamic: the output's batch does not follow the input's (make its first entry 0 or -1, "
+                            "or the file's batch fixed)")
     if node.op_type == "Unsqueeze" and any(a.name == "axes" for a in node.attribute):
         node = _sorted_unsqueeze(low, node, ins[0])
     return index(low, node, ins)
