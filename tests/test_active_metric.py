@@ -92,20 +92,22 @@ def test_refuses_two_architectures():
         active_path_metric(net(2), net(3), np.ones((1, 2)), "numpy")
 
 
+def _two_layer(w1, w2):
+    """x (2) -> h = relu(w1 x) (2) -> y = w2 h (1), no biases."""
+    from pathir.ir import Dense, GraphBuilder
+
+    b = GraphBuilder()
+    x = b.input("x", (2,))
+    h = b.relu("h", [(x, Dense(b.param("w1", w1)))])
+    return b.build(outputs=[b.identity("y", [(h, Dense(b.param("w2", w2)))])])
+
+
 @pytest.mark.parametrize("tiny, refused", [(1e-150, False), (1e-250, True)])
 def test_a_walk_it_cannot_certify_is_refused(tiny, refused):
     """θ' whose hidden channels spread beyond the certificate (an entry below 1e-200 of its node's
     largest): refused rather than a bracket that may have lost terms; within it, the brackets equal
     enumeration."""
-    from pathir.ir import Dense, GraphBuilder
-
-    def net(w1):
-        b = GraphBuilder()
-        x = b.input("x", (2,))
-        h = b.relu("h", [(x, Dense(b.param("w1", w1)))])
-        return b.build(outputs=[b.identity("y", [(h, Dense(b.param("w2", [[3.0, 1.0]])))])])
-
-    a, b = net([[1.0, 2.0], [1.0, 1.0]]), net([[tiny, 0.0], [1.0, 1.0]])
+    a, b = _two_layer([[1.0, 2.0], [1.0, 1.0]], [[3.0, 1.0]]), _two_layer([[tiny, 0.0], [1.0, 1.0]], [[3.0, 1.0]])
     x = np.ones((1, 2))
     if refused:
         with pytest.raises(PathirError, match="cannot be certified"):
@@ -123,15 +125,7 @@ def test_a_backward_walk_masked_before_it_is_renormalised(backend, w11, x):
     renormalised by h0's 1e60 before the mask: h1's 1e-80 stored as 1e-140, times w1[1,1] = 1e-170 flushed to 0,
     d_x reported 0 (exact, bound 0) on torch where it is 5e-251, or refused where it was fine (diff review). The
     mask is applied first now, and each contraction is certified against the supports; d_x equals enumeration."""
-    from pathir.ir import Dense, GraphBuilder
-
-    def net(w):
-        b = GraphBuilder()
-        xin = b.input("x", (2,))
-        h = b.relu("h", [(xin, Dense(b.param("w1", [[1.0, 1.0], [1.0, w]])))])
-        return b.build(outputs=[b.identity("y", [(h, Dense(b.param("w2", [[1e60, 1e-80]])))])])
-
-    a, b = net(w11), net(0.5 * w11)
+    a, b = (_two_layer([[1.0, 1.0], [1.0, w]], [[1e60, 1e-80]]) for w in (w11, 0.5 * w11))
     m = active_path_metric(a, b, np.array([x]), backend)
     (d, _, _, _), = enumerated(a, b, {"x": np.array([x])})
     assert d > 0 and m.upper[0] == pytest.approx(d, rel=1e-12) and m.lower[0] <= m.upper[0]
@@ -143,15 +137,8 @@ def test_a_backward_walk_it_cannot_certify_is_refused(spread, refused):
     both, and is divided by the larger when renormalised. At 1e200 the small one was flushed and the upper
     bracket (and the "guaranteed" bound) came out 0 where d_x = 1.2e-202 (numerics review): refused now; at
     1e100 the brackets equal enumeration."""
-    from pathir.ir import Dense, GraphBuilder
-
-    def net(w1):
-        b = GraphBuilder()
-        x = b.input("x", (2,))
-        h = b.relu("h", [(x, Dense(b.param("w1", w1)))])
-        return b.build(outputs=[b.identity("y", [(h, Dense(b.param("w2", [[1.0 / spread, spread]])))])])
-
-    a, b = net([[1.0, 2.0], [1.0, 1.0]]), net([[1.5, 1.0], [1.0, 1.0]])  # only edges into h0 differ
+    w2 = [[1.0 / spread, spread]]
+    a, b = _two_layer([[1.0, 2.0], [1.0, 1.0]], w2), _two_layer([[1.5, 1.0], [1.0, 1.0]], w2)  # edges into h0 differ
     x = np.ones((1, 2))
     if refused:
         with pytest.raises(PathirError, match="cannot be certified"):
