@@ -393,10 +393,10 @@ def pruned_path_metric(ga: Graph, gb: Graph, backend, min_gap: float = 1e-3, log
 
     A path through a pruned entry has Φ_p(θ') = 0 and every other path keeps its value, so
     d = ‖Φ(θ)‖₁ − ‖Φ(θ')‖₁ exactly: from the two path-norm passes where they differ by at least
-    ``min_gap`` of ‖Φ(θ)‖₁ (the subtraction then loses at most log10(1 / min_gap) digits of float64's
-    16, computed as ‖Φ(θ)‖₁ (1 − e^{log‖Φ(θ')‖ − log‖Φ(θ)‖}) without cancellation in the exponential),
-    else from the telescoped walk of :func:`path_metric` (no cancellation). ``exact`` is True; the
-    caller guarantees the masking (it is not checked here).
+    ``min_gap`` of ‖Φ(θ)‖₁, computed as ‖Φ(θ)‖₁ (1 − e^{log‖Φ(θ')‖ − log‖Φ(θ)‖}) without cancellation in the
+    exponential, the bracket d ± ROUNDING·(‖Φ(θ)‖₁ + ‖Φ(θ')‖₁) (each walk's rounding; ``exact`` False), else
+    from the telescoped walk of :func:`path_metric` (no cancellation; ``exact`` True). The caller guarantees
+    the masking (it is not checked here).
 
     ``log_norm_a``: log ‖Φ(θ)‖₁ if already known (the path-magnitude scores' walk computes it).
     ``log_bound``: log of an upper bound on d (Σ S_i over the pruned entries); where it is at most
@@ -414,9 +414,16 @@ def pruned_path_metric(ga: Graph, gb: Graph, backend, min_gap: float = 1e-3, log
     else:
         lb = log_path_sum(gb, 1, backend)
         if usable and lb <= la + math.log1p(-min_gap):
-            log_d = -math.inf if lb == la else la + math.log(-math.expm1(lb - la))
-        else:
-            log_d = _log_upper(ga, gb, backend)
+            # the difference of two walks, each within ROUNDING of its norm: d ± ROUNDING·(‖Φ(θ)‖₁ + ‖Φ(θ')‖₁), a
+            # bracket (at norms near 1e300, L·ε of each log-scaled norm, magnified 1/min_gap by the subtraction, is
+            # 1e-10 of d: taken as d, the pruned metric read 7e-11 under the truth)
+            gap, rounding = -math.expm1(lb - la), ROUNDING * (1.0 + math.exp(lb - la))
+            log_low = la + math.log(gap - rounding) if gap > rounding else -math.inf
+            log_d = la + math.log(gap + rounding)
+            return PathMetric(lower=_exp(log_low), upper=_exp_up(log_d), exact=False, same_signs=True,
+                              log10_lower=log_low / _LN10, log10_upper=log_d / _LN10, norm_a=_exp(la),
+                              norm_b=_exp(lb), pair=pair_digest(ga, gb) if digest else b"")
+        log_d = _log_upper(ga, gb, backend)
     return PathMetric(lower=_exp(log_d), upper=_exp_up(log_d), exact=True, same_signs=True,
                       log10_lower=log_d / _LN10, log10_upper=log_d / _LN10, norm_a=_exp(la), norm_b=_exp(lb),
                       pair=pair_digest(ga, gb) if digest else b"")

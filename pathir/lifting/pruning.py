@@ -262,8 +262,9 @@ class PruneReport:
     """What ``cm.prune`` did.
 
     ``pruned`` entries of ``candidates`` were selected (already-zero ones
-    included); ``bound`` = Σ_{i∈P} S_i (docs/math.md §4; times 1 + 1e-12, the two sums' rounding) and ``path_metric`` = the
-    exact ‖Φ(θ)‖₁ − ‖Φ(θ⊙mask)‖₁ ≤ bound: for every input,
+    included); ``bound`` = Σ_{i∈P} S_i (docs/math.md §4; times 1 + 1e-12, the two sums' rounding) and ``path_metric`` = d
+    = ‖Φ(θ)‖₁ − ‖Φ(θ⊙mask)‖₁ ≤ bound (exact, or the upper end of its bracket where it is the two norms' difference,
+    within 1e-12 of their sum: docs/pruning.md): for every input,
     ‖R_θ(x) − R_{θ⊙mask}(x)‖₁ ≤ max(‖x‖∞, 1) · path_metric. ``per_tensor``:
     {source name: (pruned, size)}. Values beyond float64 are ``math.inf``.
     """
