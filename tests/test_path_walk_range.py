@@ -342,6 +342,30 @@ def test_products_of_raw_weights_and_scaled_gradients_do_not_underflow(backend):
     np.testing.assert_allclose(scores["2.weight"].ravel(), [1e71, 1e300], rtol=1e-12)
 
 
+class _SharedTwice(torch.nn.Module):
+    """c1·relu(w x) + c2·relu(w x), one w read by two branches: S(w) = 2(|c1| + |c2|), g(w) = c1² + c2²."""
+
+    def __init__(self, c1: float, c2: float):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor([[2.0]], dtype=torch.float64))
+        self.c1 = torch.nn.Parameter(torch.tensor([[c1]], dtype=torch.float64))
+        self.c2 = torch.nn.Parameter(torch.tensor([[c2]], dtype=torch.float64))
+
+    def forward(self, x):
+        lin = torch.nn.functional.linear
+        return lin(torch.relu(lin(x, self.w)), self.c1) + lin(torch.relu(lin(x, self.w)), self.c2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("c1", [1e-100, 1e-250])
+def test_a_shared_weight_whose_uses_differ_by_hundreds_of_decades(backend, c1):
+    """Its small use flushes at the common scale, but the sum at that entry is the large use's: nothing is lost.
+    Refused once every use was checked on its own (pruning review); only an entry whose sum is lost is now."""
+    cm = pathir.compile(_SharedTwice(c1, 1e100), input_shape=(1,))
+    assert cm.path_magnitude_scores(backend=backend)["w"].item() == pytest.approx(2 * (c1 + 1e100), rel=1e-12)
+    assert cm.diag_g(backend=backend)["w"].item() == pytest.approx(c1 * c1 + 1e200, rel=1e-12)
+
+
 def test_one_unit_rescaled_by_e100_and_e200():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4), torch.nn.ReLU(),

@@ -159,17 +159,18 @@ def param_log_parts(graph: Graph, backend, q: float, scale=None, what: str = "va
             out.append(terms[0])
             continue
         top = max(L for _, L in terms)
-        for mt, L in terms:  # a use whose smallest entries sit below e^{-SPAN} of the largest use's scale (they
-            # would be flushed at the common scale): refused
-            _check_span(L + math.log(float(np.min(mt, where=mt > 0, initial=1.0))), top, what, p.name)
-        m, L = terms.pop()
-        m *= math.exp(L - top)
-        while terms:  # a shared param: sum its uses at a common scale, freeing each
-            mt, L = terms.pop()
+        reached = np.zeros(p.shape, dtype=bool)  # the entries some use reaches: each must keep a normal sum
+        m = np.zeros(p.shape)
+        while terms:  # a shared param: sum its uses at a common scale, freeing each (a use's entry flushed there
+            mt, L = terms.pop()  # is below 2.2e-308 of the scale: lost only where the sum itself is that small)
+            reached |= mt > 0
             m += mt * math.exp(L - top)
             del mt
         peak = float(m.max())
         m /= peak
+        lost = reached & (m < NORMAL)
+        if lost.any():
+            _check_span(-math.inf, top, what, p.name)
         out.append((m, top + math.log(peak)))
     return out
 
@@ -189,14 +190,19 @@ def leaves_normal_range(grad: np.ndarray, factor: np.ndarray | None, top: float)
 
 
 def _check_span(low: float, top: float, what: str, name: str) -> None:
-    """Refuse a param whose nonzero entries span more than e^SPAN (lowest e^low, largest e^top): one
-    log-scale per param would read its smallest entries as 0 or as subnormals."""
+    """Refuse a param whose nonzero entries span more than e^SPAN (lowest e^low, largest e^top; low = -inf: the
+    uses of a shared param whose sum leaves an entry below that): one log-scale per param would read its smallest
+    entries as 0 or as subnormals."""
     if top - low > SPAN:
+        spans = f"spans e^{low:.0f} to e^{top:.0f} within the tensor" if low > -math.inf else \
+            "has entries more than e^708 below its largest (its uses differ by that much)"
+        fix = ("the scores are the same on every rescaling of the model, so no rescaling brings them closer" if
+               "score" in what else
+               "where that comes from the scales of whole layers, cm.enorm() balances them first (function kept)")
         raise PathNormOverflow(
-            f"{what} of param '{name}' spans e^{low:.0f} to e^{top:.0f} within the tensor, wider than "
-            f"float64 holds at one scale (e^{SPAN:.0f}): its smallest entries would read as 0. Its layer's "
-            "weights differ from their neighbours' by hundreds of decades; where that comes from the scales "
-            "of whole layers, cm.enorm() balances them first (function kept)")
+            f"{what} of param '{name}' {spans}, wider than float64 holds at one scale (e^{SPAN:.0f}): its smallest "
+            f"entries would read as 0. Its layer's weights differ from their neighbours' by hundreds of decades; "
+            f"{fix}")
 
 
 #: the fast walks' grads hold no entry below FLOOR of a mantissa of at most ~1e50 (pathir.lifting.scaled):
