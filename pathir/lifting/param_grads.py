@@ -113,8 +113,10 @@ def param_log_parts(graph: Graph, backend, q: float, scale=None, what: str = "va
     parts = param_grads(graph, backend, q, totals=totals, outer=outer)
     out = []
     for p in graph.params():
-        terms = []
-        for part in parts.pop(id(p)):
+        terms, uses = [], parts.pop(id(p))
+        shared = sum(part is not None for part in uses) > 1
+        reached = np.zeros(p.shape, dtype=bool) if shared else None  # the entries some use reaches (a shared param)
+        for part in uses:
             if part is None:
                 continue
             grad, log_scale = part
@@ -138,7 +140,10 @@ def param_log_parts(graph: Graph, backend, q: float, scale=None, what: str = "va
                     raise PathirError(f"{what} of param '{p.name}' is not finite (NaN or inf weights?)")
                 top = float(logs.max(initial=-np.inf))
                 if top > -math.inf:
-                    _check_span(float(np.min(logs, where=logs > -np.inf, initial=np.inf)), top, what, p.name)
+                    if shared:  # judged on the sum of the uses (an entry swamped there by another use is fine)
+                        reached |= logs > -np.inf
+                    else:
+                        _check_span(float(np.min(logs, where=logs > -np.inf, initial=np.inf)), top, what, p.name)
                     terms.append((np.exp(logs - top, out=logs), top))
                 continue
             if not m.flags.writeable:  # everything else is the walk's own fresh array
@@ -150,20 +155,20 @@ def param_log_parts(graph: Graph, backend, q: float, scale=None, what: str = "va
             if not math.isfinite(peak):
                 raise PathirError(f"{what} of param '{p.name}' is not finite (NaN or inf weights?)")
             if peak > 0:
+                if shared:
+                    reached |= m > 0
                 m /= peak
                 terms.append((m, float(log_scale) + math.log(peak)))
         if not terms:
             out.append((np.zeros(p.shape), -math.inf))
             continue
-        if len(terms) == 1:  # one use: m already has max 1
+        if len(terms) == 1 and not shared:  # one use: m already has max 1
             out.append(terms[0])
             continue
         top = max(L for _, L in terms)
-        reached = np.zeros(p.shape, dtype=bool)  # the entries some use reaches: each must keep a normal sum
         m = np.zeros(p.shape)
         while terms:  # a shared param: sum its uses at a common scale, freeing each (a use's entry flushed there
             mt, L = terms.pop()  # is below 2.2e-308 of the scale: lost only where the sum itself is that small)
-            reached |= mt > 0
             m += mt * math.exp(L - top)
             del mt
         peak = float(m.max())
