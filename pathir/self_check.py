@@ -165,8 +165,10 @@ def _check_torch(cm, model) -> None:
 
 
 def _compiled_modules(model) -> list[str]:
-    """The paths of the ``torch.compile`` wrappers (``OptimizedModule``) in ``model``, the root included ("")."""
-    return [path for path, m in model.named_modules() if type(m).__name__ == "OptimizedModule"]
+    """The paths of the modules of ``model`` (the root "" included) that ``torch.compile`` runs: its wrappers
+    (``OptimizedModule``) and the modules compiled in place (``module.compile()``)."""
+    return [path for path, m in model.named_modules()
+            if type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None]
 
 
 def _check_compiled_code(cm, model, xs, refs: list) -> None:

@@ -505,6 +505,11 @@ def test_a_torch_compiled_model_whose_code_differs_from_its_forward_is_refused()
     with pytest.raises(SelfCheckFailed, match="torch.compile'd 'the model' computes other numbers"):
         pathir.compile(model, input_shape=(3,))
     torch._dynamo.reset()
+    in_place = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double().eval()
+    in_place.compile(backend=_doubling_backend)  # compiled in place (latest-commits review): the same check
+    with pytest.raises(SelfCheckFailed, match="computes other numbers"):
+        pathir.compile(in_place, input_shape=(3,))
+    torch._dynamo.reset()
     failing = torch.compile(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double().eval(),
                             backend=_failing_backend)
     with pytest.warns(UserWarning, match="did not run as compiled here"):
