@@ -151,6 +151,7 @@ class Compiled:
     def __init__(self, graph: Graph, model=None, writer=None, source_num_params: int | None = None,
                  backend=None, name: str | None = None, watch=None, relower=None, read_written=None):
         self._watch, self._relower = watch, relower
+        self._read_later = None  # a re-read of the written model a Ctrl-C cut short: done by the next query
         self._read_written = read_written  # () -> the graph of the model a writer holds now (ONNX), lowered again
         self._local = threading.local()  # _calls and _looked, per thread (see _looks_once)
         self._lock = threading.RLock()  # one thread at a time follows the model
@@ -232,6 +233,11 @@ class Compiled:
     @property
     def facts(self) -> GraphFacts:
         """The current graph's record (units, B, row keys), after following the model."""
+        if self._read_later is not None:  # the model's own values as written (rounded to its dtype)
+            read, self._read_later = self._read_later, None
+            traced = _read_as(self._facts.graph, read)
+            if traced is not None:
+                self._facts = self._facts.with_values(traced)
         if self._watch is not None and not self._looked:
             with self._lock:  # a query in another thread, mid-call, does not stand for this thread's look
                 change = self._watch.changed()
@@ -495,10 +501,11 @@ class Compiled:
         interrupted = None
         try:
             traced = _read_as(facts.graph, read_again)
-        except KeyboardInterrupt as err:  # Ctrl-C in the re-read: the model is written, so this Compiled is
-            traced, interrupted = None, err  # brought to it (from the float64 products) before the interrupt goes on
+        except KeyboardInterrupt as err:  # Ctrl-C in the re-read: the model is written, so this Compiled holds the
+            traced, interrupted = None, err  # float64 products, and its next query reads the model's own values
+            self._read_later = read_again
             err.add_note("pathir: the rescaling had been written to the model, in full, before the interrupt; the "
-                         "Compiled holds it too")
+                         "Compiled holds it too (its next query reads the values the model holds)")
         if traced is not None:
             self._mark()
             self._facts = facts.with_values(traced)
