@@ -5,7 +5,7 @@ With θ's activation pattern at x frozen (:mod:`pathir.lifting.pattern`), the
 global brackets of :mod:`pathir.lifting.path_metric` carry over path by path,
 a_p being a product of per-neuron and per-edge indicators:
 
-- lower = | ‖Φ(θ) ⊙ a‖₁ − ‖Φ(θ') ⊙ a‖₁ | less the two walks' rounding (``ROUNDING`` of their sum), ≥ 0;
+- lower = | ‖Φ(θ) ⊙ a‖₁ − ‖Φ(θ') ⊙ a‖₁ | less the two walks' rounding (``walk_rounding`` of their sum), ≥ 0;
 - upper = Σ_{edges u→v} |θ_e − θ'_e| F^a_{|θ'|}(u) G^a_{|θ|}(v) + Σ_{biased v} |b_v − b'_v| G^a_{|θ|}(v),
 
 F^a the masked forward walk on |θ'| (active path sums ending at u), G^a the
@@ -29,7 +29,14 @@ import numpy as np
 from pathir.errors import PathirError
 from pathir.ir.inputs import tensor_float64
 from pathir.lifting.active import DEFAULT_CHUNK, chunks
-from pathir.lifting.path_metric import ROUNDING, backend_of, check_same_architecture, graph_of, param_pairs, sign_relations
+from pathir.lifting.path_metric import (
+    backend_of,
+    check_same_architecture,
+    graph_of,
+    param_pairs,
+    sign_relations,
+    walk_rounding,
+)
 from pathir.lifting.pattern import (
     activation_pattern,
     as_input_dict,
@@ -258,11 +265,14 @@ def active_path_metric(a, b, x, backend=None, chunk: int = DEFAULT_CHUNK) -> Act
         log_low = log_up
     else:
         top, low = np.maximum(la, lb), np.minimum(la, lb)
-        # |A − B| of two norms each summed with relative rounding below ROUNDING: the true difference is at least
-        # |A − B| − ROUNDING·(A + B) (two networks with equal Φ gave 1.6e-15 where d_x = 0)
+        # |A − B| of two norms each summed with relative rounding below r (walk_rounding): the true difference is
+        # at least |A − B| − r·(A + B) (two networks with equal Φ gave 1.6e-15 where d_x = 0)
+        finite = top[np.isfinite(top)]
+        reach = float(np.abs(finite).max()) if finite.size else 0.0
+        r = max(walk_rounding(ga, reach), walk_rounding(gb, reach))
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.exp(low - top)
-            gap = -np.expm1(low - top) - ROUNDING * (1.0 + ratio)
+            gap = -np.expm1(low - top) - r * (1.0 + ratio)
             log_low = np.where(gap > 0, top + np.log(np.where(gap > 0, gap, 1.0)), -math.inf)
         log_low = np.minimum(log_low, log_up)  # rounding must not invert the bracket
     scale = _x_scale(xs)

@@ -41,7 +41,7 @@ from pathir.lifting.pattern import as_input_dict
 from pathir.lifting.scaled import FLOOR, NORMAL
 from pathir.support.progress import Phases
 
-__all__ = ["PathMetric", "path_metric", "pruned_path_metric", "output_bound", "check_same_architecture", "graph_of", "backend_of", "param_pairs",
+__all__ = ["PathMetric", "path_metric", "pruned_path_metric", "walk_rounding", "output_bound", "check_same_architecture", "graph_of", "backend_of", "param_pairs",
            "sign_relations"]
 
 _LOG_MAX = math.log(np.finfo(np.float64).max)
@@ -89,8 +89,49 @@ class PathMetric:
 
 
 #: the relative rounding allowed each path-norm walk (a sum of positive terms over the paths, a few dozen
-#: float64 operations deep): a lower bracket is the norms' difference less this much of their sum
+#: float64 operations deep): a lower bracket is the norms' difference less this much of their sum, or
+#: :func:`walk_rounding`'s bound where the graph is deeper or wider than that covers
 ROUNDING = 1e-12
+
+_EPS = np.finfo(np.float64).eps
+
+
+def _terms(m) -> int:
+    """The most products one output entry of map ``m`` sums (its fan-in): a weight's or kernel's input
+    columns, a window's size, a fixed matrix's row; 1 for the maps that move entries."""
+    kind = m.kind.value
+    if kind in ("dense", "conv", "fixed_conv"):
+        w = m.weight.value if kind != "fixed_conv" else m.kernel
+        return int(np.prod(w.shape[1:], dtype=np.int64))
+    if kind == "pool":
+        return int(np.prod(m.kernel, dtype=np.int64))
+    if kind == "spatial_matrix":
+        return int((np.asarray(m.matrix) != 0).sum(axis=1).max(initial=1))
+    if kind == "resample":
+        return int(np.prod([max(1, int((np.asarray(a) != 0).sum(axis=1).max(initial=1))) for a in m.matrices]))
+    return 1
+
+
+def walk_rounding(graph: Graph, log_norm: float = 0.0) -> float:
+    """A bound on the relative rounding of a certified path-norm walk of ``graph`` whose log-norm is about
+    ``log_norm``: every term is non-negative, so a node's sum of k products is within (k + 2)·ε of its own inputs'
+    values, and the errors add along the worst chain of nodes (the longest by fan-in); the final sum over the
+    output entries adds their count, and each renormalisation's log-scale, added up to the norm's log, its
+    magnitude times ε per node. At least :data:`ROUNDING` (the constant before this bound)."""
+    chain: dict[str, float] = {}
+    depth: dict[str, int] = {}
+    for node in graph.nodes:
+        if not node.edges:
+            chain[node.name], depth[node.name] = 0.0, 0
+            continue
+        fan = sum(_terms(e.map) for e in node.edges) + (node.bias is not None)
+        chain[node.name] = max(chain[e.source] for e in node.edges) + fan + 2
+        depth[node.name] = max(depth[e.source] for e in node.edges) + 1
+    outputs = [o for o in graph.outputs]
+    worst = max((chain[o] + math.prod(graph.node(o).shape) for o in outputs), default=0.0)
+    steps = max((depth[o] for o in outputs), default=0)
+    magnitude = abs(log_norm) if math.isfinite(log_norm) else 0.0  # (a norm of 0 or beyond float64: no scale read)
+    return max(ROUNDING, 2 * _EPS * (worst + steps * (magnitude + 1.0) + 16))
 
 
 def pair_digest(ga: Graph, gb: Graph) -> bytes:
@@ -369,9 +410,10 @@ def path_metric(a, b, backend=None, progress: bool | None = None) -> PathMetric:
         log_low = log_up
     else:
         top, low = max(la, lb), min(la, lb)
-        # |A − B| of two norms each summed with relative rounding below ROUNDING: the true difference is at least
-        # |A − B| − ROUNDING·(A + B) (a model rescaled, Φ equal up to rounding, read d ≥ 2e-16 where d = 2e-17)
-        gap = -math.expm1(low - top) - ROUNDING * (1.0 + math.exp(low - top)) if top > -math.inf else 0.0
+        # |A − B| of two norms each summed with relative rounding below r (walk_rounding): the true difference is at
+        # least |A − B| − r·(A + B) (a model rescaled, Φ equal up to rounding, read d ≥ 2e-16 where d = 2e-17)
+        r = max(walk_rounding(ga, top), walk_rounding(gb, top)) if top > -math.inf else ROUNDING
+        gap = -math.expm1(low - top) - r * (1.0 + math.exp(low - top)) if top > -math.inf else 0.0
         log_low = top + math.log(gap) if gap > 0 else -math.inf
         log_low = min(log_low, log_up)  # rounding must not invert the bracket
     return PathMetric(
@@ -394,7 +436,8 @@ def pruned_path_metric(ga: Graph, gb: Graph, backend, min_gap: float = 1e-3, log
     A path through a pruned entry has Φ_p(θ') = 0 and every other path keeps its value, so
     d = ‖Φ(θ)‖₁ − ‖Φ(θ')‖₁ exactly: from the two path-norm passes where they differ by at least
     ``min_gap`` of ‖Φ(θ)‖₁, computed as ‖Φ(θ)‖₁ (1 − e^{log‖Φ(θ')‖ − log‖Φ(θ)‖}) without cancellation in the
-    exponential, the bracket d ± ROUNDING·(‖Φ(θ)‖₁ + ‖Φ(θ')‖₁) (each walk's rounding; ``exact`` False), else
+    exponential, the bracket d ± r·(‖Φ(θ)‖₁ + ‖Φ(θ')‖₁) (r each walk's rounding, :func:`walk_rounding`;
+    ``exact`` False), else
     from the telescoped walk of :func:`path_metric` (no cancellation; ``exact`` True). The caller guarantees
     the masking (it is not checked here).
 
@@ -414,10 +457,11 @@ def pruned_path_metric(ga: Graph, gb: Graph, backend, min_gap: float = 1e-3, log
     else:
         lb = log_path_sum(gb, 1, backend)
         if usable and lb <= la + math.log1p(-min_gap):
-            # the difference of two walks, each within ROUNDING of its norm: d ± ROUNDING·(‖Φ(θ)‖₁ + ‖Φ(θ')‖₁), a
+            # the difference of two walks, each within r of its norm (walk_rounding): d ± r·(‖Φ(θ)‖₁ + ‖Φ(θ')‖₁), a
             # bracket (at norms near 1e300, L·ε of each log-scaled norm, magnified 1/min_gap by the subtraction, is
             # 1e-10 of d: taken as d, the pruned metric read 7e-11 under the truth)
-            gap, rounding = -math.expm1(lb - la), ROUNDING * (1.0 + math.exp(lb - la))
+            r = max(walk_rounding(ga, la), walk_rounding(gb, la))
+            gap, rounding = -math.expm1(lb - la), r * (1.0 + math.exp(lb - la))
             log_low = la + math.log(gap - rounding) if gap > rounding else -math.inf
             log_d = la + math.log(gap + rounding)
             return PathMetric(lower=_exp(log_low), upper=_exp_up(log_d), exact=False, same_signs=True,

@@ -33,10 +33,9 @@ import numpy as np
 from pathir.backends import get_backend
 from pathir.errors import ArgumentError, PathirError
 from pathir.ir import Graph, MapKind, Param, Role
-from pathir.lifting.active_metric import ROUNDING
 from pathir.lifting.diag_g import arrays_by_source, source_layout
 from pathir.lifting.param_grads import at_common_scale, param_log_parts
-from pathir.lifting.path_metric import pruned_path_metric
+from pathir.lifting.path_metric import pruned_path_metric, walk_rounding
 from pathir.pairs.unit_pairs import least_positive
 
 __all__ = ["PruneReport", "score_log_parts", "path_magnitude_scores", "prune_masks", "prune_graph", "prune"]
@@ -262,9 +261,9 @@ class PruneReport:
     """What ``cm.prune`` did.
 
     ``pruned`` entries of ``candidates`` were selected (already-zero ones
-    included); ``bound`` = Σ_{i∈P} S_i (docs/math.md §4; times 1 + 1e-12, the two sums' rounding) and ``path_metric`` = d
+    included); ``bound`` = Σ_{i∈P} S_i (docs/math.md §4; times 1 + the walks' rounding, ``walk_rounding``) and ``path_metric`` = d
     = ‖Φ(θ)‖₁ − ‖Φ(θ⊙mask)‖₁ ≤ bound (exact, or the upper end of its bracket where it is the two norms' difference,
-    within 1e-12 of their sum: docs/pruning.md): for every input,
+    within the walks' rounding of their sum: docs/pruning.md): for every input,
     ‖R_θ(x) − R_{θ⊙mask}(x)‖₁ ≤ max(‖x‖∞, 1) · path_metric. ``per_tensor``:
     {source name: (pruned, size)}. Values beyond float64 are ``math.inf``.
     """
@@ -372,10 +371,10 @@ def prune(graph: Graph, backend, amount, criterion: str = "path-magnitude", scop
         pruned=sum(lost.values()),
         candidates=int(sum(m.size for m in masks.values())),
         # Σ S_i and d are summed by different walks: where they are equal (each pruned path through one pruned
-        # entry), either can come out last-bits above the other; the bound takes ROUNDING of itself on top. Below
+        # entry), either can come out last-bits above the other; the bound takes the walks' rounding (walk_rounding) of itself on top. Below
         # float64's smallest numbers (pruned paths of mass 1e-330) Σ S_i rounds to 0 where d rounds to 5e-324: the
         # bound is then d, which it bounds in exact arithmetic
-        bound=max(_exp(log_bound + math.log1p(ROUNDING)), metric.upper),
+        bound=max(_exp(log_bound + math.log1p(walk_rounding(graph, log_bound))), metric.upper),
         path_metric=metric.upper,
         path_norm_before=metric.norm_a,
         path_norm_after=metric.norm_b,
