@@ -499,19 +499,19 @@ def test_a_torch_compiled_model_whose_code_differs_from_its_forward_is_refused()
     code too now."""
     from pathir.errors import SelfCheckFailed
 
+    def mlp():
+        return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double().eval()
+
     torch._dynamo.reset()
-    model = torch.compile(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double().eval(),
-                          backend=_doubling_backend)
     with pytest.raises(SelfCheckFailed, match="torch.compile'd 'the model' computes other numbers"):
-        pathir.compile(model, input_shape=(3,))
+        pathir.compile(torch.compile(mlp(), backend=_doubling_backend), input_shape=(3,))
     torch._dynamo.reset()
-    in_place = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double().eval()
+    in_place = mlp()
     in_place.compile(backend=_doubling_backend)  # compiled in place (latest-commits review): the same check
     with pytest.raises(SelfCheckFailed, match="computes other numbers"):
         pathir.compile(in_place, input_shape=(3,))
     torch._dynamo.reset()
-    failing = torch.compile(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double().eval(),
-                            backend=_failing_backend)
+    failing = torch.compile(mlp(), backend=_failing_backend)
     with pytest.warns(UserWarning, match="did not run as compiled here"):
         pathir.compile(failing, input_shape=(3,))
     torch._dynamo.reset()
