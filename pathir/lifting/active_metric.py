@@ -269,7 +269,7 @@ def active_path_metric(a, b, x, backend=None, chunk: int = DEFAULT_CHUNK) -> Act
         # at least |A − B| − r·(A + B) (two networks with equal Φ gave 1.6e-15 where d_x = 0)
         finite = top[np.isfinite(top)]
         reach = float(np.abs(finite).max()) if finite.size else 0.0
-        r = max(walk_rounding(ga, reach), walk_rounding(gb, reach))
+        r = walk_rounding(ga, reach)  # (one architecture: one chain for both)
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.exp(low - top)
             gap = -np.expm1(low - top) - r * (1.0 + ratio)

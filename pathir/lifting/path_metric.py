@@ -34,7 +34,7 @@ import numpy as np
 
 from pathir.backends import get_backend
 from pathir.errors import ArgumentError, ArgumentTypeError, PathirError
-from pathir.ir import Graph, Param
+from pathir.ir import Graph, MapKind, Param
 from pathir.lifting.param_grads import param_grads
 from pathir.lifting.path_norm import log_path_sum
 from pathir.lifting.pattern import as_input_dict
@@ -99,15 +99,15 @@ _EPS = np.finfo(np.float64).eps
 def _terms(m) -> int:
     """The most products one output entry of map ``m`` sums (its fan-in): a weight's or kernel's input
     columns, a window's size, a fixed matrix's row; 1 for the maps that move entries."""
-    kind = m.kind.value
-    if kind in ("dense", "conv", "fixed_conv"):
-        w = m.weight.value if kind != "fixed_conv" else m.kernel
+    kind = m.kind
+    if kind in (MapKind.DENSE, MapKind.CONV, MapKind.FIXED_CONV):
+        w = m.kernel if kind is MapKind.FIXED_CONV else m.weight.value
         return int(np.prod(w.shape[1:], dtype=np.int64))
-    if kind == "pool":
+    if kind is MapKind.POOL:
         return int(np.prod(m.kernel, dtype=np.int64))
-    if kind == "spatial_matrix":
+    if kind is MapKind.SPATIAL_MATRIX:
         return int((np.asarray(m.matrix) != 0).sum(axis=1).max(initial=1))
-    if kind == "resample":
+    if kind is MapKind.RESAMPLE:
         return int(np.prod([max(1, int((np.asarray(a) != 0).sum(axis=1).max(initial=1))) for a in m.matrices]))
     return 1
 
@@ -127,9 +127,8 @@ def walk_rounding(graph: Graph, log_norm: float = 0.0) -> float:
         fan = sum(_terms(e.map) for e in node.edges) + (node.bias is not None)
         chain[node.name] = max(chain[e.source] for e in node.edges) + fan + 2
         depth[node.name] = max(depth[e.source] for e in node.edges) + 1
-    outputs = [o for o in graph.outputs]
-    worst = max((chain[o] + math.prod(graph.node(o).shape) for o in outputs), default=0.0)
-    steps = max((depth[o] for o in outputs), default=0)
+    worst = max((chain[o] + math.prod(graph.node(o).shape) for o in graph.outputs), default=0.0)
+    steps = max((depth[o] for o in graph.outputs), default=0)
     magnitude = abs(log_norm) if math.isfinite(log_norm) else 0.0  # (a norm of 0 or beyond float64: no scale read)
     return max(ROUNDING, 2 * _EPS * (worst + steps * (magnitude + 1.0) + 16))
 
@@ -412,7 +411,7 @@ def path_metric(a, b, backend=None, progress: bool | None = None) -> PathMetric:
         top, low = max(la, lb), min(la, lb)
         # |A − B| of two norms each summed with relative rounding below r (walk_rounding): the true difference is at
         # least |A − B| − r·(A + B) (a model rescaled, Φ equal up to rounding, read d ≥ 2e-16 where d = 2e-17)
-        r = max(walk_rounding(ga, top), walk_rounding(gb, top)) if top > -math.inf else ROUNDING
+        r = walk_rounding(ga, top) if top > -math.inf else ROUNDING  # (one architecture: one chain for both)
         gap = -math.expm1(low - top) - r * (1.0 + math.exp(low - top)) if top > -math.inf else 0.0
         log_low = top + math.log(gap) if gap > 0 else -math.inf
         log_low = min(log_low, log_up)  # rounding must not invert the bracket
@@ -460,7 +459,7 @@ def pruned_path_metric(ga: Graph, gb: Graph, backend, min_gap: float = 1e-3, log
             # the difference of two walks, each within r of its norm (walk_rounding): d ± r·(‖Φ(θ)‖₁ + ‖Φ(θ')‖₁), a
             # bracket (at norms near 1e300, L·ε of each log-scaled norm, magnified 1/min_gap by the subtraction, is
             # 1e-10 of d: taken as d, the pruned metric read 7e-11 under the truth)
-            r = max(walk_rounding(ga, la), walk_rounding(gb, la))
+            r = walk_rounding(ga, la)  # (θ' = θ ⊙ mask: the same chains)
             gap, rounding = -math.expm1(lb - la), r * (1.0 + math.exp(lb - la))
             log_low = la + math.log(gap - rounding) if gap > rounding else -math.inf
             log_d = la + math.log(gap + rounding)
