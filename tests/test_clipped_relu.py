@@ -925,3 +925,20 @@ def test_a_relu6_module_written_per_channel_on_a_token_wise_layer_is_followed_on
         fresh = pathir.compile(model, input_shape=(3, 5))
         assert cm.path_norm(1) == pytest.approx(fresh.path_norm(1), rel=1e-13)
         assert _rel(cm.forward(x.numpy()), _eager(model, x)) <= 1e-13
+
+
+def test_a_per_feature_threshold_on_a_token_layout_is_refused_for_what_it_is():
+    """torch.minimum(relu(a(x)), buf) with buf one value per feature on (batch, tokens, features): refused as 'varies
+    over positions', though it varies over features only (units review): the message says which axis."""
+
+    class TokenClip(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.c = torch.nn.Linear(3, 5), torch.nn.Linear(5, 2)
+            self.register_buffer("t", torch.linspace(1.0, 3.0, 5))
+
+        def forward(self, x):
+            return self.c(torch.minimum(torch.relu(self.a(x)), self.t))
+
+    with pytest.raises(pathir.errors.PathirError, match=r"is not one value per channel \(axis 1\).*varies along another"):
+        pathir.compile(TokenClip(), input_shape=(4, 3))

@@ -98,7 +98,10 @@ def _per_channel(t: np.ndarray, shape, name: str) -> np.ndarray:
                          f"channel of an activation of per-sample shape {list(shape)}")
     per = np.broadcast_to(t, full)[0].reshape(shape[0], -1)
     if not np.all(per == per[:, :1]):
-        raise ValueError(f"the threshold '{name}' varies over positions: a clipped ReLU's threshold is per channel")
+        raise ValueError(f"the threshold '{name}' of shape {list(t.shape)} is not one value per channel (axis 1) of "
+                         f"an activation of per-sample shape {list(shape)}: it varies along another axis (one value "
+                         "per feature of a (tokens, features) layout, say); pathir holds a clipped ReLU's threshold "
+                         "per channel only")
     return per[:, 0].copy()
 
 
