@@ -52,9 +52,6 @@ __all__ = ["Uncertified", "FLOOR", "NORMAL", "check_stored", "Certifier", "scale
 
 #: an entry below this (in the units of the sum it belongs to) is not certified
 FLOOR = 1e-200
-#: the largest mantissa a fast walk keeps: a node's sum whose largest entry is above it is divided by that entry
-#: (:func:`pathir.lifting.walk.combine_scaled`)
-HIGH = 1e50
 #: an entry of a node's sum, once divided by the sum's largest, must stay at least this: a normal float64 (one of
 #: 1e-160 beside 1e160 is stored as 1e-320, flushed to 0, and every path through it lost). Products of it that
 #: underflow later are bounded by the next node's own check, as any product's

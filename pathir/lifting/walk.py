@@ -25,7 +25,7 @@ from pathir.errors import BackendError, InputShapeError, PathirError
 from pathir.ir import Graph, MapKind, Node, NodeKind
 from pathir.ir.inputs import refuse_unreadable
 from pathir.lifting.low_rank import LowRank
-from pathir.lifting.scaled import HIGH, Certifier, Uncertified, check_stored
+from pathir.lifting.scaled import Certifier, Uncertified, check_stored
 
 __all__ = ["forward", "path_forward", "path_backward", "log_total", "combine_scaled"]
 
@@ -103,7 +103,7 @@ def forward(graph: Graph, backend, inputs, all_nodes: bool = False):
 #: max-reduction per node and products of two mantissas (weight-gradients) stay
 #: far from float64's limits; a weight or product that underflows next to a mantissa
 #: of at most _HIGH loses below 2.2e-258 of its node's unit (what the certificate bounds)
-_LOW, _HIGH = 1e-50, HIGH
+_LOW, _HIGH = 1e-50, 1e50
 
 #: a term more than this many e-folds below its node's sum has its factor underflow: it is
 #: certified only if its largest entry stays below e^_LOG_LOST of the sum's unit
