@@ -184,7 +184,7 @@ class Certifier:
                 if pat is not None and node.kind is NodeKind.MAXPOOL:
                     acc = acc + be.select_apply(node, self._slice(pat.choice[node.name]), x, src)
                 else:
-                    acc = acc + be.apply(_support_map(e.map, self.zeros_count, self._maps), x, src)
+                    acc = acc + be.apply(self.support_map(e.map), x, src)
             if node.bias is not None:
                 b = node.bias.value
                 on = np.ones(b.shape) if self.zeros_count else (b != 0).astype(np.float64)
@@ -216,7 +216,7 @@ class Certifier:
                     if pat is not None and node.kind is NodeKind.MAXPOOL:
                         back = be.select_adjoint(node, self._slice(pat.choice[node.name]), sup, src)
                     else:
-                        back = be.adjoint(_support_map(e.map, self.zeros_count, self._maps), sup, src)
+                        back = be.adjoint(self.support_map(e.map), sup, src)
                     pending[e.source] = pending[e.source] + back
             self._backward = out
         return self._backward
