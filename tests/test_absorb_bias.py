@@ -266,6 +266,16 @@ def test_onnx_with_folded_batch_norms_has_nothing_to_absorb():
     assert report.absorption.channels == 0 and "nothing to absorb" in str(report)
 
 
+def test_unfolded_batch_norms_with_no_channel_to_absorb_say_so():
+    # batch-norm ReLUs found (unfolded), but β ≤ 3|γ| on every channel: c = 0, and the note says why (it blamed
+    # folding, which had not happened)
+    model = _trained_bn(_net(), 3, beta=0.0, gamma=0.3)
+    report = pathir.equalize(model, input_shape=(2, 6, 6), absorb_bias=True, write_back=False)
+    assert report.absorption.channels == 0 and report.absorption.found > 0
+    text = str(report)
+    assert f"of {report.absorption.found} found" in text and "has β > 3|γ|" in text and "folded" not in text
+
+
 def test_a_failed_onnx_bias_write_restores_the_model(monkeypatch):
     model = _trained_bn(_net(), 3, beta=4.0, gamma=0.3)
     x = torch.randn(4, 2, 6, 6, dtype=torch.float64)

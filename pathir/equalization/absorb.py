@@ -59,6 +59,7 @@ class Absorption:
     shifts: dict[str, np.ndarray]
     c: dict[str, np.ndarray]
     border_edges: list[str] = field(default_factory=list)
+    found: int = 0  # the batch-norm ReLUs found, absorbed or not (c = 0 on every channel)
 
 
 @dataclass
@@ -73,9 +74,9 @@ class ActivationRange:
 
 @dataclass
 class AbsorbReport:
-    """Bias absorption in an EqualizeReport: channels moved (c > 0) in how many ReLU nodes, the largest
-    output change max |R(x) − R'(x)| and that over max |R(x)|, on ``batch`` (the inputs given, or a
-    seeded random batch), the activation ranges, and the padded convolutions' edges."""
+    """Bias absorption in an EqualizeReport: channels moved (c > 0) in how many ReLU nodes (of ``found``
+    batch-norm ReLUs), the largest output change max |R(x) − R'(x)| and that over max |R(x)|, on ``batch``
+    (the inputs given, or a seeded random batch), the activation ranges, and the padded convolutions' edges."""
 
     channels: int
     nodes: int
@@ -84,16 +85,20 @@ class AbsorbReport:
     batch: str
     activation_ranges: list[ActivationRange]
     border_edges: list[str]
+    found: int = 0
 
     def lines(self) -> list[str]:
         before = sum(r.before for r in self.activation_ranges)
         after = sum(r.after for r in self.activation_ranges)
-        out = [f"bias absorption: {self.channels} channels of {self.nodes} batch-norm ReLUs; output changed by at most "
-               f"{self.max_abs_deviation:.4g} ({self.rel_deviation:.3g} of the largest output) on {self.batch}; "
-               f"their activation ranges sum {before:.4g} -> {after:.4g}"]
-        if not self.nodes:
+        out = [f"bias absorption: {self.channels} channels of {self.nodes} batch-norm ReLUs (of {self.found} found); "
+               f"output changed by at most {self.max_abs_deviation:.4g} ({self.rel_deviation:.3g} of the largest "
+               f"output) on {self.batch}; their activation ranges sum {before:.4g} -> {after:.4g}"]
+        if not self.found:
             out.append("  no ReLU reads a batch-norm's output with its γ and β (folded batch-norms have none): nothing "
                        "to absorb")
+        elif not self.nodes:
+            out.append(f"  no channel of the {self.found} batch-norm ReLUs has β > {SIGMAS:g}|γ| (c = max(0, β − "
+                       f"{SIGMAS:g}|γ|) is 0 on each): nothing to absorb")
         if self.border_edges:
             out.append(f"  zero-padded convolutions (borders see c as 0): {', '.join(self.border_edges)}")
         return out
@@ -218,7 +223,7 @@ def absorb(graph: Graph, units, z, read_source) -> Absorption:
         delta = (0.0 if incoming is None else incoming) - (0.0 if own is None else own)
         shifts[n.bias.name] = shifts.get(n.bias.name, 0.0) + np.broadcast_to(delta, n.bias.shape)
     absorbed = graph.map_params(lambda p: p.with_value(p.value + shifts[p.name]) if p.name in shifts else p)
-    return Absorption(absorbed, shifts, c_of, border)
+    return Absorption(absorbed, shifts, c_of, border, len(found))
 
 
 def _batch(graph: Graph, inputs, size: int = 32, seed: int = 0):
@@ -245,4 +250,4 @@ def measure(graph: Graph, absorption: Absorption, backend, inputs=None) -> Absor
     return AbsorbReport(
         channels=int(sum(np.count_nonzero(c) for c in absorption.c.values())), nodes=len(absorption.c),
         max_abs_deviation=change, rel_deviation=change / top if top > 0 else (0.0 if change == 0 else math.inf),
-        batch=what, activation_ranges=ranges, border_edges=list(absorption.border_edges))
+        batch=what, activation_ranges=ranges, border_edges=list(absorption.border_edges), found=absorption.found)
