@@ -1,7 +1,11 @@
 """`pathir demo` end to end on a tiny configuration (the full run is the README's main command)."""
 
+import importlib.util
 import json
+import re
+from pathlib import Path
 
+import pytest
 import torch
 
 import pathir.app.demo as demo
@@ -42,3 +46,18 @@ def test_random_rescaling_keeps_the_function():
 def test_epochs_to_reach():
     assert demo.epochs_to_reach([3.0, 2.0, 1.0], 2.0) == 1
     assert demo.epochs_to_reach([3.0, 2.5], 1.0) is None
+
+
+@pytest.mark.slow
+def test_the_full_demo_prints_the_tables_docs_demo_md_shows(tmp_path, capsys):
+    # docs/demo.md quotes the tables of one full run, which repeat on the same software versions: a change to
+    # the demo or to what it computes shows here, and the page is updated with it
+    assert main(["demo", "--out", str(tmp_path / "demo")]) == 0
+    printed = {line.strip() for line in capsys.readouterr().out.splitlines()}
+    page = (Path(__file__).parent.parent / "docs" / "demo.md").read_text()
+    rows = [line.strip() for line in page.splitlines()
+            if re.match(r" {4}\s*(\d+%|not equalized|Brevitas CLE|pathir \()", line)]
+    if importlib.util.find_spec("brevitas") is None:
+        rows = [row for row in rows if not row.startswith("Brevitas")]
+    assert len(rows) >= 6
+    assert [row for row in rows if row not in printed] == []
