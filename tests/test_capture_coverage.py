@@ -263,6 +263,27 @@ def test_batch_norm_without_running_statistics_refused_by_that_reason(wrap):
         pathir.compile(model, input_shape=(3, 6, 6))
 
 
+class _StdConv(nn.Conv2d):
+    """Weight standardization as timm's StdConv2d writes it: batch_norm of the weight, training=True."""
+
+    def forward(self, x):
+        w = F.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None, training=True, momentum=0.0,
+                         eps=1e-6).reshape_as(self.weight)
+        return F.conv2d(x, w, self.bias)
+
+
+@pytest.mark.parametrize("wrap", [lambda m: m, Untraceable], ids=["fx", "export"])
+def test_weight_standardization_refused_as_such(wrap):
+    """A batch_norm of a weight (no input upstream) is refused as weight standardization, not as a batch-norm
+    without running statistics (timm review: that sent users looking for a track_running_stats flag)."""
+    model = wrap(nn.Sequential(_StdConv(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 1))).double().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedOperation, match="standardizes a parameter") as err:
+        pathir.compile(model, input_shape=(3, 8, 8))
+    assert "running statistics" not in str(err.value)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_a_zero_padded_shortcut_is_rescaled_keeping_the_function():
     torch.manual_seed(0)
     model = ZeroPaddedShortcut().double()

@@ -587,6 +587,11 @@ _BATCH_STATS = ("normalizes with batch statistics: batch_norm with training=True
                 "input-dependent (pass training=self.training, or use running statistics)")
 _NO_STATS = ("normalizes with batch statistics: a batch-norm without running statistics "
              "(track_running_stats=False) is input-dependent")
+_STANDARDIZED = ("standardizes a parameter, not an activation (weight standardization: batch_norm with training=True "
+                 "of a weight, as timm's StdConv2d / ScaledStdConv2d do): the layer's weight is then each output "
+                 "channel's weights scaled to mean 0 and variance 1, a function of the parameter that is no rescaling "
+                 "of its units; pathir does not lower it. Bake the standardized weights into a plain convolution "
+                 "(conv.weight = the standardized weight, the standardization removed) to analyse the model")
 
 
 #: torch's functions and tensor methods that draw from its random generator (ATen's carry a tag)
@@ -610,8 +615,9 @@ def draws(op) -> bool:
             and not any(a.name in _DROPOUT_ARGUMENTS for a in schema.arguments))
 
 
-def _fixed_mode(node) -> str | None:
-    """The reason a call with a mode fixed in the code is refused, or None."""
+def _fixed_mode(node, is_state=None) -> str | None:
+    """The reason a call with a mode fixed in the code is refused, or None; ``is_state(placeholder)``: whether a
+    placeholder is the model's own tensor (torch.export lifts them), not an input."""
     if node.op == "call_method":
         return _DRAWS if node.target in _RANDOM_METHODS else None
     if node.op != "call_function":
@@ -631,10 +637,11 @@ def _fixed_mode(node) -> str | None:
         return "is random"
     if fn is F.batch_norm:
         a = _bound(fn, args, kwargs)
-        return _batch_stats(a.get("running_mean"), a.get("training"))
+        return _batch_stats(a.get("running_mean"), a.get("training"), a.get("input"), is_state)
     if fn in (torch.batch_norm, aten.batch_norm.default):
         training = args[5] if len(args) > 5 else kwargs.get("training")
-        return _batch_stats(args[3] if len(args) > 3 else kwargs.get("running_mean"), training)
+        return _batch_stats(args[3] if len(args) > 3 else kwargs.get("running_mean"), training,
+                            args[0] if args else kwargs.get("input"), is_state)
     if fn in (F.instance_norm, torch.instance_norm):
         return "normalizes with per-sample statistics: input-dependent"
     if fn in _RANDOM_FUNCTIONS or draws(fn):
@@ -642,17 +649,35 @@ def _fixed_mode(node) -> str | None:
     return None
 
 
-def _batch_stats(running_mean, training) -> str | None:
-    """Why a batch-norm call normalizes with batch statistics (none kept, or training fixed), or None."""
+def _batch_stats(running_mean, training, input=None, is_state=None) -> str | None:
+    """Why a batch-norm call normalizes with batch statistics (none kept, or training fixed), or None; its
+    ``input`` (an fx node) read from the model's attributes only, no input upstream: it standardizes a weight."""
     if training is not True:
         return None
+    if isinstance(input, torch.fx.Node) and not _reads_input(input, is_state):
+        return _STANDARDIZED
     return _NO_STATS if running_mean is None else _BATCH_STATS
 
 
-def check_modes(graph: torch.fx.Graph) -> None:
-    """Refuse functional calls whose mode is fixed in the code (random, or batch statistics)."""
+def _reads_input(node: torch.fx.Node, is_state=None) -> bool:
+    """Whether ``node`` depends on a placeholder that is a model input (``is_state``: which placeholders are the
+    model's own tensors, lifted by torch.export)."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n.op == "placeholder" and not (is_state is not None and is_state(n)):
+            return True
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return False
+
+
+def check_modes(graph: torch.fx.Graph, is_state=None) -> None:
+    """Refuse functional calls whose mode is fixed in the code (random, or batch statistics); ``is_state``: as
+    for :func:`_fixed_mode`."""
     for node in graph.nodes:
-        why = _fixed_mode(node)
+        why = _fixed_mode(node, is_state)
         if why:
             _refuse(node, why)
 

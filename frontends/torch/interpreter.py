@@ -124,7 +124,7 @@ class FxInterpreter:
         """Lower the traced program; ``shapes``: one per-sample shape per tensor input."""
         shapes = [tuple(shapes)] if shapes and not isinstance(shapes[0], (tuple, list)) else [tuple(s) for s in shapes]
         self._inputs = 0
-        check_modes(self.graph)
+        check_modes(self.graph, self._is_state)
         rebind = alias_plan(self.graph, self.model, self.effect, self._is_state)
         for node in self.graph.nodes:
             self.low.fx_name = node.name
