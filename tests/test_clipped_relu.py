@@ -899,12 +899,111 @@ def test_a_clip_of_a_token_wise_layer_lowers_alike_in_every_spelling(path):
 
 
 def test_a_relu6_module_written_per_channel_on_a_token_wise_layer_is_followed_on_the_export_path():
-    """One nn.ReLU6 after a conv and after a token-wise Linear: PathCond writes a ClippedReLU, which the
-    torch.export path lowers as relu then minimum; the Compiled kept follows the next weight change (it
-    refused, "no longer lowers to the same graph", and so did a fresh compile of the written model)."""
+    """nn.ReLU6 after a conv and after a token-wise Linear: PathCond writes ClippedReLUs (per channel along
+    axis 1, and per feature along the last axis), which the torch.export path lowers as relu then minimum; the
+    Compiled kept follows the next weight change (it refused, "no longer lowers to the same graph", and so did a
+    fresh compile of the written model)."""
     from torch_programs import export_path
 
     class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.conv, self.tok, self.act, self.act2 = nn.Conv1d(3, 4, 1), nn.Linear(5, 5), nn.ReLU6(), nn.ReLU6()
+            self.conv2, self.out = nn.Conv1d(4, 4, 1), nn.Linear(20, 3)
+
+        def forward(self, x):
+            return self.out(self.conv2(self.act2(self.tok(self.act(self.conv(x))))).flatten(1))
+
+    model, x = Mixed().double().eval(), _x(6, 3, 5)
+    before = _eager(model, x)
+    with export_path():
+        cm = pathir.compile(model, input_shape=(3, 5))
+        cm.pathcond(progress=False)
+        assert isinstance(model.act, ClippedReLU) and model.act.threshold.shape == (4, 1)
+        assert isinstance(model.act2, ClippedReLU) and model.act2.threshold.shape == (5,)  # the features: last axis
+        assert _rel(_eager(model, x), before) <= 1e-13
+        with torch.no_grad():
+            model.conv.weight.mul_(1.1)
+        fresh = pathir.compile(model, input_shape=(3, 5))
+        assert cm.path_norm(1) == pytest.approx(fresh.path_norm(1), rel=1e-13)
+        assert _rel(cm.forward(x.numpy()), _eager(model, x)) <= 1e-13
+
+
+class _TokenMLP(nn.Module):
+    """Linear -> a clipped ReLU -> Linear on (tokens, features): ``act`` a module, or "buffer" for
+    torch.minimum(relu(h), t) with ``t`` a buffer (one per feature, (F,); one per token, (T, 1))."""
+
+    def __init__(self, act, t=None, d=3, h=5, o=2):
+        super().__init__()
+        self.a, self.c = nn.Linear(d, h), nn.Linear(h, o)
+        with torch.no_grad():
+            self.a.weight.mul_(torch.logspace(-1, 1, h)[:, None])
+        self.act = act
+        if t is not None:
+            self.register_buffer("t", torch.as_tensor(t))
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.c(torch.minimum(torch.relu(h), self.t) if self.act == "buffer" else self.act(h))
+
+
+_TOKEN_ACTS = {"relu6": (lambda: nn.ReLU6(), None), "hardtanh": (lambda: nn.Hardtanh(0.0, 1.5), None),
+               "clipped": (lambda: ClippedReLU(torch.linspace(0.5, 3.0, 5), spatial_dims=0), None),
+               "buffer": (lambda: "buffer", torch.linspace(0.5, 3.0, 5))}
+
+
+@pytest.mark.parametrize("path", ["fx", "export"])
+@pytest.mark.parametrize("act", list(_TOKEN_ACTS))
+def test_a_clipped_relu_on_a_token_layout_has_a_threshold_and_a_unit_per_feature(act, path):
+    """A token-wise MLP's clipped ReLU (nn.ReLU6, a per-feature threshold) is lowered in the layer's layout, as
+    its ReLU is: one threshold and one unit per feature (it tied every feature into one unit, and a per-feature
+    buffer was refused); path-norms are T times those of one token's network (the definition), PathCond writes
+    per-feature thresholds along the last axis, the function kept."""
+    from torch_programs import export_path
+
+    torch.manual_seed(0)
+    make, t = _TOKEN_ACTS[act]
+    model, T = _TokenMLP(make(), t).double().eval(), 4
+    x = _x(6, T, 3)
+    before = _eager(model, x)
+    with export_path() if path == "export" else contextlib.nullcontext():
+        cm = pathir.compile(model, input_shape=(T, 3))
+        assert _rel(cm.forward(x.numpy()), before) <= 1e-13
+        assert len(cm.units) == 5
+        thresholds = {"relu6": np.full(5, 6.0), "hardtanh": np.full(5, 1.5)}.get(act, np.linspace(0.5, 3.0, 5))
+        W1, b1, W2, b2 = (p.detach().numpy() for p in (model.a.weight, model.a.bias, model.c.weight, model.c.bias))
+        for q in (1, 2, 0.5):
+            ref = (T * _reference_lq(W1, b1, thresholds, W2, b2, q)) ** (1 / q)
+            assert cm.path_norm(q) == pytest.approx(ref, rel=1e-12)
+        cm.pathcond(progress=False)
+        assert _rel(_eager(model, x), before) <= 1e-13
+        held = model.t if act == "buffer" else model.act.threshold
+        assert held.shape == (5,) and not torch.equal(held, torch.as_tensor(thresholds))  # per feature, moved
+        assert pathir.compile(model, input_shape=(T, 3)).path_norm(2) == pytest.approx(cm.path_norm(2), rel=1e-12)
+
+
+def test_a_threshold_per_token_is_exact_and_ties_the_features():
+    """torch.minimum(relu(h), t) with t of shape (T, 1), one number per token: exact, in the tokens' layout (the
+    features tied by it); PathCond keeps the function."""
+    torch.manual_seed(0)
+    T, t = 4, torch.tensor([[0.5], [1.0], [2.0], [3.0]])
+    model, x = _TokenMLP("buffer", t).double().eval(), _x(6, 4, 3)
+    before = _eager(model, x)
+    cm = pathir.compile(model, input_shape=(T, 3))
+    assert _rel(cm.forward(x.numpy()), before) <= 1e-13
+    W1, b1, W2, b2 = (p.detach().numpy() for p in (model.a.weight, model.a.bias, model.c.weight, model.c.bias))
+    ref = sum(_reference_lq(W1, b1, np.full(5, float(tk)), W2, b2, 1.0) for tk in t.flatten())
+    assert cm.path_norm(1) == pytest.approx(ref, rel=1e-12)
+    cm.pathcond(progress=False)
+    assert _rel(_eager(model, x), before) <= 1e-13
+
+
+def test_one_module_at_two_layouts_is_held():
+    """One nn.ReLU6 after a conv (channels along axis 1) and after a token-wise Linear (features along the last
+    axis): no per-channel threshold fits both calls, so its channels are held; PathCond rescales the rest."""
+
+    class Shared(nn.Module):
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
@@ -914,31 +1013,35 @@ def test_a_relu6_module_written_per_channel_on_a_token_wise_layer_is_followed_on
         def forward(self, x):
             return self.out(self.conv2(self.act(self.tok(self.act(self.conv(x))))).flatten(1))
 
-    model, x = Mixed().double().eval(), _x(6, 3, 5)
+    model, x = Shared().double().eval(), _x(6, 3, 5)
     before = _eager(model, x)
-    with export_path():
-        cm = pathir.compile(model, input_shape=(3, 5))
-        cm.pathcond(progress=False)
-        assert isinstance(model.act, ClippedReLU) and _rel(_eager(model, x), before) <= 1e-13
-        with torch.no_grad():
-            model.conv.weight.mul_(1.1)
-        fresh = pathir.compile(model, input_shape=(3, 5))
-        assert cm.path_norm(1) == pytest.approx(fresh.path_norm(1), rel=1e-13)
-        assert _rel(cm.forward(x.numpy()), _eager(model, x)) <= 1e-13
+    cm = pathir.compile(model, input_shape=(3, 5))
+    held = {p.name for p in cm.graph.params() if any(r.fixed for r in p.sources)}
+    assert held and all(name.startswith("act") for name in held)
+    cm.pathcond(progress=False)
+    assert type(model.act) is nn.ReLU6 and _rel(_eager(model, x), before) <= 1e-13
 
 
-def test_a_per_feature_threshold_on_a_token_layout_is_refused_for_what_it_is():
-    """torch.minimum(relu(a(x)), buf) with buf one value per feature on (batch, tokens, features): refused as 'varies
-    over positions', though it varies over features only (units review): the message says which axis."""
+def test_a_buffer_along_another_axis_than_the_channels_is_held():
+    """A threshold buffer of shape (W,), one number repeated, read against (C, H, W) with W = C: it holds one
+    value per channel only as the number it repeats, and scaling it per channel would scale it along W. Its
+    channels are held, and equalization writes the rest (it wrote it, and the function check refused the
+    write, blaming a tensor read elsewhere)."""
 
-    class TokenClip(torch.nn.Module):
+    class Net(nn.Module):
         def __init__(self):
             super().__init__()
-            self.a, self.c = torch.nn.Linear(3, 5), torch.nn.Linear(5, 2)
-            self.register_buffer("t", torch.linspace(1.0, 3.0, 5))
+            self.c, self.d = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 2, 3)
+            self.register_buffer("t", torch.full((4,), 0.7))
+            with torch.no_grad():
+                self.c.weight.mul_(torch.logspace(-2, 1, 4)[:, None, None, None])
 
         def forward(self, x):
-            return self.c(torch.minimum(torch.relu(self.a(x)), self.t))
+            return self.d(torch.minimum(torch.relu(self.c(x)), self.t))
 
-    with pytest.raises(pathir.errors.PathirError, match=r"is not one value per channel \(axis 1\).*varies along another"):
-        pathir.compile(TokenClip(), input_shape=(4, 3))
+    torch.manual_seed(0)
+    model, x = Net().double().eval(), _x(8, 3, 4, 4, scale=5.0)
+    before, t = _eager(model, x), model.t.clone()
+    report = pathir.equalize(model, input_shape=(3, 4, 4), bits=6)
+    assert report.units_moved == 0 and torch.equal(model.t, t)
+    assert _rel(_eager(model, x), before) <= 1e-13

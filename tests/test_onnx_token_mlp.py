@@ -99,3 +99,42 @@ def test_min_of_a_token_wise_relu_is_a_clipped_relu():
     assert rel(cm.forward(x, backend="numpy"), before) <= 1e-5
     cm.pathcond(progress=False)
     assert rel(ort_run(cm.to_onnx(), x)[0], before) <= 1e-5
+
+
+class TokenClipMLP(nn.Module):
+    """(B, *S, 6) -> Linear(6, 8) -> a clipped ReLU -> Linear(8, 3): nn.ReLU6 (exported as Clip), or
+    torch.minimum(relu(h), t) with t one threshold per feature (exported as Relu then Min of a (8,) constant)."""
+
+    def __init__(self, act):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.act = nn.Linear(6, 8), nn.Linear(8, 3), act
+        with torch.no_grad():
+            self.a.weight.mul_(torch.logspace(-1, 1, 8)[:, None])
+        self.register_buffer("t", torch.linspace(0.5, 3.0, 8))
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(torch.minimum(torch.relu(h), self.t) if self.act == "min" else self.act(h))
+
+
+@pytest.mark.parametrize("exporter", ["legacy-nofold", "dynamo"])
+@pytest.mark.parametrize("act", ["relu6", "min"])
+@pytest.mark.parametrize("shape", [(4, 6), (3, 2, 6)], ids=["tokens", "channels-last map"])
+def test_a_clipped_relu_on_the_last_axis_has_a_unit_per_feature(act, shape, exporter):
+    """Clip(0, 6) and Min(Relu(h), t) of a token-wise MatMul: one threshold and one unit per feature, as the torch
+    frontend lowers them (they tied every feature into one unit); a write-back that moves them writes a Min whose
+    constant lies along the last axis, which onnxruntime runs to the original's outputs."""
+    model = TokenClipMLP(nn.ReLU6() if act == "relu6" else "min").eval()
+    proto = export(model, shape, exporter)
+    cm, _ = assert_export_matches(proto, model, shape)
+    assert len(cm.units) == 8
+    x = 3 * np.random.default_rng(1).normal(size=(4, *shape)).astype(np.float32)
+    before, norm = ort_run(proto, x)[0], cm.path_norm(2)
+    cm.pathcond()
+    written = cm.to_onnx()
+    assert rel(ort_run(written, x)[0], before) <= 1e-5
+    constants = {i.name: tuple(i.dims) for i in written.graph.initializer}
+    mins = [n for n in written.graph.node if n.op_type == "Min"]
+    assert len(mins) == 1 and any(constants.get(name, ())[-1:] == (8,) for name in mins[0].input)
+    assert pathir.compile(written).path_norm(2) == pytest.approx(norm, rel=1e-5)

@@ -15,13 +15,67 @@ param, bound to what the model holds it in, with :func:`threshold_vector`.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import numpy as np
 
 from pathir.frontends.core.fixed_factors import fixed_scale
 from pathir.frontends.core.values import Value
 from pathir.ir import Identity, NodeKind, Param, Role
 
-__all__ = ["clipped_relu", "threshold_vector"]
+__all__ = ["clipped_relu", "threshold_vector", "ClipLayout", "clip_layout"]
+
+
+@dataclass(frozen=True)
+class ClipLayout:
+    """Where a clipped ReLU of an activation keeps its thresholds: one per channel of the node its neurons are
+    built on, ``channels`` of them. That node is the activation's own (its channels along axis 0 of the
+    per-sample shape), or, where the activation is a permutation of a node (a token-wise layer's output, a
+    channels-last view), that node: its channels are the features, as a ReLU there has them. ``channel``: per
+    element of the activation's per-sample shape, its channel (None for the activation's own layout); ``axis``:
+    the axis of the per-sample shape along which the channels lie in order (0 for the own layout), None where no
+    single axis does (then no threshold tensor of the model's broadcasts to them: a write-back holds them)."""
+
+    channels: int
+    axis: int | None
+    channel: np.ndarray | None = None
+
+    @property
+    def permuted(self) -> bool:
+        return self.channel is not None
+
+    @staticmethod
+    def own(shape) -> "ClipLayout":
+        """The activation's own layout: its channels along axis 0 of the per-sample ``shape``."""
+        return ClipLayout(shape[0], 0)
+
+    def trailing(self, ndim: int) -> int | None:
+        """The axes after the channels' in an activation of ``ndim`` per-sample axes (what a threshold of shape
+        (C, 1, ..., 1) broadcasts against), None where no axis holds them."""
+        return None if self.axis is None else ndim - 1 - self.axis
+
+    def per_channel(self, t: np.ndarray) -> np.ndarray | None:
+        """``t`` (of the activation's per-sample shape) as one value per channel, None where it varies within one
+        (a permuted layout only)."""
+        first = np.empty(self.channels)
+        first[self.channel.reshape(-1)] = t.reshape(-1)  # (each channel's last entry)
+        return first if np.array_equal(first[self.channel], t) else None
+
+
+def clip_layout(low, v: Value) -> ClipLayout:
+    """The :class:`ClipLayout` of a clipped ReLU of ``v``: its source node's where v permutes one, else v's own."""
+    v = low.value(v)
+    moved = None if v.node is not None else low.permutation_of(v)
+    if moved is None:
+        return ClipLayout(v.shape[0], 0)
+    src, m = moved
+    shape = low.b.shape(src)
+    channel = (np.asarray(m.index) // (math.prod(shape) // shape[0])).reshape(v.shape)
+    axis = next((k for k, n in enumerate(v.shape) if n == shape[0] and np.array_equal(
+        channel, np.broadcast_to(np.arange(n).reshape([n if j == k else 1 for j in range(len(v.shape))]), v.shape))),
+        None)
+    return ClipLayout(shape[0], axis, channel)
 
 
 def threshold_vector(low, t, channels: int, what: str) -> np.ndarray:
@@ -40,30 +94,41 @@ def threshold_vector(low, t, channels: int, what: str) -> np.ndarray:
     return -np.broadcast_to(t.reshape(-1), (channels,)).astype(np.float64)
 
 
-def clipped_relu(low, v: Value, threshold: Param) -> Value:
+def clipped_relu(low, v: Value, threshold: Param, layout: ClipLayout | None = None) -> Value:
     """min(max(v, 0), t) as A = ReLU(v), B = ReLU(A − t), out = A − B; ``threshold`` is the param −t
-    (shape (C,), entries ≤ 0) with a ``Role.CLIP_THRESHOLD`` source. Nodes are named after the op:
-    ``<label>.relu`` (A, unless v already is a ReLU node), ``<label>.excess`` (B) and ``<label>``
-    (out, the op's output)."""
+    (shape (C,), entries ≤ 0) with a ``Role.CLIP_THRESHOLD`` source, one per channel of ``layout`` (default
+    :func:`clip_layout`). Nodes are named after the op: ``<label>.relu`` (A, unless v already is a ReLU node),
+    ``<label>.excess`` (B) and ``<label>`` (out, the op's output).
+
+    Where ``v`` permutes a node (a token-wise layer's output, a channels-last view) and ``layout`` is that node's,
+    the three nodes are built in the node's layout, one threshold per its channel (the features: each its own
+    unit, as under a ReLU there), and their output is permuted as v is. With ``layout`` v's own (a threshold per
+    token, say), they are built in v's layout after a ReLU in the node's: exact, its features tied by the threshold."""
     v = low.value(v)
-    c = v.shape[0]
+    layout = clip_layout(low, v) if layout is None else layout
+    moved = low.permutation_of(v) if layout.permuted else None
+    src, permutation = moved if moved is not None else (None, None)
+    shape = v.shape if moved is None else low.b.shape(src)
+    c = shape[0]
     if threshold.shape != (c,):
         low.unsupported(f"threshold '{threshold.name}' of shape {list(threshold.shape)} for {c} channels")
     if not any(r.role is Role.CLIP_THRESHOLD for r in threshold.sources):
         raise ValueError(f"threshold param '{threshold.name}' has no clip_threshold source")
     label, where = low.label, low.where
-    # a permutation of a node (a token-wise layer's output): its ReLU in the node's layout first, as a ReLU then a
-    # minimum lowers (pathir.nn.ClippedReLU on the torch.export path, ONNX Relu then Min): one graph for both forms
-    v = low.relu(v, f"{label}.relu_unpermuted") if v.node is None and low.is_permutation(v) else v
-    if v.node is not None and low.b.kind(v.node) is NodeKind.RELU:
-        a = v.node  # min(relu(relu(x)), t): the ReLU is there already
+    if moved is None and v.node is None and low.is_permutation(v):
+        # v's own layout on a permutation: its ReLU in the node's layout first, as a ReLU then a minimum lowers
+        # (pathir.nn.ClippedReLU on the torch.export path, ONNX Relu then Min): one graph for both forms
+        v = low.relu(v, f"{label}.relu_unpermuted")
+    terms, bias, node = (v.terms, v.bias, v.node) if moved is None else ([(src, Identity())], None, src)
+    if node is not None and low.b.kind(node) is NodeKind.RELU:
+        a = node  # min(relu(relu(x)), t): the ReLU is there already
     else:
-        a = low.b.relu(f"{label}.relu", v.terms, v.bias, origin=_origin(where, "ReLU(x) of a clipped ReLU"), shape=v.shape)
+        a = low.b.relu(f"{label}.relu", terms, bias, origin=_origin(where, "ReLU(x) of a clipped ReLU"), shape=shape)
     b = low.b.relu(f"{label}.excess", [(a, Identity())], threshold, origin=_origin(where, "ReLU(ReLU(x) - t) of a clipped ReLU"),
-                   shape=v.shape)
-    minus = fixed_scale(low, Value.of_node(b, v.shape), -1.0)
-    out = low.b.identity(label, [(a, Identity()), *minus.terms], origin=where, shape=v.shape)
-    return Value.of_node(out, v.shape)
+                   shape=shape)
+    minus = fixed_scale(low, Value.of_node(b, shape), -1.0)
+    out = low.b.identity(label, [(a, Identity()), *minus.terms], origin=where, shape=shape)
+    return Value.of_node(out, v.shape) if moved is None else Value([(out, permutation)], v.shape, None, out)
 
 
 def _origin(where: str, part: str) -> str:

@@ -249,6 +249,10 @@ class Lowering:
         made = self.b.relu(name, v.terms, v.bias, origin=self.where, shape=v.shape)
         return Value.of_node(made, v.shape)
 
+    def permutation_of(self, v: Value) -> tuple | None:
+        """(node, gather map) where ``v`` is a permutation of that node's elements and nothing else, else None."""
+        return _permuted(self.value(v), self.b)
+
     def is_permutation(self, v: Value) -> bool:
         """Whether ``v`` is a permutation of one node's elements and nothing else (a transpose, a permute)."""
         return _permuted(self.value(v), self.b) is not None
@@ -262,10 +266,10 @@ class Lowering:
         moved = _permuted(v, self.b)
         return moved is not None and self.b.kind(moved[0]) is NodeKind.RELU
 
-    def clipped_relu(self, v: Value, threshold: Param) -> Value:
-        """min(max(v, 0), t), the param ``threshold`` holding −t per channel: ReLU(v) − ReLU(ReLU(v) − t)
-        (:mod:`pathir.frontends.core.clipped`)."""
-        return clipped_relu(self, v, threshold)
+    def clipped_relu(self, v: Value, threshold: Param, layout=None) -> Value:
+        """min(max(v, 0), t), the param ``threshold`` holding −t per channel (of ``layout``, a ClipLayout):
+        ReLU(v) − ReLU(ReLU(v) − t) (:mod:`pathir.frontends.core.clipped`)."""
+        return clipped_relu(self, v, threshold, layout)
 
     def param_of(self, name: str) -> Param | None:
         """The param called ``name`` made so far, or None."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pathir.frontends.core.clipped import threshold_vector
+from pathir.frontends.core.clipped import ClipLayout, clip_layout, threshold_vector
 from pathir.frontends.core.fixed_factors import fixed_scale
 from pathir.frontends.core.reductions import all_spatial, elementwise_max, reduce, where
 from pathir.frontends.core.values import Value
@@ -158,16 +158,27 @@ def _clip_node(low, node, t: float) -> Value:
     """Clip(x, 0, t): a clipped ReLU whose threshold param is bound to the Clip node itself (``<node>.threshold``);
     a write-back that moves its channels rewrites the node as Relu then Min with a per-channel constant."""
     v = low.act(node, 0)
-    c = v.shape[0]
+    layout = clip_layout(low, v)
+    c = layout.channels
     what = f"Clip '{low.label}'"
     vec = threshold_vector(low, t, c, what)
     ref = low.claim(f"{low.label}.threshold")
     dtype = numpy_dtype(low.types.get(node.input[0], 1))
     tensor = node.input[2] if len(node.input) > 2 else ""
-    low.bindings[ref] = Binding(tensor, [(node.output[0], 2)], np.asarray(t, dtype=dtype), "clip",
-                                (1, c, *(1,) * (len(v.shape) - 1)))
-    p = low.param(ref, vec, (SourceRef(ref, Role.CLIP_THRESHOLD),), f"-{t:g}, the threshold of {what}")
-    return low.clipped_relu(v, p)
+    shape = _threshold_shape(layout, len(v.shape))
+    low.bindings[ref] = Binding(tensor, [(node.output[0], 2)], np.asarray(t, dtype=dtype), "clip", shape)
+    # channels along no single axis (a permutation that mixes them): no Min constant holds them, the Clip holds them
+    source = SourceRef(ref, Role.CLIP_THRESHOLD, fixed=shape is None)
+    p = low.param(ref, vec, (source,), f"-{t:g}, the threshold of {what}")
+    return low.clipped_relu(v, p, layout)
+
+
+def _threshold_shape(layout, ndim: int) -> tuple | None:
+    """The shape (1, 1, ..., C, ..., 1) of a Min constant of one threshold per channel of ``layout`` (a
+    ClipLayout) against an activation of ``ndim`` per-sample axes, batch first; None where no axis holds them."""
+    if layout.axis is None:
+        return None
+    return (1, *(layout.channels if j == layout.axis else 1 for j in range(ndim)))
 
 
 def min_(low, node, ins):
@@ -182,12 +193,40 @@ def min_(low, node, ins):
     if not low.is_relu_output(v) or _constant(c) is None:
         low.unsupported("an elementwise min is lowered only as Min(Relu(x), t) with t a constant per channel "
                         "(a clipped ReLU)")
-    vec, layout = low.channel_vector(c, v, 0)
-    neg = threshold_vector(low, vec, v.shape[0], f"Min '{low.label}'")
+    clip = clip_layout(low, v)
+    found = _permuted_thresholds(low, c, v, clip) if clip.permuted else None
+    if found is None:  # v's own layout (a permutation's threshold per token: exact, its features tied by it)
+        clip = ClipLayout.own(v.shape)
+        found = low.channel_vector(c, v, 0)
+    vec, layout = found
+    neg = threshold_vector(low, vec, clip.channels, f"Min '{low.label}'")
     ref, _ = low.param_ref(node, 1 - k, ("clip_min", layout, vec))
-    p = low.param(ref, neg, (SourceRef(ref, Role.CLIP_THRESHOLD),), f"-{node.input[1 - k]}, per channel")
+    source = SourceRef(ref, Role.CLIP_THRESHOLD, fixed=layout is None)  # (None: no constant of its shape holds them)
+    p = low.param(ref, neg, (source,), f"-{node.input[1 - k]}, per channel")
     low.bind(ref, node, 1 - k, "clip_min", layout)
-    return [low.clipped_relu(v, p)]
+    return [low.clipped_relu(v, p, clip)]
+
+
+def _permuted_thresholds(low, c, v, clip) -> tuple | None:
+    """(one threshold per channel of ``clip``, a permuted ClipLayout, the shape a rescaled vector of them is
+    written in, or None where the constant cannot hold one value per channel: channels along no single axis) of
+    the Min constant ``c`` against the activation ``v``; None where the constant varies within a channel."""
+    t = np.asarray(_constant(c), dtype=np.float64)
+    full = (1, *v.shape)
+    if not np.all(np.isfinite(t)):
+        low.unsupported(f"a Min constant of shape {list(t.shape)} with a non-finite entry: no threshold is a number there")
+    try:
+        ok = t.ndim <= len(full) and np.broadcast_shapes(t.shape, full) == full
+    except ValueError:
+        ok = False
+    if not ok:
+        low.unsupported(f"a Min constant of shape {list(t.shape)} does not broadcast to the activation {list(v.shape)}")
+    per = clip.per_channel(np.broadcast_to(t, full)[0])
+    if per is None:
+        return None
+    shape = _threshold_shape(clip, len(v.shape))
+    wide = [len(full) - t.ndim + j for j, n in enumerate(t.shape) if n != 1]  # its axes of more than one entry
+    return per, (shape if shape is not None and wide in ([], [clip.axis + 1]) else None)
 
 
 def _reduce(low, node, kind, x):

@@ -18,7 +18,7 @@ import numbers
 import numpy as np
 import torch
 
-from pathir.frontends.core.clipped import threshold_vector
+from pathir.frontends.core.clipped import ClipLayout, clip_layout, threshold_vector
 from pathir.frontends.core.values import ParamTensor, Value, f64
 from pathir.frontends.torch.clipped import WRITABLE, ClipSite, module_threshold
 from pathir.frontends.torch.why import refuse
@@ -58,7 +58,8 @@ def _clip_module(low, t: float, module_path: str | None) -> str | None:
 def _clip(low, input, t, module_path: str | None = None):
     """min(max(input, 0), t) with t a number: the threshold param bound to its module or its call."""
     v = low.value(input)
-    c = v.shape[0]
+    layout = clip_layout(low, v)
+    c = layout.channels
     what = f"{low.op} at '{low.fx_name}'" + (f" in '{low.where}'" if low.where else "")
     vec = threshold_vector(low, t, c, what)
     path = _clip_module(low, t, module_path)
@@ -72,7 +73,7 @@ def _clip(low, input, t, module_path: str | None = None):
         def make(model=model, path=path, c=c):  # the module as it is now (pathir.nn.ClippedReLU after a write-back)
             return -module_threshold(model.get_submodule(path), c)
 
-        site, how = ClipSite("module", path), f"-{path}.max_val, one entry per channel"
+        site, how = ClipSite("module", path, layout.trailing(len(v.shape))), f"-{path}.max_val, one entry per channel"
     else:
         name = low.unique_param_name(f"{low.label}.threshold")
 
@@ -82,12 +83,12 @@ def _clip(low, input, t, module_path: str | None = None):
         site, how = ClipSite("call", what), f"-{float(t):g}, the threshold of {what}"
     low.clips[name] = site
     p = low.made(name, make, (), (SourceRef(name, Role.CLIP_THRESHOLD),), how)
-    return low.clipped_relu(v, p)
+    return low.clipped_relu(v, p, layout)
 
 
-def _per_channel(t: np.ndarray, shape, name: str) -> np.ndarray:
-    """A threshold tensor that broadcasts against (N, *shape) to one value per channel, as (C,);
-    ValueError saying why for any other."""
+def _per_channel(t: np.ndarray, shape, name: str, layout=None) -> np.ndarray:
+    """A threshold tensor that broadcasts against (N, *shape) to one value per channel, as (C,) (the channels of
+    ``layout``, a :class:`ClipLayout`, where it is a permuted one); ValueError saying why for any other."""
     full = (1, *shape)
     try:
         ok = np.broadcast_shapes(t.shape, full) == full and t.ndim <= len(full)
@@ -96,6 +97,13 @@ def _per_channel(t: np.ndarray, shape, name: str) -> np.ndarray:
     if not ok:
         raise ValueError(f"the threshold '{name}' of shape {list(t.shape)} does not broadcast to one value per "
                          f"channel of an activation of per-sample shape {list(shape)}")
+    if layout is not None and layout.permuted:
+        per = layout.per_channel(np.broadcast_to(t, full)[0])
+        if per is None:
+            raise ValueError(f"the threshold '{name}' of shape {list(t.shape)} is not one value per feature of the "
+                             f"activation of per-sample shape {list(shape)}, a permuted layout (tokens, features or "
+                             "channels last) whose features are the channels: it varies along another axis")
+        return per
     per = np.broadcast_to(t, full)[0].reshape(shape[0], -1)
     if not np.all(per == per[:, :1]):
         raise ValueError(f"the threshold '{name}' of shape {list(t.shape)} is not one value per channel (axis 1) of "
@@ -118,22 +126,40 @@ def _buffer_clip(low, v, pt: ParamTensor):
     if not bool(torch.isfinite(pt.tensor).all()):  # (NaN would read as "varies over positions")
         low.unsupported(f"the threshold '{pt.name}' holds NaN or infinite entries: a clipped ReLU's threshold is a "
                         "finite number per channel")
+    layout = clip_layout(low, v)
     try:
-        vec = _per_channel(f64(pt.tensor), shape, pt.name)
+        vec = _per_channel(f64(pt.tensor), shape, pt.name, layout)
     except ValueError as err:
-        low.unsupported(str(err))
-    threshold_vector(low, vec, shape[0], f"the threshold '{pt.name}'")  # finite, >= 0
+        if not layout.permuted:
+            low.unsupported(str(err))
+        layout = ClipLayout.own(shape)  # a permutation's threshold per position of axis 1 (per token): exact, its
+        try:                            # features tied by it
+            vec = _per_channel(f64(pt.tensor), shape, pt.name, layout)
+        except ValueError:
+            low.unsupported(str(err))
+    threshold_vector(low, vec, layout.channels, f"the threshold '{pt.name}'")  # finite, >= 0
 
-    def make(t, shape=shape, name=pt.name):
-        return -_per_channel(f64(t), shape, name)
+    def make(t, shape=shape, name=pt.name, layout=layout):
+        return -_per_channel(f64(t), shape, name, layout)
 
     name = pt.name
     known = low.param_of(name)
-    if known is not None and known.shape != (shape[0],):  # one buffer read on tensors of other channel counts
+    if known is not None and known.shape != (layout.channels,):  # one buffer read on tensors of other channel counts
         name = low.unique_param_name(name)
-    low.clips[name] = ClipSite("buffer", pt.name)
+    low.clips[name] = ClipSite("buffer", pt.name, _buffer_trailing(pt.tensor.shape, shape, layout))
     p = low.made(name, make, (pt,), (SourceRef(name, Role.CLIP_THRESHOLD),), f"-{pt.name}, per channel")
-    return low.clipped_relu(v, p)
+    return low.clipped_relu(v, p, layout)
+
+
+def _buffer_trailing(held, shape, layout) -> int | None:
+    """A threshold buffer of shape ``held`` read against an activation of per-sample ``shape``: the axes after the
+    channels' where its entries lie along the channels' axis, one per channel, or it holds one number (what a
+    write-back can scale per channel, entry by entry), else None (a buffer along another axis, one value along it)."""
+    trailing = layout.trailing(len(shape))
+    wide = [len(shape) + 1 - len(held) + k for k, n in enumerate(held) if n != 1]  # its axes in (N, *shape)
+    if not wide or trailing is not None and wide == [len(shape) - trailing]:
+        return trailing
+    return None
 
 
 def relu6(low, input, inplace=False):

@@ -56,10 +56,15 @@ CARRIED_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forwa
 @dataclass(frozen=True)
 class ClipSite:
     """What holds one threshold param in the model: ``kind`` module / buffer / call; ``target`` the
-    module path, the buffer name, or a description of the call."""
+    module path, the buffer name, or a description of the call; ``trailing``: the axes after the channels'
+    in the activation it clips (what a :class:`pathir.nn.ClippedReLU` written there broadcasts its thresholds
+    against, ``spatial_dims``; a buffer: its one axis of more than one entry is the channels'), None where no
+    threshold tensor of that shape holds one value per channel (the channels of a permuted layout along no single
+    axis; a buffer along another axis): a rescaling there cannot be written, and holds them."""
 
     kind: str
     target: str
+    trailing: int | None = 0
 
 
 def module_threshold(module, channels: int) -> np.ndarray:
@@ -198,19 +203,21 @@ def pin_unwritable(model, graph, sites: dict):
         if site.kind == "call":
             fixed.add(name)
         elif site.kind == "buffer":
-            if model.get_buffer(site.target).numel() not in (widths[name], 0) and widths[name] > 1:
+            numel = model.get_buffer(site.target).numel()
+            if (numel not in (widths[name], 0) or site.trailing is None and numel > 1) and widths[name] > 1:
                 fixed.add(name)
             by_module.setdefault(site.target, []).append(name)  # (one buffer read on several widths: held)
         else:
             module = model.get_submodule(site.target)
-            if not isinstance(module, ClippedReLU) and type(module) not in WRITABLE:
+            if not isinstance(module, ClippedReLU) and type(module) not in WRITABLE or site.trailing is None:
                 fixed.add(name)
             by_module.setdefault(id(module), []).append(name)
     shared = {}  # param name -> the name of the one param every call of its module reads (torch.export names each)
     for names in by_module.values():
         names = list(dict.fromkeys(names))
         ranks = {len(n.shape) for name in names for n in users.get(name, ())}
-        if len({widths[name] for name in names}) > 1 or len(ranks) > 1:
+        layouts = {sites[name].trailing for name in names}
+        if len({widths[name] for name in names}) > 1 or len(ranks) > 1 or len(layouts) > 1:
             fixed.update(names)
         elif len(names) > 1 and not fixed.intersection(names):
             shared.update((name, names[0]) for name in names[1:])
@@ -270,27 +277,27 @@ def plan_clips(model, graph, sites: dict, sides: dict) -> ClipPlan:
             continue
         module = model.get_submodule(site.target)
         by_module.setdefault(id(module), (site.target, module, []))[2].append(
-            (name, f, moved, users.get(id(params[name]), [])))
+            (name, f, moved, users.get(id(params[name]), []), site.trailing))
     dtype, device = model_dtype_device(model)
     replace = []
     for path, module, uses in by_module.values():
-        if not any(moved for _, _, moved, _ in uses):
+        if not any(use[2] for use in uses):
             continue
         if type(module) not in WRITABLE:
             raise PathirError(f"the clipped ReLU '{path}' is a {type(module).__name__}: pathir writes thresholds "
                               "into nn.ReLU6, nn.Hardtanh or pathir.nn.ClippedReLU only; the model is untouched")
-        new = [module_threshold(module, f.size) * f for _, f, _, _ in uses]
+        new = [module_threshold(module, use[1].size) * use[1] for use in uses]
         if any(t.shape != new[0].shape or not np.array_equal(t, new[0]) for t in new[1:]):
             raise PathirError(
                 f"write-back refused: the module '{path}' is called at {len(uses)} places whose thresholds the "
                 "rescaling moves apart; one module holds one threshold per channel: give each call its own "
                 f"{type(module).__name__}. The model is untouched")
-        ranks = {len(n.shape) - 1 for _, _, _, nodes in uses for n in nodes}
-        if len(ranks) != 1:
+        ranks = {trailing for *_, trailing in uses}  # (the axes after the channels: of one rank, one layout)
+        if len(ranks) != 1 or None in ranks:
             raise PathirError(
                 f"write-back refused: the module '{path}' is called on tensors of {len(ranks) or 'unknown'} different "
-                "ranks, and one ClippedReLU broadcasts its per-channel thresholds against one rank: give each call "
-                f"its own {type(module).__name__}. The model is untouched")
+                "ranks or layouts, and one ClippedReLU broadcasts its per-channel thresholds against one: give each "
+                f"call its own {type(module).__name__}. The model is untouched")
         spatial = ranks.pop()
         t = torch.as_tensor(new[0], dtype=torch.float64).to(dtype=dtype, device=device)
         back = t.double().cpu().numpy()

@@ -9,7 +9,8 @@ __all__ = ["ClippedReLU"]
 
 
 class ClippedReLU(nn.Module):
-    """``min(max(x, 0), t[c])`` on channel c (axis 1 of the input): a ReLU6 whose threshold differs per channel.
+    """``min(max(x, 0), t[c])`` on channel c (axis 1 of the input, or the axis ``spatial_dims`` from the end):
+    a ReLU6 whose threshold differs per channel.
 
     pathir writes it in place of an ``nn.ReLU6`` / ``nn.Hardtanh(0, t)`` module when a rescaling moves
     the channels' thresholds apart (a unit scaled by e^s has its threshold scaled by e^s, as a bias:
@@ -22,7 +23,8 @@ class ClippedReLU(nn.Module):
     Parameters
     ----------
     threshold : tensor of shape (C,), finite and ≥ 0 (kept in its dtype: give the model's)
-    spatial_dims : the number of axes after the channel axis (2 for images, 0 for (N, C) vectors)
+    spatial_dims : the number of axes after the channel axis (2 for images, 0 for (N, C) vectors, and for
+        a layout whose channels are the last axis: a token-wise MLP's (N, T, F), a channels-last (N, H, W, C))
     inplace : clip the input tensor itself and return it, as ``nn.ReLU6(inplace=True)`` does (pathir keeps
         the flag of the module it replaces: a later read of that input sees the clipped values)
 
