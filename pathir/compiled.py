@@ -673,7 +673,25 @@ class Compiled:
                 raise ArgumentError(f"max_log_scale must be a number >= 0 (math.inf: unbounded), got {max_log_scale!r}")
             return float(max_log_scale)
         ratio = self.rescaled_variance_ratio() if variance else None
-        return default_max_log_scale(self.graph, self.narrowest_dtype(), variance_ratio=ratio)
+        bound = default_max_log_scale(self.graph, self.narrowest_dtype(), variance_ratio=ratio)
+        if bound == 0.0 and ratio is not None and default_max_log_scale(self.graph, self.narrowest_dtype()) > 0.0:
+            self._warn_variance_bound(ratio)
+        return bound
+
+    def _warn_variance_bound(self, ratio: float) -> None:
+        """Say that the default bound is 0 because of a batch-norm that could not be folded, and how to lift it."""
+        import warnings
+
+        from pathir.errors import PathirWarning
+
+        p = next((p for p, var, eps in self._unfolded_variances() if float(((var + eps) / eps).min()) == ratio), None)
+        stats = [r.name for r in (p.sources if p is not None else ()) if r.role == Role.IN_STATS]
+        name = min(stats, key=len, default="?").removesuffix(".running_var").removesuffix(".running_mean")
+        warnings.warn(f"the default bound on the rescaling is 0, so nothing is rescaled: the batch-norm '{name}' "
+                      f"cannot be folded and its running var + eps is only {ratio:.3g} eps, which a write-back keeps "
+                      "to full precision only while it stays above 1e3 eps (docs/pathcond.md, 'Bounded "
+                      "rescalings'). Pass max_log_scale= (a few units) to rescale anyway: var + eps is then kept to "
+                      "within 1e3 ulps, and a rescaling past that is refused", PathirWarning, stacklevel=5)
 
     @_looks_once
     def normalize(self, p: float = 2.0, write_back: bool = True, optimizer=None, progress: bool | None = None):

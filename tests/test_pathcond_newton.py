@@ -14,6 +14,7 @@ import weakref
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_pathcond_solvers import f_reference, incidence, problems, rel
@@ -264,6 +265,29 @@ def test_the_default_bound_keeps_rescaled_batchnorm_variances_above_eps():
     _finite_and_normal(net)
     assert torch.allclose(net(x), before, rtol=1e-4, atol=1e-5)
     assert pathir.compile(_mlp(torch.float32), input_shape=(6,)).rescaled_variance_ratio() is None
+
+
+def test_a_zero_default_bound_from_a_batch_norm_warns_naming_it_and_max_log_scale_lifts_it():
+    """A float64 model whose unfoldable batch-norm has eps = 1e-3 and a running variance of 0.5 (timm's
+    TF-ported models): the default bound is 0 and PathCond rescaled nothing without a word (timm review); it
+    warns, naming the batch-norm and max_log_scale, and with max_log_scale the rescaling is written exactly."""
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(4, eps=1e-3)
+    net = nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), bn, nn.Conv2d(4, 3, 3), nn.ReLU(), nn.Conv2d(3, 2, 1)).double()
+    with torch.no_grad():
+        bn.running_var.fill_(0.5)
+        bn.weight.uniform_(0.5, 1.5)
+        net[0].weight.mul_(20)
+    net.eval()
+    x = torch.randn(5, 2, 8, 8, dtype=torch.float64)
+    before = net(x).detach()
+    cm = pathir.compile(net, input_shape=(2, 8, 8))
+    with pytest.warns(pathir.errors.PathirWarning, match=r"default bound on the rescaling is 0.*batch-norm '2'.*max_log_scale"):
+        report = cm.pathcond(write_back=False)
+    assert report.max_log_scale == 0.0 and report.objective_after == report.objective_before
+    report = cm.pathcond(max_log_scale=3.0)
+    assert report.objective_after < report.objective_before and report.max_abs_log_scale > 1.0
+    assert torch.allclose(net(x), before, rtol=1e-12, atol=1e-13)
 
 
 @given(st.lists(st.sampled_from([0.0, 1e-320, 1e-300, 3e-8, 0.5, 7.0, 1e30, math.inf, -math.inf, math.nan, -2.0]),

@@ -56,10 +56,13 @@ def default_max_log_scale(graph, dtype, *, variance_ratio: float | None = None) 
     back in ``dtype`` finite and normal (module docstring).
 
     ``variance_ratio``: min (var + eps) / eps over the channels of the batch-norms whose running
-    statistics write-back rescales (those that could not be folded): var ← λ²(var + eps) − eps keeps
-    var + eps to the dtype's precision only while λ²(var + eps) >= 1e-3 eps, so M is also capped at
-    ½ log(variance_ratio / 1e3) (less a margin of log 2). A scalar bound, so it is conservative: it
-    caps every unit, not only those feeding such a batch-norm.
+    statistics write-back rescales (those that could not be folded): var ← λ²(var + eps) − eps, and the
+    batch-norm adds eps back, an error of about (1 + eps / (λ²(var + eps))) ulps of var + eps. The default
+    keeps it at full precision (that ratio at most 1e-3: λ²(var + eps) >= 1e3 eps), so M is also capped at
+    ½ log(variance_ratio / 1e3) (less a margin of log 2); 0 where var + eps is below about 4e3 eps (an eps
+    of 1e-3 and a running variance below 4), and then the caller warns. A larger ``max_log_scale`` is written
+    while the error stays within 1e3 ulps (λ²(var + eps) >= 1e-3 eps; ``check_variance`` refuses beyond). A
+    scalar bound, so it is conservative: it caps every unit, not only those feeding such a batch-norm.
 
     >>> import torch, pathir
     >>> _ = torch.manual_seed(0)
