@@ -14,6 +14,7 @@ import functools
 import math
 import numbers
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -23,7 +24,7 @@ from pathir.analyses.facts import GraphFacts
 from pathir.backends import get_backend
 from pathir.enorm.run import enorm, normalize_units
 from pathir.equalization.run import equalize
-from pathir.errors import ArgumentError, ModelChanged, PathirError
+from pathir.errors import ArgumentError, ModelChanged, PathirError, PathirWarning
 from pathir.ir import Graph, MapKind, Role
 from pathir.ir.inputs import graph_inputs, tensor_float64
 from pathir.lifting.active import active_path_counts, active_path_norm, local_affine
@@ -680,10 +681,6 @@ class Compiled:
 
     def _warn_variance_bound(self, ratio: float) -> None:
         """Say that the default bound is 0 because of a batch-norm that could not be folded, and how to lift it."""
-        import warnings
-
-        from pathir.errors import PathirWarning
-
         p = next((p for p, var, eps in self._unfolded_variances() if float(((var + eps) / eps).min()) == ratio), None)
         stats = [r.name for r in (p.sources if p is not None else ()) if r.role == Role.IN_STATS]
         name = min(stats, key=len, default="?").removesuffix(".running_var").removesuffix(".running_mean")
