@@ -1022,6 +1022,36 @@ def test_one_module_at_two_layouts_is_held():
     assert type(model.act) is nn.ReLU6 and _rel(_eager(model, x), before) <= 1e-13
 
 
+@pytest.mark.parametrize("path", ["fx", "export"])
+def test_one_module_at_two_layouts_of_one_width_is_held(path):
+    """One nn.ReLU6 on a conv output (B, 4, 4) (channels along axis 1) and on a token-wise output (B, 6, 4)
+    (features last): both calls had one param, the last call's layout was recorded, and a write-back gave the conv
+    call thresholds along its length (5.8 % output change, unseen: 4 == 4 broadcasts; clip review). Held."""
+    from torch_programs import export_path
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.c2 = nn.Conv1d(2, 4, 3), nn.Conv1d(4, 2, 1)
+            self.l1, self.l2 = nn.Linear(2, 4), nn.Linear(4, 2)
+            self.act = nn.ReLU6()
+
+        def forward(self, x):
+            a = self.c2(self.act(self.c(x))).sum(2)
+            return a + self.l2(self.act(self.l1(x.transpose(1, 2)))).sum(1)
+
+    torch.manual_seed(0)
+    model, x = Shared().double().eval(), _x(8, 2, 6)
+    with torch.no_grad():
+        model.l1.weight.mul_(torch.tensor([[0.01], [10.0], [1.0], [0.1]], dtype=torch.float64))
+    before = _eager(model, x)
+    with export_path() if path == "export" else contextlib.nullcontext():
+        cm = pathir.compile(model, input_shape=(2, 6))
+        assert len(cm.units) == 0
+        cm.pathcond(progress=False)
+    assert type(model.act) is nn.ReLU6 and _rel(_eager(model, x), before) <= 1e-13
+
+
 def test_a_buffer_along_another_axis_than_the_channels_is_held():
     """A threshold buffer of shape (W,), one number repeated, read against (C, H, W) with W = C: it holds one
     value per channel only as the number it repeats, and scaling it per channel would scale it along W. Its

@@ -138,3 +138,39 @@ def test_a_clipped_relu_on_the_last_axis_has_a_unit_per_feature(act, shape, expo
     mins = [n for n in written.graph.node if n.op_type == "Min"]
     assert len(mins) == 1 and any(constants.get(name, ())[-1:] == (8,) for name in mins[0].input)
     assert pathir.compile(written).path_norm(2) == pytest.approx(norm, rel=1e-5)
+
+
+class _HeldMin(nn.Module):
+    """Min(Relu(h), t) whose constant holds one threshold per channel in a shape that broadcasts to none: the full
+    per-sample (T, F) of a token-wise layer (rows equal), or a channels-last map flattened (channels along no axis)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind = kind
+        if kind == "tokens":
+            self.l0, self.l1, self.l2 = nn.Linear(4, 4), nn.Linear(4, 5), nn.Linear(5, 2)
+            self.register_buffer("t", (torch.rand(5) + 0.5).repeat(3, 1))
+        else:
+            self.c, self.l1, self.l2 = nn.Conv2d(2, 5, 3), nn.Linear(30, 4), nn.Linear(4, 3)
+            self.register_buffer("t", (torch.rand(5) + 0.5).repeat(6))
+
+    def forward(self, x):
+        if self.kind == "tokens":
+            return self.l2(torch.minimum(torch.relu(self.l1(torch.relu(self.l0(x)))), self.t))
+        h = self.c(x).permute(0, 2, 3, 1).reshape(x.shape[0], -1)
+        return self.l2(torch.relu(self.l1(torch.minimum(torch.relu(h), self.t))))
+
+
+@pytest.mark.parametrize("kind, shape", [("tokens", (3, 4)), ("flattened", (2, 4, 5))])
+def test_a_min_constant_no_shape_holds_per_channel_is_held_and_the_rest_written(kind, shape):
+    """Its channels are held (the constant kept), and a write-back rescales the rest: every write-back raised a
+    raw TypeError from the writer (clip review)."""
+    model = _HeldMin(kind).eval()
+    proto = export(model, shape, "legacy-nofold")
+    cm = pathir.compile(proto)
+    x = 3 * np.random.default_rng(1).normal(size=(4, *shape)).astype(np.float32)
+    before = ort_run(proto, x)[0]
+    assert rel(cm.forward(x, backend="numpy"), before) <= 1e-5 and len(cm.units) > 0
+    cm.pathcond()
+    assert rel(ort_run(cm.to_onnx(), x)[0], before) <= 1e-5

@@ -137,6 +137,12 @@ class OnnxWriter:
         updates, rewrites = {}, {}
         for name, sides in source_factors(graph, log_scales).items():
             b = self._binding(name)
+            if b.kind in ("clip", "clip_min") and b.layout is None:  # held: no constant of a shape that broadcasts
+                if np.any(np.asarray(sides[Role.CLIP_THRESHOLD]) != 1.0):  # holds one threshold per channel
+                    raise PathirError(f"write-back refused: the rescaling moves the thresholds of '{name}', whose "
+                                      "channels lie along no single axis of the activation it clips (no constant "
+                                      "of one value per channel broadcasts there); nothing was changed")
+                continue
             if b.kind == "clip":  # a Clip holds one number: rewritten when its channels move
                 if np.any(np.asarray(sides[Role.CLIP_THRESHOLD]) != 1.0):
                     new = self._rescaled(name, b, sides)

@@ -63,17 +63,18 @@ def _clip(low, input, t, module_path: str | None = None):
     what = f"{low.op} at '{low.fx_name}'" + (f" in '{low.where}'" if low.where else "")
     vec = threshold_vector(low, t, c, what)
     path = _clip_module(low, t, module_path)
+    trailing = layout.trailing(len(v.shape))
     if path is not None:
         name = f"{path}.threshold"
         known = low.param_of(name)
-        if known is not None and known.shape != (c,):  # one module called on tensors of other channel counts
-            name = low.unique_param_name(name)
+        if known is not None and (known.shape != (c,) or low.clips[name].trailing != trailing):
+            name = low.unique_param_name(name)  # one module called on other channel counts or layouts: held
         model = low.model
 
         def make(model=model, path=path, c=c):  # the module as it is now (pathir.nn.ClippedReLU after a write-back)
             return -module_threshold(model.get_submodule(path), c)
 
-        site, how = ClipSite("module", path, layout.trailing(len(v.shape))), f"-{path}.max_val, one entry per channel"
+        site, how = ClipSite("module", path, trailing), f"-{path}.max_val, one entry per channel"
     else:
         name = low.unique_param_name(f"{low.label}.threshold")
 
@@ -142,11 +143,11 @@ def _buffer_clip(low, v, pt: ParamTensor):
     def make(t, shape=shape, name=pt.name, layout=layout):
         return -_per_channel(f64(t), shape, name, layout)
 
-    name = pt.name
+    name, trailing = pt.name, _buffer_trailing(pt.tensor.shape, shape, layout)
     known = low.param_of(name)
-    if known is not None and known.shape != (layout.channels,):  # one buffer read on tensors of other channel counts
-        name = low.unique_param_name(name)
-    low.clips[name] = ClipSite("buffer", pt.name, _buffer_trailing(pt.tensor.shape, shape, layout))
+    if known is not None and (known.shape != (layout.channels,) or low.clips[name].trailing != trailing):
+        name = low.unique_param_name(name)  # one buffer read on other channel counts or layouts: held
+    low.clips[name] = ClipSite("buffer", pt.name, trailing)
     p = low.made(name, make, (pt,), (SourceRef(name, Role.CLIP_THRESHOLD),), f"-{pt.name}, per channel")
     return low.clipped_relu(v, p, layout)
 

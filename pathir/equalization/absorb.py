@@ -94,8 +94,9 @@ class AbsorbReport:
                f"output changed by at most {self.max_abs_deviation:.4g} ({self.rel_deviation:.3g} of the largest "
                f"output) on {self.batch}; their activation ranges sum {before:.4g} -> {after:.4g}"]
         if not self.found:
-            out.append("  no ReLU reads a batch-norm's output with its γ and β (folded batch-norms have none): nothing "
-                       "to absorb")
+            out.append("  no ReLU node has a batch-norm's γ and β as its own (folded batch-norms have none; a ReLU of a "
+                       "permuted batch-norm output, channels-last or token-wise, reads them through the permutation, "
+                       "which absorption does not follow): nothing to absorb")
         elif not self.nodes:
             out.append(f"  no channel of the {self.found} batch-norm ReLUs has β > {SIGMAS:g}|γ| (c = max(0, β − "
                        f"{SIGMAS:g}|γ|) is 0 on each): nothing to absorb")
