@@ -225,6 +225,14 @@ class SympyBackend(Backend):
     def __repr__(self) -> str:
         return f"SympyBackend({len(self.values)} params given)"
 
+    def check_graph(self, graph) -> None:
+        """ArgumentError naming the keys of ``values`` that name no param of ``graph`` (a typo would read the
+        graph's own value silently); the forward walk calls it first."""
+        unknown = sorted(set(self.values) - {p.name for p in graph.params()})
+        if unknown:
+            raise ArgumentError(f"values names no param of the graph: {unknown}; its params are "
+                                f"{[p.name for p in graph.params()]}")
+
     def power_view(self, q: float) -> "SympyBackend":
         """This backend seeing every weight, bias and fixed constant w as |w|^q,
         exactly (q = 0: every free weight and bias is 1, a fixed constant 1).

@@ -231,3 +231,32 @@ def test_power_view_keeps_given_values(graph):
     want = sp.Add(*(v**2 for v in symbolic_phi(net, paths, values)))
     assert sp.Add(*out[view.outputs[0]].ravel()) == want
     assert all(view.node(n).kind in (NodeKind.INPUT, NodeKind.IDENTITY) for n in [m.name for m in view.nodes])
+
+
+def test_values_naming_no_param_are_refused():
+    """A key of values= that names no param (a typo: 'fc1.weigth') was ignored, and the result read the graph's
+    own value without a word (symbolic review): the forward, symbolic_phi, neuron_values and conservation_laws
+    refuse it by name."""
+    from pathir.errors import ArgumentError
+    from pathir.lifting.walk import forward
+    from pathir.neurons.exact import neuron_values, symbolic_phi
+    from pathir.neurons.expand import expand
+    from pathir.neurons.paths import enumerate_paths
+    from pathir.neurons.symbolic import conservation_laws
+
+    b = GraphBuilder()
+    x = b.input("x", (2,))
+    h = b.relu("h", [(x, Dense(b.param("fc1.weight", [[1.0, 2.0], [3.0, -1.0]])))], bias=b.param("fc1.bias", [1.0, 0.5]))
+    graph = b.build(outputs=[b.identity("y", [(h, Dense(b.param("fc2.weight", [[2.0, -1.0]])))])])
+    typo = {"fc1.weigth": np.zeros((2, 2))}
+    with pytest.raises(ArgumentError, match=r"names no param.*fc1\.weigth"):
+        forward(graph, SympyBackend(typo), np.array([[1.0, 1.0]]))
+    assert forward(graph, SympyBackend({"fc1.weight": np.zeros((2, 2))}), np.array([[1, 1]]))["y"][0, 0] == sp.Rational(3, 2)
+    net = expand(graph)
+    with pytest.raises(ArgumentError, match=r"fc2\.wieght"):
+        symbolic_phi(net, enumerate_paths(net), {"fc2.wieght": [1, 2]})
+    with pytest.raises(ArgumentError, match=r"fc2\.wieght"):
+        neuron_values(net, {"x": [1, 1]}, {"fc2.wieght": [1, 2]})
+    theta = {p.name: p.value for p in graph.params()}
+    with pytest.raises(ArgumentError, match=r"junk"):
+        conservation_laws(graph, theta={**theta, "junk": 1.0})

@@ -75,6 +75,8 @@ def forward(graph: Graph, backend, inputs, all_nodes: bool = False):
     batches = {int(shape[0]) for shape in shapes.values()}
     if len(batches) > 1:
         raise InputShapeError(f"x: the inputs have different batch sizes {sorted(batches)}")
+    if hasattr(backend, "check_graph"):  # a backend given values by param name (sympy) checks the names
+        backend.check_graph(graph)
     acts = {}
     for node in graph.nodes:
         with node_errors(node):

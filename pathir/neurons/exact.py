@@ -15,6 +15,7 @@ import numpy as np
 import sympy as sp
 
 from pathir.backends.sympy import ZERO, exact, exact_array, exact_relu, symbol
+from pathir.errors import ArgumentError
 from pathir.neurons.paths import walk_neurons
 
 __all__ = ["symbolic_phi", "neuron_values"]
@@ -32,6 +33,18 @@ def _entries(values: Mapping[str, object] | None):
         return exact(flat[name][i]) if name in flat else exact(fallback)
 
     return entry
+
+
+def _refuse_unknown(net, values) -> None:
+    """ArgumentError naming the keys of ``values`` that name no param of ``net`` (a typo would read the
+    graph's own value silently)."""
+    if not values:
+        return
+    known = {data["bias"][0] for _, data in net.nodes(data=True) if data.get("bias") is not None}
+    known |= {data["param"][0] for *_, data in net.edges(keys=True, data=True) if data.get("param") is not None}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ArgumentError(f"values names no param of the network: {unknown}; its params are {sorted(known)}")
 
 
 def symbolic_phi(net, paths, values: Mapping[str, object] | None = None) -> list[sp.Expr]:
@@ -56,6 +69,7 @@ def symbolic_phi(net, paths, values: Mapping[str, object] | None = None) -> list
     >>> symbolic_phi(net, paths)
     [fc1.weight[0]*fc2.weight[0], 1, fc1.bias[0]*fc2.weight[0]]
     """
+    _refuse_unknown(net, values)
     entry = _entries(values)
     out = []
     for p in paths:
@@ -77,6 +91,7 @@ def neuron_values(net, x: Mapping[str, object], values: Mapping[str, object] | N
     entries} (a param not given: the graph's own value, read exactly).
     """
     flat = {name: exact_array(np.asarray(v, dtype=object)).reshape(-1) for name, v in x.items()}
+    _refuse_unknown(net, values)
     entry = _entries(values if values is not None else {})
     return walk_neurons(
         net, flat,

@@ -394,6 +394,10 @@ def _theta(layout, theta) -> np.ndarray:
     if theta is None:
         return layout.theta()
     if isinstance(theta, dict):
+        unknown = sorted(set(theta) - {p.name for p in layout.params})
+        if unknown:
+            raise ArgumentError(f"theta names no param of the graph: {unknown}; its params are "
+                                f"{[p.name for p in layout.params]}")
         missing = [p.name for p in layout.params if p.name not in theta]
         if missing:
             raise ArgumentError(f"theta has no entry for param(s) {missing}: give every param of the graph "
