@@ -1075,3 +1075,17 @@ def test_a_buffer_along_another_axis_than_the_channels_is_held():
     report = pathir.equalize(model, input_shape=(3, 4, 4), bits=6)
     assert report.units_moved == 0 and torch.equal(model.t, t)
     assert _rel(_eager(model, x), before) <= 1e-13
+
+
+def test_an_in_place_clip_refused_on_the_export_path_says_why():
+    """An in-place ClippedReLU whose threshold lies along another axis (spatial_dims=0 on (B, C, L)): the export
+    path refused its ATen clamp_ as "outside the ReLU DAG model", the table's miss for an in-place op, where the
+    functional retry knew why (clip review); the in-place op is named, with that reason."""
+    from torch_programs import export_path
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(2, 4, 1), ClippedReLU(torch.linspace(0.5, 3.0, 4), spatial_dims=0, inplace=True),
+                          nn.Conv1d(4, 2, 1)).double().eval()
+    with export_path(), pytest.raises(UnsupportedOperation, match=r"clamp_.*not one value per channel") as err:
+        pathir.compile(model, input_shape=(2, 4))
+    assert "outside the ReLU DAG model" not in str(err.value)

@@ -197,7 +197,7 @@ def min_(low, node, ins):
     found = _permuted_thresholds(low, c, v, clip) if clip.permuted else None
     if found is None:  # v's own layout (a permutation's threshold per token: exact, its features tied by it)
         clip = ClipLayout.own(v.shape)
-        found = low.channel_vector(c, v, 0)
+        found = low.channel_vector(c, v, 0, what="clip threshold")
     vec, layout = found
     neg = threshold_vector(low, vec, clip.channels, f"Min '{low.label}'")
     ref, _ = low.param_ref(node, 1 - k, ("clip_min", layout, vec))

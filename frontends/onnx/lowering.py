@@ -299,9 +299,9 @@ class OnnxLowering(Lowering):
         self.bind(ref, node, k, kind, layout)
         return p
 
-    def channel_vector(self, c: np.ndarray, v: Value, axis: int, scale: float = 1.0):
-        """(per-channel vector, layout) of a constant added to activation ``v``:
-        it must broadcast to one value per channel."""
+    def channel_vector(self, c: np.ndarray, v: Value, axis: int, scale: float = 1.0, what: str = "bias"):
+        """(per-channel vector, layout) of a constant added to activation ``v`` (``what`` it is: a bias, a
+        clip threshold): it must broadcast to one value per channel."""
         c = f64(c)
         if not np.all(np.isfinite(c)):
             bad = c.reshape(-1)[~np.isfinite(c.reshape(-1))][0]
@@ -325,7 +325,8 @@ class OnnxLowering(Lowering):
                              f"{list(v.shape)} changes its shape")
         cb = np.moveaxis(np.broadcast_to(c, full), ch, 0).reshape(full[ch], -1)
         if not np.all(cb == cb[:, :1]):
-            self.unsupported(f"the constant of shape {list(c.shape)} varies over positions: pathir's biases are per channel")
+            self.unsupported(f"the constant of shape {list(c.shape)} varies over positions: pathir's {what}s are per "
+                             "channel")
         right = len(full) - ch
         nd = max(c.ndim, right)
         layout = [1] * nd

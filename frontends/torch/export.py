@@ -59,8 +59,15 @@ def _lowered(model, program, shapes, name, clips):
         try:
             return _interpret(model, functional, shapes, name, clips)
         except UnsupportedOperation as again:
-            if not isinstance(err, WriteThroughView):  # the refusal of the op really refused, in its user's words
-                raise (err if again.op.split(".")[0] == err.op.split(".")[0].rstrip("_") else again) from None
+            if not isinstance(err, WriteThroughView):
+                if again.op.split(".")[0] == err.op.split(".")[0].rstrip("_"):  # the op itself refused: named in its
+                    # user's words (the in-place op), for the functional form's reason (the in-place one's is the
+                    # table's generic miss: an ATen in-place op the table lowers only functionally)
+                    named = UnsupportedOperation(err.node, err.op, err.where, again.why)
+                    for note in getattr(again, "__notes__", ()):
+                        named.add_note(note)
+                    raise named from None
+                raise again from None
             raise UnsupportedOperation(err.node, err.op, err.where, f"{err.why}; torch.export's functionalized "
                                        f"graph was refused too: {again}") from again
 
