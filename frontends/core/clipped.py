@@ -55,6 +55,13 @@ class ClipLayout:
         (C, 1, ..., 1) broadcasts against), None where no axis holds them."""
         return None if self.axis is None else ndim - 1 - self.axis
 
+    def holds(self, shape, ndim: int) -> bool:
+        """Whether a tensor of ``shape``, broadcast against an activation (N, ...) of ``ndim`` per-sample axes, lies
+        along the channels' axis (its one axis of more than one entry) or holds one number: then a per-channel
+        vector of thresholds written in its place (reshaped along that axis) broadcasts as it does."""
+        wide = [ndim + 1 - len(shape) + k for k, n in enumerate(shape) if n != 1]  # its axes in (N, *per-sample)
+        return not wide or self.axis is not None and wide == [self.axis + 1]
+
     def per_channel(self, t: np.ndarray) -> np.ndarray | None:
         """``t`` (of the activation's per-sample shape) as one value per channel, None where it varies within one
         (a permuted layout only)."""
@@ -68,7 +75,7 @@ def clip_layout(low, v: Value) -> ClipLayout:
     v = low.value(v)
     moved = None if v.node is not None else low.permutation_of(v)
     if moved is None:
-        return ClipLayout(v.shape[0], 0)
+        return ClipLayout.own(v.shape)
     src, m = moved
     shape = low.b.shape(src)
     channel = (np.asarray(m.index) // (math.prod(shape) // shape[0])).reshape(v.shape)

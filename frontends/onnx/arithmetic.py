@@ -224,9 +224,7 @@ def _permuted_thresholds(low, c, v, clip) -> tuple | None:
     per = clip.per_channel(np.broadcast_to(t, full)[0])
     if per is None:
         return None
-    shape = _threshold_shape(clip, len(v.shape))
-    wide = [len(full) - t.ndim + j for j, n in enumerate(t.shape) if n != 1]  # its axes of more than one entry
-    return per, (shape if shape is not None and wide in ([], [clip.axis + 1]) else None)
+    return per, (_threshold_shape(clip, len(v.shape)) if clip.holds(t.shape, len(v.shape)) else None)
 
 
 def _reduce(low, node, kind, x):

@@ -143,24 +143,14 @@ def _buffer_clip(low, v, pt: ParamTensor):
     def make(t, shape=shape, name=pt.name, layout=layout):
         return -_per_channel(f64(t), shape, name, layout)
 
-    name, trailing = pt.name, _buffer_trailing(pt.tensor.shape, shape, layout)
+    # a buffer along another axis than the channels (one number repeated) cannot be scaled per channel: held
+    name, trailing = pt.name, layout.trailing(len(shape)) if layout.holds(pt.tensor.shape, len(shape)) else None
     known = low.param_of(name)
     if known is not None and (known.shape != (layout.channels,) or low.clips[name].trailing != trailing):
         name = low.unique_param_name(name)  # one buffer read on other channel counts or layouts: held
     low.clips[name] = ClipSite("buffer", pt.name, trailing)
     p = low.made(name, make, (pt,), (SourceRef(name, Role.CLIP_THRESHOLD),), f"-{pt.name}, per channel")
     return low.clipped_relu(v, p, layout)
-
-
-def _buffer_trailing(held, shape, layout) -> int | None:
-    """A threshold buffer of shape ``held`` read against an activation of per-sample ``shape``: the axes after the
-    channels' where its entries lie along the channels' axis, one per channel, or it holds one number (what a
-    write-back can scale per channel, entry by entry), else None (a buffer along another axis, one value along it)."""
-    trailing = layout.trailing(len(shape))
-    wide = [len(shape) + 1 - len(held) + k for k, n in enumerate(held) if n != 1]  # its axes in (N, *shape)
-    if not wide or trailing is not None and wide == [len(shape) - trailing]:
-        return trailing
-    return None
 
 
 def relu6(low, input, inplace=False):
