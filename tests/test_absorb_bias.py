@@ -125,6 +125,41 @@ def test_reported_deviation_is_the_models_own_output_change(seed, pad, pool, giv
         np.testing.assert_allclose(p.value, q.value, rtol=1e-12, atol=1e-12)
 
 
+class _ChannelsLast(nn.Module):
+    """conv -> batch-norm -> (permute to channels-last) -> ReLU -> Linear over the channels: the ReLU reads the
+    batch-norm through the permutation (``after=True``) or before it."""
+
+    def __init__(self, after: bool):
+        super().__init__()
+        self.after = after
+        self.c, self.bn, self.l = nn.Conv2d(2, 6, 3, bias=False), nn.BatchNorm2d(6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.bn(self.c(x))
+        return self.l(torch.relu(h.permute(0, 2, 3, 1)) if self.after else torch.relu(h).permute(0, 2, 3, 1))
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["relu-then-permute", "permute-then-relu"])
+def test_a_batch_norm_relu_read_through_a_permutation_is_absorbed_as_the_model_computes(after):
+    """A ReLU of a channels-last view of a batch-norm's output (built in the batch-norm's layout, reading it
+    alone) was not found; it is absorbed like the same ReLU before the permute, and the reported change is the
+    model's own (clip review)."""
+    torch.manual_seed(0)
+    model = _ChannelsLast(after).double().eval()
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-1, 1)
+        model.bn.running_var.uniform_(0.5, 2)
+        model.bn.bias.uniform_(-5, 5)
+        model.bn.weight.uniform_(0.2, 1)
+    x = torch.randn(16, 2, 4, 5, dtype=torch.float64)
+    before = model(x).detach()
+    report = pathir.equalize(model, input_shape=(2, 4, 5), bits=6, inputs=x, absorb_bias=True)
+    a = report.absorption
+    assert a.found == 1 and a.channels > 0
+    change = float((model(x).detach() - before).abs().max())
+    assert a.max_abs_deviation == pytest.approx(change, rel=1e-9, abs=1e-12)
+
+
 def test_activation_ranges_are_the_eager_relu_maxima():
     torch.manual_seed(1)
     model = _trained_bn(_net(), 1, beta=4.0, gamma=0.3)
@@ -371,3 +406,20 @@ def test_a_padded_conv_on_a_map_smaller_than_its_kernel_absorbs_its_interior_val
     np.testing.assert_allclose(model[3].bias.detach().numpy() - bias.numpy(), interior, rtol=1e-9, atol=1e-12)
     assert report.absorption.max_abs_deviation == pytest.approx(float((model(x).detach() - before).abs().max()),
                                                                rel=1e-9, abs=1e-12)
+
+
+def test_onnx_absorbs_a_batch_norm_relu_read_through_a_transpose():
+    """The channels-last batch-norm ReLU of an ONNX file (BatchNormalization, Transpose, Relu): absorbed into the
+    BatchNormalization's bias, the change onnxruntime measures the one reported."""
+    torch.manual_seed(0)
+    model = _ChannelsLast(True).eval()
+    with torch.no_grad():
+        model.bn.running_var.uniform_(0.5, 2)
+        model.bn.bias.uniform_(1, 5)
+        model.bn.weight.uniform_(0.2, 1)
+    x = torch.randn(4, 2, 4, 5)
+    cm = pathir.compile(_onnx(model, x, fold=False))
+    report = cm.equalize(absorb_bias=True, inputs=x.numpy())
+    assert report.absorption.found == 1 and report.absorption.channels > 0
+    y0, y1 = _ort(_onnx(model, x, fold=False), x), _ort(cm.to_onnx(), x)
+    assert abs(np.abs(y1 - y0).max() - report.absorption.max_abs_deviation) <= 1e-4 * np.abs(y0).max()

@@ -43,11 +43,19 @@ SIGMAS = 3.0
 
 @dataclass(frozen=True)
 class BatchNormReLU:
-    """A ReLU node whose whole pre-activation is one batch-norm's output: γ and β's tensor names."""
+    """A ReLU node whose whole pre-activation is one batch-norm's output: γ and β's tensor names, and the node
+    whose bias holds the batch-norm's shift (the ReLU itself, or the batch-norm node a ReLU of its permutation
+    reads alone: channels-last, token-wise)."""
 
     node: str
     gamma: str
     beta: str
+    holder: str = ""
+
+    @property
+    def shifted(self) -> str:
+        """The node whose bias the absorbed constant is subtracted from."""
+        return self.holder or self.node
 
 
 @dataclass
@@ -94,9 +102,8 @@ class AbsorbReport:
                f"output changed by at most {self.max_abs_deviation:.4g} ({self.rel_deviation:.3g} of the largest "
                f"output) on {self.batch}; their activation ranges sum {before:.4g} -> {after:.4g}"]
         if not self.found:
-            out.append("  no ReLU node has a batch-norm's γ and β as its own (folded batch-norms have none; a ReLU of a "
-                       "permuted batch-norm output, channels-last or token-wise, reads them through the permutation, "
-                       "which absorption does not follow): nothing to absorb")
+            out.append("  no ReLU reads a batch-norm's output with its γ and β (folded batch-norms have none): nothing "
+                       "to absorb")
         elif not self.nodes:
             out.append(f"  no channel of the {self.found} batch-norm ReLUs has β > {SIGMAS:g}|γ| (c = max(0, β − "
                        f"{SIGMAS:g}|γ|) is 0 on each): nothing to absorb")
@@ -110,17 +117,36 @@ def batch_norm_relus(graph: Graph) -> list[BatchNormReLU]:
     OUT_SCALE tensors) and whose every incoming edge carries that γ: the pre-activation is γ x̂ + β."""
     out = []
     for n in graph.nodes:
-        if n.kind is not NodeKind.RELU or n.bias is None or not n.edges:
+        if n.kind is not NodeKind.RELU or not n.edges:
             continue
-        value = [r.name for r in n.bias.sources if r.role is Role.VALUE]
-        scales = [r.name for r in n.bias.sources if r.role is Role.OUT_SCALE]
-        if len(value) != 1 or value[0] not in scales or len(scales) != 2:
-            continue
-        gamma = next(s for s in scales if s != value[0])
-        if all(e.map.weight is not None and any(r.role is Role.OUT_SCALE and r.name == gamma
-                                                 for r in e.map.weight.sources) for e in n.edges):
-            out.append(BatchNormReLU(n.name, gamma, value[0]))
+        holder = n
+        if n.bias is None and len(n.edges) == 1 and n.edges[0].map.kind is MapKind.IDENTITY:
+            # a ReLU of a permuted activation, built in the layout of the node it permutes (frontends): that node
+            # holds the batch-norm's shift, and this ReLU is its only reader
+            source = graph.node(n.edges[0].source)
+            if source.kind is NodeKind.IDENTITY and source.name not in graph.outputs \
+                    and len(graph.consumers[source.name]) == 1:
+                holder = source
+        found = _batch_norm_shift(holder)
+        if found is not None:
+            out.append(BatchNormReLU(n.name, *found, holder=holder.name if holder is not n else ""))
     return out
+
+
+def _batch_norm_shift(n) -> tuple[str, str] | None:
+    """(γ, β) tensor names where ``n``'s bias is a batch-norm's folded shift (β its VALUE tensor, β and γ its
+    OUT_SCALE tensors) and every incoming edge carries that γ: its pre-activation is γ x̂ + β; else None."""
+    if n.bias is None or not n.edges:
+        return None
+    value = [r.name for r in n.bias.sources if r.role is Role.VALUE]
+    scales = [r.name for r in n.bias.sources if r.role is Role.OUT_SCALE]
+    if len(value) != 1 or value[0] not in scales or len(scales) != 2:
+        return None
+    gamma = next(s for s in scales if s != value[0])
+    if all(e.map.weight is not None and any(r.role is Role.OUT_SCALE and r.name == gamma
+                                             for r in e.map.weight.sources) for e in n.edges):
+        return gamma, value[0]
+    return None
 
 
 def writable_bias_ref(graph: Graph, node) -> str:
@@ -185,14 +211,17 @@ def absorb(graph: Graph, units, z, read_source) -> Absorption:
     nodes = {n.name: n for n in graph.nodes}
     shifts: dict[str, np.ndarray] = {}
     c_of: dict[str, np.ndarray] = {}
+    shifted: dict[str, str] = {}  # absorbed ReLU node -> the node whose bias takes its c
     for bn in found:
-        n = nodes[bn.node]
-        s = np.exp(scales.get(bn.node, np.zeros(n.channels)))
+        n = nodes[bn.shifted]
+        s = np.exp(scales.get(bn.shifted, np.zeros(n.channels)))
         gamma = np.asarray(read_source(bn.gamma), dtype=np.float64).reshape(-1) * s
         beta = np.asarray(read_source(bn.beta), dtype=np.float64).reshape(-1) * s
         c = np.maximum(0.0, beta - SIGMAS * np.abs(gamma))
         if np.any(c > 0):
             c_of[bn.node] = c
+            shifted[bn.node] = bn.shifted
+    subtracted = {shifted[k]: c for k, c in c_of.items()}
     deficit = dict(c_of)  # node -> how much its output is below the original (per channel)
     border: list[str] = []
     for n in graph.nodes:
@@ -209,13 +238,13 @@ def absorb(graph: Graph, units, z, read_source) -> Absorption:
             if padded:
                 border.append(f"{e.source} -> {n.name}")
             incoming = image if incoming is None else incoming + image
-        own = c_of.get(n.name)
-        if incoming is None and own is None:
-            continue
-        if own is not None and n.name in graph.outputs:
+        own = subtracted.get(n.name)
+        if n.name in c_of and n.name in graph.outputs:
             raise PathirError(f"bias absorption: the ReLU node '{n.name}' ({n.origin or n.kind.value}) is an output of the "
                               "model: its output would stay lowered by the absorbed constant, with no later bias to give it "
                               "back; nothing was written")
+        if incoming is None and own is None:
+            continue
         if incoming is not None and n.bias is None and n.kind in (NodeKind.IDENTITY, NodeKind.MAXPOOL) \
                 and n.name not in graph.outputs:
             deficit[n.name] = incoming  # no bias of its own: its readers compensate
