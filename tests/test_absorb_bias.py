@@ -408,6 +408,29 @@ def test_a_padded_conv_on_a_map_smaller_than_its_kernel_absorbs_its_interior_val
                                                                rel=1e-9, abs=1e-12)
 
 
+def test_a_permuted_absorbed_relu_that_is_the_output_is_refused_as_such():
+    """conv -> batch-norm -> permute -> ReLU returned: refused because the output would stay lowered, as the same
+    ReLU returned without the permute is (it blamed the permutation's 'not constant per channel'; absorb review)."""
+
+    class Out(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.bn = nn.Conv2d(2, 6, 3, bias=False), nn.BatchNorm2d(6)
+
+        def forward(self, x):
+            return torch.relu(self.bn(self.c(x)).permute(0, 2, 3, 1))
+
+    torch.manual_seed(0)
+    model = Out().double().eval()
+    with torch.no_grad():
+        model.bn.bias.uniform_(1, 5)
+        model.bn.weight.uniform_(0.2, 1)
+    state = _state(model)
+    with pytest.raises(PathirError, match="output .* reads the absorbed ReLU .* no later bias to give it back"):
+        pathir.equalize(model, input_shape=(2, 4, 5), absorb_bias=True)
+    assert _same(model, state)
+
+
 def test_onnx_absorbs_a_batch_norm_relu_read_through_a_transpose():
     """The channels-last batch-norm ReLU of an ONNX file (BatchNormalization, Transpose, Relu): absorbed into the
     BatchNormalization's bias, the change onnxruntime measures the one reported."""

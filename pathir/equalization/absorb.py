@@ -230,6 +230,10 @@ def absorb(graph: Graph, units, z, read_source) -> Absorption:
             d = deficit.get(e.source)
             if d is None or not np.any(d):
                 continue
+            if n.name in graph.outputs and n.bias is None:  # (a permutation of an absorbed ReLU, returned)
+                raise PathirError(f"bias absorption: the model's output '{n.name}' ({n.origin or n.kind.value}) reads "
+                                  f"the absorbed ReLU '{e.source}' with no bias of its own: it would stay lowered by the "
+                                  "absorbed constant, with no later bias to give it back; nothing was written")
             if n.kind is NodeKind.MAXPOOL:
                 image, padded = d.copy(), False
             else:
