@@ -426,7 +426,7 @@ def test_a_permuted_absorbed_relu_that_is_the_output_is_refused_as_such():
         model.bn.bias.uniform_(1, 5)
         model.bn.weight.uniform_(0.2, 1)
     state = _state(model)
-    with pytest.raises(PathirError, match="output .* reads the absorbed ReLU .* no later bias to give it back"):
+    with pytest.raises(PathirError, match="output .* whose output absorption lowers.* no later bias to give it back"):
         pathir.equalize(model, input_shape=(2, 4, 5), absorb_bias=True)
     assert _same(model, state)
 

@@ -230,10 +230,11 @@ def absorb(graph: Graph, units, z, read_source) -> Absorption:
             d = deficit.get(e.source)
             if d is None or not np.any(d):
                 continue
-            if n.name in graph.outputs and n.bias is None:  # (a permutation of an absorbed ReLU, returned)
+            if n.name in graph.outputs and n.bias is None:  # (a returned permutation of an absorbed ReLU, say)
                 raise PathirError(f"bias absorption: the model's output '{n.name}' ({n.origin or n.kind.value}) reads "
-                                  f"the absorbed ReLU '{e.source}' with no bias of its own: it would stay lowered by the "
-                                  "absorbed constant, with no later bias to give it back; nothing was written")
+                                  f"'{e.source}', whose output absorption lowers, and has no bias of its own: it would "
+                                  "stay lowered by the absorbed constant, with no later bias to give it back; nothing "
+                                  "was written")
             if n.kind is NodeKind.MAXPOOL:
                 image, padded = d.copy(), False
             else:
