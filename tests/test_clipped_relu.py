@@ -864,8 +864,9 @@ def test_one_threshold_buffer_read_on_two_widths_is_held():
 
 
 class _TokenClip(nn.Module):
-    """A conv's (N, 4, 5) output through a token-wise Linear (over the last axis), then a clipped ReLU per
-    channel of axis 1 spelled three ways: an nn.ReLU6 module, a pathir ClippedReLU, min(relu(h), buffer)."""
+    """A conv's (N, 4, 5) output through a token-wise Linear (over the last axis), then a clipped ReLU of
+    threshold 6 spelled three ways: an nn.ReLU6 module (one threshold per feature, the Linear's channels), and a
+    pathir ClippedReLU and min(relu(h), buffer) with one threshold per position of axis 1."""
 
     def __init__(self, spelling):
         super().__init__()

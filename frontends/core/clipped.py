@@ -35,11 +35,13 @@ class ClipLayout:
     channels-last view), that node: its channels are the features, as a ReLU there has them. ``channel``: per
     element of the activation's per-sample shape, its channel (None for the activation's own layout); ``axis``:
     the axis of the per-sample shape along which the channels lie in order (0 for the own layout), None where no
-    single axis does (then no threshold tensor of the model's broadcasts to them: a write-back holds them)."""
+    single axis does (then no threshold tensor of the model's broadcasts to them: a write-back holds them);
+    ``moved``: (the node, the gather map that permutes it into the activation) of a permuted layout."""
 
     channels: int
     axis: int | None
     channel: np.ndarray | None = None
+    moved: tuple | None = None
 
     @property
     def permuted(self) -> bool:
@@ -82,7 +84,7 @@ def clip_layout(low, v: Value) -> ClipLayout:
     axis = next((k for k, n in enumerate(v.shape) if n == shape[0] and np.array_equal(
         channel, np.broadcast_to(np.arange(n).reshape([n if j == k else 1 for j in range(len(v.shape))]), v.shape))),
         None)
-    return ClipLayout(shape[0], axis, channel)
+    return ClipLayout(shape[0], axis, channel, moved)
 
 
 def threshold_vector(low, t, channels: int, what: str) -> np.ndarray:
@@ -113,7 +115,7 @@ def clipped_relu(low, v: Value, threshold: Param, layout: ClipLayout | None = No
     token, say), they are built in v's layout after a ReLU in the node's: exact, its features tied by the threshold."""
     v = low.value(v)
     layout = clip_layout(low, v) if layout is None else layout
-    moved = low.permutation_of(v) if layout.permuted else None
+    moved = layout.moved
     src, permutation = moved if moved is not None else (None, None)
     shape = v.shape if moved is None else low.b.shape(src)
     c = shape[0]
