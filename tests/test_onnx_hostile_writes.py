@@ -116,6 +116,33 @@ def test_a_clip_bound_callers_may_feed_is_not_replaced_silently(tmp_path):
     assert [n.op_type for n in cm.to_onnx().graph.node] == ["Gemm", "Clip", "Gemm"]
 
 
+@pytest.mark.parametrize("spelling", ["Clip", "Max", "Pad"])
+def test_a_constant_read_as_fixed_that_callers_may_feed_refuses_the_write(tmp_path, spelling):
+    """A 0 that makes Clip / Max a ReLU, or Pad's value, read as fixed and never written: where it is also a graph
+    input, a caller feeding it (0.5) got another function from the written file (4-12 % off: onnx review)."""
+    W1, W2 = _spread_weights()
+    act = {"Clip": H.make_node("Clip", ["h", "c"], ["r"], name="act"),
+           "Max": H.make_node("Max", ["h", "c"], ["r"], name="act"),
+           "Pad": H.make_node("Pad", ["h", "pads", "c"], ["p"], name="act")}[spelling]
+    nodes = [H.make_node("Gemm", ["x", "W1"], ["h"], name="g1", transB=1), act]
+    if spelling == "Pad":  # pad the features with the fed value, then a ReLU and a layer reading the first 8
+        nodes += [H.make_node("Relu", ["p"], ["q"]), H.make_node("Slice", ["q", "s0", "s1", "ax"], ["r"])]
+    nodes.append(H.make_node("Gemm", ["r", "W2"], ["y"], name="g2", transB=1))
+    inits = [NH.from_array(W1, "W1"), NH.from_array(W2, "W2"), NH.from_array(np.float32(0), "c"),
+             NH.from_array(np.array([0, 0, 0, 2], np.int64), "pads"), NH.from_array(np.array([0], np.int64), "s0"),
+             NH.from_array(np.array([8], np.int64), "s1"), NH.from_array(np.array([1], np.int64), "ax")]
+    graph = H.make_graph(nodes, "g", [H.make_tensor_value_info("x", TP.FLOAT, ["N", 4]),
+                                      H.make_tensor_value_info("c", TP.FLOAT, [])],
+                         [H.make_tensor_value_info("y", TP.FLOAT, ["N", 3])], inits)
+    src = _save(tmp_path, graph)
+    before = _sha(src)
+    cm = pathir.compile(src)
+    with pytest.raises(PathirError, match="'c' is also a graph input"):
+        cm.pathcond()
+    assert _sha(src) == before
+    np.testing.assert_array_equal(NH.to_array(cm.to_onnx().graph.initializer[0]), W1)
+
+
 def test_the_cli_and_save_never_write_over_their_input(tmp_path, capsys):
     W1, W2 = _spread_weights()
     src = _save(tmp_path, _mlp(W1, W2))

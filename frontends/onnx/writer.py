@@ -272,13 +272,13 @@ class OnnxWriter:
         bindings = {k: _copy(b) for k, b in self.bindings.items()}
         g = model.graph
         if model.ir_version >= 4:  # (IR 3 lists every initializer as an input: a rule, not an interface)
-            written = {bindings[ref].tensor for ref in [*updates, *(rewrites or {})]}  # (a Clip's bound: replaced)
-            fed = _overridable_sources(g, written)
+            fed = _overridable_defaults(g)
             if fed:
                 raise PathirError(f"write-back refused: the initializer {', '.join(repr(t) for t in fed)} is also a graph "
                                   "input, a default a caller may override by feeding it, and a caller who does would "
-                                  "get another function from the written file; remove it from the graph's inputs "
-                                  "(graph.input) to make it a constant. Nothing was changed")
+                                  "get another function from the written file (one the rescaling wrote, or a constant "
+                                  "pathir read as fixed: a Clip's or Max's 0, a Pad value, a Slice's bounds); remove it "
+                                  "from the graph's inputs (graph.input) to make it a constant. Nothing was changed")
         orphans: set[str] = set()
         if rewrites:
             orphans |= _rewrite_clips(model, bindings, rewrites)
@@ -318,22 +318,12 @@ class OnnxWriter:
         self._model, self.bindings = model, bindings
 
 
-def _overridable_sources(g, tensors) -> list[str]:
-    """The initializers that are also graph inputs (defaults a caller may override) among ``tensors`` and the
-    tensors they are computed from (a weight read through Identity, Transpose or Cast of such an initializer)."""
-    producers = {o: n for n in g.node for o in n.output}
+def _overridable_defaults(g) -> list[str]:
+    """The initializers that are also graph inputs (defaults a caller may override) that a node reads: a rescaling
+    written into the file keeps its function only for the defaults, whether it wrote them (a weight) or read them
+    as fixed (a Clip's min 0, a Pad value, a Slice's bounds, which then meet rescaled values)."""
     defaults = {i.name for i in g.input} & {t.name for t in g.initializer}
-    fed, seen, stack = set(), set(), list(tensors)
-    while stack:
-        t = stack.pop()
-        if not t or t in seen:
-            continue
-        seen.add(t)
-        if t in defaults:
-            fed.add(t)
-        if t in producers:
-            stack.extend(producers[t].input)
-    return sorted(fed)
+    return sorted(defaults & {t for n in g.node for t in n.input})
 
 
 def _in_dtype(name: str, value: np.ndarray, dtype, old=None) -> np.ndarray:
