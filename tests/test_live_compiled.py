@@ -77,6 +77,22 @@ def test_an_edit_through_data_needs_refresh():
     assert cm.path_norm(2) == pytest.approx(_fresh(model), rel=1e-13)
 
 
+@pytest.mark.parametrize("view", ["t", "flip"])
+def test_a_weight_set_to_a_view_of_its_own_storage_is_followed(view):
+    """``w.data = w.data.t()`` keeps the pointer, the version and (square) the shape: only the strides move. The
+    Compiled answered the old model's path-norm and forward (live review). ``flip`` copies: a new pointer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 2)).double()
+    with torch.no_grad():
+        model[0].weight.copy_(torch.tensor([[1.0, 0, 0], [5, 1, 0], [0, 0, 1]]))
+    cm = pathir.compile(model, input_shape=(3,))
+    w = model[0].weight
+    w.data = w.data.t() if view == "t" else w.data.flip(0)
+    assert cm.path_norm(1) == pytest.approx(pathir.compile(model, input_shape=(3,)).path_norm(1), rel=1e-13)
+    x = torch.eye(3, dtype=torch.float64)
+    np.testing.assert_allclose(cm.forward(x.numpy()), model(x).detach().numpy(), rtol=1e-13, atol=1e-13)
+
+
 def test_write_back_then_training_is_followed_without_a_spurious_reload():
     model = _net().eval()
     cm = pathir.compile(model, input_shape=SHAPE)
