@@ -264,6 +264,8 @@ case("true_divide", C2, lambda m, a: torch.true_divide(a, 4).true_divide(m.c), l
 case("div in place", C2, lambda m, a: _inplace_div(a * 1.0))
 case("maximum", C2, lambda m, a, b: torch.maximum(a, b).maximum(b * 2))
 case("fmax", C2, lambda m, a, b: torch.fmax(a, b).fmax(a - b))
+case("maximum with 0", C2, lambda m, a, b: torch.maximum(a, torch.zeros_like(a)) + torch.max(m.z, b)
+     + torch.fmax(a - b, torch.tensor(0.0)) + torch.max(b, a.new_zeros(())), lambda: {"z": torch.zeros(3, 1, 1)})
 
 # ---------------------------------------------------------------- pools and reductions
 case("max_pool fns", C2, lambda m, a: torch.max_pool2d(F.max_pool2d(a, 2, 1, padding=1), 2).flatten(2) +

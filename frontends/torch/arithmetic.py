@@ -9,7 +9,8 @@ factors of activations, elementwise max, and matmul by a parameter.
   ``nn.Parameter``): one fixed factor per channel, position or element (:mod:`..core.fixed_factors`);
 - ``x * self.gamma`` with gamma a learnable per-channel ``nn.Parameter``: a parameterized ``Scale``
   edge (layer-scale);
-- ``torch.max(a, b)`` / ``maximum`` / ``fmax`` of two activations: a max-pool neuron over them;
+- ``torch.max(a, b)`` / ``maximum`` / ``fmax`` of two activations: a max-pool neuron over them; of an activation
+  and a constant 0 (``torch.zeros_like(h)``, ``torch.tensor(0.)``): a ReLU;
 - ``x @ W`` with W an (in, out) parameter: a dense layer; ``torch.addmm(b, x, W, beta=, alpha=)`` that
   layer, a constant alpha a fixed factor on it, plus b (beta 1, or 0: b ignored, as torch does; a constant
   beta on an activation b is a fixed factor).
@@ -184,7 +185,15 @@ def _layer_scale(low, v: Value, gamma: ParamTensor) -> Value:
 
 
 def maximum(low, input, other):
-    """Elementwise max of two activations: a max-pool neuron over them."""
+    """Elementwise max of two activations: a max-pool neuron over them. Of an activation and a constant 0 that
+    broadcasts to it without growing it (``torch.zeros_like(h)``, ``torch.tensor(0.)``, a zero buffer): a ReLU."""
+    for a, b in ((input, other), (other, input)):
+        if isinstance(a, Value) and not isinstance(b, Value) and adds_nothing(b, a):
+            return low.relu(a)
+        if isinstance(a, Value) and isinstance(b, (ParamTensor, torch.Tensor)) and not low.is_parameter(b):
+            low.unsupported("a max of an activation and a constant other than 0 everywhere (or one that broadcasts it "
+                            "to a larger shape): a shifted ReLU, whose threshold no parameter carries; max(x, 0) with "
+                            "a 0 of the activation's shape or less is a ReLU")
     if not (isinstance(input, Value) and isinstance(other, Value)):
         refuse(low)
     return elementwise_max(low, [input, other])

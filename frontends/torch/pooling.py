@@ -17,7 +17,7 @@ import re
 import torch
 
 from pathir.frontends.core.reductions import all_spatial, reduce, where
-from pathir.frontends.core.values import BatchStacked, MaxIndices, NegInfPadded, Value
+from pathir.frontends.core.values import BatchStacked, MaxIndices, NegInfPadded, ParamTensor, Value
 from pathir.frontends.torch.arithmetic import maximum
 from pathir.frontends.torch.batch_stack import reads_batch_stacked, reduce_stacked
 from pathir.frontends.torch.why import refuse
@@ -195,10 +195,10 @@ def _reduce(low, input, dims, keep: bool, kind: str):
 
 
 def max_(low, input, dim=None, keepdim=False, *, other=None, axis=None, keepdims=None):
-    """``torch.max(a, b)`` of two activations (a max-pool neuron over them), or ``max(x, dim)``
-    (values; the indices must stay unread)."""
+    """``torch.max(a, b)`` of two activations (a max-pool neuron over them) or of one and a constant 0 (a ReLU), or
+    ``max(x, dim)`` (values; the indices must stay unread)."""
     second = dim if other is None else other
-    if isinstance(second, Value):
+    if isinstance(second, (Value, ParamTensor, torch.Tensor)):
         return maximum(low, input, second)
     dims = _dims(dim, axis)
     if dims is not None and not isinstance(dims, int):
