@@ -149,7 +149,7 @@ def _total(inputs) -> int | None:
 
 
 def observe(cm, inputs, qs=(1.0,), counts: bool = True, compare=None, batch_size: int = 32,
-            progress: bool | None = None, backend=None) -> Observations:
+            progress: bool | None = None, backend=None, distributed: bool | None = None) -> Observations:
     """Activation-filtered observables of ``cm`` on every sample of ``inputs``.
 
     Parameters
@@ -165,11 +165,15 @@ def observe(cm, inputs, qs=(1.0,), counts: bool = True, compare=None, batch_size
         pattern is shared, a bound there; nan elsewhere), ``global_bound`` and ``output_change``
     batch_size : samples per walk (arrays and tensors are cut into such batches)
     progress : a tqdm bar on stderr; None shows it only on a terminal (and on rank 0)
+    distributed : None (default): shard across the ranks of an initialised torch.distributed
+        process group, if any; False: walk every sample in this process (a call from some ranks
+        only, ``if rank == 0:``: with sharding, the others never join its collectives and it waits)
 
     Under an initialised torch.distributed process group, each rank walks only its share:
     an array, a tensor or a DataLoader over a map-style data set in order is cut into
-    contiguous shards; a DataLoader with a DistributedSampler walks the sampler's samples
+    contiguous shards; a DataLoader with a (stock) DistributedSampler walks the sampler's samples
     (its padding duplicates are dropped). Every rank returns the same table, in data set order.
+    Every rank must call it, with the same inputs.
 
     Returns
     -------
@@ -185,12 +189,29 @@ def observe(cm, inputs, qs=(1.0,), counts: bool = True, compare=None, batch_size
     True
     """
     qs = _several(qs)
-    grp = group()
+    if distributed not in (None, False):
+        raise ArgumentError(f"observe: distributed must be None (shard across an initialised process group) or False "
+                            f"(walk every sample in this process), got {distributed!r}")
+    grp = group() if distributed is None else None
     if grp is None:
         _check_batch_size(batch_size)
+        _check_inputs(graph_of(cm), inputs)
         _check_order(inputs)
         return _walk(cm, inputs, qs, counts, compare, batch_size, _enabled(progress), backend, _total(inputs))
     return _observe_shards(cm, inputs, qs, counts, compare, batch_size, progress, backend, grp)
+
+
+def _check_inputs(graph, inputs) -> None:
+    """ArgumentError for inputs that hold no samples at all (None, a number, a string); InputShapeError for an array,
+    a tensor or a dict of them whose samples do not have the inputs' shapes (checked even with no sample)."""
+    if inputs is None or isinstance(inputs, (numbers.Number, str, bytes)):
+        raise ArgumentError(f"observe: inputs must be an array or tensor (N, *input shape), a dict of them, or an "
+                            f"iterable of batches (a DataLoader); got {type(inputs).__name__}")
+    arrays = inputs if isinstance(inputs, Mapping) else {graph.inputs[0]: inputs} if len(graph.inputs) == 1 else {}
+    for name, v in arrays.items():
+        if name in graph.inputs and hasattr(v, "shape") and tuple(v.shape)[1:] != graph.node(name).shape:
+            raise InputShapeError(f"observe: input '{name}' expects samples of shape {graph.node(name).shape}, "
+                                  f"(N, {', '.join(map(str, graph.node(name).shape))}) in all; got {tuple(v.shape)}")
 
 
 def _check_order(inputs) -> None:
@@ -290,6 +311,7 @@ def _observe_shards(cm, inputs, qs, counts, compare, batch_size, progress, backe
 
     def run():
         _check_batch_size(batch_size)  # inside: an argument error reaches every rank, none waits for this one
+        _check_inputs(graph_of(cm), inputs)
         local, rows, n = _local_shard(inputs, grp)
         obs = _walk(cm, local, qs, counts, compare, batch_size, _enabled(progress, grp.rank), backend, len(rows))
         if len(obs) != len(rows):
@@ -381,8 +403,20 @@ def _local_shard(inputs, grp: Group):
 
     if isinstance(inputs, tud.DataLoader) and not isinstance(inputs.dataset, tud.IterableDataset):
         sampler = getattr(inputs.batch_sampler, "sampler", None)
+        if type(sampler) is tud.DistributedSampler and type(inputs.batch_sampler) is tud.BatchSampler:
+            rows = np.fromiter(iter(sampler), dtype=np.int64)  # (its order is a function of seed and epoch: repeated)
+            if inputs.drop_last and rows.size % inputs.batch_size:
+                raise ArgumentError(
+                    f"pathir.observe: the DataLoader's drop_last=True drops the last {rows.size % inputs.batch_size} "
+                    f"samples of rank {grp.rank}'s share of its DistributedSampler (batches of {inputs.batch_size}), "
+                    "samples from the middle of the data set that the table would leave out: use drop_last=False")
+            return inputs, rows, len(sampler.dataset)
         if isinstance(sampler, tud.DistributedSampler) and type(inputs.batch_sampler) is tud.BatchSampler:
-            return inputs, np.fromiter(iter(sampler), dtype=np.int64), len(sampler.dataset)
+            raise ArgumentError(
+                f"pathir.observe reads which samples a DistributedSampler gives each rank in a pass of its own, and "
+                f"the loader then draws them again; a subclass ({type(sampler).__name__}) need not draw the same "
+                "samples twice (a shuffle on the global generator does not), and rows would name other samples. Use "
+                "torch.utils.data.DistributedSampler itself, or pass the data set in order (pathir shards it)")
         if isinstance(sampler, tud.SequentialSampler) and type(inputs.batch_sampler) is tud.BatchSampler:
             n = len(inputs.dataset)
             if inputs.drop_last:

@@ -49,6 +49,17 @@ class Failing(torch.utils.data.Dataset):
         return self.x[i]
 
 
+class Reshuffled(torch.utils.data.DistributedSampler):
+    """A subclass that draws another order on every pass (the global generator, seeded alike on every rank)."""
+
+    def __iter__(self):
+        order = torch.randperm(len(self.dataset)).tolist()
+        return iter(order[self.rank::self.num_replicas])
+
+    def __len__(self):
+        return len(range(self.rank, len(self.dataset), self.num_replicas))
+
+
 def loaders(rank, world):
     dataset = torch.utils.data.TensorDataset(torch.tensor(data()), torch.zeros(N))
     loader = torch.utils.data.DataLoader
@@ -61,6 +72,9 @@ def loaders(rank, world):
         "sampler_drop_last": loader(dataset, batch_size=4, sampler=sampler(dataset, world, rank, shuffle=False,
                                                                             drop_last=True)),
         "shuffled_loader": loader(dataset, batch_size=4, shuffle=True),
+        "sampler_subclass": loader(dataset, batch_size=2, sampler=Reshuffled(dataset, world, rank)),
+        "loader_drop_last": loader(dataset, batch_size=4, drop_last=True, sampler=sampler(dataset, world, rank,
+                                                                                          shuffle=False)),
         "failing": loader(Failing(bad=9), batch_size=2),
     }
 
@@ -131,6 +145,10 @@ def run(out, port2, model_dir):
                                                               backend=BACKEND))
     except KeyboardInterrupt:  # the interrupted rank's own interrupt goes on as it is
         results["interrupt"] = {"error": "KeyboardInterrupt", "message": ""}
+    # one rank alone, as `if rank == 0:` calls it: no collective (the other rank would never join it)
+    results["one_rank"] = (outcome(lambda: pathir.observe(cm, data(), qs=(1, 2), batch_size=4, backend=BACKEND,
+                                                          distributed=False)) if rank == 0 else None)
+    dist.barrier()
     results["array_torch"] = outcome(lambda: pathir.observe(cm, data(), qs=(1, 2), batch_size=4, backend="torch"))
     dist.destroy_process_group()
     with open(os.path.join(out, f"rank{rank}.pkl"), "wb") as f:

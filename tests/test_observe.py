@@ -251,3 +251,21 @@ def test_a_q_given_twice_is_one_column_and_two_q_of_one_name_are_refused():
     assert twice.to_csv().count("\n") == 6
     with pytest.raises(pathir.ArgumentError, match="2.0000001.*log10_active_l2"):
         pathir.observe(cm, X, qs=(2, 2.0000001))
+
+
+@pytest.mark.parametrize("inputs, error, says", [
+    (None, pathir.ArgumentError, "got NoneType"), (3.0, pathir.ArgumentError, "got float"),
+    (torch.empty(5, 1, 6, 6, device="meta"), pathir.InputShapeError, "meta device"),
+    (np.zeros((0, 7)), pathir.InputShapeError, r"expects samples of shape \(1, 6, 6\)")])
+def test_inputs_that_hold_no_samples_of_the_model_are_refused_by_name(inputs, error, says):
+    """Raw TypeErrors and a meta tensor's RuntimeError; an empty array of the wrong shape returned 0 rows (review)."""
+    cm = pathir.compile(_net(), input_shape=(1, 6, 6))
+    with pytest.raises(error, match=says):
+        pathir.observe(cm, inputs)
+
+
+def test_distributed_is_none_or_false():
+    cm = pathir.compile(_net(), input_shape=(1, 6, 6))
+    with pytest.raises(pathir.ArgumentError, match="distributed must be None"):
+        pathir.observe(cm, np.zeros((2, 1, 6, 6)), distributed=True)
+    assert len(pathir.observe(cm, np.zeros((2, 1, 6, 6)), distributed=False)) == 2

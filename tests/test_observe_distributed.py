@@ -116,6 +116,22 @@ def test_inputs_without_an_order_every_rank_agrees_on_are_refused_on_every_rank(
         assert "leave out 1 of the 11 samples" in rank["sampler_drop_last"]["message"]
 
 
+def test_a_sampler_subclass_and_a_loader_that_drops_samples_are_refused_naming_why(ranks):
+    """A DistributedSampler subclass drawing another order per pass put rows on other samples (0.49 off, no error);
+    the loader's drop_last was refused as samples left out, naming no cause (distributed review)."""
+    for rank in ranks:
+        assert rank["sampler_subclass"]["error"] == "RankFailed" and "subclass (Reshuffled)" in rank["sampler_subclass"]["message"]
+        assert rank["loader_drop_last"]["error"] == "RankFailed"
+        assert "DataLoader's drop_last=True drops the last" in rank["loader_drop_last"]["message"]
+
+
+def test_one_rank_alone_walks_every_sample_with_distributed_false(run):
+    """``if rank == 0: observe(...)`` waited forever in a gather the other ranks never joined (distributed review)."""
+    ranks, single = run
+    assert ranks[1]["one_rank"] is None
+    _assert_same_table(ranks[0]["one_rank"], single["array"])
+
+
 def test_cli_under_a_launcher_prints_the_single_process_table_once(run):
     first, second = (rank["cli"] for rank in run[0])
     assert first["code"] == second["code"] == 0 and first["group_left"] and second["group_left"]

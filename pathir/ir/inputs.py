@@ -72,6 +72,8 @@ def refuse_unreadable(name: str, x, objects: bool = False) -> None:
         except (TypeError, ValueError, RuntimeError) as err:  # (ragged; tensors that require grad)
             raise InputShapeError(f"x: input '{name}' is a list numpy cannot read as one array of numbers ({err}); "
                                   "pass one array or tensor") from None
+    if getattr(x, "is_meta", False):
+        raise InputShapeError(f"x: input '{name}' is a tensor on the meta device, which holds shapes and no values")
     if x.is_complex() if hasattr(x, "is_complex") else np.iscomplexobj(x):
         raise InputShapeError(f"x: input '{name}' is complex; the network's inputs are real (pass its real part if "
                               "that is what you mean)")
