@@ -325,8 +325,8 @@ class OnnxLowering(Lowering):
                              f"{list(v.shape)} changes its shape")
         cb = np.moveaxis(np.broadcast_to(c, full), ch, 0).reshape(full[ch], -1)
         if not np.all(cb == cb[:, :1]):
-            self.unsupported(f"the constant of shape {list(c.shape)} varies over positions: pathir's {what}s are per "
-                             "channel")
+            self.unsupported(f"the constant of shape {list(c.shape)} varies over positions: pathir's {what} is one number "
+                             "per channel")
         right = len(full) - ch
         nd = max(c.ndim, right)
         layout = [1] * nd
