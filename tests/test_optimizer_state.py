@@ -296,6 +296,34 @@ def test_state_that_would_overflow_its_dtype_is_refused():
     _assert_untouched(model, opt, snap)
 
 
+def test_state_that_would_fall_below_the_smallest_normal_is_refused_and_a_subnormal_one_moves():
+    """exp_avg_sq ⊙ s^-2 landed on float32 subnormals (1.3 % off, no refusal) where the model's own tensors refuse
+    that (optimizer review); an entry already subnormal (a long-dead weight's second moment) moves as it is."""
+    x = torch.randn(4, 3)
+    torch.manual_seed(2)
+    model, opt = _trained(nn.Sequential(nn.Linear(3, 6), nn.ReLU(), nn.Linear(6, 2)), OPTIMIZERS["adam"], x)
+    opt.state[model[2].weight]["exp_avg_sq"][0, 0] = 1e-37
+    snap = _snapshot(model, opt)
+    with pytest.raises(PathirError, match="'exp_avg_sq' does not fit torch.float32.*smallest normal"):
+        pathir.compile(model, input_shape=(3,)).commit_rescaling(np.full(6, -8.0), optimizer=opt)  # s^-2 = e^-8
+    _assert_untouched(model, opt, snap)
+    opt.state[model[2].weight]["exp_avg_sq"][0, 0] = 1e-39  # subnormal already
+    pathir.compile(model, input_shape=(3,)).commit_rescaling(np.full(6, -1.0), optimizer=opt)
+    assert 0 < float(opt.state[model[2].weight]["exp_avg_sq"][0, 0]) < 1e-39
+
+
+def test_an_optimizer_of_another_model_is_refused_and_nothing_changes():
+    """An optimizer that stepped a copy of the model was accepted: the model rescaled, the optimizer stepping it
+    kept its state in the old coordinates (optimizer review)."""
+    x = torch.randn(4, 3, dtype=torch.float64)
+    model, opt = _mlp_and_adam(x)
+    copy_model, other = _mlp_and_adam(x)
+    snap = _snapshot(model, opt)
+    with pytest.raises(PathirError, match="holds none of this model's parameters"):
+        pathir.compile(model, input_shape=(3,)).pathcond(optimizer=other)
+    _assert_untouched(model, opt, snap)
+
+
 def _weight_normed(layer_index):
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(3, 6), nn.ReLU(), nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 2)).double()

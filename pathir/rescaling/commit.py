@@ -155,6 +155,15 @@ def check_optimizer(writer, optimizer) -> None:
         what = "a bare Graph" if writer is None else f"a model written by {type(writer).__name__}"
         raise PathirError(f"optimizer= needs a torch model; this Compiled holds {what}. Nothing was changed")
     check_transportable(optimizer)
+    model = getattr(writer, "model", None)
+    if model is not None and hasattr(model, "parameters"):
+        own = {id(p) for p in model.parameters()}
+        held = [p for group in getattr(optimizer, "param_groups", ()) for p in group.get("params", ())]
+        if own and held and not any(id(p) in own for p in held):
+            raise PathirError(f"optimizer= is a {type(optimizer).__name__} that holds none of this model's parameters "
+                              "(an optimizer of another model, or of a copy of it): its state cannot move with this "
+                              "model's rescaling, and the optimizer stepping this model would keep its state in the "
+                              "old coordinates. Pass the optimizer that steps this model; nothing was changed")
 
 
 # ------------------------------------------------------------------ train mode

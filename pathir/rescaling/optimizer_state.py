@@ -221,16 +221,17 @@ def _check_writable(t, what: str) -> None:
 
 
 def _scaled(value, s: np.ndarray, k: int, key: str):
-    """value ⊙ s^-k in float64, cast back; refused if a finite entry leaves the dtype's range or a nonzero one
-    becomes 0."""
+    """value ⊙ s^-k in float64, cast back; refused if a finite entry leaves the dtype's range, a nonzero one
+    becomes 0, or a normal one subnormal (a few digits left: the written model's own tensors are refused so too)."""
     import torch
 
     old = value.detach().to("cpu", torch.float64)
     exact = old * torch.as_tensor(s, dtype=torch.float64).reshape(old.shape) ** (-k)
     new = exact.to(value.dtype)
-    broke = (~new.isfinite() & old.isfinite()) | ((new == 0) & (old != 0))
+    tiny = torch.finfo(value.dtype).tiny if value.is_floating_point() else 0.0
+    broke = (~new.isfinite() & old.isfinite()) | ((new == 0) & (old != 0)) | ((new.abs() < tiny) & (old.abs() >= tiny))
     if bool(broke.any()):
         raise PathirError(f"the rescaled {'gradient' if key == 'grad' else f'optimizer state {key!r}'} does not fit "
                           f"{value.dtype}: {int(broke.sum())} "
-                          "entries overflow or underflow; nothing was changed")
+                          "entries overflow or underflow (fall below its smallest normal number); nothing was changed")
     return new.to(value.device)
