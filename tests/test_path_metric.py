@@ -340,3 +340,28 @@ def test_the_metrics_digest_holds_the_fixed_maps_so_a_buffer_changed_since_is_re
         model_b1.s.mul_(100.0)  # a buffer changed in place since the metric
     with pytest.raises(ArgumentError, match="weights changed since"):
         pathir.output_bound(a1, b1, x, metric=m1)
+
+
+def test_subnormal_brackets_round_outwards_on_both_metrics():
+    """d = |w1 · w2| of one path in float64's subnormal range: exp(log d) rounds to nearest, and lower read one
+    subnormal step above d, the active metric's upper (and local bound) one below, on about half of 300 draws
+    (metric review). Checked against the exact rational d."""
+    from fractions import Fraction
+
+    rng = np.random.default_rng(0)
+    for w2 in rng.uniform(5e-161, 1e-160, size=40):
+        net = torch.nn.Sequential(torch.nn.Linear(1, 1, bias=False), torch.nn.ReLU(),
+                                  torch.nn.Linear(1, 1, bias=False)).double()
+        with torch.no_grad():
+            net[0].weight.fill_(1e-160)
+            net[2].weight.fill_(float(w2))
+        half = copy.deepcopy(net)
+        with torch.no_grad():
+            half[0].weight.fill_(5e-161)
+        a, b = pathir.compile(net, input_shape=(1,)), pathir.compile(half, input_shape=(1,))
+        d = Fraction(1e-160) * Fraction(float(w2)) - Fraction(5e-161) * Fraction(float(w2))
+        metric = pathir.path_metric(a, b)
+        assert Fraction(metric.lower) <= d <= Fraction(metric.upper)
+        active = pathir.active_path_metric(a, b, np.ones((1, 1)))
+        assert Fraction(float(active.lower[0])) <= d <= Fraction(float(active.upper[0]))
+        assert d <= Fraction(float(active.bound[0]))

@@ -32,6 +32,7 @@ from pathir.lifting.active import DEFAULT_CHUNK, chunks
 from pathir.lifting.path_metric import (
     backend_of,
     check_same_architecture,
+    exp_bracket,
     graph_of,
     param_pairs,
     sign_relations,
@@ -276,9 +277,9 @@ def active_path_metric(a, b, x, backend=None, chunk: int = DEFAULT_CHUNK) -> Act
             log_low = np.where(gap > 0, top + np.log(np.where(gap > 0, gap, 1.0)), -math.inf)
         log_low = np.minimum(log_low, log_up)  # rounding must not invert the bracket
     scale = _x_scale(xs)
-    upper = _exp(log_up)
+    upper = exp_bracket(log_up, up=True)  # (below float64's normal range: the next float up, and down for lower)
     return ActivePathMetric(
-        lower=_exp(log_low), upper=upper, log10_lower=log_low / _LN10, log10_upper=log_up / _LN10,
+        lower=exp_bracket(log_low, up=False), upper=upper, log10_lower=log_low / _LN10, log10_upper=log_up / _LN10,
         exact=exact, same_signs=same, shared=shared, flipped=flipped, norm_a=_exp(la), norm_b=_exp(lb),
         x_scale=scale, bound=np.where(shared, upper * scale, np.nan),
     )

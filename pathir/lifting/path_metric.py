@@ -186,6 +186,23 @@ def _exp_up(log_value: float) -> float:
     return math.nextafter(value, math.inf) if math.isfinite(log_value) and value < _TINY else value
 
 
+def _exp_down(log_value: float) -> float:
+    """:func:`_exp` rounded down where it lands on a subnormal (which rounds either way): the next float down, so
+    a lower bracket never reads above what it bounds."""
+    value = _exp(log_value)
+    return math.nextafter(value, 0.0) if 0.0 < value < _TINY else value
+
+
+def exp_bracket(logs, up: bool) -> np.ndarray:
+    """:func:`_exp_up` (``up``) or :func:`_exp_down` of every entry of ``logs``, as an array."""
+    logs = np.asarray(logs, dtype=np.float64)
+    with np.errstate(over="ignore"):
+        value = np.exp(logs)
+    if up:
+        return np.where(np.isfinite(logs) & (value < _TINY), np.nextafter(value, math.inf), value)
+    return np.where((value > 0) & (value < _TINY), np.nextafter(value, 0.0), value)
+
+
 def logsumexp(logs) -> float:
     logs = [v for v in logs if v > -math.inf]
     if not logs:
@@ -416,7 +433,7 @@ def path_metric(a, b, backend=None, progress: bool | None = None) -> PathMetric:
         log_low = top + math.log(gap) if gap > 0 else -math.inf
         log_low = min(log_low, log_up)  # rounding must not invert the bracket
     return PathMetric(
-        lower=_exp(log_low),
+        lower=_exp_down(log_low),
         upper=_exp_up(log_up),
         exact=exact,
         same_signs=same,
@@ -463,11 +480,11 @@ def pruned_path_metric(ga: Graph, gb: Graph, backend, min_gap: float = 1e-3, log
             gap, rounding = -math.expm1(lb - la), r * (1.0 + math.exp(lb - la))
             log_low = la + math.log(gap - rounding) if gap > rounding else -math.inf
             log_d = la + math.log(gap + rounding)
-            return PathMetric(lower=_exp(log_low), upper=_exp_up(log_d), exact=False, same_signs=True,
+            return PathMetric(lower=_exp_down(log_low), upper=_exp_up(log_d), exact=False, same_signs=True,
                               log10_lower=log_low / _LN10, log10_upper=log_d / _LN10, norm_a=_exp(la),
                               norm_b=_exp(lb), pair=pair_digest(ga, gb) if digest else b"")
         log_d = _log_upper(ga, gb, backend)
-    return PathMetric(lower=_exp(log_d), upper=_exp_up(log_d), exact=True, same_signs=True,
+    return PathMetric(lower=_exp_down(log_d), upper=_exp_up(log_d), exact=True, same_signs=True,
                       log10_lower=log_d / _LN10, log10_upper=log_d / _LN10, norm_a=_exp(la), norm_b=_exp(lb),
                       pair=pair_digest(ga, gb) if digest else b"")
 
