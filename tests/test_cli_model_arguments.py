@@ -131,6 +131,9 @@ def test_a_pickled_module_needs_trust_pickle(factory, tmp_path, capsys):
     for extra in ((), ("--trust-pickle",)):  # not a pickle at all: --trust-pickle is no way out, nor offered
         code, _, err = _run(capsys, "summary", "cli_weights_models:small", *SHAPE, "--weights", "junk.pt", *extra)
         assert code == 2 and "as a file torch.save wrote" in err and "--trust-pickle" not in err
+    (tmp_path / "text.pt").write_text("hello world\nnot weights\n")  # torch.load's KeyError: its text a bare "101"
+    code, _, err = _run(capsys, "summary", "cli_weights_models:small", *SHAPE, "--weights", "text.pt")
+    assert code == 2 and "(KeyError in torch.load: not a pickle or zip archive of tensors)" in err
     code, out, err = _run(capsys, "summary", "cli_weights_models:small", *SHAPE, "--weights", "whole.pt",
                           "--trust-pickle", "--json")
     assert code == 0, err

@@ -222,6 +222,9 @@ def test_path_metric_objective_never_writes_a_rescaling_that_raises_the_certifie
     report = cm.equalize(bits=2, objective="path-metric", absorb_bias=absorb_bias)
     assert report.bound_after == report.bound_before and not np.any(report.z) and report.units_moved == 0
     assert "raises the certified bound" in str(report) and all(torch.equal(v, state[k]) for k, v in net.state_dict().items())
+    # nothing written, and the report says so once: it read "none is written (z = 0)" then "written into the model"
+    assert report.write_back and (report.written == absorb_bias) and ("written into the model" in str(report)) == absorb_bias
+    assert absorb_bias or "nothing to write" in str(report)
 
 
 class _TwiceReturned(nn.Module):

@@ -60,6 +60,7 @@ class EqualizeReport:
     absorption: AbsorbReport | None = None  # absorb_bias=True: what bias absorption changed (absorb.py)
     input_scale: float = 1.0  # max(‖x‖∞, 1) of the inputs given: the bound holds for inputs up to it
     inputs_given: bool = False
+    write_back: bool = False  # asked for; ``written`` is False with it where there was nothing to write (z = 0)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -91,7 +92,8 @@ class EqualizeReport:
         if self.absorption is not None:
             lines += self.absorption.lines()
         lines += self.notes
-        lines.append("written into the model" if self.written else "not written (write_back=False)")
+        if self.written or not self.write_back:
+            lines.append("written into the model" if self.written else "not written (write_back=False)")
         return "\n".join(lines)
 
 

@@ -133,7 +133,10 @@ def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_sc
             z, result.z, result.value_after, result.at_bound = np.zeros_like(z), np.zeros_like(z), result.value_before, 0
             absorbed, absorption, planned = _planned(graph, units, z, backend, inputs, read_source)
             described = _describe(graph, planned, params, backend, bits, objective, inputs, certify)
-    if commit is not None:
+    rescales = bool(np.any(z)) or absorbed is not None  # (z = 0 and no absorbed bias: nothing to write)
+    if commit is not None and not rescales:
+        notes.append("nothing to write: the rescaling is z = 0, so the model is left as it is")
+    if commit is not None and rescales:
         bar.phase("write")
         if absorbed is None:
             commit(z)
@@ -154,7 +157,7 @@ def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_sc
         bound_before=bound_before, bound_after=bound_after, observed_before=observed[0], observed_after=observed[1],
         units_moved=int(np.count_nonzero(z)), units_at_bound=result.at_bound, max_log_scale=float(max_log_scale),
         iterations=result.iterations, converged=result.converged, seconds=time.perf_counter() - start,
-        written=commit is not None, z=z, absorption=absorption, input_scale=scale, inputs_given=inputs is not None,
+        written=commit is not None and rescales, write_back=commit is not None, z=z, absorption=absorption, input_scale=scale, inputs_given=inputs is not None,
         notes=notes)
 
 

@@ -53,8 +53,9 @@ def read_state_dict(path: str, trust_pickle: bool = False) -> dict:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except Exception as err:
-        raise WeightsError(_unreadable(path, str(err), trust_pickle) or f"cannot read {path} as torch weights "
-                           f"({type(err).__name__})") from None
+        message = str(err) if not isinstance(err, KeyError) else ""  # (a KeyError's text is a bare key: "101")
+        raise WeightsError(_unreadable(path, message, trust_pickle) or f"cannot read {path} as a file torch.save wrote "
+                           f"({type(err).__name__} in torch.load: not a pickle or zip archive of tensors)") from None
     if isinstance(obj, torch.nn.Module):
         return obj.state_dict()
     if isinstance(obj, dict):
