@@ -110,6 +110,18 @@ def test_enorm_costs_weigh_the_criterion():
         cm.enorm(costs=np.ones(3))
 
 
+@pytest.mark.parametrize("p", [1.0, 2.0])
+@pytest.mark.parametrize("solver", ["newton", "block"])
+def test_zero_costs_on_one_side_make_degenerate_units_not_an_underflow(p, solver):
+    """costs of 0 on every weight leaving a layer: its units have no mass on that side (math.md: kept at z = 0 and
+    reported); they were refused as '|θ|^p underflows float64', 'use a smaller p' even at p = 1 (units review)."""
+    cm = pathir.compile(mlp(), input_shape=(6,))
+    report = cm.enorm(p=p, costs={"2.weight": 0.0}, solver=solver, write_back=False)
+    first = [u for u in report.degenerate_units if u.startswith("0:")]
+    assert len(first) == 5 and len(report.degenerate_units) == 5
+    assert all(report.z[cm.units.index(u)] == 0 for u in first) and np.any(report.z != 0)
+
+
 def test_enorm_dead_unit_and_report():
     model = mlp()
     with torch.no_grad():

@@ -179,13 +179,16 @@ def _powers(layout, p: float) -> np.ndarray:
     return w
 
 
-def _check_underflow(units, degenerate, p: float) -> None:
-    """PathirError where a unit the solver took for degenerate (no mass on one side) has a nonzero weight on
-    both: its |θ|^p underflowed float64 (a layer at 1e-170, p = 2), and it would be left alone unbalanced."""
+def _check_underflow(units, degenerate, p: float, c=None, layout=None) -> None:
+    """PathirError where a unit the solver took for degenerate (no mass on one side) has a nonzero weight of
+    nonzero cost (``c`` in ``layout``'s θ order; None: all ones) on both: its |θ|^p underflowed float64 (a layer
+    at 1e-170, p = 2), and it would be left alone unbalanced. A side whose costs are all 0 is degenerate as meant."""
     H = len(units)
     has_in, has_out = np.zeros(H + 1, dtype=bool), np.zeros(H + 1, dtype=bool)
     for prm, (enter, leave) in zip(units.params, compact_rows(units)):
         nonzero = np.asarray(prm.value) != 0
+        if c is not None:
+            nonzero = nonzero & (c[layout.slice(prm)].reshape(nonzero.shape) != 0)
         for ends, seen in ((enter, has_in), (leave, has_out)):
             ends = ends.reshape((1,) * (nonzero.ndim - ends.ndim) + ends.shape)
             seen[np.broadcast_to(ends, nonzero.shape)[nonzero]] = True
@@ -262,9 +265,9 @@ def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, cos
         result = solve_enorm(w, B, c, method=solver, max_sweeps=max_sweeps, tol=tol, row_key=rows,
                              max_log_scale=bound, callback=chain_callbacks(callback, bar.callback))
         del w  # one copy of θ: freed before the write-back
-    del c
     if len(result.degenerate):
-        _check_underflow(units, result.degenerate, p)
+        _check_underflow(units, result.degenerate, p, c, layout)
+    del c
     z = 2.0 * result.z / p
     if max_log_scale is not None:
         z = np.clip(z, -max_log_scale, max_log_scale)  # rounding of 2 (p L / 2) / p
