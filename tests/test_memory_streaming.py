@@ -378,3 +378,18 @@ def test_memory_baseline_is_the_models_own_float64_forward_backward():
     # the pass ran in float64 and kept its gradients: one float64 copy of the parameters
     assert row["kept_copies"] > 0.9
     assert row["peak_copies"] >= row["kept_copies"]
+
+
+def test_the_reread_skeleton_holds_no_copy_of_the_parameters():
+    """The skeleton's params were meant as zero-size broadcasts, but a view of a writable zero is copied by Param:
+    every live torch Compiled held a float64 copy of the parameters, all zeros (memory review)."""
+    import torch
+
+    import pathir
+    from pathir.frontends.torch.reread import Reread
+
+    net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 3)).double()
+    graph = pathir.compile(net, input_shape=(64,)).graph
+    skeleton = Reread(graph, {}, frozenset()).skeleton
+    assert [p.shape for p in skeleton.params()] == [p.shape for p in graph.params()]
+    assert all(not any(p.value.strides) and not p.value.flags.writeable for p in skeleton.params())

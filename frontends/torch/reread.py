@@ -41,8 +41,11 @@ class Reread:
 
     def __init__(self, raw: Graph, recipes: dict[str, Recipe], inputs: frozenset[str]):
         self.recipes, self.inputs = recipes, inputs
-        self.skeleton = raw.map_params(lambda p: Param(p.name, np.broadcast_to(np.float64(0.0), p.shape),
-                                                       p.sources, p.how))
+        # one read-only zero broadcast to each shape: a view of a writable base would be copied by Param (a whole
+        # float64 copy of the model's parameters, all zeros, held by every live Compiled: memory review)
+        zero = np.zeros(())
+        zero.flags.writeable = False
+        self.skeleton = raw.map_params(lambda p: Param(p.name, np.broadcast_to(zero, p.shape), p.sources, p.how))
 
     @classmethod
     def of(cls, model, raw: Graph, recipes: dict[str, Recipe], read: dict, direct_reads: set[str]):
