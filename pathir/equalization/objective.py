@@ -49,11 +49,12 @@ class Objective:
         self.H = pairs.num_units
         rows, cols = [g.rows for g in pairs.grids], [g.cols for g in pairs.grids]
         self.ranges = GridStack([g.log_max for g in pairs.grids], rows, cols, 1.0)
-        # Σ_i w_i e^{−kΔ/2} = (k-th power of) the smoothed max at sharpness k of log(w)/k − Δ/2
         self.power = POWER.get(kind, 1)
-        # read at sharpness k only, where its grids (paths' mass after a unit times mass before one) have low rank
-        self.weights = GridStack([g.log_weight / self.power for g in pairs.grids], rows, cols, -1.0,
-                                 low_rank_at=float(self.power)) if kind in POWER else None
+        # Σ_i w_i e^{−kΔ/2} = e^{k r} with r = (1/k) log Σ_i e^{log w_i − kΔ/2}: the grids' smoothed max at sharpness
+        # 1 with the shift scaled by k, over k (the grids' own logs: no copy of them divided by k). Read at that one
+        # sharpness, where its grids (paths' mass after a unit times mass before one) have low rank
+        self.weights = GridStack([g.log_weight for g in pairs.grids], rows, cols, -float(self.power),
+                                 low_rank_at=1.0) if kind in POWER else None
         # Σ_T mean_{i∈T, θ_i≠0} (z_r(i) − z_c(i))/2 = linear · z: the geometric means' part of "range"
         self.linear = np.zeros(self.H)
         self.constant = -sum(g.mean_log for g in pairs.grids) if kind == "range" else 0.0
@@ -74,6 +75,12 @@ class Objective:
         H = self.H
         out += 0.5 * np.bincount(stack.row_unit, scale[stack.row_owner] * rows, minlength=H + 1)[:H]
         out -= 0.5 * np.bincount(stack.col_unit, scale[stack.col_owner] * cols, minlength=H + 1)[:H]
+
+    def retain(self, sharpnesses) -> None:
+        """Free what is cached for any sharpness but ``sharpnesses`` (the weights' term keeps its own)."""
+        self.ranges.retain(sharpnesses)
+        if self.weights is not None:
+            self.weights.retain({1.0})
 
     def curvature(self, z: np.ndarray, p: float, extra: tuple = ()) -> np.ndarray:
         """An estimate of the Hessian's diagonal at z (each smoothed max's softmax marginals times q/4,
@@ -135,7 +142,8 @@ class Objective:
         column marginals), (weight row and column marginals))); c is None where every term is -inf."""
         k = self.power
         r, rr, rc = self.ranges.lse(zp, q, marginals)
-        w, wr, wc = self.weights.lse(zp, float(k), marginals)
+        w, wr, wc = self.weights.lse(zp, 1.0, marginals)
+        w = w / k
         parts = ((rr, rc), (wr, wc))
         with np.errstate(invalid="ignore"):
             terms = k * (r + w)

@@ -113,11 +113,12 @@ def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_sc
         raise PathirError("the graph has no dense or convolution weight to quantize: nothing to equalize")
     weights = _path_weights(graph, backend) if objective == "path-metric" else \
         _noise_weights(graph, backend) if objective == "noise" else None
-    pairs = tensor_pairs(graph, units, facts.row_ends, weights)
+    pairs = tensor_pairs(graph, units, facts.row_ends, weights)  # (which empties ``weights``)
     if read_source is not None:  # bias absorption: refuse an unwritable shift before solving
         absorb(graph, units, None, read_source)
     bar.phase("solve")
     result = solve(Objective(pairs, objective), max_log_scale, callback=callback, lower=lower)
+    del pairs  # (its grids: two float64 copies of the quantized weights, freed before the rescaled graph is made)
     z = result.z
     bar.phase("report")
     notes = []

@@ -118,6 +118,7 @@ def _solve(objective, max_log_scale, sharpness, ridge, balance, max_iter, tol, c
     for stage, p in enumerate(sharpness):
         if exact:
             break
+        objective.retain({p, *(q for q, _ in extra)})  # the last stage's cached grids are not read again
         # in y = d ⊙ z, d² the Hessian's diagonal estimate at the stage's start: the units a tensor's range
         # hangs on and the units only the balance term sees get comparable curvature
         d = np.sqrt(objective.curvature(z, p, extra) + ridge)

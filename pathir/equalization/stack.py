@@ -43,6 +43,8 @@ ONE_BY_ONE = 12000
 #: a grid is sparse (it joins the sparse block whatever its size) where fewer than this fraction of its
 #: cells is filled
 SPARSE_FILL = 0.25
+#: rows of a stacked grid centred at a time (its float64 temporary: this many rows, not the grid)
+_BLOCK = 256
 #: a product below this (or not finite) is re-centred, then redone cell by cell
 _UNDERFLOW = 1e-250
 #: the same for products of a float32 A: its cells below float32's smallest normal (1.2e-38) are lost,
@@ -50,23 +52,30 @@ _UNDERFLOW = 1e-250
 _UNDERFLOW_32 = 1e-20
 
 
-def _lse(a: np.ndarray, p: float, marginals: bool):
-    """(1/p) log Σ e^{p a} over a grid (its max for p = inf), and its softmax's row and column sums."""
-    top = float(np.max(a))
+def _by_cells(log: np.ndarray, zr: np.ndarray, zc: np.ndarray, sign: float, p: float, marginals: bool):
+    """One grid's smoothed max (1/p) log Σ e^{p a} (its max at p = inf) and its softmax's row and column sums at
+    (zr, zc), summed cell by cell, a block of ``_BLOCK`` rows at a time (no grid-sized temporary): at p = inf,
+    and where a product failed even at its own centre."""
+    blocks = [slice(i, i + _BLOCK) for i in range(0, log.shape[0], _BLOCK)]
+
+    def shifted(b):
+        return log[b] + sign * 0.5 * (zr[b, None] - zc[None, :])
+
+    top = max((float(np.max(shifted(b))) for b in blocks), default=-math.inf)
     if not math.isfinite(top) or math.isinf(p):
         return top, None
-    e = np.exp(p * (a - top))
-    total = float(e.sum())
+    total, row_sums, col_sums = 0.0, np.empty(log.shape[0]), np.zeros(log.shape[1])
+    for b in blocks:
+        e = shifted(b)
+        e -= top
+        e *= p
+        np.exp(e, out=e)
+        total += float(e.sum())
+        if marginals:
+            row_sums[b] = e.sum(axis=1)
+            col_sums += e.sum(axis=0)
     value = top + math.log(total) / p
-    if not marginals:
-        return value, None
-    return value, (e.sum(axis=1) / total, e.sum(axis=0) / total)
-
-
-def _by_cells(log: np.ndarray, zr: np.ndarray, zc: np.ndarray, sign: float, p: float, marginals: bool):
-    """One grid's smoothed max (and marginals) at (zr, zc), summed cell by cell: at p = inf, and where a
-    product failed even at its own centre."""
-    return _lse(log + sign * 0.5 * (zr[:, None] - zc[None, :]), p, marginals)
+    return value, ((row_sums / total, col_sums / total) if marginals else None)
 
 
 class _Batch:
@@ -94,9 +103,17 @@ class _Batch:
             which = range(G)
         A, zr0, zc0, tops = entry
         for g in which:
-            shifted = self.logs[g] + self.sign * 0.5 * (zr[g][:, None] - zc[g][None, :])
-            tops[g] = float(np.max(shifted))
-            np.exp(p * (shifted - tops[g]), out=A[g], casting="same_kind")  # float64 exponent, stored as A's dtype
+            log, blocks = self.logs[g], [slice(i, i + _BLOCK) for i in range(0, self.logs[g].shape[0], _BLOCK)]
+
+            def shifted(b, g=g, log=log):  # a block of rows at a time: no float64 grid-sized temporary
+                return log[b] + self.sign * 0.5 * (zr[g][b, None] - zc[g][None, :])
+
+            tops[g] = max(float(np.max(shifted(b))) for b in blocks)
+            for b in blocks:
+                block = shifted(b)
+                block -= tops[g]
+                block *= p
+                np.exp(block, out=A[g, b], casting="same_kind")  # float64 exponent, stored as A's dtype
             zr0[g], zc0[g] = zr[g], zc[g]
         return entry
 
@@ -194,6 +211,14 @@ class GridStack:
         rows = [self.row_off[t] + np.arange(self.logs[t].shape[0]) for t in picked]
         cols = [self.col_off[t] + np.arange(self.logs[t].shape[1]) for t in picked]
         return LowRank(picked, factors, rows, cols, self.sign, p)
+
+    def retain(self, sharpnesses) -> None:
+        """Drop the A cached at any other sharpness (a finished stage's: each is half a float64 copy of its
+        grids, which the sharper stages after it never read)."""
+        keep = set(sharpnesses)
+        for cache in [self.cache, *(batch.cache for batch in self.batches)]:
+            for p in [p for p in cache if p not in keep]:
+                del cache[p]
 
     def row_slice(self, t: int) -> slice:
         return slice(self.row_off[t], self.row_off[t + 1])

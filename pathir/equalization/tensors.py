@@ -76,8 +76,11 @@ class TensorPairs:
         return sum(g.log_max.size for g in self.grids)
 
 
-def _log(x: np.ndarray) -> np.ndarray:
+def _log(x: np.ndarray, in_place: bool = False) -> np.ndarray:
+    """log x (-inf at 0), into x itself with ``in_place`` where x is a writable float64 array."""
     with np.errstate(divide="ignore"):
+        if in_place and x.dtype == np.float64 and x.flags.writeable:
+            return np.log(x, out=x)
         return np.log(x)
 
 
@@ -180,7 +183,8 @@ def tensor_pairs(graph: Graph, units, row_ends, weights: dict[int, tuple] | None
     """The unit-pair grid of every quantized tensor of ``graph``. ``row_ends``: the graph's
     ``CompactRows`` (``GraphFacts.row_ends``); ``weights``: {id(param): (m, L)}, a weight per entry
     w = m·e^L ≥ 0 (m of the param's shape, L a float or broadcastable to it: the walks' log-scaled
-    form, since w may exceed float64), summed per pair into ``log_weight``."""
+    form, since w may exceed float64), summed per pair into ``log_weight``; each entry is taken out of
+    ``weights`` once read (the dict ends empty: no second copy of the weights beside the grids)."""
     H = len(units)
     ends = {id(p): e for p, e in zip(units.params, row_ends.ends)}
     grids = []
@@ -192,13 +196,20 @@ def tensor_pairs(graph: Graph, units, row_ends, weights: dict[int, tuple] | None
         nonzero = value > 0
         arrays = [(value, np.maximum), (nonzero, np.add)]  # booleans counted in float64
         if weights is not None:
-            mantissa, scale = _weight_parts(weights[id(p)])
+            mantissa, scale = _weight_parts(weights.pop(id(p)))
             arrays.append((mantissa, np.add))
         rows, cols, cells = _cells(e, l, arrays)
-        log_weight = None if weights is None else _log(cells[2]) + scale
         count = cells[1]
         mean_log = _sum_log(value) / float(count.sum())
-        grids.append(TensorGrid(p.source_name, rows, cols, _log(cells[0]), log_weight, count.sum(axis=1),
+        # a dense layer's grids are views of the entries themselves (|θ|, and the weights taken out of ``weights``):
+        # their logs are taken in place there, no third array of the tensor's size (never into the param's own)
+        log_weight = None
+        if weights is not None:
+            log_weight = _log(cells[2], not np.may_share_memory(cells[2], p.value))
+            log_weight += scale
+        log_max = _log(cells[0], not np.may_share_memory(cells[0], p.value))
+        del arrays, cells, value, nonzero
+        grids.append(TensorGrid(p.source_name, rows, cols, log_max, log_weight, count.sum(axis=1),
                                 count.sum(axis=0), mean_log))
     return TensorPairs(tuple(grids), H)
 
