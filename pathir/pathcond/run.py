@@ -170,7 +170,7 @@ def pathcond(facts, backend, solver: str = "newton", max_sweeps: int = 1000, tol
     ----------
     facts : GraphFacts of the graph (``pathir.analyses.facts``: units, B, row keys or ends)
     backend : backend for diag G
-    solver : "newton" (block sweeps then projected Newton-CG, the default), "block" (exact
+    solver : "newton" (projected Newton-CG from a coarse start, the default), "block" (exact
         block updates, L-BFGS to finish) or "coordinate" (the published cyclic coordinate
         descent, for reference).
     max_sweeps, tol : passed to the solver; it stops when a sweep changes F by

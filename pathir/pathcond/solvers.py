@@ -7,7 +7,7 @@ and one +1 (the unit it leaves) per row. Output: a `PathCondResult` whose
 ``z`` (H,) rescales θ_i ← θ_i e^{-(Bz)_i/2} (so g ← g e^{Bz}); degenerate units
 (no mass on one whole side) are listed in ``degenerate`` and keep z = 0.
 
-- ``solve(g, B)``: the default, block sweeps then projected Newton-CG
+- ``solve(g, B)``: the default, projected Newton-CG from a coarse start (no block sweeps unless ``warm_sweeps``)
   (`newton.solve_newton`): quadratic convergence on deep and
   concatenation-heavy graphs;
 - ``solve_block(g, B)``: exact block updates over independent sets of units

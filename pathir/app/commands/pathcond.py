@@ -35,7 +35,8 @@ def add_output_arguments(parser) -> None:
                              "replaced modules) or .onnx; omit to only print the report")
     parser.add_argument("--max-sweeps", type=positive_int, default=1000, help="sweeps of the solver at most")
     parser.add_argument("--tol", type=positive_float, default=1e-10,
-                        help="stop when a sweep changes F by at most tol*max(1,|F|)")
+                        help="pathcond: stop when a sweep changes F by at most tol*max(1,|F|) or moves no z_h by more "
+                             "than tol; enorm: when no unit's update would move it by more than tol")
     parser.add_argument("--history", action="store_true", help="with --json: add the objective after every sweep")
 
 
@@ -43,7 +44,7 @@ def add_arguments(parser):
     add_model_arguments(parser)
     add_output_arguments(parser)
     parser.add_argument("--solver", default="newton", choices=["newton", "block", "coordinate"],
-                        help="newton: block sweeps then projected Newton-CG (default); block: exact block updates; "
+                        help="newton: projected Newton-CG from a coarse start (default); block: exact block updates; "
                              "coordinate: the published cyclic coordinate descent")
     parser.add_argument("--max-log-scale", type=float, default=None,
                         help="bound on every |z_h| (inf: none); default: the largest the model's dtype holds")
