@@ -25,7 +25,7 @@ import numpy as np
 
 from pathir.errors import ArgumentError, InputShapeError
 from pathir.ir import Graph
-from pathir.lifting.active import log_active_path_sum
+from pathir.lifting.active import log_active_path_sum, walk_size
 from pathir.lifting.active_metric import active_path_metric
 from pathir.lifting.path_metric import backend_of, graph_of, path_metric
 from pathir.lifting.path_norm import check_q, log_max_path, log_path_sum
@@ -148,7 +148,7 @@ def _total(inputs) -> int | None:
         return None
 
 
-def observe(cm, inputs, qs=(1.0,), counts: bool = True, compare=None, batch_size: int = 32,
+def observe(cm, inputs, qs=(1.0,), counts: bool = True, compare=None, batch_size: int | None = None,
             progress: bool | None = None, backend=None, distributed: bool | None = None) -> Observations:
     """Activation-filtered observables of ``cm`` on every sample of ``inputs``.
 
@@ -163,7 +163,9 @@ def observe(cm, inputs, qs=(1.0,), counts: bool = True, compare=None, batch_size
         columns ``lower``, ``upper``, ``shared``, ``flipped`` (neurons whose state differs),
         ``local_estimate`` (upper · max(‖x‖∞, 1)), ``local_bound`` (the estimate where the
         pattern is shared, a bound there; nan elsewhere), ``global_bound`` and ``output_change``
-    batch_size : samples per walk (arrays and tensors are cut into such batches)
+    batch_size : samples per walk (arrays, tensors and a loader's larger batches are cut into such parts);
+        None (default): as many as keep the walk's feature maps within ``pathir.lifting.active.WALK_BYTES`` (128 MB) in
+        float64, at most 32 (densenet121 at 64×64: 7, resnet18 at 224×224: 5; a small MLP: 32)
     progress : a tqdm bar on stderr; None shows it only on a terminal (and on rank 0)
     distributed : None (default): shard across the ranks of an initialised torch.distributed
         process group, if any; False: walk every sample in this process (a call from some ranks
@@ -266,9 +268,9 @@ def _walk(cm, inputs, qs, counts, compare, batch_size, show, backend, total) -> 
         glob["path_metric_upper"] = metric.upper
     names = [f"log10_active_l{q:g}" for q in qs] + (["log10_active_paths"] if counts else []) + ["active_fraction"]
     cols: dict[str, list] = {name: [] for name in names + (list(_COMPARED) if compare is not None else [])}
+    size = walk_size(graph, batch_size)
     with quiet_tqdm()(total=total, desc="pathir observe", unit="sample", disable=not show, file=sys.stderr) as bar:
-        for batch in _batches(inputs, batch_size):
-            x = _input_dict(graph, batch, inputs)
+        for x in (part for batch in _batches(inputs, size) for part in _parts(_input_dict(graph, batch, inputs), size)):
             pat = activation_pattern(graph, be, x)
             for q in qs:
                 root = 1.0 if q == math.inf else q
@@ -277,7 +279,7 @@ def _walk(cm, inputs, qs, counts, compare, batch_size, show, backend, total) -> 
                 cols.setdefault("log10_active_paths", []).append(log_active_path_sum(graph, be, pat, 0) / ln10)
             cols.setdefault("active_fraction", []).append(pat.active_fraction(be))
             if compare is not None:
-                m = active_path_metric(graph, graph_of(compare), x, be, chunk=batch_size)
+                m = active_path_metric(graph, graph_of(compare), x, be, chunk=size)
                 other = forward(graph_of(compare), be, x)
                 change = sum(np.abs(_numpy(pat.outputs[o]) - _numpy(other[o])).reshape(m.upper.shape[0], -1).sum(axis=1)
                              for o in graph.outputs)
@@ -287,6 +289,16 @@ def _walk(cm, inputs, qs, counts, compare, batch_size, show, backend, total) -> 
             bar.update(pat.batch)
     # (no sample: every column, empty)
     return Observations({k: np.concatenate(v) if v else np.zeros(0) for k, v in cols.items()}, glob)
+
+
+def _parts(x: dict, size: int):
+    """The batch ``x`` ({input: array (B, ...)}) in parts of at most ``size`` samples (a loader's larger batches)."""
+    n = int(next(iter(x.values())).shape[0])
+    if n <= size:
+        yield x
+        return
+    for start in range(0, n, size):
+        yield {k: v[start:start + size] for k, v in x.items()}
 
 
 def _input_dict(graph, batch, inputs) -> dict:
@@ -333,8 +345,11 @@ def _observe_shards(cm, inputs, qs, counts, compare, batch_size, progress, backe
 
 
 def _check_batch_size(batch_size) -> None:
+    if batch_size is None:
+        return
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ArgumentError(f"observe: batch_size must be a positive integer, got {batch_size!r}")
+        raise ArgumentError(f"observe: batch_size must be a positive integer (or None: by the model's size), "
+                            f"got {batch_size!r}")
 
 
 def _fingerprint(inputs, n: int):

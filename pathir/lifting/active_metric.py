@@ -28,7 +28,7 @@ import numpy as np
 
 from pathir.errors import PathirError
 from pathir.ir.inputs import tensor_float64
-from pathir.lifting.active import DEFAULT_CHUNK, chunks
+from pathir.lifting.active import chunks
 from pathir.lifting.path_metric import (
     backend_of,
     check_same_architecture,
@@ -226,7 +226,7 @@ def _log(s, batch: int) -> np.ndarray:
 
 
 
-def active_path_metric(a, b, x, backend=None, chunk: int = DEFAULT_CHUNK) -> ActivePathMetric:
+def active_path_metric(a, b, x, backend=None, chunk: int | None = None) -> ActivePathMetric:
     """Per sample of ``x``, brackets of ‖(Φ(θ) − Φ(θ')) ⊙ a(θ, x)‖₁ with θ = ``a``, θ' = ``b``.
 
     Parameters

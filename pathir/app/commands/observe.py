@@ -34,7 +34,8 @@ def add_arguments(parser):
     parser.add_argument("--compare", default=None, metavar="W2", type=file_path,
                         help="a state_dict of the same model (pruned, quantized): adds the active path-metric columns")
     parser.add_argument("--q", type=float, nargs="+", default=[1.0], help="the q of the active l_q path-norms")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="samples per walk (default: by the model's size, at most 32; docs/activations.md)")
     parser.add_argument("--csv", action="store_true", help="print one CSV row per sample")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="a progress bar on stderr (default: on a terminal only)")
