@@ -277,8 +277,8 @@ def test_the_default_walk_size_bounds_the_feature_maps_and_a_loaders_batches_are
     batches are walked in such parts, with the same table."""
     from pathir.lifting.active import MAX_WALK, WALK_BYTES, walk_size
 
-    big = torch.nn.Sequential(torch.nn.Conv2d(1, 64, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
-                              torch.nn.Linear(64 * 64 * 64, 2))
+    big = torch.nn.Sequential(torch.nn.Conv2d(1, 256, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+                              torch.nn.Linear(256 * 64 * 64, 2))
     graph = pathir.compile(big, input_shape=(1, 64, 64)).graph
     per_sample = 8 * sum(int(np.prod(n.shape)) for n in graph.nodes)
     assert walk_size(graph) == WALK_BYTES // per_sample < MAX_WALK and walk_size(graph, 3) == 3
