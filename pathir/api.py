@@ -98,6 +98,8 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
             return run_passes(raw, pipeline, check=False)
 
         relower.covers = lambda moved: reread is not None and reread.covers(moved)  # a re-read without tracing
+        # cm.release(): the memory of earlier values the pool keeps for the next re-read
+        relower.drop_free = lambda: reread is not None and reread.pool is not None and reread.pool.drop_free()
 
     bar.phase("passes")
     # the torch lowering's raw graph is read by nothing after the default passes: batch-norms fold into

@@ -38,6 +38,7 @@ from pathir.pathcond.run import pathcond
 from pathir.rescaling.apply import rescale_graph
 from pathir.rescaling.bounds import default_max_log_scale
 from pathir.rescaling.commit import check_optimizer, check_writable, commit_rescaling, rescaled_graph, with_bias_shifts
+from pathir.support.array_pool import release as release_reserve
 from pathir.support.progress import Phases
 from pathir.support.threads import one_blas_thread
 
@@ -305,11 +306,17 @@ class Compiled:
         return self._backends[choice]
 
     def release(self) -> None:
-        """Free what outlives a call: the units, B and row keys of the graph and the backends'
-        device copies of the params. Later calls rebuild what they need."""
+        """Free what outlives a call: the units, B and row keys of the graph, the backends'
+        device copies of the params, and the memory of earlier values kept for the next re-read of the
+        model (the lowering's free blocks, and the process's reserve of dead Compileds' ones). Later calls
+        rebuild what they need."""
         self._facts = GraphFacts(self._facts.graph)
         self._backends.clear()
         self._coordinates = None
+        drop = getattr(self._relower, "drop_free", None)
+        if drop is not None:
+            drop()
+        release_reserve()
 
     def forward(self, x, backend=None):
         """The IR's own forward R_theta(x) (float64); x of shape (B, *input shape).

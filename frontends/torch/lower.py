@@ -79,7 +79,7 @@ def lower(model: nn.Module, input_shape=None, example_input=None, heads: bool | 
                           "a rescaling write-back", UserWarning, stacklevel=4)
     graph = pin_unwritable(model, graph, clips)  # thresholds no write-back moves: no unit
     n_params = sum(p.numel() for p in model.parameters())
-    reread = None if low is None else Reread.of(model, graph, low.recipes, low.read, low.direct_reads)
+    reread = None if low is None else Reread.of(model, graph, low.recipes, low.read, low.direct_reads, low.arrays)
     writer = TorchWriter(model, train_only=train_only, clips=clips, train_paths=train, why_not=why_not)
     return Lowered(graph, writer, n_params, name, reread)
 

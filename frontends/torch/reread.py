@@ -39,8 +39,9 @@ def named_tensors(model) -> dict:
 class Reread:
     """The raw graph's structure and one recipe per param: the model's values without tracing."""
 
-    def __init__(self, raw: Graph, recipes: dict[str, Recipe], inputs: frozenset[str]):
+    def __init__(self, raw: Graph, recipes: dict[str, Recipe], inputs: frozenset[str], pool=None):
         self.recipes, self.inputs = recipes, inputs
+        self.pool = pool  # the lowering's ArrayPool the recipes widen into (its free blocks: ``drop_free``)
         # one read-only zero broadcast to each shape: a view of a writable base would be copied by Param (a whole
         # float64 copy of the model's parameters, all zeros, held by every live Compiled: memory review)
         zero = np.zeros(())
@@ -48,7 +49,7 @@ class Reread:
         self.skeleton = raw.map_params(lambda p: Param(p.name, np.broadcast_to(zero, p.shape), p.sources, p.how))
 
     @classmethod
-    def of(cls, model, raw: Graph, recipes: dict[str, Recipe], read: dict, direct_reads: set[str]):
+    def of(cls, model, raw: Graph, recipes: dict[str, Recipe], read: dict, direct_reads: set[str], pool=None):
         """The record of a lowering, or None where a param has no recipe or a recipe read a tensor
         that is not the model's own named tensor (a hook's or a parametrization's product).
         ``read``: name -> the tensor the lowering read; ``direct_reads``: tensors the traced program
@@ -61,7 +62,7 @@ class Reread:
             return None
         parameters = dict(model.named_parameters(remove_duplicate=False))
         loose = {n for n in direct_reads if n not in parameters}
-        return cls(raw, recipes, frozenset(inputs - loose))
+        return cls(raw, recipes, frozenset(inputs - loose), pool)
 
     def covers(self, moved: set[str] | None) -> bool:
         """Whether the tensors that ``moved`` (None: unknown) are all recipe inputs."""

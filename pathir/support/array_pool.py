@@ -110,6 +110,10 @@ class ArrayPool:
         self._free: dict[int, list[np.ndarray]] = {}  # size -> blocks no live array is over
         weakref.finalize(self, _retire, self._free)
 
+    def drop_free(self) -> None:
+        """Free the blocks no live array is over (arrays alive now still return theirs when they die)."""
+        self._free.clear()
+
     def empty(self, shape) -> np.ndarray:
         n = math.prod(shape)
         if n == 0 or 8 * n < self.min_bytes:
