@@ -398,6 +398,8 @@ def test_the_reread_skeleton_holds_no_copy_of_the_parameters():
 def test_release_frees_the_blocks_kept_for_the_next_re_read():
     """After a write-back the lowering's pool keeps the old values' memory for the next re-read; cm.release()
     left it (a pruned 36M-parameter MLP kept 2.14 copies where docs/performance.md says 1.16: memory review)."""
+    import gc
+
     import torch
 
     import pathir
@@ -408,6 +410,9 @@ def test_release_frees_the_blocks_kept_for_the_next_re_read():
     cm.prune(0.5)
     cm.path_norm(1)  # the re-read after the write: the compile's values die into the pool
     reread = next(c.cell_contents for c in cm._relower.__closure__ if type(c.cell_contents).__name__ == "Reread")
+    block = reread.pool.empty((1 << 15,))  # one block surely back in the pool, whatever the collector did
+    del block
+    gc.collect()
     assert any(reread.pool._free.values())
     cm.release()
     assert not any(reread.pool._free.values()) and not array_pool._RESERVE.blocks
