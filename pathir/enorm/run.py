@@ -258,6 +258,7 @@ def enorm(facts, p: float = 2.0, max_sweeps: int = 1000, tol: float = 1e-10, cos
     if pairs is not None:
         result = solve_enorm_newton(None, None, max_sweeps=max_sweeps, tol=tol, max_log_scale=bound,
                                     callback=chain_callbacks(callback, bar.callback), pairs=pairs)
+        del pairs  # (a key and a mass per unit pair: two copies of θ on a dense model, freed before the write)
     else:
         w = _powers(layout, p)
         # without B, the rows as the units' compact ends (no int64 key per row)
