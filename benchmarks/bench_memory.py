@@ -42,7 +42,7 @@ import time
 from rows_out import measured, save_json  # run as a script: benchmarks/ is on sys.path
 
 METHODS = ("path_norm", "diag_g", "path_magnitude_scores", "path_metric", "prune", "normalize", "pathcond",
-           "enorm")
+           "enorm", "equalize")
 MODELS = ("vgg16", "vgg11_bn", "resnet50")
 #: the model's own float64 forward+backward at batch 1: the baseline row
 BASELINE = "forward_backward"
@@ -108,6 +108,8 @@ def _call(cm, method: str, other):
         return pathir.path_metric(cm, other)
     if method == "prune":
         return cm.prune(0.5)
+    if method == "equalize":
+        return cm.equalize(progress=False)
     return getattr(cm, method)()
 
 
