@@ -25,7 +25,7 @@ import numpy as np
 
 from pathir.errors import ArgumentError, InputShapeError
 from pathir.ir import Graph
-from pathir.lifting.active import log_active_path_sum, walk_size
+from pathir.lifting.active import log_active_path_sum, parts, walk_size
 from pathir.lifting.active_metric import active_path_metric
 from pathir.lifting.path_metric import backend_of, graph_of, path_metric
 from pathir.lifting.path_norm import check_q, log_max_path, log_path_sum
@@ -270,7 +270,7 @@ def _walk(cm, inputs, qs, counts, compare, batch_size, show, backend, total) -> 
     cols: dict[str, list] = {name: [] for name in names + (list(_COMPARED) if compare is not None else [])}
     size = walk_size(graph, batch_size)
     with quiet_tqdm()(total=total, desc="pathir observe", unit="sample", disable=not show, file=sys.stderr) as bar:
-        for x in (part for batch in _batches(inputs, size) for part in _parts(_input_dict(graph, batch, inputs), size)):
+        for x in (part for batch in _batches(inputs, size) for part in parts(_input_dict(graph, batch, inputs), size)):
             pat = activation_pattern(graph, be, x)
             for q in qs:
                 root = 1.0 if q == math.inf else q
@@ -289,16 +289,6 @@ def _walk(cm, inputs, qs, counts, compare, batch_size, show, backend, total) -> 
             bar.update(pat.batch)
     # (no sample: every column, empty)
     return Observations({k: np.concatenate(v) if v else np.zeros(0) for k, v in cols.items()}, glob)
-
-
-def _parts(x: dict, size: int):
-    """The batch ``x`` ({input: array (B, ...)}) in parts of at most ``size`` samples (a loader's larger batches)."""
-    n = int(next(iter(x.values())).shape[0])
-    if n <= size:
-        yield x
-        return
-    for start in range(0, n, size):
-        yield {k: v[start:start + size] for k, v in x.items()}
 
 
 def _input_dict(graph, batch, inputs) -> dict:

@@ -33,6 +33,8 @@ __all__ = ["Objective", "OBJECTIVES"]
 OBJECTIVES = ("noise", "range", "path-metric")
 #: per kind with weights: the power k of the term R_T^k · Σ_i w_i e^{−k(z_r(i) − z_c(i))/2}
 POWER = {"noise": 2, "path-metric": 1}
+#: the one sharpness the weights' term is read at (its shift scaled by k instead: ``Objective.__init__``)
+WEIGHT_SHARPNESS = 1.0
 
 
 class Objective:
@@ -54,7 +56,7 @@ class Objective:
         # 1 with the shift scaled by k, over k (the grids' own logs: no copy of them divided by k). Read at that one
         # sharpness, where its grids (paths' mass after a unit times mass before one) have low rank
         self.weights = GridStack([g.log_weight for g in pairs.grids], rows, cols, -float(self.power),
-                                 low_rank_at=1.0) if kind in POWER else None
+                                 low_rank_at=WEIGHT_SHARPNESS) if kind in POWER else None
         # Σ_T mean_{i∈T, θ_i≠0} (z_r(i) − z_c(i))/2 = linear · z: the geometric means' part of "range"
         self.linear = np.zeros(self.H)
         self.constant = -sum(g.mean_log for g in pairs.grids) if kind == "range" else 0.0
@@ -80,7 +82,7 @@ class Objective:
         """Free what is cached for any sharpness but ``sharpnesses`` (the weights' term keeps its own)."""
         self.ranges.retain(sharpnesses)
         if self.weights is not None:
-            self.weights.retain({1.0})
+            self.weights.retain({WEIGHT_SHARPNESS})
 
     def curvature(self, z: np.ndarray, p: float, extra: tuple = ()) -> np.ndarray:
         """An estimate of the Hessian's diagonal at z (each smoothed max's softmax marginals times q/4,
@@ -142,7 +144,7 @@ class Objective:
         column marginals), (weight row and column marginals))); c is None where every term is -inf."""
         k = self.power
         r, rr, rc = self.ranges.lse(zp, q, marginals)
-        w, wr, wc = self.weights.lse(zp, 1.0, marginals)
+        w, wr, wc = self.weights.lse(zp, WEIGHT_SHARPNESS, marginals)
         w = w / k
         parts = ((rr, rc), (wr, wc))
         with np.errstate(invalid="ignore"):

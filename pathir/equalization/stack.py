@@ -52,21 +52,27 @@ _UNDERFLOW = 1e-250
 _UNDERFLOW_32 = 1e-20
 
 
+def _row_blocks(n: int) -> list[slice]:
+    """Slices of ``_BLOCK`` rows covering ``n`` rows."""
+    return [slice(i, i + _BLOCK) for i in range(0, n, _BLOCK)]
+
+
+def _shifted(log: np.ndarray, zr: np.ndarray, zc: np.ndarray, sign: float, rows: slice) -> np.ndarray:
+    """The grid's log values at (zr, zc), l_rc + σ(z_r − z_c)/2, for a block of ``rows`` (a fresh float64 array)."""
+    return log[rows] + sign * 0.5 * (zr[rows, None] - zc[None, :])
+
+
 def _by_cells(log: np.ndarray, zr: np.ndarray, zc: np.ndarray, sign: float, p: float, marginals: bool):
     """One grid's smoothed max (1/p) log Σ e^{p a} (its max at p = inf) and its softmax's row and column sums at
     (zr, zc), summed cell by cell, a block of ``_BLOCK`` rows at a time (no grid-sized temporary): at p = inf,
     and where a product failed even at its own centre."""
-    blocks = [slice(i, i + _BLOCK) for i in range(0, log.shape[0], _BLOCK)]
-
-    def shifted(b):
-        return log[b] + sign * 0.5 * (zr[b, None] - zc[None, :])
-
-    top = max((float(np.max(shifted(b))) for b in blocks), default=-math.inf)
+    blocks = _row_blocks(log.shape[0])
+    top = max((float(np.max(_shifted(log, zr, zc, sign, b))) for b in blocks), default=-math.inf)
     if not math.isfinite(top) or math.isinf(p):
         return top, None
     total, row_sums, col_sums = 0.0, np.empty(log.shape[0]), np.zeros(log.shape[1])
     for b in blocks:
-        e = shifted(b)
+        e = _shifted(log, zr, zc, sign, b)
         e -= top
         e *= p
         np.exp(e, out=e)
@@ -102,15 +108,11 @@ class _Batch:
                                      np.empty(G))
             which = range(G)
         A, zr0, zc0, tops = entry
-        for g in which:
-            log, blocks = self.logs[g], [slice(i, i + _BLOCK) for i in range(0, self.logs[g].shape[0], _BLOCK)]
-
-            def shifted(b, g=g, log=log):  # a block of rows at a time: no float64 grid-sized temporary
-                return log[b] + self.sign * 0.5 * (zr[g][b, None] - zc[g][None, :])
-
-            tops[g] = max(float(np.max(shifted(b))) for b in blocks)
+        for g in which:  # a block of rows at a time: no float64 grid-sized temporary
+            log, blocks = self.logs[g], _row_blocks(self.logs[g].shape[0])
+            tops[g] = max(float(np.max(_shifted(log, zr[g], zc[g], self.sign, b))) for b in blocks)
             for b in blocks:
-                block = shifted(b)
+                block = _shifted(log, zr[g], zc[g], self.sign, b)
                 block -= tops[g]
                 block *= p
                 np.exp(block, out=A[g, b], casting="same_kind")  # float64 exponent, stored as A's dtype

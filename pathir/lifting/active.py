@@ -39,7 +39,7 @@ from pathir.lifting.pattern import (
 from pathir.lifting.scaled import Certifier, Uncertified, robust_log_path_sum
 
 __all__ = ["active_path_norm", "active_path_counts", "log_active_path_sum", "LocalAffine", "local_affine",
-           "chunks", "walk_size", "WALK_BYTES", "MAX_WALK"]
+           "chunks", "parts", "walk_size", "WALK_BYTES", "MAX_WALK"]
 
 #: the float64 bytes of all of a walk's feature maps (every node's value, one sample's times the samples walked
 #: together) that sets the default walk size: the allocator keeps the memory of a walk's temporaries, several
@@ -60,14 +60,21 @@ def walk_size(graph: Graph, chunk: int | None = None) -> int:
     return max(1, min(MAX_WALK, WALK_BYTES // max(per_sample, 1)))
 
 
+def parts(x: dict, size: int) -> Iterator[dict]:
+    """The batch ``x`` ({input: array (B, ...)}, as ``as_input_dict`` makes it) as consecutive slices of at most
+    ``size`` samples (``x`` itself where it holds no more)."""
+    n = int(next(iter(x.values())).shape[0])
+    if n <= size:
+        yield x
+        return
+    for start in range(0, n, size):
+        yield {name: value[start:start + size] for name, value in x.items()}
+
+
 def chunks(graph: Graph, x, chunk: int | None = None) -> Iterator[dict]:
     """The batch ``x`` (array or {input: array}) as consecutive {input: array} slices of ≤ ``chunk`` samples
     (default: :func:`walk_size`)."""
-    x = as_input_dict(graph, x)
-    chunk = walk_size(graph, chunk)
-    n = int(next(iter(x.values())).shape[0])
-    for start in range(0, n, chunk):
-        yield {name: value[start:start + chunk] for name, value in x.items()}
+    yield from parts(as_input_dict(graph, x), walk_size(graph, chunk))
 
 
 def log_active_path_sum(graph: Graph, backend, pattern: ActivationPattern, q: float) -> np.ndarray:
