@@ -324,6 +324,22 @@ def test_an_optimizer_of_another_model_is_refused_and_nothing_changes():
     _assert_untouched(model, opt, snap)
 
 
+def test_a_frozen_backbone_with_the_optimizer_of_its_head_is_written():
+    """Fine-tuning: the compiled backbone frozen, the optimizer over a head outside it. No optimizer steps the
+    backbone, so there is no state to move; the check above refused it (session review)."""
+    torch.manual_seed(0)
+    backbone, head = nn.Sequential(nn.Linear(3, 6), nn.ReLU(), nn.Linear(6, 4)).double(), nn.Linear(4, 2).double()
+    backbone.requires_grad_(False)
+    opt = torch.optim.Adam(head.parameters(), lr=1e-2)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    head(backbone(x)).sum().backward()
+    opt.step()
+    before, state = backbone(x), {k: v.clone() for k, v in opt.state[head.weight].items()}
+    pathir.compile(backbone, input_shape=(3,)).pathcond(optimizer=opt)
+    assert torch.allclose(backbone(x), before, rtol=1e-10)
+    assert all(torch.equal(v, state[k]) for k, v in opt.state[head.weight].items())
+
+
 def _weight_normed(layer_index):
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(3, 6), nn.ReLU(), nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 2)).double()

@@ -157,7 +157,7 @@ def check_optimizer(writer, optimizer) -> None:
     check_transportable(optimizer)
     model = getattr(writer, "model", None)
     if model is not None and hasattr(model, "parameters"):
-        own = {id(p) for p in model.parameters()}
+        own = {id(p) for p in model.parameters() if p.requires_grad}  # (a frozen model: no optimizer steps it)
         held = [p for group in getattr(optimizer, "param_groups", ()) for p in group.get("params", ())]
         if own and held and not any(id(p) in own for p in held):
             raise PathirError(f"optimizer= is a {type(optimizer).__name__} that holds none of this model's parameters "
