@@ -42,7 +42,9 @@ return_regions=True)`` on its output, the conv/linear layers whose weights it ch
 the iterations it ran (it stops before ``--eq-iters`` once no scale factor moves by more than 5 %).
 
 pathir side: ``pathir_equalize`` below, ``pathir.equalize(model, input_shape=..., bits=6, objective=--objective)``
-(compile included; the default objective, ``noise``, unless ``--objective`` names another). Its time cell reads
+(compile included; the default objective, ``noise``, unless ``--objective`` names another). ``pathir_data`` (not
+run by default): ``objective="output-noise"`` on ``--calib`` calibration images drawn apart from the batch-norm
+statistics' batches and the scoring batch (data-aware; Brevitas reads no data). Its time cell reads
 "total (equalize)": the whole call, and in brackets the part after compile (``report.seconds``: pairs, solve,
 report and the write-back with its checks; compile and its self-check are the rest).
 """
@@ -68,15 +70,15 @@ class Skipped(Exception):
 
 # --- the equalizers: each takes (folded float model, input shape, args) and returns (model, info) -----------
 
-def pathir_equalize(model, input_shape, objective: str = "noise"):
+def pathir_equalize(model, input_shape, objective: str = "noise", inputs=None):
     """pathir's equalization of ``model`` (a folded float torch model), returned as a torch model with the
-    same float function (a write-back), compile included."""
+    same float function (a write-back), compile included. ``inputs``: a calibration batch (output-noise)."""
     import pathir
 
     equalize = getattr(pathir, "equalize", None)
     if equalize is None:
         raise Skipped("pathir.equalize does not exist yet")
-    report = equalize(model, input_shape=input_shape, bits=6, objective=objective, progress=False)
+    report = equalize(model, input_shape=input_shape, bits=6, objective=objective, inputs=inputs, progress=False)
     # report.seconds: the equalization after compile (pairs, solve, report, write-back with its checks)
     return model, {"objective_after": report.objective_after, "iterations": sum(report.iterations),
                    "equalize_s": report.seconds}
@@ -84,6 +86,12 @@ def pathir_equalize(model, input_shape, objective: str = "noise"):
 
 def _pathir_side(model, input_shape, args):
     return pathir_equalize(model, input_shape, args.objective)
+
+
+def _pathir_data_side(model, input_shape, args):
+    """pathir with ``objective="output-noise"`` on ``--calib`` images drawn apart from the BN statistics' batches and
+    the scoring batch (the data a deployment engineer calibrates on; Brevitas's side reads none)."""
+    return pathir_equalize(model, input_shape, "output-noise", em.calibration_inputs(args.size, args.calib, args.seed))
 
 
 def _import_brevitas():
@@ -163,8 +171,10 @@ SIDES = {
     "brevitas": _brevitas_side,
     "brevitas_wonly": _brevitas_wonly_side,
     "pathir": _pathir_side,
+    "pathir_data": _pathir_data_side,
 }
-TITLES = {"brevitas": "Brevitas", "brevitas_wonly": "Brevitas (no merge_bias)", "pathir": "pathir"}
+TITLES = {"brevitas": "Brevitas", "brevitas_wonly": "Brevitas (no merge_bias)", "pathir": "pathir",
+          "pathir_data": "pathir output-noise"}
 
 
 def available(sides: list[str]) -> tuple[list[str], list[str]]:
@@ -174,7 +184,7 @@ def available(sides: list[str]) -> tuple[list[str], list[str]]:
         try:
             if side.startswith("brevitas"):
                 _import_brevitas()
-            elif side == "pathir":
+            elif side in ("pathir", "pathir_data"):
                 import pathir
 
                 if not hasattr(pathir, "equalize"):
@@ -318,8 +328,9 @@ def seed_summary(rows: list[dict], sides: list[str]) -> str:
     for side in ["none", *sides]:
         title = "none" if side == "none" else TITLES[side]
         head += [f"{title}: median pooled (dB)", f"{title}: median per-image (dB)"]
-    others = [s for s in sides if s != "pathir"] if "pathir" in sides else []
-    head += [f"pathir ≥ {TITLES[s]} (seeds)" for s in others]
+    ours = [s for s in sides if s.startswith("pathir")]
+    others = [s for s in sides if not s.startswith("pathir")]
+    head += [f"{TITLES[p]} ≥ {TITLES[s]} (seeds)" for p in ours for s in others]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (model, bits), rs in groups.items():
         cells = [model, str(bits), ",".join(str(r["seed"]) for r in rs)]
@@ -327,10 +338,11 @@ def seed_summary(rows: list[dict], sides: list[str]) -> str:
             for key in (f"sqnr_{side}", f"sqnr_{side}_image_median"):
                 vals = [r[key] for r in rs if r.get(key) is not None]
                 cells.append(_db(statistics.median(vals)) if vals else "–")
-        for other in others:
-            both = [r for r in rs if "sqnr_pathir" in r and f"sqnr_{other}" in r]
-            wins = sum(r["sqnr_pathir"] >= r[f"sqnr_{other}"] for r in both)
-            cells.append(f"{wins} of {len(both)}")
+        for ours_side in ours:
+            for other in others:
+                both = [r for r in rs if f"sqnr_{ours_side}" in r and f"sqnr_{other}" in r]
+                wins = sum(r[f"sqnr_{ours_side}"] >= r[f"sqnr_{other}"] for r in both)
+                cells.append(f"{wins} of {len(both)}")
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -346,6 +358,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--size", type=int, default=64, help="input height and width")
     ap.add_argument("--batch", type=int, default=128, help="images in the scoring batch")
     ap.add_argument("--chunk", type=int, default=32, help="images per forward when scoring")
+    ap.add_argument("--calib", type=int, default=32, help="calibration images of the pathir_data side")
     ap.add_argument("--calib-batches", type=int, default=4, help="train-mode batches of 16 for the BN statistics")
     ap.add_argument("--gamma-sigma", type=float, default=1.0, help="BN gamma = exp(N(0, sigma))")
     ap.add_argument("--beta-std", type=float, default=0.5, help="BN beta = N(0, std)")

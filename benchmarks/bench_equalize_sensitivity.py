@@ -72,6 +72,7 @@ def bench(name: str, seed: int, args) -> list[dict]:
     shape = (3, args.size, args.size)
     model = em.build(name, size=args.size, seed=seed)
     side_args = be.parser().parse_args([])  # each side with bench_equalize.py's default settings
+    side_args.seed = seed  # (pathir_data's calibration batch is drawn per seed, apart from the scoring batch)
     chunks = em.eval_inputs(args.size, args.batch, seed).split(side_args.chunk)
     folded, _, _ = em.fold_bn(model)
     with torch.no_grad():
@@ -83,8 +84,9 @@ def bench(name: str, seed: int, args) -> list[dict]:
         for bits, scores in moved_scores(eq, shape, chunks, y, args.bits, args.moves, args.sigma, seed).items():
             moved = scores[1:]
             rows.append({"model": name, "seed": seed, "side": side, "bits": bits, "sigma": args.sigma,
-                         "sqnr": scores[0], "moved_min": min(moved), "moved_median": statistics.median(moved),
-                         "moved_max": max(moved), "moved": moved})
+                         "sqnr": scores[0], "moved_min": min(moved, default=None),
+                         "moved_median": statistics.median(moved) if moved else None,
+                         "moved_max": max(moved, default=None), "moved": moved})
             if args.dither:
                 rows[-1]["dithered"] = dithered_sqnr(eq, chunks, y, bits, args.dither, seed)
     return rows
@@ -96,7 +98,8 @@ def table(rows: list[dict]) -> str:
              + (" dithered (dB) |" if dither else ""), "|---|---|---|---|---|" + ("---|" if dither else "")]
     for r in rows:
         lines.append(f"| {r['model']} ({r['seed']}) | {r['bits']} | {be.TITLES[r['side']]} | {r['sqnr']:.1f} | "
-                     f"{r['moved_min']:.1f} / {r['moved_median']:.1f} / {r['moved_max']:.1f} |"
+                     + (f"{r['moved_min']:.1f} / {r['moved_median']:.1f} / {r['moved_max']:.1f} |" if r["moved"] else
+                        "– |")
                      + (f" {r['dithered']:.1f} |" if dither else ""))
     return "\n".join(lines)
 

@@ -54,6 +54,12 @@ def build(name: str, size: int = 64, seed: int = 0, gamma_sigma: float = 1.0, be
     return model.eval()
 
 
+def calibration_inputs(size: int = 64, batch: int = 32, seed: int = 0) -> torch.Tensor:
+    """A calibration batch for data-aware equalization: drawn apart from the batch-norm statistics' batches and
+    from the scoring batch."""
+    return images(batch, size, torch.Generator().manual_seed(seed + 20_000))
+
+
 def eval_inputs(size: int = 64, batch: int = 16, seed: int = 0) -> torch.Tensor:
     """The fixed batch that every side is scored on (not one of the calibration batches)."""
     return images(batch, size, torch.Generator().manual_seed(seed + 10_000))

@@ -550,10 +550,11 @@ class Compiled:
                  callback=None, certify: bool | None = None, absorb_bias: bool = False):
         """Equalization for quantization: the rescaling, over every unit of the graph, that makes
         per-tensor quantization of every weight tensor (batch-norm folded) add the least rounding noise
-        to the network, ``objective="noise"``; that balances the tensors' ranges (Nagel's criterion),
-        ``"range"``; or that minimises the certified bound on the output change quantizing at ``bits``
-        causes, ``"path-metric"`` (docs/math.md §12). Rescales the model in place (function preserved)
-        and returns an EqualizeReport. ``inputs`` (a batch): the report measures the real output
+        to the network, ``objective="noise"``; the same noise in the outputs on the batch ``inputs`` (a
+        calibration batch: data-aware), ``"output-noise"``; that balances the tensors' ranges (Nagel's
+        criterion), ``"range"``; or that minimises the certified bound on the output change quantizing at
+        ``bits`` causes, ``"path-metric"`` (docs/math.md §12). Rescales the model in place (function
+        preserved) and returns an EqualizeReport. ``inputs`` (a batch): the report measures the real output
         change of quantizing on it. ``certify``: the report computes the certified bound (default:
         with the path-metric objective only). ``max_log_scale``, ``optimizer``, ``progress``: as for
         :meth:`pathcond`. ``absorb_bias``: then bias absorption (DFQ §4.2, not exact: the report's

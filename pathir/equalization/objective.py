@@ -28,9 +28,10 @@ import numpy as np
 from pathir.equalization.stack import GridStack
 from pathir.equalization.tensors import TensorGrid, TensorPairs
 
-__all__ = ["Objective", "OBJECTIVES"]
+__all__ = ["Objective", "KINDS"]
 
-OBJECTIVES = ("noise", "range", "path-metric")
+#: the objectives solved here (``run.OBJECTIVES`` adds output-noise: the noise kind on other weights)
+KINDS = ("noise", "range", "path-metric")
 #: per kind with weights: the power k of the term R_T^k · Σ_i w_i e^{−k(z_r(i) − z_c(i))/2}
 POWER = {"noise": 2, "path-metric": 1}
 #: the one sharpness the weights' term is read at (its shift scaled by k instead: ``Objective.__init__``)
@@ -43,8 +44,8 @@ class Objective:
     gradient ``value_and_grad`` adds, weighted (the solver's balance term), at no second pass."""
 
     def __init__(self, pairs: TensorPairs, kind: str = "range"):
-        if kind not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got {kind!r}")
+        if kind not in KINDS:
+            raise ValueError(f"objective must be one of {KINDS}, got {kind!r}")
         if kind in POWER and any(g.log_weight is None for g in pairs.grids):
             raise ValueError(f"the {kind} objective needs the pairs' weights")
         self.pairs, self.kind = pairs, kind

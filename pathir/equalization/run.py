@@ -14,8 +14,9 @@ import time
 import numpy as np
 
 from pathir.equalization.absorb import absorb, measure
-from pathir.equalization.objective import OBJECTIVES, Objective
+from pathir.equalization.objective import Objective
 from pathir.equalization.report import EqualizeReport, TensorRow
+from pathir.equalization.sensitivity import output_sensitivity
 from pathir.equalization.solver import solve
 from pathir.equalization.tensors import channel_ranges, quantize_graph, quantized_params, quantized_sqnr_db, tensor_pairs
 from pathir.errors import PathirError
@@ -27,9 +28,13 @@ from pathir.rescaling.apply import rescale_graph
 from pathir.support.progress import Phases, warn_not_converged
 from pathir.support.threads import one_blas_thread
 
-__all__ = ["equalize", "PHASES"]
+__all__ = ["equalize", "PHASES", "OBJECTIVES"]
 
 PHASES = ("pairs", "solve", "report", "write")
+#: objectives solved as another kind on other weights: output-noise is the noise objective weighted by F, not G
+KIND = {"output-noise": "noise"}
+#: every objective ``equalize`` takes
+OBJECTIVES = ("noise", "output-noise", "range", "path-metric")
 
 
 def _path_weights(graph, backend) -> dict[int, tuple]:
@@ -88,7 +93,8 @@ def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_sc
     ``commit`` callback, write it (the function is kept); returns an EqualizeReport.
 
     ``objective`` (docs/math.md §12): "noise" (the rounding noise per-tensor quantization adds to the
-    path-lifting, Σ_T Δ_T² Σ_{i∈T} G_ii), "range" (Σ_T log of tensor T's per-tensor quantization step
+    path-lifting, Σ_T Δ_T² Σ_{i∈T} G_ii), "output-noise" (the same noise in the outputs on the batch
+    ``inputs``, Σ_T Δ_T² Σ_{i∈T} F_ii: :mod:`pathir.equalization.sensitivity`), "range" (Σ_T log of tensor T's per-tensor quantization step
     over the geometric mean of its weights; Nagel's criterion on a chain) or "path-metric" (the
     first-order bound on ‖Φ(θ) − Φ(Q(θ))‖₁). ``inputs``: a batch (array, or {input: array}) on which
     the report measures the real output change of quantizing at ``bits``, and whose ‖x‖∞ scales the
@@ -101,6 +107,10 @@ def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_sc
     """
     if objective not in OBJECTIVES:
         raise PathirError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    if objective == "output-noise" and inputs is None:
+        raise PathirError("objective='output-noise' weighs each weight's rounding by what it costs in the outputs on "
+                          "a calibration batch: pass inputs=... (a batch of the data the model will see), or use "
+                          "objective='noise', which reads no inputs")
     if isinstance(bits, bool) or not (isinstance(bits, numbers.Integral) and 2 <= bits <= 16):
         raise PathirError(f"bits must be an integer from 2 to 16, got {bits!r}")
     bits = int(bits)
@@ -112,12 +122,13 @@ def equalize(facts, backend, bits: int = 8, objective: str = "noise", max_log_sc
     if not params:
         raise PathirError("the graph has no dense or convolution weight to quantize: nothing to equalize")
     weights = _path_weights(graph, backend) if objective == "path-metric" else \
-        _noise_weights(graph, backend) if objective == "noise" else None
+        _noise_weights(graph, backend) if objective == "noise" else \
+        output_sensitivity(graph, inputs, backend) if objective == "output-noise" else None
     pairs = tensor_pairs(graph, units, facts.row_ends, weights)  # (which empties ``weights``)
     if read_source is not None:  # bias absorption: refuse an unwritable shift before solving
         absorb(graph, units, None, read_source)
     bar.phase("solve")
-    result = solve(Objective(pairs, objective), max_log_scale, callback=callback, lower=lower)
+    result = solve(Objective(pairs, KIND.get(objective, objective)), max_log_scale, callback=callback, lower=lower)
     del pairs  # (its grids: two float64 copies of the quantized weights, freed before the rescaled graph is made)
     z = result.z
     bar.phase("report")

@@ -10,6 +10,8 @@ import os
 import sys
 import tempfile
 
+import numpy as np
+
 import pathir
 from pathir.errors import ArgumentError, PathirError
 from pathir.support.files import same_file, write_atomic
@@ -273,3 +275,17 @@ def save_module(model, path: str) -> None:
         raise PathirError(f"the model cannot be pickled whole ({type(err).__name__}: {err}), and a state_dict would "
                           "not load into a fresh instance (pathir replaced some of its modules): rescale it with the "
                           "Python API (docs/equalize.md) and save it your way. Nothing was written") from None
+
+
+def read_inputs(path: str, mmap: bool) -> np.ndarray:
+    """The samples array of --inputs (.npy, or an .npz holding one array); ArgumentError for anything else."""
+    try:
+        x = np.load(path, mmap_mode="r" if mmap else None)
+    except (OSError, ValueError, EOFError) as err:
+        raise ArgumentError(f"--inputs {path}: not a .npy array numpy can read ({type(err).__name__}: {err})") from None
+    if isinstance(x, np.lib.npyio.NpzFile):
+        if len(x.files) != 1:
+            raise ArgumentError(f"--inputs {path}: an .npz of {len(x.files)} arrays ({', '.join(x.files)}); pass a .npy "
+                                "or an .npz holding one array")
+        x = x[x.files[0]]
+    return x

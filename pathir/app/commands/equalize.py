@@ -11,6 +11,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pathir
+from pathir.equalization.run import OBJECTIVES
 from pathir.errors import ArgumentError
 
 from .common import (
@@ -18,10 +19,12 @@ from .common import (
     check_output_path,
     compile_model,
     emit_json,
+    file_path,
     is_onnx_spec,
     model_info,
     prepare_model,
     progress,
+    read_inputs,
 )
 from .pathcond import module_tree, write_output, written_line
 
@@ -35,12 +38,17 @@ def add_arguments(parser):
                         help="output file: .pt state_dict (torch models; the whole model where the write-back "
                              "replaced modules) or .onnx; omit to only print the report")
     parser.add_argument("--bits", type=int, default=8, help="the weights' bit width the report measures (default 8)")
-    parser.add_argument("--objective", default="noise", choices=["noise", "range", "path-metric"],
+    parser.add_argument("--objective", default="noise", choices=list(OBJECTIVES),
                         help="noise: the rounding noise per-tensor quantization adds to the network (default); "
+                             "output-noise: that noise in the outputs on the samples of --inputs (a calibration "
+                             "batch); "
                              "range: per-tensor quantization steps over the weights' geometric means (Nagel's "
                              "criterion); path-metric: a first-order estimate of the certified bound on the output change "
                              "quantizing causes (the bound itself is reported; where the rescaling found would raise "
                              "it, none is written)")
+    parser.add_argument("--inputs", default=None, type=file_path,
+                        help="a .npy array (N, *input shape) of samples: the calibration batch output-noise reads, "
+                             "and the report's observed output change is measured on it")
     parser.add_argument("--certify", action="store_true",
                         help="also compute the certified bound on the output change (always with path-metric)")
     parser.add_argument("--absorb-bias", action="store_true",
@@ -60,7 +68,11 @@ def run(args) -> int:
     if args.relu6 == "relu" and is_onnx_spec(args.model):
         raise ArgumentError("--relu6 relu replaces clipped ReLU modules of a torch model; an ONNX Clip stays a clip "
                             "(re-export the model with Relu to quantize it so)")
-    options = dict(bits=args.bits, objective=args.objective, write_back=args.output is not None,
+    if args.objective == "output-noise" and args.inputs is None:
+        raise ArgumentError("--objective output-noise reads a calibration batch: pass --inputs X.npy (N samples of the "
+                            "model's input shape)")
+    inputs = None if args.inputs is None else read_inputs(args.inputs, False)
+    options = dict(bits=args.bits, objective=args.objective, inputs=inputs, write_back=args.output is not None,
                    max_log_scale=args.max_log_scale, progress=progress(args), certify=True if args.certify else None,
                    absorb_bias=args.absorb_bias)
     if args.relu6 == "relu":  # the swap comes before compile: pathir.equalize's one-call form

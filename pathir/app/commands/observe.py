@@ -13,13 +13,11 @@ from __future__ import annotations
 import argparse
 import copy
 
-import numpy as np
-
 import pathir
 from pathir.errors import ArgumentError
 from pathir.support.distributed import group, join_launcher_group, leave_group
 
-from .common import add_model_arguments, emit_json, file_path, model_info, prepare_model, progress
+from .common import add_model_arguments, emit_json, file_path, model_info, prepare_model, progress, read_inputs
 from .weights import load_weights
 
 HELP = "active path-norms, active path counts and local bounds of a model on the samples of X.npy"
@@ -50,20 +48,6 @@ def _load_weights(model, path: str, trust_pickle: bool = False):
     return model
 
 
-def _read_inputs(path: str, mmap: bool) -> np.ndarray:
-    """The samples array of --inputs (.npy, or an .npz holding one array); ArgumentError for anything else."""
-    try:
-        x = np.load(path, mmap_mode="r" if mmap else None)
-    except (OSError, ValueError, EOFError) as err:
-        raise ArgumentError(f"--inputs {path}: not a .npy array numpy can read ({type(err).__name__}: {err})") from None
-    if isinstance(x, np.lib.npyio.NpzFile):
-        if len(x.files) != 1:
-            raise ArgumentError(f"--inputs {path}: an .npz of {len(x.files)} arrays ({', '.join(x.files)}); pass a .npy "
-                                "or an .npz holding one array")
-        x = x[x.files[0]]
-    return x
-
-
 def _compile(model, name, shape, backend, args):
     cm = pathir.compile(model, input_shape=shape, backend=backend, progress=progress(args))
     cm.name = name
@@ -83,7 +67,7 @@ def _run(args) -> int:
     if args.csv and args.json:
         raise ArgumentError("--csv and --json each choose what is printed: give one")
     grp = group()
-    x = _read_inputs(args.inputs, grp is not None)  # a rank reads only its shard
+    x = read_inputs(args.inputs, grp is not None)  # a rank reads only its shard
     if x.ndim < 2:
         raise ArgumentError(f"--inputs must hold an array (N, *input shape), got shape {x.shape}")
     if grp is not None and grp.rank != 0:
