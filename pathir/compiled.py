@@ -485,9 +485,11 @@ class Compiled:
         self._refuse_transformed("a rescaling")
         facts = self.facts
         follows = self._relower is not None and self.writer is not None  # a live torch model: re-read it
+        # an ONNX model is lowered again as written: no rescaled float64 graph beside the old one and the new
+        reads_written = self._read_written is not None and self.writer is not None
         try:
             new_graph = commit_rescaling(facts.graph, facts.units, z, self.model, self.writer, optimizer,
-                                         bias_shifts=bias_shifts, rescaled=not follows)
+                                         bias_shifts=bias_shifts, rescaled=not (follows or reads_written))
         except BaseException as err:  # restored exactly: the model matches the graph again
             self._mark()
             if isinstance(err, PathirError) and self.passes_run and "output" in str(err) and "moved by" in str(err):
@@ -499,13 +501,13 @@ class Compiled:
         # the graph then holds the model's own values as written (rounded to its dtype), not float64 products
         # that drift from a float32 model: re-read where that reaches them, else read again where the model
         # reads as before
-        if new_graph is None and self._watch.changed() == "values":
+        if new_graph is None and follows and self._watch.changed() == "values":
             moved = self._watch.moved()
             if self._relower.covers(moved):
                 return  # the next query re-reads the values the model holds now (docs/live.md)
             read_again = functools.partial(self._relower, moved)  # a value no re-read reaches (a pruned weight)
         else:  # a torch module replaced (a clipped ReLU made per-channel): traced again; an ONNX model: lowered again
-            read_again = functools.partial(self._relower, None) if new_graph is None else self._read_written
+            read_again = functools.partial(self._relower, None) if follows else self._read_written
         interrupted = None
         try:
             traced = _read_as(facts.graph, read_again)

@@ -286,22 +286,24 @@ def test_a_write_that_changes_onnxruntimes_function_is_refused_and_undone(monkey
     _, shape, proto = exported("residual", "legacy")
     cm = pathir.compile(proto)
     source = cm.to_onnx().SerializeToString()
-    right = OnnxWriter._rescaled
+    right, right_by_rows = OnnxWriter._rescaled, OnnxWriter._rescaled_by_rows
     wrong = {"done": False}
 
-    def one_wrong(self, name, b, sides):
-        new = right(self, name, b, sides)
-        if b.kind == "weight" and not wrong["done"]:
+    def one_wrong(self, name, b, sides, by_rows=False):
+        new = (right_by_rows if by_rows else right)(self, name, b, sides)
+        if new is not None and b.kind == "weight" and not wrong["done"]:
             wrong["done"] = True
             return 2.0 * new
         return new
 
     monkeypatch.setattr(OnnxWriter, "_rescaled", one_wrong)
+    monkeypatch.setattr(OnnxWriter, "_rescaled_by_rows", lambda self, *a: one_wrong(self, *a, by_rows=True))
     z, _ = _random_rescaling(cm)
     with pytest.raises(PathirError, match="onnxruntime's output .* moved by"):
         cm.commit_rescaling(z)
     assert wrong["done"] and cm.to_onnx().SerializeToString() == source
     monkeypatch.setattr(OnnxWriter, "_rescaled", right)
+    monkeypatch.setattr(OnnxWriter, "_rescaled_by_rows", right_by_rows)
     cm.commit_rescaling(z)  # the same rescaling, written right, passes
     x = np.random.default_rng(1).normal(size=(4, *shape)).astype(np.float32)
     assert rel(ort_run(cm.to_onnx(), x)[0], ort_run(proto, x)[0]) < 1e-5
@@ -455,3 +457,59 @@ def test_a_bias_expanded_over_a_fixed_batch_is_one_bias_or_refused(rows_equal):
     new = cm.to_onnx()
     onnx.checker.check_model(new)
     assert rel(ort_run(new, x)[0], ort_run(model, x)[0]) <= 1e-5
+
+
+@pytest.mark.parametrize("name,exporter", [("mlp", "legacy-nofold"), ("residual", "legacy"), ("concat", "legacy")])
+def test_a_weight_written_a_block_of_rows_at_a_time_is_the_whole_tensors_product(name, exporter, monkeypatch):
+    """The lazy per-block write (float64 temporaries of a few rows) gives what the whole-tensor product gives,
+    to float32 rounding, however many blocks a tensor is cut into."""
+    import pathir.frontends.onnx.writer as writer_module
+    from pathir.frontends.core.write_rules import source_factors
+
+    _, _, proto = exported(name, exporter)
+    cm = pathir.compile(proto)
+    _, scales = _random_rescaling(cm, seed=3)
+    w = cm.writer
+    monkeypatch.setattr(writer_module, "_BLOCK_ENTRIES", 7)  # blocks of one row or a few
+    blocked = 0
+    for tensor, sides in source_factors(cm.graph, scales, lazy=True).items():
+        sides = sides()
+        b = w.bindings[tensor]
+        by_rows = w._rescaled_by_rows(tensor, b, sides)
+        if by_rows is None:
+            continue
+        blocked += 1
+        whole = w._rescaled(tensor, b, sides).astype(np.float32)
+        np.testing.assert_allclose(by_rows, whole, rtol=2 ** -23, atol=0, err_msg=tensor)
+    assert blocked >= 2
+
+
+def test_a_block_that_leaves_float32s_range_is_refused_and_nothing_changes():
+    _, _, proto = exported("mlp", "legacy-nofold")
+    cm = pathir.compile(proto)
+    source = cm.to_onnx().SerializeToString()
+    z = np.zeros(len(cm.units))
+    z[0] = 200.0  # e^100 on one hidden unit's row: past float32's 3.4e38
+    with pytest.raises(PathirError, match="would leave float32's range"):
+        cm.commit_rescaling(z)
+    assert cm.to_onnx().SerializeToString() == source
+
+
+@pytest.mark.parametrize("frontend", ["onnx", "torch"])
+def test_a_write_back_frees_the_graph_it_replaced(frontend):
+    """After a written rescaling the Compiled holds the new graph only: no record (the units) keeps the old
+    one's float64 values alive."""
+    import gc
+    import weakref
+
+    if frontend == "onnx":
+        _, _, model = exported("residual", "legacy")
+    else:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+    cm = pathir.compile(model, input_shape=None if frontend == "onnx" else (4,))
+    old = weakref.ref(cm.graph)
+    cm.commit_rescaling(np.random.default_rng(0).normal(size=len(cm.units)))
+    cm.path_norm(1)
+    gc.collect()
+    assert old() is None

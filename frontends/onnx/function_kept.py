@@ -44,15 +44,19 @@ def check_onnx_function(before, after, graph) -> None:
     except ImportError:
         return
     outputs = []
-    for model in (before, after):
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.disable_prepacking", "1")  # (no third copy of the weights)
+    for model in (before, after):  # one session at a time: each holds a copy of the model's weights
         try:
-            session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+            session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
             feeds = probe_feeds(session, graph)
             if feeds is None:
                 return
             outputs.append([np.asarray(o, dtype=np.float64) for o in session.run(None, feeds)])
         except Exception:  # a model onnxruntime cannot run is not checked here (nor by the self-check)
             return
+        finally:
+            session = None
     tolerance = KEPT.get(next(iter(feeds.values())).dtype.type, 1e-3)
     for k, (a, b) in enumerate(zip(*outputs)):
         if a.shape != b.shape or not np.isfinite(a).all() or not a.size:

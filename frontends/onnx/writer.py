@@ -40,7 +40,7 @@ from typing import Mapping
 import numpy as np
 
 from pathir.errors import PathirError
-from pathir.frontends.core.write_rules import check_variance, mask_plan, source_factors
+from pathir.frontends.core.write_rules import EntryFactor, check_variance, mask_plan, source_factors
 from pathir.frontends.onnx.function_kept import check_onnx_function
 from pathir.frontends.onnx.load import float_info, skeleton
 from pathir.ir import Graph, Role
@@ -135,7 +135,9 @@ class OnnxWriter:
         (not a rescaling of ``graph``, an unknown tensor, two different factors
         for one tensor) the current model is unchanged."""
         updates, rewrites = {}, {}
-        for name, sides in source_factors(graph, log_scales).items():
+        # each tensor's factors computed when it is reached (a large weight's a block of rows at a time)
+        for name, sides_of in source_factors(graph, log_scales, lazy=True).items():
+            sides = sides_of()
             b = self._binding(name)
             if b.kind in ("clip", "clip_min") and b.layout is None:  # held: no constant of a shape that broadcasts
                 if np.any(np.asarray(sides[Role.CLIP_THRESHOLD]) != 1.0):  # holds one threshold per channel
@@ -148,8 +150,11 @@ class OnnxWriter:
                     new = self._rescaled(name, b, sides)
                     rewrites[name] = _in_dtype(name, np.broadcast_to(new, b.layout), b.value.dtype, b.value)
                 continue
-            updates[name] = _in_dtype(name, self._rescaled(name, b, sides), np.asarray(b.value).dtype, b.value)
-        before = self.to_onnx()
+            new = self._rescaled_by_rows(name, b, sides)
+            if new is None:
+                new = _in_dtype(name, self._rescaled(name, b, sides), np.asarray(b.value).dtype, b.value)
+            updates[name] = new
+        before = self._current()  # (never changed in place: a write swaps in a new model)
         self._commit(updates, rewrites)
         self._written = (before, graph)
 
@@ -159,7 +164,11 @@ class OnnxWriter:
         restores the writer's snapshot."""
         written, self._written = self._written, None
         if written is not None:
-            check_onnx_function(written[0], self.to_onnx(), written[1])
+            check_onnx_function(written[0], self._current(), written[1])
+
+    def _current(self):
+        """The current model itself (the source, or the last write's new model): read, never written."""
+        return self._model if self._model is not None else self.source
 
     def _binding(self, name: str) -> Binding:
         b = self.bindings.get(name)
@@ -182,6 +191,29 @@ class OnnxWriter:
             return np.asarray(f).reshape(b.value.shape)
         return self._per_channel(name, b, f)
 
+    def _rescaled_by_rows(self, name: str, b: Binding, sides) -> np.ndarray | None:
+        """A weight's new value in its own dtype, range-checked as :func:`_in_dtype` checks it, computed a block
+        of rows at a time through its lazy factor (float64 temporaries of a block, not of the tensor); None
+        where its factor has no row blocks (the whole-tensor path then)."""
+        f = sides.get(Role.VALUE)
+        value = np.asarray(b.value)
+        if set(sides) != {Role.VALUE} or b.kind != "weight" or not isinstance(f, EntryFactor) or not f.by_rows \
+                or f.shape != value.shape or value.ndim == 0:
+            return None
+        out = np.empty(value.shape, dtype=value.dtype)
+        step = max(1, _BLOCK_ENTRIES // max(1, value[0].size))
+        broke = 0
+        for start in range(0, value.shape[0], step):
+            rows = slice(start, min(value.shape[0], start + step))
+            block = value[rows].astype(np.float64)
+            if not f.scale_rows(block, rows.start, rows.stop):
+                block *= f.rows(rows.start, rows.stop)
+            out[rows], bad = _cast(block, value.dtype, value[rows])
+            broke += bad
+        if broke:
+            raise _out_of_range(name, value.dtype, broke)
+        return out
+
     def _rescaled(self, name: str, b: Binding, sides) -> np.ndarray:
         old = np.asarray(b.value, dtype=np.float64)
         if Role.IN_STATS in sides:
@@ -197,7 +229,7 @@ class OnnxWriter:
             raise PathirError(f"source tensor '{name}' has role in_stats but is no batch-norm running statistic")
         new = old
         for f in sides.values():
-            f = self._in_layout(name, b, f)
+            f = self._in_layout(name, b, np.asarray(f))  # (a lazy EntryFactor formed whole here)
             if f.shape != old.shape and np.allclose(f, f.reshape(-1)[0], rtol=1e-15, atol=0):
                 f = f.reshape(-1)[0]  # one factor for a broadcast tensor: keep its shape
             new = new * f
@@ -289,7 +321,7 @@ class OnnxWriter:
         rebind = []
         for ref, value in updates.items():
             b = bindings[ref]
-            arr = np.asarray(value).astype(b.value.dtype)
+            arr = np.asarray(value).astype(b.value.dtype, copy=False)
             if b.tensor in inits and b.tensor not in outputs and set(readers.get(b.tensor, [])) <= set(b.slots):
                 if tuple(inits[b.tensor].dims) != arr.shape:  # (a scalar made per channel): a recorded shape is stale
                     _drop_value_info(g, b.tensor)
@@ -318,6 +350,10 @@ class OnnxWriter:
         self._model, self.bindings = model, bindings
 
 
+#: entries of a weight rescaled at a time (``OnnxWriter._rescaled_by_rows``: its float64 temporaries)
+_BLOCK_ENTRIES = 1 << 20
+
+
 def _overridable_defaults(g) -> list[str]:
     """The initializers that are also graph inputs (defaults a caller may override) that a node reads: a rescaling
     written into the file keeps its function only for the defaults, whether it wrote them (a weight) or read them
@@ -330,6 +366,15 @@ def _in_dtype(name: str, value: np.ndarray, dtype, old=None) -> np.ndarray:
     """``value`` in the tensor's dtype, or PathirError (nothing written) where an entry leaves its range: overflows
     (a threshold cast to inf: min(relu, inf) = relu passes onnxruntime's probe, and the file is then refused), or,
     against the tensor's ``old`` entries, a nonzero entry cast to 0 or a normal one to a subnormal."""
+    cast, broke = _cast(value, dtype, old)
+    if broke:
+        raise _out_of_range(name, dtype, broke)
+    return cast
+
+
+def _cast(value: np.ndarray, dtype, old=None) -> tuple[np.ndarray, int]:
+    """(``value`` cast to ``dtype``, how many entries left its range: overflowed, or, against ``old``, fell from
+    nonzero to 0 or from normal to subnormal)."""
     value = np.asarray(value)
     with np.errstate(over="ignore", under="ignore"):
         cast = value.astype(dtype)
@@ -339,11 +384,13 @@ def _in_dtype(name: str, value: np.ndarray, dtype, old=None) -> np.ndarray:
         before = np.broadcast_to(np.asarray(old, dtype=np.float64), wide.shape)
         tiny = float(float_info(dtype).tiny)
         broke |= ((before != 0) & (wide == 0)) | ((np.abs(before) >= tiny) & (np.abs(wide) < tiny))
-    if broke.any():
-        raise PathirError(f"source tensor '{name}' would leave {np.dtype(dtype).name}'s range under this rescaling "
-                          f"({int(broke.sum())} entries overflow, or fall to 0 or below its smallest normal number); "
-                          "bound it (max_log_scale=...); nothing was changed")
-    return cast
+    return cast, int(np.count_nonzero(broke))
+
+
+def _out_of_range(name: str, dtype, count: int) -> PathirError:
+    return PathirError(f"source tensor '{name}' would leave {np.dtype(dtype).name}'s range under this rescaling "
+                       f"({count} entries overflow, or fall to 0 or below its smallest normal number); "
+                       "bound it (max_log_scale=...); nothing was changed")
 
 
 def _rewrite_clips(model, bindings: dict, rewrites: Mapping[str, np.ndarray]) -> set[str]:

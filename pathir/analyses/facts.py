@@ -101,7 +101,7 @@ class GraphFacts:
         new = GraphFacts(graph)
         if "units" in self.__dict__:
             params = tuple(graph.params())
-            new.units = dataclasses.replace(self.units, params=params)
+            new.units = dataclasses.replace(self.units, params=params, graph=graph)  # (not the old graph's values)
             if "names" in self.units.__dict__:  # made already: the same structure, the same names
                 new.units.__dict__["names"] = self.units.names
             if "incidence" in self.__dict__:
