@@ -89,3 +89,67 @@ def test_a_submodule_replacing_its_buffer_is_refused_on_the_torch_export_path(re
     with pytest.raises(UnsupportedOperation, match="the forward writes the model's own 'm.count'"):
         pathir.compile(model, input_shape=(4,), self_check=self_check)
     assert model.m.count is count and float(model.m.count) == 0.0
+
+
+class _BatchBranch(nn.Module):
+    """Branches on the batch size beyond every size a probe runs (fx cannot trace it: torch.export's path)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        if x.shape[0] > 6:
+            return self.b(torch.relu(self.a(x)))
+        return self.b(torch.relu(-self.a(x)))
+
+
+def test_a_branch_on_the_batch_size_is_refused_not_fixed_to_the_traced_one():
+    net = _BatchBranch().double()
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(UnsupportedOperation, match=r"branches on its batch size.*2 <= batch and batch <= 6"):
+        pathir.compile(net, input_shape=(3,))
+    assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())
+
+
+class _ScalesInputInPlace(nn.Module):
+    """``x /= 255`` on its input, then a per-sample net; ``**kwargs`` keeps torch.fx out (torch.export's path)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x, **kwargs):
+        x /= 255.0
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_a_forward_scaling_its_input_in_place_is_per_sample_on_the_export_path():
+    """The eager probes start from inputs the reference run has not divided (they were refused as depending on
+    the batch size)."""
+    torch.manual_seed(0)
+    net = _ScalesInputInPlace().double()
+    cm = pathir.compile(net, input_shape=(3,))
+    x = torch.randn(7, 3, dtype=torch.float64)
+    torch.testing.assert_close(torch.as_tensor(cm.forward(x.numpy())), net(x.clone()), rtol=1e-12, atol=1e-12)
+
+
+class _WeightFromParam(nn.Module):
+    """A linear layer whose weight the forward computes from a parameter; ``**kwargs``: torch.export's path."""
+
+    def __init__(self, expr: str):
+        super().__init__()
+        self.expr = expr
+        self.w, self.v = nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(2, 4, 3))
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x, **kwargs):
+        w = {"scaled": lambda: 2 * self.w, "indexed": lambda: self.v[0], "cast": lambda: self.w.float().double(),
+             "sum": lambda: self.w + 0 * self.w}[self.expr]()
+        return self.b(torch.relu(torch.nn.functional.linear(x, w)))
+
+
+@pytest.mark.parametrize("expr,name", [("scaled", "w"), ("indexed", "v"), ("cast", "w"), ("sum", "w")])
+def test_a_weight_computed_from_a_parameter_is_refused_naming_it_on_the_export_path(expr, name):
+    with pytest.raises(UnsupportedOperation, match=f"computes with the model's tensor '{name}'"):
+        pathir.compile(_WeightFromParam(expr).double(), input_shape=(3,))

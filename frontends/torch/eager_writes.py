@@ -116,6 +116,7 @@ def check_eager_writes(model: torch.nn.Module, examples: tuple) -> UnsupportedOp
     are lowered (a refusal of an op names more), or None."""
     inputs = tuple(torch.randn(e.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
                    .to(dtype=e.dtype, device=e.device) for e in examples)
+    pristine = tuple(t.clone() for t in inputs)  # (a forward may scale its input in place: x /= 255)
     with state_kept(model), _module_stack(model) as stack, torch.no_grad():
         try:
             with _WritesFromOverlap(lambda: next((p for p in reversed(stack) if p), "")):
@@ -124,7 +125,7 @@ def check_eager_writes(model: torch.nn.Module, examples: tuple) -> UnsupportedOp
             raise
         except Exception:  # noqa: BLE001 - the self-check runs the forward and names what fails
             return None
-        return _per_sample(model, inputs, outputs)
+        return _per_sample(model, pristine, outputs)
 
 
 #: the batch sizes the eager run is compared at, beside the export's (2): a forward that computes with its batch size

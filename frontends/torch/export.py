@@ -10,6 +10,8 @@ buffers arrive as lifted placeholders named by their FQN.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch.export.graph_signature import OutputKind
 
@@ -18,7 +20,7 @@ from pathir.frontends.core.values import ParamTensor, leaves, values_in
 from pathir.frontends.torch.capture_checks import WriteThroughView, effect_export, refuse_state_writes
 from pathir.frontends.torch.eager_writes import check_eager_writes
 from pathir.frontends.torch.inputs import model_dtype_device
-from pathir.frontends.torch.interpreter import FxInterpreter
+from pathir.frontends.torch.interpreter import FxInterpreter, refuse_params
 from pathir.frontends.torch.table import rule_for
 from pathir.frontends.torch.transposes import is_transpose, transposed
 
@@ -37,6 +39,13 @@ def lower_exported(model, shapes, name, clips: dict | None = None, made: list | 
     dtype, device = model_dtype_device(model)
     examples = tuple(torch.zeros((2, *s), dtype=dtype, device=device) for s in shapes)
     program = torch.export.export(model, examples)
+    guard = batch_guard(model, examples)
+    if guard is not None:
+        raise UnsupportedOperation(
+            "output", "batch size", f"{type(model).__name__}.forward",
+            f"the forward branches on its batch size: torch.export, asked for any batch size, finds that what it "
+            f"traced at batch 2 holds only where {guard}, and pathir's graph is per sample (it would compute the "
+            "traced branch at every batch size). Take the batch size out of the forward's control flow")
     batch_sized = check_eager_writes(model, examples)  # (writes the exported graph hides; its batch-size literals)
     if made is not None:
         made.append(program)  # (what fails after this is pathir's reading of the graph, not the export)
@@ -44,6 +53,28 @@ def lower_exported(model, shapes, name, clips: dict | None = None, made: list | 
     if batch_sized is not None:
         raise batch_sized
     return lowered
+
+
+def batch_guard(model, examples: tuple) -> str | None:
+    """The guard on the batch size (axis 0 of every input, one size) that torch.export's trace at the examples'
+    batch holds under, where it excludes some batch size of 2 or more (a branch on ``x.shape[0] > 6``); None
+    where the trace holds at every batch size, or at every one but 1 (``squeeze``: the forward then fails at
+    batch 1, which the eager probe leaves alone), or where a dynamic export fails for another reason."""
+    from torch.export import Dim
+
+    for low in (1, 2):
+        batch = Dim("batch", min=low)
+        try:
+            torch.export.export(model, examples, dynamic_shapes=tuple({0: batch} for _ in examples))
+            return None
+        except Exception as err:  # noqa: BLE001 - only a violated constraint on the batch size is read
+            text = str(err)
+            if "Constraints violated" not in text:
+                return None
+    lines = [line.strip() for line in text.splitlines()]
+    guard = next((line.split("satisfy the generated guard", 1)[1].strip() for line in lines
+                  if "satisfy the generated guard" in line), "a guard on the batch size holds")
+    return re.sub(r"L\['[^']*'\]\.size\(\)\[0\]", "batch", guard)
 
 
 def _lowered(model, program, shapes, name, clips):
@@ -165,7 +196,12 @@ class _ExportInterpreter(FxInterpreter):
                     "pathir reads is a tensor a layer holds, and parametrizations "
                     f"are read only on the torch.fx path, which could not trace this model {FX_FAILED}, so it was "
                     "read from torch.export's graph", fn.__name__)
-            return self._call(fn, fn.__name__, args, kwargs)  # a lifted constant's copy, or refused by its rule
+            try:
+                return self._call(fn, fn.__name__, args, kwargs)  # a lifted constant's copy, or refused by its rule
+            except UnsupportedOperation:
+                if any(isinstance(p.tensor, torch.nn.Parameter) for p in params):
+                    refuse_params(self.low, fn.__name__, args, kwargs)  # named as the fx path names it (2 * self.w)
+                raise
         return super()._function(fn, args, kwargs)
 
 
