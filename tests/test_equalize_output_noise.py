@@ -198,3 +198,46 @@ def test_an_empty_calibration_batch_is_refused():
     cm = pathir.compile(_model(2), input_shape=(2, 6, 6))
     with pytest.raises(PathirError):
         cm.equalize(objective="output-noise", inputs=np.zeros((0, 2, 6, 6)), write_back=False)
+
+
+def test_a_batch_on_which_no_weight_moves_an_output_is_refused_and_nothing_changes():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+    with torch.no_grad():
+        net[2].bias.fill_(-100.0)  # layer 2's ReLUs off on every sample
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(PathirError, match="no quantized weight moves any output"):
+        pathir.equalize(net, input_shape=(4,), objective="output-noise", inputs=torch.randn(6, 4))
+    assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())
+
+
+def test_cli_reads_one_array_per_input_of_a_two_input_model(tmp_path, capsys):
+    import onnxruntime as ort
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.o = nn.Linear(4, 5), nn.Linear(3, 5), nn.Linear(5, 2)
+            with torch.no_grad():
+                self.a.weight.mul_(torch.logspace(-2, 1, 5).reshape(5, 1))
+
+        def forward(self, x, z):
+            return self.o(torch.relu(self.a(x)) + torch.relu(self.b(z)))
+
+    torch.manual_seed(0)
+    path, out = tmp_path / "two.onnx", tmp_path / "eq.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Two().eval(), (torch.randn(1, 4), torch.randn(1, 3)), str(path), dynamo=False,
+                          input_names=["x", "z"], dynamic_axes={"x": {0: "b"}, "z": {0: "b"}})
+    rng = np.random.default_rng(0)
+    one, keyed = tmp_path / "x.npy", tmp_path / "xz.npz"
+    np.save(one, rng.normal(size=(8, 4)).astype(np.float32))
+    feeds = {"x": rng.normal(size=(8, 4)).astype(np.float32), "z": rng.normal(size=(8, 3)).astype(np.float32)}
+    np.savez(keyed, **feeds)
+    assert main(["equalize", str(path), "--objective", "output-noise", "--inputs", str(one), "-o", str(out)]) == 2
+    assert "keyed by input name" in capsys.readouterr().err
+    assert main(["equalize", str(path), "--objective", "output-noise", "--inputs", str(keyed), "-o", str(out)]) == 0
+    a = ort.InferenceSession(str(path)).run(None, feeds)[0]
+    b = ort.InferenceSession(str(out)).run(None, feeds)[0]
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4 * float(np.abs(a).max()))

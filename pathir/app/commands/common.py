@@ -277,13 +277,16 @@ def save_module(model, path: str) -> None:
                           "Python API (docs/equalize.md) and save it your way. Nothing was written") from None
 
 
-def read_inputs(path: str, mmap: bool) -> np.ndarray:
-    """The samples array of --inputs (.npy, or an .npz holding one array); ArgumentError for anything else."""
+def read_inputs(path: str, mmap: bool, keyed: bool = False):
+    """The samples array of --inputs (.npy, or an .npz holding one array; with ``keyed``, an .npz of several arrays
+    is {input name: array}); ArgumentError for anything else."""
     try:
         x = np.load(path, mmap_mode="r" if mmap else None)
     except (OSError, ValueError, EOFError) as err:
         raise ArgumentError(f"--inputs {path}: not a .npy array numpy can read ({type(err).__name__}: {err})") from None
     if isinstance(x, np.lib.npyio.NpzFile):
+        if keyed and len(x.files) > 1:
+            return {name: x[name] for name in x.files}
         if len(x.files) != 1:
             raise ArgumentError(f"--inputs {path}: an .npz of {len(x.files)} arrays ({', '.join(x.files)}); pass a .npy "
                                 "or an .npz holding one array")

@@ -47,8 +47,9 @@ def add_arguments(parser):
                              "quantizing causes (the bound itself is reported; where the rescaling found would raise "
                              "it, none is written)")
     parser.add_argument("--inputs", default=None, type=file_path,
-                        help="a .npy array (N, *input shape) of samples: the calibration batch output-noise reads, "
-                             "and the report's observed output change is measured on it")
+                        help="a .npy array (N, *input shape) of samples (a model with several inputs: an .npz of one "
+                             "array per input, keyed by input name): the calibration batch output-noise reads, and "
+                             "the report's observed output change is measured on it")
     parser.add_argument("--certify", action="store_true",
                         help="also compute the certified bound on the output change (always with path-metric)")
     parser.add_argument("--absorb-bias", action="store_true",
@@ -71,7 +72,7 @@ def run(args) -> int:
     if args.objective == "output-noise" and args.inputs is None:
         raise ArgumentError("--objective output-noise reads a calibration batch: pass --inputs X.npy (N samples of the "
                             "model's input shape)")
-    inputs = None if args.inputs is None else read_inputs(args.inputs, False)
+    inputs = None if args.inputs is None else read_inputs(args.inputs, False, keyed=True)
     options = dict(bits=args.bits, objective=args.objective, inputs=inputs, write_back=args.output is not None,
                    max_log_scale=args.max_log_scale, progress=progress(args), certify=True if args.certify else None,
                    absorb_bias=args.absorb_bias)
@@ -82,6 +83,10 @@ def run(args) -> int:
         report.name, source = name, SimpleNamespace(model=model)
     else:
         source = compile_model(args)
+        names = source.graph.inputs
+        if inputs is not None and not isinstance(inputs, dict) and len(names) > 1:
+            raise ArgumentError(f"--inputs {args.inputs}: the model has inputs {list(names)}: pass an .npz holding one "
+                                "array per input, keyed by input name (np.savez(path, **{name: array}))")
         tree = module_tree(source.model)
         report = source.equalize(**options)
     written = write_output(source, args, tree)
