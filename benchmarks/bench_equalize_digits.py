@@ -1,8 +1,8 @@
 """A real accuracy number for equalization before quantization: the demo's depthwise-separable residual CNN
 (pathir/app/demo_equalize.py) trained on scikit-learn's digits, batch-norms folded, every conv/linear weight
 quantized per tensor, symmetric, at 8/6/4 bits (biases and activations float), as it is, after Brevitas's
-cross-layer equalization and after ``pathir.equalize`` (noise and range objectives; and noise with
-bias absorption, applied to the model with its batch-norms before folding). Test accuracy, per training seed
+cross-layer equalization and after ``pathir.equalize`` (noise and range objectives; output-noise calibrated on 64
+training images; and noise with bias absorption, applied to the model with its batch-norms before folding). Test accuracy, per training seed
 and mean ± std over the seeds.
 
     python benchmarks/bench_equalize_digits.py [--seeds 0,1,2,3,4] [--epochs 6] [--bits 8,6,4] [--json out.json]
@@ -22,9 +22,32 @@ from rows_out import measured, save_json
 
 import pathir
 from pathir.app.demo import _digits
-from pathir.app.demo_equalize import TITLES, accuracy_on, fold_batch_norms, part_equalize, quantize_weights, train_separable
+from pathir.app.demo_equalize import (
+    TITLES,
+    _spread,
+    accuracy_on,
+    fold_batch_norms,
+    part_equalize,
+    quantize_weights,
+    train_separable,
+)
 
-TITLES = {**TITLES, "pathir-absorb": "pathir (noise) + bias absorption"}
+TITLES = {**TITLES, "pathir-absorb": "pathir (noise) + bias absorption",
+          "pathir-output": "pathir (output-noise, 64 training images)"}
+#: training images the output-noise side calibrates on (never a test image)
+CALIBRATION = 64
+
+
+def output_noise(folded, data, bits) -> dict:
+    """pathir's output-noise equalization of the folded model, calibrated on the first ``CALIBRATION`` training
+    images, then quantized as the other sides."""
+    X_train, X_test, y_test = data[0], data[1], data[3]
+    model = copy.deepcopy(folded)
+    x = torch.from_numpy(X_train[:CALIBRATION]).reshape(-1, 1, 8, 8)
+    pathir.equalize(model, input_shape=(1, 8, 8), bits=6, objective="output-noise", inputs=x, progress=False)
+    return {"float": accuracy_on(model, X_test, y_test),
+            **{f"W{b}": accuracy_on(quantize_weights(model, b), X_test, y_test) for b in bits},
+            "spread": _spread(model)}
 
 
 def absorbed(model, data, bits) -> dict:
@@ -50,6 +73,7 @@ def rows(seeds, epochs: int, bits) -> list[dict]:
         result = part_equalize(data, None, epochs=epochs, bits=bits, seed=seed, model=model)
         for side, row in result["table"].items():
             yield {"seed": seed, "side": side, **row, "spread": result["spread"][side], "notes": result["notes"]}
+        yield {"seed": seed, "side": "pathir-output", **output_noise(result["models"]["none"], data, bits), "notes": []}
         yield {"seed": seed, "side": "pathir-absorb", **absorbed(model, data, bits), "notes": []}
 
 
