@@ -10,6 +10,7 @@ from pathir.compiled import Compiled
 from pathir.errors import ArgumentError, InputShapeError, PathirError
 from pathir.frontends.core.write_rules import clip_threshold_names
 from pathir.frontends.onnx import lower as lower_onnx
+from pathir.frontends.onnx.writer import WriterWatch
 from pathir.ir import Graph, verify
 from pathir.ir.inputs import graph_inputs
 from pathir.passes import DEFAULT_PIPELINE, run_passes
@@ -68,6 +69,7 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
     elif kind == "onnx":
         low = lower_onnx(model, input_shape=input_shape)
         graph, writer, n_src, name = low.graph, low.writer, low.source_num_params, low.name
+        watch = WriterWatch(writer)
 
         def read_written() -> Graph:
             """The model the writer holds now (its tensors as written, in their dtype), lowered again."""

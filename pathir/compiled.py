@@ -256,6 +256,15 @@ class Compiled:
         return self._facts
 
     def _follow(self, change: str) -> None:
+        if self._relower is None and self._read_written is not None and change == "values":
+            # an ONNX model another Compiled wrote through the same writer (one made by apply()): read again
+            traced = _read_as(self._facts.graph, self._read_written)
+            if traced is None:
+                raise ModelChanged(f"{self.name}: the ONNX model this Compiled writes was written by another Compiled "
+                                   "and no longer reads as the same graph; compile it again (cm.to_onnx())")
+            self._facts = self._facts.with_values(traced)
+            self._watch.mark()
+            return
         if self._relower is None:
             raise ModelChanged(f"{self.name}: this Compiled is a snapshot (made by rescaled() or apply()) and "
                                f"its model has changed since ({change}): derive it again from a fresh compile")
@@ -287,7 +296,7 @@ class Compiled:
     def _with_graph(self, graph: Graph, changed: tuple[str, ...] = (), ran: tuple[str, ...] = ()) -> "Compiled":
         """A snapshot Compiled of ``graph`` with this one's model: it refuses queries once the model moves,
         and write-backs where ``changed`` (or this one's ``transformed_by``) names what moved its params."""
-        watch = None if self._watch is None else type(self._watch)(self.model)
+        watch = None if self._watch is None else self._watch.fresh()
         out = Compiled(graph, self.model, self.writer, self.source_num_params, self.backend, self.name, watch=watch)
         out.transformed_by = self.transformed_by + tuple(changed)
         out.passes_run = self.passes_run + tuple(ran)

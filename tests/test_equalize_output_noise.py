@@ -241,3 +241,31 @@ def test_cli_reads_one_array_per_input_of_a_two_input_model(tmp_path, capsys):
     a = ort.InferenceSession(str(path)).run(None, feeds)[0]
     b = ort.InferenceSession(str(out)).run(None, feeds)[0]
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4 * float(np.abs(a).max()))
+
+
+class _TiedMLP(nn.Module):
+    """Dense layers only, one of them used twice (its gradient sums two uses: no outer product of one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.shared, self.head = nn.Linear(3, 5), nn.Linear(5, 5), nn.Linear(5, 1)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        h = torch.relu(self.shared(h))
+        return self.head(torch.relu(self.shared(h)))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_dense_layers_one_output_is_the_definition_exactly(tied):
+    """Dense layers used once take the outer-product pass (δ² ⊗ a² per sample), a tied one the per-sample weight
+    pass: with one output both are exact for any seed and any number of samples per walk."""
+    torch.manual_seed(3)
+    model = (_TiedMLP() if tied else nn.Sequential(nn.Linear(3, 6), nn.ReLU(), nn.Linear(6, 4), nn.ReLU(),
+                                                    nn.Linear(4, 1))).double()
+    x = torch.randn(9, 3, dtype=torch.float64)
+    cm = pathir.compile(model, input_shape=(3,))
+    want = _definition(model, x)
+    got = _estimate(cm, x.numpy(), chunk=1, draws=1, seed=5)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-10, atol=1e-14 * want[name].max(), err_msg=name)

@@ -37,7 +37,8 @@ def test_random_rescaling_keeps_onnxruntime_outputs(name, exporter):
     assert len(cm.units) > 0
     x = np.random.default_rng(1).normal(size=(4, *shape)).astype(np.float32)
     before = ort_run(proto, x)[0]
-    cm.writer.rescale(cm.graph, scales)
+    graph = cm.graph  # (after a write through its writer, cm reads the model again: cm.graph is then the new one)
+    cm.writer.rescale(graph, scales)
     new = cm.to_onnx()
     onnx.checker.check_model(new)
     after = ort_run(new, x)[0]
@@ -45,7 +46,7 @@ def test_random_rescaling_keeps_onnxruntime_outputs(name, exporter):
     assert proto.SerializeToString() == source
     # the written model is the rescaled graph: compile it back and compare parameters
     again = pathir.compile(new)
-    expected = rescale_graph(cm.graph, cm.units, z)
+    expected = rescale_graph(graph, cm.units, z)
     for p, q in zip(again.graph.params(), expected.params()):
         np.testing.assert_allclose(p.value, q.value, rtol=2e-6, atol=1e-6 * np.abs(q.value).max(), err_msg=p.name)
     assert rel(again.forward(x.astype(np.float64), backend="numpy"), after) <= 1e-5
@@ -513,3 +514,48 @@ def test_a_write_back_frees_the_graph_it_replaced(frontend):
     cm.path_norm(1)
     gc.collect()
     assert old() is None
+
+
+def _two_gemms(dtype=np.float32, trans_b: int = 1, scales=(1.0, 1.0, 1.0)):
+    """Gemm → Relu → Gemm → Relu → Gemm, its weights N(0, 1) times ``scales``."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    W1, W2, W3 = (rng.normal(size=s).astype(dtype) * f for s, f in zip(((3, 3), (3, 3), (3, 2)), scales))
+    kind = TensorProto.FLOAT if dtype == np.float32 else TensorProto.DOUBLE
+    nodes = [helper.make_node("Gemm", ["x", "W1"], ["h1"], name="g1"), helper.make_node("Relu", ["h1"], ["r1"], name="relu1"),
+             helper.make_node("Gemm", ["r1", "W2"], ["h2"], name="g2", transB=trans_b),
+             helper.make_node("Relu", ["h2"], ["r2"], name="relu2"), helper.make_node("Gemm", ["r2", "W3"], ["y"], name="g3")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", kind, ["N", 3])],
+                          [helper.make_tensor_value_info("y", kind, ["N", 2])],
+                          [numpy_helper.from_array(w.astype(dtype), n) for w, n in ((W1, "W1"), (W2, "W2"), (W3, "W3"))])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_write_through_a_compiled_made_by_apply_is_read_by_the_original():
+    """cm.apply(pass) shares cm's writer: after it writes, cm reads the model again (it describes what it saves),
+    and a snapshot made before the write refuses its queries, as a torch model's watch makes them."""
+    from pathir.errors import ModelChanged
+
+    cm = pathir.compile(_two_gemms())
+    snapshot = cm.rescaled(np.zeros(len(cm.units)))
+    derived = cm.apply(lambda graph: graph)  # keeps every param: it may write back
+    derived.commit_rescaling(np.full(len(derived.units), 3.0))
+    fresh = pathir.compile(cm.to_onnx())
+    for p, q in zip(cm.graph.params(), fresh.graph.params()):
+        np.testing.assert_array_equal(p.value, q.value, err_msg=p.name)
+    np.testing.assert_allclose(cm.diag_g()["W1"], fresh.diag_g()["W1"], rtol=1e-12)
+    with pytest.raises(ModelChanged, match="snapshot"):
+        snapshot.path_norm(1)
+
+
+@pytest.mark.parametrize("trans_b", [0, 1])
+def test_a_factor_beyond_float64_whose_product_is_not_is_written_exactly(trans_b):
+    """1e-300 moved by e^720 (no float64) is 1e13: each exponential applied in turn, on either layout."""
+    cm = pathir.compile(_two_gemms(np.float64, trans_b, (1e-150, 1e-300, 1e150)))
+    before = {t.name: numpy_helper.to_array(t) for t in cm.to_onnx().graph.initializer}
+    cm.writer.rescale(cm.graph, {"relu1": np.full(3, -360.0), "relu2": np.full(3, 360.0)})
+    w2 = {t.name: numpy_helper.to_array(t) for t in cm.to_onnx().graph.initializer}["W2"]
+    # relu2's unit grows by e^360 and relu1's shrinks: W2 (entering relu2, leaving relu1) moves by e^720
+    np.testing.assert_allclose(w2, before["W2"] * np.exp(360.0) * np.exp(360.0), rtol=1e-12)
+    assert np.all(np.isfinite(w2))

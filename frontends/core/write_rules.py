@@ -75,6 +75,19 @@ class EntryFactor:
             block *= x if x.shape[0] == 1 else x[start:stop]
         return True
 
+    def scale_block(self, block: np.ndarray, start: int, stop: int) -> None:
+        """``block`` (rows start:stop of the tensor, float64) ← block · factor, each compact exponential applied in
+        turn where there are any (a weight of 1e-300 moved by e^720 is 1e13, though e^720 itself is no float64),
+        and by the rows of the factor formed otherwise."""
+        if self.scale_rows(block, start, stop):
+            return
+        if self.by_rows and self.ref.transposed and self._exponentials():
+            for x in self._compact:
+                block *= np.broadcast_to(x.reshape((1,) * (len(self.param_shape) - x.ndim) + x.shape),
+                                         self.param_shape)[:, start:stop].T
+            return
+        block *= self.rows(start, stop)
+
     def _exp(self, index) -> np.ndarray:
         if self._exponentials():
             ea, eb = (np.broadcast_to(x, self.param_shape)[index] for x in self._compact)

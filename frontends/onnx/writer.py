@@ -102,6 +102,8 @@ class OnnxWriter:
         self.outputs = dict(outputs or {})
         self._model = None
         self._written = None  # (the model before the last rescale, its graph) until check_written() reads it
+        #: moves with every change of the current model (a write, a restore): what a Compiled's watch reads
+        self.version = 0
 
     # ------------------------------------------------------------ the model
     def to_onnx(self):
@@ -206,8 +208,8 @@ class OnnxWriter:
         for start in range(0, value.shape[0], step):
             rows = slice(start, min(value.shape[0], start + step))
             block = value[rows].astype(np.float64)
-            if not f.scale_rows(block, rows.start, rows.stop):
-                block *= f.rows(rows.start, rows.stop)
+            with np.errstate(over="ignore"):
+                f.scale_block(block, rows.start, rows.stop)
             out[rows], bad = _cast(block, value.dtype, value[rows])
             broke += bad
         if broke:
@@ -271,6 +273,7 @@ class OnnxWriter:
     def restore(self, state) -> None:
         """Back to a :meth:`snapshot`."""
         self._model, self.bindings = state
+        self.version += 1
 
     # ------------------------------------------------------------ masks
     def mask(self, graph: Graph, masks: Mapping[str, np.ndarray]) -> None:
@@ -348,6 +351,7 @@ class OnnxWriter:
         except (onnx.checker.ValidationError, ValueError) as err:
             raise PathirError(f"write-back produced an invalid ONNX model (nothing was changed): {err}") from None
         self._model, self.bindings = model, bindings
+        self.version += 1
 
 
 #: entries of a weight rescaled at a time (``OnnxWriter._rescaled_by_rows``: its float64 temporaries)
@@ -382,6 +386,7 @@ def _cast(value: np.ndarray, dtype, old=None) -> tuple[np.ndarray, int]:
     broke = np.isfinite(value) & ~np.isfinite(wide)
     if old is not None:
         before = np.broadcast_to(np.asarray(old, dtype=np.float64), wide.shape)
+        broke |= np.isfinite(before) & ~np.isfinite(wide)  # (a product that overflowed float64 on the way)
         tiny = float(float_info(dtype).tiny)
         broke |= ((before != 0) & (wide == 0)) | ((np.abs(before) >= tiny) & (np.abs(wide) < tiny))
     return cast, int(np.count_nonzero(broke))
@@ -506,3 +511,26 @@ def _names(g) -> set[str]:
     for n in g.node:
         names.update(o for o in n.output if o)
     return names
+
+
+class WriterWatch:
+    """The version of an ONNX writer's model as last marked: a write through the same writer by another
+    Compiled (one made by ``apply``) moves it, and the Compiled holding this watch re-reads the model or, a
+    snapshot, refuses its queries (as a torch model's watch does)."""
+
+    def __init__(self, writer: OnnxWriter):
+        self.writer = writer
+        self.mark()
+
+    def mark(self) -> None:
+        self._seen = self.writer.version
+
+    def changed(self) -> str | None:
+        return None if self.writer.version == self._seen else "values"
+
+    def moved(self) -> None:
+        return None  # (any tensor may have moved: the model is read again whole)
+
+    def fresh(self) -> "WriterWatch":
+        """A watch of the same writer, marked now."""
+        return WriterWatch(self.writer)

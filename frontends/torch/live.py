@@ -88,6 +88,10 @@ class ModelWatch:
         """Take the model as it is now as the reference."""
         self._modules, self._versions = self.modules(), self.versions()
 
+    def fresh(self) -> "ModelWatch":
+        """A watch of the same model, marked now."""
+        return type(self)(self.model)
+
     def moved(self) -> set[str] | None:
         """The names of the tensors that changed since :meth:`mark` (None if a name came or went)."""
         old, new = ({v[0]: v[1:] for v in vs} for vs in (self._versions, self.versions()))

@@ -26,7 +26,7 @@ import torch
 
 from pathir.equalization.tensors import quantized_params
 from pathir.errors import PathirError
-from pathir.ir import Graph
+from pathir.ir import Graph, MapKind, NodeKind
 from pathir.lifting.active import chunks, walk_size
 from pathir.lifting.walk import forward
 
@@ -63,8 +63,96 @@ def output_sensitivity(graph: Graph, inputs, backend=None, draws: int | None = N
 
 
 def _sensitivity(graph, inputs, backend, draws, seed, chunk):
-    be = _autograd_backend(backend)
     params = quantized_params(graph)
+    walks = list(chunks(graph, inputs, walk_size(graph)))
+    samples = sum(int(next(iter(part.values())).shape[0]) for part in walks)
+    if not samples:
+        raise PathirError("objective='output-noise' reads the outputs on a calibration batch: inputs holds no sample")
+    if draws is None:
+        draws = -(-PASSES // samples)
+    gen = torch.Generator().manual_seed(seed)
+    dense = _dense_once(graph, params)
+    total = _dense_pass(graph, backend, walks, dense, draws, gen) if dense else {}
+    del walks
+    rest = [p for p in params if id(p) not in dense]
+    if rest:
+        total.update(_weight_pass(graph, backend, chunks(graph, inputs, min(chunk, walk_size(graph))), rest, draws, gen))
+    if not any(bool(torch.any(acc > 0)) for acc in total.values()):
+        raise PathirError("objective='output-noise': no quantized weight moves any output on the inputs given (every "
+                          "path to the outputs is cut by ReLUs that are off on every sample, or by zeros): there is "
+                          "nothing to weigh. Pass inputs like the data the model will see, or use objective='noise', "
+                          "which reads no inputs. Nothing was changed")
+    weights = {}
+    for p in params:
+        acc = total.pop(id(p), None)
+        f = np.zeros(p.shape) if acc is None else acc.detach().cpu().numpy() / draws  # the mean of the draws
+        if not np.all(np.isfinite(f)):
+            raise PathirError(f"objective='output-noise': the output's derivatives by {p.source_name} overflow float64 "
+                              "on the inputs given (use objective='noise', which reads no inputs)")
+        top = float(f.max())
+        weights[id(p)] = (f / top, math.log(top)) if top > 0 else (np.zeros_like(f), -math.inf)
+    return weights
+
+
+def _signed_read(outputs, gen):
+    """⟨v, outputs⟩ for v with independent entries ±1 (one draw)."""
+    return sum((y * (torch.randint(0, 2, y.shape, generator=gen) * 2 - 1).to(y)).sum() for y in outputs)
+
+
+def _dense_once(graph: Graph, params) -> dict[int, tuple[str, str]]:
+    """{id(param): (source node, target node)} of the quantized params that weigh exactly one dense edge: their
+    per-sample gradient is the outer product δ_t ⊗ a_s, so F is Σ_x (δ_t² ⊗ a_s²) with no per-sample weight
+    gradient formed (:func:`_dense_pass`)."""
+    uses: dict[int, list] = {}
+    for node in graph.nodes:
+        for e in node.edges:
+            if e.map.weight is not None:
+                uses.setdefault(id(e.map.weight), []).append((e, node.name))
+    dense = {}
+    for p in params:
+        found = uses.get(id(p), [])
+        if len(found) == 1 and found[0][0].map.kind is MapKind.DENSE:
+            dense[id(p)] = (found[0][0].source, found[0][1])
+    return dense
+
+
+def _dense_pass(graph, backend, walks, dense, draws, gen) -> dict[int, torch.Tensor]:
+    """F·draws of the ``dense`` params: per draw, one backward pass of a whole walk to the dense layers' outputs
+    (each sample's gradient there is its own: samples never mix), then Σ_x δ_t(x)² ⊗ a_s(x)² as one product."""
+    be = _autograd_backend(backend)
+    weight = {pid: next(e.map.weight for e in graph.node(t).edges if id(e.map.weight) == pid)
+              for pid, (_, t) in dense.items()}
+    targets = sorted({t for _, t in dense.values()})
+    total = {pid: torch.zeros(weight[pid].shape, dtype=torch.float64, device=be.device) for pid in dense}
+    for part in walks:
+        x = {name: be.asarray(value).detach().requires_grad_(True) for name, value in part.items()}
+        acts = forward(graph, be, x, all_nodes=True)
+        outputs = [acts[name] for name in graph.outputs]  # an output returned twice is read twice
+        reached = [t for t in targets if acts[t].requires_grad]
+        squares = {s: acts[s].detach().reshape(acts[s].shape[0], -1).square() for s, _ in dense.values()}
+        for draw in range(draws):
+            read = _signed_read(outputs, gen)
+            if not read.requires_grad or not reached:
+                break
+            grads = torch.autograd.grad(read, [acts[t] for t in reached], retain_graph=draw < draws - 1,
+                                        allow_unused=True)
+            delta = {}
+            for t, g in zip(reached, grads):
+                if g is not None:
+                    if graph.node(t).kind is NodeKind.RELU:  # at the pre-activation: through the ReLU's gate
+                        g = g * (acts[t] > 0)
+                    delta[t] = g.reshape(g.shape[0], -1).square()
+            for pid, (source, target) in dense.items():
+                if target in delta:
+                    total[pid].addmm_(delta[target].T, squares[source])
+        del acts, outputs, squares
+    return total
+
+
+def _weight_pass(graph, backend, walks, params, draws, gen) -> dict[int, torch.Tensor]:
+    """F·draws of ``params``: per draw, one backward pass per walk (of one sample by default) to the params
+    themselves, their squared gradients summed."""
+    be = _autograd_backend(backend)
     leaves = []
     for p in params:
         with warnings.catch_warnings():
@@ -72,20 +160,12 @@ def _sensitivity(graph, inputs, backend, draws, seed, chunk):
             leaf = be.constant(p.value).detach().requires_grad_(True)
         be.cached(p, lambda leaf=leaf: leaf)
         leaves.append(leaf)
-    parts = list(chunks(graph, inputs, min(chunk, walk_size(graph))))
-    samples = sum(int(next(iter(part.values())).shape[0]) for part in parts)
-    if not samples:
-        raise PathirError("objective='output-noise' reads the outputs on a calibration batch: inputs holds no sample")
-    if draws is None:
-        draws = -(-PASSES // samples)
     total = [torch.zeros_like(leaf) for leaf in leaves]
-    gen = torch.Generator().manual_seed(seed)
-    for part in parts:
+    for part in walks:
         out = forward(graph, be, part)
         outputs = [out[name] for name in graph.outputs]  # an output returned twice is read twice
         for draw in range(draws):
-            signs = [(torch.randint(0, 2, y.shape, generator=gen) * 2 - 1).to(y) for y in outputs]
-            read = sum((y * s).sum() for y, s in zip(outputs, signs))
+            read = _signed_read(outputs, gen)
             if not read.requires_grad:
                 break  # no output depends on a quantized weight
             grads = torch.autograd.grad(read, leaves, retain_graph=draw < draws - 1, allow_unused=True)
@@ -93,17 +173,4 @@ def _sensitivity(graph, inputs, backend, draws, seed, chunk):
                 if g is not None:
                     acc.addcmul_(g, g)
         del out, outputs
-    if not any(bool(torch.any(acc > 0)) for acc in total):
-        raise PathirError("objective='output-noise': no quantized weight moves any output on the inputs given (every "
-                          "path to the outputs is cut by ReLUs that are off on every sample, or by zeros): there is "
-                          "nothing to weigh. Pass inputs like the data the model will see, or use objective='noise', "
-                          "which reads no inputs. Nothing was changed")
-    weights = {}
-    for p, acc in zip(params, total):
-        f = be.to_numpy(acc) / draws  # the mean of the draws
-        if not np.all(np.isfinite(f)):
-            raise PathirError(f"objective='output-noise': the output's derivatives by {p.source_name} overflow float64 "
-                              "on the inputs given (use objective='noise', which reads no inputs)")
-        top = float(f.max())
-        weights[id(p)] = (f / top, math.log(top)) if top > 0 else (np.zeros_like(f), -math.inf)
-    return weights
+    return {id(p): acc for p, acc in zip(params, total)}
