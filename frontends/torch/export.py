@@ -39,19 +39,19 @@ def lower_exported(model, shapes, name, clips: dict | None = None, made: list | 
     dtype, device = model_dtype_device(model)
     examples = tuple(torch.zeros((2, *s), dtype=dtype, device=device) for s in shapes)
     program = torch.export.export(model, examples)
-    guard = batch_guard(model, examples)
+    batch_sized = check_eager_writes(model, examples)  # (writes the exported graph hides; its batch-size literals)
+    guard = batch_guard(model, examples)  # (a branch on the batch size the eager probes may not reach)
+    if made is not None:
+        made.append(program)  # (what fails after this is pathir's reading of the graph, not the export)
+    lowered = _lowered(model, program, shapes, name, clips)  # (a refusal of an op names more: raised first)
+    if batch_sized is not None:
+        raise batch_sized
     if guard is not None:
         raise UnsupportedOperation(
             "output", "batch size", f"{type(model).__name__}.forward",
             f"the forward branches on its batch size: torch.export, asked for any batch size, finds that what it "
             f"traced at batch 2 holds only where {guard}, and pathir's graph is per sample (it would compute the "
             "traced branch at every batch size). Take the batch size out of the forward's control flow")
-    batch_sized = check_eager_writes(model, examples)  # (writes the exported graph hides; its batch-size literals)
-    if made is not None:
-        made.append(program)  # (what fails after this is pathir's reading of the graph, not the export)
-    lowered = _lowered(model, program, shapes, name, clips)
-    if batch_sized is not None:
-        raise batch_sized
     return lowered
 
 
@@ -72,8 +72,10 @@ def batch_guard(model, examples: tuple) -> str | None:
             if "Constraints violated" not in text:
                 return None
     lines = [line.strip() for line in text.splitlines()]
+    constant = re.search(r"specialized it to be a constant \((\d+)\)", text)
     guard = next((line.split("satisfy the generated guard", 1)[1].strip() for line in lines
-                  if "satisfy the generated guard" in line), "a guard on the batch size holds")
+                  if "satisfy the generated guard" in line),
+                 f"batch == {constant.group(1)}" if constant else "a condition on the batch size holds")
     return re.sub(r"L\['[^']*'\]\.size\(\)\[0\]", "batch", guard)
 
 

@@ -22,7 +22,6 @@ import math
 import warnings
 
 import numpy as np
-import torch
 
 from pathir.equalization.tensors import quantized_params
 from pathir.errors import PathirError
@@ -44,7 +43,7 @@ CHUNK, PASSES = 1, 32
 def _autograd_backend(backend):
     """A fresh torch backend (float64) on ``backend``'s device where it is a torch one, else on the CPU: its cache
     is filled with leaves that record gradients, so it is never the caller's."""
-    from pathir.backends.torch import TorchBackend
+    from pathir.backends.torch import TorchBackend  # lazy: imports torch
 
     device = backend.device if isinstance(backend, TorchBackend) else None
     return TorchBackend(device=device)
@@ -58,11 +57,15 @@ def output_sensitivity(graph: Graph, inputs, backend=None, draws: int | None = N
     so). max m = 1 per param; m = 0, L = -inf where no output reads the param on the batch. The weights are
     read, never written (the leaves share the params' memory on the CPU). Runs under a caller's
     ``torch.no_grad()`` or ``torch.inference_mode()`` alike."""
+    import torch  # lazy: ``import pathir`` loads no torch
+
     with torch.inference_mode(False), torch.enable_grad():
         return _sensitivity(graph, inputs, backend, draws, seed, chunk)
 
 
 def _sensitivity(graph, inputs, backend, draws, seed, chunk):
+    import torch  # lazy: ``import pathir`` loads no torch
+
     params = quantized_params(graph)
     walks = list(chunks(graph, inputs, walk_size(graph)))
     samples = sum(int(next(iter(part.values())).shape[0]) for part in walks)
@@ -96,6 +99,8 @@ def _sensitivity(graph, inputs, backend, draws, seed, chunk):
 
 def _signed_read(outputs, gen):
     """⟨v, outputs⟩ for v with independent entries ±1 (one draw)."""
+    import torch  # lazy: ``import pathir`` loads no torch
+
     return sum((y * (torch.randint(0, 2, y.shape, generator=gen) * 2 - 1).to(y)).sum() for y in outputs)
 
 
@@ -119,6 +124,8 @@ def _dense_once(graph: Graph, params) -> dict[int, tuple[str, str]]:
 def _dense_pass(graph, backend, walks, dense, draws, gen) -> dict[int, torch.Tensor]:
     """F·draws of the ``dense`` params: per draw, one backward pass of a whole walk to the dense layers' outputs
     (each sample's gradient there is its own: samples never mix), then Σ_x δ_t(x)² ⊗ a_s(x)² as one product."""
+    import torch  # lazy: ``import pathir`` loads no torch
+
     be = _autograd_backend(backend)
     weight = {pid: next(e.map.weight for e in graph.node(t).edges if id(e.map.weight) == pid)
               for pid, (_, t) in dense.items()}
@@ -152,6 +159,8 @@ def _dense_pass(graph, backend, walks, dense, draws, gen) -> dict[int, torch.Ten
 def _weight_pass(graph, backend, walks, params, draws, gen) -> dict[int, torch.Tensor]:
     """F·draws of ``params``: per draw, one backward pass per walk (of one sample by default) to the params
     themselves, their squared gradients summed."""
+    import torch  # lazy: ``import pathir`` loads no torch
+
     be = _autograd_backend(backend)
     leaves = []
     for p in params:
