@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,6 +29,9 @@ from pathir.errors import PathirError
 from pathir.ir import Graph, MapKind, NodeKind
 from pathir.lifting.active import chunks, walk_size
 from pathir.lifting.walk import forward
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["output_sensitivity", "CHUNK", "PASSES"]
 
