@@ -153,3 +153,25 @@ class _WeightFromParam(nn.Module):
 def test_a_weight_computed_from_a_parameter_is_refused_naming_it_on_the_export_path(expr, name):
     with pytest.raises(UnsupportedOperation, match=f"computes with the model's tensor '{name}'"):
         pathir.compile(_WeightFromParam(expr).double(), input_shape=(3,))
+
+
+class _LenReshape(nn.Module):
+    """``x.reshape(len(x), -1)``: torch.export makes the batch size a constant, with no branch (``if x.dim()``
+    keeps torch.fx out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c, self.l = nn.Conv2d(2, 3, 3), nn.Linear(3 * 4 * 4, 2)
+
+    def forward(self, x):
+        if x.dim() == 4:
+            x = torch.relu(self.c(x))
+        return self.l(x.reshape(len(x), -1))
+
+
+def test_len_of_the_batch_in_a_reshape_is_per_sample_and_compiles():
+    torch.manual_seed(0)
+    net = _LenReshape().double()
+    cm = pathir.compile(net, input_shape=(2, 6, 6))
+    x = torch.randn(7, 2, 6, 6, dtype=torch.float64)
+    torch.testing.assert_close(torch.as_tensor(cm.forward(x.numpy())), net(x), rtol=1e-12, atol=1e-12)

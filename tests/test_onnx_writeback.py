@@ -559,3 +559,15 @@ def test_a_factor_beyond_float64_whose_product_is_not_is_written_exactly(trans_b
     # relu2's unit grows by e^360 and relu1's shrinks: W2 (entering relu2, leaving relu1) moves by e^720
     np.testing.assert_allclose(w2, before["W2"] * np.exp(360.0) * np.exp(360.0), rtol=1e-12)
     assert np.all(np.isfinite(w2))
+
+
+def test_a_refused_write_leaves_earlier_snapshots_answering():
+    """A write refused before anything was swapped in moves no version: a snapshot made before it still answers."""
+    cm = pathir.compile(_two_gemms())
+    snapshot = cm.rescaled(np.zeros(len(cm.units)))
+    before = snapshot.path_norm(2)
+    z = np.zeros(len(cm.units))
+    z[0] = 200.0  # past float32's range
+    with pytest.raises(PathirError):
+        cm.commit_rescaling(z)
+    assert snapshot.path_norm(2) == before

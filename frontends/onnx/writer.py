@@ -271,9 +271,10 @@ class OnnxWriter:
         return self._model, self.bindings
 
     def restore(self, state) -> None:
-        """Back to a :meth:`snapshot`."""
-        self._model, self.bindings = state
-        self.version += 1
+        """Back to a :meth:`snapshot` (the version moves only where a write had swapped another model in)."""
+        if self._model is not state[0] or self.bindings is not state[1]:
+            self._model, self.bindings = state
+            self.version += 1
 
     # ------------------------------------------------------------ masks
     def mask(self, graph: Graph, masks: Mapping[str, np.ndarray]) -> None:
