@@ -108,8 +108,8 @@ def _signed_read(outputs, gen):
     return sum((y * (torch.randint(0, 2, y.shape, generator=gen) * 2 - 1).to(y)).sum() for y in outputs)
 
 
-def _dense_once(graph: Graph, params) -> dict[int, tuple[str, str]]:
-    """{id(param): (source node, target node)} of the quantized params that weigh exactly one dense edge: their
+def _dense_once(graph: Graph, params) -> dict[int, tuple]:
+    """{id(param): (param, source node, target node)} of the quantized params that weigh exactly one dense edge: their
     per-sample gradient is the outer product δ_t ⊗ a_s, so F is Σ_x (δ_t² ⊗ a_s²) with no per-sample weight
     gradient formed (:func:`_dense_pass`)."""
     uses: dict[int, list] = {}
@@ -121,7 +121,7 @@ def _dense_once(graph: Graph, params) -> dict[int, tuple[str, str]]:
     for p in params:
         found = uses.get(id(p), [])
         if len(found) == 1 and found[0][0].map.kind is MapKind.DENSE:
-            dense[id(p)] = (found[0][0].source, found[0][1])
+            dense[id(p)] = (p, found[0][0].source, found[0][1])
     return dense
 
 
@@ -131,16 +131,14 @@ def _dense_pass(graph, backend, walks, dense, draws, gen) -> dict[int, torch.Ten
     import torch  # lazy: ``import pathir`` loads no torch
 
     be = _autograd_backend(backend)
-    weight = {pid: next(e.map.weight for e in graph.node(t).edges if id(e.map.weight) == pid)
-              for pid, (_, t) in dense.items()}
-    targets = sorted({t for _, t in dense.values()})
-    total = {pid: torch.zeros(weight[pid].shape, dtype=torch.float64, device=be.device) for pid in dense}
+    targets = sorted({t for _, _, t in dense.values()})
+    total = {pid: torch.zeros(p.shape, dtype=torch.float64, device=be.device) for pid, (p, _, _) in dense.items()}
     for part in walks:
         x = {name: be.asarray(value).detach().requires_grad_(True) for name, value in part.items()}
         acts = forward(graph, be, x, all_nodes=True)
         outputs = [acts[name] for name in graph.outputs]  # an output returned twice is read twice
         reached = [t for t in targets if acts[t].requires_grad]
-        squares = {s: acts[s].detach().reshape(acts[s].shape[0], -1).square() for s, _ in dense.values()}
+        squares = {s: acts[s].detach().reshape(acts[s].shape[0], -1).square() for _, s, _ in dense.values()}
         for draw in range(draws):
             read = _signed_read(outputs, gen)
             if not read.requires_grad or not reached:
@@ -153,7 +151,7 @@ def _dense_pass(graph, backend, walks, dense, draws, gen) -> dict[int, torch.Ten
                     if graph.node(t).kind is NodeKind.RELU:  # at the pre-activation: through the ReLU's gate
                         g = g * (acts[t] > 0)
                     delta[t] = g.reshape(g.shape[0], -1).square()
-            for pid, (source, target) in dense.items():
+            for pid, (_, source, target) in dense.items():
                 if target in delta:
                     total[pid].addmm_(delta[target].T, squares[source])
         del acts, outputs, squares
