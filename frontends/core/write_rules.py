@@ -60,18 +60,22 @@ class EntryFactor:
             self._compact = (np.exp(a), np.exp(b)) if big < 600.0 else ()
         return self._compact
 
+    def _by_axes(self) -> tuple:
+        """The compact exponentials (e^a, e^b), each with the param's number of axes, or () where the factor has no
+        row blocks or no compact form (a re-laid-out kernel, exponentials past e^600)."""
+        if self._by_axis is None:
+            ndim = len(self.param_shape)
+            sides = [x.reshape((1,) * (ndim - x.ndim) + x.shape) for x in self._exponentials()] if self.by_rows else []
+            self._by_axis = tuple(sides) if sides and all(x.ndim == ndim for x in sides) else ()
+        return self._by_axis
+
     def scale_rows(self, block: np.ndarray, start: int, stop: int) -> bool:
         """``block`` (rows start:stop of the tensor, float64) ← block · e^a · e^b, the compact exponentials
         broadcast onto it (no block of the factor formed); False, block untouched, where the factor has no
         such rows (a re-laid-out kernel, a transposed one, exponentials past e^600)."""
-        if self._by_axis is None:
-            ndim = len(self.param_shape)
-            ok = self.by_rows and not self.ref.transposed and self._exponentials()
-            sides = [x.reshape((1,) * (ndim - x.ndim) + x.shape) for x in self._compact] if ok else []
-            self._by_axis = tuple(sides) if ok and all(x.ndim == ndim for x in sides) else ()
-        if not self._by_axis:
+        if self.ref.transposed or not self._by_axes():
             return False
-        for x in self._by_axis:
+        for x in self._by_axes():
             block *= x if x.shape[0] == 1 else x[start:stop]
         return True
 
@@ -81,10 +85,9 @@ class EntryFactor:
         and by the rows of the factor formed otherwise."""
         if self.scale_rows(block, start, stop):
             return
-        if self.by_rows and self.ref.transposed and self._exponentials():
-            for x in self._compact:
-                block *= np.broadcast_to(x.reshape((1,) * (len(self.param_shape) - x.ndim) + x.shape),
-                                         self.param_shape)[:, start:stop].T
+        if self.ref.transposed and self._by_axes():  # the param's columns are the tensor's rows
+            for x in self._by_axes():
+                block *= np.broadcast_to(x, self.param_shape)[:, start:stop].T
             return
         block *= self.rows(start, stop)
 
