@@ -23,7 +23,8 @@ float64 forward+backward at batch 1 (autograd: its activations and gradients; th
 the model is made before ``base``, as pathir's compile is): what one training-style pass of the
 model needs. A walk that keeps a value per feature-map entry (diag G, PathCond) needs about that
 on a model whose feature maps outweigh its parameters (densenet, shufflenet). ``path_metric`` compares the model with a
-pruned copy of itself (a second Compiled, compiled before ``base``).
+pruned copy of itself (a second Compiled, compiled before ``base``). ``penalty`` is
+``cm.path_norm(2, differentiable=True).backward()``, the float32 ``.grad`` it creates included.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import time
 from rows_out import measured, save_json  # run as a script: benchmarks/ is on sys.path
 
 METHODS = ("path_norm", "diag_g", "path_magnitude_scores", "path_metric", "prune", "normalize", "pathcond",
-           "enorm", "equalize")
+           "enorm", "equalize", "penalty")
 MODELS = ("vgg16", "vgg11_bn", "resnet50")
 #: the model's own float64 forward+backward at batch 1: the baseline row
 BASELINE = "forward_backward"
@@ -110,6 +111,9 @@ def _call(cm, method: str, other):
         return cm.prune(0.5)
     if method == "equalize":
         return cm.equalize(progress=False)
+    if method == "penalty":  # the differentiable path-norm's forward and backward (the model's .grad included)
+        cm.path_norm(2.0, differentiable=True).backward()
+        return None
     return getattr(cm, method)()
 
 

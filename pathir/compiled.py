@@ -372,10 +372,8 @@ class Compiled:
         if self._coordinates is None or not self._coordinates.fits():  # built again after pruning, a module replaced
             self._coordinates = Coordinates(graph, self.model, rtol=1e-12, who="path_norm(differentiable=True)")
         coords = self._coordinates
-        values = coords.values(coords.read(live=True))
-        coords.check(graph, values, 1e-12, "path_norm(differentiable=True)")
-        watched = [p for leaf in coords.leaves.values() for p in leaf.watched(self.model)]
-        return attach(value, values, grads, watched)
+        coords.check_each(graph, 1e-12, "path_norm(differentiable=True)")
+        return attach(value, coords, grads)
 
     def path_norms(self, qs: Iterable[float] = (1, 2, 4), log10: bool = False, backend=None) -> dict[float, float]:
         """{q: :meth:`path_norm` (q)} for several q, on one compile: the model is read once, and the

@@ -752,3 +752,107 @@ def test_an_edit_through_data_is_refused_pointing_at_refresh():
         penalty()
     penalty.compiled.refresh()
     torch.testing.assert_close(penalty(), mlp_reference(net, 2.0), rtol=1e-12, atol=0)
+
+
+def test_an_edit_through_data_between_the_penalty_and_its_backward_is_refused():
+    """The backward reads the parameters again (it holds no float64 copy of them): an edit through .data between
+    the forward and the backward, which torch's version counter does not see, is refused, not differentiated at
+    the edited point."""
+    torch.manual_seed(4)
+    model = _randomise_bn(mlp_bn().double()).eval()
+    penalty = pathir.PathNormPenalty(model, q=2.0, input_shape=(4,))
+    value = penalty()
+    model[3].weight.data.mul_(1.5)
+    with pytest.raises(PathirError, match=r"'3\.weight'.*\.data"):
+        value.backward()
+    penalty.compiled.refresh()  # the edit made known (docs/live.md)
+    value = penalty()
+    model[0].weight.data = model[0].weight.data.clone()  # the same values in other memory: also an edit
+    with pytest.raises(PathirError, match=r"'0\.weight'"):
+        value.backward()
+
+
+def test_a_retained_graph_backward_twice_gives_the_gradient_twice():
+    torch.manual_seed(4)
+    model = _randomise_bn(mlp_bn().double()).eval()
+    penalty = pathir.PathNormPenalty(model, q=3.0, input_shape=(4,))
+    value = penalty()
+    model.zero_grad()
+    (2.0 * value).backward(retain_graph=True)
+    value.backward()
+    got = {n: t.grad.detach().clone() for n, t in model.named_parameters()}
+    expected = _grads(model, 3.0 * mlp_bn_reference(model, 3.0))
+    _assert_grads_close(got, expected)
+
+
+def test_frozen_parameters_get_no_gradient_and_the_others_theirs():
+    """A frozen layer (requires_grad False) and a frozen batch-norm γ: the others' gradients are the path-norm
+    network's; the frozen ones stay without .grad."""
+    torch.manual_seed(5)
+    model = _randomise_bn(SmallCNN().double()).eval()
+    model.conv2.requires_grad_(False)
+    model.bn1.weight.requires_grad_(False)
+    penalty = pathir.PathNormPenalty(model, q=2.0, input_shape=(2, 8, 8))
+    model.zero_grad(set_to_none=True)
+    penalty().backward()
+    got = {n: t.grad.detach().clone() for n, t in model.named_parameters() if t.grad is not None}
+    assert "conv2.weight" not in got and "bn1.weight" not in got
+    model.zero_grad(set_to_none=True)
+    small_cnn_reference(model, 2.0).backward()
+    expected = {n: t.grad.detach().clone() for n, t in model.named_parameters() if t.grad is not None}
+    _assert_grads_close(got, expected)
+
+
+def test_a_model_with_every_parameter_frozen_gets_a_constant():
+    model = _randomise_bn(mlp_bn().double()).eval().requires_grad_(False)
+    value = pathir.PathNormPenalty(model, q=2.0, input_shape=(4,))()
+    assert not value.requires_grad
+    torch.testing.assert_close(value, mlp_bn_reference(model, 2.0), rtol=1e-12, atol=0)
+
+
+def test_a_gradient_zeroed_in_place_leaves_the_retained_backward_its_own():
+    """The .grad a backward gives a float64 parameter is its own tensor: zeroing it in place (zero_grad with
+    set_to_none=False, clipping) leaves what a second backward of the retained graph pulls back untouched."""
+    net = mlp_3442()
+    penalty = pathir.PathNormPenalty(net, q=1.0, input_shape=(3,))
+    value = penalty()
+    net.zero_grad(set_to_none=True)
+    value.backward(retain_graph=True)
+    first = {n: t.grad.detach().clone() for n, t in net.named_parameters()}
+    net.zero_grad(set_to_none=False)
+    value.backward()
+    _assert_grads_close({n: t.grad for n, t in net.named_parameters()}, first)
+
+
+class Layouts(nn.Module):
+    """Params the graph lays out anew from their tensors: a grouped transposed convolution's kernel, a weight
+    stored (in, out) and read through .t(), a linear on the last axis of tokens (a pointwise kernel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.ConvTranspose2d(4, 6, 3, stride=2, groups=2)
+        self.tokens = nn.Linear(7, 5)
+        self.w = nn.Parameter(torch.randn(6 * 5 * 5, 3))
+        self.b = nn.Parameter(torch.randn(3))
+
+    def forward(self, x, act=F.relu, p=lambda t: t):
+        h = act(F.conv_transpose2d(x, p(self.up.weight), p(self.up.bias), stride=2, groups=2))  # (B, 6, 7, 7)
+        h = act(F.linear(h, p(self.tokens.weight), p(self.tokens.bias)))  # (B, 6, 7, 5)
+        h = h[:, :, :5, :].flatten(1)
+        return F.linear(h, p(self.w).t(), p(self.b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_params_laid_out_anew_get_their_gradient_in_their_tensors_layout(dtype):
+    """The path-norm network (every weight and bias |·|^q, ReLUs removed, input ones) run by the model's own
+    forward and differentiated by autograd, against the penalty's gradient."""
+    torch.manual_seed(6)
+    model = Layouts().to(dtype)
+    penalty = pathir.PathNormPenalty(model, q=2.0, input_shape=(4, 3, 3))
+    got = _grads(model, penalty())
+    ones = torch.ones(1, 4, 3, 3, dtype=torch.float64)
+    twin = copy.deepcopy(model).double()
+    reference = twin(ones, act=lambda t: t, p=lambda t: t.abs() ** 2.0).sum() ** 0.5
+    expected = _grads(twin, reference)
+    _assert_grads_close({n: g.double() for n, g in got.items()}, expected,
+                        rtol=1e-10 if dtype == torch.float64 else 1e-6)

@@ -26,7 +26,7 @@ import torch
 from pathir.errors import PathirError, PathNormOverflow
 from pathir.ir import Graph, Param, Role
 
-__all__ = ["tensor_names", "layout", "Leaf", "ParamRecipe", "graph_recipes", "Coordinates", "value_ref", "batchnorm_of",
+__all__ = ["tensor_names", "layout", "Leaf", "narrowed", "ParamRecipe", "graph_recipes", "Coordinates", "value_ref", "batchnorm_of",
            "is_threshold"]
 
 
@@ -115,14 +115,20 @@ class _Widened(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        out = grad.to(ctx.dtype)
-        if bool((torch.isinf(out) & torch.isfinite(grad)).any()):
-            raise PathNormOverflow(
-                f"the path-norm's derivative by '{ctx.name}' reaches about {float(grad.abs().max()):.3g}, beyond "
-                f"{str(ctx.dtype).replace('torch.', '')}'s largest number {torch.finfo(ctx.dtype).max:.3g}: its "
-                "gradient cannot be stored in the parameter's dtype: weigh the penalty down (λ · penalty, applied "
-                "in float64 before the cast), train in float32 or float64, or rescale the layers")
-        return out, None
+        return narrowed(grad, ctx.dtype, ctx.name), None
+
+
+def narrowed(grad: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """A float64 gradient by tensor ``name`` cast to its ``dtype``; PathNormOverflow where a finite entry
+    would become inf."""
+    out = grad.to(dtype)
+    if dtype != torch.float64 and bool((torch.isinf(out) & torch.isfinite(grad)).any()):
+        raise PathNormOverflow(
+            f"the path-norm's derivative by '{name}' reaches about {float(grad.abs().max()):.3g}, beyond "
+            f"{str(dtype).replace('torch.', '')}'s largest number {torch.finfo(dtype).max:.3g}: its "
+            "gradient cannot be stored in the parameter's dtype: weigh the penalty down (λ · penalty, applied "
+            "in float64 before the cast), train in float32 or float64, or rescale the layers")
+    return out
 
 
 @contextlib.contextmanager
@@ -141,10 +147,17 @@ def _evaluating(parametrizations: torch.nn.Module):
 
 class ParamRecipe:
     """One graph param as a torch function of model tensors: ``fn({name: tensor})``,
-    each entry of the result depending on at most one entry of each tensor."""
+    each entry of the result depending on at most one entry of each tensor. ``source``: the
+    ``SourceRef`` where the param is one tensor laid out anew (``fn`` moves entries, computes none)."""
 
-    def __init__(self, param: Param, leaves: list[str], fn: Callable):
-        self.param, self.leaves, self.fn = param, leaves, fn
+    def __init__(self, param: Param, leaves: list[str], fn: Callable, source=None):
+        self.param, self.leaves, self.fn, self.source = param, leaves, fn, source
+
+    def adjoint(self, grad: torch.Tensor, source_shape) -> torch.Tensor:
+        """The gradient by the one source tensor (of ``source_shape``) of a layout-only recipe, given ``grad`` by
+        the param: its entries moved back (a permutation's adjoint is its inverse), no value read."""
+        middle = self.source.from_source(torch.empty(tuple(source_shape), device="meta")).shape
+        return self.source.to_source(grad.reshape(middle))
 
 
 def value_ref(p: Param):
@@ -191,7 +204,8 @@ def graph_recipes(graph: Graph, model: torch.nn.Module) -> list[ParamRecipe]:
         roles = {r.role for r in p.sources}
         shape = p.shape
         if roles == {Role.VALUE}:
-            out.append(ParamRecipe(p, [ref.name], lambda t, ref=ref, s=shape: ref.from_source(t[ref.name]).reshape(s)))
+            out.append(ParamRecipe(p, [ref.name], lambda t, ref=ref, s=shape: ref.from_source(t[ref.name]).reshape(s),
+                                   source=ref))
             continue
         path, bn = batchnorm_of(model, p)
         g_name, b_name, m_name, v_name = (f"{path}.{a}" for a in ("weight", "bias", "running_mean", "running_var"))
@@ -229,10 +243,24 @@ def graph_recipes(graph: Graph, model: torch.nn.Module) -> list[ParamRecipe]:
     return out
 
 
+def _check_one(p: Param, v: torch.Tensor, rtol: float, who: str) -> None:
+    """PathirError unless ``v`` (this call's own tensor: overwritten) is param ``p``'s value to ``rtol`` of its
+    largest entry."""
+    ref = torch.as_tensor(p.value).to(v.device)
+    scale = max(float(ref.max()), -float(ref.min())) if ref.numel() else 0.0
+    off = float(v.detach().sub_(ref).abs_().max()) if ref.numel() and tuple(v.shape) == p.shape else 0.0
+    if tuple(v.shape) != p.shape or not off <= rtol * max(scale, 1e-300):
+        raise PathirError(
+            f"{who} cannot rebuild param '{p.name}' ({p.how or p.name}) from the model's tensors: they "
+            "were changed where pathir cannot see it (an edit through .data, or a module swapped for one "
+            "with other tensors); call cm.refresh() after such an edit (docs/live.md)"
+        )
+
+
 class Coordinates:
     """The compiled graph as a function of the model's tensors, and diag G pulled back to them.
 
-    ``values(tensors)[j]`` is ``graph.params()[j]`` computed in torch from ``tensors`` (``read()``);
+    ``recipes[j].fn(tensors)`` is ``graph.params()[j]`` computed in torch from ``tensors`` (``read()``);
     built once per graph structure, it holds for every later value of the model's tensors as long as
     the model's ``layout`` is the one it was built on (``fits``)."""
 
@@ -243,8 +271,7 @@ class Coordinates:
         names = {n for r in self.recipes for n in r.leaves}
         tensors = tensor_names(model)
         self.leaves = {n: Leaf(model, n, tensors) for n in sorted(names)}
-        with torch.no_grad():
-            self.check(graph, self.values(self.read()), rtol, who)  # the recipes must rebuild the compiled graph
+        self.check_each(graph, rtol, who)  # the recipes must rebuild the compiled graph
 
     def fits(self) -> bool:
         """Whether the model still has the layout the recipes and leaves were resolved against."""
@@ -257,26 +284,16 @@ class Coordinates:
             return {n: leaf.read(self.model, live=True) for n, leaf in self.leaves.items()}
         return {n: leaf.read(self.model).cpu() for n, leaf in self.leaves.items()}
 
-    def values(self, tensors) -> list[torch.Tensor]:
-        """Every param of the graph (``graph.params()`` order) as a torch function of ``tensors``."""
-        return [r.fn(tensors) for r in self.recipes]
-
-    def check(self, graph: Graph, values, rtol: float, who: str) -> None:
-        """PathirError naming the first param of ``graph`` (same structure) that ``values`` does not
-        rebuild to ``rtol`` of its largest entry."""
+    def check_each(self, graph: Graph, rtol: float, who: str) -> None:
+        """:meth:`check` of the model's tensors as they are now, one param at a time without autograd: each
+        param's float64 value (and its tensors' reads) dropped once compared, never the whole model's."""
         params = graph.params()
-        if len(params) != len(values):
-            raise PathirError(f"{who}: the graph has {len(params)} params, the model's tensors give {len(values)}")
-        for p, v in zip(params, values):
-            ref = torch.as_tensor(p.value).to(v.device)
-            scale = float(ref.abs().max()) if ref.numel() else 0.0
-            off = float((v.detach() - ref).abs().max()) if ref.numel() and tuple(v.shape) == p.shape else 0.0
-            if tuple(v.shape) != p.shape or not off <= rtol * max(scale, 1e-300):
-                raise PathirError(
-                    f"{who} cannot rebuild param '{p.name}' ({p.how or p.name}) from the model's tensors: they "
-                    "were changed where pathir cannot see it (an edit through .data, or a module swapped for one "
-                    "with other tensors); call cm.refresh() after such an edit (docs/live.md)"
-                )
+        if len(params) != len(self.recipes):
+            raise PathirError(f"{who}: the graph has {len(params)} params, the model's tensors give "
+                              f"{len(self.recipes)}")
+        with torch.no_grad():
+            for p, r in zip(params, self.recipes):
+                _check_one(p, r.fn({n: self.leaves[n].read(self.model) for n in r.leaves}), rtol, who)
 
     def current_graph(self, tensors) -> Graph:
         values = {id(r.param): r.fn(tensors).resolve_neg().numpy() for r in self.recipes}

@@ -34,6 +34,8 @@ __all__ = ["path_norm_and_grads", "check_differentiable_q"]
 _LOG_MAX = math.log(np.finfo(np.float64).max)
 _LN2 = math.log(2.0)
 _TINY = np.finfo(np.float64).tiny
+#: entries per block of the one-scale assembly (`_in_one_scale`): its temporaries stay this size
+_BLOCK = 1 << 18
 
 
 #: the largest q whose derivatives are given: an entry's exponent (q − 1)·log|θ_i| + log G_i − (1 − 1/q)·log S is
@@ -88,38 +90,49 @@ def _in_one_scale(p, uses: list, log_outer: float, q: float, backend) -> np.ndar
     """The derivative by ``p`` with one scale for the whole param, the usual case and the fast one:
     sign(θ) · m · (|θ|/M)^{q−1} · e^{L + log_outer + (q−1) log M}, m = G/max G, M = max |θ|. None where
     that is not exact (several uses, per-channel scales, or an entry of m · (|θ|/M)^{q−1} below float64's
-    normal range, as on a rescaled unit): `_binary` and `_entries` answer then, entry by entry."""
+    normal range, as on a rescaled unit): `_binary` and `_entries` answer then, entry by entry. Computed
+    ``_BLOCK`` entries at a time into the result: no temporary of the param's size."""
     live = [u for u in uses if u is not None]
     if len(live) != 1 or np.ndim(live[0][1]):
         return np.zeros(p.shape) if not live else None
     grad, log_scale = live[0]
-    m = np.asarray(backend.to_numpy(grad), dtype=np.float64).reshape(p.shape)
-    theta = p.value
-    peak_m, top = float(m.max(initial=0.0)), float(np.abs(theta).max(initial=0.0))
+    m = np.asarray(backend.to_numpy(grad), dtype=np.float64).reshape(-1)
+    theta = np.asarray(p.value, dtype=np.float64).reshape(-1)
+    peak_m = float(m.max(initial=0.0))
+    top = max(float(theta.max(initial=0.0)), -float(theta.min(initial=0.0)))
     if not (math.isfinite(peak_m) and math.isfinite(top) and float(m.min(initial=0.0)) >= 0.0
             and math.isfinite(log_scale)):
         return None  # `_binary` names what is not finite
     if peak_m == 0.0 or top == 0.0:
         return np.zeros(p.shape)
-    on = int(np.count_nonzero((m > 0) & (theta != 0)))
-    if q == 1.0:  # |θ|^0: 1, and 0 at θ = 0 (where sign(θ) is 0 anyway)
-        a = np.not_equal(theta, 0).astype(np.float64)
-    else:
-        a = np.abs(theta) / top
-        if q != 2.0:
-            np.power(a, q - 1.0, out=a)
-    a *= m / peak_m  # both factors at most 1: a product that went subnormal on the way stays so, and is seen
-    if int(np.count_nonzero(a >= _TINY)) != on:  # an entry lost (0 or subnormal) before the scales meet
+    a = np.empty(theta.size)
+    on = kept = 0
+    for i in range(0, theta.size, _BLOCK):
+        t, g, out = theta[i:i + _BLOCK], m[i:i + _BLOCK], a[i:i + _BLOCK]
+        on += int(np.count_nonzero((g > 0) & (t != 0)))
+        if q == 1.0:  # |θ|^0: 1, and 0 at θ = 0 (where sign(θ) is 0 anyway)
+            np.not_equal(t, 0, out=out, casting="unsafe")
+        else:
+            np.abs(t, out=out)
+            out /= top
+            if q != 2.0:
+                np.power(out, q - 1.0, out=out)
+        out *= g / peak_m  # both factors at most 1: a product that went subnormal on the way stays so, and is seen
+        kept += int(np.count_nonzero(out >= _TINY))
+    if kept != on:  # an entry lost (0 or subnormal) before the scales meet
         return None
     shift = float(log_scale) + log_outer + math.log(peak_m) + (q - 1.0) * math.log(top)
     peak = float(a.max())
     if shift + math.log(peak) > _LOG_MAX:
         raise PathNormOverflow(f"the derivative of the l{q:g} path-norm by param '{p.name}' reaches about "
                                f"10^{(shift + math.log(peak)) / math.log(10):.1f}, beyond float64")
-    a *= 1.0 / peak  # in [2.2e-308, 1]: the one scale is applied last
-    a *= math.exp(shift + math.log(peak))
-    a *= np.sign(theta)
-    return a
+    scale = math.exp(shift + math.log(peak))
+    for i in range(0, theta.size, _BLOCK):
+        out = a[i:i + _BLOCK]
+        out *= 1.0 / peak  # in [2.2e-308, 1]: the one scale is applied last
+        out *= scale
+        out *= np.sign(theta[i:i + _BLOCK])
+    return a.reshape(p.shape)
 
 
 def _binary(p, uses: list, backend) -> tuple[np.ndarray, np.ndarray]:
