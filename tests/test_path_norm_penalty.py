@@ -856,3 +856,104 @@ def test_params_laid_out_anew_get_their_gradient_in_their_tensors_layout(dtype):
     expected = _grads(twin, reference)
     _assert_grads_close({n: g.double() for n, g in got.items()}, expected,
                         rtol=1e-10 if dtype == torch.float64 else 1e-6)
+
+
+class BiasBeforeBN(nn.Module):
+    """A bias held as a Parameter of its own, added to a bias-free layer's output before a batch-norm: the fold
+    adds it, scaled, into the batch-norm's bias."""
+
+    def __init__(self, b):
+        super().__init__()
+        self.lin, self.b, self.bn, self.out = nn.Linear(3, 4, bias=False), nn.Parameter(b), nn.BatchNorm1d(4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(F.relu(self.bn(self.lin(x) + self.b)))
+
+
+def bias_before_bn_reference(m, q):
+    p = lambda t: t.abs() ** q  # noqa: E731
+    c = m.bn.weight / torch.sqrt(m.bn.running_var + m.bn.eps)
+    h = F.linear(torch.ones(1, 3, dtype=torch.float64), p(m.lin.weight * c[:, None]),
+                 p((m.b - m.bn.running_mean) * c + m.bn.bias))
+    return F.linear(h, p(m.out.weight), p(m.out.bias)).sum() ** (1 / q)
+
+
+@pytest.mark.parametrize("b", [torch.zeros(4), torch.tensor([0.3, -1.2, 0.7, 2.0])])
+def test_a_bias_parameter_added_before_a_folded_batch_norm_gets_its_gradient(b):
+    """Found by review: the fold adds `b` into the batch-norm's bias, and the recipe guessed the layer's own
+    `lin.bias` (none) instead: b got no gradient while it was 0, and a nonzero one was refused as an edit
+    through .data."""
+    torch.manual_seed(2)
+    model = _randomise_bn(BiasBeforeBN(b.clone())).double().eval()
+    penalty = pathir.PathNormPenalty(model, q=2.0, input_shape=(3,))
+    _assert_grads_close(_grads(model, penalty()), _grads(model, bias_before_bn_reference(model, 2.0)))
+    with torch.no_grad():
+        model.b.add_(0.5)  # a step moves it
+    _assert_grads_close(_grads(model, penalty()), _grads(model, bias_before_bn_reference(model, 2.0)))
+
+
+def test_two_batch_norms_folded_into_one_layer_are_refused_naming_the_chain():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2))
+    model = _randomise_bn(model.double()).eval()
+    with pytest.raises(PathirError, match="several batch-norms folded"):
+        pathir.PathNormPenalty(model, q=2.0, input_shape=(3,))()
+
+
+def test_a_parametrized_model_backward_twice_through_a_retained_graph():
+    """Found by review: the parametrization's read kept from the forward was freed by the first backward."""
+    torch.manual_seed(3)
+    net = mlp_3442()
+    torch.nn.utils.parametrizations.weight_norm(net[0])
+    penalty = pathir.PathNormPenalty(net, q=2.0, input_shape=(3,))
+    value = penalty()
+    net.zero_grad(set_to_none=True)
+    value.backward(retain_graph=True)
+    once = {n: t.grad.detach().clone() for n, t in net.named_parameters()}
+    value.backward()
+    _assert_grads_close({n: t.grad for n, t in net.named_parameters()}, {n: 2 * g for n, g in once.items()})
+
+
+def test_what_the_backward_reads_again_cannot_move_unseen_between_forward_and_backward():
+    """Found by review: a frozen tensor edited in place, a swap of two entries through .data (the sum kept), a
+    parametrization's parameter edited through .data: each refused, never a gradient of a mixed point."""
+    torch.manual_seed(4)
+    model = _randomise_bn(mlp_bn().double()).eval()
+    model[1].weight.requires_grad_(False)
+    penalty = pathir.PathNormPenalty(model, q=2.0, input_shape=(4,))
+    value = penalty()
+    with torch.no_grad():
+        model[1].weight.mul_(3.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        value.backward()
+    penalty.compiled.refresh()
+    value = penalty()
+    w = model[3].weight.data
+    w[0, 0], w[0, 1] = w[0, 1].clone(), w[0, 0].clone()
+    with pytest.raises(PathirError, match=r"'3\.weight' was changed"):
+        value.backward()
+    net = mlp_3442()
+    torch.nn.utils.parametrizations.weight_norm(net[0])
+    value = pathir.PathNormPenalty(net, q=2.0, input_shape=(3,))()
+    net[0].parametrizations.weight.original1.data.mul_(-2.0)
+    with pytest.raises(PathirError, match=r"'0\.weight \(1\)' was changed"):
+        value.backward()
+
+
+def test_a_mask_pruned_further_between_forward_and_backward_leaves_the_forwards_gradient():
+    """Found by review: the backward multiplied by the mask read then; torch's own autograd keeps the forward's."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    torch.nn.utils.prune.l1_unstructured(net[0], "weight", amount=2)
+    orig = net[0].weight_orig
+    reference = mlp_reference_pruned(net, 2.0)
+    value = pathir.PathNormPenalty(net, q=2.0, input_shape=(3,))()
+    torch.nn.utils.prune.l1_unstructured(net[0], "weight", amount=4)
+    (expected,) = torch.autograd.grad(reference, [orig])
+    value.backward()
+    torch.testing.assert_close(orig.grad, expected, rtol=1e-12, atol=1e-15)
+
+
+def mlp_reference_pruned(net, q):
+    p = lambda t: t.abs() ** q  # noqa: E731
+    h = F.linear(torch.ones(1, 3, dtype=torch.float64), p(net[0].weight), p(net[0].bias))
+    return F.linear(h, p(net[2].weight), p(net[2].bias)).sum() ** (1 / q)

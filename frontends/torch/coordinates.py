@@ -18,6 +18,7 @@ its ``weight_orig``, its mask a constant factor.
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Callable
 
 import numpy as np
@@ -192,6 +193,27 @@ def is_threshold(p: Param) -> bool:
     return any(r.role is Role.CLIP_THRESHOLD for r in p.sources)
 
 
+#: how ``fold_batchnorm`` writes the bias of a layer it folds into a batch-norm's bias (``Param.how``)
+_FOLDED_BIAS = re.compile(r" \+ scale \* (\S+)")
+
+
+def folded_biases(p: Param, names: tuple[set, set]) -> list[str] | None:
+    """The model tensors ``fold_batchnorm`` added, scaled, into the folded batch-norm bias ``p`` (the biases of
+    the layers before it, however the model holds them: a module's ``bias``, a Parameter added to its output);
+    None where its ``how`` records none. PathirError for one that is not a tensor of the model (``names``:
+    ``tensor_names``)."""
+    found = _FOLDED_BIAS.findall(p.how)
+    if not found:
+        return None
+    params, buffers = names
+    for name in found:
+        if name not in params and name not in buffers:
+            raise PathirError(f"param '{p.name}' ({p.how}) folds in '{name}', which is not a tensor of the model "
+                              "(a value computed from several): pathir follows a layer's bias held as a parameter "
+                              "or a buffer")
+    return found
+
+
 def graph_recipes(graph: Graph, model: torch.nn.Module) -> list[ParamRecipe]:
     biases = {id(n.bias): n for n in graph.nodes if n.bias is not None}
     value_names = {value_ref(p).name for p in graph.params() if not is_threshold(p)}
@@ -217,16 +239,19 @@ def graph_recipes(graph: Graph, model: torch.nn.Module) -> list[ParamRecipe]:
         if Role.IN_STATS in roles:  # an unfolded batch-norm scale: c itself
             out.append(ParamRecipe(p, [g_name, v_name], lambda t, c_of=c_of, s=shape: c_of(t).reshape(s)))
         elif id(p) in biases:  # β − μc (+ c · the biases of the layers folded into it)
-            convs = []
-            for e in biases[id(p)].edges:
-                w = e.map.weight
-                if w is None or not any(r.role is Role.OUT_SCALE and r.name.startswith(path + ".") for r in w.sources):
-                    continue
-                owner = value_ref(w).name.rpartition(".")[0]
-                name = f"{owner}.bias" if owner else "bias"
-                bias = getattr(model.get_submodule(owner), "bias", None)
-                if isinstance(bias, torch.Tensor) and name not in value_names:
-                    convs.append(name)
+            convs = folded_biases(p, tensor_names(model))
+            if convs is None:  # (a graph the pass did not record it in: the layers' own biases)
+                convs = []
+                for e in biases[id(p)].edges:
+                    w = e.map.weight
+                    if w is None or not any(r.role is Role.OUT_SCALE and r.name.startswith(path + ".")
+                                            for r in w.sources):
+                        continue
+                    owner = value_ref(w).name.rpartition(".")[0]
+                    name = f"{owner}.bias" if owner else "bias"
+                    bias = getattr(model.get_submodule(owner), "bias", None)
+                    if isinstance(bias, torch.Tensor) and name not in value_names:
+                        convs.append(name)
 
             def fn(t, c_of=c_of, b_name=b_name, m_name=m_name, convs=tuple(convs), s=shape):
                 c = c_of(t)
@@ -235,6 +260,10 @@ def graph_recipes(graph: Graph, model: torch.nn.Module) -> list[ParamRecipe]:
 
             out.append(ParamRecipe(p, [b_name, g_name, m_name, v_name, *convs], fn))
         else:  # a weight folded with the batch-norm after it: W · c per output channel
+            if p.how.count(" / sqrt(") > 1:
+                raise PathirError(f"param '{p.name}' ({p.how}) has several batch-norms folded into it, one after "
+                                  "the other: pathir follows one batch-norm folded into a layer, not a chain of them; "
+                                  "fold them into one batch-norm, or put a nonlinearity between them")
             def fn(t, ref=ref, c_of=c_of, s=shape):
                 w = ref.from_source(t[ref.name]).reshape(s)
                 return w * c_of(t).reshape(-1, *([1] * (len(s) - 1)))
@@ -243,18 +272,19 @@ def graph_recipes(graph: Graph, model: torch.nn.Module) -> list[ParamRecipe]:
     return out
 
 
-def _check_one(p: Param, v: torch.Tensor, rtol: float, who: str) -> None:
+def _check_one(p: Param, v: torch.Tensor, rtol: float, who: str, built: bool = False) -> None:
     """PathirError unless ``v`` (this call's own tensor: overwritten) is param ``p``'s value to ``rtol`` of its
-    largest entry."""
+    largest entry. ``built``: the recipes were just built (the message names both causes)."""
     ref = torch.as_tensor(p.value).to(v.device)
     scale = max(float(ref.max()), -float(ref.min())) if ref.numel() else 0.0
     off = float(v.detach().sub_(ref).abs_().max()) if ref.numel() and tuple(v.shape) == p.shape else 0.0
     if tuple(v.shape) != p.shape or not off <= rtol * max(scale, 1e-300):
-        raise PathirError(
-            f"{who} cannot rebuild param '{p.name}' ({p.how or p.name}) from the model's tensors: they "
-            "were changed where pathir cannot see it (an edit through .data, or a module swapped for one "
-            "with other tensors); call cm.refresh() after such an edit (docs/live.md)"
-        )
+        cause = ("they were changed where pathir cannot see it (an edit through .data, or a module swapped for one "
+                 "with other tensors); call cm.refresh() after such an edit (docs/live.md)")
+        if built:
+            cause = (f"either {cause}, or the param is made from them in a way {who} does not follow (a fold it "
+                     "does not know: please report the model)")
+        raise PathirError(f"{who} cannot rebuild param '{p.name}' ({p.how or p.name}) from the model's tensors: {cause}")
 
 
 class Coordinates:
@@ -271,7 +301,7 @@ class Coordinates:
         names = {n for r in self.recipes for n in r.leaves}
         tensors = tensor_names(model)
         self.leaves = {n: Leaf(model, n, tensors) for n in sorted(names)}
-        self.check_each(graph, rtol, who)  # the recipes must rebuild the compiled graph
+        self.check_each(graph, rtol, who, built=True)  # the recipes must rebuild the compiled graph
 
     def fits(self) -> bool:
         """Whether the model still has the layout the recipes and leaves were resolved against."""
@@ -284,7 +314,7 @@ class Coordinates:
             return {n: leaf.read(self.model, live=True) for n, leaf in self.leaves.items()}
         return {n: leaf.read(self.model).cpu() for n, leaf in self.leaves.items()}
 
-    def check_each(self, graph: Graph, rtol: float, who: str) -> None:
+    def check_each(self, graph: Graph, rtol: float, who: str, built: bool = False) -> None:
         """:meth:`check` of the model's tensors as they are now, one param at a time without autograd: each
         param's float64 value (and its tensors' reads) dropped once compared, never the whole model's."""
         params = graph.params()
@@ -293,7 +323,7 @@ class Coordinates:
                               f"{len(self.recipes)}")
         with torch.no_grad():
             for p, r in zip(params, self.recipes):
-                _check_one(p, r.fn({n: self.leaves[n].read(self.model) for n in r.leaves}), rtol, who)
+                _check_one(p, r.fn({n: self.leaves[n].read(self.model) for n in r.leaves}), rtol, who, built)
 
     def current_graph(self, tensors) -> Graph:
         values = {id(r.param): r.fn(tensors).resolve_neg().numpy() for r in self.recipes}

@@ -19,6 +19,7 @@ second-order term.
 
 from __future__ import annotations
 
+import zlib
 from collections import Counter
 
 import numpy as np
@@ -31,16 +32,27 @@ from pathir.frontends.torch.live import fused_steps
 __all__ = ["attach", "eagerly"]
 
 
-def _fingerprint(p: torch.Tensor) -> tuple:
-    """Where ``p`` lives and the float64 sum of its entries: an edit through ``.data`` (which bumps no version)
-    moves one or the other."""
+#: bytes per call of the checksum (a CUDA tensor is brought to the host this much at a time)
+_CHUNK = 1 << 24
+
+
+def _fingerprint(t: torch.Tensor) -> tuple:
+    """Where ``t`` lives and a checksum (CRC-32) of its bytes: an edit through ``.data`` (which bumps no version),
+    a swap of two entries included, moves one or the other."""
     with torch.no_grad():
-        return p.data_ptr(), float(p.sum(dtype=torch.float64))
+        flat = t.detach().reshape(-1)
+        raw = (flat if flat.is_contiguous() else flat.contiguous()).view(torch.uint8)
+        crc = 0
+        for i in range(0, raw.numel(), _CHUNK):
+            crc = zlib.crc32(raw[i:i + _CHUNK].cpu().numpy(), crc)
+        return t.data_ptr(), crc
 
 
 class _Chain:
     """∂f/∂θ_graph (``grads``, ``graph.params()`` order) and what is needed to pull it back to the model's
-    parameters in the backward (module docstring): ``params``, the model's parameters that get a gradient."""
+    parameters in the backward (module docstring): ``params``, the model's parameters that get a gradient;
+    ``watched``, every model tensor the backward reads again (frozen parameters and pruning masks too), whose
+    versions and checksums must not move in between."""
 
     def __init__(self, coords, grads: list[np.ndarray]):
         self.coords, self.grads = coords, list(grads)
@@ -51,8 +63,14 @@ class _Chain:
         self.fixed = {n: leaf.read(model, live=bool(self.targets[n])) for n, leaf in coords.leaves.items()
                       if leaf.param_name is None}
         self.params = list({id(p): p for ps in self.targets.values() for p in ps}.values())
-        plain = {id(p): p for n, leaf in coords.leaves.items() if leaf.param_name for p in self.targets[n]}
-        self.marks = {i: _fingerprint(p) for i, p in plain.items()}
+        watched: dict[str, torch.Tensor] = {}
+        for n, leaf in coords.leaves.items():
+            for i, p in enumerate(leaf.watched(model)):
+                watched[f"{n} ({i})" if leaf.computed else n] = p
+            if leaf.mask:
+                watched[leaf.mask] = model.get_buffer(leaf.mask)
+        self.watched = watched
+        self.marks = {n: _fingerprint(t) for n, t in watched.items()}
 
     def pull_back(self, grad_output: torch.Tensor) -> dict[int, torch.Tensor]:
         """{id(model parameter): grad_output · (∂θ_graph/∂θ_model)ᵀ ∂f/∂θ_graph}, one graph param at a time: a param
@@ -61,13 +79,13 @@ class _Chain:
         derivative (the cast to its dtype, its mask, its parametrization), as one autograd graph over all of them
         would."""
         coords = self.coords
-        moved = [n for n, leaf in coords.leaves.items() if leaf.param_name and any(
-            _fingerprint(p) != self.marks.get(id(p)) for p in self.targets[n])]
+        moved = [n for n, t in self.watched.items() if _fingerprint(t) != self.marks[n]]
         if moved:
             raise PathirError(f"'{moved[0]}' was changed between the differentiable path-norm's forward and its "
-                              "backward where torch's version counter does not see it (an edit through .data, or a "
-                              "tensor assigned to .data): its gradient is for the values the forward read. Compute "
-                              "the path-norm again after the edit (and call cm.refresh(): docs/live.md)")
+                              "backward where torch's version counter does not see it (an edit through .data, a "
+                              "tensor assigned to .data, a pruning mask replaced): its gradient is for the values the "
+                              "forward read. Compute the path-norm again after the edit (and call cm.refresh() after "
+                              "an edit through .data: docs/live.md)")
         users = Counter(n for r in coords.recipes for n in set(r.leaves) if self.targets[n])
         pending: dict[str, torch.Tensor] = {}
         out: dict[int, torch.Tensor] = {}
@@ -86,18 +104,26 @@ class _Chain:
 
     def _recipe_grads(self, r, wanted: list[str], g: np.ndarray, grad_output: torch.Tensor) -> list:
         """grad_output · g pulled back through recipe ``r`` to the float64 reads of its ``wanted`` tensors."""
-        coords = self.coords
         device = self._read_device(wanted[0])
         seed = torch.as_tensor(np.ascontiguousarray(g)).to(device)
         if float(grad_output) != 1.0:  # (1: the gradient given, no float64 copy of it made)
             seed = grad_output.to(device) * seed
         if r.source is not None:  # one tensor laid out anew: the layout's adjoint, no value read
             return [r.adjoint(seed, self._read_shape(wanted[0]))]
-        xs = {n: self.fixed[n].detach() if n in self.fixed else coords.leaves[n].read(coords.model) for n in r.leaves}
+        xs = {n: self._read(n) for n in r.leaves}
         for n in wanted:
             xs[n] = xs[n].requires_grad_(True)
         with torch.enable_grad():
             return list(torch.autograd.grad(r.fn(xs), [xs[n] for n in wanted], seed, allow_unused=True))
+
+    def _read(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` in float64 as the forward read it (detached, its own copy): from the tensors the forward
+        saw (a Parameter or a pruning mask since swapped for another in the module is not read)."""
+        if name in self.fixed:
+            return self.fixed[name].detach()
+        t = self.watched[name].detach().to(torch.float64, copy=True)
+        mask = self.coords.leaves[name].mask
+        return t * self.watched[mask].to(torch.float64) if mask else t
 
     def _read_device(self, name: str) -> torch.device:
         return self.fixed[name].device if name in self.fixed else self.targets[name][0].device
@@ -111,12 +137,12 @@ class _Chain:
         through the read the forward made."""
         leaf, targets = self.coords.leaves[name], self.targets[name]
         if name in self.fixed:
-            with torch.enable_grad():
-                parts = torch.autograd.grad(self.fixed[name], targets, grad, allow_unused=True)
+            with torch.enable_grad():  # (kept: a second backward of a graph retained reads it again)
+                parts = torch.autograd.grad(self.fixed[name], targets, grad, allow_unused=True, retain_graph=True)
         else:
             (p,) = targets
             if leaf.mask:
-                grad = grad * self.coords.model.get_buffer(leaf.mask).to(grad.device, torch.float64)
+                grad = grad * self.watched[leaf.mask].to(grad.device, torch.float64)
             elif p.dtype == torch.float64:  # its own tensor: a layout's adjoint is a view of the given gradient,
                 grad = grad.clone()  # which autograd would make the .grad that zero_grad or clipping edits in place
             parts = [narrowed(grad, p.dtype, name)]
@@ -131,8 +157,9 @@ class _GivenGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx, value, chain, *params):
         ctx.chain, ctx.ids = chain, [id(p) for p in params]
-        ctx.save_for_backward(*params)  # the model's parameters: an in-place step before backward is refused by torch
-        ctx.fused = fused_steps(params)  # ... and a fused optimizer's step, which bumps no version, by pathir
+        watched = tuple(chain.watched.values())
+        ctx.save_for_backward(*watched)  # what the backward reads: an in-place step before it is refused by torch
+        ctx.fused = fused_steps(watched)  # ... and a fused optimizer's step, which bumps no version, by pathir
         return value.clone()
 
     @staticmethod

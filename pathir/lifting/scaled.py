@@ -68,16 +68,15 @@ class Uncertified(PathirError):
 # ------------------------------------------------------------------ support
 
 
-def _support_map(m, zeros_count: bool, cache: dict):
+def _support_map(m, zeros_count: bool):
     """``m`` with every edge of nonzero weight read as 1 and every other as 0 (every edge of
-    a free weight as 1 with ``zeros_count``): its walks say which neurons nonzero paths reach."""
-    out = cache.get(id(m))
-    if out is None:
-        def free(w):
-            return np.ones(w.shape) if zeros_count else (w != 0).astype(np.float64)
+    a free weight as 1 with ``zeros_count``): its walks say which neurons nonzero paths reach.
+    Made for each use and dropped after it: a support walk holds one layer's 0/1 weights, not a
+    float64 copy of the model's."""
+    def free(w):
+        return np.ones(w.shape) if zeros_count else (w != 0).astype(np.float64)
 
-        out = cache[id(m)] = m.with_weights(free, lambda c: (c != 0).astype(np.float64))
-    return out
+    return m.with_weights(free, lambda c: (c != 0).astype(np.float64))
 
 
 class Certifier:
@@ -100,7 +99,6 @@ class Certifier:
         self.pattern, self.sample = pattern, sample
         self._source = forward  # the certifier of the walk whose values feed the weight-gradients
         self._forward = self._backward = None
-        self._maps: dict = {}
 
     def node(self, name: str, acc, backward: bool = False, full=None, masked: bool = False) -> float:
         """Check the sum ``acc`` (before renormalisation) of node ``name``, forward or backward;
@@ -201,12 +199,11 @@ class Certifier:
         pattern: through active neurons and chosen max-pool inputs only, the neuron itself active)."""
         if self._backward is None:
             g, be, pat = self.graph, self.backend, self.pattern
-            pending = {n.name: be.zeros((1, *n.shape)) for n in g.nodes}
-            for o in g.outputs:
-                pending[o] = be.ones((1, *g.node(o).shape))
+            pending = {o: be.ones((1, *g.node(o).shape)) for o in g.outputs}  # (a node no path leaves: none)
             out = {}
             for node in reversed(g.nodes):
-                reach = pending.pop(node.name) > 0
+                got = pending.pop(node.name, None)
+                reach = got > 0 if got is not None else be.zeros((1, *node.shape)) > 0
                 if pat is not None and node.kind is NodeKind.RELU:
                     reach = reach & self._slice(pat.relu[node.name])
                 sup = be.asarray(reach * 1.0)
@@ -217,13 +214,13 @@ class Certifier:
                         back = be.select_adjoint(node, self._slice(pat.choice[node.name]), sup, src)
                     else:
                         back = be.adjoint(self.support_map(e.map), sup, src)
-                    pending[e.source] = pending[e.source] + back
+                    pending[e.source] = pending[e.source] + back if e.source in pending else back
             self._backward = out
         return self._backward
 
     def support_map(self, m):
         """``m`` with every edge of nonzero weight read as 1 (the support walks' map)."""
-        return _support_map(m, self.zeros_count, self._maps)
+        return _support_map(m, self.zeros_count)
 
 
 def check_stored(acc, stored) -> None:
