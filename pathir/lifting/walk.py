@@ -285,7 +285,8 @@ def path_backward(graph: Graph, backend, acts, seeds=None, linearize: bool = Fal
             for e in node.edges:
                 src = graph.node(e.source)
                 x, L = acts[e.source]
-                pending[e.source].append((backend.adjoint(e.map, g, src.shape), M))
+                if node_grads or src.kind is not NodeKind.INPUT:  # (an input's own gradient: asked for, or nowhere)
+                    pending[e.source].append((backend.adjoint(e.map, g, src.shape), M))
                 w = e.map.weight
                 if w is not None and release:
                     release(w)  # the backward walk is its last use: no copy of θ held to the end
