@@ -16,6 +16,7 @@ F = torch.nn.functional
 import pathir  # noqa: E402
 from pathir.lifting import ones_walk  # noqa: E402
 from pathir.lifting.ones_walk import ones_forward  # noqa: E402
+from pathir.testing import relu_dags  # noqa: E402
 
 
 class Layer(torch.nn.Module):
@@ -277,3 +278,52 @@ def test_restoring_runs_as_pieces_is_the_gather_by_index(n, old, new, data):
     kept = np.concatenate([np.arange(s + 1), np.arange(s + c, n)])
     want = x[:, :, torch.as_tensor(before.index(0, kept))]
     assert got.shape == want.shape and torch.equal(got, want)
+
+
+# --------------------------------------------------------------------- maps made again in the backward
+
+def _diag_g_close(graph, rtol=1e-10):
+    from pathir.lifting.diag_g import diag_g
+
+    got, want = diag_g(graph, "torch"), diag_g(graph, "numpy")  # numpy: the plain walk of the path view
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=rtol, atol=1e-300, err_msg=name)
+
+
+@settings(max_examples=60, deadline=None)
+@given(graph=relu_dags(spatial_dims=(1, 2), max_depth=6))
+def test_param_grads_with_maps_made_again_equal_the_plain_walks(graph):
+    """The backward walk reads a node made by pointwise sums alone (a concatenation, a channel map, a scale)
+    summed again from its sources' maps, not kept from the forward: diag G is still the plain walk's."""
+    _diag_g_close(graph)
+
+
+class DenseShuffle(torch.nn.Module):
+    """A densenet layer pair (concatenations, a batch-norm after one: an unfolded scale) and a channel shuffle:
+    nodes made by pointwise sums, chained three deep."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.bn = torch.nn.Conv2d(2, 2, 3, padding=1), torch.nn.BatchNorm2d(4)
+        self.b, self.fc = torch.nn.Conv2d(4, 2, 1), torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        y1 = F.relu(self.a(x))
+        z = F.relu(self.bn(torch.cat([x, y1], 1)))
+        out = torch.cat([x, y1, F.relu(self.b(z))], 1)
+        out = out.view(out.shape[0], 2, 3, *out.shape[2:]).transpose(1, 2).reshape(out.shape)  # shuffle
+        return self.fc(F.adaptive_avg_pool2d(out, 1).flatten(1))
+
+
+def test_a_dense_block_walks_its_concatenations_again_and_keeps_its_diag_g():
+    torch.manual_seed(3)
+    net = DenseShuffle().eval()
+    with torch.no_grad():
+        net.bn.running_mean.uniform_(-1, 1), net.bn.running_var.uniform_(0.5, 2), net.bn.weight.uniform_(-2, 2)
+    cm = pathir.compile(net, input_shape=(2, 12, 12), self_check=False)
+    stored = ones_forward(cm.graph, cm.get_backend().power_view(2.0), linearize=True)
+    assert sum(v is ones_walk.RECOMPUTE for v in stored.values()) >= 3  # the concatenations and the scale
+    _diag_g_close(cm.graph)
+    outputs = ones_forward(cm.graph, cm.get_backend().power_view(2.0), linearize=True, keep="outputs")
+    assert set(outputs) == set(cm.graph.outputs)

@@ -36,7 +36,7 @@ from pathir.ir import Graph, MapKind, NodeKind, pool_output_size
 from pathir.lifting.scaled import Certifier
 from pathir.lifting.walk import combine_scaled, log_total, node_errors, require_path_graph
 
-__all__ = ["Runs", "ones_forward", "ones_forwards", "ones_log_total", "expand", "Expanded"]
+__all__ = ["Runs", "ones_forward", "ones_forwards", "ones_log_total", "expand", "Expanded", "RECOMPUTE"]
 
 _POINTWISE = (MapKind.IDENTITY, MapKind.SCALE, MapKind.CHANNEL_MAP)
 _WINDOWED = (MapKind.CONV, MapKind.FIXED_CONV, MapKind.POOL)
@@ -127,17 +127,22 @@ def expand(backend, x, runs: Runs):
     return restore(backend, x, runs, Runs.none(runs.full)) if runs.compressed else x
 
 
+#: in :func:`ones_forward`'s result, a node whose map is not kept: made again from its sources' when read
+RECOMPUTE = "recompute"
+
+
 class Expanded(Mapping):
     """:func:`ones_forward`'s result read as :func:`pathir.lifting.walk.path_forward`'s, {node: (m, L)}:
     each node's tensor expanded to full size when it is read, never held (a backward walk reads a
-    node once per edge leaving it, so only the stored maps outlive a read). Owns ``stored``:
+    node once per edge leaving it, so only the stored maps outlive a read); a node not kept
+    (``RECOMPUTE``) summed again from its sources' maps, the very sum of the forward. Owns ``stored``:
     :meth:`release` drops a node's map for good."""
 
-    def __init__(self, backend, stored: dict):
-        self.backend, self.stored = backend, stored
+    def __init__(self, backend, stored: dict, graph: Graph | None = None):
+        self.backend, self.stored, self.graph = backend, stored, graph
 
     def __getitem__(self, name):
-        m, L, runs = self.stored[name]
+        m, L, runs = _read(self.graph, self.backend, self.stored, name)
         return (None if m is None else expand(self.backend, m, runs)), L
 
     def release(self, name) -> None:
@@ -253,9 +258,53 @@ def _node_sum(graph: Graph, node, backend, cert: Certifier, acts: dict, given: d
             terms.append((restore(backend, value, runs, common), L))
     if node.bias is not None:
         terms.append((backend.bias(node, len(node.shape) + 1), 0.0))
-    m, L = combine_scaled(backend, terms, _stored_shape(node.shape, common), placed,
-                          check=lambda acc: cert.node(node.name, acc, full=lambda a: expand(backend, a, common)))
+    check = None if cert is None else lambda acc: cert.node(node.name, acc, full=lambda a: expand(backend, a, common))
+    m, L = combine_scaled(backend, terms, _stored_shape(node.shape, common), placed, check=check)
     return m, L, common
+
+
+def _read(graph, backend, stored: dict, name: str) -> tuple:
+    """``stored[name]`` as (m, L, runs); a node not kept summed again from its sources (uncertified: the
+    forward certified this very sum)."""
+    got = stored[name]
+    if got is not RECOMPUTE:
+        return got
+    return _node_sum(graph, graph.node(name), backend, None, _Reading(graph, backend, stored), {})
+
+
+class _Reading(Mapping):
+    """``stored`` read through :func:`_read`: the sources of a node summed again."""
+
+    def __init__(self, graph, backend, stored):
+        self.graph, self.backend, self.stored = graph, backend, stored
+
+    def __getitem__(self, name):
+        return _read(self.graph, self.backend, self.stored, name)
+
+    def __iter__(self):
+        return iter(self.stored)
+
+    def __len__(self):
+        return len(self.stored)
+
+
+def _dropped_after(graph: Graph, keep: str) -> tuple[dict, set]:
+    """({node: index of its last reader in ``graph.nodes``}, the nodes whose maps are not kept past it):
+    ``keep="outputs"``: every node but the outputs; ``keep="all"``: the nodes every edge into which is
+    pointwise (a concatenation, a channel split or shuffle, a per-channel scale), within two such sums of
+    kept maps. Those are as large as their sources together but cost a pass over memory to make again,
+    where a densenet block's concatenations held most of its walk's maps."""
+    last = {e.source: i for i, node in enumerate(graph.nodes) for e in node.edges}
+    outputs = set(graph.outputs)
+    if keep == "outputs":
+        return last, {n.name for n in graph.nodes if n.name not in outputs}
+    depth: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.edges and node.name not in outputs and all(e.map.kind in _POINTWISE for e in node.edges):
+            d = 1 + max(depth.get(e.source, 0) for e in node.edges)
+            if d <= 2:
+                depth[node.name] = d
+    return last, set(depth)
 
 
 def _input(node, backend) -> tuple:
@@ -264,30 +313,33 @@ def _input(node, backend) -> tuple:
 
 
 def ones_forward(graph: Graph, backend, linearize: bool = False, certify: Certifier | None = None,
-                 forget: bool = True):
+                 forget: bool = True, keep: str = "all"):
     """:func:`pathir.lifting.walk.path_forward` on the all-ones input, each node's tensor stored
     compressed: {node name: (m, L, runs)}, node value = expand(m) · exp(L). Needs the backend's
     ``take``; raises :class:`~pathir.lifting.scaled.Uncertified` as path_forward does. ``forget``: each
     weight's converted tensor (|w|^q on a power view) is dropped from the backend's cache once its node
-    is summed, so the walk holds one layer's, not the model's (a weight read again is converted again)."""
-    return ones_forwards(graph, [backend], linearize, None if certify is None else [certify], forget)[0]
+    is summed, so the walk holds one layer's, not the model's (a weight read again is converted again).
+    ``keep``: "all" (for a backward walk: every node, those made by pointwise sums alone as ``RECOMPUTE``,
+    read through :class:`Expanded` with the graph) or "outputs" (the rest dropped once read)."""
+    return ones_forwards(graph, [backend], linearize, None if certify is None else [certify], forget, keep)[0]
 
 
 def ones_forwards(graph: Graph, views: list, linearize: bool = False, certs: list | None = None,
-                  forget: bool = True) -> list:
+                  forget: bool = True, keep: str = "all") -> list:
     """:func:`ones_forward` of each power view in ``views`` (one per q), node by node in step, so
     that a large dense weight is read once for every q (the views' ``dense_powers``)."""
     require_path_graph(graph, linearize)
     if certs is None:
         certs = [Certifier(graph, getattr(v, "q", None) == 0, v) for v in views]
     with views[0].flush_denormals():
-        return _in_step(graph, views, certs, forget)
+        return _in_step(graph, views, certs, forget, keep)
 
 
-def _in_step(graph: Graph, views: list, certs: list, forget: bool) -> list:
+def _in_step(graph: Graph, views: list, certs: list, forget: bool, keep: str) -> list:
     shared = len(views) > 1 and hasattr(views[0], "dense_powers")
     walks = [{} for _ in views]
-    for node in graph.nodes:
+    last, dropped = _dropped_after(graph, keep)
+    for i, node in enumerate(graph.nodes):
         if node.kind is NodeKind.INPUT:
             for v, acts in zip(views, walks):
                 acts[node.name] = _input(node, v)
@@ -306,6 +358,12 @@ def _in_step(graph: Graph, views: list, certs: list, forget: bool) -> list:
                 for e in node.edges if forget and hasattr(v, "forget") else ():
                     if e.map.weight is not None:
                         v.forget(e.map.weight)
+        for source in {e.source for e in node.edges if last[e.source] == i and e.source in dropped}:
+            for acts in walks:  # read for the last time in the forward
+                if keep == "outputs":
+                    del acts[source]
+                else:
+                    acts[source] = RECOMPUTE
     return walks
 
 

@@ -64,7 +64,7 @@ def _fast_param_grads(graph, backend, q, forward_graph, totals, outer):
             stored = ones_forward(fwd, view_be, linearize=True, certify=cert)
             if totals is not None:
                 totals["log_path_sum"] = ones_log_total(view_be, stored, fwd.outputs)
-            acts = Expanded(view_be, stored)
+            acts = Expanded(view_be, stored, fwd)
         else:
             acts = path_forward(fwd, view_be, linearize=True, certify=cert)
             if totals is not None:

@@ -29,7 +29,7 @@ def log_path_sum(graph: Graph, q: float, backend) -> float:
         if hasattr(backend, "power_view"):  # the path view, lazily on the backend's device
             view = backend.power_view(q)
             if hasattr(view, "take"):  # feature maps stored along their constant runs
-                return ones_log_total(view, ones_forward(graph, view, linearize=True), graph.outputs)
+                return ones_log_total(view, ones_forward(graph, view, linearize=True, keep="outputs"), graph.outputs)
             return log_total(backend, path_forward(graph, view, linearize=True), graph.outputs)
         with np.errstate(over="ignore", under="ignore"):  # out of range: the walk refuses to certify
             view = path_view(maxpool_to_sum(graph), q)
@@ -93,7 +93,7 @@ def _log_path_sums(graph: Graph, qs: list[float], backend) -> dict[float, float]
     if not all(hasattr(v, "take") for v in views):
         return {}
     try:
-        walks = ones_forwards(graph, views, linearize=True)
+        walks = ones_forwards(graph, views, linearize=True, keep="outputs")
     except Uncertified:
         return {}
     return {q: ones_log_total(v, w, graph.outputs) for q, v, w in zip(qs, views, walks)}
