@@ -78,10 +78,10 @@ def _sensitivity(graph, inputs, backend, draws, seed, chunk):
     if draws is None:
         draws = -(-PASSES // samples)
     gen = torch.Generator().manual_seed(seed)
-    dense = _dense_once(graph, params)
-    total = _dense_pass(graph, backend, walks, dense, draws, gen) if dense else {}
+    layers = _single_edge(graph, params)
+    total = _layer_pass(graph, backend, walks, layers, draws, gen) if layers else {}
     del walks
-    rest = [p for p in params if id(p) not in dense]
+    rest = [p for p in params if id(p) not in layers]
     if rest:
         total.update(_weight_pass(graph, backend, chunks(graph, inputs, min(chunk, walk_size(graph))), rest, draws, gen))
     if not any(bool(torch.any(acc > 0)) for acc in total.values()):
@@ -108,37 +108,43 @@ def _signed_read(outputs, gen):
     return sum((y * (torch.randint(0, 2, y.shape, generator=gen) * 2 - 1).to(y)).sum() for y in outputs)
 
 
-def _dense_once(graph: Graph, params) -> dict[int, tuple]:
-    """{id(param): (param, source node, target node)} of the quantized params that weigh exactly one dense edge: their
-    per-sample gradient is the outer product δ_t ⊗ a_s, so F is Σ_x (δ_t² ⊗ a_s²) with no per-sample weight
-    gradient formed (:func:`_dense_pass`)."""
+def _single_edge(graph: Graph, params) -> dict[int, tuple]:
+    """{id(param): (param, source node, target node, map)} of the quantized params that weigh exactly one dense or
+    convolution edge into an identity or ReLU node: each sample's gradient by them is the weight-gradient of that
+    edge's map at the sample's source activation and its gradient at the target (:func:`_layer_pass`), with no
+    backward pass per sample."""
     uses: dict[int, list] = {}
     for node in graph.nodes:
         for e in node.edges:
             if e.map.weight is not None:
-                uses.setdefault(id(e.map.weight), []).append((e, node.name))
-    dense = {}
+                uses.setdefault(id(e.map.weight), []).append((e, node))
+    found = {}
     for p in params:
-        found = uses.get(id(p), [])
-        if len(found) == 1 and found[0][0].map.kind is MapKind.DENSE:
-            dense[id(p)] = (p, found[0][0].source, found[0][1])
-    return dense
+        edges = uses.get(id(p), [])
+        if len(edges) == 1:
+            e, node = edges[0]
+            if e.map.kind in (MapKind.DENSE, MapKind.CONV) and node.kind in (NodeKind.RELU, NodeKind.IDENTITY):
+                found[id(p)] = (p, e.source, node.name, e.map)
+    return found
 
 
-def _dense_pass(graph, backend, walks, dense, draws, gen) -> dict[int, torch.Tensor]:
-    """F·draws of the ``dense`` params: per draw, one backward pass of a whole walk to the dense layers' outputs
-    (each sample's gradient there is its own: samples never mix), then Σ_x δ_t(x)² ⊗ a_s(x)² as one product."""
+def _layer_pass(graph, backend, walks, layers, draws, gen) -> dict[int, torch.Tensor]:
+    """F·draws of the ``layers`` params: per draw, one backward pass of a whole walk to their layers' outputs (each
+    sample's gradient there is its own: samples never mix), then per sample the squared weight-gradient of the
+    edge, summed: for a dense layer Σ_x δ_t(x)² ⊗ a_s(x)² as one product, for a convolution the samples'
+    weight-gradients a few at a time (``torch.func.vmap`` of the backend's own)."""
     import torch  # lazy: ``import pathir`` loads no torch
 
     be = _autograd_backend(backend)
-    targets = sorted({t for _, _, t in dense.values()})
-    total = {pid: torch.zeros(p.shape, dtype=torch.float64, device=be.device) for pid, (p, _, _) in dense.items()}
+    targets = sorted({t for _, _, t, _ in layers.values()})
+    total = {pid: torch.zeros(p.shape, dtype=torch.float64, device=be.device) for pid, (p, _, _, _) in layers.items()}
     for part in walks:
         x = {name: be.asarray(value).detach().requires_grad_(True) for name, value in part.items()}
         acts = forward(graph, be, x, all_nodes=True)
         outputs = [acts[name] for name in graph.outputs]  # an output returned twice is read twice
         reached = [t for t in targets if acts[t].requires_grad]
-        squares = {s: acts[s].detach().reshape(acts[s].shape[0], -1).square() for _, s, _ in dense.values()}
+        squares = {s: acts[s].detach().reshape(acts[s].shape[0], -1).square()
+                   for _, s, _, m in layers.values() if m.kind is MapKind.DENSE}
         for draw in range(draws):
             read = _signed_read(outputs, gen)
             if not read.requires_grad or not reached:
@@ -150,11 +156,34 @@ def _dense_pass(graph, backend, walks, dense, draws, gen) -> dict[int, torch.Ten
                 if g is not None:
                     if graph.node(t).kind is NodeKind.RELU:  # at the pre-activation: through the ReLU's gate
                         g = g * (acts[t] > 0)
-                    delta[t] = g.reshape(g.shape[0], -1).square()
-            for pid, (_, source, target) in dense.items():
-                if target in delta:
-                    total[pid].addmm_(delta[target].T, squares[source])
+                    delta[t] = g
+            for pid, (p, source, target, m) in layers.items():
+                if target not in delta:
+                    continue
+                g = delta[target]
+                if m.kind is MapKind.DENSE:
+                    total[pid].addmm_(g.reshape(g.shape[0], -1).square().T, squares[source])
+                else:
+                    total[pid] += _per_sample_squares(be, m, acts[source].detach(), g, graph.node(source).shape)
         del acts, outputs, squares
+    return total
+
+
+#: entries of per-sample weight-gradients formed at once (32 MiB in float64)
+_PER_SAMPLE = 1 << 22
+
+
+def _per_sample_squares(be, m, a, g, source_shape) -> torch.Tensor:
+    """Σ_x (weight-gradient of map ``m`` at source activation a(x) and output gradient g(x))², a few samples at a
+    time, each sample's gradient the backend's own ``weight_grad`` of a batch of one."""
+    from torch.func import vmap  # lazy: ``import pathir`` loads no torch
+
+    one = vmap(lambda ai, gi: be.weight_grad(m, ai[None], gi[None], source_shape))
+    step = max(1, _PER_SAMPLE // max(1, m.weight.size))
+    total = None
+    for i in range(0, a.shape[0], step):
+        part = one(a[i:i + step], g[i:i + step]).square().sum(0)
+        total = part if total is None else total.add_(part)
     return total
 
 
