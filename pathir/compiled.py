@@ -645,6 +645,8 @@ class Compiled:
 
         ratio = None
         for _, var, eps in self._unfolded_variances():
+            if not eps > 0:  # (var + 0) / 0: no floor under the variance for a rescaling to approach
+                continue
             low = float(((var + eps) / eps).min())
             ratio = low if ratio is None else min(ratio, low)
         return ratio

@@ -8,6 +8,7 @@ concatenation of all earlier ones (the graphs on which block sweeps crawl).
 import copy
 import gc
 import math
+import warnings
 import pickle
 import weakref
 
@@ -265,6 +266,24 @@ def test_the_default_bound_keeps_rescaled_batchnorm_variances_above_eps():
     _finite_and_normal(net)
     assert torch.allclose(net(x), before, rtol=1e-4, atol=1e-5)
     assert pathir.compile(_mlp(torch.float32), input_shape=(6,)).rescaled_variance_ratio() is None
+
+
+def test_a_batch_norm_without_eps_sets_no_variance_bound_and_warns_nothing():
+    """eps = 0: (var + eps) / eps has no floor to keep the rescaled variance above (found by review: a raw numpy
+    divide-by-zero warning)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.BatchNorm1d(6, eps=0.0),
+                              torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2)).double().eval()
+    with torch.no_grad():
+        net[2].running_var.copy_(torch.linspace(0.1, 2.0, 6))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    before = net(x).detach()
+    cm = pathir.compile(net, input_shape=(4,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cm.rescaled_variance_ratio() is None
+        cm.pathcond()
+    torch.testing.assert_close(net(x), before, rtol=1e-12, atol=1e-12)
 
 
 def test_a_zero_default_bound_from_a_batch_norm_warns_naming_it_and_max_log_scale_lifts_it():
