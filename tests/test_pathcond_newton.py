@@ -8,8 +8,8 @@ concatenation of all earlier ones (the graphs on which block sweeps crawl).
 import copy
 import gc
 import math
-import warnings
 import pickle
+import warnings
 import weakref
 
 import numpy as np
