@@ -27,7 +27,7 @@ import torch
 from pathir.errors import PathirError, PathNormOverflow
 from pathir.ir import Graph, Param, Role
 
-__all__ = ["tensor_names", "layout", "Leaf", "narrowed", "ParamRecipe", "graph_recipes", "Coordinates", "value_ref", "batchnorm_of",
+__all__ = ["tensor_names", "layout", "Leaf", "float64_copy", "narrowed", "ParamRecipe", "graph_recipes", "Coordinates", "value_ref", "batchnorm_of",
            "is_threshold"]
 
 
@@ -89,13 +89,14 @@ class Leaf:
                 t = getattr(module, attr)
         else:
             t = model.get_parameter(self.param_name) if self.param_name else model.get_buffer(self.name)
+        mask = model.get_buffer(self.mask) if self.mask else None
         if not live or not (self.param_name or self.computed):
             # a buffer's own copy (no gradient reaches it): a train-mode batch norm updates its running statistics
             # in place without bumping their version, which a backward reading them by reference would then see
-            t = t.detach().to(torch.float64, copy=True)
-        elif t.dtype != torch.float64:
+            return float64_copy(t, mask)
+        if t.dtype != torch.float64:
             t = _Widened.apply(t, self.name)
-        return t * model.get_buffer(self.mask).to(torch.float64, copy=True) if self.mask else t
+        return t * mask.to(torch.float64, copy=True) if self.mask else t
 
     def watched(self, model: torch.nn.Module) -> list[torch.Tensor]:
         """The model's parameters this tensor is read from: its own, or its parametrization's."""
@@ -103,6 +104,12 @@ class Leaf:
             path, _, attr = self.name.rpartition(".")
             return list(model.get_submodule(path).parametrizations[attr].parameters())
         return [model.get_parameter(self.param_name)] if self.param_name else []
+
+
+def float64_copy(t: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``t`` (times a pruning ``mask``) as a float64 tensor of its own, detached, on its device."""
+    t = t.detach().to(torch.float64, copy=True)
+    return t * mask.to(torch.float64) if mask is not None else t
 
 
 class _Widened(torch.autograd.Function):
@@ -307,16 +314,14 @@ class Coordinates:
         """Whether the model still has the layout the recipes and leaves were resolved against."""
         return layout(self.model) == self.layout
 
-    def read(self, live: bool = False) -> dict[str, torch.Tensor]:
-        """{source name: float64 tensor}: detached copies on the CPU, or ``live`` (on the tensors'
-        devices, autograd reaching the model's parameters)."""
-        if live:
-            return {n: leaf.read(self.model, live=True) for n, leaf in self.leaves.items()}
+    def read(self) -> dict[str, torch.Tensor]:
+        """{source name: float64 tensor}: detached copies on the CPU."""
         return {n: leaf.read(self.model).cpu() for n, leaf in self.leaves.items()}
 
     def check_each(self, graph: Graph, rtol: float, who: str, built: bool = False) -> None:
-        """:meth:`check` of the model's tensors as they are now, one param at a time without autograd: each
-        param's float64 value (and its tensors' reads) dropped once compared, never the whole model's."""
+        """PathirError naming the first param of ``graph`` (same structure) that the model's tensors as they are
+        now do not rebuild to ``rtol`` of its largest entry; one param at a time without autograd, each float64
+        value (and its tensors' reads) dropped once compared, never the whole model's."""
         params = graph.params()
         if len(params) != len(self.recipes):
             raise PathirError(f"{who}: the graph has {len(params)} params, the model's tensors give "

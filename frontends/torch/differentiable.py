@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from pathir.errors import PathirError
-from pathir.frontends.torch.coordinates import narrowed
+from pathir.frontends.torch.coordinates import float64_copy, narrowed
 from pathir.frontends.torch.live import fused_steps
 
 __all__ = ["attach", "eagerly"]
@@ -57,7 +57,8 @@ class _Chain:
     def __init__(self, coords, grads: list[np.ndarray]):
         self.coords, self.grads = coords, list(grads)
         model = coords.model
-        self.targets = {n: [p for p in leaf.watched(model) if p.requires_grad] for n, leaf in coords.leaves.items()}
+        reads = {n: leaf.watched(model) for n, leaf in coords.leaves.items()}  # the parameters each tensor reads
+        self.targets = {n: [p for p in ps if p.requires_grad] for n, ps in reads.items()}
         # a buffer's value now (running statistics a train-mode forward moves in place, bumping no version); a
         # parametrized tensor's live read, its graph kept for the backward (the parametrization's own state kept)
         self.fixed = {n: leaf.read(model, live=bool(self.targets[n])) for n, leaf in coords.leaves.items()
@@ -65,7 +66,7 @@ class _Chain:
         self.params = list({id(p): p for ps in self.targets.values() for p in ps}.values())
         watched: dict[str, torch.Tensor] = {}
         for n, leaf in coords.leaves.items():
-            for i, p in enumerate(leaf.watched(model)):
+            for i, p in enumerate(reads[n]):
                 watched[f"{n} ({i})" if leaf.computed else n] = p
             if leaf.mask:
                 watched[leaf.mask] = model.get_buffer(leaf.mask)
@@ -121,9 +122,8 @@ class _Chain:
         saw (a Parameter or a pruning mask since swapped for another in the module is not read)."""
         if name in self.fixed:
             return self.fixed[name].detach()
-        t = self.watched[name].detach().to(torch.float64, copy=True)
         mask = self.coords.leaves[name].mask
-        return t * self.watched[mask].to(torch.float64) if mask else t
+        return float64_copy(self.watched[name], self.watched[mask] if mask else None)
 
     def _read_device(self, name: str) -> torch.device:
         return self.fixed[name].device if name in self.fixed else self.targets[name][0].device
