@@ -244,17 +244,28 @@ def least_positive(m: np.ndarray) -> float:
     return low if low > 0 else float(np.min(m, where=m > 0, initial=math.inf))
 
 
+#: rows longer than this are reduced by numpy (its min and max run at memory speed along a long row, where
+#: torch's aminmax is 2-4x slower); shorter ones, a convolution's kernel, by torch's aminmax in one pass (numpy's
+#: reductions over a few trailing entries are 2x slower)
+_NUMPY_ROWS = 64
+
+
 def _trailing_min_max(m: np.ndarray, axes: tuple):
-    """(min, max) of m over ``axes`` (kept as axes of size 1) in one pass over m (torch's aminmax), where
-    ``axes`` are m's last axes, m is a C-contiguous float64 array and torch is already loaded; else None."""
-    torch = sys.modules.get("torch")
+    """(min, max) of m over ``axes`` (kept as axes of size 1), where ``axes`` are m's last axes and m is a
+    C-contiguous float64 array: m itself where they hold one entry (a 1 × 1 kernel), else in one pass over m
+    (torch's aminmax) for rows of at most ``_NUMPY_ROWS`` entries where torch is already loaded; else None."""
     nd, k = m.ndim, len(axes)
-    if torch is None or not k or tuple(axes) != tuple(range(nd - k, nd)) or m.dtype != np.float64 \
-            or not m.flags.c_contiguous:
+    if not k or tuple(axes) != tuple(range(nd - k, nd)) or m.dtype != np.float64 or not m.flags.c_contiguous:
+        return None
+    width = math.prod(m.shape[nd - k:])
+    if width == 1:
+        return m, m
+    torch = sys.modules.get("torch")
+    if torch is None or width > _NUMPY_ROWS:
         return None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "not writable": only read
-        rows = torch.from_numpy(m).view(-1, math.prod(m.shape[nd - k:]))
+        rows = torch.from_numpy(m).view(-1, width)
     low, high = torch.aminmax(rows, dim=1)
     shape = m.shape[:nd - k] + (1,) * k
     return low.numpy().reshape(shape), high.numpy().reshape(shape)
