@@ -139,6 +139,37 @@ def test_diag_g_in_model_coordinates_of_a_folded_batchnorm():
         np.testing.assert_allclose(g[name].numpy(), (J**2).sum(dim=0).numpy(), rtol=1e-10, atol=1e-14)
 
 
+class _BiasBeforeBN(nn.Module):
+    """Linear without bias, a bias Parameter of its own added, then BatchNorm1d (folded), ReLU, Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.b, self.bn, self.out = nn.Linear(4, 3, bias=False), nn.Parameter(torch.randn(3)), \
+            nn.BatchNorm1d(3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.bn(self.lin(x) + self.b)))
+
+
+def test_diag_g_reaches_a_bias_parameter_added_before_a_folded_batchnorm():
+    """The fold adds b, scaled by the batch-norm, into its bias: b's diag G is Σ_p (∂Φ_p/∂b)², where the recipe once
+    guessed the layer's own (missing) bias and gave b nothing (found by review of the differentiable path-norm)."""
+    torch.manual_seed(1)
+    net = _BiasBeforeBN().double().eval()
+    with torch.no_grad():
+        net.bn.running_mean.uniform_(-1, 1), net.bn.running_var.uniform_(0.5, 2), net.bn.weight.uniform_(-2, 2)
+    opt = PathSGD(net.parameters(), compiled=pathir.compile(net, input_shape=(4,)))
+    opt.refresh()
+    bn = net.bn
+    leaves = (net.lin.weight, net.b, bn.weight, bn.bias, net.out.weight, net.out.bias)
+    names = ("lin.weight", "b", "bn.weight", "bn.bias", "out.weight", "out.bias")
+    jac = torch.autograd.functional.jacobian(
+        lambda *t: explicit_phi(*t, bn.running_mean, bn.running_var, bn.eps), tuple(t.detach() for t in leaves))
+    g = opt.diag_g()
+    for name, J in zip(names, jac):
+        np.testing.assert_allclose(g[name].numpy(), (J**2).sum(dim=0).numpy(), rtol=1e-10, atol=1e-14, err_msg=name)
+
+
 def test_pruned_weights_stay_zero():
     net = make(mlp)
     cm = pathir.compile(net, input_shape=(4,))
