@@ -957,3 +957,13 @@ def mlp_reference_pruned(net, q):
     p = lambda t: t.abs() ** q  # noqa: E731
     h = F.linear(torch.ones(1, 3, dtype=torch.float64), p(net[0].weight), p(net[0].bias))
     return F.linear(h, p(net[2].weight), p(net[2].bias)).sum() ** (1 / q)
+
+
+def test_a_pruned_bias_folded_into_a_batch_norm_gets_its_gradient_through_its_mask():
+    """The fold's record names the layer's bias `0.bias`, which torch's pruning holds as `0.bias_orig` and a mask:
+    it is read as any pruned tensor is (found in this session's own re-read: a check of the record refused it)."""
+    torch.manual_seed(0)
+    model = _randomise_bn(mlp_bn().double()).eval()
+    torch.nn.utils.prune.l1_unstructured(model[0], "bias", amount=2)
+    got = _grads(model, pathir.PathNormPenalty(model, q=2.0, input_shape=(4,))())
+    _assert_grads_close(got, _grads(model, mlp_bn_reference(model, 2.0)))

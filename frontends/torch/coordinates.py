@@ -204,21 +204,12 @@ def is_threshold(p: Param) -> bool:
 _FOLDED_BIAS = re.compile(r" \+ scale \* (\S+)")
 
 
-def folded_biases(p: Param, names: tuple[set, set]) -> list[str] | None:
+def folded_biases(p: Param) -> list[str] | None:
     """The model tensors ``fold_batchnorm`` added, scaled, into the folded batch-norm bias ``p`` (the biases of
-    the layers before it, however the model holds them: a module's ``bias``, a Parameter added to its output);
-    None where its ``how`` records none. PathirError for one that is not a tensor of the model (``names``:
-    ``tensor_names``)."""
-    found = _FOLDED_BIAS.findall(p.how)
-    if not found:
-        return None
-    params, buffers = names
-    for name in found:
-        if name not in params and name not in buffers:
-            raise PathirError(f"param '{p.name}' ({p.how}) folds in '{name}', which is not a tensor of the model "
-                              "(a value computed from several): pathir follows a layer's bias held as a parameter "
-                              "or a buffer")
-    return found
+    the layers before it, however the model holds them: a module's ``bias``, pruned or not, a Parameter added to
+    its output); None where its ``how`` records none. Each is resolved as any recipe's tensor is (``Leaf``),
+    which names one the model does not hold."""
+    return _FOLDED_BIAS.findall(p.how) or None
 
 
 def graph_recipes(graph: Graph, model: torch.nn.Module) -> list[ParamRecipe]:
@@ -246,7 +237,7 @@ def graph_recipes(graph: Graph, model: torch.nn.Module) -> list[ParamRecipe]:
         if Role.IN_STATS in roles:  # an unfolded batch-norm scale: c itself
             out.append(ParamRecipe(p, [g_name, v_name], lambda t, c_of=c_of, s=shape: c_of(t).reshape(s)))
         elif id(p) in biases:  # β − μc (+ c · the biases of the layers folded into it)
-            convs = folded_biases(p, tensor_names(model))
+            convs = folded_biases(p)
             if convs is None:  # (a graph the pass did not record it in: the layers' own biases)
                 convs = []
                 for e in biases[id(p)].edges:
