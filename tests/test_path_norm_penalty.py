@@ -967,3 +967,28 @@ def test_a_pruned_bias_folded_into_a_batch_norm_gets_its_gradient_through_its_ma
     torch.nn.utils.prune.l1_unstructured(model[0], "bias", amount=2)
     got = _grads(model, pathir.PathNormPenalty(model, q=2.0, input_shape=(4,))())
     _assert_grads_close(got, _grads(model, mlp_bn_reference(model, 2.0)))
+
+
+class ConvBiasBeforeBN(nn.Module):
+    """A bias-free convolution, a bias Parameter held (1, C, 1, 1) added to its output, then a batch-norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.c, self.b = nn.Conv2d(2, 3, 3, bias=False), nn.Parameter(torch.randn(1, 3, 1, 1))
+        self.bn, self.o = nn.BatchNorm2d(3), nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.o(F.relu(self.bn(self.c(x) + self.b)).mean((2, 3)))
+
+
+def test_a_bias_parameter_of_shape_1_c_1_1_before_a_folded_batch_norm_gets_its_gradient():
+    """Found by a hostile re-run: the folded-in bias entered the recipe in its own (1, C, 1, 1) shape, and the
+    backward failed with a raw reshape error."""
+    torch.manual_seed(0)
+    m = _randomise_bn(ConvBiasBeforeBN().double()).eval()
+    got = _grads(m, pathir.PathNormPenalty(m, q=2.0, input_shape=(2, 5, 5))())
+    p = lambda t: t.abs() ** 2  # noqa: E731
+    w, b = _folded(m.c.weight, m.b.reshape(-1), m.bn)
+    h = F.conv2d(torch.ones(1, 2, 5, 5, dtype=torch.float64), p(w), p(b)).sum((2, 3)) * (1 / 9) ** 2  # the mean
+    reference = F.linear(h, p(m.o.weight), p(m.o.bias)).sum() ** 0.5
+    _assert_grads_close(got, _grads(m, reference))

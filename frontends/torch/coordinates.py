@@ -253,7 +253,7 @@ def graph_recipes(graph: Graph, model: torch.nn.Module) -> list[ParamRecipe]:
 
             def fn(t, c_of=c_of, b_name=b_name, m_name=m_name, convs=tuple(convs), s=shape):
                 c = c_of(t)
-                extra = sum((t[n] for n in convs), torch.zeros_like(c))
+                extra = sum((t[n].reshape(c.shape) for n in convs), torch.zeros_like(c))  # (a bias held (1, C, 1, 1))
                 return (t[b_name] - t[m_name] * c + c * extra).reshape(s)
 
             out.append(ParamRecipe(p, [b_name, g_name, m_name, v_name, *convs], fn))
