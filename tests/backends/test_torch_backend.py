@@ -168,6 +168,26 @@ def test_rules_equal_numpy(device, kind, data, batch):
         assert rel_err(ref, tb.to_numpy(tb.weight_grad(m, tb.asarray(x), tb.asarray(g), s))) < TOL
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("spatial", [(5,), (4, 3), (2, 3, 2)], ids=["1d", "2d", "3d"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_pointwise_conv_by_matmul_equals_numpy(device, spatial, batch):
+    """A 1 x 1 convolution at stride 1, unpadded and ungrouped (the torch backend's matmul path), and one just
+    outside it (stride 2, padding 1, groups 2: torch's convolutions), against the numpy backend."""
+    rng = np.random.default_rng(batch)
+    n, tb = len(spatial), TorchBackend(device)
+    for stride, pad, groups in [(1, 0, 1), (2, 0, 1), (1, 1, 1), (1, 0, 2)]:
+        m = Conv(Param("w", rng.normal(size=(6, 4 // groups, *([1] * n)))), (stride,) * n, ((pad, pad),) * n,
+                 (1,) * n, groups)
+        s = (4, *spatial)
+        x = rng.normal(size=(batch, *s))
+        y = NB.apply(m, x, s)
+        g = rng.normal(size=y.shape)
+        assert rel_err(y, tb.to_numpy(tb.apply(m, tb.asarray(x), s))) < TOL
+        assert rel_err(NB.adjoint(m, g, s), tb.to_numpy(tb.adjoint(m, tb.asarray(g), s))) < TOL
+        assert rel_err(NB.weight_grad(m, x, g, s), tb.to_numpy(tb.weight_grad(m, tb.asarray(x), tb.asarray(g), s))) < TOL
+
+
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
 @pytest.mark.parametrize("kind", KINDS)
 @settings(max_examples=25)
