@@ -95,3 +95,57 @@ def test_a_learnable_weight_read_as_a_constant_stays_a_parameter(form):
     cm = pathir.compile(_LearnableRead(form), input_shape=(3,))  # float32: a view attribute would not follow .double()
     assert len(cm.units) == 4
     assert sum(np.size(v) for v in cm.diag_g().values()) == 12 + 4 + 8
+
+
+class _LeftParam(nn.Module):
+    """A learnable matrix on the left of an activation: W @ h mixes h's second-to-last axis (4 rows) at each of its
+    5 columns, a dense layer at every position; as W, W.t() (stored transposed), torch.matmul, plus a bias."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.a, self.out, self.form = nn.Linear(5, 5), nn.Linear(5, 2), form
+        self.W = nn.Parameter(torch.randn(4, 3) if form == "transposed" else torch.randn(3, 4))
+        self.b = nn.Parameter(torch.randn(3, 1))
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        y = {"left": lambda: self.W @ h, "transposed": lambda: self.W.t() @ h, "matmul": lambda: torch.matmul(self.W, h),
+             "plus bias": lambda: self.W @ h + self.b}[self.form]()
+        return self.out(torch.relu(y))
+
+    def matrix(self):
+        return self.W.t() if self.form == "transposed" else self.W
+
+
+def _left_l1_path_norm(net, shape):
+    """Σ_p |Φ_p|: the |θ| network on the all-ones input (ReLUs as identities), every output summed."""
+    with torch.no_grad():
+        h = torch.ones(1, *shape, dtype=torch.float64) @ net.a.weight.abs().T + net.a.bias.abs()
+        y = net.matrix().abs() @ h + (net.b.abs() if net.form == "plus bias" else 0.0)
+        return float((y @ net.out.weight.abs().T + net.out.bias.abs()).sum())
+
+
+@pytest.mark.parametrize("path", ["fx", "export"])
+@pytest.mark.parametrize("form", ["left", "transposed", "matmul", "plus bias"])
+@pytest.mark.parametrize("shape", [(4, 5), (2, 4, 5)], ids=["3-d", "4-d"])
+def test_a_learnable_matrix_on_the_left_is_a_dense_layer_at_every_position(form, path, shape):
+    """W @ h with W a parameter was refused as 'outside the ReLU DAG model'; it is the dense layer (h^T W^T)^T: exact
+    forward and path-norm, PathCond keeps the function and rescales W in place (W.t() @ h: W stored transposed)."""
+    torch.manual_seed(0)
+    net = _LeftParam(form).double()
+    if path == "export":
+        net.forward = functools.partial(_LeftParam.forward, net)
+    x = torch.randn(5, *shape, dtype=torch.float64)
+    y = net(x).detach()
+    if form == "plus bias" and len(shape) == 3:  # b[j] over rows j, read across the channels of axis 0: refused
+        with pytest.raises(pathir.errors.UnsupportedOperation, match="parameter 'b' of shape"):
+            pathir.compile(net, input_shape=shape)
+        return
+    cm = pathir.compile(net, input_shape=shape)
+    np.testing.assert_allclose(cm.forward(x.numpy(), backend="numpy"), y.numpy(), rtol=1e-12, atol=1e-12)
+    assert cm.path_norm(1) == pytest.approx(_left_l1_path_norm(net, shape), rel=1e-12)
+    W = net.W.detach().clone()
+    cm.pathcond()
+    torch.testing.assert_close(net(x), y, rtol=1e-10, atol=1e-12)
+    assert not torch.equal(net.W, W)  # rescaled
+

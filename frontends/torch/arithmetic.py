@@ -203,7 +203,10 @@ def maximum(low, input, other):
 def matmul(low, input, other):
     """``x @ W`` with W an (in, out) parameter, or ``x @ W.t()`` with W an (out, in) one: a dense layer; with W a
     buffer, a fixed map; ``A @ x`` with A a buffer (a fixed adjacency over x's second-to-last axis), a fixed map:
-    (xᵀ @ Aᵀ)ᵀ."""
+    (xᵀ @ Aᵀ)ᵀ; ``W @ x`` (or ``W.t() @ x``) with W a parameter, the dense layer over x's second-to-last axis at
+    every position of its last: (xᵀ @ Wᵀ)ᵀ."""
+    if isinstance(input, ParamTensor) and isinstance(other, Value) and not low.is_buffer(input):
+        return _left_matmul_param(low, input, other)
     if isinstance(input, ParamTensor) and input.transposed:
         low.unsupported(transposed_param(input, "a product on the left of an activation"))
     if isinstance(input, ParamTensor) and isinstance(other, Value) and low.is_buffer(input):
@@ -214,6 +217,21 @@ def matmul(low, input, other):
         return fixed_linear(low, input, replace(other, transposed=False), None, transposed=not other.transposed)
     return low.matmul_param(input, other)
 
+
+
+def _left_matmul_param(low, weight: ParamTensor, v: Value) -> Value:
+    """``W @ v`` with W an (M, N) parameter as read (``W.t() @ v``: W stored (N, M)) and v of at least two axes per sample, N
+    its second-to-last: v's last two axes swapped, times Wᵀ as a dense layer at every position, swapped back."""
+    v = low.value(v)
+    t = weight.read()
+    if t.dim() != 2 or len(v.shape) < 2 or t.shape[1] != v.shape[-2]:  # (t: the matrix as read, W.t() transposed)
+        low.unsupported(f"the parameter '{weight.name}'{' read transposed' if weight.transposed else ''} of shape "
+                        f"{list(t.shape)} times an activation of shape {list(v.shape)} (per sample): W @ x is a dense "
+                        "layer over x's second-to-last axis, and needs W of shape (M, N) and x of shape (..., N, F) per "
+                        "sample; a product that mixes the batch axis is outside the ReLU DAG model")
+    swapped = low.index_op(lambda x: x.transpose(-1, -2), [v])[0][0]
+    out = low.matmul_param(swapped, replace(weight, transposed=not weight.transposed))  # xᵀ @ Wᵀ
+    return low.index_op(lambda x: x.transpose(-1, -2), [out])[0][0]
 
 @reads_transposed
 def addmm(low, input, mat1, mat2, *, beta=1, alpha=1):
