@@ -174,3 +174,39 @@ def test_a_min_constant_no_shape_holds_per_channel_is_held_and_the_rest_written(
     assert rel(cm.forward(x, backend="numpy"), before) <= 1e-5 and len(cm.units) > 0
     cm.pathcond()
     assert rel(ort_run(cm.to_onnx(), x)[0], before) <= 1e-5
+
+
+class LeftMatrix(nn.Module):
+    """(B, 4, 5) -> Linear(5, 5) -> ReLU -> W @ h (W (3, 4) learnable, + a bias per row) -> ReLU -> Linear(5, 2)."""
+
+    def __init__(self, bias):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.out, self.bias = nn.Linear(5, 5), nn.Linear(5, 2), bias
+        self.W, self.b = nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(3, 1))
+
+    def forward(self, x):
+        y = self.W @ torch.relu(self.a(x))
+        return self.out(torch.relu(y + self.b if self.bias else y))
+
+
+@pytest.mark.parametrize("exporter", ["legacy-nofold", "legacy", "dynamo-noopt", "dynamo"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_matmul_by_an_initializer_on_the_left_is_a_pointwise_layer_over_the_rows(exporter, bias):
+    """MatMul(W, x) with x (batch, N, F): the dense layer (xᵀ Wᵀ)ᵀ over x's rows at every column (refused as
+    'W @ activation is not lowered' before), against onnxruntime and the torch frontend; write-backs keep the
+    function and rescale W."""
+    model = LeftMatrix(bias).eval()
+    proto = export(model, (4, 5), exporter)
+    cm, _ = assert_export_matches(proto, model, (4, 5))
+    x = np.random.default_rng(1).normal(size=(4, 4, 5)).astype(np.float32)
+    before = ort_run(proto, x)[0]
+    cm.pathcond()
+    cm.equalize(bits=6)
+    written = cm.to_onnx()
+    assert rel(ort_run(written, x)[0], before) <= 1e-5
+    from onnx import numpy_helper
+
+    W = {i.name: numpy_helper.to_array(i) for i in written.graph.initializer}
+    old = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
+    assert any(v.shape == (3, 4) and not np.array_equal(v, old[k]) for k, v in W.items() if k in old)  # W rescaled

@@ -95,9 +95,16 @@ def matmul(low, node, ins):
             return [_last_axis(low, node, v, B)]
         return [_dense(low, v, low.weight(node, 1, B.T, True, node.input[1] + "^T"), None)]
     v = ins[1]
-    if node.input[1] not in low.axis1:
-        low.unsupported("W @ activation (a matrix applied on the left of each sample, over its first per-sample axis) "
-                        "is not lowered; only activation @ W, and W @ x where x holds its batch on axis 1, are")
+    if node.input[1] not in low.axis1:  # W @ x per sample (x: (..., N, F)): the dense layer (xᵀ Wᵀ)ᵀ at every column
+        A = f64(low.const(node, 0, "weight"))
+        if A.ndim != 2 or len(v.shape) < 2 or A.shape[1] != v.shape[-2]:
+            low.unsupported(f"W @ activation with the weight '{node.input[0]}' of shape {list(A.shape)} and an activation "
+                            f"of per-sample shape {list(v.shape)}: lowered where W is (M, N) and the activation (..., N, F) "
+                            "per sample (a dense layer over its second-to-last axis); a product over the batch axis is "
+                            "outside the ReLU DAG model")
+        swapped = low.index_op(lambda x: x.transpose(-1, -2), [v])[0][0]
+        out = _last_axis(low, node, swapped, A, index=0, stored_in_out=False)
+        return [low.index_op(lambda x: x.transpose(-1, -2), [out])[0][0]]
     A = f64(low.const(node, 0, "weight"))
     if A.ndim != 2:
         low.unsupported(f"MatMul with a weight of rank {A.ndim}")
@@ -105,19 +112,20 @@ def matmul(low, node, ins):
     return [_dense(low, v, low.weight(node, 0, A, False, node.input[0]), None)]
 
 
-def _last_axis(low, node, v: Value, B: np.ndarray) -> Value:
-    """``v @ B`` with v of per-sample shape (*S, F) and B (F, O): a convolution of kernel size 1 over v's feature axis
-    moved first, its kernel B entry by entry (``PointwiseKernelLayout``, transposed: the tensor is stored (F, O))."""
-    layout = PointwiseKernelLayout(len(v.shape) - 1, transposed=True)
+def _last_axis(low, node, v: Value, B: np.ndarray, index: int = 1, stored_in_out: bool = True) -> Value:
+    """``v @ B`` with v of per-sample shape (*S, F) and B, input ``index`` of the node, stored (F, O) (or, not
+    ``stored_in_out``, (O, F): ``v @ Bᵀ``): a convolution of kernel size 1 over v's feature axis moved first, its
+    kernel B entry by entry (``PointwiseKernelLayout``)."""
+    layout = PointwiseKernelLayout(len(v.shape) - 1, transposed=stored_in_out)
 
     def kernel() -> Param:
-        ref, _ = low.param_ref(node, 1, ("weight", layout, B))
+        ref, _ = low.param_ref(node, index, ("weight", layout, B))
         p = low.param(ref, layout.from_source(B), (SourceRef(ref, layout=layout),),
-                      f"{node.input[1]} as a pointwise convolution kernel")
-        low.bind(ref, node, 1, "weight")
+                      f"{node.input[index]} as a pointwise convolution kernel")
+        low.bind(ref, node, index, "weight")
         return p
 
-    return pointwise_last_axis(low, v, (B.shape[1], B.shape[0]), kernel)
+    return pointwise_last_axis(low, v, (B.shape[1], B.shape[0]) if stored_in_out else B.shape, kernel)
 
 
 def _conv_inputs(low, node, what: str):
