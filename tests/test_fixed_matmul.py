@@ -149,3 +149,41 @@ def test_a_learnable_matrix_on_the_left_is_a_dense_layer_at_every_position(form,
     torch.testing.assert_close(net(x), y, rtol=1e-10, atol=1e-12)
     assert not torch.equal(net.W, W)  # rescaled
 
+
+
+class _PlainAttribute(nn.Module):
+    """A plain tensor attribute (no parameter, no buffer) as a fixed matrix: A @ h on the left, or h @ A."""
+
+    def __init__(self, side):
+        super().__init__()
+        self.a, self.out, self.side = nn.Linear(5, 5), nn.Linear(5, 2), side
+        self.A = torch.randn(3, 4, dtype=torch.float64) if side == "left" else torch.randn(5, 5, dtype=torch.float64)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.out(torch.relu(self.A @ h if self.side == "left" else h @ self.A))
+
+
+@pytest.mark.parametrize("path", ["fx", "export"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_plain_tensor_attribute_is_fixed_on_both_capture_paths(side, path):
+    """torch.export lifts a plain tensor attribute as a constant, which was read as a learnable 'A' (diag G gave it
+    entries, PathCond wrote into it, the differentiable path-norm refused it); fx reads it as fixed. Fixed on both."""
+    torch.manual_seed(0)
+    net = _PlainAttribute(side).double()
+    if path == "export":
+        net.forward = functools.partial(_PlainAttribute.forward, net)
+    A = net.A.clone()
+    x = torch.randn(3, 4, 5, dtype=torch.float64)
+    y = net(x).detach()
+    cm = pathir.compile(net, input_shape=(4, 5))
+    assert {p.name for p in cm.graph.params()} == {"a.weight", "a.bias", "out.weight", "out.bias"}
+    with torch.no_grad():
+        h = torch.ones(1, 4, 5, dtype=torch.float64) @ net.a.weight.abs().T + net.a.bias.abs()
+        h = net.A.abs() @ h if side == "left" else h @ net.A.abs()
+        own = float((h @ net.out.weight.abs().T + net.out.bias.abs()).sum())
+    assert cm.path_norm(1) == pytest.approx(own, rel=1e-12)
+    cm.path_norm(2, differentiable=True).backward()
+    cm.pathcond()
+    torch.testing.assert_close(net(x), y, rtol=1e-10, atol=1e-12)
+    assert torch.equal(net.A, A)

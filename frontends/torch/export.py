@@ -117,9 +117,9 @@ def _interpret(model, program, shapes, name, clips):
         refuse_state_writes(model, sorted(set(written)))
     tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False)),
                **dict(program.constants)}
-    lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers,
-              **getattr(sig, "inputs_to_lifted_tensor_constants", {})}
-    interpreter = _ExportInterpreter(model, program.graph_module.graph, name, lifted, tensors)
+    constants = getattr(sig, "inputs_to_lifted_tensor_constants", {})
+    lifted = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **constants}
+    interpreter = _ExportInterpreter(model, program.graph_module.graph, name, lifted, tensors, set(constants))
     kinds = [spec.kind for spec in sig.output_specs]
     interpreter.user_outputs = [k for k, kind in enumerate(kinds) if kind is OutputKind.USER_OUTPUT]
     graph = interpreter.run(shapes)
@@ -134,9 +134,9 @@ class _ExportInterpreter(FxInterpreter):
     def _is_state(self, node) -> bool:
         return node.op == "placeholder" and node.name in self.lifted
 
-    def __init__(self, model, graph, name, lifted, tensors):
+    def __init__(self, model, graph, name, lifted, tensors, constants=frozenset()):
         super().__init__(model, graph, name)
-        self.lifted, self.tensors = lifted, tensors
+        self.lifted, self.tensors, self.constants_lifted = lifted, tensors, constants
         self.user_outputs = None  # positions of the forward's own results among the graph's outputs
         self.constants = 0  # tensor constants made so far (their names: _tensor_constant0, 1, ...)
 
@@ -151,8 +151,16 @@ class _ExportInterpreter(FxInterpreter):
 
     def _eval(self, node, shape):
         if node.op == "placeholder" and node.name in self.lifted:
-            fqn = self.lifted[node.name]
-            return ParamTensor(fqn, self.tensors[fqn])
+            fqn, t = self.lifted[node.name], self.tensors[self.lifted[node.name]]
+            held = _attribute(self.model, fqn) if node.name in self.constants_lifted else None
+            if isinstance(held, torch.Tensor):  # a plain tensor attribute: fixed, as the fx path reads it, unless
+                # autograd traces it back to a parameter (a view attribute `s.Wt = s.W.t()`). (A constant the model
+                # holds by no name, `lifted_tensor_0`, may be a parameter of a module kept in a plain list: it
+                # stays a parameter, and a write-back names it)
+                self.low.direct_reads.add(fqn)
+                learnable = self.low.is_parameter(ParamTensor(fqn, t)) or held.requires_grad
+                return ParamTensor(fqn, t, "parameter" if learnable else "buffer")
+            return ParamTensor(fqn, t)
         if node.op == "get_attr" and isinstance(node.target, str) and node.target.startswith(("submod_", "true_graph_",
                                                                                               "false_graph_")):
             self.low.unsupported(
@@ -241,3 +249,13 @@ def _unreached(fn, args, kwargs):
         return None
     same = isinstance(here, torch.Tensor) and all(isinstance(x, torch.Tensor) and torch.equal(here, x) for x in theres)
     return here if same else None
+
+
+def _attribute(model, fqn: str):
+    """The object ``model`` holds at the dotted name ``fqn``, or None where it holds none."""
+    obj = model
+    for part in fqn.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
