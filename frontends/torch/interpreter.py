@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 import torch.fx
 import torch.nn as nn
+from torch.nn.utils import parametrize
 
 from pathir.errors import PathirError
 from pathir.frontends.core.lowering import Lowering
@@ -160,6 +161,11 @@ class FxInterpreter:
                 # transpose), is a fixed tensor; one that requires grad (a learnable parameter's view or product:
                 # `s._parameters['W'].t()`, an attribute `s.Wt = s.W.t()`) stays a parameter
                 learnable = low.is_parameter(ParamTensor(node.target, obj)) or obj.requires_grad
+                turned = _transpose_of_named(self.model, node.target, obj)
+                if turned is not None and (low.is_parameter(ParamTensor(*turned)) or turned[1].requires_grad):
+                    # `W.t()` made eagerly around fx's proxies (a pruned W is a plain attribute, so its .t() is no
+                    # proxy; made under no_grad it requires none): W itself, read transposed
+                    return ParamTensor(turned[0], turned[1], "parameter", transposed=True)
                 return ParamTensor(node.target, obj, "parameter" if learnable else "buffer")
             return obj
         args, kwargs = self._args(node)
@@ -246,6 +252,12 @@ class FxInterpreter:
                                  "or quantized weights or outputs, quantization-aware training): the weights it "
                                  "computes with are not its parameters, and rounding is not positively homogeneous. "
                                  "Analyse the float model (before torch.ao's prepare or convert)", type(mod).__name__)
+        if isinstance(mod, parametrize.ParametrizationList) and not args and not kwargs:
+            # `self.W` of a parametrized attribute read in the forward (fx calls its ParametrizationList): the tensor
+            # it computes, under the attribute's own name, written back through the parametrization (weight_norm)
+            owner, _, _ = path.rpartition(".parametrizations.") if ".parametrizations." in path else ("", "", "")
+            attr = path.rpartition(".")[2]
+            return ParamTensor(f"{owner}.{attr}" if owner else attr, mod(), "parameter")
         rule = rule_for(type(mod))
         if rule is None:
             name = type(mod).__name__
@@ -334,6 +346,22 @@ def _data_readers(node) -> int:
     shape_only = {("call_method", "size"), ("call_method", "dim"), ("call_function", getattr),
                   ("call_function", torch.ops.aten.sym_size.int)}  # (torch.export's size read)
     return sum((u.op, u.target) not in shape_only for u in node.users)
+
+
+def _transpose_of_named(model, target: str, t: torch.Tensor):
+    """(name, tensor) of the model's own 2-d tensor (a parameter, or a plain attribute such as a pruned weight) of which
+    fx's tensor constant ``t`` is the transpose, a view of its memory; None for any other constant."""
+    base = t._base
+    if not target.startswith("_tensor_constant") or t.dim() != 2 or base is None or base.dim() != 2:
+        return None
+    if (t.shape != base.shape[::-1] or t.stride() != base.stride()[::-1] or t.storage_offset() != base.storage_offset()
+            or t.data_ptr() != base.data_ptr()):
+        return None
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for k, v in (*module._parameters.items(), *vars(module).items()):
+            if v is base:
+                return (f"{prefix}.{k}" if prefix else k), base
+    return None
 
 
 def _get(model, target: str):

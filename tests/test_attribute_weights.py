@@ -1,0 +1,95 @@
+"""A weight the forward reads by attribute rather than inside a layer: a pruned weight (torch's pruning makes it a
+plain attribute, W_orig * W_mask) read transposed, and a parametrized one (weight_norm) read as `self.W`. Each is the
+model's own tensor under its own name, checked against the model's forward, the |θ| path-norm network built here,
+autograd through it, and the write-backs."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.utils import parametrizations, prune
+
+import pathir
+
+N, F, M = 4, 5, 3
+
+
+class _Matrix(nn.Module):
+    """x (N, F) -> relu(U @ relu(a(x))) -> relu(W-product) -> Linear(F, 2); the W product is W @ h, W.t() @ h (W stored
+    (N, M)) or (hᵀ @ W.t())ᵀ. U makes h differ from row to row (else weight_norm's direction gets no gradient)."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form, self.a, self.out = form, nn.Linear(F, F), nn.Linear(F, 2)
+        self.U = nn.Parameter(torch.randn(N, N))
+        self.W = nn.Parameter(torch.randn(N, M) if form == "W.t() @ h" else torch.randn(M, N))
+
+    def matrix(self):
+        return self.W.t() if self.form == "W.t() @ h" else self.W
+
+    def forward(self, x):
+        h = torch.relu(self.U @ torch.relu(self.a(x)))
+        if self.form == "W @ h":
+            y = self.W @ h
+        elif self.form == "W.t() @ h":
+            y = self.W.t() @ h
+        else:
+            y = (h.transpose(-1, -2) @ self.W.t()).transpose(-1, -2)
+        return self.out(torch.relu(y))
+
+
+def _path_norm(net, q):
+    """(Σ_p |Φ_p|^q)^(1/q) by the |θ|^q network on the all-ones input, differentiable through the model's tensors."""
+    A = lambda t: t.abs() ** q  # noqa: E731
+    h = A(net.U) @ (torch.ones(1, N, F, dtype=torch.float64) @ A(net.a.weight).T + A(net.a.bias))
+    return (((A(net.matrix()) @ h) @ A(net.out.weight).T + A(net.out.bias)).sum()) ** (1 / q)
+
+
+def _check(net):
+    x = torch.randn(3, N, F, dtype=torch.float64)
+    y = net(x).detach()
+    cm = pathir.compile(net, input_shape=(N, F))
+    assert "W" in {p.name.rpartition(".")[2] for p in cm.graph.params()}
+    for q in (1, 2):
+        assert cm.path_norm(q) == pytest.approx(float(_path_norm(net, q)), rel=1e-12)
+    cm.path_norm(2, differentiable=True).backward()
+    got = {n: p.grad.clone() for n, p in net.named_parameters()}
+    net.zero_grad()
+    _path_norm(net, 2).backward()
+    top = max(float(p.grad.abs().max()) for p in net.parameters())
+    for n, p in net.named_parameters():
+        assert float((got[n] - p.grad).abs().max()) <= 1e-13 * top, n
+    cm.pathcond()
+    torch.testing.assert_close(net(x), y, rtol=1e-10, atol=1e-12)
+    return cm
+
+
+@pytest.mark.parametrize("form", ["W @ h", "W.t() @ h", "(h^T @ W.t())^T"])
+def test_a_pruned_weight_read_transposed_keeps_its_name(form):
+    """torch's pruning makes W a plain attribute, so fx computes W.t() eagerly and records it as '_tensor_constant0':
+    a learnable param no write-back found ('source tensor _tensor_constant0 not found') and a re-read no longer
+    lowering to the same graph. It is W, read transposed."""
+    torch.manual_seed(0)
+    net = _Matrix(form).double()
+    prune.random_unstructured(net, "W", amount=0.3)
+    cm = _check(net)
+    with torch.no_grad():
+        net.W_orig.mul_(1.5)  # a training step: the same Compiled follows it
+        net(torch.zeros(1, N, F, dtype=torch.float64))  # (pruning's hook sets the attribute W at the next forward)
+    assert cm.path_norm(1) == pytest.approx(float(_path_norm(net, 1)), rel=1e-12)
+    cm.prune(0.2)
+    assert int((net.W_mask == 0).sum()) > int(0.3 * N * M) - 1
+
+
+@pytest.mark.parametrize("form", ["W @ h", "W.t() @ h", "(h^T @ W.t())^T"])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_a_weight_normed_attribute_read_in_the_forward_is_its_weight(form, dim):
+    """`self.W` under parametrizations.weight_norm, read by attribute: fx calls its ParametrizationList, which was
+    refused as 'outside the ReLU DAG model'. It is the weight the parametrization computes, under W's own name,
+    written back through g and v (the function kept), its path-norm gradient reaching g and v by autograd."""
+    torch.manual_seed(0)
+    net = _Matrix(form).double()
+    parametrizations.weight_norm(net, "W", dim=dim)
+    _check(net)
+    g = net.parametrizations.W.original0
+    assert np.isfinite(g.detach().numpy()).all()
