@@ -187,3 +187,29 @@ def test_a_plain_tensor_attribute_is_fixed_on_both_capture_paths(side, path):
     cm.pathcond()
     torch.testing.assert_close(net(x), y, rtol=1e-10, atol=1e-12)
     assert torch.equal(net.A, A)
+
+
+def test_a_learnable_left_matrix_read_in_two_layouts_or_on_5d_is_refused_by_name():
+    """W @ h1 beside h2 @ W: one tensor in two layouts, named in both (the message gave 'W ...' twice); W @ x on a
+    5-d activation per sample names W @ x and the user's shape (it named a linear layer on the swapped shape)."""
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.W = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x):
+            return torch.relu(self.W @ x) + torch.relu(x @ self.W)
+
+    class Deep(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.W = nn.Parameter(torch.randn(3, 4))
+
+        def forward(self, x):
+            return torch.relu(self.W @ torch.relu(x))
+
+    with pytest.raises(pathir.errors.UnsupportedOperation, match="W as a pointwise convolution kernel; Wᵀ as"):
+        pathir.compile(Two().double(), input_shape=(4, 4))
+    with pytest.raises(pathir.errors.UnsupportedOperation, match=r"W @ x .*shape \[2, 2, 2, 4, 5\]|shape \[2, 2, 2, 4, 5\].*W @ x"):
+        pathir.compile(Deep().double(), input_shape=(2, 2, 2, 4, 5))

@@ -21,8 +21,9 @@ def linear_last_axis(low, v: Value, weight: ParamTensor, bias: ParamTensor | Non
     layout = PointwiseKernelLayout(len(v.shape) - 1, transposed=weight.transposed)
 
     def kernel():
+        read = f"{weight.name}ᵀ" if weight.transposed else weight.name  # (the two layouts told apart in a refusal)
         return low.widened(weight, (SourceRef(weight.name, layout=layout),),
-                           f"{weight.name} as a pointwise convolution kernel", view=layout.from_source)
+                           f"{read} as a pointwise convolution kernel", view=layout.from_source)
 
     return pointwise_last_axis(low, v, tuple(t.shape), kernel, (lambda: low.direct(bias)) if bias is not None else None)
 

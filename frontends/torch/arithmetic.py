@@ -229,6 +229,9 @@ def _left_matmul_param(low, weight: ParamTensor, v: Value) -> Value:
                         f"{list(t.shape)} times an activation of shape {list(v.shape)} (per sample): W @ x is a dense "
                         "layer over x's second-to-last axis, and needs W of shape (M, N) and x of shape (..., N, F) per "
                         "sample; a product that mixes the batch axis is outside the ReLU DAG model")
+    if len(v.shape) > 4:
+        low.unsupported(f"the parameter '{weight.name}' times an activation of per-sample shape {list(v.shape)}: W @ x "
+                        "is lowered as a layer over x's second-to-last axis with at most 3 axes besides it")
     swapped = low.index_op(lambda x: x.transpose(-1, -2), [v])[0][0]
     out = low.matmul_param(swapped, replace(weight, transposed=not weight.transposed))  # xᵀ @ Wᵀ
     return low.index_op(lambda x: x.transpose(-1, -2), [out])[0][0]
