@@ -474,10 +474,22 @@ class Compiled:
 
     @_looks_once
     def diag_g(self, backend=None) -> dict[str, np.ndarray]:
-        """diag G: {source param name: array of that param's shape}.
+        """diag G: {source param name: array in the source tensor's layout and shape}.
         Raises PathNormOverflow beyond float64 (see ``pathir.lifting.diag_g.diag_g_flat``)."""
 
-        return diag_g(self.graph, self.get_backend(backend))
+        return self._in_source_shapes(diag_g(self.graph, self.get_backend(backend)))
+
+    def _in_source_shapes(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``arrays`` with each one shaped as the model holds its tensor (a bias held (C, 1, 1) or (1, C, 1, 1): the
+        graph's param is (C,)), where the writer knows that shape and it has as many entries."""
+        shape_of = getattr(self.writer, "source_shape", None)
+        if shape_of is None or self.transformed_by:
+            return arrays
+        for name, value in arrays.items():
+            shape = shape_of(name)
+            if shape is not None and tuple(shape) != value.shape and math.prod(shape) == value.size:
+                arrays[name] = value.reshape(shape)
+        return arrays
 
     # ---------------------------------------------------------------- rescaling the model
     def commit_rescaling(self, z, optimizer=None, bias_shifts=None) -> None:
@@ -760,9 +772,9 @@ class Compiled:
     @_looks_once
     def path_magnitude_scores(self, backend=None) -> dict[str, np.ndarray]:
         """S_i = Σ_{p ∋ i} |Φ_p(θ)|, one backward pass:
-        {source param name: array in the source tensor's layout}."""
+        {source param name: array in the source tensor's layout and shape}."""
 
-        return path_magnitude_scores(self.graph, self.get_backend(backend))
+        return self._in_source_shapes(path_magnitude_scores(self.graph, self.get_backend(backend)))
 
     @_looks_once
     def prune(self, amount, criterion: str = "path-magnitude", scope: str = "global",

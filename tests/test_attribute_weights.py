@@ -93,3 +93,27 @@ def test_a_weight_normed_attribute_read_in_the_forward_is_its_weight(form, dim):
     _check(net)
     g = net.parametrizations.W.original0
     assert np.isfinite(g.detach().numpy()).all()
+
+
+class _ChannelBias(nn.Module):
+    """A bias Parameter held (C, 1, 1) and added to a convolution's output, and one held (M, 1) after W @ h."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.b = nn.Conv2d(2, 3, 3, bias=False), nn.Parameter(torch.randn(3, 1, 1))
+        self.W, self.c = nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(4, 1))
+
+    def forward(self, x):
+        h = torch.relu(self.conv(x) + self.b).flatten(2)  # (3, 16)
+        return torch.relu(self.W @ h + self.c)
+
+
+def test_diag_g_and_scores_come_in_the_shape_the_model_holds_each_tensor():
+    """A bias held (C, 1, 1) or (M, 1) is a param of C entries in the graph: diag G and the path-magnitude scores came
+    back (C,), beside a model tensor of another shape (docs: in its shape)."""
+    torch.manual_seed(0)
+    net = _ChannelBias().double()
+    cm = pathir.compile(net, input_shape=(2, 6, 6))
+    shapes = {n: tuple(p.shape) for n, p in net.named_parameters()}
+    for arrays in (cm.diag_g(), cm.path_magnitude_scores()):
+        assert {n: a.shape for n, a in arrays.items()} == shapes

@@ -238,6 +238,13 @@ class OnnxWriter:
         return new
 
     # ------------------------------------------------------------ bias absorption
+    def source_shape(self, name: str) -> tuple | None:
+        """The shape of initializer ``name`` as the file holds it, or None where no binding names it."""
+        try:
+            return tuple(np.shape(self._binding(name).value))
+        except PathirError:
+            return None
+
     def read(self, name: str) -> np.ndarray:
         """The current value of the source tensor ``name`` (float64, its own shape)."""
         return np.asarray(self._binding(name).value, dtype=np.float64)

@@ -125,6 +125,18 @@ class TorchWriter:
             raise PathirError(f"source tensor '{name}' not found in the model{hint}; the model is untouched")
         return module, attr, t
 
+    def source_shape(self, name: str) -> tuple | None:
+        """The shape the model holds tensor ``name`` in (a pruned one's, a parametrization's output's), or None where
+        the model holds no such tensor."""
+        import torch
+
+        try:
+            module, attr = self._locate(name)
+        except PathirError:
+            return None
+        t = getattr(module, attr, None)
+        return tuple(t.shape) if isinstance(t, torch.Tensor) else None
+
     # ------------------------------------------------------------ rescaling
     @_with_paths
     def rescale(self, graph: Graph, log_scales: Mapping[str, np.ndarray]) -> None:
