@@ -9,6 +9,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from pathir.analyses.facts import GraphFacts
 from pathir.enorm.normalize import normalize
 from pathir.errors import ArgumentError, ArgumentKeyError, ArgumentTypeError, GraphVerificationError
 from pathir.ir import Graph, Param, verify
@@ -148,6 +149,12 @@ def _check_written_finite(before: Graph, after: Graph) -> None:
         given = [q for q in before.params() if not _finite(np.asarray(q.value))]
         if any(q.name == p.name for q in given):
             continue
+        out = {q.name: q for q in after.params()}
+        if given and not any(q.name in out and _finite(np.asarray(out[q.name].value)) for q in given):
+            # the pass cleaned none of the non-finite params it was given, but carried them on (a batch-norm of
+            # var + eps = 0 folded into the layer before it): the model's own values are the cause, named as the
+            # graph's own check names them
+            GraphFacts(before).check_finite()
         bad = ~np.isfinite(value)
         k = int(np.flatnonzero(bad.reshape(-1))[0])
         also = f"; the graph it was given held non-finite entries in {', '.join(repr(q.name) for q in given[:3])}" \

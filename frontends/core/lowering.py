@@ -218,11 +218,13 @@ class Lowering:
         out = (SourceRef(weight.name, Role.OUT_SCALE), SourceRef(bias.name, Role.OUT_SCALE))
         stats = (SourceRef(mean.name, Role.IN_STATS), SourceRef(var.name, Role.IN_STATS))
 
-        def scale(gamma, var_):
-            return f64(gamma) / np.sqrt(f64(var_) + eps)
+        def scale(gamma, var_):  # (var + eps = 0 gives inf: refused by name by the graph's finite check, no raw warning)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                return f64(gamma) / np.sqrt(f64(var_) + eps)
 
         def shift(beta, mu, gamma, var_):
-            return f64(beta) - f64(mu) * f64(gamma) / np.sqrt(f64(var_) + eps)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                return f64(beta) - f64(mu) * f64(gamma) / np.sqrt(f64(var_) + eps)
 
         s = self.made(weight.name, scale, (weight, var), (SourceRef(weight.name),) + out + stats,
                       f"{weight.name} / sqrt({var.name} + {eps:g})")

@@ -97,7 +97,9 @@ def matmul(low, node, ins):
     v = ins[1]
     if node.input[1] not in low.axis1:  # W @ x per sample (x: (..., N, F)): the dense layer (xᵀ Wᵀ)ᵀ at every column
         A = f64(low.const(node, 0, "weight"))
-        if A.ndim != 2 or not 2 <= len(v.shape) <= 4 or A.shape[1] != v.shape[-2]:
+        if A.ndim != 2:
+            low.unsupported(f"MatMul with a weight of rank {A.ndim} on the left")
+        if not 2 <= len(v.shape) <= 4 or A.shape[1] != v.shape[-2]:
             low.unsupported(f"W @ activation with the weight '{node.input[0]}' of shape {list(A.shape)} and an activation "
                             f"of per-sample shape {list(v.shape)}: lowered where W is (M, N) and the activation (..., N, F) "
                             "per sample, at most 4 axes (a dense layer over its second-to-last axis); a product over "
