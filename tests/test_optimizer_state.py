@@ -291,7 +291,7 @@ def test_state_that_would_overflow_its_dtype_is_refused():
     model, opt = _trained(nn.Sequential(nn.Linear(3, 6), nn.ReLU(), nn.Linear(6, 2)), OPTIMIZERS["adam"], x)
     opt.state[model[0].weight]["exp_avg_sq"][0, 0] = 1e37
     snap = _snapshot(model, opt)
-    with pytest.raises(PathirError, match="'exp_avg_sq' does not fit torch.float32"):
+    with pytest.raises(PathirError, match="'exp_avg_sq' of '0.weight' does not fit torch.float32"):
         pathir.compile(model, input_shape=(3,)).commit_rescaling(np.full(6, -8.0), optimizer=opt)  # s = e^-4
     _assert_untouched(model, opt, snap)
 
@@ -304,7 +304,7 @@ def test_state_that_would_fall_below_the_smallest_normal_is_refused_and_a_subnor
     model, opt = _trained(nn.Sequential(nn.Linear(3, 6), nn.ReLU(), nn.Linear(6, 2)), OPTIMIZERS["adam"], x)
     opt.state[model[2].weight]["exp_avg_sq"][0, 0] = 1e-37
     snap = _snapshot(model, opt)
-    with pytest.raises(PathirError, match="'exp_avg_sq' does not fit torch.float32.*smallest normal"):
+    with pytest.raises(PathirError, match="'exp_avg_sq' of '2.weight' does not fit torch.float32.*smallest normal"):
         pathir.compile(model, input_shape=(3,)).commit_rescaling(np.full(6, -8.0), optimizer=opt)  # s^-2 = e^-8
     _assert_untouched(model, opt, snap)
     opt.state[model[2].weight]["exp_avg_sq"][0, 0] = 1e-39  # subnormal already

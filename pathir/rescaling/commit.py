@@ -90,9 +90,10 @@ def commit_rescaling(graph: Graph, units, z, model=None, writer=None, optimizer=
         grads = hasattr(model, "parameters") and any(p.grad is not None for p in model.parameters())
         factors = writer.param_factors(graph, scales) if (optimizer is not None or grads) and hasattr(
             writer, "param_factors") else None
-        transport = None if optimizer is None else plan_transport(optimizer, factors)
+        names = {id(p): n for n, p in model.named_parameters()} if factors is not None else None
+        transport = None if optimizer is None else plan_transport(optimizer, factors, names)
         if grads and factors is not None:
-            transport = plan_grads(factors, transport)  # the .grad of the last backward moves too
+            transport = plan_grads(factors, transport, names)  # the .grad of the last backward moves too
         if transport is not None:
             check_private(transport, optimizer, model)
         state = writer.snapshot() if hasattr(writer, "snapshot") else None  # a writer that swaps whole models

@@ -120,7 +120,7 @@ class Transport:
             raise failed
 
 
-def plan_transport(optimizer, factors) -> Transport:
+def plan_transport(optimizer, factors, names=None) -> Transport:
     """The state changes of ``optimizer`` for parameters rescaled by ``factors``.
 
     Parameters
@@ -128,6 +128,7 @@ def plan_transport(optimizer, factors) -> Transport:
     optimizer : torch.optim.Optimizer
     factors : [(parameter tensor, float64 array s of its shape, or a str saying why its change is
         no entrywise factor)], e.g. ``TorchWriter.param_factors``.
+    names : {id(parameter): its name in the model}, for the refusals (None: a parameter is told by its shape).
 
     Returns a :class:`Transport`; raises PathirError (nothing written) where the state cannot move exactly.
     """
@@ -156,11 +157,11 @@ def plan_transport(optimizer, factors) -> Transport:
                                   f"{tuple(p.shape)} is not a tensor of that shape; nothing was changed")
             _check_writable(value, f"the {type(optimizer).__name__} state {key!r} of a parameter of shape "
                                    f"{tuple(p.shape)}")
-            plan.updates.append((st, key, value, _scaled(value, s, k, key)))
+            plan.updates.append((st, key, value, _scaled(value, s, k, key, _owner(p, names))))
     return plan
 
 
-def plan_grads(factors, plan: Transport | None = None) -> Transport:
+def plan_grads(factors, plan: Transport | None = None, names=None) -> Transport:
     """The parameters' ``.grad`` moved like a first moment (∇L' = ∇L / s) where the change is entrywise, added
     to ``plan`` (a new Transport without one): each is then the gradient of the same loss at the rescaled
     model, as a backward there gives it. A weight-normalized weight moved non-uniformly (no
@@ -173,7 +174,7 @@ def plan_grads(factors, plan: Transport | None = None) -> Transport:
         s = np.asarray(s, dtype=np.float64)
         if not np.all(s == 1.0):
             _check_writable(g, f"the .grad of a parameter of shape {tuple(p.shape)}")
-            plan.updates.append((None, "grad", g, _scaled(g, s, 1, "grad")))
+            plan.updates.append((None, "grad", g, _scaled(g, s, 1, "grad", _owner(p, names))))
     return plan
 
 
@@ -220,7 +221,13 @@ def _check_writable(t, what: str) -> None:
         raise PathirError(f"{what} {why}; nothing was changed")
 
 
-def _scaled(value, s: np.ndarray, k: int, key: str):
+def _owner(p, names) -> str:
+    """How a refusal names parameter ``p``: by its name in the model where known, else by its shape."""
+    name = None if names is None else names.get(id(p))
+    return f"'{name}'" if name else f"a parameter of shape {tuple(p.shape)}"
+
+
+def _scaled(value, s: np.ndarray, k: int, key: str, owner: str = "a parameter"):
     """value ⊙ s^-k in float64, cast back; refused if a finite entry leaves the dtype's range, a nonzero one
     becomes 0, or a normal one subnormal (a few digits left: the written model's own tensors are refused so too)."""
     import torch
@@ -231,7 +238,7 @@ def _scaled(value, s: np.ndarray, k: int, key: str):
     tiny = torch.finfo(value.dtype).tiny if value.is_floating_point() else 0.0
     broke = (~new.isfinite() & old.isfinite()) | ((new == 0) & (old != 0)) | ((new.abs() < tiny) & (old.abs() >= tiny))
     if bool(broke.any()):
-        raise PathirError(f"the rescaled {'gradient' if key == 'grad' else f'optimizer state {key!r}'} does not fit "
+        raise PathirError(f"the rescaled {'gradient' if key == 'grad' else f'optimizer state {key!r}'} of {owner} does not fit "
                           f"{value.dtype}: {int(broke.sum())} "
                           "entries overflow or underflow (fall below its smallest normal number); nothing was changed")
     return new.to(value.device)
