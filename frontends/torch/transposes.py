@@ -16,7 +16,7 @@ __all__ = ["transposed_param", "transposed", "is_transpose", "TRANSPOSE_FUNCTION
 def transposed_param(p: ParamTensor, op: str = "") -> str:
     then = f" and then {op} reads it" if op else ""
     return (f"transposes the parameter '{p.name}' in the forward{then}: a transposed weight is read only as the "
-            "matrix of a dense layer (x @ W.T, torch.matmul / torch.mm / torch.addmm, F.linear); elsewhere write "
+            "matrix of a dense layer (x @ W.T or W.T @ x, torch.matmul / torch.mm / torch.addmm, F.linear); elsewhere write "
             "x @ W.T as F.linear(x, W) (W of shape (out, in)), or keep W of shape (in, out) and write x @ W")
 
 
