@@ -117,3 +117,80 @@ def test_diag_g_and_scores_come_in_the_shape_the_model_holds_each_tensor():
     shapes = {n: tuple(p.shape) for n, p in net.named_parameters()}
     for arrays in (cm.diag_g(), cm.path_magnitude_scores()):
         assert {n: a.shape for n, a in arrays.items()} == shapes
+
+
+class _ParametrizedBuffer(nn.Module):
+    """A fixed mixing matrix held as a buffer under a parametrization, read by attribute: h @ self.B."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.out = nn.Linear(4, 4), nn.Linear(4, 2)
+        self.register_buffer("B", torch.randn(4, 4))
+
+    def forward(self, x):
+        return self.out(torch.relu(torch.relu(self.a(x)) @ self.B))
+
+
+class _Twice(nn.Module):
+    def forward(self, X):
+        return 2 * X
+
+
+@pytest.mark.parametrize("parametrization", ["custom", "weight_norm"])
+def test_a_parametrized_buffer_read_by_attribute_stays_fixed(parametrization):
+    """The ParametrizationList branch read every parametrized attribute as learnable: a buffer's got diag G entries and
+    PathCond wrote into it (weight_norm) or refused it (a custom parametrization). It is fixed, as the buffer is."""
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    net = _ParametrizedBuffer().double()
+    if parametrization == "custom":
+        parametrize.register_parametrization(net, "B", _Twice())
+    else:
+        parametrizations.weight_norm(net, "B")
+    buffers = {k: v.clone() for k, v in net.named_buffers()}
+    x = torch.randn(3, 4, dtype=torch.float64)
+    y = net(x).detach()
+    cm = pathir.compile(net, input_shape=(4,))
+    assert {p.name for p in cm.graph.params()} == {"a.weight", "a.bias", "out.weight", "out.bias"}
+    cm.pathcond()
+    torch.testing.assert_close(net(x), y, rtol=1e-10, atol=1e-12)
+    assert all(torch.equal(v, buffers[k]) for k, v in net.named_buffers())
+
+
+def test_compile_inside_parametrize_cached_is_refused_and_leaves_the_cache_alone():
+    """Inside torch.nn.utils.parametrize.cached() the trace read the cache (a '_tensor_constant0' param) or left fx's
+    proxy in it, so the user's next forward in the block returned a proxy. Refused before any trace."""
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    net = _Matrix("W @ h").double()
+    parametrizations.weight_norm(net, "W")
+    x = torch.randn(2, N, F, dtype=torch.float64)
+    with parametrize.cached():
+        with pytest.raises(pathir.PathirError, match="inside torch.nn.utils.parametrize.cached"):
+            pathir.compile(net, input_shape=(N, F))
+        assert isinstance(net(x), torch.Tensor)
+
+
+@pytest.mark.parametrize("spell", [lambda W: W.t()[:, 1:], lambda W: W.T.contiguous()], ids=["slice", "copy"])
+def test_a_slice_or_copy_of_a_pruned_weight_is_refused_naming_it(spell):
+    """fx records W.t()[:, 1:] of a pruned W (a plain attribute) as '_tensor_constant0': it was a learnable param no
+    write-back found, under that name, and every later query raised 'no longer lowers to the same graph'. Refused,
+    naming W, the model untouched."""
+
+    class Sliced(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.W = nn.Linear(4, 4), nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x):
+            return torch.relu(torch.relu(self.a(x))[:, :spell(self.W).shape[0]] @ spell(self.W))
+
+    torch.manual_seed(0)
+    net = Sliced().double()
+    prune.random_unstructured(net, "W", amount=0.25)
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(pathir.errors.UnsupportedOperation, match="computed from 'W(_orig)?' outside the traced program"):
+        pathir.compile(net, input_shape=(4,))
+    assert all(torch.equal(v, state[k]) for k, v in net.state_dict().items())

@@ -166,6 +166,8 @@ class FxInterpreter:
                     # `W.t()` made eagerly around fx's proxies (a pruned W is a plain attribute, so its .t() is no
                     # proxy; made under no_grad it requires none): W itself, read transposed
                     return ParamTensor(turned[0], turned[1], "parameter", transposed=True)
+                if learnable and node.target.startswith("_tensor_constant"):  # made from a learnable tensor around
+                    _refuse_learnable_constant(low, self.model, node.target, obj)  # the trace: no tensor of the model
                 return ParamTensor(node.target, obj, "parameter" if learnable else "buffer")
             return obj
         args, kwargs = self._args(node)
@@ -257,7 +259,8 @@ class FxInterpreter:
             # it computes, under the attribute's own name, written back through the parametrization (weight_norm)
             owner, _, _ = path.rpartition(".parametrizations.") if ".parametrizations." in path else ("", "", "")
             attr = path.rpartition(".")[2]
-            return ParamTensor(f"{owner}.{attr}" if owner else attr, mod(), "parameter")
+            learnable = next(mod.parameters(), None) is not None  # (a parametrized buffer stays fixed)
+            return ParamTensor(f"{owner}.{attr}" if owner else attr, mod(), "parameter" if learnable else "buffer")
         rule = rule_for(type(mod))
         if rule is None:
             name = type(mod).__name__
@@ -348,6 +351,44 @@ def _data_readers(node) -> int:
     return sum((u.op, u.target) not in shape_only for u in node.users)
 
 
+def _refuse_learnable_constant(low, model, target: str, t: torch.Tensor) -> None:
+    """Refuse fx's tensor constant ``t``, made from a learnable tensor outside the traced program (a slice, a copy, a
+    product of a pruned or parametrized weight): the graph would hold a param that is no tensor of the model, which no
+    write-back reaches and which every new trace names anew."""
+    base = _named(model, t._base) if t._base is not None else None
+    names = [base] if base else _autograd_sources(model, t)
+    source = f"from {', '.join(repr(n) for n in names)} " if names else ""
+    low.unsupported(f"reads a tensor computed {source}outside the traced program (fx recorded it as the constant "
+                    f"'{target}': a slice, copy or product of a weight that is a plain attribute, such as a pruned "
+                    "weight's W.t()[:, 1:] or W.T.contiguous()); pathir reads such a weight itself or its transpose "
+                    "(W, W.t(), W.T) in a product: slice the activation instead, or hold the part as its own "
+                    "nn.Parameter")
+
+
+def _autograd_sources(model, t: torch.Tensor, limit: int = 256) -> list[str]:
+    """The names of the model's parameters autograd traces ``t`` back to (its graph's leaves, a few hundred nodes at
+    most), in the model's order."""
+    leaves, todo, seen = set(), [t.grad_fn], 0
+    while todo and seen < limit:
+        fn = todo.pop()
+        seen += 1
+        if fn is None:
+            continue
+        if hasattr(fn, "variable"):
+            leaves.add(id(fn.variable))
+        todo.extend(next_fn for next_fn, _ in fn.next_functions)
+    return [n for n, p in model.named_parameters() if id(p) in leaves]
+
+
+def _named(model, base: torch.Tensor) -> str | None:
+    """The name under which ``model`` holds ``base`` (a parameter, or a plain tensor attribute), or None."""
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for k, v in (*module._parameters.items(), *vars(module).items()):
+            if v is base:
+                return f"{prefix}.{k}" if prefix else k
+    return None
+
+
 def _transpose_of_named(model, target: str, t: torch.Tensor):
     """(name, tensor) of the model's own 2-d tensor (a parameter, or a plain attribute such as a pruned weight) of which
     fx's tensor constant ``t`` is the transpose, a view of its memory; None for any other constant."""
@@ -357,11 +398,8 @@ def _transpose_of_named(model, target: str, t: torch.Tensor):
     if (t.shape != base.shape[::-1] or t.stride() != base.stride()[::-1] or t.storage_offset() != base.storage_offset()
             or t.data_ptr() != base.data_ptr()):
         return None
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        for k, v in (*module._parameters.items(), *vars(module).items()):
-            if v is base:
-                return (f"{prefix}.{k}" if prefix else k), base
-    return None
+    name = _named(model, base)
+    return None if name is None else (name, base)
 
 
 def _get(model, target: str):

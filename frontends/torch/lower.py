@@ -54,6 +54,10 @@ def lower(model: nn.Module, input_shape=None, example_input=None, heads: bool | 
     if not isinstance(model, nn.Module):
         raise PathirError(f"expected a torch.nn.Module, got {type(model).__name__}")
     shapes = torch_inputs.input_shapes(input_shape, example_input)
+    if getattr(torch.nn.utils.parametrize, "_cache_enabled", 0):  # the trace would read (and leave) fx's proxies there
+        raise PathirError("compile refused inside torch.nn.utils.parametrize.cached(): a parametrized weight would be "
+                          "read from the cache, not traced, and the trace's values left in it for your next forward; "
+                          "compile outside the context. The model is untouched")
     torch_inputs.check_model(model)
     torch_inputs.warn_train_batchnorm(model)
     stale = capture_checks.check_hooks(model)
