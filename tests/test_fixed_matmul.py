@@ -213,3 +213,40 @@ def test_a_learnable_left_matrix_read_in_two_layouts_or_on_5d_is_refused_by_name
         pathir.compile(Two().double(), input_shape=(4, 4))
     with pytest.raises(pathir.errors.UnsupportedOperation, match=r"W @ x .*shape \[2, 2, 2, 4, 5\]|shape \[2, 2, 2, 4, 5\].*W @ x"):
         pathir.compile(Deep().double(), input_shape=(2, 2, 2, 4, 5))
+
+
+class _HeldAside(nn.Module):
+    """h @ M with M a plain attribute that requires grad (read as M or M.t()), or a tensor kept in a plain list."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.a, self.out, self.form = nn.Linear(4, 4), nn.Linear(4, 2), form
+        self.A = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+        self.mats = [torch.randn(4, 4, dtype=torch.float64)]
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        M = {"A": lambda: self.A, "A.t()": lambda: self.A.t(), "list": lambda: self.mats[0]}[self.form]()
+        return self.out(torch.relu(h @ M))
+
+
+@pytest.mark.parametrize("path", ["fx", "export"])
+@pytest.mark.parametrize("form", ["A", "A.t()", "list"])
+def test_a_plain_attribute_is_read_alike_on_both_capture_paths_however_it_is_spelled(form, path):
+    """On torch.export a grad-requiring attribute read as A.t() was folded into a fixed constant (PathCond left it,
+    and the differentiable path-norm gave it no gradient, silently), and a tensor kept in a plain list was a learnable
+    'lifted_tensor_0' that every write-back refused. Learnable where it requires grad, fixed otherwise, on both."""
+    torch.manual_seed(0)
+    net = _HeldAside(form).double()
+    if path == "export":
+        net.forward = functools.partial(_HeldAside.forward, net)
+    cm = pathir.compile(net, input_shape=(4,))
+    learnable = {p.name for p in cm.graph.params()} - {"a.weight", "a.bias", "out.weight", "out.bias"}
+    if form == "list":
+        assert learnable == set()
+        cm.path_norm(2, differentiable=True).backward()
+        cm.pathcond()
+    else:
+        assert learnable == {"A"}
+        with pytest.raises(pathir.PathirError, match="register it as an nn.Parameter"):
+            cm.path_norm(2, differentiable=True)

@@ -75,9 +75,9 @@ class Leaf:
             self.param_name, self.computed = None, True
         else:
             raise PathirError(f"source tensor '{name}' is neither a parameter, a buffer nor a parametrization's output "
-                              "of the model: a tensor a forward pre-hook sets as an attribute (the legacy "
-                              "torch.nn.utils.weight_norm does) is not followed between forwards; use "
-                              "torch.nn.utils.parametrizations.weight_norm instead")
+                              "of the model: a plain tensor attribute (register it as an nn.Parameter), or one a "
+                              "forward pre-hook sets (the legacy torch.nn.utils.weight_norm does: use "
+                              "torch.nn.utils.parametrizations.weight_norm instead), is not followed between forwards")
 
     def read(self, model: torch.nn.Module, live: bool = False) -> torch.Tensor:
         """The tensor in float64: detached, or ``live`` (autograd reaches the model's parameter, through

@@ -152,11 +152,14 @@ class _ExportInterpreter(FxInterpreter):
     def _eval(self, node, shape):
         if node.op == "placeholder" and node.name in self.lifted:
             fqn, t = self.lifted[node.name], self.tensors[self.lifted[node.name]]
-            held = _attribute(self.model, fqn) if node.name in self.constants_lifted else None
+            held = None
+            if node.name in self.constants_lifted:  # the tensor the model holds: by name, or in a plain container
+                held = _attribute(self.model, fqn)
+                held = held if isinstance(held, torch.Tensor) else _in_containers(self.model, t)
             if isinstance(held, torch.Tensor):  # a plain tensor attribute: fixed, as the fx path reads it, unless
-                # autograd traces it back to a parameter (a view attribute `s.Wt = s.W.t()`). (A constant the model
-                # holds by no name, `lifted_tensor_0`, may be a parameter of a module kept in a plain list: it
-                # stays a parameter, and a write-back names it)
+                # autograd traces it back to a parameter (a view attribute `s.Wt = s.W.t()`, a parameter of a module
+                # kept in a plain list: it stays a parameter, and a write-back names it). A constant found nowhere
+                # stays a parameter too
                 self.low.direct_reads.add(fqn)
                 learnable = self.low.is_parameter(ParamTensor(fqn, t)) or held.requires_grad
                 return ParamTensor(fqn, t, "parameter" if learnable else "buffer")
@@ -185,7 +188,7 @@ class _ExportInterpreter(FxInterpreter):
             if not params:
                 # index arithmetic of decomposed ops (arange, clamp, ...), or a tensor made in forward: a constant
                 return self._constant(fn(*args, **kwargs))
-            if not any(isinstance(p.tensor, torch.nn.Parameter) or p.tensor.is_complex() for p in params):
+            if not any(_learnable(p) or p.tensor.is_complex() for p in params):
                 # a buffer (indices, a mask, a fixed factor) moved by an op of its own: a constant, no weight, as
                 # torch.fx records it (fx folds a buffer's own ops into one tensor constant)
                 return self._constant(fn(*torch.utils._pytree.tree_map(_unwrap, args),
@@ -259,3 +262,26 @@ def _attribute(model, fqn: str):
         if obj is None:
             return None
     return obj
+
+
+def _learnable(p: ParamTensor) -> bool:
+    """Whether ``p`` is a learnable tensor: a parameter, or a plain attribute read as one (it requires grad)."""
+    return isinstance(p.tensor, torch.nn.Parameter) or (p.kind == "parameter" and p.tensor.requires_grad)
+
+
+def _in_containers(model, t: torch.Tensor):
+    """The tensor over ``t``'s memory (same shape and strides) that a module of ``model`` holds in a plain list, tuple
+    or dict attribute (directly, or as a parameter or buffer of a module held there), or None."""
+    def same(x):
+        return (isinstance(x, torch.Tensor) and x.data_ptr() == t.data_ptr() and x.shape == t.shape
+                and x.stride() == t.stride())
+
+    for module in model.modules():
+        for value in vars(module).values():
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+            for item in items:
+                tensors = [*item.parameters(), *item.buffers()] if isinstance(item, torch.nn.Module) else [item]
+                found = next((x for x in tensors if same(x)), None)
+                if found is not None:
+                    return found
+    return None
