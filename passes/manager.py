@@ -11,7 +11,7 @@ import numpy as np
 
 from pathir.analyses.facts import GraphFacts
 from pathir.enorm.normalize import normalize
-from pathir.errors import ArgumentError, ArgumentKeyError, ArgumentTypeError, GraphVerificationError
+from pathir.errors import ArgumentError, ArgumentKeyError, ArgumentTypeError, GraphVerificationError, PathirError
 from pathir.ir import Graph, Param, verify
 
 from .fold_batchnorm import fold_batchnorm
@@ -153,8 +153,13 @@ def _check_written_finite(before: Graph, after: Graph) -> None:
         if given and not any(q.name in out and _finite(np.asarray(out[q.name].value)) for q in given):
             # the pass cleaned none of the non-finite params it was given, but carried them on (a batch-norm of
             # var + eps = 0 folded into the layer before it): the model's own values are the cause, named as the
-            # graph's own check names them
-            GraphFacts(before).check_finite()
+            # graph's own check names them, beside what the pass wrote
+            try:
+                GraphFacts(before).check_finite()
+            except PathirError as err:
+                err.add_note(f"the pass wrote {int((~np.isfinite(value)).sum())} NaN or infinite entries into param "
+                             f"'{p.name}' (from {p.source_name}): from those values, or of its own")
+                raise
         bad = ~np.isfinite(value)
         k = int(np.flatnonzero(bad.reshape(-1))[0])
         also = f"; the graph it was given held non-finite entries in {', '.join(repr(q.name) for q in given[:3])}" \
@@ -185,6 +190,9 @@ def run_passes(graph: Graph, passes: Iterable[Pass], check: bool = True, after: 
                 _check_written_finite(graph, out)
             except GraphVerificationError as err:
                 raise GraphVerificationError(f"in pass '{name}' after {done}: {err}") from None
+            except PathirError as err:  # the model's own non-finite values, met where the pass wrote non-finite ones
+                err.add_note(f"in pass '{name}' after {done}")
+                raise
         done.append(name)
         graph = out
     return graph

@@ -304,3 +304,17 @@ def test_a_pass_cannot_empty_the_consumer_lists_a_later_pass_reads():
     x = np.random.default_rng(0).normal(size=(5, 3))
     small = cm.apply(worklist, "remove_dead")
     assert np.allclose(small.forward(x), net(torch.tensor(x)).detach().numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_a_pass_that_writes_nan_into_a_model_with_nan_is_named_beside_the_model():
+    """A model with a NaN in 'w1' and a pass that writes NaN into 'w2' (cleaning nothing): the refusal names the
+    model's own NaN, and now also the pass and what it wrote (it named the model only)."""
+    def spoil_w2(graph):
+        return graph.map_params(lambda p: p.with_value(p.value * np.nan) if p.name == "w2" else p)
+
+    given = GraphBuilderMLP().map_params(lambda p: p.with_value(p.value * np.nan) if p.name == "w1" else p)
+    with np.errstate(invalid="ignore"):
+        with pytest.raises(pathir.PathirError, match="'w1'") as err:
+            run_passes(given, [spoil_w2])
+    notes = " ".join(getattr(err.value, "__notes__", []))
+    assert "'w2'" in notes and "in pass 'spoil_w2'" in notes
