@@ -269,6 +269,9 @@ def _learnable(p: ParamTensor) -> bool:
     return isinstance(p.tensor, torch.nn.Parameter) or (p.kind == "parameter" and p.tensor.requires_grad)
 
 
+_REGISTERED = frozenset({"_parameters", "_buffers", "_modules"})
+
+
 def _in_containers(model, t: torch.Tensor):
     """The tensor over ``t``'s memory (same shape and strides) that a module of ``model`` holds in a plain list, tuple
     or dict attribute (directly, or as a parameter or buffer of a module held there), or None."""
@@ -277,7 +280,9 @@ def _in_containers(model, t: torch.Tensor):
                 and x.stride() == t.stride())
 
     for module in model.modules():
-        for value in vars(module).values():
+        for key, value in vars(module).items():
+            if key in _REGISTERED:  # (registered tensors are lifted as parameters and buffers, by name)
+                continue
             items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
             for item in items:
                 tensors = [*item.parameters(), *item.buffers()] if isinstance(item, torch.nn.Module) else [item]
