@@ -158,19 +158,27 @@ def test_a_parametrized_buffer_read_by_attribute_stays_fixed(parametrization):
     assert all(torch.equal(v, buffers[k]) for k, v in net.named_buffers())
 
 
-def test_compile_inside_parametrize_cached_is_refused_and_leaves_the_cache_alone():
-    """Inside torch.nn.utils.parametrize.cached() the trace read the cache (a '_tensor_constant0' param) or left fx's
-    proxy in it, so the user's next forward in the block returned a proxy. Refused before any trace."""
+@pytest.mark.parametrize("warm", [False, True], ids=["cold cache", "warm cache"])
+def test_compile_inside_parametrize_cached_leaves_the_cache_alone(warm):
+    """Inside torch.nn.utils.parametrize.cached() the trace left fx's proxy in the cache (the user's next forward in
+    the block returned a proxy), or, with the cache warm, read the cached weight as a param named '_tensor_constant0'.
+    Cold: compiled, the cache as it was; warm: refused, saying so."""
     from torch.nn.utils import parametrize
 
     torch.manual_seed(0)
     net = _Matrix("W @ h").double()
     parametrizations.weight_norm(net, "W")
     x = torch.randn(2, N, F, dtype=torch.float64)
+    y = net(x).detach()
     with parametrize.cached():
-        with pytest.raises(pathir.PathirError, match="inside torch.nn.utils.parametrize.cached"):
-            pathir.compile(net, input_shape=(N, F))
-        assert isinstance(net(x), torch.Tensor)
+        if warm:
+            net(x)
+            with pytest.raises(pathir.PathirError, match="inside torch.nn.utils.parametrize.cached"):
+                pathir.compile(net, input_shape=(N, F))
+        else:
+            cm = pathir.compile(net, input_shape=(N, F))
+            assert cm.path_norm(1) == pytest.approx(float(_path_norm(net, 1)), rel=1e-12)
+        torch.testing.assert_close(net(x), y)
 
 
 @pytest.mark.parametrize("spell", [lambda W: W.t()[:, 1:], lambda W: W.T.contiguous()], ids=["slice", "copy"])

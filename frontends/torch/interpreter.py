@@ -355,6 +355,10 @@ def _refuse_learnable_constant(low, model, target: str, t: torch.Tensor) -> None
     """Refuse fx's tensor constant ``t``, made from a learnable tensor outside the traced program (a slice, a copy, a
     product of a pruned or parametrized weight): the graph would hold a param that is no tensor of the model, which no
     write-back reaches and which every new trace names anew."""
+    if getattr(parametrize, "_cache_enabled", 0):
+        low.unsupported(f"reads the tensor fx recorded as the constant '{target}' inside "
+                        "torch.nn.utils.parametrize.cached(), where a parametrized weight read by attribute is the "
+                        "cache's tensor, not traced: compile outside the context")
     base = _named(model, t._base) if t._base is not None else None
     names = [base] if base else _autograd_sources(model, t)
     source = f"from {', '.join(repr(n) for n in names)} " if names else ""

@@ -16,6 +16,7 @@ training flags are restored), and no tensor is written.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -54,10 +55,6 @@ def lower(model: nn.Module, input_shape=None, example_input=None, heads: bool | 
     if not isinstance(model, nn.Module):
         raise PathirError(f"expected a torch.nn.Module, got {type(model).__name__}")
     shapes = torch_inputs.input_shapes(input_shape, example_input)
-    if getattr(torch.nn.utils.parametrize, "_cache_enabled", 0):  # the trace would read (and leave) fx's proxies there
-        raise PathirError("compile refused inside torch.nn.utils.parametrize.cached(): a parametrized weight would be "
-                          "read from the cache, not traced, and the trace's values left in it for your next forward; "
-                          "compile outside the context. The model is untouched")
     torch_inputs.check_model(model)
     torch_inputs.warn_train_batchnorm(model)
     stale = capture_checks.check_hooks(model)
@@ -104,6 +101,25 @@ def _innermost(model: nn.Module) -> nn.Module:
 
 def _lower_graph(model, shapes, name):
     """(raw graph, the fx lowering or None, the clipped ReLUs' threshold sites)."""
+    with _parametrize_cache_kept():
+        return _lower_graph_here(model, shapes, name)
+
+
+@contextlib.contextmanager
+def _parametrize_cache_kept():
+    """Inside ``torch.nn.utils.parametrize.cached()``, the entries a trace adds to its cache (fx's proxies of a
+    parametrized attribute read in the forward) are dropped after it: the user's next forward computes them again."""
+    cache = getattr(torch.nn.utils.parametrize, "_cache", None)
+    before = set(cache) if isinstance(cache, dict) else None
+    try:
+        yield
+    finally:
+        if before is not None:
+            for key in [k for k in cache if k not in before]:
+                del cache[key]
+
+
+def _lower_graph_here(model, shapes, name):
     clips: dict = {}
     try:
         n_inputs = 1 if shapes and not isinstance(shapes[0], (tuple, list)) else len(shapes)
