@@ -20,7 +20,7 @@ from pathir.frontends.core.values import ParamTensor, leaves, values_in
 from pathir.frontends.torch.capture_checks import WriteThroughView, effect_export, refuse_state_writes
 from pathir.frontends.torch.eager_writes import check_eager_writes
 from pathir.frontends.torch.inputs import model_dtype_device
-from pathir.frontends.torch.interpreter import FxInterpreter, refuse_params
+from pathir.frontends.torch.interpreter import FxInterpreter, _get, refuse_params
 from pathir.frontends.torch.table import rule_for
 from pathir.frontends.torch.transposes import is_transpose, transposed
 
@@ -154,7 +154,7 @@ class _ExportInterpreter(FxInterpreter):
             fqn, t = self.lifted[node.name], self.tensors[self.lifted[node.name]]
             held = None
             if node.name in self.constants_lifted:  # the tensor the model holds: by name, or in a plain container
-                held = _attribute(self.model, fqn)
+                held = _held(self.model, fqn)
                 held = held if isinstance(held, torch.Tensor) else _in_containers(self.model, t)
             if isinstance(held, torch.Tensor):  # a plain tensor attribute: fixed, as the fx path reads it, unless
                 # autograd traces it back to a parameter (a view attribute `s.Wt = s.W.t()`, a parameter of a module
@@ -254,14 +254,12 @@ def _unreached(fn, args, kwargs):
     return here if same else None
 
 
-def _attribute(model, fqn: str):
-    """The object ``model`` holds at the dotted name ``fqn``, or None where it holds none."""
-    obj = model
-    for part in fqn.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
+def _held(model, fqn: str):
+    """The object ``model`` holds at the dotted name ``fqn`` (``interpreter._get``), or None where it holds none."""
+    try:
+        return _get(model, fqn)
+    except AttributeError:
+        return None
 
 
 def _learnable(p: ParamTensor) -> bool:
