@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pathir.frontends.core.pointwise_linear import over_rows
 from pathir.frontends.core.values import NegInfPadded, ParamTensor, Value, f64
 from pathir.ir import FixedConv, Resample, SourceRef
 
@@ -270,9 +271,7 @@ def fixed_left_matmul(low, weight: ParamTensor, v: Value) -> Value:
     if t.dim() != 2 or len(v.shape) < 2 or t.shape[1] != v.shape[-2]:
         low.unsupported(f"the fixed (buffer) matrix '{weight.name}' of shape {list(t.shape)} times an activation of "
                         f"shape {list(v.shape)}: A @ x needs A of shape (M, N) and x of shape (..., N, F) per sample")
-    swapped = low.index_op(lambda x: x.transpose(-1, -2), [v])[0][0]
-    out = fixed_linear(low, swapped, weight, None)
-    return low.index_op(lambda x: x.transpose(-1, -2), [out])[0][0]
+    return over_rows(low, v, lambda swapped: fixed_linear(low, swapped, weight, None))
 
 
 def _fixed_kernel(low, v: Value, weight: ParamTensor, W: np.ndarray, stride, padding, dilation, groups) -> Value:

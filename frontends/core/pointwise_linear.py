@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathir.frontends.core.values import ParamTensor, Value
 from pathir.ir import Conv, PointwiseKernelLayout, SourceRef
 
-__all__ = ["linear_last_axis", "pointwise_last_axis"]
+__all__ = ["linear_last_axis", "pointwise_last_axis", "over_rows"]
 
 
 def linear_last_axis(low, v: Value, weight: ParamTensor, bias: ParamTensor | None) -> Value:
@@ -43,3 +43,10 @@ def pointwise_last_axis(low, v: Value, shape: tuple, kernel, bias=None) -> Value
     b = bias() if bias is not None else None
     out = low.apply(first, Conv(W, (1,) * n, ((0, 0),) * n, (1,) * n, 1), b)
     return low.index_op(lambda x: x.movedim(1, -1), [out])[0][0]
+
+
+def over_rows(low, v: Value, layer) -> Value:
+    """``layer`` (Value -> Value over the last axis) applied over v's second-to-last axis instead: v's last two axes
+    swapped (an index move, no neuron), the layer, swapped back (``A @ v`` = (vᵀ Aᵀ)ᵀ)."""
+    swapped = low.index_op(lambda x: x.transpose(-1, -2), [v])[0][0]
+    return low.index_op(lambda x: x.transpose(-1, -2), [layer(swapped)])[0][0]

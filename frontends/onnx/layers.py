@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from pathir.frontends.core.conv_transpose import conv_transpose as lower_conv_transpose
-from pathir.frontends.core.pointwise_linear import pointwise_last_axis
+from pathir.frontends.core.pointwise_linear import over_rows, pointwise_last_axis
 from pathir.frontends.core.values import NegInfPadded, ParamTensor, Value
 from pathir.ir import Conv, Dense, Param, PointwiseKernelLayout, Pool, SourceRef, pool_output_size
 
@@ -104,9 +104,7 @@ def matmul(low, node, ins):
                             f"of per-sample shape {list(v.shape)}: lowered where W is (M, N) and the activation (..., N, F) "
                             "per sample, at most 4 axes (a dense layer over its second-to-last axis); a product over "
                             "the batch axis is outside the ReLU DAG model")
-        swapped = low.index_op(lambda x: x.transpose(-1, -2), [v])[0][0]
-        out = _last_axis(low, node, swapped, A, index=0, stored_in_out=False)
-        return [low.index_op(lambda x: x.transpose(-1, -2), [out])[0][0]]
+        return [over_rows(low, v, lambda swapped: _last_axis(low, node, swapped, A, index=0, stored_in_out=False))]
     A = f64(low.const(node, 0, "weight"))
     if A.ndim != 2:
         low.unsupported(f"MatMul with a weight of rank {A.ndim}")

@@ -28,6 +28,7 @@ import torch.nn as nn
 from pathir.frontends.core.fixed_factors import fixed_scale
 from pathir.frontends.core.fixed_maps import fixed_left_matmul, fixed_linear
 from pathir.frontends.core.lowering import adds_nothing
+from pathir.frontends.core.pointwise_linear import over_rows
 from pathir.frontends.core.reductions import elementwise_max
 from pathir.frontends.core.values import ParamTensor, Value, described, f64, reads_transposed
 from pathir.frontends.torch.transposes import transposed_param
@@ -232,9 +233,7 @@ def _left_matmul_param(low, weight: ParamTensor, v: Value) -> Value:
     if len(v.shape) > 4:
         low.unsupported(f"the parameter '{weight.name}' times an activation of per-sample shape {list(v.shape)}: W @ x "
                         "is lowered as a layer over x's second-to-last axis with at most 3 axes besides it")
-    swapped = low.index_op(lambda x: x.transpose(-1, -2), [v])[0][0]
-    out = low.matmul_param(swapped, replace(weight, transposed=not weight.transposed))  # xᵀ @ Wᵀ
-    return low.index_op(lambda x: x.transpose(-1, -2), [out])[0][0]
+    return over_rows(low, v, lambda swapped: low.matmul_param(swapped, replace(weight, transposed=not weight.transposed)))
 
 @reads_transposed
 def addmm(low, input, mat1, mat2, *, beta=1, alpha=1):
