@@ -11,7 +11,7 @@ import numpy as np
 
 from pathir.analyses.facts import GraphFacts
 from pathir.enorm.normalize import normalize
-from pathir.errors import ArgumentError, ArgumentKeyError, ArgumentTypeError, GraphVerificationError, PathirError
+from pathir.errors import ArgumentError, ArgumentKeyError, ArgumentTypeError, GraphVerificationError, PassWroteInput, PathirError
 from pathir.ir import Graph, Param, verify
 
 from .fold_batchnorm import fold_batchnorm
@@ -121,15 +121,40 @@ def run_recording(graph: Graph, passes: Iterable[Pass], check: bool = True,
                   after: Iterable[str] = ()) -> tuple[Graph, tuple[str, ...]]:
     """``run_passes`` one pass at a time, and the names of those that changed the params (values or shapes, by
     ``param_fingerprint``) or the graph around them (``structure_fingerprint``: a dropped edge, a new node): a
-    result computed on their graph does not apply to the model's tensors."""
+    result computed on their graph does not apply to the model's tensors. A pass that wrote into the graph it
+    was given (``torch.as_tensor(p.value)`` shares a param's memory; an owner's write flag can be set again) is
+    refused by name, returned or raised: ``PassWroteInput``, whose ``graph`` is that input, changed."""
     done, changed = list(after), []
+    prints = (structure_fingerprint(graph), param_fingerprint(graph))
     for p in passes:
-        before = (structure_fingerprint(graph), param_fingerprint(graph))
-        graph = run_passes(graph, (p,), check=check, after=done)
-        done.append(pass_name(p))
-        if (structure_fingerprint(graph), param_fingerprint(graph)) != before:
-            changed.append(done[-1])
+        name = pass_name(p)
+        try:
+            out = run_passes(graph, (p,), check=check, after=done)
+        except Exception as err:
+            _refuse_written_input(graph, prints, name, done, err)
+            raise
+        _refuse_written_input(graph, prints, name, done)
+        done.append(name)
+        now = prints if out is graph else (structure_fingerprint(out), param_fingerprint(out))
+        if now != prints:
+            changed.append(name)
+        graph, prints = out, now
     return graph, tuple(changed)
+
+
+def _refuse_written_input(graph: Graph, prints: tuple, name: str, done: list[str], raised: Exception | None = None):
+    """PassWroteInput where ``graph`` no longer has the fingerprints ``prints`` it had before pass ``name`` ran."""
+    structure, params = structure_fingerprint(graph), param_fingerprint(graph)
+    if (structure, params) == prints:
+        return
+    written = [a[0] for a, b in zip(params, prints[1]) if a != b] if len(params) == len(prints[1]) else []
+    what = f"params {', '.join(repr(n) for n in written[:5])}" if written else "its structure (a fixed map's array)"
+    raised_too = f" (then it raised {type(raised).__name__}: {raised})" if raised is not None else ""
+    err = PassWroteInput(f"in pass '{name}' after {done}: it wrote into the graph it was given, {what}{raised_too}. A "
+                         "pass leaves its input as it was and returns a new graph: p.with_value(new) for a param "
+                         "(torch.as_tensor(p.value) shares the param's memory, torch.tensor(p.value) copies it)")
+    err.graph = graph
+    raise err from raised
 
 
 def _finite(value: np.ndarray) -> bool:

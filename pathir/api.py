@@ -7,7 +7,7 @@ import os
 from typing import Sequence
 
 from pathir.compiled import Compiled
-from pathir.errors import ArgumentError, InputShapeError, PathirError
+from pathir.errors import ArgumentError, InputShapeError, ModelChanged, PathirError
 from pathir.frontends.core.write_rules import clip_threshold_names
 from pathir.frontends.onnx import lower as lower_onnx
 from pathir.frontends.onnx.writer import WriterWatch
@@ -63,6 +63,20 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
                  progress=progress)
     bar.phase("lower")
     watch = relower = None
+
+    def passes_again(graph: Graph, before) -> Graph:
+        """The user's passes on the model's values read again; refused where one changes what it kept at compile
+        (compile's ``transformed_by``, set below before any re-read): the results would not be the model's."""
+        if not passes:
+            return graph
+        graph, changed = run_recording(graph, passes, check=False, after=[pass_name(p) for p in before])
+        new = [n for n in changed if n not in transformed_by]
+        if new:
+            raise ModelChanged(f"{name}: pass {', '.join(repr(n) for n in new)} changed the graph read from the model's "
+                               "current values, where at compile it changed nothing: the Compiled's results and "
+                               "write-backs would no longer be the model's; compile it again")
+        return graph
+
     kind = "graph" if isinstance(model, Graph) else "onnx" if _is_onnx(model) else "torch"
     if kind == "graph":
         graph, writer, n_src, name = verify(model), None, None, model.name
@@ -73,8 +87,8 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
 
         def read_written() -> Graph:
             """The model the writer holds now (its tensors as written, in their dtype), lowered again."""
-            return run_passes(lower_onnx(writer.to_onnx(), input_shape=input_shape).graph,
-                              (*DEFAULT_PIPELINE, *passes), check=False)
+            raw = lower_onnx(writer.to_onnx(), input_shape=input_shape).graph
+            return passes_again(run_passes(raw, DEFAULT_PIPELINE, check=False), DEFAULT_PIPELINE)
     else:
         from pathir.frontends.torch.live import ModelWatch  # lazy: imports torch
         from pathir.frontends.torch.lower import lower  # lazy: imports torch
@@ -84,7 +98,7 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
         watch = ModelWatch(model)
 
         reread = low.reread
-        pipeline = (*pooled_folds(DEFAULT_PIPELINE, in_place=True), *passes)  # each raw graph is handed over
+        folds = pooled_folds(DEFAULT_PIPELINE, in_place=True)  # each raw graph is handed over
 
         def relower(moved: set[str] | None = None) -> Graph:
             """The model's current values in the same pipeline: re-read without tracing when only
@@ -97,7 +111,7 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
                     again = lower(model, input_shape=input_shape, example_input=example_input,
                                   heads=bool(writer.train_paths))  # the outputs it was compiled with
                 raw, reread = again.graph, again.reread
-            return run_passes(raw, pipeline, check=False)
+            return passes_again(run_passes(raw, folds, check=False), folds)
 
         relower.covers = lambda moved: reread is not None and reread.covers(moved)  # a re-read without tracing
         # cm.release(): the memory of earlier values the pool keeps for the next re-read

@@ -24,7 +24,7 @@ from pathir.analyses.facts import GraphFacts
 from pathir.backends import get_backend
 from pathir.enorm.run import enorm, normalize_units
 from pathir.equalization.run import equalize
-from pathir.errors import ArgumentError, ModelChanged, PathirError, PathirWarning
+from pathir.errors import ArgumentError, ModelChanged, PassWroteInput, PathirError, PathirWarning
 from pathir.ir import Graph, MapKind, Role
 from pathir.ir.inputs import graph_inputs, tensor_float64
 from pathir.lifting.active import active_path_counts, active_path_norm, local_affine
@@ -167,6 +167,7 @@ class Compiled:
         self.name = name or graph.name
         self._backends: dict = {}
         self._coordinates = None  # the graph's params as torch functions of the model's tensors
+        self._spoiled = ""  # why the graph no longer holds the model's values (a pass wrote into it): every query refuses
 
     @property
     def _calls(self) -> int:
@@ -235,6 +236,8 @@ class Compiled:
     @property
     def facts(self) -> GraphFacts:
         """The current graph's record (units, B, row keys), after following the model."""
+        if self._spoiled:
+            raise ModelChanged(self._spoiled)
         if self._read_later is not None:  # the model's own values as written (rounded to its dtype)
             read, self._read_later = self._read_later, None
             traced = _read_as(self._facts.graph, read)
@@ -433,10 +436,36 @@ class Compiled:
 
     def apply(self, *passes, check: bool = True) -> "Compiled":
         """A new Compiled whose graph is this one's after ``passes`` (verified between them). A pass that
-        changes the params is recorded in ``transformed_by``, and the new Compiled writes nothing back."""
+        changes the params is recorded in ``transformed_by``, and the new Compiled writes nothing back.
+        A pass that writes into this one's graph instead is refused (``PassWroteInput``), and this one reads
+        its model's values again, or, with nothing to read them from, refuses every query after."""
 
-        graph, changed = run_recording(self.graph, passes, check=check)
+        try:
+            graph, changed = run_recording(self.graph, passes, check=check)
+        except PassWroteInput as err:
+            err.add_note(self._mend_written(err))
+            raise
         return self._with_graph(graph, changed, tuple(pass_name(p) for p in passes))
+
+    def _mend_written(self, err: PassWroteInput) -> str:
+        """This Compiled's graph as its model holds it again, after a pass wrote into it; what was done, as a note."""
+        shared = ("; a Compiled made from this one before (apply, rescaled) may share those params: compile again "
+                  "for it")
+        try:
+            if self._relower is not None:  # a live torch model: its tensors as they are now
+                self._facts = self._facts.with_values(self._relower(None))
+                return f"{self.name}: this Compiled read its model's values again" + shared
+            if self._read_written is not None:  # an ONNX model: as its writer holds it
+                traced = _read_as(self._facts.graph, self._read_written)
+                if traced is not None:
+                    self._facts = self._facts.with_values(traced)
+                    return f"{self.name}: this Compiled read its ONNX model's values again" + shared
+        except PathirError:
+            pass
+        given = " (the Graph given to pathir.compile itself was written)" if self.model is self._facts.graph else ""
+        self._spoiled = (f"{self.name}: {str(err).split('.')[0]}{given}; this Compiled's graph no longer holds its "
+                         "model's values and has nothing to read them from again: compile again")
+        return f"{self.name}: this Compiled refuses every query from now on" + shared
 
     # ---------------------------------------------------------------- ONNX models
     def _onnx_writer(self, what: str):

@@ -6,6 +6,7 @@ __all__ = [
     "PathirError",
     "UnsupportedOperation",
     "GraphVerificationError",
+    "PassWroteInput",
     "GraphTooLarge",
     "PathNormOverflow",
     "BackendError",
@@ -46,6 +47,12 @@ class UnsupportedOperation(PathirError):
 
 class GraphVerificationError(PathirError):
     """The graph breaks an invariant of the IR; the message shows the graph."""
+
+
+class PassWroteInput(GraphVerificationError):
+    """A pass wrote into the graph it was given (``graph``: that graph, changed) instead of returning a new one."""
+
+    graph = None
 
 
 class GraphTooLarge(PathirError):

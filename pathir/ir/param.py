@@ -37,6 +37,14 @@ class Role(enum.Enum):
     CLIP_THRESHOLD = "clip_threshold"
 
 
+def _real(name: str, value):
+    """``value``, refused where it is complex (a float64 cast would drop its imaginary part without a word)."""
+    if np.iscomplexobj(value):
+        raise ArgumentError(f"param '{name}': its value is complex ({np.asarray(value).dtype}); a param is real: take "
+                            "the real part or the modulus yourself, if either is what you meant")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class TransposedConvLayout:
     """The param is the direct-convolution kernel of a transposed convolution.
@@ -184,7 +192,7 @@ class Param:
                 and not any(a.flags.writeable for a in _chain(value))):
             # never alias an array someone may write, nor lock one: a read-only view of a writable array is copied
             # (locking its chain would make the caller's own array read-only)
-            value = np.array(value, dtype=np.float64, copy=True)
+            value = np.array(_real(self.name, value), dtype=np.float64, copy=True)
         object.__setattr__(self, "value", _frozen(value))
 
     def __reduce__(self):
@@ -195,7 +203,7 @@ class Param:
     @classmethod
     def adopt(cls, name: str, value: np.ndarray, sources=(), how: str = "") -> "Param":
         """A Param owning ``value`` (a fresh float64 array nobody else holds): no copy."""
-        value = np.ascontiguousarray(value, dtype=np.float64)
+        value = np.ascontiguousarray(_real(name, value), dtype=np.float64)
         return cls(name, _frozen(value), tuple(sources), how)
 
     @property
@@ -217,7 +225,7 @@ class Param:
     def with_value(self, value, owned: bool = False) -> "Param":
         """The same binding with another value (shape must agree). ``owned``: ``value`` is a
         fresh float64 array nobody else holds, taken without a copy (as :meth:`adopt`)."""
-        value = np.asarray(value, dtype=np.float64)
+        value = np.asarray(_real(self.name, value), dtype=np.float64)
         if value.shape != self.value.shape:
             raise ArgumentError(f"param '{self.name}': new value has shape {value.shape}, expected {self.shape}")
         if owned:

@@ -6,8 +6,9 @@ import numpy as np
 
 from ..errors import GraphVerificationError
 from .graph import Graph
-from .maps import MapKind, pool_output_size
-from .node import NodeKind
+from .maps import Map, MapKind, pool_output_size
+from .node import Edge, NodeKind
+from .param import Param
 
 __all__ = ["verify", "smallest_window"]
 
@@ -30,25 +31,43 @@ def verify(graph: Graph) -> Graph:
          (y, y)); every non-output node feeds some node
          and every node reaches an output;
      10. shapes are positive integers; a window map's kernel, stride and dilation are >= 1 and its
-         padding >= 0; a Dense weight is a matrix; selection indices are >= -1 (-1: zero).
+         padding >= 0; a Dense weight is a matrix; selection indices are >= -1 (-1: zero);
+     11. every field holds its IR type: a NodeKind, a shape tuple, Edge objects over Maps, a bias and
+         map weights that are Params, an integer k (a pass that writes "relu" or an array there is named
+         here, not met later as another function or a raw error).
     The error message names the broken rule and prints the graph.
     """
     problems = _problems(graph)
     if problems:
-        raise GraphVerificationError("graph failed verification:\n  - " + "\n  - ".join(problems) + "\n" + str(graph))
+        raise GraphVerificationError("graph failed verification:\n  - " + "\n  - ".join(problems) + "\n" + _shown(graph))
     return graph
+
+
+def _shown(graph: Graph) -> str:
+    """The graph printed, or a line saying why it cannot be (a field not of its IR type, rule 11)."""
+    try:
+        return str(graph)
+    except Exception as err:  # the printer reads every field as its type: the problems above say which is not
+        return f"(the graph cannot be printed: {type(err).__name__}: {err})"
 
 
 def _problems(graph: Graph) -> list[str]:
     out: list[str] = []
     seen: dict[str, object] = {}
     params: dict[str, int] = {}
+    mistyped = False  # a node's field not of its IR type: the whole-graph checks below cannot read it
     for node in graph.nodes:
         where = f"node '{node.name}'"
         if not node.name:
             out.append("a node has an empty name")
         if node.name in seen:
             out.append(f"{where}: name defined twice")
+        typed = _type_problem(node)
+        if typed:  # the checks below read these fields as their types
+            out.append(f"{where}: {typed}")
+            seen[node.name] = node
+            mistyped = True
+            continue
         if not all(isinstance(d, (int, np.integer)) and not isinstance(d, (bool, np.bool_)) and d >= 1 for d in node.shape):
             out.append(f"{where}: shape {list(node.shape)} is not positive integers")
         if node.kind is NodeKind.INPUT:
@@ -100,6 +119,8 @@ def _problems(graph: Graph) -> list[str]:
             if params.setdefault(p.name, id(p)) != id(p):
                 out.append(f"{where}: two different params are named '{p.name}'")
         seen[node.name] = node
+    if mistyped:
+        return out
     for name in graph.outputs:
         if name not in seen:
             out.append(f"output '{name}' is not a node")
@@ -109,6 +130,34 @@ def _problems(graph: Graph) -> list[str]:
         out.append("the graph has no outputs")
     out.extend(_unreached(graph, seen))
     return out
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _type_problem(node) -> str:
+    """What field of ``node`` is not of its IR type ("" if none)."""
+    if not isinstance(node.kind, NodeKind):
+        return f"kind {node.kind!r} is not a NodeKind (pathir.ir.NodeKind.RELU, ...)"
+    if not isinstance(node.shape, tuple):
+        return f"shape {node.shape!r} is a {type(node.shape).__name__}, not a tuple of integers"
+    if node.bias is not None and not isinstance(node.bias, Param):
+        return f"its bias is a {type(node.bias).__name__}, not a pathir.ir.Param (bias.with_value(...) makes one)"
+    if not _is_int(node.k):
+        return f"k = {node.k!r} is not an integer"
+    if not isinstance(node.edges, tuple):
+        return f"edges is a {type(node.edges).__name__}, not a tuple of pathir.ir.Edge"
+    for i, e in enumerate(node.edges):
+        if not isinstance(e, Edge):
+            return f"edge {i} is a {type(e).__name__}, not a pathir.ir.Edge(source, map)"
+        if not isinstance(e.map, Map):
+            return f"edge {i}'s map is a {type(e.map).__name__}, not a pathir.ir map"
+        weight = e.map.weight
+        if weight is not None and not isinstance(weight, Param):
+            return (f"edge {i} ({e.map.kind.value}) holds a {type(weight).__name__} as its weight, not a pathir.ir.Param "
+                    "(weight.with_value(...) makes one)")
+    return ""
 
 
 def _map_problem(m) -> str:
