@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import written
 from capture_reference import Untraceable, linearized
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -182,7 +183,9 @@ def test_heads_are_outputs_exact_and_kept_by_pathcond(make, train_paths):
     assert_heads_forward(cm, model, x, train_paths)
     assert_path_norms(cm, model, (3,), train_paths=train_paths)
     before_heads, before_eval = heads(model, x, train_paths), heads(model, x, ())
-    cm.pathcond()
+    kept = written.state(model)
+    report = cm.pathcond()
+    assert report.objective_after < report.objective_before and written.moved(model, kept) > 1e-3
     for a, b in zip(heads(model, x, train_paths) + heads(model, x, ()), before_heads + before_eval):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     assert model.training
@@ -197,10 +200,14 @@ def test_random_rescaling_keeps_every_head(width, seed, scale):
     x = torch.randn(4, 3, dtype=torch.float64)
     before = heads(model, x, ("", "body")) + heads(model, x, ())
     z = np.random.default_rng(seed).normal(scale=scale, size=len(cm.units))
+    expected = cm.rescaled(z).graph  # θ ⊙ exp(-Bz/2), computed on the graph
     cm.commit_rescaling(z)
     after = heads(model, x, ("", "body")) + heads(model, x, ())
     for a, b in zip(after, before):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    # the model's own tensors now hold exactly those values
+    for p, q in zip(pathir.compile(model, input_shape=(3,)).graph.params(), expected.params()):
+        assert p.name == q.name and np.allclose(p.value, q.value, rtol=1e-12, atol=1e-300)
 
 
 class TrainScaled(WithAux):
@@ -264,11 +271,13 @@ def _zoo_check(name, shape, pathcond, num_classes=10):
     x = torch.randn(2, *shape, dtype=torch.float64)
     assert_heads_forward(cm, model, x)
     twin = copy.deepcopy(model)  # the model before, run in train mode beside it
-    before_heads, before_eval = heads(model, x), heads(model, x, ())
+    before_heads, before_eval, kept = heads(model, x), heads(model, x, ()), written.state(model)
     if pathcond:
-        assert cm.pathcond(max_sweeps=5).z is not None
+        report = cm.pathcond(max_sweeps=5)
+        assert report.objective_after < report.objective_before
     else:
         cm.commit_rescaling(np.random.default_rng(0).normal(scale=0.5, size=len(cm.units)))
+    assert written.moved(model, kept) > 0.01  # written into the model's own tensors
     assert model.training
     for a, b in zip(heads(model, x) + heads(model, x, ()), before_heads + before_eval):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9 * float(b.abs().max()))

@@ -334,12 +334,19 @@ def test_a_float32_model_trains_with_the_penalty():
 # ----------------------------------------------------------------------------- refusals
 
 
-@pytest.mark.parametrize("q", [0.5, math.inf, 0, -1, 1e7, 1e16])
-def test_a_q_where_the_norm_is_not_differentiable_is_refused(q):
+@pytest.mark.parametrize("q, reason", [
+    (0.5, "needs 1 <= q < inf, got q=0.5: for q < 1 the derivative is infinite"),
+    (math.inf, "needs 1 <= q < inf, got q=inf"),
+    (0, "q must be > 0 .*, got 0"),
+    (-1, "q must be > 0 .*, got -1"),
+    (1e7, "needs q <= 1e\\+06, got q=10000000.0"),
+    (1e16, "needs q <= 1e\\+06, got q=1e\\+16"),
+])
+def test_a_q_where_the_norm_is_not_differentiable_is_refused(q, reason):
     cm = pathir.compile(two_layer(), input_shape=(3,))
-    with pytest.raises(ArgumentError, match="q"):
+    with pytest.raises(ArgumentError, match=reason):
         cm.path_norm(q, differentiable=True)
-    with pytest.raises(ArgumentError, match="q"):
+    with pytest.raises(ArgumentError, match=reason):
         pathir.PathNormPenalty(two_layer(), q=q, input_shape=(3,))
 
 

@@ -34,10 +34,16 @@ def _rescale_and_compare(model, input_shape, train=False, seed=0, tol=1e-10):
     x = torch.randn(4, *input_shape, dtype=torch.float64)
     reference = copy.deepcopy(model)  # train-mode forwards update running stats: compare on twins
     z = _z(cm, seed)
+    expected = cm.rescaled(z).graph
     cm.writer.rescale(cm.graph, log_scales(cm.graph, cm.units, z))
+    written = copy.deepcopy(model)  # as written, before a train-mode forward moves its running statistics
     with torch.no_grad():
         before, after = reference(x), model(x)
     assert _rel(after, before) <= tol
+    # the model itself holds the rescaled values (an untouched model would keep its output too)
+    again = pathir.compile(written, input_shape=input_shape, self_check=False).graph
+    for p, q in zip(again.params(), expected.params()):
+        assert p.name == q.name and np.allclose(p.value, q.value, rtol=1e-10, atol=1e-14)
     return cm, z
 
 

@@ -3,6 +3,7 @@ reproduces its own forward; the others are refused, untouched."""
 
 import pytest
 import torch
+import written
 
 import pathir
 from pathir.app import zoo
@@ -106,12 +107,13 @@ def _check_random_rescaling(name):
     x = torch.randn(2, *shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         before = model(x)
-    graph = cm.graph
+    graph, kept = cm.graph, written.state(model)
     z = np.random.default_rng(0).normal(scale=0.5, size=len(cm.units))
     cm.commit_rescaling(z)
     with torch.no_grad():
         after = model(x)
     moved = max(float(np.abs(q.value - p.value).max() / np.abs(p.value).max())
                 for p, q in zip(graph.params(), cm.graph.params()))
-    assert moved > 0.1, name  # the parameters really moved
+    assert moved > 0.1, name  # the graph's parameters really moved
+    assert written.moved(model, kept) > 0.1, name  # and so did the model's own tensors
     assert float((after - before).abs().max() / before.abs().max()) <= 1e-10, name
