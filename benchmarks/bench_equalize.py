@@ -36,8 +36,11 @@ Brevitas side: ``brevitas.graph.quantize.preprocess_for_quantize(model, equalize
 equalize_merge_bias=..., merge_bn=True, equalize_bias_shrinkage=--bias-shrinkage,
 equalize_scale_computation=--scale-computation, relu6_to_relu=False)`` on a copy of the folded model: it
 fx-traces, merges any batch norm left foldable (none: step 2 folded them; counted and reported), then runs
-``EqualizeGraph``. ``brevitas_wonly`` is the same with ``equalize_merge_bias=False`` (weight ranges only, as in
-the paper; our biases stay float). The regions it found are counted with ``EqualizeGraph(iterations=0,
+``EqualizeGraph``. Its ``equalize_merge_bias`` matches what is scored: False (weight ranges only, as in the paper)
+where biases stay float, True with ``--quant-bias`` (``--merge-bias`` / ``--no-merge-bias`` override it). Merging
+biases that are never quantized spends the rescaling on ranges no quantizer sees (mnasnet0_5, seed 2, 6 bits:
+0.0 dB merged against 4.9 weight-only) and doubles the call's time on resnet18. ``brevitas_merged`` is the
+library's default, ``equalize_merge_bias=True``, whatever is scored. The regions it found are counted with ``EqualizeGraph(iterations=0,
 return_regions=True)`` on its output, the conv/linear layers whose weights it changed against the input, and
 the iterations it ran (it stops before ``--eq-iters`` once no scale factor moves by more than 5 %).
 
@@ -160,20 +163,21 @@ def _brevitas_info(model_in, out, info):
 
 
 def _brevitas_side(model, input_shape, args):
-    return _brevitas(model, args, merge_bias=args.merge_bias)
+    """Brevitas with ``equalize_merge_bias`` as what is scored: biases merged where they are quantized."""
+    return _brevitas(model, args, merge_bias=args.quant_bias if args.merge_bias is None else args.merge_bias)
 
 
-def _brevitas_wonly_side(model, input_shape, args):
-    return _brevitas(model, args, merge_bias=False)
+def _brevitas_merged_side(model, input_shape, args):
+    return _brevitas(model, args, merge_bias=True)
 
 
 SIDES = {
     "brevitas": _brevitas_side,
-    "brevitas_wonly": _brevitas_wonly_side,
+    "brevitas_merged": _brevitas_merged_side,
     "pathir": _pathir_side,
     "pathir_data": _pathir_data_side,
 }
-TITLES = {"brevitas": "Brevitas", "brevitas_wonly": "Brevitas (no merge_bias)", "pathir": "pathir",
+TITLES = {"brevitas": "Brevitas", "brevitas_merged": "Brevitas (merge_bias)", "pathir": "pathir",
           "pathir_data": "pathir output-noise"}
 
 
@@ -368,8 +372,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--quant-bias", action="store_true", help="quantize biases too (per tensor, at the same bits)")
     ap.add_argument("--float-tol", type=float, default=1e-4, help="max relative change of the float output")
     ap.add_argument("--eq-iters", type=int, default=20, help="Brevitas equalize_iters (its ImageNet PTQ default)")
-    ap.add_argument("--merge-bias", action=argparse.BooleanOptionalAction, default=True,
-                    help="Brevitas equalize_merge_bias of the 'brevitas' side")
+    ap.add_argument("--merge-bias", action=argparse.BooleanOptionalAction, default=None,
+                    help="Brevitas equalize_merge_bias of the 'brevitas' side (default: as --quant-bias, what is scored)")
     ap.add_argument("--bias-shrinkage", default="vaiq", help="Brevitas equalize_bias_shrinkage: 'vaiq' or a number")
     ap.add_argument("--scale-computation", default="maxabs", choices=["maxabs", "range"],
                     help="Brevitas equalize_scale_computation")

@@ -124,8 +124,8 @@ def run_recording(graph: Graph, passes: Iterable[Pass], check: bool = True,
     result computed on their graph does not apply to the model's tensors. A pass that wrote into the graph it
     was given (``torch.as_tensor(p.value)`` shares a param's memory; an owner's write flag can be set again) is
     refused by name, returned or raised: ``PassWroteInput``, whose ``graph`` is that input, changed."""
-    done, changed = list(after), []
-    prints = (structure_fingerprint(graph), param_fingerprint(graph))
+    done, changed, passes = list(after), [], list(passes)
+    prints = (structure_fingerprint(graph), param_fingerprint(graph)) if passes else None  # (no pass: no cost)
     for p in passes:
         name = pass_name(p)
         try:

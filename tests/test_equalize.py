@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+import written
 from enumerated import path_factors
 from hypothesis import given, settings
 
@@ -96,10 +97,11 @@ def test_zoo_model_keeps_its_function_and_quantizes_with_less_output_change():
 
     model = _spread_bn(torchvision.models.resnet18()).double()
     x = torch.randn(3, 3, 32, 32, dtype=torch.float64)
-    before = model(x)
+    before, kept = model(x), written.state(model)
     report = pathir.equalize(model, input_shape=(3, 32, 32), bits=6, inputs=x, certify=True)
     torch.testing.assert_close(model(x), before, rtol=1e-9, atol=1e-9 * float(before.abs().max()))
     assert report.written and report.objective_after < report.objective_before
+    assert written.moved(model, kept) > 0.1  # into the model's own tensors
     # quantizing at W6 now moves the outputs less (the noise objective's aim; per-tensor weight SQNR may not)
     assert report.observed_after is not None and report.observed_after < 0.5 * report.observed_before
     assert report.bound_after >= report.observed_after
@@ -335,6 +337,10 @@ def test_onnx_file_equalized_matches_onnxruntime(tmp_path):
     a = ort.InferenceSession(str(path)).run(None, {"x": x})[0]
     b = ort.InferenceSession(str(out)).run(None, {"x": x})[0]
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4 * float(np.abs(a).max()))
+    import onnx  # the saved file's own tensors moved (a copy of the input keeps its output too)
+    import onnx.numpy_helper as nh
+    old, new = ({t.name: nh.to_array(t) for t in onnx.load(str(f)).graph.initializer} for f in (path, out))
+    assert max(float(np.abs(new[k] - v).max() / np.abs(v).max()) for k, v in old.items() if np.abs(v).max()) > 0.1
 
 
 def test_cli_writes_an_equalized_state_dict(tmp_path, capsys, monkeypatch):

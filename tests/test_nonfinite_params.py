@@ -4,6 +4,8 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pathir
 from pathir.errors import GraphVerificationError, PathirError
@@ -92,3 +94,19 @@ def test_a_nan_behind_a_parametrization_is_named_by_the_tensor_that_holds_it():
     with pytest.raises(PathirError) as info:
         pathir.compile(net, input_shape=(3,))
     assert "'0.parametrizations.weight.original0' (1 of 4 entries)" in "".join(info.value.__notes__)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 7), st.sampled_from([0.0, np.nan, np.inf, -np.inf, 1e-310, -4e-320, 3.0]),
+       st.integers(0, 2**16))
+def test_the_chunked_finiteness_scan_is_its_definition(size, chunk, planted, seed):
+    """Every entry finite and 0 or normal, read a chunk at a time, whatever chunk holds the planted entry."""
+    from pathir.analyses.facts import _normal_or_zero
+
+    tiny = np.finfo(np.float64).tiny
+    rng = np.random.default_rng(seed)
+    value = rng.normal(size=size) * rng.choice([0.0, 1.0], size=size)
+    value[rng.integers(size)] = planted
+    magnitude = np.abs(value)
+    expected = bool(np.all(np.isfinite(value)) and np.all((magnitude == 0) | (magnitude >= tiny)))
+    assert _normal_or_zero(value.reshape(1, -1), tiny, chunk=chunk) == expected

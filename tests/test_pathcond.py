@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 nn = torch.nn
 
 # ------------------------------------------------------------------ models
+import written  # noqa: E402
 from torch_models import ResidualBlock  # noqa: E402
 from torch_models import randomize_bn as _randomize_bn
 
@@ -125,7 +126,7 @@ def test_function_preserved_in_eval_and_train_mode(name):
     reference = copy.deepcopy(model)
     cm = pathir.compile(model, input_shape=shape)
     report = cm.pathcond()
-    assert report.max_abs_log_scale > 1e-3  # the model really moved
+    assert report.max_abs_log_scale > 1e-3 and written.moved(model, written.state(reference)) > 1e-3  # it really moved
     x = torch.randn(8, *shape, dtype=torch.float64)
     with torch.no_grad():
         assert _rel(model(x), reference(x)) <= 1e-10
@@ -369,6 +370,7 @@ def test_resnet18_write_back():
     report = cm.pathcond()
     assert report.converged and report.objective_after < report.objective_before
     assert report.gradient_relative <= 1e-8  # balanced to newton.SETTLED (1e-9), not merely F unmoved (3e-8 there)
+    assert written.moved(model, written.state(reference)) > 1e-3  # into the model's own tensors
     x = torch.randn(2, 3, 224, 224, dtype=torch.float64)
     with torch.no_grad():
         assert _rel(model(x), reference(x)) <= 1e-9

@@ -6,6 +6,7 @@ both outputs' function."""
 import numpy as np
 import pytest
 import torch
+import written
 
 import pathir
 
@@ -45,9 +46,10 @@ def test_segmentation_model_compiles_exactly_and_keeps_both_outputs_under_rescal
         assert tuple(got[out].shape) == tuple(before[key].shape)
         assert _rel(got[out], before[key]) <= 1e-10, key
     assert np.isfinite(cm.path_norm(1)) and cm.path_norm(1) > 0
-    z = np.random.default_rng(0).normal(scale=0.5, size=len(cm.units))
+    z, kept = np.random.default_rng(0).normal(scale=0.5, size=len(cm.units)), written.state(model)
     cm.commit_rescaling(z)
     with torch.no_grad():
         after = model(x)
     for key in ("out", "aux"):
         assert _rel(after[key], before[key]) <= 1e-10, key
+    assert written.moved(model, kept) > 0.1  # written into the model's own tensors (an untouched one keeps its outputs)

@@ -244,7 +244,7 @@ def quantized_sqnr_db(value: np.ndarray, bits: int, chunk: int = 1 << 20) -> flo
     temporary of the tensor's size, and one reused buffer for the rounding error (the same operations as
     ``quantize``, in place). Both sums are taken in units of R = max |θ|: no square over- or underflows."""
     flat = np.asarray(value, dtype=np.float64).reshape(-1)
-    R = float(np.max(np.abs(flat), initial=0.0))
+    R = max(float(flat.max()), -float(flat.min())) if flat.size else 0.0  # max |θ| (NaN kept), no |θ| temporary
     step = R / (2 ** (int(bits) - 1) - 1) if R > 0 else 1.0
     unit = R if 0 < R < np.inf else 1.0
     signal = noise = 0.0
@@ -264,9 +264,12 @@ def quantized_sqnr_db(value: np.ndarray, bits: int, chunk: int = 1 << 20) -> flo
 
 
 def channel_ranges(value: np.ndarray) -> np.ndarray:
-    """max |θ| per output channel (axis 0)."""
-    value = np.abs(np.asarray(value, dtype=np.float64))
-    return value.reshape(value.shape[0], -1).max(axis=1) if value.ndim > 1 else value
+    """max |θ| per output channel (axis 0), with no temporary of the tensor's size."""
+    value = np.asarray(value, dtype=np.float64)
+    if value.ndim <= 1:
+        return np.abs(value)
+    rows = value.reshape(value.shape[0], -1)
+    return np.maximum(rows.max(axis=1), -rows.min(axis=1))
 
 
 def quantize_graph(graph: Graph, bits: int, per_channel: bool = False) -> Graph:
