@@ -129,7 +129,7 @@ def run_recording(graph: Graph, passes: Iterable[Pass], check: bool = True,
     for p in passes:
         name = pass_name(p)
         try:
-            out = run_passes(graph, (p,), check=check, after=done)
+            out = run_passes(graph, (p,), check=check, after=done, guard_input=False)
         except Exception as err:
             _refuse_written_input(graph, prints, name, done, err)
             raise
@@ -193,20 +193,30 @@ def _check_written_finite(before: Graph, after: Graph) -> None:
                                      f"(from {p.source_name}; the first: {value.reshape(-1)[k]} at flat index {k}){also}")
 
 
-def run_passes(graph: Graph, passes: Iterable[Pass], check: bool = True, after: Iterable[str] = ()) -> Graph:
+def run_passes(graph: Graph, passes: Iterable[Pass], check: bool = True, after: Iterable[str] = (),
+               guard_input: bool = True) -> Graph:
     """Apply each pass (a function, or a name registered in ``PASSES``) in
     order; with ``check``, verify after each one. Every failure names the pass
     and those before it: "in pass 'X' after ['fold_batchnorm']" (``after``: the
-    names of passes already run on ``graph``, by an earlier call)."""
+    names of passes already run on ``graph``, by an earlier call). With
+    ``guard_input``, a pass that wrote into the graph it was given is refused
+    (``PassWroteInput``: a digest of the graph before and after it, about a
+    second per GB of params); pathir's own pipeline, whose in-place folds own
+    their graph, runs without."""
     done: list[str] = list(after)
     for p in passes:
         name, fn = _resolve(p)
+        prints = (structure_fingerprint(graph), param_fingerprint(graph)) if guard_input else None
         try:
             out = fn(graph)
         except Exception as err:
+            if guard_input:
+                _refuse_written_input(graph, prints, name, done, err)
             if hasattr(err, "add_note"):  # Python >= 3.11: keep the error's type, add where
                 err.add_note(f"in pass '{name}' after {done}")
             raise
+        if guard_input:
+            _refuse_written_input(graph, prints, name, done)
         if not isinstance(out, Graph):
             raise ArgumentTypeError(f"in pass '{name}' after {done}: returned {type(out).__name__}, not a Graph")
         if check:

@@ -65,13 +65,14 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
     watch = relower = None
 
     def passes_again(graph: Graph, before) -> Graph:
-        """The user's passes on the model's values read again; refused where one changes what it kept at compile
-        (compile's ``transformed_by``, set below before any re-read): the results would not be the model's."""
+        """The user's passes on the model's values read again; refused where one changes the graph and none did at
+        compile (compile's ``transformed_by``, set below before any re-read): the results and write-backs would no
+        longer be the model's."""
         if not passes:
             return graph
         graph, changed = run_recording(graph, passes, check=False, after=[pass_name(p) for p in before])
         new = [n for n in changed if n not in transformed_by]
-        if new:
+        if new and not transformed_by:  # (a Compiled already transformed answers for its passes' graph, writes nothing)
             raise ModelChanged(f"{name}: pass {', '.join(repr(n) for n in new)} changed the graph read from the model's "
                                "current values, where at compile it changed nothing: the Compiled's results and "
                                "write-backs would no longer be the model's; compile it again")
@@ -88,7 +89,7 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
         def read_written() -> Graph:
             """The model the writer holds now (its tensors as written, in their dtype), lowered again."""
             raw = lower_onnx(writer.to_onnx(), input_shape=input_shape).graph
-            return passes_again(run_passes(raw, DEFAULT_PIPELINE, check=False), DEFAULT_PIPELINE)
+            return passes_again(run_passes(raw, DEFAULT_PIPELINE, check=False, guard_input=False), DEFAULT_PIPELINE)
     else:
         from pathir.frontends.torch.live import ModelWatch  # lazy: imports torch
         from pathir.frontends.torch.lower import lower  # lazy: imports torch
@@ -111,7 +112,7 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
                     again = lower(model, input_shape=input_shape, example_input=example_input,
                                   heads=bool(writer.train_paths))  # the outputs it was compiled with
                 raw, reread = again.graph, again.reread
-            return passes_again(run_passes(raw, folds, check=False), folds)
+            return passes_again(run_passes(raw, folds, check=False, guard_input=False), folds)
 
         relower.covers = lambda moved: reread is not None and reread.covers(moved)  # a re-read without tracing
         # cm.release(): the memory of earlier values the pool keeps for the next re-read
@@ -121,7 +122,7 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
     # the torch lowering's raw graph is read by nothing after the default passes: batch-norms fold into
     # its own memory (never in a user pass's graph, which the pass may keep)
     default = pooled_folds(DEFAULT_PIPELINE, in_place=kind == "torch")
-    graph = run_passes(graph, default, check=check)
+    graph = run_passes(graph, default, check=check, guard_input=False)  # (the folds may write in place: their own)
     # one at a time: the write-back follows the model only through params a pass kept
     graph, transformed_by = run_recording(graph, passes, check=check, after=[pass_name(p) for p in default])
     cm = Compiled(graph, model=model, writer=writer, source_num_params=n_src, backend=backend, name=name,

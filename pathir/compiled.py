@@ -15,6 +15,7 @@ import math
 import numbers
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -168,6 +169,7 @@ class Compiled:
         self._backends: dict = {}
         self._coordinates = None  # the graph's params as torch functions of the model's tensors
         self._spoiled = ""  # why the graph no longer holds the model's values (a pass wrote into it): every query refuses
+        self._family = weakref.WeakSet([self])  # this Compiled and those made from it (apply, rescaled): they share params
 
     @property
     def _calls(self) -> int:
@@ -301,6 +303,8 @@ class Compiled:
         and write-backs where ``changed`` (or this one's ``transformed_by``) names what moved its params."""
         watch = None if self._watch is None else self._watch.fresh()
         out = Compiled(graph, self.model, self.writer, self.source_num_params, self.backend, self.name, watch=watch)
+        out._family = self._family  # (one set: a write into a param any of them shares mends them all)
+        self._family.add(out)
         out.transformed_by = self.transformed_by + tuple(changed)
         out.passes_run = self.passes_run + tuple(ran)
         return out
@@ -443,29 +447,31 @@ class Compiled:
         try:
             graph, changed = run_recording(self.graph, passes, check=check)
         except PassWroteInput as err:
-            err.add_note(self._mend_written(err))
+            for member in sorted(self._family, key=lambda c: c is not self):  # this one's note first
+                err.add_note(member._mend_written(err, member is self))
             raise
         return self._with_graph(graph, changed, tuple(pass_name(p) for p in passes))
 
-    def _mend_written(self, err: PassWroteInput) -> str:
-        """This Compiled's graph as its model holds it again, after a pass wrote into it; what was done, as a note."""
-        shared = ("; a Compiled made from this one before (apply, rescaled) may share those params: compile again "
-                  "for it")
+    def _mend_written(self, err: PassWroteInput, own: bool) -> str:
+        """This Compiled's graph as its model holds it again, after a pass wrote into it or into a param it shares
+        with one made from the same compile (``own``: into its own graph); what was done, as a note."""
+        which = f"{self.name}: this Compiled" if own else f"{self.name}: a Compiled sharing those params (apply, rescaled)"
         try:
             if self._relower is not None:  # a live torch model: its tensors as they are now
                 self._facts = self._facts.with_values(self._relower(None))
-                return f"{self.name}: this Compiled read its model's values again" + shared
+                return f"{which} read its model's values again"
             if self._read_written is not None:  # an ONNX model: as its writer holds it
                 traced = _read_as(self._facts.graph, self._read_written)
                 if traced is not None:
                     self._facts = self._facts.with_values(traced)
-                    return f"{self.name}: this Compiled read its ONNX model's values again" + shared
+                    return f"{which} read its ONNX model's values again"
         except PathirError:
             pass
         given = " (the Graph given to pathir.compile itself was written)" if self.model is self._facts.graph else ""
-        self._spoiled = (f"{self.name}: {str(err).split('.')[0]}{given}; this Compiled's graph no longer holds its "
-                         "model's values and has nothing to read them from again: compile again")
-        return f"{self.name}: this Compiled refuses every query from now on" + shared
+        self._spoiled = (f"{self.name}: {str(err).split('.')[0]}{given}; this Compiled's graph, or one sharing its "
+                         "params, no longer holds its model's values, and it has nothing to read them from again: "
+                         "derive it again from a fresh compile")
+        return f"{which} refuses every query from now on"
 
     # ---------------------------------------------------------------- ONNX models
     def _onnx_writer(self, what: str):
@@ -559,6 +565,10 @@ class Compiled:
         interrupted = None
         try:
             traced = _read_as(facts.graph, read_again)
+        except ModelChanged as err:  # the model is written, in full; the graph it reads as is not this one's
+            self._mark()
+            self._spoiled = f"{err} (found on reading the model back after a write-back, which was written in full)"
+            return
         except KeyboardInterrupt as err:  # Ctrl-C in the re-read: the model is written, so this Compiled holds the
             traced, interrupted = None, err  # float64 products, and its next query reads the model's own values
             self._read_later = read_again
@@ -870,6 +880,8 @@ def _read_as(graph: Graph, read) -> Graph | None:
         return None
     try:
         again = read()
+    except ModelChanged:  # a pass changes the graph read where it kept it at compile: refused, as on torch
+        raise
     except PathirError:
         return None
     values = {p.name: p.value for p in again.params()}

@@ -148,3 +148,66 @@ def test_a_complex_value_is_refused_naming_the_param_and_the_pass():
     with pytest.raises(ArgumentError, match="param 'w1': its value is complex") as info:
         run_passes(_graph(), [sqrt])
     assert "in pass 'sqrt' after []" in info.value.__notes__
+
+
+def _keep(graph):
+    return graph
+
+
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
+def test_a_pass_that_writes_a_snapshot_shared_with_its_parent_mends_the_parent_too():
+    net = _net()
+    cm = pathir.compile(net, input_shape=(3,))
+    snapshot = cm.apply(_keep)  # shares cm's params
+    with pytest.raises(PassWroteInput) as info:
+        snapshot.apply(_clip_through_torch)
+    assert any("a Compiled sharing those params (apply, rescaled) read its model's values again" in n
+               for n in info.value.__notes__)
+    assert cm.path_norm(1) == pytest.approx(_l1(net), rel=1e-12)
+    with pytest.raises(ModelChanged, match="no longer holds its model's values"):
+        snapshot.path_norm(1)
+
+
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
+def test_run_passes_refuses_a_pass_that_writes_its_input():
+    graph = _graph()
+    before = {p.name: p.value.copy() for p in graph.params()}
+    with pytest.raises(PassWroteInput, match="params 'b1', 'w1', 'w2'"):
+        run_passes(graph, [_clip_through_torch])
+    assert run_passes(graph, [_keep]) is graph
+    assert any(not np.array_equal(p.value, before[p.name]) for p in graph.params())  # (it did write: found)
+
+
+def _clip_above(limit):
+    def clip(graph):
+        return graph.map_params(lambda p: p.with_value(np.clip(p.value, -limit, limit))
+                                if np.abs(p.value).max() > limit else p)
+    clip.__name__ = f"clip{limit}"
+    return clip
+
+
+def test_a_compiled_already_transformed_follows_its_passes_on_a_re_read():
+    net = _net()
+    cm = pathir.compile(net, input_shape=(3,), passes=[_clip_above(3.0), _clip_above(0.05)], self_check=False)
+    assert cm.transformed_by == ("clip0.05",)
+    with torch.no_grad():
+        net[0].weight.mul_(100.0)  # now clip3 clips too: the graph is still clip0.05 of the model
+        clipped = [p.detach().clamp(-0.05, 0.05).abs().numpy() for p in net.parameters()]
+    W1, b1, W2, b2 = clipped
+    assert cm.path_norm(1) == pytest.approx(float((W2 @ W1).sum() + (W2 @ b1).sum() + b2.sum()), rel=1e-12)
+
+
+def test_an_onnx_model_written_past_what_a_pass_kept_refuses_its_next_query():
+    onnx = pytest.importorskip("onnx")
+    import io
+
+    net = _net().float()
+    buffer = io.BytesIO()
+    torch.onnx.export(net, (torch.randn(1, 3),), buffer, dynamo=False, input_names=["x"])
+    cm = pathir.compile(onnx.load_from_string(buffer.getvalue()), passes=[_clip_above(5.0)])
+    assert cm.transformed_by == ()
+    z = np.zeros(len(cm.units))
+    z[0] = -8.0  # the unit's incoming weights grow by e^4: past the clip
+    cm.commit_rescaling(z)
+    with pytest.raises(ModelChanged, match="pass 'clip5.0' changed the graph read .* written in full"):
+        cm.path_norm(1)
