@@ -71,9 +71,8 @@ def compile(model, input_shape: Sequence[int] | None = None, example_input=None,
         if not passes:
             return graph
         graph, changed = run_recording(graph, passes, check=False, after=[pass_name(p) for p in before])
-        new = [n for n in changed if n not in transformed_by]
-        if new and not transformed_by:  # (a Compiled already transformed answers for its passes' graph, writes nothing)
-            raise ModelChanged(f"{name}: pass {', '.join(repr(n) for n in new)} changed the graph read from the model's "
+        if changed and not transformed_by:  # (a Compiled already transformed answers for its passes' graph)
+            raise ModelChanged(f"{name}: pass {', '.join(repr(n) for n in changed)} changed the graph read from the model's "
                                "current values, where at compile it changed nothing: the Compiled's results and "
                                "write-backs would no longer be the model's; compile it again")
         return graph
