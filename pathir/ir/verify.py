@@ -68,7 +68,7 @@ def _problems(graph: Graph) -> list[str]:
             seen[node.name] = node
             mistyped = True
             continue
-        if not all(isinstance(d, (int, np.integer)) and not isinstance(d, (bool, np.bool_)) and d >= 1 for d in node.shape):
+        if not all(_is_int(d) and d >= 1 for d in node.shape):
             out.append(f"{where}: shape {list(node.shape)} is not positive integers")
         if node.kind is NodeKind.INPUT:
             if node.edges or node.bias is not None:
