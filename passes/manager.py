@@ -73,11 +73,22 @@ def pass_name(p) -> str:
 def param_fingerprint(graph: Graph) -> tuple:
     """Each param's name, shape and a digest of its bytes: equal for two graphs (or one graph before and
     after a pass that wrote it in place) exactly when their params are."""
-    out = []
+    return _digests(graph)[0]
+
+
+def _digests(graph: Graph, known: dict[int, bytes] | None = None) -> tuple[tuple, dict[int, bytes]]:
+    """(``param_fingerprint(graph)``, each param's digest by ``id``); a param in ``known`` takes its digest from
+    there, unread (the same object digested a moment before, with nothing run since)."""
+    out, by_id = [], {}
     for p in sorted(graph.params(), key=lambda p: p.name):
-        value = np.ascontiguousarray(p.value)
-        out.append((p.name, value.shape, hashlib.blake2b(value.view(np.uint8).reshape(-1), digest_size=16).digest()))
-    return tuple(out)
+        value = np.asarray(p.value)
+        digest = (known or {}).get(id(p))
+        if digest is None:
+            flat = np.ascontiguousarray(value).view(np.uint8).reshape(-1)
+            digest = hashlib.blake2b(flat, digest_size=16).digest()
+        by_id[id(p)] = digest
+        out.append((p.name, value.shape, digest))
+    return tuple(out), by_id
 
 
 def structure_fingerprint(graph: Graph) -> bytes:
@@ -133,20 +144,23 @@ def run_recording(graph: Graph, passes: Iterable[Pass], check: bool = True,
         except Exception as err:
             _refuse_written_input(graph, prints, name, done, err)
             raise
-        _refuse_written_input(graph, prints, name, done)
+        kept = _refuse_written_input(graph, prints, name, done)
         done.append(name)
-        now = prints if out is graph else (structure_fingerprint(out), param_fingerprint(out))
+        # the params the pass returned as they were (the same objects) are not read again
+        now = prints if out is graph else (structure_fingerprint(out), _digests(out, kept)[0])
         if now != prints:
             changed.append(name)
         graph, prints = out, now
     return graph, tuple(changed)
 
 
-def _refuse_written_input(graph: Graph, prints: tuple, name: str, done: list[str], raised: Exception | None = None):
-    """PassWroteInput where ``graph`` no longer has the fingerprints ``prints`` it had before pass ``name`` ran."""
-    structure, params = structure_fingerprint(graph), param_fingerprint(graph)
+def _refuse_written_input(graph: Graph, prints: tuple, name: str, done: list[str],
+                          raised: Exception | None = None) -> dict[int, bytes]:
+    """PassWroteInput where ``graph`` no longer has the fingerprints ``prints`` it had before pass ``name`` ran; else
+    its params' digests by id, as read now."""
+    structure, (params, by_id) = structure_fingerprint(graph), _digests(graph)
     if (structure, params) == prints:
-        return
+        return by_id
     written = [a[0] for a, b in zip(params, prints[1]) if a != b] if len(params) == len(prints[1]) else []
     what = f"params {', '.join(repr(n) for n in written[:5])}" if written else "its structure (a fixed map's array)"
     raised_too = f" (then it raised {type(raised).__name__}: {raised})" if raised is not None else ""
