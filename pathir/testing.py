@@ -104,6 +104,7 @@ class _Options:
     scale: bool
     flatten: bool
     fixed_conv: bool
+    shared: bool = False
 
 
 class _Dag:
@@ -116,6 +117,7 @@ class _Dag:
         self.counts: dict[str, np.ndarray] = {}
         self.consumed: set[str] = set()
         self.n = 0
+        self.made: dict[tuple, list] = {}  # (prefix, shape) -> the params drawn so far: a later one may be one of them
 
     # ----------------------------------------------------------- helpers
     def shape(self, name) -> tuple[int, ...]:
@@ -128,8 +130,15 @@ class _Dag:
         return self.b.kind(name) is NodeKind.INPUT
 
     def param(self, prefix: str, shape) -> object:
+        """A new param, or (``shared``, one time in four where one of this kind and shape was drawn before) that same
+        Param object again: one layer used at two places, as a module called twice lowers."""
+        earlier = self.made.setdefault((prefix, tuple(shape)), [])
+        if self.opts.shared and earlier and self.rng.random() < 0.25:
+            return earlier[int(self.rng.integers(len(earlier)))]
         self.n += 1
-        return self.b.param(f"{prefix}{self.n}", _weights(self.rng, shape, self.opts.integer))
+        p = self.b.param(f"{prefix}{self.n}", _weights(self.rng, shape, self.opts.integer))
+        earlier.append(p)
+        return p
 
     def bias(self, channels: int):
         use = self.opts.bias if self.opts.bias is not None else self.draw(st.booleans())
@@ -390,6 +399,7 @@ def relu_dags(
     integer_weights: bool = False,
     max_neurons: int = 200,
     max_paths: int = 3000,
+    shared: bool = True,
 ) -> Graph:
     """Strategy for small random ReLU DAGs (verified Graphs).
 
@@ -404,6 +414,8 @@ def relu_dags(
         switch each feature on or off (``kmax``: k-max-pools with k > 1)
     max_inputs : a second, flat input joining the dense head may be drawn when 2
     integer_weights : free weights and biases are nonzero integers in [-3, 3]
+    shared : a weight or bias may be one drawn before for another edge or node of the same shape (the same
+        Param object, as a module called twice lowers), one time in four
     max_neurons, max_paths : budgets; layers that break them are not added, and the
         input is drawn smaller where they are small. The number of paths is at most
         ``max_paths`` (if >= 30); the head may add a few neurons beyond ``max_neurons``
@@ -413,7 +425,7 @@ def relu_dags(
     """
     opts = _Options(max_width, max_channels, max_neurons, max_paths, bias, integer_weights, skip, concat,
                     channel_maps, maxpool, kmax, avgpool, adaptive_pool, resample, gather, conv, scale, flatten,
-                    fixed_conv)
+                    fixed_conv, shared)
     dag = _Dag(draw, opts, draw(st.integers(0, 2**32 - 1)))
     dims = draw(st.sampled_from([d for d in (1, 2, 0) if d in spatial_dims]))
     if dims == 0:

@@ -1,6 +1,8 @@
 """The sympy backend: exact forward against numpy, exact adjoint identities,
 symbolic Φ against enumeration, exact neuron values, exact path sums."""
 
+from collections import Counter
+
 import numpy as np
 import pytest
 import sympy as sp
@@ -164,10 +166,13 @@ def test_symbolic_phi_is_the_enumerated_phi(data):
     at = {symbol(p.name, i): exact(v) for p in graph.params() for i, v in enumerate(p.value.ravel())}
     for s, n, path in zip(symbolic, numeric, paths):
         assert s.xreplace(at) == n
-        # a monomial: each parameter symbol at most once along a path (docs/math.md §2)
-        assert all(e == 1 for b, e in s.as_powers_dict().items() if isinstance(b, sp.Symbol))
-        assert len(s.free_symbols) == sum(1 for *_, d in _edges(net, path) if d["param"] is not None) + (
-            0 if net.nodes[path.start]["is_input"] else 1)
+        # a monomial: each parameter entry to the power of its occurrences along the path (docs/math.md §2: once in
+        # a layered network; a weight read at two depths, which relu_dags draws, twice), the start's bias once
+        along = Counter(d["param"] for *_, d in _edges(net, path) if d["param"] is not None)
+        powers = {b: e for b, e in s.as_powers_dict().items() if isinstance(b, sp.Symbol)}
+        start = 0 if net.nodes[path.start]["is_input"] else 1
+        assert all(powers[symbol(*key)] == count for key, count in along.items())
+        assert sum(powers.values()) == sum(along.values()) + start and len(s.free_symbols) == len(along) + start
 
 
 def _edges(net, path):

@@ -52,6 +52,12 @@ def features(graph) -> set[str]:
         out.add("several outputs")
     if len(graph.inputs) > 1:
         out.add("several inputs")
+    used = [e.map.weight for n in graph.nodes for e in n.edges if e.map.weight is not None]
+    biases = [n.bias for n in graph.nodes if n.bias is not None]
+    if len({id(p) for p in used}) < len(used):
+        out.add("shared weight")
+    if len({id(p) for p in biases}) < len(biases):
+        out.add("shared bias")
     return out
 
 
@@ -61,7 +67,7 @@ EVERY_FEATURE = {
     "bias", "several in-edges", "parallel edges", "concat", "zero channel",
     "conv1d", "conv2d", "conv stride", "conv padding", "conv dilation", "conv groups",
     "maxpool padding", "maxpool ceil_mode", "maxpool stride", "avgpool padding", "avgpool without padded positions",
-    "max-pool", "k-max-pool", "several outputs", "several inputs",
+    "max-pool", "k-max-pool", "several outputs", "several inputs", "shared weight", "shared bias",
 }
 
 
